@@ -1,0 +1,671 @@
+"""Align the op sequence of a checkpoint recompute with the original forward.
+
+A checkpointed region runs twice: the original forward (sequence ``a``) and
+the recompute during backward (sequence ``b``).  :func:`align` pairs the ops of
+both passes.  Keys can be any hashable value, typically ``(op, module)``
+tuples such as ``("aten.mm.default", "layers.1.moe.router.gate")``.
+
+Example::
+
+    >>> fwd = ["mm", "relu", "mm", "add", "view", "view"]
+    >>> rec = ["mm", "gelu", "mm", "add"]                 # substituted, early stop
+    >>> for p in align(fwd, rec):
+    ...     print(p)
+    Pair(forward=0, recompute=0, how='match')
+    Pair(forward=1, recompute=1, how='substituted')
+    Pair(forward=2, recompute=2, how='match')
+    Pair(forward=3, recompute=3, how='match')
+    Pair(forward=4, recompute=None, how='forward_only')
+    Pair(forward=5, recompute=None, how='forward_only')
+    >>> pairs = align(["mm", "view", "mm"], ["mm", "mm", "add"])
+    >>> [(p.forward, p.recompute, p.how) for p in pairs]
+    [(0, 0, 'match'), (1, None, 'forward_only'), (2, 1, 'match'), (None, 2, 'recompute_only')]
+    >>> summarize(pairs)
+    {'match': 2, 'substituted': 0, 'forward_only': 1, 'recompute_only': 1}
+    >>> first_mismatch(pairs)
+    Pair(forward=1, recompute=None, how='forward_only')
+
+Guarantees
+----------
+* The output covers every index of ``a`` and of ``b`` exactly once, and is
+  monotone: over the non-``None`` entries both indices strictly increase.
+* ``"match"`` pairs always have equal keys, ``"substituted"`` pairs never do.
+* When the indel edit distance ``D = len(a) + len(b) - 2 * LCS`` is at most
+  ``max_edit`` (a substitution counts 2), the number of ``"match"`` pairs is a
+  longest common subsequence (optimal).
+
+Algorithm
+---------
+1. Trim the common prefix and suffix (galloping slice compares, so identical
+   or early-stopped sequences cost a few C-level passes).
+2. Intern the remaining middle to small ints; if the cheap lower bound
+   ``max(|n - m|, sum_k |count_a(k) - count_b(k)|)`` allows it, run Myers'
+   O((N+M)·D) diff restricted to the diagonal band that can still finish
+   within ``max_edit`` edits.  Diagonal runs ("snakes") are followed with
+   galloping slice compares, so long agreeing stretches cost almost nothing.
+3. Beyond ``max_edit`` (heuristic, not guaranteed optimal):
+
+   * if the forward is much longer (early stop), align the recompute against
+     a prefix of the forward with a free-end Myers (same cap); the rest of
+     the forward becomes trailing ``forward_only`` entries;
+   * otherwise anchor on keys occurring the same, smallest possible, number
+     of times in both sides (patience/histogram diff: unique keys first, the
+     k-th occurrence in ``a`` paired with the k-th in ``b``), keep a longest
+     increasing chain of anchors, and recurse into the gaps (depth-capped).
+     Small gaps get an exact Myers with a cap of ~2·sqrt(size); gaps with no
+     anchors get a greedy next-occurrence matcher (O(n log n)).
+
+   Worst-case cost is therefore about ``max_edit**2 / 2`` Python steps for a
+   failed exact attempt plus O((N+M) log(N+M)) per recursion level.
+"""
+
+from __future__ import annotations
+
+import gc
+from array import array
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain, compress, count, repeat
+from math import isqrt
+
+__all__ = ["Pair", "align", "summarize", "first_mismatch", "HOWS"]
+
+MATCH = "match"
+SUBSTITUTED = "substituted"
+FORWARD_ONLY = "forward_only"
+RECOMPUTE_ONLY = "recompute_only"
+HOWS = (MATCH, SUBSTITUTED, FORWARD_ONLY, RECOMPUTE_ONLY)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One step of the alignment.
+
+    ``forward`` is an index into ``a`` (None if the op only exists in the
+    recompute), ``recompute`` an index into ``b`` (None if only in the
+    forward); ``how`` is one of ``"match"``, ``"substituted"``,
+    ``"forward_only"``, ``"recompute_only"``.
+    """
+
+    forward: int | None
+    recompute: int | None
+    how: str
+
+
+# --------------------------------------------------------------------------
+# Small C-speed helpers
+# --------------------------------------------------------------------------
+
+_LINEAR = 8  # element-wise steps before switching to galloping slice compares
+
+
+def _prefix_len(a: list, i: int, b: list, j: int, limit: int) -> int:
+    """Largest L <= limit with a[i:i+L] == b[j:j+L]."""
+    n = 0
+    while n < limit:
+        if a[i + n] != b[j + n]:
+            return n
+        n += 1
+        if n == _LINEAR:
+            break
+    else:
+        return n
+    # gallop: the block [n, hi) is compared with one C-level slice compare
+    step = 16
+    while True:
+        hi = n + step
+        if hi > limit:
+            hi = limit
+        if a[i + n : i + hi] == b[j + n : j + hi]:
+            n = hi
+            if n == limit:
+                return n
+            step <<= 1
+        else:
+            break
+    # first mismatch lies in [n, hi)
+    while hi - n > _LINEAR:
+        mid = (n + hi) >> 1
+        if a[i + n : i + mid] == b[j + n : j + mid]:
+            n = mid
+        else:
+            hi = mid
+    while a[i + n] == b[j + n]:
+        n += 1
+    return n
+
+
+def _suffix_len(a: list, i: int, b: list, j: int, limit: int) -> int:
+    """Largest L <= limit with a[i-L:i] == b[j-L:j]."""
+    n = 0
+    while n < limit:
+        if a[i - n - 1] != b[j - n - 1]:
+            return n
+        n += 1
+        if n == _LINEAR:
+            break
+    else:
+        return n
+    step = 16
+    while True:
+        hi = n + step
+        if hi > limit:
+            hi = limit
+        if a[i - hi : i - n] == b[j - hi : j - n]:
+            n = hi
+            if n == limit:
+                return n
+            step <<= 1
+        else:
+            break
+    while hi - n > _LINEAR:
+        mid = (n + hi) >> 1
+        if a[i - mid : i - n] == b[j - mid : j - n]:
+            n = mid
+        else:
+            hi = mid
+    while a[i - n - 1] == b[j - n - 1]:
+        n += 1
+    return n
+
+
+def _count_lower_bound(ca: Counter, cb: Counter) -> int:
+    """sum_k |ca[k] - cb[k]|: every indel script needs at least that many edits."""
+    lb = 0
+    get = cb.get
+    for k, c in ca.items():
+        lb += abs(c - get(k, 0))
+    for k, c in cb.items():
+        if k not in ca:
+            lb += c
+    return lb
+
+
+# --------------------------------------------------------------------------
+# Myers' O((N+M)·D) diff with an edit cap
+# --------------------------------------------------------------------------
+
+_UNREACHED = -2
+
+
+def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, end: str = "both"):
+    """Shortest edit script between A[alo:ahi] and B[blo:bhi] with at most ``cap`` indels.
+
+    Returns the matched diagonal runs as absolute ``(i, j, length)`` triples in
+    increasing order, or None when more than ``cap`` edits are needed.
+
+    ``end`` selects where the path may stop: ``"both"`` (global alignment, the
+    usual diff), ``"a"`` (stop as soon as B is used up; the rest of A is left
+    unmatched, for early stop) or ``"b"`` (the symmetric case).
+    """
+    a = A[alo:ahi]
+    b = B[blo:bhi]
+    N = len(a)
+    M = len(b)
+    delta = N - M
+    glob = end == "both"
+    if glob and abs(delta) > cap:
+        return None
+    off = cap + 3
+    V = [_UNREACHED] * (2 * cap + 7)
+    trace: list[tuple[int, int, array]] = []  # per round: (lo, hi, V[lo..hi step 2])
+    plo = phi = 0
+    fin = None
+    for d in range(cap + 1):
+        lo = -d if d <= M else -M
+        hi = d if d <= N else N
+        if glob:
+            rest = cap - d
+            if lo < delta - rest:
+                lo = delta - rest
+            if hi > delta + rest:
+                hi = delta + rest
+        if (lo - d) & 1:
+            lo += 1
+        if (hi - d) & 1:
+            hi -= 1
+        if lo > hi:
+            return None
+        if d == 0:
+            x = _prefix_len(a, 0, b, 0, N if N < M else M)
+            V[off] = x
+            if (glob and delta == 0 and x >= N) or (end == "a" and x >= M) or (end == "b" and x >= N):
+                fin = (0, 0, x)
+                break
+        else:
+            # neighbours outside the previous band are unreachable
+            if lo - 1 < plo:
+                V[lo - 1 + off] = _UNREACHED
+            if hi + 1 > phi:
+                V[hi + 1 + off] = _UNREACHED
+            for k in range(lo, hi + 1, 2):
+                ko = k + off
+                xd = V[ko + 1]  # down: from diagonal k+1 (insertion of b[y])
+                if xd - k > M:
+                    xd = _UNREACHED
+                xr = V[ko - 1] + 1  # right: from diagonal k-1 (deletion of a[x])
+                if xr > N:
+                    xr = _UNREACHED
+                x = xd if xd >= xr else xr
+                if x < 0:
+                    V[ko] = _UNREACHED
+                    continue
+                y = x - k
+                if x < N and y < M and a[x] == b[y]:
+                    lim = N - x
+                    if M - y < lim:
+                        lim = M - y
+                    x += _prefix_len(a, x, b, y, lim)
+                V[ko] = x
+                if glob:
+                    if k == delta and x >= N:
+                        fin = (d, k, x)
+                        break
+                elif end == "a":
+                    if x - k >= M:
+                        fin = (d, k, x)
+                        break
+                elif x >= N:
+                    fin = (d, k, x)
+                    break
+            if fin is not None:
+                break
+        trace.append((lo, hi, array("q", V[lo + off : hi + off + 1 : 2])))
+        plo, phi = lo, hi
+    if fin is None:
+        return None
+
+    # ---- reconstruct the path backwards
+    d, k, x = fin
+    runs = []
+    while d > 0:
+        qlo, qhi, prev = trace[d - 1]
+        xd = prev[(k + 1 - qlo) >> 1] if qlo <= k + 1 <= qhi else _UNREACHED
+        if xd - k > M:
+            xd = _UNREACHED
+        xr = prev[(k - 1 - qlo) >> 1] + 1 if qlo <= k - 1 <= qhi else _UNREACHED
+        if xr > N:
+            xr = _UNREACHED
+        if xd >= xr:
+            xs, pk = xd, k + 1
+        else:
+            xs, pk = xr, k - 1
+        if x > xs:
+            runs.append((alo + xs, blo + xs - k, x - xs))
+        x = prev[(pk - qlo) >> 1]
+        k = pk
+        d -= 1
+    if x > 0:
+        runs.append((alo, blo, x))
+    runs.reverse()
+    return runs
+
+
+def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, lb: int, cap: int):
+    """:func:`_myers` with caps ``lb + 16``, ``lb + 64``, ... up to ``cap``.
+
+    ``lb`` is a lower bound on the edit count.  The diagonal band pruning makes
+    an attempt with cap ``c`` cost about ``c * (c - |N - M|)`` steps, so a
+    difference that is mostly a length change (early stop inside the cap) or
+    a handful of edits is found without paying ``cap**2``.
+    """
+    slack = 16
+    while True:
+        c = lb + slack
+        if c >= cap:
+            return _myers(A, alo, ahi, B, blo, bhi, cap)
+        r = _myers(A, alo, ahi, B, blo, bhi, c)
+        if r is not None:
+            return r
+        slack <<= 2
+
+
+# --------------------------------------------------------------------------
+# Heuristic for large differences
+# --------------------------------------------------------------------------
+
+_MAX_DEPTH = 24
+_TIERS = (1, 2, 4, 8, 16, 64, 256, 1 << 62)
+_GREEDY_LOOKAHEAD = 1024
+
+
+def _lis(values: list[int]) -> list[int]:
+    """Indices of one longest strictly increasing subsequence of ``values``."""
+    tails: list[int] = []
+    tails_at: list[int] = []
+    prev = [-1] * len(values)
+    for t, v in enumerate(values):
+        if not tails or v > tails[-1]:
+            if tails_at:
+                prev[t] = tails_at[-1]
+            tails.append(v)
+            tails_at.append(t)
+        else:
+            p = bisect_left(tails, v)
+            tails[p] = v
+            tails_at[p] = t
+            if p:
+                prev[t] = tails_at[p - 1]
+    out = []
+    t = tails_at[-1] if tails_at else -1
+    while t >= 0:
+        out.append(t)
+        t = prev[t]
+    out.reverse()
+    return out
+
+
+class _Heuristic:
+    def __init__(self, A: list, B: list, max_edit: int):
+        self.A = A
+        self.B = B
+        self.max_edit = max_edit
+        self.runs: list[tuple[int, int, int]] = []
+
+    def solve(self, alo: int, ahi: int, blo: int, bhi: int, depth: int) -> None:
+        A, B, runs = self.A, self.B, self.runs
+        lim = min(ahi - alo, bhi - blo)
+        p = _prefix_len(A, alo, B, blo, lim) if lim else 0
+        if p:
+            runs.append((alo, blo, p))
+            alo += p
+            blo += p
+            lim -= p
+        s = _suffix_len(A, ahi, B, bhi, lim) if lim else 0
+        ahi -= s
+        bhi -= s
+        n = ahi - alo
+        m = bhi - blo
+        if n and m:
+            if n == 1 or m == 1:
+                self._single(alo, ahi, blo, bhi)
+            else:
+                self._block(alo, ahi, blo, bhi, depth)
+        if s:
+            runs.append((ahi, bhi, s))
+
+    def _single(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
+        # one side has a single op: the LCS is 1 iff it occurs on the other side
+        A, B = self.A, self.B
+        try:
+            if ahi - alo == 1:
+                j = B.index(A[alo], blo, bhi)
+                self.runs.append((alo, j, 1))
+            else:
+                i = A.index(B[blo], alo, ahi)
+                self.runs.append((i, blo, 1))
+        except ValueError:
+            pass
+
+    def _block(self, alo: int, ahi: int, blo: int, bhi: int, depth: int) -> None:
+        A, B = self.A, self.B
+        n = ahi - alo
+        m = bhi - blo
+        ca = cb = None
+        if depth > 0:
+            cap = min(self.max_edit, max(32, 2 * isqrt(n + m)))
+            if abs(n - m) <= cap:
+                lb = abs(n - m)
+                if n + m > 64:
+                    ca = Counter(A[alo:ahi])
+                    cb = Counter(B[blo:bhi])
+                    lb = _count_lower_bound(ca, cb)
+                if lb <= cap:
+                    r = _myers_deepening(A, alo, ahi, B, blo, bhi, lb, cap)
+                    if r is not None:
+                        self.runs.extend(r)
+                        return
+        if depth < _MAX_DEPTH:
+            if ca is None:
+                ca = Counter(A[alo:ahi])
+                cb = Counter(B[blo:bhi])
+            anchors = self._anchors(alo, ahi, blo, bhi, ca, cb)
+            if anchors:
+                pa, pb = alo, blo
+                runs = self.runs
+                for i, j in anchors:
+                    if pa < i and pb < j:
+                        self.solve(pa, i, pb, j, depth + 1)
+                    runs.append((i, j, 1))
+                    pa, pb = i + 1, j + 1
+                if pa < ahi and pb < bhi:
+                    self.solve(pa, ahi, pb, bhi, depth + 1)
+                return
+        self._greedy(alo, ahi, blo, bhi)
+
+    def _anchors(self, alo, ahi, blo, bhi, ca: Counter, cb: Counter) -> list[tuple[int, int]]:
+        """Histogram-diff anchors: keys with the same (smallest) count on both sides."""
+        get = cb.get
+        equal = {k: c for k, c in ca.items() if get(k) == c}
+        if not equal:
+            return []
+        cmin = min(equal.values())
+        tier = next(t for t in _TIERS if t >= cmin)
+        keep = {k for k, c in equal.items() if c <= tier}
+        A, B = self.A, self.B
+        ia = list(compress(range(alo, ahi), map(keep.__contains__, A[alo:ahi])))
+        jb = list(compress(range(blo, bhi), map(keep.__contains__, B[blo:bhi])))
+        if tier == 1:
+            posb = dict(zip(map(B.__getitem__, jb), jb))
+            js = list(map(posb.__getitem__, map(A.__getitem__, ia)))
+        else:
+            # stable sorts group occurrences per key, in order: k-th with k-th
+            pairing = dict(zip(sorted(ia, key=A.__getitem__), sorted(jb, key=B.__getitem__)))
+            js = list(map(pairing.__getitem__, ia))
+        return [(ia[t], js[t]) for t in _lis(js)]
+
+    def _greedy(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
+        """Linear-ish fallback: match equal heads, else skip to the nearer next occurrence."""
+        A, B, runs = self.A, self.B, self.runs
+        posa: dict = {}
+        for i in range(alo, ahi):
+            posa.setdefault(A[i], []).append(i)
+        posb: dict = {}
+        for j in range(blo, bhi):
+            posb.setdefault(B[j], []).append(j)
+        empty: list[int] = []
+        look = _GREEDY_LOOKAHEAD
+        big = 1 << 62
+        i, j = alo, blo
+        while i < ahi and j < bhi:
+            if A[i] == B[j]:
+                lim = min(ahi - i, bhi - j)
+                L = _prefix_len(A, i, B, j, lim)
+                runs.append((i, j, L))
+                i += L
+                j += L
+                continue
+            pb = posb.get(A[i], empty)
+            t = bisect_left(pb, j)
+            db = pb[t] - j if t < len(pb) else big
+            pa = posa.get(B[j], empty)
+            t = bisect_left(pa, i)
+            da = pa[t] - i if t < len(pa) else big
+            if db <= da and db <= look:
+                j += db  # B[j:j+db] only in the recompute
+            elif da < db and da <= look:
+                i += da  # A[i:i+da] only in the forward
+            else:
+                i += 1  # substitution
+                j += 1
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def _match_runs(A: list, B: list, max_edit: int) -> list[tuple[int, int, int]]:
+    N, M = len(A), len(B)
+    lim = min(N, M)
+    p = _prefix_len(A, 0, B, 0, lim) if lim else 0
+    s = _suffix_len(A, N, B, M, lim - p) if lim - p else 0
+    runs: list[tuple[int, int, int]] = []
+    if p:
+        runs.append((0, 0, p))
+    ahi, bhi = N - s, M - s
+    if p < ahi and p < bhi:
+        runs.extend(_diff_middle(A[p:ahi], B[p:bhi], p, max_edit))
+    if s:
+        runs.append((ahi, bhi, s))
+    return runs
+
+
+def _diff_middle(a: list, b: list, offset: int, max_edit: int) -> list[tuple[int, int, int]]:
+    # intern keys to ints: cheaper hashing and comparisons from here on
+    ids = dict(zip(dict.fromkeys(chain(a, b)), count()))
+    A = list(map(ids.__getitem__, a))
+    B = list(map(ids.__getitem__, b))
+    del ids
+    n, m = len(A), len(B)
+    runs = None
+    if abs(n - m) <= max_edit:
+        lb = _count_lower_bound(Counter(A), Counter(B))
+        if lb <= max_edit:
+            runs = _myers_deepening(A, 0, n, B, 0, m, lb, max_edit)
+    if runs is None and n - m > max_edit:
+        runs = _myers(A, 0, n, B, 0, m, max_edit, end="a")  # early stop
+    if runs is None and m - n > max_edit:
+        runs = _myers(A, 0, n, B, 0, m, max_edit, end="b")
+    if runs is None:
+        h = _Heuristic(A, B, max_edit)
+        h.solve(0, n, 0, m, 0)
+        runs = h.runs
+    if offset:
+        runs = [(i + offset, j + offset, L) for i, j, L in runs]
+    return runs
+
+
+_SLIDE_MAX = 16
+
+
+def _tidy(runs: list, A: list, B: list, N: int, M: int) -> list[tuple[int, int, int]]:
+    """Merge touching runs and slide indels across short runs of repeated keys.
+
+    With repeated keys an optimal script may come out as "insert x, match y,
+    delete z" where y == x; sliding the insertion across the run joins it with
+    the deletion into one changed block (shown as a substitution).  The number
+    of matches never changes, only their placement among equal keys.
+    """
+    out: list[tuple[int, int, int]] = []
+    nruns = len(runs)
+    for idx in range(nruns):
+        i, j, L = runs[idx]
+        if out:
+            qi, qj, qL = out[-1]
+            pa, pb = qi + qL, qj + qL
+        else:
+            pa = pb = 0
+        if L <= _SLIDE_MAX:
+            na, nb = (runs[idx + 1][0], runs[idx + 1][1]) if idx + 1 < nruns else (N, M)
+            ga1, gb1 = i - pa, j - pb  # gap before the run
+            ga2, gb2 = na - i - L, nb - j - L  # gap after the run
+            if ga1 == 0 and gb1 and ga2 and B[pb : pb + L] == B[j : j + L]:
+                j = pb  # insertion before -> after the run
+            elif gb1 == 0 and ga1 and gb2 and A[pa : pa + L] == A[i : i + L]:
+                i = pa  # deletion before -> after the run
+            elif ga2 == 0 and gb2 and ga1 and B[j : j + L] == B[j + gb2 : j + gb2 + L]:
+                j += gb2  # insertion after -> before the run
+            elif gb2 == 0 and ga2 and gb1 and A[i : i + L] == A[i + ga2 : i + ga2 + L]:
+                i += ga2  # deletion after -> before the run
+        if out and i == pa and j == pb:
+            out[-1] = (qi, qj, qL + L)
+        else:
+            out.append((i, j, L))
+    return out
+
+
+def _near_equal(na: int, nb: int) -> bool:
+    return abs(na - nb) <= max(1, max(na, nb) // 4)
+
+
+def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000) -> list[Pair]:
+    """Align recompute ops ``b`` to forward ops ``a``; see the module docstring.
+
+    ``max_edit`` bounds the exact search: if ``a`` and ``b`` differ by at most
+    that many insertions + deletions (a substitution counts 2), the number of
+    ``"match"`` pairs is a longest common subsequence.  Beyond it a bounded
+    heuristic is used.  The exact search costs up to ~``max_edit**2 / 2``
+    Python steps, so very large values trade speed for optimality.
+    """
+    if not isinstance(max_edit, int) or max_edit < 0:
+        raise ValueError(f"max_edit must be a non-negative int, got {max_edit!r}")
+    A = a if type(a) is list else list(a)
+    B = b if type(b) is list else list(b)
+    N, M = len(A), len(B)
+    runs = _tidy(_match_runs(A, B, max_edit), A, B, N, M)
+
+    F: list = []
+    R: list = []
+    H: list = []
+
+    def gap(a0: int, a1: int, b0: int, b1: int) -> None:
+        na, nb = a1 - a0, b1 - b0
+        if na and nb and _near_equal(na, nb):
+            q = na if na < nb else nb
+            F.extend(range(a0, a0 + q))
+            R.extend(range(b0, b0 + q))
+            # in heuristic mode a positional pair may happen to be equal
+            H.extend([MATCH if x == y else SUBSTITUTED for x, y in zip(A[a0 : a0 + q], B[b0 : b0 + q])])
+            a0 += q
+            b0 += q
+            na -= q
+            nb -= q
+        if na:
+            F.extend(range(a0, a1))
+            R.extend(repeat(None, na))
+            H.extend(repeat(FORWARD_ONLY, na))
+        if nb:
+            F.extend(repeat(None, nb))
+            R.extend(range(b0, b1))
+            H.extend(repeat(RECOMPUTE_ONLY, nb))
+
+    pa = pb = 0
+    for i, j, L in runs:
+        if i > pa or j > pb:
+            gap(pa, i, pb, j)
+        F.extend(range(i, i + L))
+        R.extend(range(j, j + L))
+        H.extend(repeat(MATCH, L))
+        pa, pb = i + L, j + L
+    if pa < N or pb < M:
+        gap(pa, N, pb, M)
+    return _build_pairs(F, R, H)
+
+
+def _build_pairs(F: list, R: list, H: list) -> list[Pair]:
+    # Bulk construction with C-level loops: about 3x faster than calling the
+    # frozen dataclass __init__ per pair.  The cyclic GC is paused meanwhile
+    # (the new objects cannot form cycles) to avoid repeated gen-0 sweeps.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out = list(map(object.__new__, repeat(Pair, len(F))))
+        deque(map(_SET_FORWARD, out, F), maxlen=0)
+        deque(map(_SET_RECOMPUTE, out, R), maxlen=0)
+        deque(map(_SET_HOW, out, H), maxlen=0)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return out
+
+
+_SET_FORWARD = Pair.forward.__set__  # type: ignore[attr-defined]
+_SET_RECOMPUTE = Pair.recompute.__set__  # type: ignore[attr-defined]
+_SET_HOW = Pair.how.__set__  # type: ignore[attr-defined]
+
+
+def summarize(pairs: Iterable[Pair]) -> dict[str, int]:
+    """Count pairs per ``how``: always the four keys of :data:`HOWS`, in that order."""
+    c = Counter(p.how for p in pairs)
+    return {h: c.get(h, 0) for h in HOWS}
+
+
+def first_mismatch(pairs: Iterable[Pair]) -> Pair | None:
+    """First pair whose ``how`` is not ``"match"``, or None if everything matched."""
+    for p in pairs:
+        if p.how != MATCH:
+            return p
+    return None

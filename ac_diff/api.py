@@ -1,0 +1,146 @@
+"""The library API: load traces as pandas tables, read any evidence, diagnose it.
+
+    trace = ac_diff.load("ac-diff-out")          # a file or a directory of per-rank traces
+    trace.regions   # rank, region, module, kind, forward_ops, recompute_ops, ...
+    trace.ops       # rank, region, phase, attempt, index, op, module, source, out_shapes, fingerprint, ...
+    trace.positions # rank, region, phase, position, op_index, op, module, source, shape, dtype, origin, name
+    report = ac_diff.diagnose_paths(["ac-diff-out"])     # or a log: ["rank1.log"]
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from .diagnosis import Settings, diagnose
+from .model import PHASES, Run
+from .report import Report
+from .trace import TraceFormatError, is_trace, read_run, trace_files
+
+
+class InputError(Exception):
+    """Bad input named by the user (missing file, not a trace or log): the message says what to do."""
+
+
+def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:
+    """Read every path: a trace, a directory of traces, or a log torch printed."""
+    runs: list[Run] = []
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise InputError(f"{p}: no such file or directory; pass a trace written by `ac-diff run` "
+                             "(default ac-diff-out/) or a log torch printed")
+        if p.is_dir():
+            files = trace_files(p)
+            if not files:
+                raise InputError(f"{p}: no trace files (trace-rank*.jsonl) in this directory; run "
+                                 f"`ac-diff run SCRIPT` first, or pass a log file")
+            runs.extend(read_run(f) for f in files)
+        elif is_trace(p):
+            runs.append(read_run(p))
+        else:
+            from .logs import looks_like_log, parse_log
+
+            if not looks_like_log(p):
+                raise InputError(f"{p}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
+                                 "debug dump in it; pass the log that contains the CheckpointError")
+            runs.append(parse_log(p, progress=progress))
+    return runs
+
+
+def diagnose_paths(paths: Iterable[str | os.PathLike], settings: Settings = Settings(), progress=None) -> Report:
+    return diagnose(read_runs(paths, progress=progress), settings)
+
+
+@dataclass
+class Trace:
+    """A loaded trace (one or more ranks): the header and pandas views of regions, ops and positions."""
+
+    runs: list[Run]
+    header: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def regions(self) -> pd.DataFrame:
+        rows = []
+        for run in self.runs:
+            for r in run.regions:
+                rows.append({
+                    "rank": r.rank, "region": r.region, "module": r.module, "kind": r.kind, "parent": r.parent,
+                    "forward_ops": _n_ops(r.forward), "recompute_ops": _n_ops(r.recompute),
+                    "forward_positions": len(r.forward.positions) if r.forward else 0,
+                    "recompute_positions": len(r.recompute.positions) if r.recompute else 0,
+                    "recomputes": r.options.get("recomputes", 0), "early_stop": r.options.get("early_stop"),
+                    "determinism_check": r.options.get("determinism_check"),
+                    "preserve_rng_state": r.options.get("preserve_rng_state"), "sac": bool(r.options.get("sac")),
+                })
+        return pd.DataFrame(rows, columns=_REGION_COLUMNS)
+
+    @property
+    def ops(self) -> pd.DataFrame:
+        rows = []
+        for run, r, p in self._passes():
+            for o in p.ops:
+                rows.append({
+                    "rank": r.rank, "region": r.region, "phase": p.phase, "attempt": p.attempt, "index": o.index,
+                    "op": o.op, "module": o.module, "source": o.source,
+                    "in_shapes": [list(m.shape) for m in o.inputs], "out_shapes": [list(m.shape) for m in o.out],
+                    "out_dtypes": [m.dtype for m in o.out], "args": o.args, "fingerprint": o.fingerprint,
+                    "host_value": o.host_value, "cached": o.cached, "random": o.random, "discrete": o.discrete,
+                })
+        return pd.DataFrame(rows, columns=_OP_COLUMNS)
+
+    @property
+    def positions(self) -> pd.DataFrame:
+        rows = []
+        for run, r, p in self._passes():
+            ops = {o.index: o for o in p.ops}
+            for pos in p.positions:
+                op = ops.get(pos.op_index) if pos.origin == "op" else None
+                rows.append({
+                    "rank": r.rank, "region": r.region, "phase": p.phase, "position": pos.position,
+                    "op_index": pos.op_index, "op": op.op if op else None, "module": op.module if op else None,
+                    "source": op.source if op else None, "origin": pos.origin, "name": pos.name,
+                    "shape": list(pos.meta.shape) if pos.meta else None, "dtype": pos.meta.dtype if pos.meta else None,
+                })
+        return pd.DataFrame(rows, columns=_POSITION_COLUMNS)
+
+    def _passes(self):
+        for run in self.runs:
+            for r in run.regions:
+                for phase in PHASES:
+                    p = getattr(r, phase)
+                    if p is not None:
+                        yield run, r, p
+
+
+_REGION_COLUMNS = ["rank", "region", "module", "kind", "parent", "forward_ops", "recompute_ops", "forward_positions",
+                   "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac"]
+_OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "source", "in_shapes", "out_shapes",
+               "out_dtypes", "args", "fingerprint", "host_value", "cached", "random", "discrete"]
+_POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "module", "source", "origin", "name",
+                     "shape", "dtype"]
+
+
+def _n_ops(p) -> int:
+    return 0 if p is None else int(p.state.get("n_ops", len(p.ops)))
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Load a trace file or a directory of per-rank traces. Warns if a trace is truncated."""
+    files = trace_files(path)
+    if not files or not Path(files[0]).exists():
+        raise InputError(f"{path}: no trace found; pass a file or directory written by `ac-diff run`")
+    runs = [read_run(f) for f in files]
+    for run in runs:
+        if run.truncated:
+            warnings.warn(f"ac-diff: {run.path} is truncated (no end record): the process stopped before the "
+                          "trace was finished; what was recorded up to then is loaded", RuntimeWarning, stacklevel=2)
+    return Trace(runs=runs, header=runs[0].header if runs else {})
+
+
+__all__ = ["load", "Trace", "read_runs", "diagnose_paths", "InputError", "TraceFormatError"]

@@ -1,0 +1,15 @@
+"""`ac-diff report PATH...`: re-render the diagnosis from traces (files or directories) or logs.
+
+    ac-diff report ac-diff-out                 # terminal report; exit 0 clean, 1 diverged, 2 bad input
+    ac-diff report ac-diff-out --json r.json   # also the versioned JSON report
+"""
+
+from __future__ import annotations
+
+from ..api import diagnose_paths
+from .common import emit
+
+
+def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
+    report = diagnose_paths(paths, settings)
+    return emit(report, fmt, json_path, output)

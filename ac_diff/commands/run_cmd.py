@@ -1,0 +1,49 @@
+"""`ac-diff run [opts] SCRIPT [ARGS...]` / `ac-diff run [opts] -m MODULE [ARGS...]`.
+
+Runs the target as python would with the recorder on, writes `OUT/trace-rank{RANK}.jsonl`, prints
+the report (rank 0 only under torchrun) and the next command, and exits with the script's code
+(with --check: 1 when the script succeeded but a region diverged).
+
+    ac-diff run -o out train.py --lr 3e-4
+    ac-diff: trace written to out/trace-rank0.jsonl  (next: ac-diff report out)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..diagnosis import Settings, diagnose
+from ..recorder import Recorder, RecordOptions
+from ..runner import check_target, run_target
+from ..trace import read_run
+from .common import EXIT_DIVERGED, emit, fail
+
+
+def trace_path_for(output_dir: str | os.PathLike) -> Path:
+    rank = int(os.environ.get("RANK", "0") or 0)
+    return Path(output_dir) / f"trace-rank{rank}.jsonl"
+
+
+def run_command(target: str, args: list[str], *, module: bool, output_dir: str, force: bool, check: bool,
+                fmt: str, json_path: str | None, output: str | None, options: RecordOptions,
+                settings: Settings, quiet_report: bool = False) -> int:
+    trace_path = trace_path_for(output_dir)
+    if trace_path.exists() and not force:
+        return fail(f"{trace_path} already exists; pass --force to overwrite it, or -o DIR for another directory")
+    check_target(target, module)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args})
+    outcome = run_target(target, args, module=module, recorder=recorder)
+    if rank != 0:
+        return outcome.exit_code
+    print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
+    report = diagnose([read_run(trace_path)], settings)
+    if not quiet_report:
+        emit(report, fmt, json_path, output)
+    print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else ""),
+          file=sys.stderr)
+    if check and outcome.exit_code == 0 and report.diverged:
+        return EXIT_DIVERGED
+    return outcome.exit_code

@@ -1,0 +1,128 @@
+"""The diagnosis engine: from runs (traces or parsed logs) to one finished `Report`.
+
+    report = diagnose([read_run("ac-diff-out/trace-rank0.jsonl")])
+    report.verdict    -> "diverged"
+    report.headline   -> "layers.1 (rank 0, region 3) diverged: state_mutation: the buffer ..."
+    report.regions[3].first_discrete_divergence.summary -> "1 of 256 rows chose other entries ..."
+
+Every source goes through the same steps: attach torch's errors to the regions they concern,
+diagnose each region (region.py), then summarise per rank and across ranks (ranks.py).
+"""
+
+from __future__ import annotations
+
+from ..model import InputRef, Pass, Run, TorchError
+from ..report import DIVERGED, CLEAN, Report, TorchErrorSummary
+from .compare import Tolerance
+from .ranks import cross_rank_findings, rank_summaries
+from .region import Settings, diagnose_region
+
+__all__ = ["diagnose", "Settings", "Tolerance"]
+
+
+def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
+    region_reports = []
+    errors: list[TorchError] = []
+    notes: list[str] = []
+    exit_status = None
+    for run in runs:
+        if run.source == "log":
+            for region in run.regions:
+                for p in (region.forward, region.recompute):
+                    if p is not None:
+                        link_log_ids(p)
+        run_errors = list(run.errors) + trace_errors(run)
+        errors.extend(run_errors)
+        notes.extend(run.notes)
+        exit_status = exit_status or run.exit_status
+        for region in run.regions:
+            err = _error_for(region, run_errors, run)
+            region_reports.append(diagnose_region(region, err, settings))
+    errors_summary = [_summary(e) for e in errors]
+    diverged = [r for r in region_reports if r.status == DIVERGED]
+    verdict = DIVERGED if diverged or errors else CLEAN
+    headline = _headline(region_reports, errors_summary, runs)
+    report = Report(verdict=verdict, headline=headline, regions=region_reports,
+                    torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
+                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status)
+    report.ranks = rank_summaries(report)
+    report.cross_rank = cross_rank_findings(runs, report)
+    return report
+
+
+def trace_errors(run: Run) -> list[TorchError]:
+    """CheckpointErrors the recorded process raised, parsed from the messages the recorder kept."""
+    if run.source != "trace":
+        return []
+    from ..logs import parse_text
+
+    rank = int(run.header.get("rank", 0) or 0)
+    found: list[TorchError] = []
+    messages = [(c.get("message", ""), c.get("region")) for c in run.header.get("check_errors", [])]
+    exc = run.header.get("exception")
+    if exc and exc.get("exc_type") in ("CheckpointError", "RuntimeError") and not messages:
+        messages.append((exc.get("message", ""), None))
+    for region in run.regions:
+        if region.recompute is not None and region.recompute.state.get("error") and not messages:
+            messages.append((region.recompute.state["error"], region.region))
+    for message, region_number in messages:
+        for err in parse_text(message).errors:
+            err.rank = rank
+            err.region = region_number
+            found.append(err)
+    return found
+
+
+def _error_for(region, errors: list[TorchError], run: Run) -> TorchError | None:
+    for err in errors:
+        if err.region is not None:
+            if err.region == region.region:
+                return err
+        elif run.source == "log" and (err.rank is None or err.rank == region.rank):
+            return err
+    return None
+
+
+def link_log_ids(p: Pass) -> None:
+    """Turn a log's `$N` ids into input references (producer op within the pass), once."""
+    produced: dict[str, tuple[int, int]] = {}
+    for op in p.ops:
+        if op.log_ids is None:
+            continue
+        outs, ins = op.log_ids
+        if not op.input_refs:
+            refs = []
+            for name in ins:
+                hit = produced.get(name)
+                refs.append(InputRef("op", hit[0], hit[1]) if hit else InputRef("external", name=name))
+            op.input_refs = refs
+        for j, name in enumerate(outs):
+            produced[name] = (op.index, j)
+
+
+def _summary(err: TorchError) -> TorchErrorSummary:
+    return TorchErrorSummary(kind=err.kind, rank=err.rank, region=err.region,
+                             positions=[p.position for p in err.positions if p.position is not None],
+                             message=err.message[:4000], saved_count=err.saved_count,
+                             recomputed_count=err.recomputed_count)
+
+
+def _headline(regions, errors, runs) -> str:
+    diverged = [r for r in regions if r.status == DIVERGED]
+    if not diverged:
+        if errors:
+            e = errors[0]
+            return (f"torch raised {e.kind.replace('_', ' ')}"
+                    + (f" on rank {e.rank}" if e.rank is not None else "")
+                    + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
+                    + "; no region's op lists were available to explain it")
+        checked = sum(1 for r in regions if r.status == CLEAN)
+        return f"clean: all {checked} recomputed region(s) reproduced their forward exactly"
+    # lead with the region torch complained about, else the first in forward order
+    errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
+    lead = errored[0] if errored else diverged[0]
+    where = f"{lead.module or 'region'} (rank {lead.rank}, region {lead.region})"
+    silent = " SILENTLY" if lead.silent else ""
+    cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
+    more = f" [{len(diverged)} of {len(regions)} regions diverged]" if len(diverged) > 1 else ""
+    return f"{where} diverged{silent}{cause}{more}"

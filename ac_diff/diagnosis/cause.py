@@ -1,0 +1,194 @@
+"""Name the class of cause behind a region's divergence, the chain from cause to symptom, and the fix.
+
+    explain(report, region, cmp)
+    report.cause   -> Cause(kind="state_mutation", tensor="layers.1.moe.router.expert_bias", ...)
+    report.chain   -> ["`layers.1.moe.router.expert_bias` changed between forward and recompute",
+                       "aten.add.Tensor in layers.1.moe.router (tiny_moe.py:57) computes different values",
+                       "aten.topk.default flipped 1 of 256 rows (margin 3.1e-04)", ...,
+                       "saved positions 37, 38 differ in shape -> CheckpointError"]
+
+Order of precedence, each needing its evidence: a tensor read by the region changed (state_mutation),
+a parameter that is empty in recompute (sharded_parameter), a random op drew other numbers
+(rng), global dispatch state differs (global_state), the op sequence changed before any value did
+(control_flow), an op gave other outputs from identical inputs (nondeterministic_op), else unknown.
+"""
+
+from __future__ import annotations
+
+from ..model import OpRecord, Region
+from ..report import Cause, RegionReport
+from .compare import PassComparison, is_discrete
+from .labels import where
+from .suggest import suggestions_for
+
+
+def explain(report: RegionReport, region: Region, cmp: PassComparison) -> None:
+    report.cause = _cause(report, region, cmp)
+    report.chain = _chain(report, region, cmp)
+    report.suggestions = suggestions_for(report, region)
+
+
+def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
+    value = report.first_value_divergence
+    control = report.first_control_divergence
+    shape = report.first_shape_divergence
+    changed = report.changed_inputs
+
+    sharded = [p for p in report.positions if p.recomputed and p.recomputed.endswith("[0]") and p.saved
+               and not p.saved.endswith("[0]")]
+    if sharded and not changed:
+        names = sorted({p.name or p.op or "?" for p in sharded})
+        return Cause("sharded_parameter", names[0],
+                     "tensors recomputed with shape [0]: parameters were not gathered in the recompute "
+                     "(ZeRO-3 / FSDP frees them after the forward)",
+                     [f"position {p.position}: saved {p.saved}, recomputed {p.recomputed}" for p in sharded[:5]])
+
+    if changed:
+        # prefer a buffer/parameter (model state) over an input; prefer one that feeds the first divergence
+        feeding = set((value.detail.get("changed_inputs") if value else None) or [])
+        ranked = sorted(changed, key=lambda c: (c["name"] not in feeding, c["kind"] not in ("buffer", "param"),
+                                                c.get("first_op") or 0))
+        top = ranked[0]
+        what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
+        evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['forward'])} in forward, "
+                    f"{_fp(c['recompute'])} in recompute" for c in ranked[:4]]
+        writer = _in_place_writer(region, top["name"])
+        if writer:
+            evidence.append(f"modified in place by {writer}")
+        detail = (f"the {what.get(top['kind'], 'tensor')} `{top['name']}` has other values in the recompute than in "
+                  "the forward: it was modified between the forward and the backward")
+        if top["kind"] == "input":
+            detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
+                      "modified tensor)")
+        return Cause("state_mutation", top["name"], detail, evidence)
+
+    rng = report.state_changes.get("rng")
+    random_op = _first_random_divergence(cmp)
+    if random_op is not None:
+        preserve = region.options.get("preserve_rng_state")
+        detail = (f"{random_op.op} drew other random numbers in the recompute"
+                  + (" because checkpoint ran with preserve_rng_state=False" if preserve is False else
+                     " (the RNG state at the start of the recompute differs from the forward's)" if rng else ""))
+        evidence = [f"{random_op.op} at {where(random_op.module, random_op.source)}: identical inputs, other values"]
+        if rng:
+            evidence.append(f"RNG state digest {rng['forward']} in forward, {rng['recompute']} in recompute")
+        return Cause("rng", random_op.op, detail, evidence)
+
+    flags = {k: v for k, v in report.state_changes.items() if k != "rng"}
+    if flags:
+        key = sorted(flags)[0]
+        return Cause("global_state", key,
+                     f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
+                     "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
+
+    if control is not None and (value is None or (control.forward_index or 0) <= (value.forward_index or 0)
+                                or control.recompute_index is not None and value.recompute_index is not None
+                                and control.recompute_index <= value.recompute_index):
+        return Cause("control_flow", control.op,
+                     f"the recompute ran a different sequence of ops from {where(control.module, control.source)} "
+                     "before any value differed: Python code took another branch",
+                     [control.summary])
+
+    if value is not None and value.detail.get("inputs_identical"):
+        return Cause("nondeterministic_op", value.op,
+                     f"{value.op} returned other values from identical inputs (a nondeterministic kernel)",
+                     [f"{value.op} at {where(value.module, value.source)}"])
+
+    if report.source == "log" and shape is not None:
+        return Cause("unknown", shape.op,
+                     "a log shows where the shapes diverged, not why: the values that led there are not in it",
+                     [shape.summary])
+    return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
+                 [d.summary for d in (value, shape, control) if d is not None])
+
+
+def _fp(fp) -> str:
+    if not fp:
+        return "?"
+    return "(" + ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in fp) + ")"
+
+
+def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:
+    for d in cmp.diffs:
+        if "value" in d.kinds and d.forward is not None and d.forward.random and d.inputs_same is not False:
+            return d.forward
+        if "value" in d.kinds and d.inputs_same:
+            return None  # a non-random op diverged on its own first
+    return None
+
+
+def _in_place_writer(region: Region, name: str) -> str | None:
+    """An in-place op recorded on the tensor inside this region (the mutation itself, when it is visible)."""
+    for p in (region.forward, region.recompute):
+        if p is None:
+            continue
+        for op in p.ops:
+            packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
+            if packet.endswith("_") and op.input_refs and op.input_refs[0].name == name:
+                return f"{op.op} at {where(op.module, op.source)} ({p.phase})"
+    return None
+
+
+def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[str]:
+    chain: list[str] = []
+    cause = report.cause
+    if cause is not None and cause.kind in ("state_mutation", "global_state", "sharded_parameter"):
+        chain.append(cause.detail)
+    elif cause is not None and cause.kind == "rng":
+        chain.append(cause.detail)
+    seen_ops: set[int] = set()
+    for div in (report.first_control_divergence if cause and cause.kind == "control_flow" else None,
+                report.first_value_divergence, report.first_discrete_divergence):
+        if div is None or div.forward_index in seen_ops:
+            continue
+        seen_ops.add(div.forward_index)
+        label = {"value": "computes different values", "discrete": div.summary,
+                 "control": div.summary}.get(div.kind, div.summary)
+        chain.append(f"{div.op} in {where(div.module, div.source)}: {label}")
+    for op in _between(report, cmp):
+        if op.index not in seen_ops:
+            seen_ops.add(op.index)
+            chain.append(f"{op.op} in {where(op.module, op.source)}: different result")
+    shape = report.first_shape_divergence
+    if shape is not None and shape.forward_index not in seen_ops:
+        chain.append(f"{shape.op} in {where(shape.module, shape.source)}: {shape.summary}")
+    bad = [p.position for p in report.positions if p.matches is False]
+    if bad:
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {_ranges(bad)} differ in metadata -> "
+                     "torch raises CheckpointError")
+    elif report.silent:
+        chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
+    return chain
+
+
+def _between(report: RegionReport, cmp: PassComparison, limit: int = 4) -> list[OpRecord]:
+    """Divergent data-dependent steps between the discrete flip and the shape divergence (histc, copies...)."""
+    start = report.first_discrete_divergence or report.first_value_divergence
+    end = report.first_shape_divergence
+    if start is None or end is None or start.forward_index is None or end.forward_index is None:
+        return []
+    picked = []
+    for d in cmp.diffs:
+        f = d.forward
+        if f is None or not (start.forward_index < f.index < end.forward_index):
+            continue
+        if not d.kinds & {"value", "shape", "args"}:
+            continue
+        integer_out = any(m.dtype[0] in "iub" for m in f.out)
+        host = f.host_value is not None or any(m.device == "cpu" for m in f.out) and "_to_copy" in f.op
+        if is_discrete(f) or integer_out or host:
+            picked.append(f)
+    return picked[:limit]
+
+
+def _ranges(numbers: list[int]) -> str:
+    numbers = sorted(set(numbers))
+    parts, start, prev = [], numbers[0], numbers[0]
+    for n in numbers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(parts)

@@ -1,0 +1,236 @@
+"""Compare a region's forward with its recompute, op by op, after aligning them.
+
+    cmp = compare_passes(region.forward, region.recompute, tolerance=Tolerance())
+    cmp.pairs                 # aligned (forward index, recompute index, how)
+    cmp.value_diff[i]         # forward op i: outputs measured different
+    cmp.tainted[i]            # forward op i: outputs differ, measured or inferred from its inputs
+    cmp.first("value")        # PairDiff of the first op whose values diverged, or None
+
+Works on recorded passes (fingerprints, input references) and on passes parsed from a log (shapes,
+arguments and `$N` ids only): whatever evidence is present is used, absent evidence is never guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..align import Pair, align
+from ..model import External, OpRecord, Pass
+from ..opinfo import DISCRETE_OPS
+
+# Ops torch's checkpoint machinery adds to a recompute (the pack hook detaches what it saves).
+HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """When two fingerprints count as equal. Exact by default: a recompute should be bit-identical."""
+
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def equal(self, a: Any, b: Any) -> bool:
+        if a is None or b is None:
+            return True  # nothing to compare
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(self.equal(x, y) for x, y in zip(a, b))
+        if isinstance(a, float) or isinstance(b, float):
+            try:
+                fa, fb = float(a), float(b)
+            except (TypeError, ValueError):
+                return a == b
+            if math.isnan(fa) or math.isnan(fb):
+                return math.isnan(fa) and math.isnan(fb)
+            if fa == fb:
+                return True
+            return abs(fa - fb) <= self.atol + self.rtol * max(abs(fa), abs(fb))
+        return a == b
+
+
+@dataclass
+class PairDiff:
+    """What differs in one aligned pair."""
+
+    pair: Pair
+    forward: OpRecord | None
+    recompute: OpRecord | None
+    kinds: set[str] = field(default_factory=set)  # value, shape, args, host, control
+    inputs_same: bool | None = None  # all inputs identical between passes (None: cannot tell)
+    changed_inputs: list[str] = field(default_factory=list)  # names of externals that changed, feeding it
+
+
+def is_discrete(op: OpRecord) -> bool:
+    if op.discrete:
+        return True
+    parts = op.op.split(".")
+    return len(parts) >= 2 and parts[1] in DISCRETE_OPS and not (parts[1] in ("max", "min") and parts[-1] == "default")
+
+
+def usable_ops(p: Pass, drop_hook_ops: bool) -> list[OpRecord]:
+    return [o for o in p.ops if not (drop_hook_ops and o.op in HOOK_ONLY_OPS)]
+
+
+@dataclass
+class PassComparison:
+    forward_ops: list[OpRecord]
+    recompute_ops: list[OpRecord]
+    pairs: list[Pair]
+    diffs: list[PairDiff]  # one per pair, same order
+    tainted: dict[int, bool]  # forward op index -> outputs differ (measured or inferred)
+    changed_externals: list[tuple[External, External | None]]  # (forward, recompute) whose values differ
+    not_recomputed: int  # forward ops after the recompute stopped (early stop): never compared
+    rec_to_fwd: dict[int, int]
+
+    def first(self, kind: str) -> PairDiff | None:
+        for d in self.diffs:
+            if kind in d.kinds:
+                return d
+        return None
+
+    def first_discrete(self) -> PairDiff | None:
+        for d in self.diffs:
+            op = d.forward or d.recompute
+            if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "host"}:
+                return d
+        return None
+
+    def first_shape(self) -> PairDiff | None:
+        for d in self.diffs:
+            if d.kinds & {"shape", "args"}:
+                return d
+        return None
+
+
+def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
+                   from_log: bool = False) -> PassComparison:
+    f_ops = usable_ops(forward, from_log)
+    r_ops = usable_ops(recompute, from_log)
+    raw = align([o.key for o in f_ops], [o.key for o in r_ops])
+    # back to the ops' own indices
+    pairs = [Pair(f_ops[p.forward].index if p.forward is not None else None,
+                  r_ops[p.recompute].index if p.recompute is not None else None, p.how) for p in raw]
+    f_by_index = {o.index: o for o in f_ops}
+    r_by_index = {o.index: o for o in r_ops}
+    rec_to_fwd = {p.recompute: p.forward for p in pairs if p.forward is not None and p.recompute is not None}
+
+    changed_ext, ext_status = _compare_externals(forward, recompute, tolerance)
+
+    # Trailing forward ops after the last op the recompute reached were never recomputed (early stop).
+    last_rec = max((k for k, p in enumerate(pairs) if p.recompute is not None), default=-1)
+    stopped = recompute.stopped_early or not recompute.complete or from_log
+    not_recomputed = 0
+    if stopped:
+        not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
+
+    tainted: dict[int, bool] = {}
+    diffs: list[PairDiff] = []
+    for k, p in enumerate(pairs):
+        f = f_by_index.get(p.forward) if p.forward is not None else None
+        r = r_by_index.get(p.recompute) if p.recompute is not None else None
+        d = PairDiff(p, f, r)
+        if k > last_rec and stopped and r is None:
+            diffs.append(d)  # not recomputed: nothing to compare
+            continue
+        if p.how != "match":
+            d.kinds.add("control")
+        if f is not None and r is not None:
+            _compare_pair(d, f, r, tolerance)
+            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status)
+            d.inputs_same, d.changed_inputs = same, changed
+            tainted[f.index] = bool(d.kinds & {"value", "shape", "args", "host"}) or (
+                same is False and not _measured(f, r))
+        elif f is not None:
+            tainted[f.index] = True
+        diffs.append(d)
+    return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd)
+
+
+def _measured(f: OpRecord, r: OpRecord) -> bool:
+    """Both passes fingerprinted at least one output of this op (so 'same' is a measurement)."""
+    return bool(f.fingerprint and r.fingerprint and any(
+        a is not None and b is not None for a, b in zip(f.fingerprint, r.fingerprint)))
+
+
+def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:
+    if [(m.shape, m.dtype) for m in f.out] != [(m.shape, m.dtype) for m in r.out]:
+        d.kinds.add("shape")
+    if _plain_args(f.args) != _plain_args(r.args):
+        d.kinds.add("args")
+    if f.fingerprint and r.fingerprint and "shape" not in d.kinds:
+        for a, b in zip(f.fingerprint, r.fingerprint):
+            if a is not None and b is not None and not tol.equal(a, b):
+                d.kinds.add("value")
+                break
+    if f.host_value is not None or r.host_value is not None:
+        if not tol.equal(f.host_value, r.host_value):
+            d.kinds.add("host")
+            d.kinds.add("value")
+    if f.values and r.values and "value" not in d.kinds:
+        for key, fv in f.values.items():
+            if key.startswith("out") and key in r.values and not tol.equal(fv, r.values[key]):
+                d.kinds.add("value")
+                break
+
+
+def _plain_args(args: list) -> list:
+    """Non-tensor arguments only (tensors and ids compare through their producers, not by name)."""
+    out = []
+    for a in args:
+        if isinstance(a, str) and (a == "$" or a.startswith("$")):
+            continue
+        if isinstance(a, list):
+            out.append(_plain_args(a))
+        elif isinstance(a, dict):
+            out.append({k: _plain_args([v]) for k, v in a.items()})
+        else:
+            out.append(a)
+    return out
+
+
+def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd: dict[int, int],
+                 ext_status: dict[tuple, bool]) -> tuple[bool | None, list[str]]:
+    """Were all inputs of this pair identical? Uses the producers' comparison and the externals'."""
+    if not f.input_refs or not r.input_refs or len(f.input_refs) != len(r.input_refs):
+        return None, []
+    same = True
+    changed: list[str] = []
+    for fr, rr in zip(f.input_refs, r.input_refs):
+        if fr.kind == "op":
+            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != fr.op_index:
+                same = False
+            elif tainted.get(fr.op_index, False):
+                same = False
+        else:
+            key = _external_key(fr.kind, fr.name)
+            status = ext_status.get(key)
+            if rr.kind != fr.kind:
+                same = False
+            elif status is True:
+                same = False
+                changed.append(fr.name or fr.kind)
+    return same, changed
+
+
+def _external_key(kind: str, name: str | None) -> tuple:
+    return (kind, name)
+
+
+def _compare_externals(forward: Pass, recompute: Pass, tol: Tolerance
+                       ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool]]:
+    """Externals (inputs, parameters, buffers, captured tensors) whose values differ between passes."""
+    rec = {_external_key(e.kind, e.name): e for e in recompute.externals}
+    changed: list[tuple[External, External | None]] = []
+    status: dict[tuple, bool] = {}
+    for e in forward.externals:
+        key = _external_key(e.kind, e.name)
+        other = rec.get(key)
+        if other is None:
+            continue
+        differs = (e.meta.shape != other.meta.shape or e.meta.dtype != other.meta.dtype
+                   or not tol.equal(e.fingerprint, other.fingerprint))
+        status[key] = differs
+        if differs:
+            changed.append((e, other))
+    return changed, status

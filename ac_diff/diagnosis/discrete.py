@@ -1,0 +1,122 @@
+"""How a discrete decision flipped: how many elements changed, and by what score margin.
+
+    flip = describe_flip(forward_op, recompute_op)
+    flip.summary  ->  "1 of 512 rows chose differently (top-2 of 8); score margin at the flip 3.1e-04,
+                       the scores moved by up to 2.0e-03"
+
+Uses the values the recorder kept for discrete ops (`OpRecord.values`: "out<j>" outputs, "in0" the
+score input). Without kept values it says only that the fingerprint changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..model import OpRecord
+
+# Ops that choose the k largest/smallest entries along a dim, and which output holds the choice.
+_CHOOSERS = {"topk": 1, "sort": 1, "argsort": 0, "argmax": 0, "argmin": 0, "max": 1, "min": 1, "kthvalue": 1}
+
+
+@dataclass
+class Flip:
+    summary: str
+    changed: int | None = None
+    total: int | None = None
+    rows_changed: int | None = None
+    rows: int | None = None
+    margin_min: float | None = None
+    margin_max: float | None = None
+    score_shift: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _tensor(values: Any, dtype=None) -> torch.Tensor | None:
+    try:
+        return torch.tensor(values, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
+    name = f.op.split(".")[1] if f.op.count(".") >= 2 else f.op
+    if f.host_value is not None or r.host_value is not None:
+        return Flip(f"the value handed to Python changed: {f.host_value!r} -> {r.host_value!r}",
+                    detail={"forward": f.host_value, "recompute": r.host_value})
+    out_key = f"out{_CHOOSERS.get(name, 0)}"
+    fv = (f.values or {}).get(out_key)
+    rv = (r.values or {}).get(out_key)
+    if fv is None or rv is None:
+        return Flip("its output values changed (values not kept: raise --keep-values to see which elements)")
+    a, b = _tensor(fv), _tensor(rv)
+    if a is None or b is None or a.shape != b.shape:
+        return Flip("its output changed shape", detail={"forward": _short(fv), "recompute": _short(rv)})
+    diff = a != b
+    changed, total = int(diff.sum()), diff.numel()
+    flip = Flip(summary="", changed=changed, total=total)
+    unit = "elements"
+    if a.dim() >= 2 and name in _CHOOSERS:
+        rows = diff.reshape(-1, a.shape[-1]).any(dim=1)
+        flip.rows_changed, flip.rows = int(rows.sum()), rows.numel()
+        unit = "rows"
+        _margins(flip, f, r, name, rows)
+    elif a.dim() == 1 and name in _CHOOSERS:
+        flip.rows_changed, flip.rows = changed, total
+        unit = "rows"
+        _margins(flip, f, r, name, diff)
+    count = f"{flip.rows_changed} of {flip.rows} {unit}" if unit == "rows" else f"{changed} of {total} elements"
+    what = {"topk": "chose other entries", "argmax": "picked another index", "argmin": "picked another index",
+            "sort": "ordered differently", "argsort": "ordered differently"}.get(name, "changed")
+    parts = [f"{count} {what}"]
+    k = _k_of(f, name)
+    if name == "topk" and k is not None and f.inputs:
+        parts[0] += f" (top-{k} of {f.inputs[0].shape[-1] if f.inputs[0].shape else '?'})"
+    if flip.margin_min is not None:
+        parts.append(f"score margin at the flip {flip.margin_min:.2g}"
+                     + (f"..{flip.margin_max:.2g}" if flip.margin_max and flip.margin_max != flip.margin_min else ""))
+    if flip.score_shift is not None:
+        parts.append(f"the scores moved by up to {flip.score_shift:.2g} between passes")
+    flip.summary = "; ".join(parts)
+    if unit != "rows":
+        idx = diff.reshape(-1).nonzero().reshape(-1)[:8].tolist()
+        flip.detail["first_changed_at"] = idx
+    return flip
+
+
+def _k_of(op: OpRecord, name: str) -> int | None:
+    if name == "topk":
+        ints = [a for a in op.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+        return ints[0] if ints else None
+    return 1 if name in ("argmax", "argmin", "max", "min") else None
+
+
+def _margins(flip: Flip, f: OpRecord, r: OpRecord, name: str, rows: torch.Tensor) -> None:
+    """Gap between the k-th and (k+1)-th score in the rows that flipped, from the forward's scores."""
+    fs = _tensor((f.values or {}).get("in0"), torch.float64)
+    rs = _tensor((r.values or {}).get("in0"), torch.float64)
+    if fs is None or fs.dim() == 0:
+        return
+    k = _k_of(f, name)
+    scores = fs.reshape(-1, fs.shape[-1])
+    if scores.shape[0] != rows.numel() or k is None or k >= scores.shape[-1]:
+        return
+    picked = scores[rows]
+    if picked.numel() == 0:
+        return
+    largest = not (name in ("argmin", "min") or (name == "topk" and False in f.args[3:4]))
+    ordered = picked.sort(dim=-1, descending=largest).values
+    # the closest pair among the first k+1 ranked scores: the near-tie that could reorder the choice
+    gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs().min(dim=-1).values
+    flip.margin_min, flip.margin_max = float(gaps.min()), float(gaps.max())
+    if rs is not None and rs.shape == fs.shape:
+        shift = (rs.reshape(-1, fs.shape[-1])[rows] - picked).abs()
+        flip.score_shift = float(shift.max())
+
+
+def _short(values: Any, n: int = 12) -> Any:
+    if isinstance(values, list) and len(values) > n:
+        return values[:n] + ["..."]
+    return values

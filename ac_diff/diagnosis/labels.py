@@ -1,0 +1,99 @@
+"""Short human labels for ops, tensors and argument differences, shared by every part of a report.
+
+    op_label(op)                  -> "aten.topk.default -> f32[512, 2], i64[512, 2]"
+    list_diff([14, 99, 71], [14, 98, 71]) -> "[14, 99→98, 71]"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..model import OpRecord, TensorMeta
+
+
+def metas(items: list[TensorMeta]) -> str:
+    return ", ".join(str(m) for m in items) or "()"
+
+
+def op_label(op: OpRecord | None, with_args: bool = False) -> str | None:
+    if op is None:
+        return None
+    text = op.op
+    if with_args:
+        shown = [a for a in op.args if not (isinstance(a, str) and a.startswith("$"))]
+        if shown:
+            text += "(" + ", ".join(_short(a) for a in shown)[:120] + ")"
+    text += f" -> {metas(op.out)}" if op.out else ""
+    if op.host_value is not None:
+        text += f" = {op.host_value!r}"
+    if op.cached:
+        text += " [cached]"
+    return text
+
+
+def _short(a: Any) -> str:
+    if isinstance(a, list) and len(a) > 8:
+        return "[" + ", ".join(str(x) for x in a[:8]) + f", ... {len(a)} items]"
+    return str(a)
+
+
+def list_diff(a: list, b: list, context: int = 2, limit: int = 24) -> str:
+    """Mark the entries that differ (`99→98`); long lists keep only the differing entries and context."""
+    if len(a) != len(b):
+        return f"{_short(a)} vs {_short(b)}"
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    keep = set(range(len(a))) if len(a) <= limit else {
+        j for i in differ for j in range(max(0, i - context), min(len(a), i + context + 1))}
+    parts, skipped = [], False
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i not in keep:
+            if not skipped:
+                parts.append("..")
+                skipped = True
+            continue
+        skipped = False
+        parts.append(f"{x}→{y}" if x != y else str(x))
+    return "[" + ", ".join(parts) + "]"
+
+
+def args_diff(f: OpRecord, r: OpRecord) -> str | None:
+    """The first non-tensor argument that differs, rendered with list_diff."""
+    for x, y in zip(f.args, r.args):
+        if isinstance(x, str) and x.startswith("$"):
+            continue
+        if x != y:
+            if isinstance(x, list) and isinstance(y, list):
+                return list_diff(_plain(x), _plain(y))
+            return f"{x!r} vs {y!r}"
+    if len(f.args) != len(r.args):
+        return f"{len(f.args)} vs {len(r.args)} arguments"
+    return None
+
+
+def _plain(xs: list) -> list:
+    out = []
+    for x in xs:
+        try:
+            out.append(int(x) if isinstance(x, str) and x.lstrip("-").isdigit() else x)
+        except ValueError:
+            out.append(x)
+    return out
+
+
+def where(module: str | None, source: str | None) -> str:
+    """"layers.1.moe (tiny_moe.py:158 in update)"; either part may be unknown."""
+    if module and source:
+        return f"{module} ({source})"
+    return module or source or "(unknown place)"
+
+
+def outputs_diff(f: OpRecord, r: OpRecord, limit: int = 4) -> str | None:
+    """Only the outputs whose metadata differ: "outputs 0, 3: f32[56, 64]→f32[57, 64], ..."."""
+    if len(f.out) != len(r.out):
+        return f"{len(f.out)} outputs vs {len(r.out)}: {metas(f.out)} vs {metas(r.out)}"
+    changed = [(j, a, b) for j, (a, b) in enumerate(zip(f.out, r.out)) if str(a) != str(b)]
+    if not changed:
+        return None
+    head = "output" if len(f.out) == 1 else f"output{'s' if len(changed) > 1 else ''} {', '.join(str(j) for j, _, _ in changed[:limit])}"
+    more = f", ... ({len(changed)} in all)" if len(changed) > limit else ""
+    return f"{head}: " + ", ".join(f"{a}→{b}" for _, a, b in changed[:limit]) + more

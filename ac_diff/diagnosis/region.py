@@ -1,0 +1,269 @@
+"""Diagnose one region: its divergences, saved positions, cause, chain and suggestions.
+
+    diagnose_region(region, torch_error=None, settings=Settings())
+    -> RegionReport(status="diverged", silent=False, cause=Cause(kind="state_mutation", ...),
+                    first_value_divergence=Divergence(op="aten.add.Tensor", ...), positions=[...], ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import OpRecord, Pass, Region, TensorMeta, TorchError
+from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
+from .cause import explain
+from .compare import PairDiff, PassComparison, Tolerance, compare_passes, is_discrete
+from .discrete import describe_flip
+from .labels import args_diff, op_label, outputs_diff
+
+
+@dataclass(frozen=True)
+class Settings:
+    tolerance: Tolerance = Tolerance()
+    window_before: int = 3
+    window_after: int = 8
+
+
+def diagnose_region(region: Region, torch_error: TorchError | None = None,
+                    settings: Settings = Settings()) -> RegionReport:
+    from_log = region.kind == "log"
+    fwd, rec = region.forward, region.recompute
+    report = RegionReport(
+        rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
+        silent=False, cause=None, first_value_divergence=None, first_discrete_divergence=None,
+        first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
+        forward_ops=_n_ops(fwd), recompute_ops=_n_ops(rec), source="log" if from_log else "trace",
+    )
+    if region.options.get("recorded") is False:
+        report.status = UNCHECKED
+        report.notes.append("ops not recorded (beyond --max-regions); only counted")
+        return report
+    if fwd is None or rec is None:
+        report.status = UNCHECKED
+        report.notes.append("the original forward was not recorded" if fwd is None else
+                            "never recomputed: no backward reached this region before the run ended")
+        report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
+        return report
+
+    cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log)
+    report.counts = _counts(cmp)
+    report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
+    report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)
+    report.first_shape_divergence = _divergence("shape", cmp.first_shape(), cmp)
+    report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
+    report.changed_inputs = [
+        {"kind": f.kind, "name": f.name, "meta": str(f.meta), "forward": f.fingerprint,
+         "recompute": r.fingerprint if r else None, "first_op": f.first_op}
+        for f, r in cmp.changed_externals
+    ]
+    report.state_changes = state_changes(fwd, rec, region)
+    report.positions = position_rows(fwd, rec, cmp, torch_error)
+
+    position_mismatch = any(p.matches is False for p in report.positions)
+    count_mismatch = _count_mismatch(fwd, rec)
+    diverged = any((report.first_value_divergence, report.first_discrete_divergence,
+                    report.first_shape_divergence, report.first_control_divergence, report.changed_inputs,
+                    position_mismatch, count_mismatch, torch_error))
+    report.status = DIVERGED if diverged else CLEAN
+    if diverged:
+        torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
+        report.silent = torch_error is None and not (torch_checks and (position_mismatch or count_mismatch))
+        if rec.state.get("error") and not torch_error:
+            report.silent = False
+    if count_mismatch:
+        report.notes.append(count_mismatch)
+    if not rec.complete and not rec.stopped_early:
+        report.notes.append("the recompute did not finish (it raised): ops after that point are not compared")
+    if cmp.not_recomputed:
+        report.notes.append(f"{cmp.not_recomputed} forward op(s) after the last saved tensor were not recomputed "
+                            "(torch's early stop); they are not compared")
+    if from_log:
+        report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
+                            "modules and the cause")
+    report.window = window(cmp, report, settings)
+    if diverged:
+        explain(report, region, cmp)
+    return report
+
+
+def _n_ops(p: Pass | None) -> int:
+    if p is None:
+        return 0
+    return int(p.state.get("n_ops", len(p.ops)))
+
+
+def _counts(cmp: PassComparison) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for d in cmp.diffs:
+        counts[d.pair.how] = counts.get(d.pair.how, 0) + 1
+    counts["not_recomputed"] = cmp.not_recomputed
+    return counts
+
+
+def _count_mismatch(fwd: Pass, rec: Pass) -> str | None:
+    if not fwd.positions:
+        return None
+    n_f, n_r = len(fwd.positions), len(rec.positions)
+    if n_r > n_f:
+        return f"the recompute saved more tensors ({n_r}) than the forward ({n_f})"
+    if n_r < n_f and rec.complete and not rec.stopped_early:
+        return f"the recompute saved fewer tensors ({n_r}) than the forward ({n_f})"
+    return None
+
+
+def _divergence(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergence | None:
+    if d is None:
+        return None
+    op = d.forward or d.recompute
+    assert op is not None
+    detail: dict = {"how": d.pair.how, "differs": sorted(d.kinds)}
+    f, r = d.forward, d.recompute
+    if f is not None and r is not None:
+        detail["forward"] = op_label(f, with_args=True)
+        detail["recompute"] = op_label(r, with_args=True)
+        if d.inputs_same is not None:
+            detail["inputs_identical"] = d.inputs_same
+        if d.changed_inputs:
+            detail["changed_inputs"] = d.changed_inputs
+    if kind == "value":
+        summary = ("values differ although every input is identical" if d.inputs_same
+                   else "values differ (an input already differed)" if d.inputs_same is False
+                   else "values differ")
+        if f is not None and r is not None and f.fingerprint and r.fingerprint:
+            detail["fingerprint"] = {"forward": f.fingerprint, "recompute": r.fingerprint}
+    elif kind == "discrete":
+        flip = describe_flip(f, r) if f is not None and r is not None else None
+        summary = flip.summary if flip else "the decision changed"
+        if flip is not None:
+            detail.update({k: v for k, v in vars(flip).items() if k not in ("summary", "detail") and v is not None})
+            detail.update(flip.detail)
+    elif kind == "shape":
+        parts = []
+        if f is not None and r is not None:
+            outs = outputs_diff(f, r)
+            if outs:
+                parts.append(outs)
+            changed = args_diff(f, r)
+            if changed:
+                parts.append(f"arguments {changed}")
+                detail["args_diff"] = changed
+        summary = "; ".join(parts) or "shapes differ"
+    else:
+        summary = {"forward_only": "ran in the forward but not in the recompute",
+                   "recompute_only": "ran in the recompute but not in the forward",
+                   "substituted": f"the forward ran {op_label(f)} where the recompute ran {op_label(r)}"}.get(
+            d.pair.how, "the op sequence differs here")
+    return Divergence(kind=kind, op=op.op, module=op.module, source=op.source, forward_index=d.pair.forward,
+                      recompute_index=d.pair.recompute, summary=summary, detail=detail)
+
+
+def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
+    """Global state that differs between the passes' first ops (RNG handled by the cause)."""
+    ignore = {"n_ops", "error", "rng"}
+    if region.kind == "reentrant":
+        ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
+    keys = (set(fwd.state) | set(rec.state)) - ignore
+    if not fwd.state or not rec.state:
+        return {}
+    out = {k: {"forward": fwd.state.get(k), "recompute": rec.state.get(k)}
+           for k in sorted(keys) if fwd.state.get(k) != rec.state.get(k)}
+    if fwd.state.get("rng") and rec.state.get("rng") and fwd.state["rng"] != rec.state["rng"]:
+        out["rng"] = {"forward": fwd.state["rng"], "recompute": rec.state["rng"]}
+    return out
+
+
+def _same_meta(a: TensorMeta | None, b: TensorMeta | None) -> bool | None:
+    if a is None or b is None:
+        return None
+    return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+
+
+def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None,
+                  torch_error: TorchError | None) -> list[PositionRow]:
+    """Every saved position of the forward, mapped to its op, with the recompute's tensor beside it."""
+    reported = {p.position: p for p in (torch_error.positions if torch_error else []) if p.position is not None}
+    if fwd is None:
+        return []
+    ops = {o.index: o for o in fwd.ops}
+    rec_positions = {p.position: p for p in rec.positions} if rec else {}
+    rows: list[PositionRow] = []
+    for pos in fwd.positions:
+        op = ops.get(pos.op_index) if pos.origin == "op" else None
+        other = rec_positions.get(pos.position)
+        recomputed = other.meta if other else None
+        err = reported.get(pos.position)
+        if err is not None and recomputed is None:
+            recomputed = err.recomputed
+        matches = _same_meta(pos.meta, recomputed)
+        values_differ = None
+        if cmp is not None and op is not None and other is not None:
+            values_differ = bool(cmp.tainted.get(op.index, False))
+        rows.append(PositionRow(
+            position=pos.position, op=op.op if op else None, module=op.module if op else None,
+            source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
+            saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
+            matches=matches, in_torch_error=err is not None, values_differ=values_differ,
+        ))
+    known = {r.position for r in rows}
+    for position, err in sorted(reported.items()):  # positions torch named that the recording lacks
+        if position not in known:
+            rows.append(PositionRow(position=position, op=None, module=None, source=None, origin="unknown",
+                                    name=None, forward_index=None,
+                                    saved=str(err.saved) if err.saved else None,
+                                    recomputed=str(err.recomputed) if err.recomputed else None,
+                                    matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
+    return rows
+
+
+def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> list[AlignedRow]:
+    """Side-by-side rows around the first divergence (and around the first shape divergence if far)."""
+    marks: dict[int, str] = {}
+    for k, d in enumerate(cmp.diffs):
+        op = d.forward or d.recompute
+        if d.kinds & {"shape", "args"}:
+            marks[k] = "shape"
+        elif "value" in d.kinds:
+            marks[k] = "discrete" if op is not None and is_discrete(op) else "value"
+        elif "control" in d.kinds:
+            marks[k] = "control"
+    if not marks:
+        return []
+    first = min(marks)
+    centres = [first]
+    shape_rows = [k for k, m in marks.items() if m == "shape"]
+    if shape_rows and shape_rows[0] - first > settings.window_after:
+        centres.append(shape_rows[0])
+    rows: list[AlignedRow] = []
+    last = -1
+    for c in centres:
+        lo, hi = max(0, c - settings.window_before), min(len(cmp.diffs), c + settings.window_after + 1)
+        lo = max(lo, last + 1)
+        if rows and lo > last + 1:
+            rows.append(AlignedRow("gap", None, None, None, None, None, None))
+        for k in range(lo, hi):
+            d = cmp.diffs[k]
+            f, r = d.forward, d.recompute
+            how = d.pair.how
+            if r is None and "control" not in d.kinds and f is not None:
+                how = "not_recomputed"
+            marker = marks.get(k) or ("cached" if r is not None and r.cached else None)
+            rows.append(AlignedRow(how, d.pair.forward, d.pair.recompute, op_label(f, True), op_label(r, True),
+                                   (f or r).module if (f or r) else None, marker))
+        last = hi - 1
+    return rows
+
+
+def producer_chain(ops: list[OpRecord], start: OpRecord, stop, limit: int = 8) -> list[OpRecord]:
+    """Follow the first tensor input of `start` back through its producers until `stop(op)` holds."""
+    by_index = {o.index: o for o in ops}
+    chain = [start]
+    current = start
+    for _ in range(limit):
+        ref = next((r for r in current.input_refs if r.kind == "op" and r.op_index in by_index), None)
+        if ref is None:
+            break
+        current = by_index[ref.op_index]
+        chain.append(current)
+        if stop(current):
+            break
+    return list(reversed(chain))

@@ -1,0 +1,130 @@
+"""Concrete fixes for a diagnosed region, in the vocabulary the user edits.
+
+    suggestions_for(report, region) -> [Suggestion(title="Update `layers.1.moe.expert_bias` after optimizer.step()",
+                                                   text="...", code="optimizer.register_step_post_hook(...)"), ...]
+
+Each cause gets its direct fix; a flipped discrete decision also gets a selective-AC policy that saves
+the deciding op (and the matmul feeding it), written for `create_selective_checkpoint_contexts` and in
+torchtitan's per-op save-list wording.
+"""
+
+from __future__ import annotations
+
+from ..model import Region
+from ..report import RegionReport, Suggestion
+
+
+def _torch_op(op: str) -> str:
+    """"aten.topk.default" -> "torch.ops.aten.topk.default"."""
+    return op if op.startswith("torch.ops.") else f"torch.ops.{op}"
+
+
+def sac_policy(ops: list[str]) -> str:
+    listed = "\n".join(f"    {_torch_op(op)}," for op in ops)
+    return (
+        "from functools import partial\n"
+        "import torch\n"
+        "from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts\n\n"
+        f"SAVE = {{\n{listed}\n}}\n\n"
+        "def policy_fn(ctx, op, *args, **kwargs):\n"
+        "    return CheckpointPolicy.MUST_SAVE if op in SAVE else CheckpointPolicy.PREFER_RECOMPUTE\n\n"
+        "out = checkpoint(block, x, use_reentrant=False,\n"
+        "                 context_fn=partial(create_selective_checkpoint_contexts, policy_fn))"
+    )
+
+
+def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
+    cause = report.cause
+    out: list[Suggestion] = []
+    kind = cause.kind if cause else "unknown"
+    if kind == "state_mutation" and cause is not None:
+        name = cause.tensor or "the tensor"
+        if name.startswith("input["):
+            out.append(Suggestion(
+                f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
+                "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
+                "the update out of place (`x = x + ...` instead of `x += ...`)."))
+        else:
+            out.append(Suggestion(
+                f"Update `{name}` after the backward, not between forward and backward",
+                f"`{name}` is read by the checkpointed region and changed before its recompute ran, so the "
+                "recompute sees another value. Apply the update after `loss.backward()` - best after "
+                "`optimizer.step()`, e.g. from an optimizer step hook (torchtitan's load-balancing bias update "
+                "runs there) - not in a forward hook or inside forward().",
+                "def update_bias(optimizer, args, kwargs):\n"
+                "    with torch.no_grad():\n"
+                "        ...  # update the bias from the tokens-per-expert counts here\n\n"
+                "optimizer.register_step_post_hook(update_bias)"))
+    elif kind == "rng":
+        out.append(Suggestion(
+            "Keep the RNG state for the recompute: preserve_rng_state=True",
+            "Random ops in the region (dropout, jitter noise) must draw the same numbers in the recompute. "
+            "`preserve_rng_state=True` is checkpoint()'s default; something set it to False.",
+            "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)"))
+    elif kind == "global_state" and cause is not None:
+        out.append(Suggestion(
+            f"Make `{cause.tensor}` the same in the forward and in the backward",
+            "The recompute runs under the global state active during backward. Enter the same context "
+            "(autocast, deterministic algorithms, dispatch/function modes, default dtype) around both the forward "
+            "and loss.backward(), or move the setting inside the checkpointed function so it is replayed."))
+    elif kind == "control_flow":
+        out.append(Suggestion(
+            "Make the region's control flow depend only on its inputs",
+            f"Python code in {report.first_control_divergence.source if report.first_control_divergence else 'the region'} "
+            "took another branch in the recompute (a call counter, a cache, a flag flipped by the forward). Compute the "
+            "condition outside the checkpointed function and pass it in, or reset the state before backward, or "
+            "leave this module out of activation checkpointing."))
+    elif kind == "sharded_parameter":
+        out.append(Suggestion(
+            "Gather sharded parameters in the recompute",
+            "Parameters recomputed with shape [0] were freed after the forward (ZeRO-3 / FSDP). Use the framework's "
+            "activation-checkpointing integration (DeepSpeed `deepspeed.checkpointing`, FSDP `apply_activation_"
+            "checkpointing` / FSDP2 `fully_shard` after `checkpoint_wrapper`) so parameters are all-gathered again."))
+
+    discrete = report.first_discrete_divergence
+    value = report.first_value_divergence
+    if discrete is not None and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng"):
+        save = [discrete.op]
+        feeder = _feeding_matmul(region, discrete.forward_index)
+        if feeder:
+            save.append(feeder)
+        elif value is not None and value.op != discrete.op:
+            save.append(value.op)
+        out.append(Suggestion(
+            f"Save {discrete.op} with selective activation checkpointing",
+            f"{discrete.op} in {discrete.module or 'the region'} took a different discrete decision in the "
+            "recompute; everything downstream (counts, split sizes, shapes) follows it. Saving its output (and the "
+            "router/gate matmul feeding it) makes the recompute reuse the forward's decision. "
+            f"In torchtitan: activation_checkpoint.mode = \"selective\", selective_ac_option = \"op\", and add "
+            f"{', '.join(_torch_op(s) for s in save)} to the per-op save list (`_save_list` / "
+            "`op_sac_save_list` in parallelize.py).",
+            sac_policy(save)))
+    if kind == "nondeterministic_op" and value is not None:
+        out.append(Suggestion(
+            f"Make {value.op} deterministic",
+            "Call `torch.use_deterministic_algorithms(True)` (and set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA) to "
+            "find or replace the nondeterministic kernel; for scatter/index_add style ops, a sort-based or "
+            "deterministic variant avoids atomics."))
+    if report.silent:
+        out.append(Suggestion(
+            "Turn the silent error into a loud one while you fix it",
+            "torch compared only shapes (or nothing) and raised no error, so the gradients of this region are wrong. "
+            "Keep `ac-diff run --check` in CI to fail on any recompute divergence."))
+    return out
+
+
+def _feeding_matmul(region: Region, index: int | None) -> str | None:
+    """The matmul whose output feeds the discrete op (the router gate), if the dataflow shows one."""
+    from .region import producer_chain
+
+    if region.forward is None or index is None:
+        return None
+    ops = region.forward.ops
+    start = next((o for o in ops if o.index == index), None)
+    if start is None:
+        return None
+    for op in reversed(producer_chain(ops, start, lambda o: "mm" in o.op.split(".")[1], limit=8)[:-1]):
+        packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
+        if packet in ("mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm"):
+            return op.op
+    return None

@@ -1,0 +1,116 @@
+"""Read what torch.utils.checkpoint printed (errors, `debug=True` dumps) into `Run(source="log")`.
+
+    from ac_diff.logs import parse_log, parse_text, looks_like_log
+
+    run = parse_log("rank1.log", progress=lambda done, total: ...)
+    run.errors[0]   # TorchError(kind="metadata_mismatch", rank=1,
+                    #            positions=[PositionMismatch(48, bf16[99, 5120], bf16[98, 5120]), ...])
+    run.regions[0]  # Region(rank=1, region=0, kind="log", forward=Pass(ops=[OpRecord(...)]), recompute=...)
+    run.notes       # ["skipped 7 garbled lines (...)", "the log ends mid-structure: rank 1: ..."]
+    run.truncated   # True if the log stops inside an error message, a dump or a traceback
+
+The parser is lenient and streaming: it never raises on content (non-UTF-8 bytes, binary junk,
+a cut anywhere, lines spliced by concurrent writers, a whole log flattened onto one line), reads
+line by line with a cap on line length, and keeps only what it extracts.
+
+Modules, one job each:
+    lines    bytes -> lines -> (rank, segment): prefixes, pytest `E`, splitting spliced lines
+    meta     dtype / shape / device / metadata dicts / argument values -> model values
+    errors   CheckpointError texts -> TorchError
+    oplines  one LoggingTensor op line -> ParsedOp
+    dump     debug=True dump sections -> Region (with sources from the stack traces)
+    parser   the per-rank state machine that ties them together
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import IO, Union
+
+from ac_diff.logs.lines import MAX_LINE, iter_lines
+from ac_diff.logs.meta import UNKNOWN_DEVICE
+from ac_diff.logs.parser import LogParser
+from ac_diff.model import Run
+
+__all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]
+
+Progress = Callable[[int, Union[int, None]], None]
+SNIFF_BYTES = 1 << 20
+
+# Any of these in the first or last MiB makes a file a torch checkpoint log.
+_MARKERS = (
+    b"CheckpointError",
+    b"tensor at position ",
+    b"saved metadata: {",
+    b"recomputed metadata: {",
+    b"Number of tensors saved during",
+    b"Recomputed values for the following tensors",
+    b"Operations executed during the original forward",
+    b"Stack traces of the operators that ran",
+    b"Detected non-determinism while running activation checkpointing",
+    b"= torch._ops.",
+    b"but not found in storage",
+    b"cached during selective activation checkpoint",
+)
+
+
+def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None = None) -> Run:
+    """Parse a log file (path) or an open stream (text or binary) into a Run; never raises on content.
+
+    `progress(bytes_read, total_bytes)` is called about once per MiB and at the end; total_bytes is
+    None for a stream whose size is unknown. A path that cannot be opened raises OSError, as open()
+    would: that is the caller's error, not the log's.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        total = os.path.getsize(path)
+        with open(path, "rb") as f:
+            return _parse_stream(f, path, total, progress)
+    name = getattr(source, "name", None)
+    total = None
+    if isinstance(name, str):
+        try:
+            total = os.path.getsize(name)
+        except OSError:
+            total = None
+    return _parse_stream(source, name if isinstance(name, str) else None, total, progress)
+
+
+def parse_text(text: str) -> Run:
+    """Parse a log held in a string (for tests and small pastes)."""
+    return _parse_stream(io.StringIO(text), None, len(text), None)
+
+
+def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None) -> Run:
+    parser = LogParser(path)
+    for line, ended in iter_lines(stream, parser.read_stats, total=total, progress=progress,
+                                  max_line=MAX_LINE):
+        parser.feed(line, ended)
+    return parser.finish()
+
+
+def looks_like_log(path: Union[str, os.PathLike]) -> bool:
+    """Does this file hold checkpoint error text or a debug dump (in its first or last MiB)?
+
+    A file whose first line is a JSON object is taken for a trace (JSONL), not a log. False for a
+    file that cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+            size = os.fstat(f.fileno()).st_size
+            tail = b""
+            if size > SNIFF_BYTES:
+                f.seek(max(SNIFF_BYTES, size - SNIFF_BYTES))
+                tail = f.read(SNIFF_BYTES)
+    except OSError:
+        return False
+    first = head.lstrip()[:1]
+    if first == b"{":
+        line = head.lstrip().split(b"\n", 1)[0].rstrip()
+        if line.endswith(b"}"):
+            return False
+    return any(m in head or m in tail for m in _MARKERS)
+

@@ -1,0 +1,226 @@
+"""A `checkpoint(debug=True)` dump, section by section, into one Region.
+
+torch's layout (`_checkpoint_error_template` and `get_str_tb` in torch/utils/checkpoint.py):
+
+    An error happened while unpacking tensors; dumping logs of latest computation
+    |        1. Stack traces of the operators that ran in the original forward     |
+    $1: bf16[1, 128, 5120] = torch._ops.aten.view.default($0, ['1', '128', '5120'])   (1 of 289 in original)
+    /home/u/torchtitan/experiments/llama4/model/model.py:337:forward      <- frames, innermost first
+    |        2. Stack traces of the operators that ran during recomputation        |
+    ...   (k of n in recompute)
+    |       3. Log of operators in the original forward and recomputation          |
+    Operations executed during the original forward:
+    $1: ... (the op list, no suffix)
+    Operations executed during recomputation:
+    ...
+    +------------------------------------------------------------------------------+
+     ERROR: Detected non-determinism while running activation checkpointing     <- footer
+
+    DumpBuilder(rank=1, region=0) fed those segments -> .finish() ->
+    Region(rank=1, region=0, module=None, kind="log", options={"debug": True},
+           forward=Pass("forward", ops=[OpRecord(0, "aten.view.default", out=[bf16[1, 128, 5120]],
+                        args=["$0", [1, 128, 5120]], log_ids=(["$1"], ["$0"]),
+                        source=".../llama4/model/model.py:337 in forward"), ...]),
+           recompute=Pass("recompute", ops=[...], complete=False))
+
+Each pass comes from the op list of section 3, or from the numbered ops of section 1/2 when those
+are all there (they carry explicit indices) or when section 3 is missing. Sources come from the
+frames under each numbered op: the innermost Python frame outside torch and the standard library.
+OpRecord.index is the op's place in its pass as listed (0-based, contiguous).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ac_diff.logs.oplines import ParsedOp
+from ac_diff.model import FORWARD, RECOMPUTE, OpRecord, Pass, Region
+
+# Section markers, checked on segments that reached the dump parser.
+START = "An error happened while unpacking tensors"
+SECTION1 = "1. Stack traces of the operators that ran in the original forward"
+SECTION2 = "2. Stack traces of the operators that ran during recomputation"
+SECTION3 = "3. Log of operators in the original forward and recomputation"
+FORWARD_LIST = "Operations executed during the original forward"
+RECOMPUTE_LIST = "Operations executed during recomputation"
+FOOTER = "ERROR: Detected non-determinism while running activation checkpointing"
+RULE = "+-----"
+
+# Sections (DumpBuilder.section)
+S_START, S_TRACES_FWD, S_TRACES_RECOMPUTE, S_LOG, S_LIST_FWD, S_LIST_RECOMPUTE, S_FOOTER = range(7)
+_LABEL_PHASE = {"original": FORWARD, "forward": FORWARD, "recompute": RECOMPUTE, "recomputation": RECOMPUTE}
+
+# path:line:name, where the path is one token (a C++ frame spliced before it does not match)
+_PY_FRAME = re.compile(r"((?:[A-Za-z]:)?[^\s:]+\.py):(\d+):([\w<>.-]+)\Z")
+_STDLIB = re.compile(r"/lib/python\d[\d.]*/(?!site-packages/|dist-packages/)")
+# nn.Module's call machinery is in every stack, so concurrent writers most often splice its frames
+# onto some other path ("/dev-sandbox/ratnam" + "/modules/module.py:1809:inner"): never a source.
+_MODULE_CALL = ("module.py", ("_call_impl", "_wrapped_call_impl", "inner", "__call__"))
+
+
+def classify_dump_line(text: str, in_footer: bool) -> int | None:
+    """The section a marker segment opens (S_*), or None if it is not a marker.
+
+    The footer repeats the three section titles as a table of contents; they count only with the
+    `|` of the real box, or outside the footer.
+    """
+    if START in text:
+        return S_START
+    boxed = text.startswith("|")
+    if boxed or not in_footer:
+        if SECTION1 in text:
+            return S_TRACES_FWD
+        if SECTION2 in text:
+            return S_TRACES_RECOMPUTE
+        if SECTION3 in text:
+            return S_LOG
+    if text.startswith(FORWARD_LIST):
+        return S_LIST_FWD
+    if text.startswith(RECOMPUTE_LIST):
+        return S_LIST_RECOMPUTE
+    if FOOTER in text:
+        return S_FOOTER
+    return None
+
+
+def frame_source(text: str, keep: int = 3) -> str | None:
+    """`/h/torchtitan/experiments/llama4/model/moe.py:40:forward` -> `.../llama4/model/moe.py:40 in forward`.
+
+    None for frames of torch, of Python itself (the standard library, C sources) and for C++.
+    """
+    if ".py:" not in text:
+        return None
+    m = _PY_FRAME.match(text)
+    if not m:
+        return None
+    path, line, name = m.group(1), m.group(2), m.group(3)
+    norm = path.replace("\\", "/")
+    if "/torch/" in norm or norm.startswith("torch/") or _STDLIB.search(norm) or norm.startswith("<"):
+        return None
+    parts = [p for p in norm.split("/") if p]
+    if parts and parts[-1] == _MODULE_CALL[0] and name in _MODULE_CALL[1]:
+        return None
+    tail = "/".join(parts[-keep:])
+    if len(parts) > keep:
+        tail = ".../" + tail
+    return f"{tail}:{line} in {name.strip()}"
+
+
+@dataclass(slots=True)
+class _Traced:
+    """A numbered op of section 1/2 and the source found in the frames under it."""
+
+    op: ParsedOp
+    source: str | None = None
+
+
+@dataclass(slots=True)
+class _PassParts:
+    traced: dict[int, _Traced] = field(default_factory=dict)
+    total: int | None = None
+    listed: list[ParsedOp] = field(default_factory=list)
+    listed_seen: bool = False
+    listed_done: bool = False
+
+
+@dataclass(slots=True)
+class DumpBuilder:
+    """Collects one debug dump of one rank."""
+
+    rank: int | None
+    region: int
+    section: int = S_START
+    started_mid: bool = False  # the log started inside this dump
+    unplaced_ops: int = 0  # op lines in a trace section without their "(i of n in ...)"
+    parts: dict[str, _PassParts] = field(default_factory=lambda: {FORWARD: _PassParts(), RECOMPUTE: _PassParts()})
+    current: _Traced | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.section == S_FOOTER
+
+    def marker(self, section: int) -> None:
+        """A section header was read."""
+        if self.section == S_LIST_FWD and section >= S_LIST_RECOMPUTE:
+            self.parts[FORWARD].listed_done = True
+        if self.section == S_LIST_RECOMPUTE and section == S_FOOTER:
+            self.parts[RECOMPUTE].listed_done = True
+        if section == S_LIST_FWD:
+            self.parts[FORWARD].listed_seen = True
+        elif section == S_LIST_RECOMPUTE:
+            self.parts[RECOMPUTE].listed_seen = True
+        self.section = section
+        self.current = None
+
+    def rule(self) -> None:
+        """The `+-----+` line that closes the recompute op list."""
+        if self.section == S_LIST_RECOMPUTE:
+            self.parts[RECOMPUTE].listed_done = True
+
+    def op(self, parsed: ParsedOp) -> bool:
+        """Place one op line; returns False if it could not be placed."""
+        if parsed.ordinal is not None:
+            i, n, label = parsed.ordinal
+            phase = _LABEL_PHASE.get(label)
+            if phase is None:
+                phase = RECOMPUTE if self.section == S_TRACES_RECOMPUTE else FORWARD
+            parts = self.parts[phase]
+            parts.total = max(parts.total or 0, n)
+            self.current = parts.traced[i] = _Traced(parsed)
+            return True
+        self.current = None
+        if self.section in (S_LIST_FWD, S_LOG):
+            self.parts[FORWARD].listed_seen = True
+            self.parts[FORWARD].listed.append(parsed)
+            return True
+        if self.section == S_LIST_RECOMPUTE:
+            self.parts[RECOMPUTE].listed.append(parsed)
+            return True
+        self.unplaced_ops += 1
+        return False
+
+    @property
+    def wants_frames(self) -> bool:
+        return self.current is not None and self.current.source is None
+
+    def frame(self, text: str) -> None:
+        source = frame_source(text)
+        if source is not None and self.current is not None:
+            self.current.source = source
+
+    def incomplete(self) -> str | None:
+        """Why this dump is unfinished if the log stopped now, or None."""
+        if self.closed:
+            return None
+        return "a debug=True dump"
+
+    def finish(self) -> Region:
+        region_rank = self.rank if self.rank is not None else 0
+        return Region(rank=region_rank, region=self.region, module=None, kind="log",
+                      options={"debug": True},
+                      forward=_build_pass(FORWARD, self.parts[FORWARD], self.closed),
+                      recompute=_build_pass(RECOMPUTE, self.parts[RECOMPUTE], self.closed))
+
+
+def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
+    return OpRecord(index=index, op=p.op, source=source, out=p.out, args=p.args,
+                    host_value=p.host_value, log_ids=(p.out_ids, p.in_ids))
+
+
+def _build_pass(phase: str, parts: _PassParts, dump_closed: bool) -> Pass | None:
+    traced = parts.traced
+    if parts.total and len(traced) == parts.total and all(i in traced for i in range(1, parts.total + 1)):
+        ops = [_record(k, traced[k + 1].op, traced[k + 1].source) for k in range(parts.total)]
+        return Pass(phase, ops=ops, complete=True)
+    if parts.listed_seen:
+        sources: dict[tuple, str] = {}
+        for t in traced.values():
+            if t.source is not None:
+                sources.setdefault(t.op.key, t.source)
+        ops = [_record(k, p, sources.get(p.key)) for k, p in enumerate(parts.listed)]
+        return Pass(phase, ops=ops, complete=parts.listed_done or dump_closed)
+    if traced:
+        ops = [_record(k, traced[i].op, traced[i].source) for k, i in enumerate(sorted(traced))]
+        return Pass(phase, ops=ops, complete=False)
+    return None

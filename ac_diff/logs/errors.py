@@ -1,0 +1,177 @@
+"""The texts torch.utils.checkpoint raises, recognised line by line, and the TorchError they build.
+
+The exact wording is torch's (torch/utils/checkpoint.py, 2.13; older releases use the same phrases):
+
+    classify_error_line("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed "
+                        "values for the following tensors have different metadata than during the "
+                        "forward pass.")                       -> ("header", "metadata_mismatch")
+    classify_error_line("tensor at position 48:")              -> ("position", 48)
+    classify_error_line("saved metadata: {'shape': ...}")      -> ("saved", "{'shape': ...}")
+    classify_error_line("recomputed metadata: {...}")          -> ("recomputed", "{...}")
+    classify_error_line("Number of tensors saved during forward: 27")       -> ("count_saved", 27)
+    classify_error_line("Number of tensors saved during recomputation: 8.") -> ("count_recomputed", 8)
+    classify_error_line(".")                                   -> ("end", None)
+    classify_error_line("Tip: To see a more detailed error message, ...")   -> ("end", None)
+
+ErrorBuilder collects one error's lines into a TorchError:
+
+    TorchError(kind="metadata_mismatch", rank=1, message="torch.utils.checkpoint: Recomputed ...\\n"
+               "tensor at position 48:\\n...",
+               positions=[PositionMismatch(48, TensorMeta((99, 5120), "bf16", "xpu:1"),
+                                               TensorMeta((98, 5120), "bf16", "xpu:1")), ...])
+
+A metadata dict that was cut keeps what could be read (see `meta.parse_metadata`); an entry line
+that comes without its header (a paste that starts mid-list) still becomes a PositionMismatch, with
+position None when its "tensor at position N:" line is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ac_diff.logs.meta import parse_metadata
+from ac_diff.model import PositionMismatch, TorchError
+
+METADATA_MISMATCH = "metadata_mismatch"
+COUNT_MISMATCH = "count_mismatch"
+MORE_SAVED = "more_saved_in_recompute"
+SAC_NOT_FOUND = "sac_not_found"
+SAC_MUTATED = "sac_mutated"
+OTHER = "other"
+
+# (phrase, kind): each phrase spans a line break of torch's source string literal, so the
+# `raise CheckpointError(` source line a traceback shows never matches.
+HEADER_PHRASES = (
+    ("Recomputed values for the following tensors have different metadata", METADATA_MISMATCH),
+    ("A different number of tensors was saved during the original forward and recomputation",
+     COUNT_MISMATCH),
+    ("trying to save more tensors during recomputation than during the original forward", MORE_SAVED),
+    ("not found in storage", SAC_NOT_FOUND),  # "{func} [invocation index N] encountered during backward but not found in storage"
+    ("cached during selective activation checkpoint has been mutated", SAC_MUTATED),
+)
+DUMP_START = "An error happened while unpacking tensors; dumping logs"
+_EXCEPTION_TAG = "CheckpointError:"
+
+_POSITION = re.compile(r"tensor at position (\d+)\s*:?")
+_COUNT = re.compile(r"Number of tensors saved during (forward|recomputation)\s*:\s*(\d+)")
+_EXC_PREFIX = re.compile(r"^(?:[\w.]*(?:Error|Exception))\s*:\s*")
+
+MAX_MESSAGE = 64 * 1024  # characters of raw text kept in TorchError.message
+
+
+def classify_error_line(text: str) -> tuple[str, object] | None:
+    """What an error-related segment is, or None (see the module docstring)."""
+    c = text[0]
+    if c == "t" and text.startswith("tensor at position"):
+        m = _POSITION.match(text)
+        return ("position", int(m.group(1))) if m else ("garbled", None)
+    if c == "s" and text.startswith("saved metadata:"):
+        return ("saved", text[15:].strip())
+    if c == "r" and text.startswith("recomputed metadata:"):
+        return ("recomputed", text[20:].strip())
+    if c == "N" and text.startswith("Number of tensors saved during"):
+        m = _COUNT.match(text)
+        if not m:
+            return ("garbled", None)
+        return ("count_saved" if m.group(1) == "forward" else "count_recomputed", int(m.group(2)))
+    if text == "." or text.startswith("Tip: To see a more detailed error message"):
+        return ("end", None)
+    for phrase, kind in HEADER_PHRASES:
+        if phrase in text:
+            return ("header", kind)
+    tag = text.find(_EXCEPTION_TAG)
+    if tag >= 0 and DUMP_START not in text and text[tag + len(_EXCEPTION_TAG):].strip():
+        return ("header", OTHER)
+    return None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One "tensor at position" entry while it is being read."""
+
+    mismatch: PositionMismatch
+    saved_seen: bool = False
+    recomputed_seen: bool = False
+
+
+@dataclass(slots=True)
+class ErrorBuilder:
+    """Collects the lines of one CheckpointError (or a fragment of one) for one rank."""
+
+    error: TorchError
+    has_header: bool = True
+    closed: bool = False
+    entry: _Entry | None = None
+    cut_entries: int = 0  # metadata dicts that were cut or garbled
+    last_dict_cut: bool = False
+    _message: list[str] = field(default_factory=list)
+    _message_len: int = 0
+
+    @classmethod
+    def start(cls, kind: str, rank: int | None, header_text: str | None) -> ErrorBuilder:
+        b = cls(TorchError(kind=kind, message="", rank=rank), has_header=header_text is not None)
+        if header_text is not None:
+            b.add_text(_EXC_PREFIX.sub("", header_text, count=1))
+        return b
+
+    def add_text(self, text: str) -> None:
+        if self._message_len < MAX_MESSAGE:
+            self._message.append(text)
+            self._message_len += len(text) + 1
+
+    @property
+    def last_position(self) -> int | None:
+        return self.entry.mismatch.position if self.entry else None
+
+    def position(self, n: int) -> None:
+        self.entry = _Entry(PositionMismatch(n, None, None))
+        self.error.positions.append(self.entry.mismatch)
+        self.last_dict_cut = False
+
+    def metadata(self, which: str, dict_text: str) -> bool:
+        """Add a saved/recomputed metadata line; returns whether its dict was whole."""
+        entry = self.entry
+        seen = "saved_seen" if which == "saved" else "recomputed_seen"
+        if entry is None or getattr(entry, seen) or (which == "saved" and entry.recomputed_seen):
+            # a fragment: its "tensor at position" line is missing or belongs to another entry
+            self.entry = entry = _Entry(PositionMismatch(None, None, None))
+            self.error.positions.append(entry.mismatch)
+        setattr(entry, seen, True)
+        parsed = parse_metadata(dict_text)
+        if which == "saved":
+            entry.mismatch.saved = parsed.meta
+        else:
+            entry.mismatch.recomputed = parsed.meta
+        if not parsed.complete:
+            self.cut_entries += 1
+        self.last_dict_cut = not parsed.complete
+        return parsed.complete
+
+    def count(self, which: str, n: int) -> None:
+        if which == "count_saved":
+            self.error.saved_count = n
+        else:
+            self.error.recomputed_count = n
+
+    def incomplete(self) -> str | None:
+        """Why this error is unfinished if the log stopped now, or None when it reads as whole."""
+        if self.closed:
+            return None
+        kind = self.error.kind
+        if kind == COUNT_MISMATCH and (self.error.saved_count is None or self.error.recomputed_count is None):
+            return "a CheckpointError message before its tensor counts"
+        if kind == METADATA_MISMATCH:
+            if not self.error.positions:
+                return "a CheckpointError message before its first tensor position"
+            e = self.entry
+            where = f"position {e.mismatch.position}" if e and e.mismatch.position is not None else "an entry"
+            if e is not None and (not e.saved_seen or not e.recomputed_seen):
+                return f"a CheckpointError message ({where} is missing its metadata)"
+            if self.last_dict_cut:
+                return f"a CheckpointError message ({where}: metadata cut off)"
+        return None
+
+    def finish(self) -> TorchError:
+        self.error.message = "\n".join(self._message)
+        return self.error

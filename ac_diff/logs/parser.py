@@ -1,0 +1,312 @@
+"""The streaming state machine: logical segments in, one Run(source="log") out.
+
+    p = LogParser(path="rank1.log")
+    for text, ended in iter_lines(stream, p.read_stats):
+        p.feed(text, ended)
+    run = p.finish()
+    # Run(source="log", errors=[TorchError("metadata_mismatch", rank=1, positions=[...], region=0)],
+    #     regions=[Region(rank=1, region=0, kind="log", forward=Pass(...), recompute=Pass(...))],
+    #     notes=["skipped 7 garbled lines (op lines or metadata entries that could not be read)", ...],
+    #     truncated=True)
+
+Every rank has its own state (an open error, an open dump, an open traceback), so lines of
+several ranks interleaved in one file continue their own structures. A line without a rank prefix
+belongs to the rank of the line before it. Nothing here raises on content: what cannot be used is
+counted and reported in Run.notes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ac_diff.logs import dump as D
+from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
+from ac_diff.logs.lines import ReadStats, split_segments
+from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
+from ac_diff.model import Run
+
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
+_TRACEBACK = "Traceback (most recent call last)"
+_CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+
+
+@dataclass(slots=True)
+class _RankState:
+    rank: int | None
+    error: ErrorBuilder | None = None  # the error being read (or last read)
+    dump: D.DumpBuilder | None = None  # the dump being read (or last read, in its footer)
+    dumps: int = 0
+    traceback_open: bool = False
+    seen: bool = False  # any error or dump started on this rank
+
+
+@dataclass(slots=True)
+class _Counts:
+    garbled: int = 0  # op lines / entries that could not be read at all
+    salvaged_ops: int = 0
+    cut_entries: int = 0  # metadata dicts cut or garbled (counted by ErrorBuilder)
+    ops_outside: int = 0  # op lines outside any debug dump
+    unplaced_ops: int = 0  # numbered op lines without their number, ...
+    headerless_errors: list[str] = field(default_factory=list)
+    mid_dumps: list[str] = field(default_factory=list)
+    cut_dumps: list[str] = field(default_factory=list)
+
+
+def _who(rank: int | None) -> str:
+    return f"rank {rank}" if rank is not None else "the unprefixed output"
+
+
+class LogParser:
+    """Feed it physical lines in order; `finish()` returns the Run."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.read_stats = ReadStats()
+        self._ranks: dict[int | None, _RankState] = {}
+        self._errors: list[ErrorBuilder] = []
+        self._dumps: list[D.DumpBuilder] = []
+        self._counts = _Counts()
+        self._last_rank: int | None = None
+        self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
+
+    # ------------------------------------------------------------------ input
+
+    def feed(self, text: str, ended: bool = True) -> None:
+        """One physical line (without its newline); `ended` is False if no newline followed it."""
+        try:
+            segments, self._last_rank = split_segments(text, self._last_rank)
+            complete = True
+            for rank, body in segments:
+                complete = self._segment(rank, body)
+            if ended or not segments:
+                self._tail = None
+            else:
+                self._tail = (segments[-1][0], segments[-1][1], complete)
+        except Exception:  # noqa: BLE001 - the contract is to never raise on content
+            self._counts.garbled += 1
+
+    def _state(self, rank: int | None) -> _RankState:
+        st = self._ranks.get(rank)
+        if st is None:
+            st = self._ranks[rank] = _RankState(rank)
+        return st
+
+    def _segment(self, rank: int | None, body: str) -> bool:
+        """Handle one logical line; returns True if it was a whole structural element."""
+        st = self._state(rank)
+        c = body[0]
+        if c == "/" or c == "?":  # stack frames: by far the most lines of a dump
+            if st.dump is not None and st.dump.wants_frames:
+                st.dump.frame(body)
+            return False
+        if looks_like_op(body):
+            return self._op(st, body)
+        cls = classify_error_line(body)
+        if cls is not None:
+            return self._error_line(st, body, cls)
+        in_footer = st.dump is not None and st.dump.closed
+        section = D.classify_dump_line(body, in_footer)
+        if section is not None:
+            self._dump_marker(st, section)
+            return True
+        if body.startswith(D.RULE):
+            if st.dump is not None:
+                st.dump.rule()
+            return True
+        if c == "T" and body.startswith(_TRACEBACK):
+            self._close_error(st)
+            st.traceback_open = True
+            return True
+        if c in "TD" and body.startswith(_CHAINED):
+            self._close_error(st)
+            return True
+        if st.traceback_open and _EXCEPTION_LINE.match(body):
+            st.traceback_open = False
+            return True
+        if st.dump is not None and st.dump.wants_frames:
+            st.dump.frame(body)  # a frame with a relative path
+        return False
+
+    # ------------------------------------------------------------------ errors
+
+    def _close_error(self, st: _RankState) -> None:
+        if st.error is not None:
+            st.error.closed = True
+
+    def _new_error(self, st: _RankState, kind: str, header: str | None) -> ErrorBuilder:
+        self._close_error(st)
+        b = ErrorBuilder.start(kind, st.rank, header)
+        if header is None:
+            self._counts.headerless_errors.append(
+                _who(st.rank) + (" (the log starts inside it)" if not st.seen else ""))
+        st.error = b
+        st.seen = True
+        self._errors.append(b)
+        return b
+
+    def _error_line(self, st: _RankState, body: str, cls: tuple[str, object]) -> bool:
+        what, value = cls
+        b = st.error
+        if what == "header":
+            st.traceback_open = False
+            self._new_error(st, value, body)  # type: ignore[arg-type]
+            return True
+        if what == "position":
+            if (b is None or b.closed or b.error.kind != METADATA_MISMATCH
+                    or (b.last_position is not None and value <= b.last_position)):  # type: ignore[operator]
+                b = self._new_error(st, METADATA_MISMATCH, None)
+            b.position(value)  # type: ignore[arg-type]
+            b.add_text(body)
+            return True
+        if what == "saved" or what == "recomputed":
+            if b is None or b.closed or b.error.kind != METADATA_MISMATCH:
+                b = self._new_error(st, METADATA_MISMATCH, None)
+            whole = b.metadata(what, value)  # type: ignore[arg-type]
+            b.add_text(body)
+            return whole
+        if what == "count_saved" or what == "count_recomputed":
+            if b is None or b.closed or b.error.kind != COUNT_MISMATCH:
+                b = self._new_error(st, COUNT_MISMATCH, None)
+            b.count(what, value)  # type: ignore[arg-type]
+            b.add_text(body)
+            return True
+        if what == "end":
+            if b is not None:
+                b.closed = True
+            return True
+        self._counts.garbled += 1  # "garbled": an entry line whose number could not be read
+        return False
+
+    # ------------------------------------------------------------------ dumps
+
+    def _new_dump(self, st: _RankState, started_mid: bool) -> D.DumpBuilder:
+        old = st.dump
+        if old is not None and not old.closed:
+            self._counts.cut_dumps.append(_who(st.rank))
+        d = D.DumpBuilder(st.rank, st.dumps, started_mid=started_mid)
+        st.dumps += 1
+        if started_mid:
+            self._counts.mid_dumps.append(_who(st.rank))
+        # the error printed just before a dump is the one the dump explains ("direct cause")
+        if st.error is not None and st.error.error.region is None:
+            st.error.error.region = d.region
+        self._close_error(st)
+        st.dump = d
+        st.seen = True
+        self._dumps.append(d)
+        return d
+
+    def _dump_marker(self, st: _RankState, section: int) -> None:
+        d = st.dump
+        if section == D.S_START:  # "CheckpointError: An error happened ...": also ends the traceback
+            st.traceback_open = False
+            self._new_dump(st, started_mid=False)
+            return
+        if section == D.S_FOOTER and (d is None or d.closed):
+            return  # a footer on its own: nothing to collect
+        if d is None or d.closed or (section <= d.section and d.section != D.S_START):
+            d = self._new_dump(st, started_mid=section != D.S_TRACES_FWD)
+        d.marker(section)
+
+    def _op(self, st: _RankState, body: str) -> bool:
+        parsed = parse_op_line(body)
+        if parsed.status == GARBLED:
+            self._counts.garbled += 1
+            return False
+        if parsed.status == SALVAGED:
+            self._counts.salvaged_ops += 1
+        d = st.dump
+        if parsed.ordinal is not None:
+            if d is None or d.closed or d.section >= D.S_LOG:
+                d = self._new_dump(st, started_mid=parsed.ordinal[0] != 1 or parsed.ordinal[2] != "original")
+            if parsed.ordinal[2] == "recompute" and d.section < D.S_TRACES_RECOMPUTE:
+                d.section = D.S_TRACES_RECOMPUTE
+        elif d is None or d.closed:
+            self._counts.ops_outside += 1
+            return False
+        if not d.op(parsed):
+            self._counts.unplaced_ops += 1
+        return parsed.status == OK
+
+    # ------------------------------------------------------------------ output
+
+    def finish(self) -> Run:
+        """Close every open structure and build the Run (never raises)."""
+        run = Run(source="log", path=self.path)
+        try:
+            self._finish(run)
+        except Exception as exc:  # noqa: BLE001 - report instead of raising
+            run.notes.append(f"internal parser error while finishing: {type(exc).__name__}: {exc}")
+        return run
+
+    def _finish(self, run: Run) -> None:
+        c = self._counts
+        stopped: list[str] = []
+        for st in self._ranks.values():
+            who = _who(st.rank)
+            if st.error is not None and (why := st.error.incomplete()):
+                stopped.append(f"{who}: inside {why}")
+            elif (self._tail is not None and st.error is not None and not st.error.closed
+                  and self._tail[0] == st.rank and not self._tail[2]):
+                stopped.append(f"{who}: inside a CheckpointError message (last line cut: {self._tail[1][:40]!r})")
+            if st.dump is not None and (why := st.dump.incomplete()):
+                stopped.append(f"{who}: inside {why}")
+            if st.traceback_open:
+                stopped.append(f"{who}: inside a traceback, before its exception line")
+        run.errors = [b.finish() for b in self._errors]
+        run.regions = [d.finish() for d in self._dumps]
+        c.cut_entries = sum(b.cut_entries for b in self._errors)
+        c.unplaced_ops += sum(d.unplaced_ops for d in self._dumps)
+        run.truncated = bool(stopped)
+        ranks = sorted(r for r in self._ranks if r is not None)
+        rs = self.read_stats
+        run.header = {"parser": "ac_diff.logs", "bytes": rs.bytes_read, "lines": rs.lines, "ranks": ranks}
+        run.exit_status = "exception" if run.errors else None
+        run.notes = self._notes(stopped)
+
+    def _notes(self, stopped: list[str]) -> list[str]:
+        c = self._counts
+        rs = self.read_stats
+        notes: list[str] = []
+        if c.garbled:
+            notes.append(f"skipped {c.garbled} garbled line{'s' * (c.garbled != 1)} "
+                         "(op lines or metadata entries that could not be read)")
+        if c.salvaged_ops:
+            notes.append(f"salvaged {c.salvaged_ops} op line{'s' * (c.salvaged_ops != 1)} that another "
+                         "writer had spliced into; their outputs or arguments may be incomplete")
+        if c.cut_entries:
+            notes.append(f"{c.cut_entries} metadata entr{'ies' if c.cut_entries != 1 else 'y'} cut or garbled; "
+                         "kept what could be read")
+        if c.unplaced_ops:
+            notes.append(f"ignored {c.unplaced_ops} op line{'s' * (c.unplaced_ops != 1)} in a stack-trace "
+                         "section without their '(i of n in ...)' number")
+        if c.ops_outside:
+            notes.append(f"ignored {c.ops_outside} op line{'s' * (c.ops_outside != 1)} outside any debug=True dump")
+        if c.headerless_errors:
+            notes.append("error text without its CheckpointError header: " + _summary(c.headerless_errors))
+        if c.mid_dumps:
+            notes.append("debug=True dump read from the middle (its start is not in the log): "
+                         + _summary(c.mid_dumps))
+        if c.cut_dumps:
+            notes.append("debug=True dump cut short by the next one: " + _summary(c.cut_dumps))
+        if rs.long_lines:
+            notes.append(f"split {rs.long_lines} line{'s' * (rs.long_lines != 1)} longer than 1 MiB")
+        if rs.undecodable_lines:
+            notes.append(f"replaced bytes that are not UTF-8 on {rs.undecodable_lines} "
+                         f"line{'s' * (rs.undecodable_lines != 1)}")
+        if stopped:
+            notes.append("the log ends mid-structure: " + "; ".join(stopped))
+        if not self._errors and not self._dumps:
+            notes.append("found no CheckpointError text and no debug=True dump")
+        return notes
+
+
+def _summary(items: list[str], limit: int = 5) -> str:
+    """`rank 1, rank 3 (x2)` in first-seen order, at most `limit` distinct entries."""
+    counts: dict[str, int] = {}
+    for it in items:
+        counts[it] = counts.get(it, 0) + 1
+    parts = [k + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
+    more = len(parts) - limit
+    return ", ".join(parts[:limit]) + (f", and {more} more" if more > 0 else "")

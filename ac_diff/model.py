@@ -1,0 +1,181 @@
+"""The one in-memory model of a checkpointed region's two passes.
+
+Both sources of evidence produce it: the recorder (via trace files, `ac_diff.trace.read_run`) and the
+parser of torch's own logs (`ac_diff.logs`). The diagnosis engine reads only this model.
+
+    Run(source="trace", ranks=[0], regions=[
+        Region(rank=0, region=3, module="layers.1", kind="checkpoint",
+               forward=Pass(phase="forward", ops=[OpRecord(index=0, op="aten.mm.default",
+                            module="layers.1.moe.router.gate", out=[TensorMeta((512, 8), "f32")],
+                            fingerprint=[(12.5, 801.2)], ...), ...],
+                            positions=[Position(position=0, op_index=None, origin="input", ...)]),
+               recompute=Pass(phase="recompute", ...))],
+        errors=[TorchError(kind="metadata_mismatch", rank=0, positions=[...])])
+
+Values that came from a log rather than a recording are simply absent (`fingerprint=None`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FORWARD = "forward"
+RECOMPUTE = "recompute"
+PHASES = (FORWARD, RECOMPUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of one tensor, in PyTorch's short spelling (`f32[8, 8]`)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # short name: f32, bf16, i64, b8, ...
+    device: str = "cpu"
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(str(s) for s in self.shape)}]"
+
+    def to_json(self) -> list:
+        return [list(self.shape), self.dtype, self.device]
+
+    @classmethod
+    def from_json(cls, data: list) -> TensorMeta:
+        return cls(tuple(data[0]), data[1], data[2] if len(data) > 2 else "cpu")
+
+
+@dataclass(slots=True)
+class InputRef:
+    """Where one tensor input of an op came from, within the same pass.
+
+    kind: "op" (output `output` of op `op_index`), "param" / "buffer" (named `name`), "input" (the
+    region's n-th input), "external" (a tensor made outside the region: captured, global, ...).
+    """
+
+    kind: str
+    op_index: int | None = None
+    output: int = 0
+    name: str | None = None
+    external: int | None = None  # index into Pass.externals
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in (("k", self.kind), ("op", self.op_index), ("o", self.output or None),
+                                  ("name", self.name), ("ext", self.external)) if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> InputRef:
+        return cls(d["k"], d.get("op"), d.get("o") or 0, d.get("name"), d.get("ext"))
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One aten op as it ran in one pass."""
+
+    index: int
+    op: str  # "aten.split_with_sizes.default"
+    module: str | None = None  # module FQN, wrapper names stripped; None when unknown
+    source: str | None = None  # "moe.py:40 in forward" — the innermost user frame
+    inputs: list[TensorMeta] = field(default_factory=list)
+    out: list[TensorMeta] = field(default_factory=list)
+    args: list[Any] = field(default_factory=list)  # non-tensor arguments as JSON values ("$" = a tensor)
+    input_refs: list[InputRef] = field(default_factory=list)
+    # One entry per output tensor: a list of numbers (floats: [sum, abs_sum]; ints/bools: [sum, weighted])
+    # or None where not fingerprinted (uninitialised memory, not recorded).
+    fingerprint: list[list[float] | None] | None = None
+    host_value: Any = None  # for aten._local_scalar_dense and similar: the value handed to Python
+    values: dict[str, Any] | None = None  # kept small outputs/inputs: {"out0": [...], "in0": [...]}
+    cached: bool = False  # selective AC served it from the cache (recompute) / saved it (forward)
+    random: bool = False  # consumes RNG (dropout, rand, bernoulli, ...)
+    discrete: bool = False  # a discrete decision taken from values (topk, sort, argmax, histc, comparisons...)
+    log_ids: tuple[list[str], list[str]] | None = None  # ($N outputs, $N inputs) when parsed from a log
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return (self.op, self.module)
+
+
+@dataclass(slots=True)
+class Position:
+    """One saved-tensor position torch assigns (the i-th pack of the region in that pass)."""
+
+    position: int
+    meta: TensorMeta | None
+    origin: str  # "op", "param", "buffer", "input", "external", "unknown"
+    op_index: int | None = None
+    output: int = 0
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class External:
+    """A tensor the region read that it did not produce: an input, parameter, buffer or captured one."""
+
+    index: int
+    kind: str  # "input", "param", "buffer", "external"
+    name: str
+    meta: TensorMeta
+    fingerprint: list[float] | None = None
+    first_op: int | None = None
+
+
+@dataclass(slots=True)
+class Pass:
+    """One execution of a region: the original forward, or one recompute of it."""
+
+    phase: str
+    ops: list[OpRecord] = field(default_factory=list)
+    positions: list[Position] = field(default_factory=list)
+    externals: list[External] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)  # global dispatch-relevant state at the start
+    complete: bool = True  # False when the recording (or the log) stops inside this pass
+    stopped_early: bool = False  # recompute stopped at the last saved position (torch's early stop)
+    attempt: int = 0  # recompute number (a region can be recomputed more than once)
+
+
+@dataclass(slots=True)
+class Region:
+    """One checkpointed region: the call of checkpoint() and everything it ran."""
+
+    rank: int
+    region: int
+    module: str | None
+    kind: str = "checkpoint"  # "checkpoint" (non-reentrant), "reentrant", "log"
+    parent: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # early_stop, determinism_check, preserve_rng_state, sac
+    forward: Pass | None = None
+    recompute: Pass | None = None
+    compiled: list[str] = field(default_factory=list)  # modules run under torch.compile (invisible inside)
+
+
+@dataclass(slots=True)
+class PositionMismatch:
+    position: int | None
+    saved: TensorMeta | None
+    recomputed: TensorMeta | None
+
+
+@dataclass(slots=True)
+class TorchError:
+    """An error torch.utils.checkpoint raised (recorded at the crash, or parsed from a log)."""
+
+    kind: str  # metadata_mismatch, count_mismatch, more_saved_in_recompute, sac_not_found, sac_mutated, other
+    message: str
+    rank: int | None = None
+    positions: list[PositionMismatch] = field(default_factory=list)
+    saved_count: int | None = None
+    recomputed_count: int | None = None
+    region: int | None = None  # region that raised it, when the recorder knows
+
+
+@dataclass(slots=True)
+class Run:
+    """Everything known about one run (one rank's trace, or one log): regions and errors."""
+
+    source: str  # "trace" or "log"
+    path: str | None = None
+    header: dict[str, Any] = field(default_factory=dict)
+    regions: list[Region] = field(default_factory=list)
+    errors: list[TorchError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...
+    truncated: bool = False
+    exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown

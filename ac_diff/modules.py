@@ -1,0 +1,113 @@
+"""Which module is running right now, by fully qualified name, in the forward and in the recompute.
+
+`ModuleStack` installs global `nn.Module` forward pre/post hooks and keeps a per-thread stack of
+FQNs. Unlike `ModuleTracker`/`ModTracker` it is right during checkpoint recompute, because the
+recompute re-enters the same modules through their ordinary `__call__`:
+
+    stack = ModuleStack(); stack.install()
+    model(x)            # while layers.1.moe.router.gate runs: stack.current() == "layers.1.moe.router.gate"
+
+Wrapper segments that users never wrote (`_checkpoint_wrapped_module`, `_orig_mod`,
+`_fsdp_wrapped_module`) are stripped, so `layers.1._checkpoint_wrapped_module.moe` reads `layers.1.moe`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
+
+
+def clean_fqn(name: str) -> str:
+    """`layers.1._checkpoint_wrapped_module.moe` -> `layers.1.moe`."""
+    if not any(seg in name for seg in WRAPPER_SEGMENTS):
+        return name
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
+
+
+class ModuleStack:
+    """A per-thread stack of (module, fqn) maintained by global module hooks."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._handles: list = []
+        self.on_enter = None  # optional callback(module, fqn, depth_before) for the recorder
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        try:
+            post = nn.modules.module.register_module_forward_hook(self._post, always_call=True)
+        except TypeError:  # torch < 2.1 has no always_call: an exception inside a module leaves it
+            post = nn.modules.module.register_module_forward_hook(self._post)
+        self._handles = [pre, post]
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- queries ------------------------------------------------------------------------------
+    def stack(self) -> list[tuple[nn.Module, str]]:
+        try:
+            return self._local.stack
+        except AttributeError:
+            self._local.stack = []
+            return self._local.stack
+
+    def current(self) -> str | None:
+        s = self.stack()
+        return s[-1][1] if s else None
+
+    def name_of(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        if name is None:
+            name = self._discover(module)
+        return name
+
+    def owner_name(self, tensor: torch.Tensor) -> tuple[str, str] | None:
+        """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack."""
+        for module, fqn in reversed(self.stack()):
+            for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+                for key, value in table.items():
+                    if value is tensor:
+                        return kind, f"{fqn}.{key}" if fqn else key
+        return None
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args) -> None:
+        stack = self.stack()
+        name = self._names.get(module)
+        if name is None:
+            name = self._discover(module)
+        if self.on_enter is not None:
+            self.on_enter(module, name, len(stack))
+        stack.append((module, name))
+
+    def _post(self, module: nn.Module, args, output) -> None:
+        stack = self.stack()
+        # Pop down to this module: a module whose forward raised may not have been popped.
+        while stack:
+            top, _ = stack.pop()
+            if top is module:
+                break
+
+    def _discover(self, module: nn.Module) -> str:
+        """Name `module` relative to the modules on the stack; a module called from nowhere is a root."""
+        for parent, parent_name in reversed(self.stack()):
+            self._index(parent, parent_name)
+            name = self._names.get(module)
+            if name is not None:
+                return name
+        self._index(module, "")
+        return self._names[module]
+
+    def _index(self, root: nn.Module, prefix: str) -> None:
+        for sub_name, sub in root.named_modules(prefix=prefix, remove_duplicate=False):
+            if sub not in self._names:
+                self._names[sub] = clean_fqn(sub_name)

@@ -1,0 +1,73 @@
+"""What ac-diff needs to know about an aten op, computed once per overload and cached.
+
+    op_info(torch.ops.aten.topk.default)
+    -> OpInfo(name="aten.topk.default", fingerprint=True, random=False, discrete=True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Ops whose output is a discrete decision taken from values: a near-tie flips them.
+DISCRETE_OPS = frozenset({
+    "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "histc", "bincount", "nonzero",
+    "nonzero_static", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "where",
+    "kthvalue", "mode", "searchsorted", "bucketize", "masked_select", "multinomial", "_local_scalar_dense",
+    "eq", "ne", "gt", "lt", "ge", "le", "isin", "cummax", "cummin", "msort",
+})
+# `max`/`min` are discrete only in their `.dim` overload (indices), not the full reduction.
+_DISCRETE_OVERLOADS = {"max": {"dim", "dim_max"}, "min": {"dim", "dim_min"}}
+# Outputs that are uninitialised memory: their values mean nothing.
+UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                               "empty_permuted"})
+
+_SHORT_DTYPES = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+for _name, _short in (("float8_e4m3fn", "f8e4m3fn"), ("float8_e5m2", "f8e5m2"), ("uint16", "u16"),
+                      ("uint32", "u32"), ("uint64", "u64")):
+    if hasattr(torch, _name):
+        _SHORT_DTYPES[getattr(torch, _name)] = _short
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    short = _SHORT_DTYPES.get(dtype)
+    return short if short is not None else str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    name: str
+    fingerprint: bool  # worth a value fingerprint (not a view, not uninitialised memory)
+    random: bool  # consumes the RNG
+    discrete: bool
+
+
+_cache: dict = {}
+
+
+def op_info(func) -> OpInfo:
+    info = _cache.get(func)
+    if info is None:
+        info = _cache[func] = _compute(func)
+    return info
+
+
+def _compute(func) -> OpInfo:
+    name = str(func)
+    packet = name.split(".")[1] if name.count(".") >= 2 else name
+    overload = name.rsplit(".", 1)[-1]
+    tags = getattr(func, "tags", ()) or ()
+    is_view = bool(getattr(func, "is_view", False))
+    random = torch.Tag.nondeterministic_seeded in tags if hasattr(torch, "Tag") else False
+    discrete = packet in DISCRETE_OPS and (packet not in _DISCRETE_OVERLOADS or overload in _DISCRETE_OVERLOADS[packet])
+    return OpInfo(
+        name=name,
+        fingerprint=not is_view and packet not in UNINITIALISED_OPS,
+        random=random,
+        discrete=discrete,
+    )

@@ -1,0 +1,517 @@
+"""The recorder: every checkpointed region's original forward and recompute, op by op, to a trace.
+
+    with ac_diff.record("ac-diff-out/trace-rank0.jsonl") as rec:
+        loss = model(x).sum(); loss.backward()
+    rec.summary()   # {"regions": 8, "ops_recorded": 4211, ...}
+
+A `TorchDispatchMode` sees each aten op; `CheckpointHooks` (torch_hooks.py) says which region and
+pass it belongs to and which op each saved position came from; `ModuleStack` names the module.
+For each op of a region pass it keeps: op name, module FQN, source line, input/output metadata,
+non-tensor arguments, where each input came from, a device-side value fingerprint of every output
+(read back once per pass), host values, and, for discrete ops, their small outputs and score inputs.
+Ops outside regions are only counted. The recorder never changes what it observes: it reads
+tensors, never writes them, and consumes no randomness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import __version__
+from .modules import ModuleStack
+from .fingerprint import FingerprintBatch
+from .opinfo import OpInfo, op_info, short_dtype
+from .sourceline import user_source
+from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, frame_options
+from .trace import TraceWriter, default_header
+
+_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+@dataclass
+class RecordOptions:
+    """What to record. The defaults record everything a diagnosis uses."""
+
+    fingerprints: bool = True  # value fingerprints of region op outputs (off: metadata only)
+    keep_values: int = 16384  # max elements kept per output/score input of a discrete op (0: none)
+    source_lines: bool = True
+    max_regions: int | None = None  # record ops of the first N regions only; later ones are counted
+    scope: str = "regions"  # "regions": the dispatch mode runs only inside regions; "all": also counts other ops
+    discrete_ops: frozenset[str] = frozenset()  # extra op names (e.g. "aten.my_router.default") to treat as discrete
+    ignore_ops: frozenset[str] = frozenset()  # op names never recorded
+
+
+@dataclass
+class _Region:
+    number: int
+    kind: str
+    parent: int | None
+    parent_phase: str | None
+    options: dict[str, Any]
+    module: str | None = None
+    caller: str | None = None
+    recorded: bool = True
+    written: bool = False
+    recomputes: int = 0
+
+
+@dataclass
+class _Pass:
+    region: _Region
+    phase: str
+    attempt: int
+    base_depth: int
+    state: dict[str, Any]
+    ops: list[dict] = field(default_factory=list)
+    producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
+    externals: list[dict] = field(default_factory=list)
+    external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, external index)
+    input_ids: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position in the region's inputs
+    positions: list[list] = field(default_factory=list)
+    batch: FingerprintBatch = field(default_factory=FingerprintBatch)
+    fp_slots: list[tuple[dict, int, int]] = field(default_factory=list)  # (record, output index, slot)
+    kept: list[tuple[dict, str, int]] = field(default_factory=list)  # (record, key, kept index)
+    ext_slots: list[tuple[dict, int]] = field(default_factory=list)
+    externals_per_kind: dict[str, int] = field(default_factory=dict)
+    n_ops: int = 0
+
+
+class _RecordingMode(TorchDispatchMode):
+    """Hands every op to the recorder; never alters arguments or results."""
+
+    def __init__(self, recorder: "Recorder") -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.recorder._on_op(func, args, kwargs, out)
+        return out
+
+
+class Recorder:
+    """Records checkpointed regions into a trace file. Use `ac_diff.record(...)` to run one."""
+
+    def __init__(self, path: str | os.PathLike, options: RecordOptions | None = None,
+                 header_extra: dict[str, Any] | None = None) -> None:
+        self.path = os.fspath(path)
+        self.options = options or RecordOptions()
+        self.modules = ModuleStack()
+        self.modules.on_enter = self._on_module_enter
+        self.hooks = CheckpointHooks(self)
+        self._local = threading.local()
+        self._mode = _RecordingMode(self)
+        self._regions = 0
+        self._ops_seen = 0
+        self.ops_recorded = 0
+        self.ops_outside = 0
+        self.errors: list[str] = []
+        self._header_extra = header_extra or {}
+        self._writer: TraceWriter | None = None
+        self._lock = threading.Lock()
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Recorder":
+        header = default_header(self.options, self._header_extra)
+        self._writer = TraceWriter(self.path, header)
+        warnings_ = self.hooks.install()
+        for w in warnings_:
+            self._writer.write({"type": "warning", "message": w})
+        self.modules.install()
+        if self.options.scope == "all":
+            self._mode.__enter__()
+        self._started = True
+        return self
+
+    def stop(self, exc: BaseException | None = None, exit_code: int | None = None) -> None:
+        """Uninstall everything and finish the trace (always safe to call, also after a crash)."""
+        if not self._started:
+            return
+        self._started = False
+        if self.options.scope == "all":
+            with contextlib.suppress(Exception):
+                self._mode.__exit__(None, None, None)
+        self.hooks.uninstall()
+        self.modules.uninstall()
+        status = "ok"
+        if exc is not None:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"
+            self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
+                                "exc_module": type(exc).__module__, "message": _exception_text(exc)})
+        if exit_code not in (None, 0) and status == "ok":
+            status = "exit"
+        self._writer.close({
+            "type": "end", "status": status, "exit_code": exit_code, "regions": self._regions,
+            "ops_recorded": self.ops_recorded,
+            "ops_outside": self.ops_outside if self.options.scope == "all" else None,
+            "end_time": time.time(),
+        })
+
+    def summary(self) -> dict[str, Any]:
+        return {"trace": self.path, "regions": self._regions, "ops_recorded": self.ops_recorded,
+                "ops_outside": self.ops_outside}
+
+    # -- thread-local state -------------------------------------------------------------------
+    def _passes(self) -> list[_Pass]:
+        try:
+            return self._local.passes
+        except AttributeError:
+            self._local.passes = []
+            self._local.internal = 0
+            return self._local.passes
+
+    @contextlib.contextmanager
+    def internal(self):
+        """Ops dispatched inside this block are torch's checkpoint machinery, not the region's."""
+        self._passes()
+        self._local.internal += 1
+        try:
+            yield
+        finally:
+            self._local.internal -= 1
+
+    def op_count(self) -> int:
+        return self._ops_seen
+
+    # -- listener interface for CheckpointHooks ------------------------------------------------
+    def enter(self, frame: Any, phase: str) -> None:
+        passes = self._passes()
+        if phase == FORWARD:
+            region = self._new_region(frame, passes)
+            attempt = 0
+        else:
+            region = getattr(frame, "_ac_diff_region", None)
+            if region is None:  # a frame created before recording started: nothing to compare with
+                region = self._new_region(frame, passes, recorded=False)
+            attempt = region.recomputes
+            region.recomputes += 1
+        p = _Pass(region, phase, attempt, len(self.modules.stack()), {})
+        inputs = getattr(frame, "_ac_diff_inputs", None)
+        if phase == FORWARD and inputs is not None:
+            self.pass_inputs(frame, inputs, p)
+        if not passes and self.options.scope != "all":
+            self._mode.__enter__()
+        passes.append(p)
+
+    def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
+        passes = self._passes()
+        if not passes:
+            return
+        p = passes.pop()
+        if not passes and self.options.scope != "all":
+            self._mode.__exit__(None, None, None)
+        stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
+        complete = exc is None or stopped_early
+        self._finish_pass(p, complete, stopped_early, exc)
+
+    def pass_inputs(self, frame: Any, inputs: tuple, p: _Pass | None = None) -> None:
+        if p is None:
+            passes = self._passes()
+            if not passes:
+                return
+            p = passes[-1]
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                p.input_ids[id(t)] = i
+
+    def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
+        region = getattr(frame, "_ac_diff_region", None)
+        passes = self._passes()
+        if region is None or not region.recorded or not passes:
+            return
+        p = passes[-1]
+        if p.region is not region:  # a pack of an outer region while an inner one runs
+            p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
+            if p is None:
+                return
+        with self.internal():
+            ref = self._ref(p, tensor)
+            p.positions.append([position, _meta(tensor), ref.get("k"), ref.get("op"), ref.get("o", 0),
+                                ref.get("name")])
+
+    def check_failed(self, frame: Any, exc: BaseException) -> None:
+        region = getattr(frame, "_ac_diff_region", None)
+        self._writer.write({"type": "check_error", "region": region.number if region else None,
+                            "exc_type": type(exc).__name__, "message": _exception_text(exc)})
+        self._writer.flush()
+
+    def sac_saved(self, func) -> None:
+        passes = self._passes()
+        if passes and passes[-1].ops:
+            passes[-1].ops[-1]["cached"] = True
+            passes[-1].region.options["sac"] = True
+
+    def sac_cached(self, func, args, kwargs, out) -> None:
+        passes = self._passes()
+        if passes:
+            passes[-1].region.options["sac"] = True
+            self._record(passes[-1], func, args, kwargs or {}, out, cached=True)
+
+    # -- module names -------------------------------------------------------------------------
+    def _on_module_enter(self, module, fqn: str, depth: int) -> None:
+        passes = self._passes()
+        if passes:
+            p = passes[-1]
+            if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
+                p.region.module = fqn
+
+    # -- ops ----------------------------------------------------------------------------------
+    def _on_op(self, func, args, kwargs, out) -> None:
+        self._ops_seen += 1
+        local = self._local
+        passes = getattr(local, "passes", None)
+        if not passes or local.internal:
+            self.ops_outside += 1
+            return
+        p = passes[-1]
+        if not p.region.recorded:
+            p.n_ops += 1
+            return
+        self._record(p, func, args, kwargs or {}, out)
+
+    def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
+        info: OpInfo = op_info(func)
+        if info.name in self.options.ignore_ops:
+            return
+        self.ops_recorded += 1
+        p.n_ops += 1
+        index = len(p.ops)
+        if index == 0:  # at the first op, after torch restored the RNG and entered grad/autocast modes
+            p.state.update(self._global_state())
+            p.state["rng"] = _rng_digest()
+        in_meta: list = []
+        refs: list = []
+        tensor_inputs: list[torch.Tensor] = []
+        arg_values = [self._arg(p, a, in_meta, refs, tensor_inputs) for a in args]
+        for k, v in kwargs.items():
+            arg_values.append({k: self._arg(p, v, in_meta, refs, tensor_inputs)})
+        rec: dict[str, Any] = {"i": index, "op": info.name}
+        module = self.modules.current()
+        if module is not None:
+            rec["module"] = module
+        if self.options.source_lines:
+            src = user_source(4)
+            if src is not None:
+                rec["src"] = src
+        rec["in"] = in_meta
+        rec["args"] = arg_values
+        rec["refs"] = refs
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        out_meta = []
+        fp_wanted = self.options.fingerprints and not cached and info.fingerprint
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                out_meta.append(_meta(o))
+                p.producers[id(o)] = (weakref.ref(o), index, j)
+                if fp_wanted:
+                    slot = p.batch.add(o)
+                    if slot is not None:
+                        p.fp_slots.append((rec, j, slot))
+            elif o is not None and not isinstance(o, torch.Tensor) and isinstance(o, (int, float, bool)):
+                rec["host"] = o
+        rec["out"] = out_meta
+        if cached:
+            rec["cached"] = True
+        if info.random:
+            rec["random"] = True
+        if (info.discrete or info.name in self.options.discrete_ops) and not cached:
+            rec["discrete"] = True
+            self._keep_values(p, rec, outs, tensor_inputs)
+        p.ops.append(rec)
+
+    def _arg(self, p: _Pass, a: Any, in_meta: list, refs: list, tensor_inputs: list) -> Any:
+        if isinstance(a, torch.Tensor):
+            in_meta.append(_meta(a))
+            refs.append(self._ref(p, a))
+            tensor_inputs.append(a)
+            return "$"
+        if isinstance(a, (int, float, bool, str)) or a is None:
+            return a
+        if isinstance(a, (list, tuple)):
+            if len(a) > 256:
+                return f"<{type(a).__name__} of {len(a)}>"
+            return [self._arg(p, x, in_meta, refs, tensor_inputs) for x in a]
+        if isinstance(a, torch.dtype):
+            return short_dtype(a)
+        if isinstance(a, torch.SymInt):
+            return str(a)
+        return str(a)
+
+    def _ref(self, p: _Pass, t: torch.Tensor) -> dict:
+        """Where tensor `t` came from, within pass `p` (producing op, input, parameter, buffer, external)."""
+        key = id(t)
+        hit = p.producers.get(key)
+        if hit is not None and hit[0]() is t:
+            return {"k": "op", "op": hit[1], "o": hit[2]} if hit[2] else {"k": "op", "op": hit[1]}
+        hit = p.external_ids.get(key)
+        if hit is not None and hit[0]() is t:
+            ext = p.externals[hit[1]]
+            return {"k": ext["kind"], "name": ext["name"], "ext": hit[1]}
+        if key in p.input_ids:
+            kind, name = "input", f"input[{p.input_ids[key]}]"
+        else:
+            owner = self.modules.owner_name(t)
+            if owner is not None:
+                kind, name = owner
+            else:
+                kind = "param" if isinstance(t, torch.nn.Parameter) else "external"
+                n = p.externals_per_kind.get(kind, 0)
+                p.externals_per_kind[kind] = n + 1
+                name = f"{kind}[{n}]"
+        ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
+        if self.options.fingerprints:
+            slot = p.batch.add(t)
+            if slot is not None:
+                p.ext_slots.append((ext, slot))
+        p.external_ids[key] = (weakref.ref(t), ext["i"])
+        p.externals.append(ext)
+        return {"k": kind, "name": name, "ext": ext["i"]}
+
+    def _keep_values(self, p: _Pass, rec: dict, outs, inputs: list[torch.Tensor]) -> None:
+        limit = self.options.keep_values
+        if limit <= 0:
+            return
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.numel() <= limit and o.layout == torch.strided:
+                p.kept.append((rec, f"out{j}", p.batch.keep(o)))
+        # the score input lets the diagnosis say by what margin a decision flipped
+        if inputs and inputs[0].is_floating_point() and inputs[0].numel() <= limit * 8:
+            p.kept.append((rec, "in0", p.batch.keep(inputs[0])))
+
+    # -- regions and passes -------------------------------------------------------------------
+    def _new_region(self, frame: Any, passes: list[_Pass], recorded: bool = True) -> _Region:
+        with self._lock:
+            number = self._regions
+            self._regions += 1
+        parent = passes[-1] if passes else None
+        limit = self.options.max_regions
+        region = _Region(
+            number=number,
+            kind="reentrant" if isinstance(frame, ReentrantFrame) else "checkpoint",
+            parent=parent.region.number if parent else None,
+            parent_phase=parent.phase if parent else None,
+            options=frame_options(frame),
+            caller=self.modules.current(),
+            recorded=recorded and (limit is None or number < limit),
+        )
+        frame._ac_diff_region = region
+        return region
+
+    def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:
+        region = p.region
+        writer = self._writer
+        if not region.written:
+            region.written = True
+            writer.write({
+                "type": "region", "region": region.number, "module": region.module or region.caller,
+                "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
+                "options": region.options, "recorded": region.recorded,
+            })
+        if region.recorded:
+            with self.internal():
+                fingerprints, kept = p.batch.collect()
+            for rec, j, slot in p.fp_slots:
+                fp = rec.get("fp")
+                if fp is None:
+                    fp = rec["fp"] = [None] * len(rec["out"])
+                if j < len(fp):
+                    fp[j] = fingerprints[slot]
+            for ext, slot in p.ext_slots:
+                ext["fp"] = fingerprints[slot]
+            for rec, key, idx in p.kept:
+                rec.setdefault("vals", {})[key] = kept[idx]
+            base = {"type": "op", "region": region.number, "phase": p.phase, "attempt": p.attempt}
+            writer.write_many({**base, **rec} for rec in p.ops)
+        record = {
+            "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt,
+            "n_ops": p.n_ops, "complete": complete, "stopped_early": stopped_early, "state": p.state,
+            "externals": p.externals, "positions": p.positions,
+        }
+        if exc is not None and not stopped_early:
+            record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
+        writer.write(record)
+        writer.flush()
+        # free what the pass held (the producer map holds weak references only)
+        p.producers.clear()
+        p.external_ids.clear()
+        p.batch = FingerprintBatch()
+        p.ops = []
+
+    def _global_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "grad_enabled": torch.is_grad_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "default_dtype": short_dtype(torch.get_default_dtype()),
+        }
+        for device in ("cpu", "cuda"):
+            with contextlib.suppress(Exception):
+                if torch.is_autocast_enabled(device):
+                    state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))
+        with contextlib.suppress(Exception):
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack() if m is not self._mode]
+            if modes:
+                state["dispatch_modes"] = modes
+        with contextlib.suppress(Exception):
+            from torch.overrides import _get_current_function_mode_stack
+
+            fmodes = [type(m).__name__ for m in _get_current_function_mode_stack()]
+            if fmodes:
+                state["function_modes"] = fmodes
+        return state
+
+
+def _meta(t: torch.Tensor) -> list:
+    device = t.device
+    return [list(t.shape), short_dtype(t.dtype), "cpu" if device.type == "cpu" else str(device)]
+
+
+def _rng_digest() -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        with contextlib.suppress(Exception):
+            h.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _exception_text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # a broken __str__ must not lose the trace
+        return repr(exc)
+
+
+@contextlib.contextmanager
+def record(path: str | os.PathLike = "ac-diff-out/trace-rank0.jsonl", options: RecordOptions | None = None,
+           **option_overrides: Any):
+    """Record every checkpointed region run inside the block into the trace file at `path`.
+
+    The trace is finished even if the block raises; the exception then propagates unchanged.
+    """
+    if option_overrides:
+        base = options or RecordOptions()
+        options = RecordOptions(**{**base.__dict__, **option_overrides})
+    recorder = Recorder(path, options).start()
+    try:
+        yield recorder
+    except BaseException as exc:
+        recorder.stop(exc)
+        raise
+    else:
+        recorder.stop()
+
+
+__all__ = ["Recorder", "RecordOptions", "record", "__version__"]

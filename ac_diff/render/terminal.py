@@ -1,0 +1,248 @@
+"""The terminal report (rich): verdict first, then the regions, then each divergence in detail.
+
+    render_terminal(report, Console(width=100))
+    ╭─ ac-diff: DIVERGED ───────────────────────────────────────────────╮
+    │ layers.1 (rank 0, region 1) diverged: state_mutation: ...          │
+    ╰────────────────────────────────────────────────────────────────────╯
+    Regions  (table)   ·   Region 1 · layers.1  (cause, divergences, side by side, chain,
+    positions, suggestions)
+
+It only formats a finished `Report`. Plain text (no colour, no box characters beyond ASCII-safe
+ones rich picks) when the console is not a terminal.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from ..report import DIVERGED, Report, RegionReport
+
+MAX_DETAILED_REGIONS = 3
+MAX_POSITION_ROWS = 24
+_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim"}
+_MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "control": "≠ sequence",
+                "cached": "cached"}
+
+
+def _t(value: object, style: str = "") -> Text:
+    """A cell from report data: never parsed as rich markup (logs contain `[...]` everywhere)."""
+    return Text("" if value is None else str(value), style=style)
+
+
+def render_terminal(report: Report, console: Console) -> None:
+    console.print(_verdict_panel(report))
+    if report.torch_errors:
+        console.print(_torch_errors(report))
+    if len(report.ranks) > 1:
+        console.print(_ranks_table(report))
+    for finding in report.cross_rank:
+        console.print(Text("cross-rank: ", style="bold magenta") + _t(finding))
+    if report.regions:
+        console.print(_regions_table(report))
+    diverged = [r for r in report.regions if r.status == DIVERGED]
+    lead = sorted(diverged, key=lambda r: (not _raised(report, r), r.rank, r.region))
+    for region in lead[:MAX_DETAILED_REGIONS]:
+        _region_detail(region, report, console)
+    if len(lead) > MAX_DETAILED_REGIONS:
+        console.print(Text(f"... {len(lead) - MAX_DETAILED_REGIONS} more diverged region(s): see the region table, "
+                           "or --format json / html for every detail", style="dim"))
+    for note in report.notes:
+        console.print(Text("note: ", style="dim bold") + Text(note, style="dim"))
+
+
+def _raised(report: Report, region: RegionReport) -> bool:
+    return any(e.region == region.region and e.rank == region.rank for e in report.torch_errors)
+
+
+def _verdict_panel(report: Report) -> Panel:
+    silent = any(r.silent for r in report.regions if r.status == DIVERGED)
+    if report.verdict == DIVERGED:
+        title, style = ("SILENTLY DIVERGED" if silent and not report.torch_errors else "DIVERGED"), "bold red"
+    else:
+        title, style = "CLEAN", "bold green"
+    body = [Text(report.headline, style="bold")]
+    if silent and not report.torch_errors:
+        body.append(Text("torch raised no error: the gradients of the diverged region(s) are silently wrong.",
+                         style="red"))
+    counts = _status_counts(report)
+    if counts:
+        body.append(Text(counts, style="dim"))
+    if report.sources:
+        body.append(Text("from " + ", ".join(report.sources), style="dim"))
+    return Panel(Group(*body), title=f"ac-diff: {title}", title_align="left", border_style=style, box=box.ROUNDED)
+
+
+def _status_counts(report: Report) -> str:
+    if not report.regions:
+        return ""
+    by: dict[str, int] = {}
+    for r in report.regions:
+        by[r.status] = by.get(r.status, 0) + 1
+    return f"{len(report.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+
+
+def _torch_errors(report: Report) -> Table:
+    table = Table(title="torch's error", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for col in ("rank", "kind", "positions", "counts (saved/recomputed)"):
+        table.add_column(col)
+    for e in report.torch_errors:
+        counts = f"{e.saved_count}/{e.recomputed_count}" if e.saved_count is not None else ""
+        positions = _compact(e.positions)
+        table.add_row(_t(e.rank), _t(e.kind), _t(positions), _t(counts))
+    return table
+
+
+def _compact(numbers: list[int], limit: int = 12) -> str:
+    if not numbers:
+        return ""
+    shown = ", ".join(map(str, numbers[:limit]))
+    return shown + (f", ... ({len(numbers)} in all)" if len(numbers) > limit else "")
+
+
+def _ranks_table(report: Report) -> Table:
+    table = Table(title="ranks", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for col in ("rank", "verdict", "regions", "diverged", "cause", "first diverged"):
+        table.add_column(col)
+    for r in report.ranks:
+        style = "red" if r.verdict == DIVERGED else "green"
+        first = f"{r.first_module} (region {r.first_region})" if r.first_module is not None else ""
+        table.add_row(_t(r.rank), _t(r.verdict, style), _t(r.regions), _t(r.diverged), _t(r.cause), _t(first))
+    return table
+
+
+def _regions_table(report: Report, limit: int = 40) -> Table:
+    table = Table(title="regions", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for col, kw in (("rank", {}), ("region", {"justify": "right"}), ("module", {}), ("ops fwd/rec", {}),
+                    ("status", {"no_wrap": True}), ("cause", {"no_wrap": True}),
+                    ("first divergence", {"overflow": "fold", "ratio": 1})):
+        table.add_column(col, **kw)
+    rows = report.regions
+    shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
+    for r in shown:
+        status = Text(r.status + (" (silent)" if r.silent else ""),
+                      style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
+        first = r.first_value_divergence or r.first_control_divergence or r.first_shape_divergence
+        table.add_row(_t(r.rank), _t(r.region), _t(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
+                      _t(r.cause.kind if r.cause else ""),
+                      _t(f"{_short_op(first.op)} in {first.module}" if first else ""))
+    if len(shown) < len(rows):
+        table.caption = f"{len(rows) - len(shown)} clean/unchecked region(s) not shown"
+    return table
+
+
+def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
+    head = f"region {r.region} · {r.module or '?'} · rank {r.rank} · {r.kind}"
+    parts = []
+    if r.cause:
+        cause = Text.assemble(("cause: ", "bold"), (r.cause.kind, "bold red"), "  ", r.cause.detail)
+        parts.append(cause)
+        for ev in r.cause.evidence:
+            parts.append(Text("  · " + ev, style="dim"))
+    console.print(Panel(Group(*parts) if parts else Text(""), title=_t(head), title_align="left", border_style="red"))
+
+    divergences = [d for d in (r.first_control_divergence, r.first_value_divergence, r.first_discrete_divergence,
+                               r.first_shape_divergence) if d is not None]
+    if divergences:
+        console.print(Text("first divergences", style="bold"))
+    for d in divergences:
+        label = _MARKER_TEXT.get(d.kind, d.kind).replace("≠ ", "")
+        console.print(Text.assemble(
+            ("  " + label.ljust(9), _MARKER_STYLE.get(d.kind, "")), (d.op, "bold"),
+            f"  fwd #{_idx(d.forward_index)} / rec #{_idx(d.recompute_index)}  ", (d.module or "", "cyan"),
+            (f"  {d.source}" if d.source else "", "dim")))
+        console.print(Text("           " + d.summary))
+
+    if r.window:
+        console.print(_window_table(r))
+    if r.chain:
+        console.print(Text("chain", style="bold"))
+        for i, step in enumerate(r.chain):
+            console.print(Text(("   " if i == 0 else " → ") + step))
+    positions = _positions_table(r)
+    if positions is not None:
+        console.print(positions)
+    for s in r.suggestions:
+        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
+        console.print(Text("     " + s.text))
+        if s.code:
+            console.print(Syntax(s.code, "python", theme="ansi_dark", background_color="default", padding=(0, 5)))
+    for note in r.notes:
+        console.print(Text("note: " + note, style="dim"))
+
+
+def _idx(i: int | None) -> str:
+    return "-" if i is None else str(i)
+
+
+def _short_label(label: str | None) -> str | None:
+    """"aten.topk.default(2, 1) -> f32[256, 2]" -> "topk(2, 1) -> f32[256, 2]"."""
+    if not label or not label.startswith("aten."):
+        return label
+    head, sep, tail = label.partition("(") if "(" in label.split(" -> ")[0] else label.partition(" -> ")
+    return _short_op(head) + sep + tail
+
+
+def _window_table(r: RegionReport) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="forward | recompute, aligned", title_justify="left")
+    table.add_column("fwd#", justify="right")
+    table.add_column("forward", overflow="fold", ratio=1)
+    table.add_column("rec#", justify="right")
+    table.add_column("recompute", overflow="fold", ratio=1)
+    table.add_column("")
+    for row in r.window:
+        if row.how == "gap":
+            table.add_row("⋮", "", "⋮", "", "")
+            continue
+        style = _MARKER_STYLE.get(row.marker or "", "")
+        marker = Text(_MARKER_TEXT.get(row.marker or "", ""), style=style)
+        recompute = row.recompute if row.recompute is not None else (
+            "(not recomputed: early stop)" if row.how == "not_recomputed" else "(missing)")
+        table.add_row(_t(_idx(row.forward_index)), _t(_short_label(row.forward) or "(missing)", style),
+                      _t(_idx(row.recompute_index)), _t(_short_label(recompute), style), marker)
+    return table
+
+
+def _positions_table(r: RegionReport) -> Table | None:
+    """Positions whose metadata differ or that torch named; a count of those whose values differ."""
+    shown = [p for p in r.positions if p.matches is False or p.in_torch_error]
+    value_only = [p for p in r.positions if p.values_differ and p.matches is not False and not p.in_torch_error]
+    if not shown and not value_only:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left",
+                  title=f"saved positions: {len(shown)} differ in metadata, {len(value_only)} more hold other values "
+                        f"({len(r.positions)} in all)")
+    for col, kw in (("pos", {"justify": "right"}), ("op / origin", {}), ("module", {}),
+                    ("saved -> recomputed", {}), ("source", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    for p in shown[:MAX_POSITION_ROWS]:
+        what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}".strip()
+        change = f"{p.saved or '?'} -> {p.recomputed or '-'}"
+        table.add_row(_t(p.position), _t(what), _t(p.module), _t(change, "red" if p.matches is False else ""),
+                      _t(_short_source(p.source), "dim"))
+    if len(shown) > MAX_POSITION_ROWS:
+        table.caption = f"{len(shown) - MAX_POSITION_ROWS} more; every position is in the JSON/HTML report"
+    if not shown:
+        table.caption = "values differ with unchanged shapes: torch cannot see this"
+    return table
+
+
+def _short_op(op: str | None) -> str:
+    """"aten.split_with_sizes.default" -> "split_with_sizes"; other namespaces stay qualified."""
+    if not op:
+        return ""
+    parts = op.split(".")
+    if parts[0] == "aten" and len(parts) >= 2:
+        return parts[1] if parts[-1] == "default" or len(parts) == 2 else f"{parts[1]}.{parts[-1]}"
+    return op
+
+
+def _short_source(source: str | None) -> str:
+    """"examples/tiny_moe.py:108 in forward" -> "tiny_moe.py:108"."""
+    if not source:
+        return ""
+    return source.split(" in ")[0].rsplit("/", 1)[-1]

@@ -1,0 +1,196 @@
+"""The report model: a finished diagnosis, ready for any renderer, and its versioned JSON form.
+
+    Report(verdict="diverged", torch_error=TorchErrorSummary(kind="metadata_mismatch", positions=[37, 38]),
+           regions=[RegionReport(rank=0, region=3, module="layers.1", status="diverged", silent=False,
+                                 cause=Cause(kind="state_mutation", tensor="layers.1.moe.expert_bias", ...),
+                                 first_value_divergence=Divergence(op="aten.add.Tensor", ...), ...)])
+    report.to_json()  ->  {"format": "ac-diff-report", "version": 1, "verdict": "diverged", ...}
+
+Renderers (terminal, JSON, HTML) only format this; they never look at traces or logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_FORMAT = "ac-diff-report"
+REPORT_VERSION = 1
+
+CLEAN = "clean"
+DIVERGED = "diverged"
+UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so nothing to compare
+
+
+@dataclass(slots=True)
+class Divergence:
+    """One op where the two passes differ, located in both."""
+
+    kind: str  # "value", "discrete", "shape", "control"
+    op: str
+    module: str | None
+    source: str | None
+    forward_index: int | None
+    recompute_index: int | None
+    summary: str  # one line: what differs
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class PositionRow:
+    """A saved-tensor position, mapped to the op (or input / parameter) that produced it."""
+
+    position: int
+    op: str | None
+    module: str | None
+    source: str | None
+    origin: str  # op, input, param, buffer, external, unknown
+    name: str | None
+    forward_index: int | None
+    saved: str | None  # "f32[99, 5120]"
+    recomputed: str | None  # None: not recomputed (early stop, or the recompute stopped before it)
+    matches: bool | None  # None: cannot tell
+    in_torch_error: bool = False
+    values_differ: bool | None = None  # same metadata, different values: what torch cannot see
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Cause:
+    kind: str  # state_mutation, rng, nondeterministic_op, global_state, control_flow, sharded_parameter, unknown
+    tensor: str | None  # the tensor / flag / op it concerns
+    detail: str
+    evidence: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Suggestion:
+    title: str
+    text: str
+    code: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class AlignedRow:
+    """One row of the side-by-side view: a forward op, its recompute partner, and what differs."""
+
+    how: str  # match, substituted, forward_only, recompute_only, not_recomputed
+    forward_index: int | None
+    recompute_index: int | None
+    forward: str | None  # "aten.topk.default -> f32[512, 2], i64[512, 2]"
+    recompute: str | None
+    module: str | None
+    marker: str | None  # None, "value", "discrete", "shape", "control", "cached"
+
+
+@dataclass(slots=True)
+class RegionReport:
+    rank: int
+    region: int
+    module: str | None
+    kind: str
+    status: str
+    silent: bool
+    cause: Cause | None
+    first_value_divergence: Divergence | None
+    first_discrete_divergence: Divergence | None
+    first_shape_divergence: Divergence | None
+    first_control_divergence: Divergence | None
+    positions: list[PositionRow]
+    suggestions: list[Suggestion]
+    chain: list[str]
+    changed_inputs: list[dict[str, Any]] = field(default_factory=list)  # externals whose values differ
+    state_changes: dict[str, Any] = field(default_factory=dict)  # global state keys that differ
+    forward_ops: int = 0
+    recompute_ops: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # alignment summary
+    window: list[AlignedRow] = field(default_factory=list)  # side-by-side rows around the first divergence
+    notes: list[str] = field(default_factory=list)
+    source: str = "trace"  # trace or log
+
+    def to_json(self) -> dict[str, Any]:
+        data = {
+            "rank": self.rank, "region": self.region, "module": self.module, "kind": self.kind,
+            "status": self.status, "silent": self.silent,
+            "cause": self.cause.to_json() if self.cause else None,
+        }
+        for name in ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
+                     "first_control_divergence"):
+            d = getattr(self, name)
+            data[name] = d.to_json() if d else None
+        data.update({
+            "positions": [p.to_json() for p in self.positions],
+            "suggestions": [s.to_json() for s in self.suggestions],
+            "chain": list(self.chain), "changed_inputs": self.changed_inputs, "state_changes": self.state_changes,
+            "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
+            "window": [asdict(r) for r in self.window], "notes": list(self.notes), "source": self.source,
+        })
+        return data
+
+
+@dataclass(slots=True)
+class TorchErrorSummary:
+    kind: str
+    rank: int | None
+    region: int | None
+    positions: list[int]
+    message: str
+    saved_count: int | None = None
+    recomputed_count: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class RankSummary:
+    rank: int
+    verdict: str
+    regions: int
+    diverged: int
+    cause: str | None
+    first_module: str | None
+    first_region: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Report:
+    verdict: str  # clean or diverged
+    headline: str  # the one-line answer
+    regions: list[RegionReport]
+    torch_error: TorchErrorSummary | None = None
+    torch_errors: list[TorchErrorSummary] = field(default_factory=list)
+    ranks: list[RankSummary] = field(default_factory=list)
+    cross_rank: list[str] = field(default_factory=list)  # disagreements between ranks that should agree
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    exit_status: str | None = None
+
+    @property
+    def diverged(self) -> bool:
+        return self.verdict == DIVERGED
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": REPORT_FORMAT, "version": REPORT_VERSION, "verdict": self.verdict,
+            "headline": self.headline,
+            "torch_error": self.torch_error.to_json() if self.torch_error else None,
+            "torch_errors": [e.to_json() for e in self.torch_errors],
+            "regions": [r.to_json() for r in self.regions],
+            "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
+            "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
+        }

@@ -1,0 +1,265 @@
+"""The trace file: versioned, self-describing JSON Lines (optionally gzip), streamed and flushed per pass.
+
+    {"type": "header", "format": "ac-diff-trace", "version": "1.0", "torch": "2.13.0", "rank": 0, ...}
+    {"type": "region", "region": 0, "module": "layers.0", "kind": "checkpoint", "options": {...}}
+    {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
+     "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
+     "out": [...], "args": ["$", "$"], "refs": [{"k": "op", "op": 3}, {"k": "param", "name": "..."}],
+     "fp": [[12.5, 801.2]], "vals": {...}}
+    {"type": "pass", "region": 0, "phase": "forward", "n_ops": 57, "complete": true, "positions": [...], ...}
+    {"type": "check_error" | "exception" | "warning", ...}
+    {"type": "end", "status": "ok" | "exception" | "interrupted" | "exit", "exit_code": 0, ...}
+
+`read_run(path)` turns a file back into the model (`ac_diff.model.Run`). A file of another format or
+of a newer major version raises `TraceFormatError` saying what it is and what to do; a file without
+its end record (the process died) loads with `Run.truncated` set and a note.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from . import __version__
+from .model import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
+
+FORMAT = "ac-diff-trace"
+VERSION = "1.0"
+MAJOR = 1
+
+
+class TraceFormatError(ValueError):
+    """The file is not an ac-diff trace this version can read. The message says what to do."""
+
+
+# -- writing ----------------------------------------------------------------------------------
+def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    header = {
+        "type": "header", "format": FORMAT, "version": VERSION, "ac_diff": __version__,
+        "torch": torch.__version__, "python": platform.python_version(), "argv": list(sys.argv),
+        "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1") or 1),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0), "pid": os.getpid(),
+        "host": platform.node(), "start_time": time.time(), "cwd": os.getcwd(),
+        "options": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in vars(options).items()},
+    }
+    header.update(extra or {})
+    return header
+
+
+class TraceWriter:
+    """Appends records to a trace file; `flush()` pushes them to disk so a crash loses nothing written."""
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        raw = open(self.path, "wb")
+        self._raw = raw
+        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
+        self._encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+        self.write(header)
+        self.flush()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(self._encode(record).encode("utf-8", "replace") + b"\n")
+
+    def write_many(self, records: Iterable[dict[str, Any]]) -> None:
+        encode = self._encode
+        self._file.write("".join(encode(r) + "\n" for r in records).encode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        if isinstance(self._file, gzip.GzipFile):
+            self._file.flush(gzip.zlib.Z_SYNC_FLUSH)
+        self._file.flush()
+        self._raw.flush()
+
+    def close(self, end_record: dict[str, Any]) -> None:
+        self.write(end_record)
+        self.flush()
+        if self._file is not self._raw:
+            self._file.close()
+        self._raw.close()
+
+
+# -- reading ----------------------------------------------------------------------------------
+def open_text(path: str | os.PathLike) -> io.TextIOBase:
+    """Open a file as text whether it is gzip-compressed or not."""
+    raw = open(path, "rb")
+    magic = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
+    stream: Any = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+    return io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+
+
+def is_trace(path: str | os.PathLike) -> bool:
+    """True if the file starts like an ac-diff trace (any version)."""
+    try:
+        with open_text(path) as f:
+            first = f.readline(65536)
+        return '"format"' in first and FORMAT in first
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return False
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """Yield the trace's records after checking its header; a cut last line ends the iteration."""
+    with open_text(path) as f:
+        first = f.readline()
+        header = _parse_header(first, path)
+        yield header
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield {"type": "_garbled", "text": line[:200]}
+            except (EOFError, gzip.BadGzipFile, OSError):  # gzip cut mid-stream
+                yield {"type": "_garbled", "text": "<gzip stream cut>"}
+                return
+
+
+def _parse_header(line: str, path: Any) -> dict[str, Any]:
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceFormatError(
+            f"{path} is not an ac-diff trace (its first line is not an ac-diff-trace header); "
+            "pass a trace written by `ac-diff run`, or use `ac-diff compare` for a log torch printed"
+        )
+    version = str(header.get("version", ""))
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = -1
+    if major != MAJOR:
+        raise TraceFormatError(
+            f"{path} is an ac-diff trace of format version {version or '?'}, this ac-diff ({__version__}) reads "
+            f"version {MAJOR}.x; {'upgrade ac-diff' if major > MAJOR else 're-record it with this ac-diff'} "
+            "(pip install -U ac-diff)"
+        )
+    return header
+
+
+def read_run(path: str | os.PathLike) -> Run:
+    """Read one trace file into the model. Raises TraceFormatError for a file that is not one."""
+    records = iter_records(path)
+    header = next(records)
+    run = Run(source="trace", path=str(path), header=header)
+    rank = int(header.get("rank", 0) or 0)
+    regions: dict[int, Region] = {}
+    ops: dict[tuple, list[OpRecord]] = {}
+    garbled = 0
+    ended = False
+    for rec in records:
+        kind = rec.get("type")
+        if kind == "op":
+            key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
+            ops.setdefault(key, []).append(_op_from_json(rec))
+        elif kind == "pass":
+            _attach_pass(regions, ops, rec, rank)
+        elif kind == "region":
+            number = rec["region"]
+            regions[number] = Region(
+                rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
+                parent=rec.get("parent"), options={**rec.get("options", {}), "recorded": rec.get("recorded", True),
+                                                   "parent_phase": rec.get("parent_phase")},
+            )
+        elif kind == "check_error":
+            run.header.setdefault("check_errors", []).append(rec)
+        elif kind == "exception":
+            run.header["exception"] = rec
+        elif kind == "warning":
+            run.notes.append(rec.get("message", ""))
+        elif kind == "end":
+            ended = True
+            run.exit_status = rec.get("status")
+            run.header["end"] = rec
+        elif kind == "_garbled":
+            garbled += 1
+    for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
+        region = regions.get(number)
+        if region is not None and phase in PHASES:
+            p = Pass(phase=phase, ops=pending, complete=False, attempt=attempt)
+            _set_pass(region, p)
+    run.regions = sorted(regions.values(), key=lambda r: r.region)
+    if garbled:
+        run.notes.append(f"skipped {garbled} unreadable line(s) in {path}")
+    if not ended:
+        run.truncated = True
+        run.notes.append(f"{path} has no end record: the recorded process stopped before ac-diff could finish "
+                         "the trace (killed?); everything up to the last completed pass is shown")
+    return run
+
+
+def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int) -> None:
+    number = rec.get("region")
+    region = regions.get(number)
+    if region is None:
+        return
+    attempt = rec.get("attempt", 0)
+    p = Pass(
+        phase=rec.get("phase", "forward"), ops=ops.pop((number, rec.get("phase"), attempt), []),
+        positions=[_position_from_json(x) for x in rec.get("positions", [])],
+        externals=[_external_from_json(x) for x in rec.get("externals", [])],
+        state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
+        stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
+    )
+    if rec.get("error"):
+        p.state["error"] = rec["error"]
+    p.state["n_ops"] = rec.get("n_ops", len(p.ops))
+    _set_pass(region, p)
+
+
+def _set_pass(region: Region, p: Pass) -> None:
+    if p.phase == "forward":
+        region.forward = p
+        return
+    region.options["recomputes"] = max(region.options.get("recomputes", 0), p.attempt + 1)
+    if region.recompute is None or p.attempt < region.recompute.attempt:
+        # the first recompute is the one torch compares; later ones (retain_graph) are only counted
+        region.recompute = p
+
+
+def _meta(x: Any) -> TensorMeta:
+    return TensorMeta.from_json(x)
+
+
+def _op_from_json(rec: dict) -> OpRecord:
+    return OpRecord(
+        index=rec.get("i", 0), op=rec.get("op", "?"), module=rec.get("module"), source=rec.get("src"),
+        inputs=[_meta(x) for x in rec.get("in", [])], out=[_meta(x) for x in rec.get("out", [])],
+        args=rec.get("args", []), input_refs=[InputRef.from_json(r) for r in rec.get("refs", [])],
+        fingerprint=rec.get("fp"), host_value=rec.get("host"), values=rec.get("vals"),
+        cached=bool(rec.get("cached", False)), random=bool(rec.get("random", False)),
+        discrete=bool(rec.get("discrete", False)),
+    )
+
+
+def _position_from_json(x: list) -> Position:
+    position, meta, origin, op_index, output, name = (list(x) + [None] * 6)[:6]
+    return Position(position=position, meta=_meta(meta) if meta else None, origin=origin or "unknown",
+                    op_index=op_index, output=output or 0, name=name)
+
+
+def _external_from_json(x: dict) -> External:
+    return External(index=x.get("i", 0), kind=x.get("kind", "external"), name=x.get("name", "?"),
+                    meta=_meta(x["meta"]) if x.get("meta") else TensorMeta((), "?"), fingerprint=x.get("fp"),
+                    first_op=x.get("first_op"))
+
+
+def trace_files(path: str | os.PathLike) -> list[Path]:
+    """The trace files in a directory (one per rank), or the file itself."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(q for q in p.iterdir() if q.is_file() and q.name.startswith("trace") and
+                      (q.suffix == ".jsonl" or q.name.endswith(".jsonl.gz")))
+    return [p]
