@@ -38,25 +38,35 @@ Algorithm
 ---------
 1. Trim the common prefix and suffix (galloping slice compares, so identical
    or early-stopped sequences cost a few C-level passes).
-2. Intern the remaining middle to small ints; if the cheap lower bound
-   ``max(|n - m|, sum_k |count_a(k) - count_b(k)|)`` allows it, run Myers'
-   O((N+M)·D) diff restricted to the diagonal band that can still finish
-   within ``max_edit`` edits.  Diagonal runs ("snakes") are followed with
-   galloping slice compares, so long agreeing stretches cost almost nothing.
+2. Intern the remaining middle to small ints.  If the lower bound
+   ``sum_k |count_a(k) - count_b(k)|`` (>= ``|n - m|``) is within
+   ``max_edit``, run Myers' O((N+M)·D) diff restricted to the diagonal band
+   that can still finish within the cap, with iterative deepening of the cap
+   (lb+16, lb+64, ... max_edit), so a few edits or an early stop plus a few
+   edits cost little.  Diagonal runs ("snakes") are followed with galloping
+   slice compares, so long agreeing stretches cost almost nothing.
 3. Beyond ``max_edit`` (heuristic, not guaranteed optimal):
 
-   * if the forward is much longer (early stop), align the recompute against
-     a prefix of the forward with a free-end Myers (same cap); the rest of
-     the forward becomes trailing ``forward_only`` entries;
-   * otherwise anchor on keys occurring the same, smallest possible, number
-     of times in both sides (patience/histogram diff: unique keys first, the
-     k-th occurrence in ``a`` paired with the k-th in ``b``), keep a longest
-     increasing chain of anchors, and recurse into the gaps (depth-capped).
-     Small gaps get an exact Myers with a cap of ~2·sqrt(size); gaps with no
-     anchors get a greedy next-occurrence matcher (O(n log n)).
+   * if the forward is longer by more than ``max_edit`` (early stop), align
+     the recompute against a prefix of the forward with a free-end Myers
+     (same cap); the rest of the forward becomes trailing ``forward_only``
+     entries (and symmetrically for a longer recompute);
+   * otherwise anchor and recurse (patience / histogram diff): keys that occur
+     once (or twice) on both sides; else q-grams (q=4) unique on both sides;
+     else keys with the same, smallest possible, count on both sides (k-th
+     occurrence paired with k-th).  A longest increasing chain of anchors is
+     kept and the gaps between anchors are solved recursively (depth-capped).
+     Gaps get an exact Myers with a cap of ~2·sqrt(size) when their lower
+     bound allows; blocks with no anchors get a greedy next-occurrence matcher
+     (O(n log n)).
 
-   Worst-case cost is therefore about ``max_edit**2 / 2`` Python steps for a
-   failed exact attempt plus O((N+M) log(N+M)) per recursion level.
+   Worst-case cost: about ``max_edit**2 / 2`` Python steps for a failed exact
+   attempt, plus O((N+M) log(N+M)) per recursion level (at most 24 levels).
+4. ``_tidy`` slides insertions/deletions across short runs of repeated keys so
+   that "insert x, match x, delete y" reads as one substituted op (same number
+   of matches).  Unmatched gaps are paired position-wise as ``"substituted"``
+   when both sides have nearly the same size (difference <= max(1, 25%)),
+   otherwise emitted as ``forward_only`` then ``recompute_only`` entries.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, count, repeat
 from math import isqrt
+from operator import eq
 
 __all__ = ["Pair", "align", "summarize", "first_mismatch", "HOWS"]
 
@@ -171,16 +182,14 @@ def _suffix_len(a: list, i: int, b: list, j: int, limit: int) -> int:
     return n
 
 
-def _count_lower_bound(ca: Counter, cb: Counter) -> int:
-    """sum_k |ca[k] - cb[k]|: every indel script needs at least that many edits."""
-    lb = 0
-    get = cb.get
-    for k, c in ca.items():
-        lb += abs(c - get(k, 0))
-    for k, c in cb.items():
-        if k not in ca:
-            lb += c
-    return lb
+def _count_lower_bound(ca: Counter, cb: Counter, n: int, m: int) -> int:
+    """sum_k |ca[k] - cb[k]|: every indel script needs at least that many edits.
+
+    Computed as ``n + m - 2 * sum_k min(ca[k], cb[k])`` with C-level loops.
+    """
+    common = ca.keys() & cb.keys()
+    both = sum(map(min, map(ca.__getitem__, common), map(cb.__getitem__, common)))
+    return n + m - 2 * both
 
 
 # --------------------------------------------------------------------------
@@ -208,6 +217,8 @@ def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, e
     glob = end == "both"
     if glob and abs(delta) > cap:
         return None
+    if cap > N + M:
+        cap = N + M  # no script needs more edits than that
     off = cap + 3
     V = [_UNREACHED] * (2 * cap + 7)
     trace: list[tuple[int, int, array]] = []  # per round: (lo, hi, V[lo..hi step 2])
@@ -303,7 +314,7 @@ def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, e
     return runs
 
 
-def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, lb: int, cap: int):
+def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, lb: int, cap: int, end: str = "both"):
     """:func:`_myers` with caps ``lb + 16``, ``lb + 64``, ... up to ``cap``.
 
     ``lb`` is a lower bound on the edit count.  The diagonal band pruning makes
@@ -311,12 +322,13 @@ def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, l
     difference that is mostly a length change (early stop inside the cap) or
     a handful of edits is found without paying ``cap**2``.
     """
+    cap = min(cap, (ahi - alo) + (bhi - blo))
     slack = 16
     while True:
         c = lb + slack
         if c >= cap:
-            return _myers(A, alo, ahi, B, blo, bhi, cap)
-        r = _myers(A, alo, ahi, B, blo, bhi, c)
+            return _myers(A, alo, ahi, B, blo, bhi, cap, end)
+        r = _myers(A, alo, ahi, B, blo, bhi, c, end)
         if r is not None:
             return r
         slack <<= 2
@@ -328,6 +340,7 @@ def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, l
 
 _MAX_DEPTH = 24
 _TIERS = (1, 2, 4, 8, 16, 64, 256, 1 << 62)
+_GRAM = 4  # q-gram length for anchors when single keys repeat a lot
 _GREEDY_LOOKAHEAD = 1024
 
 
@@ -357,19 +370,37 @@ def _lis(values: list[int]) -> list[int]:
     return out
 
 
+def _unique_keys(c: Counter) -> set:
+    return set(compress(c.keys(), map((1).__eq__, c.values())))
+
+
 class _Heuristic:
+    """Anchor-and-recurse alignment for differences beyond ``max_edit``.
+
+    Produces monotone, non-overlapping match runs in ``self.runs``.
+    """
+
     def __init__(self, A: list, B: list, max_edit: int):
         self.A = A
         self.B = B
         self.max_edit = max_edit
         self.runs: list[tuple[int, int, int]] = []
 
+    def _add(self, i: int, j: int, L: int) -> None:
+        runs = self.runs
+        if runs:
+            qi, qj, qL = runs[-1]
+            if qi + qL == i and qj + qL == j:
+                runs[-1] = (qi, qj, qL + L)
+                return
+        runs.append((i, j, L))
+
     def solve(self, alo: int, ahi: int, blo: int, bhi: int, depth: int) -> None:
-        A, B, runs = self.A, self.B, self.runs
+        A, B = self.A, self.B
         lim = min(ahi - alo, bhi - blo)
         p = _prefix_len(A, alo, B, blo, lim) if lim else 0
         if p:
-            runs.append((alo, blo, p))
+            self._add(alo, blo, p)
             alo += p
             blo += p
             lim -= p
@@ -384,18 +415,16 @@ class _Heuristic:
             else:
                 self._block(alo, ahi, blo, bhi, depth)
         if s:
-            runs.append((ahi, bhi, s))
+            self._add(ahi, bhi, s)
 
     def _single(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
         # one side has a single op: the LCS is 1 iff it occurs on the other side
         A, B = self.A, self.B
         try:
             if ahi - alo == 1:
-                j = B.index(A[alo], blo, bhi)
-                self.runs.append((alo, j, 1))
+                self._add(alo, B.index(A[alo], blo, bhi), 1)
             else:
-                i = A.index(B[blo], alo, ahi)
-                self.runs.append((i, blo, 1))
+                self._add(A.index(B[blo], alo, ahi), blo, 1)
         except ValueError:
             pass
 
@@ -405,17 +434,20 @@ class _Heuristic:
         m = bhi - blo
         ca = cb = None
         if depth > 0:
+            # exact diff for small / similar blocks, with a cap ~ 2*sqrt(size)
+            # so that a failed attempt costs O(size)
             cap = min(self.max_edit, max(32, 2 * isqrt(n + m)))
             if abs(n - m) <= cap:
                 lb = abs(n - m)
                 if n + m > 64:
                     ca = Counter(A[alo:ahi])
                     cb = Counter(B[blo:bhi])
-                    lb = _count_lower_bound(ca, cb)
+                    lb = _count_lower_bound(ca, cb, n, m)
                 if lb <= cap:
                     r = _myers_deepening(A, alo, ahi, B, blo, bhi, lb, cap)
                     if r is not None:
-                        self.runs.extend(r)
+                        for run in r:
+                            self._add(*run)
                         return
         if depth < _MAX_DEPTH:
             if ca is None:
@@ -423,27 +455,49 @@ class _Heuristic:
                 cb = Counter(B[blo:bhi])
             anchors = self._anchors(alo, ahi, blo, bhi, ca, cb)
             if anchors:
+                del ca, cb
                 pa, pb = alo, blo
-                runs = self.runs
-                for i, j in anchors:
+                for i, j, L in anchors:
                     if pa < i and pb < j:
                         self.solve(pa, i, pb, j, depth + 1)
-                    runs.append((i, j, 1))
-                    pa, pb = i + 1, j + 1
+                    self._add(i, j, L)
+                    pa, pb = i + L, j + L
                 if pa < ahi and pb < bhi:
                     self.solve(pa, ahi, pb, bhi, depth + 1)
                 return
         self._greedy(alo, ahi, blo, bhi)
 
-    def _anchors(self, alo, ahi, blo, bhi, ca: Counter, cb: Counter) -> list[tuple[int, int]]:
-        """Histogram-diff anchors: keys with the same (smallest) count on both sides."""
-        get = cb.get
-        equal = {k: c for k, c in ca.items() if get(k) == c}
-        if not equal:
+    # -- anchors ------------------------------------------------------------
+
+    def _anchors(self, alo, ahi, blo, bhi, ca: Counter, cb: Counter) -> list[tuple[int, int, int]]:
+        """Monotone anchor runs for a block, or [] if none can be found.
+
+        Preference: keys unique (or twice) on both sides; else unique q-grams
+        when they cover a useful part of the block; else keys with the same,
+        smallest possible, count on both sides (histogram diff, k-th
+        occurrence paired with k-th occurrence).
+        """
+        common = list(ca.keys() & cb.keys())
+        if not common:
             return []
-        cmin = min(equal.values())
+        va = list(map(ca.__getitem__, common))
+        equal = list(compress(zip(common, va), map(eq, va, map(cb.__getitem__, common))))
+        cmin = min(c for _, c in equal) if equal else 0
+        if equal and cmin <= 2:
+            return self._key_anchors(alo, ahi, blo, bhi, equal, cmin)
+        gram_runs: list[tuple[int, int, int]] = []
+        if min(ahi - alo, bhi - blo) >= 2 * _GRAM:
+            gram_runs = self._gram_anchors(alo, ahi, blo, bhi, _GRAM)
+            covered = sum(L for _, _, L in gram_runs)
+            if covered * 8 >= min(ahi - alo, bhi - blo) or not equal:
+                return gram_runs
+        if equal:
+            return self._key_anchors(alo, ahi, blo, bhi, equal, cmin)
+        return gram_runs
+
+    def _key_anchors(self, alo, ahi, blo, bhi, equal, cmin) -> list[tuple[int, int, int]]:
         tier = next(t for t in _TIERS if t >= cmin)
-        keep = {k for k, c in equal.items() if c <= tier}
+        keep = {k for k, c in equal if c <= tier}
         A, B = self.A, self.B
         ia = list(compress(range(alo, ahi), map(keep.__contains__, A[alo:ahi])))
         jb = list(compress(range(blo, bhi), map(keep.__contains__, B[blo:bhi])))
@@ -454,42 +508,86 @@ class _Heuristic:
             # stable sorts group occurrences per key, in order: k-th with k-th
             pairing = dict(zip(sorted(ia, key=A.__getitem__), sorted(jb, key=B.__getitem__)))
             js = list(map(pairing.__getitem__, ia))
-        return [(ia[t], js[t]) for t in _lis(js)]
+        return [(ia[t], js[t], 1) for t in _lis(js)]
+
+    def _gram_anchors(self, alo, ahi, blo, bhi, q: int) -> list[tuple[int, int, int]]:
+        """Anchors on q-grams occurring exactly once on each side."""
+        A, B = self.A, self.B
+        # hashes of the q-grams starting at alo .. ahi-q (collisions are re-checked)
+        ga = list(map(hash, zip(*(A[alo + t : ahi - q + 1 + t] for t in range(q)))))
+        gb = list(map(hash, zip(*(B[blo + t : bhi - q + 1 + t] for t in range(q)))))
+        keep = _unique_keys(Counter(ga)) & _unique_keys(Counter(gb))
+        if not keep:
+            return []
+        mask_a = list(map(keep.__contains__, ga))
+        mask_b = list(map(keep.__contains__, gb))
+        ia = list(compress(range(alo, ahi - q + 1), mask_a))
+        posb = dict(zip(compress(gb, mask_b), compress(range(blo, bhi - q + 1), mask_b)))
+        js = list(map(posb.__getitem__, compress(ga, mask_a)))
+        runs: list[tuple[int, int, int]] = []
+        for t in _lis(js):
+            i, j = ia[t], js[t]
+            if A[i : i + q] != B[j : j + q]:
+                continue  # hash collision
+            if runs:
+                ri, rj, rL = runs[-1]
+                if i - j == ri - rj and i <= ri + rL:
+                    runs[-1] = (ri, rj, max(rL, i + q - ri))  # same diagonal: extend
+                    continue
+                if i < ri + rL or j < rj + rL:
+                    continue  # overlaps the previous run on another diagonal
+            runs.append((i, j, q))
+        return runs
+
+    # -- greedy fallback ----------------------------------------------------
 
     def _greedy(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
-        """Linear-ish fallback: match equal heads, else skip to the nearer next occurrence."""
-        A, B, runs = self.A, self.B, self.runs
+        """O(n log n) fallback: match equal heads, else skip to the nearer next occurrence.
+
+        Only ops whose key occurs on both sides can match, so the walk runs
+        over those alone.
+        """
+        A, B = self.A, self.B
+        sa = A[alo:ahi]
+        sb = B[blo:bhi]
+        common = set(sa).intersection(sb)
+        if not common:
+            return
+        ia = list(compress(range(alo, ahi), map(common.__contains__, sa)))
+        jb = list(compress(range(blo, bhi), map(common.__contains__, sb)))
+        ka = list(map(A.__getitem__, ia))
+        kb = list(map(B.__getitem__, jb))
         posa: dict = {}
-        for i in range(alo, ahi):
-            posa.setdefault(A[i], []).append(i)
+        for x, k in enumerate(ka):
+            posa.setdefault(k, []).append(x)
         posb: dict = {}
-        for j in range(blo, bhi):
-            posb.setdefault(B[j], []).append(j)
-        empty: list[int] = []
+        for y, k in enumerate(kb):
+            posb.setdefault(k, []).append(y)
         look = _GREEDY_LOOKAHEAD
         big = 1 << 62
-        i, j = alo, blo
-        while i < ahi and j < bhi:
-            if A[i] == B[j]:
-                lim = min(ahi - i, bhi - j)
-                L = _prefix_len(A, i, B, j, lim)
-                runs.append((i, j, L))
-                i += L
-                j += L
+        na, nb = len(ka), len(kb)
+        x = y = 0
+        add = self._add
+        while x < na and y < nb:
+            kx, ky = ka[x], kb[y]
+            if kx == ky:
+                add(ia[x], jb[y], 1)
+                x += 1
+                y += 1
                 continue
-            pb = posb.get(A[i], empty)
-            t = bisect_left(pb, j)
-            db = pb[t] - j if t < len(pb) else big
-            pa = posa.get(B[j], empty)
-            t = bisect_left(pa, i)
-            da = pa[t] - i if t < len(pa) else big
+            pb = posb[kx]
+            t = bisect_left(pb, y)
+            db = pb[t] - y if t < len(pb) else big
+            pa = posa[ky]
+            t = bisect_left(pa, x)
+            da = pa[t] - x if t < len(pa) else big
             if db <= da and db <= look:
-                j += db  # B[j:j+db] only in the recompute
+                y += db  # skip recompute-only ops
             elif da < db and da <= look:
-                i += da  # A[i:i+da] only in the forward
+                x += da  # skip forward-only ops
             else:
-                i += 1  # substitution
-                j += 1
+                x += 1  # substitution
+                y += 1
 
 
 # --------------------------------------------------------------------------
@@ -522,13 +620,13 @@ def _diff_middle(a: list, b: list, offset: int, max_edit: int) -> list[tuple[int
     n, m = len(A), len(B)
     runs = None
     if abs(n - m) <= max_edit:
-        lb = _count_lower_bound(Counter(A), Counter(B))
+        lb = _count_lower_bound(Counter(A), Counter(B), n, m)
         if lb <= max_edit:
             runs = _myers_deepening(A, 0, n, B, 0, m, lb, max_edit)
     if runs is None and n - m > max_edit:
-        runs = _myers(A, 0, n, B, 0, m, max_edit, end="a")  # early stop
+        runs = _myers_deepening(A, 0, n, B, 0, m, 0, max_edit, end="a")  # early stop
     if runs is None and m - n > max_edit:
-        runs = _myers(A, 0, n, B, 0, m, max_edit, end="b")
+        runs = _myers_deepening(A, 0, n, B, 0, m, 0, max_edit, end="b")
     if runs is None:
         h = _Heuristic(A, B, max_edit)
         h.solve(0, n, 0, m, 0)

@@ -181,6 +181,16 @@ class Recorder:
         finally:
             self._local.internal -= 1
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """For the recorder's own tensor work outside its dispatch handler: no dispatch mode may see it.
+
+        A selective-AC caching mode that saw a fingerprint reduction would store it and change what the
+        recompute replays; a user's FlopCounter would count it.
+        """
+        with self.internal(), _no_dispatch_modes():
+            yield
+
     def op_count(self) -> int:
         return self._ops_seen
 
@@ -235,7 +245,7 @@ class Recorder:
             p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
             if p is None:
                 return
-        with self.internal():
+        with self.quiet():
             ref = self._ref(p, tensor)
             p.positions.append([position, _meta(tensor), ref.get("k"), ref.get("op"), ref.get("o", 0),
                                 ref.get("name")])
@@ -247,16 +257,25 @@ class Recorder:
         self._writer.flush()
 
     def sac_saved(self, func) -> None:
+        """Selective AC stored this op's output in the forward: mark the op (the last one of that name)."""
         passes = self._passes()
-        if passes and passes[-1].ops:
-            passes[-1].ops[-1]["cached"] = True
-            passes[-1].region.options["sac"] = True
+        if not passes:
+            return
+        p = passes[-1]
+        p.region.options["sac"] = True
+        name = op_info(func).name
+        for rec in reversed(p.ops[-4:]):  # the op itself, possibly followed by SAC's own detach
+            if rec["op"] == name:
+                rec["cached"] = True
+                break
 
     def sac_cached(self, func, args, kwargs, out) -> None:
+        """Selective AC answered this op from its cache in the recompute: it never reached the recorder."""
         passes = self._passes()
         if passes:
             passes[-1].region.options["sac"] = True
-            self._record(passes[-1], func, args, kwargs or {}, out, cached=True)
+            with self.quiet():
+                self._record(passes[-1], func, args, kwargs or {}, out, cached=True)
 
     # -- module names -------------------------------------------------------------------------
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
@@ -264,7 +283,7 @@ class Recorder:
         if passes:
             p = passes[-1]
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
-                p.region.module = fqn
+                p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:
@@ -419,7 +438,7 @@ class Recorder:
                 "options": region.options, "recorded": region.recorded,
             })
         if region.recorded:
-            with self.internal():
+            with self.quiet():
                 fingerprints, kept = p.batch.collect()
             for rec, j, slot in p.fp_slots:
                 fp = rec.get("fp")
@@ -471,6 +490,21 @@ class Recorder:
             if fmodes:
                 state["function_modes"] = fmodes
         return state
+
+
+try:  # private, guarded: without it the recorder's own reductions could be seen by outer modes
+    from torch.utils._python_dispatch import _disable_current_modes as _disable_modes
+except ImportError:  # pragma: no cover - older torch
+    _disable_modes = None
+
+
+@contextlib.contextmanager
+def _no_dispatch_modes():
+    if _disable_modes is None or not torch._C._len_torch_dispatch_stack():
+        yield
+    else:
+        with _disable_modes():
+            yield
 
 
 def _meta(t: torch.Tensor) -> list:

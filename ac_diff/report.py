@@ -117,6 +117,7 @@ class RegionReport:
     counts: dict[str, int] = field(default_factory=dict)  # alignment summary
     window: list[AlignedRow] = field(default_factory=list)  # side-by-side rows around the first divergence
     notes: list[str] = field(default_factory=list)
+    side_effects: list[str] = field(default_factory=list)  # in-place state updates the recompute repeats
     source: str = "trace"  # trace or log
 
     def to_json(self) -> dict[str, Any]:
@@ -134,7 +135,8 @@ class RegionReport:
             "suggestions": [s.to_json() for s in self.suggestions],
             "chain": list(self.chain), "changed_inputs": self.changed_inputs, "state_changes": self.state_changes,
             "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
-            "window": [asdict(r) for r in self.window], "notes": list(self.notes), "source": self.source,
+            "window": [asdict(r) for r in self.window], "notes": list(self.notes),
+            "side_effects": list(self.side_effects), "source": self.source,
         })
         return data
 

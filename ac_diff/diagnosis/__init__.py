@@ -117,7 +117,10 @@ def _headline(regions, errors, runs) -> str:
                     + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
                     + "; no region's op lists were available to explain it")
         checked = sum(1 for r in regions if r.status == CLEAN)
-        return f"clean: all {checked} recomputed region(s) reproduced their forward exactly"
+        repeated = {e.split(" is updated in place")[0] for r in regions for e in r.side_effects}
+        extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
+                 + (" ..." if len(repeated) > 3 else "") if repeated else "")
+        return f"clean: all {checked} recomputed region(s) reproduced their saved tensors exactly{extra}"
     # lead with the region torch complained about, else the first in forward order
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = errored[0] if errored else diverged[0]

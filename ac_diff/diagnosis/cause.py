@@ -43,11 +43,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "(ZeRO-3 / FSDP frees them after the forward)",
                      [f"position {p.position}: saved {p.saved}, recomputed {p.recomputed}" for p in sharded[:5]])
 
-    if changed:
-        # prefer a buffer/parameter (model state) over an input; prefer one that feeds the first divergence
-        feeding = set((value.detail.get("changed_inputs") if value else None) or [])
-        ranked = sorted(changed, key=lambda c: (c["name"] not in feeding, c["kind"] not in ("buffer", "param"),
-                                                c.get("first_op") or 0))
+    first = cmp.first_divergence()
+    feeding = set(first.sources) if first is not None else set()
+    saved_changed = {p.name for p in report.positions if p.origin != "op" and p.values_differ}
+    relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed]
+    if relevant:
+        # prefer model state (buffer/parameter) over an input, then the first one read
+        ranked = sorted(relevant, key=lambda c: (c["kind"] not in ("buffer", "param"), c.get("first_op") or 0))
         top = ranked[0]
         what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['forward'])} in forward, "

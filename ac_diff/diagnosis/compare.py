@@ -20,7 +20,8 @@ from ..align import Pair, align
 from ..model import External, OpRecord, Pass
 from ..opinfo import DISCRETE_OPS
 
-# Ops torch's checkpoint machinery adds to a recompute (the pack hook detaches what it saves).
+# Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
+# saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
 
 
@@ -59,6 +60,12 @@ class PairDiff:
     kinds: set[str] = field(default_factory=set)  # value, shape, args, host, control
     inputs_same: bool | None = None  # all inputs identical between passes (None: cannot tell)
     changed_inputs: list[str] = field(default_factory=list)  # names of externals that changed, feeding it
+    sources: frozenset[str] = frozenset()  # changed externals reaching this op through any path
+    side_effect: bool = False  # an in-place update of state outside the region (a buffer counter...)
+
+    @property
+    def differs(self) -> bool:
+        return bool(self.kinds) and not self.side_effect
 
 
 def is_discrete(op: OpRecord) -> bool:
@@ -68,8 +75,8 @@ def is_discrete(op: OpRecord) -> bool:
     return len(parts) >= 2 and parts[1] in DISCRETE_OPS and not (parts[1] in ("max", "min") and parts[-1] == "default")
 
 
-def usable_ops(p: Pass, drop_hook_ops: bool) -> list[OpRecord]:
-    return [o for o in p.ops if not (drop_hook_ops and o.op in HOOK_ONLY_OPS)]
+def usable_ops(p: Pass) -> list[OpRecord]:
+    return [o for o in p.ops if o.op not in HOOK_ONLY_OPS]
 
 
 @dataclass
@@ -85,28 +92,35 @@ class PassComparison:
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
-            if kind in d.kinds:
+            if kind in d.kinds and not d.side_effect:
                 return d
         return None
 
     def first_discrete(self) -> PairDiff | None:
         for d in self.diffs:
             op = d.forward or d.recompute
-            if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "host"}:
+            if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "host"} and not d.side_effect:
                 return d
         return None
 
     def first_shape(self) -> PairDiff | None:
         for d in self.diffs:
-            if d.kinds & {"shape", "args"}:
+            if d.kinds & {"shape", "args"} and not d.side_effect:
                 return d
         return None
+
+    def first_divergence(self) -> PairDiff | None:
+        """The earliest pair that differs in any way that matters (side effects excluded)."""
+        return next((d for d in self.diffs if d.differs), None)
+
+    def side_effects(self) -> list[PairDiff]:
+        return [d for d in self.diffs if d.side_effect and d.kinds]
 
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    from_log: bool = False) -> PassComparison:
-    f_ops = usable_ops(forward, from_log)
-    r_ops = usable_ops(recompute, from_log)
+    f_ops = usable_ops(forward)
+    r_ops = usable_ops(recompute)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
     # back to the ops' own indices
     pairs = [Pair(f_ops[p.forward].index if p.forward is not None else None,
@@ -124,12 +138,13 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     if stopped:
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
 
+    sources = _changed_sources(r_ops, ext_status)
     tainted: dict[int, bool] = {}
     diffs: list[PairDiff] = []
     for k, p in enumerate(pairs):
         f = f_by_index.get(p.forward) if p.forward is not None else None
         r = r_by_index.get(p.recompute) if p.recompute is not None else None
-        d = PairDiff(p, f, r)
+        d = PairDiff(p, f, r, sources=sources.get(p.recompute, frozenset()), side_effect=_is_side_effect(f or r))
         if k > last_rec and stopped and r is None:
             diffs.append(d)  # not recomputed: nothing to compare
             continue
@@ -139,12 +154,35 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             _compare_pair(d, f, r, tolerance)
             same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status)
             d.inputs_same, d.changed_inputs = same, changed
-            tainted[f.index] = bool(d.kinds & {"value", "shape", "args", "host"}) or (
-                same is False and not _measured(f, r))
+            tainted[f.index] = not d.side_effect and (bool(d.kinds & {"value", "shape", "args", "host"}) or (
+                same is False and not _measured(f, r)))
         elif f is not None:
             tainted[f.index] = True
         diffs.append(d)
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd)
+
+
+def _is_side_effect(op: OpRecord | None) -> bool:
+    """An in-place op on a tensor the region did not create: state updated as a side effect
+    (a tokens-per-expert counter). The recompute repeats it, but no saved activation depends on it."""
+    if op is None or not op.input_refs:
+        return False
+    packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
+    return packet.endswith("_") and not packet.startswith("_") and op.input_refs[0].kind in ("buffer", "param", "external")
+
+
+def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[int, frozenset[str]]:
+    """For each recompute op, the changed externals that reach it through its inputs (transitively)."""
+    reach: dict[int, frozenset[str]] = {}
+    for op in r_ops:
+        found: set[str] = set()
+        for ref in op.input_refs:
+            if ref.kind == "op":
+                found |= reach.get(ref.op_index, frozenset())
+            elif ext_status.get(_external_key(ref.kind, ref.name)):
+                found.add(ref.name or ref.kind)
+        reach[op.index] = frozenset(found)
+    return reach
 
 
 def _measured(f: OpRecord, r: OpRecord) -> bool:

@@ -14,7 +14,7 @@ from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, Positi
 from .cause import explain
 from .compare import PairDiff, PassComparison, Tolerance, compare_passes, is_discrete
 from .discrete import describe_flip
-from .labels import args_diff, op_label, outputs_diff
+from .labels import args_diff, op_label, outputs_diff, where
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,26 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     report.positions = position_rows(fwd, rec, cmp, torch_error)
 
     position_mismatch = any(p.matches is False for p in report.positions)
+    position_values = any(p.values_differ for p in report.positions)
     count_mismatch = _count_mismatch(fwd, rec)
-    diverged = any((report.first_value_divergence, report.first_discrete_divergence,
-                    report.first_shape_divergence, report.first_control_divergence, report.changed_inputs,
-                    position_mismatch, count_mismatch, torch_error))
+    first = cmp.first_divergence()
+    if fwd.positions and region.kind != "reentrant":
+        # Backward uses only the recomputed saved tensors: they decide whether gradients are wrong.
+        diverged = bool(position_mismatch or position_values or count_mismatch or torch_error)
+        if first is not None and not diverged:
+            report.notes.append(f"{first.forward.op if first.forward else first.recompute.op} and later ops computed "
+                                "other values in the recompute, but no saved tensor depends on them: harmless "
+                                "for the gradients")
+    else:
+        diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
+    for d in cmp.side_effects():
+        op = d.forward or d.recompute
+        report.side_effects.append(
+            f"{op.input_refs[0].name or 'a tensor'} is updated in place by {op.op} in {where(op.module, op.source)} "
+            "inside the region, so the recompute applies the update a second time (counted twice)")
+    if not diverged:
+        report.first_value_divergence = report.first_discrete_divergence = None
+        report.first_shape_divergence = report.first_control_divergence = None
     report.status = DIVERGED if diverged else CLEAN
     if diverged:
         torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
@@ -196,8 +212,8 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             recomputed = err.recomputed
         matches = _same_meta(pos.meta, recomputed)
         values_differ = None
-        if cmp is not None and op is not None and other is not None:
-            values_differ = bool(cmp.tainted.get(op.index, False))
+        if cmp is not None and other is not None:
+            values_differ = _position_values_differ(pos, other, cmp)
         rows.append(PositionRow(
             position=pos.position, op=op.op if op else None, module=op.module if op else None,
             source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
@@ -213,6 +229,18 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
                                     recomputed=str(err.recomputed) if err.recomputed else None,
                                     matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
     return rows
+
+
+def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
+    """Does the recompute save other values at this position: another op's tensor, or a changed one?"""
+    if pos.origin == "op":
+        if other.origin != "op" or cmp.rec_to_fwd.get(other.op_index) != pos.op_index:
+            return True  # a different tensor took this position (a shifted sequence torch may not see)
+        return bool(cmp.tainted.get(pos.op_index, False))
+    if other.origin != pos.origin or other.name != pos.name and pos.origin != "input":
+        return True
+    changed = {(f.kind, f.name) for f, _ in cmp.changed_externals}
+    return (pos.origin, pos.name) in changed
 
 
 def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> list[AlignedRow]:

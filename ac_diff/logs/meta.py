@@ -302,7 +302,7 @@ class _ArgReader:
 _KW = object()
 
 
-_FLAT_LIST = re.compile(r"(.*?)\[((?:'[^'\\\[\](){}]*'(?:, )?)*)\](.*)\Z")
+_FLAT_LIST = re.compile(r"(.*?)\[((?:'[^',\\\[\](){}]*'(?:, )?)*)\](.*)\Z")
 
 
 def _flat_items(text: str, ids: list[str], values: list[Any], kwargs: dict[str, Any]) -> None:

@@ -51,6 +51,11 @@ def render_terminal(report: Report, console: Console) -> None:
     if len(lead) > MAX_DETAILED_REGIONS:
         console.print(Text(f"... {len(lead) - MAX_DETAILED_REGIONS} more diverged region(s): see the region table, "
                            "or --format json / html for every detail", style="dim"))
+    side_effects = sorted({e for r in report.regions for e in r.side_effects})
+    for effect in side_effects[:6]:
+        console.print(Text("side effect: ", style="bold yellow") + _t(effect))
+    if len(side_effects) > 6:
+        console.print(_t(f"... {len(side_effects) - 6} more side effects in the JSON report", "dim"))
     for note in report.notes:
         console.print(Text("note: ", style="dim bold") + Text(note, style="dim"))
 

@@ -1,0 +1,283 @@
+"""`ac-diff.yaml`: settings kept in the repository; command-line options override them.
+
+    # ac-diff.yaml (in the working directory, or `ac-diff --config FILE ...` / `ac-diff report --config FILE`)
+    rtol: 1.0e-6            # value tolerances for fingerprints (default 0: a recompute is bit-identical)
+    atol: 0.0
+    ignore_ops: [aten.detach.default]        # ops never recorded
+    discrete_ops: [mylib.route.default]      # extra ops treated as discrete decisions
+    keep_values: 4096       # max elements kept per discrete op output (0: none)
+    max_regions: 64         # record ops of the first N regions only (null: all)
+    output_dir: runs/ac-diff
+    format: html            # default report format: terminal, json, html
+
+    config = load_config()                 # ./ac-diff.yaml if there is one, else the defaults
+    config = load_config("ci/ac-diff.yaml")
+    config.record_options(keep_values=None)   # RecordOptions; a non-None argument (a CLI option) wins
+    config.settings(rtol=1e-5)                # diagnosis Settings
+
+Every key is optional. The keys, their types and defaults are in `KEYS` (and in `ac-diff --help`'s
+epilog). Unknown keys, wrong types and malformed YAML raise `ConfigError` with the key's name and the
+valid choices; the CLI prints it as one line and exits 2.
+
+Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
+`report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
+`source_lines`, `scope` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
+`OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
+Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
+for every overload of that op and is expanded when torch knows it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+CONFIG_NAME = "ac-diff.yaml"
+FORMATS = ("terminal", "json", "html")
+SCOPES = ("regions", "all")
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used: the message names the file, the key and the valid choices."""
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    kind: str  # what the value must be, in words (for the error message)
+    default: Any
+    help: str
+    check: Callable[[Any], Any]  # returns the normalised value or raises ValueError(reason)
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, str):  # PyYAML reads `1e-6` (no dot) as a string: accept what float() reads
+        try:
+            v = float(v)
+        except ValueError:
+            raise ValueError("a number") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("a number")
+    if v < 0 or v != v:
+        raise ValueError("a number >= 0")
+    return float(v)
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("an integer >= 0")
+    if v < 0:
+        raise ValueError("an integer >= 0")
+    return v
+
+
+def _count_or_null(v: Any) -> int | None:
+    return None if v is None else _count(v)
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("true or false")
+    return v
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("a non-empty string")
+    return v
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in choices:
+            raise ValueError("one of " + ", ".join(choices))
+        return v
+
+    return check
+
+
+def _op_list(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ValueError("a list of op names like aten.topk.default")
+    return tuple(x.strip() for x in v)
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("rtol", "number >= 0", 0.0, "relative tolerance for value fingerprints (0: exact)", _number),
+    Key("atol", "number >= 0", 0.0, "absolute tolerance for value fingerprints", _number),
+    Key("ignore_ops", "list of op names", (), "ops never recorded (e.g. aten.detach.default)", _op_list),
+    Key("discrete_ops", "list of op names", (), "extra ops treated as discrete decisions (custom routers)",
+        _op_list),
+    Key("keep_values", "integer >= 0", 16384, "max elements kept per discrete op output (0: none)", _count),
+    Key("max_regions", "integer >= 0 or null", None, "record ops of the first N regions only (null: all)",
+        _count_or_null),
+    Key("fingerprints", "true/false", True, "value fingerprints of region ops (false: metadata only, cheapest)",
+        _flag),
+    Key("source_lines", "true/false", True, "record the user source line of each op", _flag),
+    Key("scope", "regions|all", "regions", "regions: observe only checkpointed regions; all: also count other ops",
+        _choice(SCOPES)),
+    Key("output_dir", "path", "ac-diff-out", "directory for trace files written by `run` (demo: OUTPUT_DIR/demo)",
+        _text),
+    Key("format", "terminal|json|html", "terminal", "default report format", _choice(FORMATS)),
+    Key("check", "true/false", False, "`run` exits 1 when the script succeeded but a region diverged", _flag),
+    Key("window_before", "integer >= 0", 3, "aligned rows shown before the first divergence", _count),
+    Key("window_after", "integer >= 0", 8, "aligned rows shown after the first divergence", _count),
+)}
+
+
+@dataclass(frozen=True)
+class Config:
+    rtol: float = 0.0
+    atol: float = 0.0
+    ignore_ops: tuple[str, ...] = ()
+    discrete_ops: tuple[str, ...] = ()
+    keep_values: int = 16384
+    max_regions: int | None = None
+    fingerprints: bool = True
+    source_lines: bool = True
+    scope: str = "regions"
+    output_dir: str = "ac-diff-out"
+    format: str = "terminal"
+    check: bool = False
+    window_before: int = 3
+    window_after: int = 8
+    path: Path | None = field(default=None, compare=False)  # the file it came from (None: defaults)
+
+    def pick(self, name: str, given: Any) -> Any:
+        """A command-line value wins when given (not None); otherwise the config's (or the default)."""
+        return getattr(self, name) if given is None else given
+
+    def settings(self, rtol: float | None = None, atol: float | None = None):
+        from .diagnosis import Settings, Tolerance
+
+        return Settings(tolerance=Tolerance(rtol=self.pick("rtol", rtol), atol=self.pick("atol", atol)),
+                        window_before=self.window_before, window_after=self.window_after)
+
+    def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
+                       fingerprints: bool | None = None, scope: str | None = None):
+        from .recorder import RecordOptions
+
+        return RecordOptions(
+            fingerprints=self.pick("fingerprints", fingerprints), keep_values=self.pick("keep_values", keep_values),
+            source_lines=self.source_lines, max_regions=self.pick("max_regions", max_regions),
+            scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
+            ignore_ops=frozenset(self.ignore_ops))
+
+
+def find_config(cwd: str | os.PathLike | None = None) -> Path | None:
+    """`ac-diff.yaml` in the working directory, if there is one."""
+    p = Path(cwd or os.getcwd()) / CONFIG_NAME
+    return p if p.is_file() else None
+
+
+def load_config(path: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None) -> Config:
+    """Read `path` (must exist), else `./ac-diff.yaml` when present, else the defaults."""
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config file not found; pass an existing file to --config "
+                              f"(or put {CONFIG_NAME} in the working directory)")
+    else:
+        p = find_config(cwd)
+        if p is None:
+            return Config()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read the config file ({exc})") from None
+    return parse_config(text, origin=p)
+
+
+def parse_config(text: str, origin: str | os.PathLike = CONFIG_NAME) -> Config:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{origin}: malformed YAML{where}: {problem}; fix the syntax (the file holds "
+                          "`key: value` lines, e.g. `rtol: 1.0e-6`)") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of `key: value` lines at the top level, got "
+                          f"{_type_name(data)}; keys: {', '.join(KEYS)}")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        spec = KEYS.get(key) if isinstance(key, str) else None
+        if spec is None:
+            close = difflib.get_close_matches(str(key), KEYS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{origin}: unknown key {key!r}{hint}; valid keys: {', '.join(KEYS)}")
+        try:
+            values[key] = spec.check(value)
+        except ValueError as exc:
+            raise ConfigError(f"{origin}: {key} must be {exc} (got {_type_name(value)} {value!r})") from None
+        if key in ("ignore_ops", "discrete_ops"):
+            try:
+                values[key] = tuple(expand_ops(values[key]))
+            except ValueError as exc:
+                raise ConfigError(f"{origin}: {key}: {exc}") from None
+    return Config(path=Path(origin), **values)
+
+
+def expand_ops(names: tuple[str, ...] | list[str]) -> list[str]:
+    """Full overload names; `topk` / `aten.topk` become every overload torch knows (`aten.topk.default`, ...).
+
+    A full name (`ns.op.overload`) is kept as written: custom ops may be registered only by the script.
+    A short name torch does not know raises ValueError.
+    """
+    out: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        if len(parts) >= 3:
+            out.append(name)
+            continue
+        ns, op = ("aten", parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+        overloads = _overloads(ns, op)
+        if not overloads:
+            raise ValueError(f"{name!r} is not an op torch knows; write the full overload name, e.g. "
+                             "aten.topk.default or mylib.route.default")
+        out.extend(f"{ns}.{op}.{o}" for o in overloads)
+    return out
+
+
+def _overloads(ns: str, op: str) -> list[str]:
+    import torch
+
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+        return list(packet.overloads())
+    except (AttributeError, RuntimeError):
+        return []
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def describe_keys() -> str:
+    """One line per key, for help texts and docs."""
+    return "\n".join(f"{k.name}: {k.kind} (default {_show(k.default)}) - {k.help}" for k in KEYS.values())
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple):
+        return "[]" if not v else "[" + ", ".join(v) + "]"
+    return str(v)
+
+
+assert [(f.name, f.default) for f in fields(Config) if f.name != "path"] == [(k.name, k.default) for k in KEYS.values()], \
+    "Config fields and KEYS disagree"
