@@ -40,7 +40,8 @@ Algorithm
    or early-stopped sequences cost a few C-level passes).
 2. Intern the remaining middle to small ints.  If the lower bound
    ``sum_k |count_a(k) - count_b(k)|`` (>= ``|n - m|``) is within
-   ``max_edit``, run Myers' O((N+M)·D) diff restricted to the diagonal band
+   ``max_edit`` (and so is a third of the same bound over bigrams), run
+   Myers' O((N+M)·D) diff restricted to the diagonal band
    that can still finish within the cap, with iterative deepening of the cap
    (lb+16, lb+64, ... max_edit), so a few edits or an early stop plus a few
    edits cost little.  Diagonal runs ("snakes") are followed with galloping
@@ -77,9 +78,9 @@ from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress, count, repeat
+from itertools import chain, compress, count, islice, repeat
 from math import isqrt
-from operator import eq
+from operator import add, eq, mul
 
 __all__ = ["Pair", "align", "summarize", "first_mismatch", "HOWS"]
 
@@ -197,6 +198,8 @@ def _count_lower_bound(ca: Counter, cb: Counter, n: int, m: int) -> int:
 # --------------------------------------------------------------------------
 
 _UNREACHED = -2
+_SENTINEL_A = object()
+_SENTINEL_B = object()
 
 
 def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, end: str = "both"):
@@ -207,14 +210,20 @@ def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, e
 
     ``end`` selects where the path may stop: ``"both"`` (global alignment, the
     usual diff), ``"a"`` (stop as soon as B is used up; the rest of A is left
-    unmatched, for early stop) or ``"b"`` (the symmetric case).
+    unmatched, for early stop), ``"b"`` (the symmetric case) or ``"either"``
+    (stop when either side is used up; for sliding windows).
     """
     a = A[alo:ahi]
     b = B[blo:bhi]
     N = len(a)
     M = len(b)
+    a.append(_SENTINEL_A)  # never equal to anything: stops every snake at the end
+    b.append(_SENTINEL_B)
+    big = N + M + 2
     delta = N - M
     glob = end == "both"
+    end_a = end == "a"
+    either = end == "either"
     if glob and abs(delta) > cap:
         return None
     if cap > N + M:
@@ -240,9 +249,14 @@ def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, e
         if lo > hi:
             return None
         if d == 0:
-            x = _prefix_len(a, 0, b, 0, N if N < M else M)
+            x = _prefix_len(a, 0, b, 0, big)
             V[off] = x
-            if (glob and delta == 0 and x >= N) or (end == "a" and x >= M) or (end == "b" and x >= N):
+            if (
+                (glob and delta == 0 and x >= N)
+                or (end_a and x >= M)
+                or (end == "b" and x >= N)
+                or (either and (x >= N or x >= M))
+            ):
                 fin = (0, 0, x)
                 break
         else:
@@ -263,24 +277,16 @@ def _myers(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, cap: int, e
                 if x < 0:
                     V[ko] = _UNREACHED
                     continue
-                y = x - k
-                if x < N and y < M and a[x] == b[y]:
-                    lim = N - x
-                    if M - y < lim:
-                        lim = M - y
-                    x += _prefix_len(a, x, b, y, lim)
+                # follow the snake; the sentinels stop it at the ends
+                if a[x] == b[x - k]:
+                    x += 1
+                    if a[x] == b[x - k]:
+                        x += _prefix_len(a, x, b, x - k, big)
                 V[ko] = x
-                if glob:
-                    if k == delta and x >= N:
+                if x >= N or x - k >= M:  # reached an edge
+                    if (k == delta) if glob else True if either else (x - k >= M) if end_a else (x >= N):
                         fin = (d, k, x)
                         break
-                elif end == "a":
-                    if x - k >= M:
-                        fin = (d, k, x)
-                        break
-                elif x >= N:
-                    fin = (d, k, x)
-                    break
             if fin is not None:
                 break
         trace.append((lo, hi, array("q", V[lo + off : hi + off + 1 : 2])))
@@ -323,15 +329,11 @@ def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, l
     a handful of edits is found without paying ``cap**2``.
     """
     cap = min(cap, (ahi - alo) + (bhi - blo))
-    slack = 16
-    while True:
-        c = lb + slack
-        if c >= cap:
-            return _myers(A, alo, ahi, B, blo, bhi, cap, end)
+    for c in _caps(lb, cap):
         r = _myers(A, alo, ahi, B, blo, bhi, c, end)
         if r is not None:
             return r
-        slack <<= 2
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -342,6 +344,8 @@ _MAX_DEPTH = 24
 _TIERS = (1, 2, 4, 8, 16, 64, 256, 1 << 62)
 _GRAM = 4  # q-gram length for anchors when single keys repeat a lot
 _GREEDY_LOOKAHEAD = 1024
+_WINDOW = 256  # ops per side in the sliding-window fallback
+_WINDOW_CAP = 64  # edit cap per window
 
 
 def _lis(values: list[int]) -> list[int]:
@@ -465,7 +469,7 @@ class _Heuristic:
                 if pa < ahi and pb < bhi:
                     self.solve(pa, ahi, pb, bhi, depth + 1)
                 return
-        self._greedy(alo, ahi, blo, bhi)
+        self._scan(alo, ahi, blo, bhi)
 
     # -- anchors ------------------------------------------------------------
 
@@ -539,55 +543,126 @@ class _Heuristic:
             runs.append((i, j, q))
         return runs
 
-    # -- greedy fallback ----------------------------------------------------
+    # -- sliding-window fallback --------------------------------------------
 
-    def _greedy(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
-        """O(n log n) fallback: match equal heads, else skip to the nearer next occurrence.
+    def _scan(self, alo: int, ahi: int, blo: int, bhi: int) -> None:
+        """Banded local alignment for blocks without anchors (many repeated keys).
 
-        Only ops whose key occurs on both sides can match, so the walk runs
-        over those alone.
+        Align a window of ``_WINDOW`` ops per side with a free-end Myers capped
+        at ``_WINDOW_CAP`` edits, keep the runs that start in the first half of
+        the window and slide on.  A window that needs more edits is crossed
+        with greedy steps (half a window), which also re-synchronises after
+        long insertions or deletions.  Cost: O(_WINDOW_CAP**2) per half window.
         """
         A, B = self.A, self.B
         sa = A[alo:ahi]
         sb = B[blo:bhi]
         common = set(sa).intersection(sb)
         if not common:
+            return  # nothing can match
+        na = sum(map(common.__contains__, sa))
+        nb = sum(map(common.__contains__, sb))
+        if 2 * na < len(sa) or 2 * nb < len(sb):
+            # mostly unrelated ops: walk only those that could match
+            self._greedy_sparse(alo, ahi, blo, bhi, common)
             return
-        ia = list(compress(range(alo, ahi), map(common.__contains__, sa)))
-        jb = list(compress(range(blo, bhi), map(common.__contains__, sb)))
+        del sa, sb, common
+        add = self._add
+        W, C = _WINDOW, _WINDOW_CAP
+        half = W >> 1
+        greedy = None
+        i, j = alo, blo
+        while i < ahi and j < bhi:
+            L = _prefix_len(A, i, B, j, min(ahi - i, bhi - j))
+            if L:
+                add(i, j, L)
+                i += L
+                j += L
+                continue
+            wa = min(W, ahi - i)
+            wb = min(W, bhi - j)
+            last = i + wa == ahi and j + wb == bhi
+            r = _myers(A, i, i + wa, B, j, j + wb, C, "both" if last else "either")
+            if r:
+                if last:
+                    for run in r:
+                        add(*run)
+                    return
+                ilim, jlim = i + (wa >> 1), j + (wb >> 1)
+                for t, (ri, rj, rL) in enumerate(r):
+                    if t and (ri >= ilim or rj >= jlim):
+                        break
+                    add(ri, rj, rL)
+                    i, j = ri + rL, rj + rL
+                continue
+            if r is not None and last:
+                return  # exact: nothing in common
+            # too different here: greedy steps for half a window
+            if greedy is None:
+                greedy = _GreedyWalker(A, alo, ahi, B, blo, bhi)
+            i, j = greedy.walk(i, j, i + half, j + half, add)
+
+    # -- greedy fallback ----------------------------------------------------
+
+    def _greedy_sparse(self, alo: int, ahi: int, blo: int, bhi: int, common: set) -> None:
+        """Greedy walk over the ops whose key occurs on both sides only."""
+        A, B = self.A, self.B
+        ia = list(compress(range(alo, ahi), map(common.__contains__, A[alo:ahi])))
+        jb = list(compress(range(blo, bhi), map(common.__contains__, B[blo:bhi])))
         ka = list(map(A.__getitem__, ia))
         kb = list(map(B.__getitem__, jb))
+        matches: list[tuple[int, int, int]] = []
+        _GreedyWalker(ka, 0, len(ka), kb, 0, len(kb)).walk(0, 0, len(ka), len(kb), lambda x, y, _: matches.append((x, y)))
+        add = self._add
+        for x, y in matches:
+            add(ia[x], jb[y], 1)
+
+
+class _GreedyWalker:
+    """O(log n) per step: match equal heads, else skip to the nearer next occurrence."""
+
+    def __init__(self, A: list, alo: int, ahi: int, B: list, blo: int, bhi: int):
+        self.A, self.B = A, B
+        self.ahi, self.bhi = ahi, bhi
         posa: dict = {}
-        for x, k in enumerate(ka):
-            posa.setdefault(k, []).append(x)
+        for i in range(alo, ahi):
+            posa.setdefault(A[i], []).append(i)
         posb: dict = {}
-        for y, k in enumerate(kb):
-            posb.setdefault(k, []).append(y)
+        for j in range(blo, bhi):
+            posb.setdefault(B[j], []).append(j)
+        self.posa, self.posb = posa, posb
+
+    def walk(self, i: int, j: int, istop: int, jstop: int, add) -> tuple[int, int]:
+        """Walk from (i, j) until i >= istop or j >= jstop (or an end); return the position."""
+        A, B = self.A, self.B
+        posa, posb = self.posa, self.posb
+        ahi, bhi = self.ahi, self.bhi
+        istop = min(istop, ahi)
+        jstop = min(jstop, bhi)
+        empty: list[int] = []
         look = _GREEDY_LOOKAHEAD
         big = 1 << 62
-        na, nb = len(ka), len(kb)
-        x = y = 0
-        add = self._add
-        while x < na and y < nb:
-            kx, ky = ka[x], kb[y]
+        while i < istop and j < jstop:
+            kx, ky = A[i], B[j]
             if kx == ky:
-                add(ia[x], jb[y], 1)
-                x += 1
-                y += 1
+                add(i, j, 1)
+                i += 1
+                j += 1
                 continue
-            pb = posb[kx]
-            t = bisect_left(pb, y)
-            db = pb[t] - y if t < len(pb) else big
-            pa = posa[ky]
-            t = bisect_left(pa, x)
-            da = pa[t] - x if t < len(pa) else big
+            pb = posb.get(kx, empty)
+            t = bisect_left(pb, j)
+            db = pb[t] - j if t < len(pb) else big
+            pa = posa.get(ky, empty)
+            t = bisect_left(pa, i)
+            da = pa[t] - i if t < len(pa) else big
             if db <= da and db <= look:
-                y += db  # skip recompute-only ops
+                j += db  # skip recompute-only ops
             elif da < db and da <= look:
-                x += da  # skip forward-only ops
+                i += da  # skip forward-only ops
             else:
-                x += 1  # substitution
-                y += 1
+                i += 1  # substitution
+                j += 1
+        return i, j
 
 
 # --------------------------------------------------------------------------
@@ -611,26 +686,58 @@ def _match_runs(A: list, B: list, max_edit: int) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _caps(lo: int, cap: int):
+    """Iterative-deepening caps lo+16, lo+64, lo+256, ... ending with ``cap``."""
+    slack = 16
+    while lo + slack < cap:
+        yield lo + slack
+        slack <<= 2
+    yield cap
+
+
 def _diff_middle(a: list, b: list, offset: int, max_edit: int) -> list[tuple[int, int, int]]:
-    # intern keys to ints: cheaper hashing and comparisons from here on
-    ids = dict(zip(dict.fromkeys(chain(a, b)), count()))
-    A = list(map(ids.__getitem__, a))
-    B = list(map(ids.__getitem__, b))
-    del ids
-    n, m = len(A), len(B)
+    n, m = len(a), len(b)
+    delta = abs(n - m)
+    cap = min(max_edit, n + m)
     runs = None
-    if abs(n - m) <= max_edit:
-        lb = _count_lower_bound(Counter(A), Counter(B), n, m)
-        if lb <= max_edit:
-            runs = _myers_deepening(A, 0, n, B, 0, m, lb, max_edit)
-    if runs is None and n - m > max_edit:
-        runs = _myers_deepening(A, 0, n, B, 0, m, 0, max_edit, end="a")  # early stop
-    if runs is None and m - n > max_edit:
-        runs = _myers_deepening(A, 0, n, B, 0, m, 0, max_edit, end="b")
+    tried = -1
+    # 1. cheap exact attempts straight on the keys: attempts whose cost
+    #    (~ c * (c - delta) Python steps) stays below a linear pass
+    if delta <= cap:
+        for c in _caps(delta, cap):
+            if c > delta + 16 and (c - delta) * c > 2 * (n + m):
+                break
+            runs = _myers(a, 0, n, b, 0, m, c)
+            tried = c
+            if runs is not None:
+                break
+    elif n > m:
+        runs = _myers_deepening(a, 0, n, b, 0, m, 0, cap, end="a")  # early stop
+    else:
+        runs = _myers_deepening(a, 0, n, b, 0, m, 0, cap, end="b")
     if runs is None:
-        h = _Heuristic(A, B, max_edit)
-        h.solve(0, n, 0, m, 0)
-        runs = h.runs
+        # intern keys to ints: cheap hashing and comparisons from here on
+        ids = dict(zip(dict.fromkeys(chain(a, b)), count()))
+        A = list(map(ids.__getitem__, a))
+        B = list(map(ids.__getitem__, b))
+        del ids
+        # 2. exact, up to max_edit, unless a lower bound rules it out
+        if delta <= cap and tried < cap:
+            lb = _count_lower_bound(Counter(A), Counter(B), n, m)
+            if lb <= cap and n > 1 and m > 1 and n + m > 256:
+                # one indel changes at most 3 bigrams: D >= sum_g |ca(g) - cb(g)| / 3.
+                # Catches reorderings (same multiset of keys) before a doomed Myers.
+                K = n + m  # > any interned id
+                ga = Counter(map(add, map(mul, A, repeat(K)), islice(A, 1, None)))
+                gb = Counter(map(add, map(mul, B, repeat(K)), islice(B, 1, None)))
+                lb = max(lb, -(-_count_lower_bound(ga, gb, n - 1, m - 1) // 3))
+            if lb <= cap:
+                runs = _myers_deepening(A, 0, n, B, 0, m, max(lb, tried), cap)
+        # 3. heuristic
+        if runs is None:
+            h = _Heuristic(A, B, max_edit)
+            h.solve(0, n, 0, m, 0)
+            runs = h.runs
     if offset:
         runs = [(i + offset, j + offset, L) for i, j, L in runs]
     return runs

@@ -35,11 +35,23 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
+CONFIG_HELP = "Settings file (default: ./ac-diff.yaml when present); options given on the command line win."
+
+
+@app.callback(epilog="\b\nExample:\n  ac-diff demo\n  ac-diff run -o out train.py && ac-diff report out --format html -o "
+              "report.html\n\n\bSettings: ac-diff.yaml in the working directory (or --config FILE) holds rtol, atol, "
+              "ignore_ops,\ndiscrete_ops, keep_values, max_regions, output_dir, format, ... (see the README).")
 def main_options(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print versions and exit."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Record, diagnose and explain activation-checkpoint recompute divergence."""
+    ctx.obj = {"config": config}
+
+
+def _complete_formats(incomplete: str) -> list[str]:
+    return [f for f in FORMATS if f.startswith(incomplete)]
 
 
 def _format(fmt: str) -> str:
@@ -54,115 +66,199 @@ def _settings(rtol: float, atol: float):
     return Settings(tolerance=Tolerance(rtol=rtol, atol=atol))
 
 
+def _config(ctx: typer.Context, path: Optional[str]):
+    """The settings: --config of the command, else of ac-diff, else ./ac-diff.yaml, else the defaults."""
+    from .config import load_config
+
+    cfg = load_config(path or (ctx.obj or {}).get("config"))
+    if cfg.path is not None:
+        print(f"ac-diff: settings from {cfg.path}", file=sys.stderr)
+    return cfg
+
+
+def _report_file(fmt: str, output: Optional[str], output_dir: Optional[str] = None) -> Optional[str]:
+    """An HTML page goes to a file: OUTPUT_DIR/report.html for run/demo; never onto a terminal."""
+    if fmt != "html" or output:
+        return output
+    if output_dir:
+        return os.path.join(output_dir, "report.html")
+    if sys.stdout.isatty():
+        from .api import InputError
+
+        raise InputError("an HTML report goes to a file: pass -o report.html (or redirect stdout)")
+    return output
+
+
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def run(
+    ctx: typer.Context,
     target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
     args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
     module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
-    output_dir: str = typer.Option("ac-diff-out", "-o", "--output-dir", help="Directory for the trace files."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the trace files (default ac-diff-out)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
-    check: bool = typer.Option(False, "--check", help="Exit 1 if the script succeeded but a region diverged."),
-    fmt: str = typer.Option("terminal", "--format", help="Report format: terminal, json, html."),
+    check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Exit 1 if the script succeeded but a region diverged."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="Report format: terminal (default), json, html.",
+                                       autocompletion=_complete_formats),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
-    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
+    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Record ops of the first N regions only."),
-    keep_values: int = typer.Option(16384, "--keep-values", help="Max elements kept per discrete op output (0: none)."),
-    no_fingerprints: bool = typer.Option(False, "--no-fingerprints", help="Metadata only (cheapest; no values)."),
-    scope: str = typer.Option("regions", "--scope", help="regions: observe only checkpointed regions; all: also count other ops."),
+    keep_values: Optional[int] = typer.Option(None, "--keep-values", help="Max elements kept per discrete op output (0: none; default 16384)."),
+    fingerprints: Optional[bool] = typer.Option(None, "--fingerprints/--no-fingerprints", help="Value fingerprints (--no-fingerprints: metadata only, cheapest)."),
+    scope: Optional[str] = typer.Option(None, "--scope", help="regions (default): observe only checkpointed regions; all: also count other ops."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes with torchrun."),
-    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance for value fingerprints (default exact)."),
-    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance for value fingerprints."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0: exact)."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Run a training script like python would, recording every checkpointed region.
 
-    Example: ac-diff run -o out train.py --steps 2    (everything after the script belongs to it)
-    """
-    from .recorder import RecordOptions
+    Everything after the script belongs to it.
 
-    _format(fmt)
+    \b
+    Example:
+      ac-diff run -o out train.py --steps 2
+    """
+    cfg = _config(ctx, config)
+    fmt = _format(cfg.pick("format", fmt))
+    scope = cfg.pick("scope", scope)
     if scope not in ("regions", "all"):
         raise typer.BadParameter("--scope must be 'regions' or 'all'")
-    options = RecordOptions(fingerprints=not no_fingerprints, keep_values=keep_values, max_regions=max_regions,
-                            scope=scope)
+    options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
+                                 scope=scope)
+    output_dir = cfg.pick("output_dir", output_dir)
+    report_file = _report_file(fmt, report_file, output_dir)
     if nproc_per_node:
-        from .commands.launch_cmd import launch_command
+        from .commands.launch_cmd import launch_command, rank_argv
 
-        raise typer.Exit(launch_command(nproc_per_node, sys.argv[1:]))
+        argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options)
+        raise typer.Exit(launch_command(nproc_per_node, argv, output_dir=output_dir, force=force, check=check,
+                                        fmt=fmt, json_path=json_path, output=report_file,
+                                        settings=_settings(rtol, atol), target=target, module=module))
     from .commands.run_cmd import run_command
 
-    code = run_command(target, list(args or []), module=module, output_dir=output_dir, force=force, check=check,
-                       fmt=fmt, json_path=json_path, output=report_file, options=options,
-                       settings=_settings(rtol, atol))
+    code = run_command(target, list(args or []), module=module, output_dir=output_dir, force=force,
+                       check=cfg.pick("check", check), fmt=fmt, json_path=json_path, output=report_file,
+                       options=options, settings=cfg.settings(rtol, atol))
     raise typer.Exit(code)
 
 
 @app.command()
 def report(
+    ctx: typer.Context,
     paths: List[str] = typer.Argument(..., help="Trace files, directories of traces, or logs."),
-    fmt: str = typer.Option("terminal", "--format", help="terminal, json or html."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
+                                       autocompletion=_complete_formats),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the report (--format) to this file."),
-    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance for value fingerprints."),
-    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance for value fingerprints."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0)."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Diagnose recorded traces and print the report. Exit 0 clean, 1 diverged, 2 bad input.
 
-    Example: ac-diff report ac-diff-out --json report.json
+    \b
+    Example:
+      ac-diff report ac-diff-out --format html -o report.html
     """
     from .commands.report_cmd import report_command
 
-    raise typer.Exit(report_command(paths, _format(fmt), json_path, output, _settings(rtol, atol)))
+    cfg = _config(ctx, config)
+    fmt = _format(cfg.pick("format", fmt))
+    raise typer.Exit(report_command(paths, fmt, json_path, _report_file(fmt, output), cfg.settings(rtol, atol)))
 
 
 @app.command()
 def compare(
+    ctx: typer.Context,
     paths: List[str] = typer.Argument(..., metavar="LOG_OR_TRACE [OTHER]", help="One log/trace, or two to compare."),
-    fmt: str = typer.Option("terminal", "--format", help="terminal, json or html."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
+                                       autocompletion=_complete_formats),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the report (--format) to this file."),
-    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance for value fingerprints."),
-    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance for value fingerprints."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0)."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Explain a log torch printed (CheckpointError, debug=True dump), or compare two logs/traces.
 
-    Example: ac-diff compare rank1.log
+    \b
+    Example:
+      ac-diff compare rank1.log
     """
     if len(paths) > 2:
         raise typer.BadParameter("compare takes one or two paths")
     from .commands.compare_cmd import compare_command
 
-    raise typer.Exit(compare_command(paths, _format(fmt), json_path, output, _settings(rtol, atol)))
+    cfg = _config(ctx, config)
+    fmt = _format(cfg.pick("format", fmt))
+    raise typer.Exit(compare_command(paths, fmt, json_path, _report_file(fmt, output), cfg.settings(rtol, atol)))
 
 
 @app.command()
 def demo(
-    output_dir: str = typer.Option(os.path.join("ac-diff-out", "demo"), "-o", "--output-dir", help="Where the demo trace goes."),
-    fmt: str = typer.Option("terminal", "--format", help="terminal, json or html."),
+    ctx: typer.Context,
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Where the demo trace goes (default ac-diff-out/demo)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
+                                       autocompletion=_complete_formats),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
-    output: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
+    output: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Run the bundled MoE example end to end and print its report (CPU, seconds).
 
-    Example: ac-diff demo
+    \b
+    Example:
+      ac-diff demo --format html
     """
     from .commands.demo_cmd import demo_command
 
-    raise typer.Exit(demo_command(output_dir, _format(fmt), json_path, output))
+    cfg = _config(ctx, config)
+    fmt = _format(cfg.pick("format", fmt))
+    output_dir = output_dir or os.path.join(cfg.output_dir, "demo")
+    raise typer.Exit(demo_command(output_dir, fmt, json_path, _report_file(fmt, output, output_dir)))
+
+
+@app.command()
+def export(
+    trace: str = typer.Argument(..., help="A trace file, or a directory of traces (what `ac-diff run` wrote)."),
+    what: str = typer.Option("ops", "--what", help="ops (default), positions or regions.",
+                             autocompletion=lambda incomplete: [w for w in ("ops", "positions", "regions")
+                                                                 if w.startswith(incomplete)]),
+    fmt: Optional[str] = typer.Option(None, "--format", help="csv, parquet or jsonl (default: from -o's extension, else csv).",
+                                      autocompletion=lambda incomplete: [f for f in ("csv", "parquet", "jsonl")
+                                                                          if f.startswith(incomplete)]),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="File to write (default: stdout; not for parquet)."),
+) -> None:
+    """Write a trace's ops, saved positions or regions as a table (the pandas views of ac_diff.load).
+
+    List cells (shapes, args, fingerprints) are JSON text in CSV and parquet, native in JSONL.
+
+    \b
+    Example:
+      ac-diff export ac-diff-out --what positions -o positions.csv
+    """
+    from .commands.export_cmd import export_command
+
+    raise typer.Exit(export_command(trace, what, fmt, output))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: never lets a traceback of ac-diff's own escape; one line on stderr instead."""
     from .api import InputError
+    from .config import ConfigError
     from .runner import TargetNotFound
     from .trace import TraceFormatError
 
     try:
-        app(args=argv, prog_name="ac-diff", standalone_mode=False)
+        # without standalone mode click hands typer.Exit's code back as the return value
+        code = app(args=argv, prog_name="ac-diff", standalone_mode=False)
+        return code if isinstance(code, int) else 0
     except typer.Exit as exc:
         return exc.exit_code
     except SystemExit as exc:  # click's own exits (--help, usage errors after printing)
         return exc.code if isinstance(exc.code, int) else 0
-    except (InputError, TraceFormatError, TargetNotFound, FileExistsError) as exc:
+    except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError) as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ") + "; check the path and permissions")
@@ -178,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return fail(f"internal error: {type(exc).__name__}: {exc} (set AC_DIFF_DEBUG=1 for the traceback and "
                     "please report it)", EXIT_INTERNAL)
-    return 0
 
 
 def entry() -> None:

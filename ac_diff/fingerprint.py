@@ -18,6 +18,17 @@ import torch
 _INT_KINDS = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor to reduce: a DTensor's local shard (reducing the DTensor itself would run a
+    collective, and `.tolist()` refuses subclasses); None for other wrapper subclasses."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    local = getattr(t, "_local_tensor", None)  # DTensor (also as a Parameter)
+    if isinstance(local, torch.Tensor):
+        return local
+    return t if not hasattr(t, "__tensor_flatten__") else None
+
+
 class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind."""
 
@@ -30,6 +41,9 @@ class FingerprintBatch:
 
     def add(self, t: torch.Tensor) -> int | None:
         """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced."""
+        t = _local(t)
+        if t is None:
+            return None
         dtype = t.dtype
         if t.is_complex() or t.is_sparse or t.is_quantized or t.layout != torch.strided or t.is_meta:
             return None
@@ -53,7 +67,8 @@ class FingerprintBatch:
 
     def keep(self, t: torch.Tensor) -> int:
         """Keep a small tensor's values (a copy on its device) to read back at collect time."""
-        self._kept.append((t.detach().clone(), len(self._kept)))
+        local = _local(t)
+        self._kept.append((local.detach().clone() if local is not None else torch.zeros(0), len(self._kept)))
         return len(self._kept) - 1
 
     def _weight(self, device: torch.device, n: int) -> torch.Tensor:

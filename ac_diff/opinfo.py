@@ -23,6 +23,9 @@ _DISCRETE_OVERLOADS = {"max": {"dim", "dim_max"}, "min": {"dim", "dim_min"}}
 UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                                "empty_permuted"})
 
+# Namespaces of distributed collectives (functional and in-place c10d ops).
+ASYNC_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"})
+
 _SHORT_DTYPES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -65,9 +68,13 @@ def _compute(func) -> OpInfo:
     is_view = bool(getattr(func, "is_view", False))
     random = torch.Tag.nondeterministic_seeded in tags if hasattr(torch, "Tag") else False
     discrete = packet in DISCRETE_OPS and (packet not in _DISCRETE_OVERLOADS or overload in _DISCRETE_OVERLOADS[packet])
+    # c10d collectives run asynchronously: their outputs are not written until the wait, so a
+    # fingerprint taken when the op returns reads memory still being filled (garbage, different
+    # every pass). The values reach the next ops after the wait; those are fingerprinted.
+    async_collective = name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES and packet not in ("wait_tensor",)
     return OpInfo(
         name=name,
-        fingerprint=not is_view and packet not in UNINITIALISED_OPS,
+        fingerprint=not is_view and packet not in UNINITIALISED_OPS and not async_collective,
         random=random,
         discrete=discrete,
     )

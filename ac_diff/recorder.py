@@ -32,7 +32,7 @@ from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .opinfo import OpInfo, op_info, short_dtype
 from .sourceline import user_source
-from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, frame_options
+from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
 
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
@@ -84,6 +84,7 @@ class _Pass:
     ext_slots: list[tuple[dict, int]] = field(default_factory=list)
     externals_per_kind: dict[str, int] = field(default_factory=dict)
     n_ops: int = 0
+    pushed: Any = None  # the module enter() put on the module stack for this pass (see _enter_function_module)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -206,7 +207,9 @@ class Recorder:
                 region = self._new_region(frame, passes, recorded=False)
             attempt = region.recomputes
             region.recomputes += 1
+        pushed = self._enter_function_module(frame, region, phase)
         p = _Pass(region, phase, attempt, len(self.modules.stack()), {})
+        p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
@@ -219,6 +222,9 @@ class Recorder:
         if not passes:
             return
         p = passes.pop()
+        stack = self.modules.stack()
+        if p.pushed is not None and stack and stack[-1][0] is p.pushed:
+            stack.pop()
         if not passes and self.options.scope != "all":
             self._mode.__exit__(None, None, None)
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
@@ -278,6 +284,21 @@ class Recorder:
                 self._record(passes[-1], func, args, kwargs or {}, out, cached=True)
 
     # -- module names -------------------------------------------------------------------------
+    def _enter_function_module(self, frame: Any, region: _Region, phase: str):
+        """Name the region after the module checkpoint() was given; put it on the module stack when its hooks
+        do not run in the region (Hugging Face checkpoints `partial(layer.forward)`): returns what was pushed."""
+        module, hooks_run = checkpointed_module(getattr(frame, "_ac_diff_fn", None))
+        if module is None:
+            return None
+        name = self.modules.name_of(module)
+        if phase == FORWARD and region.module is None:
+            region.module = name or type(module).__name__
+        stack = self.modules.stack()
+        if hooks_run or stack and stack[-1][0] is module:
+            return None
+        stack.append((module, name))
+        return module
+
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
         passes = self._passes()
         if passes:
@@ -473,6 +494,13 @@ class Recorder:
             "deterministic": torch.are_deterministic_algorithms_enabled(),
             "default_dtype": short_dtype(torch.get_default_dtype()),
         }
+        with contextlib.suppress(Exception):
+            state["matmul_precision"] = torch.get_float32_matmul_precision()
+        with contextlib.suppress(Exception):  # sdpa_kernel(...) flips these process-wide flags
+            b = torch.backends.cuda
+            state["sdp_backends"] = [name for name, on in (
+                ("flash", b.flash_sdp_enabled()), ("mem_efficient", b.mem_efficient_sdp_enabled()),
+                ("math", b.math_sdp_enabled()), ("cudnn", b.cudnn_sdp_enabled())) if on]
         for device in ("cpu", "cuda"):
             with contextlib.suppress(Exception):
                 if torch.is_autocast_enabled(device):

@@ -157,13 +157,45 @@ class TorchErrorSummary:
 
 @dataclass(slots=True)
 class RankSummary:
+    """One rank at a glance: its verdict, and where and why it diverged first (in forward order)."""
+
     rank: int
-    verdict: str
+    verdict: str  # clean, diverged, unchecked (nothing recomputed), no_regions
     regions: int
     diverged: int
     cause: str | None
-    first_module: str | None
+    first_module: str | None  # the checkpointed layer of the first diverged region ("layers.1")
     first_region: int | None
+    clean: int = 0
+    unchecked: int = 0
+    silent: bool = False  # the first diverged region diverged without torch raising
+    cause_tensor: str | None = None  # the tensor / flag / op the cause names
+    first_op: str | None = None  # first divergent op of that region, with its module and source
+    first_op_module: str | None = None
+    first_source: str | None = None
+    torch_error: str | None = None  # "metadata_mismatch at positions 35, 36" when torch raised on this rank
+    exit_status: str | None = None  # ok, exception, interrupted, exit (from the trace's end record)
+    exit_code: int | None = None
+    truncated: bool = False  # the trace has no end record (the process was killed)
+    trace: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class CrossRankFinding:
+    """One statement about the ranks together: who diverged, who first, who disagrees with whom."""
+
+    kind: str  # ranks, first, rank_local, same_cause, torch_errors, exits, replicated_disagreement, replicated_rng, mixed_runs, missing_ranks
+    text: str
+    ranks: list[int] = field(default_factory=list)
+    region: int | None = None
+    module: str | None = None
+    op: str | None = None
+    op_module: str | None = None
+    source: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,6 +210,8 @@ class Report:
     torch_errors: list[TorchErrorSummary] = field(default_factory=list)
     ranks: list[RankSummary] = field(default_factory=list)
     cross_rank: list[str] = field(default_factory=list)  # disagreements between ranks that should agree
+    cross_rank_findings: list[CrossRankFinding] = field(default_factory=list)  # the same, structured
+    compared: dict[str, Any] | None = None  # `ac-diff compare A B` of two traces: which is A, which is B
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     exit_status: str | None = None
@@ -194,5 +228,6 @@ class Report:
             "torch_errors": [e.to_json() for e in self.torch_errors],
             "regions": [r.to_json() for r in self.regions],
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
+            "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
         }

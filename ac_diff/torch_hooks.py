@@ -17,6 +17,7 @@ Anything missing in the installed torch is skipped with one warning; nothing her
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -32,9 +33,33 @@ _REQUIRED = ("_checkpoint_hook", "_recomputation_hook", "_CheckpointFrame")
 class ReentrantFrame:
     """Stands in for `_CheckpointFrame` in a reentrant region (which has no frame of its own)."""
 
-    def __init__(self, preserve_rng_state: bool) -> None:
+    def __init__(self, preserve_rng_state: bool, fn: Any = None) -> None:
         self.preserve_rng_state = preserve_rng_state
         self.calls = 0
+        self._ac_diff_fn = fn  # the checkpointed function (see checkpointed_module)
+
+
+def checkpointed_module(fn: Any) -> tuple[Any, bool]:
+    """The nn.Module a checkpointed function runs, and whether its own `__call__` (hooks) runs in the region.
+
+    `checkpoint(block, x)` -> (block, True); `checkpoint(block.forward, x)` and Hugging Face's
+    `partial(forward, layer, **kwargs)` (transformers >= 4.5x checkpoints `forward`, not `__call__`) ->
+    (module, False): its module hooks fire only outside the region, so in the recompute nothing says
+    which module runs unless the recorder puts it on the module stack. (None, True) when unknown.
+    """
+    for _ in range(4):
+        if isinstance(fn, torch.nn.Module):
+            return fn, True
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner, getattr(fn, "__name__", "") in ("__call__", "_call_impl", "_wrapped_call_impl")
+        if not isinstance(fn, functools.partial):
+            break
+        if fn.args and isinstance(fn.args[0], torch.nn.Module) and not isinstance(fn.func, torch.nn.Module) \
+                and getattr(fn.func, "__self__", None) is None:
+            return fn.args[0], False  # partial(forward, module, ...)
+        fn = fn.func
+    return None, True
 
 
 def frame_options(frame: Any) -> dict[str, Any]:
@@ -113,6 +138,7 @@ class CheckpointHooks:
             def __init__(frame, recompute_fn, *args, **kwargs):
                 original(frame, recompute_fn, *args, **kwargs)
                 frame._ac_diff_recompute_fn = recompute_fn
+                frame._ac_diff_fn = _closure_value(recompute_fn, "fn")
 
                 def recompute_with_inputs(*inputs):
                     listener.pass_inputs(frame, inputs)
@@ -207,7 +233,7 @@ class CheckpointHooks:
         original = original_forward.__func__ if isinstance(original_forward, staticmethod) else original_forward
 
         def forward(ctx, run_function, preserve_rng_state, *args):
-            frame = ReentrantFrame(preserve_rng_state)
+            frame = ReentrantFrame(preserve_rng_state, run_function)
 
             def run_and_record(*inputs):
                 phase = FORWARD if frame.calls == 0 else RECOMPUTE

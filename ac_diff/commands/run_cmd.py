@@ -10,6 +10,7 @@ the report (rank 0 only under torchrun) and the next command, and exits with the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..diagnosis import Settings, diagnose
 from ..recorder import Recorder, RecordOptions
 from ..runner import check_target, run_target
 from ..trace import read_run
+from . import launch_cmd as launch
 from .common import EXIT_DIVERGED, emit, fail
 
 
@@ -30,12 +32,20 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                 fmt: str, json_path: str | None, output: str | None, options: RecordOptions,
                 settings: Settings, quiet_report: bool = False) -> int:
     trace_path = trace_path_for(output_dir)
+    multi = launch.is_multi_rank() or launch.launched()  # under torchrun: one trace per rank, one report
+    if multi:
+        launch.prepare_rank(output_dir, trace_path, force)
     if trace_path.exists() and not force:
         return fail(f"{trace_path} already exists; pass --force to overwrite it, or -o DIR for another directory")
     check_target(target, module)
     rank = int(os.environ.get("RANK", "0") or 0)
-    recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args})
-    outcome = run_target(target, args, module=module, recorder=recorder)
+    recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
+                                                           **launch.header_fields()})
+    with launch.sigterm_as_exit() if multi else contextlib.nullcontext():
+        outcome = run_target(target, args, module=module, recorder=recorder)
+    if multi:
+        return launch.finish_rank(outcome.exit_code, trace_path, output_dir, check=check, fmt=fmt,
+                                  json_path=json_path, output=output, settings=settings)
     if rank != 0:
         return outcome.exit_code
     print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)

@@ -1,68 +1,426 @@
-"""Per-rank verdicts and disagreements between ranks that should have computed the same thing.
+"""Per-rank verdicts, and what the ranks say together: who diverged, who first, who disagrees.
 
-    rank_summaries(report)  -> [RankSummary(rank=0, verdict="clean", ...), RankSummary(rank=1, verdict="diverged", ...)]
+    rank_summaries(report)
+    -> [RankSummary(rank=0, verdict="clean", ...),
+        RankSummary(rank=1, verdict="diverged", cause="state_mutation", first_module="layers.1", ...)]
     cross_rank_findings(runs, report)
-    -> ["region 3 (layers.1): ranks 0 and 1 read identical inputs but aten.topk.default in layers.1.moe.router
-         gave different values on rank 1 (replicated computation disagrees)"]
+    -> ["diverged: rank 1 (1 of 2 ranks); clean: rank 0",
+        "first divergence: rank 1, region 1 (layers.1): state_mutation of `layers.1.moe.expert_bias`",
+        "rank-local: region 1 (layers.1) diverged on rank 1 only; it reproduced exactly on rank 0 ...",
+        "region 3 (layers.1): ranks 0 and 1 read identical inputs but aten.topk.default in layers.1.moe.router
+         (moe.py:40) gave different values: 1 of 256 rows chose other entries ... (replicated computation
+         disagrees across ranks)"]
+
+Region numbers count checkpointed regions in forward order on each rank; ranks that run the same
+program number the same layer-step alike, so "region 3 on rank 0" and "region 3 on rank 1" are the
+same call. "First" therefore means earliest in forward order (lowest region number), then lowest rank.
+
+Replicated computation: the forwards of the same region on two ranks are aligned op by op (the same
+alignment and comparison as forward vs recompute, `compare_passes`). An op whose inputs are identical
+on both ranks - the same values of the region's inputs, parameters and buffers, flowing through ops
+that agreed - must give identical outputs; if it does not, ranks that should agree disagree (a router
+replicated under tensor parallelism choosing other experts on one rank, a nondeterministic kernel).
+Ops whose inputs differ (data-parallel batches, tensor-parallel shards) are expected to differ and
+are never reported.
 """
 
 from __future__ import annotations
 
-from ..model import Region, Run
-from ..report import DIVERGED, Report, RankSummary
-from .compare import Tolerance
+from dataclasses import replace
+
+from ..model import Pass, Region, Run
+from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
+from .compare import Tolerance, compare_passes, is_discrete
+
+MAX_REPLICATED_FINDINGS = 6
+# Bound on the ops the cross-rank comparison looks at (it is a Python loop per op): beyond it the
+# remaining regions are skipped and a note says so.
+OPS_BUDGET = 2_000_000
 
 
 def rank_summaries(report: Report) -> list[RankSummary]:
     ranks = sorted({r.rank for r in report.regions} | {e.rank for e in report.torch_errors if e.rank is not None})
-    out = []
-    for rank in ranks:
-        regions = [r for r in report.regions if r.rank == rank]
-        diverged = [r for r in regions if r.status == DIVERGED]
-        errors = [e for e in report.torch_errors if e.rank == rank]
-        first = diverged[0] if diverged else None
-        out.append(RankSummary(
-            rank=rank, verdict=DIVERGED if diverged or errors else "clean", regions=len(regions),
-            diverged=len(diverged), cause=first.cause.kind if first and first.cause else (errors[0].kind if errors else None),
-            first_module=first.module if first else None, first_region=first.region if first else None,
-        ))
-    return out
+    return [_summary(report, rank) for rank in ranks]
+
+
+def _summary(report: Report, rank: int) -> RankSummary:
+    regions = [r for r in report.regions if r.rank == rank]
+    diverged = sorted((r for r in regions if r.status == DIVERGED), key=lambda r: r.region)
+    errors = [e for e in report.torch_errors if e.rank == rank]
+    first = diverged[0] if diverged else None
+    n_clean = sum(1 for r in regions if r.status == CLEAN)
+    n_unchecked = sum(1 for r in regions if r.status == UNCHECKED)
+    if diverged or errors:
+        verdict = DIVERGED
+    elif n_clean:
+        verdict = CLEAN
+    elif regions:
+        verdict = UNCHECKED
+    else:
+        verdict = "no_regions"
+    summary = RankSummary(
+        rank=rank, verdict=verdict, regions=len(regions), diverged=len(diverged),
+        cause=first.cause.kind if first and first.cause else (errors[0].kind if errors else None),
+        first_module=first.module if first else None, first_region=first.region if first else None,
+        clean=n_clean, unchecked=n_unchecked, silent=bool(first and first.silent),
+        cause_tensor=first.cause.tensor if first and first.cause else None,
+    )
+    lead = _first_divergence(first) if first else None
+    if lead is not None:
+        summary.first_op, summary.first_op_module, summary.first_source = lead.op, lead.module, lead.source
+    if errors:
+        e = errors[0]
+        summary.torch_error = e.kind + (f" at positions {_compact(e.positions)}" if e.positions else "")
+    return summary
+
+
+def _first_divergence(r: RegionReport):
+    """The divergence to name for a region: the earliest of value / control, else discrete, else shape."""
+    candidates = [d for d in (r.first_value_divergence, r.first_control_divergence) if d is not None]
+    if candidates:
+        return min(candidates, key=lambda d: (d.forward_index is None, d.forward_index or 0))
+    return r.first_discrete_divergence or r.first_shape_divergence
 
 
 def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = Tolerance()) -> list[str]:
-    """Compare the forward of the same region across ranks where the region's inputs are identical."""
+    """What the ranks say together (one line each); also fills `report.cross_rank_findings` (structured)
+    and completes `report.ranks` with what only the runs know (exit status, trace, ranks without regions)."""
+    _complete_rank_summaries(report, runs)
+    findings: list[CrossRankFinding] = []
+    findings += _provenance(runs)
+    ranks = sorted(s.rank for s in report.ranks)
+    if len(ranks) >= 2:
+        findings += _overview(report)
+        findings += _rank_local(report)
+        findings += _exits(report, runs)
+        replicated, skipped = _replicated(runs, tolerance)
+        findings += replicated
+        if skipped:
+            report.notes.append(f"cross-rank comparison stopped after {OPS_BUDGET:,} ops; {skipped} region(s) "
+                                "on other ranks were not compared (compare two ranks with `ac-diff compare A B`)")
+    report.cross_rank_findings = findings
+    return [f.text for f in findings]
+
+
+# -- per-rank facts only the runs know ---------------------------------------------------------
+def _complete_rank_summaries(report: Report, runs: list[Run]) -> None:
+    by_rank = {s.rank: s for s in report.ranks}
+    for run in runs:
+        if run.source != "trace":
+            continue
+        rank = int(run.header.get("rank", 0) or 0)
+        summary = by_rank.get(rank)
+        if summary is None:
+            summary = by_rank[rank] = _summary(report, rank)
+        end = run.header.get("end") or {}
+        summary.exit_status = run.exit_status
+        summary.exit_code = end.get("exit_code")
+        summary.truncated = run.truncated
+        summary.trace = run.path
+    if len(by_rank) != len(report.ranks):
+        report.ranks = [by_rank[r] for r in sorted(by_rank)]
+
+
+# -- which traces -------------------------------------------------------------------------------
+def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
+    """Traces of different launches mixed together; ranks of the world size that have no trace."""
+    traces = [r for r in runs if r.source == "trace"]
+    if len(traces) < 2 and not any(int(r.header.get("world_size", 1) or 1) > 1 for r in traces):
+        return []
+    out: list[CrossRankFinding] = []
+    ids: dict[str, list[int]] = {}
+    for run in traces:
+        rid = run.header.get("run_id")
+        if rid:
+            ids.setdefault(str(rid), []).append(int(run.header.get("rank", 0) or 0))
+    if len(ids) > 1:
+        parts = "; ".join(f"rank{'s' if len(v) > 1 else ''} {_list(sorted(v))} from run {k}" for k, v in ids.items())
+        out.append(CrossRankFinding(
+            "mixed_runs", f"these traces come from {len(ids)} different runs ({parts}): ranks of different runs are "
+            "not comparable; pass the traces of one run (`ac-diff run --force` replaces a directory's traces)",
+            sorted(r for v in ids.values() for r in v), detail={"run_ids": ids}))
+    seen: dict[int, int] = {}
+    for run in traces:
+        rank = int(run.header.get("rank", 0) or 0)
+        seen[rank] = seen.get(rank, 0) + 1
+    twice = sorted(r for r, n in seen.items() if n > 1)
+    if twice:
+        out.append(CrossRankFinding("mixed_runs", f"rank{'s' if len(twice) > 1 else ''} {_list(twice)} appear in more "
+                                    "than one trace: traces of different runs are mixed", twice))
+    world = max((int(r.header.get("world_size", 1) or 1) for r in traces), default=1)
+    missing = [r for r in range(world) if r not in seen]
+    if world > 1 and missing and len(ids) <= 1:
+        out.append(CrossRankFinding(
+            "missing_ranks", f"{len(seen)} of {world} ranks have a trace here; no trace from rank"
+            f"{'s' if len(missing) > 1 else ''} {_list(missing)} (another node's directory, or the process never "
+            "started the recorder)", missing, detail={"world_size": world}))
+    return out
+
+
+# -- who diverged, who first ------------------------------------------------------------------------
+def _overview(report: Report) -> list[CrossRankFinding]:
+    groups: dict[str, list[int]] = {}
+    for s in report.ranks:
+        groups.setdefault(s.verdict, []).append(s.rank)
+    total = len(report.ranks)
+    diverged = groups.get(DIVERGED, [])
+    parts = []
+    if diverged:
+        parts.append(f"diverged: rank{'s' if len(diverged) > 1 else ''} {_list(diverged)} ({len(diverged)} of {total} ranks)")
+    for verdict, label in ((CLEAN, "clean"), (UNCHECKED, "nothing recomputed"), ("no_regions", "no regions")):
+        if groups.get(verdict):
+            parts.append(f"{label}: rank{'s' if len(groups[verdict]) > 1 else ''} {_list(groups[verdict])}")
+    out = [CrossRankFinding("ranks", "; ".join(parts), diverged, detail={k: v for k, v in groups.items()})]
+    lead = _first_diverged_region(report)
+    if lead is not None:
+        cause = ""
+        if lead.cause is not None:
+            cause = f": {lead.cause.kind}" + (f" of `{lead.cause.tensor}`" if lead.cause.tensor and
+                                               lead.cause.kind in ("state_mutation", "global_state") else
+                                               f" at {lead.cause.tensor}" if lead.cause.tensor else "")
+        d = _first_divergence(lead)
+        at = f"; first divergent op {d.op} in {d.module}" + (f" ({d.source})" if d.source else "") if d else ""
+        also = sorted({r.rank for r in report.regions if r.status == DIVERGED and r.region == lead.region} - {lead.rank})
+        with_others = f" (region {lead.region} diverged on rank{'s' if len(also) > 1 else ''} {_list(also)} too)" if also else ""
+        out.append(CrossRankFinding(
+            "first", f"first divergence (earliest region in forward order): rank {lead.rank}, region {lead.region} "
+            f"({lead.module or '?'}){cause}{at}{with_others}", [lead.rank, *also], region=lead.region,
+            module=lead.module, op=d.op if d else None, op_module=d.module if d else None,
+            source=d.source if d else None,
+            detail={"cause": lead.cause.kind if lead.cause else None,
+                    "tensor": lead.cause.tensor if lead.cause else None, "silent": lead.silent}))
+    causes = {(s.cause, s.cause_tensor) for s in report.ranks if s.verdict == DIVERGED}
+    if len(diverged) > 1 and len(causes) == 1:
+        kind, tensor = next(iter(causes))
+        if kind:
+            out.append(CrossRankFinding("same_cause", f"every diverged rank has the same cause: {kind}"
+                                        + (f" of `{tensor}`" if tensor else ""), diverged, detail={"cause": kind}))
+    elif len(causes) > 1:
+        text = "; ".join(f"rank {s.rank}: {s.cause or '?'}" + (f" ({s.cause_tensor})" if s.cause_tensor else "")
+                         for s in report.ranks if s.verdict == DIVERGED)
+        out.append(CrossRankFinding("same_cause", f"the diverged ranks have different causes: {text}", diverged))
+    raised = sorted({e.rank for e in report.torch_errors if e.rank is not None})
+    if raised and len(raised) < len(report.ranks):
+        kinds = sorted({e.kind for e in report.torch_errors})
+        out.append(CrossRankFinding("torch_errors", f"torch raised {', '.join(kinds)} on rank"
+                                    f"{'s' if len(raised) > 1 else ''} {_list(raised)} only", raised))
+    return out
+
+
+def _first_diverged_region(report: Report) -> RegionReport | None:
+    diverged = [r for r in report.regions if r.status == DIVERGED]
+    return min(diverged, key=lambda r: (r.region, r.rank)) if diverged else None
+
+
+def _rank_local(report: Report) -> list[CrossRankFinding]:
+    """Regions that diverged on some ranks and reproduced exactly on others: something rank-specific."""
+    by_region: dict[int, list[RegionReport]] = {}
+    for r in report.regions:
+        by_region.setdefault(r.region, []).append(r)
+    out = []
+    for number in sorted(by_region):
+        group = by_region[number]
+        modules = {r.module for r in group}
+        bad = sorted(r.rank for r in group if r.status == DIVERGED)
+        good = sorted(r.rank for r in group if r.status == CLEAN)
+        if not bad or not good or len(modules) != 1:
+            continue
+        lead = next(r for r in group if r.status == DIVERGED)
+        why = ""
+        if lead.cause is not None and lead.cause.tensor:
+            why = f" ({lead.cause.kind} of `{lead.cause.tensor}`)" if lead.cause.kind == "state_mutation" else \
+                f" ({lead.cause.kind}: {lead.cause.tensor})"
+        out.append(CrossRankFinding(
+            "rank_local", f"rank-local: region {number} ({lead.module or '?'}) diverged on rank"
+            f"{'s' if len(bad) > 1 else ''} {_list(bad)} only{why} and reproduced exactly on rank"
+            f"{'s' if len(good) > 1 else ''} {_list(good)}: look for state, hooks or branches that run on "
+            f"{'those ranks' if len(bad) > 1 else f'rank {bad[0]}'} alone", bad, region=number, module=lead.module,
+            detail={"clean_ranks": good}))
+        if len(out) >= 3:
+            break  # later regions repeat the pattern; the region table has them all
+    return out
+
+
+def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
+    """How each rank's script ended; a failure that followed another rank's (a collective whose peer died)
+    is told apart from the first one by the time the traces were finished."""
+    ends: dict[int, tuple] = {}
+    for run in runs:
+        if run.source != "trace":
+            continue
+        rank = int(run.header.get("rank", 0) or 0)
+        end = run.header.get("end") or {}
+        exc = run.header.get("exception") or {}
+        ends[rank] = (run.exit_status, end.get("exit_code"), run.truncated, end.get("end_time"),
+                      exc.get("exc_type"), (exc.get("message") or "").strip().splitlines()[:1])
+    if len(ends) < 2:
+        return []
+    failed = [r for r, e in ends.items() if e[0] not in (None, "ok") and e[1] != 143 and not e[2]]
+    stopped = sorted(r for r, e in ends.items() if e[1] == 143 or e[2])
+    ok = sorted(r for r, e in ends.items() if e[0] == "ok" and not e[2])
+    if not failed and not stopped:
+        return []
+    failed.sort(key=lambda r: (ends[r][3] is None, ends[r][3] or 0.0, r))
+    parts = []
+
+    def why(r: int) -> str:
+        exc_type, message = ends[r][4], ends[r][5]
+        if not exc_type:
+            return f"exit {ends[r][1]}" if ends[r][1] not in (None, 0) else ""
+        text = f"{exc_type}: {message[0]}" if message else exc_type
+        return text if len(text) <= 100 else text[:97] + "..."
+
+    if failed:
+        first = failed[0]
+        parts.append(f"the script failed first on rank {first}" + (f" ({why(first)})" if why(first) else ""))
+        if len(failed) > 1:
+            parts.append("then on " + ", ".join(f"rank {r}" + (f" ({why(r)})" if why(r) else "") for r in failed[1:]))
+    if stopped:
+        parts.append(f"rank{'s' if len(stopped) > 1 else ''} {_list(stopped)} {'were' if len(stopped) > 1 else 'was'} "
+                     "stopped before finishing (torchrun ends every rank when one fails); what they recorded until "
+                     "then is compared")
+    if ok:
+        parts.append(f"rank{'s' if len(ok) > 1 else ''} {_list(ok)} finished normally")
+    return [CrossRankFinding("exits", "; ".join(parts), failed + stopped,
+                             detail={"failed_in_order": failed, "stopped": stopped, "ok": ok})]
+
+
+# -- replicated computation ---------------------------------------------------------------------
+def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFinding], int]:
+    """Ops that read identical inputs on two ranks but gave different outputs (first per region and rank)."""
     by_rank: dict[int, dict[int, Region]] = {}
     for run in runs:
+        if run.source != "trace":
+            continue  # a log has no values: nothing to say about agreement
         for region in run.regions:
             if region.forward is not None and region.forward.ops:
                 by_rank.setdefault(region.rank, {})[region.region] = region
     ranks = sorted(by_rank)
     if len(ranks) < 2:
-        return []
-    findings = []
-    base_rank = ranks[0]
-    for number, base in sorted(by_rank[base_rank].items()):
-        for other_rank in ranks[1:]:
-            other = by_rank[other_rank].get(number)
-            if other is None or not _same_inputs(base, other, tolerance):
+        return [], 0
+    # (region, op index on the base rank, kind) -> finding: one disagreement seen on many ranks is one line
+    found: dict[tuple, CrossRankFinding] = {}
+    makers: dict[tuple, object] = {}
+    budget = OPS_BUDGET
+    skipped = 0
+    for number in sorted({n for regions in by_rank.values() for n in regions}):
+        present = [r for r in ranks if number in by_rank[r]]
+        if len(present) < 2:
+            continue
+        base_rank = present[0]
+        base = by_rank[base_rank][number]
+        for other_rank in present[1:]:
+            other = by_rank[other_rank][number]
+            if other.module != base.module:
                 continue
-            for a, b in zip(base.forward.ops, other.forward.ops):
-                if a.key != b.key or [m.shape for m in a.out] != [m.shape for m in b.out]:
-                    findings.append(f"region {number} ({base.module}): ranks {base_rank} and {other_rank} read "
-                                    f"identical inputs but ran different ops from {a.op} in {a.module}")
-                    break
-                if a.fingerprint and b.fingerprint and not tolerance.equal(a.fingerprint, b.fingerprint):
-                    findings.append(f"region {number} ({base.module}): ranks {base_rank} and {other_rank} read "
-                                    f"identical inputs but {a.op} in {a.module} ({a.source}) gave different values "
-                                    "(replicated computation disagrees across ranks)")
-                    break
-    return findings
+            cost = len(base.forward.ops) + len(other.forward.ops)
+            if cost > budget:
+                skipped += 1
+                continue
+            budget -= cost
+            hit = _first_disagreement(base, other, tolerance)
+            if hit is None:
+                continue
+            key, make, op, what = hit
+            if key in found:
+                found[key].ranks.append(other_rank)
+            else:
+                found[key] = CrossRankFinding(
+                    key[2], "", [base_rank, other_rank], region=number, module=base.module, op=op.op,
+                    op_module=op.module, source=op.source,
+                    detail={"base_rank": base_rank, "differs": what, "forward_index": op.index})
+                makers[key] = make
+            found[key].text = makers[key](found[key].ranks)
+        if len(found) >= MAX_REPLICATED_FINDINGS:
+            break
+    return list(found.values()), skipped
 
 
-def _same_inputs(a: Region, b: Region, tolerance: Tolerance) -> bool:
-    ea = {(e.kind, e.name): e for e in a.forward.externals}
-    eb = {(e.kind, e.name): e for e in b.forward.externals}
-    if not ea or ea.keys() != eb.keys():
-        return False
-    return all(x.meta.shape == eb[k].meta.shape and x.fingerprint is not None and
-               tolerance.equal(x.fingerprint, eb[k].fingerprint) for k, x in ea.items())
+def _first_disagreement(base: Region, other: Region, tolerance: Tolerance):
+    cmp = compare_passes(_rank_view(base.forward, base.rank), _rank_view(other.forward, other.rank), tolerance)
+    for d in cmp.diffs:
+        if getattr(d, "side_effect", False) or d.inputs_same is not True:
+            continue
+        # different non-tensor arguments: the ranks asked for different things (rank-dependent split sizes,
+        # offsets); that is by design, not a disagreement
+        if not d.kinds & {"value", "shape", "host"} or "args" in d.kinds:
+            continue
+        f, o = d.forward, d.recompute
+        if f is None or o is None or _collective(f.op):
+            continue
+        kind = "replicated_rng" if f.random else "replicated_disagreement"
+        what = "shapes" if d.kinds & {"shape", "args"} else "values"
+        flip = None
+        if is_discrete(f) and what == "values":
+            from .discrete import describe_flip
+
+            flip = describe_flip(f, o).summary
+        key = (base.region, f.index, kind)
+
+        def make(ranks: list[int], f=f, o=o, kind=kind, what=what, flip=flip) -> str:
+            base_rank, others = ranks[0], ranks[1:]
+            who = f"rank{'s' if len(others) > 1 else ''} {_list(others)}"
+            where = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
+            if kind == "replicated_rng":
+                return (f"region {base.region} ({base.module or '?'}): the random op {where} drew other numbers on "
+                        f"{who} than on rank {base_rank} from identical inputs (the ranks' RNG states differ; ranks "
+                        "that should compute the same thing need the same seed)")
+            detail = f": {flip}" if flip else ""
+            return (f"region {base.region} ({base.module or '?'}): ranks {base_rank} and {_list(others)} read identical "
+                    f"inputs but {where} gave different {what} on {who}{detail} (replicated computation disagrees "
+                    "across ranks)")
+
+        return key, make, f, what
+    return None
+
+
+# Collectives whose result is the same on every rank of the group; any other collective (reduce-scatter,
+# all-to-all, scatter, send/recv) hands each rank its own part.
+_SYMMETRIC_COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_", "allreduce_", "all_reduce_coalesced", "all_reduce_coalesced_", "allreduce_coalesced_",
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out", "allgather_",
+    "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "broadcast", "broadcast_",
+    "wait_tensor", "_wrap_tensor_autograd", "barrier",
+})
+
+
+def _collective(name: str) -> bool:
+    from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
+
+    return name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
+
+
+def _rank_view(p: Pass, rank: int) -> Pass:
+    """The pass as seen for a cross-rank comparison: the outputs of a rank-specific collective differ between
+    ranks by design, so they get a per-rank stand-in fingerprint (everything computed from them is then
+    known to differ, never mistaken for a disagreement)."""
+    if not any(_collective(o.op) for o in p.ops):
+        return p
+    ops = []
+    for o in p.ops:
+        parts = o.op.split(".")
+        if _collective(o.op) and (len(parts) < 2 or parts[1] not in _SYMMETRIC_COLLECTIVES):
+            o = replace(o, fingerprint=[[float(rank), 0.0] for _ in o.out])
+        ops.append(o)
+    return replace(p, ops=ops)
+
+
+def _list(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return ""
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}" if start == prev else (f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}"))
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
+def _compact(numbers: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, numbers[:limit]))
+    return shown + (f", ... ({len(numbers)} in all)" if len(numbers) > limit else "")

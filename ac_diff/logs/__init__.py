@@ -54,6 +54,8 @@ _MARKERS = (
     b"= torch._ops.",
     b"but not found in storage",
     b"cached during selective activation checkpoint",
+    b"set_checkpoint_debug_enabled",  # the Tip block
+    b"torch/utils/checkpoint.py",  # a traceback through checkpoint (the error line may be cut off)
 )
 
 
@@ -80,7 +82,13 @@ def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None 
 
 
 def parse_text(text: str) -> Run:
-    """Parse a log held in a string (for tests and small pastes)."""
+    """Parse a log held in a string, e.g. `str(exception)` of a CheckpointError.
+
+    The end of the string counts as the end of a line (a message is whole; older torch ends the
+    count message with the number itself). A file that stops mid-line is parse_log's case.
+    """
+    if text and not text.endswith("\n"):
+        text += "\n"
     return _parse_stream(io.StringIO(text), None, len(text), None)
 
 

@@ -20,7 +20,7 @@ torch's layout (`_checkpoint_error_template` and `get_str_tb` in torch/utils/che
     Region(rank=1, region=0, module=None, kind="log", options={"debug": True},
            forward=Pass("forward", ops=[OpRecord(0, "aten.view.default", out=[bf16[1, 128, 5120]],
                         args=["$0", [1, 128, 5120]], log_ids=(["$1"], ["$0"]),
-                        source=".../llama4/model/model.py:337 in forward"), ...]),
+                        source="llama4/model/model.py:337 in forward"), ...]),
            recompute=Pass("recompute", ops=[...], complete=False))
 
 Each pass comes from the op list of section 3, or from the numbered ops of section 1/2 when those
@@ -85,9 +85,11 @@ def classify_dump_line(text: str, in_footer: bool) -> int | None:
 
 
 def frame_source(text: str, keep: int = 3) -> str | None:
-    """`/h/torchtitan/experiments/llama4/model/moe.py:40:forward` -> `.../llama4/model/moe.py:40 in forward`.
+    """`/h/torchtitan/experiments/llama4/model/moe.py:40:forward` -> `llama4/model/moe.py:40 in forward`.
 
-    None for frames of torch, of Python itself (the standard library, C sources) and for C++.
+    The path keeps its last `keep` components, as the recorder's `sourceline.short_path` does for
+    files outside the working directory. None for frames of torch, of Python itself (the standard
+    library, C sources), for C++, and for nn.Module's call machinery.
     """
     if ".py:" not in text:
         return None
@@ -101,10 +103,7 @@ def frame_source(text: str, keep: int = 3) -> str | None:
     parts = [p for p in norm.split("/") if p]
     if parts and parts[-1] == _MODULE_CALL[0] and name in _MODULE_CALL[1]:
         return None
-    tail = "/".join(parts[-keep:])
-    if len(parts) > keep:
-        tail = ".../" + tail
-    return f"{tail}:{line} in {name.strip()}"
+    return f"{'/'.join(parts[-keep:])}:{line} in {name}"
 
 
 @dataclass(slots=True)

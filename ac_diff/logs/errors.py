@@ -8,8 +8,9 @@ The exact wording is torch's (torch/utils/checkpoint.py, 2.13; older releases us
     classify_error_line("tensor at position 48:")              -> ("position", 48)
     classify_error_line("saved metadata: {'shape': ...}")      -> ("saved", "{'shape': ...}")
     classify_error_line("recomputed metadata: {...}")          -> ("recomputed", "{...}")
-    classify_error_line("Number of tensors saved during forward: 27")       -> ("count_saved", 27)
-    classify_error_line("Number of tensors saved during recomputation: 8.") -> ("count_recomputed", 8)
+    classify_error_line("Number of tensors saved during forward: 27")       -> ("count_saved", 27, False)
+    classify_error_line("Number of tensors saved during recomputation: 8.") -> ("count_recomputed", 8, True)
+        (the flag: something follows the number, so a cut in the line did not shorten it)
     classify_error_line(".")                                   -> ("end", None)
     classify_error_line("Tip: To see a more detailed error message, ...")   -> ("end", None)
 
@@ -53,14 +54,14 @@ HEADER_PHRASES = (
 DUMP_START = "An error happened while unpacking tensors; dumping logs"
 _EXCEPTION_TAG = "CheckpointError:"
 
-_POSITION = re.compile(r"tensor at position (\d+)\s*:?")
-_COUNT = re.compile(r"Number of tensors saved during (forward|recomputation)\s*:\s*(\d+)")
+_POSITION = re.compile(r"tensor at position (\d+):")  # the colon proves the number was not cut short
+_COUNT = re.compile(r"Number of tensors saved during (forward|recomputation)\s*:\s*(\d+)(\D?)")
 _EXC_PREFIX = re.compile(r"^(?:[\w.]*(?:Error|Exception))\s*:\s*")
 
 MAX_MESSAGE = 64 * 1024  # characters of raw text kept in TorchError.message
 
 
-def classify_error_line(text: str) -> tuple[str, object] | None:
+def classify_error_line(text: str) -> tuple | None:
     """What an error-related segment is, or None (see the module docstring)."""
     c = text[0]
     if c == "t" and text.startswith("tensor at position"):
@@ -74,7 +75,8 @@ def classify_error_line(text: str) -> tuple[str, object] | None:
         m = _COUNT.match(text)
         if not m:
             return ("garbled", None)
-        return ("count_saved" if m.group(1) == "forward" else "count_recomputed", int(m.group(2)))
+        kind = "count_saved" if m.group(1) == "forward" else "count_recomputed"
+        return (kind, int(m.group(2)), m.group(3) != "")  # (.., .., followed by something: not cut)
     if text == "." or text.startswith("Tip: To see a more detailed error message"):
         return ("end", None)
     for phrase, kind in HEADER_PHRASES:

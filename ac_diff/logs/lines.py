@@ -93,9 +93,10 @@ def _call_progress(progress: Callable[[int, int | None], None], done: int, total
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-# One launcher prefix: `[rank1]:`, `[default1]:` (torchrun --tee), or a bare `rank11: `.
-_PREFIX = re.compile(r"[ \t]*(?:\[(rank|default)(\d+)\]:[ \t]?|(rank)(\d+):(?:[ \t]|\Z))")
-_PYTEST_E = re.compile(r"E(?:[ \t]{2,}|[ \t]*\Z)")
+# The run of launcher prefixes at the start of a line: `[rank1]:`, `[default1]:` (torchrun --tee),
+# a bare `rank11: `, pytest's `E   `, in any order and number, with indentation around them.
+_PREFIX_RUN = re.compile(r"(?:[ \t]*(?:\[(?:rank|default)\d+\]:|rank\d+:(?=[ \t]|\Z)|E(?=[ \t]{2,}|[ \t]*\Z)))+")
+_PREFIX_NUM = re.compile(r"(rank|default)(\d+)")
 
 
 def strip_prefix(text: str) -> tuple[int | None, str]:
@@ -105,60 +106,60 @@ def strip_prefix(text: str) -> tuple[int | None, str]:
     """
     if "\x1b" in text:
         text = _ANSI.sub("", text)
-    rank = None
-    default = None
-    pos = 0
-    n = len(text)
-    while pos < n:
-        c = text[pos]
-        if c == "[" or c == "r" or c == " " or c == "\t":
-            m = _PREFIX.match(text, pos)
-            if m:
-                if m.group(1) == "default":
-                    default = int(m.group(2))
-                else:
-                    rank = int(m.group(2) or m.group(4))
-                pos = m.end()
-                continue
-        elif c == "E":
-            m = _PYTEST_E.match(text, pos)
-            if m:
-                pos = m.end()
-                continue
-        break
-    body = text[pos:].strip()
-    return (rank if rank is not None else default), body
+    m = _PREFIX_RUN.match(text)
+    if m is None:
+        return None, text.strip()
+    rank = default = None
+    for kind, num in _PREFIX_NUM.findall(m.group()):
+        if kind == "rank":
+            rank = int(num)
+        else:
+            default = int(num)
+    return (rank if rank is not None else default), text[m.end():].strip()
 
 
 # Markers that start a new logical line when they appear inside a line (see module docstring).
-_SPLIT = re.compile(
-    r"(?=[\[rtsNO$(|123ETD])"  # every marker starts with one of these: skip other positions fast
-    r"(?:\[(?:rank|default)\d+\]:"
-    r"|(?<=\s)rank\d+:(?=\s)"
-    r"|tensor at position \d"
-    r"|saved metadata:"
-    r"|recomputed metadata:"
-    r"|Number of tensors saved during"
-    r"|(?<!['\w$])\$\d+: [a-z][a-z0-9]*\["
-    r"|[\[(]'\$\d+: "
-    r"|Operations executed during"
-    r"|(?:\|\s*)?[123]\. (?:Stack traces of the operators|Log of operators)"
-    r"|ERROR: Detected non-determinism"
-    r"|Traceback \(most recent call last\)"
-    r"|The above exception was the direct cause"
-    r"|During handling of the above exception)"
+# Literal ones are found with str.find (C speed); the regexes below run only when a cheap
+# substring test says they could match.
+_LITERAL_MARKERS = (
+    "torch.utils.checkpoint.CheckpointError:", "torch.utils.checkpoint: ", "tensor at position ", "saved metadata:", "recomputed metadata:", "Number of tensors saved during",
+    "Operations executed during", "ERROR: Detected non-determinism", "Traceback (most recent call last)",
+    "The above exception was the direct cause", "During handling of the above exception",
 )
-# Cheap substring tests: the regex runs only on lines that contain one of these.
-_SPLIT_HINTS = ("rank", "position", "metadata:", "$", "Number of", "Operations executed",
-                "Stack traces", "Log of operators", "non-determinism",
-                "Traceback", "above exception")
+_BOXED_MARKERS = ("Stack traces of the operators", "Log of operators")  # cut before "| 1. "
+_RANK_MID = re.compile(r"\[(?:rank|default)\d+\]:|(?<=\s)rank\d+:(?=\s)")
+_OP_MID = re.compile(r"\$(?<!['\w$]\$)\d+: [a-z][a-z0-9]*\[")  # `$N: dtype[` not inside quotes
+_OP_LIST_MID = re.compile(r"'\$\d+: ")  # `['$N: ` / `('$N: ` (checked for the bracket before it)
+_BOX_PREFIX = re.compile(r"(?:\|\s*)?[123]\.\s*\Z")
 
 
-def _may_split(body: str) -> bool:
-    for hint in _SPLIT_HINTS:
-        if hint in body:
-            return True
-    return False
+def _cuts(body: str) -> list[int]:
+    """Positions (> 0) where a marker starts a new segment inside `body`."""
+    cuts: list[int] = []
+    for marker in _LITERAL_MARKERS:
+        if marker in body:
+            i = body.find(marker, 1)
+            while i > 0:
+                cuts.append(i)
+                i = body.find(marker, i + 1)
+    for marker in _BOXED_MARKERS:
+        if marker in body:
+            i = body.find(marker, 1)
+            while i > 0:
+                m = _BOX_PREFIX.search(body, max(0, i - 24), i)
+                j = m.start() if m else i
+                if j > 0:
+                    cuts.append(j)
+                i = body.find(marker, i + 1)
+    if "rank" in body or "[default" in body:
+        cuts.extend(m.start() for m in _RANK_MID.finditer(body, 1))
+    if "$" in body:
+        cuts.extend(m.start() for m in _OP_MID.finditer(body, 1))
+        if "'$" in body:
+            cuts.extend(m.start() - 1 for m in _OP_LIST_MID.finditer(body, 2) if body[m.start() - 1] in "[(")
+    if len(cuts) > 1:
+        cuts = sorted(set(cuts))
+    return cuts
 
 
 def split_segments(text: str, rank: int | None) -> tuple[list[tuple[int | None, str]], int | None]:
@@ -173,9 +174,7 @@ def split_segments(text: str, rank: int | None) -> tuple[list[tuple[int | None, 
         rank = line_rank
     if not body:
         return [], rank
-    if not _may_split(body):
-        return [(rank, body)], rank
-    cuts = [m.start() for m in _SPLIT.finditer(body) if m.start() > 0]
+    cuts = _cuts(body)
     if not cuts:
         return [(rank, body)], rank
     out: list[tuple[int | None, str]] = []

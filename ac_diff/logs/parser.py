@@ -69,6 +69,7 @@ class LogParser:
         self._counts = _Counts()
         self._last_rank: int | None = None
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
+        self._at_cut = False
 
     # ------------------------------------------------------------------ input
 
@@ -77,8 +78,11 @@ class LogParser:
         try:
             segments, self._last_rank = split_segments(text, self._last_rank)
             complete = True
-            for rank, body in segments:
+            last = len(segments) - 1
+            for i, (rank, body) in enumerate(segments):
+                self._at_cut = not ended and i == last  # this segment's end may be cut short
                 complete = self._segment(rank, body)
+            self._at_cut = False
             if ended or not segments:
                 self._tail = None
             else:
@@ -145,8 +149,8 @@ class LogParser:
         self._errors.append(b)
         return b
 
-    def _error_line(self, st: _RankState, body: str, cls: tuple[str, object]) -> bool:
-        what, value = cls
+    def _error_line(self, st: _RankState, body: str, cls: tuple) -> bool:
+        what, value = cls[0], cls[1]
         b = st.error
         if what == "header":
             st.traceback_open = False
@@ -166,6 +170,9 @@ class LogParser:
             b.add_text(body)
             return whole
         if what == "count_saved" or what == "count_recomputed":
+            if self._at_cut and not cls[2]:
+                self._counts.garbled += 1  # "...forward: 26" at the cut may have been 2634
+                return False
             if b is None or b.closed or b.error.kind != COUNT_MISMATCH:
                 b = self._new_error(st, COUNT_MISMATCH, None)
             b.count(what, value)  # type: ignore[arg-type]

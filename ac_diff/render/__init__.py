@@ -37,7 +37,13 @@ def _json(report: Report, *, console: Console | None = None, path: str | None = 
         print(text)
 
 
-RENDERERS: dict[str, Renderer] = {"terminal": _terminal, "json": _json}
+def _html(report: Report, *, console: Console | None = None, path: str | None = None) -> None:
+    from .html import render_html_file
+
+    render_html_file(report, path=path)
+
+
+RENDERERS: dict[str, Renderer] = {"terminal": _terminal, "json": _json, "html": _html}
 
 
 def register(name: str, renderer: Renderer) -> None:

@@ -1,0 +1,472 @@
+"""Multi-rank runs: `ac-diff run --nproc-per-node N`, and what each rank does under torchrun.
+
+torchrun is the launcher; ac-diff never starts processes of its own kind:
+
+    ac-diff run --nproc-per-node 2 -o out train.py --lr 3e-4
+    # = python -m torch.distributed.run --standalone --nproc-per-node 2 -m ac_diff run -o out train.py --lr 3e-4
+    #   then one cross-rank report over out/trace-rank0.jsonl, out/trace-rank1.jsonl
+
+    torchrun --nproc-per-node 2 -m ac_diff run -o out train.py    # works too: rank 0 reports
+
+Every rank records `OUT/trace-rank{RANK}.jsonl` with a run id in its header (`AC_DIFF_RUN_ID` set by
+the launcher, else torchrun's `TORCHELASTIC_RUN_ID`), so a report never mixes in a stale trace an
+earlier run left in the same directory.
+
+Who reports: torchrun stops every other rank as soon as one rank exits with an error, so a rank can
+be killed before it has anything to say. Under `ac-diff run --nproc-per-node`, the launcher reports
+after torchrun returns, whatever happened to the ranks. Under a plain torchrun, rank 0 waits (bounded:
+`AC_DIFF_RANK_WAIT` seconds, default 60) for the other ranks' traces to be finished, then reports; a
+non-zero rank whose script failed prints one line with the trace and the command to run, since rank 0
+may not live to report. A rank torchrun terminates (SIGTERM) still finishes its trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .common import EXIT_BAD_INPUT, EXIT_DIVERGED, emit, fail
+
+RUN_ID_ENV = "AC_DIFF_RUN_ID"
+LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by `ac-diff run --nproc-per-node`: the launcher reports, ranks don't
+WAIT_ENV = "AC_DIFF_RANK_WAIT"  # seconds rank 0 waits for the other ranks' traces (default 60)
+DEFAULT_WAIT_S = 60.0
+POLL_S = 0.2
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+# -- where this process stands ----------------------------------------------------------------
+def rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def is_multi_rank() -> bool:
+    return world_size() > 1
+
+
+def launched() -> bool:
+    """This rank runs under `ac-diff run --nproc-per-node` (the launcher writes the report)."""
+    return bool(os.environ.get(LAUNCHED_ENV))
+
+
+def run_id() -> str | None:
+    """Same for every rank of one launch, different for the next launch (None when unknowable)."""
+    explicit = os.environ.get(RUN_ID_ENV)
+    if explicit:
+        return explicit
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":  # torchrun's default rdzv id is the literal "none"
+        return f"{elastic}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return None
+
+
+def header_fields() -> dict[str, Any]:
+    """What a rank adds to its trace header so the traces of one launch can be found together."""
+    fields: dict[str, Any] = {"run_id": run_id()}
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        fields["launcher"] = "ac-diff" if launched() else "torchrun"
+        fields["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return fields
+
+
+# -- the launcher ---------------------------------------------------------------------------
+def strip_nproc(argv: list[str]) -> list[str]:
+    """Drop `--nproc-per-node N` / `--nproc-per-node=N` from ac-diff's own options (before the target)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--nproc-per-node":
+            i += 2
+            continue
+        if a.startswith("--nproc-per-node="):
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+        if a != "run" and not a.startswith("-") and not (len(out) > 1 and out[-2] in _VALUED):
+            return out + argv[i:]  # the script (or the module after -m): the rest is the script's
+    return out
+
+
+# ac-diff run options that take a value (so the value is not mistaken for the script)
+_VALUED = {"-o", "--output-dir", "--format", "--json", "--report", "--max-regions", "--keep-values", "--scope",
+           "--rtol", "--atol"}
+
+
+def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, options: Any) -> list[str]:
+    """The `ac-diff run` arguments each rank gets: where to write, what to record, the script and its args."""
+    argv = ["run", "-o", output_dir, "--keep-values", str(options.keep_values), "--scope", options.scope]
+    if options.max_regions is not None:
+        argv += ["--max-regions", str(options.max_regions)]
+    if not options.fingerprints:
+        argv.append("--no-fingerprints")
+    return argv + (["-m"] if module else []) + [target, *args]
+
+
+def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-out", force: bool = False,
+                   check: bool = False, fmt: str = "terminal", json_path: str | None = None,
+                   output: str | None = None, settings: Any = None, target: str | None = None,
+                   module: bool = False) -> int:
+    """Run `ac-diff run ARGV` on `nproc` local processes under torchrun, then report across ranks.
+
+    `argv` is ac-diff's own argument list starting with "run" (`--nproc-per-node` is removed if present).
+    Returns the script's exit code: that of the lowest rank whose script failed, else torchrun's; with
+    `check`, 1 when every rank succeeded but a region diverged.
+    """
+    from ..diagnosis import Settings
+    from ..runner import check_target
+
+    if nproc < 1:
+        return fail(f"--nproc-per-node must be at least 1, got {nproc}")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return fail("--nproc-per-node starts torchrun, but this process already runs under torchrun; drop "
+                    "--nproc-per-node (torchrun ... -m ac_diff run SCRIPT records every rank)")
+    if target is not None:
+        check_target(target, module)
+    argv = strip_nproc(list(argv))
+    if not argv or argv[0] != "run":
+        argv = ["run", *argv]
+    out = Path(output_dir)
+    existing = _trace_paths(out)
+    if existing and not force:
+        return fail(f"{existing[0]} already exists; pass --force to overwrite the traces in {out}, or -o DIR for "
+                    "another directory")
+    for stale in existing:  # --force: every trace of an earlier run goes, also of ranks this run won't have
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    if "--force" not in argv:
+        argv.insert(1, "--force")  # the directory is clean now; a rank restarted by torchrun may rewrite
+    rid = uuid.uuid4().hex[:12]
+    env = {**os.environ, RUN_ID_ENV: rid, LAUNCHED_ENV: "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "ac_diff", *argv]
+    print(f"ac-diff: launching {nproc} processes with torchrun (run {rid}): {' '.join(cmd[1:])}", file=sys.stderr)
+    sys.stderr.flush()
+    interrupted = False
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # the ranks got the Ctrl-C too (same process group); let torchrun wind down
+        interrupted = True
+        with contextlib.suppress(KeyboardInterrupt):
+            code = proc.wait()
+    runs_found = collect_traces(out, rid, nproc)
+    if not runs_found.paths:
+        fail(f"no trace with run id {rid} in {out}: the ranks did not get to start the recorder (see torchrun's "
+             "output above)", EXIT_BAD_INPUT)
+        return code or EXIT_BAD_INPUT
+    report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out)
+    script_code = _script_exit_code(runs_found.exit_codes, code)
+    if interrupted and script_code == 0:
+        script_code = 130
+    if check and script_code == 0 and report.diverged:
+        return EXIT_DIVERGED
+    return script_code
+
+
+def _script_exit_code(exit_codes: dict[int, int | None], torchrun_code: int) -> int:
+    """The exit code of the lowest rank whose script failed (not one torchrun stopped), else torchrun's."""
+    failed = [(r, c) for r, c in sorted(exit_codes.items()) if c not in (None, 0, EXIT_TERMINATED)]
+    if failed:
+        return failed[0][1]
+    return torchrun_code
+
+
+# -- finding the traces of one launch ---------------------------------------------------------
+@dataclass
+class RankTraces:
+    paths: dict[int, Path] = field(default_factory=dict)  # rank -> trace of this launch
+    ended: set[int] = field(default_factory=set)  # ranks whose trace has its end record
+    finished: set[int] = field(default_factory=set)  # ended, or the process is gone (nothing more will come)
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)  # expected ranks without a trace of this launch
+    stale: list[Path] = field(default_factory=list)  # traces in the directory from another launch
+    notes: list[str] = field(default_factory=list)
+
+
+def _trace_paths(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.name.startswith("trace")
+                  and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl.gz")))
+
+
+def read_header(path: Path) -> dict | None:
+    from ..trace import open_text
+
+    try:
+        with open_text(path) as f:
+            header = json.loads(f.readline(1 << 20))
+        return header if isinstance(header, dict) else None
+    except (OSError, ValueError, EOFError):
+        return None
+
+
+def read_end(path: Path) -> dict | None:
+    """The end record, if the trace has one (read from the file's tail; gzip files are read through)."""
+    try:
+        if path.name.endswith(".gz"):
+            from ..trace import open_text
+
+            last = None
+            with open_text(path) as f:
+                for line in f:
+                    last = line
+            tail = [last] if last else []
+        else:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 8192))
+                tail = f.read().decode("utf-8", "replace").splitlines()[-2:]
+        for line in reversed(tail):
+            if '"type":"end"' in line or '"type": "end"' in line:
+                return json.loads(line)
+    except (OSError, ValueError, EOFError):
+        return None
+    return None
+
+
+def collect_traces(directory: Path, rid: str | None, expected: int, *, since: float | None = None) -> RankTraces:
+    """The traces of launch `rid` in `directory`, one per rank (without a run id: those started after `since`)."""
+    found = RankTraces()
+    for path in _trace_paths(directory):
+        header = read_header(path)
+        if header is None or header.get("format") != "ac-diff-trace":
+            continue
+        same = (header.get("run_id") == rid) if rid is not None else (
+            since is None or float(header.get("start_time", 0)) >= since)
+        r = int(header.get("rank", 0) or 0)
+        if not same or r >= expected:
+            found.stale.append(path)
+            continue
+        if r in found.paths:  # two files for one rank (.jsonl and .jsonl.gz): keep the newer
+            if path.stat().st_mtime <= found.paths[r].stat().st_mtime:
+                continue
+        found.paths[r] = path
+        end = read_end(path)
+        found.ended.discard(r)
+        found.finished.discard(r)
+        if end is not None:
+            found.ended.add(r)
+            found.finished.add(r)
+            found.exit_codes[r] = end.get("exit_code")
+        else:
+            found.exit_codes[r] = None
+            if header.get("pid") and header.get("host") == _host() and not _alive(int(header["pid"])):
+                found.finished.add(r)  # died without finishing its trace (killed): nothing more will come
+    found.missing = [r for r in range(expected) if r not in found.paths]
+    return found
+
+
+def _host() -> str:
+    import platform
+
+    return platform.node()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_terminated = threading.Event()  # set when torchrun asks this rank to stop while it waits
+
+
+def wait_for_ranks(directory: Path, rid: str | None, expected: int, timeout: float, *,
+                   since: float | None = None) -> RankTraces:
+    """Poll until every rank's trace of this launch is finished, or `timeout` seconds have passed.
+
+    If SIGTERM arrives meanwhile (torchrun stops every rank), wait at most 3 s more: the other ranks
+    finish their traces on the same signal."""
+    start = time.monotonic()
+    deadline = start + max(0.0, timeout)
+    told = False
+    while True:
+        found = collect_traces(directory, rid, expected, since=since)
+        pending = sorted(set(range(expected)) - found.finished)
+        now = time.monotonic()
+        if _terminated.is_set():
+            deadline = min(deadline, now + 3.0)
+        if not pending or now >= deadline:
+            return found
+        if not told and now - start > 2.0:
+            print(f"ac-diff: waiting up to {timeout:.0f} s for rank{'s' if len(pending) > 1 else ''} "
+                  f"{_ranks_text(pending)} to finish {'their traces' if len(pending) > 1 else 'its trace'}...",
+                  file=sys.stderr)
+            told = True
+        _terminated.wait(POLL_S)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def rank_wait_seconds() -> float:
+    try:
+        return float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
+    except ValueError:
+        return DEFAULT_WAIT_S
+
+
+# -- reporting --------------------------------------------------------------------------------
+def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | None, output: str | None,
+                 output_dir: Path):
+    """Diagnose every rank's trace of this launch together and print the cross-rank report."""
+    from ..diagnosis import diagnose
+    from ..trace import read_run
+
+    runs = [read_run(p) for _, p in sorted(found.paths.items())]
+    ranks = sorted(found.paths)
+    print(f"ac-diff: {len(ranks)} trace{'s' if len(ranks) > 1 else ''} written to {output_dir}/ "
+          f"(rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)})", file=sys.stderr)
+    report = diagnose(runs, settings)
+    if found.missing:
+        report.notes.append(f"no trace from rank{'s' if len(found.missing) > 1 else ''} "
+                            f"{_ranks_text(found.missing)} of this run in {output_dir} (the process did not start "
+                            "the recorder, or it wrote to another directory / node)")
+    unfinished = sorted(set(found.paths) - found.ended)
+    if unfinished:
+        report.notes.append(f"rank{'s' if len(unfinished) > 1 else ''} {_ranks_text(unfinished)} had not finished "
+                            f"{'their traces' if len(unfinished) > 1 else 'its trace'} when this report was made "
+                            f"(still running, or killed); `ac-diff report {output_dir}` later shows what they recorded")
+    if found.stale:
+        report.notes.append(f"ignored {len(found.stale)} trace file(s) in {output_dir} from an earlier run: "
+                            + ", ".join(p.name for p in found.stale[:4]))
+    emit(report, fmt, json_path, output)
+    print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else "")
+          + (f"   (one rank: ac-diff report {found.paths[ranks[-1]]}; two ranks side by side: ac-diff compare "
+             f"{found.paths[ranks[0]]} {found.paths[ranks[-1]]})" if len(ranks) > 1 else ""), file=sys.stderr)
+    return report
+
+
+# -- what a rank does (called by run_cmd) ------------------------------------------------------
+def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -> None:
+    """Before recording: keep an earlier attempt's trace when torchrun restarted this rank; with --force,
+    rank 0 removes traces of ranks this run will not have (left by a bigger earlier run)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and trace_path.exists():
+        header = read_header(trace_path) or {}
+        base = (run_id() or "").rsplit(".", 1)[0]
+        if base and str(header.get("run_id") or "").rsplit(".", 1)[0] == base:
+            with contextlib.suppress(OSError):  # the failure that caused the restart stays readable
+                trace_path.rename(trace_path.with_name(f"{trace_path.name}.attempt{header.get('restart', restart - 1)}"))
+    if force and rank() == 0 and is_multi_rank():
+        size = world_size()
+        for path in _trace_paths(Path(output_dir)):
+            header = read_header(path)
+            if header is not None and int(header.get("rank", 0) or 0) >= size:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While the script runs on a rank: SIGTERM (torchrun stopping the ranks after one failed) raises
+    SystemExit(143) so the trace gets finished; the previous handler comes back afterwards."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
+        _terminated.set()
+        if not _finishing(frame):
+            raise SystemExit(EXIT_TERMINATED)
+        # ac-diff is already finishing the trace (the script has ended): let it complete
+
+    with _sigterm_handler(handler):
+        yield
+
+
+# ac-diff's own functions that finish a trace after the script ended: an exception raised inside them
+# would leave the trace without its end record.
+_FINISHING = frozenset({"stop", "close", "write", "write_many", "flush", "_finish_pass", "_print_script_traceback",
+                        "_drop_own_frames", "_exit_code"})
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _finishing(frame) -> bool:
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _FINISHING and code.co_filename.startswith(_PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def sigterm_stops_waiting() -> Iterator[None]:
+    """While rank 0 waits for the other ranks: SIGTERM cuts the wait short, the report still comes."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _terminated.set()
+
+    with _sigterm_handler(handler):
+        yield
+
+
+@contextlib.contextmanager
+def _sigterm_handler(handler) -> Iterator[None]:
+    """Install `handler` for SIGTERM if nobody else handles it (main thread only); restore afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        yield
+        return
+    if previous not in (signal.SIG_DFL, None):
+        yield  # the script or its framework handles SIGTERM itself
+        return
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(signal.SIGTERM) is handler:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: bool, fmt: str,
+                json_path: str | None, output: str | None, settings: Any) -> int:
+    """After a rank's script ended under torchrun: rank 0 reports across ranks, the others stay quiet."""
+    r = rank()
+    if launched():
+        return outcome_code  # the launcher reports once torchrun is done
+    if r != 0:
+        if outcome_code not in (0, EXIT_TERMINATED):
+            # torchrun now stops the other ranks, rank 0 included: it may not live to report
+            print(f"[rank{r}] ac-diff: the script failed on rank {r}; trace: {trace_path}. torchrun stops the other "
+                  f"ranks now; for the report across ranks run: ac-diff report {output_dir}", file=sys.stderr)
+        return outcome_code
+    header = read_header(trace_path) or {}
+    rid = header.get("run_id")
+    since = float(header.get("start_time", 0)) - 120.0 if rid is None else None
+    # Rank 0's own failure makes torchrun stop the others, who may be blocked waiting for it: don't wait long.
+    timeout = rank_wait_seconds() if outcome_code == 0 else min(rank_wait_seconds(), 3.0)
+    with sigterm_stops_waiting():
+        found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since)
+        found.paths.setdefault(0, trace_path)
+        report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir))
+    if check and outcome_code == 0 and report.diverged:
+        return EXIT_DIVERGED
+    return outcome_code

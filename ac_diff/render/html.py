@@ -1,0 +1,685 @@
+"""The HTML report: one self-contained page (inline CSS and JS, no network), same content as the terminal.
+
+    render(report, "html", path="report.html")
+    ac-diff report ac-diff-out --format html -o report.html
+
+What is where, top to bottom: the verdict banner (headline, silent warning, counts, sources); a
+toolbar (text filter on module/op, "diverged only", "differing positions only", expand/collapse);
+torch's error; ranks and cross-rank findings; the region table (links to the sections); then one
+collapsible section per region: cause and evidence, first divergences, what changed from outside, a
+plot of where in the region the divergences are, the side-by-side aligned window with divergent cells
+marked, the causal chain, the map of every saved position, and the suggestions with their code.
+
+The filter state lives in the URL hash (`#q=topk&diverged=0&differing=1`), so a link reproduces the
+view. Like every renderer it only formats a finished `Report`; every string from it is escaped.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from html import escape
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..report import CLEAN, DIVERGED, Divergence, PositionRow, RegionReport, Report
+from .terminal import _short_label, _short_op, _short_source
+
+MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
+_KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "control": "sequence", "cached": "cached"}
+_LANES = (("control", "sequence"), ("value", "value"), ("discrete", "decision"), ("shape", "shape"),
+          ("pos_meta", "saved: metadata ≠"), ("pos_values", "saved: values ≠"))
+
+
+def e(value: Any) -> str:
+    """Escape anything for text and attribute values ("" for None)."""
+    return "" if value is None else escape(str(value), quote=True)
+
+
+def render_html(report: Report) -> str:
+    """The whole page as a string."""
+    try:
+        from .. import __version__
+    except ImportError:  # pragma: no cover - partial installs
+        __version__ = "?"
+    silent = any(r.silent for r in report.regions if r.status == DIVERGED) and not report.torch_errors
+    title = _verdict_title(report, silent)
+    any_diverged = any(r.status == DIVERGED for r in report.regions)
+    parts = [
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
+        # no network, ever: everything the page needs is inline
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+        "script-src 'unsafe-inline'; img-src data:\">",
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">",
+        f"<meta name=\"generator\" content=\"ac-diff {e(__version__)}\">",
+        f"<title>ac-diff: {e(title)} — {e(report.headline)}</title>",
+        f"<style>{_CSS}</style></head>",
+        f"<body data-verdict=\"{e(report.verdict)}\">",
+        _verdict(report, title, silent),
+        _toolbar(report, any_diverged),
+        "<main>",
+        _torch_errors(report),
+        _ranks(report),
+        _regions_table(report),
+        _region_sections(report),
+        _notes(report.notes, "notes"),
+        "</main>",
+        f"<footer>ac-diff {e(__version__)} · report format v1 · "
+        f"{e(', '.join(report.sources)) if report.sources else ''}</footer>",
+        f"<script>{_JS}</script>",
+        "</body></html>\n",
+    ]
+    return "\n".join(p for p in parts if p)
+
+
+def render_html_file(report: Report, *, console: Any = None, path: str | None = None) -> None:
+    """The registered renderer: write `path`, or print the page when there is none (or it is "-")."""
+    text = render_html(report)
+    if path and path != "-":
+        Path(path).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+
+
+# --- verdict, toolbar, top tables -----------------------------------------------------------------------------
+
+def _verdict_title(report: Report, silent: bool) -> str:
+    if report.verdict == DIVERGED:
+        return "SILENTLY DIVERGED" if silent else "DIVERGED"
+    return "CLEAN"
+
+
+def _verdict(report: Report, title: str, silent: bool) -> str:
+    cls = "silent" if silent else ("diverged" if report.verdict == DIVERGED else "clean")
+    out = [f"<header id=\"verdict\" class=\"verdict {cls}\" data-verdict=\"{e(report.verdict)}\">",
+           f"<div class=\"verdict-title\">ac-diff: <span id=\"verdict-word\">{e(title)}</span></div>",
+           f"<p class=\"headline\" id=\"headline\">{e(report.headline)}</p>"]
+    if silent:
+        out.append("<p class=\"silent-warning\" id=\"silent-warning\">torch raised no error: the gradients of the "
+                   "diverged region(s) are silently wrong.</p>")
+    counts = _status_counts(report)
+    if counts:
+        out.append(f"<p class=\"dim\">{e(counts)}</p>")
+    if report.sources:
+        out.append(f"<p class=\"dim\">from {e(', '.join(report.sources))}</p>")
+    if report.exit_status:
+        out.append(f"<p class=\"dim\">the script ended with: {e(report.exit_status)}</p>")
+    out.append("</header>")
+    return "\n".join(out)
+
+
+def _status_counts(report: Report) -> str:
+    if not report.regions:
+        return ""
+    by: dict[str, int] = {}
+    for r in report.regions:
+        by[r.status] = by.get(r.status, 0) + 1
+    return f"{len(report.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+
+
+def _toolbar(report: Report, any_diverged: bool) -> str:
+    if not report.regions:
+        return ""
+    return (
+        "<nav class=\"toolbar\" id=\"toolbar\">"
+        "<label>filter <input id=\"filter\" type=\"search\" placeholder=\"module or op, e.g. moe.router or topk\" "
+        "autocomplete=\"off\"></label>"
+        f"<label><input id=\"diverged-only\" type=\"checkbox\"{' checked' if any_diverged else ''}> diverged only</label>"
+        "<label><input id=\"differing-only\" type=\"checkbox\"> differing positions only</label>"
+        "<button type=\"button\" id=\"expand-all\">expand all</button>"
+        "<button type=\"button\" id=\"collapse-all\">collapse all</button>"
+        f"<span id=\"shown-count\" class=\"dim\">{len(report.regions)} region(s)</span>"
+        "</nav>")
+
+
+def _torch_errors(report: Report) -> str:
+    if not report.torch_errors:
+        return ""
+    rows = []
+    for err in report.torch_errors:
+        counts = f"{err.saved_count}/{err.recomputed_count}" if err.saved_count is not None else ""
+        rows.append(f"<tr><td>{e(err.rank)}</td><td>{e(err.region)}</td><td>{e(err.kind)}</td>"
+                    f"<td class=\"wrap\">{e(', '.join(map(str, err.positions)))}</td><td>{e(counts)}</td></tr>")
+    messages = "".join(f"<details class=\"message\"><summary>torch's message (rank {e(err.rank)})</summary>"
+                       f"<pre>{e(err.message)}</pre></details>" for err in report.torch_errors if err.message)
+    return (f"<section id=\"torch-error\"><h2>torch's error</h2>"
+            f"<table><thead><tr><th>rank</th><th>region</th><th>kind</th><th>positions</th>"
+            f"<th>counts (saved/recomputed)</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"{messages}</section>")
+
+
+def _ranks(report: Report) -> str:
+    out = []
+    if len(report.ranks) > 1:
+        rows = []
+        for r in report.ranks:
+            first = f"{r.first_module} (region {r.first_region})" if r.first_module is not None else ""
+            rows.append(f"<tr><td>{e(r.rank)}</td><td><span class=\"badge {_status_class(r.verdict)}\">"
+                        f"{e(r.verdict)}</span></td><td>{e(r.regions)}</td><td>{e(r.diverged)}</td>"
+                        f"<td>{e(r.cause)}</td><td>{e(first)}</td></tr>")
+        out.append("<section id=\"ranks\"><h2>ranks</h2><table><thead><tr><th>rank</th><th>verdict</th>"
+                   "<th>regions</th><th>diverged</th><th>cause</th><th>first diverged</th></tr></thead>"
+                   f"<tbody>{''.join(rows)}</tbody></table></section>")
+    if report.cross_rank:
+        items = "".join(f"<li>{e(f)}</li>" for f in report.cross_rank)
+        out.append(f"<section id=\"cross-rank\"><h2>cross-rank</h2><ul>{items}</ul></section>")
+    return "\n".join(out)
+
+
+def _status_class(status: str) -> str:
+    return {DIVERGED: "st-diverged", CLEAN: "st-clean"}.get(status, "st-other")
+
+
+def _anchor(r: RegionReport) -> str:
+    return f"region-{int(r.rank)}-{int(r.region)}"
+
+
+def _first(r: RegionReport) -> Divergence | None:
+    return r.first_value_divergence or r.first_control_divergence or r.first_shape_divergence
+
+
+def _search_text(r: RegionReport) -> str:
+    """What the text filter matches a region on: its module and every op and module the report names."""
+    words: set[str] = {r.module or ""}
+    if r.cause:
+        words.update((r.cause.kind, r.cause.tensor or ""))
+    for d in _divergences(r):
+        words.update((d.op, _short_op(d.op), d.module or ""))
+    for row in r.window:
+        words.update((_label_op(row.forward), _label_op(row.recompute), row.module or ""))
+    for p in r.positions:
+        words.update((p.op or "", p.module or "", p.name or ""))
+    return " ".join(sorted(w for w in words if w)).lower()
+
+
+def _label_op(label: str | None) -> str:
+    """"aten.topk.default(2, 1) -> f32[..]" -> "aten.topk.default"."""
+    return re.split(r"[(\s]", label, maxsplit=1)[0] if label else ""
+
+
+def _regions_table(report: Report) -> str:
+    if not report.regions:
+        return "<section id=\"regions\"><h2>regions</h2><p class=\"dim\">no checkpointed region was recorded</p></section>"
+    rows = []
+    for r in report.regions:
+        first = _first(r)
+        status = r.status + (" (silent)" if r.silent else "")
+        module = e(r.module or "?")
+        link = f"<a href=\"#{_anchor(r)}\">{module}</a>"
+        rows.append(
+            f"<tr class=\"region-row {_status_class(r.status)}\" data-region=\"{_anchor(r)}\" "
+            f"data-status=\"{e(r.status)}\" data-search=\"{e(_search_text(r))}\">"
+            f"<td>{e(r.rank)}</td><td class=\"num\">{e(r.region)}</td><td>{link}</td><td>{e(r.kind)}</td>"
+            f"<td class=\"num\">{e(r.forward_ops)}/{e(r.recompute_ops)}</td>"
+            f"<td><span class=\"badge {_status_class(r.status)}\">{e(status)}</span></td>"
+            f"<td>{e(r.cause.kind if r.cause else '')}</td>"
+            f"<td>{_op_html(first.op) + ' in ' + e(first.module) if first else ''}</td></tr>")
+    return ("<section id=\"regions\"><h2>regions</h2><table id=\"region-table\"><thead><tr><th>rank</th>"
+            "<th>region</th><th>module</th><th>kind</th><th>ops fwd/rec</th><th>status</th><th>cause</th>"
+            f"<th>first divergence</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            "<p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>")
+
+
+def _op_html(op: str | None) -> str:
+    if not op:
+        return ""
+    return f"<code title=\"{e(op)}\">{e(_short_op(op))}</code>"
+
+
+# --- per region -----------------------------------------------------------------------------------------------
+
+def _raised(report: Report, r: RegionReport) -> bool:
+    return any(err.region == r.region and err.rank == r.rank for err in report.torch_errors)
+
+
+def _region_sections(report: Report) -> str:
+    diverged = sorted((r for r in report.regions if r.status == DIVERGED),
+                      key=lambda r: (not _raised(report, r), r.rank, r.region))
+    others = [r for r in report.regions if r.status != DIVERGED]
+    out = ["<section id=\"details\"><h2>regions in detail</h2>"] if report.regions else []
+    out += [_region_section(r, report, open_=True) for r in diverged]
+    out += [_region_section(r, report, open_=False) for r in others[:MAX_OTHER_SECTIONS]]
+    if len(others) > MAX_OTHER_SECTIONS:
+        out.append(f"<p class=\"dim\">{len(others) - MAX_OTHER_SECTIONS} more clean/unchecked region(s) are in the "
+                   "region table only; the JSON report has every position of every region</p>")
+    if out:
+        out.append("</section>")
+    return "\n".join(out)
+
+
+def _divergences(r: RegionReport) -> list[Divergence]:
+    return [d for d in (r.first_control_divergence, r.first_value_divergence, r.first_discrete_divergence,
+                        r.first_shape_divergence) if d is not None]
+
+
+def _region_section(r: RegionReport, report: Report, open_: bool) -> str:
+    status = r.status + (" (silent)" if r.silent else "")
+    cause = f" · <span class=\"cause-kind\">{e(r.cause.kind)}</span>" if r.cause else ""
+    raised = " · <span class=\"dim\">torch raised</span>" if _raised(report, r) else ""
+    head = (f"<summary><span class=\"badge {_status_class(r.status)}\">{e(status)}</span> "
+            f"region {e(r.region)} · <b>{e(r.module or '?')}</b> · rank {e(r.rank)} · {e(r.kind)} · "
+            f"<span class=\"dim\">{e(r.forward_ops)} fwd / {e(r.recompute_ops)} rec ops</span>{cause}{raised}</summary>")
+    body: list[str] = []
+    if r.status == DIVERGED:
+        body += [_cause(r), _first_divergences(r), _changed(r), _plot(r), _window(r), _chain(r)]
+    elif r.status == CLEAN:
+        body.append(f"<p>the recompute reproduced the forward: {e(r.forward_ops)} forward / {e(r.recompute_ops)} "
+                    f"recompute ops, {len(r.positions)} saved position(s) match.</p>")
+    else:
+        body.append(f"<p>{e(r.status)}: the region was never recomputed (no backward ran through it), so there is "
+                    "nothing to compare; its saved positions are mapped below.</p>")
+    body.append(_positions(r, open_=r.status == DIVERGED))
+    body.append(_suggestions(r))
+    body.append(_notes(r.notes, None))
+    return (f"<details class=\"region {_status_class(r.status)}\" id=\"{_anchor(r)}\" data-region=\"{_anchor(r)}\" "
+            f"data-status=\"{e(r.status)}\" data-module=\"{e((r.module or '').lower())}\" "
+            f"data-search=\"{e(_search_text(r))}\"{' open' if open_ else ''}>"
+            f"{head}<div class=\"region-body\">{''.join(b for b in body if b)}</div></details>")
+
+
+def _cause(r: RegionReport) -> str:
+    if not r.cause:
+        return ""
+    c = r.cause
+    tensor = f" <code>{e(c.tensor)}</code>" if c.tensor else ""
+    evidence = "".join(f"<li>{e(ev)}</li>" for ev in c.evidence)
+    return (f"<div class=\"cause\" data-cause=\"{e(c.kind)}\"><span class=\"label\">cause</span> "
+            f"<b class=\"cause-kind\">{e(c.kind)}</b>{tensor}<p>{e(c.detail)}</p>"
+            f"{'<ul class=evidence>' + evidence + '</ul>' if evidence else ''}</div>")
+
+
+def _first_divergences(r: RegionReport) -> str:
+    divergences = _divergences(r)
+    if not divergences:
+        return ""
+    rows = []
+    for d in divergences:
+        detail = ""
+        if d.detail:
+            items = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in d.detail.items())
+            detail = f"<details class=\"detail\"><summary>detail</summary><table class=\"kv\">{items}</table></details>"
+        rows.append(f"<tr class=\"div-{e(d.kind)}\" data-kind=\"{e(d.kind)}\">"
+                    f"<td><span class=\"mk mk-{e(d.kind)}\">{e(_KIND_LABEL.get(d.kind, d.kind))}</span></td>"
+                    f"<td class=\"divergent-op\"><code>{e(d.op)}</code></td>"
+                    f"<td class=\"num\">{_idx(d.forward_index)}</td><td class=\"num\">{_idx(d.recompute_index)}</td>"
+                    f"<td>{e(d.module)}</td><td class=\"dim src\">{e(d.source)}</td>"
+                    f"<td class=\"wrap\">{e(d.summary)}{detail}</td></tr>")
+    return ("<h3>first divergences</h3><table class=\"divergences\"><thead><tr><th>kind</th><th>op</th>"
+            "<th>fwd#</th><th>rec#</th><th>module</th><th>source</th><th>what differs</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _changed(r: RegionReport) -> str:
+    out = []
+    if r.changed_inputs:
+        rows = []
+        for c in r.changed_inputs:
+            rows.append(f"<tr><td>{e(c.get('kind'))}</td><td><code>{e(c.get('name'))}</code></td><td>{e(c.get('meta'))}</td>"
+                        f"<td>{e(c.get('forward'))}</td><td>{e(c.get('recompute'))}</td>"
+                        f"<td class=\"num\">{_idx(c.get('first_op'))}</td></tr>")
+        out.append("<h3>changed from outside the region</h3><table><thead><tr><th>kind</th><th>name</th>"
+                   "<th>meta</th><th>forward fingerprint</th><th>recompute fingerprint</th><th>first op</th></tr>"
+                   f"</thead><tbody>{''.join(rows)}</tbody></table>")
+    if r.state_changes:
+        rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in r.state_changes.items())
+        out.append(f"<h3>global state that differs</h3><table class=\"kv\">{rows}</table>")
+    return "".join(out)
+
+
+def _idx(i: Any) -> str:
+    return "-" if i is None else e(i)
+
+
+def _row_id(r: RegionReport, forward_index: int | None, recompute_index: int | None) -> str:
+    if forward_index is not None:
+        return f"w-{int(r.rank)}-{int(r.region)}-f{int(forward_index)}"
+    return f"w-{int(r.rank)}-{int(r.region)}-r{int(recompute_index or 0)}"
+
+
+def _plot(r: RegionReport) -> str:
+    """Where in the region the divergences are: x = forward op index, one lane per kind of mark."""
+    marks: dict[str, list[tuple[int, str, str | None]]] = {k: [] for k, _ in _LANES}
+    for row in r.window:
+        if row.marker in ("value", "discrete", "shape", "control"):
+            x = row.forward_index if row.forward_index is not None else row.recompute_index
+            if x is not None:
+                label = f"#{x} {_short_label(row.forward or row.recompute)} ≠ {_KIND_LABEL[row.marker]}"
+                marks[row.marker].append((x, label, _row_id(r, row.forward_index, row.recompute_index)))
+    unplaced = 0
+    for p in r.positions:
+        lane = "pos_meta" if p.matches is False else ("pos_values" if p.values_differ else None)
+        if lane is None:
+            continue
+        if p.forward_index is None:
+            unplaced += 1
+            continue
+        what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}"
+        label = f"position {p.position}: {what} at op #{p.forward_index} ({p.saved} -> {p.recomputed})"
+        marks[lane].append((p.forward_index, label, f"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}"))
+    divergences = [d for d in _divergences(r) if d.forward_index is not None or d.recompute_index is not None]
+    lanes = [(k, name) for k, name in _LANES if marks[k]]
+    if not lanes and not divergences:
+        return ""
+    xs = [x for k in marks for x, _, _ in marks[k]] + [d.forward_index or d.recompute_index or 0 for d in divergences]
+    n = max([r.forward_ops, r.recompute_ops, max(xs, default=0) + 1, 1])
+    left, right, lane_h = 130, 790, 22
+    top = 20 + 13 * len(divergences)  # one label row per first divergence above the lanes
+    height = top + lane_h * max(len(lanes), 1) + 30
+    width = right - left
+
+    def sx(x: int) -> float:
+        return left + width * (x + 0.5) / n
+
+    svg = [f"<svg class=\"plot\" viewBox=\"0 0 800 {height}\" role=\"img\" aria-label=\"where in the region the "
+           f"divergences are\" data-ops=\"{n}\">"]
+    idx = [x for row in r.window if row.how != "gap" for x in (row.forward_index,) if x is not None]
+    if idx:  # the side-by-side window below
+        x0, x1 = sx(min(idx)) - width / n / 2, sx(max(idx)) + width / n / 2
+        svg.append(f"<rect class=\"win\" x=\"{x0:.1f}\" y=\"{top - 6}\" width=\"{max(x1 - x0, 2):.1f}\" "
+                   f"height=\"{lane_h * max(len(lanes), 1) + 6}\"><title>the aligned window shown below "
+                   f"(ops {min(idx)}-{max(idx)})</title></rect>")
+    for i, (k, name) in enumerate(lanes):
+        y = top + i * lane_h + lane_h / 2
+        extra = f" (+{unplaced} inputs)" if k in ("pos_meta", "pos_values") and unplaced and i == len(lanes) - 1 else ""
+        svg.append(f"<text class=\"lane\" x=\"{left - 8}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{e(name + extra)}</text>")
+        svg.append(f"<line class=\"lane-line\" x1=\"{left}\" x2=\"{right}\" y1=\"{y:.1f}\" y2=\"{y:.1f}\"/>")
+        for x, label, target in sorted(marks[k]):
+            mark = (f"<rect class=\"mark mk-{k}\" data-kind=\"{k}\" x=\"{sx(x) - 2.5:.1f}\" y=\"{y - 7:.1f}\" "
+                    f"width=\"5\" height=\"14\" rx=\"1\"><title>{e(label)}</title></rect>")
+            svg.append(f"<a href=\"#{target}\">{mark}</a>" if target else mark)
+    for j, d in enumerate(divergences):
+        x = sx(d.forward_index if d.forward_index is not None else d.recompute_index)
+        svg.append(f"<line class=\"first mk-{e(d.kind)}\" x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"{16 + 13 * j}\" "
+                   f"y2=\"{height - 24}\"/>")
+        at = d.forward_index if d.forward_index is not None else d.recompute_index
+        label = f"{_KIND_LABEL.get(d.kind, d.kind)}: {_short_op(d.op)} #{at}"
+        anchor, tx = ("end", x - 3) if x > right - 7 * len(label) else ("start", x + 3)
+        svg.append(f"<text class=\"first-label mk-{e(d.kind)}\" x=\"{tx:.1f}\" y=\"{13 + 13 * j}\" "
+                   f"text-anchor=\"{anchor}\">{e(label)}</text>")
+    axis_y = height - 22
+    svg.append(f"<line class=\"axis\" x1=\"{left}\" x2=\"{right}\" y1=\"{axis_y}\" y2=\"{axis_y}\"/>")
+    for t in sorted({0, n // 4, n // 2, 3 * n // 4, n - 1}):
+        svg.append(f"<line class=\"axis\" x1=\"{sx(t):.1f}\" x2=\"{sx(t):.1f}\" y1=\"{axis_y}\" y2=\"{axis_y + 4}\"/>"
+                   f"<text class=\"tick\" x=\"{sx(t):.1f}\" y=\"{axis_y + 15}\" text-anchor=\"middle\">{t}</text>")
+    svg.append(f"<text class=\"tick\" x=\"{left - 8}\" y=\"{axis_y + 15}\" text-anchor=\"end\">forward op #</text>")
+    svg.append("</svg>")
+    return f"<h3>where in the region</h3><figure class=\"plot-box\">{''.join(svg)}</figure>"
+
+
+_TOKEN = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+def _diff_cells(a: str, b: str) -> tuple[str, str]:
+    """Both labels escaped, with the tokens that differ wrapped in <mark>."""
+    ta, tb = _TOKEN.findall(a), _TOKEN.findall(b)
+    sm = difflib.SequenceMatcher(None, ta, tb, autojunk=False)
+    oa, ob = [], []
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        sa, sb = e("".join(ta[i1:i2])), e("".join(tb[j1:j2]))
+        if tag == "equal":
+            oa.append(sa)
+            ob.append(sb)
+        else:
+            oa.append(f"<mark>{sa}</mark>" if sa else "")
+            ob.append(f"<mark>{sb}</mark>" if sb else "")
+    return "".join(oa), "".join(ob)
+
+
+def _window(r: RegionReport) -> str:
+    if not r.window:
+        return ""
+    rows = []
+    for row in r.window:
+        if row.how == "gap":
+            rows.append("<tr class=\"gap\"><td>⋮</td><td></td><td>⋮</td><td></td><td></td><td></td></tr>")
+            continue
+        fwd = _short_label(row.forward) if row.forward is not None else None
+        if row.recompute is not None:
+            rec = _short_label(row.recompute)
+        else:
+            rec = None
+        marker = row.marker or ""
+        divergent = marker in ("value", "discrete", "shape", "control")
+        if fwd is not None and rec is not None and divergent and fwd != rec:
+            fwd_html, rec_html = _diff_cells(fwd, rec)
+        else:
+            fwd_html = e(fwd) if fwd is not None else "<i class=\"dim\">(missing)</i>"
+            rec_html = e(rec) if rec is not None else (
+                "<i class=\"dim\">(not recomputed: early stop)</i>" if row.how == "not_recomputed"
+                else "<i class=\"dim\">(missing)</i>")
+        cell_cls = f" class=\"cell div-{marker}\"" if divergent else (" class=\"cell cached\"" if marker == "cached" else " class=\"cell\"")
+        mk = f"<span class=\"mk mk-{marker}\">≠ {e(_KIND_LABEL[marker])}</span>" if divergent else (
+            "<span class=\"dim\">cached</span>" if marker == "cached" else "")
+        rows.append(f"<tr id=\"{_row_id(r, row.forward_index, row.recompute_index)}\" class=\"how-{e(row.how)}"
+                    f"{' divergent' if divergent else ''}\" data-marker=\"{e(marker)}\">"
+                    f"<td class=\"num\">{_idx(row.forward_index)}</td>"
+                    f"<td{cell_cls} title=\"{e(row.forward)}\">{fwd_html}</td>"
+                    f"<td class=\"num\">{_idx(row.recompute_index)}</td>"
+                    f"<td{cell_cls} title=\"{e(row.recompute)}\">{rec_html}</td><td>{mk}</td>"
+                    f"<td class=\"dim\">{e(row.module)}</td></tr>")
+    span = [x for row in r.window for x in (row.forward_index,) if x is not None]
+    where = f" (forward ops {min(span)}-{max(span)} of {r.forward_ops})" if span else ""
+    return (f"<details class=\"window\" open><summary><h3>forward | recompute, aligned{e(where)}</h3></summary>"
+            "<table class=\"aligned\"><thead><tr><th>fwd#</th><th>forward</th><th>rec#</th><th>recompute</th>"
+            f"<th></th><th>module</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            "<p class=\"dim small\">the rows around the first divergences; a config with larger window_before / "
+            "window_after widens it</p></details>")
+
+
+def _chain(r: RegionReport) -> str:
+    if not r.chain:
+        return ""
+    items = "".join(f"<li>{e(step)}</li>" for step in r.chain)
+    return f"<h3>chain</h3><ol class=\"chain\">{items}</ol>"
+
+
+def _positions(r: RegionReport, open_: bool) -> str:
+    if not r.positions:
+        return ""
+    meta = [p for p in r.positions if p.matches is False or p.in_torch_error]
+    value_only = [p for p in r.positions if p.values_differ and p.matches is not False and not p.in_torch_error]
+    title = (f"saved positions: {len(meta)} differ in metadata, {len(value_only)} more hold other values "
+             f"({len(r.positions)} in all)")
+    rows = "".join(_position_row(r, p) for p in r.positions)
+    note = ("<p class=\"dim small\">values differ with unchanged shapes: torch cannot see this</p>"
+            if value_only and not meta else "")
+    return (f"<details class=\"positions\"{' open' if open_ else ''}><summary><h3>{e(title)}</h3></summary>{note}"
+            "<table class=\"positions\"><thead><tr><th>pos</th><th>op / origin</th><th>module</th><th>fwd op#</th>"
+            "<th>saved</th><th>recomputed</th><th>match</th><th>source</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table></details>")
+
+
+def _position_row(r: RegionReport, p: PositionRow) -> str:
+    if p.matches is False:
+        cls, verdict = "pos-mismatch", "metadata ≠"
+    elif p.values_differ:
+        cls, verdict = "pos-values", "values ≠"
+    elif p.matches is None:
+        cls, verdict = "pos-unknown", "?" if p.recomputed is not None else "not recomputed"
+    else:
+        cls, verdict = "pos-match", "="
+    if p.in_torch_error:
+        cls += " pos-torch"
+        verdict += " · torch"
+    what = f"<code title=\"{e(p.op)}\">{e(_short_op(p.op))}</code>" if p.op else e(f"{p.origin} {p.name or ''}".strip())
+    if p.matches is False and p.saved and p.recomputed:
+        saved, recomputed = _diff_cells(p.saved, p.recomputed)
+    else:
+        saved, recomputed = e(p.saved or "?"), e(p.recomputed or "-")
+    differing = "1" if (p.matches is False or p.values_differ or p.in_torch_error) else "0"
+    search = " ".join(x for x in (p.op, p.module, p.name, p.origin, p.source) if x).lower()
+    return (f"<tr id=\"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}\" class=\"pos {cls}\" "
+            f"data-differing=\"{differing}\" data-search=\"{e(search)}\">"
+            f"<td class=\"num\">{e(p.position)}</td><td>{what}</td><td>{e(p.module)}</td>"
+            f"<td class=\"num\">{_idx(p.forward_index)}</td><td class=\"meta\">{saved}</td>"
+            f"<td class=\"meta\">{recomputed}</td><td class=\"verdict-cell\">{e(verdict)}</td>"
+            f"<td class=\"dim src\" title=\"{e(p.source)}\">{e(_short_source(p.source))}</td></tr>")
+
+
+def _suggestions(r: RegionReport) -> str:
+    if not r.suggestions:
+        return ""
+    out = ["<h3>suggestions</h3>"]
+    for s in r.suggestions:
+        code = (f"<div class=\"code\"><button type=\"button\" class=\"copy\">copy</button>"
+                f"<pre><code class=\"language-python\">{e(s.code)}</code></pre></div>") if s.code else ""
+        out.append(f"<div class=\"fix\"><div class=\"fix-title\"><span class=\"label ok\">fix</span> "
+                   f"<b>{e(s.title)}</b></div><p>{e(s.text)}</p>{code}</div>")
+    return "".join(out)
+
+
+def _notes(notes: Iterable[str], section_id: str | None) -> str:
+    items = "".join(f"<li>{e(n)}</li>" for n in notes)
+    if not items:
+        return ""
+    if section_id:
+        return f"<section id=\"{section_id}\"><h2>notes</h2><ul class=\"notes\">{items}</ul></section>"
+    return f"<ul class=\"notes\">{items}</ul>"
+
+
+_CSS = """
+:root{--bg:#fff;--fg:#1d2330;--dim:#6b7280;--line:#e3e6ec;--panel:#f7f8fa;--red:#c62828;--red-bg:#fdecea;
+--green:#2e7d32;--green-bg:#e8f5e9;--amber:#b26a00;--amber-bg:#fff4e0;--magenta:#9c27b0;--cyan:#00838f;
+--mark:#ffe08a;--code:#f3f4f6}
+@media (prefers-color-scheme:dark){:root{--bg:#14161b;--fg:#e6e8ee;--dim:#9aa3b2;--line:#2c313a;--panel:#1b1e25;
+--red:#ef5350;--red-bg:#3a1d1d;--green:#66bb6a;--green-bg:#1b2e1d;--amber:#ffb74d;--amber-bg:#33280f;
+--magenta:#ce93d8;--cyan:#4dd0e1;--mark:#6b5400;--code:#21252d}}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--fg);font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
+main{padding:0 24px 24px}
+h2{font-size:17px;margin:22px 0 8px}
+h3{font-size:14px;margin:16px 0 6px;display:inline-block}
+code,pre,td.num,.aligned td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+.dim{color:var(--dim)} .small{font-size:12px}
+.verdict{padding:16px 24px;border-left:8px solid var(--green);background:var(--green-bg)}
+.verdict.diverged{border-color:var(--red);background:var(--red-bg)}
+.verdict.silent{border-color:var(--amber);background:var(--amber-bg)}
+.verdict p{margin:4px 0}
+.verdict-title{font-size:22px;font-weight:700}
+.verdict.diverged .verdict-title{color:var(--red)} .verdict.clean .verdict-title{color:var(--green)}
+.verdict.silent .verdict-title{color:var(--amber)}
+.headline{font-size:16px;font-weight:600}
+.silent-warning{color:var(--red);font-weight:600}
+.toolbar{position:sticky;top:0;z-index:5;display:flex;flex-wrap:wrap;gap:14px;align-items:center;padding:8px 24px;
+background:var(--panel);border-bottom:1px solid var(--line)}
+.toolbar input[type=search]{width:22em;padding:3px 6px;border:1px solid var(--line);border-radius:4px;background:var(--bg);color:var(--fg)}
+.toolbar button{border:1px solid var(--line);background:var(--bg);color:var(--fg);border-radius:4px;padding:2px 8px;cursor:pointer}
+table{border-collapse:collapse;margin:4px 0 8px;max-width:100%}
+th,td{text-align:left;padding:3px 8px;border-bottom:1px solid var(--line);vertical-align:top}
+th{font-weight:600;color:var(--dim);font-size:12.5px}
+td.num{text-align:right;white-space:nowrap}
+td.wrap{max-width:46em}
+td.src,td.meta,td.verdict-cell{white-space:nowrap}
+table.kv th{text-align:right;white-space:nowrap}
+.badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;font-weight:600;white-space:nowrap}
+.badge.st-diverged{background:var(--red-bg);color:var(--red)} .badge.st-clean{background:var(--green-bg);color:var(--green)}
+.badge.st-other{background:var(--panel);color:var(--dim);border:1px solid var(--line)}
+details.region{border:1px solid var(--line);border-radius:6px;margin:10px 0;background:var(--bg)}
+details.region.st-diverged{border-left:4px solid var(--red)}
+details.region>summary{padding:8px 12px;cursor:pointer;background:var(--panel);border-radius:6px}
+.region-body{padding:4px 16px 12px}
+summary h3{margin:10px 0 4px}
+details>summary{cursor:pointer}
+.cause{background:var(--red-bg);border-radius:6px;padding:8px 12px;margin:10px 0}
+.cause p{margin:4px 0} .cause ul{margin:4px 0;padding-left:20px;color:var(--dim)}
+.cause-kind{color:var(--red)}
+.label{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;letter-spacing:.04em;
+color:var(--bg);background:var(--red);padding:0 6px;border-radius:3px;margin-right:4px}
+.label.ok{background:var(--green)}
+.mk{font-weight:600;white-space:nowrap}
+.mk-value{color:var(--amber)} .mk-discrete{color:var(--magenta)} .mk-shape{color:var(--red)} .mk-control{color:var(--cyan)}
+.divergent-op code{font-weight:700}
+.aligned td.cell{max-width:40em;word-break:break-word}
+.aligned tr.divergent td.cell{font-weight:600}
+.aligned td.div-value{background:var(--amber-bg)} .aligned td.div-discrete{background:rgba(156,39,176,.12)}
+.aligned td.div-shape{background:var(--red-bg)} .aligned td.div-control{background:rgba(0,131,143,.12)}
+.aligned td.cached{color:var(--dim)}
+.aligned tr.gap td{color:var(--dim);text-align:center}
+.aligned tr:target,.positions tr:target{outline:2px solid var(--cyan)}
+mark{background:var(--mark);color:inherit;border-radius:2px;padding:0 1px}
+.chain{margin:4px 0;padding-left:22px} .chain li{margin:2px 0} .chain li+li::marker{color:var(--red)}
+table.positions tr.pos-mismatch td{background:var(--red-bg)}
+table.positions tr.pos-mismatch td.verdict-cell{color:var(--red);font-weight:700}
+table.positions tr.pos-values td{background:var(--amber-bg)}
+table.positions tr.pos-values td.verdict-cell{color:var(--amber);font-weight:700}
+table.positions tr.pos-match td.verdict-cell{color:var(--green)}
+.fix{border-left:3px solid var(--green);padding:2px 12px;margin:8px 0}
+.fix p{margin:4px 0}
+.code{position:relative}
+pre{background:var(--code);padding:10px 12px;border-radius:6px;overflow:auto;margin:6px 0}
+button.copy{position:absolute;right:6px;top:6px;font-size:11px;border:1px solid var(--line);background:var(--bg);
+color:var(--fg);border-radius:4px;cursor:pointer}
+.plot-box{margin:4px 0 8px;max-width:900px}
+svg.plot{width:100%;height:auto;background:var(--panel);border-radius:6px}
+svg .lane{font-size:11px;fill:var(--dim)} svg .tick{font-size:10px;fill:var(--dim)}
+svg .lane-line{stroke:var(--line)} svg .axis{stroke:var(--dim)}
+svg .win{fill:var(--cyan);opacity:.10}
+svg .mark.mk-value{fill:var(--amber)} svg .mark.mk-discrete{fill:var(--magenta)} svg .mark.mk-shape{fill:var(--red)}
+svg .mark.mk-control{fill:var(--cyan)} svg .mark.mk-pos_meta{fill:var(--red)} svg .mark.mk-pos_values{fill:var(--amber)}
+svg line.first{stroke-dasharray:3 3;stroke:var(--dim)}
+svg line.first.mk-value{stroke:var(--amber)} svg line.first.mk-discrete{stroke:var(--magenta)}
+svg line.first.mk-shape{stroke:var(--red)} svg line.first.mk-control{stroke:var(--cyan)}
+svg .first-label{font-size:10.5px;fill:var(--fg);font-weight:600}
+svg .first-label.mk-value{fill:var(--amber)} svg .first-label.mk-discrete{fill:var(--magenta)}
+svg .first-label.mk-shape{fill:var(--red)} svg .first-label.mk-control{fill:var(--cyan)}
+.notes{color:var(--dim)}
+[hidden],.filtered-out{display:none!important}
+footer{padding:12px 24px;color:var(--dim);font-size:12px;border-top:1px solid var(--line)}
+"""
+
+_JS = r"""
+(function(){
+  var q=document.getElementById('filter'),dv=document.getElementById('diverged-only'),
+      dp=document.getElementById('differing-only');
+  if(!q){return;}
+  function readHash(){
+    var h=new URLSearchParams(location.hash.slice(1));
+    if(h.has('q')){q.value=h.get('q');}
+    if(h.has('diverged')){dv.checked=h.get('diverged')!=='0';}
+    if(h.has('differing')){dp.checked=h.get('differing')!=='0';}
+  }
+  function writeHash(){
+    var h=new URLSearchParams();
+    if(q.value){h.set('q',q.value);}
+    h.set('diverged',dv.checked?'1':'0');
+    if(dp.checked){h.set('differing','1');}
+    history.replaceState(null,'','#'+h.toString());
+  }
+  function show(el,on){el.hidden=!on;el.classList.toggle('filtered-out',!on);}
+  function apply(){
+    var text=q.value.trim().toLowerCase(),shown=0,total=0;
+    document.querySelectorAll('tr.region-row').forEach(function(tr){
+      var on=(!dv.checked||tr.dataset.status==='diverged')&&(!text||tr.dataset.search.indexOf(text)>=0);
+      show(tr,on);total++;if(on){shown++;}
+    });
+    document.querySelectorAll('details.region').forEach(function(d){
+      show(d,(!dv.checked||d.dataset.status==='diverged')&&(!text||d.dataset.search.indexOf(text)>=0));
+    });
+    // a position row matches on its own op/module/source, or when the filter names its region's module
+    document.querySelectorAll('tr.pos').forEach(function(tr){
+      var region=tr.closest('details.region'),module=region?region.dataset.module:'';
+      show(tr,(!dp.checked||tr.dataset.differing==='1')&&
+        (!text||module.indexOf(text)>=0||tr.dataset.search.indexOf(text)>=0));
+    });
+    var c=document.getElementById('shown-count');
+    if(c){c.textContent=shown+' of '+total+' region(s) shown';}
+    var none=document.getElementById('none-shown');
+    if(none){none.hidden=shown>0;}
+    document.body.dataset.filtered=(dv.checked||text||dp.checked)?'1':'0';
+  }
+  readHash();apply();
+  [q,dv,dp].forEach(function(el){el.addEventListener('input',function(){apply();writeHash();});});
+  window.addEventListener('hashchange',function(){readHash();apply();});
+  document.getElementById('expand-all').addEventListener('click',function(){
+    document.querySelectorAll('details').forEach(function(d){d.open=true;});});
+  document.getElementById('collapse-all').addEventListener('click',function(){
+    document.querySelectorAll('details').forEach(function(d){d.open=false;});});
+  document.querySelectorAll('button.copy').forEach(function(b){
+    b.addEventListener('click',function(){
+      var code=b.parentNode.querySelector('code').textContent;
+      if(navigator.clipboard){navigator.clipboard.writeText(code).then(function(){b.textContent='copied';});}
+    });
+  });
+})();
+"""

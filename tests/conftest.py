@@ -1,0 +1,41 @@
+"""Shared test helpers: tiny real models, a recorder wrapper, and running the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict | None = None,
+            timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m ac_diff ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ac_diff", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def report_json(path: str | os.PathLike) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="session")
+def example_reports(tmp_path_factory) -> dict[str, dict]:
+    """Every bundled example run once under `ac-diff run --json`, shared by the tests that read them."""
+    out = tmp_path_factory.mktemp("examples")
+    reports = {}
+    for name in ("moe_bias_update", "moe_bias_update_fixed", "dropout_no_rng", "python_state_branch"):
+        json_path = out / f"{name}.json"
+        proc = run_cli("run", "-o", str(out / name), "--json", str(json_path), str(EXAMPLES / f"{name}.py"),
+                       cwd=REPO)
+        assert json_path.exists(), f"{name}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        reports[name] = {"json": report_json(json_path), "proc": proc, "dir": out / name}
+    return reports

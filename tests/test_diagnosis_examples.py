@@ -1,0 +1,166 @@
+"""Every bundled example gets the right verdict, cause, layer and ops (asserted on the JSON report),
+and the MoE example's terminal report is pinned at a fixed width (refresh: AC_DIFF_UPDATE_GOLDEN=1)."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+
+import ac_diff
+from ac_diff.render.terminal import render_terminal
+from rich.console import Console
+
+
+def _region(report: dict, **match) -> dict:
+    return next(r for r in report["regions"] if all(r[k] == v for k, v in match.items()))
+
+
+def test_report_schema(example_reports):
+    report = example_reports["moe_bias_update"]["json"]
+    assert report["format"] == "ac-diff-report" and report["version"] == 1
+    assert report["verdict"] in ("clean", "diverged")
+    region = report["regions"][0]
+    for key in ("rank", "region", "module", "status", "silent", "cause", "first_value_divergence",
+                "first_discrete_divergence", "first_shape_divergence", "positions", "suggestions"):
+        assert key in region
+    position = next(r for r in report["regions"] if r["positions"])["positions"][0]
+    for key in ("position", "op", "module", "source", "saved", "recomputed", "matches"):
+        assert key in position
+
+
+def test_moe_bias_update_is_state_mutation_in_the_router(example_reports):
+    ex = example_reports["moe_bias_update"]
+    report = ex["json"]
+    assert ex["proc"].returncode == 1  # the script's own exit code: it crashed with CheckpointError
+    assert report["verdict"] == "diverged"
+    assert report["torch_error"]["kind"] == "metadata_mismatch"
+    region = _region(report, status="diverged")
+    assert region["module"] == "layers.1" and not region["silent"]
+    assert region["cause"]["kind"] == "state_mutation"
+    assert region["cause"]["tensor"] == "layers.1.moe.expert_bias"
+    value = region["first_value_divergence"]
+    assert (value["op"], value["module"]) == ("aten.add.Tensor", "layers.1.moe.router")
+    assert "tiny_moe.py" in value["source"]
+    discrete = region["first_discrete_divergence"]
+    assert (discrete["op"], discrete["module"]) == ("aten.topk.default", "layers.1.moe.router")
+    assert 1 <= discrete["detail"]["rows_changed"] < discrete["detail"]["rows"]
+    assert 0 < discrete["detail"]["margin_min"] < 0.01
+    shape = region["first_shape_divergence"]
+    assert (shape["op"], shape["module"]) == ("aten.split_with_sizes.default", "layers.1.moe.experts")
+    assert "→" in shape["detail"]["args_diff"]
+    flagged = sorted(p["position"] for p in region["positions"] if p["matches"] is False)
+    assert flagged == sorted(report["torch_error"]["positions"])
+    titles = " ".join(s["title"] for s in region["suggestions"])
+    codes = " ".join(s["code"] or "" for s in region["suggestions"])
+    assert "expert_bias" in titles and "optimizer.step()" in " ".join(s["text"] for s in region["suggestions"])
+    assert "torch.ops.aten.topk.default" in codes and "MUST_SAVE" in codes
+    assert any("expert_bias" in step for step in region["chain"]) and any("topk" in s for s in region["chain"])
+
+
+def test_fixed_moe_is_clean_and_names_the_repeated_counter(example_reports):
+    ex = example_reports["moe_bias_update_fixed"]
+    report = ex["json"]
+    assert ex["proc"].returncode == 0
+    assert report["verdict"] == "clean", report["headline"]
+    assert all(r["status"] == "clean" for r in report["regions"])
+    assert any("tokens_per_expert" in e for r in report["regions"] for e in r["side_effects"])
+
+
+def test_dropout_without_rng_state_is_silent_rng(example_reports):
+    report = example_reports["dropout_no_rng"]["json"]
+    assert report["verdict"] == "diverged" and report["torch_error"] is None
+    diverged = [r for r in report["regions"] if r["status"] == "diverged"]
+    assert diverged
+    for region in diverged:
+        assert region["silent"] is True
+        assert region["cause"]["kind"] == "rng"
+        value = region["first_value_divergence"]
+        assert value["op"].startswith("aten.bernoulli") and value["module"].endswith("dropout")
+        assert any("preserve_rng_state=True" in s["title"] for s in region["suggestions"])
+
+
+def test_python_state_branch_is_control_flow(example_reports):
+    report = example_reports["python_state_branch"]["json"]
+    assert report["verdict"] == "diverged"
+    region = _region(report, status="diverged")
+    assert region["cause"]["kind"] == "control_flow"
+    control = region["first_control_divergence"]
+    assert control["module"].endswith("moe.router") and control["recompute_index"] is not None
+    assert control["forward_index"] is None  # an op only the recompute ran
+
+
+def test_sdpa_backend_flag_differs_between_passes_is_global_state(tmp_path):
+    """sdpa_kernel(MATH) around the forward only: the recompute picks another attention kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 8, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        with sdpa_kernel(SDPBackend.MATH):
+            y = cp.checkpoint(model, x, use_reentrant=False)
+        try:
+            y.sum().backward()
+        except cp.CheckpointError:
+            pass
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    region = report.regions[0]
+    assert region.status == "diverged"
+    assert region.cause.kind == "global_state" and region.cause.tensor == "sdp_backends"
+    assert region.state_changes["sdp_backends"]["forward"] == ["math"]
+
+
+def test_reentrant_divergence_is_silent(tmp_path):
+    """Reentrant checkpoint has no check at all: a buffer changed before backward goes unnoticed by torch."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, x, use_reentrant=True)
+        with torch.no_grad():
+            model.scale.mul_(1.5)  # e.g. an EMA/statistics update between forward and backward
+        y.sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    region = report.regions[0]
+    assert region.kind == "reentrant" and region.status == "diverged" and region.silent
+    assert region.cause.kind == "state_mutation" and region.cause.tensor == "scale"
+
+
+GOLDEN = Path(__file__).parent / "golden" / "moe_bias_update.txt"
+
+
+def test_moe_terminal_report_matches_golden(example_reports):
+    report = ac_diff.diagnose_paths([example_reports["moe_bias_update"]["dir"]])
+    report.sources = ["ac-diff-out/trace-rank0.jsonl"]
+    buffer = io.StringIO()
+    render_terminal(report, Console(file=buffer, width=100, color_system=None, force_terminal=False))
+    text = buffer.getvalue()
+    if os.environ.get("AC_DIFF_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+    # and it says what a stranger needs: the layer, the op, why, and what to change
+    for needle in ("DIVERGED", "layers.1", "expert_bias", "topk", "split_with_sizes", "position", "fix:"):
+        assert needle in text

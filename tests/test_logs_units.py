@@ -1,0 +1,494 @@
+"""Unit tests of the log parser's parts, and of texts the installed torch really produces."""
+
+from __future__ import annotations
+
+import io
+import json
+import platform
+from unittest import mock
+
+import pytest
+
+from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log, parse_text
+from ac_diff.logs.dump import classify_dump_line, frame_source, S_FOOTER, S_TRACES_FWD
+from ac_diff.logs.errors import classify_error_line
+from ac_diff.logs.lines import ReadStats, iter_lines, split_segments, strip_prefix
+from ac_diff.logs.meta import DTYPE_ABBRS, parse_args, parse_device, parse_metadata, parse_shape, short_dtype
+from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
+from ac_diff.model import TensorMeta
+
+
+def U(shape, dtype):
+    return TensorMeta(tuple(shape), dtype, UNKNOWN_DEVICE)
+
+
+# ------------------------------------------------------------------ op lines, every LoggingTensor form
+
+def test_op_single_output_with_list_of_ints():
+    p = parse_op_line("$1: bf16[1, 128, 5120] = torch._ops.aten.view.default($0, ['1', '128', '5120'])")
+    assert (p.status, p.op) == (OK, "aten.view.default")
+    assert p.out == [U((1, 128, 5120), "bf16")]
+    assert p.args == ["$0", [1, 128, 5120]]
+    assert (p.out_ids, p.in_ids) == (["$1"], ["$0"])
+    assert p.ordinal is None
+
+
+def test_op_tuple_outputs():
+    p = parse_op_line("('$159: f32[128, 1]', '$160: i64[128, 1]') = torch._ops.aten.topk.default($158, 1, 1)")
+    assert p.status == OK and p.op == "aten.topk.default"
+    assert p.out == [U((128, 1), "f32"), U((128, 1), "i64")]
+    assert p.out_ids == ["$159", "$160"] and p.args == ["$158", 1, 1]
+
+
+def test_op_list_outputs_with_ordinal_and_odd_suffix():
+    p = parse_op_line("['$182: bf16[63, 5120]', '$183: bf16[65, 5120]'] = "
+                      "torch._ops.aten.split_with_sizes.default($181, ['63', '65'])   (140 of 177 in original: )")
+    assert p.status == OK
+    assert p.ordinal == (140, 177, "original")
+    assert p.args == ["$181", [63, 65]]
+    assert [m.shape for m in p.out] == [(63, 5120), (65, 5120)]
+
+
+def test_op_recompute_ordinal():
+    p = parse_op_line("$815: bf16[8192, 5120] = torch._ops.aten.view.default($814, ['8192', '5120'])"
+                      "   (776 of 776 in recompute)")
+    assert p.ordinal == (776, 776, "recompute") and p.status == OK
+
+
+def test_op_kwargs_go_into_one_trailing_dict():
+    p = parse_op_line("$243: i64[2] = torch._ops.aten._to_copy.default($221, dtype=torch.int64, "
+                      "layout=torch.strided, device=device(type='cpu'))")
+    assert p.args == ["$221", {"dtype": "torch.int64", "layout": "torch.strided", "device": "device(type='cpu')"}]
+    assert p.in_ids == ["$221"]
+
+
+def test_op_tensor_list_argument_and_strings():
+    p = parse_op_line("$457: bf16[8, 1024, 5120] = torch._ops.aten.cat.default(['$449', '$450', '$451'])")
+    assert p.args == [["$449", "$450", "$451"]] and p.in_ids == ["$449", "$450", "$451"]
+    p = parse_op_line("$458: bf16[1, 1024, 5120] = torch._ops._c10d_functional.reduce_scatter_tensor.default("
+                      "$457, 'sum', 8, '11')")
+    assert p.op == "_c10d_functional.reduce_scatter_tensor.default"
+    assert p.args == ["$457", "sum", 8, "11"]  # top-level quoted strings stay strings
+
+
+def test_op_scalars_floats_inf_bool_none():
+    p = parse_op_line("$79: f32[] = torch._ops.aten.scalar_tensor.default(-inf, dtype=torch.float32)")
+    assert p.out == [U((), "f32")] and p.args == ["-inf", {"dtype": "torch.float32"}]
+    p = parse_op_line("$5: f32[1, 1024, 1] = torch._ops.aten.add_.Scalar($5, 9.999999747378752e-06)")
+    assert p.args == ["$5", 9.999999747378752e-06] and p.out_ids == ["$5"] and p.in_ids == ["$5"]
+    p = parse_op_line("$5: f32[1, 1024, 1] = torch._ops.aten.mean.dim($4, ['2'], True)")
+    assert p.args == ["$4", [2], True]
+    p = parse_op_line("$2: f32[3] = torch._ops.aten.foo.default($1, None, False, [])")
+    assert p.args == ["$1", None, False, []]
+
+
+def test_op_without_tensor_outputs():
+    p = parse_op_line("None = torch._ops.aten._foreach_add_.Scalar(['$1', '$2'], 1)")
+    assert p.status == OK and p.out == [] and p.out_ids == [] and p.in_ids == ["$1", "$2"]
+    p = parse_op_line("5 = torch._ops.aten._local_scalar_dense.default($3)")
+    assert p.status == OK and p.out == [] and p.host_value == 5
+
+
+def test_op_nested_lists_and_symbolic_shapes():
+    p = parse_op_line("$9: f32[s0, 4] = torch._ops.aten.foo.default($1, [['1', '2'], ['3']])")
+    assert p.out == [U(("s0", 4), "f32")] and p.args == ["$1", [[1, 2], [3]]]
+
+
+def test_op_spliced_tail_is_salvaged():
+    p = parse_op_line("$124: bf16[1, 128, 5120] = t5120]', '$192: bf16[33, 5120]', '$193: bf16[118, 5120]'] "
+                      "= torch._ops.aten.split_with_sizes.default($181, ['14', '99'])")
+    assert p.status == SALVAGED
+    assert p.op == "aten.split_with_sizes.default" and p.args == ["$181", [14, 99]]
+    assert p.out_ids == ["$192", "$193"]  # $124 belonged to the line that was cut
+
+
+def test_op_spliced_arguments_keep_what_came_before_the_damage():
+    p = parse_op_line("$155: f32[1024, 16] = torch._ops.aten._to_copy.default($154, dtype=torch.floorch._ops"
+                      ".aten.select.int($198, 0, 3)")
+    assert p.status == SALVAGED and p.op == "aten._to_copy.default"
+    assert p.args == ["$154"] and p.in_ids == ["$154"]
+    p = parse_op_line("$1: f32[2] = torch._ops.aten.add.Tensor($0, $12")  # cut: "$12" may be "$123"
+    assert p.status == SALVAGED and p.args == ["$0"] and p.in_ids == ["$0"]
+
+
+@pytest.mark.parametrize("text", [
+    "$93: f32[1, 5, 1024, 1024] = torch._opsat32)",
+    "orch._ops.aten.view.default($123, ['1', '128', '5120'])",
+    "$173: f32[1, 1024, 1] = torch._ops.aten.detach.defauw.default($226, ['-1', '1'])",  # 4-part name
+    "$49: c64[1, 1024, 5, 64] = torch._ops.aten.aten.expand.default($91, ['1', '5'])",
+    "$142: bf16[5120204)",
+    "['$13: bf16[1, 128, 5120]', '$17: bf1",
+])
+def test_op_garbled(text):
+    assert looks_like_op(text)
+    assert parse_op_line(text).status == GARBLED
+
+
+def test_looks_like_op_is_specific():
+    assert not looks_like_op("$ python train.py")
+    assert not looks_like_op("[rank1] hello")
+    assert looks_like_op("$1: f32[1] = x")
+
+
+# ------------------------------------------------------------------ values and metadata
+
+def test_dtype_table_matches_installed_torch():
+    torch = pytest.importorskip("torch")
+    from torch.utils._dtype_abbrs import dtype_abbrs
+
+    for dtype, abbr in dtype_abbrs.items():
+        assert short_dtype(str(dtype)) == abbr, dtype
+    assert set(DTYPE_ABBRS.values()) == set(dtype_abbrs.values())
+    assert short_dtype("torch.float") == "f32" and short_dtype("torch.long") == "i64"
+    assert short_dtype("torch.mystery") == "mystery"
+    assert torch.bfloat16 in dtype_abbrs
+
+
+def test_device_and_shape():
+    assert parse_device("device(type='xpu', index=1)") == "xpu:1"
+    assert parse_device("device(type='cpu')") == "cpu"
+    assert parse_device("device(typ") is None
+    assert parse_shape("") == () and parse_shape(" 3 , 4") == (3, 4) and parse_shape("99ug") is None
+
+
+def test_metadata_whole_cut_and_garbled():
+    whole = parse_metadata("{'shape': torch.Size([99, 5120]), 'dtype': torch.bfloat16, "
+                           "'device': device(type='xpu', index=1)}")
+    assert whole.meta == TensorMeta((99, 5120), "bf16", "xpu:1") and whole.complete
+    device_cut = parse_metadata("{'shape': torch.Size([105, 8192]), 'dtype': torch.bfloat16, 'device': device(typ")
+    assert device_cut.meta == TensorMeta((105, 8192), "bf16", UNKNOWN_DEVICE) and not device_cut.complete
+    assert parse_metadata("{'shape': torch.Size([1, 16, 12460, 128]), 'dtype': torch.b").meta is None
+    assert parse_metadata("{'shape': torch.Size([964, 5120]),").meta is None
+    assert parse_metadata("{'shape': torch.Size([99ug=True` to `torch.utils.checkpoint.checkpoint()`.").meta is None
+    assert parse_metadata("{'").meta is None and parse_metadata("").meta is None
+    assert parse_metadata("{'shape': torch.Size([]), 'dtype': torch.bool, 'device': device(type='cuda')}").meta \
+        == TensorMeta((), "b8", "cuda")
+
+
+def test_args_general_reader_and_fast_path_agree():
+    from ac_diff.logs.meta import _fast_args
+
+    for text in ["$181, ['14', '99']", "$3, dtype=torch.float32", "['$149', '$150'], 1", "$158, 1, 1",
+                 "$4, ['2'], True", "$1, [], 2", "$164, stable=True"]:
+        fast = _fast_args(text)
+        assert fast is not None, text
+        with mock.patch("ac_diff.logs.meta._fast_args", return_value=None):
+            slow = parse_args(text)
+        assert (fast.values, fast.tensor_ids, fast.complete) == (slow.values, slow.tensor_ids, slow.complete)
+    assert parse_args("$0, ['a,b']").values == ["$0", ["a,b"]]
+    assert parse_args('["\'sum\'"]').values == [["sum"]]  # a string inside a list: repr of a repr
+    assert parse_args("$1, size=['1', '2']").values == ["$1", {"size": [1, 2]}]
+
+
+# ------------------------------------------------------------------ lines
+
+@pytest.mark.parametrize("text,rank,body", [
+    ("[rank1]: tensor at position 48:", 1, "tensor at position 48:"),
+    ("[default1]:[rank1]: Traceback (most recent call last):", 1, "Traceback (most recent call last):"),
+    ("[rank1]:[rank1]:   File \"x.py\", line 3", 1, 'File "x.py", line 3'),
+    ("[default3]: hello", 3, "hello"),
+    ("rank11: raise CheckpointError(", 11, "raise CheckpointError("),
+    ("E           torch.utils.checkpoint.CheckpointError: x", None, "torch.utils.checkpoint.CheckpointError: x"),
+    ("    [rank1]: tensor at position 4:", 1, "tensor at position 4:"),
+    ("[rank1]:orch._ops.aten.view", 1, "orch._ops.aten.view"),
+    ("\x1b[31m[rank4]:\x1b[0m hi", 4, "hi"),
+    ("Error: not a prefix", None, "Error: not a prefix"),
+    ("[ra", None, "[ra"),
+])
+def test_strip_prefix(text, rank, body):
+    assert strip_prefix(text) == (rank, body)
+
+
+def test_split_interleaved_ranks_on_one_line():
+    segs, last = split_segments("[rank11]: recomputed metadata: {'shape': torch.Size([964, 5120]),"
+                                "[rank13]: Traceback (most recent call last):", None)
+    assert segs == [(11, "recomputed metadata: {'shape': torch.Size([964, 5120]),"),
+                    (13, "Traceback (most recent call last):")]
+    assert last == 13
+
+
+def test_split_flattened_bare_rank_form_of_the_origin_thread():
+    line = ("rank11: File \".../checkpoint.py\", line 902, in check_recomputed_tensors_match rank11: raise "
+            "CheckpointError( rank11: torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed "
+            "values for the following tensors have different metadata than during the forward pass. rank11: tensor "
+            "at position 46: rank11: saved metadata: {'shape': torch.Size([965, 5120]), 'dtype': torch.bfloat16, "
+            "'device': device(type='xpu', index=3)} rank11: recomputed metadata: {'shape': torch.Size([964, 5120]),"
+            "[rank13]: Traceback (most recent call last):")
+    run = parse_text(line)
+    (err,) = run.errors
+    assert err.rank == 11 and err.positions[0].position == 46
+    assert err.positions[0].saved == TensorMeta((965, 5120), "bf16", "xpu:3")
+    assert err.positions[0].recomputed is None and run.truncated
+
+
+def test_split_op_start_inside_a_line():
+    segs, _ = split_segments("[rank1]: ['$13: bf16[1, 128, 5120]', '$17: bf1 $72: bf16[1, 5, 1024, 128] = "
+                             "torch._ops.aten.transpose.int($69, 1, 2)", None)
+    assert [s for _, s in segs] == ["['$13: bf16[1, 128, 5120]', '$17: bf1",
+                                    "$72: bf16[1, 5, 1024, 128] = torch._ops.aten.transpose.int($69, 1, 2)"]
+
+
+def test_iter_lines_cr_crlf_long_lines_and_bad_bytes():
+    data = b"a\r\nb\rc\n" + b"x" * 25 + b"\n\xff\xfeok"
+    stats = ReadStats()
+    got = list(iter_lines(io.BytesIO(data), stats, max_line=10))
+    assert got[:3] == [("a", True), ("b", True), ("c", True)]
+    assert "".join(t for t, _ in got[3:6]) == "x" * 25 and [e for _, e in got[3:6]] == [False, False, True]
+    assert got[-1] == ("\ufffd\ufffdok", False)
+    assert stats.long_lines == 2 and stats.undecodable_lines == 1 and stats.bytes_read == len(data)
+
+
+# ------------------------------------------------------------------ error texts
+
+@pytest.mark.parametrize("text,expected", [
+    ("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the following "
+     "tensors have different metadata than during the forward pass.", ("header", "metadata_mismatch")),
+    ("torch.utils.checkpoint: A different number of tensors was saved during the original forward and "
+     "recomputation.", ("header", "count_mismatch")),
+    ("CheckpointError: torch.utils.checkpoint: trying to save more tensors during recomputation than during the "
+     "original forward pass.", ("header", "more_saved_in_recompute")),
+    ("RuntimeError: aten.mm.default encountered during backward but not found in storage. This can happen if "
+     "the operations in the checkpointed region are nondeterministic", ("header", "sac_not_found")),
+    ("RuntimeError: aten.mm.default invocation index 1 encountered during backward but not found in storage.",
+     ("header", "sac_not_found")),
+    ("RuntimeError: aten.mm.default encountered during backward, but not found in storage",  # torch 2.4 wording
+     ("header", "sac_not_found")),
+    ("RuntimeError: Tensor cached during selective activation checkpoint has been mutated", ("header", "sac_mutated")),
+    ("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Unpack is being triggered for a tensor that "
+     "was already unpacked once.", ("header", "other")),
+    ("tensor at position 48:", ("position", 48)),
+    ("tensor at position x:", ("garbled", None)),
+    ("Number of tensors saved during recomputation: 884.", ("count_recomputed", 884, True)),
+    ("Number of tensors saved during forward: 26", ("count_saved", 26, False)),
+    ("tensor at position 4", ("garbled", None)),
+    (".", ("end", None)),
+    ("Tip: To see a more detailed error message, either pass `debug=True` to", ("end", None)),
+])
+def test_classify_error_line(text, expected):
+    assert classify_error_line(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "raise CheckpointError(",
+    '"torch.utils.checkpoint: Recomputed values for the following tensors "',  # source line of the raise
+    "torch.utils.checkpoint.CheckpointError:  An error happened while unpacking tensors; dumping logs of latest",
+    "torch.utils.checkpoint.CheckpointError:",
+    "hello",
+])
+def test_not_an_error_line(text):
+    assert classify_error_line(text) is None
+
+
+def test_error_message_keeps_the_raw_text():
+    run = parse_text("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the "
+                     "following tensors have different metadata than during the forward pass.\n"
+                     "tensor at position 3:\nsaved metadata: {'shape': torch.Size([2]), 'dtype': torch.float32, "
+                     "'device': device(type='cpu')}\nrecomputed metadata: {'shape': torch.Size([3]), "
+                     "'dtype': torch.float32, 'device': device(type='cpu')}\n.\n")
+    (err,) = run.errors
+    assert err.message.splitlines()[0].startswith("torch.utils.checkpoint: Recomputed values")
+    assert "tensor at position 3:" in err.message and not run.truncated and run.exit_status == "exception"
+
+
+def test_decreasing_positions_start_a_new_error():
+    text = "\n".join(["tensor at position 7:", "saved metadata: {'shape': torch.Size([1]), 'dtype': torch.float32, "
+                      "'device': device(type='cpu')}", "recomputed metadata: {'shape': torch.Size([2]), 'dtype': "
+                      "torch.float32, 'device': device(type='cpu')}", "tensor at position 2:"]) + "\n"
+    run = parse_text(text)
+    assert [[p.position for p in e.positions] for e in run.errors] == [[7], [2]]
+
+
+# ------------------------------------------------------------------ dump pieces
+
+def test_frame_source():
+    assert frame_source("/home/u/torchtitan/torchtitan/experiments/llama4/model/moe.py:40:forward") == \
+        "llama4/model/moe.py:40 in forward"
+    assert frame_source("train.py:650:main") == "train.py:650 in main"
+    assert frame_source("/x/lib/python3.10/site-packages/torch/nn/modules/module.py:1755:_wrapped_call_impl") is None
+    assert frame_source("/data/users/weif/pytorch/torch/_tensor.py:648:backward") is None
+    assert frame_source("/usr/lib/python3.10/contextlib.py:79:inner") is None
+    assert frame_source("/usr/local/src/conda/python-3.10.16/Python/ceval.c:5945:do_call_core") is None
+    assert frame_source("??:0:_start") is None
+    assert frame_source("/dev-sandbox/ratnam/modules/module.py:1809:inner") is None  # spliced torch frame
+    assert frame_source("/dev/PythonFallbackKernel.cpp:149:void c10::make<&(x)::fb4/model/model.py:339:forward") is None
+    assert frame_source("/x/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py:300:forward") \
+        == "models/llama/modeling_llama.py:300 in forward"
+
+
+def test_footer_table_of_contents_is_not_a_section():
+    toc = "1. Stack traces of the operators that ran in the original forward"
+    assert classify_dump_line(toc, in_footer=True) is None
+    assert classify_dump_line(toc, in_footer=False) == S_TRACES_FWD
+    assert classify_dump_line("|        " + toc + "     |", in_footer=True) == S_TRACES_FWD
+    assert classify_dump_line("ERROR: Detected non-determinism while running activation checkpointing", False) \
+        == S_FOOTER
+
+
+def test_two_dumps_on_two_ranks_interleaved():
+    def dump(rank, n):
+        p = f"[rank{rank}]: "
+        return [p + "Operations executed during the original forward:",
+                p + f"$1: f32[{n}] = torch._ops.aten.sin.default($0)",
+                p + "Operations executed during recomputation:",
+                p + f"$1: f32[{n + 1}] = torch._ops.aten.sin.default($0)",
+                p + "+------------------------------------------------------------------------------+",
+                p + " ERROR: Detected non-determinism while running activation checkpointing"]
+    a, b = dump(0, 2), dump(1, 5)
+    lines = [x for pair in zip(a, b) for x in pair]
+    run = parse_text("\n".join(lines) + "\n")
+    assert [(r.rank, r.forward.ops[0].out[0].shape, r.recompute.ops[0].out[0].shape) for r in run.regions] == \
+        [(0, (2,), (3,)), (1, (5,), (6,))]
+    assert not run.truncated
+
+
+# ------------------------------------------------------------------ API
+
+def test_parse_log_accepts_paths_and_streams(tmp_path):
+    text = ("[rank0]: torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: A different number of "
+            "tensors was saved during the original forward and recomputation.\n"
+            "[rank0]: Number of tensors saved during forward: 27\n"
+            "[rank0]: Number of tensors saved during recomputation: 8.\n")
+    path = tmp_path / "x.log"
+    path.write_text(text)
+    seen = []
+    runs = [parse_log(path), parse_log(str(path), progress=lambda done, total: seen.append((done, total))),
+            parse_log(io.StringIO(text)), parse_log(io.BytesIO(text.encode())), parse_text(text)]
+    for run in runs:
+        (err,) = run.errors
+        assert (err.kind, err.rank, err.saved_count, err.recomputed_count) == ("count_mismatch", 0, 27, 8)
+        assert not run.truncated
+    assert seen[-1] == (len(text), len(text))
+    with open(path) as f:
+        assert parse_log(f).path == str(path)
+
+
+def test_progress_callback_errors_do_not_break_parsing(tmp_path):
+    path = tmp_path / "x.log"
+    path.write_bytes(b"x\n" * (1 << 20))  # 2 MiB: called more than once
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        raise RuntimeError("broken progress bar")
+
+    run = parse_log(path, progress=progress)
+    assert len(calls) >= 2 and calls[-1] == 2 << 20
+    assert run.notes == ["found no CheckpointError text and no debug=True dump"]
+
+
+def test_looks_like_log(tmp_path):
+    log = tmp_path / "a.log"
+    log.write_text("noise\n" * 10 + "[rank0]: tensor at position 1:\n")
+    assert looks_like_log(log)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"format": "ac-diff-trace", "message": "tensor at position 1:"}) + "\n")
+    assert not looks_like_log(trace)
+    plain = tmp_path / "b.txt"
+    plain.write_text("hello\n")
+    assert not looks_like_log(plain)
+    assert not looks_like_log(tmp_path / "missing.log")
+    big = tmp_path / "big.log"  # the marker only in the last MiB
+    with open(big, "wb") as f:
+        f.write(b"x" * (3 << 20) + b"\nOperations executed during the original forward:\n")
+    assert looks_like_log(big)
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"\x00\xff" * 1000, b"[rank", b"tensor at position",
+                                  b"$1: f32[", b"Operations executed during recomputation:"])
+def test_degenerate_inputs(data):
+    run = parse_log(io.BytesIO(data))
+    assert run.source == "log" and isinstance(run.notes, list)
+
+
+# ------------------------------------------------------------------ texts the installed torch produces
+
+@pytest.fixture(scope="module")
+def torch_texts():
+    """str() of real CheckpointErrors raised by the installed torch, one of each kind we can provoke."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.checkpoint import CheckpointError, checkpoint, create_selective_checkpoint_contexts
+
+    texts = {}
+    x = torch.randn(4, requires_grad=True)
+    calls = {"n": 0}
+
+    def shape_changes(t):  # the slice is one element shorter in the recompute
+        calls["n"] += 1
+        y = t.sin()
+        z = y[:3 if calls["n"] == 1 else 2].exp()
+        return z.sum() + y.cos().sum()
+
+    def fewer_saved(t):  # the recompute saves fewer tensors
+        calls["n"] += 1
+        return t.sin().exp().sum() if calls["n"] == 1 else t.sin().sum()
+
+    for name, fn, debug in [("metadata", shape_changes, False), ("dump", shape_changes, True),
+                            ("count", fewer_saved, False)]:
+        calls["n"] = 0
+        # no C++ frames in the dump: symbolising them takes seconds and is not what we parse
+        with mock.patch.object(platform, "machine", return_value="riscv"):
+            try:
+                checkpoint(fn, x, use_reentrant=False, debug=debug).backward()
+            except CheckpointError as e:
+                texts[name] = str(e)
+
+    import functools
+
+    ctx = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    a, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    y, out = checkpoint(lambda a, w: ((h := a @ w), h.sin()), a, w, use_reentrant=False, context_fn=ctx)
+    with torch.no_grad():
+        y.mul_(2)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        texts["sac_mutated"] = f"RuntimeError: {e}"
+    return texts
+
+
+def test_torch_metadata_error(torch_texts):
+    run = parse_text(torch_texts["metadata"])
+    (err,) = run.errors
+    assert err.kind == "metadata_mismatch" and err.rank is None
+    (p,) = err.positions
+    assert (p.saved, p.recomputed) == (TensorMeta((3,), "f32", "cpu"), TensorMeta((2,), "f32", "cpu"))
+    assert not run.truncated and run.notes == []
+
+
+def test_torch_count_error(torch_texts):
+    (err,) = parse_text(torch_texts["count"]).errors
+    assert (err.kind, err.saved_count, err.recomputed_count) == ("count_mismatch", 2, 1)
+
+
+def test_torch_sac_mutated(torch_texts):
+    (err,) = parse_text(torch_texts["sac_mutated"]).errors
+    assert err.kind == "sac_mutated"
+
+
+def test_torch_debug_dump_with_sources(torch_texts):
+    run = parse_text(torch_texts["dump"])
+    assert not run.truncated and run.notes == [] and run.errors == []
+    (region,) = run.regions
+    fwd, rec = region.forward, region.recompute
+    assert [o.op for o in fwd.ops] == ["aten.sin.default", "aten.slice.Tensor", "aten.exp.default",
+                                       "aten.sum.default", "aten.cos.default", "aten.sum.default", "aten.add.Tensor"]
+    assert fwd.ops[1].args == ["$1", 0, 0, 3]
+    assert [o.args for o in rec.ops if o.op == "aten.slice.Tensor"] == [["$2", 0, 0, 2]]
+    assert rec.ops[0].op == "aten.detach.default"
+    assert fwd.complete and rec.complete
+    for op in fwd.ops + rec.ops:
+        assert op.source is not None and op.source.endswith(".py:" + op.source.split(".py:")[1])
+        assert "tests/test_logs_units.py:" in op.source and op.source.endswith("in shape_changes"), op.source
+
+
+def test_torch_dump_and_error_interleaved_with_prefixes(torch_texts):
+    """Two ranks print their error and dump at the same time, line by line."""
+    a = ["[rank0]: " + s for s in (torch_texts["metadata"] + "\n" + torch_texts["dump"]).splitlines()]
+    b = ["[rank1]: " + s for s in (torch_texts["count"] + "\n" + torch_texts["dump"]).splitlines()]
+    lines = [x for i in range(max(len(a), len(b))) for x in (a[i:i + 1] + b[i:i + 1])]
+    run = parse_text("\n".join(lines) + "\n")
+    assert sorted((e.rank, e.kind, e.region) for e in run.errors) == [(0, "metadata_mismatch", 0),
+                                                                     (1, "count_mismatch", 0)]
+    assert sorted(r.rank for r in run.regions) == [0, 1]
+    assert all(len(r.forward.ops) == 7 and r.forward.ops[0].source for r in run.regions)
+    assert not run.truncated

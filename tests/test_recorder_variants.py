@@ -1,0 +1,122 @@
+"""The recorder on every checkpoint variant: regions, phases, op counts, modules and saved positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ac_diff
+from models import VARIANTS, Net, record_step, wrapped_net
+
+
+def _ops(p):
+    return [o.op for o in p.ops if o.op != "aten.detach.default"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_each_variant_records_both_passes_of_every_region(variant, tmp_path):
+    torch.manual_seed(0)
+    model = Net(VARIANTS[variant])
+    _, run = record_step(model, tmp_path / "t.jsonl")
+
+    assert [r.region for r in run.regions] == [0, 1]
+    assert [r.module for r in run.regions] == ["layers.0", "layers.1"]
+    assert all(r.kind == ("reentrant" if variant == "reentrant" else "checkpoint") for r in run.regions)
+    for r in run.regions:
+        fwd, rec = r.forward, r.recompute
+        assert fwd.phase == "forward" and rec.phase == "recompute"
+        assert _ops(fwd) == ["aten.t.default", "aten.addmm.default", "aten.relu.default", "aten.t.default",
+                             "aten.addmm.default", "aten.sin.default"]
+        if variant in ("reentrant", "early_stop_off"):
+            assert _ops(rec) == _ops(fwd)  # the whole region reruns
+            assert not rec.stopped_early
+        elif variant == "sac":
+            assert _ops(rec) == _ops(fwd)[:5]
+            assert [o.op for o in rec.ops if o.cached] == ["aten.addmm.default", "aten.addmm.default"]
+            assert r.options["sac"] is True
+        else:
+            assert _ops(rec) == _ops(fwd)[:5]  # early stop at the last saved tensor: sin is not recomputed
+            assert rec.stopped_early
+        if variant == "reentrant":
+            assert fwd.positions == [] and rec.positions == []  # reentrant checkpoint saves nothing itself
+        else:
+            assert len(fwd.positions) == len(rec.positions) == 6
+            assert [p.position for p in fwd.positions] == list(range(6))
+
+    report = ac_diff.diagnose([run])
+    assert report.verdict == "clean", report.headline
+
+
+def test_region_options_are_recorded(tmp_path):
+    _, run = record_step(Net(VARIANTS["determinism_none"]), tmp_path / "t.jsonl")
+    assert run.regions[0].options["determinism_check"] == "none"
+    _, run = record_step(Net(VARIANTS["early_stop_off"]), tmp_path / "u.jsonl")
+    assert run.regions[0].options["early_stop"] is False
+    assert run.regions[0].options["preserve_rng_state"] is True
+
+
+def test_checkpoint_wrapper_names_strip_the_wrapper(tmp_path):
+    torch.manual_seed(0)
+    _, run = record_step(wrapped_net(), tmp_path / "t.jsonl")
+    assert [r.module for r in run.regions] == ["layers.0", "layers.1"]
+    for r in run.regions:
+        for p in (r.forward, r.recompute):
+            modules = {o.module for o in p.ops}
+            assert modules == {f"layers.{r.region}", f"layers.{r.region}.up", f"layers.{r.region}.down"}
+
+
+def test_nested_regions_have_parents(tmp_path):
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(8, 8)
+            self.inner = Net(VARIANTS["non_reentrant"], n=1)
+
+        def forward(self, x):
+            return cp.checkpoint(self.inner, self.pre(x), use_reentrant=False)
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.outer = Outer()
+
+        def forward(self, x):
+            return cp.checkpoint(self.outer, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    _, run = record_step(Top(), tmp_path / "t.jsonl")
+    by_module = {(r.module, r.options.get("parent_phase")): r for r in run.regions}
+    outer = by_module[("outer", None)]
+    assert outer.parent is None
+    children = [r for r in run.regions if r.parent == outer.region]
+    assert children, [(r.region, r.module, r.parent) for r in run.regions]
+    assert all(r.module == "outer.inner" for r in children)
+    # the inner region is entered again when the outer one recomputes: that instance says so
+    assert {r.options.get("parent_phase") for r in children} >= {"forward"}
+    assert ac_diff.diagnose([run]).verdict == "clean"
+
+
+def test_module_fqns_are_right_during_recompute(tmp_path):
+    import sys
+    from conftest import EXAMPLES
+
+    sys.path.insert(0, str(EXAMPLES))
+    import tiny_moe
+
+    torch.manual_seed(0)
+    model = tiny_moe.Transformer(tiny_moe.ModelArgs(n_layers=2))
+    tiny_moe.apply_ac(model, mode="checkpoint_wrapper")
+    tokens = torch.randint(0, 256, (2, 32))
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        model(tokens).float().pow(2).mean().backward()
+    run = ac_diff.load(tmp_path / "t.jsonl")
+    ops = run.ops
+    rec = ops[ops.phase == "recompute"]
+    assert set(run.regions.module) == {"layers.0", "layers.1"}
+    assert {"layers.1.moe.router.gate", "layers.1.moe.experts", "layers.1.attention.wq"} <= set(rec.module)
+    assert not any("_checkpoint_wrapped_module" in str(m) for m in ops.module)
+    topk = rec[rec.op == "aten.topk.default"]
+    assert set(topk.module) == {"layers.0.moe.router", "layers.1.moe.router"}

@@ -1,0 +1,118 @@
+"""`ac-diff run` behaves like `python` for the script: __name__, argv, sys.path[0], exit codes, -m."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ac_diff
+from conftest import run_cli
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    print("PROBE " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0]}))
+    mode = os.environ.get("PROBE_MODE", "ok")
+    if mode == "exit3":
+        sys.exit(3)
+    if mode == "raise":
+        raise ValueError("boom from the script")
+    if mode == "exit_msg":
+        sys.exit("fatal: a message")
+""")
+
+
+def _probe(output: str) -> dict:
+    line = next(l for l in output.splitlines() if l.startswith("PROBE "))
+    return json.loads(line[len("PROBE "):])
+
+
+@pytest.fixture()
+def script(tmp_path):
+    path = tmp_path / "scripts" / "probe.py"
+    path.parent.mkdir()
+    path.write_text(PROBE)
+    return path
+
+
+@pytest.mark.parametrize("mode,code", [("ok", 0), ("exit3", 3), ("raise", 1), ("exit_msg", 1)])
+def test_matches_python(script, tmp_path, mode, code):
+    env = {"PROBE_MODE": mode}
+    plain = subprocess.run([sys.executable, str(script), "--lr", "3", "-o", "x"], capture_output=True, text=True,
+                           env={**__import__("os").environ, **env}, cwd=tmp_path)
+    ours = run_cli("run", "-o", str(tmp_path / "out"), str(script), "--lr", "3", "-o", "x", cwd=tmp_path, env=env)
+    assert plain.returncode == code
+    assert ours.returncode == code, ours.stderr
+    assert _probe(ours.stdout) == _probe(plain.stdout)
+    if mode == "raise":
+        assert "ValueError: boom from the script" in ours.stderr
+        assert "ac_diff" not in ours.stderr.split("ValueError")[0].replace("ac_diff run", "")
+    if mode == "exit_msg":
+        assert "fatal: a message" in ours.stderr
+    trace = ac_diff.load(tmp_path / "out")  # always finished, whatever the script did
+    assert trace.runs[0].exit_status == {"ok": "ok", "exit3": "exception", "raise": "exception",
+                                         "exit_msg": "exception"}[mode]
+    assert not trace.runs[0].truncated
+
+
+def test_module_mode_matches_python_dash_m(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(PROBE)
+    plain = subprocess.run([sys.executable, "-m", "pkg.train", "--flag", "v"], capture_output=True, text=True,
+                           cwd=tmp_path)
+    ours = run_cli("run", "-o", str(tmp_path / "out"), "-m", "pkg.train", "--flag", "v", cwd=tmp_path)
+    assert ours.returncode == 0, ours.stderr
+    assert _probe(ours.stdout) == _probe(plain.stdout)
+
+
+def test_existing_trace_needs_force(script, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli("run", "-o", str(out), str(script), cwd=tmp_path).returncode == 0
+    again = run_cli("run", "-o", str(out), str(script), cwd=tmp_path)
+    assert again.returncode == 2
+    assert "--force" in again.stderr and "Traceback" not in again.stderr
+    assert run_cli("run", "--force", "-o", str(out), str(script), cwd=tmp_path).returncode == 0
+
+
+def test_missing_script_is_one_line(tmp_path):
+    proc = run_cli("run", "-o", str(tmp_path / "o"), str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "not found" in proc.stderr
+
+
+def test_crashed_run_leaves_a_loadable_trace(tmp_path):
+    """A real CheckpointError mid-backward: the trace is finished and says what crashed."""
+    from conftest import EXAMPLES
+
+    proc = run_cli("run", "-o", str(tmp_path / "out"), str(EXAMPLES / "moe_bias_update.py"), "--steps", "1",
+                   cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "CheckpointError" in proc.stderr
+    trace = ac_diff.load(tmp_path / "out")
+    assert trace.runs[0].header["exception"]["exc_type"] == "CheckpointError"
+    assert len(trace.regions) == 2 and (trace.regions.recompute_ops > 0).sum() == 1
+
+
+def test_killed_process_leaves_readable_trace(tmp_path):
+    """SIGKILL after some regions: what was flushed is readable, and the loader warns it is truncated."""
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch
+        import torch.utils.checkpoint as cp
+        lin = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        for _ in range(3):
+            cp.checkpoint(lin, x, use_reentrant=False).sum().backward()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    proc = run_cli("run", "-o", str(tmp_path / "out"), str(script), cwd=tmp_path)
+    assert proc.returncode != 0
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        trace = ac_diff.load(tmp_path / "out")
+    assert len(trace.regions) == 3
+    assert (trace.regions.recompute_ops > 0).all()

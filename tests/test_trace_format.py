@@ -1,0 +1,106 @@
+"""The trace format: self-describing header, end record, versions, truncation, gzip, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ac_diff
+from ac_diff.trace import TraceFormatError, read_run
+from conftest import run_cli
+from models import VARIANTS, Net, record_step
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture()
+def trace(tmp_path):
+    torch.manual_seed(0)
+    record_step(Net(VARIANTS["non_reentrant"]), tmp_path / "trace-rank0.jsonl")
+    return tmp_path / "trace-rank0.jsonl"
+
+
+def test_header_and_end(trace):
+    lines = [json.loads(l) for l in trace.read_text().splitlines()]
+    header, end = lines[0], lines[-1]
+    assert header["type"] == "header" and header["format"] == "ac-diff-trace" and header["version"] == "1.0"
+    for key in ("ac_diff", "torch", "python", "argv", "rank", "world_size", "start_time"):
+        assert key in header
+    assert end["type"] == "end" and end["status"] == "ok" and end["regions"] == 2
+
+
+def test_pandas_views_have_the_documented_columns(trace):
+    t = ac_diff.load(trace)
+    assert {"rank", "region", "module", "forward_ops", "recompute_ops"} <= set(t.regions.columns)
+    assert {"rank", "region", "phase", "index", "op", "module", "source", "out_shapes", "fingerprint"} <= set(
+        t.ops.columns)
+    assert set(t.ops.phase) == {"forward", "recompute"}
+    assert {"rank", "region", "position", "op_index", "op", "module", "shape"} <= set(t.positions.columns)
+
+
+def test_every_old_version_file_still_loads():
+    files = sorted(DATA.glob("trace-v*.jsonl"))
+    assert files, "keep one trace per released format version in tests/data"
+    for f in files:
+        run = read_run(f)
+        assert run.regions and run.regions[0].forward is not None
+
+
+def test_newer_major_version_is_rejected_with_advice(trace, tmp_path):
+    lines = trace.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["version"] = "2.0"
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    with pytest.raises(TraceFormatError, match="upgrade ac-diff"):
+        read_run(newer)
+    proc = run_cli("report", str(newer))
+    assert proc.returncode == 2 and "upgrade ac-diff" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_not_a_trace(tmp_path):
+    other = tmp_path / "trace-rank0.jsonl"
+    other.write_text('{"hello": 1}\n')
+    with pytest.raises(TraceFormatError, match="not an ac-diff trace"):
+        read_run(other)
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00\x01\x02garbage")
+    proc = run_cli("report", str(junk))
+    assert proc.returncode == 2 and proc.stderr.startswith("ac-diff: error:") and "Traceback" not in proc.stderr
+    proc = run_cli("report", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_truncated_trace_loads_with_warning(trace, tmp_path):
+    cut = tmp_path / "cut.jsonl"
+    data = trace.read_bytes()
+    cut.write_bytes(data[: int(len(data) * 0.7)])
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        t = ac_diff.load(cut)
+    assert len(t.regions) >= 1
+    report = ac_diff.diagnose(t.runs)
+    assert any("no end record" in n for n in report.notes)
+
+
+def test_gzip_trace(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "trace-rank0.jsonl.gz"
+    record_step(Net(VARIANTS["non_reentrant"]), path)
+    with gzip.open(path, "rt") as f:
+        assert json.loads(f.readline())["format"] == "ac-diff-trace"
+    assert len(ac_diff.load(tmp_path).regions) == 2
+
+
+def test_keep_current_version_sample(trace):
+    """tests/data holds a trace of the current version (refresh with AC_DIFF_UPDATE_DATA=1)."""
+    import os
+
+    target = DATA / "trace-v1.0.jsonl"
+    if os.environ.get("AC_DIFF_UPDATE_DATA"):
+        shutil.copy(trace, target)
+    assert target.exists()
