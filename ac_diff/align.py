@@ -38,14 +38,15 @@ Algorithm
 ---------
 1. Trim the common prefix and suffix (galloping slice compares, so identical
    or early-stopped sequences cost a few C-level passes).
-2. Intern the remaining middle to small ints.  If the lower bound
-   ``sum_k |count_a(k) - count_b(k)|`` (>= ``|n - m|``) is within
-   ``max_edit`` (and so is a third of the same bound over bigrams), run
-   Myers' O((N+M)·D) diff restricted to the diagonal band
-   that can still finish within the cap, with iterative deepening of the cap
-   (lb+16, lb+64, ... max_edit), so a few edits or an early stop plus a few
-   edits cost little.  Diagonal runs ("snakes") are followed with galloping
-   slice compares, so long agreeing stretches cost almost nothing.
+2. Exact Myers O((N+M)·D) diff on the middle, restricted to the diagonal
+   band that can still finish within the cap, with iterative deepening of the
+   cap (lb+16, lb+64, ... max_edit), so a handful of edits costs little.
+   Diagonal runs ("snakes") are followed with galloping slice compares, so
+   long agreeing stretches cost almost nothing.  Cheap caps are tried on the
+   raw keys first; only then are keys interned to ints and the lower bounds
+   ``sum_k |count_a(k) - count_b(k)|`` (>= ``|n - m|``) and a third of the
+   same sum over bigrams computed, which skip a Myers run that cannot succeed
+   within ``max_edit``.
 3. Beyond ``max_edit`` (heuristic, not guaranteed optimal):
 
    * if the forward is longer by more than ``max_edit`` (early stop), align
@@ -56,13 +57,15 @@ Algorithm
      once (or twice) on both sides; else q-grams (q=4) unique on both sides;
      else keys with the same, smallest possible, count on both sides (k-th
      occurrence paired with k-th).  A longest increasing chain of anchors is
-     kept and the gaps between anchors are solved recursively (depth-capped).
+     kept and the gaps between anchors are solved recursively (depth <= 24).
      Gaps get an exact Myers with a cap of ~2·sqrt(size) when their lower
-     bound allows; blocks with no anchors get a greedy next-occurrence matcher
-     (O(n log n)).
+     bound allows.  Blocks with no anchors get a sliding-window free-end
+     Myers (256 ops per side, <= 64 edits per window) that falls back to a
+     greedy next-occurrence walk (O(log n) per step) where windows fail, or
+     straight to that walk when most ops have no partner key at all.
 
    Worst-case cost: about ``max_edit**2 / 2`` Python steps for a failed exact
-   attempt, plus O((N+M) log(N+M)) per recursion level (at most 24 levels).
+   attempt, plus O((N+M) log(N+M)) per recursion level.
 4. ``_tidy`` slides insertions/deletions across short runs of repeated keys so
    that "insert x, match x, delete y" reads as one substituted op (same number
    of matches).  Unmatched gaps are paired position-wise as ``"substituted"``
@@ -551,8 +554,9 @@ class _Heuristic:
         Align a window of ``_WINDOW`` ops per side with a free-end Myers capped
         at ``_WINDOW_CAP`` edits, keep the runs that start in the first half of
         the window and slide on.  A window that needs more edits is crossed
-        with greedy steps (half a window), which also re-synchronises after
-        long insertions or deletions.  Cost: O(_WINDOW_CAP**2) per half window.
+        with greedy steps (half a window, doubling while windows keep failing),
+        which also re-synchronises after long insertions or deletions.
+        Cost: O(_WINDOW_CAP**2) per half window at most.
         """
         A, B = self.A, self.B
         sa = A[alo:ahi]
@@ -570,6 +574,7 @@ class _Heuristic:
         add = self._add
         W, C = _WINDOW, _WINDOW_CAP
         half = W >> 1
+        span = half
         greedy = None
         i, j = alo, blo
         while i < ahi and j < bhi:
@@ -588,6 +593,7 @@ class _Heuristic:
                     for run in r:
                         add(*run)
                     return
+                span = half
                 ilim, jlim = i + (wa >> 1), j + (wb >> 1)
                 for t, (ri, rj, rL) in enumerate(r):
                     if t and (ri >= ilim or rj >= jlim):
@@ -597,10 +603,11 @@ class _Heuristic:
                 continue
             if r is not None and last:
                 return  # exact: nothing in common
-            # too different here: greedy steps for half a window
+            # too different here: greedy steps, for longer after repeated failures
             if greedy is None:
                 greedy = _GreedyWalker(A, alo, ahi, B, blo, bhi)
-            i, j = greedy.walk(i, j, i + half, j + half, add)
+            i, j = greedy.walk(i, j, i + span, j + span, add)
+            span = min(2 * span, 64 * W)
 
     # -- greedy fallback ----------------------------------------------------
 
@@ -611,8 +618,9 @@ class _Heuristic:
         jb = list(compress(range(blo, bhi), map(common.__contains__, B[blo:bhi])))
         ka = list(map(A.__getitem__, ia))
         kb = list(map(B.__getitem__, jb))
-        matches: list[tuple[int, int, int]] = []
-        _GreedyWalker(ka, 0, len(ka), kb, 0, len(kb)).walk(0, 0, len(ka), len(kb), lambda x, y, _: matches.append((x, y)))
+        matches: list[tuple[int, int]] = []
+        walker = _GreedyWalker(ka, 0, len(ka), kb, 0, len(kb))
+        walker.walk(0, 0, len(ka), len(kb), lambda x, y, _: matches.append((x, y)))
         add = self._add
         for x, y in matches:
             add(ia[x], jb[y], 1)

@@ -88,6 +88,7 @@ class OpRecord:
     random: bool = False  # consumes RNG (dropout, rand, bernoulli, ...)
     discrete: bool = False  # a discrete decision taken from values (topk, sort, argmax, histc, comparisons...)
     log_ids: tuple[list[str], list[str]] | None = None  # ($N outputs, $N inputs) when parsed from a log
+    damaged: bool = False  # parsed from a log line another writer cut into: outputs/arguments may be incomplete
 
     @property
     def key(self) -> tuple[str, str | None]:

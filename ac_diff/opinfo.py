@@ -71,7 +71,8 @@ def _compute(func) -> OpInfo:
     # c10d collectives run asynchronously: their outputs are not written until the wait, so a
     # fingerprint taken when the op returns reads memory still being filled (garbage, different
     # every pass). The values reach the next ops after the wait; those are fingerprinted.
-    async_collective = name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES and packet not in ("wait_tensor",)
+    async_collective = (name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
+                        and packet not in ("wait_tensor", "_wrap_tensor_autograd"))  # these two hold the result
     return OpInfo(
         name=name,
         fingerprint=not is_view and packet not in UNINITIALISED_OPS and not async_collective,

@@ -164,35 +164,50 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.cases.split(",")
 
     rows = []
-    hdr = f"{'size':>9} {'case':<12} {'runs':>4} {'seconds':>9} {'ops/s':>12} {'match':>9} {'subst':>7} {'fwd_only':>9} {'rec_only':>9}"
-    print(f"python {platform.python_version()} on {platform.machine()}, max_edit={args.max_edit}")
+    hdr = (
+        f"{'size':>9} {'case':<12} {'runs':>4} {'seconds':>9} {'cpu_s':>8} {'ops/s':>12}"
+        f" {'match':>9} {'subst':>7} {'fwd_only':>9} {'rec_only':>9}"
+    )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cpus,"
+        f" load avg {load:.1f}, max_edit={args.max_edit}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n in sizes:
         for case in cases:
             a, b = build_case(case, n)
             times = []
+            cpu = []
             pairs = None
             for _ in range(repeats_for(n)):
                 pairs = None
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 pairs = align(a, b, max_edit=args.max_edit)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             sec = statistics.median(times)
+            cpu_sec = statistics.median(cpu)
             s = summarize(pairs)
             ops = (len(a) + len(b)) / sec if sec > 0 else float("inf")
-            row = dict(size=n, case=case, len_a=len(a), len_b=len(b), runs=len(times), seconds=sec, ops_per_s=ops, **s)
+            row = dict(
+                size=n, case=case, len_a=len(a), len_b=len(b), runs=len(times),
+                seconds=sec, cpu_seconds=cpu_sec, ops_per_s=ops, **s,
+            )
             rows.append(row)
             print(
-                f"{n:>9} {case:<12} {len(times):>4} {sec:>9.4f} {ops:>12,.0f} {s['match']:>9} {s['substituted']:>7}"
+                f"{n:>9} {case:<12} {len(times):>4} {sec:>9.4f} {cpu_sec:>8.4f} {ops:>12,.0f} {s['match']:>9} {s['substituted']:>7}"
                 f" {s['forward_only']:>9} {s['recompute_only']:>9}",
                 flush=True,
             )
             del pairs, a, b
-    print("ops/s counts len(a) + len(b) per second.")
+    print("seconds: wall (perf_counter, median); cpu_s: process CPU time; ops/s counts len(a) + len(b) per wall second.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"python": platform.python_version(), "max_edit": args.max_edit, "results": rows}, f, indent=2)
+            meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": load, "max_edit": args.max_edit}
+            json.dump({**meta, "results": rows}, f, indent=2)
     return 0
 
 

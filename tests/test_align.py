@@ -260,6 +260,35 @@ def test_heuristic_quality_on_scattered_edits():
     assert heur >= 0.98 * exact
 
 
+def test_heuristic_quality_with_few_distinct_keys():
+    # beyond max_edit with a 3-key alphabet (no anchors): sliding-window fallback
+    rng = random.Random(5)
+    a = [rng.randrange(3) for _ in range(1200)]
+    b = list(a)
+    for _ in range(60):
+        pos = rng.randrange(len(b))
+        r = rng.random()
+        if r < 1 / 3:
+            del b[pos]
+        elif r < 2 / 3:
+            b.insert(pos, rng.randrange(3))
+        else:
+            b[pos] = rng.randrange(3)
+    exact = summarize(align(a, b, max_edit=10_000))["match"]
+    pairs = align(a, b, max_edit=8)
+    check_valid(a, b, pairs)
+    assert summarize(pairs)["match"] >= 0.97 * exact
+
+
+def test_inputs_not_mutated():
+    a = model_ops()
+    b = a[:40] + [ADD] + a[45:]
+    a0, b0 = list(a), list(b)
+    align(a, b, max_edit=1)
+    align(a, b)
+    assert a == a0 and b == b0
+
+
 # ---------------------------------------------------------------- properties
 
 small_seq = st.lists(st.integers(0, 3), max_size=25)

@@ -236,21 +236,33 @@ def _evil_report() -> Report:
 
 
 def test_every_string_is_escaped():
-    page = render_html(_evil_report())
+    report = _evil_report()
+    page = render_html(report)
     assert page.count("<script") == 1, "only the page's own script"
-    assert "<script>alert" not in page and "<img" not in page and "<b>" not in page and "<h1>" not in page
+    for raw in ("<script>alert", "<img", "<b>step", "&<b>", "<h1>", "<i>", "</td>\"", "<x>", "<flag>", "<buf>"):
+        assert raw not in page, raw
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
     assert "&lt;/script&gt;&lt;script&gt;alert(2)" in page
     dom = Dom(page)
-    assert len(dom.find("script")) == 1 and not dom.find("img") and not dom.find("b", cls=None) == []
+    assert len(dom.find("script")) == 1 and not dom.find("img") and not dom.find("h1") and not dom.find("x")
     assert dom.by_id("headline")["text"] == f"{EVIL} diverged"
-    assert dom.by_id("verdict-word")["text"] == "SILENTLY DIVERGED"
-    assert dom.find(id="silent-warning") == [] or True
+    assert dom.by_id("verdict-word")["text"] == "DIVERGED"
     code = dom.find("code", cls="language-python")[0]["text"]
     assert code == "if a < b and c > d: print('</script>')"
-    # attribute values are escaped too: the filter text of the regions holds the module literally
+    assert "</pre><x>" in dom.find("details", cls="message")[0]["text"]
+    # attribute values are escaped too: the filter text of the region holds the module literally
     rows = dom.find("tr", cls="region-row")
     assert EVIL.lower() in rows[1]["attrs"]["data-search"]
+    assert dom.find("td", cls="src")[0]["text"] == 'x.py:1 in "f"'
+
+
+def test_silent_divergence_is_said_loudly():
+    report = _evil_report()
+    report.torch_errors = []
+    dom = Dom(render_html(report))
+    assert dom.by_id("verdict-word")["text"] == "SILENTLY DIVERGED"
+    assert "silently wrong" in dom.by_id("silent-warning")["text"]
+    assert "silent" in dom.by_id("verdict")["attrs"]["class"].split()
 
 
 # --- wiring ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The directory is `<repo>/../shared/real_logs`, or $AC_DIFF_REAL_LOGS. If it is m
 FAIL: they are the parser's ground truth and must not be skipped silently.
 
 Argument values: integers that LoggingTensor printed as quoted strings inside lists
-(`['14', '99']`) are read back as ints (`[14, 99]`); see ac_diff/logs/meta.py.
+(`['14', '99']`) are read back as ints (`[14, 99]`); see ac_diff/logs/args.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log, parse_text
 from ac_diff.logs.dump import classify_dump_line, frame_source, S_FOOTER, S_TRACES_FWD
 from ac_diff.logs.errors import classify_error_line
 from ac_diff.logs.lines import ReadStats, iter_lines, split_segments, strip_prefix
-from ac_diff.logs.meta import DTYPE_ABBRS, parse_args, parse_device, parse_metadata, parse_shape, short_dtype
+from ac_diff.logs.args import parse_args
+from ac_diff.logs.meta import DTYPE_ABBRS, parse_device, parse_metadata, parse_shape, short_dtype
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.model import TensorMeta
 
@@ -166,13 +167,13 @@ def test_metadata_whole_cut_and_garbled():
 
 
 def test_args_general_reader_and_fast_path_agree():
-    from ac_diff.logs.meta import _fast_args
+    from ac_diff.logs.args import _fast_args
 
     for text in ["$181, ['14', '99']", "$3, dtype=torch.float32", "['$149', '$150'], 1", "$158, 1, 1",
                  "$4, ['2'], True", "$1, [], 2", "$164, stable=True"]:
         fast = _fast_args(text)
         assert fast is not None, text
-        with mock.patch("ac_diff.logs.meta._fast_args", return_value=None):
+        with mock.patch("ac_diff.logs.args._fast_args", return_value=None):
             slow = parse_args(text)
         assert (fast.values, fast.tensor_ids, fast.complete) == (slow.values, slow.tensor_ids, slow.complete)
     assert parse_args("$0, ['a,b']").values == ["$0", ["a,b"]]
@@ -341,6 +342,22 @@ def test_two_dumps_on_two_ranks_interleaved():
     assert not run.truncated
 
 
+def test_dump_cut_by_the_next_error_on_its_rank():
+    text = "\n".join([
+        "[rank2]: Operations executed during the original forward:",
+        "[rank2]: $1: f32[2] = torch._ops.aten.sin.default($0)",
+        "[rank2]: Traceback (most recent call last):",
+        "[rank2]: torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: trying to save more tensors "
+        "during recomputation than during the original forward pass.",
+    ]) + "\n"
+    run = parse_text(text)
+    (region,) = run.regions
+    assert len(region.forward.ops) == 1 and not region.forward.complete and region.recompute is None
+    assert [e.kind for e in run.errors] == ["more_saved_in_recompute"]
+    assert not run.truncated  # the log went on after the dump: it does not end inside it
+    assert any("cut short by what followed it: rank 2" in n for n in run.notes)
+
+
 # ------------------------------------------------------------------ API
 
 def test_parse_log_accepts_paths_and_streams(tmp_path):
@@ -479,6 +496,16 @@ def test_torch_debug_dump_with_sources(torch_texts):
     for op in fwd.ops + rec.ops:
         assert op.source is not None and op.source.endswith(".py:" + op.source.split(".py:")[1])
         assert "tests/test_logs_units.py:" in op.source and op.source.endswith("in shape_changes"), op.source
+
+
+def test_torch_dump_flattened_and_crlf(torch_texts):
+    dump = torch_texts["dump"]
+    for variant in (" ".join(ln for ln in dump.splitlines() if ln.strip()), dump.replace("\n", "\r\n")):
+        run = parse_text(variant)
+        (region,) = run.regions
+        assert (len(region.forward.ops), len(region.recompute.ops)) == (7, 7)
+        assert all(o.source and o.source.endswith("in shape_changes") for o in region.forward.ops)
+        assert run.notes == [] and not run.truncated
 
 
 def test_torch_dump_and_error_interleaved_with_prefixes(torch_texts):

@@ -25,6 +25,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     errors: list[TorchError] = []
     notes: list[str] = []
     exit_status = None
+    log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
     for run in runs:
         if run.source == "log":
             for region in run.regions:
@@ -36,7 +37,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
         for region in run.regions:
-            err = _error_for(region, run_errors, run)
+            err = _error_for(region, run_errors if run.source != "log" else log_errors, run)
             region_reports.append(diagnose_region(region, err, settings))
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]

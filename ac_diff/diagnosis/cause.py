@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
 from .compare import PassComparison, is_discrete
+from .dataflow import decision_path
 from .labels import where
 from .suggest import suggestions_for
 
@@ -83,7 +84,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
                      "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
 
-    if control is not None and (value is None or (control.forward_index or 0) <= (value.forward_index or 0)
+    if control is not None and report.source != "log" and (value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
         return Cause("control_flow", control.op,
@@ -97,9 +98,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      [f"{value.op} at {where(value.module, value.source)}"])
 
     if report.source == "log" and shape is not None:
-        return Cause("unknown", shape.op,
-                     "a log shows where the shapes diverged, not why: the values that led there are not in it",
-                     [shape.summary])
+        decision = report.first_discrete_divergence
+        detail = ("a log shows where the shapes diverged, not why: the values that led there are not in it"
+                  + (f"; the sizes come from the data-dependent decision {decision.op}" if decision else ""))
+        return Cause("unknown", decision.op if decision else shape.op, detail, [shape.summary])
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
 
@@ -132,6 +134,8 @@ def _in_place_writer(region: Region, name: str) -> str | None:
 
 
 def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[str]:
+    if report.source == "log":
+        return _log_chain(report, region)
     chain: list[str] = []
     cause = report.cause
     if cause is not None and cause.kind in ("state_mutation", "global_state", "sharded_parameter"):
@@ -161,6 +165,33 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
     return chain
+
+
+def _log_chain(report: RegionReport, region: Region) -> list[str]:
+    """From a log: the dataflow from the decision to the op whose shapes/arguments differ, then positions."""
+    chain: list[str] = []
+    shape = report.first_shape_divergence
+    decision = report.first_discrete_divergence
+    if shape is not None and region.forward is not None and decision is not None:
+        in_recompute = decision.forward_index is None
+        p = region.recompute if in_recompute else region.forward
+        target = next((o for o in p.ops if o.index == (shape.recompute_index if in_recompute else shape.forward_index)),
+                      None)
+        if target is not None:
+            path = decision_path(p.ops, target)
+            for op in path[:-1]:
+                ids = ", ".join(op.log_ids[0]) if op.log_ids else ""
+                chain.append(f"{op.op}{f' ({ids})' if ids else ''}{_at(op.module, op.source)}")
+    if shape is not None:
+        chain.append(f"{shape.op}{_at(shape.module, shape.source)}: {shape.summary}")
+    bad = [p.position for p in report.positions if p.matches is False]
+    if bad:
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {_ranges(bad)} differ in shape -> CheckpointError")
+    return chain
+
+
+def _at(module: str | None, source: str | None) -> str:
+    return f" at {where(module, source)}" if module or source else ""
 
 
 def _between(report: RegionReport, cmp: PassComparison, limit: int = 4) -> list[OpRecord]:

@@ -150,7 +150,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             continue
         if p.how != "match":
             d.kinds.add("control")
-        if f is not None and r is not None:
+        if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
             same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status)
             d.inputs_same, d.changed_inputs = same, changed
@@ -192,6 +192,10 @@ def _measured(f: OpRecord, r: OpRecord) -> bool:
 
 
 def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:
+    if f.damaged or r.damaged:  # a log line cut by another writer: only whole size lists are evidence
+        if _int_lists(f.args) != _int_lists(r.args) and len(_int_lists(f.args)) == len(_int_lists(r.args)):
+            d.kinds.add("args")
+        return
     if [(m.shape, m.dtype) for m in f.out] != [(m.shape, m.dtype) for m in r.out]:
         d.kinds.add("shape")
     if _plain_args(f.args) != _plain_args(r.args):
@@ -210,6 +214,46 @@ def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None
             if key.startswith("out") and key in r.values and not tol.equal(fv, r.values[key]):
                 d.kinds.add("value")
                 break
+
+
+# Ops whose integer lists are shapes, not sizes of pieces: a difference there is no redistribution.
+_SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "new_empty",
+                            "new_zeros", "new_ones", "new_full", "empty", "zeros", "ones", "full", "repeat", "tile",
+                            "flatten", "unflatten", "as_strided", "view_copy", "_reshape_alias", "randn", "rand"})
+
+
+def _int_lists(args: list) -> list[list[int]]:
+    return [a for a in args if isinstance(a, list) and a and all(isinstance(x, int) for x in a)]
+
+
+def first_size_change_by_occurrence(f_ops: list[OpRecord], r_ops: list[OpRecord]) -> tuple[OpRecord, OpRecord] | None:
+    """Pair the k-th call of each op in both passes and find the first whose size lists differ.
+
+    Robust where the op order itself is unreliable (a log whose lines other writers cut and spliced):
+    `split_with_sizes(['14', '99', ...])` vs `(['14', '98', ...])` is found wherever the line landed.
+    Only redistributions count (same length, same total, other entries: split sizes, all-to-all splits);
+    a reshape argument that differs is more likely a misplaced line than the cause.
+    """
+    seen: dict[str, list[OpRecord]] = {}
+    for op in r_ops:
+        if _int_lists(op.args):
+            seen.setdefault(op.op, []).append(op)
+    counts: dict[str, int] = {}
+    found = None
+    for op in f_ops:
+        lists = _int_lists(op.args)
+        if not lists or op.op.split(".")[1 if op.op.count(".") >= 2 else 0] in _SHAPE_ARG_OPS:
+            continue
+        k = counts.get(op.op, 0)
+        counts[op.op] = k + 1
+        partners = seen.get(op.op, [])
+        if k < len(partners):
+            other = _int_lists(partners[k].args)
+            if len(other) == len(lists) and other != lists and all(
+                    len(a) == len(b) and sum(a) == sum(b) for a, b in zip(lists, other)):
+                if found is None or op.index < found[0].index:
+                    found = (op, partners[k])
+    return found
 
 
 def _plain_args(args: list) -> list:

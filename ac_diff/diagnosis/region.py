@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from ..model import OpRecord, Pass, Region, TensorMeta, TorchError
 from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
-from .compare import PairDiff, PassComparison, Tolerance, compare_passes, is_discrete
+from ..align import Pair
+from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
+                      is_discrete)
 from .discrete import describe_flip
 from .labels import args_diff, op_label, outputs_diff, where
 
@@ -50,6 +52,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
     report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)
     report.first_shape_divergence = _divergence("shape", cmp.first_shape(), cmp)
+    if from_log:  # log lines can be out of order: trust size lists paired by call count over the alignment
+        by_call = first_size_change_by_occurrence(cmp.forward_ops, cmp.recompute_ops)
+        if by_call is not None:
+            f, r = by_call
+            report.first_shape_divergence = _divergence(
+                "shape", PairDiff(Pair(f.index, r.index, "match"), f, r, kinds={"args"}), cmp)
     report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
     report.changed_inputs = [
         {"kind": f.kind, "name": f.name, "meta": str(f.meta), "forward": f.fingerprint,
@@ -81,7 +89,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = None
     report.status = DIVERGED if diverged else CLEAN
-    if diverged:
+    if diverged and not from_log:  # a log cannot tell whether torch stayed silent elsewhere
         torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
         report.silent = torch_error is None and not (torch_checks and (position_mismatch or count_mismatch))
         if rec.state.get("error") and not torch_error:
@@ -96,10 +104,34 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     if from_log:
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
                             "modules and the cause")
+    if from_log and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
+        report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence)
     report.window = window(cmp, report, settings)
     if diverged:
         explain(report, region, cmp)
     return report
+
+
+def _log_decision(fwd: Pass, rec: Pass, shape: Divergence) -> Divergence | None:
+    """In a log there are no values: name the discrete op the divergent shapes depend on, by dataflow.
+
+    Tried in both passes (a line spliced into the wrong place breaks the path in one of them)."""
+    from .dataflow import decision_path, is_chooser
+
+    for p, index in ((fwd, shape.forward_index), (rec, shape.recompute_index)):
+        target = next((o for o in p.ops if o.index == index), None)
+        path = decision_path(p.ops, target) if target is not None else []
+        if len(path) >= 2 and is_chooser(path[0]):
+            break
+    else:
+        return None
+    op = path[0]
+    return Divergence(kind="discrete", op=op.op, module=op.module, source=op.source,
+                      forward_index=op.index if p is fwd else None, recompute_index=op.index if p is rec else None,
+                      summary=f"the data-dependent decision behind {shape.op} (via "
+                              f"{' -> '.join(o.op.split('.')[1] for o in path[1:-1]) or 'direct'}); a log has no values: "
+                              "`ac-diff run` would show how many elements flipped and by what margin",
+                      detail={"path": [o.op for o in path], "from_log": True})
 
 
 def _n_ops(p: Pass | None) -> int:
@@ -156,7 +188,7 @@ def _divergence(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergenc
     elif kind == "shape":
         parts = []
         if f is not None and r is not None:
-            outs = outputs_diff(f, r)
+            outs = outputs_diff(f, r) if not (f.damaged or r.damaged) else None
             if outs:
                 parts.append(outs)
             changed = args_diff(f, r)
@@ -220,6 +252,8 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
         ))
+    if not fwd.positions and reported:
+        rows.extend(_positions_by_shape(fwd, reported))
     known = {r.position for r in rows}
     for position, err in sorted(reported.items()):  # positions torch named that the recording lacks
         if position not in known:
@@ -228,6 +262,27 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
                                     saved=str(err.saved) if err.saved else None,
                                     recomputed=str(err.recomputed) if err.recomputed else None,
                                     matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
+    return rows
+
+
+def _positions_by_shape(fwd: Pass, reported: dict) -> list[PositionRow]:
+    """A log has no saved-tensor bookkeeping: match torch's positions, in order, to forward outputs of the
+    same shape and dtype. A guess, labelled as one (origin "shape match")."""
+    outputs = [(op, meta) for op in fwd.ops if op.op not in ("aten.detach.default",) for meta in op.out]
+    rows, cursor = [], 0
+    for position, err in sorted(reported.items()):
+        if err.saved is None:
+            continue
+        hit = next((k for k in range(cursor, len(outputs)) if (outputs[k][1].shape, outputs[k][1].dtype) ==
+                    (err.saved.shape, err.saved.dtype)), None)
+        if hit is None:
+            continue
+        cursor = hit + 1
+        op = outputs[hit][0]
+        rows.append(PositionRow(position=position, op=op.op, module=op.module, source=op.source,
+                                origin="shape match", name=None, forward_index=op.index, saved=str(err.saved),
+                                recomputed=str(err.recomputed) if err.recomputed else None,
+                                matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
     return rows
 
 

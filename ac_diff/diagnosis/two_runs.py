@@ -181,22 +181,26 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
     value, control = report.first_value_divergence, report.first_control_divergence
     changed = report.changed_inputs
     if changed:
+        # model state (parameters, buffers) first: a differing region input is usually their consequence
         feeding = set((value.detail.get("changed_inputs") if value else None) or [])
-        ranked = sorted(changed, key=lambda c: (c["name"] not in feeding, c["kind"] not in ("param", "buffer"),
+        ranked = sorted(changed, key=lambda c: (c["kind"] not in ("param", "buffer"), c["name"] not in feeding,
                                                 c.get("first_op") or 0))
         top = ranked[0]
         what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
-        kinds = {c["kind"] for c in changed}
+        state = [c for c in changed if c["kind"] in ("param", "buffer")]
         evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['run_a'])} in run A, "
                     f"{_fp(c['run_b'])} in run B" for c in ranked[:4]]
         if len(changed) > 4:
             evidence.append(f"... {len(changed)} tensors read by this region differ in all")
-        if top["kind"] == "input" and kinds <= {"input", "external"}:
+        if not state:
             detail = (f"the region's {top['name']} differs between the runs: the difference entered before this "
                       "region (an earlier region, the data, or code outside checkpointed regions)")
         else:
-            detail = (f"the {what.get(top['kind'], 'tensor')} `{top['name']}` has other values in run B than in run A "
-                      "(another initialisation, seed, learning rate or a state update)")
+            more = f" (and {len(state) - 1} more parameter(s)/buffer(s))" if len(state) > 1 else ""
+            inputs = [c["name"] for c in changed if c["kind"] == "input"]
+            detail = (f"the {what.get(top['kind'], 'tensor')} `{top['name']}`{more} has other values in run B than in "
+                      "run A (another initialisation, seed, learning rate or state update)"
+                      + (f"; the region's {', '.join(inputs)} differs too" if inputs else ""))
         return Cause("different_inputs", top["name"], detail, evidence)
     flags = {k: v for k, v in report.state_changes.items() if k != "rng"}
     random_first = value is not None and value.detail.get("inputs_identical") and _is_random(cmp, value)

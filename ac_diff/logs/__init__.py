@@ -15,7 +15,8 @@ line by line with a cap on line length, and keeps only what it extracts.
 
 Modules, one job each:
     lines    bytes -> lines -> (rank, segment): prefixes, pytest `E`, splitting spliced lines
-    meta     dtype / shape / device / metadata dicts / argument values -> model values
+    meta     dtype / shape / device / metadata dicts -> TensorMeta
+    args     the arguments of an op call -> JSON values
     errors   CheckpointError texts -> TorchError
     oplines  one LoggingTensor op line -> ParsedOp
     dump     debug=True dump sections -> Region (with sources from the stack traces)

@@ -131,12 +131,18 @@ class DumpBuilder:
     region: int
     section: int = S_START
     started_mid: bool = False  # the log started inside this dump
+    cut: bool = False  # something else started on this rank before the footer
     unplaced_ops: int = 0  # op lines in a trace section without their "(i of n in ...)"
     parts: dict[str, _PassParts] = field(default_factory=lambda: {FORWARD: _PassParts(), RECOMPUTE: _PassParts()})
     current: _Traced | None = None
 
     @property
     def closed(self) -> bool:
+        """Finished: its footer was read, or it was cut by what came next on its rank."""
+        return self.section == S_FOOTER or self.cut
+
+    @property
+    def in_footer(self) -> bool:
         return self.section == S_FOOTER
 
     def marker(self, section: int) -> None:
@@ -181,7 +187,7 @@ class DumpBuilder:
 
     @property
     def wants_frames(self) -> bool:
-        return self.current is not None and self.current.source is None
+        return self.current is not None and self.current.source is None and not self.cut
 
     def frame(self, text: str) -> None:
         source = frame_source(text)
@@ -195,11 +201,12 @@ class DumpBuilder:
         return "a debug=True dump"
 
     def finish(self) -> Region:
-        region_rank = self.rank if self.rank is not None else 0
+        region_rank = self.rank if self.rank is not None else 0  # Region.rank is an int
+        done = self.section == S_FOOTER
         return Region(rank=region_rank, region=self.region, module=None, kind="log",
                       options={"debug": True},
-                      forward=_build_pass(FORWARD, self.parts[FORWARD], self.closed),
-                      recompute=_build_pass(RECOMPUTE, self.parts[RECOMPUTE], self.closed))
+                      forward=_build_pass(FORWARD, self.parts[FORWARD], done),
+                      recompute=_build_pass(RECOMPUTE, self.parts[RECOMPUTE], done))
 
 
 def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
@@ -207,7 +214,7 @@ def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
                     host_value=p.host_value, log_ids=(p.out_ids, p.in_ids))
 
 
-def _build_pass(phase: str, parts: _PassParts, dump_closed: bool) -> Pass | None:
+def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None:
     traced = parts.traced
     if parts.total and len(traced) == parts.total and all(i in traced for i in range(1, parts.total + 1)):
         ops = [_record(k, traced[k + 1].op, traced[k + 1].source) for k in range(parts.total)]
@@ -218,7 +225,7 @@ def _build_pass(phase: str, parts: _PassParts, dump_closed: bool) -> Pass | None
             if t.source is not None:
                 sources.setdefault(t.op.key, t.source)
         ops = [_record(k, p, sources.get(p.key)) for k, p in enumerate(parts.listed)]
-        return Pass(phase, ops=ops, complete=parts.listed_done or dump_closed)
+        return Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
     if traced:
         ops = [_record(k, traced[i].op, traced[i].source) for k, i in enumerate(sorted(traced))]
         return Pass(phase, ops=ops, complete=False)

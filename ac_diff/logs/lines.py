@@ -11,10 +11,11 @@
 
 A segment is one logical line: its launcher prefixes removed, leading/trailing whitespace removed,
 and a rank (or None when no prefix said which). A whole log flattened onto one line comes back as
-the segments it was made of: it is cut before every rank prefix, "tensor at position",
+the segments it was made of: it is cut before every rank prefix, exception line
+(`torch.utils.checkpoint.CheckpointError:`, `torch.utils.checkpoint: `), "tensor at position",
 "saved metadata:", "recomputed metadata:", "Number of tensors saved during", op-line start
-(`$N: dtype[`, `['$N: `, `('$N: `), debug-dump section header, and traceback marker that does not
-start the line. Lines longer than `max_line` bytes are returned in pieces.
+(`$N: dtype[`, `['$N: `, `('$N: `), debug-dump section header or rule, and traceback marker that
+does not start the line. Lines longer than `max_line` bytes are returned in pieces.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ _LITERAL_MARKERS = (
     "torch.utils.checkpoint.CheckpointError:", "torch.utils.checkpoint: ", "tensor at position ", "saved metadata:", "recomputed metadata:", "Number of tensors saved during",
     "Operations executed during", "ERROR: Detected non-determinism", "Traceback (most recent call last)",
     "The above exception was the direct cause", "During handling of the above exception",
+    "+--------",  # the rule that ends the recompute op list
 )
 _BOXED_MARKERS = ("Stack traces of the operators", "Log of operators")  # cut before "| 1. "
 _RANK_MID = re.compile(r"\[(?:rank|default)\d+\]:|(?<=\s)rank\d+:(?=\s)")

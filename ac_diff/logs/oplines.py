@@ -10,7 +10,8 @@ torch writes each op as `f"{outputs} = {func.__module__}.{func.__name__}({args})
     parse_op_line("('$159: f32[128, 1]', '$160: i64[128, 1]') = torch._ops.aten.topk.default($158, 1, 1)")
         -> op="aten.topk.default", out_ids=["$159", "$160"], args=["$158", 1, 1]
     parse_op_line("$5: f32[1] = torch._ops.aten.exp.default($4)   (2 of 9 in original)")
-        -> ..., ordinal=(2, 9, "original")
+        -> ..., ordinal=(2, 9, "original")   (and in a flattened log, what follows the suffix is
+                                              kept in `trailing`: that op's stack frames)
     parse_op_line("$124: bf16[1, 128, 5120] = t5120]', '$192: bf16[33, 5120]'] = "
                   "torch._ops.aten.split_with_sizes.default($181, ['14', '99'])")
         -> op="aten.split_with_sizes.default", out_ids=["$192"], status=SALVAGED
@@ -18,7 +19,7 @@ torch writes each op as `f"{outputs} = {func.__module__}.{func.__name__}({args})
     parse_op_line("$93: f32[1, 5] = torch._opsat32)")        -> ParsedOp(status=GARBLED)
 
 `looks_like_op(text)` says whether a segment was meant to be an op line, so that one that fails to
-parse is counted as garbled rather than ignored. Argument values: see `meta.parse_args`.
+parse is counted as garbled rather than ignored. Argument values: see `args.parse_args`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ac_diff.logs.meta import UNKNOWN_DEVICE, parse_args, parse_shape, scalar
+from ac_diff.logs.args import parse_args, scalar
+from ac_diff.logs.meta import UNKNOWN_DEVICE, parse_shape
 from ac_diff.model import TensorMeta
 
 OK, SALVAGED, GARBLED = "ok", "salvaged", "garbled"
@@ -35,7 +37,7 @@ OK, SALVAGED, GARBLED = "ok", "salvaged", "garbled"
 _CALL = " = torch._ops."
 # An OpOverload is always namespace.name.overload: "aten.view.default", "_c10d_functional.wait_tensor.default".
 _OP_NAME = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*\Z")
-_ORDINAL = re.compile(r"\s+\((\d+) of (\d+) in (\w+)[^()]*\)\s*\Z")
+_ORDINAL = re.compile(r"\s+\((\d+) of (\d+) in (\w+)[^()]*\)")
 _OUT = re.compile(r"\$(\d+): ([a-z][a-z0-9]*)\[([^\]]*)\]")
 _SINGLE_OUT = re.compile(r"\$\d+: [a-z][a-z0-9]*\[[^\]]*\]\Z")
 _OP_START = re.compile(r"\$\d+: [a-z][a-z0-9]*\[|[\[(]'\$\d+: ")
@@ -53,6 +55,7 @@ class ParsedOp:
     host_value: Any = None  # a non-tensor result (e.g. of aten._local_scalar_dense)
     ordinal: tuple[int, int, str] | None = None  # (i, n, "original"|"recompute") from sections 1/2
     status: str = OK
+    trailing: str = ""  # text after the "(i of n in ...)" suffix: the op's frames, in a flattened log
 
     @property
     def key(self) -> tuple:
@@ -132,11 +135,19 @@ def parse_op_line(text: str) -> ParsedOp:
 def _parse(text: str) -> ParsedOp:
     text = text.strip()
     ordinal = None
-    if text.endswith(")") and " of " in text:
+    trailing = ""
+    if " of " in text:
         m = _ORDINAL.search(text)
         if m:
             ordinal = (int(m.group(1)), int(m.group(2)), m.group(3))
+            trailing = text[m.end():].strip()
             text = text[:m.start()]
+    op = _parse_call(text, ordinal)
+    op.trailing = trailing
+    return op
+
+
+def _parse_call(text: str, ordinal: tuple[int, int, str] | None) -> ParsedOp:
     at = text.find(_CALL)
     if at < 0:
         return ParsedOp(status=GARBLED)

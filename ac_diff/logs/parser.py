@@ -109,7 +109,7 @@ class LogParser:
         cls = classify_error_line(body)
         if cls is not None:
             return self._error_line(st, body, cls)
-        in_footer = st.dump is not None and st.dump.closed
+        in_footer = st.dump is not None and st.dump.in_footer
         section = D.classify_dump_line(body, in_footer)
         if section is not None:
             self._dump_marker(st, section)
@@ -120,6 +120,7 @@ class LogParser:
             return True
         if c == "T" and body.startswith(_TRACEBACK):
             self._close_error(st)
+            self._cut_dump(st)
             st.traceback_open = True
             return True
         if c in "TD" and body.startswith(_CHAINED):
@@ -138,8 +139,16 @@ class LogParser:
         if st.error is not None:
             st.error.closed = True
 
+    def _cut_dump(self, st: _RankState) -> None:
+        """An error or traceback began on this rank: a dump still open there was cut short."""
+        d = st.dump
+        if d is not None and not d.closed:
+            d.cut = True
+            self._counts.cut_dumps.append(_who(st.rank))
+
     def _new_error(self, st: _RankState, kind: str, header: str | None) -> ErrorBuilder:
         self._close_error(st)
+        self._cut_dump(st)
         b = ErrorBuilder.start(kind, st.rank, header)
         if header is None:
             self._counts.headerless_errors.append(
@@ -188,9 +197,7 @@ class LogParser:
     # ------------------------------------------------------------------ dumps
 
     def _new_dump(self, st: _RankState, started_mid: bool) -> D.DumpBuilder:
-        old = st.dump
-        if old is not None and not old.closed:
-            self._counts.cut_dumps.append(_who(st.rank))
+        self._cut_dump(st)
         d = D.DumpBuilder(st.rank, st.dumps, started_mid=started_mid)
         st.dumps += 1
         if started_mid:
@@ -232,8 +239,12 @@ class LogParser:
         elif d is None or d.closed:
             self._counts.ops_outside += 1
             return False
-        if not d.op(parsed):
-            self._counts.unplaced_ops += 1
+        d.op(parsed)  # an op it cannot place is counted in d.unplaced_ops
+        if parsed.trailing:  # a flattened log: the frames follow on the same line
+            for token in parsed.trailing.split():
+                if not d.wants_frames:
+                    break
+                d.frame(token)
         return parsed.status == OK
 
     # ------------------------------------------------------------------ output
@@ -296,7 +307,7 @@ class LogParser:
             notes.append("debug=True dump read from the middle (its start is not in the log): "
                          + _summary(c.mid_dumps))
         if c.cut_dumps:
-            notes.append("debug=True dump cut short by the next one: " + _summary(c.cut_dumps))
+            notes.append("debug=True dump cut short by what followed it: " + _summary(c.cut_dumps))
         if rs.long_lines:
             notes.append(f"split {rs.long_lines} line{'s' * (rs.long_lines != 1)} longer than 1 MiB")
         if rs.undecodable_lines:

@@ -70,6 +70,8 @@ def _verdict_panel(report: Report) -> Panel:
         title, style = ("SILENTLY DIVERGED" if silent and not report.torch_errors else "DIVERGED"), "bold red"
     else:
         title, style = "CLEAN", "bold green"
+    if report.compared:  # `ac-diff compare A B` of two traces
+        title = "RUNS DIFFER" if report.verdict == DIVERGED else "RUNS MATCH"
     body = [Text(report.headline, style="bold")]
     if silent and not report.torch_errors:
         body.append(Text("torch raised no error: the gradients of the diverged region(s) are silently wrong.",
@@ -122,7 +124,8 @@ def _ranks_table(report: Report) -> Table:
 
 def _regions_table(report: Report, limit: int = 40) -> Table:
     table = Table(title="regions", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
-    for col, kw in (("rank", {}), ("region", {"justify": "right"}), ("module", {}), ("ops fwd/rec", {}),
+    ops = "ops A/B" if report.regions and all(r.kind == "two_runs" for r in report.regions) else "ops fwd/rec"
+    for col, kw in (("rank", {}), ("region", {"justify": "right"}), ("module", {}), (ops, {}),
                     ("status", {"no_wrap": True}), ("cause", {"no_wrap": True}),
                     ("first divergence", {"overflow": "fold", "ratio": 1})):
         table.add_column(col, **kw)
@@ -156,9 +159,10 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
         console.print(Text("first divergences", style="bold"))
     for d in divergences:
         label = _MARKER_TEXT.get(d.kind, d.kind).replace("≠ ", "")
+        a, b = ("A", "B") if r.kind == "two_runs" else ("fwd", "rec")  # two traces compared: run A | run B
         console.print(Text.assemble(
             ("  " + label.ljust(9), _MARKER_STYLE.get(d.kind, "")), (d.op, "bold"),
-            f"  fwd #{_idx(d.forward_index)} / rec #{_idx(d.recompute_index)}  ", (d.module or "", "cyan"),
+            f"  {a} #{_idx(d.forward_index)} / {b} #{_idx(d.recompute_index)}  ", (d.module or "", "cyan"),
             (f"  {d.source}" if d.source else "", "dim")))
         console.print(Text("           " + d.summary))
 
@@ -193,11 +197,13 @@ def _short_label(label: str | None) -> str | None:
 
 
 def _window_table(r: RegionReport) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="forward | recompute, aligned", title_justify="left")
-    table.add_column("fwd#", justify="right")
-    table.add_column("forward", overflow="fold", ratio=1)
-    table.add_column("rec#", justify="right")
-    table.add_column("recompute", overflow="fold", ratio=1)
+    two = r.kind == "two_runs"  # two traces compared: the columns are run A | run B
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left",
+                  title="run A | run B, aligned" if two else "forward | recompute, aligned")
+    table.add_column("A#" if two else "fwd#", justify="right")
+    table.add_column("run A" if two else "forward", overflow="fold", ratio=1)
+    table.add_column("B#" if two else "rec#", justify="right")
+    table.add_column("run B" if two else "recompute", overflow="fold", ratio=1)
     table.add_column("")
     for row in r.window:
         if row.how == "gap":

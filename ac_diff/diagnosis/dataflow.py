@@ -1,0 +1,80 @@
+"""Follow data backwards from a divergent op to the data-dependent decision behind it.
+
+    decision_path(forward_ops, split_op)
+    -> [topk, view, histc, _to_copy(device=cpu), split_with_sizes]
+
+Tensor inputs are followed through their producers (input references, or a log's `$N` ids).
+A list of sizes handed to an op from Python (`counts.tolist()` -> `split_with_sizes`) has no tensor
+link; the host tensor it came from is found as the closest earlier op whose output has as many
+elements as the list (and, when fingerprints exist, the same sum).
+"""
+
+from __future__ import annotations
+
+from ..model import OpRecord
+from .compare import is_discrete
+
+_MAX_STEPS = 12
+# Ops that choose (which expert, which index); counting ops (histc, bincount) only pass a choice on.
+CHOOSERS = frozenset({"topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "multinomial",
+                      "nonzero", "unique", "_unique2", "unique_consecutive", "searchsorted", "bucketize", "mode"})
+
+
+def is_chooser(op: OpRecord) -> bool:
+    return is_discrete(op) and (op.op.split(".")[1] if op.op.count(".") >= 2 else op.op) in CHOOSERS
+
+
+def _int_list_args(op: OpRecord) -> list[list[int]]:
+    lists = []
+    for a in op.args:
+        if isinstance(a, list) and a and all(isinstance(x, int) and not isinstance(x, bool) for x in a):
+            lists.append(a)
+    return lists
+
+
+def _host_source(ops_before: list[OpRecord], sizes: list[int]) -> OpRecord | None:
+    """The op whose output became this host list: same element count (and sum, if fingerprinted)."""
+    total = sum(sizes)
+    fallback = None
+    for op in reversed(ops_before[-200:]):
+        for j, meta in enumerate(op.out):
+            numel = 1
+            for s in meta.shape:
+                numel *= s
+            if numel != len(sizes) or not meta.shape:
+                continue
+            fp = op.fingerprint[j] if op.fingerprint and j < len(op.fingerprint) else None
+            if fp is not None:
+                if abs(float(fp[0]) - total) < 0.5:
+                    return op
+                continue
+            on_host = meta.device == "cpu" or "device(type='cpu')" in str(op.args) or "'cpu'" in str(op.args)
+            if on_host and meta.dtype[:1] in "iu":
+                return op
+            fallback = fallback or op
+    return fallback
+
+
+def decision_path(ops: list[OpRecord], target: OpRecord) -> list[OpRecord]:
+    """From `target` back to the discrete decision it depends on, in forward order (target last)."""
+    by_index = {o.index: o for o in ops}
+    position = {o.index: k for k, o in enumerate(ops)}
+    path = [target]
+    current = target
+    for _ in range(_MAX_STEPS):
+        nxt = None
+        refs = [r for r in current.input_refs if r.kind == "op" and r.op_index in by_index]
+        lists = _int_list_args(current)
+        if lists and current is target:
+            k = position.get(current.index, len(ops))
+            nxt = _host_source(ops[:k], max(lists, key=len))
+        if nxt is None and refs:
+            nxt = by_index[refs[0].op_index]
+        if nxt is None or nxt in path:
+            break
+        path.append(nxt)
+        current = nxt
+        if is_chooser(current):
+            break
+    path.reverse()
+    return path

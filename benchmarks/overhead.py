@@ -1,0 +1,350 @@
+"""What ac-diff costs per training step, side by side with torch's own tools (not a test).
+
+Usage::
+
+    python benchmarks/overhead.py [--json FILE] [--rounds N] [--models moe,dense] [--dim 256] ...
+
+Two models, both with every transformer block checkpointed (non-reentrant, `checkpoint_wrapper`,
+torchtitan's way), trained with AdamW in ONE process:
+
+* moe    the bundled example (`examples/tiny_moe.py`): 4 layers, hidden 256, seq 512, top-2 of 8
+         experts (expert FFN 512), router + histc + argsort + split, load-balancing bias updated
+         after the optimizer step;
+* dense  the same transformer with a dense SwiGLU FFN of the same active size (top_k * expert FFN).
+
+Variants of the same training step (forward, loss, backward, optimizer step):
+
+* plain        nothing
+* debug        `torch.utils.checkpoint.set_checkpoint_debug_enabled(True)` (torch's debug=True)
+* debugmode    `torch.utils._debug_mode.DebugMode()` + `DebugMode.log_tensor_hashes()` (the whole step)
+* meta         ac-diff, metadata only: `RecordOptions(fingerprints=False, keep_values=0)`
+* full         ac-diff with the defaults (fingerprints, positions, discrete values, source lines)
+* diverged     ac-diff `RecordOptions(write="diverged")`: everything is recorded, only regions whose
+               recompute did not reproduce the forward are written (plus a summary line per clean one)
+* first1       ac-diff `RecordOptions(max_regions=<layers>)`: record the first step only; later steps
+               are counted (what a long run with `--max-regions` costs after the first step)
+
+Each ac-diff variant records into a fresh trace file per step (in a temporary directory, deleted
+after each round), and the timed step includes starting and finishing the recorder (so writing the
+trace is paid for). After `--warmup` rounds, `--rounds` rounds run every variant once, in an order
+rotated each round (round-robin: a load spike on this machine hits all variants alike); the table
+gives medians and the ratio to plain's median. Then, untimed, one more step per variant measures:
+
+* trace bytes per recorded op (file size / ops recorded);
+* peak extra RSS over plain (Linux VmHWM, reset through /proc/self/clear_refs before the step):
+  everything the step allocated, torch's CPU tensors included, minus plain's peak;
+* peak Python heap (tracemalloc, Python objects only: records, dicts, lists; not tensor storage).
+
+The machine's load average is printed before and after: other processes make timings noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from typing import Callable
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.checkpoint import set_checkpoint_debug_enabled  # noqa: E402
+
+import ac_diff  # noqa: E402
+from ac_diff.recorder import RecordOptions  # noqa: E402
+import tiny_moe  # noqa: E402
+
+
+# -- models -----------------------------------------------------------------------------------
+class DenseFFN(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, args: tiny_moe.ModelArgs, hidden: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim)
+        self.attention = tiny_moe.Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim)
+        self.feed_forward = DenseFFN(args.dim, hidden)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def build(kind: str, cli) -> tuple[nn.Module, tiny_moe.ModelArgs]:
+    args = tiny_moe.ModelArgs(vocab_size=cli.vocab, dim=cli.dim, n_layers=cli.layers, n_heads=cli.heads,
+                              num_experts=cli.experts, top_k=cli.top_k, hidden_dim=cli.expert_hidden)
+    torch.manual_seed(cli.seed)
+    model = tiny_moe.Transformer(args)
+    if kind == "dense":
+        for name in list(model.layers.keys()):
+            model.layers[name] = DenseBlock(args, cli.top_k * cli.expert_hidden)
+    elif kind != "moe":
+        raise SystemExit(f"unknown model {kind!r}: use moe or dense")
+    return tiny_moe.apply_ac(model, mode="checkpoint_wrapper"), args
+
+
+def make_step(model: nn.Module, args: tiny_moe.ModelArgs, cli) -> Callable[[int], float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    moes = [m for m in model.modules() if isinstance(m, tiny_moe.MoE)]
+
+    def step(i: int) -> float:
+        inputs, labels = tiny_moe.make_batch(args, i, seed=cli.seed, batch_size=cli.batch, seq_len=cli.seq)
+        loss = tiny_moe.loss_fn(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for moe in moes:
+            tiny_moe.update_expert_bias(moe)
+        return loss.item()
+
+    return step
+
+
+# -- variants ---------------------------------------------------------------------------------
+class Variant:
+    """How to run one step; `last_trace` is the trace of the last step (ac-diff variants)."""
+
+    def __init__(self, name: str, ctx: Callable[["Variant", str], contextlib.AbstractContextManager]):
+        self.name = name
+        self._ctx = ctx
+        self.last_trace: str | None = None
+        self.last_ops = 0
+
+    def context(self, tmpdir: str, tag: str):
+        return self._ctx(self, os.path.join(tmpdir, f"{self.name}-{tag}.jsonl"))
+
+
+def _recorder(options: RecordOptions):
+    @contextlib.contextmanager
+    def ctx(variant: Variant, path: str):
+        with ac_diff.record(path, options) as rec:
+            yield
+        variant.last_trace = path
+        variant.last_ops = rec.ops_recorded
+
+    return ctx
+
+
+def _plain(variant, path):
+    return contextlib.nullcontext()
+
+
+def _debug(variant, path):
+    return set_checkpoint_debug_enabled(True)
+
+
+@contextlib.contextmanager
+def _debugmode(variant, path):
+    from torch.utils._debug_mode import DebugMode
+
+    with DebugMode() as dm, DebugMode.log_tensor_hashes():
+        yield
+    variant.last_ops = len(dm.operators)
+
+
+def variants(cli) -> list[Variant]:
+    fields = RecordOptions.__dataclass_fields__
+    out = [Variant("plain", _plain), Variant("debug", _debug), Variant("debugmode", _debugmode),
+           Variant("meta", _recorder(RecordOptions(fingerprints=False, keep_values=0))),
+           Variant("full", _recorder(RecordOptions()))]
+    if "write" in fields:
+        out.append(Variant("diverged", _recorder(RecordOptions(write="diverged"))))
+    out.append(Variant("first1", _FirstN(cli.layers)))
+    wanted = cli.variants.split(",") if cli.variants else None
+    return [v for v in out if wanted is None or v.name in wanted]
+
+
+class _FirstN:
+    """One recorder over many steps with max_regions = one step's regions: the cost of a later step."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, variant: Variant, path: str):
+        @contextlib.contextmanager
+        def ctx():
+            rec = getattr(variant, "_rec", None)
+            if rec is None:  # started on the first call, kept across steps, finished at exit
+                rec = variant._rec = ac_diff.Recorder(path, RecordOptions(max_regions=self.n)).start()
+                variant._path = path
+            yield
+            variant.last_trace = variant._path
+            variant.last_ops = rec.ops_recorded
+
+        return ctx()
+
+    @staticmethod
+    def close(variant: Variant):
+        rec = getattr(variant, "_rec", None)
+        if rec is not None:
+            rec.stop()
+            variant._rec = None
+
+
+# -- measurement ------------------------------------------------------------------------------
+def _vm_hwm_kb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def bench_model(kind: str, cli, out: dict) -> None:
+    model, args = build(kind, cli)
+    step = make_step(model, args, cli)
+    vs = variants(cli)
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    tmp = tempfile.mkdtemp(prefix="ac-diff-overhead-")
+    n = len(vs)
+    try:
+        for rnd in range(cli.warmup + cli.rounds):
+            order = vs[rnd % n:] + vs[:rnd % n]
+            for v in order:
+                gc.collect()
+                t0 = time.perf_counter()
+                with v.context(tmp, str(rnd)):
+                    step(rnd)
+                dt = time.perf_counter() - t0
+                if rnd >= cli.warmup:
+                    times[v.name].append(dt * 1e3)
+            for f in os.listdir(tmp):  # the traces of this round (a kept-open one survives on Linux)
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(tmp, f))
+            if cli.verbose:
+                print(f"  {kind} round {rnd}: " + ", ".join(f"{k} {t[-1]:.0f}" for k, t in times.items() if t),
+                      file=sys.stderr, flush=True)
+        # untimed: trace size and memory, one step per variant
+        mem: dict[str, dict] = {}
+        for v in vs:
+            gc.collect()
+            _reset_hwm()
+            base = _vm_hwm_kb()
+            with v.context(tmp, "mem"):
+                step(0)
+            peak = _vm_hwm_kb()
+            gc.collect()
+            tracemalloc.start()
+            with v.context(tmp, "tm"):
+                step(0)
+            _, py_peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
+            mem[v.name] = {"peak_rss_mb": (peak - base) / 1024 if peak and base else None,
+                           "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops}
+        for v in vs:
+            if isinstance(v._ctx, _FirstN):
+                _FirstN.close(v)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    plain = statistics.median(times["plain"]) if times.get("plain") else None
+    rows = {}
+    for v in vs:
+        med = statistics.median(times[v.name])
+        m = mem[v.name]
+        extra = (m["peak_rss_mb"] - mem["plain"]["peak_rss_mb"]) if "plain" in mem and m["peak_rss_mb"] is not None \
+            and mem["plain"]["peak_rss_mb"] is not None else None
+        rows[v.name] = {
+            "median_ms": round(med, 2), "ratio": round(med / plain, 3) if plain else None,
+            "min_ms": round(min(times[v.name]), 2), "max_ms": round(max(times[v.name]), 2),
+            "ops": m["ops"], "trace_bytes": m["trace_bytes"],
+            "trace_bytes_per_op": round(m["trace_bytes"] / m["ops"], 1) if m["trace_bytes"] and m["ops"] else None,
+            "extra_peak_rss_mb": round(extra, 1) if extra is not None else None,
+            "py_peak_mb": round(m["py_peak_mb"], 2),
+        }
+    out[kind] = rows
+
+
+def print_table(kind: str, rows: dict) -> None:
+    print(f"\n{kind}: median of the timed rounds, ratio to plain")
+    print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'min..max ms':>15} {'ops':>7} {'trace B/op':>10} "
+          f"{'+RSS MB':>8} {'py heap MB':>10}")
+    for name, r in rows.items():
+        bpo = f"{r['trace_bytes_per_op']:.0f}" if r["trace_bytes_per_op"] else "-"
+        rss = f"{r['extra_peak_rss_mb']:+.1f}" if r["extra_peak_rss_mb"] is not None else "-"
+        print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} "
+              f"{r['ops'] or '-':>7} {bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="FILE", help='write {"model": {"variant": {"median_ms", "ratio", ...}}}')
+    p.add_argument("--models", default="moe,dense", help="comma-separated: moe, dense (default %(default)s)")
+    p.add_argument("--variants", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default %(default)s)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-hidden", type=int, default=512, help="per-expert FFN size (dense FFN: top_k x this)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")
+    cli = p.parse_args(argv)
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    load0 = os.getloadavg()
+    t0, c0 = time.perf_counter(), time.process_time()
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{torch.get_num_threads()} torch threads; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+    print(f"config: layers {cli.layers}, dim {cli.dim}, heads {cli.heads}, seq {cli.seq}, batch {cli.batch}, "
+          f"experts {cli.experts} top-{cli.top_k} (expert FFN {cli.expert_hidden}), "
+          f"{cli.warmup} warm-up + {cli.rounds} timed rounds", flush=True)
+    results: dict = {}
+    for kind in cli.models.split(","):
+        bench_model(kind, cli, results)
+        print_table(kind, results[kind])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    load1 = os.getloadavg()
+    print(f"\nload average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; this process used {cpu:.0f} s CPU "
+          f"in {wall:.0f} s wall ({cpu / wall:.2f} cores)")
+    print("+RSS: peak resident memory of one step minus plain's (Linux VmHWM, tensors included); "
+          "py heap: tracemalloc peak (Python objects only)")
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {cli.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""ac-diff.yaml: parsing, errors (unknown key, wrong type, malformed YAML), and command-line overrides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ac_diff.cli import main
+from ac_diff.config import CONFIG_NAME, KEYS, Config, ConfigError, describe_keys, load_config, parse_config
+from ac_diff.diagnosis import Settings, Tolerance
+from ac_diff.recorder import RecordOptions
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> Path:
+    """The bundled MoE demo, recorded once per session (shared with the other test files via basetemp)."""
+    base = tmp_path_factory.getbasetemp() / "ac-diff-demo"
+    if not (base / "done").exists():
+        base.mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
+                               str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (base / "done").write_text("ok")
+    return base
+
+
+def write(tmp_path: Path, text: str, name: str = CONFIG_NAME) -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return p
+
+
+# --- parsing --------------------------------------------------------------------------------------------------
+
+def test_defaults_match_the_library():
+    cfg = Config()
+    assert cfg.record_options() == RecordOptions()
+    assert cfg.settings() == Settings()
+    assert set(KEYS) >= {"rtol", "atol", "ignore_ops", "discrete_ops", "keep_values", "max_regions", "output_dir",
+                         "format"}
+    assert all(name in describe_keys() for name in KEYS)
+
+
+def test_every_key(tmp_path):
+    cfg = load_config(write(tmp_path, """
+        rtol: 1e-6            # PyYAML reads this as a string; accepted as a number
+        atol: 0.5
+        ignore_ops: [aten.detach.default, mylib.noise.default]
+        discrete_ops: topk    # a short name: every overload torch knows
+        keep_values: 128
+        max_regions: 4
+        fingerprints: false
+        source_lines: false
+        scope: all
+        output_dir: runs/ac
+        format: html
+        check: true
+        window_before: 1
+        window_after: 2
+    """))
+    assert cfg.rtol == 1e-6 and cfg.atol == 0.5 and cfg.format == "html" and cfg.output_dir == "runs/ac"
+    assert cfg.check is True and cfg.path == tmp_path / CONFIG_NAME
+    opts = cfg.record_options()
+    assert opts == RecordOptions(fingerprints=False, keep_values=128, source_lines=False, max_regions=4, scope="all",
+                                 discrete_ops=frozenset({"aten.topk.default", "aten.topk.values"}),
+                                 ignore_ops=frozenset({"aten.detach.default", "mylib.noise.default"}))
+    assert cfg.settings() == Settings(tolerance=Tolerance(rtol=1e-6, atol=0.5), window_before=1, window_after=2)
+
+
+def test_command_line_values_win():
+    cfg = parse_config("keep_values: 8\nrtol: 0.1\nscope: all\nfingerprints: false\nmax_regions: 3\n")
+    opts = cfg.record_options(keep_values=0, scope="regions", fingerprints=True, max_regions=None)
+    assert (opts.keep_values, opts.scope, opts.fingerprints, opts.max_regions) == (0, "regions", True, 3)
+    assert cfg.settings(rtol=0.0).tolerance == Tolerance(rtol=0.0, atol=0.0)
+    assert cfg.settings().tolerance.rtol == 0.1
+
+
+def test_found_in_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config() == Config() and load_config().path is None
+    write(tmp_path, "format: json\n")
+    assert load_config().format == "json"
+    assert load_config(write(tmp_path, "format: html\n", "other.yaml")).format == "html"  # --config wins
+
+
+def test_empty_file_is_the_defaults():
+    assert parse_config("") == Config() and parse_config("# nothing yet\n") == Config()
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("rtoll: 1e-6\n", ["unknown key 'rtoll'", "did you mean rtol?", "valid keys: rtol, atol, ignore_ops"]),
+    ("colour: red\n", ["unknown key 'colour'", "valid keys:", "format"]),
+    ("rtol: abc\n", ["rtol must be a number", "got a string 'abc'"]),
+    ("rtol: -1\n", ["rtol must be a number >= 0"]),
+    ("keep_values: 1.5\n", ["keep_values must be an integer >= 0", "got a number 1.5"]),
+    ("keep_values: true\n", ["keep_values must be an integer >= 0", "got a boolean"]),
+    ("format: pdf\n", ["format must be one of terminal, json, html", "'pdf'"]),
+    ("scope: everything\n", ["scope must be one of regions, all"]),
+    ("fingerprints: maybe\n", ["fingerprints must be true or false"]),
+    ("ignore_ops: [1, 2]\n", ["ignore_ops must be a list of op names"]),
+    ("discrete_ops: [no_such_op_anywhere]\n", ["discrete_ops:", "'no_such_op_anywhere' is not an op torch knows",
+                                                "aten.topk.default"]),
+    ("output_dir: {a: 1}\n", ["output_dir must be a non-empty string", "got a mapping"]),
+    ("- rtol\n- atol\n", ["expected a mapping", "got a list"]),
+    ("rtol: [1\n", ["malformed YAML at line 2", "fix the syntax"]),
+    ("rtol: 1\n  atol: 2\n", ["malformed YAML at line 2"]),
+    ("format: 'json\n", ["malformed YAML"]),
+])
+def test_errors_name_the_key_and_the_choices(text, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, origin="ac-diff.yaml")
+    message = str(info.value)
+    assert message.startswith("ac-diff.yaml: ") and "\n" not in message
+    for part in expected:
+        assert part in message
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text, key", [("rtoll: 1\n", "rtoll"), ("atol: high\n", "atol"), ("rtol: [\n", "malformed")])
+def test_cli_rejects_bad_config_with_one_line(demo, tmp_path, capsys, monkeypatch, text, key):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, text)
+    assert main(["report", str(demo / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ac-diff: error: ") and key in lines[0]
+
+
+# --- the command line over the config --------------------------------------------------------------------------
+
+def test_cli_format_from_config_and_override(demo, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "format: json\n")
+    assert main(["report", str(demo / "out")]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verdict"] == "diverged"
+    assert f"settings from {tmp_path / CONFIG_NAME}" in captured.err
+    assert main(["report", str(demo / "out"), "--format", "terminal"]) == 1
+    assert "ac-diff: DIVERGED" in capsys.readouterr().out
+
+
+def test_cli_tolerance_from_config_and_override(demo, tmp_path, capsys):
+    """A huge atol hides the float divergence of the router's add (topk's indices still differ); --atol 0 wins."""
+    cfg = write(tmp_path, "atol: 1.0e9\nformat: json\n", "loose.yaml")
+    assert main(["report", "--config", str(cfg), str(demo / "out")]) == 1
+    region = [r for r in json.loads(capsys.readouterr().out)["regions"] if r["status"] == "diverged"][0]
+    assert region["first_value_divergence"]["op"] == "aten.topk.default"
+    assert main(["--config", str(cfg), "report", str(demo / "out"), "--atol", "0"]) == 1  # global --config
+    region = [r for r in json.loads(capsys.readouterr().out)["regions"] if r["status"] == "diverged"][0]
+    assert region["first_value_divergence"]["op"] == "aten.add.Tensor"
+
+
+def test_command_config_beats_global_config(demo, tmp_path, capsys):
+    bad = write(tmp_path, "colour: red\n", "bad.yaml")
+    good = write(tmp_path, "format: json\n", "good.yaml")
+    assert main(["--config", str(bad), "report", "--config", str(good), str(demo / "out")]) == 1
+    assert json.loads(capsys.readouterr().out)["verdict"] == "diverged"
+
+
+def test_run_uses_record_options_from_config(tmp_path, capsys, monkeypatch):
+    """`ignore_ops` and `discrete_ops` reach the recorder: the trace has no mul and flags add as discrete."""
+    import ac_diff
+
+    script = tmp_path / "tiny.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        def block(x):
+            return torch.relu(x @ w * 2.0 + 1.0)
+        checkpoint(block, torch.randn(3, 4), use_reentrant=False).sum().backward()
+    """), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "ignore_ops: [aten.mul.Tensor]\ndiscrete_ops: [aten.add.Tensor]\noutput_dir: traces\n"
+                    "format: json\n")
+    assert main(["run", str(script)]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "clean"
+    ops = ac_diff.load(tmp_path / "traces").ops
+    assert len(ops) and "aten.mul.Tensor" not in set(ops["op"])
+    assert ops[ops["op"] == "aten.add.Tensor"]["discrete"].all()
+    assert not ops[ops["op"] != "aten.add.Tensor"]["discrete"].any()
