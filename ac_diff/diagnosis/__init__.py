@@ -117,6 +117,10 @@ def _headline(regions, errors, runs) -> str:
                     + (f" on rank {e.rank}" if e.rank is not None else "")
                     + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
                     + "; no region's op lists were available to explain it")
+        if not regions and all(r.source == "trace" for r in runs):
+            return ("no checkpointed region ran: is activation checkpointing on? (torch.utils.checkpoint.checkpoint, "
+                    "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
+                    "not checkpointed)")
         checked = sum(1 for r in regions if r.status == CLEAN)
         repeated = {e.split(" is updated in place")[0] for r in regions for e in r.side_effects}
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
@@ -125,7 +129,8 @@ def _headline(regions, errors, runs) -> str:
     # lead with the region torch complained about, else the first in forward order
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = errored[0] if errored else diverged[0]
-    where = f"{lead.module or 'region'} (rank {lead.rank}, region {lead.region})"
+    where = f"{lead.module} (rank {lead.rank}, region {lead.region})" if lead.module else \
+        f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
     more = f" [{len(diverged)} of {len(regions)} regions diverged]" if len(diverged) > 1 else ""

@@ -287,7 +287,8 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
 
 # -- replicated computation ---------------------------------------------------------------------
 def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFinding], int]:
-    """Ops that read identical inputs on two ranks but gave different outputs (first per region and rank)."""
+    """Ops that read identical inputs on two ranks but gave different outputs (first per region and rank),
+    and replicated parameters / buffers that were identical on two ranks and later were not."""
     by_rank: dict[int, dict[int, Region]] = {}
     for run in runs:
         if run.source != "trace":
@@ -301,6 +302,7 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
     # (region, op index on the base rank, kind) -> finding: one disagreement seen on many ranks is one line
     found: dict[tuple, CrossRankFinding] = {}
     makers: dict[tuple, object] = {}
+    drift = _Drift()
     budget = OPS_BUDGET
     skipped = 0
     for number in sorted({n for regions in by_rank.values() for n in regions}):
@@ -318,7 +320,11 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
                 skipped += 1
                 continue
             budget -= cost
-            hit = _first_disagreement(base, other, tolerance)
+            cmp = compare_passes(base.forward, other.forward, tolerance)
+            drift.observe(base, other, cmp)
+            if sum(1 for f in found.values() if f.kind != "replicated_state") >= MAX_REPLICATED_FINDINGS:
+                continue
+            hit = _first_disagreement(base, other, cmp)
             if hit is None:
                 continue
             key, make, op, what = hit
@@ -331,25 +337,74 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
                     detail={"base_rank": base_rank, "differs": what, "forward_index": op.index})
                 makers[key] = make
             found[key].text = makers[key](found[key].ranks)
-        if len(found) >= MAX_REPLICATED_FINDINGS:
-            break
-    return list(found.values()), skipped
+    return list(found.values()) + drift.findings(), skipped
 
 
-def _first_disagreement(base: Region, other: Region, tolerance: Tolerance):
-    cmp = compare_passes(_rank_view(base.forward, base.rank), _rank_view(other.forward, other.rank), tolerance)
+# Collectives whose result is the same on every rank of the group (given the same group argument); any
+# other collective (reduce-scatter, all-to-all, scatter, send/recv) hands each rank its own part.
+_SYMMETRIC_COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_", "allreduce_", "all_reduce_coalesced", "all_reduce_coalesced_", "allreduce_coalesced_",
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out", "allgather_",
+    "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "broadcast", "broadcast_",
+})
+_RESULT_HOLDERS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})  # pass a collective's result on
+# A value-only difference smaller than this (relative, on the fingerprint) after inputs that look identical
+# is treated as rounding noise from an upstream difference too small for the fingerprints to show.
+_NOISE = 1e-5
+
+
+def _packet(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 else name
+
+
+def _collective(name: str) -> bool:
+    from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
+
+    return name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
+
+
+def _first_disagreement(base: Region, other: Region, cmp):
+    """The first op whose inputs are identical on both ranks as far as the recording can tell, and whose
+    outputs are not. "Identical" is conservative: a difference never heals downstream (a fingerprint
+    that happens to match proves nothing), except through a collective whose result every rank of the
+    group shares by construction (all-reduce, all-gather, broadcast)."""
+    from ..opinfo import UNINITIALISED_OPS
+
+    changed = {(x.kind, x.name) for x, _ in cmp.changed_externals}
+    other_ext = {(e.kind, e.name) for e in other.forward.externals}
+    bad: dict[int, bool] = {}  # base op index -> its outputs may differ between the ranks
     for d in cmp.diffs:
-        if getattr(d, "side_effect", False) or d.inputs_same is not True:
-            continue
-        # different non-tensor arguments: the ranks asked for different things (rank-dependent split sizes,
-        # offsets); that is by design, not a disagreement
-        if not d.kinds & {"value", "shape", "host"} or "args" in d.kinds:
-            continue
         f, o = d.forward, d.recompute
-        if f is None or o is None or _collective(f.op):
+        if f is None:
+            continue
+        if o is None or d.pair.how != "match":
+            bad[f.index] = True
+            continue
+        differs = bool(d.kinds & {"value", "shape", "args", "host"})
+        inputs_bad = d.inputs_same is False
+        for ref in f.input_refs:
+            if ref.kind == "op":
+                inputs_bad = inputs_bad or bad.get(ref.op_index, True)
+            elif (ref.kind, ref.name) in changed or (ref.kind, ref.name) not in other_ext:
+                inputs_bad = True
+        packet = _packet(f.op)
+        if _collective(f.op):
+            if packet in _RESULT_HOLDERS:
+                bad[f.index] = differs or inputs_bad
+            else:  # the same group and arguments: a symmetric collective's result is the same everywhere
+                bad[f.index] = "args" in d.kinds or packet not in _SYMMETRIC_COLLECTIVES
+            continue
+        if packet in UNINITIALISED_OPS:
+            bad[f.index] = "shape" in d.kinds  # its values are garbage anyway: only the shape counts
+            continue
+        bad[f.index] = differs or inputs_bad
+        if not differs or inputs_bad or "args" in d.kinds or getattr(d, "side_effect", False):
+            continue  # different arguments: the ranks asked for different things (by design)
+        if "shape" not in d.kinds and not is_discrete(f) and not _significant(f, o):
             continue
         kind = "replicated_rng" if f.random else "replicated_disagreement"
-        what = "shapes" if d.kinds & {"shape", "args"} else "values"
+        what = "shapes" if "shape" in d.kinds else "values"
         flip = None
         if is_discrete(f) and what == "values":
             from .discrete import describe_flip
@@ -357,7 +412,7 @@ def _first_disagreement(base: Region, other: Region, tolerance: Tolerance):
             flip = describe_flip(f, o).summary
         key = (base.region, f.index, kind)
 
-        def make(ranks: list[int], f=f, o=o, kind=kind, what=what, flip=flip) -> str:
+        def make(ranks: list[int], f=f, kind=kind, what=what, flip=flip) -> str:
             base_rank, others = ranks[0], ranks[1:]
             who = f"rank{'s' if len(others) > 1 else ''} {_list(others)}"
             where = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
@@ -374,35 +429,89 @@ def _first_disagreement(base: Region, other: Region, tolerance: Tolerance):
     return None
 
 
-# Collectives whose result is the same on every rank of the group; any other collective (reduce-scatter,
-# all-to-all, scatter, send/recv) hands each rank its own part.
-_SYMMETRIC_COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_", "allreduce_", "all_reduce_coalesced", "all_reduce_coalesced_", "allreduce_coalesced_",
-    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out", "allgather_",
-    "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "broadcast", "broadcast_",
-    "wait_tensor", "_wrap_tensor_autograd", "barrier",
-})
+def _significant(f, o) -> bool:
+    """A value difference beyond rounding noise (integer and bool outputs: any difference)."""
+    if f.host_value is not None or o.host_value is not None:
+        return f.host_value != o.host_value
+    for meta, a, b in zip(f.out, f.fingerprint or [], o.fingerprint or []):
+        if a is None or b is None:
+            continue
+        if meta.dtype[:1] in ("i", "u", "b"):
+            if a != b:
+                return True
+            continue
+        for x, y in zip(a, b):
+            try:
+                x, y = float(x), float(y)
+            except (TypeError, ValueError):
+                continue
+            if abs(x - y) > _NOISE * max(abs(x), abs(y)):
+                return True
+    return False
 
 
-def _collective(name: str) -> bool:
-    from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
+class _Drift:
+    """Parameters / buffers that were identical on two ranks in one region and differ in a later one:
+    state that should stay replicated has drifted apart (sharded tensors differ from the start: never
+    reported)."""
 
-    return name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
+    def __init__(self) -> None:
+        self.agreed: dict[tuple, int] = {}  # (base rank, other rank, kind, name) -> region where equal
+        self.hits: dict[tuple, CrossRankFinding] = {}  # (kind, name) -> finding
+
+    def observe(self, base: Region, other: Region, cmp) -> None:
+        read = _read_state(base.forward)
+        status = {}
+        for x, y in cmp.changed_externals:
+            status[(x.kind, x.name)] = True
+        theirs = {(e.kind, e.name): e for e in other.forward.externals}
+        for e in base.forward.externals:
+            key = (e.kind, e.name)
+            if e.kind not in ("param", "buffer") or key not in read or key not in theirs:
+                continue
+            pair = (base.rank, other.rank, *key)
+            if not status.get(key):
+                if e.fingerprint is not None and theirs[key].fingerprint is not None:
+                    self.agreed.setdefault(pair, base.region)
+                continue
+            if pair not in self.agreed:
+                continue  # different from the start: sharded (or never replicated)
+            hit = self.hits.get(key)
+            if hit is None:
+                what = "parameter" if e.kind == "param" else "buffer"
+                self.hits[key] = CrossRankFinding(
+                    "replicated_state", "", [base.rank, other.rank], region=base.region, module=base.module,
+                    op=None, op_module=None, source=None,
+                    detail={"tensor": e.name, "kind": e.kind, "agreed_in_region": self.agreed[pair],
+                            "differs_in_region": base.region, "what": what})
+            elif other.rank not in hit.ranks:
+                hit.ranks.append(other.rank)
+
+    def findings(self) -> list[CrossRankFinding]:
+        out = list(self.hits.values())[:MAX_REPLICATED_FINDINGS]
+        for f in out:
+            d = f.detail
+            others = f.ranks[1:]
+            f.text = (f"the {d['what']} `{d['tensor']}` was identical on ranks {f.ranks[0]} and {_list(others)} in "
+                      f"region {d['agreed_in_region']} and differs on rank{'s' if len(others) > 1 else ''} "
+                      f"{_list(others)} from region {d['differs_in_region']} ({f.module or '?'}): replicated state "
+                      "drifted apart (an update or gradient that differs by rank; expected only for per-rank "
+                      "statistics such as token counters or batch-norm running stats)")
+        extra = len(self.hits) - len(out)
+        if extra > 0 and out:
+            out[-1].text += f" [{extra} more tensor(s) drifted the same way]"
+        return out
 
 
-def _rank_view(p: Pass, rank: int) -> Pass:
-    """The pass as seen for a cross-rank comparison: the outputs of a rank-specific collective differ between
-    ranks by design, so they get a per-rank stand-in fingerprint (everything computed from them is then
-    known to differ, never mistaken for a disagreement)."""
-    if not any(_collective(o.op) for o in p.ops):
-        return p
-    ops = []
-    for o in p.ops:
-        parts = o.op.split(".")
-        if _collective(o.op) and (len(parts) < 2 or parts[1] not in _SYMMETRIC_COLLECTIVES):
-            o = replace(o, fingerprint=[[float(rank), 0.0] for _ in o.out])
-        ops.append(o)
-    return replace(p, ops=ops)
+def _read_state(p: Pass) -> set[tuple]:
+    """Parameters and buffers the pass reads as an input (not only updates in place: a counter)."""
+    read: set[tuple] = set()
+    for op in p.ops:
+        in_place = _packet(op.op).endswith("_") and not _packet(op.op).startswith("_")
+        for i, ref in enumerate(op.input_refs):
+            if ref.kind in ("param", "buffer") and not (in_place and i == 0):
+                read.add((ref.kind, ref.name))
+    return read
 
 
 def _list(ranks: list[int]) -> str:

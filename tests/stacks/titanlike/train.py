@@ -15,8 +15,11 @@ def build_optimizer(model, job):
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.training.lr)
     if job.model.bias_update == "optimizer_hook":
         # torchtitan: the load-balancing update is an optimizer step pre-hook (after backward)
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: [tiny_moe.update_expert_bias(m)
-                                                                    for m in model.moe_layers()])
+        def _update_expert_bias(optimizer, args, kwargs):
+            for moe in model.moe_layers():
+                tiny_moe.update_expert_bias(moe)
+
+        optimizer.register_step_pre_hook(_update_expert_bias)
     return optimizer
 
 

@@ -1,0 +1,70 @@
+"""The command line's small things: --version, --help with an example for every command, shell completion."""
+
+from __future__ import annotations
+
+import pytest
+
+import ac_diff
+from ac_diff.cli import app, main
+
+
+def _commands() -> list[str]:
+    return [c.name or c.callback.__name__ for c in app.registered_commands if not c.hidden]
+
+
+def test_version(capsys):
+    import torch
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ac-diff {ac_diff.__version__}") and torch.__version__ in out
+
+
+def test_main_help_has_example_and_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Example" in out and "ac-diff demo" in out and "ac-diff.yaml" in out
+    for name in _commands():
+        assert name in out
+    assert "--install-completion" in out and "--show-completion" in out and "--config" in out
+
+
+def test_expected_commands():
+    assert {"run", "report", "compare", "demo", "export"} <= set(_commands())
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_command_help_has_an_example(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Example" in out, f"`ac-diff {command} --help` has no example"
+    example = out[out.index("Example"):].splitlines()[1].strip()
+    assert example.startswith(f"ac-diff {command}"), example
+
+
+@pytest.mark.parametrize("command", ["run", "report", "compare", "demo"])
+def test_command_takes_config(command, capsys):
+    assert main([command, "--help"]) == 0
+    assert "--config" in capsys.readouterr().out
+
+
+def test_show_completion_script(capsys):
+    assert main(["--show-completion", "bash"]) == 0
+    out = capsys.readouterr().out
+    assert "_AC_DIFF_COMPLETE" in out and "complete" in out
+
+
+@pytest.mark.parametrize("words, cword, expected", [
+    ("ac-diff ex", 1, ["export"]),
+    ("ac-diff rep", 1, ["report"]),
+    ("ac-diff export trace --what po", 4, ["positions"]),
+    ("ac-diff export trace --format ", 4, ["csv", "parquet", "jsonl"]),
+    ("ac-diff report out --format h", 4, ["html"]),
+])
+def test_completion(monkeypatch, capsys, words, cword, expected):
+    """What bash would get back from `ac-diff` for a partial command line."""
+    monkeypatch.setenv("_AC_DIFF_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", words)
+    monkeypatch.setenv("COMP_CWORD", str(cword))
+    main([])
+    assert capsys.readouterr().out.split() == expected

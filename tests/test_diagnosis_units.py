@@ -1,0 +1,143 @@
+"""Fast diagnosis tests on factory-built passes: comparison, positions, side effects, causes, labels."""
+
+from __future__ import annotations
+
+import math
+
+from ac_diff.diagnosis.compare import Tolerance
+from ac_diff.diagnosis.dataflow import decision_path
+from ac_diff.diagnosis.discrete import describe_flip
+from ac_diff.diagnosis.labels import list_diff
+from ac_diff.diagnosis.region import diagnose_region
+from ac_diff.model import InputRef, Pass
+from factories import ext, meta, op, positions, ref, region
+
+
+def test_tolerance():
+    exact = Tolerance()
+    assert exact.equal([1.0, 2.0], [1.0, 2.0]) and not exact.equal([1.0], [1.0 + 1e-7])
+    assert exact.equal([math.nan], [math.nan]) and not exact.equal([math.nan], [0.0])
+    assert Tolerance(rtol=1e-5).equal([1.0], [1.0 + 1e-7])
+    assert exact.equal(None, [3.0])  # nothing to compare is not a difference
+
+
+def test_list_diff_marks_only_changed_entries():
+    assert list_diff([14, 99, 71], [14, 98, 71]) == "[14, 99→98, 71]"
+    long_a = list(range(40))
+    long_b = long_a[:20] + [99] + long_a[21:]
+    assert list_diff(long_a, long_b) == "[.., 18, 19, 20→99, 21, 22, ..]"
+
+
+def _two_passes(f_ops, r_ops, f_pos=(), r_pos=(), f_ext=(), r_ext=(), stopped=False):
+    return (Pass("forward", ops=list(f_ops), positions=list(f_pos), externals=list(f_ext)),
+            Pass("recompute", ops=list(r_ops), positions=list(r_pos), externals=list(r_ext), stopped_early=stopped))
+
+
+def test_identical_passes_are_clean():
+    ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]])]
+    f, r = _two_passes(ops, ops, positions(0, 1), positions(0, 1))
+    report = diagnose_region(region(f, r))
+    assert report.status == "clean" and report.cause is None
+
+
+def test_same_shape_different_values_at_a_saved_tensor_is_silent():
+    f_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]])]
+    r_ops = [op(0, "aten.mm.default", fp=[[1.5, 2.5]]), op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.5, 1.5]])]
+    f, r = _two_passes(f_ops, r_ops, positions(0, 1), positions(0, 1))
+    report = diagnose_region(region(f, r))
+    assert report.status == "diverged" and report.silent
+    assert report.first_value_divergence.op == "aten.mm.default"
+    assert report.first_value_divergence.detail.get("inputs_identical") is None  # no inputs recorded
+    assert all(p.values_differ for p in report.positions) and all(p.matches for p in report.positions)
+
+
+def test_divergence_no_saved_tensor_depends_on_is_harmless():
+    f_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.sum.default", refs=[ref(0)], fp=[[3.0, 3.0]])]
+    r_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.sum.default", refs=[ref(0)], fp=[[4.0, 4.0]])]
+    # op 1 differs, but only op 0 is saved
+    f, r = _two_passes(f_ops, r_ops, positions(0), positions(0))
+    report = diagnose_region(region(f, r))
+    assert report.status == "clean"
+    assert any("harmless" in n for n in report.notes)
+
+
+def test_in_place_counter_is_a_side_effect_not_a_divergence():
+    counter = InputRef("buffer", name="moe.tokens_per_expert")
+    f_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]),
+             op(1, "aten.add_.Tensor", refs=[counter, ref(0)], fp=[[5.0, 5.0]])]
+    r_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]),
+             op(1, "aten.add_.Tensor", refs=[counter, ref(0)], fp=[[10.0, 10.0]])]
+    f, r = _two_passes(f_ops, r_ops, positions(0), positions(0),
+                       [ext("buffer", "moe.tokens_per_expert", [0.0, 0.0])],
+                       [ext("buffer", "moe.tokens_per_expert", [5.0, 5.0])])
+    report = diagnose_region(region(f, r))
+    assert report.status == "clean"
+    assert report.side_effects and "moe.tokens_per_expert" in report.side_effects[0]
+
+
+def test_changed_buffer_feeding_a_saved_tensor_is_state_mutation():
+    bias = InputRef("buffer", name="router.expert_bias")
+    f_ops = [op(0, "aten.add.Tensor", refs=[ref(0), bias], fp=[[1.0, 2.0]]),
+             op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]])]
+    r_ops = [op(0, "aten.add.Tensor", refs=[ref(0), bias], fp=[[1.2, 2.2]]),
+             op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.2, 1.2]])]
+    f_ops[0].input_refs = [InputRef("input", name="input[0]"), bias]
+    r_ops[0].input_refs = [InputRef("input", name="input[0]"), bias]
+    f, r = _two_passes(f_ops, r_ops, positions(1), positions(1),
+                       [ext("input", "input[0]", [1.0, 1.0]), ext("buffer", "router.expert_bias", [0.0, 0.0], 1)],
+                       [ext("input", "input[0]", [1.0, 1.0]), ext("buffer", "router.expert_bias", [0.1, 0.1], 1)])
+    report = diagnose_region(region(f, r))
+    assert report.status == "diverged"
+    assert report.cause.kind == "state_mutation" and report.cause.tensor == "router.expert_bias"
+    assert any("after the backward" in s.title for s in report.suggestions)
+
+
+def test_extra_saved_tensor_in_recompute_shifts_positions():
+    """An extra op early in the recompute takes a position: same shapes, different tensors, torch silent."""
+    f_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]])]
+    r_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]]), op(1, "aten.tanh.default", refs=[ref(0)], fp=[[0.5, 0.5]]),
+             op(2, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]])]
+    f, r = _two_passes(f_ops, r_ops, positions(0, 1), positions(0, 1), stopped=True)
+    report = diagnose_region(region(f, r))
+    assert report.status == "diverged" and report.silent
+    assert report.cause.kind == "control_flow"
+    assert report.first_control_divergence.op == "aten.tanh.default"
+    assert report.positions[1].values_differ and report.positions[1].matches
+
+
+def test_random_op_with_same_inputs_is_rng():
+    f_ops = [op(0, "aten.bernoulli_.float", random=True, fp=[[9.0, 9.0]])]
+    r_ops = [op(0, "aten.bernoulli_.float", random=True, fp=[[7.0, 7.0]])]
+    f, r = _two_passes(f_ops, r_ops, positions(0), positions(0))
+    f.state, r.state = {"rng": "aa"}, {"rng": "bb"}
+    report = diagnose_region(region(f, r, preserve_rng_state=False))
+    assert report.cause.kind == "rng" and "preserve_rng_state=False" in report.cause.detail
+
+
+def test_topk_flip_margin():
+    scores_f = [[0.9, 0.5, 0.49, 0.1], [0.8, 0.7, 0.2, 0.1]]
+    scores_r = [[0.9, 0.49, 0.5, 0.1], [0.8, 0.7, 0.2, 0.1]]
+    f = op(0, "aten.topk.default", args=["$", 2, 1], out=[meta(2, 2), meta(2, 2, dtype="i64")],
+           values={"in0": scores_f, "out1": [[0, 1], [0, 1]]})
+    f.inputs = [meta(2, 4)]
+    r = op(0, "aten.topk.default", args=["$", 2, 1], out=[meta(2, 2), meta(2, 2, dtype="i64")],
+           values={"in0": scores_r, "out1": [[0, 2], [0, 1]]})
+    flip = describe_flip(f, r)
+    assert (flip.rows_changed, flip.rows) == (1, 2)
+    assert abs(flip.margin_min - 0.01) < 1e-9
+    assert "1 of 2 rows" in flip.summary and "top-2 of 4" in flip.summary
+
+
+def test_decision_path_through_host_list():
+    """topk -> view -> histc -> _to_copy(cpu) -> split_with_sizes, as in a debug=True log."""
+    ops = [
+        op(0, "aten.topk.default", out=[meta(8, 1), meta(8, 1, dtype="i64")]),
+        op(1, "aten.view.default", out=[meta(8, dtype="i64")], refs=[InputRef("op", 0, 1)]),
+        op(2, "aten.histc.default", out=[meta(2, dtype="i64")], refs=[ref(1)]),
+        op(3, "aten.mul.Tensor", out=[meta(8, 4)]),
+        op(4, "aten._to_copy.default", out=[meta(2, dtype="i64")], refs=[ref(2)],
+           args=["$", {"device": "device(type='cpu')"}]),
+        op(5, "aten.split_with_sizes.default", out=[meta(3, 4), meta(5, 4)], refs=[ref(3)], args=["$", [3, 5]]),
+    ]
+    path = decision_path(ops, ops[5])
+    assert [o.op.split(".")[1] for o in path] == ["topk", "view", "histc", "_to_copy", "split_with_sizes"]
