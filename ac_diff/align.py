@@ -353,21 +353,26 @@ _WINDOW_CAP = 64  # edit cap per window
 
 def _lis(values: list[int]) -> list[int]:
     """Indices of one longest strictly increasing subsequence of ``values``."""
-    tails: list[int] = []
-    tails_at: list[int] = []
+    tails: list[int] = []  # tails[p]: smallest tail of an increasing run of length p+1
+    tails_at: list[int] = []  # index of that tail
     prev = [-1] * len(values)
+    bl = bisect_left
+    last = None
     for t, v in enumerate(values):
-        if not tails or v > tails[-1]:
+        if last is None or v > last:
             if tails_at:
                 prev[t] = tails_at[-1]
             tails.append(v)
             tails_at.append(t)
+            last = v
         else:
-            p = bisect_left(tails, v)
+            p = bl(tails, v)
             tails[p] = v
             tails_at[p] = t
             if p:
                 prev[t] = tails_at[p - 1]
+            if p == len(tails) - 1:
+                last = v
     out = []
     t = tails_at[-1] if tails_at else -1
     while t >= 0:
@@ -488,23 +493,26 @@ class _Heuristic:
         if not common:
             return []
         va = list(map(ca.__getitem__, common))
-        equal = list(compress(zip(common, va), map(eq, va, map(cb.__getitem__, common))))
-        cmin = min(c for _, c in equal) if equal else 0
-        if equal and cmin <= 2:
-            return self._key_anchors(alo, ahi, blo, bhi, equal, cmin)
+        mask = list(map(eq, va, map(cb.__getitem__, common)))
+        equal_keys = list(compress(common, mask))  # same count on both sides
+        equal_counts = list(compress(va, mask))
+        del common, va, mask
+        cmin = min(equal_counts) if equal_counts else 0
+        if equal_keys and cmin <= 2:
+            return self._key_anchors(alo, ahi, blo, bhi, equal_keys, equal_counts, cmin)
         gram_runs: list[tuple[int, int, int]] = []
         if min(ahi - alo, bhi - blo) >= 2 * _GRAM:
             gram_runs = self._gram_anchors(alo, ahi, blo, bhi, _GRAM)
             covered = sum(L for _, _, L in gram_runs)
-            if covered * 8 >= min(ahi - alo, bhi - blo) or not equal:
+            if covered * 8 >= min(ahi - alo, bhi - blo) or not equal_keys:
                 return gram_runs
-        if equal:
-            return self._key_anchors(alo, ahi, blo, bhi, equal, cmin)
+        if equal_keys:
+            return self._key_anchors(alo, ahi, blo, bhi, equal_keys, equal_counts, cmin)
         return gram_runs
 
-    def _key_anchors(self, alo, ahi, blo, bhi, equal, cmin) -> list[tuple[int, int, int]]:
+    def _key_anchors(self, alo, ahi, blo, bhi, keys, counts, cmin) -> list[tuple[int, int, int]]:
         tier = next(t for t in _TIERS if t >= cmin)
-        keep = {k for k, c in equal if c <= tier}
+        keep = set(compress(keys, map(tier.__ge__, counts)))
         A, B = self.A, self.B
         ia = list(compress(range(alo, ahi), map(keep.__contains__, A[alo:ahi])))
         jb = list(compress(range(blo, bhi), map(keep.__contains__, B[blo:bhi])))
@@ -713,7 +721,7 @@ def _diff_middle(a: list, b: list, offset: int, max_edit: int) -> list[tuple[int
     #    (~ c * (c - delta) Python steps) stays below a linear pass
     if delta <= cap:
         for c in _caps(delta, cap):
-            if c > delta + 16 and (c - delta) * c > 2 * (n + m):
+            if c > delta + 16 and (c - delta) * c > (n + m) // 2:
                 break
             runs = _myers(a, 0, n, b, 0, m, c)
             tried = c

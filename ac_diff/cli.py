@@ -132,9 +132,12 @@ def run(
         from .commands.launch_cmd import launch_command, rank_argv
 
         argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options)
-        raise typer.Exit(launch_command(nproc_per_node, argv, output_dir=output_dir, force=force, check=check,
-                                        fmt=fmt, json_path=json_path, output=report_file,
-                                        settings=_settings(rtol, atol), target=target, module=module))
+        if cfg.path is not None:  # every rank reads the same settings file (ignore_ops, discrete_ops, ...)
+            argv[1:1] = ["--config", str(cfg.path.resolve())]
+        raise typer.Exit(launch_command(nproc_per_node, argv, output_dir=output_dir, force=force,
+                                        check=cfg.pick("check", check), fmt=fmt, json_path=json_path,
+                                        output=report_file, settings=cfg.settings(rtol, atol), target=target,
+                                        module=module))
     from .commands.run_cmd import run_command
 
     code = run_command(target, list(args or []), module=module, output_dir=output_dir, force=force,

@@ -294,7 +294,7 @@ def test_inputs_not_mutated():
 small_seq = st.lists(st.integers(0, 3), max_size=25)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(a=small_seq, b=small_seq, max_edit=st.sampled_from([0, 1, 3, 8, 2000]))
 def test_prop_monotone_complete(a, b, max_edit):
     pairs = align(a, b, max_edit=max_edit)
@@ -310,14 +310,14 @@ def test_prop_monotone_complete(a, b, max_edit):
             last_r = p.recompute
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(a=small_seq, b=small_seq)
 def test_prop_match_count_is_lcs(a, b):
     pairs = align(a, b)
     assert summarize(pairs)["match"] == lcs_len(a, b)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(a=small_seq, b=small_seq, data=st.data())
 def test_prop_lcs_whenever_within_max_edit(a, b, data):
     lcs = lcs_len(a, b)
@@ -326,7 +326,7 @@ def test_prop_lcs_whenever_within_max_edit(a, b, data):
     assert summarize(align(a, b, max_edit=max_edit))["match"] == lcs
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     base=st.lists(st.sampled_from([MM, VIEW, SOFTMAX, TOPK, ADD]), max_size=40),
     edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1000), st.sampled_from([MM, VIEW, ADD])), max_size=6),

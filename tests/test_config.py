@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,15 +19,19 @@ from ac_diff.recorder import RecordOptions
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory) -> Path:
-    """The bundled MoE demo, recorded once per session (shared with the other test files via basetemp)."""
-    base = tmp_path_factory.getbasetemp() / "ac-diff-demo"
-    if not (base / "done").exists():
-        base.mkdir(exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
-                               str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (base / "done").write_text("ok")
+    """The bundled MoE demo, recorded once per test run: shared by test files and xdist workers (lock + marker)."""
+    from filelock import FileLock  # a dependency of torch
+
+    root = tmp_path_factory.getbasetemp()
+    base = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "ac-diff-demo"
+    base.mkdir(exist_ok=True)
+    with FileLock(str(base) + ".lock"):
+        if not (base / "done").exists():
+            proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
+                                   str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (base / "done").write_text("ok")
     return base
 
 
@@ -170,26 +175,36 @@ def test_command_config_beats_global_config(demo, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"] == "diverged"
 
 
-def test_run_uses_record_options_from_config(tmp_path, capsys, monkeypatch):
-    """`ignore_ops` and `discrete_ops` reach the recorder: the trace has no mul and flags add as discrete."""
-    import ac_diff
+def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
+    """`run` builds RecordOptions / Settings from the config, with the options given on the command line on top."""
+    from ac_diff.commands import run_cmd
 
-    script = tmp_path / "tiny.py"
-    script.write_text(textwrap.dedent("""
-        import torch
-        from torch.utils.checkpoint import checkpoint
-        torch.manual_seed(0)
-        w = torch.randn(4, 4, requires_grad=True)
-        def block(x):
-            return torch.relu(x @ w * 2.0 + 1.0)
-        checkpoint(block, torch.randn(3, 4), use_reentrant=False).sum().backward()
-    """), encoding="utf-8")
+    calls = []
+    monkeypatch.setattr(run_cmd, "run_command", lambda target, args, **kw: calls.append((target, args, kw)) or 0)
     monkeypatch.chdir(tmp_path)
-    write(tmp_path, "ignore_ops: [aten.mul.Tensor]\ndiscrete_ops: [aten.add.Tensor]\noutput_dir: traces\n"
-                    "format: json\n")
-    assert main(["run", str(script)]) == 0
-    assert json.loads(capsys.readouterr().out)["verdict"] == "clean"
-    ops = ac_diff.load(tmp_path / "traces").ops
-    assert len(ops) and "aten.mul.Tensor" not in set(ops["op"])
-    assert ops[ops["op"] == "aten.add.Tensor"]["discrete"].all()
-    assert not ops[ops["op"] != "aten.add.Tensor"]["discrete"].any()
+    write(tmp_path, """
+        ignore_ops: [aten.mul.Tensor]
+        discrete_ops: [aten.add.Tensor]
+        keep_values: 64
+        scope: all
+        output_dir: traces
+        format: json
+        check: true
+        rtol: 0.01
+    """)
+    assert main(["run", "train.py", "--lr", "3"]) == 0
+    target, args, kw = calls[-1]
+    assert (target, args) == ("train.py", ["--lr", "3"])
+    assert kw["options"] == RecordOptions(keep_values=64, scope="all", ignore_ops=frozenset({"aten.mul.Tensor"}),
+                                          discrete_ops=frozenset({"aten.add.Tensor"}))
+    assert kw["settings"].tolerance == Tolerance(rtol=0.01, atol=0.0)
+    assert (kw["output_dir"], kw["fmt"], kw["check"], kw["output"]) == ("traces", "json", True, None)
+
+    assert main(["run", "--keep-values", "0", "--scope", "regions", "--no-check", "--rtol", "0", "--format", "html",
+                 "-o", "elsewhere", "--no-fingerprints", "train.py"]) == 0
+    _, _, kw = calls[-1]
+    assert (kw["options"].keep_values, kw["options"].scope, kw["options"].fingerprints) == (0, "regions", False)
+    assert kw["options"].ignore_ops == frozenset({"aten.mul.Tensor"})  # not overridden: still the config's
+    assert kw["settings"].tolerance.rtol == 0.0 and kw["check"] is False
+    assert (kw["output_dir"], kw["fmt"]) == ("elsewhere", "html")
+    assert kw["output"] == str(Path("elsewhere") / "report.html")  # an HTML page needs a file

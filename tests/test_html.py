@@ -28,15 +28,19 @@ EVIL = "<script>alert(1)</script> & co"
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory) -> Path:
-    """The bundled MoE demo, recorded once per session (shared with the other test files via basetemp)."""
-    base = tmp_path_factory.getbasetemp() / "ac-diff-demo"
-    if not (base / "done").exists():
-        base.mkdir(exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
-                               str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (base / "done").write_text("ok")
+    """The bundled MoE demo, recorded once per test run: shared by test files and xdist workers (lock + marker)."""
+    from filelock import FileLock  # a dependency of torch
+
+    root = tmp_path_factory.getbasetemp()
+    base = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "ac-diff-demo"
+    base.mkdir(exist_ok=True)
+    with FileLock(str(base) + ".lock"):
+        if not (base / "done").exists():
+            proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
+                                   str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (base / "done").write_text("ok")
     return base
 
 
@@ -293,6 +297,15 @@ def test_html_report_file_defaults(tmp_path, monkeypatch):
     assert _report_file("html", None, str(tmp_path)) == str(tmp_path / "report.html")
     assert _report_file("html", "x.html", str(tmp_path)) == "x.html"
     assert _report_file("terminal", None, str(tmp_path)) is None
+    assert _report_file("html", None) is None  # stdout, when it is not a terminal (a pipe, a file)
+
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Tty())
+    with pytest.raises(ac_diff.InputError, match="pass -o report.html"):
+        _report_file("html", None)
 
 
 # --- a real browser -------------------------------------------------------------------------------------------

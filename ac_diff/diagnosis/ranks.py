@@ -125,7 +125,7 @@ def _complete_rank_summaries(report: Report, runs: list[Run]) -> None:
 def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
     """Traces of different launches mixed together; ranks of the world size that have no trace."""
     traces = [r for r in runs if r.source == "trace"]
-    if len(traces) < 2 and not any(int(r.header.get("world_size", 1) or 1) > 1 for r in traces):
+    if len(traces) < 2:
         return []
     out: list[CrossRankFinding] = []
     ids: dict[str, list[int]] = {}
@@ -149,7 +149,7 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
                                     "than one trace: traces of different runs are mixed", twice))
     world = max((int(r.header.get("world_size", 1) or 1) for r in traces), default=1)
     missing = [r for r in range(world) if r not in seen]
-    if world > 1 and missing and len(ids) <= 1:
+    if world > 1 and missing and len(ids) <= 1 and len(traces) >= 2:  # one file alone was asked for on purpose
         out.append(CrossRankFinding(
             "missing_ranks", f"{len(seen)} of {world} ranks have a trace here; no trace from rank"
             f"{'s' if len(missing) > 1 else ''} {_list(missing)} (another node's directory, or the process never "
@@ -328,15 +328,19 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
             if hit is None:
                 continue
             key, make, op, what = hit
-            if key in found:
-                found[key].ranks.append(other_rank)
+            if key in found:  # the same op of the same code disagreeing again (another rank, a later step)
+                if other_rank not in found[key].ranks:
+                    found[key].ranks.append(other_rank)
+                regions_seen = found[key].detail.setdefault("regions", [found[key].region])
+                if number not in regions_seen:
+                    regions_seen.append(number)
             else:
                 found[key] = CrossRankFinding(
-                    key[2], "", [base_rank, other_rank], region=number, module=base.module, op=op.op,
+                    key[0], "", [base_rank, other_rank], region=number, module=base.module, op=op.op,
                     op_module=op.module, source=op.source,
                     detail={"base_rank": base_rank, "differs": what, "forward_index": op.index})
                 makers[key] = make
-            found[key].text = makers[key](found[key].ranks)
+            found[key].text = makers[key](found[key].ranks, found[key].detail.get("regions"))
     return list(found.values()) + drift.findings(), skipped
 
 
@@ -373,6 +377,10 @@ def _first_disagreement(base: Region, other: Region, cmp):
 
     changed = {(x.kind, x.name) for x, _ in cmp.changed_externals}
     other_ext = {(e.kind, e.name) for e in other.forward.externals}
+    # The ranks feed this region the same data (tensor parallel, not data parallel): only then must their
+    # random ops agree too (data-parallel ranks draw different dropout masks / noise on purpose).
+    inputs = [e for e in base.forward.externals if e.kind == "input"]
+    same_data = bool(inputs) and not any(("input", e.name) in changed for e in inputs)
     bad: dict[int, bool] = {}  # base op index -> its outputs may differ between the ranks
     for d in cmp.diffs:
         f, o = d.forward, d.recompute
@@ -382,11 +390,14 @@ def _first_disagreement(base: Region, other: Region, cmp):
             bad[f.index] = True
             continue
         differs = bool(d.kinds & {"value", "shape", "args", "host"})
-        inputs_bad = d.inputs_same is False
-        for ref in f.input_refs:
-            if ref.kind == "op":
-                inputs_bad = inputs_bad or bad.get(ref.op_index, True)
-            elif (ref.kind, ref.name) in changed or (ref.kind, ref.name) not in other_ext:
+        inputs_bad = len(f.input_refs) != len(o.input_refs)
+        for ref, theirs in zip(f.input_refs, o.input_refs):
+            if ref.kind != theirs.kind:
+                inputs_bad = True
+            elif ref.kind == "op":  # the same producer (aligned) on both ranks, and it agreed
+                inputs_bad = (inputs_bad or cmp.rec_to_fwd.get(theirs.op_index) != ref.op_index
+                              or bad.get(ref.op_index, True))
+            elif (ref.kind, ref.name) in changed or (ref.kind, ref.name) not in other_ext or ref.name != theirs.name:
                 inputs_bad = True
         packet = _packet(f.op)
         if _collective(f.op):
@@ -403,6 +414,8 @@ def _first_disagreement(base: Region, other: Region, cmp):
             continue  # different arguments: the ranks asked for different things (by design)
         if "shape" not in d.kinds and not is_discrete(f) and not _significant(f, o):
             continue
+        if f.random and not same_data:
+            continue
         kind = "replicated_rng" if f.random else "replicated_disagreement"
         what = "shapes" if "shape" in d.kinds else "values"
         flip = None
@@ -410,23 +423,30 @@ def _first_disagreement(base: Region, other: Region, cmp):
             from .discrete import describe_flip
 
             flip = describe_flip(f, o).summary
-        key = (base.region, f.index, kind)
+        key = (kind, f.op, f.module, f.source)
 
-        def make(ranks: list[int], f=f, kind=kind, what=what, flip=flip) -> str:
-            base_rank, others = ranks[0], ranks[1:]
-            who = f"rank{'s' if len(others) > 1 else ''} {_list(others)}"
-            where = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
-            if kind == "replicated_rng":
-                return (f"region {base.region} ({base.module or '?'}): the random op {where} drew other numbers on "
-                        f"{who} than on rank {base_rank} from identical inputs (the ranks' RNG states differ; ranks "
-                        "that should compute the same thing need the same seed)")
-            detail = f": {flip}" if flip else ""
-            return (f"region {base.region} ({base.module or '?'}): ranks {base_rank} and {_list(others)} read identical "
-                    f"inputs but {where} gave different {what} on {who}{detail} (replicated computation disagrees "
-                    "across ranks)")
+        def make(ranks: list[int], regions: list[int] | None = None, f=f, kind=kind, what=what, flip=flip) -> str:
+            return _disagreement_text(ranks, base, f, kind, what, flip, regions)
 
         return key, make, f, what
     return None
+
+
+def _disagreement_text(ranks: list[int], base: Region, f, kind: str, what: str, flip: str | None,
+                       regions: list[int] | None = None) -> str:
+    base_rank, others = ranks[0], ranks[1:]
+    who = f"rank{'s' if len(others) > 1 else ''} {_list(others)}"
+    where = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
+    later = [r for r in (regions or []) if r != base.region]
+    also = f" (again in region{'s' if len(later) > 1 else ''} {_list(later)})" if later else ""
+    if kind == "replicated_rng":
+        return (f"region {base.region} ({base.module or '?'}){also}: the random op {where} drew other numbers on "
+                f"{who} than on rank {base_rank} from identical inputs (the ranks' RNG states differ; ranks that "
+                "should compute the same thing need the same seed)")
+    detail = f": {flip}" if flip else ""
+    return (f"region {base.region} ({base.module or '?'}){also}: ranks {base_rank} and {_list(others)} read identical "
+            f"inputs but {where} gave different {what} on {who}{detail} (replicated computation disagrees across "
+            "ranks)")
 
 
 def _significant(f, o) -> bool:
@@ -488,19 +508,25 @@ class _Drift:
                 hit.ranks.append(other.rank)
 
     def findings(self) -> list[CrossRankFinding]:
-        out = list(self.hits.values())[:MAX_REPLICATED_FINDINGS]
-        for f in out:
-            d = f.detail
-            others = f.ranks[1:]
-            f.text = (f"the {d['what']} `{d['tensor']}` was identical on ranks {f.ranks[0]} and {_list(others)} in "
-                      f"region {d['agreed_in_region']} and differs on rank{'s' if len(others) > 1 else ''} "
-                      f"{_list(others)} from region {d['differs_in_region']} ({f.module or '?'}): replicated state "
-                      "drifted apart (an update or gradient that differs by rank; expected only for per-rank "
-                      "statistics such as token counters or batch-norm running stats)")
-        extra = len(self.hits) - len(out)
-        if extra > 0 and out:
-            out[-1].text += f" [{extra} more tensor(s) drifted the same way]"
-        return out
+        """One line for all drifted tensors, led by the earliest."""
+        hits = sorted(self.hits.values(), key=lambda f: (f.detail["differs_in_region"], f.detail["agreed_in_region"]))
+        if not hits:
+            return []
+        first = hits[0]
+        ranks = sorted({r for f in hits for r in f.ranks})
+        names = [f"`{f.detail['tensor']}`" for f in hits]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        others = [r for r in ranks if r != first.ranks[0]]
+        text = (f"replicated state drifted apart: {shown} {'were' if len(names) > 1 else 'was'} identical on ranks "
+                f"{_list(ranks)} in region {first.detail['agreed_in_region']} and differ"
+                f"{'' if len(names) > 1 else 's'} on rank{'s' if len(others) > 1 else ''} {_list(others)} from region "
+                f"{first.detail['differs_in_region']} ({first.module or '?'}) on: an update or gradient that differs "
+                "by rank (expected only for per-rank statistics such as token counters or batch-norm running stats)")
+        return [CrossRankFinding("replicated_state", text, ranks, region=first.detail["differs_in_region"],
+                                 module=first.module,
+                                 detail={"tensors": [f.detail["tensor"] for f in hits],
+                                         "agreed_in_region": first.detail["agreed_in_region"],
+                                         "differs_in_region": first.detail["differs_in_region"]})]
 
 
 def _read_state(p: Pass) -> set[tuple]:

@@ -59,7 +59,9 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
         out.append(Suggestion(
             "Keep the RNG state for the recompute: preserve_rng_state=True",
             "Random ops in the region (dropout, jitter noise) must draw the same numbers in the recompute. "
-            "`preserve_rng_state=True` is checkpoint()'s default; something set it to False.",
+            "`preserve_rng_state=True` is checkpoint()'s default; something set it to False. Hugging Face: drop "
+            "`\"preserve_rng_state\": False` from `gradient_checkpointing_kwargs`; torchtitan: "
+            "`activation_checkpoint.preserve_rng_state = true`; `checkpoint_wrapper(block, preserve_rng_state=True)`.",
             "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)"))
     elif kind == "global_state" and cause is not None:
         out.append(Suggestion(
@@ -83,7 +85,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
 
     discrete = report.first_discrete_divergence
     value = report.first_value_divergence
-    if discrete is not None and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng"):
+    flipped = discrete is not None and discrete.detail.get("changed", discrete.detail.get("rows_changed")) != 0
+    if discrete is not None and flipped and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng"):
         save = [discrete.op]
         feeder = _feeding_matmul(region, discrete.forward_index)
         if feeder:
@@ -95,9 +98,10 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
             f"{discrete.op} in {discrete.module or 'the region'} took a different discrete decision in the "
             "recompute; everything downstream (counts, split sizes, shapes) follows it. Saving its output (and the "
             "router/gate matmul feeding it) makes the recompute reuse the forward's decision. "
-            f"In torchtitan: activation_checkpoint.mode = \"selective\", selective_ac_option = \"op\", and add "
-            f"{', '.join(_torch_op(s) for s in save)} to the per-op save list (`_save_list` / "
-            "`op_sac_save_list` in parallelize.py).",
+            + (_sac_save_list_text(region, save) if region.options.get("sac") else
+               f"In torchtitan: activation_checkpoint.mode = \"selective\", selective_ac_option = \"op\", and add "
+               f"{', '.join(_torch_op(s) for s in save)} to the per-op save list (`_save_list` / "
+               "`op_sac_save_list` in parallelize.py)."),
             sac_policy(save)))
     if kind == "nondeterministic_op" and value is not None:
         out.append(Suggestion(
@@ -111,6 +115,17 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
             "torch compared only shapes (or nothing) and raised no error, so the gradients of this region are wrong. "
             "Keep `ac-diff run --check` in CI to fail on any recompute divergence."))
     return out
+
+
+def _sac_save_list_text(region: Region, save: list[str]) -> str:
+    """For a region already under selective AC: which ops to add to its save list, which it already saves."""
+    cached = {o.op for p in (region.forward, region.recompute) if p is not None for o in p.ops if o.cached}
+    add = [_torch_op(s) for s in save if s not in cached] or [_torch_op(save[0])]
+    have = [_torch_op(s) for s in save if s in cached]
+    return ("This region already runs selective AC (torchtitan: activation_checkpoint.mode = \"selective\", "
+            f"selective_ac_option = \"op\"): add {', '.join(add)} to the per-op save list (`_save_list` / "
+            "`_op_sac_save_list` in parallelize.py, or the set your `context_fn` policy returns MUST_SAVE for)"
+            + (f"; {', '.join(have)} is already in it." if have else "."))
 
 
 def _feeding_matmul(region: Region, index: int | None) -> str | None:

@@ -211,7 +211,7 @@ class DumpBuilder:
 
 def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
     return OpRecord(index=index, op=p.op, source=source, out=p.out, args=p.args,
-                    host_value=p.host_value, log_ids=(p.out_ids, p.in_ids))
+                    host_value=p.host_value, log_ids=(p.out_ids, p.in_ids), damaged=p.status != "ok")
 
 
 def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None:

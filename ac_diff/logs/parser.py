@@ -47,7 +47,7 @@ class _Counts:
     salvaged_ops: int = 0
     cut_entries: int = 0  # metadata dicts cut or garbled (counted by ErrorBuilder)
     ops_outside: int = 0  # op lines outside any debug dump
-    unplaced_ops: int = 0  # numbered op lines without their number, ...
+    unplaced_ops: int = 0  # op lines in a stack-trace section without "(i of n in ...)" (from the dumps)
     headerless_errors: list[str] = field(default_factory=list)
     mid_dumps: list[str] = field(default_factory=list)
     cut_dumps: list[str] = field(default_factory=list)
@@ -291,8 +291,8 @@ class LogParser:
             notes.append(f"skipped {c.garbled} garbled line{'s' * (c.garbled != 1)} "
                          "(op lines or metadata entries that could not be read)")
         if c.salvaged_ops:
-            notes.append(f"salvaged {c.salvaged_ops} op line{'s' * (c.salvaged_ops != 1)} that another "
-                         "writer had spliced into; their outputs or arguments may be incomplete")
+            notes.append(f"salvaged {c.salvaged_ops} op line{'s' * (c.salvaged_ops != 1)} that were cut or "
+                         "spliced with other output; their outputs or arguments may be incomplete")
         if c.cut_entries:
             notes.append(f"{c.cut_entries} metadata entr{'ies' if c.cut_entries != 1 else 'y'} cut or garbled; "
                          "kept what could be read")

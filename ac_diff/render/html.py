@@ -200,7 +200,9 @@ def _label_op(label: str | None) -> str:
 
 def _regions_table(report: Report) -> str:
     if not report.regions:
-        return "<section id=\"regions\"><h2>regions</h2><p class=\"dim\">no checkpointed region was recorded</p></section>"
+        what = ("no region details in this input: torch's error above is what it holds"
+                if report.torch_errors else "no checkpointed region was recorded")
+        return f"<section id=\"regions\"><h2>regions</h2><p class=\"dim\">{e(what)}</p></section>"
     rows = []
     for r in report.regions:
         first = _first(r)
@@ -214,11 +216,17 @@ def _regions_table(report: Report) -> str:
             f"<td class=\"num\">{e(r.forward_ops)}/{e(r.recompute_ops)}</td>"
             f"<td><span class=\"badge {_status_class(r.status)}\">{e(status)}</span></td>"
             f"<td>{e(r.cause.kind if r.cause else '')}</td>"
-            f"<td>{_op_html(first.op) + ' in ' + e(first.module) if first else ''}</td></tr>")
+            f"<td>{_first_html(first)}</td></tr>")
     return ("<section id=\"regions\"><h2>regions</h2><table id=\"region-table\"><thead><tr><th>rank</th>"
             "<th>region</th><th>module</th><th>kind</th><th>ops fwd/rec</th><th>status</th><th>cause</th>"
             f"<th>first divergence</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             "<p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>")
+
+
+def _first_html(d: Divergence | None) -> str:
+    if d is None:
+        return ""
+    return _op_html(d.op) + (f" in {e(d.module)}" if d.module else "")
 
 
 def _op_html(op: str | None) -> str:
@@ -337,65 +345,88 @@ def _row_id(r: RegionReport, forward_index: int | None, recompute_index: int | N
     return f"w-{int(r.rank)}-{int(r.region)}-r{int(recompute_index or 0)}"
 
 
+def _forward_x(r: RegionReport, forward_index: int | None, recompute_index: int | None) -> float | None:
+    """A place on the forward-op axis: the forward index, or for a recompute-only op that the window shows,
+    just after the forward op aligned before it. None when it cannot be placed honestly."""
+    if forward_index is not None:
+        return float(forward_index)
+    if recompute_index is None or not any(row.recompute_index == recompute_index for row in r.window):
+        return None
+    before = [row for row in r.window if row.forward_index is not None and row.recompute_index is not None
+              and row.recompute_index < recompute_index]
+    if not before:
+        return None
+    return max(before, key=lambda row: row.recompute_index).forward_index + 0.5
+
+
 def _plot(r: RegionReport) -> str:
     """Where in the region the divergences are: x = forward op index, one lane per kind of mark."""
-    marks: dict[str, list[tuple[int, str, str | None]]] = {k: [] for k, _ in _LANES}
+    marks: dict[str, list[tuple[float, str, str | None]]] = {k: [] for k, _ in _LANES}
+    unplaced: list[str] = []
     for row in r.window:
         if row.marker in ("value", "discrete", "shape", "control"):
-            x = row.forward_index if row.forward_index is not None else row.recompute_index
-            if x is not None:
-                label = f"#{x} {_short_label(row.forward or row.recompute)} ≠ {_KIND_LABEL[row.marker]}"
+            x = _forward_x(r, row.forward_index, row.recompute_index)
+            where = f"fwd #{row.forward_index}" if row.forward_index is not None else f"rec #{row.recompute_index}"
+            label = f"{where} {_short_label(row.forward or row.recompute)} ≠ {_KIND_LABEL[row.marker]}"
+            if x is None:
+                unplaced.append(label)
+            else:
                 marks[row.marker].append((x, label, _row_id(r, row.forward_index, row.recompute_index)))
-    unplaced = 0
+    inputs = 0
     for p in r.positions:
         lane = "pos_meta" if p.matches is False else ("pos_values" if p.values_differ else None)
         if lane is None:
             continue
         if p.forward_index is None:
-            unplaced += 1
+            inputs += 1
             continue
         what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}"
         label = f"position {p.position}: {what} at op #{p.forward_index} ({p.saved} -> {p.recomputed})"
-        marks[lane].append((p.forward_index, label, f"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}"))
-    divergences = [d for d in _divergences(r) if d.forward_index is not None or d.recompute_index is not None]
+        marks[lane].append((float(p.forward_index), label, f"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}"))
+    firsts = []
+    for d in _divergences(r):
+        x = _forward_x(r, d.forward_index, d.recompute_index)
+        at = f"#{d.forward_index}" if d.forward_index is not None else f"rec #{d.recompute_index}"
+        label = f"{_KIND_LABEL.get(d.kind, d.kind)}: {_short_op(d.op)} {at}"
+        if x is None:
+            unplaced.append(label)
+        else:
+            firsts.append((x, label, d.kind))
     lanes = [(k, name) for k, name in _LANES if marks[k]]
-    if not lanes and not divergences:
+    if not lanes and not firsts:
         return ""
-    xs = [x for k in marks for x, _, _ in marks[k]] + [d.forward_index or d.recompute_index or 0 for d in divergences]
-    n = max([r.forward_ops, r.recompute_ops, max(xs, default=0) + 1, 1])
+    xs = [x for k in marks for x, _, _ in marks[k]] + [x for x, _, _ in firsts]
+    n = max(r.forward_ops or r.recompute_ops, int(max(xs, default=0)) + 1, 1)
     left, right, lane_h = 130, 790, 22
-    top = 20 + 13 * len(divergences)  # one label row per first divergence above the lanes
+    top = 20 + 13 * len(firsts)  # one label row per first divergence above the lanes
     height = top + lane_h * max(len(lanes), 1) + 30
     width = right - left
 
-    def sx(x: int) -> float:
+    def sx(x: float) -> float:
         return left + width * (x + 0.5) / n
 
     svg = [f"<svg class=\"plot\" viewBox=\"0 0 800 {height}\" role=\"img\" aria-label=\"where in the region the "
            f"divergences are\" data-ops=\"{n}\">"]
-    idx = [x for row in r.window if row.how != "gap" for x in (row.forward_index,) if x is not None]
+    idx = [row.forward_index for row in r.window if row.forward_index is not None]
     if idx:  # the side-by-side window below
         x0, x1 = sx(min(idx)) - width / n / 2, sx(max(idx)) + width / n / 2
         svg.append(f"<rect class=\"win\" x=\"{x0:.1f}\" y=\"{top - 6}\" width=\"{max(x1 - x0, 2):.1f}\" "
                    f"height=\"{lane_h * max(len(lanes), 1) + 6}\"><title>the aligned window shown below "
-                   f"(ops {min(idx)}-{max(idx)})</title></rect>")
+                   f"(forward ops {min(idx)}-{max(idx)})</title></rect>")
     for i, (k, name) in enumerate(lanes):
         y = top + i * lane_h + lane_h / 2
-        extra = f" (+{unplaced} inputs)" if k in ("pos_meta", "pos_values") and unplaced and i == len(lanes) - 1 else ""
-        svg.append(f"<text class=\"lane\" x=\"{left - 8}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{e(name + extra)}</text>")
+        svg.append(f"<text class=\"lane\" x=\"{left - 8}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{e(name)}</text>")
         svg.append(f"<line class=\"lane-line\" x1=\"{left}\" x2=\"{right}\" y1=\"{y:.1f}\" y2=\"{y:.1f}\"/>")
         for x, label, target in sorted(marks[k]):
             mark = (f"<rect class=\"mark mk-{k}\" data-kind=\"{k}\" x=\"{sx(x) - 2.5:.1f}\" y=\"{y - 7:.1f}\" "
                     f"width=\"5\" height=\"14\" rx=\"1\"><title>{e(label)}</title></rect>")
             svg.append(f"<a href=\"#{target}\">{mark}</a>" if target else mark)
-    for j, d in enumerate(divergences):
-        x = sx(d.forward_index if d.forward_index is not None else d.recompute_index)
-        svg.append(f"<line class=\"first mk-{e(d.kind)}\" x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"{16 + 13 * j}\" "
+    for j, (x, label, kind) in enumerate(firsts):
+        px = sx(x)
+        svg.append(f"<line class=\"first mk-{e(kind)}\" x1=\"{px:.1f}\" x2=\"{px:.1f}\" y1=\"{16 + 13 * j}\" "
                    f"y2=\"{height - 24}\"/>")
-        at = d.forward_index if d.forward_index is not None else d.recompute_index
-        label = f"{_KIND_LABEL.get(d.kind, d.kind)}: {_short_op(d.op)} #{at}"
-        anchor, tx = ("end", x - 3) if x > right - 7 * len(label) else ("start", x + 3)
-        svg.append(f"<text class=\"first-label mk-{e(d.kind)}\" x=\"{tx:.1f}\" y=\"{13 + 13 * j}\" "
+        anchor, tx = ("end", px - 3) if px > right - 7 * len(label) else ("start", px + 3)
+        svg.append(f"<text class=\"first-label mk-{e(kind)}\" x=\"{tx:.1f}\" y=\"{13 + 13 * j}\" "
                    f"text-anchor=\"{anchor}\">{e(label)}</text>")
     axis_y = height - 22
     svg.append(f"<line class=\"axis\" x1=\"{left}\" x2=\"{right}\" y1=\"{axis_y}\" y2=\"{axis_y}\"/>")
@@ -404,7 +435,14 @@ def _plot(r: RegionReport) -> str:
                    f"<text class=\"tick\" x=\"{sx(t):.1f}\" y=\"{axis_y + 15}\" text-anchor=\"middle\">{t}</text>")
     svg.append(f"<text class=\"tick\" x=\"{left - 8}\" y=\"{axis_y + 15}\" text-anchor=\"end\">forward op #</text>")
     svg.append("</svg>")
-    return f"<h3>where in the region</h3><figure class=\"plot-box\">{''.join(svg)}</figure>"
+    notes = []
+    if inputs:
+        notes.append(f"{inputs} differing position(s) hold region inputs or parameters (no op index): see the "
+                     "position map")
+    if unplaced:
+        notes.append("not placed (recompute-only, outside the window): " + "; ".join(unplaced))
+    caption = f"<figcaption class=\"dim small\">{e('. '.join(notes))}</figcaption>" if notes else ""
+    return f"<h3>where in the region</h3><figure class=\"plot-box\">{''.join(svg)}{caption}</figure>"
 
 
 _TOKEN = re.compile(r"\w+|[^\w\s]|\s+")

@@ -1,0 +1,409 @@
+"""Multi-rank runs: torchrun as the launcher, one trace per rank, the cross-rank report, collectives.
+
+The end-to-end tests run 2 processes on CPU with the gloo backend:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m ac_diff run -o OUT SCRIPT ...
+    ac-diff run --nproc-per-node 2 -o OUT SCRIPT ...            (the same, launched by ac-diff)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, REPO, report_json, run_cli
+from factories import ext, meta, op, ref
+
+from ac_diff.commands import launch_cmd
+from ac_diff.diagnosis import diagnose
+from ac_diff.model import InputRef, Pass, Region, Run
+from ac_diff.report import CLEAN, DIVERGED, Cause, RegionReport, Report
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "AC_DIFF_RANK_WAIT": "60"}
+ENV.pop(launch_cmd.RUN_ID_ENV, None)
+ENV.pop(launch_cmd.LAUNCHED_ENV, None)
+
+
+def torchrun(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "ac_diff", "run", *args]
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def headers(out: Path) -> dict[int, dict]:
+    found = {}
+    for path in sorted(out.glob("trace-rank*.jsonl")):
+        header = json.loads(path.open().readline())
+        found[header["rank"]] = header
+    return found
+
+
+def by_rank(report: dict) -> dict[int, dict]:
+    return {r["rank"]: r for r in report["ranks"]}
+
+
+def finding_kinds(report: dict) -> set[str]:
+    return {f["kind"] for f in report["cross_rank_findings"]}
+
+
+def _assert_rank1_bias_update(report: dict) -> None:
+    ranks = by_rank(report)
+    assert report["verdict"] == DIVERGED
+    assert ranks[0]["verdict"] == CLEAN and ranks[0]["diverged"] == 0 and ranks[0]["clean"] == 2
+    one = ranks[1]
+    assert one["verdict"] == DIVERGED
+    assert one["cause"] == "state_mutation" and one["cause_tensor"] == "layers.1.moe.expert_bias"
+    assert one["first_module"] == "layers.1" and one["first_region"] == 1
+    assert one["first_op_module"] == "layers.1.moe.router"
+    assert one["torch_error"].startswith("metadata_mismatch")
+    assert {(r["rank"], r["region"], r["module"], r["status"]) for r in report["regions"]} == {
+        (0, 0, "layers.0", CLEAN), (0, 1, "layers.1", CLEAN),
+        (1, 0, "layers.0", "unchecked"), (1, 1, "layers.1", DIVERGED)}  # the CheckpointError stopped rank 1's backward
+    first = next(f for f in report["cross_rank_findings"] if f["kind"] == "first")
+    assert first["ranks"] == [1] and first["region"] == 1 and first["module"] == "layers.1"
+    local = next(f for f in report["cross_rank_findings"] if f["kind"] == "rank_local")
+    assert local["ranks"] == [1] and local["detail"]["clean_ranks"] == [0]
+    overview = next(f for f in report["cross_rank_findings"] if f["kind"] == "ranks")
+    assert overview["text"] == "diverged: rank 1 (1 of 2 ranks); clean: rank 0"
+    exits = next(f for f in report["cross_rank_findings"] if f["kind"] == "exits")
+    assert exits["detail"]["failed_in_order"][0] == 1  # rank 1 failed first; rank 0 only lost its peer
+    assert not finding_kinds(report) & {"replicated_disagreement", "replicated_rng", "mixed_runs"}
+
+
+# -- end to end -------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_torchrun_only_rank1_mutates_state(tmp_path):
+    """torchrun directly: rank 1 updates its router bias between forward and recompute, rank 0 does not."""
+    out = tmp_path / "out"
+    proc = torchrun("-o", str(out), str(EXAMPLES / "distributed_bias_update.py"), cwd=tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # rank 1 raised CheckpointError
+    assert "CheckpointError" in proc.stderr
+    hs = headers(out)
+    assert sorted(hs) == [0, 1] and {h["world_size"] for h in hs.values()} == {2}
+    assert hs[0]["run_id"] and hs[0]["run_id"] == hs[1]["run_id"]  # one launch
+    assert hs[0]["launcher"] == "torchrun"
+    from ac_diff import diagnose_paths
+
+    _assert_rank1_bias_update(diagnose_paths([out]).to_json())
+    # the failing rank names its trace and the command to run, since torchrun now stops rank 0
+    assert f"ac-diff report {out}" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_launcher_reports_across_ranks(tmp_path):
+    """`ac-diff run --nproc-per-node 2` hands off to torchrun and reports once torchrun is done."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "trace-rank3.jsonl").write_text('{"type":"header","format":"ac-diff-trace","version":"1.0","rank":3}\n')
+    refused = run_cli("run", "--nproc-per-node", "2", "-o", str(out), str(EXAMPLES / "distributed_bias_update.py"),
+                      cwd=tmp_path)
+    assert refused.returncode == 2 and "--force" in refused.stderr  # nothing launched
+    json_path = tmp_path / "report.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "--force", "-o", str(out), "--json", str(json_path),
+                   str(EXAMPLES / "distributed_bias_update.py"), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the script's exit code (rank 1's CheckpointError)
+    assert "launching 2 processes with torchrun" in proc.stderr
+    assert not (out / "trace-rank3.jsonl").exists()  # --force cleared the stale trace of an earlier, bigger run
+    hs = headers(out)
+    assert sorted(hs) == [0, 1] and hs[0]["launcher"] == "ac-diff" and hs[0]["run_id"] == hs[1]["run_id"]
+    report = report_json(json_path)
+    _assert_rank1_bias_update(report)
+    assert proc.stdout.count("ac-diff: DIVERGED") == 1  # one report, from the launcher
+    assert "cross-rank: rank-local: region 1 (layers.1) diverged on rank 1 only" in proc.stdout.replace("\n", " ")
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_dtensor_replicated_router_disagrees(tmp_path):
+    """DTensor tensor parallelism with checkpointed blocks; per-rank seeds make the replicated router's
+    jitter differ: activation checkpointing is clean on every rank, the ranks disagree with each other."""
+    out = tmp_path / "out"
+    json_path = tmp_path / "report.json"
+    proc = torchrun("-o", str(out), "--json", str(json_path), str(EXAMPLES / "distributed_tp.py"),
+                    "--jitter", "0.01", "--per-rank-seed", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = report_json(json_path)  # written by rank 0 after it waited for rank 1's trace
+    assert report["verdict"] == CLEAN
+    assert [(r["rank"], r["verdict"], r["regions"]) for r in report["ranks"]] == [(0, CLEAN, 4), (1, CLEAN, 4)]
+    rng = [f for f in report["cross_rank_findings"] if f["kind"] == "replicated_rng"]
+    assert rng and rng[0]["region"] == 0 and rng[0]["ranks"] == [0, 1]
+    assert rng[0]["op"] == "aten.uniform_.default" and rng[0]["op_module"] == "layers.0.moe.router"
+    assert "distributed_tp.py" in rng[0]["source"]
+    assert not [f for f in report["cross_rank_findings"] if f["kind"] == "replicated_disagreement"]
+    drift = next(f for f in report["cross_rank_findings"] if f["kind"] == "replicated_state")
+    assert "layers.0.moe.router.gate.weight" in drift["detail"]["tensors"]
+    assert "layers.0.attention.wq.weight" not in drift["detail"]["tensors"]  # sharded: differs by design
+    # the row-wise parallel projection runs an all_reduce inside every checkpointed block
+    import ac_diff
+
+    ops = ac_diff.load(out).ops
+    reduce = ops[ops.op == "_c10d_functional.all_reduce.default"]
+    assert set(reduce["rank"]) == {0, 1} and set(reduce["phase"]) == {"forward", "recompute"}
+    assert proc.stderr.count("ac-diff: 2 traces written") == 1  # only rank 0 reports
+
+
+COLLECTIVES = '''
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils.checkpoint import checkpoint
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+lin = torch.nn.Linear(4, 4)
+IN_SPLITS = [[1, 2], [3, 2]][rank]     # rows this rank sends to rank 0, rank 1
+OUT_SPLITS = [[1, 3], [2, 2]][rank]    # rows it receives from rank 0, rank 1
+
+def block(x):
+    y = lin(x)
+    g = funcol.all_gather_tensor(y, 0, dist.group.WORLD)
+    rows = g.reshape(-1)[: sum(IN_SPLITS)].reshape(-1, 1).expand(-1, 4).contiguous()
+    a2a = funcol.all_to_all_single(rows, OUT_SPLITS, IN_SPLITS, dist.group.WORLD)
+    r = funcol.reduce_scatter_tensor(a2a, "sum", 0, dist.group.WORLD)
+    return (r * r).sum() + (g * g).sum()
+
+x = torch.randn(2, 4, requires_grad=True)
+with torch.utils.checkpoint.set_checkpoint_early_stop(False):   # the recompute runs every collective again
+    checkpoint(block, x, use_reentrant=False).backward()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_collectives_recorded_with_split_sizes(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(textwrap.dedent(COLLECTIVES))
+    out = tmp_path / "out"
+    json_path = tmp_path / "report.json"
+    proc = torchrun("-o", str(out), "--json", str(json_path), str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import ac_diff
+
+    ops = ac_diff.load(out).ops
+    for rank, ins, outs in ((0, [1, 2], [1, 3]), (1, [3, 2], [2, 2])):
+        mine = ops[ops["rank"] == rank]
+        for phase in ("forward", "recompute"):
+            seq = mine[(mine.phase == phase) & mine.op.str.startswith("_c10d_functional.")]
+            names = [n for n in seq.op if "_wrap_tensor_autograd" not in n]
+            assert names == ["_c10d_functional.all_gather_into_tensor.default",
+                             "_c10d_functional.all_to_all_single.default",
+                             "_c10d_functional.reduce_scatter_tensor.default"], (rank, phase, names)
+            a2a = seq[seq.op == "_c10d_functional.all_to_all_single.default"].iloc[0]
+            assert a2a.args[1:3] == [outs, ins]  # output and input split sizes, as lists
+            assert a2a.out_shapes == [[sum(outs), 4]]
+            gathered = seq[seq.op == "_c10d_functional.all_gather_into_tensor.default"].iloc[0]
+            assert gathered.args[1] == 2 and gathered.fingerprint is None  # in flight: no fingerprint of garbage
+            waited = seq[seq.op == "_c10d_functional._wrap_tensor_autograd.default"].iloc[0]
+            assert waited.fingerprint is not None  # the result, once it arrived
+    report = report_json(json_path)
+    assert report["verdict"] == CLEAN, report["headline"]  # replaying the collectives reproduced every value
+    assert [r["status"] for r in report["regions"]] == [CLEAN, CLEAN]
+    assert not finding_kinds(report) & {"replicated_disagreement", "replicated_rng"}  # rank-dependent splits
+
+
+# -- the launcher's pieces -------------------------------------------------------------------------
+def test_strip_nproc_and_rank_argv():
+    strip = launch_cmd.strip_nproc
+    assert strip(["run", "--nproc-per-node", "2", "-o", "out", "train.py", "--nproc-per-node", "8"]) == \
+        ["run", "-o", "out", "train.py", "--nproc-per-node", "8"]  # the script's own flag stays
+    assert strip(["run", "--nproc-per-node=4", "-m", "pkg.train", "--lr", "1"]) == ["run", "-m", "pkg.train", "--lr", "1"]
+    from ac_diff.recorder import RecordOptions
+
+    argv = launch_cmd.rank_argv("pkg.train", ["--lr", "1"], module=True, output_dir="out",
+                                options=RecordOptions(max_regions=3, fingerprints=False))
+    assert argv == ["run", "-o", "out", "--keep-values", "16384", "--scope", "regions", "--max-regions", "3",
+                    "--no-fingerprints", "-m", "pkg.train", "--lr", "1"]
+
+
+def _trace(path: Path, rank: int, run_id, *, end: bool = True, start: float = 100.0) -> Path:
+    lines = [{"type": "header", "format": "ac-diff-trace", "version": "1.0", "rank": rank, "world_size": 2,
+              "run_id": run_id, "start_time": start, "pid": 1, "host": "elsewhere"}]
+    if end:
+        lines.append({"type": "end", "status": "ok", "exit_code": 0})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_collect_traces_of_one_launch(tmp_path):
+    _trace(tmp_path / "trace-rank0.jsonl", 0, "new")
+    _trace(tmp_path / "trace-rank1.jsonl", 1, "old")  # an earlier run's, not yet overwritten
+    _trace(tmp_path / "trace-rank2.jsonl", 2, "new")  # beyond the world size
+    found = launch_cmd.collect_traces(tmp_path, "new", 2)
+    assert sorted(found.paths) == [0] and found.missing == [1]
+    assert sorted(p.name for p in found.stale) == ["trace-rank1.jsonl", "trace-rank2.jsonl"]
+    _trace(tmp_path / "trace-rank1.jsonl", 1, "new", end=False)  # rank 1 started, still running
+    found = launch_cmd.collect_traces(tmp_path, "new", 2)
+    assert sorted(found.paths) == [0, 1] and found.ended == {0} and found.finished == {0}
+    found = launch_cmd.wait_for_ranks(tmp_path, "new", 2, timeout=0.3)
+    assert found.ended == {0}  # bounded: gives up
+    # without a run id (torchrun's default rendezvous id), traces started after `since` count
+    found = launch_cmd.collect_traces(tmp_path, None, 2, since=50.0)
+    assert sorted(found.paths) == [0, 1]
+    assert launch_cmd.collect_traces(tmp_path, None, 2, since=150.0).paths == {}
+
+
+def test_script_exit_code_is_the_first_failing_rank():
+    assert launch_cmd._script_exit_code({0: 143, 1: 3}, 1) == 3  # rank 0 was only stopped by torchrun
+    assert launch_cmd._script_exit_code({0: 0, 1: 0}, 0) == 0
+    assert launch_cmd._script_exit_code({0: None, 1: None}, 1) == 1  # killed: torchrun's code
+
+
+# -- the cross-rank report on factory-built runs ---------------------------------------------------------
+def _pass(ops, externals) -> Pass:
+    return Pass("forward", list(ops), externals=list(externals))
+
+
+def _region_on(rank: int, ops, externals, number: int = 0, module: str = "layers.0") -> Region:
+    return Region(rank=rank, region=number, module=module, forward=_pass(ops, externals))
+
+
+def _router(score_fp, index_fp, *, k: int = 2, args=None):
+    """gate mm (reads the replicated input) -> sigmoid -> topk (-> indices)."""
+    return [
+        op(0, "aten.mm.default", module="layers.0.moe.router.gate", refs=[InputRef("input", name="input[0]")],
+           fp=[[1.0, 2.0]]),
+        op(1, "aten.sigmoid.default", module="layers.0.moe.router", refs=[ref(0)], fp=[score_fp]),
+        op(2, "aten.topk.default", module="layers.0.moe.router", refs=[ref(1)], args=args or ["$", k],
+           fp=[[3.0, 3.0], index_fp], out=[meta(4, k), meta(4, k, dtype="i64")]),
+    ]
+
+
+def _runs(*per_rank) -> list[Run]:
+    return [Run(source="trace", path=f"trace-rank{r}.jsonl", header={"rank": r, "world_size": len(per_rank),
+                                                                      "run_id": "x"}, regions=[reg], exit_status="ok")
+            for r, reg in enumerate(per_rank)]
+
+
+def _findings(runs):
+    report = diagnose(runs)
+    return report, {f.kind: f for f in report.cross_rank_findings}
+
+
+INPUT = [ext("input", "input[0]", [5.0, 6.0])]
+
+
+def test_replicated_router_disagrees_across_ranks():
+    runs = _runs(_region_on(0, _router([2.0, 2.0], [10, 30]), INPUT), _region_on(1, _router([2.0, 2.0], [11, 31]), INPUT))
+    report, found = _findings(runs)
+    hit = found["replicated_disagreement"]
+    assert hit.op == "aten.topk.default" and hit.op_module == "layers.0.moe.router" and hit.ranks == [0, 1]
+    assert "read identical inputs" in hit.text and "replicated computation disagrees" in hit.text
+
+
+def test_no_disagreement_when_inputs_differ_or_arguments_differ():
+    other_input = [ext("input", "input[0]", [7.0, 6.0])]  # data parallel: another batch
+    _, found = _findings(_runs(_region_on(0, _router([2.0, 2.0], [10, 30]), INPUT),
+                               _region_on(1, _router([2.0, 2.0], [11, 31]), other_input)))
+    assert "replicated_disagreement" not in found
+    # the ranks asked for different things (k): by design
+    _, found = _findings(_runs(_region_on(0, _router([2.0, 2.0], [10, 30]), INPUT),
+                               _region_on(1, _router([2.0, 2.0], [11, 31], k=3, args=["$", 3]), INPUT)))
+    assert "replicated_disagreement" not in found
+
+
+def test_a_matching_fingerprint_does_not_heal_a_difference():
+    """The gate weight differs (a shard), so does the sigmoid; a copy whose (sum, abs-sum) happens to match
+    follows, then topk differs: topk did not read identical inputs, the difference only hid from the
+    fingerprint."""
+    def ops(first, index_fp):
+        base = _router(first, index_fp)
+        base[0].input_refs.append(InputRef("param", name="gate.weight"))
+        copy = op(2, "aten._to_copy.default", module="layers.0.moe.router", refs=[ref(1)], fp=[[2.0, 2.0]])
+        topk = base[2]
+        topk.index, topk.input_refs = 3, [ref(2)]
+        return base[:2] + [copy, topk]
+
+    def externals(w):
+        return INPUT + [ext("param", "gate.weight", w, 1)]
+
+    _, found = _findings(_runs(_region_on(0, ops([2.0, 2.0], [10, 30]), externals([1.0, 1.0])),
+                               _region_on(1, ops([2.5, 2.5], [11, 31]), externals([1.5, 1.5]))))
+    assert "replicated_disagreement" not in found
+
+
+def test_rank_specific_collective_output_is_not_a_disagreement():
+    def ops(received):
+        return [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]")], fp=[[1.0, 2.0]]),
+                op(1, "_c10d_functional.reduce_scatter_tensor.default", refs=[ref(0)], args=["$", "sum", 2, "0"]),
+                op(2, "_c10d_functional._wrap_tensor_autograd.default", refs=[ref(1)], fp=[received]),
+                op(3, "aten.relu.default", refs=[ref(2)], fp=[received])]
+
+    _, found = _findings(_runs(_region_on(0, ops([1.0, 1.0]), INPUT), _region_on(1, ops([4.0, 4.0]), INPUT)))
+    assert "replicated_disagreement" not in found
+
+
+def test_symmetric_collective_result_is_shared():
+    """All-reduce of different partial sums: the result is the same on every rank, so an op after it that
+    reads it and disagrees is a real disagreement."""
+    def ops(partial, after):  # a row-wise parallel matmul on each rank's shard, then its all-reduce
+        return [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), InputRef("param", name="wo")],
+                   fp=[partial]),
+                op(1, "_c10d_functional.all_reduce.default", refs=[ref(0)], args=["$", "sum", "0"]),
+                op(2, "_c10d_functional._wrap_tensor_autograd.default", refs=[ref(1)], fp=[[9.0, 9.0]]),
+                op(3, "aten.sigmoid.default", refs=[ref(2)], fp=[after])]
+
+    def shard(rank):
+        return INPUT + [ext("param", "wo", [float(rank), 1.0], 1)]
+
+    _, found = _findings(_runs(_region_on(0, ops([1.0, 1.0], [3.0, 3.0]), shard(0)),
+                               _region_on(1, ops([8.0, 8.0], [3.0, 3.0]), shard(1))))
+    assert "replicated_disagreement" not in found
+    _, found = _findings(_runs(_region_on(0, ops([1.0, 1.0], [3.0, 3.0]), shard(0)),
+                               _region_on(1, ops([8.0, 8.0], [3.5, 3.5]), shard(1))))
+    assert found["replicated_disagreement"].op == "aten.sigmoid.default"
+
+
+def test_replicated_state_drift_but_not_sharded_parameters():
+    def region(rank, number, gate_fp, shard_fp):
+        externals = [ext("input", "input[0]", [5.0, 6.0], 0), ext("param", "gate.weight", gate_fp, 1),
+                     ext("param", "wq.weight", shard_fp, 2)]
+        ops = [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), InputRef("param", name="gate.weight")],
+                  fp=[[1.0, 1.0]]),
+               op(1, "aten.mm.default", refs=[InputRef("input", name="input[0]"), InputRef("param", name="wq.weight")],
+                  fp=[[float(rank), 1.0]])]
+        return Region(rank=rank, region=number, module="layers.0", forward=_pass(ops, externals))
+
+    runs = [Run(source="trace", path=f"r{r}", header={"rank": r, "run_id": "x"}, exit_status="ok",
+                regions=[region(r, 0, [1.0, 1.0], [float(r), 2.0]), region(r, 1, [1.0 + r, 1.0], [float(r), 2.0])])
+            for r in (0, 1)]
+    _, found = _findings(runs)
+    drift = found["replicated_state"]
+    assert drift.detail["tensors"] == ["gate.weight"]
+    assert drift.detail["agreed_in_region"] == 0 and drift.detail["differs_in_region"] == 1
+
+
+def _region_report(rank, number, status, cause=None, tensor=None) -> RegionReport:
+    return RegionReport(rank=rank, region=number, module=f"layers.{number}", kind="checkpoint", status=status,
+                        silent=False, cause=Cause(cause, tensor, "detail") if cause else None,
+                        first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
+                        first_control_divergence=None, positions=[], suggestions=[], chain=[])
+
+
+def test_rank_summaries_first_divergence_and_mixed_runs():
+    from ac_diff.diagnosis.ranks import cross_rank_findings, rank_summaries
+
+    report = Report(verdict=DIVERGED, headline="", regions=[
+        _region_report(0, 0, CLEAN), _region_report(0, 1, CLEAN),
+        _region_report(1, 0, CLEAN), _region_report(1, 1, DIVERGED, "state_mutation", "layers.1.moe.expert_bias"),
+        _region_report(2, 0, DIVERGED, "rng", "aten.native_dropout.default"), _region_report(2, 1, DIVERGED, "rng"),
+    ])
+    report.ranks = rank_summaries(report)
+    assert [(s.rank, s.verdict, s.first_region, s.cause) for s in report.ranks] == [
+        (0, CLEAN, None, None), (1, DIVERGED, 1, "state_mutation"), (2, DIVERGED, 0, "rng")]
+    runs = [Run(source="trace", path=f"r{r}", header={"rank": r, "world_size": 4, "run_id": rid}, exit_status="ok")
+            for r, rid in ((0, "a"), (1, "a"), (2, "b"))]
+    lines = cross_rank_findings(runs, report)
+    kinds = [f.kind for f in report.cross_rank_findings]
+    assert "mixed_runs" in kinds and "missing_ranks" not in kinds  # mixed: the world size says nothing
+    first = next(f for f in report.cross_rank_findings if f.kind == "first")
+    assert first.ranks == [2] and first.region == 0  # earliest region in forward order wins over rank order
+    assert any(line.startswith("diverged: ranks 1, 2 (2 of 3 ranks); clean: rank 0") for line in lines)
+    assert any(f.kind == "same_cause" and "different causes" in f.text for f in report.cross_rank_findings)
+    local = [f for f in report.cross_rank_findings if f.kind == "rank_local"]
+    assert [(f.region, f.ranks, f.detail["clean_ranks"]) for f in local] == [(0, [2], [0, 1]), (1, [1, 2], [0])]
+    assert report.to_json()["cross_rank_findings"][0]["kind"] == "mixed_runs"

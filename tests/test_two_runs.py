@@ -1,0 +1,142 @@
+"""`ac-diff compare TRACE_A TRACE_B`: two runs (or two ranks) aligned region by region, op by op."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import EXAMPLES
+from factories import ext, meta, op, ref
+
+from ac_diff.diagnosis.two_runs import compare_runs
+from ac_diff.model import Pass, Region, Run
+from ac_diff.trace import read_run
+
+sys.path.insert(0, str(EXAMPLES))
+
+
+# -- real traces: the tiny MoE trained twice the same way, and once with another learning rate -----------
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    import ac_diff
+    import tiny_moe
+
+    out = tmp_path_factory.mktemp("two_runs")
+    paths = {}
+    for name, kwargs in (("a", {}), ("b", {}), ("lr", {"lr": 1e-2})):
+        paths[name] = out / name / "trace-rank0.jsonl"
+        with ac_diff.record(paths[name]):
+            tiny_moe.train(steps=2, seq_len=32, log=lambda s: None, **kwargs)
+    return paths
+
+
+def _compare_cli(a, b, tmp_path):
+    from ac_diff.cli import main
+
+    json_path = tmp_path / "compare.json"
+    code = main(["compare", str(a), str(b), "--json", str(json_path), "--format", "json", "-o", str(tmp_path / "r")])
+    return code, json.loads(json_path.read_text())
+
+
+def test_same_script_twice_is_the_same(traces, tmp_path):
+    code, report = _compare_cli(traces["a"], traces["b"], tmp_path)
+    assert code == 0
+    assert report["verdict"] == "clean"
+    assert report["headline"].startswith("same: all 4 region(s)")
+    assert [r["status"] for r in report["regions"]] == ["clean"] * 4
+    assert all(r["kind"] == "two_runs" for r in report["regions"])
+    assert report["compared"]["columns"] == ["run A", "run B"]
+    assert report["compared"]["regions_compared"] == 4
+
+
+def test_other_learning_rate_first_divergent_op(traces, tmp_path):
+    code, report = _compare_cli(traces["a"], traces["lr"], tmp_path)
+    assert code == 1
+    assert report["verdict"] == "diverged"
+    status = [(r["region"], r["module"], r["status"]) for r in report["regions"]]
+    # step 0 (regions 0, 1) reads the same initial weights; step 1 reads weights updated with another lr
+    assert status == [(0, "layers.0", "clean"), (1, "layers.1", "clean"),
+                      (2, "layers.0", "diverged"), (3, "layers.1", "diverged")]
+    first = report["regions"][2]
+    value = first["first_value_divergence"]
+    assert value["forward_index"] == value["recompute_index"] == 0  # the region's very first op, in A and in B
+    assert value["module"] == "layers.0.attention_norm" and value["source"].split(" in ")[0].endswith("tiny_moe.py:172")
+    assert first["cause"]["kind"] == "different_inputs"
+    changed = {c["name"] for c in first["changed_inputs"]}
+    assert "layers.0.attention.wq.weight" in changed and "input[0]" in changed
+    assert first["cause"]["tensor"].startswith("layers.0.")
+    assert report["compared"]["first"]["region"] == 2
+    # the router decision that flips follows from it
+    assert first["first_discrete_divergence"]["op"] == "aten.topk.default"
+    assert first["window"] and first["window"][0]["forward_index"] == 0
+
+
+def test_terminal_labels_run_a_and_b(traces, tmp_path):
+    from rich.console import Console
+
+    from ac_diff.diagnosis import Settings
+    from ac_diff.render.terminal import render_terminal
+
+    report = compare_runs(read_run(traces["a"]), read_run(traces["lr"]), Settings())
+    console = Console(width=120, record=True, color_system=None)
+    render_terminal(report, console)
+    text = console.export_text()
+    assert "RUNS DIFFER" in text and "run A | run B, aligned" in text and "A #0 / B #0" in text
+    assert "forward | recompute" not in text
+
+
+# -- factory-built runs --------------------------------------------------------------------------------
+def _run(path: str, regions: list[Region], rank: int = 0) -> Run:
+    return Run(source="trace", path=path, header={"rank": rank, "argv": ["train.py"]}, regions=regions,
+               exit_status="ok")
+
+
+def _region(number: int, module: str, ops, externals=(), rank: int = 0, recompute=None) -> Region:
+    return Region(rank=rank, region=number, module=module, forward=Pass("forward", list(ops), externals=list(externals)),
+                  recompute=recompute)
+
+
+def _ops(values):
+    """mm(param) -> topk -> add, with the given fingerprints of the three outputs."""
+    return [op(0, "aten.mm.default", refs=[ref_param()], fp=[values[0]]),
+            op(1, "aten.topk.default", refs=[ref(0)], fp=[values[1], [5, 9]], out=[meta(4, 2), meta(4, 2, dtype="i64")]),
+            op(2, "aten.add.Tensor", refs=[ref(1)], fp=[values[2]])]
+
+
+def ref_param():
+    from ac_diff.model import InputRef
+
+    return InputRef("param", name="w")
+
+
+def test_nondeterministic_op_between_runs():
+    same_w = [ext("param", "w", [1.0, 2.0])]
+    a = _run("a", [_region(0, "layers.0", _ops([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]), same_w)])
+    b = _run("b", [_region(0, "layers.0", _ops([[1.0, 1.0], [2.5, 2.5], [3.5, 3.5]]), same_w)])
+    report = compare_runs(a, b)
+    r = report.regions[0]
+    assert report.verdict == "diverged" and r.status == "diverged"
+    assert r.first_value_divergence.op == "aten.topk.default"
+    assert r.first_value_divergence.detail["inputs_identical"] is True
+    assert r.cause.kind == "nondeterministic_op"
+    assert "run_a" in r.first_value_divergence.detail and "forward" not in r.first_value_divergence.detail
+
+
+def test_unmatched_regions_and_recompute_only_difference():
+    w = [ext("param", "w", [1.0, 2.0])]
+    fwd = _ops([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    rec_a = Pass("recompute", _ops([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]), externals=list(w))
+    rec_b = Pass("recompute", _ops([[1.0, 1.0], [2.0, 2.0], [9.0, 9.0]]), externals=list(w))
+    a = _run("a", [_region(0, "layers.0", fwd, w, recompute=rec_a)])
+    b = _run("b", [_region(0, "layers.0", fwd, w, recompute=rec_b), _region(1, "layers.1", fwd, w)])
+    report = compare_runs(a, b)
+    assert [(r.region, r.module, r.status) for r in report.regions] == [(0, "layers.0", "diverged"),
+                                                                     (1, "layers.1", "diverged")]
+    first, extra = report.regions
+    assert first.first_value_divergence.op == "aten.add.Tensor"
+    assert first.first_value_divergence.detail["phase"] == "recompute"
+    assert any("RECOMPUTES differ" in n for n in first.notes)
+    assert extra.cause.kind == "control_flow" and "run B only" in extra.cause.detail
+    assert report.compared["only_b"] == [1] and report.compared["only_a"] == []
