@@ -55,8 +55,9 @@ Algorithm
      entries (and symmetrically for a longer recompute);
    * otherwise anchor and recurse (patience / histogram diff): keys that occur
      once (or twice) on both sides; else q-grams (q=4) unique on both sides;
-     else keys with the same, smallest possible, count on both sides (k-th
-     occurrence paired with k-th).  A longest increasing chain of anchors is
+     else keys with the same, smallest possible, count (<= 64) on both sides
+     (k-th occurrence paired with k-th, kept only where the neighbours agree
+     too).  A longest increasing chain of anchors is
      kept and the gaps between anchors are solved recursively (depth <= 24).
      Gaps get an exact Myers with a cap of ~2·sqrt(size) when their lower
      bound allows.  Blocks with no anchors get a sliding-window free-end
@@ -344,7 +345,8 @@ def _myers_deepening(A: list, alo: int, ahi: int, B: list, blo: int, bhi: int, l
 # --------------------------------------------------------------------------
 
 _MAX_DEPTH = 24
-_TIERS = (1, 2, 4, 8, 16, 64, 256, 1 << 62)
+_TIERS = (1, 2, 4, 8, 16, 32, 64)
+_MAX_PAIRED_COUNT = _TIERS[-1]  # keys repeated more often than this are not paired by occurrence
 _GRAM = 4  # q-gram length for anchors when single keys repeat a lot
 _GREEDY_LOOKAHEAD = 1024
 _WINDOW = 256  # ops per side in the sliding-window fallback
@@ -504,9 +506,9 @@ class _Heuristic:
         if min(ahi - alo, bhi - blo) >= 2 * _GRAM:
             gram_runs = self._gram_anchors(alo, ahi, blo, bhi, _GRAM)
             covered = sum(L for _, _, L in gram_runs)
-            if covered * 8 >= min(ahi - alo, bhi - blo) or not equal_keys:
+            if covered * 8 >= min(ahi - alo, bhi - blo) or not equal_keys or cmin > _MAX_PAIRED_COUNT:
                 return gram_runs
-        if equal_keys:
+        if equal_keys and cmin <= _MAX_PAIRED_COUNT:
             return self._key_anchors(alo, ahi, blo, bhi, equal_keys, equal_counts, cmin)
         return gram_runs
 
@@ -523,6 +525,17 @@ class _Heuristic:
             # stable sorts group occurrences per key, in order: k-th with k-th
             pairing = dict(zip(sorted(ia, key=A.__getitem__), sorted(jb, key=B.__getitem__)))
             js = list(map(pairing.__getitem__, ia))
+            # An edit shifts the k-th pairing of a repeated key, so only trust a
+            # pair whose neighbours agree too (a wrong pair rarely has both).
+            ia2: list[int] = []
+            js2: list[int] = []
+            for i, j in zip(ia, js):
+                if (i == alo or j == blo or A[i - 1] == B[j - 1]) and (
+                    i + 1 == ahi or j + 1 == bhi or A[i + 1] == B[j + 1]
+                ):
+                    ia2.append(i)
+                    js2.append(j)
+            ia, js = ia2, js2
         return [(ia[t], js[t], 1) for t in _lis(js)]
 
     def _gram_anchors(self, alo, ahi, blo, bhi, q: int) -> list[tuple[int, int, int]]:

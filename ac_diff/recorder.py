@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
+from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .opinfo import OpInfo, op_info, short_dtype
@@ -109,6 +110,11 @@ class Recorder:
         self.options = options or RecordOptions()
         self.modules = ModuleStack()
         self.modules.on_enter = self._on_module_enter
+        # Dynamo must not trace the global module hooks into compiled graphs (compiled.py)
+        self.modules._pre = skip_when_compiling(self.modules._pre)
+        self.modules._post = skip_when_compiling(self.modules._post)
+        self.compile_watch = CompileWatch()
+        self._stance = EagerStance()  # torch.compile'd code runs eagerly in regions
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
         self._mode = _RecordingMode(self)
@@ -130,7 +136,9 @@ class Recorder:
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
         self.modules.install()
+        self.compile_watch.start()
         if self.options.scope == "all":
+            self._stance.push()
             self._mode.__enter__()
         self._started = True
         return self
@@ -143,8 +151,12 @@ class Recorder:
         if self.options.scope == "all":
             with contextlib.suppress(Exception):
                 self._mode.__exit__(None, None, None)
+            self._stance.pop()
         self.hooks.uninstall()
         self.modules.uninstall()
+        self.compile_watch.stop()
+        for message in self.compile_watch.messages(self._regions, self.options.scope == "all"):
+            self._writer.write({"type": "warning", "message": message})
         status = "ok"
         if exc is not None:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"
@@ -197,6 +209,8 @@ class Recorder:
 
     # -- listener interface for CheckpointHooks ------------------------------------------------
     def enter(self, frame: Any, phase: str) -> None:
+        if tracing():  # torch.compile/export tracing checkpoint() with fake tensors: not a real pass
+            return
         passes = self._passes()
         if phase == FORWARD:
             region = self._new_region(frame, passes)
@@ -213,20 +227,24 @@ class Recorder:
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
-        if not passes and self.options.scope != "all":
-            self._mode.__enter__()
+        if not passes:
+            self._stance.push()
+            if self.options.scope != "all":
+                self._mode.__enter__()
         passes.append(p)
 
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         passes = self._passes()
-        if not passes:
-            return
+        if not passes or passes[-1].region is not getattr(frame, "_ac_diff_region", None):
+            return  # a pass enter() did not start (traced by torch.compile)
         p = passes.pop()
         stack = self.modules.stack()
         if p.pushed is not None and stack and stack[-1][0] is p.pushed:
             stack.pop()
-        if not passes and self.options.scope != "all":
-            self._mode.__exit__(None, None, None)
+        if not passes:
+            if self.options.scope != "all":
+                self._mode.__exit__(None, None, None)
+            self._stance.pop()
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
         complete = exc is None or stopped_early
         self._finish_pass(p, complete, stopped_early, exc)
@@ -301,6 +319,8 @@ class Recorder:
 
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
         passes = self._passes()
+        if self.compile_watch.saw(module, fqn, passes[-1].region if passes else None):
+            self._stance.ensure()  # Dynamo may have been imported after the pass began
         if passes:
             p = passes[-1]
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
@@ -457,6 +477,8 @@ class Recorder:
                 "type": "region", "region": region.number, "module": region.module or region.caller,
                 "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
                 "options": region.options, "recorded": region.recorded,
+                **({"compiled": self.compile_watch.inside[region.number]}
+                   if region.number in self.compile_watch.inside else {}),
             })
         if region.recorded:
             with self.quiet():

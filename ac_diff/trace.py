@@ -172,6 +172,7 @@ def read_run(path: str | os.PathLike) -> Run:
                 rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
                 parent=rec.get("parent"), options={**rec.get("options", {}), "recorded": rec.get("recorded", True),
                                                    "parent_phase": rec.get("parent_phase")},
+                compiled=list(rec.get("compiled", [])),
             )
         elif kind == "check_error":
             run.header.setdefault("check_errors", []).append(rec)

@@ -212,15 +212,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             rows.append(row)
             print(
-                f"{n:>9} {case:<12} {len(times):>4} {sec:>9.4f} {cpu_sec:>8.4f} {ops:>12,.0f} {s['match']:>9} {s['substituted']:>7}"
+                f"{n:>9} {case:<12} {len(times):>4} {sec:>9.4f} {cpu_sec:>8.4f} {ops:>12,.0f}"
+                f" {s['match']:>9} {s['substituted']:>7}"
                 f" {s['forward_only']:>9} {s['recompute_only']:>9}",
                 flush=True,
             )
             del pairs, a, b
-    print("seconds: wall (perf_counter, median); cpu_s: process CPU time; ops/s counts len(a) + len(b) per wall second.")
+    print("seconds: wall time (perf_counter, median); cpu_s: process CPU time;"
+          " ops/s: (len(a) + len(b)) per wall second.")
     if args.json:
         with open(args.json, "w") as f:
-            meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": load, "max_edit": args.max_edit}
+            meta = {
+                "python": platform.python_version(), "cpus": os.cpu_count(),
+                "load_avg": load, "max_edit": args.max_edit,
+            }
             json.dump({**meta, "results": rows}, f, indent=2)
     return 0
 

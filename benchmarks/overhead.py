@@ -21,8 +21,8 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * full         ac-diff with the defaults (fingerprints, positions, discrete values, source lines)
 * diverged     ac-diff `RecordOptions(write="diverged")`: everything is recorded, only regions whose
                recompute did not reproduce the forward are written (plus a summary line per clean one)
-* first1       ac-diff `RecordOptions(max_regions=<layers>)`: record the first step only; later steps
-               are counted (what a long run with `--max-regions` costs after the first step)
+* limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
+               `--max-regions N` regions have been recorded (later regions are only counted)
 
 Each ac-diff variant records into a fresh trace file per step (in a temporary directory, deleted
 after each round), and the timed step includes starting and finishing the recorder (so writing the
@@ -172,36 +172,9 @@ def variants(cli) -> list[Variant]:
            Variant("full", _recorder(RecordOptions()))]
     if "write" in fields:
         out.append(Variant("diverged", _recorder(RecordOptions(write="diverged"))))
-    out.append(Variant("first1", _FirstN(cli.layers)))
+    out.append(Variant("limit0", _recorder(RecordOptions(max_regions=0))))
     wanted = cli.variants.split(",") if cli.variants else None
     return [v for v in out if wanted is None or v.name in wanted]
-
-
-class _FirstN:
-    """One recorder over many steps with max_regions = one step's regions: the cost of a later step."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __call__(self, variant: Variant, path: str):
-        @contextlib.contextmanager
-        def ctx():
-            rec = getattr(variant, "_rec", None)
-            if rec is None:  # started on the first call, kept across steps, finished at exit
-                rec = variant._rec = ac_diff.Recorder(path, RecordOptions(max_regions=self.n)).start()
-                variant._path = path
-            yield
-            variant.last_trace = variant._path
-            variant.last_ops = rec.ops_recorded
-
-        return ctx()
-
-    @staticmethod
-    def close(variant: Variant):
-        rec = getattr(variant, "_rec", None)
-        if rec is not None:
-            rec.stop()
-            variant._rec = None
 
 
 # -- measurement ------------------------------------------------------------------------------
@@ -267,9 +240,6 @@ def bench_model(kind: str, cli, out: dict) -> None:
             size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
             mem[v.name] = {"peak_rss_mb": (peak - base) / 1024 if peak and base else None,
                            "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops}
-        for v in vs:
-            if isinstance(v._ctx, _FirstN):
-                _FirstN.close(v)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plain = statistics.median(times["plain"]) if times.get("plain") else None

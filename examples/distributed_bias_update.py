@@ -10,9 +10,10 @@ seed) and trains on its own batch; gradients are averaged with ``all_reduce`` li
 On rank 1 the recompute of the last block adds the NEW bias to the same router scores, ``topk``
 picks other experts for a few near-tie tokens, and ``torch.split`` (``aten.split_with_sizes``) cuts
 the routed tokens differently: rank 1 raises a real CheckpointError in the first backward. Rank 0's
-recompute reproduces its forward exactly. torchrun then stops rank 0 (it is waiting for rank 1's
-gradients). ac-diff reports rank 1 diverged (state_mutation of ``layers.1.moe.expert_bias``), rank 0
-clean.
+recompute reproduces its forward exactly; it then waits for rank 1's gradients, loses its peer and
+fails too (or torchrun stops it). ac-diff reports rank 1 diverged (state_mutation of
+``layers.1.moe.expert_bias``, first divergent op the ``add`` in ``layers.1.moe.router``), rank 0
+clean, and that rank 1 failed first.
 
     torchrun --nproc-per-node 2 -m ac_diff run -o out examples/distributed_bias_update.py
     ac-diff run --nproc-per-node 2 -o out examples/distributed_bias_update.py     # the same

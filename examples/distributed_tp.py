@@ -12,7 +12,8 @@ recipe for different dropout masks, wrong under tensor parallelism: the ranks dr
 the routers pick different experts, and each shard computes the MoE for a different routing. No rank
 raises anything, and each rank's recompute reproduces its own forward exactly (checkpoint restores
 the RNG), so activation checkpointing is clean; the cross-rank report shows the disagreement at the
-jitter op in ``layers.0.moe.router``.
+jitter op in ``layers.0.moe.router`` and, from the second step on, the replicated router and expert
+weights that drifted apart (each rank trained them on its own routing).
 
     torchrun --nproc-per-node 2 -m ac_diff run -o out examples/distributed_tp.py                 # clean
     torchrun --nproc-per-node 2 -m ac_diff run -o out examples/distributed_tp.py --jitter 0.01 --per-rank-seed

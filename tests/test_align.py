@@ -113,7 +113,9 @@ def test_one_insertion():
     b = [MM, SOFTMAX, VIEW, TOPK, ADD]
     pairs = align(a, b)
     check_valid(a, b, pairs)
-    assert triples(pairs) == [(0, 0, "match"), (1, 1, "match"), (None, 2, "recompute_only"), (2, 3, "match"), (3, 4, "match")]
+    assert triples(pairs) == [
+        (0, 0, "match"), (1, 1, "match"), (None, 2, "recompute_only"), (2, 3, "match"), (3, 4, "match"),
+    ]
     assert first_mismatch(pairs) == Pair(None, 2, "recompute_only")
 
 
@@ -122,7 +124,9 @@ def test_one_deletion():
     b = [MM, SOFTMAX, TOPK, ADD]
     pairs = align(a, b)
     check_valid(a, b, pairs)
-    assert triples(pairs) == [(0, 0, "match"), (1, 1, "match"), (2, None, "forward_only"), (3, 2, "match"), (4, 3, "match")]
+    assert triples(pairs) == [
+        (0, 0, "match"), (1, 1, "match"), (2, None, "forward_only"), (3, 2, "match"), (4, 3, "match"),
+    ]
 
 
 def test_one_substitution():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPO, report_json, run_cli
+from conftest import EXAMPLES, report_json, run_cli
 from factories import ext, meta, op, ref
 
 from ac_diff.commands import launch_cmd
@@ -101,9 +101,10 @@ def test_launcher_reports_across_ranks(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "trace-rank3.jsonl").write_text('{"type":"header","format":"ac-diff-trace","version":"1.0","rank":3}\n')
-    refused = run_cli("run", "--nproc-per-node", "2", "-o", str(out), str(EXAMPLES / "distributed_bias_update.py"),
-                      cwd=tmp_path)
-    assert refused.returncode == 2 and "--force" in refused.stderr  # nothing launched
+    from ac_diff.cli import main
+
+    refused = main(["run", "--nproc-per-node", "2", "-o", str(out), str(EXAMPLES / "distributed_bias_update.py")])
+    assert refused == 2 and (out / "trace-rank3.jsonl").exists()  # refused without --force: nothing launched
     json_path = tmp_path / "report.json"
     proc = run_cli("run", "--nproc-per-node", "2", "--force", "-o", str(out), "--json", str(json_path),
                    str(EXAMPLES / "distributed_bias_update.py"), cwd=tmp_path, timeout=240)
@@ -249,6 +250,7 @@ def test_collect_traces_of_one_launch(tmp_path):
 
 def test_script_exit_code_is_the_first_failing_rank():
     assert launch_cmd._script_exit_code({0: 143, 1: 3}, 1) == 3  # rank 0 was only stopped by torchrun
+    assert launch_cmd._script_exit_code({0: 1, 1: 3}, 1, {0: 20.0, 1: 10.0}) == 3  # rank 1 failed first
     assert launch_cmd._script_exit_code({0: 0, 1: 0}, 0) == 0
     assert launch_cmd._script_exit_code({0: None, 1: None}, 1) == 1  # killed: torchrun's code
 

@@ -172,7 +172,7 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
              "output above)", EXIT_BAD_INPUT)
         return code or EXIT_BAD_INPUT
     report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out)
-    script_code = _script_exit_code(runs_found.exit_codes, code)
+    script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
     if interrupted and script_code == 0:
         script_code = 130
     if check and script_code == 0 and report.diverged:
@@ -180,11 +180,15 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     return script_code
 
 
-def _script_exit_code(exit_codes: dict[int, int | None], torchrun_code: int) -> int:
-    """The exit code of the lowest rank whose script failed (not one torchrun stopped), else torchrun's."""
-    failed = [(r, c) for r, c in sorted(exit_codes.items()) if c not in (None, 0, EXIT_TERMINATED)]
+def _script_exit_code(exit_codes: dict[int, int | None], torchrun_code: int,
+                      end_times: dict[int, float] | None = None) -> int:
+    """The exit code of the rank whose script failed first (not one torchrun stopped; ties: the lowest
+    rank), else torchrun's."""
+    end_times = end_times or {}
+    failed = sorted((end_times.get(r, float("inf")), r, c) for r, c in exit_codes.items()
+                    if c not in (None, 0, EXIT_TERMINATED))
     if failed:
-        return failed[0][1]
+        return failed[0][2]
     return torchrun_code
 
 
@@ -195,9 +199,9 @@ class RankTraces:
     ended: set[int] = field(default_factory=set)  # ranks whose trace has its end record
     finished: set[int] = field(default_factory=set)  # ended, or the process is gone (nothing more will come)
     exit_codes: dict[int, int | None] = field(default_factory=dict)
+    end_times: dict[int, float] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # expected ranks without a trace of this launch
     stale: list[Path] = field(default_factory=list)  # traces in the directory from another launch
-    notes: list[str] = field(default_factory=list)
 
 
 def _trace_paths(directory: Path) -> list[Path]:
@@ -267,6 +271,8 @@ def collect_traces(directory: Path, rid: str | None, expected: int, *, since: fl
             found.ended.add(r)
             found.finished.add(r)
             found.exit_codes[r] = end.get("exit_code")
+            if isinstance(end.get("end_time"), (int, float)):
+                found.end_times[r] = float(end["end_time"])
         else:
             found.exit_codes[r] = None
             if header.get("pid") and header.get("host") == _host() and not _alive(int(header["pid"])):
@@ -339,7 +345,7 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
 
     runs = [read_run(p) for _, p in sorted(found.paths.items())]
     ranks = sorted(found.paths)
-    print(f"ac-diff: {len(ranks)} trace{'s' if len(ranks) > 1 else ''} written to {output_dir}/ "
+    print(f"ac-diff: {len(ranks)} trace{'s' if len(ranks) > 1 else ''} written to {str(output_dir).rstrip('/')}/ "
           f"(rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)})", file=sys.stderr)
     report = diagnose(runs, settings)
     if found.missing:

@@ -21,12 +21,21 @@ on both ranks - the same values of the region's inputs, parameters and buffers, 
 that agreed - must give identical outputs; if it does not, ranks that should agree disagree (a router
 replicated under tensor parallelism choosing other experts on one rank, a nondeterministic kernel).
 Ops whose inputs differ (data-parallel batches, tensor-parallel shards) are expected to differ and
-are never reported.
+are never reported. "Identical" is conservative: a difference never heals downstream because a
+(sum, abs-sum) fingerprint happened to match, except through a collective whose result every rank of
+the group shares (all-reduce, all-gather, broadcast); a rank-specific collective (reduce-scatter,
+all-to-all) makes everything after it differ; different non-tensor arguments (rank-dependent split
+sizes) are by design; value-only differences below 1e-5 relative are rounding noise; random ops must
+agree only where the ranks read the same region inputs (tensor parallel, not data parallel).
+
+Replicated state: a parameter or buffer the region reads that was identical on two ranks in one
+region and differs in a later one has drifted apart (sharded tensors differ from the start and are
+never reported).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import re
 
 from ..model import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
@@ -35,7 +44,7 @@ from .compare import Tolerance, compare_passes, is_discrete
 MAX_REPLICATED_FINDINGS = 6
 # Bound on the ops the cross-rank comparison looks at (it is a Python loop per op): beyond it the
 # remaining regions are skipped and a note says so.
-OPS_BUDGET = 2_000_000
+OPS_BUDGET = 500_000
 
 
 def rank_summaries(report: Report) -> list[RankSummary]:
@@ -267,7 +276,8 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         exc_type, message = ends[r][4], ends[r][5]
         if not exc_type:
             return f"exit {ends[r][1]}" if ends[r][1] not in (None, 0) else ""
-        text = f"{exc_type}: {message[0]}" if message else exc_type
+        first_line = re.sub(r"^(\[[^\]]*\]\s*)+", "", message[0]) if message else ""  # gloo's [file:line] prefix
+        text = f"{exc_type}: {first_line}" if first_line else exc_type
         return text if len(text) <= 100 else text[:97] + "..."
 
     if failed:
@@ -299,7 +309,7 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
     ranks = sorted(by_rank)
     if len(ranks) < 2:
         return [], 0
-    # (region, op index on the base rank, kind) -> finding: one disagreement seen on many ranks is one line
+    # (kind, op, module, source) -> finding: the same op disagreeing on many ranks / steps is one line
     found: dict[tuple, CrossRankFinding] = {}
     makers: dict[tuple, object] = {}
     drift = _Drift()

@@ -113,12 +113,15 @@ def _compact(numbers: list[int], limit: int = 12) -> str:
 
 def _ranks_table(report: Report) -> Table:
     table = Table(title="ranks", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
-    for col in ("rank", "verdict", "regions", "diverged", "cause", "first diverged"):
-        table.add_column(col)
+    for col in ("rank", "verdict", "diverged", "cause", "first diverged", "exit"):
+        table.add_column(col, no_wrap=col != "first diverged")
     for r in report.ranks:
-        style = "red" if r.verdict == DIVERGED else "green"
+        style = {"diverged": "red", "clean": "green"}.get(r.verdict, "dim")
         first = f"{r.first_module} (region {r.first_region})" if r.first_module is not None else ""
-        table.add_row(_t(r.rank), _t(r.verdict, style), _t(r.regions), _t(r.diverged), _t(r.cause), _t(first))
+        exit_ = ("killed" if r.truncated else "stopped" if r.exit_code == 143 else "raised" if r.exit_status == "exception"
+                 else f"exit {r.exit_code}" if r.exit_code not in (None, 0) else r.exit_status or "")
+        table.add_row(_t(r.rank), _t(r.verdict, style), _t(f"{r.diverged} of {r.regions}"), _t(r.cause), _t(first),
+                      _t(exit_, "dim"))
     return table
 
 

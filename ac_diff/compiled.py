@@ -1,0 +1,223 @@
+"""torch.compile and the recorder: what ac-diff cannot see, and saying so instead of crashing.
+
+The recorder sees ops through a TorchDispatchMode and regions through torch.utils.checkpoint's own
+classes. torch.compile changes both:
+
+* compile AROUND checkpointed blocks (`torch.compile(model)`, torchtitan's per-block compile of the
+  `checkpoint_wrapper` modules, HF `torch_compile=True`): Dynamo turns each checkpoint() into a
+  `tag_activation_checkpoint` higher-order op and AOTAutograd recomputes it inside the compiled backward
+  graph. No `_CheckpointFrame` ever runs, so there is no region to record.
+* compile INSIDE a region (`checkpoint(torch.compile(block), x)`, a compiled submodule or function):
+  Dynamo does not compile frames while a dispatch mode is active (`convert_frame` skips them), and on
+  its way it would trace the recorder's own handler (fatal with `fullgraph=True`). So while a region
+  pass runs, ac-diff sets `torch.compiler.set_stance("force_eager")` (`EagerStance`): that code runs
+  eagerly, ac-diff records the eager ops, not the compiled kernels of a normal run, and a divergence
+  that only the compiled code has is not reproduced.
+
+`CompileWatch` notes both: modules that are compiled (`OptimizedModule`, `module.compile()`) as the
+module hooks see them, inside a region or outside, and how many frames Dynamo compiled during the
+recording. The recorder writes its findings into the region records (`"compiled": [...]`) and as
+trace warnings, which every report shows as notes.
+
+`skip_when_compiling(hook)` keeps the recorder's global module hooks out of Dynamo's traces: traced
+hooks would be baked into compiled graphs (and Dynamo trips over their weak-keyed state).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from typing import Any, Callable
+
+import torch
+
+# torch warns once per compiled module that global module hooks (ours) fire an extra time for the
+# OptimizedModule wrapper; ac-diff's module stack handles that, and the user did not register them.
+_GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+
+
+def _never() -> bool:
+    return False
+
+
+# True while Dynamo traces the calling code (False in eager code and in compiled code at run time)
+is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
+
+
+def tracing() -> bool:
+    """True while torch.compile/export traces: Dynamo, or AOTAutograd running code on fake/proxy tensors.
+
+    checkpoint() itself runs during AOTAutograd's trace of a `tag_activation_checkpoint` op; that is
+    not a pass of the real run (and its tensors have no values), so the recorder ignores it.
+    """
+    try:
+        if is_compiling():
+            return True
+        keys = torch._C._TorchDispatchModeKey
+        get = torch._C._get_dispatch_mode
+        return get(keys.FAKE) is not None or get(keys.PROXY) is not None
+    except Exception:  # pragma: no cover - torch without these internals
+        return False
+
+
+def skip_when_compiling(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, but a no-op while Dynamo traces it (it is then absent from the compiled graph)."""
+
+    @functools.wraps(hook)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            return None
+        return hook(*args, **kwargs)
+
+    return wrapper
+
+
+class EagerStance:
+    """Run torch.compile'd code eagerly while a region pass runs (`torch.compiler.set_stance("force_eager")`).
+
+    Under the recorder's dispatch mode Dynamo would skip those frames anyway, but on its way it traces the
+    recorder's own dispatch handler and, with `fullgraph=True`, raises ("found no compiled frames" /
+    recompile limit). force_eager keeps Dynamo out entirely. Nested `push()`es count; the stance the
+    user had is restored by the last `pop()`. Does nothing if Dynamo was never imported.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._prior: Any = None
+        self.active = False
+
+    def push(self) -> None:
+        self._depth += 1
+        self.ensure()
+
+    def ensure(self) -> None:
+        """Take the stance now if pushed but Dynamo was not loaded yet at the push."""
+        if self._depth == 0 or self.active:
+            return
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is None:
+            return
+        try:
+            self._prior = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+            self.active = True
+        except Exception:  # inside a compiled frame (set_stance refuses), or another torch
+            self._prior, self.active = None, False
+
+    def pop(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self.active:
+            eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+            try:
+                eval_frame._set_stance(self._prior)
+            except Exception:
+                pass
+            self._prior, self.active = None, False
+
+
+def compile_kind(module: Any) -> str | None:
+    """"torch.compile(module)" for an OptimizedModule, "module.compile()" for an in-place compiled one."""
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        return "torch.compile(module)"
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return "module.compile()"
+    return None
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(frames Dynamo compiled, graphs it produced) so far in this process; (0, 0) if Dynamo never loaded."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0, 0
+    try:
+        counters = utils.counters
+        return int(counters["frames"]["ok"]), int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return 0, 0
+
+
+class CompileWatch:
+    """Collects what torch.compile did during one recording; `messages()` says what it means."""
+
+    def __init__(self) -> None:
+        self.inside: dict[int, list[str]] = {}  # region number -> compiled modules run in it
+        self.outside: dict[str, str] = {}  # compiled module FQN run outside any region -> kind
+        self._start = (0, 0)
+        self._filter: tuple | None = None
+
+    def start(self) -> None:
+        self._start = _dynamo_counts()
+        warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING)
+        self._filter = warnings.filters[0]
+
+    def stop(self) -> None:
+        if self._filter is not None:
+            try:
+                warnings.filters.remove(self._filter)
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+            except (ValueError, AttributeError):
+                pass
+            self._filter = None
+
+    def saw(self, module: Any, fqn: str, region: Any | None) -> str | None:
+        """Called for every module the module hooks see; records it if it is compiled. Returns its kind."""
+        kind = compile_kind(module)
+        if kind is None:
+            return None
+        name = fqn or type(getattr(module, "_orig_mod", module)).__name__
+        if region is None:
+            self.outside.setdefault(name, kind)
+        else:
+            names = self.inside.setdefault(region.number, [])
+            if name not in names:
+                names.append(name)
+        return kind
+
+    def compiled_frames(self) -> tuple[int, int]:
+        frames, graphs = _dynamo_counts()
+        return max(0, frames - self._start[0]), max(0, graphs - self._start[1])
+
+    def messages(self, regions_seen: int, scope_all: bool = False) -> list[str]:
+        out: list[str] = []
+        frames, graphs = self.compiled_frames()
+        if scope_all:  # the recorder's dispatch mode was active all the time: Dynamo compiled nothing new
+            names = sorted(set(self.outside) | {n for ns in self.inside.values() for n in ns})
+            if names:
+                out.append(f"torch.compile: {_list(names)} ran eagerly: with --scope all ac-diff's dispatch mode is "
+                           "always active and torch.compile does not compile under it, so the regions recorded are "
+                           "those of the eager model (a divergence only the compiled code has is not reproduced)")
+            return out
+        if self.inside:
+            names = sorted({n for ns in self.inside.values() for n in ns})
+            regions = sorted(self.inside)
+            out.append(
+                f"torch.compile: compiled module(s) {_list(names)} ran inside checkpointed region(s) "
+                f"{_list(map(str, regions))}. ac-diff runs compiled code eagerly inside regions (torch.compile does "
+                "not compile under a dispatch mode), so the recording shows their eager ops, not the compiled "
+                "kernels of a normal run: a divergence only the compiled code has is not reproduced")
+        if self.outside:
+            names = sorted(self.outside)
+            text = (f"torch.compile: compiled module(s) {_list(names)} ran outside any recorded region "
+                    f"({_list(sorted(set(self.outside.values())))})")
+            if regions_seen == 0:
+                text += ("; no checkpointed region ran: checkpoint() inside a compiled graph is recomputed by the "
+                         "compiler (AOTAutograd) and ac-diff cannot see it. Run without compile (torchtitan: "
+                         "--compile.enable false; HF Trainer: torch_compile=False) or with `ac-diff run --scope all` "
+                         "(compiled code then runs eagerly, with its checkpointed regions)")
+            else:
+                text += ("; checkpointed regions inside them are recomputed by the compiler, not by "
+                         "torch.utils.checkpoint, and are not in this trace")
+            out.append(text)
+        elif frames and regions_seen == 0:
+            out.append(f"torch.compile: Dynamo compiled {frames} frame(s) ({graphs} graph(s)) during the recording "
+                       "and no checkpointed region ran: checkpoint() inside a compiled function is recomputed by the "
+                       "compiler and ac-diff cannot see it; run without compile or with `ac-diff run --scope all`")
+        return out
+
+
+def _list(items: Any, limit: int = 6) -> str:
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")

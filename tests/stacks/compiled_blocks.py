@@ -1,0 +1,104 @@
+"""torch.compile with activation-checkpointed blocks, in the places users put it.
+
+    --compile around   torch.compile(model) over checkpoint_wrapper'd blocks (HF torch_compile=True style)
+    --compile block    torchtitan's per-block compile: each layer = torch.compile(checkpoint_wrapper(block))
+    --compile inside   checkpoint_wrapper(torch.compile(block)): the compiled module runs inside the region
+    --compile inner    a compiled submodule inside each checkpointed block (block.ff = torch.compile(block.ff))
+    --compile method   block.ff.compile() (in place, no OptimizedModule) inside each checkpointed block
+    --compile function a torch.compile'd function called inside each checkpointed block
+    --compile none     eager
+
+`--dropout P --no-preserve-rng` puts a real divergence (dropout without preserved RNG state) in the
+blocks' feed-forward. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+
+@torch.compile(backend="aot_eager")
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, p, use_function):
+        super().__init__()
+        self.w1 = nn.Linear(dim, 2 * dim)
+        self.w2 = nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(p)
+        self.use_function = use_function
+
+    def forward(self, x):
+        h = self.w1(x)
+        h = gelu_tanh(h) if self.use_function else F.gelu(h, approximate="tanh")
+        return self.drop(self.w2(h))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, p, use_function):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim, p, use_function)
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, dim=32, n_layers=2, p=0.0, use_function=False):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(dim, p, use_function) for _ in range(n_layers)])
+        self.out = nn.Linear(dim, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compile", choices=["none", "around", "block", "inside", "inner", "method", "function"],
+                   default="inner")
+    p.add_argument("--backend", default="aot_eager")
+    p.add_argument("--fullgraph", action="store_true", help="torch.compile(..., fullgraph=True) (torchtitan's way)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--no-preserve-rng", action="store_true")
+    args = p.parse_args(argv)
+
+    torch.manual_seed(0)
+    net = Net(p=args.dropout, use_function=args.compile == "function")
+    compile_ = lambda m: torch.compile(m, backend=args.backend, fullgraph=args.fullgraph)  # noqa: E731
+    wrap = lambda m: checkpoint_wrapper(m, preserve_rng_state=not args.no_preserve_rng)  # noqa: E731
+    for i, block in enumerate(list(net.layers)):
+        if args.compile == "inside":
+            net.layers[i] = wrap(compile_(block))
+            continue
+        if args.compile == "inner":
+            block.ff = compile_(block.ff)
+        elif args.compile == "method":
+            block.ff.compile(backend=args.backend, fullgraph=args.fullgraph)
+        net.layers[i] = compile_(wrap(block)) if args.compile == "block" else wrap(block)
+    if args.compile == "around":
+        net = compile_(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(args.steps):
+        x = torch.randn(4, 16, 32, generator=g)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print(f"step {step}: loss {loss.item():.5f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""torch.compile around and inside checkpointed regions (`tests/stacks/compiled_blocks.py`, backend aot_eager:
+through Dynamo and AOTAutograd without a C++ compiler): ac-diff never crashes the run, says which modules
+ran compiled and what that means for the recording, and still diagnoses what it can see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ac_diff.compiled import CompileWatch, EagerStance, compile_kind, skip_when_compiling, tracing
+from ac_diff.trace import read_run
+from stacks.runs import STACKS, Job, run_all
+
+SCRIPT = str(STACKS / "compiled_blocks.py")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_all(tmp_path_factory.mktemp("compile"), {
+        # a compiled submodule (fullgraph=True) inside each checkpointed block, with a real divergence in it
+        "inner": Job([SCRIPT, "--compile", "inner", "--fullgraph", "--dropout", "0.1", "--no-preserve-rng"]),
+        # block.ff.compile(): compiled in place, no OptimizedModule wrapper
+        "method": Job([SCRIPT, "--compile", "method"]),
+        # torch.compile(model) over checkpoint_wrapper'd blocks
+        "around": Job([SCRIPT, "--compile", "around"]),
+        # torchtitan: each layer = torch.compile(checkpoint_wrapper(block), fullgraph=True)
+        "block": Job([SCRIPT, "--compile", "block", "--fullgraph"]),
+        # the workaround the report gives: --scope all runs compiled code eagerly, regions included
+        "around_scope_all": Job([SCRIPT, "--compile", "around"], options=["--scope", "all"]),
+    })
+
+
+@pytest.mark.e2e
+def test_compiled_submodule_inside_regions_is_named_and_the_divergence_still_found(runs):
+    r = runs["inner"]
+    assert r.returncode == 0, r.explain()
+    report = r.report
+    assert [g["module"] for g in report["regions"]] == ["layers.0", "layers.1"] * 2
+    for g in report["regions"]:
+        assert g["status"] == "diverged" and g["silent"]
+        assert g["cause"]["kind"] == "rng"
+        assert g["first_value_divergence"]["module"] == f"{g['module']}.ff.drop"
+    note = next(n for n in report["notes"] if n.startswith("torch.compile"))
+    assert "layers.0.ff, layers.1.ff" in note and "eagerly" in note
+    run = read_run(r.trace_dir / "trace-rank0.jsonl")
+    assert [g.compiled for g in run.regions] == [["layers.0.ff"], ["layers.1.ff"]] * 2
+    assert "torch.compile" in r.stdout  # the terminal report shows the note too
+
+
+@pytest.mark.e2e
+def test_module_compiled_in_place_is_detected(runs):
+    r = runs["method"]
+    assert r.returncode == 0, r.explain()
+    assert r.report["verdict"] == "clean", r.report["headline"]
+    run = read_run(r.trace_dir / "trace-rank0.jsonl")
+    assert [g.compiled for g in run.regions] == [["layers.0.ff"], ["layers.1.ff"]] * 2
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name, modules", [("around", "Net"), ("block", "layers.0, layers.1")])
+def test_compile_around_checkpoint_does_not_crash_and_says_why_no_region_ran(runs, name, modules):
+    r = runs[name]
+    assert r.returncode == 0, r.explain()  # the training itself ran, compiled
+    assert "step 1: loss" in r.stdout
+    report = r.report
+    assert report["regions"] == []
+    note = next(n for n in report["notes"] if n.startswith("torch.compile"))
+    assert f"compiled module(s) {modules} ran outside any recorded region" in note
+    assert "no checkpointed region ran" in note and "--scope all" in note
+
+
+@pytest.mark.e2e
+def test_scope_all_records_the_regions_of_a_compiled_model_eagerly(runs):
+    r = runs["around_scope_all"]
+    assert r.returncode == 0, r.explain()
+    report = r.report
+    assert report["verdict"] == "clean", report["headline"]
+    assert [g["module"] for g in report["regions"]] == ["layers.0", "layers.1"] * 2
+    assert any(n.startswith("torch.compile: Net ran eagerly") for n in report["notes"])
+
+
+# -- units ------------------------------------------------------------------------------------------
+def test_compile_kind():
+    plain = nn.Linear(2, 2)
+    assert compile_kind(plain) is None
+    assert compile_kind(torch.compile(nn.Linear(2, 2), backend="eager")) == "torch.compile(module)"
+    in_place = nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    assert compile_kind(in_place) == "module.compile()"
+
+
+def test_skip_when_compiling_and_tracing_are_false_in_eager_code():
+    calls = []
+    hook = skip_when_compiling(lambda *a: calls.append(a) or "ran")
+    assert hook(1, 2) == "ran" and calls == [(1, 2)]
+    assert tracing() is False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert tracing() is True
+
+
+def test_eager_stance_nests_and_restores():
+    import torch._dynamo.eval_frame as ef
+
+    before = ef._stance
+    stance = EagerStance()
+    stance.push()
+    stance.push()
+    assert ef._stance.stance == "force_eager"
+    stance.pop()
+    assert ef._stance.stance == "force_eager"
+    stance.pop()
+    assert ef._stance is before
+    stance.pop()  # unbalanced pops are harmless
+    assert ef._stance is before
+
+
+def test_compile_watch_messages():
+    class Region:
+        number = 3
+
+    watch = CompileWatch()
+    compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+    assert watch.saw(nn.Linear(2, 2), "layers.0.ff", Region()) is None
+    assert watch.saw(compiled, "layers.0.ff", Region()) == "torch.compile(module)"
+    assert watch.saw(compiled, "", None) == "torch.compile(module)"
+    assert watch.inside == {3: ["layers.0.ff"]} and watch.outside == {"Linear": "torch.compile(module)"}
+    inside, outside = watch.messages(regions_seen=1)
+    assert "layers.0.ff ran inside checkpointed region(s) 3" in inside
+    assert "Linear ran outside any recorded region" in outside
