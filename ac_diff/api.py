@@ -13,14 +13,21 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .diagnosis import Settings, diagnose
 from .model import PHASES, Run
 from .report import Report
 from .trace import TraceFormatError, is_trace, read_run, trace_files
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def _frame(rows: list[dict], columns: list[str]) -> "pd.DataFrame":
+    import pandas as pd  # imported on first use: the CLI's startup does not pay for it
+
+    return pd.DataFrame(rows, columns=columns)
 
 
 class InputError(Exception):
@@ -65,7 +72,7 @@ class Trace:
     header: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def regions(self) -> pd.DataFrame:
+    def regions(self) -> "pd.DataFrame":
         rows = []
         for run in self.runs:
             for r in run.regions:
@@ -78,10 +85,10 @@ class Trace:
                     "determinism_check": r.options.get("determinism_check"),
                     "preserve_rng_state": r.options.get("preserve_rng_state"), "sac": bool(r.options.get("sac")),
                 })
-        return pd.DataFrame(rows, columns=_REGION_COLUMNS)
+        return _frame(rows, _REGION_COLUMNS)
 
     @property
-    def ops(self) -> pd.DataFrame:
+    def ops(self) -> "pd.DataFrame":
         rows = []
         for run, r, p in self._passes():
             for o in p.ops:
@@ -92,10 +99,10 @@ class Trace:
                     "out_dtypes": [m.dtype for m in o.out], "args": o.args, "fingerprint": o.fingerprint,
                     "host_value": o.host_value, "cached": o.cached, "random": o.random, "discrete": o.discrete,
                 })
-        return pd.DataFrame(rows, columns=_OP_COLUMNS)
+        return _frame(rows, _OP_COLUMNS)
 
     @property
-    def positions(self) -> pd.DataFrame:
+    def positions(self) -> "pd.DataFrame":
         rows = []
         for run, r, p in self._passes():
             ops = {o.index: o for o in p.ops}
@@ -107,7 +114,7 @@ class Trace:
                     "source": op.source if op else None, "origin": pos.origin, "name": pos.name,
                     "shape": list(pos.meta.shape) if pos.meta else None, "dtype": pos.meta.dtype if pos.meta else None,
                 })
-        return pd.DataFrame(rows, columns=_POSITION_COLUMNS)
+        return _frame(rows, _POSITION_COLUMNS)
 
     def _passes(self):
         for run in self.runs:

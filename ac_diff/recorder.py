@@ -39,6 +39,21 @@ from .trace import TraceWriter, default_header
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
+def _never_raise(method):
+    """The recorder must not break the training it observes: a failure inside it is written to the
+    trace as a warning (once per kind) and recording goes on; the training never sees it."""
+    import functools
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error(method.__name__, exc)
+            return None
+    return guarded
+
+
 @dataclass
 class RecordOptions:
     """What to record. The defaults record everything a diagnosis uses."""
@@ -123,6 +138,7 @@ class Recorder:
         self.ops_recorded = 0
         self.ops_outside = 0
         self.errors: list[str] = []
+        self._reported: set[tuple[str, str]] = set()
         self._header_extra = header_extra or {}
         self._writer: TraceWriter | None = None
         self._lock = threading.Lock()
@@ -171,6 +187,16 @@ class Recorder:
             "end_time": time.time(),
         })
 
+    def _internal_error(self, where: str, exc: Exception) -> None:
+        key = (where, type(exc).__name__)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        message = f"ac-diff recorder error in {where}: {type(exc).__name__}: {exc} (recording continues; please report)"
+        self.errors.append(message)
+        with contextlib.suppress(Exception):
+            self._writer.write({"type": "warning", "message": message})
+
     def summary(self) -> dict[str, Any]:
         return {"trace": self.path, "regions": self._regions, "ops_recorded": self.ops_recorded,
                 "ops_outside": self.ops_outside}
@@ -208,6 +234,7 @@ class Recorder:
         return self._ops_seen
 
     # -- listener interface for CheckpointHooks ------------------------------------------------
+    @_never_raise
     def enter(self, frame: Any, phase: str) -> None:
         if tracing():  # torch.compile/export tracing checkpoint() with fake tensors: not a real pass
             return
@@ -233,6 +260,7 @@ class Recorder:
                 self._mode.__enter__()
         passes.append(p)
 
+    @_never_raise
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         passes = self._passes()
         if not passes or passes[-1].region is not getattr(frame, "_ac_diff_region", None):
@@ -249,6 +277,7 @@ class Recorder:
         complete = exc is None or stopped_early
         self._finish_pass(p, complete, stopped_early, exc)
 
+    @_never_raise
     def pass_inputs(self, frame: Any, inputs: tuple, p: _Pass | None = None) -> None:
         if p is None:
             passes = self._passes()
@@ -259,6 +288,7 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
 
+    @_never_raise
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         region = getattr(frame, "_ac_diff_region", None)
         passes = self._passes()
@@ -274,12 +304,14 @@ class Recorder:
             p.positions.append([position, _meta(tensor), ref.get("k"), ref.get("op"), ref.get("o", 0),
                                 ref.get("name")])
 
+    @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
         region = getattr(frame, "_ac_diff_region", None)
         self._writer.write({"type": "check_error", "region": region.number if region else None,
                             "exc_type": type(exc).__name__, "message": _exception_text(exc)})
         self._writer.flush()
 
+    @_never_raise
     def sac_saved(self, func) -> None:
         """Selective AC stored this op's output in the forward: mark the op (the last one of that name)."""
         passes = self._passes()
@@ -293,6 +325,7 @@ class Recorder:
                 rec["cached"] = True
                 break
 
+    @_never_raise
     def sac_cached(self, func, args, kwargs, out) -> None:
         """Selective AC answered this op from its cache in the recompute: it never reached the recorder."""
         passes = self._passes()
@@ -317,6 +350,7 @@ class Recorder:
         stack.append((module, name))
         return module
 
+    @_never_raise
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
         passes = self._passes()
         if self.compile_watch.saw(module, fqn, passes[-1].region if passes else None):
@@ -327,6 +361,7 @@ class Recorder:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
 
     # -- ops ----------------------------------------------------------------------------------
+    @_never_raise
     def _on_op(self, func, args, kwargs, out) -> None:
         self._ops_seen += 1
         local = self._local

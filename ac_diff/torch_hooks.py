@@ -214,7 +214,8 @@ class CheckpointHooks:
                     try:
                         listener.exit(hook._ac_diff_frame, phase, exc_info[1])
                     finally:
-                        return base.__exit__(hook, *exc_info)
+                        # always pop torch's hooks, and never swallow the region's own exception
+                        base.__exit__(hook, *exc_info)
                 return __exit__
             return make
 

@@ -8,7 +8,7 @@ Two models, both with every transformer block checkpointed (non-reentrant, `chec
 torchtitan's way), trained with AdamW in ONE process:
 
 * moe    the bundled example (`examples/tiny_moe.py`): 4 layers, hidden 256, seq 512, top-2 of 8
-         experts (expert FFN 512), router + histc + argsort + split, load-balancing bias updated
+         experts (expert FFN 128, tiny_moe's default), batch 2, router + histc + argsort + split, load-balancing bias updated
          after the optimizer step;
 * dense  the same transformer with a dense SwiGLU FFN of the same active size (top_k * expert FFN).
 
@@ -28,7 +28,8 @@ Each ac-diff variant records into a fresh trace file per step (in a temporary di
 after each round), and the timed step includes starting and finishing the recorder (so writing the
 trace is paid for). After `--warmup` rounds, `--rounds` rounds run every variant once, in an order
 rotated each round (round-robin: a load spike on this machine hits all variants alike); the table
-gives medians and the ratio to plain's median. Then, untimed, one more step per variant measures:
+gives medians and the ratio to plain's median (wall clock), and the ratio of median CPU time (this
+process, all threads), which a loaded machine disturbs less. Then, untimed, one more step per variant measures:
 
 * trace bytes per recorded op (file size / ops recorded);
 * peak extra RSS over plain (Linux VmHWM, reset through /proc/self/clear_refs before the step):
@@ -203,6 +204,7 @@ def bench_model(kind: str, cli, out: dict) -> None:
     step = make_step(model, args, cli)
     vs = variants(cli)
     times: dict[str, list[float]] = {v.name: [] for v in vs}
+    cpu: dict[str, list[float]] = {v.name: [] for v in vs}
     tmp = tempfile.mkdtemp(prefix="ac-diff-overhead-")
     n = len(vs)
     try:
@@ -210,12 +212,13 @@ def bench_model(kind: str, cli, out: dict) -> None:
             order = vs[rnd % n:] + vs[:rnd % n]
             for v in order:
                 gc.collect()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with v.context(tmp, str(rnd)):
                     step(rnd)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if rnd >= cli.warmup:
                     times[v.name].append(dt * 1e3)
+                    cpu[v.name].append(dc * 1e3)
             for f in os.listdir(tmp):  # the traces of this round (a kept-open one survives on Linux)
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(tmp, f))
@@ -243,15 +246,18 @@ def bench_model(kind: str, cli, out: dict) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plain = statistics.median(times["plain"]) if times.get("plain") else None
+    plain_cpu = statistics.median(cpu["plain"]) if cpu.get("plain") else None
     rows = {}
     for v in vs:
         med = statistics.median(times[v.name])
+        med_cpu = statistics.median(cpu[v.name])
         m = mem[v.name]
         extra = (m["peak_rss_mb"] - mem["plain"]["peak_rss_mb"]) if "plain" in mem and m["peak_rss_mb"] is not None \
             and mem["plain"]["peak_rss_mb"] is not None else None
         rows[v.name] = {
             "median_ms": round(med, 2), "ratio": round(med / plain, 3) if plain else None,
             "min_ms": round(min(times[v.name]), 2), "max_ms": round(max(times[v.name]), 2),
+            "cpu_median_ms": round(med_cpu, 2), "cpu_ratio": round(med_cpu / plain_cpu, 3) if plain_cpu else None,
             "ops": m["ops"], "trace_bytes": m["trace_bytes"],
             "trace_bytes_per_op": round(m["trace_bytes"] / m["ops"], 1) if m["trace_bytes"] and m["ops"] else None,
             "extra_peak_rss_mb": round(extra, 1) if extra is not None else None,
@@ -262,13 +268,13 @@ def bench_model(kind: str, cli, out: dict) -> None:
 
 def print_table(kind: str, rows: dict) -> None:
     print(f"\n{kind}: median of the timed rounds, ratio to plain")
-    print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'min..max ms':>15} {'ops':>7} {'trace B/op':>10} "
-          f"{'+RSS MB':>8} {'py heap MB':>10}")
+    print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'min..max ms':>15} {'cpu ratio':>9} {'ops':>7} "
+          f"{'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
     for name, r in rows.items():
         bpo = f"{r['trace_bytes_per_op']:.0f}" if r["trace_bytes_per_op"] else "-"
         rss = f"{r['extra_peak_rss_mb']:+.1f}" if r["extra_peak_rss_mb"] is not None else "-"
         print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} "
-              f"{r['ops'] or '-':>7} {bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
+              f"{r['cpu_ratio']:>8.2f}x {r['ops'] or '-':>7} {bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
 
 
 def main(argv=None) -> None:
@@ -283,11 +289,14 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-hidden", type=int, default=512, help="per-expert FFN size (dense FFN: top_k x this)")
+    p.add_argument("--expert-hidden", type=int, default=128,
+                   help="per-expert FFN size, tiny_moe's default (dense FFN: top_k x this)")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0: torch's choice (default %(default)s: on a loaded 2-core machine "
+                        "two OpenMP threads oversubscribe and step times jump 3-5x at random)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")
     cli = p.parse_args(argv)

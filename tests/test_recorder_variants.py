@@ -120,3 +120,36 @@ def test_module_fqns_are_right_during_recompute(tmp_path):
     assert not any("_checkpoint_wrapped_module" in str(m) for m in ops.module)
     topk = rec[rec.op == "aten.topk.default"]
     assert set(topk.module) == {"layers.0.moe.router", "layers.1.moe.router"}
+
+
+def test_a_recorder_failure_never_reaches_the_training(tmp_path, monkeypatch):
+    from ac_diff.fingerprint import FingerprintBatch
+    from models import train_step
+
+    def broken(self, t):
+        raise RuntimeError("simulated recorder bug")
+
+    torch.manual_seed(0)
+    model = Net(VARIANTS["non_reentrant"])
+    expected = train_step(model)
+    for p in model.parameters():
+        p.grad = None
+    monkeypatch.setattr(FingerprintBatch, "add", broken)
+    with ac_diff.record(tmp_path / "t.jsonl") as rec:
+        loss, grads = train_step(model)
+    assert torch.equal(loss, expected[0]) and all(torch.equal(grads[k], expected[1][k]) for k in grads)
+    assert rec.errors and "simulated recorder bug" in rec.errors[0]
+    assert any("simulated recorder bug" in n for n in ac_diff.load(tmp_path / "t.jsonl").runs[0].notes)
+
+
+def test_missing_private_internals_degrade_with_a_warning(tmp_path, monkeypatch):
+    import torch.utils.checkpoint as cp
+
+    monkeypatch.delattr(cp, "_recomputation_hook")
+    with pytest.warns(RuntimeWarning, match="cannot see non-reentrant checkpoint regions"):
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            torch.manual_seed(0)
+            Net(VARIANTS["reentrant"])(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    trace = ac_diff.load(tmp_path / "t.jsonl")
+    assert any("cannot see" in n for n in trace.runs[0].notes)
+    assert len(trace.regions) == 2  # reentrant regions are still seen through CheckpointFunction
