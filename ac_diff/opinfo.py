@@ -42,6 +42,19 @@ def short_dtype(dtype: torch.dtype) -> str:
     return short if short is not None else str(dtype).replace("torch.", "")
 
 
+_FROM_SHORT = {short: dtype for dtype, short in _SHORT_DTYPES.items()}
+
+
+def dtype_from_short(name: str) -> torch.dtype:
+    """The inverse of `short_dtype`: "f32" -> torch.float32, "float8_e4m3fnuz" -> torch.float8_e4m3fnuz."""
+    dtype = _FROM_SHORT.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
 @dataclass(frozen=True, slots=True)
 class OpInfo:
     name: str

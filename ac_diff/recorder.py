@@ -31,7 +31,7 @@ from . import __version__
 from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
-from .opinfo import OpInfo, op_info, short_dtype
+from .opinfo import _SHORT_DTYPES, OpInfo, op_info, short_dtype
 from .sourceline import user_source
 from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
@@ -88,15 +88,16 @@ class _Pass:
     attempt: int
     base_depth: int
     state: dict[str, Any]
-    ops: list[dict] = field(default_factory=list)
+    ops: list[tuple] = field(default_factory=list)  # one row per op: see _OP .. _FLAGS
     producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
     externals: list[dict] = field(default_factory=list)
     external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, external index)
     input_ids: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position in the region's inputs
     positions: list[list] = field(default_factory=list)
     batch: FingerprintBatch = field(default_factory=FingerprintBatch)
-    fp_slots: list[tuple[dict, int, int]] = field(default_factory=list)  # (record, output index, slot)
-    kept: list[tuple[dict, str, int]] = field(default_factory=list)  # (record, key, kept index)
+    fp_slots: list[tuple[int, int, int]] = field(default_factory=list)  # (op index, output index, slot)
+    kept: list[tuple[int, str, int]] = field(default_factory=list)  # (op index, key, kept index)
+    cached: set[int] = field(default_factory=set)  # ops selective AC saved (forward), marked after recording
     ext_slots: list[tuple[dict, int]] = field(default_factory=list)
     externals_per_kind: dict[str, int] = field(default_factory=dict)
     n_ops: int = 0
@@ -132,6 +133,7 @@ class Recorder:
         self._stance = EagerStance()  # torch.compile'd code runs eagerly in regions
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
+        self._internal_block = _Internal(self)
         self._mode = _RecordingMode(self)
         self._regions = 0
         self._ops_seen = 0
@@ -210,15 +212,12 @@ class Recorder:
             self._local.internal = 0
             return self._local.passes
 
-    @contextlib.contextmanager
-    def internal(self):
-        """Ops dispatched inside this block are torch's checkpoint machinery, not the region's."""
-        self._passes()
-        self._local.internal += 1
-        try:
-            yield
-        finally:
-            self._local.internal -= 1
+    def internal(self) -> "_Internal":
+        """Ops dispatched inside this block are torch's checkpoint machinery, not the region's.
+
+        A plain object with __enter__/__exit__ (a generator context manager costs ~3 us per use, and
+        torch's recompute pack hook enters this once per saved tensor)."""
+        return self._internal_block
 
     @contextlib.contextmanager
     def quiet(self):
@@ -299,10 +298,14 @@ class Recorder:
             p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
             if p is None:
                 return
-        with self.quiet():
-            ref = self._ref(p, tensor)
-            p.positions.append([position, _meta(tensor), ref.get("k"), ref.get("op"), ref.get("o", 0),
-                                ref.get("name")])
+        ref = self._known_ref(p, tensor)
+        if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
+            with self.quiet():
+                ref = self._ref(p, tensor)
+        if ref[0] == "op":
+            p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
+        else:
+            p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
@@ -320,9 +323,10 @@ class Recorder:
         p = passes[-1]
         p.region.options["sac"] = True
         name = op_info(func).name
-        for rec in reversed(p.ops[-4:]):  # the op itself, possibly followed by SAC's own detach
-            if rec["op"] == name:
-                rec["cached"] = True
+        ops = p.ops
+        for i in range(len(ops) - 1, max(len(ops) - 5, -1), -1):  # the op, maybe followed by SAC's detach
+            if ops[i][_OP] == name:
+                p.cached.add(i)
                 break
 
     @_never_raise
@@ -376,54 +380,65 @@ class Recorder:
         self._record(p, func, args, kwargs or {}, out)
 
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
+        """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
+        tuples of atomic values leave the garbage collector's books at its next pass)."""
         info: OpInfo = op_info(func)
-        if info.name in self.options.ignore_ops:
+        name = info.name
+        if name in self.options.ignore_ops:
             return
         self.ops_recorded += 1
         p.n_ops += 1
-        index = len(p.ops)
+        ops = p.ops
+        index = len(ops)
         if index == 0:  # at the first op, after torch restored the RNG and entered grad/autocast modes
             p.state.update(self._global_state())
             p.state["rng"] = _rng_digest()
         in_meta: list = []
         refs: list = []
         tensor_inputs: list[torch.Tensor] = []
-        arg_values = [self._arg(p, a, in_meta, refs, tensor_inputs) for a in args]
-        for k, v in kwargs.items():
-            arg_values.append({k: self._arg(p, v, in_meta, refs, tensor_inputs)})
-        rec: dict[str, Any] = {"i": index, "op": info.name}
-        module = self.modules.current()
-        if module is not None:
-            rec["module"] = module
-        if self.options.source_lines:
-            src = user_source(4)
-            if src is not None:
-                rec["src"] = src
-        rec["in"] = in_meta
-        rec["args"] = arg_values
-        rec["refs"] = refs
+        arg_values: list = []
+        producers = p.producers
+        for a in args:  # the common cases inline (this runs for every op of every region pass)
+            if isinstance(a, torch.Tensor):
+                dtype = a.dtype
+                in_meta.append((tuple(a.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
+                                "cpu" if a.is_cpu else str(a.device)))
+                hit = producers.get(id(a))
+                refs.append(("op", hit[1], hit[2]) if hit is not None and hit[0]() is a else self._ref(p, a))
+                tensor_inputs.append(a)
+                arg_values.append("$")
+            elif type(a) in _PLAIN_ARGS:
+                arg_values.append(a)
+            else:
+                arg_values.append(self._arg(p, a, in_meta, refs, tensor_inputs))
+        if kwargs:
+            for k, v in kwargs.items():
+                arg_values.append({k: self._arg(p, v, in_meta, refs, tensor_inputs)})
+        stack = self.modules.stack()
+        module = stack[-1][1] if stack else None
+        src = user_source(4) if self.options.source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        out_meta = []
+        out_meta: list = []
+        host = None
         fp_wanted = self.options.fingerprints and not cached and info.fingerprint
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
-                out_meta.append(_meta(o))
-                p.producers[id(o)] = (weakref.ref(o), index, j)
+                dtype = o.dtype
+                out_meta.append((tuple(o.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
+                                 "cpu" if o.is_cpu else str(o.device)))
+                producers[id(o)] = (weakref.ref(o), index, j)
                 if fp_wanted:
                     slot = p.batch.add(o)
                     if slot is not None:
-                        p.fp_slots.append((rec, j, slot))
-            elif o is not None and not isinstance(o, torch.Tensor) and isinstance(o, (int, float, bool)):
-                rec["host"] = o
-        rec["out"] = out_meta
-        if cached:
-            rec["cached"] = True
-        if info.random:
-            rec["random"] = True
-        if (info.discrete or info.name in self.options.discrete_ops) and not cached:
-            rec["discrete"] = True
-            self._keep_values(p, rec, outs, tensor_inputs)
-        p.ops.append(rec)
+                        p.fp_slots.append((index, j, slot))
+            elif o is not None and isinstance(o, (int, float, bool)):
+                host = o
+        flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0)
+        if (info.discrete or name in self.options.discrete_ops) and not cached:
+            flags |= _DISCRETE
+            self._keep_values(p, index, outs, tensor_inputs)
+        ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
+                    flags))
 
     def _arg(self, p: _Pass, a: Any, in_meta: list, refs: list, tensor_inputs: list) -> Any:
         if isinstance(a, torch.Tensor):
@@ -436,23 +451,32 @@ class Recorder:
         if isinstance(a, (list, tuple)):
             if len(a) > 256:
                 return f"<{type(a).__name__} of {len(a)}>"
-            return [self._arg(p, x, in_meta, refs, tensor_inputs) for x in a]
+            return tuple([self._arg(p, x, in_meta, refs, tensor_inputs) for x in a])
         if isinstance(a, torch.dtype):
             return short_dtype(a)
         if isinstance(a, torch.SymInt):
             return str(a)
         return str(a)
 
-    def _ref(self, p: _Pass, t: torch.Tensor) -> dict:
-        """Where tensor `t` came from, within pass `p` (producing op, input, parameter, buffer, external)."""
+    @staticmethod
+    def _known_ref(p: _Pass, t: torch.Tensor) -> tuple | None:
+        """Where `t` came from if the pass has seen it, without tensor work: ("op", op index, output index)
+        or (kind, name, external index)."""
         key = id(t)
         hit = p.producers.get(key)
         if hit is not None and hit[0]() is t:
-            return {"k": "op", "op": hit[1], "o": hit[2]} if hit[2] else {"k": "op", "op": hit[1]}
+            return ("op", hit[1], hit[2])
         hit = p.external_ids.get(key)
         if hit is not None and hit[0]() is t:
-            ext = p.externals[hit[1]]
-            return {"k": ext["kind"], "name": ext["name"], "ext": hit[1]}
+            return hit[2]
+        return None
+
+    def _ref(self, p: _Pass, t: torch.Tensor) -> tuple:
+        """Where tensor `t` came from, within pass `p` (producing op, input, parameter, buffer, external)."""
+        known = self._known_ref(p, t)
+        if known is not None:
+            return known
+        key = id(t)
         if key in p.input_ids:
             kind, name = "input", f"input[{p.input_ids[key]}]"
         else:
@@ -469,20 +493,21 @@ class Recorder:
             slot = p.batch.add(t)
             if slot is not None:
                 p.ext_slots.append((ext, slot))
-        p.external_ids[key] = (weakref.ref(t), ext["i"])
+        ref = (kind, name, ext["i"])
+        p.external_ids[key] = (weakref.ref(t), ext["i"], ref)
         p.externals.append(ext)
-        return {"k": kind, "name": name, "ext": ext["i"]}
+        return ref
 
-    def _keep_values(self, p: _Pass, rec: dict, outs, inputs: list[torch.Tensor]) -> None:
+    def _keep_values(self, p: _Pass, index: int, outs, inputs: list[torch.Tensor]) -> None:
         limit = self.options.keep_values
         if limit <= 0:
             return
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.numel() <= limit and o.layout == torch.strided:
-                p.kept.append((rec, f"out{j}", p.batch.keep(o)))
+                p.kept.append((index, f"out{j}", p.batch.keep(o)))
         # the score input lets the diagnosis say by what margin a decision flipped
         if inputs and inputs[0].is_floating_point() and inputs[0].numel() <= limit * 8:
-            p.kept.append((rec, "in0", p.batch.keep(inputs[0])))
+            p.kept.append((index, "in0", p.batch.keep(inputs[0])))
 
     # -- regions and passes -------------------------------------------------------------------
     def _new_region(self, frame: Any, passes: list[_Pass], recorded: bool = True) -> _Region:
@@ -518,18 +543,10 @@ class Recorder:
         if region.recorded:
             with self.quiet():
                 fingerprints, kept = p.batch.collect()
-            for rec, j, slot in p.fp_slots:
-                fp = rec.get("fp")
-                if fp is None:
-                    fp = rec["fp"] = [None] * len(rec["out"])
-                if j < len(fp):
-                    fp[j] = fingerprints[slot]
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
-            for rec, key, idx in p.kept:
-                rec.setdefault("vals", {})[key] = kept[idx]
-            base = {"type": "op", "region": region.number, "phase": p.phase, "attempt": p.attempt}
-            writer.write_many({**base, **rec} for rec in p.ops)
+            if p.ops:
+                writer.write(_ops_record(p, fingerprints, kept))
         record = {
             "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt,
             "n_ops": p.n_ops, "complete": complete, "stopped_early": stopped_early, "state": p.state,
@@ -592,9 +609,92 @@ def _no_dispatch_modes():
             yield
 
 
-def _meta(t: torch.Tensor) -> list:
-    device = t.device
-    return [list(t.shape), short_dtype(t.dtype), "cpu" if device.type == "cpu" else str(device)]
+# A recorded op is a row (name, module, src, in, args, refs, out, host, flags); flags are bits:
+_OP, _MODULE, _SRC, _IN, _ARGS, _REFS, _OUT, _HOST, _FLAGS = range(9)
+_CACHED, _RANDOM, _DISCRETE = 1, 2, 4
+OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
+
+
+def _ops_record(p: _Pass, fingerprints: list, kept: list) -> dict[str, Any]:
+    """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
+
+        {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
+         "fields": ["op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals"],
+         "strings": ["aten.mm.default", "layers.0.attention.wq", "model.py:40 in forward", ...],
+         "rows": [[0, 1, 2, [[[512, 64], "f32", "cpu"]], ["$", "$"], [["op", 3, 0], ["param", "w", 1]],
+                   [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
+
+    `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
+    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete; trailing empty
+    fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
+    """
+    fps: dict[int, list] = {}
+    ops = p.ops
+    for index, j, slot in p.fp_slots:
+        fp = fps.get(index)
+        if fp is None:
+            fp = fps[index] = [None] * len(ops[index][_OUT])
+        fp[j] = fingerprints[slot]
+    vals: dict[int, dict] = {}
+    for index, key, idx in p.kept:
+        vals.setdefault(index, {})[key] = kept[idx]
+    strings: dict[str, int] = {}
+    rows = []
+    cached = p.cached
+    for index, (name, module, src, in_meta, args, refs, out_meta, host, flags) in enumerate(ops):
+        op_id = strings.get(name)
+        if op_id is None:
+            op_id = strings[name] = len(strings)
+        module_id = None
+        if module is not None:
+            module_id = strings.get(module)
+            if module_id is None:
+                module_id = strings[module] = len(strings)
+        src_id = None
+        if src is not None:
+            src_id = strings.get(src)
+            if src_id is None:
+                src_id = strings[src] = len(strings)
+        if cached and index in cached:
+            flags |= _CACHED
+        row = [op_id, module_id, src_id, in_meta, args, refs, out_meta, fps.get(index), host, flags,
+               vals.get(index)]
+        if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
+            row.pop()
+            if not flags:
+                row.pop()
+                while len(row) > 7 and row[-1] is None:
+                    row.pop()
+        rows.append(row)
+    return {"type": "ops", "region": p.region.number, "phase": p.phase, "attempt": p.attempt, "start": 0,
+            "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
+
+
+class _Internal:
+    """`Recorder.internal()`: counts nesting in the recorder's thread-local state (re-entrant)."""
+
+    __slots__ = ("_recorder",)
+
+    def __init__(self, recorder: "Recorder") -> None:
+        self._recorder = recorder
+
+    def __enter__(self) -> None:
+        local = self._recorder._local
+        try:
+            local.internal += 1
+        except AttributeError:
+            self._recorder._passes()
+            local.internal += 1
+
+    def __exit__(self, *exc_info) -> None:
+        self._recorder._local.internal -= 1
+
+
+_PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
 
 
 def _rng_digest() -> str:

@@ -42,10 +42,16 @@ def _exit_code(exc: SystemExit) -> int:
 
 def check_target(target: str, module: bool) -> None:
     if module:
+        added = os.getcwd() not in sys.path
+        if added:  # python -m finds modules in the working directory: look there too
+            sys.path.insert(0, os.getcwd())
         try:
             spec = find_spec(target)
         except (ImportError, ValueError):
             spec = None
+        finally:
+            if added:
+                sys.path.remove(os.getcwd())
         if spec is None:
             raise TargetNotFound(f"no module named {target!r} (is the package installed, or the working "
                                  "directory the one python -m would use?)")
@@ -95,11 +101,15 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
     return Outcome(exit_code, exception)
 
 
+def _own(filename: str, here: str) -> bool:
+    return filename.startswith(here) and not filename.startswith(os.path.join(here, "_examples") + os.sep)
+
+
 def _print_script_traceback(exc: BaseException) -> None:
     """The traceback python would print: frames of ac-diff and runpy dropped from the top."""
     tb = exc.__traceback__
     here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+    while tb is not None and (_own(tb.tb_frame.f_code.co_filename, here)
                               or os.path.basename(tb.tb_frame.f_code.co_filename) == "runpy.py"
                               or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
@@ -111,7 +121,9 @@ def _print_script_traceback(exc: BaseException) -> None:
 
 
 def _drop_own_frames(te: traceback.TracebackException, here: str) -> None:
-    """ac-diff's wrappers around torch internals are not part of the user's story."""
+    """ac-diff's wrappers around torch internals are not part of the user's story (its bundled
+    examples, installed inside the package, are)."""
     while te is not None:
-        te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(here)])
+        te.stack = traceback.StackSummary.from_list(
+            [f for f in te.stack if not _own(f.filename, here)])
         te = te.__cause__ or te.__context__

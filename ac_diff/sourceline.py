@@ -48,9 +48,19 @@ def short_path(filename: str) -> str:
     return "/".join(parts[-3:])
 
 
+_internal_code: dict = {}  # code object -> internal? (one dict hit per frame on the per-op walk)
+
+
 def user_source(start_depth: int = 2) -> str | None:
     frame = sys._getframe(start_depth)
-    while frame is not None and _is_internal(frame.f_code.co_filename):
+    internal_code = _internal_code
+    while frame is not None:
+        code = frame.f_code
+        internal = internal_code.get(code)
+        if internal is None:
+            internal = internal_code[code] = _is_internal(code.co_filename)
+        if not internal:
+            break
         frame = frame.f_back
     if frame is None:
         return None

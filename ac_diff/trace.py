@@ -5,14 +5,16 @@
     {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
      "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
      "out": [...], "args": ["$", "$"], "refs": [{"k": "op", "op": 3}, {"k": "param", "name": "..."}],
-     "fp": [[12.5, 801.2]], "vals": {...}}
+     "fp": [[12.5, 801.2]], "vals": {"out1": {"dtype": "i64", "shape": [512, 2], "b64": "..."}}}
     {"type": "pass", "region": 0, "phase": "forward", "n_ops": 57, "complete": true, "positions": [...], ...}
     {"type": "check_error" | "exception" | "warning", ...}
     {"type": "end", "status": "ok" | "exception" | "interrupted" | "exit", "exit_code": 0, ...}
 
-`read_run(path)` turns a file back into the model (`ac_diff.model.Run`). A file of another format or
-of a newer major version raises `TraceFormatError` saying what it is and what to do; a file without
-its end record (the process died) loads with `Run.truncated` set and a note.
+Kept values (`vals`) are raw little-endian bytes in base64 with their dtype and shape (older traces
+stored nested lists; both load). `read_run(path)` turns a file back into the model
+(`ac_diff.model.Run`). A file of another format or of a newer major version raises
+`TraceFormatError` saying what it is and what to do; a file without its end record (the process
+died) loads with `Run.truncated` set and a note.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class TraceWriter:
         raw = open(self.path, "wb")
         self._raw = raw
         self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
-        self._encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+        # records are trees: no circular-reference bookkeeping (a quarter of the encoding time)
+        self._encode = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False).encode
         self.write(header)
         self.flush()
 
@@ -164,6 +167,12 @@ def read_run(path: str | os.PathLike) -> Run:
         if kind == "op":
             key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
             ops.setdefault(key, []).append(_op_from_json(rec))
+        elif kind == "ops":
+            key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
+            try:
+                ops.setdefault(key, []).extend(_ops_from_json(rec))
+            except (KeyError, IndexError, TypeError, ValueError):
+                garbled += 1
         elif kind == "pass":
             _attach_pass(regions, ops, rec, rank)
         elif kind == "region":
@@ -239,10 +248,64 @@ def _op_from_json(rec: dict) -> OpRecord:
         index=rec.get("i", 0), op=rec.get("op", "?"), module=rec.get("module"), source=rec.get("src"),
         inputs=[_meta(x) for x in rec.get("in", [])], out=[_meta(x) for x in rec.get("out", [])],
         args=rec.get("args", []), input_refs=[InputRef.from_json(r) for r in rec.get("refs", [])],
-        fingerprint=rec.get("fp"), host_value=rec.get("host"), values=rec.get("vals"),
+        fingerprint=rec.get("fp"), host_value=rec.get("host"), values=_values_from_json(rec.get("vals")),
         cached=bool(rec.get("cached", False)), random=bool(rec.get("random", False)),
         discrete=bool(rec.get("discrete", False)),
     )
+
+
+_FLAG_CACHED, _FLAG_RANDOM, _FLAG_DISCRETE = 1, 2, 4
+
+
+def _ops_from_json(rec: dict) -> list[OpRecord]:
+    """A pass's ops written as one "ops" record (rows of `fields`, strings interned; see recorder._ops_record)."""
+    strings = rec.get("strings", [])
+    fields = rec.get("fields", [])
+    at = {name: i for i, name in enumerate(fields)}
+    n = len(fields)
+
+    def col(row: list, name: str) -> Any:
+        i = at.get(name)
+        return row[i] if i is not None and i < len(row) else None
+
+    def text(row: list, name: str) -> str | None:
+        i = col(row, name)
+        return strings[i] if i is not None else None
+
+    out = []
+    start = int(rec.get("start", 0) or 0)
+    for k, row in enumerate(rec.get("rows", [])):
+        row = list(row) + [None] * (n - len(row))
+        flags = col(row, "flags") or 0
+        refs = []
+        for r in col(row, "refs") or ():
+            if r[0] == "op":
+                refs.append(InputRef("op", op_index=r[1], output=r[2] or 0))
+            else:
+                refs.append(InputRef(r[0], name=r[1], external=r[2]))
+        out.append(OpRecord(
+            index=start + k, op=text(row, "op") or "?", module=text(row, "module"), source=text(row, "src"),
+            inputs=[_meta(x) for x in col(row, "in") or ()], out=[_meta(x) for x in col(row, "out") or ()],
+            args=col(row, "args") or [], input_refs=refs, fingerprint=col(row, "fp"), host_value=col(row, "host"),
+            values=_values_from_json(col(row, "vals")), cached=bool(flags & _FLAG_CACHED),
+            random=bool(flags & _FLAG_RANDOM), discrete=bool(flags & _FLAG_DISCRETE),
+        ))
+    return out
+
+
+def _values_from_json(vals: Any) -> Any:
+    """Kept values: since 1.1 each is {"dtype", "shape", "b64"} (raw bytes); 1.0 stored nested lists."""
+    if not isinstance(vals, dict) or not any(isinstance(v, dict) for v in vals.values()):
+        return vals
+    from .fingerprint import decode_values
+
+    out = {}
+    for key, v in vals.items():
+        try:
+            out[key] = decode_values(v)
+        except (ValueError, TypeError, RuntimeError):  # a damaged entry costs only that entry
+            out[key] = None
+    return out
 
 
 def _position_from_json(x: list) -> Position:

@@ -8,8 +8,8 @@ Two models, both with every transformer block checkpointed (non-reentrant, `chec
 torchtitan's way), trained with AdamW in ONE process:
 
 * moe    the bundled example (`examples/tiny_moe.py`): 4 layers, hidden 256, seq 512, top-2 of 8
-         experts (expert FFN 128, tiny_moe's default), batch 2, router + histc + argsort + split, load-balancing bias updated
-         after the optimizer step;
+         experts (expert FFN 128, tiny_moe's default), batch 2; router + histc + argsort + split;
+         the load-balancing bias is updated after the optimizer step;
 * dense  the same transformer with a dense SwiGLU FFN of the same active size (top_k * expert FFN).
 
 Variants of the same training step (forward, loss, backward, optimizer step):
@@ -28,12 +28,14 @@ Each ac-diff variant records into a fresh trace file per step (in a temporary di
 after each round), and the timed step includes starting and finishing the recorder (so writing the
 trace is paid for). After `--warmup` rounds, `--rounds` rounds run every variant once, in an order
 rotated each round (round-robin: a load spike on this machine hits all variants alike); the table
-gives medians and the ratio to plain's median (wall clock), and the ratio of median CPU time (this
-process, all threads), which a loaded machine disturbs less. Then, untimed, one more step per variant measures:
+gives median wall-clock times, the ratio to plain (the median over rounds of variant / plain in the
+same round: a load spike that slows a whole round cancels out), and the ratio of median CPU time
+(this process, all threads). Then, untimed, one more step per variant measures:
 
 * trace bytes per recorded op (file size / ops recorded);
-* peak extra RSS over plain (Linux VmHWM, reset through /proc/self/clear_refs before the step):
-  everything the step allocated, torch's CPU tensors included, minus plain's peak;
+* peak extra RSS over plain: how far resident memory grows during one step (Linux VmHWM, reset
+  through /proc/self/clear_refs after `malloc_trim`), torch's CPU tensors included, minus plain's
+  growth (mean of two measurements in opposite variant orders; allocator noise is a few MB);
 * peak Python heap (tracemalloc, Python objects only: records, dicts, lists; not tensor storage).
 
 The machine's load average is printed before and after: other processes make timings noisy.
@@ -179,18 +181,24 @@ def variants(cli) -> list[Variant]:
 
 
 # -- measurement ------------------------------------------------------------------------------
-def _vm_hwm_kb() -> int | None:
+def _proc_status_kb(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return None
 
 
-def _reset_hwm() -> bool:
+def _settle_memory() -> bool:
+    """Free what Python and malloc hold so the next step's RSS growth is its own; reset the peak (VmHWM)."""
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -199,41 +207,52 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _peak_rss_growth_mb(v: Variant, tmp: str, step) -> float | None:
+    if not _settle_memory():
+        return None
+    base = _proc_status_kb("VmRSS")
+    with v.context(tmp, "mem"):
+        step(0)
+    peak = _proc_status_kb("VmHWM")
+    return (peak - base) / 1024 if peak is not None and base is not None else None
+
+
 def bench_model(kind: str, cli, out: dict) -> None:
     model, args = build(kind, cli)
     step = make_step(model, args, cli)
     vs = variants(cli)
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     cpu: dict[str, list[float]] = {v.name: [] for v in vs}
+    paired: dict[str, list[float]] = {v.name: [] for v in vs}  # time / plain's time in the same round
     tmp = tempfile.mkdtemp(prefix="ac-diff-overhead-")
     n = len(vs)
     try:
         for rnd in range(cli.warmup + cli.rounds):
             order = vs[rnd % n:] + vs[:rnd % n]
+            this: dict[str, float] = {}
             for v in order:
                 gc.collect()
                 t0, c0 = time.perf_counter(), time.process_time()
                 with v.context(tmp, str(rnd)):
                     step(rnd)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                this[v.name] = dt * 1e3
                 if rnd >= cli.warmup:
                     times[v.name].append(dt * 1e3)
                     cpu[v.name].append(dc * 1e3)
-            for f in os.listdir(tmp):  # the traces of this round (a kept-open one survives on Linux)
+            if rnd >= cli.warmup and "plain" in this:
+                for name, t in this.items():
+                    paired[name].append(t / this["plain"])
+            for f in os.listdir(tmp):  # this round's traces
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(tmp, f))
             if cli.verbose:
-                print(f"  {kind} round {rnd}: " + ", ".join(f"{k} {t[-1]:.0f}" for k, t in times.items() if t),
-                      file=sys.stderr, flush=True)
-        # untimed: trace size and memory, one step per variant
+                print(f"  {kind} round {rnd}: " + ", ".join(f"{k} {t:.0f}" for k, t in this.items())
+                      + f"  (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        # untimed: trace size and memory, one step per variant and measure
         mem: dict[str, dict] = {}
         for v in vs:
-            gc.collect()
-            _reset_hwm()
-            base = _vm_hwm_kb()
-            with v.context(tmp, "mem"):
-                step(0)
-            peak = _vm_hwm_kb()
+            growth = [_peak_rss_growth_mb(v, tmp, step)]
             gc.collect()
             tracemalloc.start()
             with v.context(tmp, "tm"):
@@ -241,10 +260,16 @@ def bench_model(kind: str, cli, out: dict) -> None:
             _, py_peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
             size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
-            mem[v.name] = {"peak_rss_mb": (peak - base) / 1024 if peak and base else None,
-                           "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops}
+            mem[v.name] = {"growth": growth, "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops}
+        for v in reversed(vs):  # a second RSS measurement in the other order: allocator state favours neither
+            mem[v.name]["growth"].append(_peak_rss_growth_mb(v, tmp, step))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+    def growth(name: str) -> float | None:
+        g = [x for x in mem[name]["growth"] if x is not None]
+        return sum(g) / len(g) if g else None
+
     plain = statistics.median(times["plain"]) if times.get("plain") else None
     plain_cpu = statistics.median(cpu["plain"]) if cpu.get("plain") else None
     rows = {}
@@ -252,22 +277,24 @@ def bench_model(kind: str, cli, out: dict) -> None:
         med = statistics.median(times[v.name])
         med_cpu = statistics.median(cpu[v.name])
         m = mem[v.name]
-        extra = (m["peak_rss_mb"] - mem["plain"]["peak_rss_mb"]) if "plain" in mem and m["peak_rss_mb"] is not None \
-            and mem["plain"]["peak_rss_mb"] is not None else None
+        g, g0 = growth(v.name), growth("plain") if "plain" in mem else None
         rows[v.name] = {
-            "median_ms": round(med, 2), "ratio": round(med / plain, 3) if plain else None,
+            "median_ms": round(med, 2),
+            "ratio": round(statistics.median(paired[v.name]), 3) if paired[v.name] else None,
+            "ratio_of_medians": round(med / plain, 3) if plain else None,
             "min_ms": round(min(times[v.name]), 2), "max_ms": round(max(times[v.name]), 2),
             "cpu_median_ms": round(med_cpu, 2), "cpu_ratio": round(med_cpu / plain_cpu, 3) if plain_cpu else None,
             "ops": m["ops"], "trace_bytes": m["trace_bytes"],
             "trace_bytes_per_op": round(m["trace_bytes"] / m["ops"], 1) if m["trace_bytes"] and m["ops"] else None,
-            "extra_peak_rss_mb": round(extra, 1) if extra is not None else None,
+            "peak_rss_growth_mb": round(g, 1) if g is not None else None,
+            "extra_peak_rss_mb": round(g - g0, 1) if g is not None and g0 is not None else None,
             "py_peak_mb": round(m["py_peak_mb"], 2),
         }
     out[kind] = rows
 
 
 def print_table(kind: str, rows: dict) -> None:
-    print(f"\n{kind}: median of the timed rounds, ratio to plain")
+    print(f"\n{kind}: timed rounds; ratio = median over rounds of (variant / plain in the same round)")
     print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'min..max ms':>15} {'cpu ratio':>9} {'ops':>7} "
           f"{'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
     for name, r in rows.items():
@@ -317,8 +344,9 @@ def main(argv=None) -> None:
     load1 = os.getloadavg()
     print(f"\nload average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; this process used {cpu:.0f} s CPU "
           f"in {wall:.0f} s wall ({cpu / wall:.2f} cores)")
-    print("+RSS: peak resident memory of one step minus plain's (Linux VmHWM, tensors included); "
-          "py heap: tracemalloc peak (Python objects only)")
+    print("ops: ops recorded in one step (debugmode: ops logged); trace B/op: trace file bytes per recorded op")
+    print("+RSS: growth of resident memory during one step (VmHWM after malloc_trim, tensors included; mean of "
+          "two), minus plain's; py heap: tracemalloc peak of one step (Python objects only)")
     if cli.json:
         with open(cli.json, "w") as f:
             json.dump(results, f, indent=1)

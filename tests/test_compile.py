@@ -21,10 +21,6 @@ def runs(tmp_path_factory):
     return run_all(tmp_path_factory.mktemp("compile"), {
         # a compiled submodule (fullgraph=True) inside each checkpointed block, with a real divergence in it
         "inner": Job([SCRIPT, "--compile", "inner", "--fullgraph", "--dropout", "0.1", "--no-preserve-rng"]),
-        # block.ff.compile(): compiled in place, no OptimizedModule wrapper
-        "method": Job([SCRIPT, "--compile", "method"]),
-        # torch.compile(model) over checkpoint_wrapper'd blocks
-        "around": Job([SCRIPT, "--compile", "around"]),
         # torchtitan: each layer = torch.compile(checkpoint_wrapper(block), fullgraph=True)
         "block": Job([SCRIPT, "--compile", "block", "--fullgraph"]),
         # the workaround the report gives: --scope all runs compiled code eagerly, regions included
@@ -50,24 +46,14 @@ def test_compiled_submodule_inside_regions_is_named_and_the_divergence_still_fou
 
 
 @pytest.mark.e2e
-def test_module_compiled_in_place_is_detected(runs):
-    r = runs["method"]
-    assert r.returncode == 0, r.explain()
-    assert r.report["verdict"] == "clean", r.report["headline"]
-    run = read_run(r.trace_dir / "trace-rank0.jsonl")
-    assert [g.compiled for g in run.regions] == [["layers.0.ff"], ["layers.1.ff"]] * 2
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name, modules", [("around", "Net"), ("block", "layers.0, layers.1")])
-def test_compile_around_checkpoint_does_not_crash_and_says_why_no_region_ran(runs, name, modules):
-    r = runs[name]
+def test_torchtitan_per_block_fullgraph_compile_does_not_crash_and_says_why_no_region_ran(runs):
+    r = runs["block"]
     assert r.returncode == 0, r.explain()  # the training itself ran, compiled
     assert "step 1: loss" in r.stdout
     report = r.report
     assert report["regions"] == []
     note = next(n for n in report["notes"] if n.startswith("torch.compile"))
-    assert f"compiled module(s) {modules} ran outside any recorded region" in note
+    assert "compiled module(s) layers.0, layers.1 ran outside any recorded region" in note
     assert "no checkpointed region ran" in note and "--scope all" in note
 
 
@@ -79,6 +65,42 @@ def test_scope_all_records_the_regions_of_a_compiled_model_eagerly(runs):
     assert report["verdict"] == "clean", report["headline"]
     assert [g["module"] for g in report["regions"]] == ["layers.0", "layers.1"] * 2
     assert any(n.startswith("torch.compile: Net ran eagerly") for n in report["notes"])
+
+
+# -- in process ---------------------------------------------------------------------------------------
+def _blocks(compile_how: str) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+                             for _ in range(2)])
+    for i, block in enumerate(layers):
+        if compile_how == "method":
+            block[1].compile(backend="aot_eager", fullgraph=True)
+        layers[i] = checkpoint_wrapper(block)
+    return torch.compile(layers, backend="aot_eager") if compile_how == "around" else layers
+
+
+@pytest.mark.parametrize("how", ["method", "around"])
+def test_in_process_recording_of_compiled_models(tmp_path, how):
+    import ac_diff
+
+    model = _blocks(how)
+    try:
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    run = read_run(tmp_path / "t.jsonl")
+    note = next(n for n in run.notes if n.startswith("torch.compile"))
+    if how == "method":  # block[1].compile(): compiled in place, no OptimizedModule wrapper
+        assert [g.compiled for g in run.regions] == [["0.1"], ["1.1"]] * 2
+        assert "0.1, 1.1 ran inside checkpointed region(s) 0, 1, 2, 3" in note
+        assert ac_diff.diagnose([run]).verdict == "clean"
+    else:  # torch.compile(model) over checkpoint_wrapper'd blocks: no crash, no region, and why
+        assert run.regions == []
+        assert "Sequential ran outside any recorded region" in note and "no checkpointed region ran" in note
 
 
 # -- units ------------------------------------------------------------------------------------------

@@ -108,8 +108,6 @@ def test_full_ac_bias_in_forward_hook_raises_checkpoint_error_mapped_to_the_laye
     assert 'activation_checkpoint.mode = "selective"' in text
 
 
-@pytest.mark.xfail(reason="`ac-diff run -m` (console script) looks the module up before putting the working "
-                          "directory on sys.path as `python -m` does (ac_diff/runner.py check_target)", strict=False)
 def test_module_launch_from_the_package_directory_like_python_m(tmp_path):
     exe = shutil.which("ac-diff")
     if exe is None:

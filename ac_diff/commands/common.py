@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
@@ -18,10 +19,6 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 
 
-class UsageError(Exception):
-    """Bad input from the user; the message names the problem and the fix."""
-
-
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     print(f"ac-diff: error: {message}", file=sys.stderr)
     return code
@@ -31,14 +28,24 @@ def console() -> Console:
     return Console(soft_wrap=False)
 
 
+_FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json"}
+
+
 def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, output: str | None = None) -> int:
-    """Render the report as asked; return 0 for clean, 1 for divergence."""
+    """Render the report as asked; return 0 for clean, 1 for divergence.
+
+    A file given with `output` gets `fmt` (or the format its suffix names); the terminal report is
+    printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
+    if output and fmt == "terminal":
+        fmt = _FORMAT_OF_SUFFIX.get(os.path.splitext(output)[1].lower(), "terminal")
     if json_path:
         render(report, "json", path=json_path)
-    if fmt == "terminal" and output is None:
+    if output:
+        render(report, fmt, path=output)
+    if output or fmt == "terminal":
         render(report, "terminal", console=console())
     else:
-        render(report, fmt, path=output)
+        render(report, fmt, path=None)
     if json_path and json_path != "-":
         print(f"ac-diff: JSON report written to {json_path}", file=sys.stderr)
     if output:

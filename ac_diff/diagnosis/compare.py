@@ -75,8 +75,23 @@ def is_discrete(op: OpRecord) -> bool:
     return len(parts) >= 2 and parts[1] in DISCRETE_OPS and not (parts[1] in ("max", "min") and parts[-1] == "default")
 
 
-def usable_ops(p: Pass) -> list[OpRecord]:
-    return [o for o in p.ops if o.op not in HOOK_ONLY_OPS]
+# Copies autograd adds in a reentrant recompute only (its forward ran under no_grad, so an in-place op
+# on a tensor needed for backward was not guarded by a clone there).
+REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
+
+
+def usable_ops(p: Pass, skip: frozenset[str] = HOOK_ONLY_OPS) -> list[OpRecord]:
+    return [o for o in p.ops if o.op not in skip]
+
+
+def _pass_through(p: Pass, skip: frozenset[str]) -> dict[int, int]:
+    """Skipped copy ops -> the op whose output they copy, so references through them still resolve."""
+    source: dict[int, int] = {}
+    for o in p.ops:
+        if o.op in skip and o.input_refs and o.input_refs[0].kind == "op":
+            first = o.input_refs[0].op_index
+            source[o.index] = source.get(first, first)
+    return source
 
 
 @dataclass
@@ -118,9 +133,10 @@ class PassComparison:
 
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
-                   from_log: bool = False) -> PassComparison:
+                   from_log: bool = False, reentrant: bool = False) -> PassComparison:
     f_ops = usable_ops(forward)
-    r_ops = usable_ops(recompute)
+    r_skip = HOOK_ONLY_OPS | REENTRANT_ONLY_OPS if reentrant else HOOK_ONLY_OPS
+    r_ops = usable_ops(recompute, r_skip)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
     # back to the ops' own indices
     pairs = [Pair(f_ops[p.forward].index if p.forward is not None else None,
@@ -128,6 +144,10 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     f_by_index = {o.index: o for o in f_ops}
     r_by_index = {o.index: o for o in r_ops}
     rec_to_fwd = {p.recompute: p.forward for p in pairs if p.forward is not None and p.recompute is not None}
+    for copy, original in _pass_through(recompute, r_skip).items():
+        if original in rec_to_fwd:
+            rec_to_fwd[copy] = rec_to_fwd[original]
+    f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
     changed_ext, ext_status = _compare_externals(forward, recompute, tolerance)
 
@@ -152,7 +172,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             d.kinds.add("control")
         if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
-            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status)
+            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source)
             d.inputs_same, d.changed_inputs = same, changed
             tainted[f.index] = not d.side_effect and (bool(d.kinds & {"value", "shape", "args", "host"}) or (
                 same is False and not _measured(f, r)))
@@ -272,7 +292,7 @@ def _plain_args(args: list) -> list:
 
 
 def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd: dict[int, int],
-                 ext_status: dict[tuple, bool]) -> tuple[bool | None, list[str]]:
+                 ext_status: dict[tuple, bool], f_source: dict[int, int]) -> tuple[bool | None, list[str]]:
     """Were all inputs of this pair identical? Uses the producers' comparison and the externals'."""
     if not f.input_refs or not r.input_refs or len(f.input_refs) != len(r.input_refs):
         return None, []
@@ -280,7 +300,7 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
     changed: list[str] = []
     for fr, rr in zip(f.input_refs, r.input_refs):
         if fr.kind == "op":
-            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != fr.op_index:
+            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != f_source.get(fr.op_index, fr.op_index):
                 same = False
             elif tainted.get(fr.op_index, False):
                 same = False

@@ -47,7 +47,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
 
-    cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log)
+    cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
     report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
     report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)

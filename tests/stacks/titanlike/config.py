@@ -43,6 +43,7 @@ class JobConfig:
     model: Model = dataclasses.field(default_factory=Model)
 
 
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 _SHORTCUTS = {"steps": "training.steps", "seed": "training.seed", "bias_update": "model.bias_update",
               "layers": "model.n_layers", "ac_mode": "activation_checkpoint.mode"}
 
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> JobConfig:
     p = argparse.ArgumentParser(prog="python -m titanlike.train")
     for section in dataclasses.fields(job):
         for f in dataclasses.fields(getattr(job, section.name)):
-            kind = f.type if isinstance(f.type, type) else eval(f.type)  # noqa: S307 - our own annotations
+            kind = _TYPES[f.type] if isinstance(f.type, str) else f.type
             conv = (lambda s: s.lower() in ("1", "true", "yes")) if kind is bool else kind
             p.add_argument(f"--{section.name}.{f.name}", dest=f"{section.name}.{f.name}", type=conv, default=None)
     for short, full in _SHORTCUTS.items():
