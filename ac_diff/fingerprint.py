@@ -47,6 +47,11 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
     return t if not hasattr(t, "__tensor_flatten__") else None
 
 
+# Fingerprint weights by (device, dtype or None for the integer ones) and their slices by length.
+_weight_bases: dict[tuple, torch.Tensor] = {}
+_weight_slices: dict[tuple, torch.Tensor] = {}
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """The one place ac-diff copies recorded values from a device to the host (a sync on a GPU)."""
     return t if t.device.type == "cpu" else t.cpu()
@@ -59,8 +64,6 @@ class FingerprintBatch:
         # (kind, device) -> two lists of 0-d tensors: the first and the second number of each pair
         self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._slots: list[tuple[tuple[str, torch.device], int]] = []
-        self._weights: dict[torch.device, torch.Tensor] = {}
-        self._float_weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._kept: list[torch.Tensor] = []
 
     def add(self, t: torch.Tensor) -> int | None:
@@ -106,26 +109,42 @@ class FingerprintBatch:
         quasi-random weights in [1, 2): unlike (sum, abs-sum) it changes when values move between
         positions (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update).
         Two kernels (mv, dot) and no temporary the size of the tensor."""
-        m = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
-        rows = torch.mv(m, self._float_weight(t.device, t.dtype, m.shape[1]))
-        out = torch.dot(rows, self._float_weight(t.device, t.dtype, m.shape[0]))
+        # (a 2-D tensor is its own row view: reshaping it would only add a dispatch; same numbers)
+        dim = t.dim()
+        m = t if dim == 2 else t.reshape(-1, t.shape[-1]) if dim > 2 else t.reshape(1, -1)
+        device, dtype = t.device, t.dtype
+        rows = torch.mv(m, self._float_weight(device, dtype, m.shape[1]))
+        out = torch.dot(rows, self._float_weight(device, dtype, m.shape[0]))
         return out if out.dtype is torch.float32 else out.float()
 
-    def _float_weight(self, device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-        key = (device, dtype)
-        w = self._float_weights.get(key)
-        if w is None or w.numel() < n:
-            k = torch.arange(max(n, 1024), dtype=torch.float64)
-            w = (1.0 + torch.frac(k * 0.6180339887498949)).to(device=device, dtype=dtype)
-            self._float_weights[key] = w
-        return w[:n]
+    @staticmethod
+    def _float_weight(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+        # cached per (device, dtype, length) for the whole process: the same values for a given length
+        # however the base grew, and no slicing dispatch per fingerprint
+        w = _weight_slices.get((device, dtype, n))
+        if w is None:
+            key = (device, dtype)
+            base = _weight_bases.get(key)
+            if base is None or base.numel() < n:
+                k = torch.arange(max(n, 1024), dtype=torch.float64)
+                base = _weight_bases[key] = (1.0 + torch.frac(k * 0.6180339887498949)).to(device=device, dtype=dtype)
+            if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
+                _weight_slices.clear()
+            w = _weight_slices[(device, dtype, n)] = base[:n]
+        return w
 
-    def _weight(self, device: torch.device, n: int) -> torch.Tensor:
-        w = self._weights.get(device)
-        if w is None or w.numel() < n:
-            w = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64, device=device)
-            self._weights[device] = w
-        return w[:n]
+    @staticmethod
+    def _weight(device: torch.device, n: int) -> torch.Tensor:
+        w = _weight_slices.get((device, None, n))
+        if w is None:
+            base = _weight_bases.get((device, None))
+            if base is None or base.numel() < n:
+                base = _weight_bases[(device, None)] = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64,
+                                                                    device=device)
+            if len(_weight_slices) > 4096:
+                _weight_slices.clear()
+            w = _weight_slices[(device, None, n)] = base[:n]
+        return w
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""

@@ -32,6 +32,7 @@ from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .opinfo import _SHORT_DTYPES, OpInfo, op_info, short_dtype
+from .opinfo import _cache as _op_infos
 from .sourceline import user_source
 from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
@@ -65,6 +66,11 @@ class RecordOptions:
     scope: str = "regions"  # "regions": the dispatch mode runs only inside regions; "all": also counts other ops
     discrete_ops: frozenset[str] = frozenset()  # extra op names (e.g. "aten.my_router.default") to treat as discrete
     ignore_ops: frozenset[str] = frozenset()  # op names never recorded
+    # "all": write every recorded pass. "diverged": record everything, but write a region's ops only if its
+    # recompute did not reproduce its forward (or it failed, or was never recomputed); a clean region keeps
+    # its pass records (op counts, saved positions, externals) with "ops_written": false. For long runs.
+    write: str = "all"
+    hold_bytes: int = 256 << 20  # write="diverged": encoded forwards held awaiting their recompute (oldest out)
 
 
 @dataclass
@@ -79,6 +85,9 @@ class _Region:
     recorded: bool = True
     written: bool = False
     recomputes: int = 0
+    hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
+    held: Any = None  # (encoded ops line, pass record, signature) while held
+    signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
 
 
 @dataclass
@@ -143,6 +152,9 @@ class Recorder:
         self._reported: set[tuple[str, str]] = set()
         self._header_extra = header_extra or {}
         self._writer: TraceWriter | None = None
+        self._held: dict[int, _Region] = {}  # write="diverged": regions whose forward waits for its recompute
+        self._held_bytes = 0
+        self._side_effect_modules: set[str | None] = set()
         self._lock = threading.Lock()
         self._started = False
 
@@ -175,6 +187,8 @@ class Recorder:
         self.compile_watch.stop()
         for message in self.compile_watch.messages(self._regions, self.options.scope == "all"):
             self._writer.write({"type": "warning", "message": message})
+        for region in list(self._held.values()):  # never recomputed (or the run stopped first): keep them
+            self._release(region)
         status = "ok"
         if exc is not None:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"
@@ -310,6 +324,8 @@ class Recorder:
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
         region = getattr(frame, "_ac_diff_region", None)
+        if region is not None and region.hold == "held":
+            self._release(region)
         self._writer.write({"type": "check_error", "region": region.number if region else None,
                             "exc_type": type(exc).__name__, "message": _exception_text(exc)})
         self._writer.flush()
@@ -382,7 +398,7 @@ class Recorder:
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        info: OpInfo = op_info(func)
+        info: OpInfo = _op_infos.get(func) or op_info(func)
         name = info.name
         if name in self.options.ignore_ops:
             return
@@ -409,6 +425,8 @@ class Recorder:
                 arg_values.append("$")
             elif type(a) in _PLAIN_ARGS:
                 arg_values.append(a)
+            elif type(a) in _SEQUENCES and len(a) <= 256 and all(type(x) in _PLAIN_ARGS for x in a):
+                arg_values.append(tuple(a))  # sizes, dims, split sizes
             else:
                 arg_values.append(self._arg(p, a, in_meta, refs, tensor_inputs))
         if kwargs:
@@ -540,13 +558,16 @@ class Recorder:
                 **({"compiled": self.compile_watch.inside[region.number]}
                    if region.number in self.compile_watch.inside else {}),
             })
+        ops_record = None
+        fps: dict[int, list] = {}
         if region.recorded:
             with self.quiet():
                 fingerprints, kept = p.batch.collect()
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
+            fps = _fps_by_op(p, fingerprints)
             if p.ops:
-                writer.write(_ops_record(p, fingerprints, kept))
+                ops_record = _ops_record(p, fps, kept)
         record = {
             "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt,
             "n_ops": p.n_ops, "complete": complete, "stopped_early": stopped_early, "state": p.state,
@@ -554,13 +575,79 @@ class Recorder:
         }
         if exc is not None and not stopped_early:
             record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
-        writer.write(record)
+        if region.recorded and self.options.write == "diverged":
+            self._write_if_diverged(p, ops_record, record, fps, failed=exc is not None and not stopped_early)
+        else:
+            if ops_record is not None:
+                writer.write(ops_record)
+            writer.write(record)
         writer.flush()
         # free what the pass held (the producer map holds weak references only)
         p.producers.clear()
         p.external_ids.clear()
         p.batch = FingerprintBatch()
         p.ops = []
+
+    # -- write="diverged" ---------------------------------------------------------------------
+    def _write_if_diverged(self, p: _Pass, ops_record: dict | None, record: dict, fps: dict[int, list],
+                           failed: bool) -> None:
+        """Hold a forward until its recompute; then write both in full if they differ, else only their pass
+        records (marked "ops_written": false). Conservative: anything unusual is written in full."""
+        region = p.region
+        writer = self._writer
+        sig = _signature(p, fps)
+        if p.phase == FORWARD:
+            if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
+                region.hold = "written"
+                if ops_record is not None:
+                    writer.write(ops_record)
+                writer.write(record)
+                return
+            line = writer.encode(ops_record) if ops_record is not None else b""
+            region.held, region.hold = (line, record, sig), "held"
+            self._held[region.number] = region
+            self._held_bytes += len(line)
+            while self._held_bytes > self.options.hold_bytes and self._held:
+                self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
+            return
+        forward = region.held[2] if region.hold == "held" else region.signature
+        verdict = DIFFERENT if failed or forward is None else _compare_signatures(
+            forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
+        # side effects (a counter the recompute bumps again) are shown for the first region of each module
+        clean = verdict == SAME or (verdict == SIDE_EFFECTS and region.module in self._side_effect_modules)
+        if verdict == SIDE_EFFECTS:
+            self._side_effect_modules.add(region.module)
+        if region.hold == "held":
+            if clean:
+                line, fwd_record, region.signature = region.held
+                self._held_bytes -= len(line)
+                self._held.pop(region.number, None)
+                region.held, region.hold = None, "clean"
+                writer.write(_summary(fwd_record))
+            else:
+                self._release(region)
+        if clean and region.hold == "clean":
+            writer.write(_summary(record))
+            return
+        if region.hold == "clean":
+            writer.write({"type": "warning", "message": (
+                f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
+                "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
+        if ops_record is not None:
+            writer.write(ops_record)
+        writer.write(record)
+
+    def _release(self, region: _Region) -> None:
+        """Write a held forward in full (memory limit, a failed check, the end of the run)."""
+        if region.hold != "held":
+            return
+        line, record, region.signature = region.held
+        self._held_bytes -= len(line)
+        self._held.pop(region.number, None)
+        region.held, region.hold = None, "written"
+        if line:
+            self._writer.write_encoded(line)
+        self._writer.write(record)
 
     def _global_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -615,7 +702,94 @@ _CACHED, _RANDOM, _DISCRETE = 1, 2, 4
 OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 
 
-def _ops_record(p: _Pass, fingerprints: list, kept: list) -> dict[str, Any]:
+def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
+    """op index -> its outputs' fingerprints (None where an output was not fingerprinted)."""
+    fps: dict[int, list] = {}
+    ops = p.ops
+    for index, j, slot in p.fp_slots:
+        fp = fps.get(index)
+        if fp is None:
+            fp = fps[index] = [None] * len(ops[index][_OUT])
+        fp[j] = fingerprints[slot]
+    return fps
+
+
+# Ops one pass has and the other not, without changing values (mirrors diagnosis/compare.py).
+_HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
+_REENTRANT_RECOMPUTE_ONLY_OPS = frozenset({"aten.clone.default"})
+_SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
+
+
+def _summary(record: dict) -> dict:
+    """The pass record of a region whose recompute reproduced its forward (write="diverged"): counts only.
+    Positions and externals go too (a counter bumped twice would otherwise look like a changed input)."""
+    return {**record, "ops_written": False, "positions": [], "externals": [],
+            "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ()))}
+
+
+def _is_side_effect(name: str, refs: tuple) -> bool:
+    """An in-place update of a tensor the region did not create (a tokens-per-expert counter): the
+    recompute repeats it with other values, but no activation depends on it (as diagnosis/compare.py)."""
+    parts = name.split(".")
+    packet = parts[1] if len(parts) >= 3 else name
+    return packet.endswith("_") and not packet.startswith("_") and bool(refs) and \
+        refs[0][0] in ("buffer", "param", "external")
+
+
+def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
+    """What must be equal for a recompute to count as a reproduction of its forward (write="diverged")."""
+    ops = []
+    mutated: set[tuple] = set()  # externals the pass updates in place
+    for i, row in enumerate(p.ops):
+        name = row[_OP]
+        if name in _HOOK_ONLY_OPS:
+            continue
+        side = _is_side_effect(name, row[_REFS])
+        if side:
+            mutated.add(row[_REFS][0][:2])
+        ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
+    positions = [pos[1] for pos in p.positions]
+    externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
+    state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
+    if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
+        state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
+    return ops, positions, externals, state, mutated
+
+
+SAME, SIDE_EFFECTS, DIFFERENT = "same", "side_effects", "different"
+
+
+def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, reentrant: bool) -> str:
+    """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
+    f_ops, f_positions, f_externals, f_state, f_mutated = forward
+    r_ops, r_positions, r_externals, r_state, r_mutated = recompute
+    if f_state != r_state or f_positions != r_positions or f_externals.keys() != r_externals.keys():
+        return DIFFERENT
+    side_effects = False
+    for key, a in f_externals.items():
+        b = r_externals[key]
+        if a is not None and b is not None and a != b:
+            if key not in f_mutated:
+                return DIFFERENT
+            side_effects = True  # a counter the forward already bumped
+    if reentrant:
+        r_ops = [o for o in r_ops if o[0] not in _REENTRANT_RECOMPUTE_ONLY_OPS]
+    if len(r_ops) > len(f_ops) or (len(r_ops) < len(f_ops) and not stopped_early):
+        return DIFFERENT
+    for a, b in zip(f_ops, r_ops):
+        if a[:4] != b[:4] or a[5] != b[5]:
+            return DIFFERENT
+        fa, fb = a[4], b[4]
+        if fa and fb:
+            for x, y in zip(fa, fb):
+                if x is not None and y is not None and x != y:  # NaN != NaN: written, conservatively
+                    if not a[5]:
+                        return DIFFERENT
+                    side_effects = True
+    return SIDE_EFFECTS if side_effects else SAME
+
+
+def _ops_record(p: _Pass, fps: dict[int, list], kept: list) -> dict[str, Any]:
     """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
 
         {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
@@ -628,13 +802,7 @@ def _ops_record(p: _Pass, fingerprints: list, kept: list) -> dict[str, Any]:
     [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete; trailing empty
     fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
     """
-    fps: dict[int, list] = {}
     ops = p.ops
-    for index, j, slot in p.fp_slots:
-        fp = fps.get(index)
-        if fp is None:
-            fp = fps[index] = [None] * len(ops[index][_OUT])
-        fp[j] = fingerprints[slot]
     vals: dict[int, dict] = {}
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]
@@ -691,6 +859,7 @@ class _Internal:
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
+_SEQUENCES = frozenset({list, tuple})
 
 
 def _meta(t: torch.Tensor) -> tuple:

@@ -1,0 +1,255 @@
+"""The recorder's cost structure (not its speed: timings live in benchmarks/overhead.py).
+
+On a GPU every device->host read is a synchronisation, so the recorder may read back a constant number
+of times per checkpointed pass, never once per op: fingerprints and kept values stay on the device and
+travel together at the end of the pass (`fingerprint.to_host`). These tests count the reads on CPU,
+where the same code path runs. They also pin the trace's compact "ops" record, the base64 kept values
+and the `write="diverged"` mode for long runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import ac_diff
+from ac_diff import fingerprint
+from ac_diff.fingerprint import FingerprintBatch, decode_values, encode_values
+from ac_diff.trace import read_run
+from conftest import EXAMPLES
+
+sys.path.insert(0, str(EXAMPLES))
+import tiny_moe  # noqa: E402
+
+AC_DIFF_DIR = os.path.dirname(os.path.abspath(ac_diff.__file__)) + os.sep
+# Tensor methods that read values into host memory: each one is a device sync when the tensor is on a GPU.
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class Router(nn.Module):
+    """`depth` linear+gelu steps and a top-k decision (kept values) per step: ops grow with depth."""
+
+    def __init__(self, depth: int, dim: int = 16) -> None:
+        super().__init__()
+        self.steps = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.steps:
+            x = nn.functional.gelu(lin(x))
+            scores, idx = torch.topk(x, k=2, dim=-1)
+            x = x + scores.sum(-1, keepdim=True) * 1e-3 + idx.sum(-1, keepdim=True).float() * 1e-4
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self, depth: int, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Router(depth) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
+@contextlib.contextmanager
+def counting_host_reads():
+    """Count value reads made by ac_diff's own code: `to_host` calls, and any other host read (which
+    must not happen at all outside the collection at the end of a pass)."""
+    counts = {"to_host": 0, "elsewhere": 0, "where": []}
+    real_to_host = fingerprint.to_host
+
+    def to_host(t):
+        counts["to_host"] += 1
+        return real_to_host(t)
+
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def spy(name, original):
+        def method(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            code = caller.f_code
+            name_ = code.co_name if not code.co_name.startswith("<") else caller.f_back.f_code.co_name
+            # reads of what to_host returned (host memory) happen in these functions only
+            if code.co_filename.startswith(AC_DIFF_DIR) and name_ not in (
+                    "collect", "_read_kept", "encode_values", "decode_values", "_rng_digest"):
+                counts["elsewhere"] += 1
+                counts["where"].append(f"{code.co_filename}:{caller.f_lineno} {name}")
+            return original(self, *args, **kwargs)
+        return method
+
+    syncs = {"n": 0}
+    real_sync = torch.cuda.synchronize
+
+    def synchronize(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.startswith(AC_DIFF_DIR):
+            syncs["n"] += 1
+        return real_sync(*args, **kwargs)
+
+    fingerprint.to_host = to_host
+    torch.cuda.synchronize = synchronize
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, spy(name, original))
+    try:
+        yield counts
+    finally:
+        fingerprint.to_host = real_to_host
+        torch.cuda.synchronize = real_sync
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        counts["elsewhere"] += syncs["n"]
+
+
+def _recorded_step(depth: int, path) -> tuple[dict, int, int]:
+    torch.manual_seed(0)
+    model = Model(depth)
+    x = torch.randn(8, 16, requires_grad=True)
+    with counting_host_reads() as counts:
+        with ac_diff.record(path) as rec:
+            model(x).sum().backward()
+    run = read_run(path)
+    passes = sum((r.forward is not None) + (r.recompute is not None) for r in run.regions)
+    return counts, passes, rec.ops_recorded
+
+
+def test_host_reads_are_per_pass_not_per_op(tmp_path):
+    small, passes_small, ops_small = _recorded_step(2, tmp_path / "small.jsonl")
+    big, passes_big, ops_big = _recorded_step(10, tmp_path / "big.jsonl")
+    assert passes_small == passes_big == 6  # 3 regions, forward + recompute
+    assert ops_big >= 4 * ops_small
+    # nothing reads values while ops are recorded: no .item()/.tolist()/.cpu() per op or per tensor
+    assert small["elsewhere"] == big["elsewhere"] == 0, big["where"][:10]
+    # at the end of a pass: one read per (device, kind) of fingerprints and per (device, dtype) of kept
+    # values (floats, integers; kept f32 scores and i64 indices) -> at most 4 per pass, however many ops
+    assert big["to_host"] == small["to_host"]
+    assert small["to_host"] <= 4 * passes_small
+
+
+def test_fingerprints_and_kept_values_are_collected_in_one_read_per_group():
+    batch = FingerprintBatch()
+    tensors = [torch.randn(5, 3), torch.arange(7), torch.rand(4) > 0.5, torch.randn(2, 2).to(torch.bfloat16)]
+    slots = [batch.add(t) for t in tensors * 50]
+    kept = [batch.keep(t) for t in tensors * 50]
+    with counting_host_reads() as counts:
+        fps, values = batch.collect()
+    assert counts["elsewhere"] == 0
+    assert counts["to_host"] == 2 + 4  # fingerprints: floats, ints; kept: f32, i64, b8, bf16
+    assert all(fps[s] is not None for s in slots)
+    for t, k in zip(tensors * 50, kept):
+        assert decode_values(values[k]) == t.tolist()
+
+
+@pytest.mark.parametrize("t", [
+    torch.randn(3, 4), torch.randn(2, 3).to(torch.bfloat16), torch.randn(5).to(torch.float16),
+    torch.randint(-2**40, 2**40, (6,)), torch.randint(0, 8, (4, 2)).to(torch.int32), torch.rand(7) > 0.5,
+    torch.tensor(3), torch.tensor(2.5), torch.zeros(0, 3), torch.randn(4, 3).t(),
+], ids=lambda t: f"{t.dtype}{list(t.shape)}")
+def test_kept_values_round_trip_exactly(t):
+    encoded = json.loads(json.dumps(encode_values(t)))
+    assert decode_values(encoded) == t.tolist()
+    assert decode_values([1, 2, 3]) == [1, 2, 3]  # format 1.0 stored the lists themselves
+
+
+def test_one_ops_record_per_pass_reads_like_one_record_per_op(tmp_path):
+    """The compact "ops" record loads into the same model as format 1.0's "op" records."""
+    path = tmp_path / "t.jsonl"
+    torch.manual_seed(0)
+    with ac_diff.record(path):
+        tiny_moe.train(steps=1, args=tiny_moe.ModelArgs(n_layers=1), seq_len=32, log=lambda _: None)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert not [r for r in lines if r["type"] == "op"]
+    ops_records = [r for r in lines if r["type"] == "ops"]
+    assert len(ops_records) == 2  # one region: forward and recompute
+
+    # the same content as one "op" record per op (format 1.0), written by hand
+    old = []
+    for r in lines:
+        if r["type"] != "ops":
+            old.append(r)
+            continue
+        strings, fields = r["strings"], r["fields"]
+        for i, row in enumerate(r["rows"]):
+            row = row + [None] * (len(fields) - len(row))
+            v = dict(zip(fields, row))
+            rec = {"type": "op", "region": r["region"], "phase": r["phase"], "attempt": r["attempt"], "i": i,
+                   "op": strings[v["op"]], "in": v["in"], "args": v["args"], "out": v["out"],
+                   "refs": [{"k": "op", "op": x[1], **({"o": x[2]} if x[2] else {})} if x[0] == "op"
+                            else {"k": x[0], "name": x[1], "ext": x[2]} for x in v["refs"]]}
+            for key, value in (("module", v["module"]), ("src", v["src"])):
+                if value is not None:
+                    rec[key] = strings[value]
+            for key, value in (("fp", v["fp"]), ("host", v["host"]),
+                               ("vals", {k: decode_values(x) for k, x in (v["vals"] or {}).items()} or None)):
+                if value is not None:
+                    rec[key] = value
+            for bit, key in ((1, "cached"), (2, "random"), (4, "discrete")):
+                if (v["flags"] or 0) & bit:
+                    rec[key] = True
+            old.append(rec)
+    old_path = tmp_path / "old.jsonl"
+    old_path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    new_run, old_run = read_run(path), read_run(old_path)
+    for a, b in zip(new_run.regions, old_run.regions):
+        for phase in ("forward", "recompute"):
+            assert getattr(a, phase).ops == getattr(b, phase).ops
+    assert any(o.values for o in new_run.regions[0].forward.ops)  # topk's kept values came through
+    assert ac_diff.diagnose([new_run]).to_json()["regions"] == ac_diff.diagnose([old_run]).to_json()["regions"]
+
+
+def _moe_run(path, bias_update, write, steps=2):
+    with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
+        with ac_diff.record(path, write=write):
+            tiny_moe.train(steps=steps, bias_update=bias_update, seq_len=64, log=lambda _: None)
+    return read_run(path)
+
+
+def _summary(run):
+    report = ac_diff.diagnose([run]).to_json()
+    return report["verdict"], [(r["region"], r["status"], (r["first_value_divergence"] or {}).get("op"),
+                                (r["first_shape_divergence"] or {}).get("op"), (r["cause"] or {}).get("kind"))
+                               for r in report["regions"]]
+
+
+@pytest.mark.parametrize("bias_update", ["forward_hook", "after_step"])
+def test_write_diverged_reports_like_write_all(bias_update, tmp_path):
+    everything = _moe_run(tmp_path / "all.jsonl", bias_update, "all")
+    diverged = _moe_run(tmp_path / "diverged.jsonl", bias_update, "diverged")
+    assert _summary(diverged) == _summary(everything)
+    if bias_update == "after_step":  # clean: the second step's regions are summaries without ops
+        second_step = [r for r in diverged.regions if r.region >= 2]
+        assert second_step and all(not r.forward.ops and not r.recompute.ops for r in second_step)
+        assert all(r.options.get("ops_written") is False for r in second_step)
+        assert all(r.forward.state["n_ops"] > 0 for r in second_step)
+        assert os.path.getsize(tmp_path / "diverged.jsonl") < 0.7 * os.path.getsize(tmp_path / "all.jsonl")
+    else:  # the diverging region is written in full
+        failing = ac_diff.diagnose([diverged]).to_json()["regions"]
+        region = next(r for r in failing if r["status"] == "diverged")
+        assert next(r for r in diverged.regions if r.region == region["region"]).forward.ops
+
+
+def test_write_diverged_keeps_forwards_that_were_never_recomputed(tmp_path):
+    torch.manual_seed(0)
+    model = Model(2)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, write="diverged"):
+        model(torch.randn(8, 16, requires_grad=True))  # no backward: no recompute
+    run = read_run(path)
+    assert len(run.regions) == 3 and all(r.forward.ops and r.recompute is None for r in run.regions)
+
+
+def test_max_regions_zero_only_counts(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, max_regions=0) as rec:
+        Model(2)(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert rec.ops_recorded == 0
+    run = read_run(path)
+    assert [r.options["recorded"] for r in run.regions] == [False] * 3
+    assert all(r.forward.state["n_ops"] > 0 for r in run.regions)
