@@ -38,12 +38,17 @@ def _kind(dtype: torch.dtype) -> str:
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor to reduce: a DTensor's local shard (reducing the DTensor itself would run a
-    collective, and `.tolist()` refuses subclasses); None for other wrapper subclasses."""
+    collective, and `.tolist()` refuses subclasses); an in-flight collective's result once it arrived
+    (AsyncCollectiveTensor); None for other wrapper subclasses."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t
     local = getattr(t, "_local_tensor", None)  # DTensor (also as a Parameter)
     if isinstance(local, torch.Tensor):
         return local
+    wait = getattr(t, "trigger_wait", None)  # AsyncCollectiveTensor: wait for the collective's values
+    if callable(wait) and hasattr(t, "elem"):
+        waited = wait()
+        return waited if type(waited) is torch.Tensor else None
     return t if not hasattr(t, "__tensor_flatten__") else None
 
 

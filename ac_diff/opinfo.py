@@ -23,6 +23,9 @@ _DISCRETE_OVERLOADS = {"max": {"dim", "dim_max"}, "min": {"dim", "dim_min"}}
 UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                                "empty_permuted"})
 
+# Not views to autograd, but their output is their input's memory reshaped.
+ALIASING_COPIES = frozenset({"_unsafe_view"})
+
 # Namespaces of distributed collectives (functional and in-place c10d ops).
 ASYNC_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"})
 
@@ -61,6 +64,9 @@ class OpInfo:
     fingerprint: bool  # worth a value fingerprint (not a view, not uninitialised memory)
     random: bool  # consumes the RNG
     discrete: bool
+    # the output is its first input's memory under another shape (aten._unsafe_view, which `linear` and
+    # `matmul` put after every mm of a 3-D input): its fingerprint can be the input's (see recorder)
+    aliases_input: bool = False
 
 
 _cache: dict = {}
@@ -91,4 +97,5 @@ def _compute(func) -> OpInfo:
         fingerprint=not is_view and packet not in UNINITIALISED_OPS and not async_collective,
         random=random,
         discrete=discrete,
+        aliases_input=packet in ALIASING_COPIES,
     )

@@ -444,11 +444,16 @@ class Recorder:
                 dtype = o.dtype
                 out_meta.append((tuple(o.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
                                  "cpu" if o.is_cpu else str(o.device)))
-                producers[id(o)] = (weakref.ref(o), index, j)
+                slot = None
                 if fp_wanted:
-                    slot = p.batch.add(o)
+                    if info.aliases_input and tensor_inputs:
+                        slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
+                    if slot is None:
+                        slot = p.batch.add(o)
                     if slot is not None:
                         p.fp_slots.append((index, j, slot))
+                # (weakref, op index, output index, fingerprint slot, version when fingerprinted)
+                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None)
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
         flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0)
@@ -702,6 +707,23 @@ _CACHED, _RANDOM, _DISCRETE = 1, 2, 4
 OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 
 
+def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, index: int) -> int | None:
+    """The fingerprint slot of `source` if `out` is the very same memory with the same last dimension and
+    `source` was made by the op just before (nothing can have written it since it was fingerprinted):
+    then both reductions (the sum over contiguous memory; the bilinear form over rows of the last
+    dimension) see identical data in identical order and give bit-identical numbers, so `out` need not
+    be reduced again (mm -> _unsafe_view in every linear and matmul of a 3-D input)."""
+    hit = producers.get(id(source))
+    if hit is None or hit[3] is None or hit[1] != index - 1 or hit[0]() is not source or source._version != hit[4]:
+        return None
+    if (out.dtype is not source.dtype or out.dim() < 2 or source.dim() < 2 or out.shape[-1] != source.shape[-1]
+            or out.numel() != source.numel() or not out.numel() or out.data_ptr() != source.data_ptr()
+            or not out.is_contiguous() or not source.is_contiguous() or type(out) is not torch.Tensor
+            or type(source) is not torch.Tensor):
+        return None
+    return hit[3]
+
+
 def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
     """op index -> its outputs' fingerprints (None where an output was not fingerprinted)."""
     fps: dict[int, list] = {}
@@ -838,8 +860,17 @@ def _ops_record(p: _Pass, fps: dict[int, list], kept: list) -> dict[str, Any]:
             "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
 
 
+_C = torch._C
+_CAN_POP_MODE = all(hasattr(_C, n) for n in (
+    "_len_torch_dispatch_stack", "_get_dispatch_stack_at", "_pop_torch_dispatch_stack", "_push_on_torch_dispatch_stack"))
+
+
 class _Internal:
-    """`Recorder.internal()`: counts nesting in the recorder's thread-local state (re-entrant)."""
+    """`Recorder.internal()`: counts nesting in the recorder's thread-local state (re-entrant).
+
+    When the recording mode is the top of the dispatch stack (and only regions are recorded), it is
+    also taken off the stack for the block: torch's own detach in each recompute pack hook then costs
+    ~1 us instead of a round trip through a Python dispatch mode (~30 us, once per saved tensor)."""
 
     __slots__ = ("_recorder",)
 
@@ -847,15 +878,29 @@ class _Internal:
         self._recorder = recorder
 
     def __enter__(self) -> None:
-        local = self._recorder._local
+        recorder = self._recorder
+        local = recorder._local
         try:
             local.internal += 1
         except AttributeError:
-            self._recorder._passes()
+            recorder._passes()
             local.internal += 1
+        popped = None
+        if _CAN_POP_MODE and recorder.options.scope != "all":
+            n = _C._len_torch_dispatch_stack()
+            if n and _C._get_dispatch_stack_at(n - 1) is recorder._mode:
+                popped = _C._pop_torch_dispatch_stack(None)
+        try:
+            local.popped.append(popped)
+        except AttributeError:
+            local.popped = [popped]
 
     def __exit__(self, *exc_info) -> None:
-        self._recorder._local.internal -= 1
+        local = self._recorder._local
+        popped = local.popped.pop()
+        if popped is not None:
+            _C._push_on_torch_dispatch_stack(popped)
+        local.internal -= 1
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
