@@ -42,7 +42,6 @@ def test_sample_debug_dump_of_the_moe_example(tmp_path):
     json_path = tmp_path / "r.json"
     proc = run_cli("compare", str(SAMPLE_LOGS / "moe_bias_update_debug.log"), "--json", str(json_path))
     assert proc.returncode == 1, proc.stderr
-    report = ac_diff.report.Report  # noqa: F841 (schema checked via JSON below)
     import json
 
     data = json.loads(json_path.read_text())

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,24 +12,6 @@ from ac_diff.cli import main
 from ac_diff.config import CONFIG_NAME, KEYS, Config, ConfigError, describe_keys, load_config, parse_config
 from ac_diff.diagnosis import Settings, Tolerance
 from ac_diff.recorder import RecordOptions
-
-
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> Path:
-    """The bundled MoE demo, recorded once per test run: shared by test files and xdist workers (lock + marker)."""
-    from filelock import FileLock  # a dependency of torch
-
-    root = tmp_path_factory.getbasetemp()
-    base = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "ac-diff-demo"
-    base.mkdir(exist_ok=True)
-    with FileLock(str(base) + ".lock"):
-        if not (base / "done").exists():
-            proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
-                                   str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
-                                  capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            (base / "done").write_text("ok")
-    return base
 
 
 def write(tmp_path: Path, text: str, name: str = CONFIG_NAME) -> Path:

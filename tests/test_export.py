@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -18,24 +14,6 @@ from ac_diff.commands import export_cmd
 from ac_diff.commands.export_cmd import JSON_COLUMNS, read_table, resolve_format
 
 WHAT = ("ops", "positions", "regions")
-
-
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> Path:
-    """The bundled MoE demo, recorded once per test run: shared by test files and xdist workers (lock + marker)."""
-    from filelock import FileLock  # a dependency of torch
-
-    root = tmp_path_factory.getbasetemp()
-    base = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "ac-diff-demo"
-    base.mkdir(exist_ok=True)
-    with FileLock(str(base) + ".lock"):
-        if not (base / "done").exists():
-            proc = subprocess.run([sys.executable, "-m", "ac_diff", "demo", "-o", str(base / "out"), "--json",
-                                   str(base / "r.json"), "--format", "html", "--report", str(base / "demo.html")],
-                                  capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            (base / "done").write_text("ok")
-    return base
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import ac_diff  # noqa: E402
 from ac_diff.diagnosis import diagnose  # noqa: E402
 from ac_diff.trace import read_run  # noqa: E402
-from stacks.runs import STACKS, Job, regions_by, run_all  # noqa: E402
+from stacks.runs import STACKS, Job, run_all  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(STACKS / "hf_moe.py")

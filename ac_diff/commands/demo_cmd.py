@@ -7,7 +7,6 @@ fix. Exit 0 when the demo showed what it should.
 
 from __future__ import annotations
 
-import os
 import sys
 from importlib.util import find_spec
 from pathlib import Path

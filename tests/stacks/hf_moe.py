@@ -19,7 +19,6 @@ aux-loss-free load-balancing `e_score_correction_bias` updated in a forward hook
 from __future__ import annotations
 
 import argparse
-import os
 import warnings
 
 import torch
