@@ -172,25 +172,53 @@ def _read_kept(kept: list[torch.Tensor]) -> list[dict[str, Any]]:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(kept):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
+    for (_, dtype), idx in groups.items():
         parts = [kept[i].reshape(-1) for i in idx]
         flat = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
+        array = _as_numpy(flat)
+        name = short_dtype(dtype)
         start = 0
         for i in idx:
             n = kept[i].numel()
-            out[i] = encode_values(flat[start:start + n].reshape(kept[i].shape))
+            out[i] = _encode_array(array[start:start + n], name, list(kept[i].shape))
             start += n
     return out  # type: ignore[return-value]
 
 
-def encode_values(t: torch.Tensor) -> dict[str, Any]:
-    """A host tensor's values for the trace: dtype, shape and the raw (little-endian) bytes in base64.
+# Integers are stored in the narrowest of these that holds them (indices, counts: mostly int16).
+_NARROW = (("i8", "int8", -2**7, 2**7 - 1), ("i16", "int16", -2**15, 2**15 - 1), ("i32", "int32", -2**31, 2**31 - 1))
+_WIDE_INTS = frozenset({"i16", "i32", "i64"})
 
-    About 4x smaller and 10x faster to write than a JSON list of numbers; `decode_values` gives back
-    exactly `t.tolist()`.
-    """
-    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": short_dtype(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(raw).decode("ascii")}
+
+def _as_numpy(flat: torch.Tensor) -> Any:
+    """A 1-D host tensor as a numpy array of the same bytes (bfloat16 & co. as same-size integers)."""
+    try:
+        return flat.numpy()
+    except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, float8): the raw bits will do
+        return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).numpy()
+
+
+def _encode_array(a: Any, dtype: str, shape: list) -> dict[str, Any]:
+    record: dict[str, Any] = {"dtype": dtype, "shape": shape}
+    if dtype in _WIDE_INTS and a.size:
+        low, high = int(a.min()), int(a.max())
+        for short, np_name, lo, hi in _NARROW:
+            if short == dtype:
+                break
+            if lo <= low and high <= hi:
+                a = a.astype(np_name)
+                record["as"] = short  # stored narrower; decode_values widens back
+                break
+    record["b64"] = base64.b64encode(a.tobytes()).decode("ascii")
+    return record
+
+
+def encode_values(t: torch.Tensor) -> dict[str, Any]:
+    """A host tensor's values for the trace: dtype, shape and the raw (little-endian) bytes in base64,
+    integers in the narrowest type that holds them ("as"). About 4x smaller and 10x faster to write
+    than a JSON list of numbers; `decode_values` gives back exactly `t.tolist()`."""
+    flat = t.detach().contiguous().reshape(-1)
+    return _encode_array(_as_numpy(flat), short_dtype(t.dtype), list(t.shape))
 
 
 def decode_values(v: Any) -> Any:
@@ -201,8 +229,10 @@ def decode_values(v: Any) -> Any:
     from .opinfo import dtype_from_short
 
     dtype = dtype_from_short(v.get("dtype", "f32"))
+    stored = dtype_from_short(v["as"]) if v.get("as") else dtype
     shape = tuple(v.get("shape", ()))
     raw = base64.b64decode(v["b64"])
     if not raw:
         return torch.empty(shape, dtype=dtype).tolist()
-    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).tolist()
+    values = torch.frombuffer(bytearray(raw), dtype=stored).reshape(shape)
+    return (values if stored is dtype else values.to(dtype)).tolist()

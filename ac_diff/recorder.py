@@ -16,6 +16,7 @@ tensors, never writes them, and consumes no randomness.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -86,7 +87,7 @@ class _Region:
     written: bool = False
     recomputes: int = 0
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
-    held: Any = None  # (encoded ops line, pass record, signature) while held
+    held: Any = None  # (ops record builder, pass record, signature, size estimate) while held
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
 
 
@@ -563,7 +564,7 @@ class Recorder:
                 **({"compiled": self.compile_watch.inside[region.number]}
                    if region.number in self.compile_watch.inside else {}),
             })
-        ops_record = None
+        ops_record = None  # () -> the pass's "ops" record, built only when it is written
         fps: dict[int, list] = {}
         if region.recorded:
             with self.quiet():
@@ -572,7 +573,7 @@ class Recorder:
                 ext["fp"] = fingerprints[slot]
             fps = _fps_by_op(p, fingerprints)
             if p.ops:
-                ops_record = _ops_record(p, fps, kept)
+                ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {
             "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt,
             "n_ops": p.n_ops, "complete": complete, "stopped_early": stopped_early, "state": p.state,
@@ -584,7 +585,7 @@ class Recorder:
             self._write_if_diverged(p, ops_record, record, fps, failed=exc is not None and not stopped_early)
         else:
             if ops_record is not None:
-                writer.write(ops_record)
+                writer.write(ops_record())
             writer.write(record)
         writer.flush()
         # free what the pass held (the producer map holds weak references only)
@@ -594,7 +595,7 @@ class Recorder:
         p.ops = []
 
     # -- write="diverged" ---------------------------------------------------------------------
-    def _write_if_diverged(self, p: _Pass, ops_record: dict | None, record: dict, fps: dict[int, list],
+    def _write_if_diverged(self, p: _Pass, ops_record: Any, record: dict, fps: dict[int, list],
                            failed: bool) -> None:
         """Hold a forward until its recompute; then write both in full if they differ, else only their pass
         records (marked "ops_written": false). Conservative: anything unusual is written in full."""
@@ -605,13 +606,17 @@ class Recorder:
             if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
                 region.hold = "written"
                 if ops_record is not None:
-                    writer.write(ops_record)
+                    writer.write(ops_record())
                 writer.write(record)
                 return
-            line = writer.encode(ops_record) if ops_record is not None else b""
-            region.held, region.hold = (line, record, sig), "held"
+            # held unencoded (encoding is half the cost of writing); counted at ~ its encoded size
+            size = 0
+            if ops_record is not None:
+                kept = ops_record.args[3]
+                size = 300 * len(p.ops) + sum(len(v["b64"]) for v in kept if v)
+            region.held, region.hold = (ops_record, record, sig, size), "held"
             self._held[region.number] = region
-            self._held_bytes += len(line)
+            self._held_bytes += size
             while self._held_bytes > self.options.hold_bytes and self._held:
                 self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
             return
@@ -624,8 +629,8 @@ class Recorder:
             self._side_effect_modules.add(region.module)
         if region.hold == "held":
             if clean:
-                line, fwd_record, region.signature = region.held
-                self._held_bytes -= len(line)
+                _, fwd_record, region.signature, size = region.held
+                self._held_bytes -= size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
                 writer.write(_summary(fwd_record))
@@ -639,19 +644,19 @@ class Recorder:
                 f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
                 "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
         if ops_record is not None:
-            writer.write(ops_record)
+            writer.write(ops_record())
         writer.write(record)
 
     def _release(self, region: _Region) -> None:
         """Write a held forward in full (memory limit, a failed check, the end of the run)."""
         if region.hold != "held":
             return
-        line, record, region.signature = region.held
-        self._held_bytes -= len(line)
+        ops_record, record, region.signature, size = region.held
+        self._held_bytes -= size
         self._held.pop(region.number, None)
         region.held, region.hold = None, "written"
-        if line:
-            self._writer.write_encoded(line)
+        if ops_record is not None:
+            self._writer.write(ops_record())
         self._writer.write(record)
 
     def _global_state(self) -> dict[str, Any]:
@@ -811,7 +816,7 @@ def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, r
     return SIDE_EFFECTS if side_effects else SAME
 
 
-def _ops_record(p: _Pass, fps: dict[int, list], kept: list) -> dict[str, Any]:
+def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) -> dict[str, Any]:
     """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
 
         {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
@@ -824,7 +829,6 @@ def _ops_record(p: _Pass, fps: dict[int, list], kept: list) -> dict[str, Any]:
     [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete; trailing empty
     fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
     """
-    ops = p.ops
     vals: dict[int, dict] = {}
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]

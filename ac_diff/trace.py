@@ -75,13 +75,6 @@ class TraceWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(self._encode(record).encode("utf-8", "replace") + b"\n")
 
-    def encode(self, record: dict[str, Any]) -> bytes:
-        """A record as the line `write` would append (for a caller that decides later whether to write it)."""
-        return self._encode(record).encode("utf-8", "replace") + b"\n"
-
-    def write_encoded(self, line: bytes) -> None:
-        self._file.write(line)
-
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
         encode = self._encode
         self._file.write("".join(encode(r) + "\n" for r in records).encode("utf-8", "replace"))
