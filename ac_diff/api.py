@@ -134,7 +134,7 @@ _POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "m
 
 
 def _n_ops(p) -> int:
-    return 0 if p is None else int(p.state.get("n_ops", len(p.ops)))
+    return 0 if p is None else p.op_count
 
 
 def load(path: str | os.PathLike) -> Trace:

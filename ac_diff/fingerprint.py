@@ -8,9 +8,10 @@
     values[slot]                      # per device and dtype (kept values): O(passes), not O(ops)
     kept[k]                           # {"dtype": "i64", "shape": [4, 2], "b64": "..."} (see encode_values)
 
-Floats: float32 sum and a position-weighted (bilinear) sum, see `_bilinear` (float64 upcasts cost
-2-4x more). Integers and bools: exact int64 sum and position-weighted sum, so a permutation
-(topk picking the same experts in another order) changes the fingerprint.
+Floats: two position-weighted sums in float32, see `_weighted_pair` (float32/64: one pass over the
+data; half precision: a float32 sum and the weighted sum, no float64 upcasts, which cost 2-4x more).
+Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
+same experts in another order) changes the fingerprint.
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op).
@@ -57,6 +58,26 @@ _weight_bases: dict[tuple, torch.Tensor] = {}
 _weight_slices: dict[tuple, torch.Tensor] = {}
 
 
+# Float dtypes whose row sums keep float32 precision: one weighted pass gives both numbers of the pair.
+_EXACT_ROW_DTYPES = frozenset({torch.float32, torch.float64})
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a matrix of rows of its last dimension, without copying where its memory allows: a
+    non-contiguous but dense tensor (a transposed attention output) is first permuted to its memory
+    order. The same layout gives the same matrix, so forward and recompute are reduced alike. A vector
+    is one column (so its pair is its plain sum and its weighted sum, not one number twice)."""
+    dim = t.dim()
+    if dim == 2 and t.is_contiguous():
+        return t  # its own row view: reshaping would only add a dispatch
+    if dim > 1 and not t.is_contiguous():
+        strides = t.stride()
+        dense = t.permute(sorted(range(dim), key=lambda d: -strides[d]))
+        if dense.is_contiguous():
+            t = dense
+    return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """The one place ac-diff copies recorded values from a device to the host (a sync on a GPU)."""
     return t if t.device.type == "cpu" else t.cpu()
@@ -66,10 +87,12 @@ class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind."""
 
     def __init__(self) -> None:
-        # (kind, device) -> two lists of 0-d tensors: the first and the second number of each pair
-        self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._slots: list[tuple[tuple[str, torch.device], int]] = []
+        # (kind, device) -> [pairs: (2,) tensors, firsts: 0-d tensors, seconds: 0-d tensors]
+        self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor],
+                                                             list[torch.Tensor]]] = {}
+        self._slots: list[tuple[tuple[str, torch.device], bool, int]] = []  # (bucket, is a pair, index)
         self._kept: list[torch.Tensor] = []
+        self.finite = True  # after collect(): no fingerprint is NaN or infinite
 
     def add(self, t: torch.Tensor) -> int | None:
         """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced."""
@@ -77,13 +100,22 @@ class FingerprintBatch:
             t = _local(t)
             if t is None:
                 return None
-        kind = _kinds.get(t.dtype)
+        dtype = t.dtype
+        kind = _kinds.get(dtype)
         if kind is None:
-            kind = _kind(t.dtype)
+            kind = _kind(dtype)
         # complex and quantized dtypes have kind ""; sparse and other layouts are not strided
         if not kind or t.layout is not torch.strided or t.is_meta:
             return None
         key = (kind, t.device)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = ([], [], [])
+        if kind == "f" and dtype in _EXACT_ROW_DTYPES and t.numel():
+            pairs = bucket[0]
+            pairs.append(self._weighted_pair(t))
+            self._slots.append((key, True, len(pairs) - 1))
+            return len(self._slots) - 1
         if kind == "f":
             first = t.sum(dtype=torch.float32)
             second = self._bilinear(t) if t.numel() else first
@@ -94,12 +126,9 @@ class FingerprintBatch:
             # the same int64 number either way; dot (CPU only for integers) dispatches one op, not two
             second = torch.dot(flat, w) if flat.dtype is torch.int64 and flat.is_cpu \
                 else (flat * w).sum(dtype=torch.int64)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = ([], [])
-        bucket[0].append(first)
-        bucket[1].append(second)
-        self._slots.append((key, len(bucket[0]) - 1))
+        bucket[1].append(first)
+        bucket[2].append(second)
+        self._slots.append((key, False, len(bucket[1]) - 1))
         return len(self._slots) - 1
 
     def keep(self, t: torch.Tensor) -> int:
@@ -109,18 +138,34 @@ class FingerprintBatch:
                           else torch.zeros(0))
         return len(self._kept) - 1
 
+    def _weighted_pair(self, t: torch.Tensor) -> torch.Tensor:
+        """(sum_ij wc[j] T[i, j], sum_ij wr[i] wc[j] T[i, j]) over the tensor seen as rows (see `_rows`),
+        with fixed quasi-random weights in [1, 2), as ONE (2,) tensor: one pass over the data (mv) and
+        one over its row sums. Unlike (sum, abs-sum), the pair changes when values move between positions
+        (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update)."""
+        m = _rows(t)
+        device, dtype = t.device, t.dtype
+        rows = torch.mv(m, self._float_weight(device, dtype, m.shape[1]))
+        return torch.mv(self._row_weights(device, dtype, m.shape[0]), rows)
+
     def _bilinear(self, t: torch.Tensor) -> torch.Tensor:
-        """sum_ij wr[i] * wc[j] * T[i, j] over the tensor seen as rows of its last dim, with fixed
-        quasi-random weights in [1, 2): unlike (sum, abs-sum) it changes when values move between
-        positions (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update).
-        Two kernels (mv, dot) and no temporary the size of the tensor."""
-        # (a 2-D tensor is its own row view: reshaping it would only add a dispatch; same numbers)
-        dim = t.dim()
-        m = t if dim == 2 else t.reshape(-1, t.shape[-1]) if dim > 2 else t.reshape(1, -1)
+        """sum_ij wr[i] * wc[j] * T[i, j] (as `_weighted_pair`'s second number) for the dtypes whose row
+        sums would be rounded to their own precision, in float32."""
+        m = _rows(t)
         device, dtype = t.device, t.dtype
         rows = torch.mv(m, self._float_weight(device, dtype, m.shape[1]))
         out = torch.dot(rows, self._float_weight(device, dtype, m.shape[0]))
         return out if out.dtype is torch.float32 else out.float()
+
+    @staticmethod
+    def _row_weights(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """[ones(n); the float weights of length n], a (2, n) matrix cached like `_float_weight`."""
+        w = _weight_slices.get((device, dtype, -n))
+        if w is None:
+            ones = torch.ones(n, dtype=dtype, device=device)
+            w = _weight_slices[(device, dtype, -n)] = torch.stack(
+                (ones, FingerprintBatch._float_weight(device, dtype, n)))
+        return w
 
     @staticmethod
     def _float_weight(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -153,13 +198,17 @@ class FingerprintBatch:
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""
-        read = {key: to_host(torch.stack((torch.stack(a), torch.stack(b)))).tolist()
-                for key, (a, b) in self._buckets.items()}
-        out: list[list[float] | None] = []
-        for key, i in self._slots:
-            firsts, seconds = read[key]
-            out.append([firsts[i], seconds[i]])
-        return out, _read_kept(self._kept)
+        read = {}
+        for key, (pairs, firsts, seconds) in self._buckets.items():
+            parts = [torch.stack(pairs)] if pairs else []
+            if firsts:
+                parts.append(torch.stack((torch.stack(firsts), torch.stack(seconds)), dim=1))
+            host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
+            if key[0] == "f" and self.finite and not bool(torch.isfinite(host).all()):
+                self.finite = False
+            both = host.tolist()
+            read[key] = (both[:len(pairs)], both[len(pairs):])
+        return [read[key][0 if is_pair else 1][i] for key, is_pair, i in self._slots], _read_kept(self._kept)
 
     def __len__(self) -> int:
         return len(self._slots)

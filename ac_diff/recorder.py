@@ -33,7 +33,6 @@ from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .opinfo import _SHORT_DTYPES, OpInfo, op_info, short_dtype
-from .opinfo import _cache as _op_infos
 from .sourceline import user_source
 from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
@@ -72,6 +71,9 @@ class RecordOptions:
     # its pass records (op counts, saved positions, externals) with "ops_written": false. For long runs.
     write: str = "all"
     hold_bytes: int = 256 << 20  # write="diverged": encoded forwards held awaiting their recompute (oldest out)
+    # encode and write the trace in a background thread (trace.TraceWriter): measured no faster on CPU (the
+    # recording keeps the GIL busy), so off by default; it can help where the step has long GIL-free phases
+    writer_thread: bool = False
 
 
 @dataclass
@@ -112,6 +114,9 @@ class _Pass:
     externals_per_kind: dict[str, int] = field(default_factory=dict)
     n_ops: int = 0
     pushed: Any = None  # the module enter() put on the module stack for this pass (see _enter_function_module)
+    module_stack: list = field(default_factory=list)  # this thread's ModuleStack.stack() (the same list throughout)
+    pushed_mode: bool = False  # enter() put the recording mode on the dispatch stack for this pass
+    nonfinite: bool = False  # a NaN or infinite float among the recorded arguments, host values or fingerprints
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -120,6 +125,20 @@ class _RecordingMode(TorchDispatchMode):
     def __init__(self, recorder: "Recorder") -> None:
         super().__init__()
         self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.recorder._on_op(func, args, kwargs, out)
+        return out
+
+
+class _UnguardedRecordingMode(_RecordingMode):
+    """The same handler without the `torch._disable_dynamo` wrapper TorchDispatchMode puts around every
+    `__torch_dispatch__` (~4 us per op). Pushed only while EagerStance holds Dynamo in force_eager."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # read by TorchDispatchMode.__init_subclass__: do not wrap
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -144,7 +163,9 @@ class Recorder:
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
         self._internal_block = _Internal(self)
-        self._mode = _RecordingMode(self)
+        self._guarded_mode = _RecordingMode(self)
+        self._unguarded_mode = _UnguardedRecordingMode(self)
+        self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
         self._ops_seen = 0
         self.ops_recorded = 0
@@ -162,7 +183,7 @@ class Recorder:
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
         header = default_header(self.options, self._header_extra)
-        self._writer = TraceWriter(self.path, header)
+        self._writer = TraceWriter(self.path, header, background=self.options.writer_thread)
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
@@ -263,15 +284,21 @@ class Recorder:
             attempt = region.recomputes
             region.recomputes += 1
         pushed = self._enter_function_module(frame, region, phase)
-        p = _Pass(region, phase, attempt, len(self.modules.stack()), {})
+        module_stack = self.modules.stack()
+        p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack)
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
         if not passes:
             self._stance.push()
-            if self.options.scope != "all":
-                self._mode.__enter__()
+        # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past
+        # `max_regions` cost nothing (their pass records then have no op count)
+        if self.options.scope != "all" and region.recorded and not any(q.pushed_mode for q in passes):
+            # Dynamo held in force_eager cannot trace the handler: torch's per-op guard (~4 us) is not needed
+            self._mode = self._unguarded_mode if self._stance.active else self._guarded_mode
+            self._mode.__enter__()
+            p.pushed_mode = True
         passes.append(p)
 
     @_never_raise
@@ -283,9 +310,9 @@ class Recorder:
         stack = self.modules.stack()
         if p.pushed is not None and stack and stack[-1][0] is p.pushed:
             stack.pop()
+        if p.pushed_mode:
+            self._mode.__exit__(None, None, None)
         if not passes:
-            if self.options.scope != "all":
-                self._mode.__exit__(None, None, None)
             self._stance.pop()
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
         complete = exc is None or stopped_early
@@ -382,24 +409,31 @@ class Recorder:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
 
     # -- ops ----------------------------------------------------------------------------------
-    @_never_raise
     def _on_op(self, func, args, kwargs, out) -> None:
-        self._ops_seen += 1
-        local = self._local
-        passes = getattr(local, "passes", None)
-        if not passes or local.internal:
-            self.ops_outside += 1
-            return
-        p = passes[-1]
-        if not p.region.recorded:
-            p.n_ops += 1
-            return
-        self._record(p, func, args, kwargs or {}, out)
+        # never raises into the training, like the @_never_raise methods (inlined: this runs per op)
+        try:
+            self._ops_seen += 1
+            local = self._local
+            passes = getattr(local, "passes", None)
+            if not passes or local.internal:
+                self.ops_outside += 1
+                return
+            p = passes[-1]
+            if not p.region.recorded:
+                p.n_ops += 1
+                return
+            self._record(p, func, args, kwargs or {}, out)
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error("_on_op", exc)
 
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        info: OpInfo = _op_infos.get(func) or op_info(func)
+        # keyed by id: an OpOverload's __hash__ is a Python function (ops live as long as the process)
+        hit = _infos_by_id.get(id(func))
+        if hit is None or hit[0] is not func:
+            hit = _infos_by_id[id(func)] = (func, op_info(func))
+        info: OpInfo = hit[1]
         name = info.name
         if name in self.options.ignore_ops:
             return
@@ -421,21 +455,25 @@ class Recorder:
                 in_meta.append((tuple(a.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
                                 "cpu" if a.is_cpu else str(a.device)))
                 hit = producers.get(id(a))
-                refs.append(("op", hit[1], hit[2]) if hit is not None and hit[0]() is a else self._ref(p, a))
+                refs.append(hit[5] if hit is not None and hit[0]() is a else self._ref(p, a))
                 tensor_inputs.append(a)
                 arg_values.append("$")
             elif type(a) in _PLAIN_ARGS:
                 arg_values.append(a)
+                if type(a) is float and not -_INF < a < _INF:  # NaN fails both comparisons
+                    p.nonfinite = True
             elif type(a) in _SEQUENCES and len(a) <= 256 and all(type(x) in _PLAIN_ARGS for x in a):
                 arg_values.append(tuple(a))  # sizes, dims, split sizes
+                if float in map(type, a) and not all(-_INF < x < _INF for x in a if type(x) is float):
+                    p.nonfinite = True
             else:
                 arg_values.append(self._arg(p, a, in_meta, refs, tensor_inputs))
         if kwargs:
             for k, v in kwargs.items():
                 arg_values.append({k: self._arg(p, v, in_meta, refs, tensor_inputs)})
-        stack = self.modules.stack()
+        stack = p.module_stack
         module = stack[-1][1] if stack else None
-        src = user_source(4) if self.options.source_lines else None
+        src = user_source(3) if self.options.source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         out_meta: list = []
         host = None
@@ -453,10 +491,13 @@ class Recorder:
                         slot = p.batch.add(o)
                     if slot is not None:
                         p.fp_slots.append((index, j, slot))
-                # (weakref, op index, output index, fingerprint slot, version when fingerprinted)
-                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None)
+                # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref)
+                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None,
+                                    ("op", index, j))
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
+                if type(o) is float and not -_INF < o < _INF:
+                    p.nonfinite = True
         flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
             flags |= _DISCRETE
@@ -471,6 +512,8 @@ class Recorder:
             tensor_inputs.append(a)
             return "$"
         if isinstance(a, (int, float, bool, str)) or a is None:
+            if isinstance(a, float) and not -_INF < a < _INF:
+                p.nonfinite = True
             return a
         if isinstance(a, (list, tuple)):
             if len(a) > 256:
@@ -489,7 +532,7 @@ class Recorder:
         key = id(t)
         hit = p.producers.get(key)
         if hit is not None and hit[0]() is t:
-            return ("op", hit[1], hit[2])
+            return hit[5]
         hit = p.external_ids.get(key)
         if hit is not None and hit[0]() is t:
             return hit[2]
@@ -560,8 +603,8 @@ class Recorder:
             writer.write({
                 "type": "region", "region": region.number, "module": region.module or region.caller,
                 "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
-                "options": region.options, "recorded": region.recorded,
-                **({"compiled": self.compile_watch.inside[region.number]}
+                "options": dict(region.options), "recorded": region.recorded,  # copies: encoded later
+                **({"compiled": list(self.compile_watch.inside[region.number])}
                    if region.number in self.compile_watch.inside else {}),
             })
         ops_record = None  # () -> the pass's "ops" record, built only when it is written
@@ -569,6 +612,7 @@ class Recorder:
         if region.recorded:
             with self.quiet():
                 fingerprints, kept = p.batch.collect()
+            p.nonfinite = p.nonfinite or not p.batch.finite
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
             fps = _fps_by_op(p, fingerprints)
@@ -576,16 +620,19 @@ class Recorder:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {
             "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt,
-            "n_ops": p.n_ops, "complete": complete, "stopped_early": stopped_early, "state": p.state,
+            # (an unrecorded region's ops are counted only where a recorded one around it runs the mode)
+            "n_ops": p.n_ops if region.recorded or p.n_ops else None, "complete": complete, "stopped_early": stopped_early, "state": p.state,
             "externals": p.externals, "positions": p.positions,
         }
+        if p.nonfinite:
+            record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
         if exc is not None and not stopped_early:
             record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
         if region.recorded and self.options.write == "diverged":
             self._write_if_diverged(p, ops_record, record, fps, failed=exc is not None and not stopped_early)
         else:
             if ops_record is not None:
-                writer.write(ops_record())
+                writer.write(ops_record)  # built (and encoded) by the writer thread
             writer.write(record)
         writer.flush()
         # free what the pass held (the producer map holds weak references only)
@@ -606,7 +653,7 @@ class Recorder:
             if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
                 region.hold = "written"
                 if ops_record is not None:
-                    writer.write(ops_record())
+                    writer.write(ops_record)
                 writer.write(record)
                 return
             # held unencoded (encoding is half the cost of writing); counted at ~ its encoded size
@@ -644,7 +691,7 @@ class Recorder:
                 f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
                 "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
         if ops_record is not None:
-            writer.write(ops_record())
+            writer.write(ops_record)
         writer.write(record)
 
     def _release(self, region: _Region) -> None:
@@ -656,7 +703,7 @@ class Recorder:
         self._held.pop(region.number, None)
         region.held, region.hold = None, "written"
         if ops_record is not None:
-            self._writer.write(ops_record())
+            self._writer.write(ops_record)
         self._writer.write(record)
 
     def _global_state(self) -> dict[str, Any]:
@@ -860,8 +907,11 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
                 while len(row) > 7 and row[-1] is None:
                     row.pop()
         rows.append(row)
-    return {"type": "ops", "region": p.region.number, "phase": p.phase, "attempt": p.attempt, "start": 0,
-            "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
+    record = {"type": "ops", "region": p.region.number, "phase": p.phase, "attempt": p.attempt, "start": 0,
+              "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
+    if p.nonfinite:
+        record["nonfinite"] = True
+    return record
 
 
 _C = torch._C
@@ -908,6 +958,8 @@ class _Internal:
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
+_INF = float("inf")
+_infos_by_id: dict[int, tuple] = {}  # id(OpOverload) -> (the op, its OpInfo)
 _SEQUENCES = frozenset({list, tuple})
 
 

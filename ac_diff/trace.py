@@ -19,15 +19,23 @@ died) loads with `Run.truncated` set and a note.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
 import os
+import queue
+import threading
 import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+try:  # ~10x faster than json for the per-pass records; optional (json writes the same lines)
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
+    orjson = None
 
 from . import __version__
 from .model import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
@@ -59,9 +67,17 @@ def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[st
 
 
 class TraceWriter:
-    """Appends records to a trace file; `flush()` pushes them to disk so a crash loses nothing written."""
+    """Appends records to a trace file; `flush()` pushes them to disk so a crash loses nothing written.
 
-    def __init__(self, path: str | os.PathLike, header: dict[str, Any]) -> None:
+    With `background=True` a writer thread encodes and writes, in order, what `write` queues (a record,
+    or a function that builds one): the training thread only queues, and on a machine with a core to
+    spare the JSON encoding overlaps the backward's kernels (which run without the GIL). Whoever queues
+    a record must not change it afterwards. `close()` drains the queue, so an exception, SystemExit or
+    Ctrl-C still leaves a finished trace; a process killed outright loses what was still queued (a pass
+    or two) instead of nothing after the last flush.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any], background: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         raw = open(self.path, "wb")
@@ -69,28 +85,98 @@ class TraceWriter:
         self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
         # records are trees: no circular-reference bookkeeping (a quarter of the encoding time)
         self._encode = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False).encode
-        self.write(header)
-        self.flush()
+        self._write_now(header)
+        self._flush_now()
+        self.error: BaseException | None = None  # the first failure of the writer thread, if any
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="ac-diff-trace-writer", daemon=True)
+            self._thread.start()
 
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(self._encode(record).encode("utf-8", "replace") + b"\n")
+    def write(self, record: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        """Queue or write one record. One that may hold NaN or infinite floats must say so with
+        `"nonfinite": true`: only json writes them as such (orjson would write null)."""
+        if self._queue is not None:
+            self._queue.put((self._write_now, record))
+        else:
+            self._write_now(record)
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
-        encode = self._encode
-        self._file.write("".join(encode(r) + "\n" for r in records).encode("utf-8", "replace"))
+        for record in records:
+            self.write(record)
 
     def flush(self) -> None:
+        if self._queue is not None:
+            self._queue.put((self._flush_now, None))
+        else:
+            self._flush_now()
+
+    def close(self, end_record: dict[str, Any]) -> None:
+        self.write(end_record)
+        if self._queue is not None:
+            self._queue.put((None, None))
+            self._thread.join()
+            self._queue = None
+        self._flush_now()
+        if self._file is not self._raw:
+            self._file.close()
+        self._raw.close()
+
+    def _write_now(self, record: Any) -> None:
+        if callable(record):
+            record = record()
+        line = None if record.get("nonfinite") else _fast_encode(record)
+        if line is None:
+            line = self._encode(record).encode("utf-8", "replace")
+        self._file.write(line + b"\n")
+
+    def _flush_now(self, _: Any = None) -> None:
         if isinstance(self._file, gzip.GzipFile):
             self._file.flush(gzip.zlib.Z_SYNC_FLUSH)
         self._file.flush()
         self._raw.flush()
 
-    def close(self, end_record: dict[str, Any]) -> None:
-        self.write(end_record)
-        self.flush()
-        if self._file is not self._raw:
-            self._file.close()
-        self._raw.close()
+    def _run(self) -> None:
+        queue_ = self._queue
+        while True:
+            action, arg = queue_.get()
+            if action is None:
+                return
+            try:
+                action(arg)
+            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the others
+                if self.error is None:
+                    self.error = exc
+                with contextlib.suppress(Exception):
+                    self._write_now({"type": "warning", "message": f"ac-diff trace writer: {type(exc).__name__}: "
+                                                                   f"{exc} (a record was lost; please report)"})
+
+
+def _json_default(o: Any) -> Any:
+    return list(o) if isinstance(o, tuple) else str(o)  # tuple subclasses (torch.Size) as json writes them
+
+
+def _fast_encode(record: Any) -> bytes | None:
+    """orjson's bytes for `record`, or None where only json can write it (no orjson, ints over 64 bits,
+    lone surrogates): the caller then uses json. Non-finite floats must not get here (see `write`)."""
+    if orjson is None:
+        return None
+    try:
+        return orjson.dumps(record, default=_json_default, option=orjson.OPT_NON_STR_KEYS)
+    except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError
+        return None
+
+
+def decode_line(line: str | bytes) -> Any:
+    """One JSON line (orjson where it can: it rejects the NaN and Infinity literals json writes)."""
+    if orjson is not None:
+        try:
+            return orjson.loads(line)
+        except ValueError:  # orjson.JSONDecodeError is a ValueError (and a json.JSONDecodeError)
+            pass
+    return json.loads(line)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -120,7 +206,7 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         yield header
         for line in f:
             try:
-                yield json.loads(line)
+                yield decode_line(line)
             except json.JSONDecodeError:
                 yield {"type": "_garbled", "text": line[:200]}
             except (EOFError, gzip.BadGzipFile, OSError):  # gzip cut mid-stream
@@ -130,7 +216,7 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
 
 def _parse_header(line: str, path: Any) -> dict[str, Any]:
     try:
-        header = json.loads(line)
+        header = decode_line(line)
     except json.JSONDecodeError:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:

@@ -28,9 +28,9 @@ Each ac-diff variant records into a fresh trace file per step (in a temporary di
 after each round), and the timed step includes starting and finishing the recorder (so writing the
 trace is paid for). After `--warmup` rounds, `--rounds` rounds run every variant once, in an order
 rotated each round (round-robin: a load spike on this machine hits all variants alike); the table
-gives median wall-clock times, the ratio to plain (the median over rounds of variant / plain in the
-same round: a load spike that slows a whole round cancels out), and the ratio of median CPU time
-(this process, all threads). Then, untimed, one more step per variant measures:
+gives median wall-clock times and their ratio to plain's ("ratio"), the median over rounds of
+variant / plain in the same round ("paired": a load spike that slows a whole round cancels out),
+and the ratio of median CPU times (this process, all threads). Then, untimed, one more step per variant measures:
 
 * trace bytes per recorded op (file size / ops recorded);
 * peak extra RSS over plain: how far resident memory grows during one step (Linux VmHWM, reset
@@ -280,8 +280,8 @@ def bench_model(kind: str, cli, out: dict) -> None:
         g, g0 = growth(v.name), growth("plain") if "plain" in mem else None
         rows[v.name] = {
             "median_ms": round(med, 2),
-            "ratio": round(statistics.median(paired[v.name]), 3) if paired[v.name] else None,
-            "ratio_of_medians": round(med / plain, 3) if plain else None,
+            "ratio": round(med / plain, 3) if plain else None,
+            "paired_ratio": round(statistics.median(paired[v.name]), 3) if paired[v.name] else None,
             "min_ms": round(min(times[v.name]), 2), "max_ms": round(max(times[v.name]), 2),
             "cpu_median_ms": round(med_cpu, 2), "cpu_ratio": round(med_cpu / plain_cpu, 3) if plain_cpu else None,
             "ops": m["ops"], "trace_bytes": m["trace_bytes"],
@@ -294,14 +294,15 @@ def bench_model(kind: str, cli, out: dict) -> None:
 
 
 def print_table(kind: str, rows: dict) -> None:
-    print(f"\n{kind}: timed rounds; ratio = median over rounds of (variant / plain in the same round)")
-    print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'min..max ms':>15} {'cpu ratio':>9} {'ops':>7} "
-          f"{'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
+    print(f"\n{kind}: median step time of the timed rounds and its ratio to plain's")
+    print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'paired':>7} {'cpu ratio':>9} {'min..max ms':>15} "
+          f"{'ops':>6} {'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
     for name, r in rows.items():
         bpo = f"{r['trace_bytes_per_op']:.0f}" if r["trace_bytes_per_op"] else "-"
         rss = f"{r['extra_peak_rss_mb']:+.1f}" if r["extra_peak_rss_mb"] is not None else "-"
-        print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} "
-              f"{r['cpu_ratio']:>8.2f}x {r['ops'] or '-':>7} {bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
+        print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['paired_ratio']:>6.2f}x "
+              f"{r['cpu_ratio']:>8.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} {r['ops'] or '-':>6} {bpo:>10} "
+              f"{rss:>8} {r['py_peak_mb']:>10.2f}")
 
 
 def main(argv=None) -> None:
@@ -344,6 +345,8 @@ def main(argv=None) -> None:
     load1 = os.getloadavg()
     print(f"\nload average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; this process used {cpu:.0f} s CPU "
           f"in {wall:.0f} s wall ({cpu / wall:.2f} cores)")
+    print("paired: median over rounds of (variant / plain in the same round); cpu ratio: of median CPU times "
+          "(all threads of this process: ac-diff's trace writer thread included)")
     print("ops: ops recorded in one step (debugmode: ops logged); trace B/op: trace file bytes per recorded op")
     print("+RSS: growth of resident memory during one step (VmHWM after malloc_trim, tensors included; mean of "
           "two), minus plain's; py heap: tracemalloc peak of one step (Python objects only)")

@@ -204,6 +204,37 @@ def test_one_ops_record_per_pass_reads_like_one_record_per_op(tmp_path):
     assert ac_diff.diagnose([new_run]).to_json()["regions"] == ac_diff.diagnose([old_run]).to_json()["regions"]
 
 
+def test_the_background_writer_writes_the_same_trace(tmp_path):
+    runs = []
+    for background in (False, True):
+        torch.manual_seed(0)
+        path = tmp_path / f"t{background}.jsonl"
+        with ac_diff.record(path, writer_thread=background):
+            Model(3)(torch.randn(8, 16, requires_grad=True)).sum().backward()
+        runs.append(read_run(path))
+    a, b = runs
+    assert not b.truncated and b.exit_status == "ok"
+    for x, y in zip(a.regions, b.regions):
+        for phase in ("forward", "recompute"):
+            p, q = getattr(x, phase), getattr(y, phase)
+            assert p.ops == q.ops and p.positions == q.positions and p.externals == q.externals
+
+
+def test_the_background_writer_finishes_the_trace_of_a_crash(tmp_path):
+    class Boom(nn.Module):
+        def forward(self, x):
+            x = torch.relu(x * 2)
+            raise RuntimeError("boom")
+
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(RuntimeError, match="boom"):
+        with ac_diff.record(path, writer_thread=True):
+            cp.checkpoint(Boom(), torch.randn(4, 4, requires_grad=True), use_reentrant=False)
+    run = read_run(path)
+    assert not run.truncated and run.exit_status == "exception"
+    assert [o.op for o in run.regions[0].forward.ops] == ["aten.mul.Tensor", "aten.relu.default"]
+
+
 def _moe_run(path, bias_update, write, steps=2):
     with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
         with ac_diff.record(path, write=write):
@@ -256,12 +287,16 @@ def test_write_diverged_keeps_forwards_that_were_never_recomputed(tmp_path):
     assert len(run.regions) == 3 and all(r.forward.ops and r.recompute is None for r in run.regions)
 
 
-def test_max_regions_zero_only_counts(tmp_path):
+def test_regions_past_max_regions_are_listed_without_dispatching_to_the_recorder(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "t.jsonl"
-    with ac_diff.record(path, max_regions=0) as rec:
+    with ac_diff.record(path, max_regions=1) as rec:
         Model(2)(torch.randn(8, 16, requires_grad=True)).sum().backward()
-    assert rec.ops_recorded == 0
     run = read_run(path)
-    assert [r.options["recorded"] for r in run.regions] == [False] * 3
-    assert all(r.forward.state["n_ops"] > 0 for r in run.regions)
+    assert [r.options["recorded"] for r in run.regions] == [True, False, False]
+    first = run.regions[0]
+    assert rec.ops_recorded == len(first.forward.ops) + len(first.recompute.ops) > 0
+    assert rec.ops_outside == 0  # the recording mode was never on the stack in regions 1 and 2
+    for r in run.regions[1:]:  # listed with their passes and positions, but no ops and no op count
+        assert r.forward.ops == [] and r.forward.op_count == 0 and r.recompute is not None
+        assert r.forward.state["n_ops"] is None

@@ -104,3 +104,33 @@ def test_keep_current_version_sample(trace):
     if os.environ.get("AC_DIFF_UPDATE_DATA"):
         shutil.copy(trace, target)
     assert target.exists()
+
+
+@pytest.mark.parametrize("fast_writer", [True, False], ids=["orjson", "json"])
+def test_nan_and_infinities_survive_the_trace(tmp_path, monkeypatch, fast_writer):
+    """orjson writes NaN as null: a pass holding one is written by json, and reads back as NaN."""
+    import math
+
+    from ac_diff import trace as trace_module
+    if not fast_writer:
+        monkeypatch.setattr(trace_module, "orjson", None)
+
+    class Masked(torch.nn.Module):
+        def forward(self, x):
+            scores = x.masked_fill(x < 0, float("-inf"))  # an -inf argument and -inf values
+            return torch.softmax(scores, -1) * torch.log(x.abs() - x.abs())  # log(0) = -inf values
+
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        x = torch.randn(4, 6, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(Masked(), x, use_reentrant=False).sum().backward()
+    lines = path.read_text().splitlines()
+    assert any('"nonfinite":true' in line.replace(" ", "") for line in lines)
+    run = read_run(path)
+    ops = {o.op: o for o in run.regions[0].forward.ops}
+    assert ops["aten.masked_fill.Scalar"].args[-1] == -math.inf
+    assert any(v is not None and not math.isfinite(v) for pair in ops["aten.log.default"].fingerprint for v in pair)
+    with ac_diff.record(tmp_path / "u.jsonl"):  # a finite pass is written without the flag
+        torch.utils.checkpoint.checkpoint(torch.nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True),
+                                          use_reentrant=False).sum().backward()
+    assert '"nonfinite"' not in (tmp_path / "u.jsonl").read_text()

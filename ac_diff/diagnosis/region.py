@@ -135,9 +135,7 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence) -> Divergence | None:
 
 
 def _n_ops(p: Pass | None) -> int:
-    if p is None:
-        return 0
-    return int(p.state.get("n_ops", len(p.ops)))
+    return 0 if p is None else p.op_count
 
 
 def _counts(cmp: PassComparison) -> dict[str, int]:

@@ -326,9 +326,7 @@ def _region_key(r: Region) -> tuple:
 
 
 def _n_ops(p: Pass | None) -> int:
-    if p is None:
-        return 0
-    return int(p.state.get("n_ops", len(p.ops)))
+    return 0 if p is None else p.op_count
 
 
 def _fp(fp) -> str:
