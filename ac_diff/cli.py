@@ -106,6 +106,7 @@ def run(
     keep_values: Optional[int] = typer.Option(None, "--keep-values", help="Max elements kept per discrete op output (0: none; default 16384)."),
     fingerprints: Optional[bool] = typer.Option(None, "--fingerprints/--no-fingerprints", help="Value fingerprints (--no-fingerprints: metadata only, cheapest)."),
     scope: Optional[str] = typer.Option(None, "--scope", help="regions (default): observe only checkpointed regions; all: also count other ops."),
+    write: Optional[str] = typer.Option(None, "--write", help="all (default): write every region's ops; diverged: only those of regions that diverged (long runs)."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes with torchrun."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0: exact)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
@@ -124,8 +125,11 @@ def run(
     scope = cfg.pick("scope", scope)
     if scope not in ("regions", "all"):
         raise typer.BadParameter("--scope must be 'regions' or 'all'")
+    write = cfg.pick("write", write)
+    if write not in ("all", "diverged"):
+        raise typer.BadParameter("--write must be 'all' or 'diverged'")
     options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
-                                 scope=scope)
+                                 scope=scope, write=write)
     output_dir = cfg.pick("output_dir", output_dir)
     report_file = _report_file(fmt, report_file, output_dir)
     if nproc_per_node:
@@ -268,15 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         return fail("aborted", 130)
     except Exception as exc:  # click usage errors and ac-diff's own bugs
-        import click
-
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, _click_errors()):
             exc.show()
             return EXIT_BAD_INPUT
         if os.environ.get("AC_DIFF_DEBUG"):
             raise
         return fail(f"internal error: {type(exc).__name__}: {exc} (set AC_DIFF_DEBUG=1 for the traceback and "
                     "please report it)", EXIT_INTERNAL)
+
+
+def _click_errors() -> tuple[type, ...]:
+    """click's usage-error class, and typer's own copy of it (typer >= 0.22 vendors click)."""
+    import click
+
+    return tuple({cls for base in (click.ClickException, typer.BadParameter) for cls in base.__mro__
+                  if cls.__name__ == "ClickException"})
 
 
 def entry() -> None:

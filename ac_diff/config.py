@@ -7,6 +7,7 @@
     discrete_ops: [mylib.route.default]      # extra ops treated as discrete decisions
     keep_values: 4096       # max elements kept per discrete op output (0: none)
     max_regions: 64         # record ops of the first N regions only (null: all)
+    write: diverged         # write the ops of diverged regions only (all: every region; see RecordOptions)
     output_dir: runs/ac-diff
     format: html            # default report format: terminal, json, html
 
@@ -21,7 +22,7 @@ valid choices; the CLI prints it as one line and exits 2.
 
 Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
 `report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
-`source_lines`, `scope` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
+`source_lines`, `scope`, `write` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
 `OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
 Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
 for every overload of that op and is expanded when torch knows it.
@@ -38,6 +39,7 @@ from typing import Any, Callable
 CONFIG_NAME = "ac-diff.yaml"
 FORMATS = ("terminal", "json", "html")
 SCOPES = ("regions", "all")
+WRITES = ("all", "diverged")
 
 
 class ConfigError(Exception):
@@ -121,6 +123,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("source_lines", "true/false", True, "record the user source line of each op", _flag),
     Key("scope", "regions|all", "regions", "regions: observe only checkpointed regions; all: also count other ops",
         _choice(SCOPES)),
+    Key("write", "all|diverged", "all", "all: write every region's ops; diverged: only those of regions whose "
+        "recompute did not reproduce the forward (long runs)", _choice(WRITES)),
     Key("output_dir", "path", "ac-diff-out", "directory for trace files written by `run` (demo: OUTPUT_DIR/demo)",
         _text),
     Key("format", "terminal|json|html", "terminal", "default report format", _choice(FORMATS)),
@@ -141,6 +145,7 @@ class Config:
     fingerprints: bool = True
     source_lines: bool = True
     scope: str = "regions"
+    write: str = "all"
     output_dir: str = "ac-diff-out"
     format: str = "terminal"
     check: bool = False
@@ -159,14 +164,14 @@ class Config:
                         window_before=self.window_before, window_after=self.window_after)
 
     def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
-                       fingerprints: bool | None = None, scope: str | None = None):
+                       fingerprints: bool | None = None, scope: str | None = None, write: str | None = None):
         from .recorder import RecordOptions
 
         return RecordOptions(
             fingerprints=self.pick("fingerprints", fingerprints), keep_values=self.pick("keep_values", keep_values),
             source_lines=self.source_lines, max_regions=self.pick("max_regions", max_regions),
             scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
-            ignore_ops=frozenset(self.ignore_ops))
+            ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write))
 
 
 def find_config(cwd: str | os.PathLike | None = None) -> Path | None:

@@ -32,6 +32,7 @@ from . import __version__
 from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
+from .gc_hold import YoungGenerationHold
 from .opinfo import _SHORT_DTYPES, OpInfo, op_info, short_dtype
 from .sourceline import user_source
 from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
@@ -115,7 +116,7 @@ class _Pass:
     n_ops: int = 0
     pushed: Any = None  # the module enter() put on the module stack for this pass (see _enter_function_module)
     module_stack: list = field(default_factory=list)  # this thread's ModuleStack.stack() (the same list throughout)
-    pushed_mode: bool = False  # enter() put the recording mode on the dispatch stack for this pass
+    pushed_mode: bool = False  # enter() put the recording mode on the dispatch stack (and held the GC) for this pass
     nonfinite: bool = False  # a NaN or infinite float among the recorded arguments, host values or fingerprints
 
 
@@ -160,6 +161,7 @@ class Recorder:
         self.modules._post = skip_when_compiling(self.modules._post)
         self.compile_watch = CompileWatch()
         self._stance = EagerStance()  # torch.compile'd code runs eagerly in regions
+        self._gc_hold = YoungGenerationHold()  # fewer collector passes while passes are recorded
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
         self._internal_block = _Internal(self)
@@ -204,6 +206,7 @@ class Recorder:
             with contextlib.suppress(Exception):
                 self._mode.__exit__(None, None, None)
             self._stance.pop()
+        self._gc_hold.pop(all_=True)
         self.hooks.uninstall()
         self.modules.uninstall()
         self.compile_watch.stop()
@@ -294,10 +297,12 @@ class Recorder:
             self._stance.push()
         # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past
         # `max_regions` cost nothing (their pass records then have no op count)
-        if self.options.scope != "all" and region.recorded and not any(q.pushed_mode for q in passes):
-            # Dynamo held in force_eager cannot trace the handler: torch's per-op guard (~4 us) is not needed
-            self._mode = self._unguarded_mode if self._stance.active else self._guarded_mode
-            self._mode.__enter__()
+        if region.recorded and not any(q.pushed_mode for q in passes):
+            if self.options.scope != "all":
+                # Dynamo held in force_eager cannot trace the handler: torch's per-op guard (~4 us) is not needed
+                self._mode = self._unguarded_mode if self._stance.active else self._guarded_mode
+                self._mode.__enter__()
+            self._gc_hold.push()
             p.pushed_mode = True
         passes.append(p)
 
@@ -311,7 +316,9 @@ class Recorder:
         if p.pushed is not None and stack and stack[-1][0] is p.pushed:
             stack.pop()
         if p.pushed_mode:
-            self._mode.__exit__(None, None, None)
+            if self.options.scope != "all":
+                self._mode.__exit__(None, None, None)
+            self._gc_hold.pop()
         if not passes:
             self._stance.pop()
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False

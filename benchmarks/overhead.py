@@ -26,8 +26,10 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 
 Each ac-diff variant records into a fresh trace file per step (in a temporary directory, deleted
 after each round), and the timed step includes starting and finishing the recorder (so writing the
-trace is paid for). After `--warmup` rounds, `--rounds` rounds run every variant once, in an order
-rotated each round (round-robin: a load spike on this machine hits all variants alike); the table
+trace is paid for). After `--warmup` rounds, the model and optimizer state is saved, and `--rounds`
+rounds run every variant once, in an order rotated each round (round-robin: a load spike on this
+machine hits all variants alike), each timed step starting from that saved state with the same batch
+(so every timed step does the same work: the same routing, the same expert loads); the table
 gives median wall-clock times and their ratio to plain's ("ratio"), the median over rounds of
 variant / plain in the same round ("paired": a load spike that slows a whole round cancels out),
 and the ratio of median CPU times (this process, all threads). Then, untimed, one more step per variant measures:
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -123,6 +126,17 @@ def make_step(model: nn.Module, args: tiny_moe.ModelArgs, cli) -> Callable[[int]
             tiny_moe.update_expert_bias(moe)
         return loss.item()
 
+    def snapshot() -> Callable[[], None]:
+        """Save the model and optimizer state; the function returned puts it back (untimed, before each timed
+        step: every timed step then does the same work, same batch, same routing)."""
+        saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+        def restore() -> None:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+        return restore
+
+    step.snapshot = snapshot
     return step
 
 
@@ -226,15 +240,20 @@ def bench_model(kind: str, cli, out: dict) -> None:
     paired: dict[str, list[float]] = {v.name: [] for v in vs}  # time / plain's time in the same round
     tmp = tempfile.mkdtemp(prefix="ac-diff-overhead-")
     n = len(vs)
+    restore = None
     try:
         for rnd in range(cli.warmup + cli.rounds):
+            if rnd == cli.warmup:
+                restore = step.snapshot()
             order = vs[rnd % n:] + vs[:rnd % n]
             this: dict[str, float] = {}
             for v in order:
+                if restore is not None:
+                    restore()
                 gc.collect()
                 t0, c0 = time.perf_counter(), time.process_time()
                 with v.context(tmp, str(rnd)):
-                    step(rnd)
+                    step(min(rnd, cli.warmup))
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 this[v.name] = dt * 1e3
                 if rnd >= cli.warmup:
@@ -310,7 +329,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", metavar="FILE", help='write {"model": {"variant": {"median_ms", "ratio", ...}}}')
     p.add_argument("--models", default="moe,dense", help="comma-separated: moe, dense (default %(default)s)")
     p.add_argument("--variants", default="", help="comma-separated subset (default: all)")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=9, help="timed rounds (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default %(default)s)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)

@@ -68,3 +68,15 @@ def test_completion(monkeypatch, capsys, words, cword, expected):
     monkeypatch.setenv("COMP_CWORD", str(cword))
     main([])
     assert capsys.readouterr().out.split() == expected
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["report", "--format", "xml", "out"], ["unknown format 'xml'", "terminal, json, html"]),
+    (["run", "--write", "sometimes", "train.py"], ["--write must be 'all' or 'diverged'"]),
+    (["run", "--scope", "everything", "train.py"], ["--scope must be 'regions' or 'all'"]),
+])
+def test_a_bad_option_value_is_a_usage_error_not_an_internal_one(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err
+    assert all(w in err for w in words), err

@@ -166,6 +166,7 @@ def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
         discrete_ops: [aten.add.Tensor]
         keep_values: 64
         scope: all
+        write: diverged
         output_dir: traces
         format: json
         check: true
@@ -175,14 +176,15 @@ def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
     target, args, kw = calls[-1]
     assert (target, args) == ("train.py", ["--lr", "3"])
     assert kw["options"] == RecordOptions(keep_values=64, scope="all", ignore_ops=frozenset({"aten.mul.Tensor"}),
-                                          discrete_ops=frozenset({"aten.add.Tensor"}))
+                                          discrete_ops=frozenset({"aten.add.Tensor"}), write="diverged")
     assert kw["settings"].tolerance == Tolerance(rtol=0.01, atol=0.0)
     assert (kw["output_dir"], kw["fmt"], kw["check"], kw["output"]) == ("traces", "json", True, None)
 
     assert main(["run", "--keep-values", "0", "--scope", "regions", "--no-check", "--rtol", "0", "--format", "html",
-                 "-o", "elsewhere", "--no-fingerprints", "train.py"]) == 0
+                 "-o", "elsewhere", "--no-fingerprints", "--write", "all", "train.py"]) == 0
     _, _, kw = calls[-1]
     assert (kw["options"].keep_values, kw["options"].scope, kw["options"].fingerprints) == (0, "regions", False)
+    assert kw["options"].write == "all"
     assert kw["options"].ignore_ops == frozenset({"aten.mul.Tensor"})  # not overridden: still the config's
     assert kw["settings"].tolerance.rtol == 0.0 and kw["check"] is False
     assert (kw["output_dir"], kw["fmt"]) == ("elsewhere", "html")

@@ -216,8 +216,9 @@ def test_strip_nproc_and_rank_argv():
     from ac_diff.recorder import RecordOptions
 
     argv = launch_cmd.rank_argv("pkg.train", ["--lr", "1"], module=True, output_dir="out",
-                                options=RecordOptions(max_regions=3, fingerprints=False))
-    assert argv == ["run", "-o", "out", "--keep-values", "16384", "--scope", "regions", "--max-regions", "3",
+                                options=RecordOptions(max_regions=3, fingerprints=False, write="diverged"))
+    assert argv == ["run", "-o", "out", "--keep-values", "16384", "--scope", "regions", "--write", "diverged",
+                    "--max-regions", "3",
                     "--no-fingerprints", "-m", "pkg.train", "--lr", "1"]
 
 

@@ -300,3 +300,38 @@ def test_regions_past_max_regions_are_listed_without_dispatching_to_the_recorder
     for r in run.regions[1:]:  # listed with their passes and positions, but no ops and no op count
         assert r.forward.ops == [] and r.forward.op_count == 0 and r.recompute is not None
         assert r.forward.state["n_ops"] is None
+
+
+def test_the_collector_threshold_is_raised_only_while_passes_are_recorded(tmp_path):
+    import gc
+
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(gc.get_threshold())
+            return torch.relu(x * 2)
+
+    before = gc.get_threshold()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        seen.append(gc.get_threshold())
+        cp.checkpoint(Probe(), torch.randn(4, 4, requires_grad=True), use_reentrant=False).sum().backward()
+        seen.append(gc.get_threshold())
+    assert gc.get_threshold() == before
+    outside, forward, recompute, after = seen
+    assert outside == after == before
+    assert forward[0] == recompute[0] > before[0] and forward[1:] == before[1:]
+
+
+def test_a_threshold_the_user_set_is_left_alone(tmp_path):
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(1_000_000, 10, 10)
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            cp.checkpoint(lambda x: torch.relu(x * 2), torch.randn(4, 4, requires_grad=True),
+                          use_reentrant=False).sum().backward()
+            assert gc.get_threshold() == (1_000_000, 10, 10)
+    finally:
+        gc.set_threshold(*before)

@@ -110,7 +110,8 @@ _VALUED = {"-o", "--output-dir", "--format", "--json", "--report", "--max-region
 
 def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, options: Any) -> list[str]:
     """The `ac-diff run` arguments each rank gets: where to write, what to record, the script and its args."""
-    argv = ["run", "-o", output_dir, "--keep-values", str(options.keep_values), "--scope", options.scope]
+    argv = ["run", "-o", output_dir, "--keep-values", str(options.keep_values), "--scope", options.scope,
+            "--write", options.write]
     if options.max_regions is not None:
         argv += ["--max-regions", str(options.max_regions)]
     if not options.fingerprints:
