@@ -63,7 +63,7 @@ class RecordOptions:
     fingerprints: bool = True  # value fingerprints of region op outputs (off: metadata only)
     keep_values: int = 16384  # max elements kept per output/score input of a discrete op (0: none)
     source_lines: bool = True
-    max_regions: int | None = None  # record ops of the first N regions only; later ones are counted
+    max_regions: int | None = None  # record ops of the first N regions only; later ones are listed, not dispatched
     scope: str = "regions"  # "regions": the dispatch mode runs only inside regions; "all": also counts other ops
     discrete_ops: frozenset[str] = frozenset()  # extra op names (e.g. "aten.my_router.default") to treat as discrete
     ignore_ops: frozenset[str] = frozenset()  # op names never recorded
@@ -71,7 +71,7 @@ class RecordOptions:
     # recompute did not reproduce its forward (or it failed, or was never recomputed); a clean region keeps
     # its pass records (op counts, saved positions, externals) with "ops_written": false. For long runs.
     write: str = "all"
-    hold_bytes: int = 256 << 20  # write="diverged": encoded forwards held awaiting their recompute (oldest out)
+    hold_bytes: int = 256 << 20  # write="diverged": forwards held awaiting their recompute (oldest written first)
     # encode and write the trace in a background thread (trace.TraceWriter): measured no faster on CPU (the
     # recording keeps the GIL busy), so off by default; it can help where the step has long GIL-free phases
     writer_thread: bool = False

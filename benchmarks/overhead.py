@@ -22,7 +22,8 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * diverged     ac-diff `RecordOptions(write="diverged")`: everything is recorded, only regions whose
                recompute did not reproduce the forward are written (plus a summary line per clean one)
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
-               `--max-regions N` regions have been recorded (later regions are only counted)
+               `--max-regions N` regions have been recorded (later regions are listed with their saved
+               positions; their ops never reach the recorder)
 
 Each ac-diff variant records into a fresh trace file per step (in a temporary directory, deleted
 after each round), and the timed step includes starting and finishing the recorder (so writing the

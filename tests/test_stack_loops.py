@@ -1,4 +1,4 @@
-"""Custom training loops with gradient accumulation (`tests/stacks/grad_accum.py`) and, when it is installed,
+"""Custom training loops with gradient accumulation (`tests/stacks/grad_accum.py`) and
 PyTorch Lightning (`tests/stacks/lightning_moe.py`): each region's recompute is matched to its own forward
 when several micro-batches run forward before their backward, and a divergence is attributed to the
 micro-batch whose regions really diverged.
@@ -9,8 +9,6 @@ Regions are numbered in forward order: micro-batch k (1-based) of a 2-layer mode
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 import ac_diff
@@ -19,7 +17,6 @@ from stacks.runs import STACKS, Job, run_all
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(STACKS / "grad_accum.py")
-LIGHTNING = importlib.util.find_spec("lightning") is not None
 
 
 def mb(k: int) -> set[int]:
@@ -40,9 +37,8 @@ def runs(tmp_path_factory):
         "summed_bias_after_2": Job([SCRIPT, "--schedule", "summed", "--update-bias-after", "2"]),
         "interleaved_bias_after_2": Job([SCRIPT, "--schedule", "interleaved", "--update-bias-after", "2"]),
         "pipelined": Job([SCRIPT, "--schedule", "pipelined"]),
+        "lightning_training_step": Job([str(STACKS / "lightning_moe.py"), "--bias-update", "training_step"]),
     }
-    if LIGHTNING:
-        jobs["lightning_training_step"] = Job([str(STACKS / "lightning_moe.py"), "--bias-update", "training_step"])
     return run_all(tmp_path_factory.mktemp("loops"), jobs)
 
 
@@ -111,7 +107,6 @@ def test_pipelined_schedule_matches_each_recompute(runs):
                                        ("F", 4), ("F", 5), ("R", 3), ("R", 2), ("R", 5), ("R", 4)]
 
 
-@pytest.mark.skipif(not LIGHTNING, reason="PyTorch Lightning not installed (optional: pip install lightning)")
 def test_lightning_accumulation_bias_update_in_training_step_is_state_mutation(runs):
     # Trainer(accumulate_grad_batches=3); the bias update at the end of training_step runs after each
     # micro-batch's forward and before Lightning's backward of it: every recompute sees a new bias.
