@@ -220,6 +220,15 @@ class Report:
     def diverged(self) -> bool:
         return self.verdict == DIVERGED
 
+    def status_counts(self) -> str:
+        """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""
+        if not self.regions:
+            return ""
+        by: dict[str, int] = {}
+        for r in self.regions:
+            by[r.status] = by.get(r.status, 0) + 1
+        return f"{len(self.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": REPORT_FORMAT, "version": REPORT_VERSION, "verdict": self.verdict,

@@ -98,7 +98,7 @@ def _verdict(report: Report, title: str, silent: bool) -> str:
     if silent:
         out.append("<p class=\"silent-warning\" id=\"silent-warning\">torch raised no error: the gradients of the "
                    "diverged region(s) are silently wrong.</p>")
-    counts = _status_counts(report)
+    counts = report.status_counts()
     if counts:
         out.append(f"<p class=\"dim\">{e(counts)}</p>")
     if report.sources:
@@ -107,15 +107,6 @@ def _verdict(report: Report, title: str, silent: bool) -> str:
         out.append(f"<p class=\"dim\">the script ended with: {e(report.exit_status)}</p>")
     out.append("</header>")
     return "\n".join(out)
-
-
-def _status_counts(report: Report) -> str:
-    if not report.regions:
-        return ""
-    by: dict[str, int] = {}
-    for r in report.regions:
-        by[r.status] = by.get(r.status, 0) + 1
-    return f"{len(report.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
 
 def _toolbar(report: Report, any_diverged: bool) -> str:

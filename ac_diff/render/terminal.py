@@ -76,21 +76,12 @@ def _verdict_panel(report: Report) -> Panel:
     if silent and not report.torch_errors:
         body.append(Text("torch raised no error: the gradients of the diverged region(s) are silently wrong.",
                          style="red"))
-    counts = _status_counts(report)
+    counts = report.status_counts()
     if counts:
         body.append(Text(counts, style="dim"))
     if report.sources:
         body.append(Text("from " + ", ".join(report.sources), style="dim"))
     return Panel(Group(*body), title=f"ac-diff: {title}", title_align="left", border_style=style, box=box.ROUNDED)
-
-
-def _status_counts(report: Report) -> str:
-    if not report.regions:
-        return ""
-    by: dict[str, int] = {}
-    for r in report.regions:
-        by[r.status] = by.get(r.status, 0) + 1
-    return f"{len(report.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
 
 def _torch_errors(report: Report) -> Table:
