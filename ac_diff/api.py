@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .diagnosis import Settings, diagnose
-from .model import PHASES, Run
+from .model import PHASES, Run, op_count
 from .report import Report
 from .trace import TraceFormatError, is_trace, read_run, trace_files
 
@@ -78,7 +78,7 @@ class Trace:
             for r in run.regions:
                 rows.append({
                     "rank": r.rank, "region": r.region, "module": r.module, "kind": r.kind, "parent": r.parent,
-                    "forward_ops": _n_ops(r.forward), "recompute_ops": _n_ops(r.recompute),
+                    "forward_ops": op_count(r.forward), "recompute_ops": op_count(r.recompute),
                     "forward_positions": len(r.forward.positions) if r.forward else 0,
                     "recompute_positions": len(r.recompute.positions) if r.recompute else 0,
                     "recomputes": r.options.get("recomputes", 0), "early_stop": r.options.get("early_stop"),
@@ -132,9 +132,6 @@ _OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "s
 _POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "module", "source", "origin", "name",
                      "shape", "dtype"]
 
-
-def _n_ops(p) -> int:
-    return 0 if p is None else p.op_count
 
 
 def load(path: str | os.PathLike) -> Trace:

@@ -53,9 +53,33 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
     return t if not hasattr(t, "__tensor_flatten__") else None
 
 
-# Fingerprint weights by (device, dtype or None for the integer ones) and their slices by length.
+# Fingerprint weights: a base per (device, dtype, kind), grown as needed, and its slices by length.
 _weight_bases: dict[tuple, torch.Tensor] = {}
 _weight_slices: dict[tuple, torch.Tensor] = {}
+
+
+def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "float") -> torch.Tensor:
+    """The first n fingerprint weights, cached per (device, dtype, kind, n) for the whole process: the
+    same values for a given length however the base grew, and no slicing dispatch per fingerprint.
+
+    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "rows": the (2, n) matrix
+    [ones; float weights] that turns row sums into a plain and a weighted total in one kernel."""
+    key = (device, dtype, kind, n)
+    w = _weight_slices.get(key)
+    if w is None:
+        if kind == "rows":
+            w = torch.stack((torch.ones(n, dtype=dtype, device=device), _weights(device, dtype, n)))
+        else:
+            base = _weight_bases.get(key[:3])
+            if base is None or base.numel() < n:
+                k = torch.arange(max(n, 1024), dtype=torch.float64)
+                values = k + 1 if kind == "int" else 1.0 + torch.frac(k * 0.6180339887498949)
+                base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
+            w = base[:n]
+        if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
+            _weight_slices.clear()
+        _weight_slices[key] = w
+    return w
 
 
 # Float dtypes whose row sums keep float32 precision: one weighted pass gives both numbers of the pair.
@@ -76,6 +100,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         if dense.is_contiguous():
             t = dense
     return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
+
+
+def _weighted_row_sums(t: torch.Tensor) -> torch.Tensor:
+    """sum_j wc[j] T[i, j] for every row i of `_rows(t)`: the one pass over the data."""
+    m = _rows(t)
+    return torch.mv(m, _weights(t.device, t.dtype, m.shape[1]))
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +152,7 @@ class FingerprintBatch:
         else:
             flat = t.reshape(-1)
             first = flat.sum(dtype=torch.int64)
-            w = self._weight(key[1], flat.numel())
+            w = _weights(key[1], torch.int64, flat.numel(), "int")
             # the same int64 number either way; dot (CPU only for integers) dispatches one op, not two
             second = torch.dot(flat, w) if flat.dtype is torch.int64 and flat.is_cpu \
                 else (flat * w).sum(dtype=torch.int64)
@@ -143,58 +173,15 @@ class FingerprintBatch:
         with fixed quasi-random weights in [1, 2), as ONE (2,) tensor: one pass over the data (mv) and
         one over its row sums. Unlike (sum, abs-sum), the pair changes when values move between positions
         (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update)."""
-        m = _rows(t)
-        device, dtype = t.device, t.dtype
-        rows = torch.mv(m, self._float_weight(device, dtype, m.shape[1]))
-        return torch.mv(self._row_weights(device, dtype, m.shape[0]), rows)
+        rows = _weighted_row_sums(t)
+        return torch.mv(_weights(t.device, t.dtype, rows.numel(), "rows"), rows)
 
     def _bilinear(self, t: torch.Tensor) -> torch.Tensor:
         """sum_ij wr[i] * wc[j] * T[i, j] (as `_weighted_pair`'s second number) for the dtypes whose row
         sums would be rounded to their own precision, in float32."""
-        m = _rows(t)
-        device, dtype = t.device, t.dtype
-        rows = torch.mv(m, self._float_weight(device, dtype, m.shape[1]))
-        out = torch.dot(rows, self._float_weight(device, dtype, m.shape[0]))
+        rows = _weighted_row_sums(t)
+        out = torch.dot(rows, _weights(t.device, t.dtype, rows.numel()))
         return out if out.dtype is torch.float32 else out.float()
-
-    @staticmethod
-    def _row_weights(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """[ones(n); the float weights of length n], a (2, n) matrix cached like `_float_weight`."""
-        w = _weight_slices.get((device, dtype, -n))
-        if w is None:
-            ones = torch.ones(n, dtype=dtype, device=device)
-            w = _weight_slices[(device, dtype, -n)] = torch.stack(
-                (ones, FingerprintBatch._float_weight(device, dtype, n)))
-        return w
-
-    @staticmethod
-    def _float_weight(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-        # cached per (device, dtype, length) for the whole process: the same values for a given length
-        # however the base grew, and no slicing dispatch per fingerprint
-        w = _weight_slices.get((device, dtype, n))
-        if w is None:
-            key = (device, dtype)
-            base = _weight_bases.get(key)
-            if base is None or base.numel() < n:
-                k = torch.arange(max(n, 1024), dtype=torch.float64)
-                base = _weight_bases[key] = (1.0 + torch.frac(k * 0.6180339887498949)).to(device=device, dtype=dtype)
-            if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
-                _weight_slices.clear()
-            w = _weight_slices[(device, dtype, n)] = base[:n]
-        return w
-
-    @staticmethod
-    def _weight(device: torch.device, n: int) -> torch.Tensor:
-        w = _weight_slices.get((device, None, n))
-        if w is None:
-            base = _weight_bases.get((device, None))
-            if base is None or base.numel() < n:
-                base = _weight_bases[(device, None)] = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64,
-                                                                    device=device)
-            if len(_weight_slices) > 4096:
-                _weight_slices.clear()
-            w = _weight_slices[(device, None, n)] = base[:n]
-        return w
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""

@@ -132,10 +132,11 @@ class Pass:
     stopped_early: bool = False  # recompute stopped at the last saved position (torch's early stop)
     attempt: int = 0  # recompute number (a region can be recomputed more than once)
 
-    @property
-    def op_count(self) -> int:
-        """Ops the pass ran: the recorder's count, or the ops listed (0 where neither was measured)."""
-        return int(self.state.get("n_ops") or len(self.ops))
+
+
+def op_count(p: Pass | None) -> int:
+    """Ops a pass ran: the recorder's count, or the ops listed (0 for no pass, or where neither was measured)."""
+    return 0 if p is None else int(p.state.get("n_ops") or len(p.ops))
 
 
 @dataclass(slots=True)

@@ -69,14 +69,16 @@ class OpInfo:
     aliases_input: bool = False
 
 
-_cache: dict = {}
+# id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
+# runs for every recorded op; the op is kept in the value, so its id is never reused
+_cache: dict[int, tuple] = {}
 
 
 def op_info(func) -> OpInfo:
-    info = _cache.get(func)
-    if info is None:
-        info = _cache[func] = _compute(func)
-    return info
+    hit = _cache.get(id(func))
+    if hit is None or hit[0] is not func:
+        hit = _cache[id(func)] = (func, _compute(func))
+    return hit[1]
 
 
 def _compute(func) -> OpInfo:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import os
+from math import isfinite
 import threading
 import time
 import weakref
@@ -33,9 +34,9 @@ from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
-from .opinfo import _SHORT_DTYPES, OpInfo, op_info, short_dtype
+from .opinfo import OpInfo, op_info, short_dtype
 from .sourceline import user_source
-from .torch_hooks import FORWARD, RECOMPUTE, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
+from .torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
 
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
@@ -436,11 +437,7 @@ class Recorder:
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        # keyed by id: an OpOverload's __hash__ is a Python function (ops live as long as the process)
-        hit = _infos_by_id.get(id(func))
-        if hit is None or hit[0] is not func:
-            hit = _infos_by_id[id(func)] = (func, op_info(func))
-        info: OpInfo = hit[1]
+        info: OpInfo = op_info(func)
         name = info.name
         if name in self.options.ignore_ops:
             return
@@ -458,20 +455,18 @@ class Recorder:
         producers = p.producers
         for a in args:  # the common cases inline (this runs for every op of every region pass)
             if isinstance(a, torch.Tensor):
-                dtype = a.dtype
-                in_meta.append((tuple(a.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
-                                "cpu" if a.is_cpu else str(a.device)))
+                in_meta.append(_meta(a))
                 hit = producers.get(id(a))
                 refs.append(hit[5] if hit is not None and hit[0]() is a else self._ref(p, a))
                 tensor_inputs.append(a)
                 arg_values.append("$")
             elif type(a) in _PLAIN_ARGS:
                 arg_values.append(a)
-                if type(a) is float and not -_INF < a < _INF:  # NaN fails both comparisons
+                if type(a) is float and not isfinite(a):
                     p.nonfinite = True
             elif type(a) in _SEQUENCES and len(a) <= 256 and all(type(x) in _PLAIN_ARGS for x in a):
                 arg_values.append(tuple(a))  # sizes, dims, split sizes
-                if float in map(type, a) and not all(-_INF < x < _INF for x in a if type(x) is float):
+                if float in map(type, a) and not all(isfinite(x) for x in a if type(x) is float):
                     p.nonfinite = True
             else:
                 arg_values.append(self._arg(p, a, in_meta, refs, tensor_inputs))
@@ -487,9 +482,7 @@ class Recorder:
         fp_wanted = self.options.fingerprints and not cached and info.fingerprint
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
-                dtype = o.dtype
-                out_meta.append((tuple(o.shape), _SHORT_DTYPES.get(dtype) or short_dtype(dtype),
-                                 "cpu" if o.is_cpu else str(o.device)))
+                out_meta.append(_meta(o))
                 slot = None
                 if fp_wanted:
                     if info.aliases_input and tensor_inputs:
@@ -503,7 +496,7 @@ class Recorder:
                                     ("op", index, j))
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
-                if type(o) is float and not -_INF < o < _INF:
+                if type(o) is float and not isfinite(o):
                     p.nonfinite = True
         flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
@@ -519,7 +512,7 @@ class Recorder:
             tensor_inputs.append(a)
             return "$"
         if isinstance(a, (int, float, bool, str)) or a is None:
-            if isinstance(a, float) and not -_INF < a < _INF:
+            if isinstance(a, float) and not isfinite(a):
                 p.nonfinite = True
             return a
         if isinstance(a, (list, tuple)):
@@ -965,8 +958,6 @@ class _Internal:
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
-_INF = float("inf")
-_infos_by_id: dict[int, tuple] = {}  # id(OpOverload) -> (the op, its OpInfo)
 _SEQUENCES = frozenset({list, tuple})
 
 

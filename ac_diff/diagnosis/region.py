@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import OpRecord, Pass, Region, TensorMeta, TorchError
+from ..model import OpRecord, Pass, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair
@@ -34,7 +34,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
         silent=False, cause=None, first_value_divergence=None, first_discrete_divergence=None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
-        forward_ops=_n_ops(fwd), recompute_ops=_n_ops(rec), source="log" if from_log else "trace",
+        forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
     if region.options.get("recorded") is False:
         report.status = UNCHECKED
@@ -133,9 +133,6 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence) -> Divergence | None:
                               "`ac-diff run` would show how many elements flipped and by what margin",
                       detail={"path": [o.op for o in path], "from_log": True})
 
-
-def _n_ops(p: Pass | None) -> int:
-    return 0 if p is None else p.op_count
 
 
 def _counts(cmp: PassComparison) -> dict[str, int]:

@@ -17,7 +17,7 @@ run A, `recompute_index` = in run B); `Report.compared` says which trace is A an
 from __future__ import annotations
 
 from ..align import align
-from ..model import Pass, Region, Run
+from ..model import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
 from .compare import PassComparison, compare_passes
 from .labels import where
@@ -79,7 +79,7 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
         rank=a.rank, region=a.region, module=a.module, kind=KIND, status=CLEAN, silent=False, cause=None,
         first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
         first_control_divergence=None, positions=[], suggestions=[], chain=[],
-        forward_ops=_n_ops(a.forward), recompute_ops=_n_ops(b.forward),
+        forward_ops=op_count(a.forward), recompute_ops=op_count(b.forward),
     )
     if b.region != a.region or b.rank != a.rank:
         report.notes.append(f"run A rank {a.rank} region {a.region} | run B rank {b.rank} region {b.region}")
@@ -97,7 +97,7 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
         rcmp = compare_passes(a.recompute, b.recompute, settings.tolerance)
         if _first_any(rcmp) is not None or rcmp.changed_externals:
             cmp, phase = rcmp, "recompute"
-            report.forward_ops, report.recompute_ops = _n_ops(a.recompute), _n_ops(b.recompute)
+            report.forward_ops, report.recompute_ops = op_count(a.recompute), op_count(b.recompute)
             report.notes.append("the forwards of the two runs are identical; their RECOMPUTES differ (shown here): "
                                 "one run's recompute diverged from its forward - `ac-diff report` on each trace says why")
     report.counts = {**_counts(cmp), "phase_" + phase: 1}
@@ -165,7 +165,7 @@ def _unmatched(r: Region, present: str, absent: str) -> RegionReport:
         cause=Cause("control_flow", r.module, f"region {r.region} ({r.module or '?'}) ran in run {present} only"),
         first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
         first_control_divergence=None, positions=[], suggestions=[], chain=[],
-        forward_ops=_n_ops(r.forward) if present == "A" else 0, recompute_ops=_n_ops(r.forward) if present == "B" else 0,
+        forward_ops=op_count(r.forward) if present == "A" else 0, recompute_ops=op_count(r.forward) if present == "B" else 0,
     )
     report.notes.append(f"only in run {present}: no region of run {absent} matches it")
     report.counts = {"only_" + present.lower(): 1}
@@ -324,9 +324,6 @@ def _exit_notes(run: Run, letter: str) -> list[str]:
 def _region_key(r: Region) -> tuple:
     return (r.module, r.kind, r.parent is not None)
 
-
-def _n_ops(p: Pass | None) -> int:
-    return 0 if p is None else p.op_count
 
 
 def _fp(fp) -> str:
