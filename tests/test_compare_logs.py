@@ -36,6 +36,15 @@ def test_origin_thread_log_names_the_split_and_the_decision_behind_it():
     assert chain.index("topk") < chain.index("histc") < chain.index("split_with_sizes")
     assert any("topk" in (s.code or "") for s in region.suggestions)
     assert any("ac-diff run" in n for n in region.notes)  # honest about what a log cannot tell
+    import io
+
+    from rich.console import Console
+
+    from ac_diff.render.terminal import render_terminal
+    buffer = io.StringIO()
+    render_terminal(report, Console(file=buffer, width=120, color_system=None))
+    text = buffer.getvalue()
+    assert "split_with_sizes" in text and " in None" not in text  # a log's ops have no module name
 
 
 def test_sample_debug_dump_of_the_moe_example(tmp_path):

@@ -40,6 +40,7 @@ import re
 from ..model import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .compare import Tolerance, compare_passes, is_discrete
+from .labels import where
 
 MAX_REPLICATED_FINDINGS = 6
 # Bound on the ops the cross-rank comparison looks at (it is a Python loop per op): beyond it the
@@ -188,7 +189,7 @@ def _overview(report: Report) -> list[CrossRankFinding]:
                                                lead.cause.kind in ("state_mutation", "global_state") else
                                                f" at {lead.cause.tensor}" if lead.cause.tensor else "")
         d = _first_divergence(lead)
-        at = f"; first divergent op {d.op} in {d.module}" + (f" ({d.source})" if d.source else "") if d else ""
+        at = f"; first divergent op {d.op} in {where(d.module, d.source)}" if d else ""
         also = sorted({r.rank for r in report.regions if r.status == DIVERGED and r.region == lead.region} - {lead.rank})
         with_others = f" (region {lead.region} diverged on rank{'s' if len(also) > 1 else ''} {_list(also)} too)" if also else ""
         out.append(CrossRankFinding(
@@ -446,16 +447,16 @@ def _disagreement_text(ranks: list[int], base: Region, f, kind: str, what: str, 
                        regions: list[int] | None = None) -> str:
     base_rank, others = ranks[0], ranks[1:]
     who = f"rank{'s' if len(others) > 1 else ''} {_list(others)}"
-    where = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
+    place = f"{f.op} in {f.module or '?'}" + (f" ({f.source})" if f.source else "")
     later = [r for r in (regions or []) if r != base.region]
     also = f" (again in region{'s' if len(later) > 1 else ''} {_list(later)})" if later else ""
     if kind == "replicated_rng":
-        return (f"region {base.region} ({base.module or '?'}){also}: the random op {where} drew other numbers on "
+        return (f"region {base.region} ({base.module or '?'}){also}: the random op {place} drew other numbers on "
                 f"{who} than on rank {base_rank} from identical inputs (the ranks' RNG states differ; ranks that "
                 "should compute the same thing need the same seed)")
     detail = f": {flip}" if flip else ""
     return (f"region {base.region} ({base.module or '?'}){also}: ranks {base_rank} and {_list(others)} read identical "
-            f"inputs but {where} gave different {what} on {who}{detail} (replicated computation disagrees across "
+            f"inputs but {place} gave different {what} on {who}{detail} (replicated computation disagrees across "
             "ranks)")
 
 

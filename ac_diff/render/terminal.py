@@ -131,7 +131,7 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
         first = r.first_value_divergence or r.first_control_divergence or r.first_shape_divergence
         table.add_row(_t(r.rank), _t(r.region), _t(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
                       _t(r.cause.kind if r.cause else ""),
-                      _t(f"{_short_op(first.op)} in {first.module}" if first else ""))
+                      _t(_short_op(first.op) + (f" in {first.module}" if first.module else "") if first else ""))
     if len(shown) < len(rows):
         table.caption = f"{len(rows) - len(shown)} clean/unchecked region(s) not shown"
     return table
