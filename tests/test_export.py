@@ -40,8 +40,6 @@ def rows(df: pd.DataFrame) -> list[dict]:
 @pytest.mark.parametrize("fmt", ["csv", "jsonl", "parquet"])
 @pytest.mark.parametrize("what", WHAT)
 def test_round_trip(trace, demo, tmp_path, capsys, what, fmt):
-    if fmt == "parquet" and export_cmd.parquet_engine() is None:
-        pytest.skip("no parquet engine installed (pip install pyarrow)")
     out = tmp_path / f"{what}.{fmt}"
     assert main(["export", str(demo / "out"), "--what", what, "--format", fmt, "-o", str(out)]) == 0
     expected = getattr(trace, what)
