@@ -316,15 +316,17 @@ class Recorder:
         stack = self.modules.stack()
         if p.pushed is not None and stack and stack[-1][0] is p.pushed:
             stack.pop()
-        if p.pushed_mode:
-            if self.options.scope != "all":
-                self._mode.__exit__(None, None, None)
-            self._gc_hold.pop()
+        if p.pushed_mode and self.options.scope != "all":
+            self._mode.__exit__(None, None, None)
         if not passes:
             self._stance.pop()
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
         complete = exc is None or stopped_early
-        self._finish_pass(p, complete, stopped_early, exc)
+        try:
+            self._finish_pass(p, complete, stopped_early, exc)
+        finally:
+            if p.pushed_mode:  # after the pass's rows are freed: they leave the collector's count unvisited
+                self._gc_hold.pop()
 
     @_never_raise
     def pass_inputs(self, frame: Any, inputs: tuple, p: _Pass | None = None) -> None:
@@ -455,7 +457,7 @@ class Recorder:
         producers = p.producers
         for a in args:  # the common cases inline (this runs for every op of every region pass)
             if isinstance(a, torch.Tensor):
-                in_meta.append(_meta(a))
+                in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `_ops_record`)
                 hit = producers.get(id(a))
                 refs.append(hit[5] if hit is not None and hit[0]() is a else self._ref(p, a))
                 tensor_inputs.append(a)
@@ -482,7 +484,7 @@ class Recorder:
         fp_wanted = self.options.fingerprints and not cached and info.fingerprint
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
-                out_meta.append(_meta(o))
+                out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
                 if fp_wanted:
                     if info.aliases_input and tensor_inputs:
@@ -507,7 +509,7 @@ class Recorder:
 
     def _arg(self, p: _Pass, a: Any, in_meta: list, refs: list, tensor_inputs: list) -> Any:
         if isinstance(a, torch.Tensor):
-            in_meta.append(_meta(a))
+            in_meta.append((a.size(), a.dtype, a.device))
             refs.append(self._ref(p, a))
             tensor_inputs.append(a)
             return "$"
@@ -898,7 +900,8 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
                 src_id = strings[src] = len(strings)
         if cached and index in cached:
             flags |= _CACHED
-        row = [op_id, module_id, src_id, in_meta, args, refs, out_meta, fps.get(index), host, flags,
+        row = [op_id, module_id, src_id, _written_metas(in_meta), args, refs, _written_metas(out_meta),
+               fps.get(index), host, flags,
                vals.get(index)]
         if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
             row.pop()
@@ -963,6 +966,21 @@ _SEQUENCES = frozenset({list, tuple})
 
 def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
+
+
+# (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
+# when the row is written (on the writer thread), which halves the per-tensor cost on the op path
+_meta_names: dict[tuple, tuple[str, str]] = {}
+
+
+def _written_metas(metas: tuple) -> list:
+    out = []
+    for size, dtype, device in metas:
+        names = _meta_names.get((dtype, device))
+        if names is None:
+            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
+        out.append((tuple(size), *names))
+    return out
 
 
 def _rng_digest() -> str:
