@@ -98,6 +98,7 @@ class Trace:
                     "in_shapes": [list(m.shape) for m in o.inputs], "out_shapes": [list(m.shape) for m in o.out],
                     "out_dtypes": [m.dtype for m in o.out], "args": o.args, "fingerprint": o.fingerprint,
                     "host_value": o.host_value, "cached": o.cached, "random": o.random, "discrete": o.discrete,
+                    "derived": o.derived,
                 })
         return _frame(rows, _OP_COLUMNS)
 
@@ -128,7 +129,7 @@ class Trace:
 _REGION_COLUMNS = ["rank", "region", "module", "kind", "parent", "forward_ops", "recompute_ops", "forward_positions",
                    "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac"]
 _OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "source", "in_shapes", "out_shapes",
-               "out_dtypes", "args", "fingerprint", "host_value", "cached", "random", "discrete"]
+               "out_dtypes", "args", "fingerprint", "host_value", "cached", "random", "discrete", "derived"]
 _POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "module", "source", "origin", "name",
                      "shape", "dtype"]
 

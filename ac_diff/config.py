@@ -22,7 +22,7 @@ valid choices; the CLI prints it as one line and exits 2.
 
 Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
 `report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
-`source_lines`, `scope`, `write` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
+`fingerprint_derived`, `source_lines`, `scope`, `write` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
 `OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
 Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
 for every overload of that op and is expanded when torch knows it.
@@ -120,6 +120,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         _count_or_null),
     Key("fingerprints", "true/false", True, "value fingerprints of region ops (false: metadata only, cheapest)",
         _flag),
+    Key("fingerprint_derived", "true/false", False, "also fingerprint elementwise ops whose inputs were "
+        "measured (their values follow from them; false skips about a fifth of the fingerprinting)", _flag),
     Key("source_lines", "true/false", True, "record the user source line of each op", _flag),
     Key("scope", "regions|all", "regions", "regions: observe only checkpointed regions; all: also count other ops",
         _choice(SCOPES)),
@@ -143,6 +145,7 @@ class Config:
     keep_values: int = 16384
     max_regions: int | None = None
     fingerprints: bool = True
+    fingerprint_derived: bool = False
     source_lines: bool = True
     scope: str = "regions"
     write: str = "all"
@@ -169,7 +172,8 @@ class Config:
 
         return RecordOptions(
             fingerprints=self.pick("fingerprints", fingerprints), keep_values=self.pick("keep_values", keep_values),
-            source_lines=self.source_lines, max_regions=self.pick("max_regions", max_regions),
+            fingerprint_derived=self.fingerprint_derived, source_lines=self.source_lines,
+            max_regions=self.pick("max_regions", max_regions),
             scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
             ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write))
 

@@ -79,14 +79,15 @@ class OpRecord:
     out: list[TensorMeta] = field(default_factory=list)
     args: list[Any] = field(default_factory=list)  # non-tensor arguments as JSON values ("$" = a tensor)
     input_refs: list[InputRef] = field(default_factory=list)
-    # One entry per output tensor: a list of numbers (floats: [sum, abs_sum]; ints/bools: [sum, weighted])
-    # or None where not fingerprinted (uninitialised memory, not recorded).
+    # One entry per output tensor: two position-weighted sums (see fingerprint.py), or None where not
+    # fingerprinted (views, uninitialised memory, derived ops, not recorded).
     fingerprint: list[list[float] | None] | None = None
     host_value: Any = None  # for aten._local_scalar_dense and similar: the value handed to Python
     values: dict[str, Any] | None = None  # kept small outputs/inputs: {"out0": [...], "in0": [...]}
     cached: bool = False  # selective AC served it from the cache (recompute) / saved it (forward)
     random: bool = False  # consumes RNG (dropout, rand, bernoulli, ...)
     discrete: bool = False  # a discrete decision taken from values (topk, sort, argmax, histc, comparisons...)
+    derived: bool = False  # elementwise op of measured inputs, not fingerprinted: its values follow from theirs
     log_ids: tuple[list[str], list[str]] | None = None  # ($N outputs, $N inputs) when parsed from a log
     damaged: bool = False  # parsed from a log line another writer cut into: outputs/arguments may be incomplete
 

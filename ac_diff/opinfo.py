@@ -67,6 +67,11 @@ class OpInfo:
     # the output is its first input's memory under another shape (aten._unsafe_view, which `linear` and
     # `matmul` put after every mm of a 3-D input): its fingerprint can be the input's (see recorder)
     aliases_input: bool = False
+    # an elementwise op that writes no input and draws no random numbers: its output is a function of its
+    # inputs, bit for bit (the same kernel runs each element alike in both passes), so it cannot be where
+    # values first diverge if its inputs were measured equal (see recorder: "derived" outputs)
+    derivable: bool = False
+    shares_values: bool = False  # a view or an aliasing copy: its values are its input's
 
 
 # id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
@@ -94,10 +99,16 @@ def _compute(func) -> OpInfo:
     # every pass). The values reach the next ops after the wait; those are fingerprinted.
     async_collective = (name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
                         and packet not in ("wait_tensor", "_wrap_tensor_autograd"))  # these two hold the result
+    fingerprint = not is_view and packet not in UNINITIALISED_OPS and not async_collective
+    schema = getattr(func, "_schema", None)
+    mutates = bool(getattr(schema, "is_mutable", True))
+    pointwise = hasattr(torch, "Tag") and torch.Tag.pointwise in tags
     return OpInfo(
         name=name,
-        fingerprint=not is_view and packet not in UNINITIALISED_OPS and not async_collective,
+        fingerprint=fingerprint,
         random=random,
         discrete=discrete,
         aliases_input=packet in ALIASING_COPIES,
+        derivable=pointwise and fingerprint and not random and not discrete and not mutates,
+        shares_values=is_view or packet in ALIASING_COPIES,
     )

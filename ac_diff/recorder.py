@@ -76,6 +76,9 @@ class RecordOptions:
     # encode and write the trace in a background thread (trace.TraceWriter): measured no faster on CPU (the
     # recording keeps the GIL busy), so off by default; it can help where the step has long GIL-free phases
     writer_thread: bool = False
+    # also fingerprint elementwise ops whose inputs were all measured ("derived": their values follow from
+    # those inputs; off, the default, saves about a fifth of the fingerprinting)
+    fingerprint_derived: bool = False
 
 
 @dataclass
@@ -455,11 +458,17 @@ class Recorder:
         tensor_inputs: list[torch.Tensor] = []
         arg_values: list = []
         producers = p.producers
+        known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
             if isinstance(a, torch.Tensor):
                 in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `_ops_record`)
                 hit = producers.get(id(a))
-                refs.append(hit[5] if hit is not None and hit[0]() is a else self._ref(p, a))
+                if hit is not None and hit[0]() is a:
+                    refs.append(hit[5])
+                    known = known and hit[6]
+                else:
+                    refs.append(self._ref(p, a))
+                    known = False
                 tensor_inputs.append(a)
                 arg_values.append("$")
             elif type(a) in _PLAIN_ARGS:
@@ -471,17 +480,26 @@ class Recorder:
                 if float in map(type, a) and not all(isfinite(x) for x in a if type(x) is float):
                     p.nonfinite = True
             else:
+                n_inputs = len(tensor_inputs)
                 arg_values.append(self._arg(p, a, in_meta, refs, tensor_inputs))
+                known = known and len(tensor_inputs) == n_inputs
         if kwargs:
+            n_inputs = len(tensor_inputs)
             for k, v in kwargs.items():
                 arg_values.append({k: self._arg(p, v, in_meta, refs, tensor_inputs)})
+            known = known and len(tensor_inputs) == n_inputs
         stack = p.module_stack
         module = stack[-1][1] if stack else None
         src = user_source(3) if self.options.source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         out_meta: list = []
         host = None
-        fp_wanted = self.options.fingerprints and not cached and info.fingerprint
+        known = known and bool(tensor_inputs) and not cached
+        # "derived": an elementwise op of measured inputs is not fingerprinted (its values follow from
+        # theirs, so the first divergence is never there; the diagnosis infers whether they differ)
+        derived = known and info.derivable and not self.options.fingerprint_derived
+        fp_wanted = self.options.fingerprints and not cached and info.fingerprint and not derived
+        flows = derived or (known and info.shares_values)  # outputs whose values follow from measured ones
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
@@ -489,18 +507,19 @@ class Recorder:
                 if fp_wanted:
                     if info.aliases_input and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
-                    if slot is None:
+                    if slot is None and not flows:
                         slot = p.batch.add(o)
                     if slot is not None:
                         p.fp_slots.append((index, j, slot))
-                # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref)
+                # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref,
+                #  values measured or following from measured ones)
                 producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None,
-                                    ("op", index, j))
+                                    ("op", index, j), slot is not None or flows)
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0)
+        flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0) | (_DERIVED if derived else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
             flags |= _DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
@@ -757,7 +776,7 @@ def _no_dispatch_modes():
 
 # A recorded op is a row (name, module, src, in, args, refs, out, host, flags); flags are bits:
 _OP, _MODULE, _SRC, _IN, _ARGS, _REFS, _OUT, _HOST, _FLAGS = range(9)
-_CACHED, _RANDOM, _DISCRETE = 1, 2, 4
+_CACHED, _RANDOM, _DISCRETE, _DERIVED = 1, 2, 4, 8
 OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 
 
@@ -875,7 +894,8 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
                    [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
 
     `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
-    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete; trailing empty
+    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete, 8 derived
+    (elementwise op of measured inputs: not fingerprinted, see `_record`); trailing empty
     fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
     """
     vals: dict[int, dict] = {}

@@ -338,11 +338,11 @@ def _op_from_json(rec: dict) -> OpRecord:
         args=rec.get("args", []), input_refs=[InputRef.from_json(r) for r in rec.get("refs", [])],
         fingerprint=rec.get("fp"), host_value=rec.get("host"), values=_values_from_json(rec.get("vals")),
         cached=bool(rec.get("cached", False)), random=bool(rec.get("random", False)),
-        discrete=bool(rec.get("discrete", False)),
+        discrete=bool(rec.get("discrete", False)), derived=bool(rec.get("derived", False)),
     )
 
 
-_FLAG_CACHED, _FLAG_RANDOM, _FLAG_DISCRETE = 1, 2, 4
+_FLAG_CACHED, _FLAG_RANDOM, _FLAG_DISCRETE, _FLAG_DERIVED = 1, 2, 4, 8
 
 
 def _ops_from_json(rec: dict) -> list[OpRecord]:
@@ -377,6 +377,7 @@ def _ops_from_json(rec: dict) -> list[OpRecord]:
             args=col(row, "args") or [], input_refs=refs, fingerprint=col(row, "fp"), host_value=col(row, "host"),
             values=_values_from_json(col(row, "vals")), cached=bool(flags & _FLAG_CACHED),
             random=bool(flags & _FLAG_RANDOM), discrete=bool(flags & _FLAG_DISCRETE),
+            derived=bool(flags & _FLAG_DERIVED),
         ))
     return out
 

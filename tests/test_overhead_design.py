@@ -191,7 +191,7 @@ def test_one_ops_record_per_pass_reads_like_one_record_per_op(tmp_path):
                                ("vals", {k: decode_values(x) for k, x in (v["vals"] or {}).items()} or None)):
                 if value is not None:
                     rec[key] = value
-            for bit, key in ((1, "cached"), (2, "random"), (4, "discrete")):
+            for bit, key in ((1, "cached"), (2, "random"), (4, "discrete"), (8, "derived")):
                 if (v["flags"] or 0) & bit:
                     rec[key] = True
             old.append(rec)
