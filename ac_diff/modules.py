@@ -71,9 +71,10 @@ class ModuleStack:
         return name
 
     def owner_name(self, tensor: torch.Tensor) -> tuple[str, str] | None:
-        """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack."""
+        """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack;
+        ("external", fqn) if it is a plain tensor attribute of one (`self.scale = torch.ones(64)`)."""
         for module, fqn in reversed(self.stack()):
-            for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for kind, table in (("param", module._parameters), ("buffer", module._buffers), ("external", vars(module))):
                 for key, value in table.items():
                     if value is tensor:
                         return kind, f"{fqn}.{key}" if fqn else key

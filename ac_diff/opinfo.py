@@ -112,3 +112,59 @@ def _compute(func) -> OpInfo:
         derivable=pointwise and fingerprint and not random and not discrete and not mutates,
         shares_values=is_view or packet in ALIASING_COPIES,
     )
+
+
+_written: dict[str, tuple[int, ...]] = {}
+# Ops that update their running statistics (arguments 3 and 4) when `training` (argument 5) is true,
+# without saying so in their schema.
+_UNANNOTATED_STATS_UPDATES = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm",
+                                        "_batch_norm_impl_index", "batch_norm"})
+
+
+def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place, by op name (and its recorded arguments):
+    (0,) for "aten.add_.Tensor", (3, 4) for a batch norm in training (its running statistics), from
+    the schema's `Tensor(a!)` or, for the batch norms that do not declare it, their `training` flag;
+    () for unknown ops and ops that write nothing."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[1] in _UNANNOTATED_STATS_UPDATES:
+        return (3, 4) if len(args) > 5 and args[5] is True else ()
+    hit = _written.get(name)
+    if hit is None:
+        hit = ()
+        parts = name.split(".")
+        if len(parts) == 3:
+            try:
+                schema = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])._schema
+                hit = tuple(i for i, a in enumerate(schema.arguments)
+                            if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+            except Exception:  # noqa: BLE001 - an op of a library not loaded here: nothing known
+                hit = ()
+        _written[name] = hit
+    return hit
+
+
+def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
+    """The tensor references (recorder refs or `InputRef`s) of the arguments op `name` writes in place:
+    the recorded arguments hold "$" for each tensor, in the order of `refs`."""
+    positions = written_arguments(name, args)
+    if not positions or not refs:
+        return []
+    out = []
+    ref = 0
+    for i, a in enumerate(args):
+        n = _tensor_count(a)
+        if i in positions and n == 1 and ref < len(refs):
+            out.append(refs[ref])
+        ref += n
+    return out
+
+
+def _tensor_count(a) -> int:
+    if isinstance(a, str):
+        return int(a == "$")
+    if isinstance(a, (list, tuple)):
+        return sum(_tensor_count(x) for x in a)
+    if isinstance(a, dict):
+        return sum(_tensor_count(x) for x in a.values())
+    return 0

@@ -34,7 +34,7 @@ from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
-from .opinfo import OpInfo, op_info, short_dtype
+from .opinfo import OpInfo, op_info, short_dtype, written_inputs
 from .sourceline import user_source
 from .torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
 from .trace import TraceWriter, default_header
@@ -220,7 +220,8 @@ class Recorder:
             self._release(region)
         status = "ok"
         if exc is not None:
-            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"
+            status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else "exit" if isinstance(exc, SystemExit)
+                      else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc)})
         if exit_code not in (None, 0) and status == "ok":
@@ -290,9 +291,11 @@ class Recorder:
                 region = self._new_region(frame, passes, recorded=False)
             attempt = region.recomputes
             region.recomputes += 1
-        pushed = self._enter_function_module(frame, region, phase)
+        pushed, module = self._enter_function_module(frame, region, phase)
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack)
+        if module is not None:
+            p.state["training"] = _training_mode(module)
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
@@ -398,18 +401,19 @@ class Recorder:
     # -- module names -------------------------------------------------------------------------
     def _enter_function_module(self, frame: Any, region: _Region, phase: str):
         """Name the region after the module checkpoint() was given; put it on the module stack when its hooks
-        do not run in the region (Hugging Face checkpoints `partial(layer.forward)`): returns what was pushed."""
+        do not run in the region (Hugging Face checkpoints `partial(layer.forward)`): returns (what was pushed,
+        the module)."""
         module, hooks_run = checkpointed_module(getattr(frame, "_ac_diff_fn", None))
         if module is None:
-            return None
+            return None, None
         name = self.modules.name_of(module)
         if phase == FORWARD and region.module is None:
             region.module = name or type(module).__name__
         stack = self.modules.stack()
         if hooks_run or stack and stack[-1][0] is module:
-            return None
+            return None, module
         stack.append((module, name))
-        return module
+        return module, module
 
     @_never_raise
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
@@ -842,6 +846,8 @@ def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
         side = _is_side_effect(name, row[_REFS])
         if side:
             mutated.add(row[_REFS][0][:2])
+        if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
+            mutated.update(ref[:2] for ref in written_inputs(name, row[_ARGS], row[_REFS]) if ref[0] != "op")
         ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
     positions = [pos[1] for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
@@ -1001,6 +1007,20 @@ def _written_metas(metas: tuple) -> list:
             names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
         out.append((tuple(size), *names))
     return out
+
+
+def _training_mode(module: torch.nn.Module) -> str:
+    """"train", "eval", or "train except a.drop, b.bn" / "eval except ...": the modes of the region's
+    modules (`model.eval()` between the forward and backward flips what batch norm and dropout do)."""
+    with contextlib.suppress(Exception):
+        modes = [(name, m.training) for name, m in module.named_modules()]
+        root = modes[0][1]
+        others = [name for name, training in modes if training is not root]
+        text = "train" if root else "eval"
+        if others:
+            text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        return text
+    return "?"
 
 
 def _rng_digest() -> str:

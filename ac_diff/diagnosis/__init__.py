@@ -108,6 +108,15 @@ def _summary(err: TorchError) -> TorchErrorSummary:
                              recomputed_count=err.recomputed_count)
 
 
+def _how_it_stopped(run: Run) -> str:
+    exc = run.header.get("exception") or {}
+    end = run.header.get("end") or {}
+    if run.exit_status == "exit" and exc.get("exc_type") in (None, "SystemExit"):
+        return f"exit code {end.get('exit_code')}"
+    message = (exc.get("message") or "").strip().splitlines()
+    return f"{exc.get('exc_type', run.exit_status)}" + (f": {message[0][:160]}" if message else "")
+
+
 def _headline(regions, errors, runs) -> str:
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
@@ -118,6 +127,9 @@ def _headline(regions, errors, runs) -> str:
                     + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
                     + "; no region's op lists were available to explain it")
         if not regions and all(r.source == "trace" for r in runs):
+            stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
+            if stopped is not None:
+                return f"no checkpointed region ran: the script stopped before any did ({_how_it_stopped(stopped)})"
             return ("no checkpointed region ran: is activation checkpointing on? (torch.utils.checkpoint.checkpoint, "
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")

@@ -35,9 +35,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     shape = report.first_shape_divergence
     changed = report.changed_inputs
 
+    flags = {k: v for k, v in report.state_changes.items() if k != "rng"}
     sharded = [p for p in report.positions if p.recomputed and p.recomputed.endswith("[0]") and p.saved
                and not p.saved.endswith("[0]")]
-    if sharded and not changed:
+    if sharded and not changed and not flags:  # (eval mode also saves [0]-shaped batch-norm statistics)
         names = sorted({p.name or p.op or "?" for p in sharded})
         return Cause("sharded_parameter", names[0],
                      "tensors recomputed with shape [0]: parameters were not gathered in the recompute "
@@ -77,9 +78,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             evidence.append(f"RNG state digest {rng['forward']} in forward, {rng['recompute']} in recompute")
         return Cause("rng", random_op.op, detail, evidence)
 
-    flags = {k: v for k, v in report.state_changes.items() if k != "rng"}
     if flags:
-        key = sorted(flags)[0]
+        key = "training" if "training" in flags else sorted(flags)[0]
         return Cause("global_state", key,
                      f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
                      "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
@@ -114,6 +114,8 @@ def _fp(fp) -> str:
 
 def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:
     for d in cmp.diffs:
+        if d.side_effect:
+            continue
         if "value" in d.kinds and d.forward is not None and d.forward.random and d.inputs_same is not False:
             return d.forward
         if "value" in d.kinds and d.inputs_same:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..align import Pair, align
-from ..model import External, OpRecord, Pass
-from ..opinfo import DISCRETE_OPS
+from ..model import External, InputRef, OpRecord, Pass
+from ..opinfo import DISCRETE_OPS, written_inputs
 
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
@@ -104,6 +104,9 @@ class PassComparison:
     changed_externals: list[tuple[External, External | None]]  # (forward, recompute) whose values differ
     not_recomputed: int  # forward ops after the recompute stopped (early stop): never compared
     rec_to_fwd: dict[int, int]
+    # externals whose values differ only because the forward updated them itself (a batch norm's running
+    # statistics): the recompute reads the updated tensor and updates it again -> the op that wrote it
+    self_updated: dict[tuple, OpRecord] = field(default_factory=dict)
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
@@ -150,6 +153,10 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
     changed_ext, ext_status = _compare_externals(forward, recompute, tolerance)
+    self_updated = _self_updated(f_ops, ext_status)
+    if self_updated:
+        changed_ext = [(f, r) for f, r in changed_ext if _external_key(f.kind, f.name) not in self_updated]
+        ext_status.update({key: False for key in self_updated})
 
     # Trailing forward ops after the last op the recompute reached were never recomputed (early stop).
     last_rec = max((k for k, p in enumerate(pairs) if p.recompute is not None), default=-1)
@@ -179,7 +186,29 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
         elif f is not None:
             tainted[f.index] = True
         diffs.append(d)
-    return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd)
+    return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd, self_updated)
+
+
+def written_refs(op: OpRecord) -> list[InputRef]:
+    """The inputs `op` writes in place (see `opinfo.written_inputs`)."""
+    return written_inputs(op.op, op.args, op.input_refs)
+
+
+def _self_updated(f_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[tuple, OpRecord]:
+    """Changed externals that only ops updating them in place read (a batch norm's running statistics, a
+    step counter): the recompute reads them after the forward's update and updates them again, a side
+    effect. Not so a tensor some other op reads (a router bias a hook updates after the router used it)."""
+    writer: dict[tuple, OpRecord] = {}
+    read_elsewhere: set[tuple] = set()
+    for op in f_ops:
+        written = {_external_key(r.kind, r.name) for r in written_refs(op) if r.kind != "op"}
+        for key in written:
+            writer.setdefault(key, op)
+        for r in op.input_refs:
+            key = _external_key(r.kind, r.name)
+            if r.kind != "op" and key not in written:
+                read_elsewhere.add(key)
+    return {key: op for key, op in writer.items() if ext_status.get(key) and key not in read_elsewhere}
 
 
 def _is_side_effect(op: OpRecord | None) -> bool:

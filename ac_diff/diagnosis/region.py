@@ -80,10 +80,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                                 "for the gradients")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
-    for d in cmp.side_effects():
-        op = d.forward or d.recompute
+    updates = [((d.forward or d.recompute).input_refs[0].name, d.forward or d.recompute) for d in cmp.side_effects()]
+    updates += [(name, op) for (_, name), op in cmp.self_updated.items()
+                if not any(n == name for n, _ in updates)]
+    for name, op in updates:
         report.side_effects.append(
-            f"{op.input_refs[0].name or 'a tensor'} is updated in place by {op.op} in {where(op.module, op.source)} "
+            f"{name or 'a tensor'} is updated in place by {op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None

@@ -51,10 +51,11 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
                 "recompute sees another value. Apply the update after `loss.backward()` - best after "
                 "`optimizer.step()`, e.g. from an optimizer step hook (torchtitan's load-balancing bias update "
                 "runs there) - not in a forward hook or inside forward().",
-                "def update_bias(optimizer, args, kwargs):\n"
+                "def update_after_step(optimizer, args, kwargs):\n"
                 "    with torch.no_grad():\n"
-                "        ...  # update the bias from the tokens-per-expert counts here\n\n"
-                "optimizer.register_step_post_hook(update_bias)"))
+                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here (e.g. a router bias from the "
+                "tokens-per-expert counts)\n\n"
+                "optimizer.register_step_post_hook(update_after_step)"))
     elif kind == "rng":
         out.append(Suggestion(
             "Keep the RNG state for the recompute: preserve_rng_state=True",
@@ -63,6 +64,13 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
             "`\"preserve_rng_state\": False` from `gradient_checkpointing_kwargs`; torchtitan: "
             "`activation_checkpoint.preserve_rng_state = true`; `checkpoint_wrapper(block, preserve_rng_state=True)`.",
             "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)"))
+    elif kind == "global_state" and cause is not None and cause.tensor == "training":
+        out.append(Suggestion(
+            "Keep the model's train/eval mode until the backward has run",
+            "The recompute runs the modules in the mode they are in during backward: `model.eval()` (or `train()`) "
+            "between the forward and loss.backward() makes batch norm use other statistics and dropout draw "
+            "nothing in the recompute. Switch modes after the backward (and the optimizer step).",
+            "loss = model(batch).loss\nloss.backward()\noptimizer.step()\nmodel.eval()  # after the backward"))
     elif kind == "global_state" and cause is not None:
         out.append(Suggestion(
             f"Make `{cause.tensor}` the same in the forward and in the backward",
@@ -86,7 +94,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     discrete = report.first_discrete_divergence
     value = report.first_value_divergence
     flipped = discrete is not None and discrete.detail.get("changed", discrete.detail.get("rows_changed")) != 0
-    if discrete is not None and flipped and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng"):
+    if discrete is not None and flipped and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng") and (
+            kind != "state_mutation" or _decision_carries_the_change(report, region, discrete.forward_index)):
         save = [discrete.op]
         feeder = _feeding_matmul(region, discrete.forward_index)
         if feeder:
@@ -143,3 +152,25 @@ def _feeding_matmul(region: Region, index: int | None) -> str | None:
         if packet in ("mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm"):
             return op.op
     return None
+
+
+def _decision_carries_the_change(report: RegionReport, region: Region, decision: int | None) -> bool:
+    """Would saving the decision make the recompute reproduce the forward? Only if the changed tensors
+    reach no saved tensor that differs except through the decision (a bias used only to pick experts);
+    where they also shift saved values directly, reusing the forward's decision would hide a divergence
+    torch might have raised about, and leave the gradients silently wrong."""
+    if region.forward is None or decision is None:
+        return False
+    changed = {c["name"] for c in report.changed_inputs}
+    bypass: set[int] = set()  # forward ops the changed tensors reach without going through the decision
+    for op in region.forward.ops:
+        if op.index != decision and any(
+                (r.kind == "op" and r.op_index in bypass) or (r.kind != "op" and r.name in changed)
+                for r in op.input_refs):
+            bypass.add(op.index)
+    for p in report.positions:
+        if not (p.values_differ or p.matches is False):
+            continue
+        if p.origin != "op" and p.name in changed or p.origin == "op" and p.forward_index in bypass:
+            return False
+    return True

@@ -68,6 +68,8 @@ def _verdict_panel(report: Report) -> Panel:
     silent = any(r.silent for r in report.regions if r.status == DIVERGED)
     if report.verdict == DIVERGED:
         title, style = ("SILENTLY DIVERGED" if silent and not report.torch_errors else "DIVERGED"), "bold red"
+    elif not report.regions:
+        title, style = "NOTHING CHECKED", "bold yellow"  # no region ran: nothing was shown to be clean
     else:
         title, style = "CLEAN", "bold green"
     if report.compared:  # `ac-diff compare A B` of two traces
@@ -173,7 +175,8 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
         console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
         console.print(Text("     " + s.text))
         if s.code:
-            console.print(Syntax(s.code, "python", theme="ansi_dark", background_color="default", padding=(0, 5)))
+            console.print(Syntax(s.code, "python", theme="ansi_dark", background_color="default", padding=(0, 5),
+                                 word_wrap=True))
     for note in r.notes:
         console.print(Text("note: " + note, style="dim"))
 
@@ -224,14 +227,17 @@ def _positions_table(r: RegionReport) -> Table | None:
     for col, kw in (("pos", {"justify": "right"}), ("op / origin", {}), ("module", {}),
                     ("saved -> recomputed", {}), ("source", {"overflow": "fold"})):
         table.add_column(col, **kw)
-    for p in shown[:MAX_POSITION_ROWS]:
+    rows = shown + value_only  # metadata first, then the positions torch cannot see
+    for p in rows[:MAX_POSITION_ROWS]:
         what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}".strip()
         change = f"{p.saved or '?'} -> {p.recomputed or '-'}"
-        table.add_row(_t(p.position), _t(what), _t(p.module), _t(change, "red" if p.matches is False else ""),
+        if p in value_only:
+            change += ", other values"
+        table.add_row(_t(p.position), _t(what), _t(p.module), _t(change, "red" if p.matches is False else "yellow"),
                       _t(_short_source(p.source), "dim"))
-    if len(shown) > MAX_POSITION_ROWS:
-        table.caption = f"{len(shown) - MAX_POSITION_ROWS} more; every position is in the JSON/HTML report"
-    if not shown:
+    if len(rows) > MAX_POSITION_ROWS:
+        table.caption = f"{len(rows) - MAX_POSITION_ROWS} more; every position is in the JSON/HTML report"
+    elif not shown:
         table.caption = "values differ with unchanged shapes: torch cannot see this"
     return table
 

@@ -1,0 +1,91 @@
+"""State a region updates itself, and module modes: batch norm in training updates its running
+statistics in the forward and again in the recompute (a side effect, not a divergence: the gradients
+are exact), `model.eval()` between forward and backward changes what batch norm does in the recompute
+(a cause with its own fix), and a buffer changed upstream of a decision gets no "save the decision" fix
+when it also shifts saved values directly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import ac_diff
+from ac_diff.trace import read_run
+
+
+class BNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(x))) + x
+
+
+def _bn_run(path, eval_before_backward: bool):
+    torch.manual_seed(0)
+    block = BNBlock()
+    grads = []
+    with ac_diff.record(path):
+        for _ in range(2):
+            block.train()
+            x = torch.randn(8, 16, requires_grad=True)
+            loss = cp.checkpoint(block, x, use_reentrant=False).pow(2).mean()
+            if eval_before_backward:
+                block.eval()
+            try:
+                loss.backward()
+            except cp.CheckpointError:  # eval mode saves [0]-shaped statistics: torch sees other metadata
+                pass
+            grads.append(block.lin.weight.grad.clone() if block.lin.weight.grad is not None else None)
+    return ac_diff.diagnose([read_run(path)])
+
+
+def test_batch_norm_statistics_updated_again_in_the_recompute_are_a_side_effect(tmp_path):
+    report = _bn_run(tmp_path / "t.jsonl", eval_before_backward=False)
+    assert report.verdict == "clean" and [r.status for r in report.regions] == ["clean", "clean"]
+    region = report.regions[0]
+    assert region.cause is None and not any(p.values_differ for p in region.positions)
+    effects = " ".join(region.side_effects)
+    assert "bn.running_mean" in effects and "bn.running_var" in effects and "bn.num_batches_tracked" in effects
+
+
+def test_eval_between_forward_and_backward_is_the_module_mode(tmp_path):
+    report = _bn_run(tmp_path / "t.jsonl", eval_before_backward=True)
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert region.cause.kind == "global_state" and region.cause.tensor == "training"
+    assert "'train' in the forward and 'eval' in the recompute" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Keep the model's train/eval mode")
+
+
+class ShiftedGate(nn.Module):
+    """A buffer shifts the values the block saves AND the decision (a comparison) taken from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("shift", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.lin(x) + self.shift
+        keep = torch.topk(h, 4, dim=-1).indices
+        return torch.tanh(h).gather(-1, keep).sum(-1, keepdim=True) * h
+
+
+def test_saving_the_decision_is_not_offered_when_the_change_also_shifts_saved_values(tmp_path):
+    torch.manual_seed(0)
+    block = ShiftedGate()
+    x = torch.randn(8, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = cp.checkpoint(block, x, use_reentrant=False).sum()
+        with torch.no_grad():
+            block.shift.copy_(torch.randn(16))  # updated between the forward and the recompute
+        loss.backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.cause.kind == "state_mutation" and region.cause.tensor == "shift"
+    assert region.first_discrete_divergence is not None
+    titles = [s.title for s in region.suggestions]
+    assert titles[0].startswith("Update `shift`")
+    assert not any(t.startswith("Save ") for t in titles)
