@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,70 @@ def test_garbage_is_bad_input(tmp_path):
     junk.write_bytes(os.urandom(2048))
     proc = run_cli("compare", str(junk))
     assert proc.returncode == 2 and proc.stderr.startswith("ac-diff: error:")
+
+
+def _debug_log(tmp_path, name: str, fn, x) -> Path:
+    """The text torch raises with debug=True for a recompute that diverges, written as a log file."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    with pytest.raises(cp.CheckpointError) as caught:
+        cp.checkpoint(fn, x, use_reentrant=False, debug=True).sum().backward()
+    path = tmp_path / name
+    path.write_text("".join(traceback.format_exception(caught.value)))  # as python prints it: the chain too
+    return path
+
+
+def _branching(calls: list):
+    """Python state: the recompute (second call) takes another branch and saves fewer tensors."""
+    import torch
+
+    def fn(x):
+        calls.append(1)
+        y = torch.sin(x)
+        if len(calls) == 1:
+            y = torch.relu(y)
+        return y.exp()
+    return fn
+
+
+def _buffer_routed(buffer):
+    """A buffer changed before backward moves a data-dependent selection (nonzero): other shapes saved."""
+    import torch
+
+    def fn(x):
+        keep = torch.nonzero(x[:, 0] + buffer > 0).squeeze(1)
+        return torch.sigmoid(x[keep]) * 2
+    return fn
+
+
+def test_a_branch_in_a_log_is_control_flow(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    log = _debug_log(tmp_path, "branch.log", _branching([]), torch.randn(4, 4, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    assert region.cause.kind == "control_flow" and region.cause.tensor == "aten.relu.default"
+
+
+def test_two_logs_keep_their_own_errors(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    first = _debug_log(tmp_path, "a.log", _branching([]), torch.randn(4, 4, requires_grad=True))
+    buffer = torch.zeros(())
+    x = torch.randn(16, 4, requires_grad=True)
+    fn = _buffer_routed(buffer)
+
+    def moved(x):  # the forward runs with the buffer at 0; it changes before the recompute
+        out = fn(x)
+        buffer.fill_(1.0)
+        return out
+    second = _debug_log(tmp_path, "b.log", moved, x)
+    report = ac_diff.diagnose_paths([first, second])
+    own = {}
+    for path in (first, second):
+        single = ac_diff.diagnose_paths([path])
+        own[path.name] = [p.position for r in single.regions for p in r.positions if p.in_torch_error]
+    both = [[p.position for p in r.positions if p.in_torch_error] for r in report.regions]
+    assert own["b.log"] and sorted(both) == sorted(own.values())

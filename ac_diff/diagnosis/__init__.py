@@ -37,7 +37,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
         for region in run.regions:
-            err = _error_for(region, run_errors if run.source != "log" else log_errors, run)
+            err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             region_reports.append(diagnose_region(region, err, settings))
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
@@ -74,13 +74,18 @@ def trace_errors(run: Run) -> list[TorchError]:
     return found
 
 
-def _error_for(region, errors: list[TorchError], run: Run) -> TorchError | None:
-    for err in errors:
-        if err.region is not None:
-            if err.region == region.region:
+def _error_for(region, own: list[TorchError], pooled: list[TorchError], run: Run) -> TorchError | None:
+    """The torch error about this region: from its own run first (every log numbers its regions from 0),
+    then from the other logs (one log's head holds the error, another's tail the dump); never another rank's."""
+    for errors in (own, pooled):
+        for err in errors:
+            if err.rank is not None and region.rank is not None and err.rank != region.rank:
+                continue
+            if err.region is not None:
+                if err.region == region.region:
+                    return err
+            elif run.source == "log":
                 return err
-        elif run.source == "log" and (err.rank is None or err.rank == region.rank):
-            return err
     return None
 
 

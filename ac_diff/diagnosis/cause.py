@@ -84,7 +84,12 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
                      "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
 
-    if control is not None and report.source != "log" and (value is None or (control.forward_index or 0) <= (value.forward_index or 0)
+    # from a log (no values): only without a data-dependent decision, and before any shape divergence
+    # (spliced lines can fake a sequence change)
+    log_control = (control is not None and report.source == "log" and report.first_discrete_divergence is None
+                   and (shape is None or _before(control, shape)))
+    if control is not None and (report.source != "log" or log_control) and (
+            value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
         return Cause("control_flow", control.op,
@@ -104,6 +109,12 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("unknown", decision.op if decision else shape.op, detail, [shape.summary])
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
+
+
+def _before(a, b) -> bool:
+    """Divergence `a` comes no later than `b` in either pass."""
+    return any(x is not None and y is not None and x <= y for x, y in
+               ((a.forward_index, b.forward_index), (a.recompute_index, b.recompute_index)))
 
 
 def _fp(fp) -> str:
