@@ -91,7 +91,7 @@ class AlignedRow:
     forward: str | None  # "aten.topk.default -> f32[512, 2], i64[512, 2]"
     recompute: str | None
     module: str | None
-    marker: str | None  # None, "value", "discrete", "shape", "control", "cached"
+    marker: str | None  # None, "value", "discrete", "shape", "control", "cached", "inferred" (not measured; an input differs)
 
 
 @dataclass(slots=True)

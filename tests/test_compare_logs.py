@@ -157,3 +157,15 @@ def test_two_logs_keep_their_own_errors(tmp_path):
         own[path.name] = [p.position for r in single.regions for p in r.positions if p.in_torch_error]
     both = [[p.position for p in r.positions if p.in_torch_error] for r in report.regions]
     assert own["b.log"] and sorted(both) == sorted(own.values())
+
+
+def test_a_dump_cut_in_the_middle_is_not_aligned_from_its_beginning(tmp_path):
+    """The origin thread's tail log cut at half its size: the recompute's op list starts mid-way
+    ("(k of n)"), so pairing it with the forward's first ops would invent a divergence."""
+    raw = _real("torchtitan_llama4_rank1_tail.log").read_bytes()
+    cut = tmp_path / "tail_half.log"
+    cut.write_bytes(raw[:len(raw) // 2])
+    report = ac_diff.diagnose_paths([cut])
+    for region in report.regions:
+        assert region.first_shape_divergence is None or region.first_shape_divergence.op != "aten.view.default"
+        assert region.status != "diverged" or report.torch_error is not None

@@ -78,6 +78,9 @@ def test_a_divergence_reads_the_same_with_and_without_derived_fingerprints(tmp_p
     by_op = [{p.op: p.values_differ for p in r.positions} for r in reports]
     assert by_op[0]["aten.tanh.default"] is by_op[1]["aten.tanh.default"] is True
     assert by_op[0] == by_op[1]
+    # the aligned rows say which unmeasured ops carry the difference on
+    assert [row.marker for row in lean.window if row.forward_index is not None
+            and lean.window and "tanh" in (row.forward or "")] == ["inferred"]
 
 
 def test_a_clean_recompute_stays_clean_with_derived_ops(tmp_path):

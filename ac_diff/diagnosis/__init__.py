@@ -139,6 +139,9 @@ def _headline(regions, errors, runs) -> str:
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")
         checked = sum(1 for r in regions if r.status == CLEAN)
+        if not checked:
+            return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare "
+                    "(see the notes)")
         repeated = {e.split(" is updated in place")[0] for r in regions for e in r.side_effects}
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "") if repeated else "")

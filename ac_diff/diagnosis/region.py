@@ -47,6 +47,11 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
 
+    if from_log and not fwd.ops and not rec.ops and torch_error is None:
+        report.status = UNCHECKED
+        report.notes.append("the log holds no op of this region that both passes list (it starts or ends "
+                            "inside the dump), and no torch error about it: nothing to compare")
+        return report
     cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
     report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
@@ -98,10 +103,18 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             report.silent = False
     if count_mismatch:
         report.notes.append(count_mismatch)
+    if from_log and (fwd.state.get("log_starts_at") or 0) > 1:
+        report.notes.append(f"the log starts inside the dump: ops from #{fwd.state['log_starts_at']} on are "
+                            "compared, earlier ones are not in it" if fwd.ops else
+                            "the log starts inside the dump and its forward and recompute op lists do not "
+                            "overlap: no op is compared")
     if not rec.complete and not rec.stopped_early:
-        report.notes.append("the recompute did not finish (it raised): ops after that point are not compared")
-    if cmp.not_recomputed:
-        report.notes.append(f"{cmp.not_recomputed} forward op(s) after the last saved tensor were not recomputed "
+        report.notes.append("the log ends inside the recompute's op list: later ops are not in it" if from_log else
+                            "the recompute did not finish (it raised): ops after that point are not compared")
+    if cmp.not_recomputed and not (from_log and not rec.complete):  # a cut log: said above
+        report.notes.append(f"{cmp.not_recomputed} forward op(s) have no recompute counterpart in the log (torch "
+                            "stops recomputing at the last saved tensor); they are not compared" if from_log else
+                            f"{cmp.not_recomputed} forward op(s) after the last saved tensor were not recomputed "
                             "(torch's early stop); they are not compared")
     if from_log:
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
@@ -328,7 +341,8 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
             how = d.pair.how
             if r is None and "control" not in d.kinds and f is not None:
                 how = "not_recomputed"
-            marker = marks.get(k) or ("cached" if r is not None and r.cached else None)
+            marker = marks.get(k) or ("cached" if r is not None and r.cached else
+                                      "inferred" if f is not None and cmp.tainted.get(f.index) else None)
             rows.append(AlignedRow(how, d.pair.forward, d.pair.recompute, op_label(f, True), op_label(r, True),
                                    (f or r).module if (f or r) else None, marker))
         last = hi - 1

@@ -203,10 +203,11 @@ class DumpBuilder:
     def finish(self) -> Region:
         region_rank = self.rank if self.rank is not None else 0  # Region.rank is an int
         done = self.section == S_FOOTER
+        forward = _build_pass(FORWARD, self.parts[FORWARD], done)
+        recompute = _build_pass(RECOMPUTE, self.parts[RECOMPUTE], done)
+        _same_range(forward, recompute)
         return Region(rank=region_rank, region=self.region, module=None, kind="log",
-                      options={"debug": True},
-                      forward=_build_pass(FORWARD, self.parts[FORWARD], done),
-                      recompute=_build_pass(RECOMPUTE, self.parts[RECOMPUTE], done))
+                      options={"debug": True}, forward=forward, recompute=recompute)
 
 
 def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
@@ -226,7 +227,23 @@ def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None
                 sources.setdefault(t.op.key, t.source)
         ops = [_record(k, p, sources.get(p.key)) for k, p in enumerate(parts.listed)]
         return Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
-    if traced:
-        ops = [_record(k, traced[i].op, traced[i].source) for k, i in enumerate(sorted(traced))]
+    if traced:  # a fragment: ops keep their numbers ("(20 of 26 in recompute)" is op 19)
+        ops = [_record(i - 1, traced[i].op, traced[i].source) for i in sorted(traced)]
         return Pass(phase, ops=ops, complete=False)
     return None
+
+
+def _same_range(forward: Pass | None, recompute: Pass | None) -> None:
+    """A log that starts inside a dump holds one pass from op N on: compare only the ops both passes
+    have from there (aligning a fragment with a pass's beginning would pair unrelated ops)."""
+    if forward is None or recompute is None or not forward.ops or not recompute.ops:
+        return
+    start = max(forward.ops[0].index, recompute.ops[0].index)
+    if start == 0:
+        return
+    for p in (forward, recompute):
+        if p.ops[0].index < start:
+            p.ops = [o for o in p.ops if o.index >= start]
+        p.state["log_starts_at"] = start + 1
+    if not forward.ops or not recompute.ops:  # the two fragments do not overlap: nothing to compare
+        forward.ops, recompute.ops = [], []

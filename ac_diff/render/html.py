@@ -479,7 +479,8 @@ def _window(r: RegionReport) -> str:
                 else "<i class=\"dim\">(missing)</i>")
         cell_cls = f" class=\"cell div-{marker}\"" if divergent else (" class=\"cell cached\"" if marker == "cached" else " class=\"cell\"")
         mk = f"<span class=\"mk mk-{marker}\">≠ {e(_KIND_LABEL[marker])}</span>" if divergent else (
-            "<span class=\"dim\">cached</span>" if marker == "cached" else "")
+            "<span class=\"dim\">cached</span>" if marker == "cached" else
+            "<span class=\"dim\">≠ (input)</span>" if marker == "inferred" else "")
         rows.append(f"<tr id=\"{_row_id(r, row.forward_index, row.recompute_index)}\" class=\"how-{e(row.how)}"
                     f"{' divergent' if divergent else ''}\" data-marker=\"{e(marker)}\">"
                     f"<td class=\"num\">{_idx(row.forward_index)}</td>"

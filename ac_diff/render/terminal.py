@@ -24,9 +24,11 @@ from ..report import DIVERGED, Report, RegionReport
 
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
-_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim"}
+_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim",
+                 "inferred": "dim yellow"}
+# "inferred": not fingerprinted (a view, a derived elementwise op), fed by an input that differs
 _MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "control": "≠ sequence",
-                "cached": "cached"}
+                "cached": "cached", "inferred": "≠ (input)"}
 
 
 def _t(value: object, style: str = "") -> Text:
@@ -68,8 +70,8 @@ def _verdict_panel(report: Report) -> Panel:
     silent = any(r.silent for r in report.regions if r.status == DIVERGED)
     if report.verdict == DIVERGED:
         title, style = ("SILENTLY DIVERGED" if silent and not report.torch_errors else "DIVERGED"), "bold red"
-    elif not report.regions:
-        title, style = "NOTHING CHECKED", "bold yellow"  # no region ran: nothing was shown to be clean
+    elif not any(r.status == "clean" for r in report.regions):
+        title, style = "NOTHING CHECKED", "bold yellow"  # no region compared: nothing was shown to be clean
     else:
         title, style = "CLEAN", "bold green"
     if report.compared:  # `ac-diff compare A B` of two traces
