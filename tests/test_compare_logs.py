@@ -169,3 +169,25 @@ def test_a_dump_cut_in_the_middle_is_not_aligned_from_its_beginning(tmp_path):
     for region in report.regions:
         assert region.first_shape_divergence is None or region.first_shape_divergence.op != "aten.view.default"
         assert region.status != "diverged" or report.torch_error is not None
+
+
+def test_positions_in_a_log_follow_the_recompute_packs(tmp_path):
+    """A buffer moves a nonzero selection: torch names the positions whose shapes changed; the log's
+    recompute list detaches each saved tensor, which maps them to their ops (here: sigmoid saves its
+    output; a guess by shape alone would take the first [n, 4] output, the linear before it)."""
+    import torch
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    buffer = torch.zeros(())
+
+    def fn(x):
+        keep = torch.nonzero(x[:, 0] + buffer > 0).squeeze(1)
+        out = torch.sigmoid(lin(x[keep]))
+        buffer.fill_(-5.0)  # updated after the forward used it: the recompute selects other rows
+        return out
+
+    log = _debug_log(tmp_path, "routed.log", fn, torch.randn(16, 4, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    mapped = {p.op for p in region.positions if p.in_torch_error and p.origin == "recompute pack"}
+    assert "aten.sigmoid.default" in mapped

@@ -265,7 +265,10 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
         ))
     if not fwd.positions and reported:
-        rows.extend(_positions_by_shape(fwd, reported))
+        by_pack = _positions_by_pack(fwd, rec, cmp, reported) if rec is not None and cmp is not None else {}
+        rows.extend(by_pack.values())
+        rows.extend(_positions_by_shape(fwd, {k: v for k, v in reported.items() if k not in by_pack}))
+        rows.sort(key=lambda r: r.position)
     known = {r.position for r in rows}
     for position, err in sorted(reported.items()):  # positions torch named that the recording lacks
         if position not in known:
@@ -274,6 +277,43 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
                                     saved=str(err.saved) if err.saved else None,
                                     recomputed=str(err.recomputed) if err.recomputed else None,
                                     matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
+    return rows
+
+
+def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict) -> dict[int, PositionRow]:
+    """A debug=True log lists the recompute's pack hooks: saved tensors are detached in position order
+    (`$15 = detach($14)`; integer tensors are not always listed, so the k-th detach is not position k).
+    Each position torch reported is matched, in order, to the next detached tensor whose recompute shape
+    is the recomputed one AND whose aligned forward op made the saved shape. Used only where the forward
+    has no detach of its own."""
+    detach = "aten.detach.default"
+    if any(o.op == detach for o in fwd.ops):
+        return {}
+    f_ops = {o.index: o for o in cmp.forward_ops}
+    r_ops = {o.index: o for o in rec.ops}
+    candidates = []  # (producer in the recompute, its aligned forward op, output number)
+    for pack in rec.ops:
+        ref = pack.input_refs[0] if pack.op == detach and pack.input_refs else None
+        producer = r_ops.get(ref.op_index) if ref is not None and ref.kind == "op" else None
+        if producer is not None:
+            candidates.append((producer, f_ops.get(cmp.rec_to_fwd.get(producer.index, -1)), ref.output))
+    rows: dict[int, PositionRow] = {}
+    cursor = 0
+    for position, err in sorted(reported.items()):
+        if err.saved is None or err.recomputed is None:
+            continue
+        for k in range(cursor, len(candidates)):
+            producer, forward, j = candidates[k]
+            if (forward is not None and j < len(producer.out) and j < len(forward.out)
+                    and (producer.out[j].shape, producer.out[j].dtype) == (err.recomputed.shape, err.recomputed.dtype)
+                    and (forward.out[j].shape, forward.out[j].dtype) == (err.saved.shape, err.saved.dtype)):
+                rows[position] = PositionRow(
+                    position=position, op=forward.op, module=forward.module, source=forward.source,
+                    origin="recompute pack", name=None, forward_index=forward.index, saved=str(err.saved),
+                    recomputed=str(err.recomputed), matches=_same_meta(err.saved, err.recomputed),
+                    in_torch_error=True)
+                cursor = k + 1
+                break
     return rows
 
 

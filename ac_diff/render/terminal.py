@@ -232,6 +232,8 @@ def _positions_table(r: RegionReport) -> Table | None:
     rows = shown + value_only  # metadata first, then the positions torch cannot see
     for p in rows[:MAX_POSITION_ROWS]:
         what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}".strip()
+        if p.origin == "shape match":  # a log without pack records: the first op with that shape, a guess
+            what += " (by shape?)"
         change = f"{p.saved or '?'} -> {p.recomputed or '-'}"
         if p in value_only:
             change += ", other values"
