@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 def _frame(rows: list[dict], columns: list[str]) -> "pd.DataFrame":
     import pandas as pd  # imported on first use: the CLI's startup does not pay for it
 
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    for column in _NULLABLE_INTS.intersection(columns):  # an index column with gaps stays integer (not 4.0)
+        frame[column] = frame[column].astype("Int64")
+    return frame
+
+
+_NULLABLE_INTS = frozenset({"op_index", "position", "index", "rank", "region", "attempt", "parent",
+                            "forward_ops", "recompute_ops", "forward_positions", "recompute_positions", "recomputes"})
 
 
 class InputError(Exception):

@@ -95,3 +95,12 @@ def test_format_from_extension():
     assert resolve_format(None, "x.CSV") == "csv"
     assert resolve_format(None, None) == "csv"
     assert resolve_format("jsonl", "x.csv") == "jsonl"
+
+
+def test_index_columns_with_gaps_stay_integers(trace, demo, tmp_path):
+    positions = trace.positions
+    assert positions["op_index"].isna().any() and positions["op_index"].notna().any()  # inputs, params: no op
+    out = tmp_path / "positions.csv"
+    assert main(["export", str(demo / "out"), "--what", "positions", "-o", str(out)]) == 0
+    cells = [line.split(",")[4] for line in out.read_text().splitlines()[1:]]
+    assert all("." not in c for c in cells) and any(c.isdigit() for c in cells)  # 4, not 4.0

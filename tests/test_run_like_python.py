@@ -83,6 +83,10 @@ def test_missing_script_is_one_line(tmp_path):
     proc = run_cli("run", "-o", str(tmp_path / "o"), str(tmp_path / "nope.py"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not found" in proc.stderr
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "trace-rank0.jsonl").write_text("")  # an earlier run's trace: still the missing script
+    proc = run_cli("run", "-o", str(tmp_path / "o"), str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert proc.returncode == 2 and "not found" in proc.stderr
 
 
 def test_crashed_run_leaves_a_loadable_trace(tmp_path):

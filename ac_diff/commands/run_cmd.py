@@ -32,12 +32,12 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                 fmt: str, json_path: str | None, output: str | None, options: RecordOptions,
                 settings: Settings, quiet_report: bool = False) -> int:
     trace_path = trace_path_for(output_dir)
+    check_target(target, module)  # a missing script first: that is the problem to report
     multi = launch.is_multi_rank() or launch.launched()  # under torchrun: one trace per rank, one report
     if multi:
         launch.prepare_rank(output_dir, trace_path, force)
     if trace_path.exists() and not force:
         return fail(f"{trace_path} already exists; pass --force to overwrite it, or -o DIR for another directory")
-    check_target(target, module)
     rank = int(os.environ.get("RANK", "0") or 0)
     recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
                                                            **launch.header_fields()})

@@ -41,6 +41,10 @@ def _tensor(values: Any, dtype=None) -> torch.Tensor | None:
         return None
 
 
+def _shape(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
 def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     name = f.op.split(".")[1] if f.op.count(".") >= 2 else f.op
     if f.host_value is not None or r.host_value is not None:
@@ -50,6 +54,11 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     fv = (f.values or {}).get(out_key)
     rv = (r.values or {}).get(out_key)
     if fv is None or rv is None:
+        shapes = [(a.shape, b.shape) for a, b in zip(f.out, r.out) if a.shape != b.shape]
+        if shapes:  # a log, or values past --keep-values: the shape of the decision is what is known
+            return Flip(f"its output changed shape: {_shape(shapes[0][0])} -> {_shape(shapes[0][1])}")
+        if f.log_ids is not None:
+            return Flip("its output values changed (a log holds no values: `ac-diff run` would show which)")
         return Flip("its output values changed (values not kept: raise --keep-values to see which elements)")
     a, b = _tensor(fv), _tensor(rv)
     if a is None or b is None or a.shape != b.shape:

@@ -120,14 +120,14 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
                             "modules and the cause")
     if from_log and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
-        report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence)
+        report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence, cmp.rec_to_fwd)
     report.window = window(cmp, report, settings)
     if diverged:
         explain(report, region, cmp)
     return report
 
 
-def _log_decision(fwd: Pass, rec: Pass, shape: Divergence) -> Divergence | None:
+def _log_decision(fwd: Pass, rec: Pass, shape: Divergence, rec_to_fwd: dict[int, int]) -> Divergence | None:
     """In a log there are no values: name the discrete op the divergent shapes depend on, by dataflow.
 
     Tried in both passes (a line spliced into the wrong place breaks the path in one of them)."""
@@ -141,8 +141,12 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence) -> Divergence | None:
     else:
         return None
     op = path[0]
+    if p is fwd:  # the other pass's index through the alignment
+        indices = (op.index, next((r for r, f in rec_to_fwd.items() if f == op.index), None))
+    else:
+        indices = (rec_to_fwd.get(op.index), op.index)
     return Divergence(kind="discrete", op=op.op, module=op.module, source=op.source,
-                      forward_index=op.index if p is fwd else None, recompute_index=op.index if p is rec else None,
+                      forward_index=indices[0], recompute_index=indices[1],
                       summary=f"the data-dependent decision behind {shape.op} (via "
                               f"{' -> '.join(o.op.split('.')[1] for o in path[1:-1]) or 'direct'}); a log has no values: "
                               "`ac-diff run` would show how many elements flipped and by what margin",
