@@ -96,6 +96,10 @@ class OpRecord:
         return (self.op, self.module)
 
 
+# How a nested region's output is named where the enclosing region reads it (recorder -> diagnosis)
+NESTED_OUTPUT = "output of nested region "
+
+
 @dataclass(slots=True)
 class Position:
     """One saved-tensor position torch assigns (the i-th pack of the region in that pass)."""

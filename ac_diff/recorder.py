@@ -34,6 +34,7 @@ from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
 from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
+from .model import NESTED_OUTPUT
 from .opinfo import OpInfo, op_info, short_dtype, written_inputs
 from .sourceline import user_source
 from .torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
@@ -122,6 +123,8 @@ class _Pass:
     module_stack: list = field(default_factory=list)  # this thread's ModuleStack.stack() (the same list throughout)
     pushed_mode: bool = False  # enter() put the recording mode on the dispatch stack (and held the GC) for this pass
     nonfinite: bool = False  # a NaN or infinite float among the recorded arguments, host values or fingerprints
+    # tensors a nested region's pass made that are still alive when it ended (its outputs): id -> (weakref, name)
+    child_outputs: dict[int, tuple] = field(default_factory=dict)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -328,11 +331,24 @@ class Recorder:
             self._stance.pop()
         stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
         complete = exc is None or stopped_early
+        if passes and p.region.recorded and passes[-1].region.recorded:
+            self._hand_outputs_to_parent(p, passes[-1])
         try:
             self._finish_pass(p, complete, stopped_early, exc)
         finally:
             if p.pushed_mode:  # after the pass's rows are freed: they leave the collector's count unvisited
                 self._gc_hold.pop()
+
+    @staticmethod
+    def _hand_outputs_to_parent(p: _Pass, parent: _Pass) -> None:
+        """A nested region's outputs reach the enclosing pass as tensors it did not make: name them after
+        the region that did ("output of nested region blocks.0.inner"), not "external[0]"; by module, not
+        number, so the forward and the recompute (which re-runs the nested region as a new one) agree."""
+        region = p.region
+        label = NESTED_OUTPUT + (region.module or region.caller or "?")
+        alive = [(key, entry[0]) for key, entry in p.producers.items() if entry[0]() is not None]
+        for k, (key, ref) in enumerate(alive):
+            parent.child_outputs[key] = (ref, label if len(alive) == 1 else f"{label} #{k}")
 
     @_never_raise
     def pass_inputs(self, frame: Any, inputs: tuple, p: _Pass | None = None) -> None:
@@ -573,8 +589,11 @@ class Recorder:
             kind, name = "input", f"input[{p.input_ids[key]}]"
         else:
             owner = self.modules.owner_name(t)
+            child = p.child_outputs.get(key)
             if owner is not None:
                 kind, name = owner
+            elif child is not None and child[0]() is t:
+                kind, name = "external", child[1]
             else:
                 kind = "param" if isinstance(t, torch.nn.Parameter) else "external"
                 n = p.externals_per_kind.get(kind, 0)

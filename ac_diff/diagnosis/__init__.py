@@ -11,8 +11,8 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 
 from __future__ import annotations
 
-from ..model import InputRef, Pass, Run, TorchError
-from ..report import DIVERGED, CLEAN, Report, TorchErrorSummary
+from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
+from ..report import CLEAN, DIVERGED, Cause, Report, TorchErrorSummary
 from .compare import Tolerance
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
@@ -39,6 +39,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             region_reports.append(diagnose_region(region, err, settings))
+    _through_nested_regions(region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     verdict = DIVERGED if diverged or errors else CLEAN
@@ -111,6 +112,28 @@ def _summary(err: TorchError) -> TorchErrorSummary:
                              positions=[p.position for p in err.positions if p.position is not None],
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count)
+
+
+def _through_nested_regions(reports: list) -> None:
+    """A region whose difference is a nested region's output takes that region's cause and fixes: the
+    outer recompute only passed on what the nested one computed differently."""
+    own = {}
+    for r in reports:
+        if r.status == DIVERGED and r.cause is not None and not (r.cause.tensor or "").startswith(NESTED_OUTPUT):
+            own.setdefault((r.rank, r.module), r)
+    for r in reports:
+        tensor = r.cause.tensor if r.cause is not None else None
+        if not tensor or not tensor.startswith(NESTED_OUTPUT):
+            continue
+        module = tensor[len(NESTED_OUTPUT):].split(" #")[0]
+        child = own.get((r.rank, module))
+        if child is None:
+            continue
+        r.cause = Cause(child.cause.kind, child.cause.tensor,
+                        f"through the nested region {module} (region {child.region}): {child.cause.detail}",
+                        [f"the output of {module} differs between this region's forward and recompute",
+                         *child.cause.evidence])
+        r.suggestions = list(child.suggestions)
 
 
 def _how_it_stopped(run: Run) -> str:

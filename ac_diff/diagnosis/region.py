@@ -42,7 +42,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         return report
     if fwd is None or rec is None:
         report.status = UNCHECKED
+        inside = region.options.get("parent_phase") == "recompute" and region.parent is not None
         report.notes.append("the original forward was not recorded" if fwd is None else
+                            f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
+                            "recompute it again, so there is nothing to compare" if inside else
                             "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report

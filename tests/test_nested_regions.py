@@ -1,0 +1,67 @@
+"""A checkpoint inside a checkpointed block: the nested region's output reaches the outer region as a
+tensor it did not make. It is named after the nested region (not "external[0]"), the outer region takes
+the nested region's cause and fixes, and the nested forwards that run inside the outer recompute are
+explained, not reported as never recomputed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import ac_diff
+from ac_diff.model import NESTED_OUTPUT
+from ac_diff.trace import read_run
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("temp", torch.ones(8))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) / self.temp)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = Inner()
+        self.post = nn.Linear(8, 8)  # saves the nested region's output for its backward
+
+    def forward(self, x):
+        return x + self.post(checkpoint(self.inner, torch.relu(self.pre(x)), use_reentrant=False))
+
+
+def _report(tmp_path, anneal: bool):
+    torch.manual_seed(0)
+    block = Outer()
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = checkpoint(block, x, use_reentrant=False).pow(2).sum()
+        if anneal:  # a temperature annealed between the forward and the backward
+            with torch.no_grad():
+                block.inner.temp.mul_(1.5)
+        loss.backward()
+    run = read_run(tmp_path / "t.jsonl")
+    return run, ac_diff.diagnose([run])
+
+
+def test_the_outer_region_names_the_nested_output_and_takes_its_cause(tmp_path):
+    run, report = _report(tmp_path, anneal=True)
+    outer = next(r for r in run.regions if r.module == "Outer")
+    assert any(e.name == NESTED_OUTPUT + "inner" for e in outer.forward.externals)
+    lead = report.regions[0]
+    assert lead.status == "diverged" and lead.module == "Outer"
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "inner.temp"
+    assert "through the nested region inner" in lead.cause.detail
+    assert lead.suggestions[0].title.startswith("Update `inner.temp`")
+
+
+def test_nested_forwards_inside_the_outer_recompute_are_explained(tmp_path):
+    run, report = _report(tmp_path, anneal=False)
+    assert report.verdict == "clean"
+    inside = [r for r in report.regions if r.status == "unchecked"]
+    assert inside and all("inside region 0's recompute" in " ".join(r.notes) for r in inside)
