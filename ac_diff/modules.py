@@ -80,6 +80,13 @@ class ModuleStack:
                         return kind, f"{fqn}.{key}" if fqn else key
         return None
 
+    def name_by_index(self, modules: list) -> None:
+        """Name modules that have no name yet by their index in `modules` (checkpoint_sequential's list of a
+        Sequential's children, whose parent is never called: "3", "3.fc" as the Sequential would)."""
+        for j, module in enumerate(modules):
+            if isinstance(module, nn.Module) and module not in self._names:
+                self._index(module, str(j))
+
     # -- hooks --------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args) -> None:
         stack = self.stack()

@@ -37,7 +37,8 @@ from .gc_hold import YoungGenerationHold
 from .model import NESTED_OUTPUT
 from .opinfo import OpInfo, op_info, short_dtype, written_inputs
 from .sourceline import user_source
-from .torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options
+from .torch_hooks import (FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options,
+                          sequential_segment)
 from .trace import TraceWriter, default_header
 
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
@@ -419,8 +420,15 @@ class Recorder:
         """Name the region after the module checkpoint() was given; put it on the module stack when its hooks
         do not run in the region (Hugging Face checkpoints `partial(layer.forward)`): returns (what was pushed,
         the module)."""
-        module, hooks_run = checkpointed_module(getattr(frame, "_ac_diff_fn", None))
+        fn = getattr(frame, "_ac_diff_fn", None)
+        module, hooks_run = checkpointed_module(fn)
         if module is None:
+            segment = sequential_segment(fn)
+            if segment is not None:  # checkpoint_sequential: modules by their index, the region by its range
+                functions, start, end = segment
+                self.modules.name_by_index(functions)
+                if phase == FORWARD and region.module is None:
+                    region.module = f"segment {start}-{end}"
             return None, None
         name = self.modules.name_of(module)
         if phase == FORWARD and region.module is None:

@@ -62,6 +62,18 @@ def checkpointed_module(fn: Any) -> tuple[Any, bool]:
     return None, True
 
 
+def sequential_segment(fn: Any) -> tuple[list, int, int] | None:
+    """(the modules, first, last) when `fn` is the function `checkpoint_sequential` checkpoints for one
+    segment (a closure over them), else None."""
+    if not getattr(fn, "__qualname__", "").startswith("checkpoint_sequential.") or not getattr(fn, "__closure__", None):
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    functions, start, end = cells.get("functions"), cells.get("start"), cells.get("end")
+    if isinstance(functions, (list, tuple)) and isinstance(start, int) and isinstance(end, int):
+        return list(functions), start, end
+    return None
+
+
 def frame_options(frame: Any) -> dict[str, Any]:
     """What checkpoint() was called with, as far as the frame tells (None where it does not)."""
     if isinstance(frame, ReentrantFrame):

@@ -153,3 +153,23 @@ def test_missing_private_internals_degrade_with_a_warning(tmp_path, monkeypatch)
     trace = ac_diff.load(tmp_path / "t.jsonl")
     assert any("cannot see" in n for n in trace.runs[0].notes)
     assert len(trace.regions) == 2  # reentrant regions are still seen through CheckpointFunction
+
+
+def test_checkpoint_sequential_names_segments_and_modules(tmp_path):
+    """checkpoint_sequential on a Sequential nobody calls: regions are segments, modules their indices
+    (its last segment runs without checkpoint)."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from ac_diff.trace import read_run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        checkpoint_sequential(model, 2, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
+    run = read_run(tmp_path / "t.jsonl")
+    assert [r.module for r in run.regions] == ["segment 0-1"]
+    modules = {o.op: o.module for o in run.regions[0].forward.ops}
+    assert modules["aten.addmm.default"] == "0" and modules["aten.bernoulli_.float"] == "1"
+    region = ac_diff.diagnose([run]).regions[0]
+    assert region.cause.kind == "rng" and region.first_value_divergence.module == "1"
