@@ -191,3 +191,17 @@ def test_positions_in_a_log_follow_the_recompute_packs(tmp_path):
     region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
     mapped = {p.op for p in region.positions if p.in_torch_error and p.origin == "recompute pack"}
     assert "aten.sigmoid.default" in mapped
+
+
+def test_gzip_and_utf16_logs_read_like_the_plain_one(tmp_path):
+    import gzip
+
+    plain = SAMPLE_LOGS / "moe_bias_update_error.log"
+    text = plain.read_bytes()
+    (tmp_path / "log.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "log.utf16").write_bytes(text.decode("utf-8").encode("utf-16"))  # with a byte-order mark
+    expected = ac_diff.diagnose_paths([plain]).torch_error
+    assert expected is not None
+    for name in ("log.gz", "log.utf16"):
+        got = ac_diff.diagnose_paths([tmp_path / name]).torch_error
+        assert got is not None and (got.kind, got.positions) == (expected.kind, expected.positions), name

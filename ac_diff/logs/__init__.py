@@ -25,7 +25,9 @@ Modules, one job each:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import gzip
 import io
 import os
 from collections.abc import Callable
@@ -69,8 +71,7 @@ def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None 
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        total = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with _open_log(path) as (f, total):
             return _parse_stream(f, path, total, progress)
     name = getattr(source, "name", None)
     total = None
@@ -80,6 +81,24 @@ def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None 
         except OSError:
             total = None
     return _parse_stream(source, name if isinstance(name, str) else None, total, progress)
+
+
+@contextlib.contextmanager
+def _open_log(path: str):
+    """(binary stream, size or None) of a log as saved: plain, gzip-compressed (`.log.gz`), or UTF-16
+    with a byte-order mark (what PowerShell's `>` writes), the latter two as UTF-8 bytes."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+        f.seek(0)
+        if magic == b"\x1f\x8b":
+            with gzip.open(f, "rb") as unzipped:
+                yield unzipped, None
+            return
+        if magic in (b"\xff\xfe", b"\xfe\xff"):
+            data = f.read().decode("utf-16", errors="replace").encode("utf-8")
+            yield io.BytesIO(data), len(data)
+            return
+        yield f, os.fstat(f.fileno()).st_size
 
 
 def parse_text(text: str) -> Run:
@@ -116,14 +135,17 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     file that cannot be read.
     """
     try:
-        with open(path, "rb") as f:
+        with _open_log(os.fspath(path)) as (f, size):
             head = f.read(SNIFF_BYTES)
-            size = os.fstat(f.fileno()).st_size
             tail = b""
-            if size > SNIFF_BYTES:
-                f.seek(max(SNIFF_BYTES, size - SNIFF_BYTES))
-                tail = f.read(SNIFF_BYTES)
-    except OSError:
+            if size is None or size > SNIFF_BYTES:
+                if size is None:  # compressed: read through
+                    for block in iter(lambda: f.read(SNIFF_BYTES), b""):
+                        tail = block
+                else:
+                    f.seek(max(SNIFF_BYTES, size - SNIFF_BYTES))
+                    tail = f.read(SNIFF_BYTES)
+    except (OSError, EOFError, UnicodeError):
         return False
     first = head.lstrip()[:1]
     if first == b"{":
