@@ -305,6 +305,7 @@ def test_frame_source():
     assert frame_source("/home/u/torchtitan/torchtitan/experiments/llama4/model/moe.py:40:forward") == \
         "llama4/model/moe.py:40 in forward"
     assert frame_source("train.py:650:main") == "train.py:650 in main"
+    assert frame_source("/tmp/run/gen.py:15:forward") == "/tmp/run/gen.py:15 in forward"  # short: stays absolute
     assert frame_source("/x/lib/python3.10/site-packages/torch/nn/modules/module.py:1755:_wrapped_call_impl") is None
     assert frame_source("/data/users/weif/pytorch/torch/_tensor.py:648:backward") is None
     assert frame_source("/usr/lib/python3.10/contextlib.py:79:inner") is None

@@ -103,7 +103,8 @@ def frame_source(text: str, keep: int = 3) -> str | None:
     parts = [p for p in norm.split("/") if p]
     if parts and parts[-1] == _MODULE_CALL[0] and name in _MODULE_CALL[1]:
         return None
-    return f"{'/'.join(parts[-keep:])}:{line} in {name}"
+    whole = len(parts) <= keep and norm.startswith("/")  # /tmp/x/train.py stays absolute, not tmp/x/...
+    return f"{'/' if whole else ''}{'/'.join(parts[-keep:])}:{line} in {name}"
 
 
 @dataclass(slots=True)
