@@ -186,7 +186,8 @@ def _log_chain(report: RegionReport, region: Region) -> list[str]:
     shape = report.first_shape_divergence
     decision = report.first_discrete_divergence
     if shape is not None and region.forward is not None and decision is not None:
-        in_recompute = decision.forward_index is None
+        in_recompute = decision.detail.get("found_in", "recompute" if decision.forward_index is None else
+                                           "forward") == "recompute"
         p = region.recompute if in_recompute else region.forward
         target = next((o for o in p.ops if o.index == (shape.recompute_index if in_recompute else shape.forward_index)),
                       None)

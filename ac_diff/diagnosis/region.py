@@ -153,7 +153,8 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence, rec_to_fwd: dict[int,
                       summary=f"the data-dependent decision behind {shape.op} (via "
                               f"{' -> '.join(o.op.split('.')[1] for o in path[1:-1]) or 'direct'}); a log has no values: "
                               "`ac-diff run` would show how many elements flipped and by what margin",
-                      detail={"path": [o.op for o in path], "from_log": True})
+                      detail={"path": [o.op for o in path], "from_log": True,
+                              "found_in": "forward" if p is fwd else "recompute"})
 
 
 
