@@ -520,3 +520,18 @@ def test_torch_dump_and_error_interleaved_with_prefixes(torch_texts):
     assert sorted(r.rank for r in run.regions) == [0, 1]
     assert all(len(r.forward.ops) == 7 and r.forward.ops[0].source for r in run.regions)
     assert not run.truncated
+
+
+def test_a_log_pasted_twice_gives_two_errors_not_one_with_repeated_positions(tmp_path):
+    """A fragment that starts on a metadata line (its position cut off), pasted twice into one file."""
+    from ac_diff.logs import parse_log
+
+    meta = "{'shape': torch.Size([%d, 4]), 'dtype': torch.float32, 'device': device(type='cpu')}"
+    fragment = ""
+    for n in (None, 49, 51):
+        fragment += (f"[rank1]: tensor at position {n}:\n" if n else "") + \
+            f"[rank1]: saved metadata: {meta % 9}\n[rank1]: recomputed metadata: {meta % 8}\n"
+    path = tmp_path / "dup.log"
+    path.write_text(fragment + fragment)
+    errors = parse_log(path).errors
+    assert [[p.position for p in e.positions if p.position is not None] for e in errors] == [[49, 51], [49, 51]]

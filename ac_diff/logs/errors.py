@@ -124,7 +124,9 @@ class ErrorBuilder:
 
     @property
     def last_position(self) -> int | None:
-        return self.entry.mismatch.position if self.entry else None
+        """The highest position number so far (torch lists them in increasing order; a fragment whose
+        number was cut off does not reset it, so a second paste of the same error starts a new one)."""
+        return max((m.position for m in self.error.positions if m.position is not None), default=None)
 
     def position(self, n: int) -> None:
         self.entry = _Entry(PositionMismatch(n, None, None))
