@@ -66,6 +66,7 @@ def test_sample_error_text():
     report = ac_diff.diagnose_paths([SAMPLE_LOGS / "moe_bias_update_error.log"])
     assert report.verdict == "diverged"
     assert report.torch_error.kind == "metadata_mismatch" and len(report.torch_error.positions) == 12
+    assert "debug=True" in report.headline and "ac-diff run" in report.headline  # where more evidence comes from
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in REAL_LOGS.glob("*.log")) or ["<missing>"])

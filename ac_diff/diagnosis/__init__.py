@@ -153,7 +153,8 @@ def _headline(regions, errors, runs) -> str:
             return (f"torch raised {e.kind.replace('_', ' ')}"
                     + (f" on rank {e.rank}" if e.rank is not None else "")
                     + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
-                    + "; no region's op lists were available to explain it")
+                    + "; no region's op lists were available to explain it (checkpoint(..., debug=True) puts "
+                      "them in the log; `ac-diff run` on the script records values, modules and the cause)")
         if not regions and all(r.source == "trace" for r in runs):
             stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
             if stopped is not None:
