@@ -525,7 +525,8 @@ class Recorder:
         known = known and bool(tensor_inputs) and not cached
         # "derived": an elementwise op of measured inputs is not fingerprinted (its values follow from
         # theirs, so the first divergence is never there; the diagnosis infers whether they differ)
-        derived = known and info.derivable and not self.options.fingerprint_derived
+        derived = (known and info.derivable and not self.options.fingerprint_derived
+                   and name not in self.options.discrete_ops)
         fp_wanted = self.options.fingerprints and not cached and info.fingerprint and not derived
         flows = derived or (known and info.shares_values)  # outputs whose values follow from measured ones
         for j, o in enumerate(outs):
