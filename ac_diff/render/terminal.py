@@ -176,9 +176,10 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
     for s in r.suggestions:
         console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
         console.print(Text("     " + s.text))
-        if s.code:
-            console.print(Syntax(s.code, "python", theme="ansi_dark", background_color="default", padding=(0, 5),
-                                 word_wrap=True))
+        if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
+            code = Syntax(s.code, "python", theme="ansi_dark", background_color="default").highlight(s.code)
+            code.rstrip()
+            console.print(Text("     ") + Text("\n     ").join(code.split("\n")), soft_wrap=True)
     for note in r.notes:
         console.print(Text("note: " + note, style="dim"))
 
