@@ -119,6 +119,7 @@ class RegionReport:
     notes: list[str] = field(default_factory=list)
     side_effects: list[str] = field(default_factory=list)  # in-place state updates the recompute repeats
     source: str = "trace"  # trace or log
+    path: str | None = None  # the trace or log file it was read from
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -136,7 +137,7 @@ class RegionReport:
             "chain": list(self.chain), "changed_inputs": self.changed_inputs, "state_changes": self.state_changes,
             "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
             "window": [asdict(r) for r in self.window], "notes": list(self.notes),
-            "side_effects": list(self.side_effects), "source": self.source,
+            "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
         })
         return data
 

@@ -158,6 +158,7 @@ def test_two_logs_keep_their_own_errors(tmp_path):
         own[path.name] = [p.position for r in single.regions for p in r.positions if p.in_torch_error]
     both = [[p.position for p in r.positions if p.in_torch_error] for r in report.regions]
     assert own["b.log"] and sorted(both) == sorted(own.values())
+    assert sorted(Path(r.path).name for r in report.regions) == ["a.log", "b.log"]  # which file each is from
 
 
 def test_a_dump_cut_in_the_middle_is_not_aligned_from_its_beginning(tmp_path):

@@ -39,6 +39,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             region_reports.append(diagnose_region(region, err, settings))
+            region_reports[-1].path = run.path or run.source
     _through_nested_regions(region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]

@@ -13,6 +13,8 @@ ones rich picks) when the console is not a terminal.
 
 from __future__ import annotations
 
+import os
+
 from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -143,6 +145,8 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
 
 def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
     head = f"region {r.region} · {r.module or '?'} · rank {r.rank} · {r.kind}"
+    if len(report.sources) > 1 and r.path:  # several logs or traces: which one this region is from
+        head += f" · {os.path.basename(r.path)}"
     parts = []
     if r.cause:
         cause = Text.assemble(("cause: ", "bold"), (r.cause.kind, "bold red"), "  ", r.cause.detail)
