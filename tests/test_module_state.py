@@ -58,6 +58,33 @@ def test_eval_between_forward_and_backward_is_the_module_mode(tmp_path):
     assert region.cause.kind == "global_state" and region.cause.tensor == "training"
     assert "'train' in the forward and 'eval' in the recompute" in region.cause.detail
     assert region.suggestions[0].title.startswith("Keep the model's train/eval mode")
+    assert not region.side_effects  # the recompute ran in eval mode: it updated nothing a second time
+
+
+class RunningScale(nn.Module):
+    """Updates a running average in place, then divides by it: the recompute divides by another value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("avg", torch.ones(()))
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            self.avg.lerp_(h.abs().mean(), 0.5)
+        return h / self.avg
+
+
+def test_a_buffer_updated_then_read_inside_the_region_is_the_cause(tmp_path):
+    torch.manual_seed(0)
+    block = RunningScale()
+    x = torch.randn(8, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        cp.checkpoint(block, x, use_reentrant=False).pow(2).sum().backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.status == "diverged" and region.silent
+    assert region.cause.kind == "state_mutation" and region.cause.tensor == "avg"
 
 
 class ShiftedGate(nn.Module):
@@ -89,3 +116,26 @@ def test_saving_the_decision_is_not_offered_when_the_change_also_shifts_saved_va
     titles = [s.title for s in region.suggestions]
     assert titles[0].startswith("Update `shift`")
     assert not any(t.startswith("Save ") for t in titles)
+
+
+def test_a_bias_nudge_that_flips_no_choice_changes_no_saved_tensor(tmp_path):
+    """A load-balancing bias nudged between forward and backward: topk's values change, its indices
+    (what the region saves and uses) do not. Outputs are compared one by one: the region is clean."""
+    torch.manual_seed(0)
+    gate = nn.Linear(16, 4, bias=False)
+    experts = nn.Parameter(torch.randn(4, 16, 16) * 0.1)
+    bias = torch.zeros(4)
+
+    def moe(x):
+        scores = gate(x).softmax(-1)
+        _, idx = torch.topk(scores + bias, 1, dim=-1)
+        weight = scores.gather(-1, idx)
+        return x + weight * torch.einsum("nd,nde->ne", x, experts[idx.squeeze(-1)])
+
+    x = torch.randn(32, 16) * 20  # wide margins: a 1e-3 nudge flips no choice
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(moe, x, use_reentrant=False)
+        bias += 1e-3 * torch.tensor([1.0, -1.0, 1.0, -1.0])
+        y.sum().backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.status == "clean" and not any(p.values_differ for p in region.positions)

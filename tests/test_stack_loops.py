@@ -66,6 +66,15 @@ def test_summed_micro_batches_each_recompute_matches_its_own_forward(runs):
     assert len({first[region, "forward"][1] for region in (0, 2, 4)}) == 3  # the micro-batches differ
 
 
+def _diverged_by_the_bias_or_harmless(g: dict) -> None:
+    """A region recomputed after the router bias changed: diverged because of it (a token was routed
+    elsewhere), or clean because no choice flipped (topk's values changed, its saved indices did not)."""
+    if g["status"] == "diverged":
+        assert g["cause"]["kind"] == "state_mutation" and g["cause"]["tensor"] == f"{g['module']}.moe.expert_bias"
+    else:
+        assert g["status"] == "clean" and any("harmless for the gradients" in n for n in g["notes"]), g
+
+
 def test_summed_divergence_is_attributed_to_the_micro_batches_that_diverged(runs):
     # F1 F2 [expert_bias updated] F3, one backward: mb3 saw the new bias in both passes (clean, and it is
     # recomputed first); mb2 and mb1 were forwarded before the update and recomputed after it.
@@ -75,10 +84,10 @@ def test_summed_divergence_is_attributed_to_the_micro_batches_that_diverged(runs
     regions = _by_region(report)
     assert all(regions[i]["status"] == "clean" for i in mb(3))
     diverged = {i for i, g in regions.items() if g["status"] == "diverged"}
-    assert mb(2) <= diverged <= mb(1) | mb(2)
-    for i in diverged:
-        g = regions[i]
-        assert g["cause"]["kind"] == "state_mutation" and g["cause"]["tensor"] == f"{g['module']}.moe.expert_bias"
+    assert diverged and diverged <= mb(1) | mb(2)
+    for i in mb(1) | mb(2):
+        if regions[i]["status"] != "unchecked":  # mb1's recompute may never come: torch raised in mb2's
+            _diverged_by_the_bias_or_harmless(regions[i])
     assert report["torch_error"]["region"] in mb(1) | mb(2)
 
 
@@ -90,9 +99,9 @@ def test_interleaved_divergence_in_micro_batch_2_only(runs):
     regions = _by_region(report)
     assert set(regions) == mb(1) | mb(2)
     assert all(regions[i]["status"] == "clean" for i in mb(1))
-    assert all(regions[i]["status"] == "diverged" for i in mb(2))
-    for i in mb(2):
-        assert regions[i]["cause"]["tensor"] == f"{regions[i]['module']}.moe.expert_bias"
+    for i in mb(2):  # a layer whose router flipped no token saved the same tensors: clean, with the note
+        _diverged_by_the_bias_or_harmless(regions[i])
+    assert report["torch_error"]["region"] in mb(2) and regions[report["torch_error"]["region"]]["status"] == "diverged"
     assert report["torch_error"]["region"] in mb(2)
     assert report["headline"].startswith(regions[report["torch_error"]["region"]]["module"])
 
@@ -119,7 +128,7 @@ def test_lightning_accumulation_bias_update_in_training_step_is_state_mutation(r
     recomputed = [g for g in regions.values() if g["status"] != "unchecked"]
     assert len(recomputed) >= 2
     for g in recomputed:
-        assert g["status"] == "diverged"
-        assert g["cause"]["kind"] == "state_mutation" and g["cause"]["tensor"] == f"{g['module']}.moe.expert_bias"
+        _diverged_by_the_bias_or_harmless(g)
+    assert regions[error_region]["status"] == "diverged"
     # Lightning runs each micro-batch's backward right after its forward: F1 B1 F2 B2 ...
     assert pass_order(r.trace_dir)[:6] == [("F", 0), ("F", 1), ("R", 1), ("R", 0), ("F", 2), ("F", 3)]

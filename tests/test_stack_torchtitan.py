@@ -75,7 +75,10 @@ def test_bias_updated_in_a_forward_hook_is_state_mutation_of_each_layer(runs):
     report = r.report
     assert report["verdict"] == "diverged"
     diverged = regions_by(report, status="diverged")
-    assert {g["module"] for g in diverged} == {"layers.0", "layers.1"}
+    # layers.1's router flips no token in the first step: its saved tensors are the same (clean, noted)
+    assert {g["module"] for g in diverged} == {"layers.0"}
+    assert any("harmless for the gradients" in n for g in regions_by(report, status="clean")
+               if g["module"] == "layers.1" for n in g["notes"])
     for g in diverged:
         assert g["cause"]["kind"] == "state_mutation"
         assert g["cause"]["tensor"] == f"{g['module']}.moe.expert_bias"

@@ -45,9 +45,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "(ZeRO-3 / FSDP frees them after the forward)",
                      [f"position {p.position}: saved {p.saved}, recomputed {p.recomputed}" for p in sharded[:5]])
 
+    if "training" in flags:  # the modules' mode flipped: what batch norm reads and updates follows from it
+        return _global_state_cause(flags, "training")
+
     first = cmp.first_divergence()
     feeding = set(first.sources) if first is not None else set()
     saved_changed = {p.name for p in report.positions if p.origin != "op" and p.values_differ}
+    saved_changed |= _saved_updates(report, region)
     relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed]
     if relevant:
         # prefer model state (buffer/parameter) over an input, then the first one read
@@ -79,10 +83,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("rng", random_op.op, detail, evidence)
 
     if flags:
-        key = "training" if "training" in flags else sorted(flags)[0]
-        return Cause("global_state", key,
-                     f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
-                     "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
+        return _global_state_cause(flags, sorted(flags)[0])
 
     # from a log (no values): only without a data-dependent decision, and before any shape divergence
     # (spliced lines can fake a sequence change)
@@ -109,6 +110,25 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("unknown", decision.op if decision else shape.op, detail, [shape.summary])
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
+
+
+def _saved_updates(report: RegionReport, region: Region) -> set[str]:
+    """Externals saved for backward as the result of an in-place update in the region (`avg.lerp_(x)`
+    then `y / avg` saves `avg`), where the saved values differ."""
+    ops = {o.index: o for o in region.forward.ops} if region.forward is not None else {}
+    names = set()
+    for p in report.positions:
+        op = ops.get(p.forward_index) if p.origin == "op" and p.values_differ else None
+        if op is not None and op.input_refs and op.input_refs[0].kind in ("buffer", "param", "external") \
+                and op.op.split(".")[1 if op.op.count(".") >= 2 else 0].endswith("_"):
+            names.add(op.input_refs[0].name)
+    return names
+
+
+def _global_state_cause(flags: dict, key: str) -> Cause:
+    return Cause("global_state", key,
+                 f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
+                 "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
 
 
 def _before(a, b) -> bool:

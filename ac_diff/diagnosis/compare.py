@@ -104,6 +104,9 @@ class PassComparison:
     changed_externals: list[tuple[External, External | None]]  # (forward, recompute) whose values differ
     not_recomputed: int  # forward ops after the recompute stopped (early stop): never compared
     rec_to_fwd: dict[int, int]
+    # (forward op index, output) -> that output differs, where its outputs were measured one by one (topk's
+    # values may change while its indices do not); other outputs go by `tainted`
+    tainted_outputs: dict[tuple[int, int], bool] = field(default_factory=dict)
     # externals whose values differ only because the forward updated them itself (a batch norm's running
     # statistics): the recompute reads the updated tensor and updates it again -> the op that wrote it
     self_updated: dict[tuple, OpRecord] = field(default_factory=dict)
@@ -153,7 +156,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
     changed_ext, ext_status = _compare_externals(forward, recompute, tolerance)
-    self_updated = _self_updated(f_ops, ext_status)
+    self_updated, read_updates = _self_updated(f_ops, r_ops, ext_status)
     if self_updated:
         changed_ext = [(f, r) for f, r in changed_ext if _external_key(f.kind, f.name) not in self_updated]
         ext_status.update({key: False for key in self_updated})
@@ -167,6 +170,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
 
     sources = _changed_sources(r_ops, ext_status)
     tainted: dict[int, bool] = {}
+    tainted_outputs: dict[tuple[int, int], bool] = {}
     diffs: list[PairDiff] = []
     for k, p in enumerate(pairs):
         f = f_by_index.get(p.forward) if p.forward is not None else None
@@ -179,14 +183,30 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             d.kinds.add("control")
         if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
-            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source)
+            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs)
             d.inputs_same, d.changed_inputs = same, changed
-            tainted[f.index] = not d.side_effect and (bool(d.kinds & {"value", "shape", "args", "host"}) or (
-                same is False and not _measured(f, r)))
+            # a side effect taints what reads its result (`avg.lerp_(x)` then `y / avg`), nothing else
+            tainted[f.index] = (not d.side_effect or f.index in read_updates) and (
+                bool(d.kinds & {"value", "shape", "args", "host"}) or (same is False and not _measured(f, r)))
+            if tainted[f.index] and not d.kinds & {"args", "host"}:
+                _taint_outputs(tainted_outputs, f, r, tolerance)
         elif f is not None:
             tainted[f.index] = True
         diffs.append(d)
-    return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd, self_updated)
+    return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
+                          tainted_outputs, self_updated)
+
+
+def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:
+    """Per output, where both passes measured it: does it differ (shape or fingerprint)?"""
+    fa, fb = f.fingerprint or [], r.fingerprint or []
+    for j, (ma, mb) in enumerate(zip(f.out, r.out)):
+        a = fa[j] if j < len(fa) else None
+        b = fb[j] if j < len(fb) else None
+        if (ma.shape, ma.dtype) != (mb.shape, mb.dtype):
+            tainted_outputs[(f.index, j)] = True
+        elif a is not None and b is not None:
+            tainted_outputs[(f.index, j)] = not tol.equal(a, b)
 
 
 def written_refs(op: OpRecord) -> list[InputRef]:
@@ -194,21 +214,46 @@ def written_refs(op: OpRecord) -> list[InputRef]:
     return written_inputs(op.op, op.args, op.input_refs)
 
 
-def _self_updated(f_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[tuple, OpRecord]:
-    """Changed externals that only ops updating them in place read (a batch norm's running statistics, a
-    step counter): the recompute reads them after the forward's update and updates them again, a side
-    effect. Not so a tensor some other op reads (a router bias a hook updates after the router used it)."""
+def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict[tuple, bool]
+                  ) -> tuple[dict[tuple, OpRecord], set[int]]:
+    """Externals the region updates in place, from both passes:
+
+    - changed ones that both passes update and no other op reads (a batch norm's running statistics, a
+      step counter): the recompute reads them after the forward's update and updates them again, a side
+      effect, not a changed input -> {key: the forward op that wrote it};
+    - forward in-place updates whose result a later op reads (`avg.lerp_(x)` then `y / avg`): a
+      difference there flows on like any other -> their op indices."""
     writer: dict[tuple, OpRecord] = {}
+    rewritten: set[tuple] = set()
     read_elsewhere: set[tuple] = set()
-    for op in f_ops:
-        written = {_external_key(r.kind, r.name) for r in written_refs(op) if r.kind != "op"}
-        for key in written:
-            writer.setdefault(key, op)
-        for r in op.input_refs:
-            key = _external_key(r.kind, r.name)
-            if r.kind != "op" and key not in written:
+    read_updates: set[int] = set()
+    for ops, first in ((f_ops, True), (r_ops, False)):
+        updated_by: dict[int, tuple] = {}  # in-place op index -> the external its output is (add_ returns it)
+        for op in ops:
+            written = {_external_key(r.kind, r.name) for r in written_refs(op) if r.kind != "op"}
+            for key in written:
+                if first:
+                    writer.setdefault(key, op)
+                else:
+                    rewritten.add(key)
+            for r in op.input_refs:
+                key = updated_by.get(r.op_index) if r.kind == "op" else _external_key(r.kind, r.name)
+                if key is None or key in written:
+                    continue
                 read_elsewhere.add(key)
-    return {key: op for key, op in writer.items() if ext_status.get(key) and key not in read_elsewhere}
+                if first and r.kind == "op":
+                    read_updates.add(r.op_index)
+            if written and op.input_refs and op.input_refs[0].kind != "op" and _returns_first_input(op):
+                updated_by[op.index] = _external_key(op.input_refs[0].kind, op.input_refs[0].name)
+    updated = {key: op for key, op in writer.items()
+               if ext_status.get(key) and key in rewritten and key not in read_elsewhere}
+    return updated, read_updates
+
+
+def _returns_first_input(op: OpRecord) -> bool:
+    """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
+    packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
+    return packet.endswith("_") and not packet.startswith("_")
 
 
 def _is_side_effect(op: OpRecord | None) -> bool:
@@ -321,7 +366,8 @@ def _plain_args(args: list) -> list:
 
 
 def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd: dict[int, int],
-                 ext_status: dict[tuple, bool], f_source: dict[int, int]) -> tuple[bool | None, list[str]]:
+                 ext_status: dict[tuple, bool], f_source: dict[int, int],
+                 tainted_outputs: dict[tuple[int, int], bool] | None = None) -> tuple[bool | None, list[str]]:
     """Were all inputs of this pair identical? Uses the producers' comparison and the externals'."""
     if not f.input_refs or not r.input_refs or len(f.input_refs) != len(r.input_refs):
         return None, []
@@ -331,7 +377,7 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
         if fr.kind == "op":
             if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != f_source.get(fr.op_index, fr.op_index):
                 same = False
-            elif tainted.get(fr.op_index, False):
+            elif (tainted_outputs or {}).get((fr.op_index, fr.output), tainted.get(fr.op_index, False)):
                 same = False
         else:
             key = _external_key(fr.kind, fr.name)

@@ -88,7 +88,8 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                                 "for the gradients")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
-    updates = [((d.forward or d.recompute).input_refs[0].name, d.forward or d.recompute) for d in cmp.side_effects()]
+    updates = [(d.forward.input_refs[0].name, d.forward) for d in cmp.side_effects()
+               if d.forward is not None and d.recompute is not None]  # the recompute repeated the update
     updates += [(name, op) for (_, name), op in cmp.self_updated.items()
                 if not any(n == name for n, _ in updates)]
     for name, op in updates:
@@ -351,7 +352,7 @@ def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
     if pos.origin == "op":
         if other.origin != "op" or cmp.rec_to_fwd.get(other.op_index) != pos.op_index:
             return True  # a different tensor took this position (a shifted sequence torch may not see)
-        return bool(cmp.tainted.get(pos.op_index, False))
+        return bool(cmp.tainted_outputs.get((pos.op_index, pos.output), cmp.tainted.get(pos.op_index, False)))
     if other.origin != pos.origin or other.name != pos.name and pos.origin != "input":
         return True
     changed = {(f.kind, f.name) for f, _ in cmp.changed_externals}
