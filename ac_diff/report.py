@@ -121,6 +121,14 @@ class RegionReport:
     source: str = "trace"  # trace or log
     path: str | None = None  # the trace or log file it was read from
 
+    def first_divergence(self) -> Divergence | None:
+        """The divergence to name for the region: the earliest of value / control (in forward order), else
+        the discrete decision, else the shape divergence."""
+        found = [d for d in (self.first_value_divergence, self.first_control_divergence) if d is not None]
+        if found:
+            return min(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
+        return self.first_discrete_divergence or self.first_shape_divergence
+
     def to_json(self) -> dict[str, Any]:
         data = {
             "rank": self.rank, "region": self.region, "module": self.module, "kind": self.kind,

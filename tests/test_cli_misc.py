@@ -80,3 +80,11 @@ def test_a_bad_option_value_is_a_usage_error_not_an_internal_one(argv, words, ca
     err = capsys.readouterr().err
     assert "internal error" not in err and "Traceback" not in err
     assert all(w in err for w in words), err
+
+
+def test_short_labels_keep_host_values():
+    from ac_diff.render.terminal import _short_label
+
+    assert _short_label("aten._local_scalar_dense.default = 2.7244") == "_local_scalar_dense = 2.7244"
+    assert _short_label("aten.topk.default(2, 1) -> f32[256, 2]") == "topk(2, 1) -> f32[256, 2]"
+    assert _short_label("aten.view.default -> f32[2]") == "view -> f32[2]"

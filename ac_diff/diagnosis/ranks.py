@@ -75,21 +75,13 @@ def _summary(report: Report, rank: int) -> RankSummary:
         clean=n_clean, unchecked=n_unchecked, silent=bool(first and first.silent),
         cause_tensor=first.cause.tensor if first and first.cause else None,
     )
-    lead = _first_divergence(first) if first else None
+    lead = first.first_divergence() if first else None
     if lead is not None:
         summary.first_op, summary.first_op_module, summary.first_source = lead.op, lead.module, lead.source
     if errors:
         e = errors[0]
         summary.torch_error = e.kind + (f" at positions {_compact(e.positions)}" if e.positions else "")
     return summary
-
-
-def _first_divergence(r: RegionReport):
-    """The divergence to name for a region: the earliest of value / control, else discrete, else shape."""
-    candidates = [d for d in (r.first_value_divergence, r.first_control_divergence) if d is not None]
-    if candidates:
-        return min(candidates, key=lambda d: (d.forward_index is None, d.forward_index or 0))
-    return r.first_discrete_divergence or r.first_shape_divergence
 
 
 def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = Tolerance()) -> list[str]:
@@ -188,7 +180,7 @@ def _overview(report: Report) -> list[CrossRankFinding]:
             cause = f": {lead.cause.kind}" + (f" of `{lead.cause.tensor}`" if lead.cause.tensor and
                                                lead.cause.kind in ("state_mutation", "global_state") else
                                                f" at {lead.cause.tensor}" if lead.cause.tensor else "")
-        d = _first_divergence(lead)
+        d = lead.first_divergence()
         at = f"; first divergent op {d.op} in {where(d.module, d.source)}" if d else ""
         also = sorted({r.rank for r in report.regions if r.status == DIVERGED and r.region == lead.region} - {lead.rank})
         with_others = f" (region {lead.region} diverged on rank{'s' if len(also) > 1 else ''} {_list(also)} too)" if also else ""

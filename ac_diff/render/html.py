@@ -166,10 +166,6 @@ def _anchor(r: RegionReport) -> str:
     return f"region-{int(r.rank)}-{int(r.region)}"
 
 
-def _first(r: RegionReport) -> Divergence | None:
-    return r.first_value_divergence or r.first_control_divergence or r.first_shape_divergence
-
-
 def _search_text(r: RegionReport) -> str:
     """What the text filter matches a region on: its module and every op and module the report names."""
     words: set[str] = {r.module or ""}
@@ -196,7 +192,7 @@ def _regions_table(report: Report) -> str:
         return f"<section id=\"regions\"><h2>regions</h2><p class=\"dim\">{e(what)}</p></section>"
     rows = []
     for r in report.regions:
-        first = _first(r)
+        first = r.first_divergence()
         status = r.status + (" (silent)" if r.silent else "")
         module = e(r.module or "?")
         link = f"<a href=\"#{_anchor(r)}\">{module}</a>"

@@ -134,7 +134,7 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
     for r in shown:
         status = Text(r.status + (" (silent)" if r.silent else ""),
                       style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
-        first = r.first_value_divergence or r.first_control_divergence or r.first_shape_divergence
+        first = r.first_divergence()
         table.add_row(_t(r.rank), _t(r.region), _t(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
                       _t(r.cause.kind if r.cause else ""),
                       _t(_short_op(first.op) + (f" in {first.module}" if first.module else "") if first else ""))
@@ -196,8 +196,8 @@ def _short_label(label: str | None) -> str | None:
     """"aten.topk.default(2, 1) -> f32[256, 2]" -> "topk(2, 1) -> f32[256, 2]"."""
     if not label or not label.startswith("aten."):
         return label
-    head, sep, tail = label.partition("(") if "(" in label.split(" -> ")[0] else label.partition(" -> ")
-    return _short_op(head) + sep + tail
+    name_end = min((i for i in (label.find("("), label.find(" -> "), label.find(" = ")) if i >= 0), default=len(label))
+    return _short_op(label[:name_end]) + label[name_end:]  # "..._local_scalar_dense.default = 2.7" keeps 2.7
 
 
 def _window_table(r: RegionReport) -> Table:
