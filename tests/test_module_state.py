@@ -139,3 +139,29 @@ def test_a_bias_nudge_that_flips_no_choice_changes_no_saved_tensor(tmp_path):
         y.sum().backward()
     region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
     assert region.status == "clean" and not any(p.values_differ for p in region.positions)
+
+
+class ScheduledScale(nn.Module):
+    """Multiplies by a Python float the training loop advances every step (a schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.scale)  # tanh saves its output for backward
+
+
+def test_a_python_number_changed_before_backward_is_named_with_its_fix(tmp_path):
+    torch.manual_seed(0)
+    block = ScheduledScale()
+    x = torch.randn(8, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = cp.checkpoint(block, x, use_reentrant=False).pow(2).sum()
+        block.scale = 1.5  # the schedule advances before the backward
+        loss.backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.status == "diverged" and region.silent
+    assert region.cause.kind == "state_mutation" and region.cause.tensor == "an argument of aten.mul.Tensor"
+    assert region.suggestions[0].title.startswith("Update the Python value after the backward")

@@ -98,6 +98,16 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "before any value differed: Python code took another branch",
                      [control.summary])
 
+    first = cmp.first_divergence()
+    if (report.source != "log" and first is not None and "args" in first.kinds and "shape" not in first.kinds
+            and first.inputs_same and first.forward is not None):
+        op = first.forward
+        return Cause("state_mutation", f"an argument of {op.op}",
+                     f"a Python value passed to {op.op} at {where(op.module, op.source)} changed between the forward "
+                     "and the recompute (identical tensors in): Python state the region reads, a schedule or a float "
+                     "attribute, was updated before the backward",
+                     [d.summary for d in (report.first_shape_divergence,) if d is not None])
+
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
                      f"{value.op} returned other values from identical inputs (a nondeterministic kernel)",

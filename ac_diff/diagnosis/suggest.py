@@ -39,7 +39,15 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     kind = cause.kind if cause else "unknown"
     if kind == "state_mutation" and cause is not None:
         name = cause.tensor or "the tensor"
-        if name.startswith("input["):
+        if name.startswith("an argument of "):
+            out.append(Suggestion(
+                "Update the Python value after the backward, or pass it in as an argument",
+                "The region reads a Python number (a schedule, a scale, a temperature) that changed before its "
+                "recompute ran, so the recompute computed with the new one. Change it after loss.backward(), or "
+                "pass it to the checkpointed function as an argument (checkpoint keeps its arguments for the "
+                "recompute).",
+                "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
+        elif name.startswith("input["):
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
                 "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
