@@ -6,6 +6,7 @@ when it also shifts saved values directly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
@@ -165,3 +166,21 @@ def test_a_python_number_changed_before_backward_is_named_with_its_fix(tmp_path)
     assert region.status == "diverged" and region.silent
     assert region.cause.kind == "state_mutation" and region.cause.tensor == "an argument of aten.mul.Tensor"
     assert region.suggestions[0].title.startswith("Update the Python value after the backward")
+
+
+def test_a_run_that_stops_before_the_recompute_says_why(tmp_path):
+    """The region's input is modified in place after the forward: autograd refuses the backward before
+    the recompute runs. The report says the run stopped, and how, not that no backward came."""
+    torch.manual_seed(0)
+    block = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            out = cp.checkpoint(block, h, use_reentrant=False)
+            h.mul_(3)
+            out.sum().backward()
+    report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
+    assert [r.status for r in report.regions] == ["unchecked"]
+    assert "the run stopped first (RuntimeError" in report.regions[0].notes[-1]
+    assert report.headline.startswith("nothing compared") and "RuntimeError" in report.headline

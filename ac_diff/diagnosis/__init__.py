@@ -12,7 +12,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import CLEAN, DIVERGED, Cause, Report, TorchErrorSummary
+from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Report, TorchErrorSummary
 from .compare import Tolerance
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
@@ -36,10 +36,14 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         errors.extend(run_errors)
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
+        stopped = run.exit_status in ("exception", "interrupted")
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
-            region_reports.append(diagnose_region(region, err, settings))
-            region_reports[-1].path = run.path or run.source
+            report = diagnose_region(region, err, settings)
+            report.path = run.path or run.source
+            if stopped and report.status == UNCHECKED and report.notes and report.notes[-1].startswith("never"):
+                report.notes[-1] = f"never recomputed: the run stopped first ({_how_it_stopped(run)})"
+            region_reports.append(report)
     _through_nested_regions(region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
@@ -165,8 +169,9 @@ def _headline(regions, errors, runs) -> str:
                     "not checkpointed)")
         checked = sum(1 for r in regions if r.status == CLEAN)
         if not checked:
-            return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare "
-                    "(see the notes)")
+            why = next((r.notes[-1] for r in regions if r.notes), "")
+            return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare"
+                    + (f" ({why})" if why else ""))
         repeated = {e.split(" is updated in place")[0] for r in regions for e in r.side_effects}
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "") if repeated else "")
