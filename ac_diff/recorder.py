@@ -170,6 +170,7 @@ class Recorder:
         self.compile_watch = CompileWatch()
         self._stance = EagerStance()  # torch.compile'd code runs eagerly in regions
         self._gc_hold = YoungGenerationHold()  # fewer collector passes while passes are recorded
+        self._launched_as_rank = False
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
         self._internal_block = _Internal(self)
@@ -203,6 +204,7 @@ class Recorder:
             self._stance.push()
             self._mode.__enter__()
         self._started = True
+        self._launched_as_rank = "RANK" in os.environ  # torchrun / ac-diff's launcher started this process
         return self
 
     def stop(self, exc: BaseException | None = None, exit_code: int | None = None) -> None:
@@ -219,6 +221,9 @@ class Recorder:
         self.modules.uninstall()
         self.compile_watch.stop()
         for message in self.compile_watch.messages(self._regions, self.options.scope == "all"):
+            self._writer.write({"type": "warning", "message": message})
+        message = _unrecorded_ranks(self._launched_as_rank)
+        if message:
             self._writer.write({"type": "warning", "message": message})
         for region in list(self._held.values()):  # never recomputed (or the run stopped first): keep them
             self._release(region)
@@ -1035,6 +1040,18 @@ def _written_metas(metas: tuple) -> list:
             names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
         out.append((tuple(size), *names))
     return out
+
+
+def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
+    """A process group of several ranks that this process's launcher did not start (Lightning and
+    Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
+    with contextlib.suppress(Exception):
+        dist = torch.distributed
+        if not launched_as_rank and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            n = dist.get_world_size()
+            return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
+                    f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
+    return None
 
 
 def _training_mode(module: torch.nn.Module) -> str:

@@ -1,8 +1,9 @@
-"""State a region updates itself, and module modes: batch norm in training updates its running
-statistics in the forward and again in the recompute (a side effect, not a divergence: the gradients
-are exact), `model.eval()` between forward and backward changes what batch norm does in the recompute
-(a cause with its own fix), and a buffer changed upstream of a decision gets no "save the decision" fix
-when it also shifts saved values directly."""
+"""State around a region: batch norm in training updates its running statistics in the forward and
+again in the recompute (a side effect, not a divergence: the gradients are exact); `model.eval()`
+between forward and backward changes what batch norm does in the recompute (a cause with its own fix);
+a buffer changed upstream of a decision gets no "save the decision" fix when it also shifts saved
+values directly; a buffer updated then read inside the region, a Python number changed before the
+backward, a bias nudge that flips no choice (clean), and a run that stops before the recompute."""
 
 from __future__ import annotations
 

@@ -173,3 +173,25 @@ def test_checkpoint_sequential_names_segments_and_modules(tmp_path):
     assert modules["aten.addmm.default"] == "0" and modules["aten.bernoulli_.float"] == "1"
     region = ac_diff.diagnose([run]).regions[0]
     assert region.cause.kind == "rng" and region.first_value_divergence.module == "1"
+
+
+def test_a_rank_its_launcher_did_not_start_under_ac_diff_says_the_others_are_missing(tmp_path, monkeypatch):
+    """Lightning's ddp strategy re-launches the other ranks as plain python: the one recorded rank's trace
+    says so. (The process group is a one-process gloo group; its reported size is what the check reads.)"""
+    import torch.distributed as dist
+
+    from ac_diff.trace import read_run
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            pass
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    notes = read_run(tmp_path / "t.jsonl").notes
+    assert any("only this one was recorded" in n and "--nproc-per-node 2" in n for n in notes)
