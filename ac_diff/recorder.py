@@ -95,6 +95,9 @@ class _Region:
     recorded: bool = True
     written: bool = False
     recomputes: int = 0
+    fn_name: str | None = None  # the checkpointed function, where it is no module (named after it if it does
+    # more than call one module)
+    named_by_first_module: bool = False
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
     held: Any = None  # (ops record builder, pass record, signature, size estimate) while held
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
@@ -434,6 +437,9 @@ class Recorder:
                 self.modules.name_by_index(functions)
                 if phase == FORWARD and region.module is None:
                     region.module = f"segment {start}-{end}"
+            elif phase == FORWARD:
+                name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+                region.fn_name = name if isinstance(name, str) and "<lambda>" not in name else None
             return None, None
         name = self.modules.name_of(module)
         if phase == FORWARD and region.module is None:
@@ -453,6 +459,7 @@ class Recorder:
             p = passes[-1]
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
+                p.region.named_by_first_module = True
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:
@@ -655,6 +662,10 @@ class Recorder:
 
     def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:
         region = p.region
+        if region.named_by_first_module and region.fn_name and not region.written and p.phase == FORWARD:
+            outside = region.module if region.module else ""
+            if any(row[_MODULE] != outside and not (row[_MODULE] or "").startswith(outside + ".") for row in p.ops):
+                region.module = region.fn_name  # the function does more than call that module
         writer = self._writer
         if not region.written:
             region.written = True

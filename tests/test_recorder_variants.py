@@ -195,3 +195,24 @@ def test_a_rank_its_launcher_did_not_start_under_ac_diff_says_the_others_are_mis
         dist.destroy_process_group()
     notes = read_run(tmp_path / "t.jsonl").notes
     assert any("only this one was recorded" in n and "--nproc-per-node 2" in n for n in notes)
+
+
+def test_a_checkpointed_function_is_named_after_itself_when_it_does_more_than_call_a_module(tmp_path):
+    from ac_diff.trace import read_run
+
+    torch.manual_seed(0)
+    gate = torch.nn.Linear(8, 4)
+    block = torch.nn.Linear(8, 8)
+
+    def route(x):  # a module call, then work of its own
+        return gate(x).softmax(-1).topk(2, dim=-1).values.sum() * x
+
+    def wrapper(x):  # nothing but a module call: named after the module
+        return block(x)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        torch.utils.checkpoint.checkpoint(route, x, use_reentrant=False).sum().backward()
+        torch.utils.checkpoint.checkpoint(wrapper, x, use_reentrant=False).sum().backward()
+    names = [r.module for r in read_run(tmp_path / "t.jsonl").regions]
+    assert names[0].endswith("route") and names[1] == "Linear"
