@@ -97,7 +97,7 @@ class _Region:
     recomputes: int = 0
     fn_name: str | None = None  # the checkpointed function, where it is no module (named after it if it does
     # more than call one module)
-    named_by_first_module: bool = False
+    first_module_fqn: str | None = None  # the region was named after the first module its function called
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
     held: Any = None  # (ops record builder, pass record, signature, size estimate) while held
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
@@ -459,7 +459,7 @@ class Recorder:
             p = passes[-1]
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
-                p.region.named_by_first_module = True
+                p.region.first_module_fqn = fqn
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:
@@ -662,9 +662,10 @@ class Recorder:
 
     def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:
         region = p.region
-        if region.named_by_first_module and region.fn_name and not region.written and p.phase == FORWARD:
-            outside = region.module if region.module else ""
-            if any(row[_MODULE] != outside and not (row[_MODULE] or "").startswith(outside + ".") for row in p.ops):
+        inner = region.first_module_fqn
+        if inner is not None and region.fn_name and not region.written and p.phase == FORWARD:
+            if any(row[_MODULE] is None or inner and row[_MODULE] != inner and not row[_MODULE].startswith(inner + ".")
+                   for row in p.ops):  # (a root module's FQN is "": every module is inside it)
                 region.module = region.fn_name  # the function does more than call that module
         writer = self._writer
         if not region.written:
