@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -168,3 +169,19 @@ def _tensor_count(a) -> int:
     if isinstance(a, dict):
         return sum(_tensor_count(x) for x in a.values())
     return 0
+
+
+_views: dict[str, bool] = {}
+
+
+def is_view_op(name: str) -> bool:
+    """Whether the op named "aten.view.default" returns a view of its input (False for unknown ops)."""
+    hit = _views.get(name)
+    if hit is None:
+        parts = name.split(".")
+        hit = False
+        if len(parts) == 3:
+            with contextlib.suppress(Exception):
+                hit = bool(getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2]).is_view)
+        _views[name] = hit
+    return hit

@@ -410,3 +410,41 @@ def test_rank_summaries_first_divergence_and_mixed_runs():
     local = [f for f in report.cross_rank_findings if f.kind == "rank_local"]
     assert [(f.region, f.ranks, f.detail["clean_ranks"]) for f in local] == [(0, [2], [0, 1]), (1, [1, 2], [0])]
     assert report.to_json()["cross_rank_findings"][0]["kind"] == "mixed_runs"
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_fsdp2_hooks_inside_a_checkpointed_region_are_not_control_flow(tmp_path, monkeypatch, preserve_rng_state):
+    """checkpoint() around fully_shard blocks: FSDP2 gathers the parameters inside the region in the forward
+    (its pre-forward hook) but not in the recompute (backward gathered them). Those hook ops are not the
+    region's control flow: clean, and a real divergence (dropout without its RNG state) is still found."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    import ac_diff
+    from ac_diff.trace import read_run
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29547" if preserve_rng_state else "29548")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 8)) for _ in range(2)]
+        for b in blocks:
+            fully_shard(b)
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            x = torch.randn(4, 8)
+            for b in blocks:
+                x = x + checkpoint(b, x, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+            x.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    run = read_run(tmp_path / "t.jsonl")
+    assert any("FSDP::" in str(o.args) for o in run.regions[0].forward.ops)  # the hooks ran in the region
+    report = ac_diff.diagnose([run])
+    if preserve_rng_state:
+        assert report.verdict == "clean", report.headline
+    else:
+        assert {r.cause.kind for r in report.regions if r.status == "diverged"} == {"rng"}

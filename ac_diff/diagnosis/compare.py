@@ -18,7 +18,7 @@ from typing import Any
 
 from ..align import Pair, align
 from ..model import External, InputRef, OpRecord, Pass
-from ..opinfo import DISCRETE_OPS, written_inputs
+from ..opinfo import DISCRETE_OPS, is_view_op, written_inputs
 
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
@@ -80,8 +80,36 @@ def is_discrete(op: OpRecord) -> bool:
 REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
 
 
+# record_function scopes of framework hooks that run in one pass only: FSDP2 gathers parameters in the
+# forward (its pre-forward hook runs inside a region checkpointed around a fully_shard module) but not
+# in the recompute (backward gathered them already)
+FRAMEWORK_SCOPES = ("FSDP::",)
+_SCOPE_ENTER, _SCOPE_EXIT = "profiler._record_function_enter", "profiler._record_function_exit"
+
+
 def usable_ops(p: Pass, skip: frozenset[str] = HOOK_ONLY_OPS) -> list[OpRecord]:
-    return [o for o in p.ops if o.op not in skip]
+    """The ops to align: no hook-only copies, no profiler scope markers, nothing inside a framework
+    hook's scope (see FRAMEWORK_SCOPES)."""
+    hooks = framework_hook_ops(p)
+    return [o for o in p.ops if o.op not in skip and o.index not in hooks]
+
+
+def framework_hook_ops(p: Pass) -> dict[int, OpRecord]:
+    """Ops of `p` that are scope markers or run inside a framework hook's record_function scope."""
+    found: dict[int, OpRecord] = {}
+    scopes: list[bool] = []  # open record_function scopes: is it a framework hook's
+    for o in p.ops:
+        if o.op.startswith(_SCOPE_ENTER):
+            name = next((a for a in o.args if isinstance(a, str)), "")
+            scopes.append(name.startswith(FRAMEWORK_SCOPES) or bool(scopes and scopes[-1]))
+            found[o.index] = o
+        elif o.op.startswith(_SCOPE_EXIT):
+            if scopes:
+                scopes.pop()
+            found[o.index] = o
+        elif scopes and scopes[-1]:
+            found[o.index] = o
+    return found
 
 
 def _pass_through(p: Pass, skip: frozenset[str]) -> dict[int, int]:
@@ -107,6 +135,9 @@ class PassComparison:
     # (forward op index, output) -> that output differs, where its outputs were measured one by one (topk's
     # values may change while its indices do not); other outputs go by `tainted`
     tainted_outputs: dict[tuple[int, int], bool] = field(default_factory=dict)
+    # forward ops inside a framework hook's scope that are views of a region input, parameter or external:
+    # op index -> that tensor (FSDP2's pre-forward hook views the input the recompute saves directly)
+    hook_views: dict[int, InputRef] = field(default_factory=dict)
     # externals whose values differ only because the forward updated them itself (a batch norm's running
     # statistics): the recompute reads the updated tensor and updates it again -> the op that wrote it
     self_updated: dict[tuple, OpRecord] = field(default_factory=dict)
@@ -193,8 +224,10 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
         elif f is not None:
             tainted[f.index] = True
         diffs.append(d)
+    hook_views = {i: o.input_refs[0] for i, o in framework_hook_ops(forward).items()
+                  if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
-                          tainted_outputs, self_updated)
+                          tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated)
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:

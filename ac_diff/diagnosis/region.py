@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import OpRecord, Pass, Region, TensorMeta, TorchError, op_count
+from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair
@@ -349,6 +349,9 @@ def _positions_by_shape(fwd: Pass, reported: dict) -> list[PositionRow]:
 
 def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
     """Does the recompute save other values at this position: another op's tensor, or a changed one?"""
+    hook_view = cmp.hook_views.get(pos.op_index) if pos.origin == "op" else None
+    if hook_view is not None:  # a framework hook's view of an input in the forward: compare as that input
+        pos = Position(pos.position, pos.meta, hook_view.kind, name=hook_view.name)
     if pos.origin == "op":
         if other.origin != "op" or cmp.rec_to_fwd.get(other.op_index) != pos.op_index:
             return True  # a different tensor took this position (a shifted sequence torch may not see)
