@@ -216,3 +216,24 @@ def test_a_checkpointed_function_is_named_after_itself_when_it_does_more_than_ca
         torch.utils.checkpoint.checkpoint(wrapper, x, use_reentrant=False).sum().backward()
     names = [r.module for r in read_run(tmp_path / "t.jsonl").regions]
     assert names[0].endswith("route") and names[1] == "Linear"
+
+
+def test_reentrant_recompute_aligns_a_clone_the_forward_also_made(tmp_path):
+    """A reentrant recompute has clones of its own (autograd's), and here also one the forward made
+    (`.contiguous()` of a transpose): the latter is matched, so the first divergence is the dropout."""
+    from ac_diff.trace import read_run
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def block(x):
+        h = lin(x).t().contiguous().t()
+        return torch.nn.functional.dropout(h, 0.5, training=True) * 2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True, preserve_rng_state=False).sum().backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.cause.kind == "rng"
+    assert region.first_divergence().op.startswith("aten.bernoulli") or \
+        region.first_divergence().op.startswith("aten.native_dropout")

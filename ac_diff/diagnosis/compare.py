@@ -172,7 +172,7 @@ class PassComparison:
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    from_log: bool = False, reentrant: bool = False) -> PassComparison:
     f_ops = usable_ops(forward)
-    r_skip = HOOK_ONLY_OPS | REENTRANT_ONLY_OPS if reentrant else HOOK_ONLY_OPS
+    r_skip = HOOK_ONLY_OPS
     r_ops = usable_ops(recompute, r_skip)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
     # back to the ops' own indices
@@ -180,8 +180,18 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                   r_ops[p.recompute].index if p.recompute is not None else None, p.how) for p in raw]
     f_by_index = {o.index: o for o in f_ops}
     r_by_index = {o.index: o for o in r_ops}
+    through = _pass_through(recompute, r_skip)
+    if reentrant:  # autograd's own clones in a reentrant recompute: dropped where the forward has none
+        extra = {p.recompute for p in pairs if p.forward is None and p.recompute is not None
+                 and r_by_index[p.recompute].op in REENTRANT_ONLY_OPS}
+        pairs = [p for p in pairs if p.recompute not in extra]
+        r_ops = [o for o in r_ops if o.index not in extra]
+        for i in sorted(extra):
+            first = r_by_index[i].input_refs[0] if r_by_index[i].input_refs else None
+            if first is not None and first.kind == "op":
+                through[i] = through.get(first.op_index, first.op_index)
     rec_to_fwd = {p.recompute: p.forward for p in pairs if p.forward is not None and p.recompute is not None}
-    for copy, original in _pass_through(recompute, r_skip).items():
+    for copy, original in through.items():
         if original in rec_to_fwd:
             rec_to_fwd[copy] = rec_to_fwd[original]
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
