@@ -87,6 +87,7 @@ def test_a_buffer_updated_then_read_inside_the_region_is_the_cause(tmp_path):
     region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
     assert region.status == "diverged" and region.silent
     assert region.cause.kind == "state_mutation" and region.cause.tensor == "avg"
+    assert region.first_divergence().op == "aten.lerp_.Scalar"  # where the values first differ: the update
 
 
 class ShiftedGate(nn.Module):

@@ -168,6 +168,12 @@ class PassComparison:
     def side_effects(self) -> list[PairDiff]:
         return [d for d in self.diffs if d.side_effect and d.kinds]
 
+    def repeated_updates(self) -> list[PairDiff]:
+        """In-place updates of outside state that both passes applied with other values (counted twice),
+        side effects or not (an update the region then reads is also a divergence)."""
+        return [d for d in self.diffs if d.kinds and d.forward is not None and d.recompute is not None
+                and _is_side_effect(d.forward)]
+
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    from_log: bool = False, reentrant: bool = False) -> PassComparison:
@@ -216,7 +222,8 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     for k, p in enumerate(pairs):
         f = f_by_index.get(p.forward) if p.forward is not None else None
         r = r_by_index.get(p.recompute) if p.recompute is not None else None
-        d = PairDiff(p, f, r, sources=sources.get(p.recompute, frozenset()), side_effect=_is_side_effect(f or r))
+        d = PairDiff(p, f, r, sources=sources.get(p.recompute, frozenset()), side_effect=_is_side_effect(f or r)
+                     and (f is None or f.index not in read_updates))  # an update the region reads is a divergence
         if k > last_rec and stopped and r is None:
             diffs.append(d)  # not recomputed: nothing to compare
             continue

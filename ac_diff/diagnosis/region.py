@@ -88,8 +88,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                                 "for the gradients")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
-    updates = [(d.forward.input_refs[0].name, d.forward) for d in cmp.side_effects()
-               if d.forward is not None and d.recompute is not None]  # the recompute repeated the update
+    updates = [(d.forward.input_refs[0].name, d.forward) for d in cmp.repeated_updates()]
     updates += [(name, op) for (_, name), op in cmp.self_updated.items()
                 if not any(n == name for n, _ in updates)]
     for name, op in updates:
