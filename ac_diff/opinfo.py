@@ -133,16 +133,24 @@ def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
     hit = _written.get(name)
     if hit is None:
         hit = ()
-        parts = name.split(".")
-        if len(parts) == 3:
-            try:
-                schema = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])._schema
+        with contextlib.suppress(Exception):  # an odd schema: nothing known
+            schema = getattr(op_by_name(name), "_schema", None)
+            if schema is not None:
                 hit = tuple(i for i, a in enumerate(schema.arguments)
                             if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-            except Exception:  # noqa: BLE001 - an op of a library not loaded here: nothing known
-                hit = ()
         _written[name] = hit
     return hit
+
+
+def op_by_name(name: str):
+    """The OpOverload named "aten.topk.default", or None (a library not loaded here, not an op name)."""
+    parts = name.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
@@ -178,10 +186,5 @@ def is_view_op(name: str) -> bool:
     """Whether the op named "aten.view.default" returns a view of its input (False for unknown ops)."""
     hit = _views.get(name)
     if hit is None:
-        parts = name.split(".")
-        hit = False
-        if len(parts) == 3:
-            with contextlib.suppress(Exception):
-                hit = bool(getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2]).is_view)
-        _views[name] = hit
+        hit = _views[name] = bool(getattr(op_by_name(name), "is_view", False))
     return hit

@@ -12,7 +12,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Report, TorchErrorSummary
+from ..report import CLEAN, DIVERGED, Cause, Report, TorchErrorSummary
 from .compare import Tolerance
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
@@ -36,13 +36,11 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         errors.extend(run_errors)
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
-        stopped = run.exit_status in ("exception", "interrupted")
+        stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
-            report = diagnose_region(region, err, settings)
+            report = diagnose_region(region, err, settings, run_stopped=stopped)
             report.path = run.path or run.source
-            if stopped and report.status == UNCHECKED and report.notes and report.notes[-1].startswith("never"):
-                report.notes[-1] = f"never recomputed: the run stopped first ({_how_it_stopped(run)})"
             region_reports.append(report)
     _through_nested_regions(region_reports)
     errors_summary = [_summary(e) for e in errors]

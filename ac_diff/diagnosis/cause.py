@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
-from .compare import PassComparison, is_discrete
+from .compare import PassComparison, is_discrete, is_outside_update
 from .dataflow import decision_path
 from .labels import where
 from .suggest import suggestions_for
@@ -98,7 +98,6 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "before any value differed: Python code took another branch",
                      [control.summary])
 
-    first = cmp.first_divergence()
     if (report.source != "log" and first is not None and "args" in first.kinds and "shape" not in first.kinds
             and first.inputs_same and first.forward is not None):
         op = first.forward
@@ -129,8 +128,7 @@ def _saved_updates(report: RegionReport, region: Region) -> set[str]:
     names = set()
     for p in report.positions:
         op = ops.get(p.forward_index) if p.origin == "op" and p.values_differ else None
-        if op is not None and op.input_refs and op.input_refs[0].kind in ("buffer", "param", "external") \
-                and op.op.split(".")[1 if op.op.count(".") >= 2 else 0].endswith("_"):
+        if is_outside_update(op):
             names.add(op.input_refs[0].name)
     return names
 

@@ -172,21 +172,20 @@ class PassComparison:
         """In-place updates of outside state that both passes applied with other values (counted twice),
         side effects or not (an update the region then reads is also a divergence)."""
         return [d for d in self.diffs if d.kinds and d.forward is not None and d.recompute is not None
-                and _is_side_effect(d.forward)]
+                and is_outside_update(d.forward)]
 
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    from_log: bool = False, reentrant: bool = False) -> PassComparison:
     f_ops = usable_ops(forward)
-    r_skip = HOOK_ONLY_OPS
-    r_ops = usable_ops(recompute, r_skip)
+    r_ops = usable_ops(recompute)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
     # back to the ops' own indices
     pairs = [Pair(f_ops[p.forward].index if p.forward is not None else None,
                   r_ops[p.recompute].index if p.recompute is not None else None, p.how) for p in raw]
     f_by_index = {o.index: o for o in f_ops}
     r_by_index = {o.index: o for o in r_ops}
-    through = _pass_through(recompute, r_skip)
+    through = _pass_through(recompute, HOOK_ONLY_OPS)
     if reentrant:  # autograd's own clones in a reentrant recompute: dropped where the forward has none
         extra = {p.recompute for p in pairs if p.forward is None and p.recompute is not None
                  and r_by_index[p.recompute].op in REENTRANT_ONLY_OPS}
@@ -222,7 +221,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     for k, p in enumerate(pairs):
         f = f_by_index.get(p.forward) if p.forward is not None else None
         r = r_by_index.get(p.recompute) if p.recompute is not None else None
-        d = PairDiff(p, f, r, sources=sources.get(p.recompute, frozenset()), side_effect=_is_side_effect(f or r)
+        d = PairDiff(p, f, r, sources=sources.get(p.recompute, frozenset()), side_effect=is_outside_update(f or r)
                      and (f is None or f.index not in read_updates))  # an update the region reads is a divergence
         if k > last_rec and stopped and r is None:
             diffs.append(d)  # not recomputed: nothing to compare
@@ -306,13 +305,11 @@ def _returns_first_input(op: OpRecord) -> bool:
     return packet.endswith("_") and not packet.startswith("_")
 
 
-def _is_side_effect(op: OpRecord | None) -> bool:
+def is_outside_update(op: OpRecord | None) -> bool:
     """An in-place op on a tensor the region did not create: state updated as a side effect
     (a tokens-per-expert counter). The recompute repeats it, but no saved activation depends on it."""
-    if op is None or not op.input_refs:
-        return False
-    packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
-    return packet.endswith("_") and not packet.startswith("_") and op.input_refs[0].kind in ("buffer", "param", "external")
+    return (op is not None and bool(op.input_refs) and op.input_refs[0].kind in ("buffer", "param", "external")
+            and _returns_first_input(op))
 
 
 def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[int, frozenset[str]]:

@@ -27,7 +27,9 @@ class Settings:
 
 
 def diagnose_region(region: Region, torch_error: TorchError | None = None,
-                    settings: Settings = Settings()) -> RegionReport:
+                    settings: Settings = Settings(), run_stopped: str | None = None) -> RegionReport:
+    """`run_stopped`: how the run ended, when it stopped early ("RuntimeError: ..."), for regions it left
+    without their recompute."""
     from_log = region.kind == "log"
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
@@ -46,6 +48,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.notes.append("the original forward was not recorded" if fwd is None else
                             f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
                             "recompute it again, so there is nothing to compare" if inside else
+                            f"never recomputed: the run stopped first ({run_stopped})" if run_stopped else
                             "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
