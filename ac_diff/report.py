@@ -20,13 +20,15 @@ REPORT_VERSION = 1
 CLEAN = "clean"
 DIVERGED = "diverged"
 UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so nothing to compare
+# Report verdict `unchecked`: no region diverged, but nothing was compared (a truncated trace, a log without op
+# lists) or the run crashed and left regions unchecked: nothing shows the run clean
 
 
 @dataclass(slots=True)
 class Divergence:
     """One op where the two passes differ, located in both."""
 
-    kind: str  # "value", "discrete", "shape", "control"
+    kind: str  # "value", "discrete", "shape", "control", "argument"
     op: str
     module: str | None
     source: str | None
@@ -66,6 +68,10 @@ class Cause:
     tensor: str | None  # the tensor / flag / op it concerns
     detail: str
     evidence: list[str] = field(default_factory=list)
+    # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
+    # optimizer_step (most parameters changed), python_value (an argument), input, tensor; None otherwise
+    mechanism: str | None = None
+    source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,14 +126,23 @@ class RegionReport:
     side_effects: list[str] = field(default_factory=list)  # in-place state updates the recompute repeats
     source: str = "trace"  # trace or log
     path: str | None = None  # the trace or log file it was read from
+    # a non-tensor, non-size argument (a Python float, a flag) that differs: not a shape divergence
+    first_argument_divergence: Divergence | None = None
+    unchecked_reason: str | None = None  # status unchecked: why, in a few words ("nested checkpoint inside a recompute")
 
     def first_divergence(self) -> Divergence | None:
         """The divergence to name for the region: the earliest of value / control (in forward order), else
         the discrete decision, else the shape divergence."""
-        found = [d for d in (self.first_value_divergence, self.first_control_divergence) if d is not None]
+        found = [d for d in (self.first_value_divergence, self.first_control_divergence,
+                             self.first_argument_divergence) if d is not None]
         if found:
             return min(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
         return self.first_discrete_divergence or self.first_shape_divergence
+
+    def divergences(self) -> list[Divergence]:
+        """Every first divergence found, in the order reports list them."""
+        return [d for d in (self.first_control_divergence, self.first_value_divergence, self.first_argument_divergence,
+                            self.first_discrete_divergence, self.first_shape_divergence) if d is not None]
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -136,7 +151,7 @@ class RegionReport:
             "cause": self.cause.to_json() if self.cause else None,
         }
         for name in ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
-                     "first_control_divergence"):
+                     "first_control_divergence", "first_argument_divergence"):
             d = getattr(self, name)
             data[name] = d.to_json() if d else None
         data.update({
@@ -146,6 +161,7 @@ class RegionReport:
             "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
             "window": [asdict(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
+            "unchecked_reason": self.unchecked_reason,
         })
         return data
 
@@ -212,7 +228,7 @@ class CrossRankFinding:
 
 @dataclass(slots=True)
 class Report:
-    verdict: str  # clean or diverged
+    verdict: str  # clean, diverged or unchecked (nothing, or not all, could be compared; never "clean")
     headline: str  # the one-line answer
     regions: list[RegionReport]
     torch_error: TorchErrorSummary | None = None
@@ -229,6 +245,27 @@ class Report:
     def diverged(self) -> bool:
         return self.verdict == DIVERGED
 
+    @property
+    def silent(self) -> bool:
+        """A region diverged and torch raised nothing about it: the gradients are silently wrong."""
+        return not self.torch_errors and any(r.silent for r in self.regions if r.status == DIVERGED)
+
+    @property
+    def title(self) -> str:
+        """The verdict in a few words, as every renderer shows it ("SILENTLY DIVERGED", "CRASHED", ...)."""
+        if self.compared:  # `ac-diff compare A B` of two traces
+            return "RUNS DIFFER" if self.verdict == DIVERGED else "RUNS MATCH"
+        if self.verdict == DIVERGED:
+            return "SILENTLY DIVERGED" if self.silent else "DIVERGED"
+        if self.verdict == UNCHECKED:
+            return "CRASHED" if self.crashed else "NOTHING CHECKED"
+        return "CLEAN"
+
+    @property
+    def crashed(self) -> bool:
+        """The script raised (or was interrupted) before every region was checked."""
+        return self.exit_status in ("exception", "interrupted") and any(r.status == UNCHECKED for r in self.regions)
+
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""
         if not self.regions:
@@ -241,7 +278,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": REPORT_FORMAT, "version": REPORT_VERSION, "verdict": self.verdict,
-            "headline": self.headline,
+            "title": self.title, "headline": self.headline,
             "torch_error": self.torch_error.to_json() if self.torch_error else None,
             "torch_errors": [e.to_json() for e in self.torch_errors],
             "regions": [r.to_json() for r in self.regions],

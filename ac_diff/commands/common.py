@@ -11,12 +11,18 @@ import sys
 from rich.console import Console
 
 from ..render import render
-from ..report import Report
+from ..report import DIVERGED, UNCHECKED, Report
 
 EXIT_CLEAN = 0
 EXIT_DIVERGED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
+EXIT_UNCHECKED = 4  # no region diverged, but nothing (or not everything: the run crashed) was compared
+
+
+def verdict_code(report: Report) -> int:
+    """0 clean, 1 diverged, 4 unchecked: a run where nothing was compared never passes as clean."""
+    return {DIVERGED: EXIT_DIVERGED, UNCHECKED: EXIT_UNCHECKED}.get(report.verdict, EXIT_CLEAN)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
@@ -32,7 +38,7 @@ _FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json"}
 
 
 def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, output: str | None = None) -> int:
-    """Render the report as asked; return 0 for clean, 1 for divergence.
+    """Render the report as asked; return its verdict's exit code (`verdict_code`).
 
     A file given with `output` gets `fmt` (or the format its suffix names); the terminal report is
     printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
@@ -50,4 +56,4 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
         print(f"ac-diff: JSON report written to {json_path}", file=sys.stderr)
     if output:
         print(f"ac-diff: {fmt} report written to {output}", file=sys.stderr)
-    return EXIT_DIVERGED if report.diverged else EXIT_CLEAN
+    return verdict_code(report)

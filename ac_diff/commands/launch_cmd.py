@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .common import EXIT_BAD_INPUT, EXIT_DIVERGED, emit, fail
+from .common import EXIT_BAD_INPUT, emit, fail, verdict_code
 
 RUN_ID_ENV = "AC_DIFF_RUN_ID"
 LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by `ac-diff run --nproc-per-node`: the launcher reports, ranks don't
@@ -176,8 +176,8 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
     if interrupted and script_code == 0:
         script_code = 130
-    if check and script_code == 0 and report.diverged:
-        return EXIT_DIVERGED
+    if check and script_code == 0 and report.verdict != "clean":
+        return verdict_code(report)
     return script_code
 
 
@@ -474,6 +474,6 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
         found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since)
         found.paths.setdefault(0, trace_path)
         report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir))
-    if check and outcome_code == 0 and report.diverged:
-        return EXIT_DIVERGED
+    if check and outcome_code == 0 and report.verdict != "clean":
+        return verdict_code(report)
     return outcome_code

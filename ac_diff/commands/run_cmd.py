@@ -20,7 +20,7 @@ from ..recorder import Recorder, RecordOptions
 from ..runner import check_target, run_target
 from ..trace import read_run
 from . import launch_cmd as launch
-from .common import EXIT_DIVERGED, emit, fail
+from .common import emit, fail, verdict_code
 
 
 def trace_path_for(output_dir: str | os.PathLike) -> Path:
@@ -54,6 +54,6 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         emit(report, fmt, json_path, output)
     print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else ""),
           file=sys.stderr)
-    if check and outcome.exit_code == 0 and report.diverged:
-        return EXIT_DIVERGED
+    if check and outcome.exit_code == 0 and report.verdict != "clean":
+        return verdict_code(report)
     return outcome.exit_code

@@ -12,7 +12,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import CLEAN, DIVERGED, Cause, Report, TorchErrorSummary
+from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Report, RegionReport, TorchErrorSummary
 from .compare import Tolerance
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
@@ -45,8 +45,12 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     _through_nested_regions(region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
-    verdict = DIVERGED if diverged or errors else CLEAN
+    crash = _crash(runs, region_reports)
+    verdict = (DIVERGED if diverged or errors else
+               UNCHECKED if crash or not any(r.status == CLEAN for r in region_reports) else CLEAN)
     headline = _headline(region_reports, errors_summary, runs)
+    if crash and not diverged and not errors:
+        headline = crash
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status)
@@ -135,7 +139,7 @@ def _through_nested_regions(reports: list) -> None:
         r.cause = Cause(child.cause.kind, child.cause.tensor,
                         f"through the nested region {module} (region {child.region}): {child.cause.detail}",
                         [f"the output of {module} differs between this region's forward and recompute",
-                         *child.cause.evidence])
+                         *child.cause.evidence], child.cause.mechanism, child.cause.source)
         r.suggestions = list(child.suggestions)
 
 
@@ -146,6 +150,36 @@ def _how_it_stopped(run: Run) -> str:
         return f"exit code {end.get('exit_code')}"
     message = (exc.get("message") or "").strip().splitlines()
     return f"{exc.get('exc_type', run.exit_status)}" + (f": {message[0][:160]}" if message else "")
+
+
+def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
+    """A headline for a run that raised before every region was checked: the exception, where in the
+    run it struck, and how many regions were never checked and why."""
+    stopped = next((r for r in runs if r.source == "trace" and r.exit_status in ("exception", "interrupted")), None)
+    unchecked = [r for r in regions if r.status == UNCHECKED]
+    if stopped is None or not unchecked:
+        return None
+    mine = [r for r in regions if r.path == (stopped.path or stopped.source)] or regions
+    raised = next((r for r in stopped.regions if r.recompute is not None and r.recompute.state.get("error")), None)
+    recomputed = [r for r in stopped.regions if r.recompute is not None]
+    if raised is not None:
+        at = f"in the recompute of region {raised.region}" + (f" ({raised.module})" if raised.module else "")
+    elif recomputed:
+        last = recomputed[-1]
+        at = f"in the backward, after region {last.region}" + (f" ({last.module})" if last.module else "") + \
+            " was recomputed"
+    elif any(r.forward is not None for r in stopped.regions):
+        at = "before any region was recomputed"
+    else:
+        at = ""
+    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED))
+    why: dict[str, int] = {}
+    for r in unchecked:
+        reason = r.unchecked_reason or "not compared"
+        why[reason] = why.get(reason, 0) + 1
+    reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
+    return (f"the script crashed{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
+            f"{checked} region(s) checked clean, {len(unchecked)} never checked ({reasons})")
 
 
 def _headline(regions, errors, runs) -> str:

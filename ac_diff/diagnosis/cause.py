@@ -19,7 +19,7 @@ from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
 from .compare import PassComparison, is_discrete, is_outside_update
 from .dataflow import decision_path
-from .labels import where
+from .labels import readable_arg, where
 from .suggest import suggestions_for
 
 
@@ -53,13 +53,19 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     saved_changed = {p.name for p in report.positions if p.origin != "op" and p.values_differ}
     saved_changed |= _saved_updates(report, region)
     relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed]
+    stepped = _whole_model_update(region, changed)
+    if stepped is not None and relevant:
+        return stepped
     if relevant:
         # prefer model state (buffer/parameter) over an input, then the first one read
         ranked = sorted(relevant, key=lambda c: (c["kind"] not in ("buffer", "param"), c.get("first_op") or 0))
         top = ranked[0]
-        what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['forward'])} in forward, "
                     f"{_fp(c['recompute'])} in recompute" for c in ranked[:4]]
+        made = _made_from_host(region, top["name"]) if top["kind"] == "external" else None
+        if made is not None:
+            return _host_rng_cause(made, evidence)
+        what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         writer = _in_place_writer(region, top["name"])
         if writer:
             evidence.append(f"modified in place by {writer}")
@@ -68,19 +74,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         if top["kind"] == "input":
             detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
                       "modified tensor)")
-        return Cause("state_mutation", top["name"], detail, evidence)
+        return Cause("state_mutation", top["name"], detail, evidence,
+                     mechanism="input" if top["kind"] == "input" else "tensor")
 
     rng = report.state_changes.get("rng")
     random_op = _first_random_divergence(cmp)
     if random_op is not None:
-        preserve = region.options.get("preserve_rng_state")
-        detail = (f"{random_op.op} drew other random numbers in the recompute"
-                  + (" because checkpoint ran with preserve_rng_state=False" if preserve is False else
-                     " (the RNG state at the start of the recompute differs from the forward's)" if rng else ""))
-        evidence = [f"{random_op.op} at {where(random_op.module, random_op.source)}: identical inputs, other values"]
-        if rng:
-            evidence.append(f"RNG state digest {rng['forward']} in forward, {rng['recompute']} in recompute")
-        return Cause("rng", random_op.op, detail, evidence)
+        return _rng_cause(random_op, region, rng)
 
     if flags:
         return _global_state_cause(flags, sorted(flags)[0])
@@ -98,14 +98,15 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "before any value differed: Python code took another branch",
                      [control.summary])
 
-    if (report.source != "log" and first is not None and "args" in first.kinds and "shape" not in first.kinds
-            and first.inputs_same and first.forward is not None):
+    if (report.source != "log" and first is not None and first.kinds & {"args", "argument"}
+            and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
         op = first.forward
         return Cause("state_mutation", f"an argument of {op.op}",
                      f"a Python value passed to {op.op} at {where(op.module, op.source)} changed between the forward "
                      "and the recompute (identical tensors in): Python state the region reads, a schedule or a float "
                      "attribute, was updated before the backward",
-                     [d.summary for d in (report.first_shape_divergence,) if d is not None])
+                     [d.summary for d in (report.first_argument_divergence, report.first_shape_divergence)
+                      if d is not None], mechanism="python_value", source=op.source)
 
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
@@ -119,6 +120,80 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("unknown", decision.op if decision else shape.op, detail, [shape.summary])
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
+
+
+# Where host data becomes a tensor inside the region: torch.tensor / torch.as_tensor / torch.from_numpy
+# hand the host-made tensor to lift_fresh, the first op that sees it
+_HOST_ENTRY_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default")
+
+
+def _made_from_host(region: Region, name: str) -> OpRecord | None:
+    """The op where the captured tensor `name` entered the region from host data, if it was made there."""
+    for op in region.forward.ops if region.forward is not None else ():
+        if op.op in _HOST_ENTRY_OPS and op.input_refs and op.input_refs[0].kind == "external" \
+                and op.input_refs[0].name == name:
+            return op
+    return None
+
+
+def _host_rng_cause(entry: OpRecord, evidence: list[str]) -> Cause:
+    at = where(entry.module, entry.source)
+    return Cause("rng", f"host value at {entry.source or at}",
+                 f"a tensor made from host data inside the region (torch.tensor / torch.from_numpy at {at}) has other "
+                 "values in the recompute: the host code drew other numbers. Host randomness (np.random, Python's "
+                 "random) is not covered by preserve_rng_state, which restores torch's generators only",
+                 [f"{entry.op} at {at} takes the host-made tensor, in both passes", *evidence],
+                 mechanism="host_rng", source=entry.source)
+
+
+def _generator_arg(op: OpRecord) -> str | None:
+    """The generator a random op was handed (`generator=`), if any: a private one, not torch's default."""
+    for a in op.args:
+        if isinstance(a, dict) and a.get("generator") not in (None, "None"):
+            return str(readable_arg(a["generator"]))
+    return None
+
+
+def _rng_cause(random_op: OpRecord, region: Region, rng: dict | None) -> Cause:
+    at = where(random_op.module, random_op.source)
+    preserve = region.options.get("preserve_rng_state")
+    evidence = [f"{random_op.op} at {at}: identical inputs, other values"]
+    if preserve is not None:
+        evidence.append(f"checkpoint ran with preserve_rng_state={preserve}")
+    generator = _generator_arg(random_op)
+    if generator is not None:
+        evidence.append(f"generator= {generator}, passed at {at}")
+        return Cause("rng", f"the {generator} passed to {random_op.op} at {random_op.source or at}",
+                     f"{random_op.op} draws from a {generator} passed to it at {at}, not from torch's default "
+                     "generator: preserve_rng_state saves and restores only the default generators, so this one kept "
+                     "advancing and the recompute drew other numbers", evidence,
+                     mechanism="private_generator", source=random_op.source)
+    if rng:
+        evidence.append(f"RNG state digest {rng['forward']} in forward, {rng['recompute']} in recompute")
+    detail = (f"{random_op.op} drew other random numbers in the recompute"
+              + (" because checkpoint ran with preserve_rng_state=False" if preserve is False else
+                 " (the RNG state at the start of the recompute differs from the forward's)" if rng else ""))
+    return Cause("rng", random_op.op, detail, evidence, mechanism="default_generator", source=random_op.source)
+
+
+# Parameters changed between a region's forward and its recompute, as a share of those it read, from
+# which the cause is a whole-model update (an optimizer step) rather than one tensor's update
+_WHOLE_MODEL_SHARE = 0.75
+
+
+def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
+    """Most or all parameters the region read changed: the optimizer (or something else that updates
+    every parameter) ran between this forward and its backward."""
+    params = {e.name for e in region.forward.externals if e.kind == "param"} if region.forward is not None else set()
+    moved = [c for c in changed if c["kind"] == "param"]
+    if len(moved) < 2 or len(moved) < _WHOLE_MODEL_SHARE * len(params):
+        return None
+    names = [c["name"] for c in moved]
+    shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return Cause("state_mutation", f"parameters ({len(moved)} of {len(params)} read by the region)",
+                 f"{len(moved)} of the {len(params)} parameters the region reads have other values in the recompute: "
+                 "the optimizer (or something else that updates every parameter) ran between this forward and its "
+                 "backward", [f"changed parameters: {shown}"], mechanism="optimizer_step")
 
 
 def _saved_updates(report: RegionReport, region: Region) -> set[str]:

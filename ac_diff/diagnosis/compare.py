@@ -19,6 +19,7 @@ from typing import Any
 from ..align import Pair, align
 from ..model import External, InputRef, OpRecord, Pass
 from ..opinfo import DISCRETE_OPS, is_view_op, written_inputs
+from .labels import readable_arg
 
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
@@ -57,7 +58,8 @@ class PairDiff:
     pair: Pair
     forward: OpRecord | None
     recompute: OpRecord | None
-    kinds: set[str] = field(default_factory=set)  # value, shape, args, host, control
+    # value, shape, args (size lists), argument (another non-tensor argument: a float, a flag), host, control
+    kinds: set[str] = field(default_factory=set)
     inputs_same: bool | None = None  # all inputs identical between passes (None: cannot tell)
     changed_inputs: list[str] = field(default_factory=list)  # names of externals that changed, feeding it
     sources: frozenset[str] = frozenset()  # changed externals reaching this op through any path
@@ -151,7 +153,8 @@ class PassComparison:
     def first_discrete(self) -> PairDiff | None:
         for d in self.diffs:
             op = d.forward or d.recompute
-            if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "host"} and not d.side_effect:
+            if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "argument", "host"} \
+                    and not d.side_effect:
                 return d
         return None
 
@@ -234,8 +237,8 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             d.inputs_same, d.changed_inputs = same, changed
             # a side effect taints what reads its result (`avg.lerp_(x)` then `y / avg`), nothing else
             tainted[f.index] = (not d.side_effect or f.index in read_updates) and (
-                bool(d.kinds & {"value", "shape", "args", "host"}) or (same is False and not _measured(f, r)))
-            if tainted[f.index] and not d.kinds & {"args", "host"}:
+                bool(d.kinds & {"value", "shape", "args", "argument", "host"}) or (same is False and not _measured(f, r)))
+            if tainted[f.index] and not d.kinds & {"args", "argument", "host"}:
                 _taint_outputs(tainted_outputs, f, r, tolerance)
         elif f is not None:
             tainted[f.index] = True
@@ -339,8 +342,10 @@ def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None
         return
     if [(m.shape, m.dtype) for m in f.out] != [(m.shape, m.dtype) for m in r.out]:
         d.kinds.add("shape")
-    if _plain_args(f.args) != _plain_args(r.args):
-        d.kinds.add("args")
+    plain_f, plain_r = _plain_args(f.args), _plain_args(r.args)
+    if plain_f != plain_r:
+        # a log's arguments are text: only size lists are read from them
+        d.kinds.add("args" if f.log_ids is not None or _only_sizes_differ(plain_f, plain_r) else "argument")
     if f.fingerprint and r.fingerprint and "shape" not in d.kinds:
         for a, b in zip(f.fingerprint, r.fingerprint):
             if a is not None and b is not None and not tol.equal(a, b):
@@ -397,10 +402,26 @@ def first_size_change_by_occurrence(f_ops: list[OpRecord], r_ops: list[OpRecord]
     return found
 
 
+def _only_sizes_differ(a: list, b: list) -> bool:
+    """The arguments that differ are all lists of integers (split sizes, shapes), not scalars or flags."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            if not _only_sizes_differ(list(x.values()), list(y.values())):
+                return False
+        elif not (_int_lists([x]) and _int_lists([y])):
+            return False
+    return True
+
+
 def _plain_args(args: list) -> list:
-    """Non-tensor arguments only (tensors and ids compare through their producers, not by name)."""
+    """Non-tensor arguments only (tensors and ids compare through their producers, not by name), objects
+    without their address (a Generator's wrapper is a new Python object in each pass)."""
     out = []
-    for a in args:
+    for a in readable_arg(args):
         if isinstance(a, str) and (a == "$" or a.startswith("$")):
             continue
         if isinstance(a, list):

@@ -6,9 +6,25 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..model import OpRecord, TensorMeta
+
+# a Python object the recorder could only write as its repr: "<torch._C.Generator object at 0x7f..>"
+_OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
+
+
+def readable_arg(a: Any) -> Any:
+    """An argument as a person reads it and as two passes compare it: an object's address is dropped
+    ("<torch._C.Generator object at 0x7f..>" -> "torch.Generator"), lists and dicts are walked."""
+    if isinstance(a, str) and " object at 0x" in a:
+        return _OBJECT_REPR.sub(lambda m: m.group(1).replace("torch._C.", "torch."), a)
+    if isinstance(a, list):
+        return [readable_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {k: readable_arg(v) for k, v in a.items()}
+    return a
 
 
 def metas(items: list[TensorMeta]) -> str:
@@ -32,6 +48,10 @@ def op_label(op: OpRecord | None, with_args: bool = False) -> str | None:
 
 
 def _short(a: Any) -> str:
+    a = readable_arg(a)
+    if isinstance(a, dict) and len(a) == 1:  # a keyword argument: "generator=torch.Generator"
+        (k, v), = a.items()
+        return f"{k}={_short(v)}"
     if isinstance(a, list) and len(a) > 8:
         return "[" + ", ".join(str(x) for x in a[:8]) + f", ... {len(a)} items]"
     return str(a)
@@ -57,14 +77,17 @@ def list_diff(a: list, b: list, context: int = 2, limit: int = 24) -> str:
 
 
 def args_diff(f: OpRecord, r: OpRecord) -> str | None:
-    """The first non-tensor argument that differs, rendered with list_diff."""
-    for x, y in zip(f.args, r.args):
+    """The first non-tensor argument that differs, rendered with list_diff ("[56→57, 77]", "0.5→0.25",
+    "alpha=1.0→2.0")."""
+    for x, y in zip(readable_arg(f.args), readable_arg(r.args)):
         if isinstance(x, str) and x.startswith("$"):
             continue
         if x != y:
             if isinstance(x, list) and isinstance(y, list):
                 return list_diff(_plain(x), _plain(y))
-            return f"{x!r} vs {y!r}"
+            if isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
+                return ", ".join(f"{k}={x[k]!r}→{y[k]!r}" for k in x if x[k] != y[k])
+            return f"{x!r}→{y!r}"
     if len(f.args) != len(r.args):
         return f"{len(f.args)} vs {len(r.args)} arguments"
     return None

@@ -39,24 +39,29 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
     if region.options.get("recorded") is False:
-        report.status = UNCHECKED
-        report.notes.append("ops not recorded (beyond --max-regions); only counted")
+        _unchecked(report, "not recorded (beyond --max-regions)", "ops not recorded (beyond --max-regions); only counted")
         return report
     if fwd is None or rec is None:
-        report.status = UNCHECKED
         inside = region.options.get("parent_phase") == "recompute" and region.parent is not None
-        report.notes.append("the original forward was not recorded" if fwd is None else
-                            f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
-                            "recompute it again, so there is nothing to compare" if inside else
-                            f"never recomputed: the run stopped first ({run_stopped})" if run_stopped else
-                            "never recomputed: no backward reached this region before the run ended")
+        if fwd is None:
+            _unchecked(report, "forward not recorded", "the original forward was not recorded")
+        elif inside:
+            _unchecked(report, "nested checkpoint inside a recompute",
+                       f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
+                       "recompute it again, so there is nothing to compare")
+        elif run_stopped:
+            _unchecked(report, "never recomputed: the run stopped first",
+                       f"never recomputed: the run stopped first ({run_stopped})")
+        else:
+            _unchecked(report, "never recomputed: no backward reached it",
+                       "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
 
     if from_log and not fwd.ops and not rec.ops and torch_error is None:
-        report.status = UNCHECKED
-        report.notes.append("the log holds no op of this region that both passes list (it starts or ends "
-                            "inside the dump), and no torch error about it: nothing to compare")
+        _unchecked(report, "no op of both passes in the log",
+                   "the log holds no op of this region that both passes list (it starts or ends inside the dump), "
+                   "and no torch error about it: nothing to compare")
         return report
     cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
@@ -70,6 +75,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             report.first_shape_divergence = _divergence(
                 "shape", PairDiff(Pair(f.index, r.index, "match"), f, r, kinds={"args"}), cmp)
     report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
+    report.first_argument_divergence = _divergence("argument", cmp.first("argument"), cmp)
     report.changed_inputs = [
         {"kind": f.kind, "name": f.name, "meta": str(f.meta), "forward": f.fingerprint,
          "recompute": r.fingerprint if r else None, "first_op": f.first_op}
@@ -100,7 +106,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             "inside the region, so the recompute applies the update a second time (counted twice)")
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
-        report.first_shape_divergence = report.first_control_divergence = None
+        report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
     report.status = DIVERGED if diverged else CLEAN
     if diverged and not from_log:  # a log cannot tell whether torch stayed silent elsewhere
         torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
@@ -131,6 +137,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     if diverged:
         explain(report, region, cmp)
     return report
+
+
+def _unchecked(report: RegionReport, reason: str, note: str) -> None:
+    report.status = UNCHECKED
+    report.unchecked_reason = reason
+    report.notes.append(note)
 
 
 def _log_decision(fwd: Pass, rec: Pass, shape: Divergence, rec_to_fwd: dict[int, int]) -> Divergence | None:
@@ -206,6 +218,11 @@ def _divergence(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergenc
         if flip is not None:
             detail.update({k: v for k, v in vars(flip).items() if k not in ("summary", "detail") and v is not None})
             detail.update(flip.detail)
+    elif kind == "argument":
+        changed = args_diff(f, r) if f is not None and r is not None else None
+        summary = f"argument {changed} (identical tensors in)" if changed and d.inputs_same else \
+            f"argument {changed}" if changed else "an argument differs"
+        detail["args_diff"] = changed
     elif kind == "shape":
         parts = []
         if f is not None and r is not None:
@@ -371,6 +388,8 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
         op = d.forward or d.recompute
         if d.kinds & {"shape", "args"}:
             marks[k] = "shape"
+        elif "argument" in d.kinds:
+            marks[k] = "argument"
         elif "value" in d.kinds:
             marks[k] = "discrete" if op is not None and is_discrete(op) else "value"
         elif "control" in d.kinds:

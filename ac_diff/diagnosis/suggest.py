@@ -37,9 +37,19 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     cause = report.cause
     out: list[Suggestion] = []
     kind = cause.kind if cause else "unknown"
-    if kind == "state_mutation" and cause is not None:
+    mechanism = cause.mechanism if cause else None
+    if kind == "state_mutation" and mechanism == "optimizer_step":
+        out.append(Suggestion(
+            "Step the optimizer after all backward passes of the accumulation window",
+            "The parameters changed between this region's forward and its backward, so the recompute ran with the "
+            "updated weights. With gradient accumulation or a micro-batch schedule, call optimizer.step() (and "
+            "zero_grad(), EMA/weight updates, parameter clipping in place) only after every micro-batch's backward "
+            "has run, never between one micro-batch's forward and its backward.",
+            "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
+            "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()"))
+    elif kind == "state_mutation" and cause is not None:
         name = cause.tensor or "the tensor"
-        if name.startswith("an argument of "):
+        if mechanism == "python_value":
             out.append(Suggestion(
                 "Update the Python value after the backward, or pass it in as an argument",
                 "The region reads a Python number (a schedule, a scale, a temperature) that changed before its "
@@ -47,7 +57,7 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
                 "pass it to the checkpointed function as an argument (checkpoint keeps its arguments for the "
                 "recompute).",
                 "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
-        elif name.startswith("input["):
+        elif mechanism == "input":
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
                 "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
@@ -64,14 +74,42 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
                 f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here (e.g. a router bias from the "
                 "tokens-per-expert counts)\n\n"
                 "optimizer.register_step_post_hook(update_after_step)"))
+    elif kind == "rng" and mechanism == "host_rng":
+        out.append(Suggestion(
+            f"Draw the host random values outside the checkpointed region ({cause.source or 'see the cause'})",
+            "preserve_rng_state restores torch's generators only: numpy's and Python's `random` keep advancing, so "
+            "the recompute draws other numbers. Draw them before calling checkpoint and pass the tensor in "
+            "(checkpoint keeps its arguments for the recompute), use a torch random op instead (its state is "
+            "preserved), or save that generator's state when the forward starts and restore it in the recompute.",
+            "noise = torch.from_numpy(np.random.randn(*shape).astype(np.float32))  # outside the region\n"
+            "out = checkpoint(block, x, noise, use_reentrant=False)                # block(x, noise) uses it"))
+    elif kind == "rng" and mechanism == "private_generator":
+        out.append(Suggestion(
+            f"Give the recompute the state your torch.Generator had in the forward ({cause.source or 'see the cause'})",
+            "preserve_rng_state saves and restores torch's default generators only, not a torch.Generator your code "
+            "creates and passes (`generator=`). Pass the generator's state into the checkpointed function and set "
+            "it there, so the forward and the recompute draw the same numbers; or draw the random tensor outside "
+            "the region and pass it in; or use the default generator.",
+            "def block_fn(x, gen_state):\n"
+            "    gen.set_state(gen_state)  # forward and recompute start from the same state\n"
+            "    return block(x)           # draws with generator=gen\n\n"
+            "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)"))
     elif kind == "rng":
+        preserve = region.options.get("preserve_rng_state")
         out.append(Suggestion(
             "Keep the RNG state for the recompute: preserve_rng_state=True",
             "Random ops in the region (dropout, jitter noise) must draw the same numbers in the recompute. "
             "`preserve_rng_state=True` is checkpoint()'s default; something set it to False. Hugging Face: drop "
             "`\"preserve_rng_state\": False` from `gradient_checkpointing_kwargs`; torchtitan: "
             "`activation_checkpoint.preserve_rng_state = true`; `checkpoint_wrapper(block, preserve_rng_state=True)`.",
-            "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)"))
+            "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)") if preserve is not True else Suggestion(
+            "Make the recompute start from the forward's RNG state",
+            "checkpoint ran with preserve_rng_state=True, yet the random op drew other numbers: the generator it "
+            "draws from is not one checkpoint restores. checkpoint saves the CPU generator and those of the devices "
+            "its tensor arguments are on; a region whose inputs are all on the CPU but which draws on a GPU (or the "
+            "reverse), or code that reseeds or draws between the passes in another thread, escapes it. Pass a "
+            "tensor on the drawing device into the checkpointed function, or draw the random tensor outside the "
+            "region and pass it in."))
     elif kind == "global_state" and cause is not None and cause.tensor == "training":
         out.append(Suggestion(
             "Keep the model's train/eval mode until the backward has run",
@@ -102,7 +140,7 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     discrete = report.first_discrete_divergence
     value = report.first_value_divergence
     flipped = discrete is not None and discrete.detail.get("changed", discrete.detail.get("rows_changed")) != 0
-    if discrete is not None and flipped and kind in ("nondeterministic_op", "unknown", "state_mutation", "rng") and (
+    if discrete is not None and flipped and kind in ("nondeterministic_op", "unknown", "state_mutation") and (
             kind != "state_mutation" or _decision_carries_the_change(report, region, discrete.forward_index)):
         save = [discrete.op]
         feeder = _feeding_matmul(region, discrete.forward_index)

@@ -23,12 +23,14 @@ from html import escape
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..report import CLEAN, DIVERGED, Divergence, PositionRow, RegionReport, Report
+from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
 from .terminal import _short_label, _short_op, _short_source
 
 MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
-_KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "control": "sequence", "cached": "cached"}
-_LANES = (("control", "sequence"), ("value", "value"), ("discrete", "decision"), ("shape", "shape"),
+_KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "control": "sequence", "cached": "cached",
+               "argument": "argument"}
+_LANES = (("control", "sequence"), ("value", "value"), ("argument", "argument"), ("discrete", "decision"),
+          ("shape", "shape"),
           ("pos_meta", "saved: metadata ≠"), ("pos_values", "saved: values ≠"))
 
 
@@ -43,8 +45,8 @@ def render_html(report: Report) -> str:
         from .. import __version__
     except ImportError:  # pragma: no cover - partial installs
         __version__ = "?"
-    silent = any(r.silent for r in report.regions if r.status == DIVERGED) and not report.torch_errors
-    title = _verdict_title(report, silent)
+    silent = report.silent
+    title = report.title
     any_diverged = any(r.status == DIVERGED for r in report.regions)
     parts = [
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -84,14 +86,8 @@ def render_html_file(report: Report, *, console: Any = None, path: str | None = 
 
 # --- verdict, toolbar, top tables -----------------------------------------------------------------------------
 
-def _verdict_title(report: Report, silent: bool) -> str:
-    if report.verdict == DIVERGED:
-        return "SILENTLY DIVERGED" if silent else "DIVERGED"
-    return "CLEAN"
-
-
 def _verdict(report: Report, title: str, silent: bool) -> str:
-    cls = "silent" if silent else ("diverged" if report.verdict == DIVERGED else "clean")
+    cls = "silent" if silent else {DIVERGED: "diverged", UNCHECKED: "silent"}.get(report.verdict, "clean")
     out = [f"<header id=\"verdict\" class=\"verdict {cls}\" data-verdict=\"{e(report.verdict)}\">",
            f"<div class=\"verdict-title\">ac-diff: <span id=\"verdict-word\">{e(title)}</span></div>",
            f"<p class=\"headline\" id=\"headline\">{e(report.headline)}</p>"]
@@ -244,8 +240,7 @@ def _region_sections(report: Report) -> str:
 
 
 def _divergences(r: RegionReport) -> list[Divergence]:
-    return [d for d in (r.first_control_divergence, r.first_value_divergence, r.first_discrete_divergence,
-                        r.first_shape_divergence) if d is not None]
+    return r.divergences()
 
 
 def _region_section(r: RegionReport, report: Report, open_: bool) -> str:
@@ -351,7 +346,7 @@ def _plot(r: RegionReport) -> str:
     marks: dict[str, list[tuple[float, str, str | None]]] = {k: [] for k, _ in _LANES}
     unplaced: list[str] = []
     for row in r.window:
-        if row.marker in ("value", "discrete", "shape", "control"):
+        if row.marker in ("value", "argument", "discrete", "shape", "control"):
             x = _forward_x(r, row.forward_index, row.recompute_index)
             where = f"fwd #{row.forward_index}" if row.forward_index is not None else f"rec #{row.recompute_index}"
             label = f"{where} {_short_label(row.forward or row.recompute)} ≠ {_KIND_LABEL[row.marker]}"

@@ -22,15 +22,15 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import DIVERGED, Report, RegionReport
+from ..report import DIVERGED, UNCHECKED, Report, RegionReport
 
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
 _MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim",
-                 "inferred": "dim yellow"}
+                 "inferred": "dim yellow", "argument": "blue"}
 # "inferred": not fingerprinted (a view, a derived elementwise op), fed by an input that differs
 _MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "control": "≠ sequence",
-                "cached": "cached", "inferred": "≠ (input)"}
+                "cached": "cached", "inferred": "≠ (input)", "argument": "≠ argument"}
 
 
 def _t(value: object, style: str = "") -> Text:
@@ -69,17 +69,9 @@ def _raised(report: Report, region: RegionReport) -> bool:
 
 
 def _verdict_panel(report: Report) -> Panel:
-    silent = any(r.silent for r in report.regions if r.status == DIVERGED)
-    if report.verdict == DIVERGED:
-        title, style = ("SILENTLY DIVERGED" if silent and not report.torch_errors else "DIVERGED"), "bold red"
-    elif not any(r.status == "clean" for r in report.regions):
-        title, style = "NOTHING CHECKED", "bold yellow"  # no region compared: nothing was shown to be clean
-    else:
-        title, style = "CLEAN", "bold green"
-    if report.compared:  # `ac-diff compare A B` of two traces
-        title = "RUNS DIFFER" if report.verdict == DIVERGED else "RUNS MATCH"
+    style = {DIVERGED: "bold red", UNCHECKED: "bold yellow"}.get(report.verdict, "bold green")
     body = [Text(report.headline, style="bold")]
-    if silent and not report.torch_errors:
+    if report.silent:
         body.append(Text("torch raised no error: the gradients of the diverged region(s) are silently wrong.",
                          style="red"))
     counts = report.status_counts()
@@ -87,7 +79,7 @@ def _verdict_panel(report: Report) -> Panel:
         body.append(Text(counts, style="dim"))
     if report.sources:
         body.append(Text("from " + ", ".join(report.sources), style="dim"))
-    return Panel(Group(*body), title=f"ac-diff: {title}", title_align="left", border_style=style, box=box.ROUNDED)
+    return Panel(Group(*body), title=f"ac-diff: {report.title}", title_align="left", border_style=style, box=box.ROUNDED)
 
 
 def _torch_errors(report: Report) -> Table:
@@ -135,9 +127,10 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
         status = Text(r.status + (" (silent)" if r.silent else ""),
                       style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
         first = r.first_divergence()
+        what = (_t(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
+                _t(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
         table.add_row(_t(r.rank), _t(r.region), _t(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
-                      _t(r.cause.kind if r.cause else ""),
-                      _t(_short_op(first.op) + (f" in {first.module}" if first.module else "") if first else ""))
+                      _t(r.cause.kind if r.cause else ""), what)
     if len(shown) < len(rows):
         table.caption = f"{len(rows) - len(shown)} clean/unchecked region(s) not shown"
     return table
@@ -155,8 +148,7 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
             parts.append(Text("  · " + ev, style="dim"))
     console.print(Panel(Group(*parts) if parts else Text(""), title=_t(head), title_align="left", border_style="red"))
 
-    divergences = [d for d in (r.first_control_divergence, r.first_value_divergence, r.first_discrete_divergence,
-                               r.first_shape_divergence) if d is not None]
+    divergences = r.divergences()
     if divergences:
         console.print(Text("first divergences", style="bold"))
     for d in divergences:
