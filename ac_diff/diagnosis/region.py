@@ -39,7 +39,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
     if region.options.get("recorded") is False:
-        _unchecked(report, "not recorded (beyond --max-regions)", "ops not recorded (beyond --max-regions); only counted")
+        _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report
     if fwd is None or rec is None:
         inside = region.options.get("parent_phase") == "recompute" and region.parent is not None
@@ -50,10 +50,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                        f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
                        "recompute it again, so there is nothing to compare")
         elif run_stopped:
-            _unchecked(report, "never recomputed: the run stopped first",
+            _unchecked(report, "not recomputed: the run stopped",
                        f"never recomputed: the run stopped first ({run_stopped})")
         else:
-            _unchecked(report, "never recomputed: no backward reached it",
+            _unchecked(report, "not recomputed: no backward",
                        "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
