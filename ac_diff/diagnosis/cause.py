@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
 from .compare import PassComparison, is_discrete, is_outside_update
-from .dataflow import decision_path
+from .dataflow import data_path, decision_path
 from .labels import readable_arg, where
 from .suggest import suggestions_for
 
@@ -267,7 +267,7 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
         label = {"value": "computes different values", "discrete": div.summary,
                  "control": div.summary}.get(div.kind, div.summary)
         chain.append(f"{div.op} in {where(div.module, div.source)}: {label}")
-    for op in _between(report, cmp):
+    for op in _between(report, region, cmp):
         if op.index not in seen_ops:
             seen_ops.add(op.index)
             chain.append(f"{op.op} in {where(op.module, op.source)}: different result")
@@ -311,19 +311,24 @@ def _at(module: str | None, source: str | None) -> str:
     return f" at {where(module, source)}" if module or source else ""
 
 
-def _between(report: RegionReport, cmp: PassComparison, limit: int = 4) -> list[OpRecord]:
-    """Divergent data-dependent steps between the discrete flip and the shape divergence (histc, copies...)."""
+def _between(report: RegionReport, region: Region, cmp: PassComparison, limit: int = 4) -> list[OpRecord]:
+    """The data-dependent steps (counts, copies to the host, other decisions) on the data path from the
+    discrete flip (or first value divergence) to the shape divergence: each arrow of the chain a real
+    producer link, through ops whose outputs differ."""
     start = report.first_discrete_divergence or report.first_value_divergence
     end = report.first_shape_divergence
-    if start is None or end is None or start.forward_index is None or end.forward_index is None:
+    if start is None or end is None or start.forward_index is None or end.forward_index is None \
+            or region.forward is None:
         return []
+    ops = region.forward.ops
+    target = next((o for o in ops if o.index == end.forward_index), None)
+    if target is None:
+        return []
+    sources = {d.forward_index for d in (report.first_discrete_divergence, report.first_value_divergence)
+               if d is not None and d.forward_index is not None}
+    path = data_path(ops, target, sources, lambda op: bool(cmp.tainted.get(op.index)))
     picked = []
-    for d in cmp.diffs:
-        f = d.forward
-        if f is None or not (start.forward_index < f.index < end.forward_index):
-            continue
-        if not d.kinds & {"value", "shape", "args"}:
-            continue
+    for f in path[1:-1]:
         integer_out = any(m.dtype[0] in "iub" for m in f.out)
         host = f.host_value is not None or any(m.device == "cpu" for m in f.out) and "_to_copy" in f.op
         if is_discrete(f) or integer_out or host:

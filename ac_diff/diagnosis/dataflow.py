@@ -2,6 +2,8 @@
 
     decision_path(forward_ops, split_op)
     -> [topk, view, histc, _to_copy(device=cpu), split_with_sizes]
+    data_path(forward_ops, nonzero_op, sources={topk.index}, through=lambda op: differs[op.index])
+    -> [topk, squeeze, eq, nonzero]          (every step a real producer link)
 
 Tensor inputs are followed through their producers (input references, or a log's `$N` ids).
 A list of sizes handed to an op from Python (`counts.tolist()` -> `split_with_sizes`) has no tensor
@@ -78,3 +80,35 @@ def decision_path(ops: list[OpRecord], target: OpRecord) -> list[OpRecord]:
             break
     path.reverse()
     return path
+
+
+def _producers(ops: list[OpRecord], op: OpRecord, by_index: dict, position: dict) -> list[OpRecord]:
+    """The ops whose outputs `op` reads: tensor inputs, and the host tensor behind a list of sizes."""
+    found = [by_index[r.op_index] for r in op.input_refs if r.kind == "op" and r.op_index in by_index]
+    lists = _int_list_args(op)
+    if lists:
+        host = _host_source(ops[:position.get(op.index, len(ops))], max(lists, key=len))
+        if host is not None:
+            found.append(host)
+    return found
+
+
+def data_path(ops: list[OpRecord], target: OpRecord, sources: set[int], through) -> list[OpRecord]:
+    """The shortest chain of producer links from an op in `sources` to `target`, in forward order, passing
+    only through ops where `through(op)` holds; [] when the data does not connect them."""
+    by_index = {o.index: o for o in ops}
+    position = {o.index: k for k, o in enumerate(ops)}
+    parent: dict[int, int | None] = {target.index: None}
+    queue = [target]
+    while queue:
+        current = queue.pop(0)
+        if current.index in sources and current is not target:
+            path = [current]
+            while parent[path[-1].index] is not None:
+                path.append(by_index[parent[path[-1].index]])
+            return path
+        for producer in _producers(ops, current, by_index, position):
+            if producer.index not in parent and (producer.index in sources or through(producer)):
+                parent[producer.index] = current.index
+                queue.append(producer)
+    return []
