@@ -167,6 +167,21 @@ class RegionReport:
 
 
 @dataclass(slots=True)
+class RegionGroup:
+    """Diverged regions that share a cause and culprit: reports show the lead region once for all."""
+
+    label: str  # the modules, "layers.0-5"
+    cause: str | None
+    culprit: str | None  # the cause's tensor, relative to each region's module ("moe.expert_bias")
+    regions: list[tuple[int, int]]  # (rank, region) of every member, the lead first
+    lead: tuple[int, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "cause": self.cause, "culprit": self.culprit,
+                "regions": [list(r) for r in self.regions], "lead": list(self.lead)}
+
+
+@dataclass(slots=True)
 class TorchErrorSummary:
     kind: str
     rank: int | None
@@ -240,6 +255,7 @@ class Report:
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     exit_status: str | None = None
+    groups: list[RegionGroup] = field(default_factory=list)  # diverged regions that share a cause, lead first
 
     @property
     def diverged(self) -> bool:
@@ -285,4 +301,5 @@ class Report:
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
+            "groups": [g.to_json() for g in self.groups],
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Report, RegionReport, TorchErrorSummary
 from .compare import Tolerance
+from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
 
@@ -48,12 +49,14 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     crash = _crash(runs, region_reports)
     verdict = (DIVERGED if diverged or errors else
                UNCHECKED if crash or not any(r.status == CLEAN for r in region_reports) else CLEAN)
-    headline = _headline(region_reports, errors_summary, runs)
+    raised = {(e.rank, e.region) for e in errors_summary}
+    groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.rank, r.region))
+    headline = _headline(region_reports, errors_summary, runs, groups)
     if crash and not diverged and not errors:
         headline = crash
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
-                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status)
+                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups)
     report.ranks = rank_summaries(report)
     report.cross_rank = cross_rank_findings(runs, report)
     return report
@@ -182,7 +185,7 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
             f"{checked} region(s) checked clean, {len(unchecked)} never checked ({reasons})")
 
 
-def _headline(regions, errors, runs) -> str:
+def _headline(regions, errors, runs, groups) -> str:
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:
@@ -215,5 +218,7 @@ def _headline(regions, errors, runs) -> str:
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
-    more = f" [{len(diverged)} of {len(regions)} regions diverged]" if len(diverged) > 1 else ""
+    same = next((g for g in groups if g.lead == (lead.rank, lead.region) and len(g.regions) > 1), None)
+    more = (f" [{len(diverged)} of {len(regions)} regions diverged"
+            + (f"; {same.label}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
     return f"{where} diverged{silent}{cause}{more}"

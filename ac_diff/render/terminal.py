@@ -48,12 +48,18 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(Text("cross-rank: ", style="bold magenta") + _t(finding))
     if report.regions:
         console.print(_regions_table(report))
-    diverged = [r for r in report.regions if r.status == DIVERGED]
-    lead = sorted(diverged, key=lambda r: (not _raised(report, r), r.rank, r.region))
-    for region in lead[:MAX_DETAILED_REGIONS]:
-        _region_detail(region, report, console)
-    if len(lead) > MAX_DETAILED_REGIONS:
-        console.print(Text(f"... {len(lead) - MAX_DETAILED_REGIONS} more diverged region(s): see the region table, "
+    groups = _groups(report)
+    shown: set[str] = set()  # fix titles already printed: each fix once
+    for lead, members, label in groups[:MAX_DETAILED_REGIONS]:
+        _region_detail(lead, report, console, shown)
+        if len(members) > 1:
+            others = ", ".join(str(m.region) for m in members[1:][:12]) + (" ..." if len(members) > 13 else "")
+            console.print(Text.assemble((f"{label}: same cause", "bold"),
+                                        f" in {len(members)} regions (also regions {others}); their details are in "
+                                        "the JSON / HTML report"))
+    if len(groups) > MAX_DETAILED_REGIONS:
+        rest = sum(len(m) for _, m, _ in groups[MAX_DETAILED_REGIONS:])
+        console.print(Text(f"... {rest} more diverged region(s) with other causes: see the region table, "
                            "or --format json / html for every detail", style="dim"))
     side_effects = sorted({e for r in report.regions for e in r.side_effects})
     for effect in side_effects[:6]:
@@ -66,6 +72,18 @@ def render_terminal(report: Report, console: Console) -> None:
 
 def _raised(report: Report, region: RegionReport) -> bool:
     return any(e.region == region.region and e.rank == region.rank for e in report.torch_errors)
+
+
+def _groups(report: Report) -> list[tuple[RegionReport, list[RegionReport], str]]:
+    """(lead region, members, label) per group of diverged regions; one group per region where the
+    report has none (two traces compared)."""
+    by_key = {(r.rank, r.region): r for r in report.regions}
+    if report.groups:
+        return [(by_key[g.lead], [by_key[k] for k in g.regions if k in by_key], g.label) for g in report.groups
+                if g.lead in by_key]
+    diverged = sorted((r for r in report.regions if r.status == DIVERGED),
+                      key=lambda r: (not _raised(report, r), r.rank, r.region))
+    return [(r, [r], r.module or "?") for r in diverged]
 
 
 def _verdict_panel(report: Report) -> Panel:
@@ -136,7 +154,7 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
     return table
 
 
-def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
+def _region_detail(r: RegionReport, report: Report, console: Console, shown: set[str]) -> None:
     head = f"region {r.region} · {r.module or '?'} · rank {r.rank} · {r.kind}"
     if len(report.sources) > 1 and r.path:  # several logs or traces: which one this region is from
         head += f" · {os.path.basename(r.path)}"
@@ -170,6 +188,10 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
     if positions is not None:
         console.print(positions)
     for s in r.suggestions:
+        if s.title in shown:
+            console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"), (" (as above)", "dim")))
+            continue
+        shown.add(s.title)
         console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
         console.print(Text("     " + s.text))
         if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
