@@ -1,0 +1,248 @@
+"""Diagnoses a user can bet on (issue 15, items 3-5, 7, 9-11; issue 16's `unchecked` verdict), each on a
+real mechanism: host randomness, a private torch.Generator, a changed Python float, an optimizer step
+between a micro-batch's forward and backward, a crash in the backward, a forward with no backward, an MoE
+whose expert loop and token counts read the same top-k, and six layers that diverge for one reason."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from rich.console import Console
+
+import ac_diff
+from ac_diff.render.html import render_html
+from ac_diff.render.terminal import render_terminal
+from conftest import REPO, run_cli
+
+SCRIPTS = REPO / "tests" / "trust_scripts"
+WIDE = {"COLUMNS": "200"}  # the terminal report's table cells unwrapped
+
+
+def _terminal(report, width: int = 120) -> str:
+    buffer = io.StringIO()
+    render_terminal(report, Console(file=buffer, width=width, color_system=None, force_terminal=False))
+    return buffer.getvalue()
+
+
+def _record(tmp_path: Path, model: nn.Module, x: torch.Tensor, between=None):
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = cp.checkpoint(model, x, use_reentrant=False)
+        if between is not None:
+            between()
+        y.pow(2).sum().backward()
+    return ac_diff.diagnose_paths([path])
+
+
+def _line_of(needle: str) -> int:
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if needle in line)
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> dict[str, dict]:
+    """The scripts of tests/trust_scripts, each run once under `ac-diff run --json`."""
+    out = tmp_path_factory.mktemp("trust")
+    runs = {}
+    for name in ("crash_in_backward", "optimizer_between", "moe_loop_router", "six_layers_same_cause"):
+        json_path = out / f"{name}.json"
+        proc = run_cli("run", "-o", str(out / name), "--json", str(json_path), str(SCRIPTS / f"{name}.py"), cwd=REPO,
+                       env=WIDE)
+        assert json_path.exists(), f"{name}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        runs[name] = {"json": json.loads(json_path.read_text()), "proc": proc, "dir": out / name}
+    return runs
+
+
+# --- 3. host randomness -----------------------------------------------------------------------------------------
+
+class HostNoise(nn.Module):
+    """Adds noise drawn on the host: numpy (from_numpy) or Python's random (torch.tensor)."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.source = source
+
+    def forward(self, x):
+        if self.source == "numpy":
+            noise = torch.from_numpy(np.random.randn(8).astype(np.float32))  # host value: numpy
+        else:
+            noise = torch.tensor([random.gauss(0, 1) for _ in range(8)])  # host value: random
+        return torch.tanh(self.lin(x) + noise)
+
+
+@pytest.mark.parametrize("source", ["numpy", "random"])
+def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    report = _record(tmp_path, HostNoise(source), torch.randn(4, 8, requires_grad=True))
+    region = report.regions[0]
+    assert region.status == "diverged" and region.silent
+    cause = region.cause
+    assert (cause.kind, cause.mechanism) == ("rng", "host_rng"), cause
+    line = _line_of(f"# host value: {source}")
+    assert cause.source.startswith(f"test_trust_diagnosis.py:{line} ") or f"test_trust_diagnosis.py:{line} " in cause.source
+    assert "preserve_rng_state" in cause.detail and "external[0]" not in cause.detail
+    fixes = " ".join(s.title + s.text + (s.code or "") for s in region.suggestions)
+    assert "outside the checkpointed region" in fixes and f":{line}" in region.suggestions[0].title
+    assert "optimizer" not in fixes and "step hook" not in fixes
+
+
+# --- 4. private torch.Generator ----------------------------------------------------------------------------------
+
+class PrivateDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        keep = torch.rand(h.shape, generator=self.gen) > 0.3  # private generator
+        return h * keep / 0.7
+
+
+def test_private_generator_is_named_and_not_blamed_on_preserve_rng_state(tmp_path):
+    torch.manual_seed(0)
+    report = _record(tmp_path, PrivateDropout(), torch.randn(4, 8, requires_grad=True))
+    region = report.regions[0]
+    cause = region.cause
+    assert (cause.kind, cause.mechanism) == ("rng", "private_generator"), cause
+    assert "torch.Generator" in cause.tensor and f":{_line_of('# private generator')} " in cause.source
+    assert any("preserve_rng_state=True" in e for e in cause.evidence)  # what the trace recorded
+    fixes = " ".join(s.title + s.text + (s.code or "") for s in region.suggestions)
+    assert "set it to False" not in fixes and "get_state()" in fixes
+    # 5. the generator is an argument that did not change: no shape divergence, no object address
+    assert region.first_shape_divergence is None and region.first_argument_divergence is None
+    assert region.first_value_divergence.op == "aten.rand.generator"
+    text = json.dumps(report.to_json()) + _terminal(report) + render_html(report)
+    assert " object at 0x" not in text and "generator=torch.Generator" in _terminal(report)
+
+
+# --- 5. a changed Python float is an argument divergence ---------------------------------------------------------
+
+class Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.temperature = 0.5
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x) * self.temperature, dim=-1)
+
+
+def test_changed_python_float_is_an_argument_divergence_with_readable_values(tmp_path):
+    torch.manual_seed(0)
+    model = Tempered()
+
+    def anneal():
+        model.temperature = 0.25  # a schedule stepped before the backward
+
+    report = _record(tmp_path, model, torch.randn(4, 8, requires_grad=True), between=anneal)
+    region = report.regions[0]
+    assert region.status == "diverged"
+    arg = region.first_argument_divergence
+    assert arg is not None and arg.kind == "argument" and arg.op == "aten.mul.Tensor"
+    assert "0.5→0.25" in arg.summary and arg.detail["args_diff"] == "0.5→0.25"
+    assert region.first_shape_divergence is None
+    assert region.cause.mechanism == "python_value"
+    assert "≠ argument" in _terminal(report) and "shape" not in _terminal(report).split("chain")[0].split(
+        "first divergences")[1].splitlines()[1]
+
+
+# --- 7. the optimizer stepped between a micro-batch's forward and backward ----------------------------------------
+
+def test_optimizer_step_between_forward_and_backward_is_a_whole_model_update(script_runs):
+    report = script_runs["optimizer_between"]["json"]
+    diverged = [r for r in report["regions"] if r["status"] == "diverged"]
+    assert diverged and [r["region"] for r in diverged] == [2, 3]  # micro-batch 2's regions only
+    for region in diverged:
+        assert region["cause"]["kind"] == "state_mutation" and region["cause"]["mechanism"] == "optimizer_step"
+        assert "optimizer" in region["cause"]["detail"]
+        titles = [s["title"] for s in region["suggestions"]]
+        assert titles[0] == "Step the optimizer after all backward passes of the accumulation window"
+        assert "router" not in json.dumps(region["suggestions"])
+
+
+# --- 9. a crash is not clean; nothing compared is not clean --------------------------------------------------------
+
+def test_crash_in_backward_leads_the_headline_and_is_not_clean(script_runs):
+    run = script_runs["crash_in_backward"]
+    report = run["json"]
+    assert run["proc"].returncode == 1  # the script's own exit code
+    assert report["verdict"] == "unchecked" and report["title"] == "CRASHED"
+    headline = report["headline"]
+    assert headline.startswith("the script crashed in the backward, after region 2")
+    assert "RuntimeError: one of the variables needed for gradient computation" in headline
+    assert "1 region(s) checked clean, 2 never checked (not recomputed: the run stopped)" in headline
+    assert "CRASHED" in run["proc"].stdout and "not recomputed: the run stopped" in run["proc"].stdout
+    assert [r["unchecked_reason"] for r in report["regions"][:2]] == ["not recomputed: the run stopped"] * 2
+    again = run_cli("report", str(run["dir"]), cwd=REPO)
+    assert again.returncode == 4, again.stderr
+
+
+def test_nothing_compared_is_unchecked_and_fails_check(tmp_path):
+    script = tmp_path / "forward_only.py"
+    script.write_text(
+        "import torch, torch.nn as nn, torch.utils.checkpoint as cp\n"
+        "torch.manual_seed(0)\n"
+        "block = nn.Linear(8, 8)\n"
+        "y = cp.checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False)\n"
+        "print(float(y.sum()))  # evaluation with grad on: the backward never runs\n")
+    json_path = tmp_path / "r.json"
+    proc = run_cli("run", "--check", "-o", str(tmp_path / "out"), "--json", str(json_path), str(script), cwd=tmp_path,
+                   env=WIDE)
+    report = json.loads(json_path.read_text())
+    assert report["verdict"] == "unchecked" and report["title"] == "NOTHING CHECKED"
+    assert report["headline"].startswith("nothing compared")
+    assert proc.returncode == 4, proc.stderr  # --check does not pass it as clean
+    assert "NOTHING CHECKED" in proc.stdout and "not recomputed: no backward" in proc.stdout
+    assert run_cli("report", str(tmp_path / "out"), cwd=tmp_path).returncode == 4
+
+
+def test_truncated_trace_is_unchecked(script_runs, tmp_path):
+    """A trace cut after the first region's forward (a killed writer): nothing compared, never "clean"."""
+    lines = (script_runs["crash_in_backward"]["dir"] / "trace-rank0.jsonl").read_text().splitlines()
+    cut = next(i for i, line in enumerate(lines) if '"type": "pass"' in line or '"type":"pass"' in line)
+    (tmp_path / "trace-rank0.jsonl").write_text("\n".join(lines[:cut + 1]) + "\n")
+    report = ac_diff.diagnose_paths([tmp_path / "trace-rank0.jsonl"])
+    assert report.verdict == "unchecked" and report.title == "NOTHING CHECKED"
+    assert "NOTHING CHECKED" in _terminal(report) and "NOTHING CHECKED" in render_html(report)
+
+
+# --- 10. chains follow the data ----------------------------------------------------------------------------------
+
+def test_chain_follows_producer_links_not_trace_order(script_runs):
+    report = script_runs["moe_loop_router"]["json"]
+    region = next(r for r in report["regions"] if r["status"] == "diverged")
+    assert region["cause"]["kind"] == "state_mutation" and region["cause"]["tensor"] == "bias"
+    ops = [step.split(" ")[0] for step in region["chain"][1:-1]]
+    # bincount runs between topk and eq in the trace, but the nonzero whose shape differs reads eq <- topk
+    assert ops[0] == "aten.add.Tensor" and "aten.topk.default" in ops and ops[-1] == "aten.nonzero.default"
+    assert "aten.eq.Scalar" in ops and not any("bincount" in op or "_to_copy" in op for op in ops)
+
+
+# --- 11. say it once ---------------------------------------------------------------------------------------------
+
+def test_regions_with_one_cause_are_grouped_and_fixes_shown_once(script_runs):
+    run = script_runs["six_layers_same_cause"]
+    report = run["json"]
+    assert [g["label"] for g in report["groups"]] == ["layers.0-5"]
+    group = report["groups"][0]
+    assert group["culprit"] == "scale" and len(group["regions"]) == 6 and group["cause"] == "state_mutation"
+    assert "layers.0-5: same cause" in report["headline"]
+    assert all(r["suggestions"] for r in report["regions"])  # every region keeps its detail in the JSON
+    text = ac_diff.diagnose_paths([run["dir"]])
+    out = _terminal(text)
+    assert len(re.findall(r"^fix: Update `layers\.\d\.scale`", out, re.M)) == 1
+    assert out.count("cause: state_mutation") == 1 and "layers.0-5: same cause in 6 regions" in out
+    assert len(out.splitlines()) < 90
