@@ -27,18 +27,23 @@ def report_json(path: str | os.PathLike) -> dict:
     return json.loads(Path(path).read_text())
 
 
-@pytest.fixture(scope="session")
-def example_reports(tmp_path_factory) -> dict[str, dict]:
-    """Every bundled example run once under `ac-diff run --json`, shared by the tests that read them."""
-    out = tmp_path_factory.mktemp("examples")
+def run_scripts(out: Path, folder: Path, names: tuple[str, ...], env: dict | None = None) -> dict[str, dict]:
+    """Each `folder/NAME.py` run once under `ac-diff run --json`: {name: {"json", "proc", "dir"}}."""
     reports = {}
-    for name in ("moe_bias_update", "moe_bias_update_fixed", "dropout_no_rng", "python_state_branch"):
+    for name in names:
         json_path = out / f"{name}.json"
-        proc = run_cli("run", "-o", str(out / name), "--json", str(json_path), str(EXAMPLES / f"{name}.py"),
-                       cwd=REPO)
+        proc = run_cli("run", "-o", str(out / name), "--json", str(json_path), str(folder / f"{name}.py"),
+                       cwd=REPO, env=env)
         assert json_path.exists(), f"{name}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         reports[name] = {"json": report_json(json_path), "proc": proc, "dir": out / name}
     return reports
+
+
+@pytest.fixture(scope="session")
+def example_reports(tmp_path_factory) -> dict[str, dict]:
+    """Every bundled example run once under `ac-diff run --json`, shared by the tests that read them."""
+    return run_scripts(tmp_path_factory.mktemp("examples"), EXAMPLES,
+                       ("moe_bias_update", "moe_bias_update_fixed", "dropout_no_rng", "python_state_branch"))
 
 
 @pytest.fixture(scope="session")

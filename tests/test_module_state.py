@@ -185,4 +185,5 @@ def test_a_run_that_stops_before_the_recompute_says_why(tmp_path):
     report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
     assert [r.status for r in report.regions] == ["unchecked"]
     assert "the run stopped first (RuntimeError" in report.regions[0].notes[-1]
-    assert report.headline.startswith("nothing compared") and "RuntimeError" in report.headline
+    assert report.headline.startswith("the script crashed") and "RuntimeError" in report.headline
+    assert report.verdict == "unchecked" and report.title == "CRASHED"

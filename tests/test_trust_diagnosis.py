@@ -21,7 +21,7 @@ from rich.console import Console
 import ac_diff
 from ac_diff.render.html import render_html
 from ac_diff.render.terminal import render_terminal
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_scripts
 
 SCRIPTS = REPO / "tests" / "trust_scripts"
 WIDE = {"COLUMNS": "200"}  # the terminal report's table cells unwrapped
@@ -50,15 +50,8 @@ def _line_of(needle: str) -> int:
 @pytest.fixture(scope="module")
 def script_runs(tmp_path_factory) -> dict[str, dict]:
     """The scripts of tests/trust_scripts, each run once under `ac-diff run --json`."""
-    out = tmp_path_factory.mktemp("trust")
-    runs = {}
-    for name in ("crash_in_backward", "optimizer_between", "moe_loop_router", "six_layers_same_cause"):
-        json_path = out / f"{name}.json"
-        proc = run_cli("run", "-o", str(out / name), "--json", str(json_path), str(SCRIPTS / f"{name}.py"), cwd=REPO,
-                       env=WIDE)
-        assert json_path.exists(), f"{name}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        runs[name] = {"json": json.loads(json_path.read_text()), "proc": proc, "dir": out / name}
-    return runs
+    return run_scripts(tmp_path_factory.mktemp("trust"), SCRIPTS, (
+        "crash_in_backward", "optimizer_between", "moe_loop_router", "six_layers_same_cause"), env=WIDE)
 
 
 # --- 3. host randomness -----------------------------------------------------------------------------------------

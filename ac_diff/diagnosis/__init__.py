@@ -152,7 +152,9 @@ def _how_it_stopped(run: Run) -> str:
     if run.exit_status == "exit" and exc.get("exc_type") in (None, "SystemExit"):
         return f"exit code {end.get('exit_code')}"
     message = (exc.get("message") or "").strip().splitlines()
-    return f"{exc.get('exc_type', run.exit_status)}" + (f": {message[0][:160]}" if message else "")
+    first = message[0] if message else ""
+    return f"{exc.get('exc_type', run.exit_status)}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
+                                                       if first else "")
 
 
 def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
-from .compare import PassComparison, is_discrete, is_outside_update
+from .compare import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
 from .dataflow import data_path, decision_path
-from .labels import readable_arg, where
+from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
 
@@ -98,7 +98,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "before any value differed: Python code took another branch",
                      [control.summary])
 
-    if (report.source != "log" and first is not None and first.kinds & {"args", "argument"}
+    if (report.source != "log" and first is not None and first.kinds & ARGUMENT_KINDS
             and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
         op = first.forward
         return Cause("state_mutation", f"an argument of {op.op}",
@@ -276,7 +276,7 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
         chain.append(f"{shape.op} in {where(shape.module, shape.source)}: {shape.summary}")
     bad = [p.position for p in report.positions if p.matches is False]
     if bad:
-        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {_ranges(bad)} differ in metadata -> "
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in metadata -> "
                      "torch raises CheckpointError")
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
@@ -303,7 +303,7 @@ def _log_chain(report: RegionReport, region: Region) -> list[str]:
         chain.append(f"{shape.op}{_at(shape.module, shape.source)}: {shape.summary}")
     bad = [p.position for p in report.positions if p.matches is False]
     if bad:
-        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {_ranges(bad)} differ in shape -> CheckpointError")
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in shape -> CheckpointError")
     return chain
 
 
@@ -334,16 +334,3 @@ def _between(report: RegionReport, region: Region, cmp: PassComparison, limit: i
         if is_discrete(f) or integer_out or host:
             picked.append(f)
     return picked[:limit]
-
-
-def _ranges(numbers: list[int]) -> str:
-    numbers = sorted(set(numbers))
-    parts, start, prev = [], numbers[0], numbers[0]
-    for n in numbers[1:] + [None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ", ".join(parts)

@@ -51,6 +51,10 @@ class Tolerance:
         return a == b
 
 
+# kinds of PairDiff that say the two ops were called with other non-tensor arguments
+ARGUMENT_KINDS = frozenset({"args", "argument"})
+
+
 @dataclass
 class PairDiff:
     """What differs in one aligned pair."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from ..report import DIVERGED, RegionGroup, RegionReport
+from .labels import number_ranges
 
 
 def _relative(name: str | None, module: str | None) -> str | None:
@@ -39,16 +40,7 @@ def module_range(modules: list[str | None]) -> str:
     names = [m or "?" for m in modules]
     parts = [re.fullmatch(r"(.*?)(\d+)", n) for n in names]
     if all(parts) and len({p.group(1) for p in parts}) == 1:
-        numbers = sorted({int(p.group(2)) for p in parts})
-        runs, start, prev = [], numbers[0], numbers[0]
-        for n in numbers[1:] + [None]:
-            if n is not None and n == prev + 1:
-                prev = n
-                continue
-            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-            if n is not None:
-                start = prev = n
-        return parts[0].group(1) + ",".join(runs)
+        return parts[0].group(1) + number_ranges([int(p.group(2)) for p in parts], sep=",")
     unique = list(dict.fromkeys(names))
     return ", ".join(unique[:4]) + (f", ... ({len(unique)} modules)" if len(unique) > 4 else "")
 

@@ -120,3 +120,17 @@ def outputs_diff(f: OpRecord, r: OpRecord, limit: int = 4) -> str | None:
     head = "output" if len(f.out) == 1 else f"output{'s' if len(changed) > 1 else ''} {', '.join(str(j) for j, _, _ in changed[:limit])}"
     more = f", ... ({len(changed)} in all)" if len(changed) > limit else ""
     return f"{head}: " + ", ".join(f"{a}→{b}" for _, a, b in changed[:limit]) + more
+
+
+def number_ranges(numbers: list[int], sep: str = ", ") -> str:
+    """[3, 4, 5, 9] -> "3-5, 9"."""
+    numbers = sorted(set(numbers))
+    parts, start, prev = [], numbers[0], numbers[0]
+    for n in numbers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return sep.join(parts)

@@ -39,7 +39,7 @@ import re
 
 from ..model import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
-from .compare import Tolerance, compare_passes, is_discrete
+from .compare import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
 from .labels import where
 
 MAX_REPLICATED_FINDINGS = 6
@@ -392,7 +392,7 @@ def _first_disagreement(base: Region, other: Region, cmp):
         if o is None or d.pair.how != "match":
             bad[f.index] = True
             continue
-        differs = bool(d.kinds & {"value", "shape", "args", "host"})
+        differs = bool(d.kinds & {"value", "shape", "host"} or d.kinds & ARGUMENT_KINDS)
         inputs_bad = len(f.input_refs) != len(o.input_refs)
         for ref, theirs in zip(f.input_refs, o.input_refs):
             if ref.kind != theirs.kind:
@@ -407,13 +407,13 @@ def _first_disagreement(base: Region, other: Region, cmp):
             if packet in _RESULT_HOLDERS:
                 bad[f.index] = differs or inputs_bad
             else:  # the same group and arguments: a symmetric collective's result is the same everywhere
-                bad[f.index] = "args" in d.kinds or packet not in _SYMMETRIC_COLLECTIVES
+                bad[f.index] = bool(d.kinds & ARGUMENT_KINDS) or packet not in _SYMMETRIC_COLLECTIVES
             continue
         if packet in UNINITIALISED_OPS:
             bad[f.index] = "shape" in d.kinds  # its values are garbage anyway: only the shape counts
             continue
         bad[f.index] = differs or inputs_bad
-        if not differs or inputs_bad or "args" in d.kinds or getattr(d, "side_effect", False):
+        if not differs or inputs_bad or d.kinds & ARGUMENT_KINDS or getattr(d, "side_effect", False):
             continue  # different arguments: the ranks asked for different things (by design)
         if "shape" not in d.kinds and not is_discrete(f) and not _significant(f, o):
             continue
