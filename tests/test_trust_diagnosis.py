@@ -181,6 +181,8 @@ def test_crash_in_backward_leads_the_headline_and_is_not_clean(script_runs):
     assert [r["unchecked_reason"] for r in report["regions"][:2]] == ["not recomputed: the run stopped"] * 2
     again = run_cli("report", str(run["dir"]), cwd=REPO)
     assert again.returncode == 4, again.stderr
+    html = render_html(ac_diff.diagnose_paths([run["dir"]]))
+    assert "CRASHED" in html and "not recomputed: the run stopped" in html
 
 
 def test_nothing_compared_is_unchecked_and_fails_check(tmp_path):
@@ -239,3 +241,4 @@ def test_regions_with_one_cause_are_grouped_and_fixes_shown_once(script_runs):
     assert len(re.findall(r"^fix: Update `layers\.\d\.scale`", out, re.M)) == 1
     assert out.count("cause: state_mutation") == 1 and "layers.0-5: same cause in 6 regions" in out
     assert len(out.splitlines()) < 90
+    assert render_html(text).count("(layers.0-5: same cause)") == 6  # each row of the HTML table says so

@@ -104,7 +104,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("state_mutation", f"an argument of {op.op}",
                      f"a Python value passed to {op.op} at {where(op.module, op.source)} changed between the forward "
                      "and the recompute (identical tensors in): Python state the region reads, a schedule or a float "
-                     "attribute, was updated before the backward",
+                     "attribute, was updated before the backward, or the value is drawn on the host inside the region "
+                     "(np.random, random: not covered by preserve_rng_state)",
                      [d.summary for d in (report.first_argument_divergence, report.first_shape_divergence)
                       if d is not None], mechanism="python_value", source=op.source)
 

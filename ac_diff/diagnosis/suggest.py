@@ -55,7 +55,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
                 "The region reads a Python number (a schedule, a scale, a temperature) that changed before its "
                 "recompute ran, so the recompute computed with the new one. Change it after loss.backward(), or "
                 "pass it to the checkpointed function as an argument (checkpoint keeps its arguments for the "
-                "recompute).",
+                "recompute). A value drawn at random on the host (np.random, random) inside the region: draw it "
+                "before the checkpoint call and pass it in.",
                 "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
         elif mechanism == "input":
             out.append(Suggestion(

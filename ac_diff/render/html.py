@@ -198,12 +198,18 @@ def _regions_table(report: Report) -> str:
             f"<td>{e(r.rank)}</td><td class=\"num\">{e(r.region)}</td><td>{link}</td><td>{e(r.kind)}</td>"
             f"<td class=\"num\">{e(r.forward_ops)}/{e(r.recompute_ops)}</td>"
             f"<td><span class=\"badge {_status_class(r.status)}\">{e(status)}</span></td>"
-            f"<td>{e(r.cause.kind if r.cause else '')}</td>"
-            f"<td>{_first_html(first)}</td></tr>")
+            f"<td>{e(r.cause.kind if r.cause else '')}{_group_html(report, r)}</td>"
+            f"<td>{_first_html(first) or (e(r.unchecked_reason) if r.status == UNCHECKED else '')}</td></tr>")
     return ("<section id=\"regions\"><h2>regions</h2><table id=\"region-table\"><thead><tr><th>rank</th>"
             "<th>region</th><th>module</th><th>kind</th><th>ops fwd/rec</th><th>status</th><th>cause</th>"
             f"<th>first divergence</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             "<p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>")
+
+
+def _group_html(report: Report, r: RegionReport) -> str:
+    """"same cause as layers.0-5" for a member of a group of diverged regions."""
+    g = next((g for g in report.groups if (r.rank, r.region) in g.regions and len(g.regions) > 1), None)
+    return f" <span class=\"dim\">({e(g.label)}: same cause)</span>" if g is not None else ""
 
 
 def _first_html(d: Divergence | None) -> str:
