@@ -7,10 +7,13 @@
                        "aten.topk.default flipped 1 of 256 rows (margin 3.1e-04)", ...,
                        "saved positions 37, 38 differ in shape -> CheckpointError"]
 
-Order of precedence, each needing its evidence: a tensor read by the region changed (state_mutation),
-a parameter that is empty in recompute (sharded_parameter), a random op drew other numbers
-(rng), global dispatch state differs (global_state), the op sequence changed before any value did
-(control_flow), an op gave other outputs from identical inputs (nondeterministic_op), else unknown.
+Order of precedence, each needing its evidence: a tensor read by the region changed (state_mutation;
+most parameters at once: an optimizer step, mechanism optimizer_step; a tensor made from host data in the
+region: host randomness, rng/host_rng), a parameter that is empty in recompute (sharded_parameter), a random
+op drew other numbers (rng: default_generator, or private_generator when it was handed a torch.Generator),
+global dispatch state differs (global_state), the op sequence changed before any value did (control_flow),
+a Python argument changed (state_mutation/python_value), an op gave other outputs from identical inputs
+(nondeterministic_op), else unknown. The chain's steps are producer links (dataflow.data_path).
 """
 
 from __future__ import annotations
