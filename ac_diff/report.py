@@ -274,7 +274,9 @@ class Report:
         if self.verdict == DIVERGED:
             return "SILENTLY DIVERGED" if self.silent else "DIVERGED"
         if self.verdict == UNCHECKED:
-            return "CRASHED" if self.crashed else "NOTHING CHECKED"
+            if self.crashed:
+                return "INTERRUPTED" if self.exit_status == "interrupted" else "CRASHED"
+            return "NOTHING CHECKED"
         return "CLEAN"
 
     @property

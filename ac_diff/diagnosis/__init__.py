@@ -183,7 +183,8 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
         reason = r.unchecked_reason or "not compared"
         why[reason] = why.get(reason, 0) + 1
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
-    return (f"the script crashed{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
+    verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
+    return (f"the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked)} never checked ({reasons})")
 
 

@@ -466,7 +466,7 @@ def _window(r: RegionReport) -> str:
         else:
             rec = None
         marker = row.marker or ""
-        divergent = marker in ("value", "discrete", "shape", "control")
+        divergent = marker in ("value", "argument", "discrete", "shape", "control")
         if fwd is not None and rec is not None and divergent and fwd != rec:
             fwd_html, rec_html = _diff_cells(fwd, rec)
         else:
@@ -568,10 +568,10 @@ def _notes(notes: Iterable[str], section_id: str | None) -> str:
 _CSS = """
 :root{--bg:#fff;--fg:#1d2330;--dim:#6b7280;--line:#e3e6ec;--panel:#f7f8fa;--red:#c62828;--red-bg:#fdecea;
 --green:#2e7d32;--green-bg:#e8f5e9;--amber:#b26a00;--amber-bg:#fff4e0;--magenta:#9c27b0;--cyan:#00838f;
---mark:#ffe08a;--code:#f3f4f6}
+--blue:#1565c0;--mark:#ffe08a;--code:#f3f4f6}
 @media (prefers-color-scheme:dark){:root{--bg:#14161b;--fg:#e6e8ee;--dim:#9aa3b2;--line:#2c313a;--panel:#1b1e25;
 --red:#ef5350;--red-bg:#3a1d1d;--green:#66bb6a;--green-bg:#1b2e1d;--amber:#ffb74d;--amber-bg:#33280f;
---magenta:#ce93d8;--cyan:#4dd0e1;--mark:#6b5400;--code:#21252d}}
+--magenta:#ce93d8;--cyan:#4dd0e1;--blue:#64b5f6;--mark:#6b5400;--code:#21252d}}
 *{box-sizing:border-box}
 body{margin:0;background:var(--bg);color:var(--fg);font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
 main{padding:0 24px 24px}
@@ -616,11 +616,13 @@ color:var(--bg);background:var(--red);padding:0 6px;border-radius:3px;margin-rig
 .label.ok{background:var(--green)}
 .mk{font-weight:600;white-space:nowrap}
 .mk-value{color:var(--amber)} .mk-discrete{color:var(--magenta)} .mk-shape{color:var(--red)} .mk-control{color:var(--cyan)}
+.mk-argument{color:var(--blue)}
 .divergent-op code{font-weight:700}
 .aligned td.cell{max-width:40em;word-break:break-word}
 .aligned tr.divergent td.cell{font-weight:600}
 .aligned td.div-value{background:var(--amber-bg)} .aligned td.div-discrete{background:rgba(156,39,176,.12)}
 .aligned td.div-shape{background:var(--red-bg)} .aligned td.div-control{background:rgba(0,131,143,.12)}
+.aligned td.div-argument{background:rgba(21,101,192,.12)}
 .aligned td.cached{color:var(--dim)}
 .aligned tr.gap td{color:var(--dim);text-align:center}
 .aligned tr:target,.positions tr:target{outline:2px solid var(--cyan)}
@@ -643,10 +645,11 @@ svg .lane{font-size:11px;fill:var(--dim)} svg .tick{font-size:10px;fill:var(--di
 svg .lane-line{stroke:var(--line)} svg .axis{stroke:var(--dim)}
 svg .win{fill:var(--cyan);opacity:.10}
 svg .mark.mk-value{fill:var(--amber)} svg .mark.mk-discrete{fill:var(--magenta)} svg .mark.mk-shape{fill:var(--red)}
-svg .mark.mk-control{fill:var(--cyan)} svg .mark.mk-pos_meta{fill:var(--red)} svg .mark.mk-pos_values{fill:var(--amber)}
+svg .mark.mk-control{fill:var(--cyan)} svg .mark.mk-argument{fill:var(--blue)} svg .mark.mk-pos_meta{fill:var(--red)} svg .mark.mk-pos_values{fill:var(--amber)}
 svg line.first{stroke-dasharray:3 3;stroke:var(--dim)}
 svg line.first.mk-value{stroke:var(--amber)} svg line.first.mk-discrete{stroke:var(--magenta)}
 svg line.first.mk-shape{stroke:var(--red)} svg line.first.mk-control{stroke:var(--cyan)}
+svg line.first.mk-argument{stroke:var(--blue)} svg .first-label.mk-argument{fill:var(--blue)}
 svg .first-label{font-size:10.5px;fill:var(--fg);font-weight:600}
 svg .first-label.mk-value{fill:var(--amber)} svg .first-label.mk-discrete{fill:var(--magenta)}
 svg .first-label.mk-shape{fill:var(--red)} svg .first-label.mk-control{fill:var(--cyan)}
