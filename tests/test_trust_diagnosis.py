@@ -243,3 +243,24 @@ def test_regions_with_one_cause_are_grouped_and_fixes_shown_once(script_runs):
     assert out.count("cause: state_mutation") == 1 and "layers.0-5: same cause in 6 regions" in out
     assert len(out.splitlines()) < 90
     assert render_html(text).count("(layers.0-5: same cause)") == 6  # each row of the HTML table says so
+
+
+def test_two_runs_that_differ_only_in_a_python_float_differ_by_an_argument(tmp_path):
+    """`ac-diff compare A B`, metadata-only traces: the scalar that differs is the difference found."""
+    from ac_diff.diagnosis.two_runs import compare_runs
+    from ac_diff.trace import read_run
+
+    paths = []
+    for temperature in (0.5, 0.25):
+        torch.manual_seed(0)
+        model = Tempered()
+        model.temperature = temperature
+        path = tmp_path / f"t{temperature}.jsonl"
+        with ac_diff.record(path, fingerprints=False):
+            cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+        paths.append(path)
+    report = compare_runs(read_run(paths[0]), read_run(paths[1]))
+    assert report.verdict == "diverged" and report.title == "RUNS DIFFER"
+    arg = report.regions[0].first_argument_divergence
+    assert arg is not None and arg.op == "aten.mul.Tensor" and "0.5→0.25" in arg.summary
+    assert report.regions[0].first_shape_divergence is None

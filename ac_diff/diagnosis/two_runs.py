@@ -105,10 +105,9 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)
     report.first_shape_divergence = _divergence("shape", cmp.first_shape(), cmp)
     report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
-    for d in (report.first_value_divergence, report.first_discrete_divergence, report.first_shape_divergence,
-              report.first_control_divergence):
-        if d is not None:
-            _relabel(d, phase)
+    report.first_argument_divergence = _divergence("argument", cmp.first("argument"), cmp)
+    for d in report.divergences():
+        _relabel(d, phase)
     report.changed_inputs = [
         {"kind": x.kind, "name": x.name, "meta": str(x.meta), "run_a": x.fingerprint,
          "run_b": y.fingerprint if y else None, "first_op": x.first_op}
@@ -117,8 +116,7 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     pa, pb = (a.forward, b.forward) if phase == "forward" else (a.recompute, b.recompute)
     report.state_changes = {k: {"run_a": v["forward"], "run_b": v["recompute"]}
                             for k, v in state_changes(pa, pb, a).items()}
-    differs = any((report.first_value_divergence, report.first_discrete_divergence, report.first_shape_divergence,
-                   report.first_control_divergence, report.changed_inputs))
+    differs = bool(report.divergences() or report.changed_inputs)
     report.status = DIVERGED if differs else CLEAN
     if differs:
         report.window = window(cmp, report, settings)
@@ -262,8 +260,8 @@ def _suggestions(report: RegionReport) -> list[Suggestion]:
 
 # -- the report's frame ---------------------------------------------------------------------------
 def _lead(r: RegionReport) -> Divergence | None:
-    candidates = [d for d in (r.first_value_divergence, r.first_control_divergence, r.first_shape_divergence)
-                  if d is not None]
+    candidates = [d for d in (r.first_value_divergence, r.first_control_divergence, r.first_shape_divergence,
+                              r.first_argument_divergence) if d is not None]
     if not candidates:
         return r.first_discrete_divergence
     return min(candidates, key=lambda d: (d.forward_index is None, d.forward_index or 0))
