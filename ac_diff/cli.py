@@ -111,6 +111,13 @@ def run(
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0: exact)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    reference: Optional[str] = typer.Option(None, "--reference", metavar="no-ac", help="Then run the script again without AC and compare every parameter's gradient."),
+    reference_steps: int = typer.Option(1, "--reference-steps", help="Backward passes compared with --reference (default 1)."),
+    no_ac: Optional[List[str]] = typer.Option(None, "--no-ac", metavar="GLOB", help="Remedy: run regions whose module matches without checkpointing ('*': all)."),
+    preserve_rng: bool = typer.Option(False, "--preserve-rng", help="Remedy: force preserve_rng_state=True."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="Remedy: torch.use_deterministic_algorithms(True) (+ CUBLAS_WORKSPACE_CONFIG)."),
+    must_save: Optional[List[str]] = typer.Option(None, "--must-save", metavar="OP[,OP..]", help="Remedy: selective AC saves these ops (composed with the script's SAC policy)."),
+    must_save_module: Optional[List[str]] = typer.Option(None, "--must-save-module", metavar="GLOB", help="With --must-save: only in modules matching GLOB."),
 ) -> None:
     """Run a training script like python would, recording every checkpointed region.
 
@@ -132,21 +139,26 @@ def run(
                                  scope=scope, write=write)
     output_dir = cfg.pick("output_dir", output_dir)
     report_file = _report_file(fmt, report_file, output_dir)
+    from .commands.run_extras import remedy_options
+
+    remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, deterministic, must_save,
+                                         must_save_module)
+    extra = {"remedies": remedies, "reference": reference, "reference_steps": reference_steps}
     if nproc_per_node:
         from .commands.launch_cmd import launch_command, rank_argv
 
-        argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options)
+        argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options, **extra)
         if cfg.path is not None:  # every rank reads the same settings file (ignore_ops, discrete_ops, ...)
             argv[1:1] = ["--config", str(cfg.path.resolve())]
         raise typer.Exit(launch_command(nproc_per_node, argv, output_dir=output_dir, force=force,
                                         check=cfg.pick("check", check), fmt=fmt, json_path=json_path,
                                         output=report_file, settings=cfg.settings(rtol, atol), target=target,
-                                        module=module))
+                                        module=module, **extra))
     from .commands.run_cmd import run_command
 
     code = run_command(target, list(args or []), module=module, output_dir=output_dir, force=force,
                        check=cfg.pick("check", check), fmt=fmt, json_path=json_path, output=report_file,
-                       options=options, settings=cfg.settings(rtol, atol))
+                       options=options, settings=cfg.settings(rtol, atol), **extra)
     raise typer.Exit(code)
 
 

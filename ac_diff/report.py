@@ -224,6 +224,9 @@ class Report:
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     exit_status: str | None = None
+    reference: Any = None  # reference.model.ReferenceResult: gradients vs a run without AC (--reference)
+    remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
+    fixes: Any = None  # fix.model.FixResult: remedies tried by `ac-diff fix`
 
     @property
     def diverged(self) -> bool:
@@ -248,4 +251,6 @@ class Report:
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
+            "reference": self.reference.to_json() if self.reference is not None else None,
+            "remedies": self.remedies, "fixes": self.fixes.to_json() if self.fixes is not None else None,
         }
