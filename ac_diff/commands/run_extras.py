@@ -56,6 +56,7 @@ class RunExtras:
             if self.active else None
         self.exit_code: int | None = None
         self.command: str | None = None
+        self.skipped: str | None = None
 
     def __enter__(self) -> "RunExtras":
         if self.active:
@@ -69,6 +70,10 @@ class RunExtras:
             self.patch.uninstall()
 
     def after(self, target: str, args: list[str], module: bool) -> None:
+        capture = self.session.capture if self.session is not None else None
+        if self.reference and capture is not None and not capture.snapshots:
+            self.skipped = "this run finished no backward pass, so there is nothing to compare: no reference was run"
+            return
         if self.reference:
             self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
                                                          steps=self.steps, spec=self.spec)
@@ -79,5 +84,7 @@ class RunExtras:
         applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]
         if self.spec:
             report.remedies = applied
-        if self.reference:
+        if self.reference and self.skipped:
+            report.notes.append(self.skipped)
+        elif self.reference:
             attach(report, reference_result(report, self.output_dir, ranks, self.steps, self.exit_code, self.command))

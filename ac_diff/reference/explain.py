@@ -85,16 +85,20 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
 def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: Any) -> list[Explanation]:
     out: list[Explanation] = []
     differing = {d.name for d in step.differing}
+    by_module: dict[Any, list[Any]] = {}
     for r in getattr(report, "regions", []):
-        if r.status != DIVERGED:
-            continue
-        inside = sorted(n for n in differing if r.module and n.startswith(r.module + "."))
+        if r.status == DIVERGED:
+            by_module.setdefault((r.rank, r.module), []).append(r)
+    for (rank, module), regions in by_module.items():
+        r = regions[0]
+        inside = sorted(n for n in differing if module and n.startswith(module + "."))
         cause = r.cause.kind if r.cause else "unknown cause"
+        more = f"; also regions {', '.join(str(x.region) for x in regions[1:])}" if len(regions) > 1 else ""
         out.append(Explanation(
             "recompute_divergence",
-            f"region {r.region} ({r.module}, rank {r.rank}) diverged in its recompute ({cause}): its gradients, and "
+            f"region {r.region} ({module}, rank {rank}{more}) diverged in its recompute ({cause}): its gradients, and "
             "those of everything before it, follow from that divergence (see that region in this report)",
-            region=r.module, parameters=inside))
+            region=module, parameters=inside))
     for f in findings:
         if f["kind"] == "no_grad_inputs":
             params = [p for p in f["parameters"] if p in differing] or f["parameters"]

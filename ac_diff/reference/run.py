@@ -79,7 +79,11 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
     results = []
     for r in ranks:
         run = load_grads(grads_path(output_dir, r))
-        ref = load_grads(grads_path(Path(output_dir) / REFERENCE_DIR, r))
+        ref_path = grads_path(Path(output_dir) / REFERENCE_DIR, r)
+        deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 else 0.0)
+        while not ref_path.exists() and time.monotonic() < deadline:  # another rank's reference still writing
+            time.sleep(0.2)
+        ref = load_grads(ref_path)
         modules = sorted({x.module for x in getattr(report, "regions", []) if x.rank == r and x.module})
         compared = compare_captures(run, ref, modules) if run and ref else []
         for s in compared:
@@ -87,6 +91,14 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
         findings = load_side(output_dir, r).get("reentrant", [])
         rank_report = _RankView(report, r)
         result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command)
+        turned_off = sum(row.get("calls") or 0 for row in load_side(Path(output_dir) / REFERENCE_DIR, r).get("applied", [])
+                         if row.get("remedy") == "no_ac")
+        if turned_off == 0 and rank_report.regions and result.verdict != FAILED:
+            result.verdict = FAILED
+            result.headline = ("the reference could not turn AC off (no checkpoint call went through ac-diff: was "
+                               "checkpoint bound before ac-diff started?), so the comparison shows nothing")
+        elif turned_off:
+            result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
         if run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
         results.append((r, result))

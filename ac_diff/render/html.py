@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..report import CLEAN, DIVERGED, Divergence, PositionRow, RegionReport, Report
+from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
 
 MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
@@ -59,6 +60,7 @@ def render_html(report: Report) -> str:
         _verdict(report, title, silent),
         _toolbar(report, any_diverged),
         "<main>",
+        html_sections(report),  # remedies applied, fixes tried, gradients vs the run without AC: near the top
         _torch_errors(report),
         _ranks(report),
         _regions_table(report),

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import DIVERGED, Report, RegionReport
+from .sections import terminal_items
 
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
@@ -40,6 +41,8 @@ def _t(value: object, style: str = "") -> Text:
 
 def render_terminal(report: Report, console: Console) -> None:
     console.print(_verdict_panel(report))
+    for item in terminal_items(report):  # remedies applied, fixes tried, gradients vs the run without AC
+        console.print(item)
     if report.torch_errors:
         console.print(_torch_errors(report))
     if len(report.ranks) > 1:

@@ -6,6 +6,9 @@
     python reentrant_side.py --reentrant --frozen-embedding --no-aux
                                                           # frozen embedding + adapters: no region input requires
                                                           # grad, the adapters get no gradient (torch warns once)
+    python reentrant_side.py --no-aux --dropout 0.1 --no-preserve-rng
+                                                          # dropout in the region, preserve_rng_state=False: the
+                                                          # recompute draws another mask (a recompute divergence)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Block(nn.Module):
         self.gate = nn.Linear(dim, experts, bias=False)
         self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(experts)])
         self.adapter = nn.Linear(dim, dim, bias=False)
+        self.dropout = nn.Dropout(0.0)
 
     def forward(self, x):
         logits = self.gate(x)
@@ -32,7 +36,7 @@ class Block(nn.Module):
             for e, expert in enumerate(self.experts):
                 mask = (index[:, k] == e).unsqueeze(-1).to(x.dtype)
                 out = out + mask * weights[:, k:k + 1] * expert(x)
-        return x + out + self.adapter(x)
+        return x + self.dropout(out) + self.adapter(x)
 
 
 class Model(nn.Module):
@@ -42,11 +46,12 @@ class Model(nn.Module):
         self.layers = nn.ModuleList([Block(dim, experts) for _ in range(layers)])
         self.head = nn.Linear(dim, vocab)
         self.reentrant = False
+        self.preserve_rng_state = True
 
     def forward(self, ids):
         h = self.embed(ids).flatten(0, 1)
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=self.reentrant)
+            h = checkpoint(layer, h, use_reentrant=self.reentrant, preserve_rng_state=self.preserve_rng_state)
         return self.head(h)
 
 
@@ -56,12 +61,17 @@ def main(argv=None):
     p.add_argument("--frozen-embedding", action="store_true", help="freeze the embedding; train the adapters only")
     p.add_argument("--no-aux", action="store_true", help="no router aux loss")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--no-preserve-rng", action="store_true", help="preserve_rng_state=False")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed (two processes differ)")
     args = p.parse_args(argv)
     if not args.unseeded:
         torch.manual_seed(0)
     model = Model()
     model.reentrant = args.reentrant
+    model.preserve_rng_state = not args.no_preserve_rng
+    for layer in model.layers:
+        layer.dropout.p = args.dropout
     router_logits = []
     for layer in model.layers:  # what HF's output_router_logits does: collect the gate's output on the side
         layer.gate.register_forward_hook(lambda m, i, o: router_logits.append(o))
