@@ -76,6 +76,8 @@ class Suggestion:
     title: str
     text: str
     code: str | None = None
+    status: str = "untested"  # verified / did not help (by an `ac-diff fix` try) / untested
+    verify: str | None = None  # the one command that would verify it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -110,3 +110,25 @@ def test_bad_reference_and_remedy_options_are_one_line_exit_2(tmp_path, args, wo
     assert proc.returncode == 2
     assert words in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_torchrun_two_ranks_each_compare_with_their_own_reference(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out, json_path = tmp_path / "o", tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AC_DIFF_RANK_WAIT": "60"}
+    for key in ("AC_DIFF_RUN_ID", "AC_DIFF_LAUNCHED"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "ac_diff", "run", "-o", str(out), "--json", str(json_path), "--reference", "no-ac",
+                           SCRIPT, "--distributed", "--reentrant"], env=env, capture_output=True, text=True, timeout=300)
+    assert json_path.exists(), proc.stderr[-3000:]
+    import json
+
+    ref = json.loads(json_path.read_text())["reference"]
+    assert ref["verdict"] == "differs"
+    assert {s["rank"] for s in ref["steps"] if s["differing"]} == {0, 1}
+    assert any(e["kind"] == "side_output" for e in ref["explanations"])
+    assert (out / "reference" / "grads-rank1.pt").exists()

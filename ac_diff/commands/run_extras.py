@@ -26,7 +26,7 @@ REFERENCE_MODES = ("no-ac",)
 
 
 def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str] | None, preserve_rng: bool,
-                   deterministic: bool, must_save: list[str] | None,
+                   non_reentrant: bool, deterministic: bool, must_save: list[str] | None,
                    must_save_module: list[str] | None) -> tuple[RemedySpec, str | None]:
     """The remedy spec and reference mode from `ac-diff run`'s options (bad values: InputError, exit 2)."""
     from ..api import InputError
@@ -38,7 +38,8 @@ def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str]
     ops = split_ops(must_save)
     if must_save_module and not ops:
         raise InputError("--must-save-module needs --must-save OP (which ops to save in those modules)")
-    return RemedySpec(no_ac=list(no_ac or []), preserve_rng=preserve_rng, deterministic=deterministic,
+    return RemedySpec(no_ac=list(no_ac or []), preserve_rng=preserve_rng, non_reentrant=non_reentrant,
+                      deterministic=deterministic,
                       must_save=ops, must_save_modules=list(must_save_module or [])), reference
 
 

@@ -18,6 +18,7 @@ def rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     x, y = a.get("values"), b.get("values")
     if x is None or y is None or x.shape != y.shape:
         return None
+    x, y = x.double(), y.double()
     denom = float(y.norm())
     num = float((x - y).norm())
     return num / denom if denom > 0 else (0.0 if num == 0 else float("inf"))

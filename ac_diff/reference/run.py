@@ -36,9 +36,10 @@ def reference_spec(spec: RemedySpec) -> RemedySpec:
     return RemedySpec(no_ac=["*"], deterministic=spec.deterministic)
 
 
-def run_reference(target: str, args: list[str], *, module: bool, output_dir: str, steps: int,
-                  spec: RemedySpec) -> tuple[int, str]:
-    directory = Path(output_dir) / REFERENCE_DIR
+def reference_command(target: str, args: list[str], *, module: bool, directory: str | os.PathLike, steps: int,
+                      spec: RemedySpec) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, description) of the reference process writing into `directory`."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stale = grads_path(directory)
     if stale.exists():
@@ -47,7 +48,13 @@ def run_reference(target: str, args: list[str], *, module: bool, output_dir: str
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         env.update(_fresh_group(directory))
     cmd = [sys.executable, "-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args]
-    command = "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
+    return cmd, env, "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
+
+
+def run_reference(target: str, args: list[str], *, module: bool, output_dir: str, steps: int,
+                  spec: RemedySpec) -> tuple[int, str]:
+    cmd, env, command = reference_command(target, args, module=module, directory=Path(output_dir) / REFERENCE_DIR,
+                                          steps=steps, spec=spec)
     print(f"ac-diff: reference run without AC ({steps} backward pass(es)): {command.split(': ', 1)[1]}",
           file=sys.stderr)
     sys.stderr.flush()
@@ -74,12 +81,14 @@ def _fresh_group(directory: Path) -> dict[str, str]:
 
 
 def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int], steps: int,
-                     exit_code: int | None, command: str | None) -> ReferenceResult:
+                     exit_code: int | None, command: str | None,
+                     reference_dir: str | os.PathLike | None = None) -> ReferenceResult:
     """Compare each rank's gradients with its reference rank's; one result across ranks."""
+    reference_dir = Path(reference_dir) if reference_dir is not None else Path(output_dir) / REFERENCE_DIR
     results = []
     for r in ranks:
         run = load_grads(grads_path(output_dir, r))
-        ref_path = grads_path(Path(output_dir) / REFERENCE_DIR, r)
+        ref_path = grads_path(reference_dir, r)
         deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 else 0.0)
         while not ref_path.exists() and time.monotonic() < deadline:  # another rank's reference still writing
             time.sleep(0.2)
@@ -91,7 +100,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
         findings = load_side(output_dir, r).get("reentrant", [])
         rank_report = _RankView(report, r)
         result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command)
-        turned_off = sum(row.get("calls") or 0 for row in load_side(Path(output_dir) / REFERENCE_DIR, r).get("applied", [])
+        turned_off = sum(row.get("calls") or 0 for row in load_side(reference_dir, r).get("applied", [])
                          if row.get("remedy") == "no_ac")
         if turned_off == 0 and rank_report.regions and result.verdict != FAILED:
             result.verdict = FAILED

@@ -29,6 +29,7 @@ from . import deterministic
 from .call import CheckpointCall
 from .must_save import MustSave
 from .no_ac import NoAC
+from .reentrant import NonReentrant
 from .rng import PreserveRng
 from .spec import RemedySpec
 
@@ -46,6 +47,8 @@ class CheckpointPatch:
         self.remedies: list[Any] = []
         if spec.no_ac:
             self.remedies.append(NoAC(spec.no_ac))
+        if spec.non_reentrant:
+            self.remedies.append(NonReentrant())
         if spec.preserve_rng:
             self.remedies.append(PreserveRng())
         if spec.must_save:

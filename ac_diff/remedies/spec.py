@@ -20,15 +20,17 @@ ENV = "AC_DIFF_REMEDIES"
 class RemedySpec:
     no_ac: list[str] = field(default_factory=list)  # module-name globs run without checkpointing ("*": all)
     preserve_rng: bool = False  # force preserve_rng_state=True
+    non_reentrant: bool = False  # force use_reentrant=False
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) + CUBLAS_WORKSPACE_CONFIG
     must_save: list[str] = field(default_factory=list)  # ops every SAC policy must save ("aten.topk.default")
     must_save_modules: list[str] = field(default_factory=list)  # ... only in these modules (globs; empty: all)
 
     def __bool__(self) -> bool:
-        return bool(self.no_ac or self.preserve_rng or self.deterministic or self.must_save)
+        return bool(self.no_ac or self.preserve_rng or self.non_reentrant or self.deterministic or self.must_save)
 
     def merged(self, other: "RemedySpec") -> "RemedySpec":
         return RemedySpec(no_ac=_union(self.no_ac, other.no_ac), preserve_rng=self.preserve_rng or other.preserve_rng,
+                          non_reentrant=self.non_reentrant or other.non_reentrant,
                           deterministic=self.deterministic or other.deterministic,
                           must_save=_union(self.must_save, other.must_save),
                           must_save_modules=_union(self.must_save_modules, other.must_save_modules))
@@ -55,6 +57,8 @@ class RemedySpec:
             out += ["--no-ac", glob]
         if self.preserve_rng:
             out.append("--preserve-rng")
+        if self.non_reentrant:
+            out.append("--non-reentrant")
         if self.deterministic:
             out.append("--deterministic")
         if self.must_save:
@@ -69,6 +73,8 @@ class RemedySpec:
             parts.append("no AC " + ("anywhere" if "*" in self.no_ac else "in " + ", ".join(self.no_ac)))
         if self.preserve_rng:
             parts.append("preserve_rng_state=True")
+        if self.non_reentrant:
+            parts.append("use_reentrant=False")
         if self.deterministic:
             parts.append("deterministic algorithms")
         if self.must_save:

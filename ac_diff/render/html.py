@@ -552,8 +552,10 @@ def _suggestions(r: RegionReport) -> str:
     for s in r.suggestions:
         code = (f"<div class=\"code\"><button type=\"button\" class=\"copy\">copy</button>"
                 f"<pre><code class=\"language-python\">{e(s.code)}</code></pre></div>") if s.code else ""
+        verify = f"<p class=\"dim\">verify: <code>{e(s.verify)}</code></p>" if s.verify else ""
         out.append(f"<div class=\"fix\"><div class=\"fix-title\"><span class=\"label ok\">fix</span> "
-                   f"<b>{e(s.title)}</b></div><p>{e(s.text)}</p>{code}</div>")
+                   f"<b>{e(s.title)}</b> <span class=\"dim\">[{e(s.status)}]</span></div><p>{e(s.text)}</p>{code}"
+                   f"{verify}</div>")
     return "".join(out)
 
 

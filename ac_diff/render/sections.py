@@ -45,6 +45,8 @@ def terminal_items(report: Any) -> list[Any]:
     text = remedies_text(report)
     if text:
         out.append(Text("remedies applied: ", style="bold cyan") + Text(text))
+    if report.fixes is not None:  # the answer first
+        out.extend(_fixes_terminal(report.fixes))
     ref = report.reference
     if ref is not None:
         style = {"identical": "green", "differs": "bold red"}.get(ref.verdict, "yellow")
@@ -61,8 +63,6 @@ def terminal_items(report: Any) -> list[Any]:
                 out.append(Text("  fix: ", style="bold green") + Text(e.fix))
         for note in ref.notes:
             out.append(Text("  note: " + note, style="dim"))
-    if report.fixes is not None:
-        out.extend(_fixes_terminal(report.fixes))
     return out
 
 
@@ -82,6 +82,8 @@ def _fixes_terminal(fixes: Any) -> list[Any]:
             out.append(Text(f"  {t.remedy}: ", style="bold") + Text(t.reason))
     if fixes.verified_code:
         out.append(Text("  apply it: ", style="bold green") + Text(fixes.verified_code))
+    if fixes.code_change:
+        out.append(Text("  code change: ", style="bold yellow") + Text(fixes.code_change))
     return out
 
 
@@ -118,6 +120,8 @@ def _fixes_html(fixes: Any) -> str:
                    f"<td>{'-' if t.wall_s is None else f'{t.wall_s:.1f} s'}</td></tr>" for t in fixes.tries)
     reasons = "".join(f"<p><b>{escape(t.remedy)}:</b> {escape(t.reason)}</p>" for t in fixes.tries if t.reason)
     code = f"<pre><code>{escape(fixes.verified_code)}</code></pre>" if fixes.verified_code else ""
+    if fixes.code_change:
+        code += f"<p><b>code change:</b> {escape(fixes.code_change)}</p>"
     return (f"<section id=\"fixes\"><h2>fixes tried on your script</h2><p class=\"headline\">{escape(fixes.headline)}"
             f"</p>{code}<table><thead><tr><th>remedy</th><th>status</th><th>regions diverged before -&gt; after</th>"
             f"<th>gradients vs no-AC run</th><th>extra memory</th><th>wall time</th></tr></thead><tbody>{rows}"

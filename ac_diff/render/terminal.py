@@ -181,8 +181,11 @@ def _region_detail(r: RegionReport, report: Report, console: Console) -> None:
     if positions is not None:
         console.print(positions)
     for s in r.suggestions:
-        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
+        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"),
+                                    (f"  [{s.status}]", {"verified": "green", "did not help": "red"}.get(s.status, "dim"))))
         console.print(Text("     " + s.text))
+        if s.verify:
+            console.print(Text(f"     {'verified by' if s.status == 'verified' else 'verify'}: {s.verify}", style="dim"))
         if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
             code = Syntax(s.code, "python", theme="ansi_dark", background_color="default").highlight(s.code)
             code.rstrip()

@@ -9,6 +9,10 @@
     python reentrant_side.py --no-aux --dropout 0.1 --no-preserve-rng
                                                           # dropout in the region, preserve_rng_state=False: the
                                                           # recompute draws another mask (a recompute divergence)
+    python reentrant_side.py --no-aux --bias-update [--inplace-norm]
+                                                          # load-balancing router bias updated in a forward hook:
+                                                          # topk flips in the recompute; --inplace-norm normalises
+                                                          # the top-k weights in place (as HF Mixtral does)
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ class Block(nn.Module):
         self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(experts)])
         self.adapter = nn.Linear(dim, dim, bias=False)
         self.dropout = nn.Dropout(0.0)
+        self.register_buffer("expert_bias", torch.zeros(experts))
+        self.inplace_norm = False
 
     def forward(self, x):
         logits = self.gate(x)
-        weights, index = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+        weights, index = torch.topk(torch.softmax(logits, -1) + self.expert_bias, 2, dim=-1)
+        if self.inplace_norm:
+            weights /= weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         for k in range(2):
             for e, expert in enumerate(self.experts):
@@ -55,6 +63,15 @@ class Model(nn.Module):
         return self.head(h)
 
 
+_bias_rng = torch.Generator().manual_seed(7)
+
+
+@torch.no_grad()
+def update_bias(block, inputs, output):
+    """A load-balancing nudge of the router bias, in a forward hook: the recompute then sees the new bias."""
+    block.expert_bias.add_(0.05 * torch.randn(block.expert_bias.shape, generator=_bias_rng))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--reentrant", action="store_true")
@@ -63,8 +80,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--no-preserve-rng", action="store_true", help="preserve_rng_state=False")
+    p.add_argument("--bias-update", action="store_true", help="update expert_bias in a forward hook (wrong place)")
+    p.add_argument("--inplace-norm", action="store_true", help="normalise the top-k weights in place")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed (two processes differ)")
+    p.add_argument("--distributed", action="store_true", help="under torchrun: gloo, gradients all-reduced as DDP does")
     args = p.parse_args(argv)
+    rank = 0
+    if args.distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
     if not args.unseeded:
         torch.manual_seed(0)
     model = Model()
@@ -72,6 +98,9 @@ def main(argv=None):
     model.preserve_rng_state = not args.no_preserve_rng
     for layer in model.layers:
         layer.dropout.p = args.dropout
+        layer.inplace_norm = args.inplace_norm
+        if args.bias_update:  # aux-loss-free load balancing, but between the forward and the recompute
+            layer.register_forward_hook(update_bias)
     router_logits = []
     for layer in model.layers:  # what HF's output_router_logits does: collect the gate's output on the side
         layer.gate.register_forward_hook(lambda m, i, o: router_logits.append(o))
@@ -80,8 +109,9 @@ def main(argv=None):
             param.requires_grad_(name.startswith("embed") is False and "adapter" in name or name.startswith("head"))
         model.embed.weight.requires_grad_(False)
     opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     for step in range(args.steps):
-        ids = torch.randint(0, 32, (4, 8))
+        ids = torch.randint(0, 32, (4, 8), generator=data)
         router_logits.clear()
         logits = model(ids)
         loss = nn.functional.cross_entropy(logits, ids.flatten())
@@ -89,9 +119,16 @@ def main(argv=None):
             aux = sum(torch.logsumexp(r, -1).pow(2).mean() for r in router_logits)  # router z-loss
             loss = loss + 0.1 * aux
         loss.backward()
+        if args.distributed:
+            for q in model.parameters():
+                if q.grad is not None:
+                    dist.all_reduce(q.grad)
+                    q.grad /= dist.get_world_size()
         opt.step()
         opt.zero_grad()
         print(f"step {step}: loss {loss.item():.4f}")
+    if args.distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
