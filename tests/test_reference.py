@@ -132,3 +132,17 @@ def test_torchrun_two_ranks_each_compare_with_their_own_reference(tmp_path):
     assert {s["rank"] for s in ref["steps"] if s["differing"]} == {0, 1}
     assert any(e["kind"] == "side_output" for e in ref["explanations"])
     assert (out / "reference" / "grads-rank1.pt").exists()
+
+
+def test_remedies_reach_every_rank_under_the_launcher(tmp_path):
+    import json
+
+    out, json_path = tmp_path / "o", tmp_path / "r.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "-o", str(out), "--json", str(json_path), "--no-ac", "layers.1",
+                   "--reference", "no-ac", SCRIPT, "--distributed", "--reentrant", env={"AC_DIFF_RANK_WAIT": "60"})
+    assert json_path.exists(), proc.stderr[-3000:]
+    report = json.loads(json_path.read_text())
+    assert {(r["rank"], r["region"], r["what"]) for r in report["remedies"]} == {
+        (0, "layers.1", "AC off"), (1, "layers.1", "AC off")}
+    differing = {d["name"] for s in report["reference"]["steps"] for d in s["differing"]}
+    assert "layers.0.gate.weight" in differing and not any(n.startswith("layers.1.") for n in differing)

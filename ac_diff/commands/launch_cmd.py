@@ -181,7 +181,8 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
         return code or EXIT_BAD_INPUT
     from .run_extras import RunExtras
 
-    extras = RunExtras(remedies, reference, reference_steps, output_dir)  # each rank applied / ran them
+    extras = RunExtras(remedies, reference, reference_steps, output_dir, target, argv_target_args(argv, target),
+                       module)  # each rank applied / ran the remedies and references
     report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out, extras.decorate)
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
     if interrupted and script_code == 0:
@@ -189,6 +190,13 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     if check and script_code == 0 and report.diverged:
         return EXIT_DIVERGED
     return script_code
+
+
+def argv_target_args(argv: list[str], target: str | None) -> list[str]:
+    """The script's own arguments: what follows the target in a rank's argv."""
+    if target is None or target not in argv:
+        return []
+    return argv[argv.index(target) + 1:]
 
 
 def _script_exit_code(exit_codes: dict[int, int | None], torchrun_code: int,

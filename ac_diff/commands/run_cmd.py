@@ -44,7 +44,7 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     rank = int(os.environ.get("RANK", "0") or 0)
     recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
                                                            **launch.header_fields()})
-    extras = RunExtras(remedies, reference, reference_steps, output_dir)
+    extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
     with launch.sigterm_as_exit() if multi else contextlib.nullcontext(), extras:
         outcome = run_target(target, args, module=module, recorder=recorder)
     extras.after(target, args, module)

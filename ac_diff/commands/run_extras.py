@@ -4,7 +4,7 @@
     with extras:                      # remedies installed before the script, gradients captured
         outcome = run_target(...)
     extras.after("train.py", args, module=False)   # the reference process (each rank its own)
-    extras.decorate(report, ranks=[0])             # report.remedies, report.reference (verdict)
+    extras.decorate(report, ranks=[0])             # report.remedies, report.reference (verdict), suggestion statuses
 
 Nothing is installed when no remedy, no reference and no $AC_DIFF_CAPTURE_STEPS is asked for: a plain
 `ac-diff run` is untouched. $AC_DIFF_CAPTURE_STEPS=N (set by `ac-diff fix` for its tries) captures N
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..fix.statuses import mark
 from ..reference.explain import attach
 from ..reference.run import reference_result, run_reference
 from ..reference.session import CaptureSession, load_side
@@ -45,7 +46,9 @@ def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str]
 
 class RunExtras:
     def __init__(self, remedies: RemedySpec | None, reference: str | None, reference_steps: int,
-                 output_dir: str) -> None:
+                 output_dir: str, target: str | None = None, args: list[str] | None = None,
+                 module: bool = False) -> None:
+        self.target, self.args, self.module = target, list(args or []), module
         self.spec = (remedies or RemedySpec()).merged(RemedySpec.from_env())
         self.reference = reference
         self.steps = max(1, int(reference_steps or 1))
@@ -80,6 +83,8 @@ class RunExtras:
                                                          steps=self.steps, spec=self.spec)
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
+        if self.target:  # every suggestion: untested, and the command that would verify it
+            mark(report, self.target, self.args, self.module)
         if not self.active:
             return
         applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]
