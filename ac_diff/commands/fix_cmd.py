@@ -8,8 +8,9 @@
 
 Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both capturing the first
 --steps backward passes' gradients; candidate remedies for the diagnosed causes (fix/candidates.py),
-cheapest first, at most --max-tries; each try is `ac-diff run <remedy options>` in its own process
-(OUT/try-N, same arguments, environment and seeds), --jobs at a time. The report is the base run's, with
+cheapest first, at most --max-tries, stopping at the first verified one that keeps AC (with --jobs 1);
+each try is `ac-diff run <remedy options>` in its own process (OUT/try-N, same arguments, environment and
+seeds), --jobs at a time. The report is the base run's, with
 a `fixes` section and every suggestion's status. Exit 0 when a remedy was verified (or nothing needed
 fixing), 1 when none was.
 """
@@ -93,8 +94,15 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op)
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(one, range(min(len(found), max_tries))))
+    budget = range(min(len(found), max_tries))
+    if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)
+        for i in budget:
+            one(i)
+            if tries[i].status == VERIFIED and found[i].kind != "no_ac":
+                break
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, budget))
     result = _result(report, found, tries, base_m, time.perf_counter() - started)
     report.fixes = result
     mark(report, target, args, module, list(zip(found, tries)))
@@ -124,8 +132,9 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
     if keeps_ac:
         c, t = keeps_ac[0]
         result.verified, result.verified_code = c.name, code_for(c)
+        n = len(tries) - sum(t.status == UNTESTED for t in tries)
         result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
-                           f"({len(tries) - sum(t.status == UNTESTED for t in tries)} remedies tried)")
+                           f"({n} remed{'y' if n == 1 else 'ies'} tried)")
     elif verified:
         c, t = verified[0]
         result.verified, result.verified_code = c.name, code_for(c)

@@ -14,6 +14,7 @@ backward passes' gradients without starting a reference.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ..fix.statuses import mark
@@ -61,8 +62,10 @@ class RunExtras:
         self.exit_code: int | None = None
         self.command: str | None = None
         self.skipped: str | None = None
+        self.started = 0.0
 
     def __enter__(self) -> "RunExtras":
+        self.started = time.time()
         if self.active:
             self.patch.install()
             self.session.install()
@@ -80,7 +83,7 @@ class RunExtras:
             return
         if self.reference:
             self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
-                                                         steps=self.steps, spec=self.spec)
+                                                         steps=self.steps, spec=self.spec, since=self.started - 1.0)
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it

@@ -37,7 +37,7 @@ def reference_spec(spec: RemedySpec) -> RemedySpec:
 
 
 def reference_command(target: str, args: list[str], *, module: bool, directory: str | os.PathLike, steps: int,
-                      spec: RemedySpec) -> tuple[list[str], dict[str, str], str]:
+                      spec: RemedySpec, since: float = 0.0) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, description) of the reference process writing into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -46,15 +46,16 @@ def reference_command(target: str, args: list[str], *, module: bool, directory: 
         stale.unlink()
     env = {**os.environ, ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        env.update(_fresh_group(directory))
+        env.update(_fresh_group(directory, since))
     cmd = [sys.executable, "-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args]
     return cmd, env, "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
 
 
 def run_reference(target: str, args: list[str], *, module: bool, output_dir: str, steps: int,
-                  spec: RemedySpec) -> tuple[int, str]:
+                  spec: RemedySpec, since: float = 0.0) -> tuple[int, str]:
+    """Run the reference; `since`: when this run started (a rendezvous file older than that is stale)."""
     cmd, env, command = reference_command(target, args, module=module, directory=Path(output_dir) / REFERENCE_DIR,
-                                          steps=steps, spec=spec)
+                                          steps=steps, spec=spec, since=since)
     print(f"ac-diff: reference run without AC ({steps} backward pass(es)): {command.split(': ', 1)[1]}",
           file=sys.stderr)
     sys.stderr.flush()
@@ -62,9 +63,10 @@ def run_reference(target: str, args: list[str], *, module: bool, output_dir: str
     return proc.returncode, command
 
 
-def _fresh_group(directory: Path) -> dict[str, str]:
-    """The reference ranks' own rendezvous: rank 0 picks a free port and writes it; the others read it."""
-    port_file = directory / f"port-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+def _fresh_group(directory: Path, since: float) -> dict[str, str]:
+    """The reference ranks' own rendezvous: rank 0 picks a free port and writes it; the others read it (a file
+    older than this run's start is an earlier run's)."""
+    port_file = directory / f"port-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
     if rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
@@ -74,7 +76,7 @@ def _fresh_group(directory: Path) -> dict[str, str]:
         tmp.replace(port_file)
     else:
         deadline = time.monotonic() + PORT_WAIT_S
-        while not port_file.exists() and time.monotonic() < deadline:
+        while not (port_file.exists() and port_file.stat().st_mtime >= since) and time.monotonic() < deadline:
             time.sleep(0.2)
         port = int(port_file.read_text()) if port_file.exists() else int(os.environ.get("MASTER_PORT", "29500")) + 1
     return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
