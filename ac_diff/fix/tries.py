@@ -100,10 +100,12 @@ def _reason(report: Any, reference: Any | None, op: str | None, m: Measured) -> 
         where = f"{first.op} in {first.module or r.module}" + (f" ({first.source})" if first.source else "") \
             if first else "its recompute"
         cause = f"{r.cause.kind}" + (f": {r.cause.tensor}" if r.cause and r.cause.tensor else "") if r.cause else "?"
+        grads = "; the gradients do match the run without AC" if reference is not None and reference.steps and \
+            not any(s.differing for s in reference.steps) else ""
         if op and first is not None and first.op != op:
             return (f"{op} saved, but its input already differed: region {r.region} ({r.module}) still diverges, "
-                    f"first at {where} ({cause}); {len(still)} region(s) still diverge")
-        return f"{len(still)} region(s) still diverge; first region {r.region} ({r.module}) at {where} ({cause})"
+                    f"first at {where} ({cause}); {len(still)} region(s) still diverge{grads}")
+        return f"{len(still)} region(s) still diverge; first region {r.region} ({r.module}) at {where} ({cause}){grads}"
     if m.code != 0:
         return f"the script failed (exit {m.code}): {m.last_line()}"
     if reference is not None and reference.defect:
