@@ -24,12 +24,22 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..sourceline import user_source
 from ..torch_hooks import checkpointed_module
 
 MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)
+
+
+def tree_leaves(obj: Any, depth: int = 0) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts (HF ModelOutput is a dict)."""
+    if depth > 8:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [leaf for item in obj for leaf in tree_leaves(item, depth + 1)]
+    if isinstance(obj, dict):
+        return [leaf for item in obj.values() for leaf in tree_leaves(item, depth + 1)]
+    return [obj]
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -113,7 +123,6 @@ class ReentrantWatch:
 
     def _escaped(self, call: Any, module: Any, mode: _Made, out: Any) -> None:
         kept = {_storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-        kept |= {_storage(t) for t in tree_leaves(dict(out)) if isinstance(t, torch.Tensor)} if isinstance(out, dict) else set()
         for ref, key, op, where, source, shape in mode.made:
             t = ref()
             if t is None or key in kept:
