@@ -111,6 +111,14 @@ def run(
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0: exact)."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    reference: Optional[str] = typer.Option(None, "--reference", metavar="no-ac", help="Then run the script again without AC and compare every parameter's gradient."),
+    reference_steps: int = typer.Option(1, "--reference-steps", help="Backward passes compared with --reference (default 1)."),
+    no_ac: Optional[List[str]] = typer.Option(None, "--no-ac", metavar="GLOB", help="Remedy: run regions whose module matches without checkpointing ('*': all)."),
+    preserve_rng: bool = typer.Option(False, "--preserve-rng", help="Remedy: force preserve_rng_state=True."),
+    non_reentrant: bool = typer.Option(False, "--non-reentrant", help="Remedy: force use_reentrant=False."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="Remedy: torch.use_deterministic_algorithms(True) (+ CUBLAS_WORKSPACE_CONFIG)."),
+    must_save: Optional[List[str]] = typer.Option(None, "--must-save", metavar="OP[,OP..]", help="Remedy: selective AC saves these ops (composed with the script's SAC policy)."),
+    must_save_module: Optional[List[str]] = typer.Option(None, "--must-save-module", metavar="GLOB", help="With --must-save: only in modules matching GLOB."),
 ) -> None:
     """Run a training script like python would, recording every checkpointed region.
 
@@ -132,22 +140,62 @@ def run(
                                  scope=scope, write=write)
     output_dir = cfg.pick("output_dir", output_dir)
     report_file = _report_file(fmt, report_file, output_dir)
+    from .commands.run_extras import remedy_options
+
+    remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,
+                                         deterministic, must_save, must_save_module)
+    extra = {"remedies": remedies, "reference": reference, "reference_steps": reference_steps}
     if nproc_per_node:
         from .commands.launch_cmd import launch_command, rank_argv
 
-        argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options)
+        argv = rank_argv(target, list(args or []), module=module, output_dir=output_dir, options=options, **extra)
         if cfg.path is not None:  # every rank reads the same settings file (ignore_ops, discrete_ops, ...)
             argv[1:1] = ["--config", str(cfg.path.resolve())]
         raise typer.Exit(launch_command(nproc_per_node, argv, output_dir=output_dir, force=force,
                                         check=cfg.pick("check", check), fmt=fmt, json_path=json_path,
                                         output=report_file, settings=cfg.settings(rtol, atol), target=target,
-                                        module=module))
+                                        module=module, **extra))
     from .commands.run_cmd import run_command
 
     code = run_command(target, list(args or []), module=module, output_dir=output_dir, force=force,
                        check=cfg.pick("check", check), fmt=fmt, json_path=json_path, output=report_file,
-                       options=options, settings=cfg.settings(rtol, atol))
+                       options=options, settings=cfg.settings(rtol, atol), **extra)
     raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def fix(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
+    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
+    module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the runs (default ac-diff-out/fix)."),
+    max_tries: int = typer.Option(4, "--max-tries", help="Remedies tried at most (cheapest first)."),
+    max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
+    steps: int = typer.Option(1, "--steps", help="Backward passes whose gradients are compared with the run without AC."),
+    jobs: int = typer.Option(1, "--jobs", help="Tries run at the same time."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="Report format: terminal (default), json, html.",
+                                       autocompletion=_complete_formats),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
+    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+) -> None:
+    """Try each remedy on the script (one process per try) and say which one works.
+
+    Exit 0 when a remedy was verified (or nothing needs fixing), 1 when none was.
+
+    \b
+    Example:
+      ac-diff fix -o out train.py --steps 1
+    """
+    from .commands.fix_cmd import fix_command
+
+    cfg = _config(ctx, config)
+    fmt = _format(cfg.pick("format", fmt))
+    output_dir = output_dir or os.path.join(cfg.output_dir, "fix")
+    raise typer.Exit(fix_command(target, list(args or []), module=module, output_dir=output_dir, max_tries=max_tries,
+                                 max_regions=max_regions, steps=steps, jobs=jobs, fmt=fmt, json_path=json_path,
+                                 output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None)))
 
 
 @app.command()

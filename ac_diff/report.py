@@ -82,6 +82,8 @@ class Suggestion:
     title: str
     text: str
     code: str | None = None
+    status: str = "untested"  # verified / did not help (by an `ac-diff fix` try) / untested
+    verify: str | None = None  # the one command that would verify it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -256,6 +258,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     exit_status: str | None = None
     groups: list[RegionGroup] = field(default_factory=list)  # diverged regions that share a cause, lead first
+    reference: Any = None  # reference.model.ReferenceResult: gradients vs a run without AC (--reference)
+    remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
+    fixes: Any = None  # fix.model.FixResult: remedies tried by `ac-diff fix`
 
     @property
     def diverged(self) -> bool:
@@ -304,4 +309,6 @@ class Report:
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
             "groups": [g.to_json() for g in self.groups],
+            "reference": self.reference.to_json() if self.reference is not None else None,
+            "remedies": self.remedies, "fixes": self.fixes.to_json() if self.fixes is not None else None,
         }

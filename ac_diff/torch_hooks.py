@@ -307,3 +307,22 @@ class _Absent:
 
 
 _ABSENT = _Absent()
+
+
+# -- selective AC policies of a context_fn's modes (for ac_diff.remedies.must_save) -----------------
+_SAC_MODES = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+
+
+def wrap_sac_policies(contexts: Any, wrap: Callable[[Any], Any]) -> bool:
+    """Replace the policy of each selective-AC mode in `contexts` (what `create_selective_checkpoint_contexts`
+    returns, fresh per checkpoint call) by `wrap(policy)`. False when the forward context is not such a mode
+    (an unknown `context_fn`), and then nothing is changed."""
+    if not isinstance(contexts, tuple) or len(contexts) != 2:
+        return False
+    forward_mode = contexts[0]
+    if type(forward_mode).__name__ != _SAC_MODES[0] or not callable(getattr(forward_mode, "policy_fn", None)):
+        return False
+    for mode in contexts:  # before torch 2.5 the recompute mode asks the policy too
+        if type(mode).__name__ in _SAC_MODES and callable(getattr(mode, "policy_fn", None)):
+            mode.policy_fn = wrap(mode.policy_fn)
+    return True

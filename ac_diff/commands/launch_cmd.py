@@ -105,13 +105,19 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 # ac-diff run options that take a value (so the value is not mistaken for the script)
 _VALUED = {"-o", "--output-dir", "--format", "--json", "--report", "--max-regions", "--keep-values", "--scope",
-           "--rtol", "--atol"}
+           "--rtol", "--atol", "--reference", "--reference-steps", "--no-ac", "--must-save", "--must-save-module"}
 
 
-def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, options: Any) -> list[str]:
-    """The `ac-diff run` arguments each rank gets: where to write, what to record, the script and its args."""
+def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, options: Any,
+              remedies: Any = None, reference: str | None = None, reference_steps: int = 1) -> list[str]:
+    """The `ac-diff run` arguments each rank gets: where to write, what to record, the remedies, the script and
+    its args."""
     argv = ["run", "-o", output_dir, "--keep-values", str(options.keep_values), "--scope", options.scope,
             "--write", options.write]
+    if remedies:
+        argv += remedies.cli_args()
+    if reference:
+        argv += ["--reference", reference, "--reference-steps", str(reference_steps)]
     if options.max_regions is not None:
         argv += ["--max-regions", str(options.max_regions)]
     if not options.fingerprints:
@@ -122,7 +128,8 @@ def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, op
 def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-out", force: bool = False,
                    check: bool = False, fmt: str = "terminal", json_path: str | None = None,
                    output: str | None = None, settings: Any = None, target: str | None = None,
-                   module: bool = False) -> int:
+                   module: bool = False, remedies: Any = None, reference: str | None = None,
+                   reference_steps: int = 1) -> int:
     """Run `ac-diff run ARGV` on `nproc` local processes under torchrun, then report across ranks.
 
     `argv` is ac-diff's own argument list starting with "run" (`--nproc-per-node` is removed if present).
@@ -172,13 +179,24 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
         fail(f"no trace with run id {rid} in {out}: the ranks did not get to start the recorder (see torchrun's "
              "output above)", EXIT_BAD_INPUT)
         return code or EXIT_BAD_INPUT
-    report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out)
+    from .run_extras import RunExtras
+
+    extras = RunExtras(remedies, reference, reference_steps, output_dir, target, argv_target_args(argv, target),
+                       module)  # each rank applied / ran the remedies and references
+    report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out, extras.decorate)
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
     if interrupted and script_code == 0:
         script_code = 130
     if check and script_code == 0 and report.verdict != "clean":
         return verdict_code(report)
     return script_code
+
+
+def argv_target_args(argv: list[str], target: str | None) -> list[str]:
+    """The script's own arguments: what follows the target in a rank's argv."""
+    if target is None or target not in argv:
+        return []
+    return argv[argv.index(target) + 1:]
 
 
 def _script_exit_code(exit_codes: dict[int, int | None], torchrun_code: int,
@@ -339,7 +357,7 @@ def rank_wait_seconds() -> float:
 
 # -- reporting --------------------------------------------------------------------------------
 def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | None, output: str | None,
-                 output_dir: Path):
+                 output_dir: Path, decorate: Any = None):
     """Diagnose every rank's trace of this launch together and print the cross-rank report."""
     from ..diagnosis import diagnose
     from ..trace import read_run
@@ -361,6 +379,8 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
     if found.stale:
         report.notes.append(f"ignored {len(found.stale)} trace file(s) in {output_dir} from an earlier run: "
                             + ", ".join(p.name for p in found.stale[:4]))
+    if decorate is not None:  # the reference section, the remedies applied (run_extras)
+        decorate(report, ranks)
     emit(report, fmt, json_path, output)
     print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else "")
           + (f"   (one rank: ac-diff report {found.paths[ranks[-1]]}; two ranks side by side: ac-diff compare "
@@ -454,7 +474,7 @@ def _sigterm_handler(handler) -> Iterator[None]:
 
 
 def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: bool, fmt: str,
-                json_path: str | None, output: str | None, settings: Any) -> int:
+                json_path: str | None, output: str | None, settings: Any, decorate: Any = None) -> int:
     """After a rank's script ended under torchrun: rank 0 reports across ranks, the others stay quiet."""
     r = rank()
     if launched():
@@ -473,7 +493,7 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
     with sigterm_stops_waiting():
         found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since)
         found.paths.setdefault(0, trace_path)
-        report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir))
+        report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir), decorate)
     if check and outcome_code == 0 and report.verdict != "clean":
         return verdict_code(report)
     return outcome_code

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from ..diagnosis import Settings, diagnose
 from ..recorder import Recorder, RecordOptions
+from ..remedies import RemedySpec
+from .run_extras import RunExtras
 from ..runner import check_target, run_target
 from ..trace import read_run
 from . import launch_cmd as launch
@@ -30,7 +32,8 @@ def trace_path_for(output_dir: str | os.PathLike) -> Path:
 
 def run_command(target: str, args: list[str], *, module: bool, output_dir: str, force: bool, check: bool,
                 fmt: str, json_path: str | None, output: str | None, options: RecordOptions,
-                settings: Settings, quiet_report: bool = False) -> int:
+                settings: Settings, quiet_report: bool = False, remedies: RemedySpec | None = None,
+                reference: str | None = None, reference_steps: int = 1) -> int:
     trace_path = trace_path_for(output_dir)
     check_target(target, module)  # a missing script first: that is the problem to report
     multi = launch.is_multi_rank() or launch.launched()  # under torchrun: one trace per rank, one report
@@ -41,15 +44,18 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     rank = int(os.environ.get("RANK", "0") or 0)
     recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
                                                            **launch.header_fields()})
-    with launch.sigterm_as_exit() if multi else contextlib.nullcontext():
+    extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
+    with launch.sigterm_as_exit() if multi else contextlib.nullcontext(), extras:
         outcome = run_target(target, args, module=module, recorder=recorder)
+    extras.after(target, args, module)
     if multi:
         return launch.finish_rank(outcome.exit_code, trace_path, output_dir, check=check, fmt=fmt,
-                                  json_path=json_path, output=output, settings=settings)
+                                  json_path=json_path, output=output, settings=settings, decorate=extras.decorate)
     if rank != 0:
         return outcome.exit_code
     print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
     report = diagnose([read_run(trace_path)], settings)
+    extras.decorate(report, [rank])
     if not quiet_report:
         emit(report, fmt, json_path, output)
     print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else ""),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
+from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
 
 MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
@@ -61,6 +62,7 @@ def render_html(report: Report) -> str:
         _verdict(report, title, silent),
         _toolbar(report, any_diverged),
         "<main>",
+        html_sections(report),  # remedies applied, fixes tried, gradients vs the run without AC: near the top
         _torch_errors(report),
         _ranks(report),
         _regions_table(report),
@@ -551,8 +553,10 @@ def _suggestions(r: RegionReport) -> str:
     for s in r.suggestions:
         code = (f"<div class=\"code\"><button type=\"button\" class=\"copy\">copy</button>"
                 f"<pre><code class=\"language-python\">{e(s.code)}</code></pre></div>") if s.code else ""
+        verify = f"<p class=\"dim\">verify: <code>{e(s.verify)}</code></p>" if s.verify else ""
         out.append(f"<div class=\"fix\"><div class=\"fix-title\"><span class=\"label ok\">fix</span> "
-                   f"<b>{e(s.title)}</b></div><p>{e(s.text)}</p>{code}</div>")
+                   f"<b>{e(s.title)}</b> <span class=\"dim\">[{e(s.status)}]</span></div><p>{e(s.text)}</p>{code}"
+                   f"{verify}</div>")
     return "".join(out)
 
 

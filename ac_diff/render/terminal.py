@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import DIVERGED, UNCHECKED, Report, RegionReport
+from .sections import terminal_items
 
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
@@ -40,6 +41,8 @@ def _t(value: object, style: str = "") -> Text:
 
 def render_terminal(report: Report, console: Console) -> None:
     console.print(_verdict_panel(report))
+    for item in terminal_items(report):  # remedies applied, fixes tried, gradients vs the run without AC
+        console.print(item)
     if report.torch_errors:
         console.print(_torch_errors(report))
     if len(report.ranks) > 1:
@@ -192,8 +195,11 @@ def _region_detail(r: RegionReport, report: Report, console: Console, shown: set
             console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"), (" (as above)", "dim")))
             continue
         shown.add(s.title)
-        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold")))
+        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"),
+                                    (f"  [{s.status}]", {"verified": "green", "did not help": "red"}.get(s.status, "dim"))))
         console.print(Text("     " + s.text))
+        if s.verify:
+            console.print(Text(f"     {'verified by' if s.status == 'verified' else 'verify'}: {s.verify}", style="dim"))
         if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
             code = Syntax(s.code, "python", theme="ansi_dark", background_color="default").highlight(s.code)
             code.rstrip()

@@ -33,6 +33,7 @@ def build(args):
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
             max_position_embeddings=256, attention_dropout=args.attention_dropout,
             router_jitter_noise=args.jitter, tie_word_embeddings=False,
+            output_router_logits=args.router_aux, router_aux_loss_coef=0.02,
         )
         config._attn_implementation = args.attn
         return MixtralForCausalLM(config)
@@ -77,6 +78,8 @@ def main(argv=None):
     p.add_argument("--attention-dropout", type=float, default=0.0)
     p.add_argument("--jitter", type=float, default=0.0, help="Mixtral router_jitter_noise")
     p.add_argument("--reentrant", action="store_true", help="use_reentrant=True (older transformers' default)")
+    p.add_argument("--router-aux", action="store_true",
+                   help="Mixtral output_router_logits=True: the router aux loss joins the loss")
     p.add_argument("--no-preserve-rng", action="store_true", help="preserve_rng_state=False in the checkpoint kwargs")
     p.add_argument("--bias-update", choices=["none", "after_step", "forward_hook"], default="none",
                    help="where DeepSeek-V3's e_score_correction_bias is updated")

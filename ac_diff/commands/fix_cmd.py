@@ -1,0 +1,150 @@
+"""`ac-diff fix [opts] SCRIPT [ARGS...]` / `-m MODULE`: try each remedy on the user's own script.
+
+    ac-diff fix -o out train.py --steps 1
+    fixes tried on your script: verified: preserve_rng_state=True - every region clean, gradients bit-identical ...
+     remedy                  status        regions diverged   gradients vs no-AC run   extra memory   wall time
+     preserve_rng_state=True verified      4 -> 0             bit-identical            +0 MB peak RSS  6.1 s
+     no AC in layers.0       did not help  4 -> 2             ...
+
+Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both capturing the first
+--steps backward passes' gradients; candidate remedies for the diagnosed causes (fix/candidates.py),
+cheapest first, at most --max-tries, stopping at the first verified one that keeps AC (with --jobs 1);
+each try is `ac-diff run <remedy options>` in its own process (OUT/try-N, same arguments, environment and
+seeds), --jobs at a time. The report is the base run's, with
+a `fixes` section and every suggestion's status. Exit 0 when a remedy was verified (or nothing needed
+fixing), 1 when none was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..diagnosis import Settings, diagnose
+from ..fix.candidates import candidates
+from ..fix.forms import code_for
+from ..fix.model import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
+from ..fix.statuses import mark, run_command
+from ..fix.tries import Measured, diverged, judge, run_measured
+from ..reference.explain import attach
+from ..reference.model import DIFFERS
+from ..reference.run import reference_command, reference_result
+from ..remedies import RemedySpec
+from ..runner import check_target
+from ..trace import read_run
+from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail
+from .run_extras import CAPTURE_ENV
+
+ORDER = {VERIFIED: 0, DID_NOT_HELP: 1, CRASHED: 2, UNTESTED: 3}
+
+
+def _report_of(directory: Path, settings: Settings) -> Any | None:
+    trace = directory / "trace-rank0.jsonl"
+    if not trace.exists():
+        return None
+    try:
+        return diagnose([read_run(trace)], settings)
+    except Exception:  # a trace the try could not finish: judged as crashed
+        return None
+
+
+def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, max_tries: int,
+                max_regions: int | None, steps: int, jobs: int, fmt: str, json_path: str | None,
+                output: str | None, settings: Settings) -> int:
+    check_target(target, module)
+    if max_tries < 0 or steps < 1 or jobs < 1:
+        return fail("--max-tries must be >= 0, --steps and --jobs >= 1")
+    out = Path(output_dir)
+    for stale in [out / "base", out / "reference", *out.glob("try-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    env = {**os.environ, CAPTURE_ENV: str(steps)}
+    tail = [*(["-m"] if module else []), target, *args]
+    print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
+    base_m = run_measured([sys.executable, "-m", "ac_diff", "run", "--force", "-o", str(out / "base"), *tail], env,
+                          out / "base.log")
+    cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=out / "reference", steps=steps,
+                                               spec=RemedySpec())
+    ref_m = run_measured(cmd, ref_env, out / "reference.log")
+    report = _report_of(out / "base", settings)
+    if report is None:
+        return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
+                    f"(see {out / 'base.log'})")
+    attach(report, reference_result(report, out / "base", [0], steps, ref_m.code, ref_text,
+                                    reference_dir=out / "reference"))
+    found = candidates(report, max_regions)
+    before = diverged(report)
+    tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
+                 command=run_command(c.spec.cli_args(), target, args, module)) for c in found]
+
+    def one(i: int) -> None:
+        c, t = found[i], tries[i]
+        print(f"ac-diff fix: try {i + 1}/{min(len(found), max_tries)}: {c.name}", file=sys.stderr)
+        d = out / f"try-{i + 1}"
+        m = run_measured([sys.executable, "-m", "ac_diff", "run", "--force", "-o", str(d), *t.args, *tail], env,
+                         out / f"try-{i + 1}.log")
+        r = _report_of(d, settings)
+        ref = reference_result(r, d, [0], steps, ref_m.code, ref_text, reference_dir=out / "reference") \
+            if r is not None else None
+        judge(t, r, ref, m, base_m, c.op)
+
+    budget = range(min(len(found), max_tries))
+    if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)
+        for i in budget:
+            one(i)
+            if tries[i].status == VERIFIED and found[i].kind != "no_ac":
+                break
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, budget))
+    result = _result(report, found, tries, base_m, time.perf_counter() - started)
+    report.fixes = result
+    mark(report, target, args, module, list(zip(found, tries)))
+    emit(report, fmt, json_path, output)
+    return EXIT_CLEAN if result.verified or (not found and not report.diverged) else EXIT_DIVERGED
+
+
+def _result(report: Any, found: list, tries: list[Try], base: Measured, total: float) -> FixResult:
+    pairs = sorted(zip(found, tries), key=lambda p: ORDER[p[1].status])
+    result = FixResult(headline="", tries=[t for _, t in pairs], baseline_wall_s=base.wall_s, total_wall_s=total)
+    verified = [(c, t) for c, t in pairs if t.status == VERIFIED]
+    keeps_ac = [(c, t) for c, t in verified if c.kind != "no_ac"]
+    change = next((s.title + ": " + s.text for r in report.regions for s in r.suggestions), None)
+    ref = report.reference
+    if not found:
+        if base.code != 0 and not report.diverged:
+            result.headline = (f"the script failed on its own (exit {base.code}: {base.last_line()}), before any "
+                               "remedy could be tried; see " + str(base.log))
+        elif report.diverged:
+            result.headline = "no mechanical remedy applies to what was diagnosed; make the code change below"
+            result.code_change = change
+        else:
+            result.headline = ("nothing to fix: every region reproduced its forward"
+                               + (" and the gradients match the run without AC" if ref is not None and not ref.defect
+                                  else ""))
+        return result
+    if keeps_ac:
+        c, t = keeps_ac[0]
+        result.verified, result.verified_code = c.name, code_for(c)
+        n = len(tries) - sum(t.status == UNTESTED for t in tries)
+        result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
+                           f"({n} remed{'y' if n == 1 else 'ies'} tried)")
+    elif verified:
+        c, t = verified[0]
+        result.verified, result.verified_code = c.name, code_for(c)
+        result.code_change = change
+        result.headline = (f"only turning AC off works ({c.name}): no remedy that keeps AC made the recompute match; "
+                           "the code change below keeps AC")
+    else:
+        result.code_change = change
+        result.headline = ("no remedy tried made every region clean with gradients bit-identical to the run without "
+                           "AC" + ("; make the code change below" if change else ""))
+    if ref is not None and ref.verdict == DIFFERS and not verified:
+        result.headline += f" (before: {ref.headline})"
+    return result

@@ -1,0 +1,99 @@
+"""What `ac-diff run` adds around the script beyond recording: remedies, gradient capture, the reference.
+
+    extras = RunExtras(RemedySpec(preserve_rng=True), reference="no-ac", reference_steps=1, output_dir="out")
+    with extras:                      # remedies installed before the script, gradients captured
+        outcome = run_target(...)
+    extras.after("train.py", args, module=False)   # the reference process (each rank its own)
+    extras.decorate(report, ranks=[0])             # report.remedies, report.reference (verdict), suggestion statuses
+
+Nothing is installed when no remedy, no reference and no $AC_DIFF_CAPTURE_STEPS is asked for: a plain
+`ac-diff run` is untouched. $AC_DIFF_CAPTURE_STEPS=N (set by `ac-diff fix` for its tries) captures N
+backward passes' gradients without starting a reference.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..fix.statuses import mark
+from ..reference.explain import attach
+from ..reference.run import reference_result, run_reference
+from ..reference.session import CaptureSession, load_side
+from ..remedies import CheckpointPatch, RemedySpec, split_ops
+
+CAPTURE_ENV = "AC_DIFF_CAPTURE_STEPS"
+REFERENCE_MODES = ("no-ac",)
+
+
+def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str] | None, preserve_rng: bool,
+                   non_reentrant: bool, deterministic: bool, must_save: list[str] | None,
+                   must_save_module: list[str] | None) -> tuple[RemedySpec, str | None]:
+    """The remedy spec and reference mode from `ac-diff run`'s options (bad values: InputError, exit 2)."""
+    from ..api import InputError
+
+    if reference is not None and reference not in REFERENCE_MODES:
+        raise InputError(f"--reference {reference!r} is not a mode; use --reference no-ac")
+    if reference_steps < 1:
+        raise InputError(f"--reference-steps must be at least 1, got {reference_steps}")
+    ops = split_ops(must_save)
+    if must_save_module and not ops:
+        raise InputError("--must-save-module needs --must-save OP (which ops to save in those modules)")
+    return RemedySpec(no_ac=list(no_ac or []), preserve_rng=preserve_rng, non_reentrant=non_reentrant,
+                      deterministic=deterministic,
+                      must_save=ops, must_save_modules=list(must_save_module or [])), reference
+
+
+class RunExtras:
+    def __init__(self, remedies: RemedySpec | None, reference: str | None, reference_steps: int,
+                 output_dir: str, target: str | None = None, args: list[str] | None = None,
+                 module: bool = False) -> None:
+        self.target, self.args, self.module = target, list(args or []), module
+        self.spec = (remedies or RemedySpec()).merged(RemedySpec.from_env())
+        self.reference = reference
+        self.steps = max(1, int(reference_steps or 1))
+        self.output_dir = output_dir
+        capture = self.steps if reference else int(os.environ.get(CAPTURE_ENV, "0") or 0)
+        self.active = bool(self.spec or reference or capture)
+        self.patch = CheckpointPatch(self.spec) if self.active else None
+        self.session = CaptureSession(output_dir, capture, self.patch, watch=bool(reference or capture)) \
+            if self.active else None
+        self.exit_code: int | None = None
+        self.command: str | None = None
+        self.skipped: str | None = None
+        self.started = 0.0
+
+    def __enter__(self) -> "RunExtras":
+        self.started = time.time()
+        if self.active:
+            self.patch.install()
+            self.session.install()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.active:
+            self.session.finish()
+            self.patch.uninstall()
+
+    def after(self, target: str, args: list[str], module: bool) -> None:
+        capture = self.session.capture if self.session is not None else None
+        if self.reference and capture is not None and not capture.snapshots:
+            self.skipped = "this run finished no backward pass, so there is nothing to compare: no reference was run"
+            return
+        if self.reference:
+            self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
+                                                         steps=self.steps, spec=self.spec, since=self.started - 1.0)
+
+    def decorate(self, report: Any, ranks: list[int]) -> None:
+        if self.target:  # every suggestion: untested, and the command that would verify it
+            mark(report, self.target, self.args, self.module)
+        if not self.active:
+            return
+        applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]
+        if self.spec:
+            report.remedies = applied
+        if self.reference and self.skipped:
+            report.notes.append(self.skipped)
+        elif self.reference:
+            attach(report, reference_result(report, self.output_dir, ranks, self.steps, self.exit_code, self.command))

@@ -1,0 +1,79 @@
+"""Candidate remedies for what a run's report diagnosed, cheapest first.
+
+    candidates(report)  ->  [Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), why="rng in layers.0"),
+                             Candidate("save aten.topk.default in layers.1.moe.router", RemedySpec(must_save=[...]), ...),
+                             Candidate("no AC in layers.1", RemedySpec(no_ac=["layers.1"]), ...)]
+
+Per diverged region's cause: rng -> preserve_rng_state; nondeterministic op / deterministic flag ->
+deterministic algorithms; a flipped discrete decision -> save that op in its module (selective AC,
+non-reentrant regions only; in every layer: `layers.*.moe.router`); gradients that differ through a reentrant region's side output or inputs
+without grad -> use_reentrant=False; and last, turning AC off in the region (it always removes a recompute
+divergence, at the cost of the region's activations). The order is the cost order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..remedies import RemedySpec
+from ..report import DIVERGED, UNCHECKED
+
+# cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
+ORDER = {"preserve_rng": 0, "deterministic": 1, "non_reentrant": 2, "must_save": 3, "no_ac": 4}
+
+
+def layer_glob(module: str | None) -> str:
+    """`layers.1.moe.router` -> `layers.*.moe.router`: the same module in every layer of a stack (a decision
+    that flipped in one layer can flip in any)."""
+    return ".".join("*" if part.isdigit() else part for part in (module or "").split(".")) or "*"
+
+
+@dataclass
+class Candidate:
+    name: str
+    spec: RemedySpec
+    why: str
+    kind: str
+    op: str | None = None  # the op a must-save candidate saves
+
+
+def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
+    out: dict[str, Candidate] = {}
+
+    def add(c: Candidate) -> None:
+        out.setdefault(c.spec.to_env(), c)
+
+    diverged = [r for r in report.regions if r.status == DIVERGED]
+    # a run torch stopped in its first diverged recompute leaves the other regions unchecked: they may hide the
+    # same mechanism, so turning AC off covers them too
+    modules = list(dict.fromkeys(r.module for r in diverged if r.module))[:max_regions]
+    unchecked = [r.module for r in report.regions if r.module and r.status == UNCHECKED and diverged]
+    silenced = list(dict.fromkeys(modules + unchecked))
+    saves: dict[str, list[str]] = {}  # flipped op -> the modules it flipped in
+    for r in diverged:
+        if r.module not in modules:
+            continue
+        kind = r.cause.kind if r.cause else "unknown"
+        where = f"{kind} in {r.module}"
+        if kind == "rng":
+            add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
+        if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
+            add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))
+        d = r.first_discrete_divergence
+        if d is not None and d.op and r.kind != "reentrant":
+            glob = layer_glob(d.module or r.module)
+            saves.setdefault(d.op, [])
+            if glob not in saves[d.op]:
+                saves[d.op].append(glob)
+    for op, where_ in saves.items():  # one try per op, in every module where it flipped
+        add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
+                      f"{op} flipped in {', '.join(where_)}", "must_save", op))
+    ref = getattr(report, "reference", None)
+    if ref is not None and ref.defect and any(e.kind in ("side_output", "no_grad_inputs") for e in ref.explanations):
+        add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True),
+                      "gradients differ through reentrant regions (" + ", ".join(
+                          sorted({e.kind.replace("_", " ") for e in ref.explanations})) + ")", "non_reentrant"))
+    if silenced:  # last: the diverged regions keep their activations (always removes their recompute divergence)
+        add(Candidate(f"no AC in {', '.join(silenced)}", RemedySpec(no_ac=silenced), "the diverged regions", "no_ac"))
+    return sorted(out.values(), key=lambda c: ORDER[c.kind])

@@ -1,0 +1,41 @@
+"""The exact form of a verified remedy in the user's code: plain PyTorch, Hugging Face, torchtitan.
+
+    code_for(candidate)  ->  'checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)\\n'
+                             '# Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)\\n'
+                             '# torchtitan (TOML): [activation_checkpoint] preserve_rng_state = true'
+"""
+
+from __future__ import annotations
+
+from ..diagnosis.suggest import sac_policy
+from .candidates import Candidate
+
+
+def code_for(c: Candidate) -> str:
+    if c.kind == "preserve_rng":
+        return ("checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)\n"
+                "# Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{\"use_reentrant\": False, \"preserve_rng_state\": True})\n"
+                "# torchtitan (TOML): [activation_checkpoint]\n#   preserve_rng_state = true")
+    if c.kind == "non_reentrant":
+        return ("checkpoint(block, x, use_reentrant=False)\n"
+                "# Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{\"use_reentrant\": False})\n"
+                "# checkpoint_wrapper / torchtitan: non-reentrant by default (CheckpointImpl.NO_REENTRANT)")
+    if c.kind == "deterministic":
+        return ("torch.use_deterministic_algorithms(True)  # at the start of the script\n"
+                "# and in the environment, before CUDA starts: CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    if c.kind == "must_save" and c.op:
+        return (sac_policy([c.op]) + "\n"
+                f"# (ac-diff verified saving it in {', '.join(c.spec.must_save_modules)}; this policy saves it in "
+                "the whole region)\n"
+                "# Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False, \"context_fn\": context_fn}\n"
+                "# torchtitan (TOML): [activation_checkpoint]\n#   mode = \"selective\"\n#   selective_ac_option = \"op\"\n"
+                f"#   and add torch.ops.{c.op} to the per-op save list (_save_list in parallelize.py)")
+    if c.kind == "no_ac":
+        module = ", ".join(c.spec.no_ac)
+        return (f"# leave {module} out of activation checkpointing (it keeps its activations):\n"
+                f"# do not wrap / checkpoint {module}; torchtitan: a selective_ac_option that skips it, "
+                "Hugging Face: gradient_checkpointing_enable(every_n_layers=...) or set "
+                "`gradient_checkpointing = False` on those layers")
+    return ""

@@ -1,0 +1,50 @@
+"""Every suggestion carries a status and the one command that would verify it.
+
+    mark(report, "train.py", ["--steps", "2"], module=False)            # untested, verify: ac-diff fix train.py ...
+    mark(report, ..., tries=[(candidate, try_)])                        # verified / did not help, by the fix runs
+
+A suggestion is matched to a remedy of `ac-diff fix` by what it asks for: preserve_rng_state, use_reentrant,
+deterministic algorithms, saving an op, leaving the region out of AC.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from .model import UNTESTED
+
+
+def fix_command(target: str, args: list[str], module: bool) -> str:
+    return shlex.join(["ac-diff", "fix", *(["-m"] if module else []), target, *args])
+
+
+def run_command(spec_args: list[str], target: str, args: list[str], module: bool) -> str:
+    return shlex.join(["ac-diff", "run", "--reference", "no-ac", *spec_args, *(["-m"] if module else []), target,
+                       *args])
+
+
+def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
+    t = title.lower()
+    if candidate.kind == "preserve_rng":
+        return "preserve_rng_state" in t
+    if candidate.kind == "deterministic":
+        return "deterministic" in t
+    if candidate.kind == "must_save":
+        return bool(candidate.op) and t.startswith(f"save {candidate.op}".lower())
+    if candidate.kind == "non_reentrant":
+        return "use_reentrant" in t
+    if candidate.kind == "no_ac":
+        return "out of activation checkpointing" in t and region_module in candidate.spec.no_ac
+    return False
+
+
+def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None) -> None:
+    default = fix_command(target, args, module)
+    for region in report.regions:
+        for s in region.suggestions:
+            s.status, s.verify = UNTESTED, default
+            for candidate, t in tries or []:
+                if t.status != UNTESTED and _answers(s.title, candidate, region.module):
+                    s.status, s.verify = t.status, t.command
+                    break

@@ -1,0 +1,113 @@
+"""Run the script once per remedy, each in its own process, and judge the outcome.
+
+    base = run_measured(["python", "-m", "ac_diff", "run", ...], env, log)   # -> Measured(wall_s, maxrss_mb, code)
+    outcome = judge(try_, report_of_try, reference_result_of_try, measured, base_measured)
+
+A process is measured by a small wrapper process (wall time, and the peak RSS of everything it waited for:
+the try and its children), so tries can run side by side without mixing their figures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..report import DIVERGED
+from .model import CRASHED, DID_NOT_HELP, VERIFIED, Try
+
+_ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
+_WRAPPER = """
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+with open(sys.argv[1], "w") as log:
+    code = subprocess.run(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT).returncode
+print(json.dumps({"wall_s": time.perf_counter() - t, "code": code,
+                  "maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+@dataclass
+class Measured:
+    wall_s: float
+    maxrss_mb: float
+    code: int
+    log: Path
+
+    def last_line(self) -> str:
+        """The script's error (the last `SomeError: ...` line of its output), else its last line."""
+        try:
+            lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return ""
+        errors = [line for line in lines if _ERROR.match(line)]
+        return (errors or lines or [""])[-1]
+
+
+def run_measured(cmd: list[str], env: dict[str, str], log: Path, cwd: str | None = None) -> Measured:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _WRAPPER, str(log), *cmd], env=env, cwd=cwd, capture_output=True,
+                          text=True, check=False)
+    try:
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Measured(0.0, 0.0, proc.returncode or 1, log)
+    return Measured(data["wall_s"], data["maxrss_mb"], data["code"], log)
+
+
+def diverged(report: Any) -> int:
+    return sum(1 for r in report.regions if r.status == DIVERGED)
+
+
+def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None) -> None:
+    """Fill in the try's outcome: status, regions after, gradients, memory, wall time, reason."""
+    t.wall_s = m.wall_s
+    t.exit_code = m.code
+    t.memory_mb = m.maxrss_mb - base.maxrss_mb if m.maxrss_mb and base.maxrss_mb else None
+    if report is None:
+        t.status, t.reason = CRASHED, f"no trace (exit {m.code}): {m.last_line()}"
+        return
+    t.regions_after = diverged(report)
+    if reference is not None and reference.steps:
+        step = next((s for s in reference.steps if s.differing), reference.steps[0])
+        rels = [d.rel_diff for d in step.differing if d.rel_diff is not None]
+        t.gradients = ("bit-identical" if not step.differing else
+                       f"{len(step.differing)} of {step.parameters} differ"
+                       + (f", max rel. diff {max(rels):.3g}" if rels else ""))
+    elif reference is not None:
+        t.gradients = "not compared (no backward finished)"
+    else:
+        t.gradients = "not compared"
+    if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
+        t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
+        return
+    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
+        t.status = VERIFIED
+        return
+    t.status = DID_NOT_HELP
+    t.reason = _reason(report, reference, op, m)
+
+
+def _reason(report: Any, reference: Any | None, op: str | None, m: Measured) -> str:
+    still = [r for r in report.regions if r.status == DIVERGED]
+    if still:
+        r = still[0]
+        first = r.first_divergence()
+        where = f"{first.op} in {first.module or r.module}" + (f" ({first.source})" if first.source else "") \
+            if first else "its recompute"
+        cause = f"{r.cause.kind}" + (f": {r.cause.tensor}" if r.cause and r.cause.tensor else "") if r.cause else "?"
+        grads = "; the gradients do match the run without AC" if reference is not None and reference.steps and \
+            not any(s.differing for s in reference.steps) else ""
+        if op and first is not None and first.op != op:
+            return (f"{op} saved, but its input already differed: region {r.region} ({r.module}) still diverges, "
+                    f"first at {where} ({cause}); {len(still)} region(s) still diverge{grads}")
+        return f"{len(still)} region(s) still diverge; first region {r.region} ({r.module}) at {where} ({cause}){grads}"
+    if m.code != 0:
+        return f"the script failed (exit {m.code}): {m.last_line()}"
+    if reference is not None and reference.defect:
+        return "every recompute matches, but the gradients still differ from the run without AC: " + reference.headline
+    return "the gradients could not be compared with the run without AC"

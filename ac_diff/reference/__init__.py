@@ -1,0 +1,8 @@
+"""The reference run: the same script without AC, and every parameter's gradient compared with the run's.
+
+    ac-diff run --reference no-ac train.py       # the recorded run, then the reference; `reference` section
+
+`grads` captures gradients (bounded), `leaks` watches what reentrant regions drop, `session` says where
+a process writes, `run` starts the reference and builds the result, `compare` and `explain` make it,
+`model` is the section, `child` is the reference process.
+"""

@@ -1,0 +1,146 @@
+"""Turn gradient comparisons plus what the run saw into a verdict and reasons (the `reference` section).
+
+    result = explain(steps, findings, report, steps_requested=1)
+    result.verdict   -> "differs"
+    result.explanations[0].text -> "aten.addmm.default in model.layers.0.mlp.gate (modeling_mixtral.py:88) is made
+        inside reentrant region model.layers.0 and leaves it through a list ..., not through its outputs: ..."
+    attach(report, result)   # the run is not clean when its gradients differ from the reference
+
+Why the two runs can differ, in the order they are checked:
+- the loss of the first backward already differs: the forward is not reproducible across processes
+  (unseeded randomness): not a defect, nothing to compare (`not_comparable`);
+- a later backward's loss differs while the gradients before it were identical: random numbers drawn
+  differently (a recompute without preserve_rng_state draws again): comparison stops there, not a defect;
+- a diverged region (the recompute differs from the forward): points to it;
+- a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
+- otherwise `unexplained`, with the regions whose parameters differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..report import DIVERGED
+from .model import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
+
+REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
+                 "torchtitan and checkpoint_wrapper use it by default)")
+
+
+def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report: Any, *, steps_requested: int,
+            mode: str = "no-ac", exit_code: int | None = None, command: str | None = None) -> ReferenceResult:
+    result = ReferenceResult(mode=mode, verdict=FAILED, headline="", steps_requested=steps_requested,
+                             command=command, exit_code=exit_code)
+    if not steps:
+        result.headline = ("no gradients to compare with the run without AC: " +
+                           (f"the reference run exited with {exit_code} before its first backward"
+                            if exit_code else "no backward pass ran (or no parameter was seen)"))
+        return result
+    if steps[0].loss_identical is False:
+        result.verdict = NOT_COMPARABLE
+        result.steps = steps[:1]
+        result.headline = ("gradients not compared: the loss of the first backward already differs from the run "
+                           "without AC, before any recompute ran (the script's own randomness)")
+        result.explanations.append(Explanation(
+            "reference_randomness",
+            f"the first loss differs (rel. diff {_num(steps[0].loss_rel_diff)}): the forward is not reproducible "
+            "from one process to the next (unseeded random ops, data order, nondeterministic kernels). That is the "
+            "reference's own randomness, not a checkpointing defect.",
+            fix="seed the script (torch.manual_seed, the generators and data loaders it uses) and run again"))
+        return result
+    compared = [steps[0]]
+    for prev, step in zip(steps, steps[1:]):
+        if step.loss_identical is False and not prev.differing:
+            result.explanations.append(Explanation(
+                "rng_draws",
+                f"backward {step.step}: the loss differs although every gradient of backward {prev.step} was "
+                "identical: the two runs drew other random numbers in between (a recompute without "
+                "preserve_rng_state draws again). Not a gradient defect; later backwards are not compared.",
+                fix="preserve_rng_state=True (ac-diff run --preserve-rng)"))
+            break
+        compared.append(step)
+    result.steps = compared
+    differing = [s for s in compared if s.differing]
+    if not differing:
+        result.verdict = IDENTICAL
+        total = compared[0].parameters
+        result.headline = (f"gradients identical to the run without AC ({total} parameter(s), "
+                           f"{len(compared)} backward pass(es))")
+        for f in findings:
+            result.notes.append("seen, without changing the compared gradients: " + _finding_text(f))
+        return result
+    result.verdict = DIFFERS
+    first = differing[0]
+    rels = [d.rel_diff for d in first.differing if d.rel_diff is not None]
+    missing = [d.name for d in first.differing if d.status == "missing_in_run"]
+    why = _explanations(first, findings, report)
+    result.explanations = why + result.explanations
+    result.headline = (f"{len(first.differing)} of {first.parameters} gradients differ from the run without AC at "
+                       f"backward {first.step}" + (f" (max rel. diff {_num(max(rels))})" if rels else "")
+                       + (f", {len(missing)} get no gradient with AC" if missing else "")
+                       + (f": {why[0].kind.replace('_', ' ')}" if why else ""))
+    return result
+
+
+def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: Any) -> list[Explanation]:
+    out: list[Explanation] = []
+    differing = {d.name for d in step.differing}
+    by_module: dict[Any, list[Any]] = {}
+    for r in getattr(report, "regions", []):
+        if r.status == DIVERGED:
+            by_module.setdefault((r.rank, r.module), []).append(r)
+    for (rank, module), regions in by_module.items():
+        r = regions[0]
+        inside = sorted(n for n in differing if module and n.startswith(module + "."))
+        cause = r.cause.kind if r.cause else "unknown cause"
+        more = f"; also regions {', '.join(str(x.region) for x in regions[1:])}" if len(regions) > 1 else ""
+        out.append(Explanation(
+            "recompute_divergence",
+            f"region {r.region} ({module}, rank {rank}{more}) diverged in its recompute ({cause}): its gradients, and "
+            "those of everything before it, follow from that divergence (see that region in this report)",
+            region=module, parameters=inside))
+    for f in findings:
+        if f["kind"] == "no_grad_inputs":
+            params = [p for p in f["parameters"] if p in differing] or f["parameters"]
+            out.append(Explanation("no_grad_inputs", _finding_text(f), region=f["region"], parameters=params,
+                                   fix=REENTRANT_FIX + "; or make the region's input require grad (Hugging Face: "
+                                   "model.enable_input_require_grads())"))
+        elif f["kind"] == "side_output":
+            out.append(Explanation("side_output", _finding_text(f), region=f["region"], module=f.get("module"),
+                                   source=f.get("source"),
+                                   fix=REENTRANT_FIX + "; or return the tensor through the region's outputs"))
+    if not out:
+        regions = sorted({d.region or "outside any checkpointed region" for d in step.differing})
+        out.append(Explanation(
+            "unexplained",
+            "the recompute matched the forward and ac-diff saw no side output or input without grad; the differing "
+            "gradients are in: " + ", ".join(regions[:8]),
+            parameters=[d.name for d in step.differing[:20]]))
+    return out
+
+
+def _finding_text(f: dict[str, Any]) -> str:
+    if f["kind"] == "no_grad_inputs":
+        params = f["parameters"]
+        return (f"reentrant region {f['region']}: none of its inputs requires grad, so its {len(params)} parameter(s) "
+                f"get no gradient ({', '.join(params[:6])}{', ...' if len(params) > 6 else ''})")
+    return (f"{f['op']} in {f.get('module') or f['region']}" + (f" ({f['source']})" if f.get("source") else "")
+            + f", {list(f['shape'])}, is made inside reentrant region {f['region']} and leaves it through "
+            f"{f['holder']}, not through the region's outputs: under use_reentrant=True it has requires_grad=False, "
+            "so what the script computes from it (an aux loss) adds no gradient")
+
+
+def _num(x: float | None) -> str:
+    return "?" if x is None else f"{x:.3g}"
+
+
+def attach(report: Any, result: ReferenceResult) -> None:
+    """The report carries the reference section; gradients that differ make it not clean."""
+    report.reference = result
+    if not result.defect:
+        return
+    if report.verdict != DIVERGED:
+        report.headline = result.headline
+    else:
+        report.headline = f"{report.headline}; {result.headline}"
+    report.verdict = DIVERGED

@@ -1,0 +1,154 @@
+"""What reentrant checkpoint silently drops, seen while the script runs (a watcher of remedies.CheckpointPatch).
+
+    watch = ReentrantWatch(stack)           # CheckpointPatch(spec, watchers=[watch]); stack: its ModuleStack
+    ...                                     # the script runs
+    watch.findings()  ->  [{"kind": "side_output", "region": "model.layers.0", "module": "model.layers.0.mlp.gate",
+                            "op": "aten.mm.default", "source": "modeling_mixtral.py:112 in forward",
+                            "shape": [64, 4], "holder": "a list or dict (a hook or the model collects it)", "calls": 2},
+                           {"kind": "no_grad_inputs", "region": "layers.0", "parameters": ["layers.0.lora_a", ...]}]
+
+Under `use_reentrant=True` the region's forward runs under no_grad. A float tensor made there from
+something that requires grad, that is still alive after the region returns but is not (a view of) one of
+its outputs, left through another way (a forward hook, a module attribute, a list the model collects):
+it has `requires_grad=False`, so whatever the script computes from it (a router aux loss) gives no
+gradient. A region none of whose inputs require grad gives its parameters no gradient at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..sourceline import user_source
+from ..torch_hooks import checkpointed_module
+
+MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)
+
+
+def tree_leaves(obj: Any, depth: int = 0) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts (HF ModelOutput is a dict)."""
+    if depth > 8:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [leaf for item in obj for leaf in tree_leaves(item, depth + 1)]
+    if isinstance(obj, dict):
+        return [leaf for item in obj.values() for leaf in tree_leaves(item, depth + 1)]
+    return [obj]
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # wrapper subclasses, sparse: not tracked
+        return None
+
+
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_EXAMPLES = _OWN_ROOT + "_examples" + os.sep
+
+
+def _from_ac_diff() -> bool:
+    """The op was issued by ac-diff itself (the recorder's fingerprints in its own dispatch handler, which
+    sits above this mode), not by the region: the first frame outside torch, above this handler, is ours."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_ROOT)
+                                 or frame.f_code.co_name == "__torch_dispatch__"):  # modes passing the op on
+        frame = frame.f_back
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    return name.startswith(_OWN_ROOT) and not name.startswith(_EXAMPLES)
+
+
+class _Made(TorchDispatchMode):
+    """Weak references to the float tensors ops make inside one region forward that would require grad."""
+
+    def __init__(self, current_module: Callable[[], str | None], grad_storages: set[int]) -> None:
+        super().__init__()
+        self.current_module = current_module
+        self.grad_storages = grad_storages  # storages that carry a gradient without no_grad
+        self.new_storages: set[int] = set()
+        self.made: list[tuple[weakref.ref, int, str, str | None, str | None, list[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if len(self.made) >= MAX_TENSORS or _from_ac_diff():
+            return out
+        inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        if not any(a.requires_grad or _storage(a) in self.grad_storages for a in inputs):
+            return out
+        in_storages = {_storage(a) for a in inputs} - self.new_storages
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                key = _storage(t)
+                if key is None or key in in_storages:
+                    continue  # in place on, or a view of, something that existed before the region
+                self.grad_storages.add(key)
+                self.new_storages.add(key)
+                self.made.append((weakref.ref(t), key, str(func), self.current_module(), user_source(), list(t.shape)))
+        return out
+
+
+class ReentrantWatch:
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self._found: dict[tuple, dict[str, Any]] = {}
+
+    def __call__(self, call: Any, run: Callable[[], Any]) -> Any:
+        if not call.reentrant or not torch.is_grad_enabled():
+            return run()
+        inputs = [a for a in tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
+        module, _ = checkpointed_module(call.function)
+        if not any(t.requires_grad for t in inputs) and module is not None:
+            params = [f"{call.region}.{n}" if call.region else n for n, p in module.named_parameters()
+                      if p.requires_grad]
+            if params:
+                self._add(("no_grad_inputs", call.region), {"kind": "no_grad_inputs", "region": call.region,
+                                                            "parameters": params})
+        grad = {_storage(t) for t in inputs if t.requires_grad}
+        if module is not None:
+            grad |= {_storage(p) for p in module.parameters() if p.requires_grad}
+        mode = _Made(self.stack.current, grad)
+        with mode:
+            out = run()
+        self._escaped(call, module, mode, out)
+        return out
+
+    def _escaped(self, call: Any, module: Any, mode: _Made, out: Any) -> None:
+        kept = {_storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        for ref, key, op, where, source, shape in mode.made:
+            t = ref()
+            if t is None or key in kept:
+                continue
+            self._add(("side_output", call.region, op, source), {
+                "kind": "side_output", "region": call.region, "module": where, "op": op, "source": source,
+                "shape": shape, "holder": _holder(t, module, call.region)})
+        mode.made.clear()
+
+    def _add(self, key: tuple, finding: dict[str, Any]) -> None:
+        if key in self._found:
+            self._found[key]["calls"] += 1
+        else:
+            self._found[key] = {**finding, "calls": 1}
+
+    def findings(self) -> list[dict[str, Any]]:
+        return list(self._found.values())
+
+
+def _holder(t: torch.Tensor, module: Any, region: str) -> str:
+    if module is not None:
+        for name, sub in module.named_modules():
+            for key, value in vars(sub).items():
+                if value is t:
+                    path = ".".join(p for p in (region, name, key) if p)
+                    return f"module attribute `{path}`"
+    kinds = {type(r).__name__ for r in gc.get_referrers(t) if isinstance(r, (list, dict, tuple))}
+    return "a " + " or ".join(sorted(kinds)) + " (a hook or the model collects it)" if kinds else \
+        "a reference outside the region's outputs"

@@ -1,0 +1,137 @@
+"""Run the reference (AC off everywhere) after the recorded run, and compare their gradients.
+
+    code, command = run_reference("train.py", ["--steps", "2"], module=False, output_dir="out", steps=1,
+                                  spec=RemedySpec(deterministic=True))
+    result = reference_result(report, "out", ranks=[0], steps=1, exit_code=code, command=command)
+
+The reference is a separate process: the same interpreter, arguments, working directory and environment,
+plus the remedy "no AC anywhere" (and the run's other process-wide remedies, e.g. deterministic
+algorithms). Under torchrun every rank starts its own reference rank; they meet on a fresh port that
+rank 0 publishes in OUT/reference/port (ranks of one node share OUT), not on torchrun's agent store.
+Its output goes to stderr, so a JSON report on stdout stays clean.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..remedies import ENV, RemedySpec
+from .compare import compare_captures
+from .explain import explain
+from .grads import load_grads
+from .model import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
+from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
+
+PORT_WAIT_S = 120.0
+
+
+def reference_spec(spec: RemedySpec) -> RemedySpec:
+    """AC off everywhere, plus the run's process-wide remedies (so both runs use the same kernels)."""
+    return RemedySpec(no_ac=["*"], deterministic=spec.deterministic)
+
+
+def reference_command(target: str, args: list[str], *, module: bool, directory: str | os.PathLike, steps: int,
+                      spec: RemedySpec, since: float = 0.0) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, description) of the reference process writing into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = grads_path(directory)
+    if stale.exists():
+        stale.unlink()
+    env = {**os.environ, ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        env.update(_fresh_group(directory, since))
+    cmd = [sys.executable, "-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args]
+    return cmd, env, "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
+
+
+def run_reference(target: str, args: list[str], *, module: bool, output_dir: str, steps: int,
+                  spec: RemedySpec, since: float = 0.0) -> tuple[int, str]:
+    """Run the reference; `since`: when this run started (a rendezvous file older than that is stale)."""
+    cmd, env, command = reference_command(target, args, module=module, directory=Path(output_dir) / REFERENCE_DIR,
+                                          steps=steps, spec=spec, since=since)
+    print(f"ac-diff: reference run without AC ({steps} backward pass(es)): {command.split(': ', 1)[1]}",
+          file=sys.stderr)
+    sys.stderr.flush()
+    proc = subprocess.run(cmd, env=env, stdout=sys.stderr.fileno(), check=False)
+    return proc.returncode, command
+
+
+def _fresh_group(directory: Path, since: float) -> dict[str, str]:
+    """The reference ranks' own rendezvous: rank 0 picks a free port and writes it; the others read it (a file
+    older than this run's start is an earlier run's)."""
+    port_file = directory / f"port-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+    if rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(port_file)
+    else:
+        deadline = time.monotonic() + PORT_WAIT_S
+        while not (port_file.exists() and port_file.stat().st_mtime >= since) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        port = int(port_file.read_text()) if port_file.exists() else int(os.environ.get("MASTER_PORT", "29500")) + 1
+    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int], steps: int,
+                     exit_code: int | None, command: str | None,
+                     reference_dir: str | os.PathLike | None = None) -> ReferenceResult:
+    """Compare each rank's gradients with its reference rank's; one result across ranks."""
+    reference_dir = Path(reference_dir) if reference_dir is not None else Path(output_dir) / REFERENCE_DIR
+    results = []
+    for r in ranks:
+        run = load_grads(grads_path(output_dir, r))
+        ref_path = grads_path(reference_dir, r)
+        deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 else 0.0)
+        while not ref_path.exists() and time.monotonic() < deadline:  # another rank's reference still writing
+            time.sleep(0.2)
+        ref = load_grads(ref_path)
+        modules = sorted({x.module for x in getattr(report, "regions", []) if x.rank == r and x.module})
+        compared = compare_captures(run, ref, modules) if run and ref else []
+        for s in compared:
+            s.rank = r
+        findings = load_side(output_dir, r).get("reentrant", [])
+        rank_report = _RankView(report, r)
+        result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command)
+        turned_off = sum(row.get("calls") or 0 for row in load_side(reference_dir, r).get("applied", [])
+                         if row.get("remedy") == "no_ac")
+        if turned_off == 0 and rank_report.regions and result.verdict != FAILED:
+            result.verdict = FAILED
+            result.headline = ("the reference could not turn AC off (no checkpoint call went through ac-diff: was "
+                               "checkpoint bound before ac-diff started?), so the comparison shows nothing")
+        elif turned_off:
+            result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
+        if run is None:
+            result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
+        results.append((r, result))
+    if len(results) == 1:
+        return results[0][1]
+    order = {DIFFERS: 0, NOT_COMPARABLE: 1, FAILED: 2, IDENTICAL: 3}
+    r0, worst = min(results, key=lambda x: (order[x[1].verdict], x[0]))
+    merged = ReferenceResult(mode=worst.mode, verdict=worst.verdict, headline=f"rank {r0}: {worst.headline}",
+                             steps_requested=steps, command=command, exit_code=exit_code)
+    seen = set()
+    for r, res in results:
+        merged.steps += res.steps
+        merged.notes += [f"rank {r}: {n}" for n in res.notes]
+        for e in res.explanations:
+            if e.text not in seen:
+                seen.add(e.text)
+                merged.explanations.append(e)
+    return merged
+
+
+class _RankView:
+    """The report's regions of one rank (what explain() reads)."""
+
+    def __init__(self, report: Any, r: int) -> None:
+        self.regions = [x for x in getattr(report, "regions", []) if x.rank == r]

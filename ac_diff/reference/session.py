@@ -1,0 +1,79 @@
+"""What a process does for gradient capture and the reentrant watch, and where it writes (one place).
+
+    session = CaptureSession(output_dir, steps=1, patch=patch)   # in `ac-diff run --reference` and its children
+    session.install(); ...script...; session.finish()
+    -> OUT/grads-rank{R}.pt (this run's gradients), OUT/remedies-rank{R}.json (remedies applied, reentrant findings)
+
+The reference child writes OUT/reference/grads-rank{R}.pt. `load_side(OUT, rank)` reads a sidecar back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .grads import GradCapture
+from .leaks import ReentrantWatch
+
+REFERENCE_DIR = "reference"
+DIR_ENV = "AC_DIFF_GRADS_DIR"  # set for a child: capture gradients into this directory
+STEPS_ENV = "AC_DIFF_GRADS_STEPS"
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def grads_path(directory: str | os.PathLike, r: int | None = None) -> Path:
+    return Path(directory) / f"grads-rank{rank() if r is None else r}.pt"
+
+
+def side_path(directory: str | os.PathLike, r: int | None = None) -> Path:
+    return Path(directory) / f"remedies-rank{rank() if r is None else r}.json"
+
+
+class CaptureSession:
+    def __init__(self, directory: str | os.PathLike, steps: int, patch: Any, *, watch: bool = True,
+                 exit_after: bool = False) -> None:
+        self.directory = Path(directory)
+        self.patch = patch
+        self.watch = ReentrantWatch(patch.stack) if watch else None
+        if self.watch is not None:
+            patch.add_watcher(self.watch)
+        self.exit_after = exit_after  # the reference child: nothing after the N-th backward is needed
+        self.capture = GradCapture(grads_path(directory), steps, on_done=self._done) if steps > 0 else None
+
+    def install(self) -> "CaptureSession":
+        if self.capture is not None:
+            self.capture.install()
+        return self
+
+    def _done(self) -> None:
+        if self.exit_after:
+            self.finish()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    def finish(self) -> None:
+        if self.capture is not None:
+            self.capture.finish()
+        write_side(self.directory, self.patch, self.watch.findings() if self.watch else [])
+
+
+def write_side(directory: str | os.PathLike, patch: Any, findings: list[dict[str, Any]]) -> None:
+    path = side_path(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"spec": json.loads(patch.spec.to_env()), "applied": patch.summary(),
+                                "reentrant": findings}))
+
+
+def load_side(directory: str | os.PathLike, r: int) -> dict[str, Any]:
+    try:
+        data = json.loads(side_path(directory, r).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,22 @@
+"""`--no-ac GLOB`: regions whose module matches run without checkpointing (the reference run: "*").
+
+    NoAC(["layers.1"]).apply(call)   # call.bypass is True for layers.1 (and a segment containing it)
+"""
+
+from __future__ import annotations
+
+from .call import CheckpointCall, matches
+
+
+class NoAC:
+    kind = "no_ac"
+
+    def __init__(self, globs: list[str]) -> None:
+        self.globs = list(globs)
+
+    def apply(self, call: CheckpointCall) -> str | None:
+        """What was done to this call ("AC off"), or None when the region does not match."""
+        if any(matches(name, self.globs) for name in (call.modules or [call.region])):
+            call.bypass = True
+            return "AC off"
+        return None

@@ -1,0 +1,108 @@
+"""`ac-diff fix`: each remedy tried on the script in its own process; the table says which one works and why
+the others did not. Real mechanisms only (tests/stacks/reentrant_side.py, the torchtitan-shaped package):
+dropout with preserve_rng_state=False, a router bias updated in a forward hook (saving topk does not help:
+its input already differed), the same with top-k weights normalised in place (saving topk crashes the
+script: SAC's cached tensor is mutated), router logits lost through reentrant checkpoint, and torchtitan's
+own op-level SAC policy composed with --must-save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from stacks.runs import STACKS
+
+pytestmark = pytest.mark.e2e
+SCRIPT = str(STACKS / "reentrant_side.py")
+
+
+def _fix(out, *args, cwd=None):
+    json_path = out.parent / f"{out.name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    if cwd is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STACKS), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "fix", "-o", str(out), "--json", str(json_path), *args],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    assert json_path.exists(), proc.stderr[-3000:]
+    return proc, json.loads(json_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def fixes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fix")
+    jobs = {
+        "rng": ["--max-tries", "1", SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
+        "bias": ["--max-tries", "1", SCRIPT, "--no-aux", "--bias-update"],
+        "bias_inplace": ["--max-tries", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
+        "side_output": [SCRIPT, "--reentrant"],
+    }
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
+    done["titan"] = _fix(out / "titan", "--max-tries", "1", "-m", "titanlike.train", "--steps", "1",
+                         "--bias-update", "forward_hook", cwd=str(STACKS))
+    return done
+
+
+def test_preserve_rng_is_verified_first_with_its_exact_form(fixes):
+    proc, report = fixes["rng"]
+    fx = report["fixes"]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = fx["tries"][0]
+    assert (first["remedy"], first["status"], first["gradients"]) == ("preserve_rng_state=True", "verified",
+                                                                      "bit-identical")
+    assert first["regions_before"] == 4 and first["regions_after"] == 0 and first["wall_s"] > 0
+    assert "preserve_rng_state=True" in fx["verified_code"] and "gradient_checkpointing_kwargs" in fx["verified_code"]
+    assert "[activation_checkpoint]" in fx["verified_code"]
+    rng = [s for r in report["regions"] for s in r["suggestions"] if "preserve_rng_state" in s["title"]]
+    assert rng and all(s["status"] == "verified" and "--preserve-rng" in s["verify"] for s in rng)
+    others = [s for r in report["regions"] for s in r["suggestions"] if "preserve_rng_state" not in s["title"]]
+    assert all(s["status"] == "untested" and s["verify"].startswith("ac-diff fix ") for s in others)
+    assert "fixes tried on your script" in proc.stdout and "verified" in proc.stdout
+
+
+def test_saving_the_decision_does_not_help_when_its_input_already_differed(fixes):
+    proc, report = fixes["bias"]
+    t = report["fixes"]["tries"][0]
+    assert t["remedy"].startswith("save aten.topk.default") and t["status"] == "did not help"
+    assert "its input already differed" in t["reason"] and "expert_bias" in t["reason"]
+    assert proc.returncode == 1  # nothing verified within --max-tries 1
+    assert report["fixes"]["tries"][1]["status"] == "untested"
+
+
+def test_a_remedy_that_crashes_the_script_is_reported_and_the_others_still_run(fixes):
+    proc, report = fixes["bias_inplace"]
+    by = {t["remedy"].split(" in ")[0]: t for t in report["fixes"]["tries"]}
+    crashed = by["save aten.topk.default"]
+    assert crashed["status"] == "crashed" and crashed["exit_code"] == 1
+    assert "Tensor cached during selective activation checkpoint has been mutated" in crashed["reason"]
+    assert by["no AC"]["status"] == "verified" and by["no AC"]["gradients"] == "bit-identical"
+    assert report["fixes"]["headline"].startswith("only turning AC off works")
+    assert report["fixes"]["code_change"]  # the change that keeps AC
+    assert "crashed" in proc.stdout
+
+
+def test_gradients_lost_through_reentrant_regions_are_fixed_by_use_reentrant_false(fixes):
+    proc, report = fixes["side_output"]
+    assert report["reference"]["verdict"] == "differs"
+    t = report["fixes"]["tries"][0]
+    assert (t["remedy"], t["status"]) == ("use_reentrant=False", "verified"), t
+    assert "--non-reentrant" in t["command"]
+    assert proc.returncode == 0
+
+
+def test_must_save_composes_with_torchtitans_own_sac_policy(fixes):
+    from pathlib import Path
+
+    proc, report = fixes["titan"]
+    t = report["fixes"]["tries"][0]
+    assert t["args"][:2] == ["--must-save", "aten.topk.default"] and t["status"] != "untested", t
+    base_trace = Path(report["regions"][0]["path"])  # OUT/base/trace-rank0.jsonl
+    applied = json.loads((base_trace.parent.parent / "try-1" / "remedies-rank0.json").read_text())["applied"]
+    assert any(a["what"] == "composed with the script's SAC policy" for a in applied)
+    assert any(a["what"].startswith("saved aten.topk.default in layers.") for a in applied)

@@ -1,0 +1,148 @@
+"""`ac-diff run --reference no-ac`: the same script again without AC, every parameter's gradient compared.
+
+Real mechanisms only (tests/stacks/reentrant_side.py): router logits collected by a forward hook under
+reentrant checkpoint (the aux loss then gives no gradient), frozen embedding + adapters under reentrant
+checkpoint (no region input requires grad), dropout with preserve_rng_state=False (a recompute divergence),
+an unseeded script (the reference's own randomness), and the same model with use_reentrant=False (clean).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from stacks.runs import STACKS, Job, run_all
+
+pytestmark = pytest.mark.e2e
+SCRIPT = str(STACKS / "reentrant_side.py")
+REF = ["--reference", "no-ac", "--check"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    return run_all(out, {
+        "side_output": Job([SCRIPT, "--reentrant"], REF),
+        "clean": Job([SCRIPT], REF + ["--reference-steps", "2"]),
+        "frozen": Job([SCRIPT, "--reentrant", "--frozen-embedding", "--no-aux"], REF),
+        "dropout": Job([SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"], REF),
+        "unseeded": Job([SCRIPT, "--unseeded"], REF),
+        "side_output_no_ac_layer1": Job([SCRIPT, "--reentrant"], REF + ["--no-ac", "layers.1"]),
+    })
+
+
+def _ref(result):
+    assert result.report is not None, result.explain()
+    return result.report["reference"]
+
+
+def test_side_output_under_reentrant_checkpoint_is_named_and_fails_check(runs):
+    r = runs["side_output"]
+    ref = _ref(r)
+    assert r.returncode == 1, r.explain()  # --check: the recompute is clean, the gradients are not
+    assert r.report["verdict"] == "diverged"
+    assert all(x["status"] == "clean" for x in r.report["regions"])
+    assert ref["verdict"] == "differs"
+    differing = {d["name"]: d for d in ref["steps"][0]["differing"]}
+    assert differing["layers.0.gate.weight"]["rel_diff"] > 0.1
+    assert differing["layers.1.gate.weight"]["region"] == "layers.1"
+    side = [e for e in ref["explanations"] if e["kind"] == "side_output"]
+    assert {e["module"] for e in side} == {"layers.0.gate", "layers.1.gate"}
+    assert all("reentrant_side.py:" in e["source"] for e in side)
+    assert all("use_reentrant=False" in e["fix"] for e in side)
+    assert "gradients differ from the run without AC" in r.report["headline"]
+    assert "side output" in r.stdout
+
+
+def test_turning_ac_off_in_one_layer_confirms_where_it_breaks(runs):
+    ref = _ref(runs["side_output_no_ac_layer1"])
+    names = {d["name"] for d in ref["steps"][0]["differing"]}
+    assert "layers.0.gate.weight" in names and not any(n.startswith("layers.1.") for n in names)
+    assert {"remedy": "no_ac", "region": "layers.1", "what": "AC off", "calls": 2, "rank": 0} \
+        in runs["side_output_no_ac_layer1"].report["remedies"]
+
+
+def test_clean_run_reports_gradients_identical_to_the_run_without_ac(runs):
+    r = runs["clean"]
+    ref = _ref(r)
+    assert r.returncode == 0, r.explain()
+    assert ref["verdict"] == "identical" and len(ref["steps"]) == 2
+    assert ref["headline"].startswith("gradients identical to the run without AC")
+    assert "gradients identical to the run without AC" in r.stdout
+    assert any("without AC" in n for n in ref["notes"])  # the reference really turned AC off
+
+
+def test_frozen_embedding_adapters_get_no_gradient_under_reentrant(runs):
+    r = runs["frozen"]
+    ref = _ref(r)
+    assert r.returncode == 1, r.explain()
+    missing = {d["name"] for d in ref["steps"][0]["differing"] if d["status"] == "missing_in_run"}
+    assert missing == {"layers.0.adapter.weight", "layers.1.adapter.weight"}
+    why = [e for e in ref["explanations"] if e["kind"] == "no_grad_inputs"]
+    assert {e["region"] for e in why} == {"layers.0", "layers.1"}
+    assert "enable_input_require_grads" in why[0]["fix"]
+
+
+def test_recompute_divergence_is_tied_to_its_region(runs):
+    ref = _ref(runs["dropout"])
+    assert ref["verdict"] == "differs"
+    why = [e for e in ref["explanations"] if e["kind"] == "recompute_divergence"]
+    assert {e["region"] for e in why} == {"layers.0", "layers.1"}
+    assert "(rng)" in why[0]["text"]
+    assert all(p.startswith("layers.0.") for p in why[0]["parameters"]) and why[0]["parameters"]
+
+
+def test_the_references_own_randomness_is_not_a_defect(runs):
+    r = runs["unseeded"]
+    ref = _ref(r)
+    assert ref["verdict"] == "not_comparable"
+    assert ref["explanations"][0]["kind"] == "reference_randomness"
+    assert r.report["verdict"] == "clean" and r.returncode == 0, r.explain()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--reference", "twice"], "--reference 'twice' is not a mode"),
+    (["--reference", "no-ac", "--reference-steps", "0"], "--reference-steps must be at least 1"),
+    (["--must-save-module", "layers.*"], "--must-save-module needs --must-save"),
+])
+def test_bad_reference_and_remedy_options_are_one_line_exit_2(tmp_path, args, words):
+    proc = run_cli("run", "-o", str(tmp_path / "o"), *args, SCRIPT)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_torchrun_two_ranks_each_compare_with_their_own_reference(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out, json_path = tmp_path / "o", tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AC_DIFF_RANK_WAIT": "60"}
+    for key in ("AC_DIFF_RUN_ID", "AC_DIFF_LAUNCHED"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "ac_diff", "run", "-o", str(out), "--json", str(json_path), "--reference", "no-ac",
+                           SCRIPT, "--distributed", "--reentrant"], env=env, capture_output=True, text=True, timeout=300)
+    assert json_path.exists(), proc.stderr[-3000:]
+    import json
+
+    ref = json.loads(json_path.read_text())["reference"]
+    assert ref["verdict"] == "differs"
+    assert {s["rank"] for s in ref["steps"] if s["differing"]} == {0, 1}
+    assert any(e["kind"] == "side_output" for e in ref["explanations"])
+    assert (out / "reference" / "grads-rank1.pt").exists()
+
+
+def test_remedies_reach_every_rank_under_the_launcher(tmp_path):
+    import json
+
+    out, json_path = tmp_path / "o", tmp_path / "r.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "-o", str(out), "--json", str(json_path), "--no-ac", "layers.1",
+                   "--reference", "no-ac", SCRIPT, "--distributed", "--reentrant", env={"AC_DIFF_RANK_WAIT": "60"})
+    assert json_path.exists(), proc.stderr[-3000:]
+    report = json.loads(json_path.read_text())
+    assert {(r["rank"], r["region"], r["what"]) for r in report["remedies"]} == {
+        (0, "layers.1", "AC off"), (1, "layers.1", "AC off")}
+    differing = {d["name"] for s in report["reference"]["steps"] for d in s["differing"]}
+    assert "layers.0.gate.weight" in differing and not any(n.startswith("layers.1.") for n in differing)

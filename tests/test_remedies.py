@@ -1,0 +1,204 @@
+"""Remedies reach every way a script checkpoints, change only what they say, and compose with SAC policies.
+
+In process, on small seeded models (CPU): `checkpoint()`, `checkpoint_wrapper` (already imported, so its
+import-time binding is re-pointed), `checkpoint_sequential`, HF `gradient_checkpointing_enable` and the
+torchtitan-shaped `apply_ac` with an op-level SAC policy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+import torch.utils.checkpoint as cp
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ac_diff.reference.session import CaptureSession
+from ac_diff.remedies import CheckpointPatch, RemedySpec
+from stacks import reentrant_side
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.router = nn.Linear(dim, 4)
+        self.fc = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        weights, _ = torch.topk(torch.softmax(self.router(x), -1), 2, dim=-1)
+        return x + self.drop(torch.relu(self.fc(x))) * weights.sum(-1, keepdim=True)
+
+
+class Net(nn.Module):
+    def __init__(self, how="checkpoint", context_fn=None, preserve_rng_state=True, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Block() for _ in range(layers)])
+        self.how, self.context_fn, self.preserve = how, context_fn, preserve_rng_state
+        if how == "wrapper":
+            self.layers = nn.ModuleList([cw_module.checkpoint_wrapper(b, preserve_rng_state=preserve_rng_state,
+                                                                      **({"context_fn": context_fn} if context_fn else {}))
+                                         for b in self.layers])
+
+    def forward(self, x):
+        if self.how == "sequential":
+            return cp.checkpoint_sequential(nn.Sequential(*self.layers), 2, x, use_reentrant=False)
+        for layer in self.layers:
+            if self.how == "none" or self.how == "wrapper":
+                x = layer(x)
+            else:
+                kw = {"context_fn": self.context_fn} if self.context_fn else {}
+                x = cp.checkpoint(layer, x, use_reentrant=self.how == "reentrant", preserve_rng_state=self.preserve, **kw)
+        return x
+
+
+def grads(net, seed=1):
+    torch.manual_seed(seed)
+    x = torch.randn(8, 16, requires_grad=True)
+    net(x).pow(2).sum().backward()
+    return {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in net.named_parameters()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def patched():
+    patches = []
+
+    def make(spec, **kw):
+        p = CheckpointPatch(spec, **kw).install()
+        patches.append(p)
+        return p
+    yield make
+    for p in reversed(patches):
+        p.uninstall()
+    assert not hasattr(cp.checkpoint, "_ac_diff_remedies_original")
+    assert not hasattr(cw_module.torch_utils_checkpoint, "_ac_diff_remedies_original")
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "reentrant", "wrapper", "sequential"])
+def test_no_ac_everywhere_gives_the_gradients_of_the_model_without_checkpointing(patched, how):
+    reference = grads(Net("none", preserve_rng_state=True))
+    patch = patched(RemedySpec(no_ac=["*"]))
+    assert same(grads(Net(how)), reference)
+    assert sum(r["calls"] for r in patch.summary() if r["remedy"] == "no_ac") >= 1
+
+
+def test_no_ac_by_glob_names_the_regions_as_the_report_does(patched):
+    patch = patched(RemedySpec(no_ac=["layers.1"]))
+    grads(Net("wrapper"))
+    assert [(r["region"], r["what"]) for r in patch.summary()] == [("layers.1", "AC off")]
+
+
+def test_preserve_rng_makes_dropout_under_preserve_rng_state_false_match_no_ac(patched):
+    reference = grads(Net("none"))
+    assert not same(grads(Net("checkpoint", preserve_rng_state=False)), reference)  # the real mechanism
+    patch = patched(RemedySpec(preserve_rng=True))
+    assert same(grads(Net("checkpoint", preserve_rng_state=False)), reference)
+    assert {r["what"] for r in patch.summary()} == {"preserve_rng_state=True"}
+
+
+def test_must_save_composes_with_the_scripts_own_sac_policy(patched):
+    calls = defaultdict(int)
+
+    def user_policy(ctx, op, *args, **kwargs):
+        calls[str(op)] += 1
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    reference = grads(Net("none"))
+    patch = patched(RemedySpec(must_save=["aten.topk.default"], must_save_modules=["layers.*.router"]))
+    got = grads(Net("wrapper", context_fn=lambda: create_selective_checkpoint_contexts(user_policy)))
+    assert same(got, reference)
+    rows = {(r["region"], r["what"]) for r in patch.summary()}
+    assert ("layers.0", "composed with the script's SAC policy") in rows
+    # topk runs in layers.N (not in the router module): the module glob keeps it out; the user's policy still decides
+    assert calls["aten.addmm.default"] >= 2 and calls["aten.topk.default"] >= 2
+    patch.uninstall()
+    calls.clear()
+    patch = patched(RemedySpec(must_save=["aten.topk.default", "addmm"]))
+    grads(Net("wrapper", context_fn=lambda: create_selective_checkpoint_contexts(user_policy)))
+    saved = {r["what"] for r in patch.summary() if r["what"].startswith("saved")}
+    assert "saved aten.topk.default in layers.0" in saved and "saved aten.addmm.default in layers.1.router" in saved
+    assert calls["aten.topk.default"] == 0  # decided by --must-save before the user's policy
+
+
+def test_must_save_leaves_reentrant_regions_alone_and_says_why(patched):
+    patch = patched(RemedySpec(must_save=["topk"]))
+    grads(Net("reentrant"))
+    assert all("reentrant checkpoint takes no context_fn" in r["what"] for r in patch.summary())
+
+
+def test_titanlike_apply_ac_selective_op_policy_is_composed(patched):
+    from stacks.titanlike.activation_checkpoint import apply_ac
+    from stacks.titanlike.config import parse_args
+
+    from ac_diff._examples import tiny_moe
+
+    patch = patched(RemedySpec(must_save=["aten.topk.default"], must_save_modules=["layers.*.moe.router"]))
+    job = parse_args(["--steps", "1"])
+    args = tiny_moe.ModelArgs(n_layers=2)
+    torch.manual_seed(0)
+    model = tiny_moe.Transformer(args)
+    apply_ac(model, job.activation_checkpoint)  # ptd_checkpoint_wrapper with torchtitan's op-level SAC policy
+    inputs, labels = tiny_moe.make_batch(args, 0, seq_len=32)
+    tiny_moe.loss_fn(model(inputs), labels).backward()
+    rows = patch.summary()
+    assert ("layers.0", "composed with the script's SAC policy") in {(r["region"], r["what"]) for r in rows}
+    assert {r["what"] for r in rows if r["what"].startswith("saved")} == {
+        "saved aten.topk.default in layers.0.moe.router", "saved aten.topk.default in layers.1.moe.router"}
+
+
+def test_hf_gradient_checkpointing_is_reached(patched):
+    transformers = pytest.importorskip("transformers")
+    patch = patched(RemedySpec(no_ac=["model.layers.1"]))
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=32)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 32, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert [(r["region"], r["what"], r["calls"]) for r in patch.summary()] == [("model.layers.1", "AC off", 1)]
+
+
+def test_gradient_capture_and_reentrant_watch_leave_training_bit_identical(tmp_path):
+    def train(observe):
+        torch.manual_seed(0)
+        model = reentrant_side.Model()
+        model.reentrant = True
+        logits = []
+        for layer in model.layers:
+            layer.gate.register_forward_hook(lambda m, i, o: logits.append(o))
+        session = patch = None
+        if observe:  # what `ac-diff run --reference` adds to the run
+            patch = CheckpointPatch(RemedySpec())
+            session = CaptureSession(tmp_path, 2, patch)
+            patch.install()
+            session.install()
+        out = []
+        for _ in range(2):
+            logits.clear()
+            ids = torch.randint(0, 32, (4, 8))
+            loss = nn.functional.cross_entropy(model(ids), ids.flatten()) + sum(l.pow(2).mean() for l in logits)
+            loss.backward()
+            out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad()
+        if session:
+            session.finish()
+            patch.uninstall()
+            assert session.watch.findings()  # it did watch: the gate outputs leave the regions
+        return out
+
+    plain, observed = train(False), train(True)
+    for (la, ga), (lb, gb) in zip(plain, observed):
+        assert torch.equal(la, lb) and same(ga, gb)
+    assert (tmp_path / "grads-rank0.pt").exists()
