@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ac_diff.logs import parse_log
 
-DEFAULT_LOGS = Path(__file__).resolve().parents[2] / "shared" / "real_logs"
+DEFAULT_LOGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "real_logs"
 
 
 def build_log(logs: Path, target_mb: float, out: Path) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+REAL_LOGS = REPO / "tests" / "data" / "real_logs"  # public pastes of torch's errors; sources in its README.md
 sys.path.insert(0, str(REPO / "tests"))
 
 
@@ -21,6 +24,28 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict | None =
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ac_diff", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def torch_debug_logging():
+    """Run checkpoint(debug=True) without the test runner's log handlers on torch's "LoggingTensor" logger.
+
+    torch logs each op there with arguments its message does not format (`info(name, args, kwargs, out)`),
+    for its own handler, which reads them raw. torch's capture_logs leaves the logger non-propagating,
+    and pytest >= 9.2 attaches its capture handler to every non-propagating logger at the start of each
+    test phase; formatting those records then raises TypeError inside the checkpointed forward (only
+    after another test has run debug=True: an order-dependent failure). Foreign handlers are detached
+    for the block and put back after it."""
+    logger = logging.getLogger("LoggingTensor")
+    foreign = list(logger.handlers)
+    for handler in foreign:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in foreign:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
 
 
 def report_json(path: str | os.PathLike) -> dict:

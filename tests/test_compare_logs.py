@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import json
 import os
 import traceback
@@ -11,15 +10,14 @@ from pathlib import Path
 import pytest
 
 import ac_diff
-from conftest import REPO, run_cli
+from conftest import REAL_LOGS, REPO, run_cli, torch_debug_logging
 
-REAL_LOGS = Path(os.environ.get("AC_DIFF_REAL_LOGS", REPO.parent / "shared" / "real_logs"))
 SAMPLE_LOGS = REPO / "sample_logs"
 
 
 def _real(name: str) -> Path:
     path = REAL_LOGS / name
-    assert path.exists(), f"real logs not found at {REAL_LOGS} (set AC_DIFF_REAL_LOGS)"
+    assert path.exists(), f"{path} is missing from the repository's real logs"
     return path
 
 
@@ -102,15 +100,8 @@ def _debug_log(tmp_path, name: str, fn, x) -> Path:
     import torch
     import torch.utils.checkpoint as cp
 
-    # debug=True logs each op through the "LoggingTensor" logger with arguments its message does not
-    # format; pytest >= 9.2 formats every record it captures and fails on them: keep them to torch's handler
-    logger = logging.getLogger("LoggingTensor")
-    propagate, logger.propagate = logger.propagate, False
-    try:
-        with pytest.raises(cp.CheckpointError) as caught:
-            cp.checkpoint(fn, x, use_reentrant=False, debug=True).sum().backward()
-    finally:
-        logger.propagate = propagate
+    with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+        cp.checkpoint(fn, x, use_reentrant=False, debug=True).sum().backward()
     path = tmp_path / name
     path.write_text("".join(traceback.format_exception(caught.value)))  # as python prints it: the chain too
     return path

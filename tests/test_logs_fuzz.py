@@ -2,16 +2,14 @@
 keeps what it extracts stable under the damage real logs suffer.
 
 Hypothesis runs derandomized (a fixed seed per test) with bounded example counts, so the file
-finishes in well under 20 s and a failure reproduces. The real logs come from ../shared/real_logs
-(or $AC_DIFF_REAL_LOGS); they are required, as in test_logs_real.py.
+finishes in well under 20 s and a failure reproduces. The real logs come from tests/data/real_logs;
+they are required, as in test_logs_real.py.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,9 +17,10 @@ from hypothesis import strategies as st
 
 from ac_diff.logs import parse_log
 from ac_diff.model import Run, TensorMeta
+from conftest import REAL_LOGS
 
-LOGS = Path(os.environ.get("AC_DIFF_REAL_LOGS") or Path(__file__).resolve().parents[2] / "shared" / "real_logs")
-MISSING = f"real logs not found at {LOGS}: check out ../shared/real_logs beside the repo or set AC_DIFF_REAL_LOGS"
+LOGS = REAL_LOGS
+MISSING = f"real logs not found at {LOGS}"
 
 DATA = {p.name: p.read_bytes() for p in sorted(LOGS.glob("*.log"))} if LOGS.is_dir() else {}
 SMALL = sorted(n for n, d in DATA.items() if len(d) < 10_000) or ["(missing)"]

@@ -1,7 +1,5 @@
-"""Every real log torch users pasted (../shared/real_logs) parses, and yields what it holds.
-
-The directory is `<repo>/../shared/real_logs`, or $AC_DIFF_REAL_LOGS. If it is missing these tests
-FAIL: they are the parser's ground truth and must not be skipped silently.
+"""Every real log torch users pasted (tests/data/real_logs, sources in its README.md) parses, and yields
+what it holds. If a file is missing these tests FAIL: they are the parser's ground truth.
 
 Argument values: integers that LoggingTensor printed as quoted strings inside lists
 (`['14', '99']`) are read back as ints (`[14, 99]`); see ac_diff/logs/args.py.
@@ -9,28 +7,22 @@ Argument values: integers that LoggingTensor printed as quoted strings inside li
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log
 from ac_diff.model import Run, TensorMeta
+from conftest import REAL_LOGS
 
 
-def _logs_dir() -> Path:
-    env = os.environ.get("AC_DIFF_REAL_LOGS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "real_logs"
-
-
-LOGS = _logs_dir()
+LOGS: Path = REAL_LOGS
 _CACHE: dict[str, Run] = {}
 
 
 def run_of(name: str) -> Run:
     if not LOGS.is_dir():
-        pytest.fail(f"real logs not found at {LOGS}: check out ../shared/real_logs beside the repo or set "
-                    "AC_DIFF_REAL_LOGS to the directory that holds them")
+        pytest.fail(f"real logs not found at {LOGS}")
     path = LOGS / name
     if not path.is_file():
         pytest.fail(f"{path} is missing from the real logs directory")
@@ -67,8 +59,7 @@ EXPECTED_FILES = {
 
 
 def test_real_logs_directory_exists():
-    assert LOGS.is_dir(), (f"real logs not found at {LOGS}: check out ../shared/real_logs beside the repo "
-                           "or set AC_DIFF_REAL_LOGS")
+    assert LOGS.is_dir(), f"real logs not found at {LOGS}"
 
 
 def test_every_log_has_expectations_here():

@@ -17,6 +17,7 @@ from ac_diff.logs.args import parse_args
 from ac_diff.logs.meta import DTYPE_ABBRS, parse_device, parse_metadata, parse_shape, short_dtype
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.model import TensorMeta
+from conftest import torch_debug_logging
 
 
 def U(shape, dtype):
@@ -444,7 +445,7 @@ def torch_texts():
                             ("count", fewer_saved, False)]:
         calls["n"] = 0
         # no C++ frames in the dump: symbolising them takes seconds and is not what we parse
-        with mock.patch.object(platform, "machine", return_value="riscv"):
+        with mock.patch.object(platform, "machine", return_value="riscv"), torch_debug_logging():
             try:
                 checkpoint(fn, x, use_reentrant=False, debug=debug).backward()
             except CheckpointError as e:
