@@ -61,6 +61,12 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:
             from .logs import looks_like_log, parse_log
 
             if not looks_like_log(p):
+                from .streams import stream_damage
+
+                damage = stream_damage(p)
+                if damage:
+                    raise InputError(f"{p}: the compressed file is damaged ({damage}); copy it again from where it "
+                                     "was written (or decompress what is readable: zcat FILE > FILE.log)")
                 raise InputError(f"{p}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
                                  "debug dump in it; pass the log that contains the CheckpointError")
             runs.append(parse_log(p, progress=progress))

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from . import __version__
-from .commands.common import EXIT_BAD_INPUT, EXIT_INTERNAL, fail
+from .commands.common import EXIT_INTERNAL, describe_os_error, fail
 
 app = typer.Typer(
     name="ac-diff",
@@ -24,7 +24,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-FORMATS = ("terminal", "json", "html")
+from .config import FORMATS
 
 
 def _version(value: bool) -> None:
@@ -52,12 +52,6 @@ def main_options(
 
 def _complete_formats(incomplete: str) -> list[str]:
     return [f for f in FORMATS if f.startswith(incomplete)]
-
-
-def _format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise typer.BadParameter(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return fmt
 
 
 def _settings(rtol: float, atol: float):
@@ -129,13 +123,9 @@ def run(
       ac-diff run -o out train.py --steps 2
     """
     cfg = _config(ctx, config)
-    fmt = _format(cfg.pick("format", fmt))
-    scope = cfg.pick("scope", scope)
-    if scope not in ("regions", "all"):
-        raise typer.BadParameter("--scope must be 'regions' or 'all'")
+    fmt = cfg.pick("format", fmt)
+    scope = cfg.pick("scope", scope)  # pick checks a given value like the settings key
     write = cfg.pick("write", write)
-    if write not in ("all", "diverged"):
-        raise typer.BadParameter("--write must be 'all' or 'diverged'")
     options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
                                  scope=scope, write=write)
     output_dir = cfg.pick("output_dir", output_dir)
@@ -145,6 +135,8 @@ def run(
     remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,
                                          deterministic, must_save, must_save_module)
     extra = {"remedies": remedies, "reference": reference, "reference_steps": reference_steps}
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise typer.BadParameter(f"--nproc-per-node must be an integer >= 1 (got {nproc_per_node})")
     if nproc_per_node:
         from .commands.launch_cmd import launch_command, rank_argv
 
@@ -219,7 +211,7 @@ def report(
     from .commands.report_cmd import report_command
 
     cfg = _config(ctx, config)
-    fmt = _format(cfg.pick("format", fmt))
+    fmt = cfg.pick("format", fmt)
     raise typer.Exit(report_command(paths, fmt, json_path, _report_file(fmt, output), cfg.settings(rtol, atol)))
 
 
@@ -246,7 +238,7 @@ def compare(
     from .commands.compare_cmd import compare_command
 
     cfg = _config(ctx, config)
-    fmt = _format(cfg.pick("format", fmt))
+    fmt = cfg.pick("format", fmt)
     raise typer.Exit(compare_command(paths, fmt, json_path, _report_file(fmt, output), cfg.settings(rtol, atol)))
 
 
@@ -269,7 +261,7 @@ def demo(
     from .commands.demo_cmd import demo_command
 
     cfg = _config(ctx, config)
-    fmt = _format(cfg.pick("format", fmt))
+    fmt = cfg.pick("format", fmt)
     output_dir = output_dir or os.path.join(cfg.output_dir, "demo")
     raise typer.Exit(demo_command(output_dir, fmt, json_path, _report_file(fmt, output, output_dir)))
 
@@ -316,25 +308,31 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError) as exc:
         return fail(str(exc))
     except OSError as exc:
-        return fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ") + "; check the path and permissions")
+        return fail(describe_os_error(exc))
     except typer.Abort:
         return fail("aborted", 130)
     except Exception as exc:  # click usage errors and ac-diff's own bugs
-        if isinstance(exc, _click_errors()):
-            exc.show()
-            return EXIT_BAD_INPUT
+        if isinstance(exc, _usage_errors()):
+            return fail(_usage_line(exc))
         if os.environ.get("AC_DIFF_DEBUG"):
             raise
         return fail(f"internal error: {type(exc).__name__}: {exc} (set AC_DIFF_DEBUG=1 for the traceback and "
                     "please report it)", EXIT_INTERNAL)
 
 
-def _click_errors() -> tuple[type, ...]:
-    """click's usage-error class, and typer's own copy of it (typer >= 0.22 vendors click)."""
-    import click
+def _usage_errors() -> tuple[type, ...]:
+    """The usage-error class of the click that typer runs on (its own vendored copy since typer 0.22, or
+    the click package before): read from typer's BadParameter, so no click import is needed."""
+    return tuple(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
 
-    return tuple({cls for base in (click.ClickException, typer.BadParameter) for cls in base.__mro__
-                  if cls.__name__ == "ClickException"})
+
+def _usage_line(exc: Exception) -> str:
+    """A click usage error as one line, with where to read the usage."""
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    message = " ".join(message.split())
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command_path", None) or "ac-diff"
+    return f"{message} (see `{command} --help`)"
 
 
 def entry() -> None:

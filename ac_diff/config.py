@@ -63,8 +63,8 @@ def _number(v: Any) -> float:
             raise ValueError("a number") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError("a number")
-    if v < 0 or v != v:
-        raise ValueError("a number >= 0")
+    if not 0 <= v < float("inf"):  # NaN fails too
+        raise ValueError("a finite number >= 0")
     return float(v)
 
 
@@ -110,8 +110,8 @@ def _op_list(v: Any) -> tuple[str, ...]:
 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("rtol", "number >= 0", 0.0, "relative tolerance for value fingerprints (0: exact)", _number),
-    Key("atol", "number >= 0", 0.0, "absolute tolerance for value fingerprints", _number),
+    Key("rtol", "finite number >= 0", 0.0, "relative tolerance for value fingerprints (0: exact)", _number),
+    Key("atol", "finite number >= 0", 0.0, "absolute tolerance for value fingerprints", _number),
     Key("ignore_ops", "list of op names", (), "ops never recorded (e.g. aten.detach.default)", _op_list),
     Key("discrete_ops", "list of op names", (), "extra ops treated as discrete decisions (custom routers)",
         _op_list),
@@ -157,8 +157,14 @@ class Config:
     path: Path | None = field(default=None, compare=False)  # the file it came from (None: defaults)
 
     def pick(self, name: str, given: Any) -> Any:
-        """A command-line value wins when given (not None); otherwise the config's (or the default)."""
-        return getattr(self, name) if given is None else given
+        """A command-line value wins when given (not None; checked like the key, as `--name`); otherwise
+        the config's (or the default)."""
+        if given is None:
+            return getattr(self, name)
+        try:
+            return KEYS[name].check(given)
+        except ValueError as exc:
+            raise ConfigError(f"--{name.replace('_', '-')} must be {exc} (got {given!r})") from None
 
     def settings(self, rtol: float | None = None, atol: float | None = None):
         from .diagnosis import Settings, Tolerance

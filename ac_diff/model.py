@@ -191,3 +191,4 @@ class Run:
     notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...
     truncated: bool = False
     exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown
+    damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)

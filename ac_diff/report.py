@@ -19,6 +19,7 @@ REPORT_VERSION = 1
 
 CLEAN = "clean"
 DIVERGED = "diverged"
+DAMAGED = "damaged"  # the trace lines of the region failed their checksum: nothing about it can be trusted
 UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so nothing to compare
 # Report verdict `unchecked`: no region diverged, but nothing was compared (a truncated trace, a log without op
 # lists) or the run crashed and left regions unchecked: nothing shows the run clean

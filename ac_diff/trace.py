@@ -15,6 +15,19 @@ stored nested lists; both load). `read_run(path)` turns a file back into the mod
 (`ac_diff.model.Run`). A file of another format or of a newer major version raises
 `TraceFormatError` saying what it is and what to do; a file without its end record (the process
 died) loads with `Run.truncated` set and a note.
+
+Integrity: since 1.1 every line ends with `"crc": N`, the CRC-32 of the line's bytes without that
+field (`{..., "crc": N}` -> `{...}`). A line whose checksum does not match, that does not parse, or
+that lacks the checksum in a 1.1 trace is damaged: it is skipped, counted, and every region that was
+being recorded when it was written (its region record before the line, its last recompute pass record not)
+is marked damaged (`Region.options["damaged"]`), and so is the region whose recompute ended just
+before the line (a torch error or exception record is about it); so is a region named only by records
+whose region record was lost. The diagnosis reports such a region as "damaged", never as clean or diverged. A
+damaged header, or one whose fields have the wrong types, raises `TraceFormatError`.
+
+Format history (every version stays readable; tests/data keeps a file of each):
+  1.0  header, region, op (one per op, later one "ops" record per pass), pass, end records
+  1.1  a CRC-32 per line (`crc`); readers of 1.0 ignore it
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import os
 import queue
 import threading
 import platform
+import zlib
 import sys
 import time
 from pathlib import Path
@@ -38,10 +52,11 @@ except ImportError:  # pragma: no cover - orjson is a dependency; json is the fa
     orjson = None
 
 from . import __version__
+from .streams import STREAM_DAMAGE, open_binary
 from .model import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
 FORMAT = "ac-diff-trace"
-VERSION = "1.0"
+VERSION = "1.1"
 MAJOR = 1
 
 
@@ -130,7 +145,7 @@ class TraceWriter:
         line = None if record.get("nonfinite") else _fast_encode(record)
         if line is None:
             line = self._encode(record).encode("utf-8", "replace")
-        self._file.write(line + b"\n")
+        self._file.write(with_crc(line) + b"\n")
 
     def _flush_now(self, _: Any = None) -> None:
         if isinstance(self._file, gzip.GzipFile):
@@ -169,6 +184,25 @@ def _fast_encode(record: Any) -> bytes | None:
         return None
 
 
+_CRC = b',"crc":'
+
+
+def with_crc(line: bytes) -> bytes:
+    """An encoded record (`{...}`) with its checksum as the last field: `{...,"crc":N}`."""
+    return b"%s%s%d}" % (line[:-1], _CRC, zlib.crc32(line))
+
+
+def check_crc(line: bytes) -> bool | None:
+    """True if the line's checksum matches, False if it does not, None if the line has none."""
+    at = line.rfind(_CRC)
+    if at < 0:
+        return None
+    digits = line[at + len(_CRC):].rstrip()
+    if not digits.endswith(b"}") or not digits[:-1].isdigit():
+        return False
+    return zlib.crc32(line[:at] + b"}") == int(digits[:-1])
+
+
 def decode_line(line: str | bytes) -> Any:
     """One JSON line (orjson where it can: it rejects the NaN and Infinity literals json writes)."""
     if orjson is not None:
@@ -182,42 +216,77 @@ def decode_line(line: str | bytes) -> Any:
 # -- reading ----------------------------------------------------------------------------------
 def open_text(path: str | os.PathLike) -> io.TextIOBase:
     """Open a file as text whether it is gzip-compressed or not."""
-    raw = open(path, "rb")
-    magic = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
-    stream: Any = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
-    return io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace")
 
 
 def is_trace(path: str | os.PathLike) -> bool:
     """True if the file starts like an ac-diff trace (any version)."""
     try:
-        with open_text(path) as f:
+        with open_binary(path) as f:
             first = f.readline(65536)
-        return '"format"' in first and FORMAT in first
-    except (OSError, EOFError, gzip.BadGzipFile):
+        return b'"format"' in first and FORMAT.encode() in first
+    except STREAM_DAMAGE:
         return False
 
 
+_DAMAGED = "_damaged"
+
+
+def _lines(f: Any) -> Iterator[bytes]:
+    """The file's lines; a compressed stream that breaks off ends them with one None."""
+    while True:
+        try:
+            line = f.readline()
+        except STREAM_DAMAGE:
+            yield None
+            return
+        if not line:
+            return
+        yield line
+
+
 def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """Yield the trace's records after checking its header; a cut last line ends the iteration."""
-    with open_text(path) as f:
-        first = f.readline()
-        header = _parse_header(first, path)
+    """Yield the trace's records after checking its header. A damaged line is yielded as
+    {"type": "_damaged", "why": ...}; a cut compressed stream ends the iteration with one."""
+    with open_binary(path) as f:
+        lines = _lines(f)
+        header = _parse_header(next(lines, b"") or b"", path)
+        checked = header.pop("crc", None) is not None  # 1.1: every line carries its checksum
         yield header
-        for line in f:
-            try:
-                yield decode_line(line)
-            except json.JSONDecodeError:
-                yield {"type": "_garbled", "text": line[:200]}
-            except (EOFError, gzip.BadGzipFile, OSError):  # gzip cut mid-stream
-                yield {"type": "_garbled", "text": "<gzip stream cut>"}
+        for line in lines:
+            if line is None:
+                yield {"type": _DAMAGED, "why": "the compressed stream is damaged or cut short here"}
                 return
+            if not line.strip():
+                continue
+            ok = check_crc(line) if checked else None
+            if ok is False or (checked and ok is None):
+                yield {"type": _DAMAGED, "why": "checksum mismatch" if ok is False else "a line without its checksum"}
+                continue
+            try:
+                rec = decode_line(line)
+            except (ValueError, RecursionError):  # a cut last line, garbage, nesting too deep to parse
+                rec = None
+            if not isinstance(rec, dict):
+                yield {"type": _DAMAGED, "why": "not a JSON record"}
+                continue
+            rec.pop("crc", None)
+            yield rec
 
 
-def _parse_header(line: str, path: Any) -> dict[str, Any]:
+# header fields and the types they must have (a header with others is damaged, not a trace to trust)
+_HEADER_TYPES: dict[str, tuple[type, ...]] = {
+    "rank": (int,), "world_size": (int,), "local_rank": (int,), "pid": (int,), "restart": (int,),
+    "start_time": (int, float), "argv": (list,), "options": (dict,), "target_args": (list,),
+    "run_id": (str,), "host": (str,), "torch": (str,), "python": (str,), "ac_diff": (str,), "cwd": (str,),
+    "target": (str,), "module": (bool,),
+}
+
+
+def _parse_header(line: bytes, path: Any) -> dict[str, Any]:
     try:
         header = decode_line(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceFormatError(
@@ -235,6 +304,13 @@ def _parse_header(line: str, path: Any) -> dict[str, Any]:
             f"version {MAJOR}.x; {'upgrade ac-diff' if major > MAJOR else 're-record it with this ac-diff'} "
             "(pip install -U ac-diff)"
         )
+    damaged = "its checksum does not match" if check_crc(line) is False else next(
+        (f"field {key!r} is {header[key]!r}" for key, types in _HEADER_TYPES.items()
+         if key in header and header[key] is not None and
+         (not isinstance(header[key], types) or (types == (int,) and isinstance(header[key], bool)))), None)
+    if damaged:
+        raise TraceFormatError(f"{path}: the trace's header is damaged ({damaged}); the file was changed after "
+                               "ac-diff wrote it: copy it again from where it was written, or re-record it")
     return header
 
 
@@ -246,54 +322,94 @@ def read_run(path: str | os.PathLike) -> Run:
     rank = int(header.get("rank", 0) or 0)
     regions: dict[int, Region] = {}
     ops: dict[tuple, list[OpRecord]] = {}
-    garbled = 0
+    damage: list[tuple[int, str]] = []  # (line number, why)
+    opened: dict[int, int] = {}  # region -> line of its region record
+    last_pass: dict[int, int] = {}  # region -> line of its last recompute pass record
+    named: set[int] = set()  # regions that records name
+    region_lines: list[int] = []  # lines of region, op(s) and pass records
     ended = False
-    for rec in records:
+    line = 1
+    for line, rec in enumerate(records, start=2):
         kind = rec.get("type")
-        if kind == "op":
-            key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
-            ops.setdefault(key, []).append(_op_from_json(rec))
-        elif kind == "ops":
-            key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
-            try:
+        if kind in ("region", "op", "ops", "pass"):
+            region_lines.append(line)
+        try:
+            if kind == _DAMAGED:
+                damage.append((line, rec.get("why", "")))
+            elif kind == "op":
+                key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
+                ops.setdefault(key, []).append(_op_from_json(rec))
+                named.add(key[0])
+            elif kind == "ops":
+                key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
                 ops.setdefault(key, []).extend(_ops_from_json(rec))
-            except (KeyError, IndexError, TypeError, ValueError):
-                garbled += 1
-        elif kind == "pass":
-            _attach_pass(regions, ops, rec, rank)
-        elif kind == "region":
-            number = rec["region"]
-            regions[number] = Region(
-                rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
-                parent=rec.get("parent"), options={**rec.get("options", {}), "recorded": rec.get("recorded", True),
-                                                   "parent_phase": rec.get("parent_phase")},
-                compiled=list(rec.get("compiled", [])),
-            )
-        elif kind == "check_error":
-            run.header.setdefault("check_errors", []).append(rec)
-        elif kind == "exception":
-            run.header["exception"] = rec
-        elif kind == "warning":
-            run.notes.append(rec.get("message", ""))
-        elif kind == "end":
-            ended = True
-            run.exit_status = rec.get("status")
-            run.header["end"] = rec
-        elif kind == "_garbled":
-            garbled += 1
+                named.add(key[0])
+            elif kind == "pass":
+                _attach_pass(regions, ops, rec, rank)
+                named.add(rec.get("region"))
+                if rec.get("phase") == "recompute":
+                    last_pass[rec.get("region")] = line
+            elif kind == "region":
+                number = rec["region"]
+                if not isinstance(number, int):
+                    raise TypeError("region number")
+                regions[number] = Region(
+                    rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
+                    parent=rec.get("parent"), options={**rec.get("options", {}), "recorded": rec.get("recorded", True),
+                                                       "parent_phase": rec.get("parent_phase")},
+                    compiled=list(rec.get("compiled", [])),
+                )
+                opened[number] = line
+            elif kind == "check_error":
+                run.header.setdefault("check_errors", []).append(rec)
+            elif kind == "exception":
+                run.header["exception"] = rec
+            elif kind == "warning":
+                run.notes.append(str(rec.get("message", "")))
+            elif kind == "end":
+                ended = True
+                run.exit_status = rec.get("status")
+                run.header["end"] = rec
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
+            damage.append((line, f"a {kind!r} record with fields of the wrong type"))
     for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
         region = regions.get(number)
         if region is not None and phase in PHASES:
             p = Pass(phase=phase, ops=pending, complete=False, attempt=attempt)
             _set_pass(region, p)
+    if damage and not ended and damage[-1][0] == line:  # the line a killed process was writing: cut, not damaged
+        damage.pop()
+    if damage:
+        _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
     run.regions = sorted(regions.values(), key=lambda r: r.region)
-    if garbled:
-        run.notes.append(f"skipped {garbled} unreadable line(s) in {path}")
     if not ended:
         run.truncated = True
         run.notes.append(f"{path} has no end record: the recorded process stopped before ac-diff could finish "
                          "the trace (killed?); everything up to the last completed pass is shown")
     return run
+
+
+def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, str]], opened: dict[int, int],
+                  last_pass: dict[int, int], named: set, region_lines: list[int], rank: int) -> None:
+    """Mark every region a damaged line may have belonged to; add a placeholder for a region whose
+    region record was lost; say how many lines were damaged and where."""
+    for number in named - regions.keys():
+        if isinstance(number, int):
+            regions[number] = Region(rank=rank, region=number, module=None, kind="checkpoint",
+                                     options={"damaged": "its region record is damaged"})
+    for line, why in damage:
+        hit = [number for number, start in opened.items()
+               if start < line and (number not in last_pass or last_pass[number] > line)]
+        closed = [(end, number) for number, end in last_pass.items() if end < line]
+        if closed and not any(max(closed)[0] < other < line for other in region_lines):
+            hit.append(max(closed)[1])  # right after a region's recompute: its torch error, the exception
+        for number in hit:
+            regions[number].options.setdefault("damaged", f"line {line} of the trace, written while this region "
+                                                          f"was recorded or just after, is damaged ({why})")
+    lines = ", ".join(str(line) for line, _ in damage[:5]) + (" ..." if len(damage) > 5 else "")
+    run.damaged = len(damage)
+    run.notes.append(f"{run.path}: {len(damage)} damaged line(s) skipped (line {lines}: {damage[0][1]}); the "
+                     "regions recorded around them are reported as damaged, not diagnosed")
 
 
 def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int) -> None:
@@ -383,7 +499,7 @@ def _ops_from_json(rec: dict) -> list[OpRecord]:
 
 
 def _values_from_json(vals: Any) -> Any:
-    """Kept values: since 1.1 each is {"dtype", "shape", "b64"} (raw bytes); 1.0 stored nested lists."""
+    """Kept values: each is {"dtype", "shape", "b64"} (raw bytes); the first 1.0 traces stored nested lists."""
     if not isinstance(vals, dict) or not any(isinstance(v, dict) for v in vals.values()):
         return vals
     from .fingerprint import decode_values

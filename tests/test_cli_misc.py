@@ -71,15 +71,25 @@ def test_completion(monkeypatch, capsys, words, cword, expected):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["report", "--format", "xml", "out"], ["unknown format 'xml'", "terminal, json, html"]),
-    (["run", "--write", "sometimes", "train.py"], ["--write must be 'all' or 'diverged'"]),
-    (["run", "--scope", "everything", "train.py"], ["--scope must be 'regions' or 'all'"]),
+    (["report", "--format", "xml", "out"], ["--format must be one of terminal, json, html", "'xml'"]),
+    (["run", "--write", "sometimes", "train.py"], ["--write must be one of all, diverged"]),
+    (["run", "--scope", "everything", "train.py"], ["--scope must be one of regions, all"]),
+    (["report", "--rtol", "-1", "out"], ["--rtol must be a finite number >= 0 (got -1.0)"]),
+    (["report", "--rtol", "nan", "out"], ["--rtol must be a finite number >= 0 (got nan)"]),
+    (["compare", "--atol", "inf", "out"], ["--atol must be a finite number >= 0 (got inf)"]),
+    (["run", "--max-regions", "-1", "train.py"], ["--max-regions must be an integer >= 0 (got -1)"]),
+    (["run", "--keep-values", "-3", "train.py"], ["--keep-values must be an integer >= 0 (got -3)"]),
+    (["run", "--nproc-per-node", "0", "train.py"], ["--nproc-per-node must be an integer >= 1 (got 0)"]),
+    (["report", "--rtol", "abc", "x"], ["Invalid value for '--rtol'", "ac-diff report --help"]),
+    (["report", "--no-such-option", "x"], ["No such option", "ac-diff report --help"]),
 ])
 def test_a_bad_option_value_is_a_usage_error_not_an_internal_one(argv, words, capsys):
+    """Bad option values, wherever they are checked: one line on stderr, exit 2."""
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "internal error" not in err and "Traceback" not in err
     assert all(w in err for w in words), err
+    assert err.startswith("ac-diff: error: ") and err.count("\n") == 1, err
 
 
 def test_short_labels_keep_host_values():

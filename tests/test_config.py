@@ -83,7 +83,7 @@ def test_empty_file_is_the_defaults():
     ("rtoll: 1e-6\n", ["unknown key 'rtoll'", "did you mean rtol?", "valid keys: rtol, atol, ignore_ops"]),
     ("colour: red\n", ["unknown key 'colour'", "valid keys:", "format"]),
     ("rtol: abc\n", ["rtol must be a number", "got a string 'abc'"]),
-    ("rtol: -1\n", ["rtol must be a number >= 0"]),
+    ("rtol: -1\n", ["rtol must be a finite number >= 0"]),
     ("keep_values: 1.5\n", ["keep_values must be an integer >= 0", "got a number 1.5"]),
     ("keep_values: true\n", ["keep_values must be an integer >= 0", "got a boolean"]),
     ("format: pdf\n", ["format must be one of terminal, json, html", "'pdf'"]),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ac_diff
-from ac_diff.trace import TraceFormatError, read_run
+from ac_diff.trace import VERSION, TraceFormatError, read_run
 from conftest import run_cli
 from models import VARIANTS, Net, record_step
 
@@ -28,7 +28,7 @@ def trace(tmp_path):
 def test_header_and_end(trace):
     lines = [json.loads(l) for l in trace.read_text().splitlines()]
     header, end = lines[0], lines[-1]
-    assert header["type"] == "header" and header["format"] == "ac-diff-trace" and header["version"] == "1.0"
+    assert header["type"] == "header" and header["format"] == "ac-diff-trace" and header["version"] == VERSION
     for key in ("ac_diff", "torch", "python", "argv", "rank", "world_size", "start_time"):
         assert key in header
     assert end["type"] == "end" and end["status"] == "ok" and end["regions"] == 2
@@ -100,7 +100,7 @@ def test_keep_current_version_sample(trace):
     """tests/data holds a trace of the current version (refresh with AC_DIFF_UPDATE_DATA=1)."""
     import os
 
-    target = DATA / "trace-v1.0.jsonl"
+    target = DATA / f"trace-v{VERSION}.jsonl"
     if os.environ.get("AC_DIFF_UPDATE_DATA"):
         shutil.copy(trace, target)
     assert target.exists()

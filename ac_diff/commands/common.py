@@ -11,7 +11,7 @@ import sys
 from rich.console import Console
 
 from ..render import render
-from ..report import DIVERGED, UNCHECKED, Report
+from ..report import DAMAGED, DIVERGED, UNCHECKED, Report
 
 EXIT_CLEAN = 0
 EXIT_DIVERGED = 1
@@ -21,13 +21,40 @@ EXIT_UNCHECKED = 4  # no region diverged, but nothing (or not everything: the ru
 
 
 def verdict_code(report: Report) -> int:
-    """0 clean, 1 diverged, 4 unchecked: a run where nothing was compared never passes as clean."""
-    return {DIVERGED: EXIT_DIVERGED, UNCHECKED: EXIT_UNCHECKED}.get(report.verdict, EXIT_CLEAN)
+    """0 clean, 1 diverged, 4 unchecked, 2 damaged (the trace is partly unreadable): a run where nothing
+    was compared never passes as clean."""
+    return {DIVERGED: EXIT_DIVERGED, UNCHECKED: EXIT_UNCHECKED, DAMAGED: EXIT_BAD_INPUT}.get(report.verdict,
+                                                                                           EXIT_CLEAN)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     print(f"ac-diff: error: {message}", file=sys.stderr)
     return code
+
+
+# what to do about an OSError, by its errno name (the message names the file and the problem)
+_OS_ADVICE = {
+    "ENOENT": "check the path", "ENOTDIR": "check the path", "EISDIR": "pass a file, not a directory",
+    "EACCES": "check the file's permissions", "EPERM": "check the file's permissions",
+    "EROFS": "the file system is read-only: pass a path on a writable one (-o)",
+    "ENOSPC": "the disk is full: free space or pass a path on another disk (-o)",
+    "EDQUOT": "the disk quota is used up: free space or pass a path on another disk (-o)",
+    "EIO": "the device reported a read/write error: copy the file to a healthy disk",
+    "EMFILE": "too many open files: raise the limit (ulimit -n)",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError: the file, the problem, what to do. A damaged gzip file is named as such."""
+    import errno
+    import gzip
+
+    where = f"{exc.filename}: " if exc.filename else ""
+    if isinstance(exc, gzip.BadGzipFile) or exc.errno is None:
+        return f"{where}{exc}: the file is damaged or not what it claims to be; copy it again or re-record it"
+    name = errno.errorcode.get(exc.errno, "")
+    advice = _OS_ADVICE.get(name, "check the path and permissions")
+    return f"{where}{exc.strerror or exc}; {advice}"
 
 
 def console() -> Console:
@@ -56,4 +83,6 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
         print(f"ac-diff: JSON report written to {json_path}", file=sys.stderr)
     if output:
         print(f"ac-diff: {fmt} report written to {output}", file=sys.stderr)
+    if report.verdict == DAMAGED:  # neither clean nor diverged: the input is (partly) unreadable
+        fail(report.headline)
     return verdict_code(report)

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,11 @@ def export_command(trace: str, what: str, fmt: str | None, output: str | None) -
             raise ExportError(f"unknown --what {what!r}; choose one of {', '.join(WHAT)}")
         if fmt == "parquet":
             check_parquet(output)
-        table = getattr(load(trace), what)
+        with warnings.catch_warnings(record=True) as caught:  # a truncated trace: one line, not Python's warning
+            warnings.simplefilter("always")
+            table = getattr(load(trace), what)
+        for w in caught:
+            print(f"ac-diff: warning: {str(w.message).removeprefix('ac-diff: ')}", file=sys.stderr)
         rows = write_table(table, output, fmt)
     except ExportError as exc:
         return fail(str(exc), EXIT_BAD_INPUT)

@@ -12,7 +12,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Report, RegionReport, TorchErrorSummary
+from ..report import CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, Report, RegionReport, TorchErrorSummary
 from .compare import Tolerance
 from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
@@ -47,7 +47,8 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
-    verdict = (DIVERGED if diverged or errors else
+    damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
+    verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
                UNCHECKED if crash or not any(r.status == CLEAN for r in region_reports) else CLEAN)
     raised = {(e.rank, e.region) for e in errors_summary}
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.rank, r.region))
@@ -206,6 +207,11 @@ def _headline(regions, errors, runs, groups) -> str:
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")
         checked = sum(1 for r in regions if r.status == CLEAN)
+        damaged = sum(1 for r in regions if r.status == DAMAGED)
+        if damaged or any(run.damaged for run in runs):
+            return (f"damaged: {damaged} region(s) could not be read intact from the trace (damaged lines) and "
+                    f"were not diagnosed" + (f"; {checked} other region(s) clean" if checked else "")
+                    + "; copy the trace again from where it was written, or re-record it")
         if not checked:
             why = next((r.notes[-1] for r in regions if r.notes), "")
             return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare"
@@ -224,4 +230,6 @@ def _headline(regions, errors, runs, groups) -> str:
     same = next((g for g in groups if g.lead == (lead.rank, lead.region) and len(g.regions) > 1), None)
     more = (f" [{len(diverged)} of {len(regions)} regions diverged"
             + (f"; {same.label}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
+    damaged = sum(1 for r in regions if r.status == DAMAGED)
+    more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
     return f"{where} diverged{silent}{cause}{more}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
+from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair
 from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -38,6 +38,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
+    if region.options.get("damaged"):
+        report.status = DAMAGED
+        report.notes.append(f"not diagnosed: {region.options['damaged']}")
+        return report
     if region.options.get("recorded") is False:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report

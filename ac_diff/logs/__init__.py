@@ -37,6 +37,7 @@ from ac_diff.logs.lines import MAX_LINE, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
 from ac_diff.model import Run
+from ac_diff.streams import STREAM_DAMAGE
 
 __all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]
 
@@ -132,20 +133,21 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """Does this file hold checkpoint error text or a debug dump (in its first or last MiB)?
 
     A file whose first line is a JSON object is taken for a trace (JSONL), not a log. False for a
-    file that cannot be read.
+    compressed file whose start cannot be decompressed; an OSError opening the file propagates.
     """
     try:
         with _open_log(os.fspath(path)) as (f, size):
             head = f.read(SNIFF_BYTES)
             tail = b""
             if size is None or size > SNIFF_BYTES:
-                if size is None:  # compressed: read through
-                    for block in iter(lambda: f.read(SNIFF_BYTES), b""):
-                        tail = block
+                if size is None:  # compressed: read through (as far as the stream can be read)
+                    with contextlib.suppress(*STREAM_DAMAGE):
+                        for block in iter(lambda: f.read(SNIFF_BYTES), b""):
+                            tail = block
                 else:
                     f.seek(max(SNIFF_BYTES, size - SNIFF_BYTES))
                     tail = f.read(SNIFF_BYTES)
-    except (OSError, EOFError, UnicodeError):
+    except (*STREAM_DAMAGE, UnicodeError):
         return False
     first = head.lstrip()[:1]
     if first == b"{":

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
+from ..streams import STREAM_DAMAGE
+
 MAX_LINE = 1 << 20  # a single line longer than this is handed on in pieces of this size
 _PROGRESS_EVERY = 1 << 20
 
@@ -37,6 +39,7 @@ class ReadStats:
     lines: int = 0
     long_lines: int = 0  # lines split into pieces of MAX_LINE
     undecodable_lines: int = 0  # lines with bytes that are not UTF-8 (replaced by U+FFFD)
+    stream_damaged: str | None = None  # why a compressed stream could not be read to its end
 
 
 def iter_lines(stream: IO, stats: ReadStats, *, total: int | None = None,
@@ -53,7 +56,8 @@ def iter_lines(stream: IO, stats: ReadStats, *, total: int | None = None,
     while True:
         try:
             raw = readline(max_line)
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError, *STREAM_DAMAGE) as exc:  # a damaged or cut .gz
+            stats.stream_damaged = f"{type(exc).__name__}: {exc}"
             break
         if not raw:
             break

@@ -313,6 +313,9 @@ class LogParser:
         if rs.undecodable_lines:
             notes.append(f"replaced bytes that are not UTF-8 on {rs.undecodable_lines} "
                          f"line{'s' * (rs.undecodable_lines != 1)}")
+        if rs.stream_damaged:
+            notes.append(f"read only the first {rs.bytes_read} bytes: the rest could not be read "
+                         f"({rs.stream_damaged}); what follows them is missing from this report")
         if stopped:
             notes.append("the log ends mid-structure: " + "; ".join(stopped))
         if not self._errors and not self._dumps:
