@@ -13,7 +13,8 @@ from typing import List, Optional
 import typer
 
 from . import __version__
-from .commands.common import EXIT_INTERNAL, describe_os_error, fail
+from .commands.common import EXIT_INTERNAL, fail
+from .streams import describe_os_error
 
 app = typer.Typer(
     name="ac-diff",

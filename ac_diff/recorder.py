@@ -255,6 +255,12 @@ class Recorder:
         with contextlib.suppress(Exception):
             self._writer.write({"type": "warning", "message": message})
 
+    @property
+    def write_failure(self) -> str | None:
+        """Which trace write failed and what was lost (a full disk), or None (see TraceWriter.failure)."""
+        writer = getattr(self, "_writer", None)
+        return writer.failure if writer is not None else None
+
     def summary(self) -> dict[str, Any]:
         return {"trace": self.path, "regions": self._regions, "ops_recorded": self.ops_recorded,
                 "ops_outside": self.ops_outside}

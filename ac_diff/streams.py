@@ -1,4 +1,4 @@
-"""Files that may be gzip-compressed, and what a damaged compressed stream raises while it is read.
+"""Files that may be gzip-compressed, what a damaged compressed stream raises, and OSErrors in one line.
 
     with open_binary("trace-rank0.jsonl.gz") as f:   # plain or gzip, by the magic bytes
         try:
@@ -7,11 +7,13 @@
             ...                                       # BadGzipFile): damage, not a failure of the file
 
 An OSError of the file itself (EACCES, EIO) is not in STREAM_DAMAGE: it propagates to the CLI,
-which names the file and the fix.
+which names the file and the fix with `describe_os_error(exc)`:
+    "out/trace-rank0.jsonl: No space left on device; the disk is full: free space or pass a path on another disk (-o)"
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import os
@@ -36,3 +38,27 @@ def stream_damage(path: str | os.PathLike) -> str | None:
         except STREAM_DAMAGE as exc:
             return f"{type(exc).__name__}: {exc}"
     return None
+
+
+# what to do about an OSError, by its errno name (the message names the file and the problem)
+_OS_ADVICE = {
+    "ENOENT": "check the path", "ENOTDIR": "check the path", "EISDIR": "pass a file, not a directory",
+    "EACCES": "check the file's permissions", "EPERM": "check the file's permissions",
+    "EROFS": "the file system is read-only: pass a path on a writable one (-o)",
+    "ENOSPC": "the disk is full: free space or pass a path on another disk (-o)",
+    "EDQUOT": "the disk quota is used up: free space or pass a path on another disk (-o)",
+    "EFBIG": "the file outgrew the size limit (ulimit -f, or the file system's): raise it or record less "
+             "(--max-regions N, --write diverged)",
+    "EIO": "the device reported a read/write error: copy the file to a healthy disk",
+    "EMFILE": "too many open files: raise the limit (ulimit -n)",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError: the file, the problem, what to do. A damaged gzip file is named as such."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    if isinstance(exc, gzip.BadGzipFile) or exc.errno is None:
+        return f"{where}{exc}: the file is damaged or not what it claims to be; copy it again or re-record it"
+    name = errno.errorcode.get(exc.errno, "")
+    advice = _OS_ADVICE.get(name, "check the path and permissions")
+    return f"{where}{exc.strerror or exc}; {advice}"

@@ -89,7 +89,8 @@ class TraceWriter:
     spare the JSON encoding overlaps the backward's kernels (which run without the GIL). Whoever queues
     a record must not change it afterwards. `close()` drains the queue, so an exception, SystemExit or
     Ctrl-C still leaves a finished trace; a process killed outright loses what was still queued (a pass
-    or two) instead of nothing after the last flush.
+    or two) instead of nothing after the last flush. A write that fails (a full disk) never raises into
+    the training: the writer stops writing and `failure` says which file and what was lost.
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any], background: bool = False) -> None:
@@ -100,9 +101,14 @@ class TraceWriter:
         self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
         # records are trees: no circular-reference bookkeeping (a quarter of the encoding time)
         self._encode = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False).encode
+        self.error: BaseException | None = None  # the first failure of the writer thread, if any
+        self.failure: str | None = None  # the first write that failed (a full disk): what was lost, in words
+        self._lost = 0  # records not written since
+        self._written = 0
         self._write_now(header)
         self._flush_now()
-        self.error: BaseException | None = None  # the first failure of the writer thread, if any
+        if self.failure is not None:  # not even the header: nothing to record into, before anything ran
+            raise self._os_error
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -135,23 +141,51 @@ class TraceWriter:
             self._thread.join()
             self._queue = None
         self._flush_now()
-        if self._file is not self._raw:
-            self._file.close()
-        self._raw.close()
+        for f in {id(self._file): self._file, id(self._raw): self._raw}.values():
+            try:
+                f.close()
+            except OSError as exc:  # the last buffered bytes (a gzip trailer) did not fit
+                self._failed(exc)
+        if self.failure is not None:
+            self.failure += f"; {self._lost} record(s) after it were lost (the end record too)" if self._lost else ""
 
     def _write_now(self, record: Any) -> None:
+        if self.failure is not None:
+            self._lost += 1
+            return
         if callable(record):
             record = record()
         line = None if record.get("nonfinite") else _fast_encode(record)
         if line is None:
             line = self._encode(record).encode("utf-8", "replace")
-        self._file.write(with_crc(line) + b"\n")
+        try:
+            self._file.write(with_crc(line) + b"\n")
+            self._written += 1
+        except OSError as exc:
+            self._failed(exc)
+            self._lost += 1
 
     def _flush_now(self, _: Any = None) -> None:
-        if isinstance(self._file, gzip.GzipFile):
-            self._file.flush(gzip.zlib.Z_SYNC_FLUSH)
-        self._file.flush()
-        self._raw.flush()
+        if self.failure is not None:
+            return
+        try:
+            if isinstance(self._file, gzip.GzipFile):
+                self._file.flush(gzip.zlib.Z_SYNC_FLUSH)
+            self._file.flush()
+            self._raw.flush()
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """A write failed (a full disk, a quota, a dead mount): keep the training running, write nothing more,
+        and say what was lost. The file keeps what reached it (read back as a trace cut short)."""
+        if self.failure is None:
+            from .streams import describe_os_error
+
+            exc.filename = exc.filename or str(self.path)
+            self._os_error = exc
+            self.failure = (f"could not write the trace: {describe_os_error(exc)}; it holds only what was written "
+                            f"before ({self._written} record(s), the last one possibly cut) and reads as cut short")
 
     def _run(self) -> None:
         queue_ = self._queue
@@ -376,6 +410,7 @@ def read_run(path: str | os.PathLike) -> Run:
         region = regions.get(number)
         if region is not None and phase in PHASES:
             p = Pass(phase=phase, ops=pending, complete=False, attempt=attempt)
+            p.state["cut"] = True  # not "it raised": the trace ends before this pass was written out
             _set_pass(region, p)
     if damage and not ended and damage[-1][0] == line:  # the line a killed process was writing: cut, not damaged
         damage.pop()

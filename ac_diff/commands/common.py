@@ -32,31 +32,6 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
-# what to do about an OSError, by its errno name (the message names the file and the problem)
-_OS_ADVICE = {
-    "ENOENT": "check the path", "ENOTDIR": "check the path", "EISDIR": "pass a file, not a directory",
-    "EACCES": "check the file's permissions", "EPERM": "check the file's permissions",
-    "EROFS": "the file system is read-only: pass a path on a writable one (-o)",
-    "ENOSPC": "the disk is full: free space or pass a path on another disk (-o)",
-    "EDQUOT": "the disk quota is used up: free space or pass a path on another disk (-o)",
-    "EIO": "the device reported a read/write error: copy the file to a healthy disk",
-    "EMFILE": "too many open files: raise the limit (ulimit -n)",
-}
-
-
-def describe_os_error(exc: OSError) -> str:
-    """One line for an OSError: the file, the problem, what to do. A damaged gzip file is named as such."""
-    import errno
-    import gzip
-
-    where = f"{exc.filename}: " if exc.filename else ""
-    if isinstance(exc, gzip.BadGzipFile) or exc.errno is None:
-        return f"{where}{exc}: the file is damaged or not what it claims to be; copy it again or re-record it"
-    name = errno.errorcode.get(exc.errno, "")
-    advice = _OS_ADVICE.get(name, "check the path and permissions")
-    return f"{where}{exc.strerror or exc}; {advice}"
-
-
 def console() -> Console:
     return Console(soft_wrap=False)
 

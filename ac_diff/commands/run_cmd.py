@@ -10,7 +10,6 @@ the report (rank 0 only under torchrun) and the next command, and exits with the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -45,15 +44,18 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
                                                            **launch.header_fields()})
     extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
-    with launch.sigterm_as_exit() if multi else contextlib.nullcontext(), extras:
+    with launch.sigterm_as_exit(), extras:  # SIGTERM (a scheduler, torchrun's agent) still finishes the trace
         outcome = run_target(target, args, module=module, recorder=recorder)
     extras.after(target, args, module)
+    if recorder.write_failure:  # the script's exit code still wins; the report covers what was written
+        print(f"ac-diff: error: {recorder.write_failure}", file=sys.stderr)
     if multi:
         return launch.finish_rank(outcome.exit_code, trace_path, output_dir, check=check, fmt=fmt,
                                   json_path=json_path, output=output, settings=settings, decorate=extras.decorate)
     if rank != 0:
         return outcome.exit_code
-    print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
+    if not recorder.write_failure:
+        print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
     report = diagnose([read_run(trace_path)], settings)
     extras.decorate(report, [rank])
     if not quiet_report:

@@ -112,6 +112,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
     report.status = DIVERGED if diverged else CLEAN
+    if not diverged and (rec.state.get("cut") or fwd.state.get("cut")):  # the rest of the pass is not in the trace
+        report.status = UNCHECKED
+        report.notes.append("the trace ends inside this region's passes (the process stopped while they were "
+                            "written): the ops it has match, the rest were not recorded")
     if diverged and not from_log:  # a log cannot tell whether torch stayed silent elsewhere
         torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
         report.silent = torch_error is None and not (torch_checks and (position_mismatch or count_mismatch))

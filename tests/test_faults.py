@@ -1,0 +1,140 @@
+"""Faults while recording, and bad input on the command line: the script's exit code wins, nothing is
+lost silently, every problem is one line on stderr with exit code 2 (never a traceback or exit 3)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, REAL_LOGS, REPO, run_cli
+
+
+def _one_error_line(proc, *words):
+    err = proc.stderr
+    assert "Traceback" not in err and "internal error" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("ac-diff: error:")]
+    assert len(lines) == 1, err
+    assert all(w in lines[0] for w in words), err
+
+
+def test_a_full_disk_keeps_the_scripts_exit_code_and_says_what_was_lost(tmp_path):
+    """A file-size limit makes the trace's writes fail (EFBIG) like a full disk (ENOSPC) does."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(out),
+                           str(EXAMPLES / "moe_bias_update_fixed.py")], cwd=REPO, capture_output=True, text=True,
+                          preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr  # the script succeeded: its code, not ac-diff's
+    trace = out / "trace-rank0.jsonl"
+    _one_error_line(proc, str(trace), "could not write the trace", "record(s) after it were lost")
+    assert "trace written" not in proc.stderr
+    assert 0 < trace.stat().st_size <= 20_000
+    assert "ac-diff:" in proc.stdout  # the report on what was written
+
+
+def test_sigterm_finishes_a_single_process_trace(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "checkpoint(lin, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "trace written" in stderr and "Traceback" not in stderr
+    end = json.loads((out / "trace-rank0.jsonl").read_text().splitlines()[-1])
+    assert end["type"] == "end" and end["exit_code"] == 143
+
+
+@pytest.fixture(scope="module")
+def trace_lines(tmp_path_factory) -> list[bytes]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import ac_diff
+
+    path = tmp_path_factory.mktemp("t") / "trace-rank0.jsonl"
+    with ac_diff.record(path):
+        checkpoint(torch.nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()
+    return path.read_bytes().splitlines()
+
+
+def _bad_inputs(tmp_path: Path, lines: list[bytes]) -> dict[str, tuple[Path, list[str]]]:
+    data = b"\n".join(lines) + b"\n"
+    packed = gzip.compress(data)
+    header = json.loads(lines[0])
+    cases = {
+        "cut.jsonl.gz": (packed[: len(packed) // 2], []),
+        "corrupt.jsonl.gz": (packed[:40] + bytes([packed[40] ^ 0x10]) + packed[41:], ["damaged"]),
+        "corrupt.log.gz": (bytes(b ^ 0x55 if 30 < i < 60 else b for i, b in enumerate(
+            gzip.compress((REAL_LOGS / "readme_glm4v.log").read_bytes()))), ["compressed file is damaged"]),
+        "rank.jsonl": (json.dumps({**header, "rank": "abc"}).encode() + b"\n" + b"\n".join(lines[1:]),
+                       ["header is damaged", "'rank'"]),
+    }
+    out = {}
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        out[name] = (tmp_path / name, words)
+    return out
+
+
+def test_bad_files_get_one_line_and_exit_2_or_a_report(tmp_path, trace_lines):
+    for name, (path, words) in _bad_inputs(tmp_path, trace_lines).items():
+        proc = run_cli("report", str(path))
+        assert proc.returncode in (0, 2) if not words else proc.returncode == 2, (name, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr and "aborted" not in proc.stderr, (name, proc.stderr)
+        if words:
+            _one_error_line(proc, *words)
+
+
+def test_os_errors_get_the_advice_of_their_kind(tmp_path):
+    import errno
+
+    from ac_diff.streams import describe_os_error
+
+    def raised(fn):
+        try:
+            fn()
+        except OSError as exc:
+            return describe_os_error(exc)
+        raise AssertionError("no error")
+
+    assert raised(lambda: open(tmp_path)).endswith("Is a directory; pass a file, not a directory")
+    assert raised(lambda: open(tmp_path / "missing")).endswith("No such file or directory; check the path")
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(b"\x1f\x8bnot gzip at all")
+    assert "damaged" in raised(lambda: gzip.open(bad).read())
+    # root reads any file, so EACCES is built here: the advice must differ from the one for a full disk
+    denied = describe_os_error(PermissionError(errno.EACCES, "Permission denied", "rank1.log"))
+    full = describe_os_error(OSError(errno.ENOSPC, "No space left on device", "trace-rank0.jsonl"))
+    assert denied == "rank1.log: Permission denied; check the file's permissions"
+    assert full.startswith("trace-rank0.jsonl: No space left on device; the disk is full")
+
+
+def test_export_of_a_truncated_trace_warns_in_one_line(tmp_path, trace_lines):
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"\n".join(trace_lines[:-1]) + b"\n")
+    proc = run_cli("export", str(cut), "-o", str(tmp_path / "ops.csv"))
+    assert proc.returncode == 0
+    assert "RuntimeWarning" not in proc.stderr and ".py:" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "truncated" in line][0].startswith("ac-diff: warning:")
