@@ -185,6 +185,15 @@ class RegionGroup:
 
 
 @dataclass(slots=True)
+class MetadataChange:
+    """One position torch names, with the metadata it printed: "f32[4096]" saved, "f32[0]" recomputed."""
+
+    position: int | None
+    saved: str | None
+    recomputed: str | None
+
+
+@dataclass(slots=True)
 class TorchErrorSummary:
     kind: str
     rank: int | None
@@ -193,6 +202,8 @@ class TorchErrorSummary:
     message: str
     saved_count: int | None = None
     recomputed_count: int | None = None
+    changes: list[MetadataChange] = field(default_factory=list)  # what torch printed per position
+    cause: str | None = None  # what the changes alone tell ("sharded_parameter: ..."), when no region explains it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -405,7 +405,8 @@ def test_looks_like_log(tmp_path):
     plain = tmp_path / "b.txt"
     plain.write_text("hello\n")
     assert not looks_like_log(plain)
-    assert not looks_like_log(tmp_path / "missing.log")
+    with pytest.raises(FileNotFoundError):  # the CLI names the file and the problem, not "neither ... nor"
+        looks_like_log(tmp_path / "missing.log")
     big = tmp_path / "big.log"  # the marker only in the last MiB
     with open(big, "wb") as f:
         f.write(b"x" * (3 << 20) + b"\nOperations executed during the original forward:\n")

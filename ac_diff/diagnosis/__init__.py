@@ -12,7 +12,9 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, Report, RegionReport, TorchErrorSummary
+from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
+                      TorchErrorSummary)
+from .cause import SHARDED, sharded_positions
 from .compare import Tolerance
 from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
@@ -119,10 +121,13 @@ def link_log_ids(p: Pass) -> None:
 
 
 def _summary(err: TorchError) -> TorchErrorSummary:
+    changes = [MetadataChange(p.position, str(p.saved) if p.saved else None,
+                              str(p.recomputed) if p.recomputed else None) for p in err.positions]
     return TorchErrorSummary(kind=err.kind, rank=err.rank, region=err.region,
                              positions=[p.position for p in err.positions if p.position is not None],
                              message=err.message[:4000], saved_count=err.saved_count,
-                             recomputed_count=err.recomputed_count)
+                             recomputed_count=err.recomputed_count, changes=changes,
+                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else None)
 
 
 def _through_nested_regions(reports: list) -> None:
@@ -156,6 +161,11 @@ def _how_it_stopped(run: Run) -> str:
     first = message[0] if message else ""
     return f"{exc.get('exc_type', run.exit_status)}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
                                                        if first else "")
+
+
+def _listed(items: list, limit: int = 6) -> str:
+    """The first `limit` items, with "..." when there are more."""
+    return ", ".join(map(str, items[:limit])) + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
 def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
@@ -194,9 +204,12 @@ def _headline(regions, errors, runs, groups) -> str:
     if not diverged:
         if errors:
             e = errors[0]
+            changed = [c for c in e.changes if c.saved and c.recomputed]
             return (f"torch raised {e.kind.replace('_', ' ')}"
                     + (f" on rank {e.rank}" if e.rank is not None else "")
-                    + (f" at positions {', '.join(map(str, e.positions[:6]))}" if e.positions else "")
+                    + (f" at positions {_listed(e.positions)}" if e.positions else "")
+                    + (": " + _listed([f"{c.saved} -> {c.recomputed}" for c in changed], 3) if changed else "")
+                    + (f"; {e.cause}" if e.cause else "")
                     + "; no region's op lists were available to explain it (checkpoint(..., debug=True) puts "
                       "them in the log; `ac-diff run` on the script records values, modules and the cause)")
         if not regions and all(r.source == "trace" for r in runs):

@@ -32,6 +32,17 @@ def explain(report: RegionReport, region: Region, cmp: PassComparison) -> None:
     report.suggestions = suggestions_for(report, region)
 
 
+SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in the recompute "
+           "(ZeRO-3 / FSDP frees them after the forward)")
+
+
+def sharded_positions(rows: list) -> list:
+    """Rows (with `saved` / `recomputed` metadata text like "f32[4096]") recomputed with shape [0] but
+    saved with another: a parameter a ZeRO-3 / FSDP wrapper freed after the forward."""
+    return [p for p in rows if p.recomputed and p.recomputed.endswith("[0]") and p.saved
+            and not p.saved.endswith("[0]")]
+
+
 def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     value = report.first_value_divergence
     control = report.first_control_divergence
@@ -39,13 +50,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     changed = report.changed_inputs
 
     flags = {k: v for k, v in report.state_changes.items() if k != "rng"}
-    sharded = [p for p in report.positions if p.recomputed and p.recomputed.endswith("[0]") and p.saved
-               and not p.saved.endswith("[0]")]
+    sharded = sharded_positions(report.positions)
     if sharded and not changed and not flags:  # (eval mode also saves [0]-shaped batch-norm statistics)
         names = sorted({p.name or p.op or "?" for p in sharded})
-        return Cause("sharded_parameter", names[0],
-                     "tensors recomputed with shape [0]: parameters were not gathered in the recompute "
-                     "(ZeRO-3 / FSDP frees them after the forward)",
+        return Cause("sharded_parameter", names[0], SHARDED,
                      [f"position {p.position}: saved {p.saved}, recomputed {p.recomputed}" for p in sharded[:5]])
 
     if "training" in flags:  # the modules' mode flipped: what batch norm reads and updates follows from it

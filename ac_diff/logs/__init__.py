@@ -60,6 +60,7 @@ _MARKERS = (
     b"cached during selective activation checkpoint",
     b"set_checkpoint_debug_enabled",  # the Tip block
     b"torch/utils/checkpoint.py",  # a traceback through checkpoint (the error line may be cut off)
+    b"Traceback (most recent call last)",  # a traceback-only paste: read like the others, it says what is missing
 )
 
 

@@ -103,7 +103,7 @@ def _verdict_panel(report: Report) -> Panel:
     return Panel(Group(*body), title=f"ac-diff: {report.title}", title_align="left", border_style=style, box=box.ROUNDED)
 
 
-def _torch_errors(report: Report) -> Table:
+def _torch_errors(report: Report) -> Table | Group:
     table = Table(title="torch's error", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     for col in ("rank", "kind", "positions", "counts (saved/recomputed)"):
         table.add_column(col)
@@ -111,7 +111,17 @@ def _torch_errors(report: Report) -> Table:
         counts = f"{e.saved_count}/{e.recomputed_count}" if e.saved_count is not None else ""
         positions = _compact(e.positions)
         table.add_row(_t(e.rank), _t(e.kind), _t(positions), _t(counts))
-    return table
+    lines = []
+    mapped = any(r.positions for r in report.regions)  # else the positions table below shows them with their ops
+    for e in [] if mapped else report.torch_errors:  # what torch printed per position: all a bare error text has
+        shown = [c for c in e.changes if c.saved or c.recomputed][:12]
+        lines += [Text(f"  position {c.position}: saved {c.saved} -> recomputed {c.recomputed}", style="dim")
+                  for c in shown]
+        if len(e.changes) > len(shown) and shown:
+            lines.append(Text(f"  ... {len(e.changes) - len(shown)} more in the JSON report", style="dim"))
+        if e.cause:
+            lines.append(Text(f"  {e.cause}"))
+    return Group(table, *lines) if lines else table
 
 
 def _compact(numbers: list[int], limit: int = 12) -> str:
