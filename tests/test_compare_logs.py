@@ -205,3 +205,38 @@ def test_gzip_and_utf16_logs_read_like_the_plain_one(tmp_path):
     for name in ("log.gz", "log.utf16"):
         got = ac_diff.diagnose_paths([tmp_path / name]).torch_error
         assert got is not None and (got.kind, got.positions) == (expected.kind, expected.positions), name
+
+
+@pytest.mark.parametrize("name", ["readme_glm4v.log", "huggingface_trl_5217.log", "Joluck_RWKV-PEFT_58.log"])
+def test_a_log_without_op_lists_says_what_torch_printed(name):
+    """Saved -> recomputed metadata per position, and what shape [0] means (a parameter not gathered)."""
+    report = ac_diff.diagnose_paths([_real(name)])
+    error = report.torch_error
+    first = error.changes[0]
+    assert first.saved and first.recomputed and first.recomputed.endswith("[0]")
+    assert error.cause.startswith("sharded_parameter")
+    assert f"{first.saved} -> {first.recomputed}" in report.headline and "sharded_parameter" in report.headline
+    assert report.to_json()["torch_error"]["changes"][0] == {"position": first.position, "saved": first.saved,
+                                                            "recomputed": first.recomputed}
+
+
+def test_metadata_changes_without_shape_0_name_no_cause():
+    report = ac_diff.diagnose_paths([_real("Modalities_modalities_361.log")])
+    assert report.torch_error.changes and report.torch_error.cause is None
+
+
+def test_a_position_list_cut_in_the_headline_ends_with_dots():
+    report = ac_diff.diagnose_paths([_real("torchtitan_llama4_rank1_head.log")])  # 12 positions
+    assert "at positions 48, 49, 51, 52, 53, 55, ... (12 in all)" in report.headline
+
+
+def test_head_and_tail_of_one_log_are_one_region_and_damaged_lines_are_no_finding():
+    """The tail's op lists lost lines to other writers (`$311: bf16[35, 81s.aten.rsqrt.default($7)`): the
+    recompute's rsqrt line is among them, so its absence is not a control-flow divergence."""
+    report = ac_diff.diagnose_paths([_real("torchtitan_llama4_rank1_head.log"),
+                                     _real("torchtitan_llama4_rank1_tail.log")])
+    (region,) = report.regions
+    assert region.first_control_divergence is None
+    assert region.first_discrete_divergence.op == "aten.topk.default"
+    assert region.first_shape_divergence.op == "aten.split_with_sizes.default"
+    assert any("hold parts of the same debug=True dump" in n for n in report.notes)

@@ -29,6 +29,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     notes: list[str] = []
     exit_status = None
     log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
+    notes.extend(_merge_log_fragments(runs))
     for run in runs:
         if run.source == "log":
             for region in run.regions:
@@ -63,6 +64,27 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     report.ranks = rank_summaries(report)
     report.cross_rank = cross_rank_findings(runs, report)
     return report
+
+
+def _merge_log_fragments(runs: list[Run]) -> list[str]:
+    """Logs of one rank given as several files (the head and the tail of one huge log) hold parts of the
+    same debug dump: a region of a rank that another file has in full (both passes) is the same region,
+    so its fragment (a start of the dump without the recompute) is dropped. Returns what was merged."""
+    logs = [run for run in runs if run.source == "log"]
+    whole = {(r.rank, r.region): run for run in logs for r in run.regions
+             if r.forward is not None and r.recompute is not None}
+    notes = []
+    for run in logs:
+        kept = []
+        for r in run.regions:
+            other = whole.get((r.rank, r.region))
+            if other is not None and other is not run and r.recompute is None:
+                notes.append(f"rank {r.rank} region {r.region}: {run.path} and {other.path} hold parts of the same "
+                             "debug=True dump; read as one region")
+                continue
+            kept.append(r)
+        run.regions = kept
+    return notes
 
 
 def trace_errors(run: Run) -> list[TorchError]:

@@ -222,6 +222,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
 
     sources = _changed_sources(r_ops, ext_status)
+    damaged_ops = {o.op for o in (*f_ops, *r_ops) if o.damaged}
     tainted: dict[int, bool] = {}
     tainted_outputs: dict[tuple[int, int], bool] = {}
     diffs: list[PairDiff] = []
@@ -233,7 +234,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
         if k > last_rec and stopped and r is None:
             diffs.append(d)  # not recomputed: nothing to compare
             continue
-        if p.how != "match":
+        if p.how != "match" and not _maybe_damage(f, r, damaged_ops, forward, recompute):
             d.kinds.add("control")
         if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
@@ -337,6 +338,17 @@ def _measured(f: OpRecord, r: OpRecord) -> bool:
     """Both passes fingerprinted at least one output of this op (so 'same' is a measurement)."""
     return bool(f.fingerprint and r.fingerprint and any(
         a is not None and b is not None for a, b in zip(f.fingerprint, r.fingerprint)))
+
+
+def _maybe_damage(f: OpRecord | None, r: OpRecord | None, damaged_ops: set[str], forward: Pass,
+                  recompute: Pass) -> bool:
+    """An op only one pass has is no evidence of control flow when it may be the work of another writer
+    cutting into a log: its own line is damaged, a damaged line names the same op, or the other pass
+    lost op lines that could not be read (the op's counterpart may be one of them)."""
+    if any(o is not None and (o.damaged or o.op in damaged_ops) for o in (f, r)):
+        return True
+    return bool((f is not None and recompute.state.get("lost_lines")) or
+                (r is not None and forward.state.get("lost_lines")))
 
 
 def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:

@@ -253,7 +253,7 @@ def _divergence(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergenc
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
     """Global state that differs between the passes' first ops (RNG handled by the cause)."""
-    ignore = {"n_ops", "error", "rng"}
+    ignore = {"n_ops", "error", "rng", "cut", "lost_lines"}  # bookkeeping of the reader, not state
     if region.kind == "reentrant":
         ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
     keys = (set(fwd.state) | set(rec.state)) - ignore

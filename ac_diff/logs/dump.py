@@ -122,6 +122,7 @@ class _PassParts:
     listed: list[ParsedOp] = field(default_factory=list)
     listed_seen: bool = False
     listed_done: bool = False
+    lost: int = 0  # op lines of the list that could not be read (cut into by another writer)
 
 
 @dataclass(slots=True)
@@ -186,6 +187,13 @@ class DumpBuilder:
         self.unplaced_ops += 1
         return False
 
+    def lost_line(self) -> None:
+        """An op line of an op list that could not be read: that pass may lack an op it ran."""
+        if self.section in (S_LIST_FWD, S_LOG):
+            self.parts[FORWARD].lost += 1
+        elif self.section == S_LIST_RECOMPUTE:
+            self.parts[RECOMPUTE].lost += 1
+
     @property
     def wants_frames(self) -> bool:
         return self.current is not None and self.current.source is None and not self.cut
@@ -227,7 +235,10 @@ def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None
             if t.source is not None:
                 sources.setdefault(t.op.key, t.source)
         ops = [_record(k, p, sources.get(p.key)) for k, p in enumerate(parts.listed)]
-        return Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
+        p = Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
+        if parts.lost:
+            p.state["lost_lines"] = parts.lost
+        return p
     if traced:  # a fragment: ops keep their numbers ("(20 of 26 in recompute)" is op 19)
         ops = [_record(i - 1, traced[i].op, traced[i].source) for i in sorted(traced)]
         return Pass(phase, ops=ops, complete=False)

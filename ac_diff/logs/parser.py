@@ -227,6 +227,8 @@ class LogParser:
         parsed = parse_op_line(body)
         if parsed.status == GARBLED:
             self._counts.garbled += 1
+            if st.dump is not None and not st.dump.closed:
+                st.dump.lost_line()
             return False
         if parsed.status == SALVAGED:
             self._counts.salvaged_ops += 1
