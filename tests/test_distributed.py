@@ -427,7 +427,11 @@ def test_fsdp2_hooks_inside_a_checkpointed_region_are_not_control_flow(tmp_path,
     from ac_diff.trace import read_run
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29547" if preserve_rng_state else "29548")
+    import socket
+
+    with socket.socket() as free:  # a port no other test run on this machine holds
+        free.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(free.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         torch.manual_seed(0)

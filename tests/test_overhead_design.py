@@ -173,6 +173,9 @@ def test_one_ops_record_per_pass_reads_like_one_record_per_op(tmp_path):
     # the same content as one "op" record per op (format 1.0), written by hand
     old = []
     for r in lines:
+        r.pop("crc", None)  # format 1.0 had no checksums
+        if r["type"] == "header":
+            r["version"] = "1.0"
         if r["type"] != "ops":
             old.append(r)
             continue
