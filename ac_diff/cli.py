@@ -184,7 +184,7 @@ def fix(
     from .commands.fix_cmd import fix_command
 
     cfg = _config(ctx, config)
-    fmt = _format(cfg.pick("format", fmt))
+    fmt = cfg.pick("format", fmt)
     output_dir = output_dir or os.path.join(cfg.output_dir, "fix")
     raise typer.Exit(fix_command(target, list(args or []), module=module, output_dir=output_dir, max_tries=max_tries,
                                  max_regions=max_regions, steps=steps, jobs=jobs, fmt=fmt, json_path=json_path,
