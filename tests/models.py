@@ -44,10 +44,16 @@ def _save_addmm(ctx, op, *args, **kwargs):
     return cp.CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else cp.CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _early_stop_off(block, x):
+    # the context manager (torch >= 2.1), not checkpoint(early_stop=False) (torch >= 2.11 only)
+    with cp.set_checkpoint_early_stop(False):
+        return cp.checkpoint(block, x, use_reentrant=False)
+
+
 VARIANTS = {
     "non_reentrant": lambda b, x: cp.checkpoint(b, x, use_reentrant=False),
     "reentrant": lambda b, x: cp.checkpoint(b, x, use_reentrant=True),
-    "early_stop_off": lambda b, x: cp.checkpoint(b, x, use_reentrant=False, early_stop=False),
+    "early_stop_off": _early_stop_off,
     "determinism_none": lambda b, x: cp.checkpoint(b, x, use_reentrant=False, determinism_check="none"),
     "bound_partial": lambda b, x: BOUND_CHECKPOINT(b, x),
     "sac": lambda b, x: cp.checkpoint(b, x, use_reentrant=False, context_fn=functools.partial(
