@@ -46,7 +46,7 @@ STOP_RECOMPUTATION: Any = getattr(_cp, "_StopRecomputationError", ())
 # What each reduced mode costs; `install()` warns with these words when the installed torch lacks a mechanism.
 REDUCED_MODES = {
     "no_frame": "ac-diff cannot see non-reentrant checkpoint regions",
-    "no_input_saver": "the forward's region inputs are not named (ops read them as outside tensors)",
+    "no_input_saver": "a region's inputs are not named (both passes read them as outside tensors)",
     "no_reentrant": "reentrant regions are not recorded",
     "no_sac_modes": "ops that selective AC saves or serves from its cache are not marked",
 }
@@ -174,8 +174,7 @@ class CheckpointHooks:
         listener = self.listener
         pending = self._pending
         frame_cls = _cp._CheckpointFrame
-        saver = ("save_inputs" if hasattr(frame_cls, "save_inputs")
-                 else "noop" if hasattr(getattr(_cp, "_NoopSaveInputs", None), "apply") else None)
+        saver = input_saver()
 
         def frame_init(original):
             def __init__(frame, recompute_fn, *args, **kwargs):
@@ -187,7 +186,8 @@ class CheckpointHooks:
                 skip = 1 if code is not None and "kwargs" not in code.co_freevars else 0
 
                 def recompute_with_inputs(*inputs):
-                    listener.pass_inputs(frame, inputs[skip:])
+                    if saver is not None:  # else neither pass names them: the two passes still agree
+                        listener.pass_inputs(frame, inputs[skip:])
                     return recompute_fn(*inputs)
 
                 frame.recompute_fn = recompute_with_inputs
@@ -366,6 +366,14 @@ def _as_torch_hook(wrapper: Callable, original: Callable) -> Callable:
     user's saved_tensors_hooks by `pack_hook._checkpoint_internal`, and warns about a user's hook around a
     selective-AC region (a FutureWarning the user did not cause) when the wrapper lacks it."""
     return functools.update_wrapper(wrapper, original)
+
+
+def input_saver() -> str | None:
+    """How this torch keeps a non-reentrant region's inputs for its recompute: "save_inputs" (a frame method,
+    torch >= 2.12), "noop" (`_NoopSaveInputs.apply(dummy, kwargs, *args)` right after the frame, 2.4-2.11) or None."""
+    if hasattr(_cp._CheckpointFrame, "save_inputs"):
+        return "save_inputs"
+    return "noop" if hasattr(getattr(_cp, "_NoopSaveInputs", None), "apply") else None
 
 
 def _has_sac_api() -> bool:
