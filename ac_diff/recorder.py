@@ -43,6 +43,13 @@ from .trace import TraceWriter, default_header
 
 
 
+class _OpenPass:
+    """Stands in for the frame of a pass that its region left open (see Recorder._close_open_passes)."""
+
+    def __init__(self, region) -> None:
+        self._ac_diff_region = region
+
+
 def _never_raise(method):
     """The recorder must not break the training it observes: a failure inside it is written to the
     trace as a warning (once per kind) and recording goes on; the training never sees it."""
@@ -213,6 +220,7 @@ class Recorder:
         """Uninstall everything and finish the trace (always safe to call, also after a crash)."""
         if not self._started:
             return
+        self._close_open_passes(exc)
         self._started = False
         if self.options.scope == "all":
             with contextlib.suppress(Exception):
@@ -243,6 +251,13 @@ class Recorder:
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
             "end_time": time.time(),
         })
+
+    def _close_open_passes(self, exc: BaseException | None) -> None:
+        """Finish the passes a region left open: torch <= 2.12 does not throw a forward's exception into its
+        checkpoint generator, so the region's hooks stay entered (and exit() uncalled) until it is collected."""
+        passes = self._passes()
+        for _ in range(len(passes)):
+            self.exit(_OpenPass(passes[-1].region), passes[-1].phase, exc)
 
     def _internal_error(self, where: str, exc: Exception) -> None:
         key = (where, type(exc).__name__)

@@ -313,7 +313,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     (`$15 = detach($14)`; integer tensors are not always listed, so the k-th detach is not position k).
     Each position torch reported is matched, in order, to the next detached tensor whose recompute shape
     is the recomputed one AND whose aligned forward op made the saved shape. Used only where the forward
-    has no detach of its own."""
+    has no detach of its own. A detach of a detach is the same pack (torch <= 2.11 logs two)."""
     detach = "aten.detach.default"
     if any(o.op == detach for o in fwd.ops):
         return {}
@@ -323,7 +323,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     for pack in rec.ops:
         ref = pack.input_refs[0] if pack.op == detach and pack.input_refs else None
         producer = r_ops.get(ref.op_index) if ref is not None and ref.kind == "op" else None
-        if producer is not None:
+        if producer is not None and producer.op != detach:  # torch <= 2.11 detaches each pack twice
             candidates.append((producer, f_ops.get(cmp.rec_to_fwd.get(producer.index, -1)), ref.output))
     rows: dict[int, PositionRow] = {}
     cursor = 0
