@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         python = build_venv(venv, args.version)
         tests = run_tests(python, args.version)
         if args.subset:
-            print(f"compat: torch {args.version}: {tests['counts']}")
+            print(f"compat: torch {args.version}: {tests['counts']}" + (f"\n{tests['pytest_tail']}" if not tests["ok"] else ""))
             return 0 if tests["ok"] else 1
         row = {"torch": torch_version(python), "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
                **tests, "demo": run_demo(python)}
@@ -115,7 +115,7 @@ def torch_version(python: Path) -> str:
 
 def _env() -> dict:
     # the repository's code, whatever else is installed; one thread per process (2 workers)
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def run_tests(python: Path, version: str) -> dict:
