@@ -258,25 +258,25 @@ class CheckpointHooks:
                 hook.pack_hook = _as_torch_hook(pack_hook, pack)
             return __init__
 
-        base = torch.autograd.graph.saved_tensors_hooks
-
+        # torch's own __enter__/__exit__ (saved_tensors_hooks', or from 2.14 _checkpoint_internal_hook's, which
+        # records the user's hooks around the region for selective AC)
         def enter(phase):
-            def make(_):
+            def make(original):
                 def __enter__(hook):
-                    result = base.__enter__(hook)
+                    result = original(hook)
                     listener.enter(hook._ac_diff_frame, phase)
                     return result
                 return __enter__
             return make
 
         def exit_(phase):
-            def make(_):
+            def make(original):
                 def __exit__(hook, *exc_info):
                     try:
                         listener.exit(hook._ac_diff_frame, phase, exc_info[1])
                     finally:
                         # always pop torch's hooks, and never swallow the region's own exception
-                        base.__exit__(hook, *exc_info)
+                        original(hook, *exc_info)
                 return __exit__
             return make
 
