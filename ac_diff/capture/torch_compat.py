@@ -14,6 +14,8 @@ is saved at position 46", so `CheckpointHooks` wraps the private classes that kn
     _CachingTorchDispatchMode / _CachedTorchDispatchMode   selective AC: saved / served-from-cache ops
                             (storage: a list per op (<= 2.12) or a dict by call index (>= 2.13))
     _StopRecomputationError early stop ends a recompute with it (not a failure)
+    pack_hook attributes    torch >= 2.14 marks its own hooks (`_checkpoint_internal`) to tell them from a user's
+                            saved_tensors_hooks around a selective-AC region: the wrapped hooks keep the marks
 
 Each release is told apart by probing for the feature (a method, a closure variable), never by its
 version string. Each wrapper calls a method of a listener (the recorder) and then torch's original,
