@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.subset:
             print(f"compat: torch {args.version}: {tests['counts']}" + (f"\n{tests['pytest_tail']}" if not tests["ok"] else ""))
             return 0 if tests["ok"] else 1
-        commit = _run(["git", "-C", REPO, "describe", "--always", "--dirty"]).stdout.strip()
+        commit = _run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]).stdout.strip()
+        if _run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!compat"]).stdout:
+            commit += "-dirty"  # code that is not committed (the rows themselves do not count)
         row = {"torch": torch_version(python), "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
                "commit": commit,
                **tests, "demo": run_demo(python)}
