@@ -42,7 +42,6 @@ from .capture.torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks,
 from .trace import TraceWriter, default_header
 
 
-
 class _OpenPass:
     """Stands in for the frame of a pass that its region left open (see Recorder._close_open_passes)."""
 

@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from itertools import groupby
 
 from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
@@ -327,7 +327,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
         if ref is None:
             continue
         producer = r_ops.get(ref.op_index) if ref.kind == "op" else None
-        if producer is None or producer.op != detach:  # a detach of a detach is the same pack's (torch <= 2.11)
+        if producer is None or producer.op != detach:  # a detach of a detach is the same pack's (2.4, 2.7)
             packs.append(((ref.kind, ref.op_index, ref.name, ref.output), producer, ref.output))
     # torch 2.4 detaches a saved tensor twice per pack (once when its holder is gone): runs of one tensor are
     # then mostly of length 2; later releases detach once
