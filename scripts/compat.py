@@ -213,19 +213,24 @@ def write_logs(python: Path, version: str) -> list[str]:
 
 def table_rows(rows: list[dict]) -> str:
     lines = []
-    for row in sorted(rows, key=lambda r: [int(x) for x in re.findall(r"\d+", r["torch"].split("+")[0])]):
+    for row in sorted(rows, key=_release):
         demo = row["demo"]
         demo_cell = (f"{demo.get('verdict')}: {', '.join(demo.get('diverged', []))}; {demo.get('cause')}; "
                      f"{demo.get('positions_mapped')}/{demo.get('positions')} positions mapped"
                      if demo["exit_code"] == 0 else f"exit {demo['exit_code']}")
         c = row["counts"]
-        lines.append(f"| {row['torch']} | " + " | ".join(row["features"].values())
+        cells = [v.split(":")[0] for v in row["features"].values()]  # "n/a: reason" -> "n/a" (the reason is in the row)
+        lines.append(f"| {row['torch']} | " + " | ".join(cells)
                      + f" | {demo_cell} | {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped |")
     return "\n".join(lines)
 
 
+def _release(row: dict) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", row["torch"].split("+")[0])]
+
+
 def table(out: Path) -> str:
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob("torch-*.json"))]
+    rows = sorted((json.loads(p.read_text()) for p in out.glob("torch-*.json")), key=_release)
     head = "| torch | " + " | ".join(FEATURES) + " | `ac-diff demo` | internals tests |"
     sep = "|" + " --- |" * (len(FEATURES) + 3)
     lines = [head, sep, table_rows(rows)]
