@@ -142,11 +142,10 @@ class CheckpointHooks:
             self._patch_reentrant()
         else:
             self._reduced("no_reentrant", ["CheckpointFunction"])
-        sac_modes = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
-        if all(hasattr(_cp, name) for name in sac_modes):
+        if all(hasattr(_cp, name) for name in _SAC_MODES):
             self._patch_sac()
         elif _has_sac_api():  # a release with SAC but other mode classes
-            self._reduced("no_sac_modes", [name for name in sac_modes if not hasattr(_cp, name)])
+            self._reduced("no_sac_modes", [name for name in _SAC_MODES if not hasattr(_cp, name)])
         return self.warnings
 
     def uninstall(self) -> None:
