@@ -4,7 +4,7 @@
         loss = model(x).sum(); loss.backward()
     rec.summary()   # {"regions": 8, "ops_recorded": 4211, ...}
 
-A `TorchDispatchMode` sees each aten op; `CheckpointHooks` (torch_hooks.py) says which region and
+A `TorchDispatchMode` sees each aten op; `CheckpointHooks` (capture/torch_compat.py) says which region and
 pass it belongs to and which op each saved position came from; `ModuleStack` names the module.
 For each op of a region pass it keeps: op name, module FQN, source line, input/output metadata,
 non-tensor arguments, where each input came from, a device-side value fingerprint of every output
@@ -37,11 +37,16 @@ from .gc_hold import YoungGenerationHold
 from .model import NESTED_OUTPUT
 from .opinfo import OpInfo, op_info, short_dtype, written_inputs
 from .sourceline import user_source
-from .torch_hooks import (FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options,
-                          sequential_segment)
+from .capture.torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
+                                   checkpointed_module, frame_options, sequential_segment)
 from .trace import TraceWriter, default_header
 
-_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+class _OpenPass:
+    """Stands in for the frame of a pass that its region left open (see Recorder._close_open_passes)."""
+
+    def __init__(self, region) -> None:
+        self._ac_diff_region = region
 
 
 def _never_raise(method):
@@ -214,6 +219,7 @@ class Recorder:
         """Uninstall everything and finish the trace (always safe to call, also after a crash)."""
         if not self._started:
             return
+        self._close_open_passes(exc)
         self._started = False
         if self.options.scope == "all":
             with contextlib.suppress(Exception):
@@ -244,6 +250,13 @@ class Recorder:
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
             "end_time": time.time(),
         })
+
+    def _close_open_passes(self, exc: BaseException | None) -> None:
+        """Finish the passes a region left open: torch <= 2.12 does not throw a forward's exception into its
+        checkpoint generator, so the region's hooks stay entered (and exit() uncalled) until it is collected."""
+        passes = self._passes()
+        for _ in range(len(passes)):
+            self.exit(_OpenPass(passes[-1].region), passes[-1].phase, exc)
 
     def _internal_error(self, where: str, exc: Exception) -> None:
         key = (where, type(exc).__name__)
@@ -344,7 +357,7 @@ class Recorder:
             self._mode.__exit__(None, None, None)
         if not passes:
             self._stance.pop()
-        stopped_early = isinstance(exc, _StopRecomputation) if _StopRecomputation else False
+        stopped_early = isinstance(exc, STOP_RECOMPUTATION) if STOP_RECOMPUTATION else False
         complete = exc is None or stopped_early
         if passes and p.region.recorded and passes[-1].region.recorded:
             self._hand_outputs_to_parent(p, passes[-1])

@@ -81,3 +81,10 @@ def test_the_check_sees_an_undeclared_import(tmp_path):
 def test_lower_bounds_are_pinned():
     for name, requirement in _declared().items():
         assert ">=" in requirement, f"{requirement}: pin the oldest version the code needs"
+
+
+def test_every_subpackage_is_installed():
+    """A subpackage missing from pyproject's list is absent from a non-editable install (`pip install .`)."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ac_diff").rglob("__init__.py")}
+    assert found - listed == set(), f"add to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"

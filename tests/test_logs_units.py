@@ -136,11 +136,16 @@ def test_looks_like_op_is_specific():
 
 def test_dtype_table_matches_installed_torch():
     torch = pytest.importorskip("torch")
-    from torch.utils._dtype_abbrs import dtype_abbrs
+    try:  # where the debug=True dump's LoggingTensor reads its table (torch >= 2.8; before: a private copy)
+        from torch.utils._dtype_abbrs import dtype_abbrs
+    except ImportError:
+        from torch.testing._internal.logging_tensor import _dtype_abbrs as dtype_abbrs
 
-    for dtype, abbr in dtype_abbrs.items():
-        assert short_dtype(str(dtype)) == abbr, dtype
-    assert set(DTYPE_ABBRS.values()) == set(dtype_abbrs.values())
+    # our table spells dtypes as the newest release does; older ones spelled bits16 "b16" (2.9)
+    renamed = {("torch.bits16", "b16")}
+    ours = {str(d): short_dtype(str(d)) for d in dtype_abbrs if (str(d), dtype_abbrs[d]) not in renamed}
+    assert ours == {str(d): a for d, a in dtype_abbrs.items() if (str(d), a) not in renamed}
+    assert set(DTYPE_ABBRS.values()) >= {a for d, a in dtype_abbrs.items() if (str(d), a) not in renamed}
     assert short_dtype("torch.float") == "f32" and short_dtype("torch.long") == "i64"
     assert short_dtype("torch.mystery") == "mystery"
     assert torch.bfloat16 in dtype_abbrs
@@ -426,7 +431,7 @@ def test_degenerate_inputs(data):
 def torch_texts():
     """str() of real CheckpointErrors raised by the installed torch, one of each kind we can provoke."""
     torch = pytest.importorskip("torch")
-    from torch.utils.checkpoint import CheckpointError, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointError, checkpoint
 
     texts = {}
     x = torch.randn(4, requires_grad=True)
@@ -454,7 +459,10 @@ def torch_texts():
 
     import functools
 
-    ctx = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    import torch.utils.checkpoint as cp
+    if not hasattr(cp, "create_selective_checkpoint_contexts"):  # torch < 2.5: no selective AC
+        return texts
+    ctx = functools.partial(cp.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
     a, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     y, out = checkpoint(lambda a, w: ((h := a @ w), h.sin()), a, w, use_reentrant=False, context_fn=ctx)
     with torch.no_grad():
@@ -481,6 +489,8 @@ def test_torch_count_error(torch_texts):
 
 
 def test_torch_sac_mutated(torch_texts):
+    if "sac_mutated" not in torch_texts:
+        pytest.skip("this torch has no create_selective_checkpoint_contexts (torch < 2.5)")
     (err,) = parse_text(torch_texts["sac_mutated"]).errors
     assert err.kind == "sac_mutated"
 
@@ -493,8 +503,12 @@ def test_torch_debug_dump_with_sources(torch_texts):
     assert [o.op for o in fwd.ops] == ["aten.sin.default", "aten.slice.Tensor", "aten.exp.default",
                                        "aten.sum.default", "aten.cos.default", "aten.sum.default", "aten.add.Tensor"]
     assert fwd.ops[1].args == ["$1", 0, 0, 3]
-    assert [o.args for o in rec.ops if o.op == "aten.slice.Tensor"] == [["$2", 0, 0, 2]]
+    # the recompute's ids depend on how many detaches this torch's pack hook logs (one per pack; two before 2.12)
+    sin = next(o for o in rec.ops if o.op == "aten.sin.default")
+    assert [o.args for o in rec.ops if o.op == "aten.slice.Tensor"] == [[sin.log_ids[0][0], 0, 0, 2]]
     assert rec.ops[0].op == "aten.detach.default"
+    assert [o.op for o in rec.ops if o.op != "aten.detach.default"] == [
+        "aten.sin.default", "aten.slice.Tensor", "aten.exp.default", "aten.sum.default"]
     assert fwd.complete and rec.complete
     for op in fwd.ops + rec.ops:
         assert op.source is not None and op.source.endswith(".py:" + op.source.split(".py:")[1])
@@ -506,7 +520,8 @@ def test_torch_dump_flattened_and_crlf(torch_texts):
     for variant in (" ".join(ln for ln in dump.splitlines() if ln.strip()), dump.replace("\n", "\r\n")):
         run = parse_text(variant)
         (region,) = run.regions
-        assert (len(region.forward.ops), len(region.recompute.ops)) == (7, 7)
+        assert len(region.forward.ops) == 7
+        assert len([o for o in region.recompute.ops if o.op != "aten.detach.default"]) == 4
         assert all(o.source and o.source.endswith("in shape_changes") for o in region.forward.ops)
         assert run.notes == [] and not run.truncated
 

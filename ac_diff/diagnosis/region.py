@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from itertools import groupby
 
 from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
@@ -321,18 +323,29 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     (`$15 = detach($14)`; integer tensors are not always listed, so the k-th detach is not position k).
     Each position torch reported is matched, in order, to the next detached tensor whose recompute shape
     is the recomputed one AND whose aligned forward op made the saved shape. Used only where the forward
-    has no detach of its own."""
+    has no detach of its own. How many detaches one pack logs depends on the release (found from the log)."""
     detach = "aten.detach.default"
     if any(o.op == detach for o in fwd.ops):
         return {}
     f_ops = {o.index: o for o in cmp.forward_ops}
     r_ops = {o.index: o for o in rec.ops}
-    candidates = []  # (producer in the recompute, its aligned forward op, output number)
+    packs = []  # (what was detached, its producer in the recompute or None) per pack detach, in order
     for pack in rec.ops:
         ref = pack.input_refs[0] if pack.op == detach and pack.input_refs else None
-        producer = r_ops.get(ref.op_index) if ref is not None and ref.kind == "op" else None
+        if ref is None:
+            continue
+        producer = r_ops.get(ref.op_index) if ref.kind == "op" else None
+        if producer is None or producer.op != detach:  # a detach of a detach is the same pack's (2.4, 2.7)
+            packs.append(((ref.kind, ref.op_index, ref.name, ref.output), producer, ref.output))
+    # torch 2.4 detaches a saved tensor twice per pack (once when its holder is gone): runs of one tensor are
+    # then mostly of length 2; later releases detach once
+    runs = [(producer, j, len(list(group))) for (_, producer, j), group in groupby(packs)]
+    lengths = Counter(n for *_, n in runs)
+    per_pack = max(lengths, key=lengths.get) if lengths else 1
+    candidates = []  # (producer in the recompute, its aligned forward op, output number)
+    for producer, j, n in runs:
         if producer is not None:
-            candidates.append((producer, f_ops.get(cmp.rec_to_fwd.get(producer.index, -1)), ref.output))
+            candidates += [(producer, f_ops.get(cmp.rec_to_fwd.get(producer.index, -1)), j)] * -(-n // per_pack)
     rows: dict[int, PositionRow] = {}
     cursor = 0
     for position, err in sorted(reported.items()):

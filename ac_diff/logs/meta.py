@@ -34,6 +34,7 @@ DTYPE_ABBRS: dict[str, str] = {
     "float8_e5m2": "f8e5m2", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2fnuz": "f8e5m2fnuz",
     "float8_e4m3fnuz": "f8e4m3fnuz", "float8_e8m0fnu": "f8e8m0fnu", "float4_e2m1fn_x2": "f4e2m1fnx2",
     "uint16": "u16", "uint32": "u32", "uint64": "u64",
+    "bcomplex32": "bc32",  # torch >= 2.14
 }
 _DTYPE_ALIASES = {
     "float": "f32", "double": "f64", "half": "f16", "long": "i64", "int": "i32", "short": "i16",

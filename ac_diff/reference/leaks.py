@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..sourceline import user_source
-from ..torch_hooks import checkpointed_module
+from ..capture.torch_compat import checkpointed_module
 
 MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
-from ..torch_hooks import wrap_sac_policies
+from ..capture.torch_compat import wrap_sac_policies
 from .call import CheckpointCall, matches
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint as _cp
 
 from ..modules import ModuleStack
-from ..torch_hooks import checkpointed_module, sequential_segment
+from ..capture.torch_compat import checkpointed_module, sequential_segment
 from . import deterministic
 from .call import CheckpointCall
 from .must_save import MustSave

@@ -1,4 +1,4 @@
-"""Version-guarded patches of `torch.utils.checkpoint` internals that report what a region does.
+"""The one version-aware place that knows how each torch release spells the checkpoint internals ac-diff uses.
 
 There is no public API that says "this op runs in the original forward of region 7" or "this tensor
 is saved at position 46", so `CheckpointHooks` wraps the private classes that know (DESIGN.md §4):
@@ -6,18 +6,31 @@ is saved at position 46", so `CheckpointHooks` wraps the private classes that kn
     _checkpoint_hook        enter/exit = the original forward of a non-reentrant region;
                             its pack hook = one saved position (position = len(frame.weak_holders))
     _recomputation_hook     enter/exit = one recompute; its pack hook = recomputed position
-    _CheckpointFrame        save_inputs / recompute_fn = the region's inputs in each pass;
+    _CheckpointFrame        __init__ / recompute_fn = the region and its inputs in the recompute;
                             check_recomputed_tensors_match = torch's own check (may raise)
+    region inputs (forward) `_CheckpointFrame.save_inputs` (torch >= 2.12), or
+                            `_NoopSaveInputs.apply(dummy, kwargs, *args)` (2.4-2.11, right after the frame)
     CheckpointFunction      reentrant checkpoint: first call of run_function = forward, later = recompute
     _CachingTorchDispatchMode / _CachedTorchDispatchMode   selective AC: saved / served-from-cache ops
+                            (storage: a list per op (<= 2.12) or a dict by call index (>= 2.13))
+    _StopRecomputationError early stop ends a recompute with it (not a failure)
+    pack_hook attributes    torch >= 2.14 marks its own hooks (`_checkpoint_internal`) to tell them from a user's
+                            saved_tensors_hooks around a selective-AC region: the wrapped hooks keep the marks
 
-Each wrapper calls a method of a listener (the recorder) and then torch's original, unchanged.
-Anything missing in the installed torch is skipped with one warning; nothing here raises into torch.
+Each release is told apart by probing for the feature (a method, a closure variable), never by its
+version string. Each wrapper calls a method of a listener (the recorder) and then torch's original,
+unchanged. What the installed torch lacks runs in a reduced mode with one warning line naming it
+(`CheckpointHooks.install()` returns them; `REDUCED_MODES` lists every one); nothing here raises into torch.
+
+    hooks = CheckpointHooks(recorder); hooks.install()   # -> [] on torch 2.4 .. 2.14
+    ...                                                 # listener.enter/pack/exit/... calls
+    hooks.uninstall()                                   # torch exactly as it was
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -28,6 +41,17 @@ FORWARD = "forward"
 RECOMPUTE = "recompute"
 
 _REQUIRED = ("_checkpoint_hook", "_recomputation_hook", "_CheckpointFrame")
+
+# The exception early stop ends a recompute with (every release since 2.1; () matches nothing).
+STOP_RECOMPUTATION: Any = getattr(_cp, "_StopRecomputationError", ())
+
+# What each reduced mode costs; `install()` warns with these words when the installed torch lacks a mechanism.
+REDUCED_MODES = {
+    "no_frame": "ac-diff cannot see non-reentrant checkpoint regions",
+    "no_input_saver": "a region's inputs are not named (both passes read them as outside tensors)",
+    "no_reentrant": "reentrant regions are not recorded",
+    "no_sac_modes": "ops that selective AC saves or serves from its cache are not marked",
+}
 
 
 class ReentrantFrame:
@@ -105,23 +129,23 @@ class CheckpointHooks:
         self.listener = listener
         self._restore: list[tuple[Any, str, Any]] = []
         self.warnings: list[str] = []
+        self._pending = threading.local()  # the frame whose inputs torch <= 2.11 saves next
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> list[str]:
         missing = [name for name in _REQUIRED if not hasattr(_cp, name)]
         if missing:
-            self._warn(
-                f"torch {torch.__version__} has no torch.utils.checkpoint.{', '.join(missing)}: ac-diff cannot "
-                "see non-reentrant checkpoint regions in this version (tested with torch 2.4-2.13)"
-            )
+            self._reduced("no_frame", missing)
         else:
             self._patch_non_reentrant()
         if hasattr(_cp, "CheckpointFunction"):
             self._patch_reentrant()
         else:
-            self._warn("torch.utils.checkpoint.CheckpointFunction is missing: reentrant regions are not recorded")
-        if hasattr(_cp, "_CachingTorchDispatchMode") and hasattr(_cp, "_CachedTorchDispatchMode"):
+            self._reduced("no_reentrant", ["CheckpointFunction"])
+        if all(hasattr(_cp, name) for name in _SAC_MODES):
             self._patch_sac()
+        elif _has_sac_api():  # a release with SAC but other mode classes
+            self._reduced("no_sac_modes", [name for name in _SAC_MODES if not hasattr(_cp, name)])
         return self.warnings
 
     def uninstall(self) -> None:
@@ -132,9 +156,13 @@ class CheckpointHooks:
                 setattr(owner, name, original)
         self._restore = []
 
+    def _reduced(self, mode: str, missing: list[str]) -> None:
+        names = ", ".join(f"torch.utils.checkpoint.{name}" for name in missing)
+        self._warn(f"torch {torch.__version__} has no {names}: reduced mode {mode}: {REDUCED_MODES[mode]}")
+
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
-        warnings.warn(f"ac-diff: {message}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ac-diff: {message}", RuntimeWarning, stacklevel=4)
 
     def _replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = owner.__dict__.get(name, _ABSENT)
@@ -145,18 +173,27 @@ class CheckpointHooks:
     # -- non-reentrant ------------------------------------------------------------------------
     def _patch_non_reentrant(self) -> None:
         listener = self.listener
+        pending = self._pending
+        frame_cls = _cp._CheckpointFrame
+        saver = input_saver()
 
         def frame_init(original):
             def __init__(frame, recompute_fn, *args, **kwargs):
                 original(frame, recompute_fn, *args, **kwargs)
                 frame._ac_diff_recompute_fn = recompute_fn
                 frame._ac_diff_fn = _closure_value(recompute_fn, "fn")
+                # torch <= 2.11 passes (kwargs, *args) to recompute_fn; later ones keep kwargs in its closure
+                code = getattr(recompute_fn, "__code__", None)
+                skip = 1 if code is not None and "kwargs" not in code.co_freevars else 0
 
                 def recompute_with_inputs(*inputs):
-                    listener.pass_inputs(frame, inputs)
+                    if saver is not None:  # else neither pass names them: the two passes still agree
+                        listener.pass_inputs(frame, inputs[skip:])
                     return recompute_fn(*inputs)
 
                 frame.recompute_fn = recompute_with_inputs
+                if saver == "noop":
+                    pending.frame = frame  # its input saver runs next, in this thread
             return __init__
 
         def save_inputs(original):
@@ -164,6 +201,14 @@ class CheckpointHooks:
                 frame._ac_diff_inputs = args
                 return original(frame, *args)
             return wrapper
+
+        def noop_save_inputs(original):  # torch 2.4-2.11: _NoopSaveInputs.apply(dummy, kwargs, *args)
+            def apply(*args):
+                frame, pending.frame = getattr(pending, "frame", None), None
+                if frame is not None:
+                    frame._ac_diff_inputs = args[2:]
+                return original(*args)
+            return staticmethod(apply)
 
         def check(original):
             def wrapper(frame, gid):
@@ -174,9 +219,14 @@ class CheckpointHooks:
                     raise
             return wrapper
 
-        self._replace(_cp._CheckpointFrame, "__init__", frame_init)
-        self._replace(_cp._CheckpointFrame, "save_inputs", save_inputs)
-        self._replace(_cp._CheckpointFrame, "check_recomputed_tensors_match", check)
+        self._replace(frame_cls, "__init__", frame_init)
+        if saver == "save_inputs":
+            self._replace(frame_cls, "save_inputs", save_inputs)
+        elif saver == "noop":
+            self._replace(_cp._NoopSaveInputs, "apply", noop_save_inputs)
+        else:
+            self._reduced("no_input_saver", ["_CheckpointFrame.save_inputs", "_NoopSaveInputs"])
+        self._replace(frame_cls, "check_recomputed_tensors_match", check)
 
         def forward_hook_init(original):
             def __init__(hook, frame, *args, **kwargs):
@@ -189,7 +239,7 @@ class CheckpointHooks:
                     listener.pack(frame, FORWARD, position, x)
                     return pack(x)
 
-                hook.pack_hook = pack_hook
+                hook.pack_hook = _as_torch_hook(pack_hook, pack)
             return __init__
 
         def recompute_hook_init(original):
@@ -206,28 +256,28 @@ class CheckpointHooks:
                     with listener.internal():  # torch's own detach in this hook is not the region's
                         return pack(x)
 
-                hook.pack_hook = pack_hook
+                hook.pack_hook = _as_torch_hook(pack_hook, pack)
             return __init__
 
-        base = torch.autograd.graph.saved_tensors_hooks
-
+        # torch's own __enter__/__exit__ (saved_tensors_hooks', or from 2.14 _checkpoint_internal_hook's, which
+        # records the user's hooks around the region for selective AC)
         def enter(phase):
-            def make(_):
+            def make(original):
                 def __enter__(hook):
-                    result = base.__enter__(hook)
+                    result = original(hook)
                     listener.enter(hook._ac_diff_frame, phase)
                     return result
                 return __enter__
             return make
 
         def exit_(phase):
-            def make(_):
+            def make(original):
                 def __exit__(hook, *exc_info):
                     try:
                         listener.exit(hook._ac_diff_frame, phase, exc_info[1])
                     finally:
                         # always pop torch's hooks, and never swallow the region's own exception
-                        base.__exit__(hook, *exc_info)
+                        original(hook, *exc_info)
                 return __exit__
             return make
 
@@ -273,16 +323,27 @@ class CheckpointHooks:
         storage_key = getattr(_cp, "_sac_storage_key", None)
         recompute_marker = getattr(_cp, "_RECOMPUTE", None)
 
+        def stored(mode, func, args):
+            """How many of `func`'s outputs the storage holds, or for a dict by call index (torch >= 2.13) whether
+            the last call's entry is a saved output."""
+            key = storage_key(func, args) if storage_key is not None else func
+            entries = mode.storage.get(key)
+            if isinstance(entries, dict):
+                entry = entries.get(mode.func_counter[key] - 1)
+                return entry is not None and entry is not recompute_marker
+            return len(entries) if entries is not None else 0
+
         def caching(original):
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                try:
+                    before = stored(mode, func, args)
+                except Exception:
+                    before = None
                 out = original(mode, func, types, args, kwargs)
                 try:
-                    key = storage_key(func, args) if storage_key is not None else func
-                    entries = mode.storage.get(key)
-                    if entries is not None:
-                        entry = entries.get(mode.func_counter[key] - 1) if isinstance(entries, dict) else entries[-1]
-                        if entry is not None and entry is not recompute_marker:
-                            listener.sac_saved(func)
+                    after = stored(mode, func, args)
+                    if after is True or (before is not None and after is not True and after > before):
+                        listener.sac_saved(func)
                 except Exception:  # an unknown storage layout only costs the "saved" marker
                     pass
                 return out
@@ -299,6 +360,25 @@ class CheckpointHooks:
 
         self._replace(_cp._CachingTorchDispatchMode, "__torch_dispatch__", caching)
         self._replace(_cp._CachedTorchDispatchMode, "__torch_dispatch__", cached)
+
+
+def _as_torch_hook(wrapper: Callable, original: Callable) -> Callable:
+    """`wrapper` carries `original`'s name and attributes: torch >= 2.14 tells its own checkpoint hooks from a
+    user's saved_tensors_hooks by `pack_hook._checkpoint_internal`, and warns about a user's hook around a
+    selective-AC region (a FutureWarning the user did not cause) when the wrapper lacks it."""
+    return functools.update_wrapper(wrapper, original)
+
+
+def input_saver() -> str | None:
+    """How this torch keeps a non-reentrant region's inputs for its recompute: "save_inputs" (a frame method,
+    torch >= 2.12), "noop" (`_NoopSaveInputs.apply(dummy, kwargs, *args)` right after the frame, 2.4-2.11) or None."""
+    if hasattr(_cp._CheckpointFrame, "save_inputs"):
+        return "save_inputs"
+    return "noop" if hasattr(getattr(_cp, "_NoopSaveInputs", None), "apply") else None
+
+
+def _has_sac_api() -> bool:
+    return hasattr(_cp, "create_selective_checkpoint_contexts") or hasattr(_cp, "_pt2_selective_checkpoint_context_fn_gen")
 
 
 class _Absent:
