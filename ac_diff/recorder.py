@@ -35,7 +35,7 @@ from .modules import ModuleStack
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from .model import NESTED_OUTPUT
-from .opinfo import OpInfo, op_info, short_dtype, written_inputs
+from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
 from .sourceline import user_source
 from .torch_hooks import (FORWARD, CheckpointHooks, ReentrantFrame, checkpointed_module, frame_options,
                           sequential_segment)
@@ -560,7 +560,8 @@ class Recorder:
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0) | (_DERIVED if derived else 0)
+        flags = ((_CACHED if cached else 0) | (_RANDOM if info.random and draws(info, args, kwargs) else 0)
+                 | (_DERIVED if derived else 0))
         if (info.discrete or name in self.options.discrete_ops) and not cached:
             flags |= _DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)

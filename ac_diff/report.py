@@ -57,6 +57,7 @@ class PositionRow:
     matches: bool | None  # None: cannot tell
     in_torch_error: bool = False
     values_differ: bool | None = None  # same metadata, different values: what torch cannot see
+    cached: bool = False  # the recompute's tensor came from selective AC's cache (the forward's own, not recomputed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
-from .cause import explain
+from .cause import _ranges, explain
 from ..align import Pair
 from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
@@ -115,6 +115,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             report.silent = False
     if count_mismatch:
         report.notes.append(count_mismatch)
+    cached = [p for p in report.positions if p.cached]
+    if cached:
+        ops = sorted({p.op for p in cached if p.op})
+        report.notes.append(f"saved position{'s' if len(cached) > 1 else ''} {_ranges([p.position for p in cached])} "
+                            f"({', '.join(ops)}) came from selective AC's cache in the recompute: the forward's own "
+                            "tensors, not recomputed (never counted as differing)")
     if from_log and (fwd.state.get("log_starts_at") or 0) > 1:
         report.notes.append(f"the log starts inside the dump: ops from #{fwd.state['log_starts_at']} on are "
                             "compared, earlier ones are not in it" if fwd.ops else
@@ -274,6 +280,7 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         return []
     ops = {o.index: o for o in fwd.ops}
     rec_positions = {p.position: p for p in rec.positions} if rec else {}
+    rec_cached = {o.index for o in rec.ops if o.cached} if rec else set()
     rows: list[PositionRow] = []
     for pos in fwd.positions:
         op = ops.get(pos.op_index) if pos.origin == "op" else None
@@ -291,6 +298,7 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
             saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
+            cached=other is not None and other.origin == "op" and other.op_index in rec_cached,
         ))
     if not fwd.positions and reported:
         by_pack = _positions_by_pack(fwd, rec, cmp, reported) if rec is not None and cmp is not None else {}
