@@ -17,6 +17,7 @@ import threading
 import weakref
 
 import torch
+import torch.fx
 from torch import nn
 
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
@@ -106,12 +107,17 @@ class ModuleStack:
                 break
 
     def _discover(self, module: nn.Module) -> str:
-        """Name `module` relative to the modules on the stack; a module called from nowhere is a root."""
-        for parent, parent_name in reversed(self.stack()):
+        """Name `module` relative to the modules on the stack; a module called from nowhere is a root. A
+        graph the compiler runs (aot_eager's GraphModule, inside a compiled module) is not the user's: its
+        ops belong to the module that called it, and it keeps no name of its own."""
+        stack = self.stack()
+        for parent, parent_name in reversed(stack):
             self._index(parent, parent_name)
             name = self._names.get(module)
             if name is not None:
                 return name
+        if stack and isinstance(module, torch.fx.GraphModule):
+            return stack[-1][1]
         self._index(module, "")
         return self._names[module]
 
