@@ -30,6 +30,17 @@ def clean_fqn(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
 
 
+# Python attributes that are state the recorder compares between passes: plain scalars a module keeps
+# (`self.step`, `self.scale`), not torch's own bookkeeping (the mode is recorded as the pass's "training")
+SCALAR_TYPES = (int, float, bool, str)
+_NOT_STATE = frozenset({"training", "_is_full_backward_hook"})
+
+
+def scalar_attributes(module: nn.Module) -> dict[str, int | float | bool | str]:
+    """The module's own int/float/bool/str attributes: `{"step": 3, "scale": 0.5}`."""
+    return {k: v for k, v in vars(module).items() if type(v) in SCALAR_TYPES and k not in _NOT_STATE}
+
+
 class ModuleStack:
     """A per-thread stack of (module, fqn) maintained by global module hooks."""
 
@@ -38,6 +49,7 @@ class ModuleStack:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._handles: list = []
         self.on_enter = None  # optional callback(module, fqn, depth_before) for the recorder
+        self.on_exit = None  # optional callback(module, fqn) after the module's forward (and its hooks)
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -102,8 +114,10 @@ class ModuleStack:
         stack = self.stack()
         # Pop down to this module: a module whose forward raised may not have been popped.
         while stack:
-            top, _ = stack.pop()
+            top, name = stack.pop()
             if top is module:
+                if self.on_exit is not None:
+                    self.on_exit(module, name)
                 break
 
     def _discover(self, module: nn.Module) -> str:

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import __version__
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
-from .modules import ModuleStack
+from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from .model import NESTED_OUTPUT
@@ -131,6 +131,11 @@ class _Pass:
     nonfinite: bool = False  # a NaN or infinite float among the recorded arguments, host values or fingerprints
     # tensors a nested region's pass made that are still alive when it ended (its outputs): id -> (weakref, name)
     child_outputs: dict[int, tuple] = field(default_factory=dict)
+    # scalar Python attributes of the modules the pass called, at their first call: "blocks.0.step" -> 3
+    attributes: dict[str, Any] = field(default_factory=dict)
+    # attributes a call of their module changed (its forward pre-hooks or forward): name -> [before, after, hooks]
+    attribute_updates: dict[str, list] = field(default_factory=dict)
+    attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -175,6 +180,7 @@ class Recorder:
         self.options = options or RecordOptions()
         self.modules = ModuleStack()
         self.modules.on_enter = self._on_module_enter
+        self.modules.on_exit = self._on_module_exit
         # Dynamo must not trace the global module hooks into compiled graphs (compiled.py)
         self.modules._pre = skip_when_compiling(self.modules._pre)
         self.modules._post = skip_when_compiling(self.modules._post)
@@ -466,9 +472,42 @@ class Recorder:
             self._stance.ensure() if self.options.scope == "all" else wrap_compiled_graphs()
         if passes:
             p = passes[-1]
+            if p.region.recorded:
+                self._note_attributes(p, module, fqn)
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
                 p.region.first_module_fqn = fqn
+
+    @staticmethod
+    def _note_attributes(p: _Pass, module, fqn: str) -> None:
+        """The module's scalar attributes as this call begins (before its own forward pre-hooks run)."""
+        attrs = scalar_attributes(module)
+        prefix = f"{fqn}." if fqn else ""
+        for key, value in attrs.items():
+            p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
+        p.attribute_calls.append((module, prefix, attrs))
+
+    @_never_raise
+    def _on_module_exit(self, module, fqn: str) -> None:
+        """A call of a module ended: the scalar attributes it changed (a pre-hook counting calls) are updates
+        the recompute, which calls it again, makes a second time."""
+        passes = self._passes()
+        calls = passes[-1].attribute_calls if passes else None
+        if not calls:
+            return
+        for k in range(len(calls) - 1, -1, -1):
+            if calls[k][0] is module:
+                break
+        else:
+            return
+        _, prefix, before = calls[k]
+        del calls[k:]
+        after = scalar_attributes(module)
+        updates = passes[-1].attribute_updates
+        for key, value in after.items():
+            if key in before and before[key] != value and prefix + key not in updates:
+                hooks = [getattr(h, "__qualname__", type(h).__name__) for h in module._forward_pre_hooks.values()]
+                updates[prefix + key] = [before[key], value, hooks]
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:
@@ -707,6 +746,10 @@ class Recorder:
             "n_ops": p.n_ops if region.recorded or p.n_ops else None, "complete": complete, "stopped_early": stopped_early, "state": p.state,
             "externals": p.externals, "positions": p.positions,
         }
+        if p.attributes:
+            record["attributes"] = p.attributes
+        if p.attribute_updates:
+            record["attribute_updates"] = p.attribute_updates
         if p.nonfinite:
             record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
         if exc is not None and not stopped_early:
@@ -910,6 +953,7 @@ def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
     positions = [pos[1] for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
     state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
+    state["attributes"] = p.attributes
     if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
         state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
     return ops, positions, externals, state, mutated

@@ -70,7 +70,8 @@ class Cause:
     detail: str
     evidence: list[str] = field(default_factory=list)
     # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
-    # optimizer_step (most parameters changed), python_value (an argument), input, tensor; None otherwise
+    # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
+    # attribute, also under control_flow), input, tensor; None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
 

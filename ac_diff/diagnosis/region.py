@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
-from .cause import _ranges, explain
+from .cause import explain
 from ..align import Pair
 from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import describe_flip
-from .labels import args_diff, op_label, outputs_diff, where
+from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     cached = [p for p in report.positions if p.cached]
     if cached:
         ops = sorted({p.op for p in cached if p.op})
-        report.notes.append(f"saved position{'s' if len(cached) > 1 else ''} {_ranges([p.position for p in cached])} "
+        report.notes.append(f"saved position{'s' if len(cached) > 1 else ''} {number_ranges([p.position for p in cached])} "
                             f"({', '.join(ops)}) came from selective AC's cache in the recompute: the forward's own "
                             "tensors, not recomputed (never counted as differing)")
     if from_log and (fwd.state.get("log_starts_at") or 0) > 1:
