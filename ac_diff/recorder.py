@@ -482,7 +482,7 @@ class Recorder:
     def _note_attributes(p: _Pass, module, fqn: str) -> None:
         """The module's scalar attributes as this call begins (before its own forward pre-hooks run)."""
         attrs = scalar_attributes(module)
-        prefix = f"{fqn}." if fqn else ""
+        prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
         for key, value in attrs.items():
             p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
         p.attribute_calls.append((module, prefix, attrs))
@@ -953,7 +953,6 @@ def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
     positions = [pos[1] for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
     state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
-    state["attributes"] = p.attributes
     if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
         state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
     return ops, positions, externals, state, mutated

@@ -2,7 +2,7 @@
 
 The recorder keeps each module's scalar attributes (int/float/bool/str) at its first call in a pass, and
 the ones a call changed (a forward pre-hook counting calls). Here they become the cause when the region
-diverged on a Python value, not a tensor:
+diverged on a Python value, not a tensor (`control_flow` where a branch on it changed the ops):
 
     attribute_cause(region, first)
     -> Cause(kind="state_mutation", tensor="blocks.0.step",
@@ -64,8 +64,10 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         return None
     top = next((c for c in changes if c.counted_twice), changes[0])
     module = top.name.rsplit(".", 1)[0] if "." in top.name else "the module"
-    detail = (f"the Python attribute `{top.name}` was {top.forward!r} in the forward and {top.recompute!r} in the "
-              "recompute")
+    branch = "control" in first.kinds  # Python code took another branch on it
+    detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
+              + f"the Python attribute `{top.name}` was {top.forward!r} in the forward and {top.recompute!r} in "
+              "the recompute")
     evidence = [f"{c.name}: {c.forward!r} in the forward, {c.recompute!r} in the recompute" for c in changes[:4]]
     if top.counted_twice:
         by = (f"its forward pre-hook {', '.join(top.hooks)} or its forward" if top.hooks else "its forward")
@@ -78,7 +80,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
         evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}) with identical tensors in")
-    return Cause("state_mutation", top.name, detail, evidence, mechanism="attribute")
+    return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence, mechanism="attribute")
 
 
 def attribute_suggestion(region: Region, name: str) -> Suggestion | None:

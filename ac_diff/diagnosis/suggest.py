@@ -39,7 +39,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     out: list[Suggestion] = []
     kind = cause.kind if cause else "unknown"
     mechanism = cause.mechanism if cause else None
-    attribute = attribute_suggestion(region, cause.tensor) if kind == "state_mutation" and cause.tensor else None
+    attribute = (attribute_suggestion(region, cause.tensor)
+                 if kind in ("state_mutation", "control_flow") and cause and cause.tensor else None)
     if kind == "state_mutation" and mechanism == "optimizer_step":
         out.append(Suggestion(
             "Step the optimizer after all backward passes of the accumulation window",
