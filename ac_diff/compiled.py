@@ -8,11 +8,16 @@ classes. torch.compile changes both:
   `tag_activation_checkpoint` higher-order op and AOTAutograd recomputes it inside the compiled backward
   graph. No `_CheckpointFrame` ever runs, so there is no region to record.
 * compile INSIDE a region (`checkpoint(torch.compile(block), x)`, a compiled submodule or function):
-  Dynamo does not compile frames while a dispatch mode is active (`convert_frame` skips them), and on
-  its way it would trace the recorder's own handler (fatal with `fullgraph=True`). So while a region
-  pass runs, ac-diff sets `torch.compiler.set_stance("force_eager")` (`EagerStance`): that code runs
-  eagerly, ac-diff records the eager ops, not the compiled kernels of a normal run, and a divergence
-  that only the compiled code has is not reproduced.
+  the compiled code must stay compiled, or the recorder would change the numbers it observes (inductor's
+  dropout draws other numbers than eager dropout). The recording mode says `ignore_compile_internals()`
+  (torch >= 2.9): Dynamo then compiles under it as without it, and the mode sees only what runs at run
+  time. `route_compiled_code` has inductor hand each compiled graph call to the mode as ONE op,
+  `inductor_compiled_code` (its inputs and outputs fingerprinted like any op, so a divergence is placed
+  at that call); `compiled_graph_draws` says whether that graph draws random numbers. With other
+  backends (aot_eager) the graph's aten ops reach the mode one by one.
+  On older torch Dynamo skips frames under a dispatch mode: that code runs eagerly (said in a note).
+* `ac-diff run --scope all` keeps the mode on for the whole run: there `EagerStance` runs compiled code
+  eagerly on purpose, so that checkpoint() inside a compiled model runs as a region ac-diff can see.
 
 `CompileWatch` notes both: modules that are compiled (`OptimizedModule`, `module.compile()`) as the
 module hooks see them, inside a region or outside, and how many frames Dynamo compiled during the
@@ -117,6 +122,85 @@ class EagerStance:
             self._prior, self.active = None, False
 
 
+def keeps_compiled_code() -> bool:
+    """Whether this torch compiles under a dispatch mode that ignores compile internals (torch >= 2.9)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        return hasattr(TorchDispatchMode, "ignore_compile_internals")
+    except ImportError:  # pragma: no cover
+        return False
+
+
+COMPILED_GRAPH_OP = "inductor_compiled_code"  # the op a compiled graph call is recorded as
+
+
+def route_compiled_code(*mode_classes: type) -> bool:
+    """Have inductor's compiled graphs reach these dispatch modes as one `inductor_compiled_code` op each
+    (private torch API, guarded). Graphs compiled from now on are wrapped (their numbers do not change:
+    the same kernels run); False where this torch cannot."""
+    try:
+        from torch._higher_order_ops.utils import redirect_to_mode
+        from torch._higher_order_ops.wrap import inductor_compiled_code
+    except ImportError:
+        return False
+    for cls in mode_classes:
+        if cls not in getattr(inductor_compiled_code, "python_key_table", {}):
+            try:
+                redirect_to_mode(inductor_compiled_code, cls)
+            except Exception:
+                return False
+    return wrap_compiled_graphs()
+
+
+def wrap_compiled_graphs() -> bool:
+    """Switch inductor's `wrap_inductor_compiled_regions` on once its config is loaded (importing it costs
+    over a second, so this waits for the script to load it: torch.compile does)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None or not hasattr(config, "wrap_inductor_compiled_regions"):
+        return False
+    if not config.wrap_inductor_compiled_regions:
+        config.wrap_inductor_compiled_regions = True
+    return True
+
+
+_draws: dict[int, tuple[Any, bool]] = {}
+
+
+def compiled_graph_draws(compiled: Any) -> bool:
+    """Whether a compiled graph (`inductor_compiled_code`'s first argument) draws random numbers: any node
+    of its original FX graph is a random op (or inductor's seeds for one)."""
+    hit = _draws.get(id(compiled))
+    if hit is not None and hit[0]() is compiled:
+        return hit[1]
+    found = False
+    try:
+        graph = getattr(compiled, "original_gm", None)
+        for node in graph.graph.nodes if graph is not None else ():
+            target = node.target
+            tags = getattr(target, "tags", ()) or ()
+            if torch.Tag.nondeterministic_seeded in tags or "inductor_seed" in str(target) \
+                    or "inductor_random" in str(target):
+                found = True
+                break
+    except Exception:
+        found = False
+    try:
+        import weakref
+
+        _draws[id(compiled)] = (weakref.ref(compiled), found)
+    except TypeError:
+        pass
+    return found
+
+
+def compiled_graph_label(compiled: Any) -> str:
+    """How a compiled graph argument is written in the trace: stable across passes, no object address."""
+    name = getattr(compiled, "compile_region_name", None)
+    idx = getattr(compiled, "idx", compiled if isinstance(compiled, int) else None)
+    return f"<compiled graph {name or idx}>"
+
+
 def compile_kind(module: Any) -> str | None:
     """"torch.compile(module)" for an OptimizedModule, "module.compile()" for an in-place compiled one."""
     if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
@@ -192,11 +276,17 @@ class CompileWatch:
         if self.inside:
             names = sorted({n for ns in self.inside.values() for n in ns})
             regions = sorted(self.inside)
-            out.append(
-                f"torch.compile: compiled module(s) {_list(names)} ran inside checkpointed region(s) "
-                f"{_list(map(str, regions))}. ac-diff runs compiled code eagerly inside regions (torch.compile does "
-                "not compile under a dispatch mode), so the recording shows their eager ops, not the compiled "
-                "kernels of a normal run: a divergence only the compiled code has is not reproduced")
+            text = (f"torch.compile: compiled module(s) {_list(names)} ran inside checkpointed region(s) "
+                    f"{_list(map(str, regions))}")
+            if keeps_compiled_code():
+                text += (": their code ran compiled, as without ac-diff; each call of an inductor graph is recorded "
+                         f"as one step ({COMPILED_GRAPH_OP}) whose inputs and outputs are fingerprinted, so a "
+                         "divergence is placed at that call, not at an op inside it")
+            else:
+                text += (f". torch {torch.__version__} does not compile under a dispatch mode, so that code ran eagerly "
+                         "while ac-diff recorded: its numbers may differ from a run without ac-diff (torch >= 2.9 "
+                         "keeps it compiled)")
+            out.append(text)
         if self.outside:
             names = sorted(self.outside)
             text = (f"torch.compile: compiled module(s) {_list(names)} ran outside any recorded region "

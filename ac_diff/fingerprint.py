@@ -13,6 +13,14 @@ data; half precision: a float32 sum and the weighted sum, no float64 upcasts, wh
 Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
 same experts in another order) changes the fingerprint.
 
+Non-finite floats: a sum over a tensor that holds -inf (an additive attention mask) or NaN, or whose
+huge values overflow (a `finfo.min` mask), is -inf or NaN whatever else changed. So every float tensor
+also gets a third number, computed on the device with the pair: the sums of each row's bit patterns
+(the floats reinterpreted as integers, in wrap-around int32 arithmetic, exact in any order) weighted
+by odd row weights. A change of any one element's bits changes it, as does a changed row. Where the
+pair is finite it is the fingerprint, as before; where it is not, the fingerprint is the pair plus
+that number (`[-inf, -inf, 12345]`). One more pass over the data, about half the cost of the pair's.
+
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op).
 """
@@ -20,6 +28,7 @@ synchronisation, so there must be a constant number per pass, never one per op).
 from __future__ import annotations
 
 import base64
+from math import isfinite
 from typing import Any
 
 import torch
@@ -62,8 +71,9 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
     """The first n fingerprint weights, cached per (device, dtype, kind, n) for the whole process: the
     same values for a given length however the base grew, and no slicing dispatch per fingerprint.
 
-    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "rows": the (2, n) matrix
-    [ones; float weights] that turns row sums into a plain and a weighted total in one kernel."""
+    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
+    times an odd weight never vanishes in wrap-around arithmetic); "rows": the (2, n) matrix [ones; float
+    weights] that turns row sums into a plain and a weighted total in one kernel."""
     key = (device, dtype, kind, n)
     w = _weight_slices.get(key)
     if w is None:
@@ -73,7 +83,8 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
             base = _weight_bases.get(key[:3])
             if base is None or base.numel() < n:
                 k = torch.arange(max(n, 1024), dtype=torch.float64)
-                values = k + 1 if kind == "int" else 1.0 + torch.frac(k * 0.6180339887498949)
+                values = (k + 1 if kind == "int" else 2 * k + 1 if kind == "odd"
+                          else 1.0 + torch.frac(k * 0.6180339887498949))
                 base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
             w = base[:n]
         if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
@@ -102,10 +113,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
 
 
-def _weighted_row_sums(t: torch.Tensor) -> torch.Tensor:
-    """sum_j wc[j] T[i, j] for every row i of `_rows(t)`: the one pass over the data."""
-    m = _rows(t)
-    return torch.mv(m, _weights(t.device, t.dtype, m.shape[1]))
+def _weighted_row_sums(m: torch.Tensor) -> torch.Tensor:
+    """sum_j wc[j] M[i, j] for every row i of the matrix `m` (see `_rows`): the one pass over the data."""
+    return torch.mv(m, _weights(m.device, m.dtype, m.shape[1]))
+
+
+# Integer views of the float dtypes' bit patterns, by element size (8-byte floats as pairs of int32)
+_BIT_VIEWS = {2: torch.int16, 4: torch.int32, 8: torch.int32}
+
+
+def _bit_rows_sum(m: torch.Tensor) -> torch.Tensor:
+    """sum_i wo[i] * (sum_j bits(M[i, j])) in wrap-around int32 arithmetic, wo odd: a 0-d int32 tensor that
+    changes whenever one element's bit pattern does (infinities and NaN included), exact in any order."""
+    try:
+        bits = m.view(_BIT_VIEWS[m.element_size()])
+    except RuntimeError:  # 8-byte floats whose rows are not contiguous cannot be viewed as pairs of int32
+        bits = m.contiguous().view(torch.int32)
+    rows = bits.sum(-1, dtype=torch.int32)
+    w = _weights(m.device, torch.int32, rows.numel(), "odd")
+    return torch.dot(rows, w) if rows.is_cpu else (rows * w).sum(dtype=torch.int32)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -117,10 +143,12 @@ class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind."""
 
     def __init__(self) -> None:
-        # (kind, device) -> [pairs: (2,) tensors, firsts: 0-d tensors, seconds: 0-d tensors]
+        # (kind, device) -> [pairs: (2,) tensors, firsts: 0-d tensors, seconds: 0-d tensors,
+        #                   bits: 0-d int32 tensors (floats only, see `_bit_rows_sum`)]
         self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor],
-                                                             list[torch.Tensor]]] = {}
-        self._slots: list[tuple[tuple[str, torch.device], bool, int]] = []  # (bucket, is a pair, index)
+                                                             list[torch.Tensor], list[torch.Tensor]]] = {}
+        # (bucket, is a pair, index, index of its bit sum or -1)
+        self._slots: list[tuple[tuple[str, torch.device], bool, int, int]] = []
         self._kept: list[torch.Tensor] = []
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
 
@@ -140,15 +168,21 @@ class FingerprintBatch:
         key = (kind, t.device)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = ([], [], [])
-        if kind == "f" and dtype in _EXACT_ROW_DTYPES and t.numel():
-            pairs = bucket[0]
-            pairs.append(self._weighted_pair(t))
-            self._slots.append((key, True, len(pairs) - 1))
-            return len(self._slots) - 1
+            bucket = self._buckets[key] = ([], [], [], [])
+        bit = -1
+        if kind == "f" and t.numel():
+            m = _rows(t)
+            bits = bucket[3]
+            bits.append(_bit_rows_sum(m))
+            bit = len(bits) - 1
+            if dtype in _EXACT_ROW_DTYPES:
+                pairs = bucket[0]
+                pairs.append(self._weighted_pair(m))
+                self._slots.append((key, True, len(pairs) - 1, bit))
+                return len(self._slots) - 1
         if kind == "f":
             first = t.sum(dtype=torch.float32)
-            second = self._bilinear(t) if t.numel() else first
+            second = self._bilinear(m) if t.numel() else first
         else:
             flat = t.reshape(-1)
             first = flat.sum(dtype=torch.int64)
@@ -158,7 +192,7 @@ class FingerprintBatch:
                 else (flat * w).sum(dtype=torch.int64)
         bucket[1].append(first)
         bucket[2].append(second)
-        self._slots.append((key, False, len(bucket[1]) - 1))
+        self._slots.append((key, False, len(bucket[1]) - 1, bit))
         return len(self._slots) - 1
 
     def keep(self, t: torch.Tensor) -> int:
@@ -168,34 +202,45 @@ class FingerprintBatch:
                           else torch.zeros(0))
         return len(self._kept) - 1
 
-    def _weighted_pair(self, t: torch.Tensor) -> torch.Tensor:
-        """(sum_ij wc[j] T[i, j], sum_ij wr[i] wc[j] T[i, j]) over the tensor seen as rows (see `_rows`),
+    def _weighted_pair(self, m: torch.Tensor) -> torch.Tensor:
+        """(sum_ij wc[j] M[i, j], sum_ij wr[i] wc[j] M[i, j]) over the tensor seen as rows (`m`, see `_rows`),
         with fixed quasi-random weights in [1, 2), as ONE (2,) tensor: one pass over the data (mv) and
         one over its row sums. Unlike (sum, abs-sum), the pair changes when values move between positions
         (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update)."""
-        rows = _weighted_row_sums(t)
-        return torch.mv(_weights(t.device, t.dtype, rows.numel(), "rows"), rows)
+        rows = _weighted_row_sums(m)
+        return torch.mv(_weights(m.device, m.dtype, rows.numel(), "rows"), rows)
 
-    def _bilinear(self, t: torch.Tensor) -> torch.Tensor:
-        """sum_ij wr[i] * wc[j] * T[i, j] (as `_weighted_pair`'s second number) for the dtypes whose row
+    def _bilinear(self, m: torch.Tensor) -> torch.Tensor:
+        """sum_ij wr[i] * wc[j] * M[i, j] (as `_weighted_pair`'s second number) for the dtypes whose row
         sums would be rounded to their own precision, in float32."""
-        rows = _weighted_row_sums(t)
-        out = torch.dot(rows, _weights(t.device, t.dtype, rows.numel()))
+        rows = _weighted_row_sums(m)
+        out = torch.dot(rows, _weights(m.device, m.dtype, rows.numel()))
         return out if out.dtype is torch.float32 else out.float()
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""
         read = {}
-        for key, (pairs, firsts, seconds) in self._buckets.items():
+        for key, (pairs, firsts, seconds, bits) in self._buckets.items():
             parts = [torch.stack(pairs)] if pairs else []
             if firsts:
                 parts.append(torch.stack((torch.stack(firsts), torch.stack(seconds)), dim=1))
-            host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
-            if key[0] == "f" and self.finite and not bool(torch.isfinite(host).all()):
+            both = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if bits:  # float pairs and int32 bit sums travel together as float64 (exact for both)
+                both = torch.cat((both.double().reshape(-1), torch.stack(bits).double()))
+            host = to_host(both)
+            n = len(pairs) + len(firsts)
+            values = host[:2 * n].reshape(n, 2) if bits else host
+            if key[0] == "f" and self.finite and not bool(torch.isfinite(values).all()):
                 self.finite = False
-            both = host.tolist()
-            read[key] = (both[:len(pairs)], both[len(pairs):])
-        return [read[key][0 if is_pair else 1][i] for key, is_pair, i in self._slots], _read_kept(self._kept)
+            read[key] = (values.tolist(), [int(b) for b in host[2 * n:].tolist()] if bits else [])
+        out: list[list[float] | None] = []
+        for key, is_pair, i, bit in self._slots:
+            values, bit_sums = read[key]
+            fp = values[i if is_pair else len(self._buckets[key][0]) + i]
+            if bit >= 0 and not all(map(isfinite, fp)):
+                fp = fp + [bit_sums[bit]]  # the pair says nothing here: the bit patterns do
+            out.append(fp)
+        return out, _read_kept(self._kept)
 
     def __len__(self) -> int:
         return len(self._slots)

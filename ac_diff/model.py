@@ -136,6 +136,10 @@ class Pass:
     complete: bool = True  # False when the recording (or the log) stops inside this pass
     stopped_early: bool = False  # recompute stopped at the last saved position (torch's early stop)
     attempt: int = 0  # recompute number (a region can be recomputed more than once)
+    # scalar Python attributes of the modules the pass called, at their first call ("blocks.0.step" -> 3), and
+    # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
+    attributes: dict[str, Any] = field(default_factory=dict)
+    attribute_updates: dict[str, list] = field(default_factory=dict)
 
 
 

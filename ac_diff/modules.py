@@ -17,6 +17,7 @@ import threading
 import weakref
 
 import torch
+import torch.fx
 from torch import nn
 
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
@@ -29,6 +30,17 @@ def clean_fqn(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
 
 
+# Python attributes that are state the recorder compares between passes: plain scalars a module keeps
+# (`self.step`, `self.scale`), not torch's own bookkeeping (the mode is recorded as the pass's "training")
+SCALAR_TYPES = (int, float, bool, str)
+_NOT_STATE = frozenset({"training", "_is_full_backward_hook"})
+
+
+def scalar_attributes(module: nn.Module) -> dict[str, int | float | bool | str]:
+    """The module's own int/float/bool/str attributes: `{"step": 3, "scale": 0.5}`."""
+    return {k: v for k, v in vars(module).items() if type(v) in SCALAR_TYPES and k not in _NOT_STATE}
+
+
 class ModuleStack:
     """A per-thread stack of (module, fqn) maintained by global module hooks."""
 
@@ -37,6 +49,7 @@ class ModuleStack:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._handles: list = []
         self.on_enter = None  # optional callback(module, fqn, depth_before) for the recorder
+        self.on_exit = None  # optional callback(module, fqn) after the module's forward (and its hooks)
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -101,17 +114,24 @@ class ModuleStack:
         stack = self.stack()
         # Pop down to this module: a module whose forward raised may not have been popped.
         while stack:
-            top, _ = stack.pop()
+            top, name = stack.pop()
             if top is module:
+                if self.on_exit is not None:
+                    self.on_exit(module, name)
                 break
 
     def _discover(self, module: nn.Module) -> str:
-        """Name `module` relative to the modules on the stack; a module called from nowhere is a root."""
-        for parent, parent_name in reversed(self.stack()):
+        """Name `module` relative to the modules on the stack; a module called from nowhere is a root. A
+        graph the compiler runs (aot_eager's GraphModule, inside a compiled module) is not the user's: its
+        ops belong to the module that called it, and it keeps no name of its own."""
+        stack = self.stack()
+        for parent, parent_name in reversed(stack):
             self._index(parent, parent_name)
             name = self._names.get(module)
             if name is not None:
                 return name
+        if stack and isinstance(module, torch.fx.GraphModule):
+            return stack[-1][1]
         self._index(module, "")
         return self._names[module]
 

@@ -73,6 +73,9 @@ class OpInfo:
     # values first diverge if its inputs were measured equal (see recorder: "derived" outputs)
     derivable: bool = False
     shares_values: bool = False  # a view or an aliasing copy: its values are its input's
+    # a random op's arguments that can switch its drawing off: ((position, name), ...) of `dropout_p`
+    # (SDPA: 0 draws nothing) and `train`/`training` (dropout, rrelu: False draws nothing); see `draws`
+    random_switches: tuple[tuple[int, str], ...] = ()
 
 
 # id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
@@ -104,15 +107,38 @@ def _compute(func) -> OpInfo:
     schema = getattr(func, "_schema", None)
     mutates = bool(getattr(schema, "is_mutable", True))
     pointwise = hasattr(torch, "Tag") and torch.Tag.pointwise in tags
+    switches = ()
+    if random and schema is not None:
+        switches = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.name in _RANDOM_SWITCHES)
     return OpInfo(
         name=name,
         fingerprint=fingerprint,
         random=random,
+        random_switches=switches,
         discrete=discrete,
         aliases_input=packet in ALIASING_COPIES,
         derivable=pointwise and fingerprint and not random and not discrete and not mutates,
         shares_values=is_view or packet in ALIASING_COPIES,
     )
+
+
+_RANDOM_SWITCHES = frozenset({"dropout_p", "train", "training"})
+
+
+def draws(info: OpInfo, args: tuple | list, kwargs: dict) -> bool:
+    """Does this call of a random op really draw from a generator? Not an SDPA with `dropout_p=0`, not a
+    dropout with `train=False`: their results are deterministic functions of their inputs."""
+    if not info.random:
+        return False
+    for i, name in info.random_switches:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if value is None:  # left at its default (dropout_p=0.0, train unset: torch's default draws)
+            if name == "dropout_p":
+                return False
+            continue
+        if value == 0 or value is False:
+            return False
+    return True
 
 
 _written: dict[str, tuple[int, ...]] = {}

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import sys
 from math import isfinite
 import threading
 import time
@@ -30,12 +31,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
-from .compiled import CompileWatch, EagerStance, skip_when_compiling, tracing
-from .modules import ModuleStack
+from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
+                       route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
+from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from .model import NESTED_OUTPUT
-from .opinfo import OpInfo, op_info, short_dtype, written_inputs
+from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
 from .sourceline import user_source
 from .capture.torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
@@ -134,6 +136,11 @@ class _Pass:
     nonfinite: bool = False  # a NaN or infinite float among the recorded arguments, host values or fingerprints
     # tensors a nested region's pass made that are still alive when it ended (its outputs): id -> (weakref, name)
     child_outputs: dict[int, tuple] = field(default_factory=dict)
+    # scalar Python attributes of the modules the pass called, at their first call: "blocks.0.step" -> 3
+    attributes: dict[str, Any] = field(default_factory=dict)
+    # attributes a call of their module changed (its forward pre-hooks or forward): name -> [before, after, hooks]
+    attribute_updates: dict[str, list] = field(default_factory=dict)
+    attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -143,6 +150,11 @@ class _RecordingMode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code inside a region compiles and runs as without the recorder (compiled.py)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.recorder._on_op(func, args, kwargs, out)
@@ -151,7 +163,8 @@ class _RecordingMode(TorchDispatchMode):
 
 class _UnguardedRecordingMode(_RecordingMode):
     """The same handler without the `torch._disable_dynamo` wrapper TorchDispatchMode puts around every
-    `__torch_dispatch__` (~4 us per op). Pushed only while EagerStance holds Dynamo in force_eager."""
+    `__torch_dispatch__` (~4 us per op). Pushed only while Dynamo is not loaded (no compiled code can run,
+    so nothing can trace the handler)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:  # read by TorchDispatchMode.__init_subclass__: do not wrap
@@ -172,11 +185,12 @@ class Recorder:
         self.options = options or RecordOptions()
         self.modules = ModuleStack()
         self.modules.on_enter = self._on_module_enter
+        self.modules.on_exit = self._on_module_exit
         # Dynamo must not trace the global module hooks into compiled graphs (compiled.py)
         self.modules._pre = skip_when_compiling(self.modules._pre)
         self.modules._post = skip_when_compiling(self.modules._post)
         self.compile_watch = CompileWatch()
-        self._stance = EagerStance()  # torch.compile'd code runs eagerly in regions
+        self._stance = EagerStance()  # --scope all: torch.compile'd code runs eagerly (compiled.py)
         self._gc_hold = YoungGenerationHold()  # fewer collector passes while passes are recorded
         self._launched_as_rank = False
         self.hooks = CheckpointHooks(self)
@@ -208,6 +222,7 @@ class Recorder:
             self._writer.write({"type": "warning", "message": w})
         self.modules.install()
         self.compile_watch.start()
+        route_compiled_code(_RecordingMode, _UnguardedRecordingMode)
         if self.options.scope == "all":
             self._stance.push()
             self._mode.__enter__()
@@ -331,14 +346,15 @@ class Recorder:
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
-        if not passes:
-            self._stance.push()
         # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past
         # `max_regions` cost nothing (their pass records then have no op count)
         if region.recorded and not any(q.pushed_mode for q in passes):
             if self.options.scope != "all":
-                # Dynamo held in force_eager cannot trace the handler: torch's per-op guard (~4 us) is not needed
-                self._mode = self._unguarded_mode if self._stance.active else self._guarded_mode
+                # without Dynamo nothing can trace the handler: torch's per-op guard (~4 us) is not needed
+                dynamo = "torch._dynamo" in sys.modules
+                if dynamo:
+                    wrap_compiled_graphs()
+                self._mode = self._guarded_mode if dynamo else self._unguarded_mode
                 self._mode.__enter__()
             self._gc_hold.push()
             p.pushed_mode = True
@@ -355,8 +371,6 @@ class Recorder:
             stack.pop()
         if p.pushed_mode and self.options.scope != "all":
             self._mode.__exit__(None, None, None)
-        if not passes:
-            self._stance.pop()
         stopped_early = isinstance(exc, STOP_RECOMPUTATION) if STOP_RECOMPUTATION else False
         complete = exc is None or stopped_early
         if passes and p.region.recorded and passes[-1].region.recorded:
@@ -393,8 +407,8 @@ class Recorder:
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         region = getattr(frame, "_ac_diff_region", None)
         passes = self._passes()
-        if region is None or not region.recorded or not passes:
-            return
+        if region is None or not region.recorded or not passes or tracing():
+            return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
         p = passes[-1]
         if p.region is not region:  # a pack of an outer region while an inner one runs
             p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
@@ -473,12 +487,46 @@ class Recorder:
     def _on_module_enter(self, module, fqn: str, depth: int) -> None:
         passes = self._passes()
         if self.compile_watch.saw(module, fqn, passes[-1].region if passes else None):
-            self._stance.ensure()  # Dynamo may have been imported after the pass began
+            # Dynamo may have been loaded after the recording began
+            self._stance.ensure() if self.options.scope == "all" else wrap_compiled_graphs()
         if passes:
             p = passes[-1]
+            if p.region.recorded:
+                self._note_attributes(p, module, fqn)
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
                 p.region.first_module_fqn = fqn
+
+    @staticmethod
+    def _note_attributes(p: _Pass, module, fqn: str) -> None:
+        """The module's scalar attributes as this call begins (before its own forward pre-hooks run)."""
+        attrs = scalar_attributes(module)
+        prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
+        for key, value in attrs.items():
+            p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
+        p.attribute_calls.append((module, prefix, attrs))
+
+    @_never_raise
+    def _on_module_exit(self, module, fqn: str) -> None:
+        """A call of a module ended: the scalar attributes it changed (a pre-hook counting calls) are updates
+        the recompute, which calls it again, makes a second time."""
+        passes = self._passes()
+        calls = passes[-1].attribute_calls if passes else None
+        if not calls:
+            return
+        for k in range(len(calls) - 1, -1, -1):
+            if calls[k][0] is module:
+                break
+        else:
+            return
+        _, prefix, before = calls[k]
+        del calls[k:]
+        after = scalar_attributes(module)
+        updates = passes[-1].attribute_updates
+        for key, value in after.items():
+            if key in before and before[key] != value and prefix + key not in updates:
+                hooks = [getattr(h, "__qualname__", type(h).__name__) for h in module._forward_pre_hooks.values()]
+                updates[prefix + key] = [before[key], value, hooks]
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:
@@ -579,7 +627,9 @@ class Recorder:
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        flags = (_CACHED if cached else 0) | (_RANDOM if info.random else 0) | (_DERIVED if derived else 0)
+        random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
+            compiled_graph_draws(args[0])
+        flags = (_CACHED if cached else 0) | (_RANDOM if random else 0) | (_DERIVED if derived else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
             flags |= _DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
@@ -604,6 +654,8 @@ class Recorder:
             return short_dtype(a)
         if isinstance(a, torch.SymInt):
             return str(a)
+        if hasattr(a, "compiled_callable"):  # inductor_compiled_code's graph: no object address in the trace
+            return compiled_graph_label(a)
         return str(a)
 
     @staticmethod
@@ -713,6 +765,10 @@ class Recorder:
             "n_ops": p.n_ops if region.recorded or p.n_ops else None, "complete": complete, "stopped_early": stopped_early, "state": p.state,
             "externals": p.externals, "positions": p.positions,
         }
+        if p.attributes:
+            record["attributes"] = p.attributes
+        if p.attribute_updates:
+            record["attribute_updates"] = p.attribute_updates
         if p.nonfinite:
             record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
         if exc is not None and not stopped_early:

@@ -58,6 +58,7 @@ class PositionRow:
     matches: bool | None  # None: cannot tell
     in_torch_error: bool = False
     values_differ: bool | None = None  # same metadata, different values: what torch cannot see
+    cached: bool = False  # the recompute's tensor came from selective AC's cache (the forward's own, not recomputed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +71,8 @@ class Cause:
     detail: str
     evidence: list[str] = field(default_factory=list)
     # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
-    # optimizer_step (most parameters changed), python_value (an argument), input, tensor; None otherwise
+    # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
+    # attribute, also under control_flow), input, tensor; None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
 

@@ -459,6 +459,7 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         externals=[_external_from_json(x) for x in rec.get("externals", [])],
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
+        attributes=rec.get("attributes") or {}, attribute_updates=rec.get("attribute_updates") or {},
     )
     if rec.get("error"):
         p.state["error"] = rec["error"]

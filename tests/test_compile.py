@@ -37,9 +37,10 @@ def test_compiled_submodule_inside_regions_is_named_and_the_divergence_still_fou
     for g in report["regions"]:
         assert g["status"] == "diverged" and g["silent"]
         assert g["cause"]["kind"] == "rng"
-        assert g["first_value_divergence"]["module"] == f"{g['module']}.ff.drop"
+        # the compiled graph's ops (aot_eager runs them as aten ops) belong to the compiled module
+        assert g["first_value_divergence"]["module"] == f"{g['module']}.ff"
     note = next(n for n in report["notes"] if n.startswith("torch.compile"))
-    assert "layers.0.ff, layers.1.ff" in note and "eagerly" in note
+    assert "layers.0.ff, layers.1.ff" in note and "ran compiled" in note
     run = read_run(r.trace_dir / "trace-rank0.jsonl")
     assert [g.compiled for g in run.regions] == [["layers.0.ff"], ["layers.1.ff"]] * 2
     assert "torch.compile" in r.stdout  # the terminal report shows the note too
@@ -75,8 +76,8 @@ def _blocks(compile_how: str) -> nn.Module:
     layers = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Sequential(nn.Linear(8, 8), nn.GELU()))
                              for _ in range(2)])
     for i, block in enumerate(layers):
-        if compile_how == "method":
-            block[1].compile(backend="aot_eager", fullgraph=True)
+        if compile_how == "method":  # (fullgraph=True fails here without ac-diff too: torch 2.13 meets the
+            block[1].compile(backend="aot_eager")  # region's pack hook, a skipped frame, inside the graph)
         layers[i] = checkpoint_wrapper(block)
     return torch.compile(layers, backend="aot_eager") if compile_how == "around" else layers
 
@@ -93,12 +94,14 @@ def test_in_process_recording_of_compiled_models(tmp_path, how):
     finally:
         torch._dynamo.reset()
     run = read_run(tmp_path / "t.jsonl")
-    note = next(n for n in run.notes if n.startswith("torch.compile"))
-    if how == "method":  # block[1].compile(): compiled in place, no OptimizedModule wrapper
-        assert [g.compiled for g in run.regions] == [["0.1"], ["1.1"]] * 2
-        assert "0.1, 1.1 ran inside checkpointed region(s) 0, 1, 2, 3" in note
+    if how == "method":  # block[1].compile(): compiled in place, runs compiled inside the regions; its module
+        # hooks are part of the compiled code, so its ops (the graph's, run by aot_eager) belong to the block
+        assert [g.module for g in run.regions] == ["0", "1"] * 2
+        linear = [o for o in run.regions[0].forward.ops if o.op == "aten.addmm.default"]
+        assert linear and linear[0].module == "0"
         assert ac_diff.diagnose([run]).verdict == "clean"
     else:  # torch.compile(model) over checkpoint_wrapper'd blocks: no crash, no region, and why
+        note = next(n for n in run.notes if n.startswith("torch.compile"))
         assert run.regions == []
         assert "Sequential ran outside any recorded region" in note and "no checkpointed region ran" in note
 

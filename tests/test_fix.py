@@ -1,7 +1,7 @@
 """`ac-diff fix`: each remedy tried on the script in its own process; the table says which one works and why
 the others did not. Real mechanisms only (tests/stacks/reentrant_side.py, the torchtitan-shaped package):
-dropout with preserve_rng_state=False, a router bias updated in a forward hook (saving topk does not help:
-its input already differed), the same with top-k weights normalised in place (saving topk crashes the
+dropout with preserve_rng_state=False, a router bias updated in a forward hook whose biased scores also
+give the weights (saving topk does not help: its input already differed and feeds the weights too), the same with top-k weights normalised in place (saving topk crashes the
 script: SAC's cached tensor is mutated), router logits lost through reentrant checkpoint, and torchtitan's
 own op-level SAC policy composed with --must-save.
 """
@@ -38,7 +38,7 @@ def fixes(tmp_path_factory):
     out = tmp_path_factory.mktemp("fix")
     jobs = {
         "rng": ["--max-tries", "1", SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
-        "bias": ["--max-tries", "1", SCRIPT, "--no-aux", "--bias-update"],
+        "bias": ["--max-tries", "1", SCRIPT, "--no-aux", "--bias-update", "--gather-weights"],
         "bias_inplace": ["--max-tries", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
         "side_output": [SCRIPT, "--reentrant"],
     }

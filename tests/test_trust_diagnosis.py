@@ -147,7 +147,8 @@ def test_changed_python_float_is_an_argument_divergence_with_readable_values(tmp
     assert arg is not None and arg.kind == "argument" and arg.op == "aten.mul.Tensor"
     assert "0.5→0.25" in arg.summary and arg.detail["args_diff"] == "0.5→0.25"
     assert region.first_shape_divergence is None
-    assert region.cause.mechanism == "python_value"
+    # the float is a module attribute: the cause names it (a bare Python argument would be "python_value")
+    assert region.cause.mechanism == "attribute" and region.cause.tensor == "Tempered.temperature"
     assert "mk-argument" in render_html(report)  # the aligned view marks the argument, not a shape
     assert "≠ argument" in _terminal(report) and "shape" not in _terminal(report).split("chain")[0].split(
         "first divergences")[1].splitlines()[1]

@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint as _cp
 
+from ..compiled import is_compiling
+
 FORWARD = "forward"
 RECOMPUTE = "recompute"
 
@@ -235,6 +237,8 @@ class CheckpointHooks:
                 pack = hook.pack_hook
 
                 def pack_hook(x):
+                    if is_compiling():  # Dynamo traces a compiled function in the region: torch's hook only
+                        return pack(x)
                     position = len(frame.weak_holders)
                     listener.pack(frame, FORWARD, position, x)
                     return pack(x)
@@ -250,6 +254,8 @@ class CheckpointHooks:
                 pack = hook.pack_hook
 
                 def pack_hook(x):
+                    if is_compiling():  # (as above)
+                        return pack(x)
                     target = target_frame_ref()
                     if target is not None:
                         listener.pack(target, RECOMPUTE, target.recomp_counter[gid], x)

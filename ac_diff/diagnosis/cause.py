@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..model import OpRecord, Region
 from ..report import Cause, RegionReport
+from .attributes import attribute_cause
 from .compare import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
 from .dataflow import data_path, decision_path
 from .labels import number_ranges, readable_arg, where
@@ -87,6 +88,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                       "modified tensor)")
         return Cause("state_mutation", top["name"], detail, evidence,
                      mechanism="input" if top["kind"] == "input" else "tensor")
+
+    attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
+    if attribute is not None:
+        return attribute
 
     rng = report.state_changes.get("rng")
     random_op = _first_random_divergence(cmp)

@@ -3,7 +3,8 @@
     cmp = compare_passes(region.forward, region.recompute, tolerance=Tolerance())
     cmp.pairs                 # aligned (forward index, recompute index, how)
     cmp.value_diff[i]         # forward op i: outputs measured different
-    cmp.tainted[i]            # forward op i: outputs differ, measured or inferred from its inputs
+    cmp.tainted[i]            # forward op i: outputs differ, measured or inferred from its inputs (never
+                              # for an op selective AC served from its cache: those are the forward's tensors)
     cmp.first("value")        # PairDiff of the first op whose values diverged, or None
 
 Works on recorded passes (fingerprints, input references) and on passes parsed from a log (shapes,
@@ -241,6 +242,11 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs)
             d.inputs_same, d.changed_inputs = same, changed
             # a side effect taints what reads its result (`avg.lerp_(x)` then `y / avg`), nothing else
+            if r.cached:  # served from selective AC's cache: the forward's own tensors, whatever fed it
+                tainted[f.index] = False
+                tainted_outputs.update({(f.index, j): False for j in range(len(f.out))})
+                diffs.append(d)
+                continue
             tainted[f.index] = (not d.side_effect or f.index in read_updates) and (
                 bool(d.kinds & {"value", "shape", "args", "argument", "host"}) or (same is False and not _measured(f, r)))
             if tainted[f.index] and not d.kinds & {"args", "argument", "host"}:

@@ -18,7 +18,7 @@ from ..align import Pair
 from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import describe_flip
-from .labels import args_diff, op_label, outputs_diff, where
+from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             report.silent = False
     if count_mismatch:
         report.notes.append(count_mismatch)
+    cached = [p for p in report.positions if p.cached]
+    if cached:
+        ops = sorted({p.op for p in cached if p.op})
+        report.notes.append(f"saved position{'s' if len(cached) > 1 else ''} {number_ranges([p.position for p in cached])} "
+                            f"({', '.join(ops)}) came from selective AC's cache in the recompute: the forward's own "
+                            "tensors, not recomputed (never counted as differing)")
     if from_log and (fwd.state.get("log_starts_at") or 0) > 1:
         report.notes.append(f"the log starts inside the dump: ops from #{fwd.state['log_starts_at']} on are "
                             "compared, earlier ones are not in it" if fwd.ops else
@@ -284,6 +290,7 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         return []
     ops = {o.index: o for o in fwd.ops}
     rec_positions = {p.position: p for p in rec.positions} if rec else {}
+    rec_cached = {o.index for o in rec.ops if o.cached} if rec else set()
     rows: list[PositionRow] = []
     for pos in fwd.positions:
         op = ops.get(pos.op_index) if pos.origin == "op" else None
@@ -301,6 +308,7 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
             saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
+            cached=other is not None and other.origin == "op" and other.op_index in rec_cached,
         ))
     if not fwd.positions and reported:
         by_pack = _positions_by_pack(fwd, rec, cmp, reported) if rec is not None and cmp is not None else {}

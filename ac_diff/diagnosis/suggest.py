@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..model import Region
 from ..report import RegionReport, Suggestion
+from .attributes import attribute_suggestion
 
 
 def _torch_op(op: str) -> str:
@@ -38,6 +39,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
     out: list[Suggestion] = []
     kind = cause.kind if cause else "unknown"
     mechanism = cause.mechanism if cause else None
+    attribute = (attribute_suggestion(region, cause.tensor)
+                 if kind in ("state_mutation", "control_flow") and cause and cause.tensor else None)
     if kind == "state_mutation" and mechanism == "optimizer_step":
         out.append(Suggestion(
             "Step the optimizer after all backward passes of the accumulation window",
@@ -47,6 +50,8 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
             "has run, never between one micro-batch's forward and its backward.",
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
             "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()"))
+    elif attribute is not None:
+        out.append(attribute)
     elif kind == "state_mutation" and cause is not None:
         name = cause.tensor or "the tensor"
         if mechanism == "python_value":

@@ -9,7 +9,8 @@
     --compile none     eager
 
 `--dropout P --no-preserve-rng` puts a real divergence (dropout without preserved RNG state) in the
-blocks' feed-forward. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler).
+blocks' feed-forward. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
+`--backend inductor` compiles C++ kernels (gcc), whose dropout draws other numbers than eager dropout.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def main(argv=None):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        print(f"step {step}: loss {loss.item():.5f}", flush=True)
+        print(f"step {step}: loss {loss.item():.5f} (exactly {loss.item().hex()})", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
                                                           # load-balancing router bias updated in a forward hook:
                                                           # topk flips in the recompute; --inplace-norm normalises
                                                           # the top-k weights in place (as HF Mixtral does)
+    python reentrant_side.py --no-aux --bias-update --gather-weights
+                                                          # the weights are gathered from the biased scores:
+                                                          # saving topk leaves them different in the recompute
 """
 
 from __future__ import annotations
@@ -33,10 +36,16 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(0.0)
         self.register_buffer("expert_bias", torch.zeros(experts))
         self.inplace_norm = False
+        self.gather_weights = False
 
     def forward(self, x):
         logits = self.gate(x)
-        weights, index = torch.topk(torch.softmax(logits, -1) + self.expert_bias, 2, dim=-1)
+        scores = torch.softmax(logits, -1) + self.expert_bias
+        if self.gather_weights:  # the decision's input feeds the weights too, not only through topk
+            index = torch.topk(scores, 2, dim=-1).indices
+            weights = scores.gather(-1, index)
+        else:
+            weights, index = torch.topk(scores, 2, dim=-1)
         if self.inplace_norm:
             weights /= weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
@@ -82,6 +91,7 @@ def main(argv=None):
     p.add_argument("--no-preserve-rng", action="store_true", help="preserve_rng_state=False")
     p.add_argument("--bias-update", action="store_true", help="update expert_bias in a forward hook (wrong place)")
     p.add_argument("--inplace-norm", action="store_true", help="normalise the top-k weights in place")
+    p.add_argument("--gather-weights", action="store_true", help="gather the top-k weights from the biased scores")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed (two processes differ)")
     p.add_argument("--distributed", action="store_true", help="under torchrun: gloo, gradients all-reduced as DDP does")
     args = p.parse_args(argv)
@@ -99,6 +109,7 @@ def main(argv=None):
     for layer in model.layers:
         layer.dropout.p = args.dropout
         layer.inplace_norm = args.inplace_norm
+        layer.gather_weights = args.gather_weights
         if args.bias_update:  # aux-loss-free load balancing, but between the forward and the recompute
             layer.register_forward_hook(update_bias)
     router_logits = []

@@ -1,0 +1,63 @@
+"""torch.compile (inductor) inside checkpointed regions stays compiled while ac-diff records.
+
+Inductor's dropout draws other numbers than eager dropout, so a recorder that ran compiled code eagerly
+changed the very first loss. Here each block's feed-forward (with dropout) is compiled by inductor (CPU:
+C++ kernels, gcc) inside a checkpointed block: the losses with and without ac-diff are bit-identical,
+each compiled graph call is recorded as one step with fingerprinted outputs, and without a preserved RNG
+state the divergence is placed at that call with cause `rng`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from ac_diff.trace import read_run
+from stacks.runs import STACKS, Job, run_all
+
+SCRIPT = str(STACKS / "compiled_blocks.py")
+ARGS = [SCRIPT, "--compile", "inner", "--backend", "inductor", "--dropout", "0.1", "--steps", "2"]
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                                  reason="inductor on CPU needs a C++ compiler")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_all(tmp_path_factory.mktemp("inductor"), {
+        "plain": Job(ARGS, plain=True),
+        "recorded": Job(ARGS),
+        "no_rng": Job(ARGS[:-2] + ["--steps", "1", "--no-preserve-rng"]),
+    }, timeout=900)
+
+
+def _losses(stdout: str) -> list[str]:
+    return re.findall(r"exactly (\S+)\)", stdout)
+
+
+def test_compiled_code_keeps_its_numbers_under_the_recorder(runs):
+    plain, recorded = runs["plain"], runs["recorded"]
+    assert plain.returncode == 0, plain.explain()
+    assert recorded.returncode == 0, recorded.explain()
+    assert len(_losses(plain.stdout)) == 2 and _losses(recorded.stdout) == _losses(plain.stdout)
+    report = recorded.report
+    assert report["verdict"] == "clean", report["headline"]
+    run = read_run(recorded.trace_dir / "trace-rank0.jsonl")
+    calls = [o for o in run.regions[0].forward.ops if o.op == "inductor_compiled_code"]
+    assert len(calls) == 1 and calls[0].module == "layers.0.ff" and calls[0].random
+    assert calls[0].fingerprint and all(fp is not None for fp in calls[0].fingerprint)
+    assert calls[0].args[0].startswith("<compiled graph")  # no object address
+    note = next(n for n in report["notes"] if n.startswith("torch.compile"))
+    assert "ran compiled" in note
+
+
+def test_a_divergence_inside_compiled_code_is_placed_at_the_call(runs):
+    r = runs["no_rng"]
+    assert r.returncode == 0, r.explain()
+    for region in r.report["regions"]:
+        assert region["status"] == "diverged" and region["silent"]
+        assert region["cause"]["kind"] == "rng"
+        first = region["first_value_divergence"]
+        assert first["op"] == "inductor_compiled_code" and first["module"] == f"{region['module']}.ff"

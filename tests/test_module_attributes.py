@@ -1,0 +1,86 @@
+"""A module's Python attribute as state: a forward pre-hook counts calls in `self.step`, and a residual
+scale computed from it feeds a saved activation. The recompute calls the module (and the hook) again, so
+it computes with step 1 where the forward used 0: the cause is the attribute, counted twice, not "an
+argument of aten.mul.Tensor". Recording the attributes changes nothing in the training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import ac_diff
+from ac_diff.trace import read_run
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.step = 0
+        self.name = "residual"
+        self.register_forward_pre_hook(Block.bump_step)
+
+    @staticmethod
+    def bump_step(module, args):
+        module.step += 1
+
+    def forward(self, x):
+        scale = 1.0 / (1 + 0.1 * self.step)  # a residual scale warmed up over the steps
+        return torch.tanh(x + scale * self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, ac: bool = True) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.ac = ac
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ac else block(x)
+        return x
+
+
+def _step(net: Net):
+    torch.manual_seed(1)
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = net(x).pow(2).sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in net.parameters()] + [x.grad]
+
+
+def test_a_pre_hook_counter_is_named_as_the_cause_counted_twice(tmp_path):
+    torch.manual_seed(0)
+    plain = _step(Net())
+    torch.manual_seed(0)
+    net = Net()
+    with ac_diff.record(tmp_path / "trace-rank0.jsonl"):
+        recorded = _step(net)
+    assert torch.equal(plain[0], recorded[0]) and all(torch.equal(a, b) for a, b in zip(plain[1], recorded[1]))
+    assert [b.step for b in net.blocks] == [2, 2]  # forward + recompute: the user's own state, untouched
+
+    region = read_run(tmp_path / "trace-rank0.jsonl").regions[0]
+    assert region.forward.attributes["blocks.0.step"] == 0 and region.recompute.attributes["blocks.0.step"] == 1
+    assert region.forward.attributes["blocks.0.name"] == "residual"
+    assert region.forward.attribute_updates["blocks.0.step"][:2] == [0, 1]
+
+    report = ac_diff.diagnose_paths([str(tmp_path)]).to_json()
+    first = report["regions"][0]
+    assert first["status"] == "diverged"
+    cause = first["cause"]
+    assert cause["kind"] == "state_mutation" and cause["tensor"] == "blocks.0.step"
+    assert "counts twice" in cause["detail"] and "Block.bump_step" in cause["detail"]
+    assert any("0 -> 1 in the forward, 1 -> 2 in the recompute" in e for e in cause["evidence"])
+    assert first["suggestions"][0]["title"].startswith("Do not update `blocks.0.step`")
+
+
+def test_an_attribute_the_region_only_reads_is_no_cause_when_nothing_diverges(tmp_path):
+    net = Net()
+    for block in net.blocks:  # the counter moves once per step, outside the region: nothing to report
+        block._forward_pre_hooks.clear()
+    with ac_diff.record(tmp_path / "trace-rank0.jsonl"):
+        _step(net)
+    report = ac_diff.diagnose_paths([str(tmp_path)]).to_json()
+    assert report["verdict"] == "clean", report["headline"]

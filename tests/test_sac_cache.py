@@ -1,0 +1,82 @@
+"""Selective AC's cache is the forward's own tensor: an op served from it is never a divergence.
+
+The mechanism: the MoE's load-balancing `expert_bias` is updated in a forward hook (between the forward
+and the backward's recompute), but the region saves `topk` with selective AC, so the recompute reuses the
+forward's expert choice. The bias change reaches only `scores + expert_bias`, which feeds the cached topk
+alone: the gradients are bit-identical to a run without AC, and the run is clean. Without the SAC policy
+the same change flips the routing and the region diverges (the control that makes the test able to fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (CheckpointError, CheckpointPolicy, checkpoint,
+                                   create_selective_checkpoint_contexts)
+
+import ac_diff
+from conftest import EXAMPLES
+
+sys.path.insert(0, str(EXAMPLES))
+import tiny_moe  # noqa: E402
+
+
+def _save_topk(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.topk.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.block, self.mode = block, mode
+
+    def forward(self, x):
+        if self.mode == "none":
+            return self.block(x)
+        context = functools.partial(create_selective_checkpoint_contexts, _save_topk) if self.mode == "sac" else None
+        return checkpoint(self.block, x, use_reentrant=False, **({"context_fn": context} if context else {}))
+
+
+def _step(mode: str, path=None):
+    args = tiny_moe.ModelArgs(n_layers=2, dim=32, hidden_dim=32)
+    torch.manual_seed(0)
+    model = tiny_moe.Transformer(args)
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, Checkpointed(block, mode))
+    for moe in model.moe_layers():  # the bias changes between the forward and the recompute
+        moe.register_forward_hook(lambda mod, inputs, output: tiny_moe.update_expert_bias(mod))
+    inputs, labels = tiny_moe.make_batch(args, 0, seq_len=32)
+    with ac_diff.record(path) if path is not None else contextlib.nullcontext():
+        loss = tiny_moe.loss_fn(model(inputs), labels)
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_state_change_that_only_reaches_a_cached_op_is_clean(tmp_path):
+    plain_loss, plain_grads = _step("none")
+    loss, grads = _step("sac", tmp_path / "sac" / "trace-rank0.jsonl")
+    assert torch.equal(loss, plain_loss) and all(torch.equal(grads[k], plain_grads[k]) for k in grads)
+
+    report = ac_diff.diagnose_paths([str(tmp_path / "sac")]).to_json()
+    assert report["verdict"] == "clean", report["headline"]
+    region = report["regions"][0]
+    cached = [p for p in region["positions"] if p["cached"]]
+    assert cached and {p["op"] for p in cached} == {"aten.topk.default"}
+    assert not any(p["values_differ"] for p in region["positions"])
+    assert any("selective AC's cache" in n and str(cached[0]["position"]) in n for n in region["notes"])
+    # the change itself was measured (the bias add), and said to be harmless
+    assert any("aten.add.Tensor" in n and "harmless" in n for n in region["notes"])
+
+
+def test_the_same_change_without_the_cache_diverges(tmp_path):
+    with pytest.raises(CheckpointError):  # the routing flips: other split sizes
+        _step("full", tmp_path / "full" / "trace-rank0.jsonl")
+    report = ac_diff.diagnose_paths([str(tmp_path / "full")]).to_json()
+    assert report["verdict"] == "diverged"
+    diverged = [r for r in report["regions"] if r["status"] == "diverged"]
+    assert diverged and diverged[0]["cause"]["tensor"].endswith("moe.expert_bias")
