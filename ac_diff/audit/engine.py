@@ -1,0 +1,402 @@
+"""The audit of a training run: every checkpointed region's decisions, their margins and flips.
+
+    auditor = Auditor(AuditSettings(noise=parse_noise("1ulp"), seeds=3, max_regions=4))
+    auditor.start(); train(); auditor.stop()
+    auditor.sites      -> {label: SiteStats}   one per decision site (module, op, source line), pooled
+                                               over the regions that ran it: margins, flips per seed,
+                                               whether a flip changed the saved tensors' shapes
+    auditor.regions    -> [RegionAudit]        per audited region: module, tokens, cost, remedy check
+
+It listens to the same version-guarded checkpoint hooks as the recorder (torch_hooks), and when a
+region's original forward finishes it replays the region (replay.RegionReplay): once clean, once per
+seed with noise injected into the floating outputs that feed each decision, and once per seed with the
+suggested save list served from the clean pass. The training then continues, bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..diagnosis.discrete import _CHOOSERS
+from ..modules import ModuleStack
+from ..torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
+from .margins import packet_of, summarize
+from .noise import NoiseSpec
+from .replay import PassResult, RegionReplay, RngState, origin_of, producer_of, reachable
+
+_SQRT2 = math.sqrt(2.0)
+
+
+@dataclass
+class AuditSettings:
+    noise: NoiseSpec
+    seeds: int = 3
+    max_regions: int = 4
+    discrete_ops: frozenset = frozenset()
+    probe: bool = True  # a site that never flipped: one pass at 64x / 4096x the noise says what its flip would do
+
+
+@dataclass
+class SiteStats:
+    label: tuple  # (module, op, source)
+    kind: str | None  # margins kind, None: no margin of its own (fed by another decision)
+    dtype: str | None = None
+    candidates: int | None = None
+    k: int | None = None
+    target: str | None = None  # the op whose output the noise went into
+    noise_model: str | None = None
+    calls: int = 0
+    rows: int = 0  # rows (or elements) per seed, over all calls
+    ulps: list = field(default_factory=list)  # margins in ulps, one tensor per call
+    flips: list = field(default_factory=list)  # flipped rows per seed (summed over calls)
+    model_flips: float = 0.0  # sum over rows of P(flip) from the margins and the measured score noise
+    shape_events: int = 0  # seeds in which this site flipped and the saved tensors changed shape
+    value_events: int = 0  # ... flipped and only values changed
+    probe: str | None = None  # "shape" | "values" | "no flip" from the probe at a larger noise
+    score_noise: list = field(default_factory=list)  # rms change of the scores per seed and call
+
+    @property
+    def layer_kind(self) -> str:
+        """The site with layer numbers wildcarded: `layers.*.moe.router topk` (pooled for extrapolation)."""
+        return f"{re.sub(r'(?<=[.])[0-9]+(?=[.]|$)', '*', self.label[0])} {packet_of(self.label[1])}"
+
+    def observed_rate(self) -> float | None:
+        return sum(self.flips) / (self.rows * len(self.flips)) if self.rows and self.flips else None
+
+    def model_rate(self) -> float | None:
+        return self.model_flips / (self.rows * max(len(self.flips), 1)) if self.kind and self.rows else None
+
+    def rate(self) -> float:
+        """P(flip) per row: observed when at least 5 flips were seen, else the margin model (rare flips)."""
+        obs, model = self.observed_rate(), self.model_rate()
+        if obs is not None and (sum(self.flips) >= 5 or model is None):
+            return obs
+        return model if model is not None else 0.0
+
+    def shape_share(self) -> float | None:
+        """Of this site's flips, the share that changed a saved tensor's shape (CheckpointError)."""
+        events = self.shape_events + self.value_events
+        if events:
+            return self.shape_events / events
+        return {"shape": 1.0, "values": 0.0}.get(self.probe or "")
+
+    def margin_summary(self) -> dict:
+        ulps = torch.cat(self.ulps) if self.ulps else torch.zeros(0, dtype=torch.float64)
+        return summarize(ulps)
+
+
+@dataclass
+class RegionAudit:
+    index: int
+    module: str
+    tokens: int
+    ops: int
+    decisions: int
+    seconds: float
+    error: str | None = None
+    flips: list = field(default_factory=list)  # per seed: decisions' flipped rows in the region
+    checkpoint_error: list = field(default_factory=list)  # per seed: saved tensors changed shape/count
+    save_list: list = field(default_factory=list)
+    save_bytes: int = 0
+    remedy_flips: list = field(default_factory=list)  # per seed, with the save list served
+
+
+class Auditor:
+    """Listens to checkpoint regions (like the recorder) and audits the first `max_regions` of them."""
+
+    def __init__(self, settings: AuditSettings) -> None:
+        self.settings = settings
+        self.modules = ModuleStack()
+        self.hooks = CheckpointHooks(self)
+        self.sites: dict[tuple, SiteStats] = {}
+        self.regions: list[RegionAudit] = []
+        self.notes: list[str] = []
+        self.seen = 0
+        self.audit_seconds = 0.0
+        self._pending: dict[int, tuple] = {}
+        self._busy = False
+        self._probed: set = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Auditor":
+        self.notes.extend(self.hooks.install())
+        self.modules.install()
+        return self
+
+    def stop(self, exc: BaseException | None = None, exit_code: int | None = None) -> None:
+        self.hooks.uninstall()
+        self.modules.uninstall()
+
+    # -- the listener interface of torch_hooks.CheckpointHooks --------------------------------
+    def enter(self, frame: Any, phase: str) -> None:
+        if self._busy or phase != FORWARD:
+            return
+        self.seen += 1
+        if self.seen > self.settings.max_regions:
+            return
+        inputs = getattr(frame, "_ac_diff_inputs", None) or ()
+        self._pending[id(frame)] = (self.seen, RngState.capture(inputs), inputs)
+
+    def pass_inputs(self, frame: Any, inputs: tuple, p: Any = None) -> None:
+        hit = self._pending.get(id(frame))
+        if hit is not None and isinstance(frame, ReentrantFrame):
+            self._pending[id(frame)] = (hit[0], hit[1], tuple(inputs))
+
+    def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
+        if self._busy or phase != FORWARD:
+            return
+        hit = self._pending.pop(id(frame), None)
+        if hit is None or exc is not None:
+            return
+        index, rng, inputs = hit
+        fn = getattr(frame, "_ac_diff_fn", None)
+        kwargs = _closure_value(getattr(frame, "_ac_diff_recompute_fn", None), "kwargs") or {}
+        if fn is None:
+            self.notes.append(f"region {index}: torch did not say which function it checkpoints; not audited")
+            return
+        self._busy = True
+        start = time.perf_counter()
+        try:
+            with torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad():
+                self.regions.append(self._audit(index, fn, inputs, kwargs, rng))
+        except Exception as e:  # never into the training: say so in the report
+            self.notes.append(f"region {index}: not audited ({type(e).__name__}: {e})")
+        finally:
+            self.audit_seconds += time.perf_counter() - start
+            self._busy = False
+
+    def pack(self, *args) -> None:
+        pass
+
+    def check_failed(self, *args) -> None:
+        pass
+
+    def sac_saved(self, *args) -> None:
+        pass
+
+    def sac_cached(self, *args) -> None:
+        pass
+
+    def op_count(self) -> int:
+        return 0
+
+    def internal(self):
+        return contextlib.nullcontext()
+
+    # -- one region ---------------------------------------------------------------------------
+    def _audit(self, index: int, fn, inputs: tuple, kwargs: dict, rng: RngState) -> RegionAudit:
+        start = time.perf_counter()
+        module, hooks_run = checkpointed_module(fn)
+        replay = RegionReplay(fn, inputs, kwargs, rng, self.modules, self.settings.discrete_ops,
+                              module=None if hooks_run else module)
+        name = self.modules.name_of(module) if module is not None else getattr(fn, "__qualname__", "?")
+        first = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
+        tokens = (first.numel() // max(first.shape[-1], 1) if first.dim() >= 2 else first.numel()) if first is not None else 0
+        try:
+            clean = replay.run()
+            region = RegionAudit(index, name or type(module).__name__, tokens, len(clean.rows), len(clean.decisions), 0.0,
+                                 clean.error)
+            if clean.error is None:
+                self._perturb(region, replay, clean)
+        finally:
+            replay.close()
+        region.seconds = time.perf_counter() - start
+        return region
+
+    def _targets(self, clean: PassResult) -> dict:
+        """site key -> (the op row the noise goes into, its slot), for decisions that noise can reach."""
+        spec = self.settings.noise
+        out = {}
+        for key, d in clean.decisions.items():
+            if d.margins is None:
+                continue
+            hit = producer_of(clean, d.index, d.margins.score_arg)
+            if not reachable(clean, hit):
+                continue
+            out[key] = origin_of(clean, hit) if spec.at_origin else hit
+        return out
+
+    def _perturb(self, region: RegionAudit, replay: RegionReplay, clean: PassResult) -> None:
+        spec, seeds = self.settings.noise, self.settings.seeds
+        targets = self._targets(clean)
+        noise = {clean.rows[r].key: slot for r, slot in targets.values()}
+        for key, d in clean.decisions.items():
+            if key not in targets:  # ids converted to floats, a parameter: no recompute noise reaches them
+                d.margins = _rows_only(d.margins)
+        stats = {key: self._site(clean, key, targets.get(key)) for key in clean.decisions}
+        for s in stats.values():
+            s.calls += 1
+        flipped_keys: set = set()
+        for seed in range(seeds):
+            noisy = replay.run(noise, spec, seed + 1, keep=False)
+            changed = _saved_changed(clean, noisy)
+            region.checkpoint_error.append(changed)
+            total = 0
+            for key, d in clean.decisions.items():
+                s = stats[key]
+                flips, rows = _flipped_rows(d, noisy.decisions.get(key))
+                if seed == 0:
+                    s.rows += rows
+                    if key in targets:
+                        s.ulps.append(d.margins.ulps.cpu())
+                self._grow(s.flips, seed, flips)
+                total += flips
+                if flips:
+                    flipped_keys.add(key)
+                    if changed:
+                        s.shape_events += 1
+                    else:
+                        s.value_events += 1
+                if key in targets:
+                    sigma = _row_noise(d, noisy.decisions.get(key))
+                    if sigma is not None:
+                        s.model_flips += _model_flips(d, sigma)
+                        s.score_noise.append(float(sigma.pow(2).mean().sqrt()))
+            region.flips.append(total)
+        if self.settings.probe:
+            self._probe(replay, clean, targets, stats, flipped_keys)
+        self._remedy(region, replay, clean, noise, stats, flipped_keys, targets)
+
+    def _site(self, clean: PassResult, key, target) -> SiteStats:
+        d = clean.decisions[key]
+        label = (d.module, key[0], d.source)
+        s = self.sites.get(label)
+        if s is None:
+            m = d.margins
+            m = m if target is not None else None
+            s = self.sites[label] = SiteStats(label, m.kind if m is not None else None,
+                                              str(m.score_dtype).replace("torch.", "") if m is not None else None,
+                                              m.candidates if m is not None else None, m.k if m is not None else None)
+            if target is not None:
+                row = clean.rows[target[0]]
+                s.target = row.key[0]
+                s.noise_model = self.settings.noise.text
+        return s
+
+    @staticmethod
+    def _grow(values: list, i: int, add: float) -> None:
+        while len(values) <= i:
+            values.append(0)
+        values[i] += add
+
+    def _probe(self, replay: RegionReplay, clean: PassResult, targets: dict, stats: dict, flipped: set) -> None:
+        """For a site that never flipped: does its flip change saved shapes? One pass at a larger noise."""
+        spec = self.settings.noise
+        for key, target in targets.items():
+            s = stats[key]
+            if key in flipped or s.probe is not None or s.label in self._probed:
+                continue
+            self._probed.add(s.label)
+            s.probe = "no flip"
+            for factor in (64.0, 4096.0):
+                noisy = replay.run({clean.rows[target[0]].key: target[1]}, NoiseSpec(spec.kind, spec.size * factor),
+                                   10_000, keep=False)
+                flips, _ = _flipped_rows(clean.decisions[key], noisy.decisions.get(key))
+                if flips or noisy.error:
+                    s.probe = "shape" if _saved_changed(clean, noisy) else "values"
+                    break
+
+    def _remedy(self, region: RegionAudit, replay: RegionReplay, clean: PassResult, noise: dict, stats: dict,
+                flipped: set, targets: dict) -> None:
+        """The smallest save list that leaves no decision to flip: the decisions at risk, verified."""
+        at_risk = {k for k in flipped if stats[k].kind is not None and k in targets}
+        at_risk |= {k for k, s in stats.items() if k in targets and s.model_flips >= 0.01 * len(s.flips or [1])}
+        save = sorted({k[0] for k in at_risk})
+        region.save_list = save
+        if not save:
+            return
+        for _ in range(3):  # a decision fed only by another (histc of the chosen ids) needs nothing more
+            residual, missing = [], set()
+            bytes_served = 0
+            for seed in range(self.settings.seeds):
+                fixed = replay.run(noise, self.settings.noise, seed + 1, served=set(save), clean=clean, keep=False)
+                bytes_served = fixed.served_bytes
+                total = 0
+                for key, d in clean.decisions.items():
+                    flips, _ = _flipped_rows(d, fixed.decisions.get(key))
+                    total += flips
+                    if flips and key in targets:
+                        missing.add(key[0])
+                residual.append(total + int(_saved_changed(clean, fixed)))
+            region.remedy_flips, region.save_bytes = residual, bytes_served
+            if not any(residual) or not (missing - set(save)):
+                break
+            save = sorted(set(save) | missing)
+            region.save_list = save
+
+
+def _saved_changed(clean: PassResult, other: PassResult) -> bool:
+    """Would torch's check fail: another count of saved tensors, or another shape or dtype among them."""
+    if other.error is not None:
+        return True
+    return len(clean.saved) != len(other.saved) or any(a != b for a, b in zip(clean.saved, other.saved))
+
+
+def _rows_view(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    if dim is None or t.dim() == 0:
+        return t.reshape(1, -1)
+    return t.movedim(dim, -1).reshape(-1, t.shape[dim]) if t.shape[dim] else t.reshape(1, -1)
+
+
+def _flipped_rows(clean, noisy) -> tuple[int, int]:
+    """(rows whose decision changed, rows): rows of a chooser, elements of anything else."""
+    m = clean.margins
+    out_slot = 0
+    packet = packet_of(clean.key[0])
+    if m is not None and m.kind == "chooser":
+        out_slot = min(_CHOOSERS.get(packet, 0), len(clean.outputs) - 1)
+    if not clean.outputs:
+        return 0, 0
+    a = clean.outputs[out_slot]
+    if m is not None and m.kind == "chooser":
+        rows = _rows_view(a, m.dim)
+        total = rows.shape[0]
+    else:
+        rows, total = a.reshape(-1, 1), max(a.numel(), 1)
+    if noisy is None or len(noisy.outputs) <= out_slot:
+        return total, total
+    b = noisy.outputs[out_slot]
+    if b.shape != a.shape:
+        return total, total
+    rb = _rows_view(b, m.dim) if m is not None and m.kind == "chooser" else b.reshape(-1, 1)
+    differs = rows != rb
+    if a.is_floating_point():
+        differs &= ~(rows.isnan() & rb.isnan())
+    return int(differs.any(dim=-1).sum()), total
+
+
+def _row_noise(clean, noisy) -> torch.Tensor | None:
+    """Per row: the rms change of the decision's scores in this noisy pass (score units)."""
+    if clean.scores is None or noisy is None or noisy.scores is None or noisy.scores.shape != clean.scores.shape:
+        return None
+    delta = (noisy.scores.to(torch.float64) - clean.scores.to(torch.float64))
+    m = clean.margins
+    if m.kind == "chooser":
+        rows = _rows_view(delta, m.dim)
+        return rows.pow(2).mean(dim=-1).sqrt()
+    return delta.reshape(-1).abs() if delta.numel() == m.margins.numel() else None
+
+
+def _model_flips(clean, sigma: torch.Tensor) -> float:
+    """Expected flipped rows: a chooser's gap moves by the difference of two scores' noise (std sqrt(2) sigma),
+    a threshold's distance by one score's: P(flip) = Phi(-margin / that)."""
+    m = clean.margins
+    if sigma.numel() != m.margins.numel():
+        return 0.0
+    scale = sigma.to(m.margins.device) * (_SQRT2 if m.kind == "chooser" else 1.0)
+    z = torch.where(scale > 0, m.margins / scale.clamp_min(1e-300), torch.full_like(scale, math.inf))
+    p = 0.5 * torch.erfc(z / _SQRT2)
+    return float(p.sum())
+
+
+
+def _rows_only(m):
+    """A decision's row structure without a margin of its own (it flips only when what feeds it does)."""
+    return None if m is None else replace(m, margins=m.margins[:0], ulps=m.ulps[:0])
