@@ -287,21 +287,25 @@ class Auditor:
         values[i] += add
 
     def _probe(self, replay: RegionReplay, clean: PassResult, targets: dict, stats: dict, flipped: set) -> None:
-        """For a site that never flipped: does its flip change saved shapes? One pass at a larger noise."""
-        spec = self.settings.noise
+        """For a site that never flipped: does a flip change saved shapes? Noise the size of its own margins,
+        into the decision's scores, makes some rows flip; what happens to the saved tensors then is the answer."""
         for key, target in targets.items():
             s = stats[key]
             if key in flipped or s.probe is not None or s.label in self._probed:
                 continue
             self._probed.add(s.label)
             s.probe = "no flip"
-            for factor in (64.0, 4096.0):
-                noisy = replay.run({clean.rows[target[0]].key: target[1]}, NoiseSpec(spec.kind, spec.size * factor),
-                                   10_000, keep=False)
-                flips, _ = _flipped_rows(clean.decisions[key], noisy.decisions.get(key))
-                if flips or noisy.error:
-                    s.probe = "shape" if _saved_changed(clean, noisy) else "values"
+            d = clean.decisions[key]
+            at = producer_of(clean, d.index, d.margins.score_arg)
+            margins = d.margins.margins[d.margins.margins > 0]
+            for size in (margins.min(), margins.median()) if margins.numel() else ():
+                noisy = replay.run({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(size)), 10_000, keep=False)
+                flips, _ = _flipped_rows(d, noisy.decisions.get(key))
+                if _saved_changed(clean, noisy):
+                    s.probe = "shape"
                     break
+                if flips:
+                    s.probe = "values"
 
     def _remedy(self, region: RegionAudit, replay: RegionReplay, clean: PassResult, noise: dict, stats: dict,
                 flipped: set, targets: dict) -> None:

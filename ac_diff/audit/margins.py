@@ -50,8 +50,11 @@ def bind(func, args: tuple, kwargs: dict) -> dict:
     bound = dict(kwargs or {})
     schema = getattr(func, "_schema", None)
     if schema is not None:
-        for a, v in zip(schema.arguments, args):
-            bound.setdefault(a.name, v)
+        for i, a in enumerate(schema.arguments):
+            if i < len(args):
+                bound.setdefault(a.name, args[i])
+            elif a.name not in bound and a.has_default_value():
+                bound[a.name] = a.default_value  # topk's dim=-1, largest=True
     return bound
 
 
