@@ -47,9 +47,13 @@ class _NoCheck(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False, determinism_check="none")
 
 
+ARGS = tiny_moe.ModelArgs()
+BATCH = {"batch_size": 2, "seq_len": 128}
+
+
 def _build(seed: int, wrap) -> tiny_moe.Transformer:
     torch.manual_seed(seed)
-    model = tiny_moe.Transformer(tiny_moe.ModelArgs())
+    model = tiny_moe.Transformer(ARGS)
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, wrap(block))
     return model
@@ -73,7 +77,7 @@ def observe_bias(seed: int, steps: int) -> dict:
         moe.register_forward_hook(lambda mod, inputs, output: tiny_moe.update_expert_bias(mod))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):  # tiny_moe.train's loop; a recompute whose shapes changed fails in its backward
-        inputs, labels = tiny_moe.make_batch(model.args, step, seed=seed)
+        inputs, labels = tiny_moe.make_batch(model.args, step, seed=seed, **BATCH)
         loss = tiny_moe.loss_fn(model(inputs), labels)
         try:
             loss.backward()
@@ -91,7 +95,7 @@ def observe_bias(seed: int, steps: int) -> dict:
 
 def observe_layout(seed: int, steps: int) -> dict:
     """The fixed example's routers, their gate computed per token (gemv) instead of in one matmul."""
-    model = tiny_moe.build_model(tiny_moe.ModelArgs(), seed=seed, ac_mode="checkpoint")
+    model = tiny_moe.build_model(ARGS, seed=seed, ac_mode="checkpoint")
     stats = {"flips": 0, "rows": 0, "diff": []}
 
     def post(router, args, out):
@@ -108,17 +112,18 @@ def observe_layout(seed: int, steps: int) -> dict:
 
     for moe in model.moe_layers():
         moe.router.register_forward_hook(post)
-    tiny_moe.train(model=model, steps=steps, seed=seed, bias_update="after_step", log=lambda s: None)
+    tiny_moe.train(model=model, steps=steps, seed=seed, bias_update="after_step", log=lambda s: None, **BATCH)
     return {"rate": stats["flips"] / max(stats["rows"], 1), "flips": stats["flips"], "rows": stats["rows"],
             "logit_change_rms": statistics.fmean(stats["diff"]) if stats["diff"] else None}
 
 
-def predict(seed: int, steps: int, noise: str, audit_seeds: int) -> dict:
+def predict(seed: int, steps: int, noise: str, audit_seeds: int, max_regions: int = 10_000) -> dict:
     """The audit of the fixed example's training: P(flip) per row of every topk site, pooled over regions."""
-    auditor = Auditor(AuditSettings(parse_noise(noise), seeds=audit_seeds, max_regions=10_000, probe=False)).start()
+    auditor = Auditor(AuditSettings(parse_noise(noise), seeds=audit_seeds, max_regions=max_regions, probe=False)).start()
     start = time.perf_counter()
     try:
-        tiny_moe.train(steps=steps, seed=seed, bias_update="after_step", ac_mode="checkpoint", log=lambda s: None)
+        tiny_moe.train(args=ARGS, steps=steps, seed=seed, bias_update="after_step", ac_mode="checkpoint",
+                       log=lambda s: None, **BATCH)
     finally:
         auditor.stop()
     wall = time.perf_counter() - start
@@ -133,12 +138,13 @@ def predict(seed: int, steps: int, noise: str, audit_seeds: int) -> dict:
 
 def plain(seed: int, steps: int) -> float:
     start = time.perf_counter()
-    tiny_moe.train(steps=steps, seed=seed, bias_update="after_step", ac_mode="checkpoint", log=lambda s: None)
+    tiny_moe.train(args=ARGS, steps=steps, seed=seed, bias_update="after_step", ac_mode="checkpoint",
+                   log=lambda s: None, **BATCH)
     return time.perf_counter() - start
 
 
 def _spread(values: list[float]) -> str:
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values) if len(values) > 1 else 0:.4f}"
+    return f"{statistics.fmean(values):.3g} ± {statistics.stdev(values) if len(values) > 1 else 0:.2g}"
 
 
 def main(argv=None) -> int:
@@ -146,31 +152,45 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--audit-seeds", type=int, default=3)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--mechanisms", default="bias,layout")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    global ARGS
+    ARGS = tiny_moe.ModelArgs(num_experts=a.experts, top_k=a.top_k)
+    BATCH.update(batch_size=a.batch_size, seq_len=a.seq_len)
+    mechanisms = a.mechanisms.split(",")
     torch.set_num_threads(1)
     out: dict = {"seeds": a.seeds, "steps": a.steps, "bias": [], "layout": [], "cost": []}
     for seed in range(a.seeds):
-        real = observe_bias(seed, a.steps)
-        pred = predict(seed, a.steps, f"abs:{real['bias_change_rms']:.3g}", a.audit_seeds)
-        out["bias"].append({"observed": real, "predicted": pred})
-        real2 = observe_layout(seed, a.steps)
-        pred2 = predict(seed, a.steps, "realistic", a.audit_seeds)
-        out["layout"].append({"observed": real2, "predicted": pred2})
-        out["cost"].append({"plain": plain(seed, a.steps), "audit": pred2["wall"], "replays": pred2["audit_seconds"]})
-        print(f"seed {seed}: bias observed {real['rate']:.4f} ({real['flips']}/{real['rows']}, |dbias| "
-              f"{real['bias_change_rms']:.2g}) predicted {pred['rate']:.4f} (model {pred['model_rate']:.4f}); "
-              f"layout observed {real2['rate']:.5f} ({real2['flips']}/{real2['rows']}, |dlogit| "
-              f"{real2['logit_change_rms']:.2g}) predicted {pred2['rate']:.5f} (model {pred2['model_rate']:.5f}, "
-              f"|dscore| {pred2['score_noise_rms']})", flush=True)
-    for name in ("bias", "layout"):
+        line = f"seed {seed}:"
+        if "bias" in mechanisms:
+            real = observe_bias(seed, a.steps)
+            pred = predict(seed, a.steps, f"abs:{real['bias_change_rms']:.3g}", a.audit_seeds)
+            out["bias"].append({"observed": real, "predicted": pred})
+            line += (f" bias observed {real['rate']:.4f} ({real['flips']}/{real['rows']}, |dbias| "
+                     f"{real['bias_change_rms']:.2g}) predicted {pred['rate']:.4f} (model {pred['model_rate']:.4f});")
+        if "layout" in mechanisms:
+            real2 = observe_layout(seed, a.steps)
+            pred2 = predict(seed, a.steps, "realistic", a.audit_seeds)
+            out["layout"].append({"observed": real2, "predicted": pred2})
+            line += (f" layout observed {real2['rate']:.2e} ({real2['flips']}/{real2['rows']}, |dlogit| "
+                     f"{real2['logit_change_rms']:.2g}) predicted {pred2['rate']:.2e} (model {pred2['model_rate']:.2e}, "
+                     f"|dscore| {pred2['score_noise_rms']:.2g})")
+            out["cost"].append({"plain": plain(seed, a.steps), "audit": pred2["wall"], "replays": pred2["audit_seconds"]})
+        print(line, flush=True)
+    for name in mechanisms:
         obs = [r["observed"]["rate"] for r in out[name]]
         pre = [r["predicted"]["rate"] for r in out[name]]
         mod = [r["predicted"]["model_rate"] for r in out[name]]
         print(f"{name}: observed {_spread(obs)}  predicted (perturbation) {_spread(pre)}  predicted (margin model) "
               f"{_spread(mod)}  per row")
     ratio = [c["audit"] / c["plain"] for c in out["cost"]]
-    print(f"cost: audit run / plain run {_spread(ratio)} (all regions replayed, {a.audit_seeds} seeds)")
+    if ratio:
+        print(f"cost: audit run / plain run {_spread(ratio)} (all regions replayed, {a.audit_seeds} seeds)")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
