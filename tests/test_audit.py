@@ -193,3 +193,42 @@ def test_audit_document_without_regions():
     auditor = Auditor(AuditSettings(parse_noise("1ulp")))
     doc = audit_document(auditor, parse_scale(None), target="x.py", wall_seconds=0.0)
     assert doc["audit"]["sites"] == [] and doc["audit"]["extrapolation"]["expected_flips_per_step"] == 0
+
+
+# -- the stacks: their consequence agrees with what their real mechanism does ----------------------------
+@pytest.mark.e2e
+def test_audit_on_the_hf_deepseek_stack_predicts_silent_flips(tmp_path):
+    """transformers' grouped-mm experts keep every saved shape when routing flips: the real bias update of this
+    stack diverges silently (tests/test_stack_hf.py), and the audit says a flip is silent."""
+    pytest.importorskip("transformers")
+    from stacks.runs import STACKS
+
+    proc = run_cli("audit", "--noise", "abs:1e-3", "--seeds", "2", "--check", "--scale", "tokens=65536,layers=61",
+                   "--json", str(tmp_path / "a.json"), str(STACKS / "hf_moe.py"), "--model", "deepseek_v3", cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # --check: flips predicted, but none changes a shape
+    a = json.loads((tmp_path / "a.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert {s["module"] for s in routers} == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    assert sum(sum(s["flips_per_seed"]) for s in routers) > 0
+    assert {s["consequence"] for s in routers} == {"silent"}
+    assert a["extrapolation"]["expected_flips_per_step"] > 1 and a["extrapolation"]["p_checkpoint_error"] == 0
+    assert a["remedy"]["verified"] and a["remedy"]["save_list"] == ["aten.topk.default"]
+
+
+@pytest.mark.e2e
+def test_audit_on_the_torchtitan_like_stack_with_selective_ac(tmp_path):
+    """`-m` like `run`; op-level selective AC saves the matmuls: the replays must not consume its cache (the
+    training finishes) and a routing flip is a CheckpointError, as the real forward-hook bias update shows."""
+    import os
+
+    from stacks.runs import STACKS
+
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(STACKS), str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = run_cli("audit", "--noise", "abs:1e-3", "--seeds", "2", "--json", str(tmp_path / "a.json"),
+                   "-m", "titanlike.train", "--steps", "2", cwd=STACKS, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = json.loads((tmp_path / "a.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert {s["module"] for s in routers} == {"layers.0.moe.router", "layers.1.moe.router"}
+    assert {s["consequence"] for s in routers} == {"CheckpointError"}
+    assert a["remedy"]["verified"]

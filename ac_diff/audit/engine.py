@@ -349,27 +349,27 @@ def _rows_view(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     return t.movedim(dim, -1).reshape(-1, t.shape[dim]) if t.shape[dim] else t.reshape(1, -1)
 
 
+# Discrete ops whose output is data picked by a decision, not the decision: only their shape can flip.
+_DATA_OUTPUTS = frozenset({"where", "masked_select", "_local_scalar_dense"})
+
+
 def _flipped_rows(clean, noisy) -> tuple[int, int]:
-    """(rows whose decision changed, rows): rows of a chooser, elements of anything else."""
-    m = clean.margins
-    out_slot = 0
-    packet = packet_of(clean.key[0])
-    if m is not None and m.kind == "chooser":
-        out_slot = min(_CHOOSERS.get(packet, 0), len(clean.outputs) - 1)
+    """(rows whose decision changed, rows): rows of a chooser (its indices), elements of anything else."""
     if not clean.outputs:
         return 0, 0
-    a = clean.outputs[out_slot]
-    if m is not None and m.kind == "chooser":
-        rows = _rows_view(a, m.dim)
-        total = rows.shape[0]
-    else:
-        rows, total = a.reshape(-1, 1), max(a.numel(), 1)
-    if noisy is None or len(noisy.outputs) <= out_slot:
+    m = clean.margins
+    packet = packet_of(clean.key[0])
+    slot = min(_CHOOSERS.get(packet, 0), len(clean.outputs) - 1)
+    a = clean.outputs[slot]
+    by_row = m is not None and m.kind == "chooser"
+    rows = _rows_view(a, m.dim) if by_row else a.reshape(-1, 1)
+    total = rows.shape[0] if by_row else max(a.numel(), 1)
+    if noisy is None or len(noisy.outputs) <= slot or noisy.outputs[slot].shape != a.shape:
         return total, total
-    b = noisy.outputs[out_slot]
-    if b.shape != a.shape:
-        return total, total
-    rb = _rows_view(b, m.dim) if m is not None and m.kind == "chooser" else b.reshape(-1, 1)
+    if packet in _DATA_OUTPUTS:
+        return 0, total
+    b = noisy.outputs[slot]
+    rb = _rows_view(b, m.dim) if by_row else b.reshape(-1, 1)
     differs = rows != rb
     if a.is_floating_point():
         differs &= ~(rows.isnan() & rb.isnan())
