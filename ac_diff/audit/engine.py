@@ -55,6 +55,7 @@ class SiteStats:
     calls: int = 0
     rows: int = 0  # rows (or elements) per seed, over all calls
     ulps: list = field(default_factory=list)  # margins in ulps, one tensor per call
+    margins: list = field(default_factory=list)  # the same in score units
     flips: list = field(default_factory=list)  # flipped rows per seed (summed over calls)
     model_flips: float = 0.0  # sum over rows of P(flip) from the margins and the measured score noise
     shape_events: int = 0  # seeds in which this site flipped and the saved tensors changed shape
@@ -73,12 +74,31 @@ class SiteStats:
     def model_rate(self) -> float | None:
         return self.model_flips / (self.rows * max(len(self.flips), 1)) if self.kind and self.rows else None
 
+    def density_at_zero(self) -> float | None:
+        """Margins per score unit near zero: the share of rows below the 5% quantile over that quantile."""
+        m = torch.cat(self.margins) if self.margins else None
+        if m is None or m.numel() < 20:
+            return None
+        q = float(torch.quantile(m, 0.05))
+        return 0.05 / q if q > 0 else None
+
+    def tail_rate(self) -> float | None:
+        """P(flip) per row from the density of margins near zero, for noise smaller than the audited margins:
+        P = f(0) * integral of P(the gap closes | margin m) dm = f(0) * s / sqrt(2 pi), s the gap's noise."""
+        f0 = self.density_at_zero()
+        if f0 is None or not self.score_noise:
+            return None
+        s = sum(self.score_noise) / len(self.score_noise) * (_SQRT2 if self.kind == "chooser" else 1.0)
+        q = 0.05 / f0
+        return f0 * s / math.sqrt(2 * math.pi) if s < q else None  # else the rows seen say it all (model)
+
     def rate(self) -> float:
-        """P(flip) per row: observed when at least 5 flips were seen, else the margin model (rare flips)."""
+        """P(flip) per row: observed when at least 5 flips were seen; else the larger of the margin model over
+        the rows seen and the near-zero density (rows closer to a tie than any seen, at a larger scale)."""
         obs, model = self.observed_rate(), self.model_rate()
         if obs is not None and (sum(self.flips) >= 5 or model is None):
             return obs
-        return model if model is not None else 0.0
+        return max(model or 0.0, self.tail_rate() or 0.0)
 
     def shape_share(self) -> float | None:
         """Of this site's flips, the share that changed a saved tensor's shape (CheckpointError)."""
@@ -105,7 +125,8 @@ class RegionAudit:
     checkpoint_error: list = field(default_factory=list)  # per seed: saved tensors changed shape/count
     save_list: list = field(default_factory=list)
     save_bytes: int = 0
-    remedy_flips: list = field(default_factory=list)  # per seed, with the save list served
+    remedy_flips: list = field(default_factory=list)  # per noisy replay (seeds, then stress), with the list served
+    stress_flips: int | None = None  # decisions flipped by the first stress noise without the list
 
 
 class Auditor:
@@ -246,6 +267,7 @@ class Auditor:
                     s.rows += rows
                     if key in targets:
                         s.ulps.append(d.margins.ulps.cpu())
+                        s.margins.append(d.margins.margins.cpu())
                 self._grow(s.flips, seed, flips)
                 total += flips
                 if flips:
@@ -309,19 +331,23 @@ class Auditor:
 
     def _remedy(self, region: RegionAudit, replay: RegionReplay, clean: PassResult, noise: dict, stats: dict,
                 flipped: set, targets: dict) -> None:
-        """The smallest save list that leaves no decision to flip: the decisions at risk, verified."""
-        at_risk = {k for k in flipped if stats[k].kind is not None and k in targets}
-        at_risk |= {k for k, s in stats.items() if k in targets and s.model_flips >= 0.01 * len(s.flips or [1])}
-        save = sorted({k[0] for k in at_risk})
+        """The smallest save list that leaves no decision to flip, verified: under the audit's noise, and under
+        a stress noise the size of each decision's own median margin (which flips rows without the list).
+
+        Every decision that noise reaches is at risk at some scale (its margins have a density near zero);
+        a decision fed only by another (histc of the chosen ids) needs nothing of its own."""
+        save = sorted({k[0] for k in targets})
         region.save_list = save
         if not save:
             return
-        for _ in range(3):  # a decision fed only by another (histc of the chosen ids) needs nothing more
+        stress = self._stress(clean, targets)
+        for _ in range(3):
             residual, missing = [], set()
-            bytes_served = 0
-            for seed in range(self.settings.seeds):
-                fixed = replay.run(noise, self.settings.noise, seed + 1, served=set(save), clean=clean, keep=False)
-                bytes_served = fixed.served_bytes
+            runs = [(noise, self.settings.noise, seed + 1) for seed in range(self.settings.seeds)]
+            runs += [(plan, spec, 20_000 + i) for i, (plan, spec) in enumerate(stress)]
+            for plan, spec, seed in runs:
+                fixed = replay.run(plan, spec, seed, served=set(save), clean=clean, keep=False)
+                region.save_bytes = fixed.served_bytes
                 total = 0
                 for key, d in clean.decisions.items():
                     flips, _ = _flipped_rows(d, fixed.decisions.get(key))
@@ -329,11 +355,26 @@ class Auditor:
                     if flips and key in targets:
                         missing.add(key[0])
                 residual.append(total + int(_saved_changed(clean, fixed)))
-            region.remedy_flips, region.save_bytes = residual, bytes_served
+            region.remedy_flips = residual
             if not any(residual) or not (missing - set(save)):
                 break
             save = sorted(set(save) | missing)
             region.save_list = save
+        if stress:  # the same stress without the list: what the list prevents
+            plan, spec = stress[0]
+            bare = replay.run(plan, spec, 20_000, keep=False)
+            region.stress_flips = sum(_flipped_rows(clean.decisions[k], bare.decisions.get(k))[0] for k in targets)
+
+    def _stress(self, clean: PassResult, targets: dict) -> list:
+        """One plan per site: abs noise of twice its median margin into the decision's own scores."""
+        plans = []
+        for key in targets:
+            d = clean.decisions[key]
+            at = producer_of(clean, d.index, d.margins.score_arg)
+            margins = d.margins.margins[d.margins.margins > 0]
+            if at is not None and margins.numel():
+                plans.append(({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(margins.median()))))
+        return plans
 
 
 def _saved_changed(clean: PassResult, other: PassResult) -> bool:

@@ -77,12 +77,11 @@ def render_audit(doc: dict, console: Console) -> None:
                           + ", ".join(f"{s['module']} {s['op'].split('.')[1]}" for s in follow)))
     r = a["remedy"]
     if r["save_list"]:
-        state = (f"0 flips in {r['regions_checked'] * a['seeds']} noisy replays with it" if r["verified"]
+        state = (f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "
+                 f"{r['stress_flips_without_save_list']} rows)" if r["verified"]
                  else f"still {r['flips_with_save_list']} flips with it")
         lines.append(Text(f"fix: save {', '.join(r['save_list'])} with selective AC "
                           f"({_bytes(r['bytes_per_region'])} per region): {state}", style="green" if r["verified"] else "yellow"))
-    elif scored:
-        lines.append(Text("no decision flipped under this noise: nothing to save", style="green"))
     lines.append(Text(f"cost: {a['audit_seconds']:.2f} s of replays in a {a['wall_seconds']:.2f} s run "
                       f"(--max-regions {a['max_regions']}, --seeds {a['seeds']})", style="dim"))
     for note in a["notes"]:

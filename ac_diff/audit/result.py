@@ -31,7 +31,8 @@ def site_json(s) -> dict:
         "module": s.label[0], "op": s.label[1], "source": s.label[2], "kind": s.kind, "dtype": s.dtype,
         "candidates": s.candidates, "k": s.k, "noise_into": s.target, "calls": s.calls, "rows": s.rows,
         "margins": {**s.margin_summary(), "histogram_bins_ulps": list(HIST_LABELS)} if s.kind else None,
-        "flips_per_seed": list(s.flips), "observed_rate": obs, "model_rate": model, "rate": s.rate() if s.kind else obs,
+        "flips_per_seed": list(s.flips), "observed_rate": obs, "model_rate": model, "tail_rate": s.tail_rate(),
+        "density_at_zero": s.density_at_zero(), "rate": s.rate() if s.kind else obs,
         "score_noise_rms": (sum(s.score_noise) / len(s.score_noise)) if s.score_noise else None,
         "shape_share": s.shape_share(), "probe": s.probe, "consequence": _consequence(s),
     }
@@ -41,7 +42,7 @@ def region_json(r) -> dict:
     return {"region": r.index, "module": r.module, "tokens": r.tokens, "ops": r.ops, "decisions": r.decisions,
             "seconds": round(r.seconds, 4), "error": r.error, "flips_per_seed": r.flips,
             "checkpoint_error_per_seed": r.checkpoint_error, "save_list": r.save_list, "save_bytes": r.save_bytes,
-            "flips_with_save_list": r.remedy_flips}
+            "flips_with_save_list": r.remedy_flips, "stress_flips_without_save_list": r.stress_flips}
 
 
 def remedy_json(regions) -> dict:
@@ -49,7 +50,9 @@ def remedy_json(regions) -> dict:
     checked = [r for r in regions if r.save_list]
     residual = sum(sum(r.remedy_flips) for r in checked)
     return {"save_list": save, "bytes_per_region": max((r.save_bytes for r in checked), default=0),
-            "regions_checked": len(checked), "flips_with_save_list": residual,
+            "regions_checked": len(checked), "replays_with_save_list": sum(len(r.remedy_flips) for r in checked),
+            "flips_with_save_list": residual,
+            "stress_flips_without_save_list": sum(r.stress_flips or 0 for r in checked),
             "verified": bool(checked) and residual == 0,
             "policy": sac_policy(save) if save else None}
 
