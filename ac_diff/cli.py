@@ -211,6 +211,7 @@ def audit(
     check: bool = typer.Option(False, "--check", help="Exit 1 if the script succeeded but a CheckpointError is likely (>= 50%) at --scale."),
     fmt: str = typer.Option("terminal", "--format", help="terminal (default) or json (to stdout)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the audit JSON to this file."),
+    html_path: Optional[str] = typer.Option(None, "--html", help="Also write an HTML page with a margin plot per site."),
     config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
 ) -> None:
     """Run a training script and measure how close each checkpointed discrete decision is to flipping.
@@ -230,7 +231,7 @@ def audit(
     cfg = _config(ctx, config)
     raise typer.Exit(audit_command(target, list(args or []), module=module, noise=noise, seeds=seeds,
                                    max_regions=max_regions, scale=scale, check=check, fmt=fmt, json_path=json_path,
-                                   discrete_ops=cfg.record_options().discrete_ops))
+                                   html_path=html_path, discrete_ops=cfg.record_options().discrete_ops))
 
 
 @app.command()

@@ -138,12 +138,12 @@ def test_predicted_flip_rate_matches_the_real_bias_update():
 def fixed_audit(tmp_path_factory):
     out = tmp_path_factory.mktemp("audit")
     proc = run_cli("audit", "--noise", "abs:1e-3", "--scale", "tokens=8192,layers=48", "--check", "--json",
-                   str(out / "a.json"), FIXED, "--steps", "2", cwd=REPO)
-    return proc, json.loads((out / "a.json").read_text())
+                   str(out / "a.json"), "--html", str(out / "a.html"), FIXED, "--steps", "2", cwd=REPO)
+    return proc, json.loads((out / "a.json").read_text()), (out / "a.html").read_text()
 
 
 def test_audit_of_the_fixed_example(fixed_audit):
-    proc, doc = fixed_audit
+    proc, doc, page = fixed_audit
     assert doc["format"] == "ac-diff-audit" and doc["version"] == 1
     a = doc["audit"]
     topk = [s for s in a["sites"] if s["op"] == "aten.topk.default"]
@@ -162,6 +162,8 @@ def test_audit_of_the_fixed_example(fixed_audit):
     assert risk["expected_flips_per_step"] > 100 and risk["p_checkpoint_error"] > 0.99
     assert proc.returncode == 1, proc.stderr[-2000:]  # --check: a CheckpointError is predicted at that scale
     assert "CheckpointError almost certain" in proc.stdout and "fix: save aten.topk.default" in proc.stdout
+    # the HTML page: one margin plot per site with margins, the headline, the policy
+    assert page.count("<svg") == 2 and risk["headline"] in page and "torch.ops.aten.topk.default" in page
 
 
 def test_check_passes_when_no_flip_is_predicted(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..audit.engine import Auditor, AuditSettings
 from ..audit.extrapolate import parse_scale
+from ..audit.html import audit_html
 from ..audit.noise import parse_noise
 from ..audit.render import render_audit
 from ..audit.result import audit_document
@@ -27,7 +28,7 @@ from .common import EXIT_DIVERGED, console
 
 
 def audit_command(target: str, args: list[str], *, module: bool, noise: str, seeds: int, max_regions: int,
-                  scale: str | None, check: bool, fmt: str, json_path: str | None,
+                  scale: str | None, check: bool, fmt: str, json_path: str | None, html_path: str | None = None,
                   discrete_ops: frozenset = frozenset()) -> int:
     spec, target_scale = parse_noise(noise), parse_scale(scale)  # bad values: one line, exit 2 (cli)
     check_target(target, module)
@@ -39,12 +40,13 @@ def audit_command(target: str, args: list[str], *, module: bool, noise: str, see
     doc = audit_document(auditor, target_scale, target=target, wall_seconds=time.perf_counter() - start,
                          exit_code=outcome.exit_code)
     rank = launch.rank()
-    if json_path:
-        path = Path(json_path)
-        if multi:  # one file per rank: audit.json -> audit-rank1.json
-            path = path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"ac-diff: audit JSON written to {path}", file=sys.stderr)
+    for given, what, text in ((json_path, "JSON", lambda: json.dumps(doc, indent=1)), (html_path, "HTML", lambda: audit_html(doc))):
+        if given:
+            path = Path(given)
+            if multi:  # one file per rank: audit.json -> audit-rank1.json
+                path = path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
+            path.write_text(text())
+            print(f"ac-diff: audit {what} written to {path}", file=sys.stderr)
     if rank == 0:
         if fmt == "json":
             print(json.dumps(doc, indent=1))
