@@ -234,3 +234,23 @@ def test_audit_on_the_torchtitan_like_stack_with_selective_ac(tmp_path):
     assert {s["module"] for s in routers} == {"layers.0.moe.router", "layers.1.moe.router"}
     assert {s["consequence"] for s in routers} == {"CheckpointError"}
     assert a["remedy"]["verified"]
+
+
+@pytest.mark.e2e
+def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path):
+    """Each rank replays its regions (which all_reduce inside) the same number of times: no rank waits forever."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ac_diff",
+           "audit", "--noise", "abs:1e-3", "--seeds", "2", "--max-regions", "2", "--json", str(tmp_path / "tp.json"),
+           str(EXAMPLES / "distributed_tp.py"), "--steps", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads((tmp_path / f"tp-rank{r}.json").read_text())["audit"] for r in (0, 1)]
+    for a in docs:
+        assert a["regions_audited"] == 2 and any("run collectives" in n for n in a["notes"])
+        assert {s["module"] for s in a["sites"] if s["kind"] == "chooser"} == {"layers.0.moe.router", "layers.1.moe.router"}
+    # the router is replicated and both ranks read the same batch: the same margins on both
+    assert [s["margins"] for s in docs[0]["sites"] if s["kind"]] == [s["margins"] for s in docs[1]["sites"] if s["kind"]]

@@ -26,6 +26,7 @@ import torch
 
 from ..diagnosis.discrete import _CHOOSERS
 from ..modules import ModuleStack
+from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
 from ..torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
@@ -127,6 +128,7 @@ class RegionAudit:
     save_bytes: int = 0
     remedy_flips: list = field(default_factory=list)  # per noisy replay (seeds, then stress), with the list served
     stress_flips: int | None = None  # decisions flipped by the first stress noise without the list
+    collectives: bool = False  # the region calls collectives: only replays every rank makes alike
 
 
 class Auditor:
@@ -155,6 +157,14 @@ class Auditor:
         self.hooks.uninstall()
         self.modules.uninstall()
 
+    def all_notes(self) -> list[str]:
+        together = [r.index for r in self.regions if r.collectives]
+        if not together:
+            return list(self.notes)
+        listed = ", ".join(map(str, together[:8])) + (", ..." if len(together) > 8 else "")
+        return [*self.notes, f"regions {listed} run collectives: every rank replays them alike (clean and --seeds "
+                             "noisy replays), without the probes and the save-list check, whose count depends on the data"]
+
     # -- the listener interface of torch_hooks.CheckpointHooks --------------------------------
     def enter(self, frame: Any, phase: str) -> None:
         if self._busy or phase != FORWARD:
@@ -167,8 +177,8 @@ class Auditor:
 
     def pass_inputs(self, frame: Any, inputs: tuple, p: Any = None) -> None:
         hit = self._pending.get(id(frame))
-        if hit is not None and isinstance(frame, ReentrantFrame):
-            self._pending[id(frame)] = (hit[0], hit[1], tuple(inputs))
+        if hit is not None and isinstance(frame, ReentrantFrame):  # its inputs (and devices) are known only now
+            self._pending[id(frame)] = (hit[0], RngState.capture(tuple(inputs)), tuple(inputs))
 
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         if self._busy or phase != FORWARD:
@@ -185,8 +195,7 @@ class Auditor:
         self._busy = True
         start = time.perf_counter()
         try:
-            with torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad():
-                self.regions.append(self._audit(index, fn, inputs, kwargs, rng))
+            self.regions.append(self._audit(index, fn, inputs, kwargs, rng))
         except Exception as e:  # never into the training: say so in the report
             self.notes.append(f"region {index}: not audited ({type(e).__name__}: {e})")
         finally:
@@ -224,6 +233,7 @@ class Auditor:
             clean = replay.run()
             region = RegionAudit(index, name or type(module).__name__, tokens, len(clean.rows), len(clean.decisions), 0.0,
                                  clean.error)
+            region.collectives = any(r.key[0].split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES for r in clean.rows)
             if clean.error is None:
                 self._perturb(region, replay, clean)
         finally:
@@ -282,6 +292,8 @@ class Auditor:
                         s.model_flips += _model_flips(d, sigma)
                         s.score_noise.append(float(sigma.pow(2).mean().sqrt()))
             region.flips.append(total)
+        if region.collectives:  # a replay count that depends on this rank's data would desynchronize the ranks
+            return
         if self.settings.probe:
             self._probe(replay, clean, targets, stats, flipped_keys)
         self._remedy(region, replay, clean, noise, stats, flipped_keys, targets)

@@ -98,7 +98,10 @@ def _chooser(packet: str, b: dict) -> Margins | None:
         k, largest = min(int(b.get("k", 1)), n - 1), False
     else:
         k = min(int(b.get("k", 1)), n - 1)
-    ordered = rows.to(torch.float64).sort(dim=-1, descending=largest).values
+    # the first k+1 ranked, in the scores' own dtype (the order is the same), then float64: never a copy of a
+    # whole vocabulary's logits in float64
+    ranked = rows.topk(k + 1, dim=-1, largest=largest).values if k + 1 < n else rows.sort(dim=-1, descending=largest).values
+    ordered = ranked.to(torch.float64)
     gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs()
     m = gaps.min(dim=-1).values
     at = ordered[:, k - 1:k].reshape(-1) if k >= 1 else ordered[:, 0]

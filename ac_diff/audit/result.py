@@ -70,5 +70,5 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
         "regions": [region_json(r) for r in auditor.regions],
         "remedy": remedy_json(auditor.regions),
         "extrapolation": risk,
-        "notes": list(auditor.notes),
+        "notes": auditor.all_notes(),
     }}
