@@ -111,7 +111,10 @@ def test_gradients_bit_identical_for_every_checkpoint_variant(variant):
     assert torch.equal(plain[0], audited[0])
     for name in plain[1]:
         assert torch.equal(plain[1][name], audited[1][name]), name
-    assert [r.module for r in auditor.regions] == ["layers.0", "layers.1"] and not auditor.notes
+    assert [r.module for r in auditor.regions] == ["layers.0", "layers.1"]
+    assert auditor.notes == ([] if variant != "sac" else [
+        "selective AC: the replays serve the outputs of aten.addmm.default from the forward, as the policy's cache "
+        "does (every call of these ops)"])
 
 
 # -- predictions against a real mechanism -------------------------------------------------------------
@@ -234,6 +237,15 @@ def test_audit_on_the_torchtitan_like_stack_with_selective_ac(tmp_path):
     assert {s["module"] for s in routers} == {"layers.0.moe.router", "layers.1.moe.router"}
     assert {s["consequence"] for s in routers} == {"CheckpointError"}
     assert a["remedy"]["verified"]
+    # noise at the matmul that makes the router's scores: the policy saves that mm, so the recompute reads the
+    # forward's scores and no noise reaches the decision
+    proc = run_cli("audit", "--noise", "realistic", "--seeds", "1", "--max-regions", "2", "--json", str(tmp_path / "r.json"),
+                   "-m", "titanlike.train", "--steps", "1", cwd=STACKS, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = json.loads((tmp_path / "r.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert routers and all(s["noise_into"] == "aten.mm.default" and s["score_noise_rms"] == 0 for s in routers)
+    assert a["remedy"]["save_list"] == [] and any(n.startswith("selective AC") for n in a["notes"])
 
 
 @pytest.mark.e2e

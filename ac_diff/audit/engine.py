@@ -144,8 +144,10 @@ class Auditor:
         self.seen = 0
         self.audit_seconds = 0.0
         self._pending: dict[int, tuple] = {}
+        self._sac: dict[int, set] = {}  # id(frame) -> ops its selective-AC policy saved
         self._busy = False
         self._probed: set = set()
+        self._sac_noted = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Auditor":
@@ -184,6 +186,7 @@ class Auditor:
         if self._busy or phase != FORWARD:
             return
         hit = self._pending.pop(id(frame), None)
+        sac_ops = self._sac.pop(id(frame), set())
         if hit is None or exc is not None:
             return
         index, rng, inputs = hit
@@ -195,7 +198,7 @@ class Auditor:
         self._busy = True
         start = time.perf_counter()
         try:
-            self.regions.append(self._audit(index, fn, inputs, kwargs, rng))
+            self.regions.append(self._audit(index, fn, inputs, kwargs, rng, sac_ops))
         except Exception as e:  # never into the training: say so in the report
             self.notes.append(f"region {index}: not audited ({type(e).__name__}: {e})")
         finally:
@@ -208,8 +211,10 @@ class Auditor:
     def check_failed(self, *args) -> None:
         pass
 
-    def sac_saved(self, *args) -> None:
-        pass
+    def sac_saved(self, func) -> None:
+        """An op the region's selective-AC policy saved in its forward: its recompute gets the forward's output."""
+        if not self._busy and self._pending:
+            self._sac.setdefault(next(reversed(self._pending)), set()).add(str(func))
 
     def sac_cached(self, *args) -> None:
         pass
@@ -221,11 +226,11 @@ class Auditor:
         return contextlib.nullcontext()
 
     # -- one region ---------------------------------------------------------------------------
-    def _audit(self, index: int, fn, inputs: tuple, kwargs: dict, rng: RngState) -> RegionAudit:
+    def _audit(self, index: int, fn, inputs: tuple, kwargs: dict, rng: RngState, sac_ops: set) -> RegionAudit:
         start = time.perf_counter()
         module, hooks_run = checkpointed_module(fn)
         replay = RegionReplay(fn, inputs, kwargs, rng, self.modules, self.settings.discrete_ops,
-                              module=None if hooks_run else module)
+                              module=None if hooks_run else module, sac_ops=sac_ops)
         name = self.modules.name_of(module) if module is not None else getattr(fn, "__qualname__", "?")
         first = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
         tokens = (first.numel() // max(first.shape[-1], 1) if first.dim() >= 2 else first.numel()) if first is not None else 0
@@ -236,6 +241,8 @@ class Auditor:
             region.collectives = any(r.key[0].split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES for r in clean.rows)
             if clean.error is None:
                 self._perturb(region, replay, clean)
+            else:  # what the recompute itself would hit: say so, the training goes on
+                self.notes.append(f"region {index} ({region.module}): its replay failed without any noise: {clean.error}")
         finally:
             replay.close()
         region.seconds = time.perf_counter() - start
@@ -265,6 +272,7 @@ class Auditor:
         for s in stats.values():
             s.calls += 1
         flipped_keys: set = set()
+        reached: set = set()  # decisions whose scores the noise moved (not behind a saved op)
         for seed in range(seeds):
             noisy = replay.run(noise, spec, seed + 1, keep=False)
             changed = _saved_changed(clean, noisy)
@@ -288,15 +296,22 @@ class Auditor:
                         s.value_events += 1
                 if key in targets:
                     sigma = _row_noise(d, noisy.decisions.get(key))
+                    if sigma is not None and bool((sigma > 0).any()):
+                        reached.add(key)
                     if sigma is not None:
                         s.model_flips += _model_flips(d, sigma)
                         s.score_noise.append(float(sigma.pow(2).mean().sqrt()))
             region.flips.append(total)
         if region.collectives:  # a replay count that depends on this rank's data would desynchronize the ranks
             return
+        if replay.sac_ops and not self._sac_noted:
+            self._sac_noted = True
+            self.notes.append("selective AC: the replays serve the outputs of " + ", ".join(sorted(replay.sac_ops))
+                              + " from the forward, as the policy's cache does (every call of these ops)")
         if self.settings.probe:
             self._probe(replay, clean, targets, stats, flipped_keys)
-        self._remedy(region, replay, clean, noise, stats, flipped_keys, targets)
+        self._remedy(region, replay, clean, noise, stats, flipped_keys, {k: t for k, t in targets.items()
+                                                                         if k in reached or k in flipped_keys})
 
     def _site(self, clean: PassResult, key, target) -> SiteStats:
         d = clean.decisions[key]

@@ -7,7 +7,9 @@
     noisy = passes.run(noise=targets, spec=spec, seed=1)   # the same with seeded noise injected into the
                                                            # floating outputs that feed the decisions
     fixed = passes.run(..., served={"aten.topk.default"})  # the same with those ops' outputs served from
-                                                           # `clean` (what a selective-AC save list does)
+                                                           # `clean` (what a selective-AC save list does);
+                                                           # the ops the region's own selective-AC policy saved
+                                                           # (`sac_ops`) are served in every noisy pass
     passes.close()                                          # puts back every tensor a replay wrote in place
 
 Each pass starts from the forward's RNG state and runs under its own `torch.random.fork_rng`, so the
@@ -65,6 +67,7 @@ class PassResult:
     saved: list = field(default_factory=list)  # (shape, dtype) of each tensor autograd saved, in order
     error: str | None = None
     served_bytes: int = 0
+    outputs: dict = field(default_factory=dict)  # Key -> outputs of the ops the region's own selective AC saves
 
 
 class _Guard:
@@ -125,16 +128,22 @@ class _Mode(TorchDispatchMode):
         for i in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 self.owner.guard.before_write(args[i], self.created)
-        if name in self.served and self.clean is not None and key in self.clean.decisions:
-            saved = self.clean.decisions[key].outputs
+        saved = None
+        if self.clean is not None and (name in self.served or name in self.owner.sac_ops):
+            hit = self.clean.decisions.get(key)
+            saved = hit.outputs if hit is not None else self.clean.outputs.get(key)
+        if saved is not None:  # what selective AC does: the forward's output, not a recomputed one
             out = tuple(t.clone() for t in saved)
             if len(getattr(func, "_schema").returns) == 1 and len(out) == 1:
                 out = out[0]
-            self.result.served_bytes += sum(t.nbytes for t in saved)
+            if name in self.served:
+                self.result.served_bytes += sum(t.nbytes for t in saved)
         else:
             out = func(*args, **kwargs)
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-        target = self.noise.get(key)
+        if self.clean is None and name in self.owner.sac_ops:
+            self.result.outputs[key] = tuple(t.detach().clone() for t in outs)
+        target = self.noise.get(key) if saved is None else None  # a saved output is exact in the recompute
         if target is not None:
             slot = target
             if slot < len(outs) and outs[slot].is_floating_point():
@@ -206,17 +215,20 @@ class RngState:
 
 class RegionReplay:
     def __init__(self, fn, inputs: tuple, kwargs: dict, rng: RngState, modules, discrete_ops=frozenset(),
-                 module=None) -> None:
+                 module=None, sac_ops=frozenset()) -> None:
         self.fn, self.kwargs, self.rng, self.modules = fn, kwargs or {}, rng, modules
         self.discrete_ops = discrete_ops
+        self.sac_ops = frozenset(sac_ops)  # ops the region's selective-AC policy saved in the forward: served
         self.module = module  # pushed on the module stack when its own hooks do not run (partial(forward))
         self.inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
                             and (a.is_floating_point() or a.is_complex()) else a for a in inputs)
         self.guard = _Guard()
+        self.baseline: PassResult | None = None
 
     def run(self, noise: dict | None = None, spec: NoiseSpec | None = None, seed: int = 0,
             served: set[str] = frozenset(), clean: PassResult | None = None, keep: bool = True) -> PassResult:
         result = PassResult()
+        clean = clean if clean is not None else self.baseline  # the first pass is the clean one
         mode = _Mode(self, result, noise, spec, seed, set(served), clean, keep)
 
         def pack(t):
@@ -243,6 +255,8 @@ class RegionReplay:
                     if stack and stack[-1][0] is self.module:
                         stack.pop()
                 random.setstate(py)
+        if self.baseline is None:
+            self.baseline = result
         return result
 
     def close(self) -> None:
