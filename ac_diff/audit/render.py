@@ -51,7 +51,7 @@ def render_audit(doc: dict, console: Console) -> None:
              f"{a['regions_seen']} regions replayed, noise {a['noise']} x {a['seeds']} seeds")
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
     for col, just in (("site", "left"), ("op", "left"), ("rows", "right"), ("% ≤1/4/16ulp", "right"),
-                      ("min ulp", "right"), ("margins", "left"), ("P(flip) seen", "right"), ("model", "right"),
+                      ("min ulp", "right"), ("margins", "left"), ("P(flip) seen", "right"), ("predicted", "right"),
                       ("a flip", "left")):
         table.add_column(col, justify=just, no_wrap=True)
     for s in scored:
@@ -59,12 +59,12 @@ def render_audit(doc: dict, console: Console) -> None:
         shares = "/".join(_pct(m.get(k)).rstrip("%") for k in ("within_1ulp", "within_4ulp", "within_16ulp"))
         table.add_row(s["module"], s["op"].split(".")[1], str(s["rows"]), shares,
                       "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
-                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["model_rate"]),
+                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
                       _CONSEQUENCE.get(s["consequence"], s["consequence"]))
     follow = [s for s in sites if not s["kind"] and any(s["flips_per_seed"])]
-    lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; a flip: what it does to the "
-                  "saved tensors (error: their shapes change, torch raises CheckpointError; silent: values only)",
-                  style="dim")]
+    lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; predicted: P(flip) per row from "
+                  "the flips seen, the margins and their density near zero; a flip: what it does to the saved tensors "
+                  "(error: their shapes change, torch raises CheckpointError; silent: values only)", style="dim")]
     lines += [Text(f"  {s['module']} {s['op']} at {s['source']} (noise into {s['noise_into']})", style="dim")
               for s in scored]
     lines.append(Text(a["extrapolation"]["headline"], style="bold"))
