@@ -432,7 +432,9 @@ def _flipped_rows(clean, noisy) -> tuple[int, int]:
     by_row = m is not None and m.kind == "chooser"
     rows = _rows_view(a, m.dim) if by_row else a.reshape(-1, 1)
     total = rows.shape[0] if by_row else max(a.numel(), 1)
-    if noisy is None or len(noisy.outputs) <= slot or noisy.outputs[slot].shape != a.shape:
+    if noisy is None:  # not reached: the noisy pass failed or took another path first (its saved shapes say so)
+        return 0, total
+    if len(noisy.outputs) <= slot or noisy.outputs[slot].shape != a.shape:
         return total, total
     if packet in _DATA_OUTPUTS:
         return 0, total
