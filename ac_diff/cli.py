@@ -191,6 +191,42 @@ def fix(
                                  output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None)))
 
 
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def audit(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
+    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
+    module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
+    noise: str = typer.Option("1ulp", "--noise", help="Noise injected into the scores of each decision: Nulp (default 1ulp), rel:EPS, abs:EPS, or realistic (the rounding of the matmul that made them)."),
+    seeds: int = typer.Option(3, "--seeds", help="Noisy replays per region (default 3)."),
+    max_regions: int = typer.Option(4, "--max-regions", help="Replay the first N checkpointed regions (default 4)."),
+    scale: Optional[str] = typer.Option(None, "--scale", help="Target scale: tokens=N,layers=N,experts=N,steps=N (default: as audited)."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 if the script succeeded but a CheckpointError is likely (>= 50%) at --scale."),
+    fmt: str = typer.Option("terminal", "--format", help="terminal (default) or json (to stdout)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the audit JSON to this file."),
+    html_path: Optional[str] = typer.Option(None, "--html", help="Also write an HTML page with a margin plot per site."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+) -> None:
+    """Run a training script and measure how close each checkpointed discrete decision is to flipping.
+
+    Everything after the script belongs to it.
+
+    \b
+    Example:
+      ac-diff audit --scale tokens=8192,layers=48 train.py --steps 2
+    """
+    if fmt not in ("terminal", "json"):
+        raise typer.BadParameter("audit --format is terminal or json")
+    if seeds < 1 or max_regions < 1:
+        raise typer.BadParameter("--seeds and --max-regions take a number >= 1")
+    from .commands.audit_cmd import audit_command
+
+    cfg = _config(ctx, config)
+    raise typer.Exit(audit_command(target, list(args or []), module=module, noise=noise, seeds=seeds,
+                                   max_regions=max_regions, scale=scale, check=check, fmt=fmt, json_path=json_path,
+                                   html_path=html_path, discrete_ops=cfg.record_options().discrete_ops))
+
+
 @app.command()
 def report(
     ctx: typer.Context,
@@ -294,6 +330,8 @@ def export(
 def main(argv: list[str] | None = None) -> int:
     """Entry point: never lets a traceback of ac-diff's own escape; one line on stderr instead."""
     from .api import InputError
+    from .audit.extrapolate import ScaleError
+    from .audit.noise import NoiseError
     from .config import ConfigError
     from .runner import TargetNotFound
     from .trace import TraceFormatError
@@ -306,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except SystemExit as exc:  # click's own exits (--help, usage errors after printing)
         return exc.code if isinstance(exc.code, int) else 0
-    except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError) as exc:
+    except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError, NoiseError, ScaleError) as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(describe_os_error(exc))

@@ -1,0 +1,108 @@
+"""The perturbations an audit injects, and the unit they are measured in (ulps of a dtype).
+
+    spec = parse_noise("1ulp")        # NoiseSpec(kind="ulp", size=1.0): every element moved by 1 ulp, random sign
+    spec = parse_noise("rel:1e-6")    # x * (1 + 1e-6 * N(0, 1))
+    spec = parse_noise("abs:1e-3")    # x + 1e-3 * N(0, 1)   (e.g. the per-step change of a bias)
+    spec = parse_noise("realistic")   # at the op that produced the scores: the rounding of its reduction
+                                      # in another order (matmuls: u * sqrt(K) * |a_i * b_j|_2, else 1 ulp)
+    ulp(torch.tensor([1.0, 1000.0]))  # tensor([1.1921e-07, 6.1035e-05]): the spacing of f32 at each value
+    perturb(out, spec, generator)     # the noise to add to `out` (same shape/dtype), seeded
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Reduction ops whose rounding depends on the summation order: (index of A, index of B) in their arguments.
+MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "matmul": (0, 1)}
+
+
+class NoiseError(ValueError):
+    """A --noise value that is not one of the documented forms."""
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    kind: str  # "ulp" | "rel" | "abs" | "realistic"
+    size: float = 1.0
+
+    @property
+    def text(self) -> str:
+        if self.kind == "ulp":
+            return f"{self.size:g}ulp"
+        return "realistic" if self.kind == "realistic" else f"{self.kind}:{self.size:g}"
+
+    @property
+    def at_origin(self) -> bool:
+        """Injected at the op that computed the scores (a matmul), not at the decision's own input."""
+        return self.kind == "realistic"
+
+
+def parse_noise(text: str) -> NoiseSpec:
+    t = text.strip().lower()
+    try:
+        if t == "realistic":
+            return NoiseSpec("realistic")
+        if t.endswith("ulps") or t.endswith("ulp"):
+            size = float(t[: -4 if t.endswith("ulps") else -3] or 1)
+            kind = "ulp"
+        elif ":" in t:
+            kind, _, value = t.partition(":")
+            size = float(value)
+        else:
+            kind, size = "rel", float(t)
+    except ValueError:
+        kind, size = "?", 0.0
+    if kind not in ("ulp", "rel", "abs") or not math.isfinite(size) or size <= 0:
+        raise NoiseError(f"--noise {text!r} is not a noise size: use e.g. 1ulp, 4ulp, rel:1e-6 (or 1e-6), "
+                         "abs:1e-3 or realistic")
+    return NoiseSpec(kind, size)
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The spacing of `dtype` (default: t's) at the magnitude of each element of t, as float64."""
+    dtype = dtype or t.dtype
+    info = torch.finfo(dtype)
+    x = t.detach().to(torch.float64).abs()
+    _, exp = torch.frexp(x)  # x = m * 2**exp, m in [0.5, 1)
+    spacing = torch.ldexp(torch.full_like(x, info.eps), (exp - 1).to(torch.int32))
+    return spacing.clamp_min(info.tiny * info.eps)
+
+
+def perturb(out: torch.Tensor, spec: NoiseSpec, generator: torch.Generator,
+            sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """Seeded noise for `out` (same shape and dtype). `sigma`: the realistic per-element scale."""
+    if spec.kind == "ulp":
+        sign = torch.randint(0, 2, out.shape, generator=generator, device=out.device).to(torch.float64) * 2 - 1
+        delta = sign * spec.size * ulp(out)
+    else:
+        g = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float64)
+        if spec.kind == "rel":
+            delta = g * spec.size * out.detach().to(torch.float64).abs()
+        elif spec.kind == "abs":
+            delta = g * spec.size
+        else:
+            delta = g * spec.size * (sigma if sigma is not None else ulp(out))
+    return delta.to(out.dtype)
+
+
+def reduction_sigma(name: str, args: tuple, out: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The per-element scale of a recompute that sums in another order, and how it was modelled.
+
+    A K-term dot product rounded in another order moves by about u * sqrt(K) * |a_i * b_j|_2 (the
+    rounding errors of the partial sums add like a random walk); other ops: 1 ulp of their output."""
+    packet = name.split(".")[1] if name.count(".") >= 2 else name
+    pair = MATMULS.get(packet)
+    if pair is not None and len(args) > max(pair):
+        a, b = args[pair[0]], args[pair[1]]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point():
+            k = a.shape[-1]
+            with torch.no_grad():
+                terms = torch.matmul(a.detach().double().square(), b.detach().double().square()).sqrt()
+            if terms.shape == out.shape:
+                u = torch.finfo(out.dtype).eps / 2
+                return (u * math.sqrt(k) * terms).clamp_min(0.0), f"{packet} over K={k} in {str(out.dtype)[6:]}"
+    return ulp(out), "1 ulp of its output"

@@ -1,0 +1,94 @@
+"""Terminal rendering of an audit document (formatting only: every number comes from result.py).
+
+    render_audit(doc, console)
+    ╭ ac-diff audit: 2 decision sites, 4 regions, noise abs:0.001 x 3 seeds ╮
+    site                          op      dtype rows  ≤1ulp ≤4ulp ≤16ulp min ulps  margins (0 … >1k ulps)  flips/row  model   if it flips
+    layers.0.moe.router (tiny_moe.py:81) topk f32   512   0%    0%    0%     1759   ▁▁▁▁▁▁▁█               0.018      0.019   CheckpointError
+    at 8192 tokens x 48 layers: expect about 3.1 decision flips per step ... CheckpointError almost certain
+    fix: save aten.topk.default (6.0 KiB per region): 0 flips in 12 replays with it
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(counts: list[int]) -> str:
+    top = max(counts) if counts else 0
+    if not top:
+        return " " * len(counts)
+    return "".join(" " if c == 0 else _BARS[min(len(_BARS) - 1, int((len(_BARS) - 1) * c / top + 0.5))] for c in counts)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _rate(x) -> str:
+    return "-" if x is None else ("0" if x == 0 else f"{x:.2g}")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_CONSEQUENCE = {"CheckpointError": "error", "silent": "silent", "unknown": "?"}
+
+
+def render_audit(doc: dict, console: Console) -> None:
+    a = doc["audit"]
+    sites = a["sites"]
+    scored = [s for s in sites if s["kind"]]
+    title = (f"ac-diff audit: {len(scored)} decision sites with margins, {a['regions_audited']} of "
+             f"{a['regions_seen']} regions replayed, noise {a['noise']} x {a['seeds']} seeds")
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for col, just in (("site", "left"), ("op", "left"), ("rows", "right"), ("% ≤1/4/16ulp", "right"),
+                      ("min ulp", "right"), ("margins", "left"), ("P(flip) seen", "right"), ("predicted", "right"),
+                      ("a flip", "left")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for s in scored:
+        m = s["margins"] or {}
+        shares = "/".join(_pct(m.get(k)).rstrip("%") for k in ("within_1ulp", "within_4ulp", "within_16ulp"))
+        table.add_row(s["module"], s["op"].split(".")[1], str(s["rows"]), shares,
+                      "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
+                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
+                      _CONSEQUENCE.get(s["consequence"], s["consequence"]))
+    follow = [s for s in sites if not s["kind"] and any(s["flips_per_seed"])]
+    lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; predicted: P(flip) per row from "
+                  "the flips seen, the margins and their density near zero; a flip: what it does to the saved tensors "
+                  "(error: their shapes change, torch raises CheckpointError; silent: values only)", style="dim")]
+    lines += [Text(f"  {s['module']} {s['op']} at {s['source']} (noise into {s['noise_into']})", style="dim")
+              for s in scored]
+    lines.append(Text(a["extrapolation"]["headline"], style="bold"))
+    for k in a["extrapolation"]["kinds"]:
+        lines.append(Text(f"  {k['site']}: P(flip)/row {k['p_flip_per_row']:.2g} x {k['rows_per_call']:.0f} rows"
+                          f"{'' if k['tokens_factor'] == 1 else ' x %.3g (tokens)' % k['tokens_factor']} x "
+                          f"{k['layers']} layers -> {k['expected_flips_per_step']:.2g} per step ({k['consequence']})"))
+    if follow:
+        lines.append(Text("flipped with them (fed by a decision above): "
+                          + ", ".join(f"{s['module']} {s['op'].split('.')[1]}" for s in follow)))
+    r = a["remedy"]
+    if r["save_list"]:
+        state = (f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "
+                 f"{r['stress_flips_without_save_list']} rows)" if r["verified"]
+                 else f"still {r['flips_with_save_list']} flips with it")
+        lines.append(Text(f"fix: save {', '.join(r['save_list'])} with selective AC "
+                          f"({_bytes(r['bytes_per_region'])} per region): {state}", style="green" if r["verified"] else "yellow"))
+    lines.append(Text(f"cost: {a['audit_seconds']:.2f} s of replays in a {a['wall_seconds']:.2f} s run "
+                      f"(--max-regions {a['max_regions']}, --seeds {a['seeds']})", style="dim"))
+    for note in a["notes"]:
+        lines.append(Text(f"note: {note}", style="yellow"))
+    body = Table.grid()
+    body.add_row(table if scored else Text("no discrete decision fed by floating scores ran in the audited regions"))
+    for line in lines:
+        body.add_row(line)
+    console.print(Text(title, style="bold"))
+    console.print(body)

@@ -1,0 +1,74 @@
+"""The finished audit as one JSON-ready dict (the `audit` section), built once for every renderer.
+
+    doc = audit_document(auditor, scale, target="train.py", wall_seconds=12.3)
+    doc["audit"]["sites"][0]   -> {"module": "layers.1.moe.router", "op": "aten.topk.default",
+                                   "margins": {"within_1ulp": 0.0, ..., "histogram": [...]},
+                                   "observed_rate": 0.018, "model_rate": 0.019, "consequence": "CheckpointError"}
+    doc["audit"]["remedy"]     -> {"save_list": ["aten.topk.default"], "bytes_per_region": 6144, "verified": true, ...}
+    doc["audit"]["extrapolation"]["headline"]
+"""
+
+from __future__ import annotations
+
+from ..diagnosis.suggest import sac_policy
+from .extrapolate import Scale, extrapolate
+from .margins import HIST_LABELS
+
+FORMAT = "ac-diff-audit"
+VERSION = 1
+
+
+def _consequence(site) -> str:
+    share = site.shape_share()
+    if share is None:
+        return "unknown" if site.kind is not None else "follows"
+    return "CheckpointError" if share > 0.5 else "silent"
+
+
+def site_json(s) -> dict:
+    obs, model = s.observed_rate(), s.model_rate()
+    return {
+        "module": s.label[0], "op": s.label[1], "source": s.label[2], "kind": s.kind, "dtype": s.dtype,
+        "candidates": s.candidates, "k": s.k, "noise_into": s.target, "calls": s.calls, "rows": s.rows,
+        "margins": {**s.margin_summary(), "histogram_bins_ulps": list(HIST_LABELS)} if s.kind else None,
+        "flips_per_seed": list(s.flips), "observed_rate": obs, "model_rate": model, "tail_rate": s.tail_rate(),
+        "density_at_zero": s.density_at_zero(), "rate": s.rate() if s.kind else obs,
+        "score_noise_rms": (sum(s.score_noise) / len(s.score_noise)) if s.score_noise else None,
+        "shape_share": s.shape_share(), "probe": s.probe, "consequence": _consequence(s),
+    }
+
+
+def region_json(r) -> dict:
+    return {"region": r.index, "module": r.module, "tokens": r.tokens, "ops": r.ops, "decisions": r.decisions,
+            "seconds": round(r.seconds, 4), "error": r.error, "flips_per_seed": r.flips,
+            "checkpoint_error_per_seed": r.checkpoint_error, "save_list": r.save_list, "save_bytes": r.save_bytes,
+            "flips_with_save_list": r.remedy_flips, "stress_flips_without_save_list": r.stress_flips}
+
+
+def remedy_json(regions) -> dict:
+    save = sorted({op for r in regions for op in r.save_list})
+    checked = [r for r in regions if r.save_list]
+    residual = sum(sum(r.remedy_flips) for r in checked)
+    return {"save_list": save, "bytes_per_region": max((r.save_bytes for r in checked), default=0),
+            "regions_checked": len(checked), "replays_with_save_list": sum(len(r.remedy_flips) for r in checked),
+            "flips_with_save_list": residual,
+            "stress_flips_without_save_list": sum(r.stress_flips or 0 for r in checked),
+            "verified": bool(checked) and residual == 0,
+            "policy": sac_policy(save) if save else None}
+
+
+def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0) -> dict:
+    sites = sorted(auditor.sites.values(), key=lambda s: (s.label[0], s.label[1]))
+    risk = extrapolate(sites, auditor.regions, scale)
+    settings = auditor.settings
+    return {"format": FORMAT, "version": VERSION, "audit": {
+        "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,
+        "regions_seen": auditor.seen, "regions_audited": len(auditor.regions),
+        "wall_seconds": round(wall_seconds, 3), "audit_seconds": round(auditor.audit_seconds, 3),
+        "exit_status": exit_code,
+        "sites": [site_json(s) for s in sites],
+        "regions": [region_json(r) for r in auditor.regions],
+        "remedy": remedy_json(auditor.regions),
+        "extrapolation": risk,
+        "notes": auditor.all_notes(),
+    }}

@@ -1,0 +1,268 @@
+"""`ac-diff audit`: margins, perturbation replays, extrapolation, the verified save list; the training it
+observes stays bit-identical; its predicted flip rate matches the flips a real mechanism causes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from ac_diff.audit import Auditor, AuditSettings, audit_document, parse_noise, parse_scale
+from ac_diff.audit.extrapolate import ScaleError
+from ac_diff.audit.margins import decision_margins, histogram
+from ac_diff.audit.noise import NoiseError, ulp
+from conftest import EXAMPLES, REPO, run_cli
+from models import VARIANTS, Net, train_step
+
+sys.path.insert(0, str(EXAMPLES))
+import tiny_moe  # noqa: E402
+
+FIXED = str(EXAMPLES / "moe_bias_update_fixed.py")
+
+
+# -- units ------------------------------------------------------------------------------------------
+def test_noise_and_scale_forms():
+    assert parse_noise("1ulp").kind == "ulp" and parse_noise("4ulps").size == 4
+    assert (parse_noise("rel:1e-6").kind, parse_noise("1e-6").kind, parse_noise("abs:1e-3").size) == ("rel", "rel", 1e-3)
+    assert parse_noise("realistic").at_origin
+    for bad in ("loud", "abs:-1", "xyz:3", "0ulp"):
+        with pytest.raises(NoiseError):
+            parse_noise(bad)
+    assert parse_scale("tokens=8192,layers=48").tokens == 8192
+    for bad in ("tokens", "tokens=0", "heads=4", "layers=x"):
+        with pytest.raises(ScaleError):
+            parse_scale(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ulp_is_the_spacing_of_the_dtype(dtype):
+    x = torch.tensor([0.3, 1.5, 7.0, 1000.0], dtype=dtype)
+    above = torch.nextafter(x.float(), torch.tensor(float("inf"))).to(dtype) if dtype != torch.float32 else None
+    expected = (torch.nextafter(x, torch.full_like(x, float("inf"))) - x).double() if above is None else None
+    got = ulp(x)
+    if expected is not None:
+        assert torch.equal(got, expected)
+    else:  # bf16/f16: the spacing is eps * 2**(exponent)
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(got, torch.tensor([eps / 4, eps, 4 * eps, 512 * eps], dtype=torch.float64))
+
+
+def test_topk_margin_in_ulps():
+    one = ulp(torch.tensor([0.5])).item()
+    scores = torch.tensor([[0.5, 0.5 + 3 * one, 0.1, 0.2], [0.9, 0.1, 0.5, 0.2]])
+    m = decision_margins("aten.topk.default", torch.ops.aten.topk.default, (scores, 1), {})
+    assert m.kind == "chooser" and m.k == 1 and m.candidates == 4
+    assert m.ulps[0].item() == pytest.approx(3.0)  # the gap between the first and second, in ulps of 0.5
+    assert m.margins[1].item() == pytest.approx(0.4)
+    assert histogram(m.ulps)[2] == 1  # (1, 4] ulps
+    gt = decision_margins("aten.gt.Scalar", torch.ops.aten.gt.Scalar, (scores, 0.5), {})
+    assert gt.kind == "comparison" and gt.margins.numel() == 8 and gt.margins.min().item() == 0.0
+
+
+# -- the training stays bit-identical ----------------------------------------------------------------
+def _state(model):
+    return {**{n: p.detach().clone() for n, p in model.named_parameters()},
+            **{f"buffer:{n}": b.clone() for n, b in model.named_buffers()}}
+
+
+def _moe_train(audit: bool, dropout: float):
+    args = tiny_moe.ModelArgs(dropout=dropout)
+    model = tiny_moe.build_model(args, seed=3)
+    torch.manual_seed(7)  # dropout draws from the global generator
+    auditor = Auditor(AuditSettings(parse_noise("abs:1e-3"), seeds=2, max_regions=3)) if audit else None
+    if auditor:
+        auditor.start()
+    try:
+        losses = tiny_moe.train(model=model, args=args, steps=2, seq_len=64, log=lambda s: None)
+    finally:
+        if auditor:
+            auditor.stop()
+    return losses, _state(model), torch.get_rng_state(), auditor
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_moe_training_bit_identical_with_and_without_audit(dropout):
+    plain_losses, plain_state, plain_rng, _ = _moe_train(False, dropout)
+    losses, state, rng, auditor = _moe_train(True, dropout)
+    assert losses == plain_losses
+    assert torch.equal(rng, plain_rng)
+    assert state.keys() == plain_state.keys()
+    for name in state:  # parameters after two optimizer steps, expert_bias, tokens_per_expert
+        assert torch.equal(state[name], plain_state[name]), name
+    # and the audit did replay regions and perturb them (a test that cannot fail is no test)
+    assert len(auditor.regions) == 3 and all(r.flips for r in auditor.regions)
+    assert any(sum(s.flips) for s in auditor.sites.values())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gradients_bit_identical_for_every_checkpoint_variant(variant):
+    torch.manual_seed(1)
+    model = Net(VARIANTS[variant])
+    plain = train_step(model)
+    for p in model.parameters():
+        p.grad = None
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1)).start()
+    try:
+        audited = train_step(model)  # selective AC: the replay must not consume the policy's saved ops
+    finally:
+        auditor.stop()
+    assert torch.equal(plain[0], audited[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], audited[1][name]), name
+    assert [r.module for r in auditor.regions] == ["layers.0", "layers.1"]
+    assert auditor.notes == ([] if variant != "sac" else [
+        "selective AC: the replays serve the outputs of aten.addmm.default from the forward, as the policy's cache "
+        "does (every call of these ops)"])
+
+
+# -- predictions against a real mechanism -------------------------------------------------------------
+def test_predicted_flip_rate_matches_the_real_bias_update():
+    """The broken example moves expert_bias by about 1e-3 between forward and recompute; the audit of the fixed
+    example with that much noise must predict the share of routing rows that really flip (within 2x)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import audit_calibration as cal
+
+    observed = [cal.observe_bias(seed, steps=2) for seed in (0, 1)]
+    sigma = sum(o["bias_change_rms"] for o in observed) / len(observed)
+    assert 5e-4 < sigma < 2e-3  # torchtitan's coefficient: each expert moves by about 1e-3
+    predicted = [cal.predict(seed, steps=2, noise=f"abs:{sigma:.3g}", audit_seeds=2) for seed in (0, 1)]
+    real = sum(o["flips"] for o in observed) / sum(o["rows"] for o in observed)
+    seen = sum(p["flips"] for p in predicted) / sum(p["rows"] for p in predicted)
+    model = sum(p["model_rate"] * p["rows"] for p in predicted) / sum(p["rows"] for p in predicted)
+    assert real > 0.003, real  # real flips happened
+    assert 0.5 < seen / real < 2.0, (seen, real)
+    assert 0.5 < model / real < 2.0, (model, real)
+
+
+# -- the command ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fixed_audit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit")
+    proc = run_cli("audit", "--noise", "abs:1e-3", "--scale", "tokens=8192,layers=48", "--check", "--json",
+                   str(out / "a.json"), "--html", str(out / "a.html"), FIXED, "--steps", "2", cwd=REPO)
+    return proc, json.loads((out / "a.json").read_text()), (out / "a.html").read_text()
+
+
+def test_audit_of_the_fixed_example(fixed_audit):
+    proc, doc, page = fixed_audit
+    assert doc["format"] == "ac-diff-audit" and doc["version"] == 1
+    a = doc["audit"]
+    topk = [s for s in a["sites"] if s["op"] == "aten.topk.default"]
+    assert [s["module"] for s in topk] == ["layers.0.moe.router", "layers.1.moe.router"]
+    for s in topk:
+        assert s["kind"] == "chooser" and s["dtype"] == "float32" and s["candidates"] == 8 and s["k"] == 2
+        assert s["noise_into"] == "aten.add.Tensor"  # scores + expert_bias: what topk reads
+        assert s["rows"] == 512 and sum(s["margins"]["histogram"]) == 512
+        assert 0 < s["observed_rate"] < 0.1 and s["consequence"] == "CheckpointError"
+    # histc of the chosen ids and the argsort flip only with topk: no margin of their own
+    assert {s["op"] for s in a["sites"] if s["kind"] is None} >= {"aten.histc.default", "aten.sort.stable"}
+    r = a["remedy"]
+    assert r["save_list"] == ["aten.topk.default"] and r["verified"] and r["flips_with_save_list"] == 0
+    assert r["bytes_per_region"] == 256 * 2 * (4 + 8)  # topk's values (f32) and indices (i64)
+    risk = a["extrapolation"]
+    assert risk["expected_flips_per_step"] > 100 and risk["p_checkpoint_error"] > 0.99
+    assert proc.returncode == 1, proc.stderr[-2000:]  # --check: a CheckpointError is predicted at that scale
+    assert "CheckpointError almost certain" in proc.stdout and "fix: save aten.topk.default" in proc.stdout
+    # the HTML page: one margin plot per site with margins, the headline, the policy
+    assert page.count("<svg") == 2 and risk["headline"] in page and "torch.ops.aten.topk.default" in page
+
+
+def test_check_passes_when_no_flip_is_predicted(tmp_path):
+    proc = run_cli("audit", "--check", "--max-regions", "2", "--seeds", "1", "--json", str(tmp_path / "a.json"),
+                   FIXED, "--steps", "1", cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a = json.loads((tmp_path / "a.json").read_text())["audit"]
+    assert a["noise"] == "1ulp" and a["regions_audited"] == 2
+    assert a["extrapolation"]["p_checkpoint_error"] < 0.5
+    assert all(s["observed_rate"] == 0 for s in a["sites"])
+
+
+def test_the_broken_example_still_fails_as_without_audit(tmp_path):
+    proc = run_cli("audit", "--max-regions", "2", "--seeds", "1", str(EXAMPLES / "moe_bias_update.py"), cwd=REPO)
+    assert proc.returncode == 1 and "CheckpointError" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--noise", "loud"], "--noise 'loud' is not a noise size"),
+    (["--scale", "heads=4"], "--scale 'heads=4'"),
+])
+def test_bad_options_one_line_exit_2(args, message):
+    proc = run_cli("audit", *args, FIXED, cwd=REPO)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_audit_document_without_regions():
+    auditor = Auditor(AuditSettings(parse_noise("1ulp")))
+    doc = audit_document(auditor, parse_scale(None), target="x.py", wall_seconds=0.0)
+    assert doc["audit"]["sites"] == [] and doc["audit"]["extrapolation"]["expected_flips_per_step"] == 0
+
+
+# -- the stacks: their consequence agrees with what their real mechanism does ----------------------------
+@pytest.mark.e2e
+def test_audit_on_the_hf_deepseek_stack_predicts_silent_flips(tmp_path):
+    """transformers' grouped-mm experts keep every saved shape when routing flips: the real bias update of this
+    stack diverges silently (tests/test_stack_hf.py), and the audit says a flip is silent."""
+    pytest.importorskip("transformers")
+    from stacks.runs import STACKS
+
+    proc = run_cli("audit", "--noise", "abs:1e-3", "--seeds", "2", "--check", "--scale", "tokens=65536,layers=61",
+                   "--json", str(tmp_path / "a.json"), str(STACKS / "hf_moe.py"), "--model", "deepseek_v3", cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # --check: flips predicted, but none changes a shape
+    a = json.loads((tmp_path / "a.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert {s["module"] for s in routers} == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    assert sum(sum(s["flips_per_seed"]) for s in routers) > 0
+    assert {s["consequence"] for s in routers} == {"silent"}
+    assert a["extrapolation"]["expected_flips_per_step"] > 1 and a["extrapolation"]["p_checkpoint_error"] == 0
+    assert a["remedy"]["verified"] and a["remedy"]["save_list"] == ["aten.topk.default"]
+
+
+@pytest.mark.e2e
+def test_audit_on_the_torchtitan_like_stack_with_selective_ac(tmp_path):
+    """`-m` like `run`; op-level selective AC saves the matmuls: the replays must not consume its cache (the
+    training finishes) and a routing flip is a CheckpointError, as the real forward-hook bias update shows."""
+    import os
+
+    from stacks.runs import STACKS
+
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(STACKS), str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = run_cli("audit", "--noise", "abs:1e-3", "--seeds", "2", "--json", str(tmp_path / "a.json"),
+                   "-m", "titanlike.train", "--steps", "2", cwd=STACKS, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = json.loads((tmp_path / "a.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert {s["module"] for s in routers} == {"layers.0.moe.router", "layers.1.moe.router"}
+    assert {s["consequence"] for s in routers} == {"CheckpointError"}
+    assert a["remedy"]["verified"]
+    # noise at the matmul that makes the router's scores: the policy saves that mm, so the recompute reads the
+    # forward's scores and no noise reaches the decision
+    proc = run_cli("audit", "--noise", "realistic", "--seeds", "1", "--max-regions", "2", "--json", str(tmp_path / "r.json"),
+                   "-m", "titanlike.train", "--steps", "1", cwd=STACKS, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = json.loads((tmp_path / "r.json").read_text())["audit"]
+    routers = [s for s in a["sites"] if s["kind"] == "chooser"]
+    assert routers and all(s["noise_into"] == "aten.mm.default" and s["score_noise_rms"] == 0 for s in routers)
+    assert a["remedy"]["save_list"] == [] and any(n.startswith("selective AC") for n in a["notes"])
+
+
+@pytest.mark.e2e
+def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path):
+    """Each rank replays its regions (which all_reduce inside) the same number of times: no rank waits forever."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ac_diff",
+           "audit", "--noise", "abs:1e-3", "--seeds", "2", "--max-regions", "2", "--json", str(tmp_path / "tp.json"),
+           str(EXAMPLES / "distributed_tp.py"), "--steps", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads((tmp_path / f"tp-rank{r}.json").read_text())["audit"] for r in (0, 1)]
+    for a in docs:
+        assert a["regions_audited"] == 2 and any("run collectives" in n for n in a["notes"])
+        assert {s["module"] for s in a["sites"] if s["kind"] == "chooser"} == {"layers.0.moe.router", "layers.1.moe.router"}
+    # the router is replicated and both ranks read the same batch: the same margins on both
+    assert [s["margins"] for s in docs[0]["sites"] if s["kind"]] == [s["margins"] for s in docs[1]["sites"] if s["kind"]]
