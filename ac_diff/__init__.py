@@ -8,7 +8,7 @@
     trace = ac_diff.load("ac-diff-out"); trace.ops  # pandas
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .api import InputError, Trace, diagnose_paths, load, read_runs  # noqa: E402
 from .diagnosis import diagnose  # noqa: E402

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 REPORT_FORMAT = "ac-diff-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: verdicts unchecked/damaged, title, groups, reference, remedies, fixes (README)
 
 CLEAN = "clean"
 DIVERGED = "diverged"

@@ -23,7 +23,7 @@ def _region(report: dict, **match) -> dict:
 
 def test_report_schema(example_reports):
     report = example_reports["moe_bias_update"]["json"]
-    assert report["format"] == "ac-diff-report" and report["version"] == 1
+    assert report["format"] == "ac-diff-report" and report["version"] == 2
     assert report["verdict"] in ("clean", "diverged")
     region = report["regions"][0]
     for key in ("rank", "region", "module", "status", "silent", "cause", "first_value_divergence",

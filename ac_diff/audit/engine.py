@@ -7,7 +7,7 @@
                                                whether a flip changed the saved tensors' shapes
     auditor.regions    -> [RegionAudit]        per audited region: module, tokens, cost, remedy check
 
-It listens to the same version-guarded checkpoint hooks as the recorder (torch_hooks), and when a
+It listens to the same version-guarded checkpoint hooks as the recorder (capture/torch_compat.py), and when a
 region's original forward finishes it replays the region (replay.RegionReplay): once clean, once per
 seed with noise injected into the floating outputs that feed each decision, and once per seed with the
 suggested save list served from the clean pass. The training then continues, bit-identical.
@@ -27,7 +27,7 @@ import torch
 from ..diagnosis.discrete import _CHOOSERS
 from ..modules import ModuleStack
 from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
-from ..torch_hooks import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
+from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
 from .replay import PassResult, RegionReplay, RngState, origin_of, producer_of, reachable
