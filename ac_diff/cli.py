@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -84,12 +84,18 @@ def _report_file(fmt: str, output: Optional[str], output_dir: Optional[str] = No
     return output
 
 
+# The script and its arguments, taken the same way by every command that runs one (run, fix, audit).
+ScriptTarget = Annotated[str, typer.Argument(metavar="SCRIPT|MODULE", help="The script to run (or module, with -m).")]
+ScriptArgs = Annotated[Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Arguments for the script.")]
+ModuleFlag = Annotated[bool, typer.Option("-m", help="TARGET is a module name, run like `python -m TARGET`.")]
+
+
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
-    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
-    module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
+    target: ScriptTarget,
+    args: ScriptArgs = None,
+    module: ModuleFlag = False,
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the trace files (default ac-diff-out)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Exit 1 if the script succeeded but a region diverged."),
@@ -159,9 +165,9 @@ def run(
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def fix(
     ctx: typer.Context,
-    target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
-    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
-    module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
+    target: ScriptTarget,
+    args: ScriptArgs = None,
+    module: ModuleFlag = False,
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the runs (default ac-diff-out/fix)."),
     max_tries: int = typer.Option(4, "--max-tries", help="Remedies tried at most (cheapest first)."),
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
@@ -194,9 +200,9 @@ def fix(
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def audit(
     ctx: typer.Context,
-    target: str = typer.Argument(..., metavar="SCRIPT|MODULE", help="The script to run (or module, with -m)."),
-    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments for the script."),
-    module: bool = typer.Option(False, "-m", help="TARGET is a module name, run like `python -m TARGET`."),
+    target: ScriptTarget,
+    args: ScriptArgs = None,
+    module: ModuleFlag = False,
     noise: str = typer.Option("1ulp", "--noise", help="Noise injected into the scores of each decision: Nulp (default 1ulp), rel:EPS, abs:EPS, or realistic (the rounding of the matmul that made them)."),
     seeds: int = typer.Option(3, "--seeds", help="Noisy replays per region (default 3)."),
     max_regions: int = typer.Option(4, "--max-regions", help="Replay the first N checkpointed regions (default 4)."),
