@@ -12,7 +12,7 @@ __version__ = "0.2.0"
 
 from .api import InputError, Trace, diagnose_paths, load, read_runs  # noqa: E402
 from .diagnosis import diagnose  # noqa: E402
-from .recorder import Recorder, RecordOptions, record  # noqa: E402
+from .capture.recorder import Recorder, RecordOptions, record  # noqa: E402
 from .report import Report  # noqa: E402
 from .trace import TraceFormatError  # noqa: E402
 

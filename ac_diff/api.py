@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .diagnosis import Settings, diagnose
-from .model import PHASES, Run, op_count
+from .passes import PHASES, Run, op_count
 from .report import Report
 from .trace import TraceFormatError, is_trace, read_run, trace_files
 

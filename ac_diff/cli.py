@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     from .audit.extrapolate import ScaleError
     from .audit.noise import NoiseError
     from .config import ConfigError
-    from .runner import TargetNotFound
+    from .capture.runner import TargetNotFound
     from .trace import TraceFormatError
 
     try:

@@ -174,7 +174,7 @@ class Config:
 
     def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
                        fingerprints: bool | None = None, scope: str | None = None, write: str | None = None):
-        from .recorder import RecordOptions
+        from .capture.recorder import RecordOptions
 
         return RecordOptions(
             fingerprints=self.pick("fingerprints", fingerprints), keep_values=self.pick("keep_values", keep_values),

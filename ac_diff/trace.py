@@ -12,7 +12,7 @@
 
 Kept values (`vals`) are raw little-endian bytes in base64 with their dtype and shape (older traces
 stored nested lists; both load). `read_run(path)` turns a file back into the model
-(`ac_diff.model.Run`). A file of another format or of a newer major version raises
+(`ac_diff.passes.Run`). A file of another format or of a newer major version raises
 `TraceFormatError` saying what it is and what to do; a file without its end record (the process
 died) loads with `Run.truncated` set and a note.
 
@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - orjson is a dependency; json is the fa
 
 from . import __version__
 from .streams import STREAM_DAMAGE, open_binary
-from .model import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
+from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
 FORMAT = "ac-diff-trace"
 VERSION = "1.1"
@@ -538,7 +538,7 @@ def _values_from_json(vals: Any) -> Any:
     """Kept values: each is {"dtype", "shape", "b64"} (raw bytes); the first 1.0 traces stored nested lists."""
     if not isinstance(vals, dict) or not any(isinstance(v, dict) for v in vals.values()):
         return vals
-    from .fingerprint import decode_values
+    from .capture.fingerprint import decode_values
 
     out = {}
     for key, v in vals.items():

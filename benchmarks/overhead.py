@@ -71,7 +71,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import set_checkpoint_debug_enabled  # noqa: E402
 
 import ac_diff  # noqa: E402
-from ac_diff.recorder import RecordOptions  # noqa: E402
+from ac_diff.capture.recorder import RecordOptions  # noqa: E402
 import tiny_moe  # noqa: E402
 
 

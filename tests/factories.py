@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ac_diff.model import External, InputRef, OpRecord, Pass, Position, Region, TensorMeta
+from ac_diff.passes import External, InputRef, OpRecord, Pass, Position, Region, TensorMeta
 
 
 def meta(*shape: int, dtype: str = "f32") -> TensorMeta:

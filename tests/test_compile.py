@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ac_diff.compiled import CompileWatch, EagerStance, compile_kind, skip_when_compiling, tracing
+from ac_diff.capture.compiled import CompileWatch, EagerStance, compile_kind, skip_when_compiling, tracing
 from ac_diff.trace import read_run
 from stacks.runs import STACKS, Job, run_all
 

@@ -11,7 +11,7 @@ import pytest
 from ac_diff.cli import main
 from ac_diff.config import CONFIG_NAME, KEYS, Config, ConfigError, describe_keys, load_config, parse_config
 from ac_diff.diagnosis import Settings, Tolerance
-from ac_diff.recorder import RecordOptions
+from ac_diff.capture.recorder import RecordOptions
 
 
 def write(tmp_path: Path, text: str, name: str = CONFIG_NAME) -> Path:

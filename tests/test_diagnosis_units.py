@@ -9,7 +9,7 @@ from ac_diff.diagnosis.dataflow import decision_path
 from ac_diff.diagnosis.discrete import describe_flip
 from ac_diff.diagnosis.labels import list_diff
 from ac_diff.diagnosis.region import diagnose_region
-from ac_diff.model import InputRef, Pass
+from ac_diff.passes import InputRef, Pass
 from factories import ext, meta, op, positions, ref, region
 
 

@@ -22,7 +22,7 @@ from factories import ext, meta, op, ref
 
 from ac_diff.commands import launch_cmd
 from ac_diff.diagnosis import diagnose
-from ac_diff.model import InputRef, Pass, Region, Run
+from ac_diff.passes import InputRef, Pass, Region, Run
 from ac_diff.report import CLEAN, DIVERGED, Cause, RegionReport, Report
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "AC_DIFF_RANK_WAIT": "60"}
@@ -213,7 +213,7 @@ def test_strip_nproc_and_rank_argv():
     assert strip(["run", "--nproc-per-node", "2", "-o", "out", "train.py", "--nproc-per-node", "8"]) == \
         ["run", "-o", "out", "train.py", "--nproc-per-node", "8"]  # the script's own flag stays
     assert strip(["run", "--nproc-per-node=4", "-m", "pkg.train", "--lr", "1"]) == ["run", "-m", "pkg.train", "--lr", "1"]
-    from ac_diff.recorder import RecordOptions
+    from ac_diff.capture.recorder import RecordOptions
 
     argv = launch_cmd.rank_argv("pkg.train", ["--lr", "1"], module=True, output_dir="out",
                                 options=RecordOptions(max_regions=3, fingerprints=False, write="diverged"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ac_diff.fingerprint import FingerprintBatch, _rows
+from ac_diff.capture.fingerprint import FingerprintBatch, _rows
 
 
 def fp(*tensors: torch.Tensor) -> list:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ac_diff.logs import parse_log
-from ac_diff.model import Run, TensorMeta
+from ac_diff.passes import Run, TensorMeta
 from conftest import REAL_LOGS
 
 LOGS = REAL_LOGS

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log
-from ac_diff.model import Run, TensorMeta
+from ac_diff.passes import Run, TensorMeta
 from conftest import REAL_LOGS
 
 

@@ -16,7 +16,7 @@ from ac_diff.logs.lines import ReadStats, iter_lines, split_segments, strip_pref
 from ac_diff.logs.args import parse_args
 from ac_diff.logs.meta import DTYPE_ABBRS, parse_device, parse_metadata, parse_shape, short_dtype
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
-from ac_diff.model import TensorMeta
+from ac_diff.passes import TensorMeta
 from conftest import torch_debug_logging
 
 

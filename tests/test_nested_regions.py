@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ac_diff
-from ac_diff.model import NESTED_OUTPUT
+from ac_diff.passes import NESTED_OUTPUT
 from ac_diff.trace import read_run
 
 

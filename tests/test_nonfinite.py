@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ac_diff
-from ac_diff.fingerprint import FingerprintBatch
+from ac_diff.capture.fingerprint import FingerprintBatch
 from ac_diff.trace import read_run
 
 
@@ -111,7 +111,7 @@ def test_sdpa_with_dropout_draws(tmp_path):
 
 
 def test_a_random_op_draws_only_when_its_switches_say_so():
-    from ac_diff.opinfo import draws, op_info
+    from ac_diff.capture.opinfo import draws, op_info
 
     sdpa = op_info(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
     assert sdpa.random  # tagged nondeterministic_seeded by torch, whatever its dropout_p

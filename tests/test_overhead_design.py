@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import ac_diff
-from ac_diff import fingerprint
-from ac_diff.fingerprint import FingerprintBatch, decode_values, encode_values
-from ac_diff.model import op_count
+from ac_diff.capture import fingerprint
+from ac_diff.capture.fingerprint import FingerprintBatch, decode_values, encode_values
+from ac_diff.passes import op_count
 from ac_diff.trace import read_run
 from conftest import EXAMPLES
 

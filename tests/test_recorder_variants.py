@@ -123,7 +123,7 @@ def test_module_fqns_are_right_during_recompute(tmp_path):
 
 
 def test_a_recorder_failure_never_reaches_the_training(tmp_path, monkeypatch):
-    from ac_diff.fingerprint import FingerprintBatch
+    from ac_diff.capture.fingerprint import FingerprintBatch
     from models import train_step
 
     def broken(self, t):

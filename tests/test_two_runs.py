@@ -11,7 +11,7 @@ from conftest import EXAMPLES
 from factories import ext, meta, op, ref
 
 from ac_diff.diagnosis.two_runs import compare_runs
-from ac_diff.model import Pass, Region, Run
+from ac_diff.passes import Pass, Region, Run
 from ac_diff.trace import read_run
 
 sys.path.insert(0, str(EXAMPLES))
@@ -106,7 +106,7 @@ def _ops(values):
 
 
 def ref_param():
-    from ac_diff.model import InputRef
+    from ac_diff.passes import InputRef
 
     return InputRef("param", name="w")
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ..diagnosis.discrete import _CHOOSERS
-from ..modules import ModuleStack
-from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
+from ..capture.modules import ModuleStack
+from ..capture.opinfo import ASYNC_COLLECTIVE_NAMESPACES
 from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
 from .noise import NoiseSpec

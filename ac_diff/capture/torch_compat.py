@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint as _cp
 
-from ..compiled import is_compiling
+from .compiled import is_compiling
 
 FORWARD = "forward"
 RECOMPUTE = "recompute"

@@ -22,7 +22,7 @@ from ..audit.html import audit_html
 from ..audit.noise import parse_noise
 from ..audit.render import render_audit
 from ..audit.result import audit_document
-from ..runner import check_target, run_target
+from ..capture.runner import check_target, run_target
 from . import launch_cmd as launch
 from .common import EXIT_DIVERGED, console
 

@@ -12,7 +12,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..diagnosis import Settings
-from ..recorder import RecordOptions
+from ..capture.recorder import RecordOptions
 from .common import EXIT_CLEAN, EXIT_INTERNAL, fail
 from .run_cmd import run_command
 

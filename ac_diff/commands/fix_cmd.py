@@ -35,7 +35,7 @@ from ..reference.explain import attach
 from ..reference.model import DIFFERS
 from ..reference.run import reference_command, reference_result
 from ..remedies import RemedySpec
-from ..runner import check_target
+from ..capture.runner import check_target
 from ..trace import read_run
 from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail
 from .run_extras import CAPTURE_ENV

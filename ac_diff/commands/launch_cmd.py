@@ -137,7 +137,7 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     `check`, 1 when every rank succeeded but a region diverged.
     """
     from ..diagnosis import Settings
-    from ..runner import check_target
+    from ..capture.runner import check_target
 
     if nproc < 1:
         return fail(f"--nproc-per-node must be at least 1, got {nproc}")

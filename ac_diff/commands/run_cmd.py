@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from ..diagnosis import Settings, diagnose
-from ..recorder import Recorder, RecordOptions
+from ..capture.recorder import Recorder, RecordOptions
 from ..remedies import RemedySpec
 from .run_extras import RunExtras
-from ..runner import check_target, run_target
+from ..capture.runner import check_target, run_target
 from ..trace import read_run
 from . import launch_cmd as launch
 from .common import emit, fail, verdict_code

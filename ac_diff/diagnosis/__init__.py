@@ -11,7 +11,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 
 from __future__ import annotations
 
-from ..model import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
+from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary)
 from .cause import SHARDED, sharded_positions

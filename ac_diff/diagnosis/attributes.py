@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import Region
+from ..passes import Region
 from ..report import Cause, Suggestion
 from .compare import PairDiff
 

@@ -18,7 +18,7 @@ a Python argument changed (state_mutation/python_value), an op gave other output
 
 from __future__ import annotations
 
-from ..model import OpRecord, Region
+from ..passes import OpRecord, Region
 from ..report import Cause, RegionReport
 from .attributes import attribute_cause
 from .compare import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..align import Pair, align
-from ..model import External, InputRef, OpRecord, Pass
-from ..opinfo import DISCRETE_OPS, is_view_op, written_inputs
+from ..passes import External, InputRef, OpRecord, Pass
+from ..capture.opinfo import DISCRETE_OPS, is_view_op, written_inputs
 from .labels import readable_arg
 
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,

@@ -13,7 +13,7 @@ elements as the list (and, when fingerprints exist, the same sum).
 
 from __future__ import annotations
 
-from ..model import OpRecord
+from ..passes import OpRecord
 from .compare import is_discrete
 
 _MAX_STEPS = 12

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..model import OpRecord
+from ..passes import OpRecord
 
 # Ops that choose the k largest/smallest entries along a dim, and which output holds the choice.
 _CHOOSERS = {"topk": 1, "sort": 1, "argsort": 0, "argmax": 0, "argmin": 0, "max": 1, "min": 1, "kthvalue": 1}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..model import OpRecord, TensorMeta
+from ..passes import OpRecord, TensorMeta
 
 # a Python object the recorder could only write as its repr: "<torch._C.Generator object at 0x7f..>"
 _OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")

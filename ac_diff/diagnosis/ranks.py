@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 
-from ..model import Pass, Region, Run
+from ..passes import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .compare import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
 from .labels import where
@@ -366,7 +366,7 @@ def _packet(name: str) -> str:
 
 
 def _collective(name: str) -> bool:
-    from ..opinfo import ASYNC_COLLECTIVE_NAMESPACES
+    from ..capture.opinfo import ASYNC_COLLECTIVE_NAMESPACES
 
     return name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
 
@@ -376,7 +376,7 @@ def _first_disagreement(base: Region, other: Region, cmp):
     outputs are not. "Identical" is conservative: a difference never heals downstream (a fingerprint
     that happens to match proves nothing), except through a collective whose result every rank of the
     group shares by construction (all-reduce, all-gather, broadcast)."""
-    from ..opinfo import UNINITIALISED_OPS
+    from ..capture.opinfo import UNINITIALISED_OPS
 
     changed = {(x.kind, x.name) for x, _ in cmp.changed_externals}
     other_ext = {(e.kind, e.name) for e in other.forward.externals}

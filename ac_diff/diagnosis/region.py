@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
 
-from ..model import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
+from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair

@@ -10,7 +10,7 @@ torchtitan's per-op save-list wording.
 
 from __future__ import annotations
 
-from ..model import Region
+from ..passes import Region
 from ..report import RegionReport, Suggestion
 from .attributes import attribute_suggestion
 

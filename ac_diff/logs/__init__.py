@@ -36,7 +36,7 @@ from typing import IO, Union
 from ac_diff.logs.lines import MAX_LINE, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
-from ac_diff.model import Run
+from ac_diff.passes import Run
 from ac_diff.streams import STREAM_DAMAGE
 
 __all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 
 from ac_diff.logs.oplines import ParsedOp
-from ac_diff.model import FORWARD, RECOMPUTE, OpRecord, Pass, Region
+from ac_diff.passes import FORWARD, RECOMPUTE, OpRecord, Pass, Region
 
 # Section markers, checked on segments that reached the dump parser.
 START = "An error happened while unpacking tensors"

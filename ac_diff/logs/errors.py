@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 
 from ac_diff.logs.meta import parse_metadata
-from ac_diff.model import PositionMismatch, TorchError
+from ac_diff.passes import PositionMismatch, TorchError
 
 METADATA_MISMATCH = "metadata_mismatch"
 COUNT_MISMATCH = "count_mismatch"

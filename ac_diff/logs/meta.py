@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ac_diff.model import TensorMeta
+from ac_diff.passes import TensorMeta
 
 UNKNOWN_DEVICE = "unknown"  # op lines in a debug dump do not say where a tensor lives
 

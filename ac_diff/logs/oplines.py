@@ -30,7 +30,7 @@ from typing import Any
 
 from ac_diff.logs.args import parse_args, scalar
 from ac_diff.logs.meta import UNKNOWN_DEVICE, parse_shape
-from ac_diff.model import TensorMeta
+from ac_diff.passes import TensorMeta
 
 OK, SALVAGED, GARBLED = "ok", "salvaged", "garbled"
 

@@ -24,7 +24,7 @@ from ac_diff.logs import dump as D
 from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
 from ac_diff.logs.lines import ReadStats, split_segments
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
-from ac_diff.model import Run
+from ac_diff.passes import Run
 
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
 _TRACEBACK = "Traceback (most recent call last)"

@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..remedies import CheckpointPatch, RemedySpec
-from ..runner import run_target
+from ..capture.runner import run_target
 from .session import DIR_ENV, STEPS_ENV, CaptureSession
 
 

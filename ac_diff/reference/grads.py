@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modules import clean_fqn
+from ..capture.modules import clean_fqn
 
 FULL_LIMIT = int(os.environ.get("AC_DIFF_REFERENCE_FULL", 1 << 20))  # elements kept whole per gradient
 SAMPLE = 1 << 14

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..sourceline import user_source
+from ..capture.sourceline import user_source
 from ..capture.torch_compat import checkpointed_module
 
 MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)

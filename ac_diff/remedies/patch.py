@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint as _cp
 
-from ..modules import ModuleStack
+from ..capture.modules import ModuleStack
 from ..capture.torch_compat import checkpointed_module, sequential_segment
 from . import deterministic
 from .call import CheckpointCall

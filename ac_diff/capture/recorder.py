@@ -30,18 +30,18 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import __version__
+from .. import __version__
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
-from .model import NESTED_OUTPUT
+from ..passes import NESTED_OUTPUT
 from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
 from .sourceline import user_source
-from .capture.torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
+from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
-from .trace import TraceWriter, default_header
+from ..trace import TraceWriter, default_header
 
 
 class _OpenPass:
