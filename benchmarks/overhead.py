@@ -15,6 +15,8 @@ torchtitan's way), trained with AdamW in ONE process:
 Variants of the same training step (forward, loss, backward, optimizer step):
 
 * plain        nothing
+* floor        a bare pass-through `TorchDispatchMode` (`return func(*args, **kwargs)`) inside every region's
+               forward and recompute (checkpoint's `context_fn`): the floor of any Python op recorder
 * debug        `torch.utils.checkpoint.set_checkpoint_debug_enabled(True)` (torch's debug=True)
 * debugmode    `torch.utils._debug_mode.DebugMode()` + `DebugMode.log_tensor_hashes()` (the whole step)
 * meta         ac-diff, metadata only: `RecordOptions(fingerprints=False, keep_values=0)`
@@ -24,6 +26,12 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
                `--max-regions N` regions have been recorded (later regions are listed with their saved
                positions; their ops never reach the recorder)
+
+Two configurations, both by default (`--configs`): `large` (the sizes above: CPU kernels are slow enough
+that Python overhead hides behind them) and `launch` (`--dim 64 --seq 32 --batch 1 --expert-hidden 64`:
+kernels are tiny, the step is bound by how fast Python launches ops, as a GPU step often is). For each
+recording variant the table gives µs per recorded op: (its median step time - plain's) / the ops ac-diff
+records in one step (the same ops floor's mode sees), beside floor's.
 
 Each ac-diff variant records into a fresh trace file per step (in a temporary directory, deleted
 after each round), and the timed step includes starting and finishing the recorder (so writing the
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -68,6 +77,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import set_checkpoint_debug_enabled  # noqa: E402
 
 import ac_diff  # noqa: E402
@@ -150,6 +161,7 @@ class Variant:
         self._ctx = ctx
         self.last_trace: str | None = None
         self.last_ops = 0
+        self.model: nn.Module | None = None  # floor: the model whose checkpoint wrappers it patches
 
     def context(self, tmpdir: str, tag: str):
         return self._ctx(self, os.path.join(tmpdir, f"{self.name}-{tag}.jsonl"))
@@ -183,9 +195,34 @@ def _debugmode(variant, path):
     variant.last_ops = len(dm.operators)
 
 
-def variants(cli) -> list[Variant]:
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _floor_contexts():
+    return _PassThrough(), _PassThrough()
+
+
+@contextlib.contextmanager
+def _floor(variant, path):
+    # checkpoint_wrapper calls `self.checkpoint_fn(module, ...)`, a partial of checkpoint(): add context_fn to it
+    wrappers = [m for m in variant.model.modules() if isinstance(m, CheckpointWrapper)]
+    saved = [w.checkpoint_fn for w in wrappers]
+    for w in wrappers:
+        w.checkpoint_fn = functools.partial(w.checkpoint_fn, context_fn=_floor_contexts)
+    try:
+        yield
+    finally:
+        for w, fn in zip(wrappers, saved):
+            w.checkpoint_fn = fn
+
+
+def variants(cli, model: nn.Module) -> list[Variant]:
     fields = RecordOptions.__dataclass_fields__
-    out = [Variant("plain", _plain), Variant("debug", _debug), Variant("debugmode", _debugmode),
+    floor = Variant("floor", _floor)
+    floor.model = model
+    out = [Variant("plain", _plain), floor, Variant("debug", _debug), Variant("debugmode", _debugmode),
            Variant("meta", _recorder(RecordOptions(fingerprints=False, keep_values=0))),
            Variant("full", _recorder(RecordOptions()))]
     if "write" in fields:
@@ -193,6 +230,12 @@ def variants(cli) -> list[Variant]:
     out.append(Variant("limit0", _recorder(RecordOptions(max_regions=0))))
     wanted = cli.variants.split(",") if cli.variants else None
     return [v for v in out if wanted is None or v.name in wanted]
+
+
+# Variants that run a dispatch mode over exactly the ops of the regions: their cost per op is comparable.
+US_PER_OP = ("floor", "meta", "full", "diverged")
+# --configs launch: sizes at which the step is bound by Python launching ops, not by CPU kernels.
+CONFIGS = {"large": {}, "launch": {"dim": 64, "seq": 32, "batch": 1, "expert_hidden": 64}}
 
 
 # -- measurement ------------------------------------------------------------------------------
@@ -235,7 +278,7 @@ def _peak_rss_growth_mb(v: Variant, tmp: str, step) -> float | None:
 def bench_model(kind: str, cli, out: dict) -> None:
     model, args = build(kind, cli)
     step = make_step(model, args, cli)
-    vs = variants(cli)
+    vs = variants(cli, model)
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     cpu: dict[str, list[float]] = {v.name: [] for v in vs}
     paired: dict[str, list[float]] = {v.name: [] for v in vs}  # time / plain's time in the same round
@@ -292,6 +335,7 @@ def bench_model(kind: str, cli, out: dict) -> None:
 
     plain = statistics.median(times["plain"]) if times.get("plain") else None
     plain_cpu = statistics.median(cpu["plain"]) if cpu.get("plain") else None
+    recorded_ops = mem["full"]["ops"] if "full" in mem else None  # the ops inside regions, both passes
     rows = {}
     for v in vs:
         med = statistics.median(times[v.name])
@@ -305,6 +349,8 @@ def bench_model(kind: str, cli, out: dict) -> None:
             "min_ms": round(min(times[v.name]), 2), "max_ms": round(max(times[v.name]), 2),
             "cpu_median_ms": round(med_cpu, 2), "cpu_ratio": round(med_cpu / plain_cpu, 3) if plain_cpu else None,
             "ops": m["ops"], "trace_bytes": m["trace_bytes"],
+            "us_per_op": (round((med - plain) * 1e3 / recorded_ops, 1)
+                          if plain and recorded_ops and v.name in US_PER_OP else None),
             "trace_bytes_per_op": round(m["trace_bytes"] / m["ops"], 1) if m["trace_bytes"] and m["ops"] else None,
             "peak_rss_growth_mb": round(g, 1) if g is not None else None,
             "extra_peak_rss_mb": round(g - g0, 1) if g is not None and g0 is not None else None,
@@ -313,21 +359,25 @@ def bench_model(kind: str, cli, out: dict) -> None:
     out[kind] = rows
 
 
-def print_table(kind: str, rows: dict) -> None:
-    print(f"\n{kind}: median step time of the timed rounds and its ratio to plain's")
+def print_table(title: str, rows: dict) -> None:
+    print(f"\n{title}: median step time of the timed rounds and its ratio to plain's")
     print(f"{'variant':<10} {'median ms':>10} {'ratio':>7} {'paired':>7} {'cpu ratio':>9} {'min..max ms':>15} "
-          f"{'ops':>6} {'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
+          f"{'µs/op':>6} {'ops':>6} {'trace B/op':>10} {'+RSS MB':>8} {'py heap MB':>10}")
     for name, r in rows.items():
         bpo = f"{r['trace_bytes_per_op']:.0f}" if r["trace_bytes_per_op"] else "-"
         rss = f"{r['extra_peak_rss_mb']:+.1f}" if r["extra_peak_rss_mb"] is not None else "-"
+        upo = f"{r['us_per_op']:.1f}" if r["us_per_op"] is not None else "-"
         print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['paired_ratio']:>6.2f}x "
-              f"{r['cpu_ratio']:>8.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} {r['ops'] or '-':>6} {bpo:>10} "
-              f"{rss:>8} {r['py_peak_mb']:>10.2f}")
+              f"{r['cpu_ratio']:>8.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} {upo:>6} {r['ops'] or '-':>6} "
+              f"{bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="FILE", help='write {"model": {"variant": {"median_ms", "ratio", ...}}}')
+    p.add_argument("--json", metavar="FILE", help='write {"config": {"model": {"variant": {"median_ms", "ratio", "us_per_op", ...}}}}')
+    p.add_argument("--configs", default="large,launch",
+                   help="comma-separated: large (the sizes below), launch (" + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in CONFIGS["launch"].items()) + "); default %(default)s")
     p.add_argument("--models", default="moe,dense", help="comma-separated: moe, dense (default %(default)s)")
     p.add_argument("--variants", default="", help="comma-separated subset (default: all)")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds (default %(default)s)")
@@ -354,19 +404,26 @@ def main(argv=None) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
           f"{torch.get_num_threads()} torch threads; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
-    print(f"config: layers {cli.layers}, dim {cli.dim}, heads {cli.heads}, seq {cli.seq}, batch {cli.batch}, "
-          f"experts {cli.experts} top-{cli.top_k} (expert FFN {cli.expert_hidden}), "
-          f"{cli.warmup} warm-up + {cli.rounds} timed rounds", flush=True)
     results: dict = {}
-    for kind in cli.models.split(","):
-        bench_model(kind, cli, results)
-        print_table(kind, results[kind])
+    for config in cli.configs.split(","):
+        if config not in CONFIGS:
+            raise SystemExit(f"unknown config {config!r}: use " + " or ".join(CONFIGS))
+        sized = argparse.Namespace(**{**vars(cli), **CONFIGS[config]})
+        print(f"\nconfig {config}: layers {sized.layers}, dim {sized.dim}, heads {sized.heads}, seq {sized.seq}, "
+              f"batch {sized.batch}, experts {sized.experts} top-{sized.top_k} (expert FFN {sized.expert_hidden}), "
+              f"{sized.warmup} warm-up + {sized.rounds} timed rounds", flush=True)
+        results[config] = {}
+        for kind in cli.models.split(","):
+            bench_model(kind, sized, results[config])
+            print_table(f"{config} {kind}", results[config][kind])
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     load1 = os.getloadavg()
     print(f"\nload average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; this process used {cpu:.0f} s CPU "
           f"in {wall:.0f} s wall ({cpu / wall:.2f} cores)")
     print("paired: median over rounds of (variant / plain in the same round); cpu ratio: of median CPU times "
           "(all threads of this process: ac-diff's trace writer thread included)")
+    print("µs/op: (median - plain's median) / ops ac-diff records in one step (floor: a bare dispatch mode over "
+          "the same ops)")
     print("ops: ops recorded in one step (debugmode: ops logged); trace B/op: trace file bytes per recorded op")
     print("+RSS: growth of resident memory during one step (VmHWM after malloc_trim, tensors included; mean of "
           "two), minus plain's; py heap: tracemalloc peak of one step (Python objects only)")
