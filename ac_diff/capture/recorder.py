@@ -37,9 +37,10 @@ from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
+from ..oprules import HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_outside_update, written_inputs
+from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
-from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
+from .torch_compat import (_SAC_MODES, FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..trace import TraceWriter, default_header
 
@@ -933,26 +934,11 @@ def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
     return fps
 
 
-# Ops one pass has and the other not, without changing values (mirrors diagnosis/compare.py).
-_HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
-_REENTRANT_RECOMPUTE_ONLY_OPS = frozenset({"aten.clone.default"})
-_SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
-
-
 def _summary(record: dict) -> dict:
     """The pass record of a region whose recompute reproduced its forward (write="diverged"): counts only.
     Positions and externals go too (a counter bumped twice would otherwise look like a changed input)."""
     return {**record, "ops_written": False, "positions": [], "externals": [],
             "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ()))}
-
-
-def _is_side_effect(name: str, refs: tuple) -> bool:
-    """An in-place update of a tensor the region did not create (a tokens-per-expert counter): the
-    recompute repeats it with other values, but no activation depends on it (as diagnosis/compare.py)."""
-    parts = name.split(".")
-    packet = parts[1] if len(parts) >= 3 else name
-    return packet.endswith("_") and not packet.startswith("_") and bool(refs) and \
-        refs[0][0] in ("buffer", "param", "external")
 
 
 def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
@@ -961,9 +947,9 @@ def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
     mutated: set[tuple] = set()  # externals the pass updates in place
     for i, row in enumerate(p.ops):
         name = row[_OP]
-        if name in _HOOK_ONLY_OPS:
+        if name in HOOK_ONLY_OPS:
             continue
-        side = _is_side_effect(name, row[_REFS])
+        side = bool(row[_REFS]) and is_outside_update(name, row[_REFS][0][0])
         if side:
             mutated.add(row[_REFS][0][:2])
         if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
@@ -994,7 +980,7 @@ def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, r
                 return DIFFERENT
             side_effects = True  # a counter the forward already bumped
     if reentrant:
-        r_ops = [o for o in r_ops if o[0] not in _REENTRANT_RECOMPUTE_ONLY_OPS]
+        r_ops = [o for o in r_ops if o[0] not in REENTRANT_ONLY_OPS]
     if len(r_ops) > len(f_ops) or (len(r_ops) < len(f_ops) and not stopped_early):
         return DIFFERENT
     for a, b in zip(f_ops, r_ops):
