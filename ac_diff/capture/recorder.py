@@ -42,7 +42,8 @@ from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (_SAC_MODES, FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
-from ..trace import TraceWriter, default_header
+from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
+                     encode_ops)
 
 
 class _OpenPass:
@@ -569,7 +570,7 @@ class Recorder:
         known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
             if isinstance(a, torch.Tensor):
-                in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `_ops_record`)
+                in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
                 if hit is not None and hit[0]() is a:
                     refs.append(hit[5])
@@ -630,9 +631,9 @@ class Recorder:
                     p.nonfinite = True
         random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
             compiled_graph_draws(args[0])
-        flags = (_CACHED if cached else 0) | (_RANDOM if random else 0) | (_DERIVED if derived else 0)
+        flags = (FLAG_CACHED if cached else 0) | (FLAG_RANDOM if random else 0) | (FLAG_DERIVED if derived else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
-            flags |= _DISCRETE
+            flags |= FLAG_DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
         ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
                     flags))
@@ -901,8 +902,6 @@ def _no_dispatch_modes():
 
 # A recorded op is a row (name, module, src, in, args, refs, out, host, flags); flags are bits:
 _OP, _MODULE, _SRC, _IN, _ARGS, _REFS, _OUT, _HOST, _FLAGS = range(9)
-_CACHED, _RANDOM, _DISCRETE, _DERIVED = 1, 2, 4, 8
-OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 
 
 def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, index: int) -> int | None:
@@ -997,56 +996,11 @@ def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, r
 
 
 def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) -> dict[str, Any]:
-    """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
-
-        {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
-         "fields": ["op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals"],
-         "strings": ["aten.mm.default", "layers.0.attention.wq", "model.py:40 in forward", ...],
-         "rows": [[0, 1, 2, [[[512, 64], "f32", "cpu"]], ["$", "$"], [["op", 3, 0], ["param", "w", 1]],
-                   [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
-
-    `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
-    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete, 8 derived
-    (elementwise op of measured inputs: not fingerprinted, see `_record`); trailing empty
-    fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
-    """
+    """The pass's ops as one trace record (see trace.encode_ops), with the values it kept."""
     vals: dict[int, dict] = {}
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]
-    strings: dict[str, int] = {}
-    rows = []
-    cached = p.cached
-    for index, (name, module, src, in_meta, args, refs, out_meta, host, flags) in enumerate(ops):
-        op_id = strings.get(name)
-        if op_id is None:
-            op_id = strings[name] = len(strings)
-        module_id = None
-        if module is not None:
-            module_id = strings.get(module)
-            if module_id is None:
-                module_id = strings[module] = len(strings)
-        src_id = None
-        if src is not None:
-            src_id = strings.get(src)
-            if src_id is None:
-                src_id = strings[src] = len(strings)
-        if cached and index in cached:
-            flags |= _CACHED
-        row = [op_id, module_id, src_id, _written_metas(in_meta), args, refs, _written_metas(out_meta),
-               fps.get(index), host, flags,
-               vals.get(index)]
-        if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
-            row.pop()
-            if not flags:
-                row.pop()
-                while len(row) > 7 and row[-1] is None:
-                    row.pop()
-        rows.append(row)
-    record = {"type": "ops", "region": p.region.number, "phase": p.phase, "attempt": p.attempt, "start": 0,
-              "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
-    if p.nonfinite:
-        record["nonfinite"] = True
-    return record
+    return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
 
 
 _C = torch._C
@@ -1102,19 +1056,6 @@ def _meta(t: torch.Tensor) -> tuple:
 
 # (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
 # when the row is written (on the writer thread), which halves the per-tensor cost on the op path
-_meta_names: dict[tuple, tuple[str, str]] = {}
-
-
-def _written_metas(metas: tuple) -> list:
-    out = []
-    for size, dtype, device in metas:
-        names = _meta_names.get((dtype, device))
-        if names is None:
-            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
-        out.append((tuple(size), *names))
-    return out
-
-
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
