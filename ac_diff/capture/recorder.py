@@ -37,10 +37,11 @@ from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from ..oprules import HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_outside_update, written_inputs
+from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
+from .rows import _ARGS, _FLAGS, _HOST, _IN, _MODULE, _OP, _OUT, _REFS, _SRC
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
-from .torch_compat import (_SAC_MODES, FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
+from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops)
@@ -795,7 +796,7 @@ class Recorder:
         records (marked "ops_written": false). Conservative: anything unusual is written in full."""
         region = p.region
         writer = self._writer
-        sig = _signature(p, fps)
+        sig = signature(p, fps)
         if p.phase == FORWARD:
             if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
                 region.hold = "written"
@@ -815,7 +816,7 @@ class Recorder:
                 self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
             return
         forward = region.held[2] if region.hold == "held" else region.signature
-        verdict = DIFFERENT if failed or forward is None else _compare_signatures(
+        verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
         # side effects (a counter the recompute bumps again) are shown for the first region of each module
         clean = verdict == SAME or (verdict == SIDE_EFFECTS and region.module in self._side_effect_modules)
@@ -827,11 +828,11 @@ class Recorder:
                 self._held_bytes -= size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
-                writer.write(_summary(fwd_record))
+                writer.write(pass_summary(fwd_record))
             else:
                 self._release(region)
         if clean and region.hold == "clean":
-            writer.write(_summary(record))
+            writer.write(pass_summary(record))
             return
         if region.hold == "clean":
             writer.write({"type": "warning", "message": (
@@ -900,8 +901,6 @@ def _no_dispatch_modes():
             yield
 
 
-# A recorded op is a row (name, module, src, in, args, refs, out, host, flags); flags are bits:
-_OP, _MODULE, _SRC, _IN, _ARGS, _REFS, _OUT, _HOST, _FLAGS = range(9)
 
 
 def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, index: int) -> int | None:
@@ -931,68 +930,6 @@ def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
             fp = fps[index] = [None] * len(ops[index][_OUT])
         fp[j] = fingerprints[slot]
     return fps
-
-
-def _summary(record: dict) -> dict:
-    """The pass record of a region whose recompute reproduced its forward (write="diverged"): counts only.
-    Positions and externals go too (a counter bumped twice would otherwise look like a changed input)."""
-    return {**record, "ops_written": False, "positions": [], "externals": [],
-            "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ()))}
-
-
-def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
-    """What must be equal for a recompute to count as a reproduction of its forward (write="diverged")."""
-    ops = []
-    mutated: set[tuple] = set()  # externals the pass updates in place
-    for i, row in enumerate(p.ops):
-        name = row[_OP]
-        if name in HOOK_ONLY_OPS:
-            continue
-        side = bool(row[_REFS]) and is_outside_update(name, row[_REFS][0][0])
-        if side:
-            mutated.add(row[_REFS][0][:2])
-        if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
-            mutated.update(ref[:2] for ref in written_inputs(name, row[_ARGS], row[_REFS]) if ref[0] != "op")
-        ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
-    positions = [pos[1] for pos in p.positions]
-    externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
-    state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
-    if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
-        state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
-    return ops, positions, externals, state, mutated
-
-
-SAME, SIDE_EFFECTS, DIFFERENT = "same", "side_effects", "different"
-
-
-def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, reentrant: bool) -> str:
-    """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
-    f_ops, f_positions, f_externals, f_state, f_mutated = forward
-    r_ops, r_positions, r_externals, r_state, r_mutated = recompute
-    if f_state != r_state or f_positions != r_positions or f_externals.keys() != r_externals.keys():
-        return DIFFERENT
-    side_effects = False
-    for key, a in f_externals.items():
-        b = r_externals[key]
-        if a is not None and b is not None and a != b:
-            if key not in f_mutated:
-                return DIFFERENT
-            side_effects = True  # a counter the forward already bumped
-    if reentrant:
-        r_ops = [o for o in r_ops if o[0] not in REENTRANT_ONLY_OPS]
-    if len(r_ops) > len(f_ops) or (len(r_ops) < len(f_ops) and not stopped_early):
-        return DIFFERENT
-    for a, b in zip(f_ops, r_ops):
-        if a[:4] != b[:4] or a[5] != b[5]:
-            return DIFFERENT
-        fa, fb = a[4], b[4]
-        if fa and fb:
-            for x, y in zip(fa, fb):
-                if x is not None and y is not None and x != y:  # NaN != NaN: written, conservatively
-                    if not a[5]:
-                        return DIFFERENT
-                    side_effects = True
-    return SIDE_EFFECTS if side_effects else SAME
 
 
 def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) -> dict[str, Any]:
