@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import sys
 from math import isfinite
@@ -38,7 +37,8 @@ from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
-from .rows import _ARGS, _FLAGS, _HOST, _IN, _MODULE, _OP, _OUT, _REFS, _SRC
+from .state import global_state, rng_digest, training_mode
+from .rows import _MODULE, _OP, _OUT
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
@@ -120,7 +120,7 @@ class _Pass:
     attempt: int
     base_depth: int
     state: dict[str, Any]
-    ops: list[tuple] = field(default_factory=list)  # one row per op: see _OP .. _FLAGS
+    ops: list[tuple] = field(default_factory=list)  # one row per op: see capture/rows.py
     producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
     externals: list[dict] = field(default_factory=list)
     external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, external index)
@@ -344,7 +344,7 @@ class Recorder:
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack)
         if module is not None:
-            p.state["training"] = _training_mode(module)
+            p.state["training"] = training_mode(module)
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
@@ -561,8 +561,8 @@ class Recorder:
         ops = p.ops
         index = len(ops)
         if index == 0:  # at the first op, after torch restored the RNG and entered grad/autocast modes
-            p.state.update(self._global_state())
-            p.state["rng"] = _rng_digest()
+            p.state.update(global_state(self._mode))
+            p.state["rng"] = rng_digest()
         in_meta: list = []
         refs: list = []
         tensor_inputs: list[torch.Tensor] = []
@@ -854,37 +854,6 @@ class Recorder:
             self._writer.write(ops_record)
         self._writer.write(record)
 
-    def _global_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "grad_enabled": torch.is_grad_enabled(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "default_dtype": short_dtype(torch.get_default_dtype()),
-        }
-        with contextlib.suppress(Exception):
-            state["matmul_precision"] = torch.get_float32_matmul_precision()
-        with contextlib.suppress(Exception):  # sdpa_kernel(...) flips these process-wide flags
-            b = torch.backends.cuda
-            state["sdp_backends"] = [name for name, on in (
-                ("flash", b.flash_sdp_enabled()), ("mem_efficient", b.mem_efficient_sdp_enabled()),
-                ("math", b.math_sdp_enabled()), ("cudnn", b.cudnn_sdp_enabled())) if on]
-        for device in ("cpu", "cuda"):
-            with contextlib.suppress(Exception):
-                if torch.is_autocast_enabled(device):
-                    state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))
-        with contextlib.suppress(Exception):
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-            modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack() if m is not self._mode]
-            if modes:
-                state["dispatch_modes"] = modes
-        with contextlib.suppress(Exception):
-            from torch.overrides import _get_current_function_mode_stack
-
-            fmodes = [type(m).__name__ for m in _get_current_function_mode_stack()]
-            if fmodes:
-                state["function_modes"] = fmodes
-        return state
-
 
 try:  # private, guarded: without it the recorder's own reductions could be seen by outer modes
     from torch.utils._python_dispatch import _disable_current_modes as _disable_modes
@@ -1003,29 +972,6 @@ def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
             return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
                     f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
     return None
-
-
-def _training_mode(module: torch.nn.Module) -> str:
-    """"train", "eval", or "train except a.drop, b.bn" / "eval except ...": the modes of the region's
-    modules (`model.eval()` between the forward and backward flips what batch norm and dropout do)."""
-    with contextlib.suppress(Exception):
-        modes = [(name, m.training) for name, m in module.named_modules()]
-        root = modes[0][1]
-        others = [name for name, training in modes if training is not root]
-        text = "train" if root else "eval"
-        if others:
-            text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-        return text
-    return "?"
-
-
-def _rng_digest() -> str:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(torch.get_rng_state().numpy().tobytes())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        with contextlib.suppress(Exception):
-            h.update(torch.cuda.get_rng_state().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _exception_text(exc: BaseException) -> str:
