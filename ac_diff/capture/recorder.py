@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
@@ -37,6 +36,7 @@ from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
+from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, rng_digest, training_mode
 from .rows import _MODULE, _OP, _OUT
 from .opinfo import OpInfo, draws, op_info, short_dtype
@@ -146,39 +146,6 @@ class _Pass:
     attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
 
 
-class _RecordingMode(TorchDispatchMode):
-    """Hands every op to the recorder; never alters arguments or results."""
-
-    def __init__(self, recorder: "Recorder") -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """torch.compile'd code inside a region compiles and runs as without the recorder (compiled.py)."""
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.recorder._on_op(func, args, kwargs, out)
-        return out
-
-
-class _UnguardedRecordingMode(_RecordingMode):
-    """The same handler without the `torch._disable_dynamo` wrapper TorchDispatchMode puts around every
-    `__torch_dispatch__` (~4 us per op). Pushed only while Dynamo is not loaded (no compiled code can run,
-    so nothing can trace the handler)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # read by TorchDispatchMode.__init_subclass__: do not wrap
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.recorder._on_op(func, args, kwargs, out)
-        return out
-
-
 class Recorder:
     """Records checkpointed regions into a trace file. Use `ac_diff.record(...)` to run one."""
 
@@ -198,9 +165,9 @@ class Recorder:
         self._launched_as_rank = False
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
-        self._internal_block = _Internal(self)
-        self._guarded_mode = _RecordingMode(self)
-        self._unguarded_mode = _UnguardedRecordingMode(self)
+        self._internal_block = InternalBlock(self)
+        self._guarded_mode = RecordingMode(self)
+        self._unguarded_mode = UnguardedRecordingMode(self)
         self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
         self._ops_seen = 0
@@ -225,7 +192,7 @@ class Recorder:
             self._writer.write({"type": "warning", "message": w})
         self.modules.install()
         self.compile_watch.start()
-        route_compiled_code(_RecordingMode, _UnguardedRecordingMode)
+        route_compiled_code(RecordingMode, UnguardedRecordingMode)
         if self.options.scope == "all":
             self._stance.push()
             self._mode.__enter__()
@@ -305,7 +272,7 @@ class Recorder:
             self._local.internal = 0
             return self._local.passes
 
-    def internal(self) -> "_Internal":
+    def internal(self) -> InternalBlock:
         """Ops dispatched inside this block are torch's checkpoint machinery, not the region's.
 
         A plain object with __enter__/__exit__ (a generator context manager costs ~3 us per use, and
@@ -319,7 +286,7 @@ class Recorder:
         A selective-AC caching mode that saw a fingerprint reduction would store it and change what the
         recompute replays; a user's FlopCounter would count it.
         """
-        with self.internal(), _no_dispatch_modes():
+        with self.internal(), no_dispatch_modes():
             yield
 
     def op_count(self) -> int:
@@ -855,19 +822,10 @@ class Recorder:
         self._writer.write(record)
 
 
-try:  # private, guarded: without it the recorder's own reductions could be seen by outer modes
-    from torch.utils._python_dispatch import _disable_current_modes as _disable_modes
-except ImportError:  # pragma: no cover - older torch
-    _disable_modes = None
 
 
-@contextlib.contextmanager
-def _no_dispatch_modes():
-    if _disable_modes is None or not torch._C._len_torch_dispatch_stack():
-        yield
-    else:
-        with _disable_modes():
-            yield
+
+
 
 
 
@@ -907,49 +865,6 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]
     return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
-
-
-_C = torch._C
-_CAN_POP_MODE = all(hasattr(_C, n) for n in (
-    "_len_torch_dispatch_stack", "_get_dispatch_stack_at", "_pop_torch_dispatch_stack", "_push_on_torch_dispatch_stack"))
-
-
-class _Internal:
-    """`Recorder.internal()`: counts nesting in the recorder's thread-local state (re-entrant).
-
-    When the recording mode is the top of the dispatch stack (and only regions are recorded), it is
-    also taken off the stack for the block: torch's own detach in each recompute pack hook then costs
-    ~1 us instead of a round trip through a Python dispatch mode (~30 us, once per saved tensor)."""
-
-    __slots__ = ("_recorder",)
-
-    def __init__(self, recorder: "Recorder") -> None:
-        self._recorder = recorder
-
-    def __enter__(self) -> None:
-        recorder = self._recorder
-        local = recorder._local
-        try:
-            local.internal += 1
-        except AttributeError:
-            recorder._passes()
-            local.internal += 1
-        popped = None
-        if _CAN_POP_MODE and recorder.options.scope != "all":
-            n = _C._len_torch_dispatch_stack()
-            if n and _C._get_dispatch_stack_at(n - 1) is recorder._mode:
-                popped = _C._pop_torch_dispatch_stack(None)
-        try:
-            local.popped.append(popped)
-        except AttributeError:
-            local.popped = [popped]
-
-    def __exit__(self, *exc_info) -> None:
-        local = self._recorder._local
-        popped = local.popped.pop()
-        if popped is not None:
-            _C._push_on_torch_dispatch_stack(popped)
-        local.internal -= 1
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
