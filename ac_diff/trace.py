@@ -1,6 +1,6 @@
 """The trace file: versioned, self-describing JSON Lines (optionally gzip), streamed and flushed per pass.
 
-    {"type": "header", "format": "ac-diff-trace", "version": "1.0", "torch": "2.13.0", "rank": 0, ...}
+    {"type": "header", "format": "ac-diff-trace", "version": "1.2", "torch": "2.13.0", "rank": 0, ...}
     {"type": "region", "region": 0, "module": "layers.0", "kind": "checkpoint", "options": {...}}
     {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
      "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
