@@ -11,6 +11,11 @@ non-tensor arguments, where each input came from, a device-side value fingerprin
 (read back once per pass), host values, and, for discrete ops, their small outputs and score inputs.
 Ops outside regions are only counted. The recorder never changes what it observes: it reads
 tensors, never writes them, and consumes no randomness.
+
+Its helpers, one job each: dispatch.py (the dispatch mode, the per-op hot path), rows.py (an op's
+row), fingerprint.py (value fingerprints), modules.py and sourceline.py (naming), state.py (state
+snapshots), retention.py (what write="diverged" keeps), ac_diff/trace.py (the encoding),
+ac_diff/oprules.py (what an op name says).
 """
 
 from __future__ import annotations
