@@ -1,6 +1,6 @@
 """The trace file: versioned, self-describing JSON Lines (optionally gzip), streamed and flushed per pass.
 
-    {"type": "header", "format": "ac-diff-trace", "version": "1.0", "torch": "2.13.0", "rank": 0, ...}
+    {"type": "header", "format": "ac-diff-trace", "version": "1.2", "torch": "2.13.0", "rank": 0, ...}
     {"type": "region", "region": 0, "module": "layers.0", "kind": "checkpoint", "options": {...}}
     {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
      "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
@@ -28,6 +28,14 @@ damaged header, or one whose fields have the wrong types, raises `TraceFormatErr
 Format history (every version stays readable; tests/data keeps a file of each):
   1.0  header, region, op (one per op, later one "ops" record per pass), pass, end records
   1.1  a CRC-32 per line (`crc`); readers of 1.0 ignore it
+  1.2  record types are checked against the minor version (the lines are those of 1.1)
+
+NOTE [versions and record types]: the major version changes when a reader of the old one would
+misread the file; it is refused with advice ("upgrade ac-diff" / "re-record it"). A minor version may
+add record types. A record type this reader does not know is therefore corruption in a trace of its own
+minor version or an older one (an error), but new data in a trace of a newer minor: those records are
+skipped with one line on stderr naming both versions and saying "upgrade ac-diff". (Readers before 1.2
+skipped unknown types silently: an older ac-diff read a newer trace as empty regions.)
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import zlib
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 try:  # ~10x faster than json for the per-pass records; optional (json writes the same lines)
     import orjson
@@ -52,12 +60,13 @@ except ImportError:  # pragma: no cover - orjson is a dependency; json is the fa
     orjson = None
 
 from . import __version__
+from .capture.opinfo import short_dtype
 from .streams import STREAM_DAMAGE, open_binary
 from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
 FORMAT = "ac-diff-trace"
-VERSION = "1.1"
-MAJOR = 1
+VERSION = "1.2"
+MAJOR, MINOR = (int(x) for x in VERSION.split("."))
 
 
 class TraceFormatError(ValueError):
@@ -65,6 +74,13 @@ class TraceFormatError(ValueError):
 
 
 # -- writing ----------------------------------------------------------------------------------
+# flags of an op row (see encode_ops)
+FLAG_CACHED, FLAG_RANDOM, FLAG_DISCRETE, FLAG_DERIVED = 1, 2, 4, 8
+OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
+# every record type a trace of this version may hold
+RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end"})
+
+
 def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
@@ -123,10 +139,6 @@ class TraceWriter:
             self._queue.put((self._write_now, record))
         else:
             self._write_now(record)
-
-    def write_many(self, records: Iterable[dict[str, Any]]) -> None:
-        for record in records:
-            self.write(record)
 
     def flush(self) -> None:
         if self._queue is not None:
@@ -201,6 +213,69 @@ class TraceWriter:
                 with contextlib.suppress(Exception):
                     self._write_now({"type": "warning", "message": f"ac-diff trace writer: {type(exc).__name__}: "
                                                                    f"{exc} (a record was lost; please report)"})
+
+
+def encode_ops(region: int, phase: str, attempt: int, ops: list[tuple], fps: dict[int, list],
+               vals: dict[int, dict], cached: Any, nonfinite: bool) -> dict[str, Any]:
+    """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
+
+        {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
+         "fields": ["op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals"],
+         "strings": ["aten.mm.default", "layers.0.attention.wq", "model.py:40 in forward", ...],
+         "rows": [[0, 1, 2, [[[512, 64], "f32", "cpu"]], ["$", "$"], [["op", 3, 0], ["param", "w", 1]],
+                   [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
+
+    Each row is one recorder op tuple; `cached` holds the indices of ops selective AC served. `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
+    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete, 8 derived
+    (elementwise op of measured inputs: not fingerprinted, see recorder `_record`); trailing empty
+    fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
+    """
+    strings: dict[str, int] = {}
+    rows = []
+    for index, (name, module, src, in_meta, args, refs, out_meta, host, flags) in enumerate(ops):
+        op_id = strings.get(name)
+        if op_id is None:
+            op_id = strings[name] = len(strings)
+        module_id = None
+        if module is not None:
+            module_id = strings.get(module)
+            if module_id is None:
+                module_id = strings[module] = len(strings)
+        src_id = None
+        if src is not None:
+            src_id = strings.get(src)
+            if src_id is None:
+                src_id = strings[src] = len(strings)
+        if cached and index in cached:
+            flags |= FLAG_CACHED
+        row = [op_id, module_id, src_id, _written_metas(in_meta), args, refs, _written_metas(out_meta),
+               fps.get(index), host, flags,
+               vals.get(index)]
+        if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
+            row.pop()
+            if not flags:
+                row.pop()
+                while len(row) > 7 and row[-1] is None:
+                    row.pop()
+        rows.append(row)
+    record = {"type": "ops", "region": region, "phase": phase, "attempt": attempt, "start": 0,
+              "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
+    if nonfinite:
+        record["nonfinite"] = True
+    return record
+
+
+_meta_names: dict[tuple, tuple[str, str]] = {}
+
+
+def _written_metas(metas: tuple) -> list:
+    out = []
+    for size, dtype, device in metas:
+        names = _meta_names.get((dtype, device))
+        if names is None:
+            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
+        out.append((tuple(size), *names))
+    return out
 
 
 def _json_default(o: Any) -> Any:
@@ -317,6 +392,26 @@ _HEADER_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The trace's checked header (the first line only; the rest may still be being written).
+    Raises TraceFormatError for a file that is not a trace this version reads, OSError if unreadable."""
+    with open_binary(path) as f:
+        try:
+            line = f.readline()
+        except STREAM_DAMAGE:
+            line = b""
+    return _parse_header(line, path)
+
+
+def _version(header: dict[str, Any]) -> tuple[int, int]:
+    """(major, minor) of a header's "version"; (-1, -1) when it is not "N.M"."""
+    try:
+        major, minor = (int(x) for x in str(header.get("version", "")).split("."))
+    except ValueError:
+        return -1, -1
+    return major, minor
+
+
 def _parse_header(line: bytes, path: Any) -> dict[str, Any]:
     try:
         header = decode_line(line)
@@ -328,10 +423,7 @@ def _parse_header(line: bytes, path: Any) -> dict[str, Any]:
             "pass a trace written by `ac-diff run`, or use `ac-diff compare` for a log torch printed"
         )
     version = str(header.get("version", ""))
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        major = -1
+    major, _ = _version(header)
     if major != MAJOR:
         raise TraceFormatError(
             f"{path} is an ac-diff trace of format version {version or '?'}, this ac-diff ({__version__}) reads "
@@ -360,6 +452,8 @@ def read_run(path: str | os.PathLike) -> Run:
     opened: dict[int, int] = {}  # region -> line of its region record
     last_pass: dict[int, int] = {}  # region -> line of its last recompute pass record
     named: set[int] = set()  # regions that records name
+    newer = _version(header)[1] > MINOR  # a newer minor may add record types: skip those (NOTE above)
+    skipped: dict[str, int] = {}  # unknown record type -> records skipped
     region_lines: list[int] = []  # lines of region, op(s) and pass records
     ended = False
     line = 1
@@ -368,7 +462,12 @@ def read_run(path: str | os.PathLike) -> Run:
         if kind in ("region", "op", "ops", "pass"):
             region_lines.append(line)
         try:
-            if kind == _DAMAGED:
+            if kind not in RECORD_TYPES and kind != _DAMAGED:
+                if newer:
+                    skipped[str(kind)] = skipped.get(str(kind), 0) + 1
+                else:  # its own version or an older one knows no such record: corrupt
+                    damage.append((line, f"a record of unknown type {kind!r} in a format {header.get('version')} trace"))
+            elif kind == _DAMAGED:
                 damage.append((line, rec.get("why", "")))
             elif kind == "op":
                 key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
@@ -406,6 +505,10 @@ def read_run(path: str | os.PathLike) -> Run:
                 run.header["end"] = rec
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
             damage.append((line, f"a {kind!r} record with fields of the wrong type"))
+    if skipped:
+        print(f"ac-diff: warning: {path} is a trace of format {header.get('version')}, this ac-diff ({__version__}) "
+              f"reads {VERSION}: skipped {sum(skipped.values())} records of types it does not know "
+              f"({', '.join(sorted(skipped))}); upgrade ac-diff (pip install -U ac-diff)", file=sys.stderr)
     for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
         region = regions.get(number)
         if region is not None and phase in PHASES:
@@ -494,11 +597,8 @@ def _op_from_json(rec: dict) -> OpRecord:
     )
 
 
-_FLAG_CACHED, _FLAG_RANDOM, _FLAG_DISCRETE, _FLAG_DERIVED = 1, 2, 4, 8
-
-
 def _ops_from_json(rec: dict) -> list[OpRecord]:
-    """A pass's ops written as one "ops" record (rows of `fields`, strings interned; see recorder._ops_record)."""
+    """A pass's ops written as one "ops" record (rows of `fields`, strings interned; see encode_ops)."""
     strings = rec.get("strings", [])
     fields = rec.get("fields", [])
     at = {name: i for i, name in enumerate(fields)}
@@ -527,9 +627,9 @@ def _ops_from_json(rec: dict) -> list[OpRecord]:
             index=start + k, op=text(row, "op") or "?", module=text(row, "module"), source=text(row, "src"),
             inputs=[_meta(x) for x in col(row, "in") or ()], out=[_meta(x) for x in col(row, "out") or ()],
             args=col(row, "args") or [], input_refs=refs, fingerprint=col(row, "fp"), host_value=col(row, "host"),
-            values=_values_from_json(col(row, "vals")), cached=bool(flags & _FLAG_CACHED),
-            random=bool(flags & _FLAG_RANDOM), discrete=bool(flags & _FLAG_DISCRETE),
-            derived=bool(flags & _FLAG_DERIVED),
+            values=_values_from_json(col(row, "vals")), cached=bool(flags & FLAG_CACHED),
+            random=bool(flags & FLAG_RANDOM), discrete=bool(flags & FLAG_DISCRETE),
+            derived=bool(flags & FLAG_DERIVED),
         ))
     return out
 

@@ -134,3 +134,67 @@ def test_nan_and_infinities_survive_the_trace(tmp_path, monkeypatch, fast_writer
         torch.utils.checkpoint.checkpoint(torch.nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True),
                                           use_reentrant=False).sum().backward()
     assert '"nonfinite"' not in (tmp_path / "u.jsonl").read_text()
+
+
+# -- unknown record types: the minor version says whether they may be skipped -------------------------
+def _with_record(trace, tmp_path, version: str, record: dict) -> Path:
+    """The trace with its header's version set and `record` written (with its checksum) before the end."""
+    from ac_diff.trace import decode_line, with_crc
+
+    lines = trace.read_bytes().splitlines()
+    header = decode_line(lines[0])
+    header.pop("crc", None)
+    header["version"] = version
+    encode = lambda rec: with_crc(json.dumps(rec, separators=(",", ":")).encode())  # noqa: E731
+    out = tmp_path / f"v{version}.jsonl"
+    out.write_bytes(b"\n".join([encode(header), *lines[1:-1], encode(record), lines[-1]]) + b"\n")
+    return out
+
+
+def _minor(delta: int) -> str:
+    from ac_diff.trace import MAJOR, MINOR
+
+    return f"{MAJOR}.{MINOR + delta}"
+
+
+@pytest.mark.parametrize("delta", [0, -1], ids=["same minor", "older minor"])
+def test_unknown_record_of_a_known_minor_is_corruption(trace, tmp_path, delta, capsys):
+    path = _with_record(trace, tmp_path, _minor(delta), {"type": "hologram", "region": 0})
+    run = read_run(path)
+    assert run.damaged == 1
+    assert any("unknown type 'hologram'" in n for n in run.notes)
+    assert "upgrade ac-diff" not in capsys.readouterr().err
+
+
+def test_unknown_records_of_a_newer_minor_are_skipped_with_one_warning(trace, tmp_path, capsys):
+    path = _with_record(trace, tmp_path, _minor(1), {"type": "hologram", "region": 0})
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([*lines[:-1], lines[-2], lines[-1]]) + b"\n")  # two of them
+    run = read_run(path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "upgrade ac-diff" in err[0]
+    assert _minor(1) in err[0] and VERSION in err[0] and "skipped 2 records" in err[0]
+    assert not run.damaged and len(run.regions) == 2 and run.regions[0].forward is not None
+    proc = run_cli("report", str(path), "--format", "json", "-o", str(tmp_path / "r.json"))
+    assert proc.returncode in (0, 1) and proc.stderr.count("upgrade ac-diff") == 1, proc.stderr
+
+
+def test_newer_major_is_one_clear_error_line(trace, tmp_path):
+    from ac_diff.trace import MAJOR
+
+    path = _with_record(trace, tmp_path, f"{MAJOR + 1}.0", {"type": "hologram"})
+    with pytest.raises(TraceFormatError, match="upgrade ac-diff"):
+        read_run(path)
+    proc = run_cli("report", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "upgrade ac-diff" in proc.stderr
+
+
+def test_header_read_in_one_place(trace, tmp_path):
+    """launch_cmd reads a rank's header through trace.read_header: a file that is not a trace has none."""
+    from ac_diff.commands.launch_cmd import read_header
+
+    assert read_header(trace)["version"] == VERSION
+    other = tmp_path / "trace-rank1.jsonl"
+    other.write_text('{"hello": 1}\n')
+    assert read_header(other) is None

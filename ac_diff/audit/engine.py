@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..diagnosis.discrete import _CHOOSERS
+from ..oprules import DECISION_OUTPUT
 from ..capture.modules import ModuleStack
-from ..capture.opinfo import ASYNC_COLLECTIVE_NAMESPACES
+from ..oprules import is_collective
 from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
@@ -238,7 +238,7 @@ class Auditor:
             clean = replay.run()
             region = RegionAudit(index, name or type(module).__name__, tokens, len(clean.rows), len(clean.decisions), 0.0,
                                  clean.error)
-            region.collectives = any(r.key[0].split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES for r in clean.rows)
+            region.collectives = any(is_collective(r.key[0]) for r in clean.rows)
             if clean.error is None:
                 self._perturb(region, replay, clean)
             else:  # what the recompute itself would hit: say so, the training goes on
@@ -427,7 +427,7 @@ def _flipped_rows(clean, noisy) -> tuple[int, int]:
         return 0, 0
     m = clean.margins
     packet = packet_of(clean.key[0])
-    slot = min(_CHOOSERS.get(packet, 0), len(clean.outputs) - 1)
+    slot = min(DECISION_OUTPUT.get(packet, 0), len(clean.outputs) - 1)
     a = clean.outputs[slot]
     by_row = m is not None and m.kind == "chooser"
     rows = _rows_view(a, m.dim) if by_row else a.reshape(-1, 1)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..diagnosis.discrete import _CHOOSERS
+from ..oprules import DECISION_OUTPUT
+from ..oprules import packet as packet_of
 from .noise import ulp
 
 COMPARISONS = frozenset({"eq", "ne", "gt", "lt", "ge", "le"})
@@ -41,10 +42,6 @@ class Margins:
     dim: int | None = None  # a chooser's dimension (None: the whole tensor is one row); None elsewhere
 
 
-def packet_of(name: str) -> str:
-    return name.split(".")[1] if name.count(".") >= 2 else name
-
-
 def bind(func, args: tuple, kwargs: dict) -> dict:
     """The op's arguments by schema name ({"self": t, "k": 2, "dim": 1, ...})."""
     bound = dict(kwargs or {})
@@ -62,7 +59,7 @@ def decision_margins(name: str, func, args: tuple, kwargs: dict) -> Margins | No
     packet = packet_of(name)
     b = bind(func, args, kwargs)
     try:
-        if packet in _CHOOSERS:
+        if packet in DECISION_OUTPUT:
             return _chooser(packet, b)
         if packet in COMPARISONS:
             return _comparison(b)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..oprules import packet
+
 # Reduction ops whose rounding depends on the summation order: (index of A, index of B) in their arguments.
 MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "matmul": (0, 1)}
 
@@ -94,8 +96,7 @@ def reduction_sigma(name: str, args: tuple, out: torch.Tensor) -> tuple[torch.Te
 
     A K-term dot product rounded in another order moves by about u * sqrt(K) * |a_i * b_j|_2 (the
     rounding errors of the partial sums add like a random walk); other ops: 1 ulp of their output."""
-    packet = name.split(".")[1] if name.count(".") >= 2 else name
-    pair = MATMULS.get(packet)
+    pair = MATMULS.get(packet(name))
     if pair is not None and len(args) > max(pair):
         a, b = args[pair[0]], args[pair[1]]
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point():

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..oprules import packet
+
 _BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -57,7 +59,7 @@ def render_audit(doc: dict, console: Console) -> None:
     for s in scored:
         m = s["margins"] or {}
         shares = "/".join(_pct(m.get(k)).rstrip("%") for k in ("within_1ulp", "within_4ulp", "within_16ulp"))
-        table.add_row(s["module"], s["op"].split(".")[1], str(s["rows"]), shares,
+        table.add_row(s["module"], packet(s["op"]), str(s["rows"]), shares,
                       "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
                       sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
                       _CONSEQUENCE.get(s["consequence"], s["consequence"]))
@@ -74,7 +76,7 @@ def render_audit(doc: dict, console: Console) -> None:
                           f"{k['layers']} layers -> {k['expected_flips_per_step']:.2g} per step ({k['consequence']})"))
     if follow:
         lines.append(Text("flipped with them (fed by a decision above): "
-                          + ", ".join(f"{s['module']} {s['op'].split('.')[1]}" for s in follow)))
+                          + ", ".join(f"{s['module']} {packet(s['op'])}" for s in follow)))
     r = a["remedy"]
     if r["save_list"]:
         state = (f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "

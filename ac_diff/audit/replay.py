@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..capture.opinfo import op_info, written_arguments
+from ..capture.opinfo import op_info
+from ..oprules import written_arguments
 from ..capture.sourceline import user_source
 from .margins import Margins, decision_margins, packet_of
 from .noise import NoiseSpec, perturb, reduction_sigma

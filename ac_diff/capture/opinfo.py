@@ -6,29 +6,15 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-# Ops whose output is a discrete decision taken from values: a near-tie flips them.
-DISCRETE_OPS = frozenset({
-    "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "histc", "bincount", "nonzero",
-    "nonzero_static", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "where",
-    "kthvalue", "mode", "searchsorted", "bucketize", "masked_select", "multinomial", "_local_scalar_dense",
-    "eq", "ne", "gt", "lt", "ge", "le", "isin", "cummax", "cummin", "msort",
-})
-# `max`/`min` are discrete only in their `.dim` overload (indices), not the full reduction.
-_DISCRETE_OVERLOADS = {"max": {"dim", "dim_max"}, "min": {"dim", "dim_min"}}
-# Outputs that are uninitialised memory: their values mean nothing.
-UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
-                               "empty_permuted"})
+from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_decision, split_op
+
 
 # Not views to autograd, but their output is their input's memory reshaped.
 ALIASING_COPIES = frozenset({"_unsafe_view"})
-
-# Namespaces of distributed collectives (functional and in-place c10d ops).
-ASYNC_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"})
 
 _SHORT_DTYPES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -92,17 +78,15 @@ def op_info(func) -> OpInfo:
 
 def _compute(func) -> OpInfo:
     name = str(func)
-    packet = name.split(".")[1] if name.count(".") >= 2 else name
-    overload = name.rsplit(".", 1)[-1]
+    _, packet, _ = split_op(name)
     tags = getattr(func, "tags", ()) or ()
     is_view = bool(getattr(func, "is_view", False))
     random = torch.Tag.nondeterministic_seeded in tags if hasattr(torch, "Tag") else False
-    discrete = packet in DISCRETE_OPS and (packet not in _DISCRETE_OVERLOADS or overload in _DISCRETE_OVERLOADS[packet])
+    discrete = is_decision(name)
     # c10d collectives run asynchronously: their outputs are not written until the wait, so a
     # fingerprint taken when the op returns reads memory still being filled (garbage, different
     # every pass). The values reach the next ops after the wait; those are fingerprinted.
-    async_collective = (name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
-                        and packet not in ("wait_tensor", "_wrap_tensor_autograd"))  # these two hold the result
+    async_collective = is_collective(name) and packet not in COLLECTIVE_RESULT_OPS
     fingerprint = not is_view and packet not in UNINITIALISED_OPS and not async_collective
     schema = getattr(func, "_schema", None)
     mutates = bool(getattr(schema, "is_mutable", True))
@@ -139,78 +123,3 @@ def draws(info: OpInfo, args: tuple | list, kwargs: dict) -> bool:
         if value == 0 or value is False:
             return False
     return True
-
-
-_written: dict[str, tuple[int, ...]] = {}
-# Ops that update their running statistics (arguments 3 and 4) when `training` (argument 5) is true,
-# without saying so in their schema.
-_UNANNOTATED_STATS_UPDATES = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm",
-                                        "_batch_norm_impl_index", "batch_norm"})
-
-
-def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
-    """Positions of the arguments an op writes in place, by op name (and its recorded arguments):
-    (0,) for "aten.add_.Tensor", (3, 4) for a batch norm in training (its running statistics), from
-    the schema's `Tensor(a!)` or, for the batch norms that do not declare it, their `training` flag;
-    () for unknown ops and ops that write nothing."""
-    parts = name.split(".")
-    if len(parts) == 3 and parts[1] in _UNANNOTATED_STATS_UPDATES:
-        return (3, 4) if len(args) > 5 and args[5] is True else ()
-    hit = _written.get(name)
-    if hit is None:
-        hit = ()
-        with contextlib.suppress(Exception):  # an odd schema: nothing known
-            schema = getattr(op_by_name(name), "_schema", None)
-            if schema is not None:
-                hit = tuple(i for i, a in enumerate(schema.arguments)
-                            if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-        _written[name] = hit
-    return hit
-
-
-def op_by_name(name: str):
-    """The OpOverload named "aten.topk.default", or None (a library not loaded here, not an op name)."""
-    parts = name.split(".")
-    if len(parts) != 3:
-        return None
-    try:
-        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
-    """The tensor references (recorder refs or `InputRef`s) of the arguments op `name` writes in place:
-    the recorded arguments hold "$" for each tensor, in the order of `refs`."""
-    positions = written_arguments(name, args)
-    if not positions or not refs:
-        return []
-    out = []
-    ref = 0
-    for i, a in enumerate(args):
-        n = _tensor_count(a)
-        if i in positions and n == 1 and ref < len(refs):
-            out.append(refs[ref])
-        ref += n
-    return out
-
-
-def _tensor_count(a) -> int:
-    if isinstance(a, str):
-        return int(a == "$")
-    if isinstance(a, (list, tuple)):
-        return sum(_tensor_count(x) for x in a)
-    if isinstance(a, dict):
-        return sum(_tensor_count(x) for x in a.values())
-    return 0
-
-
-_views: dict[str, bool] = {}
-
-
-def is_view_op(name: str) -> bool:
-    """Whether the op named "aten.view.default" returns a view of its input (False for unknown ops)."""
-    hit = _views.get(name)
-    if hit is None:
-        hit = _views[name] = bool(getattr(op_by_name(name), "is_view", False))
-    return hit

@@ -11,13 +11,17 @@ non-tensor arguments, where each input came from, a device-side value fingerprin
 (read back once per pass), host values, and, for discrete ops, their small outputs and score inputs.
 Ops outside regions are only counted. The recorder never changes what it observes: it reads
 tensors, never writes them, and consumes no randomness.
+
+Its helpers, one job each: dispatch.py (the dispatch mode, the per-op hot path), rows.py (an op's
+row), fingerprint.py (value fingerprints), modules.py and sourceline.py (naming), state.py (state
+snapshots), retention.py (what write="diverged" keeps), ac_diff/trace.py (the encoding),
+ac_diff/oprules.py (what an op name says).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import sys
 from math import isfinite
@@ -28,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
@@ -37,11 +40,16 @@ from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from .gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
+from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
+from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
+from .state import global_state, rng_digest, training_mode
+from .rows import _MODULE, _OP, _OUT
+from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
-from ..trace import TraceWriter, default_header
+from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
+                     encode_ops)
 
 
 class _OpenPass:
@@ -117,7 +125,7 @@ class _Pass:
     attempt: int
     base_depth: int
     state: dict[str, Any]
-    ops: list[tuple] = field(default_factory=list)  # one row per op: see _OP .. _FLAGS
+    ops: list[tuple] = field(default_factory=list)  # one row per op: see capture/rows.py
     producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
     externals: list[dict] = field(default_factory=list)
     external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, external index)
@@ -143,39 +151,6 @@ class _Pass:
     attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
 
 
-class _RecordingMode(TorchDispatchMode):
-    """Hands every op to the recorder; never alters arguments or results."""
-
-    def __init__(self, recorder: "Recorder") -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """torch.compile'd code inside a region compiles and runs as without the recorder (compiled.py)."""
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.recorder._on_op(func, args, kwargs, out)
-        return out
-
-
-class _UnguardedRecordingMode(_RecordingMode):
-    """The same handler without the `torch._disable_dynamo` wrapper TorchDispatchMode puts around every
-    `__torch_dispatch__` (~4 us per op). Pushed only while Dynamo is not loaded (no compiled code can run,
-    so nothing can trace the handler)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # read by TorchDispatchMode.__init_subclass__: do not wrap
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.recorder._on_op(func, args, kwargs, out)
-        return out
-
-
 class Recorder:
     """Records checkpointed regions into a trace file. Use `ac_diff.record(...)` to run one."""
 
@@ -195,9 +170,9 @@ class Recorder:
         self._launched_as_rank = False
         self.hooks = CheckpointHooks(self)
         self._local = threading.local()
-        self._internal_block = _Internal(self)
-        self._guarded_mode = _RecordingMode(self)
-        self._unguarded_mode = _UnguardedRecordingMode(self)
+        self._internal_block = InternalBlock(self)
+        self._guarded_mode = RecordingMode(self)
+        self._unguarded_mode = UnguardedRecordingMode(self)
         self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
         self._ops_seen = 0
@@ -222,7 +197,7 @@ class Recorder:
             self._writer.write({"type": "warning", "message": w})
         self.modules.install()
         self.compile_watch.start()
-        route_compiled_code(_RecordingMode, _UnguardedRecordingMode)
+        route_compiled_code(RecordingMode, UnguardedRecordingMode)
         if self.options.scope == "all":
             self._stance.push()
             self._mode.__enter__()
@@ -302,7 +277,7 @@ class Recorder:
             self._local.internal = 0
             return self._local.passes
 
-    def internal(self) -> "_Internal":
+    def internal(self) -> InternalBlock:
         """Ops dispatched inside this block are torch's checkpoint machinery, not the region's.
 
         A plain object with __enter__/__exit__ (a generator context manager costs ~3 us per use, and
@@ -316,7 +291,7 @@ class Recorder:
         A selective-AC caching mode that saw a fingerprint reduction would store it and change what the
         recompute replays; a user's FlopCounter would count it.
         """
-        with self.internal(), _no_dispatch_modes():
+        with self.internal(), no_dispatch_modes():
             yield
 
     def op_count(self) -> int:
@@ -341,7 +316,7 @@ class Recorder:
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack)
         if module is not None:
-            p.state["training"] = _training_mode(module)
+            p.state["training"] = training_mode(module)
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
@@ -558,8 +533,8 @@ class Recorder:
         ops = p.ops
         index = len(ops)
         if index == 0:  # at the first op, after torch restored the RNG and entered grad/autocast modes
-            p.state.update(self._global_state())
-            p.state["rng"] = _rng_digest()
+            p.state.update(global_state(self._mode))
+            p.state["rng"] = rng_digest()
         in_meta: list = []
         refs: list = []
         tensor_inputs: list[torch.Tensor] = []
@@ -568,7 +543,7 @@ class Recorder:
         known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
             if isinstance(a, torch.Tensor):
-                in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `_ops_record`)
+                in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
                 if hit is not None and hit[0]() is a:
                     refs.append(hit[5])
@@ -629,9 +604,9 @@ class Recorder:
                     p.nonfinite = True
         random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
             compiled_graph_draws(args[0])
-        flags = (_CACHED if cached else 0) | (_RANDOM if random else 0) | (_DERIVED if derived else 0)
+        flags = (FLAG_CACHED if cached else 0) | (FLAG_RANDOM if random else 0) | (FLAG_DERIVED if derived else 0)
         if (info.discrete or name in self.options.discrete_ops) and not cached:
-            flags |= _DISCRETE
+            flags |= FLAG_DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
         ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
                     flags))
@@ -793,7 +768,7 @@ class Recorder:
         records (marked "ops_written": false). Conservative: anything unusual is written in full."""
         region = p.region
         writer = self._writer
-        sig = _signature(p, fps)
+        sig = signature(p, fps)
         if p.phase == FORWARD:
             if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
                 region.hold = "written"
@@ -813,7 +788,7 @@ class Recorder:
                 self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
             return
         forward = region.held[2] if region.hold == "held" else region.signature
-        verdict = DIFFERENT if failed or forward is None else _compare_signatures(
+        verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
         # side effects (a counter the recompute bumps again) are shown for the first region of each module
         clean = verdict == SAME or (verdict == SIDE_EFFECTS and region.module in self._side_effect_modules)
@@ -825,11 +800,11 @@ class Recorder:
                 self._held_bytes -= size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
-                writer.write(_summary(fwd_record))
+                writer.write(pass_summary(fwd_record))
             else:
                 self._release(region)
         if clean and region.hold == "clean":
-            writer.write(_summary(record))
+            writer.write(pass_summary(record))
             return
         if region.hold == "clean":
             writer.write({"type": "warning", "message": (
@@ -851,57 +826,13 @@ class Recorder:
             self._writer.write(ops_record)
         self._writer.write(record)
 
-    def _global_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "grad_enabled": torch.is_grad_enabled(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "default_dtype": short_dtype(torch.get_default_dtype()),
-        }
-        with contextlib.suppress(Exception):
-            state["matmul_precision"] = torch.get_float32_matmul_precision()
-        with contextlib.suppress(Exception):  # sdpa_kernel(...) flips these process-wide flags
-            b = torch.backends.cuda
-            state["sdp_backends"] = [name for name, on in (
-                ("flash", b.flash_sdp_enabled()), ("mem_efficient", b.mem_efficient_sdp_enabled()),
-                ("math", b.math_sdp_enabled()), ("cudnn", b.cudnn_sdp_enabled())) if on]
-        for device in ("cpu", "cuda"):
-            with contextlib.suppress(Exception):
-                if torch.is_autocast_enabled(device):
-                    state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))
-        with contextlib.suppress(Exception):
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-            modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack() if m is not self._mode]
-            if modes:
-                state["dispatch_modes"] = modes
-        with contextlib.suppress(Exception):
-            from torch.overrides import _get_current_function_mode_stack
-
-            fmodes = [type(m).__name__ for m in _get_current_function_mode_stack()]
-            if fmodes:
-                state["function_modes"] = fmodes
-        return state
 
 
-try:  # private, guarded: without it the recorder's own reductions could be seen by outer modes
-    from torch.utils._python_dispatch import _disable_current_modes as _disable_modes
-except ImportError:  # pragma: no cover - older torch
-    _disable_modes = None
 
 
-@contextlib.contextmanager
-def _no_dispatch_modes():
-    if _disable_modes is None or not torch._C._len_torch_dispatch_stack():
-        yield
-    else:
-        with _disable_modes():
-            yield
 
 
-# A recorded op is a row (name, module, src, in, args, refs, out, host, flags); flags are bits:
-_OP, _MODULE, _SRC, _IN, _ARGS, _REFS, _OUT, _HOST, _FLAGS = range(9)
-_CACHED, _RANDOM, _DISCRETE, _DERIVED = 1, 2, 4, 8
-OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
+
 
 
 def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, index: int) -> int | None:
@@ -933,177 +864,12 @@ def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
     return fps
 
 
-# Ops one pass has and the other not, without changing values (mirrors diagnosis/compare.py).
-_HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
-_REENTRANT_RECOMPUTE_ONLY_OPS = frozenset({"aten.clone.default"})
-_SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
-
-
-def _summary(record: dict) -> dict:
-    """The pass record of a region whose recompute reproduced its forward (write="diverged"): counts only.
-    Positions and externals go too (a counter bumped twice would otherwise look like a changed input)."""
-    return {**record, "ops_written": False, "positions": [], "externals": [],
-            "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ()))}
-
-
-def _is_side_effect(name: str, refs: tuple) -> bool:
-    """An in-place update of a tensor the region did not create (a tokens-per-expert counter): the
-    recompute repeats it with other values, but no activation depends on it (as diagnosis/compare.py)."""
-    parts = name.split(".")
-    packet = parts[1] if len(parts) >= 3 else name
-    return packet.endswith("_") and not packet.startswith("_") and bool(refs) and \
-        refs[0][0] in ("buffer", "param", "external")
-
-
-def _signature(p: _Pass, fps: dict[int, list]) -> tuple:
-    """What must be equal for a recompute to count as a reproduction of its forward (write="diverged")."""
-    ops = []
-    mutated: set[tuple] = set()  # externals the pass updates in place
-    for i, row in enumerate(p.ops):
-        name = row[_OP]
-        if name in _HOOK_ONLY_OPS:
-            continue
-        side = _is_side_effect(name, row[_REFS])
-        if side:
-            mutated.add(row[_REFS][0][:2])
-        if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
-            mutated.update(ref[:2] for ref in written_inputs(name, row[_ARGS], row[_REFS]) if ref[0] != "op")
-        ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
-    positions = [pos[1] for pos in p.positions]
-    externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
-    state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
-    if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
-        state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
-    return ops, positions, externals, state, mutated
-
-
-SAME, SIDE_EFFECTS, DIFFERENT = "same", "side_effects", "different"
-
-
-def _compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, reentrant: bool) -> str:
-    """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
-    f_ops, f_positions, f_externals, f_state, f_mutated = forward
-    r_ops, r_positions, r_externals, r_state, r_mutated = recompute
-    if f_state != r_state or f_positions != r_positions or f_externals.keys() != r_externals.keys():
-        return DIFFERENT
-    side_effects = False
-    for key, a in f_externals.items():
-        b = r_externals[key]
-        if a is not None and b is not None and a != b:
-            if key not in f_mutated:
-                return DIFFERENT
-            side_effects = True  # a counter the forward already bumped
-    if reentrant:
-        r_ops = [o for o in r_ops if o[0] not in _REENTRANT_RECOMPUTE_ONLY_OPS]
-    if len(r_ops) > len(f_ops) or (len(r_ops) < len(f_ops) and not stopped_early):
-        return DIFFERENT
-    for a, b in zip(f_ops, r_ops):
-        if a[:4] != b[:4] or a[5] != b[5]:
-            return DIFFERENT
-        fa, fb = a[4], b[4]
-        if fa and fb:
-            for x, y in zip(fa, fb):
-                if x is not None and y is not None and x != y:  # NaN != NaN: written, conservatively
-                    if not a[5]:
-                        return DIFFERENT
-                    side_effects = True
-    return SIDE_EFFECTS if side_effects else SAME
-
-
 def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) -> dict[str, Any]:
-    """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
-
-        {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
-         "fields": ["op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals"],
-         "strings": ["aten.mm.default", "layers.0.attention.wq", "model.py:40 in forward", ...],
-         "rows": [[0, 1, 2, [[[512, 64], "f32", "cpu"]], ["$", "$"], [["op", 3, 0], ["param", "w", 1]],
-                   [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
-
-    `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
-    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete, 8 derived
-    (elementwise op of measured inputs: not fingerprinted, see `_record`); trailing empty
-    fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
-    """
+    """The pass's ops as one trace record (see trace.encode_ops), with the values it kept."""
     vals: dict[int, dict] = {}
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]
-    strings: dict[str, int] = {}
-    rows = []
-    cached = p.cached
-    for index, (name, module, src, in_meta, args, refs, out_meta, host, flags) in enumerate(ops):
-        op_id = strings.get(name)
-        if op_id is None:
-            op_id = strings[name] = len(strings)
-        module_id = None
-        if module is not None:
-            module_id = strings.get(module)
-            if module_id is None:
-                module_id = strings[module] = len(strings)
-        src_id = None
-        if src is not None:
-            src_id = strings.get(src)
-            if src_id is None:
-                src_id = strings[src] = len(strings)
-        if cached and index in cached:
-            flags |= _CACHED
-        row = [op_id, module_id, src_id, _written_metas(in_meta), args, refs, _written_metas(out_meta),
-               fps.get(index), host, flags,
-               vals.get(index)]
-        if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
-            row.pop()
-            if not flags:
-                row.pop()
-                while len(row) > 7 and row[-1] is None:
-                    row.pop()
-        rows.append(row)
-    record = {"type": "ops", "region": p.region.number, "phase": p.phase, "attempt": p.attempt, "start": 0,
-              "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
-    if p.nonfinite:
-        record["nonfinite"] = True
-    return record
-
-
-_C = torch._C
-_CAN_POP_MODE = all(hasattr(_C, n) for n in (
-    "_len_torch_dispatch_stack", "_get_dispatch_stack_at", "_pop_torch_dispatch_stack", "_push_on_torch_dispatch_stack"))
-
-
-class _Internal:
-    """`Recorder.internal()`: counts nesting in the recorder's thread-local state (re-entrant).
-
-    When the recording mode is the top of the dispatch stack (and only regions are recorded), it is
-    also taken off the stack for the block: torch's own detach in each recompute pack hook then costs
-    ~1 us instead of a round trip through a Python dispatch mode (~30 us, once per saved tensor)."""
-
-    __slots__ = ("_recorder",)
-
-    def __init__(self, recorder: "Recorder") -> None:
-        self._recorder = recorder
-
-    def __enter__(self) -> None:
-        recorder = self._recorder
-        local = recorder._local
-        try:
-            local.internal += 1
-        except AttributeError:
-            recorder._passes()
-            local.internal += 1
-        popped = None
-        if _CAN_POP_MODE and recorder.options.scope != "all":
-            n = _C._len_torch_dispatch_stack()
-            if n and _C._get_dispatch_stack_at(n - 1) is recorder._mode:
-                popped = _C._pop_torch_dispatch_stack(None)
-        try:
-            local.popped.append(popped)
-        except AttributeError:
-            local.popped = [popped]
-
-    def __exit__(self, *exc_info) -> None:
-        local = self._recorder._local
-        popped = local.popped.pop()
-        if popped is not None:
-            _C._push_on_torch_dispatch_stack(popped)
-        local.internal -= 1
+    return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
@@ -1116,19 +882,6 @@ def _meta(t: torch.Tensor) -> tuple:
 
 # (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
 # when the row is written (on the writer thread), which halves the per-tensor cost on the op path
-_meta_names: dict[tuple, tuple[str, str]] = {}
-
-
-def _written_metas(metas: tuple) -> list:
-    out = []
-    for size, dtype, device in metas:
-        names = _meta_names.get((dtype, device))
-        if names is None:
-            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
-        out.append((tuple(size), *names))
-    return out
-
-
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
@@ -1139,29 +892,6 @@ def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
             return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
                     f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
     return None
-
-
-def _training_mode(module: torch.nn.Module) -> str:
-    """"train", "eval", or "train except a.drop, b.bn" / "eval except ...": the modes of the region's
-    modules (`model.eval()` between the forward and backward flips what batch norm and dropout do)."""
-    with contextlib.suppress(Exception):
-        modes = [(name, m.training) for name, m in module.named_modules()]
-        root = modes[0][1]
-        others = [name for name, training in modes if training is not root]
-        text = "train" if root else "eval"
-        if others:
-            text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-        return text
-    return "?"
-
-
-def _rng_digest() -> str:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(torch.get_rng_state().numpy().tobytes())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        with contextlib.suppress(Exception):
-            h.update(torch.cuda.get_rng_state().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _exception_text(exc: BaseException) -> str:

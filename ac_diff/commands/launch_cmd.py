@@ -231,13 +231,12 @@ def _trace_paths(directory: Path) -> list[Path]:
 
 
 def read_header(path: Path) -> dict | None:
-    from ..trace import open_text
+    """The trace's header, or None while it cannot be read as one (not written yet, another format)."""
+    from ..trace import read_header as read_trace_header
 
     try:
-        with open_text(path) as f:
-            header = json.loads(f.readline(1 << 20))
-        return header if isinstance(header, dict) else None
-    except (OSError, ValueError, EOFError):
+        return read_trace_header(path)
+    except (OSError, ValueError):  # TraceFormatError is a ValueError
         return None
 
 

@@ -18,6 +18,7 @@ a Python argument changed (state_mutation/python_value), an op gave other output
 
 from __future__ import annotations
 
+from ..oprules import packet
 from ..passes import OpRecord, Region
 from ..report import Cause, RegionReport
 from .attributes import attribute_cause
@@ -260,8 +261,7 @@ def _in_place_writer(region: Region, name: str) -> str | None:
         if p is None:
             continue
         for op in p.ops:
-            packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
-            if packet.endswith("_") and op.input_refs and op.input_refs[0].name == name:
+            if packet(op.op).endswith("_") and op.input_refs and op.input_refs[0].name == name:
                 return f"{op.op} at {where(op.module, op.source)} ({p.phase})"
     return None
 

@@ -19,12 +19,11 @@ from typing import Any
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
-from ..capture.opinfo import DISCRETE_OPS, is_view_op, written_inputs
+from ..oprules import (HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_in_place_method, is_view_op, packet,
+                       written_inputs)
+from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg
 
-# Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
-# saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
-HOOK_ONLY_OPS = frozenset({"aten.detach.default"})
 
 
 @dataclass(frozen=True)
@@ -76,15 +75,7 @@ class PairDiff:
 
 
 def is_discrete(op: OpRecord) -> bool:
-    if op.discrete:
-        return True
-    parts = op.op.split(".")
-    return len(parts) >= 2 and parts[1] in DISCRETE_OPS and not (parts[1] in ("max", "min") and parts[-1] == "default")
-
-
-# Copies autograd adds in a reentrant recompute only (its forward ran under no_grad, so an in-place op
-# on a tensor needed for backward was not guarded by a clone there).
-REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
+    return op.discrete or is_decision(op.op)
 
 
 # record_function scopes of framework hooks that run in one pass only: FSDP2 gathers parameters in the
@@ -273,7 +264,7 @@ def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Toleran
 
 
 def written_refs(op: OpRecord) -> list[InputRef]:
-    """The inputs `op` writes in place (see `opinfo.written_inputs`)."""
+    """The inputs `op` writes in place (see `oprules.written_inputs`)."""
     return written_inputs(op.op, op.args, op.input_refs)
 
 
@@ -306,24 +297,17 @@ def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict
                 read_elsewhere.add(key)
                 if first and r.kind == "op":
                     read_updates.add(r.op_index)
-            if written and op.input_refs and op.input_refs[0].kind != "op" and _returns_first_input(op):
+            if written and op.input_refs and op.input_refs[0].kind != "op" and is_in_place_method(op.op):
                 updated_by[op.index] = _external_key(op.input_refs[0].kind, op.input_refs[0].name)
     updated = {key: op for key, op in writer.items()
                if ext_status.get(key) and key in rewritten and key not in read_elsewhere}
     return updated, read_updates
 
 
-def _returns_first_input(op: OpRecord) -> bool:
-    """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
-    packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
-    return packet.endswith("_") and not packet.startswith("_")
-
-
 def is_outside_update(op: OpRecord | None) -> bool:
     """An in-place op on a tensor the region did not create: state updated as a side effect
     (a tokens-per-expert counter). The recompute repeats it, but no saved activation depends on it."""
-    return (op is not None and bool(op.input_refs) and op.input_refs[0].kind in ("buffer", "param", "external")
-            and _returns_first_input(op))
+    return op is not None and bool(op.input_refs) and _is_outside_update(op.op, op.input_refs[0].kind)
 
 
 def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[int, frozenset[str]]:
@@ -410,7 +394,7 @@ def first_size_change_by_occurrence(f_ops: list[OpRecord], r_ops: list[OpRecord]
     found = None
     for op in f_ops:
         lists = _int_lists(op.args)
-        if not lists or op.op.split(".")[1 if op.op.count(".") >= 2 else 0] in _SHAPE_ARG_OPS:
+        if not lists or packet(op.op) in _SHAPE_ARG_OPS:
             continue
         k = counts.get(op.op, 0)
         counts[op.op] = k + 1

@@ -14,16 +14,15 @@ elements as the list (and, when fingerprints exist, the same sum).
 from __future__ import annotations
 
 from ..passes import OpRecord
+from ..oprules import CHOOSER_OPS, packet
 from .compare import is_discrete
 
 _MAX_STEPS = 12
-# Ops that choose (which expert, which index); counting ops (histc, bincount) only pass a choice on.
-CHOOSERS = frozenset({"topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "multinomial",
-                      "nonzero", "unique", "_unique2", "unique_consecutive", "searchsorted", "bucketize", "mode"})
 
 
 def is_chooser(op: OpRecord) -> bool:
-    return is_discrete(op) and (op.op.split(".")[1] if op.op.count(".") >= 2 else op.op) in CHOOSERS
+    """A recorded decision that chooses (see oprules.CHOOSER_OPS); `discrete` as recorded or by name."""
+    return is_discrete(op) and packet(op.op) in CHOOSER_OPS
 
 
 def _int_list_args(op: OpRecord) -> list[list[int]]:

@@ -15,12 +15,10 @@ from typing import Any
 
 import torch
 
+from ..oprules import DECISION_OUTPUT, packet
 from ..passes import OpRecord
 
 # Ops that choose the k largest/smallest entries along a dim, and which output holds the choice.
-_CHOOSERS = {"topk": 1, "sort": 1, "argsort": 0, "argmax": 0, "argmin": 0, "max": 1, "min": 1, "kthvalue": 1}
-
-
 @dataclass
 class Flip:
     summary: str
@@ -46,11 +44,11 @@ def _shape(shape) -> str:
 
 
 def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
-    name = f.op.split(".")[1] if f.op.count(".") >= 2 else f.op
+    name = packet(f.op)
     if f.host_value is not None or r.host_value is not None:
         return Flip(f"the value handed to Python changed: {f.host_value!r} -> {r.host_value!r}",
                     detail={"forward": f.host_value, "recompute": r.host_value})
-    out_key = f"out{_CHOOSERS.get(name, 0)}"
+    out_key = f"out{DECISION_OUTPUT.get(name, 0)}"
     fv = (f.values or {}).get(out_key)
     rv = (r.values or {}).get(out_key)
     if fv is None or rv is None:
@@ -67,12 +65,12 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     changed, total = int(diff.sum()), diff.numel()
     flip = Flip(summary="", changed=changed, total=total)
     unit = "elements"
-    if a.dim() >= 2 and name in _CHOOSERS:
+    if a.dim() >= 2 and name in DECISION_OUTPUT:
         rows = diff.reshape(-1, a.shape[-1]).any(dim=1)
         flip.rows_changed, flip.rows = int(rows.sum()), rows.numel()
         unit = "rows"
         _margins(flip, f, r, name, rows)
-    elif a.dim() == 1 and name in _CHOOSERS:
+    elif a.dim() == 1 and name in DECISION_OUTPUT:
         flip.rows_changed, flip.rows = changed, total
         unit = "rows"
         _margins(flip, f, r, name, diff)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 
+from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_in_place_method, packet
 from ..passes import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .compare import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
@@ -354,21 +355,9 @@ _SYMMETRIC_COLLECTIVES = frozenset({
     "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out", "allgather_",
     "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_", "broadcast", "broadcast_",
 })
-_RESULT_HOLDERS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})  # pass a collective's result on
 # A value-only difference smaller than this (relative, on the fingerprint) after inputs that look identical
 # is treated as rounding noise from an upstream difference too small for the fingerprints to show.
 _NOISE = 1e-5
-
-
-def _packet(name: str) -> str:
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 2 else name
-
-
-def _collective(name: str) -> bool:
-    from ..capture.opinfo import ASYNC_COLLECTIVE_NAMESPACES
-
-    return name.split(".")[0] in ASYNC_COLLECTIVE_NAMESPACES
 
 
 def _first_disagreement(base: Region, other: Region, cmp):
@@ -376,8 +365,6 @@ def _first_disagreement(base: Region, other: Region, cmp):
     outputs are not. "Identical" is conservative: a difference never heals downstream (a fingerprint
     that happens to match proves nothing), except through a collective whose result every rank of the
     group shares by construction (all-reduce, all-gather, broadcast)."""
-    from ..capture.opinfo import UNINITIALISED_OPS
-
     changed = {(x.kind, x.name) for x, _ in cmp.changed_externals}
     other_ext = {(e.kind, e.name) for e in other.forward.externals}
     # The ranks feed this region the same data (tensor parallel, not data parallel): only then must their
@@ -402,14 +389,14 @@ def _first_disagreement(base: Region, other: Region, cmp):
                               or bad.get(ref.op_index, True))
             elif (ref.kind, ref.name) in changed or (ref.kind, ref.name) not in other_ext or ref.name != theirs.name:
                 inputs_bad = True
-        packet = _packet(f.op)
-        if _collective(f.op):
-            if packet in _RESULT_HOLDERS:
+        short = packet(f.op)
+        if is_collective(f.op):
+            if short in COLLECTIVE_RESULT_OPS:
                 bad[f.index] = differs or inputs_bad
             else:  # the same group and arguments: a symmetric collective's result is the same everywhere
-                bad[f.index] = bool(d.kinds & ARGUMENT_KINDS) or packet not in _SYMMETRIC_COLLECTIVES
+                bad[f.index] = bool(d.kinds & ARGUMENT_KINDS) or short not in _SYMMETRIC_COLLECTIVES
             continue
-        if packet in UNINITIALISED_OPS:
+        if short in UNINITIALISED_OPS:
             bad[f.index] = "shape" in d.kinds  # its values are garbage anyway: only the shape counts
             continue
         bad[f.index] = differs or inputs_bad
@@ -536,7 +523,7 @@ def _read_state(p: Pass) -> set[tuple]:
     """Parameters and buffers the pass reads as an input (not only updates in place: a counter)."""
     read: set[tuple] = set()
     for op in p.ops:
-        in_place = _packet(op.op).endswith("_") and not _packet(op.op).startswith("_")
+        in_place = is_in_place_method(op.op)
         for i, ref in enumerate(op.input_refs):
             if ref.kind in ("param", "buffer") and not (in_place and i == 0):
                 read.add((ref.kind, ref.name))

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
 
+from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
@@ -182,7 +183,7 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence, rec_to_fwd: dict[int,
     return Divergence(kind="discrete", op=op.op, module=op.module, source=op.source,
                       forward_index=indices[0], recompute_index=indices[1],
                       summary=f"the data-dependent decision behind {shape.op} (via "
-                              f"{' -> '.join(o.op.split('.')[1] for o in path[1:-1]) or 'direct'}); a log has no values: "
+                              f"{' -> '.join(packet(o.op) for o in path[1:-1]) or 'direct'}); a log has no values: "
                               "`ac-diff run` would show how many elements flipped and by what margin",
                       detail={"path": [o.op for o in path], "from_log": True,
                               "found_in": "forward" if p is fwd else "recompute"})
@@ -332,7 +333,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     Each position torch reported is matched, in order, to the next detached tensor whose recompute shape
     is the recomputed one AND whose aligned forward op made the saved shape. Used only where the forward
     has no detach of its own. How many detaches one pack logs depends on the release (found from the log)."""
-    detach = "aten.detach.default"
+    detach = DETACH
     if any(o.op == detach for o in fwd.ops):
         return {}
     f_ops = {o.index: o for o in cmp.forward_ops}
@@ -377,7 +378,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
 def _positions_by_shape(fwd: Pass, reported: dict) -> list[PositionRow]:
     """A log has no saved-tensor bookkeeping: match torch's positions, in order, to forward outputs of the
     same shape and dtype. A guess, labelled as one (origin "shape match")."""
-    outputs = [(op, meta) for op in fwd.ops if op.op not in ("aten.detach.default",) for meta in op.out]
+    outputs = [(op, meta) for op in fwd.ops if op.op not in HOOK_ONLY_OPS for meta in op.out]
     rows, cursor = [], 0
     for position, err in sorted(reported.items()):
         if err.saved is None:

@@ -10,6 +10,7 @@ torchtitan's per-op save-list wording.
 
 from __future__ import annotations
 
+from ..oprules import packet
 from ..passes import Region
 from ..report import RegionReport, Suggestion
 from .attributes import attribute_suggestion
@@ -199,9 +200,8 @@ def _feeding_matmul(region: Region, index: int | None) -> str | None:
     start = next((o for o in ops if o.index == index), None)
     if start is None:
         return None
-    for op in reversed(producer_chain(ops, start, lambda o: "mm" in o.op.split(".")[1], limit=8)[:-1]):
-        packet = op.op.split(".")[1] if op.op.count(".") >= 2 else op.op
-        if packet in ("mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm"):
+    for op in reversed(producer_chain(ops, start, lambda o: "mm" in packet(o.op), limit=8)[:-1]):
+        if packet(op.op) in ("mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm"):
             return op.op
     return None
 

@@ -1,0 +1,73 @@
+"""State snapshots: what a pass records about the process around it, to compare forward with recompute.
+
+    global_state(mode) -> {"grad_enabled": True, "deterministic": False, "default_dtype": "f32",
+                           "matmul_precision": "highest", "sdp_backends": ["flash", "math"], ...}
+    training_mode(module) -> "train" | "eval" | "train except a.drop, b.bn"
+    rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+
+from .opinfo import short_dtype
+
+
+def global_state(own_mode: Any) -> dict[str, Any]:
+    """Process-wide settings that change what ops compute (the recorder's own dispatch mode left out)."""
+    state: dict[str, Any] = {
+        "grad_enabled": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default_dtype": short_dtype(torch.get_default_dtype()),
+    }
+    with contextlib.suppress(Exception):
+        state["matmul_precision"] = torch.get_float32_matmul_precision()
+    with contextlib.suppress(Exception):  # sdpa_kernel(...) flips these process-wide flags
+        b = torch.backends.cuda
+        state["sdp_backends"] = [name for name, on in (
+            ("flash", b.flash_sdp_enabled()), ("mem_efficient", b.mem_efficient_sdp_enabled()),
+            ("math", b.math_sdp_enabled()), ("cudnn", b.cudnn_sdp_enabled())) if on]
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):
+            if torch.is_autocast_enabled(device):
+                state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))
+    with contextlib.suppress(Exception):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack() if m is not own_mode]
+        if modes:
+            state["dispatch_modes"] = modes
+    with contextlib.suppress(Exception):
+        from torch.overrides import _get_current_function_mode_stack
+
+        fmodes = [type(m).__name__ for m in _get_current_function_mode_stack()]
+        if fmodes:
+            state["function_modes"] = fmodes
+    return state
+
+
+def training_mode(module: torch.nn.Module) -> str:
+    """"train", "eval", or "train except a.drop, b.bn" / "eval except ...": the modes of the region's
+    modules (`model.eval()` between the forward and backward flips what batch norm and dropout do)."""
+    with contextlib.suppress(Exception):
+        modes = [(name, m.training) for name, m in module.named_modules()]
+        root = modes[0][1]
+        others = [name for name, training in modes if training is not root]
+        text = "train" if root else "eval"
+        if others:
+            text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        return text
+    return "?"
+
+
+def rng_digest() -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        with contextlib.suppress(Exception):
+            h.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return h.hexdigest()

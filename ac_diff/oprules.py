@@ -1,0 +1,183 @@
+"""What an op name says about the op: the rules capture, the log parser and diagnosis share, defined once.
+
+    split_op("aten.max.dim")             -> ("aten", "max", "dim")
+    packet("aten.topk.default")          -> "topk"
+    is_decision("aten.max.dim")          -> True   (picks indices)
+    is_decision("aten.max.other")        -> False  (elementwise maximum: no choice)
+    packet(name) in CHOOSER_OPS          topk chooses; histc is a decision too, but only counts
+    is_in_place_method("aten.add_.Tensor") -> True
+    is_outside_update("aten.add_.Tensor", "buffer") -> True  (a counter bumped in place)
+    HOOK_ONLY_OPS, REENTRANT_ONLY_OPS    ops one pass has and the other not, values unchanged
+
+    written_arguments("aten.add_.Tensor") -> (0,)   (from the schema; batch norms by their `training` flag)
+    written_inputs(name, args, refs)     the references of the arguments an op writes in place
+    is_view_op("aten.view.default")      -> True
+
+Works on names alone (recorded or parsed from a log); torch is asked only for a named op's schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def split_op(name: str) -> tuple[str, str, str]:
+    """("aten", "topk", "default") for "aten.topk.default"; a name without dots is its own packet:
+    ("", name, "")."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return "", name, ""
+    return parts[0], parts[1], parts[-1] if len(parts) >= 3 else ""
+
+
+def packet(name: str) -> str:
+    """The op without namespace and overload: "aten.topk.default" -> "topk"."""
+    return split_op(name)[1]
+
+
+def namespace(name: str) -> str:
+    return split_op(name)[0]
+
+
+# Ops whose output is a discrete decision taken from values: a near-tie flips them.
+DECISION_OPS = frozenset({
+    "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "histc", "bincount", "nonzero",
+    "nonzero_static", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "where",
+    "kthvalue", "mode", "searchsorted", "bucketize", "masked_select", "multinomial", "_local_scalar_dense",
+    "eq", "ne", "gt", "lt", "ge", "le", "isin", "cummax", "cummin", "msort",
+})
+# `max`/`min` decide only in the overloads that return indices (`.dim`, `.dim_max`): the full reduction
+# (`.default`) returns a value and the elementwise one (`.other`, like `maximum`) picks nothing.
+_DECIDING_OVERLOADS = {"max": frozenset({"dim", "dim_max", "names_dim", "names_dim_max"}),
+                       "min": frozenset({"dim", "dim_min", "names_dim", "names_dim_min"})}
+
+
+def is_decision(name: str) -> bool:
+    """An op that picks indices or entries from values (topk, sort, argmax, max.dim, comparisons...)."""
+    _, op, overload = split_op(name)
+    if op not in DECISION_OPS:
+        return False
+    overloads = _DECIDING_OVERLOADS.get(op)
+    return overloads is None or overload in overloads
+
+
+# Decisions that choose (which expert, which index); counting ops (histc, bincount) only pass a choice on.
+CHOOSER_OPS = frozenset({"topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "multinomial",
+                         "nonzero", "unique", "_unique2", "unique_consecutive", "searchsorted", "bucketize", "mode"})
+# Choosers whose decision is one of their outputs: which one (topk's indices are output 1, argmax's output 0).
+DECISION_OUTPUT = {"topk": 1, "sort": 1, "argsort": 0, "argmax": 0, "argmin": 0, "max": 1, "min": 1, "kthvalue": 1}
+
+
+# Namespaces of distributed collectives (functional and in-place c10d ops).
+ASYNC_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"})
+# Ops of those namespaces that hold a collective's finished result (after the wait).
+COLLECTIVE_RESULT_OPS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+
+
+def is_collective(name: str) -> bool:
+    return namespace(name) in ASYNC_COLLECTIVE_NAMESPACES
+
+
+# Outputs that are uninitialised memory: their values mean nothing.
+UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                               "empty_permuted"})
+
+# Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
+# saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
+DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor
+HOOK_ONLY_OPS = frozenset({DETACH})
+# Copies autograd adds in a reentrant recompute only (its forward ran under no_grad, so an in-place op
+# on a tensor needed for backward was not guarded by a clone there).
+REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
+
+# Kinds of tensor reference that name state the region did not create.
+OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
+
+
+def is_in_place_method(name: str) -> bool:
+    """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
+    op = packet(name)
+    return op.endswith("_") and not op.startswith("_")
+
+
+def is_outside_update(name: str, first_input_kind: str | None) -> bool:
+    """An in-place op on a tensor the region did not create (its first input is a buffer, parameter or
+    external): state updated as a side effect (a tokens-per-expert counter). The recompute repeats it,
+    but no saved activation depends on it."""
+    return first_input_kind in OUTSIDE_KINDS and is_in_place_method(name)
+
+
+_written: dict[str, tuple[int, ...]] = {}
+# Ops that update their running statistics (arguments 3 and 4) when `training` (argument 5) is true,
+# without saying so in their schema.
+_UNANNOTATED_STATS_UPDATES = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm",
+                                        "_batch_norm_impl_index", "batch_norm"})
+
+
+def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place, by op name (and its recorded arguments):
+    (0,) for "aten.add_.Tensor", (3, 4) for a batch norm in training (its running statistics), from
+    the schema's `Tensor(a!)` or, for the batch norms that do not declare it, their `training` flag;
+    () for unknown ops and ops that write nothing."""
+    if name.count(".") == 2 and packet(name) in _UNANNOTATED_STATS_UPDATES:
+        return (3, 4) if len(args) > 5 and args[5] is True else ()
+    hit = _written.get(name)
+    if hit is None:
+        hit = ()
+        with contextlib.suppress(Exception):  # an odd schema: nothing known
+            schema = getattr(op_by_name(name), "_schema", None)
+            if schema is not None:
+                hit = tuple(i for i, a in enumerate(schema.arguments)
+                            if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        _written[name] = hit
+    return hit
+
+
+def op_by_name(name: str):
+    """The OpOverload named "aten.topk.default", or None (a library not loaded here, not an op name)."""
+    import torch  # only for the schema of an op known by name (in-place writes, views)
+
+    if name.count(".") != 2:
+        return None
+    ns, op, overload = split_op(name)
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
+    """The tensor references (recorder refs or `InputRef`s) of the arguments op `name` writes in place:
+    the recorded arguments hold "$" for each tensor, in the order of `refs`."""
+    positions = written_arguments(name, args)
+    if not positions or not refs:
+        return []
+    out = []
+    ref = 0
+    for i, a in enumerate(args):
+        n = _tensor_count(a)
+        if i in positions and n == 1 and ref < len(refs):
+            out.append(refs[ref])
+        ref += n
+    return out
+
+
+def _tensor_count(a) -> int:
+    if isinstance(a, str):
+        return int(a == "$")
+    if isinstance(a, (list, tuple)):
+        return sum(_tensor_count(x) for x in a)
+    if isinstance(a, dict):
+        return sum(_tensor_count(x) for x in a.values())
+    return 0
+
+
+_views: dict[str, bool] = {}
+
+
+def is_view_op(name: str) -> bool:
+    """Whether the op named "aten.view.default" returns a view of its input (False for unknown ops)."""
+    hit = _views.get(name)
+    if hit is None:
+        hit = _views[name] = bool(getattr(op_by_name(name), "is_view", False))
+    return hit
