@@ -35,7 +35,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
-from .gc_hold import YoungGenerationHold
+from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .opinfo import OpInfo, draws, op_info, short_dtype, written_inputs
 from .sourceline import user_source
