@@ -40,15 +40,15 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
-    if region.options.get("damaged"):
+    if region.damaged:
         report.status = DAMAGED
-        report.notes.append(f"not diagnosed: {region.options['damaged']}")
+        report.notes.append(f"not diagnosed: {region.damaged}")
         return report
-    if region.options.get("recorded") is False:
+    if not region.recorded:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report
     if fwd is None or rec is None:
-        inside = region.options.get("parent_phase") == "recompute" and region.parent is not None
+        inside = region.parent_phase == "recompute" and region.parent is not None
         if fwd is None:
             _unchecked(report, "forward not recorded", "the original forward was not recorded")
         elif inside:

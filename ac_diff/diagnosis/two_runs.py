@@ -83,11 +83,10 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     )
     if b.region != a.region or b.rank != a.rank:
         report.notes.append(f"run A rank {a.rank} region {a.region} | run B rank {b.rank} region {b.region}")
-    if a.forward is None or b.forward is None or a.options.get("recorded") is False \
-            or b.options.get("recorded") is False:
+    if a.forward is None or b.forward is None or not a.recorded or not b.recorded:
         report.status = UNCHECKED
         report.notes.append("the forward of this region was not recorded in "
-                            + ("run A" if a.forward is None or a.options.get("recorded") is False else "run B"))
+                            + ("run A" if a.forward is None or not a.recorded else "run B"))
         return report
     cmp = compare_passes(a.forward, b.forward, settings.tolerance)
     phase = "forward"
@@ -298,27 +297,24 @@ def _headline(regions: list[RegionReport], compared: int, label_a: str, label_b:
 
 
 def _label(run: Run) -> str:
-    rank = run.header.get("rank")
-    argv = run.header.get("argv") or []
+    argv = run.argv or []
     bits = [run.path or "?"]
-    if rank is not None:
-        bits.append(f"rank {rank}")
+    if run.rank is not None:
+        bits.append(f"rank {run.rank}")
     if argv:
         bits.append("argv " + " ".join(str(a) for a in argv)[:120])
     return ", ".join(bits)
 
 
 def _describe(run: Run) -> dict:
-    h = run.header
-    return {"path": run.path, "rank": h.get("rank"), "argv": h.get("argv"), "run_id": h.get("run_id"),
-            "start_time": h.get("start_time"), "exit_status": run.exit_status, "regions": len(run.regions)}
+    return {"path": run.path, "rank": run.rank, "argv": run.argv, "run_id": run.run_id,
+            "start_time": run.start_time, "exit_status": run.exit_status, "regions": len(run.regions)}
 
 
 def _exit_notes(run: Run, letter: str) -> list[str]:
-    exc = run.header.get("exception")
-    if exc:
-        first_line = (exc.get("message") or "").strip().splitlines()[:1]
-        return [f"run {letter} ended with {exc.get('exc_type')}" + (f": {first_line[0][:160]}" if first_line else "")]
+    if run.exc_type is not None:
+        first_line = (run.exc_message or "").strip().splitlines()[:1]
+        return [f"run {letter} ended with {run.exc_type}" + (f": {first_line[0][:160]}" if first_line else "")]
     if run.truncated:
         return [f"run {letter}'s trace is truncated (the process was killed): regions after that point are missing"]
     return []

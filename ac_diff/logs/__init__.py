@@ -36,7 +36,7 @@ from ac_diff.gc_hold import collector_paused
 from ac_diff.logs.lines import MAX_LINE, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
-from ac_diff.passes import Run
+from ac_diff.passes import Run, TorchError
 from ac_diff.streams import STREAM_DAMAGE, open_binary
 
 __all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]
@@ -109,6 +109,24 @@ def parse_text(text: str) -> Run:
     if text and not text.endswith("\n"):
         text += "\n"
     return _parse_stream(io.StringIO(text), None, len(text), None)
+
+
+def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
+    """The CheckpointErrors a recorded process raised, parsed from the texts its trace kept: the
+    check_error records, else an uncaught CheckpointError / RuntimeError, else a recompute's error."""
+    messages = [(c.get("message", ""), c.get("region")) for c in check_errors]
+    if run.exc_type in ("CheckpointError", "RuntimeError") and not messages:
+        messages.append((run.exc_message or "", None))
+    for region in run.regions:
+        if region.recompute is not None and region.recompute.state.get("error") and not messages:
+            messages.append((region.recompute.state["error"], region.region))
+    found: list[TorchError] = []
+    for message, region_number in messages:
+        for err in parse_text(message).errors:
+            err.rank = int(run.rank or 0)
+            err.region = region_number
+            found.append(err)
+    return found
 
 
 def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None) -> Run:
