@@ -110,7 +110,7 @@ def _complete_rank_summaries(report: Report, runs: list[Run]) -> None:
     for run in runs:
         if run.source != "trace":
             continue
-        rank = int(run.rank or 0)
+        rank = run.rank or 0
         summary = by_rank.get(rank)
         if summary is None:
             summary = by_rank[rank] = _summary(report, rank)
@@ -133,7 +133,7 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
     for run in traces:
         rid = run.run_id
         if rid:
-            ids.setdefault(str(rid), []).append(int(run.rank or 0))
+            ids.setdefault(str(rid), []).append(run.rank or 0)
     if len(ids) > 1:
         parts = "; ".join(f"rank{'s' if len(v) > 1 else ''} {_list(sorted(v))} from run {k}" for k, v in ids.items())
         out.append(CrossRankFinding(
@@ -142,7 +142,7 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
             sorted(r for v in ids.values() for r in v), detail={"run_ids": ids}))
     seen: dict[int, int] = {}
     for run in traces:
-        rank = int(run.rank or 0)
+        rank = run.rank or 0
         seen[rank] = seen.get(rank, 0) + 1
     twice = sorted(r for r, n in seen.items() if n > 1)
     if twice:
@@ -249,7 +249,7 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
     for run in runs:
         if run.source != "trace":
             continue
-        rank = int(run.rank or 0)
+        rank = run.rank or 0
         ends[rank] = (run.exit_status, run.exit_code, run.truncated, run.end_time,
                       run.exc_type, (run.exc_message or "").strip().splitlines()[:1])
     if len(ends) < 2:

@@ -123,7 +123,7 @@ def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
     found: list[TorchError] = []
     for message, region_number in messages:
         for err in parse_text(message).errors:
-            err.rank = int(run.rank or 0)
+            err.rank = run.rank or 0
             err.region = region_number
             found.append(err)
     return found
