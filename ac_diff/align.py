@@ -76,7 +76,6 @@ Algorithm
 
 from __future__ import annotations
 
-import gc
 from array import array
 from bisect import bisect_left
 from collections import Counter, deque
@@ -85,6 +84,8 @@ from dataclasses import dataclass
 from itertools import chain, compress, count, islice, repeat
 from math import isqrt
 from operator import add, eq, mul
+
+from .gc_hold import collector_paused
 
 __all__ = ["Pair", "align", "summarize", "first_mismatch", "HOWS"]
 
@@ -873,16 +874,11 @@ def _build_pairs(F: list, R: list, H: list) -> list[Pair]:
     # Bulk construction with C-level loops: about 3x faster than calling the
     # frozen dataclass __init__ per pair.  The cyclic GC is paused meanwhile
     # (the new objects cannot form cycles) to avoid repeated gen-0 sweeps.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         out = list(map(object.__new__, repeat(Pair, len(F))))
         deque(map(_SET_FORWARD, out, F), maxlen=0)
         deque(map(_SET_RECOMPUTE, out, R), maxlen=0)
         deque(map(_SET_HOW, out, H), maxlen=0)
-    finally:
-        if was_enabled:
-            gc.enable()
     return out
 
 

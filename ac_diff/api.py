@@ -94,7 +94,7 @@ class Trace:
                     "forward_ops": op_count(r.forward), "recompute_ops": op_count(r.recompute),
                     "forward_positions": len(r.forward.positions) if r.forward else 0,
                     "recompute_positions": len(r.recompute.positions) if r.recompute else 0,
-                    "recomputes": r.options.get("recomputes", 0), "early_stop": r.options.get("early_stop"),
+                    "recomputes": r.recomputes, "early_stop": r.options.get("early_stop"),
                     "determinism_check": r.options.get("determinism_check"),
                     "preserve_rng_state": r.options.get("preserve_rng_state"), "sac": bool(r.options.get("sac")),
                 })

@@ -158,6 +158,12 @@ class Region:
     kind: str = "checkpoint"  # "checkpoint" (non-reentrant), "reentrant", "log"
     parent: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # early_stop, determinism_check, preserve_rng_state, sac
+    # what the trace says about the recording of the region
+    recorded: bool = True  # False: the recorder saw the region but recorded none of its ops
+    parent_phase: str | None = None  # the enclosing region's pass this one ran in (forward / recompute)
+    ops_written: bool = True  # False: a clean region's ops were not kept (RecordOptions(write="diverged"))
+    recomputes: int = 0  # recompute passes recorded
+    damaged: str | None = None  # why its trace lines cannot be trusted ("line 12 of the trace, ...")
     forward: Pass | None = None
     recompute: Pass | None = None
     compiled: list[str] = field(default_factory=list)  # modules run under torch.compile (invisible inside)
@@ -189,7 +195,17 @@ class Run:
 
     source: str  # "trace" or "log"
     path: str | None = None
-    header: dict[str, Any] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)  # a trace's header record, as written
+    # what the trace says about the process (None where it does not say, and for logs)
+    rank: int | None = None
+    world_size: int = 1
+    run_id: str | None = None  # the launch's id, the same in the traces of all its ranks
+    argv: list[str] | None = None
+    start_time: float | None = None
+    exc_type: str | None = None  # the uncaught exception ("CheckpointError"), None when none was raised
+    exc_message: str | None = None
+    exit_code: int | None = None  # from the end record
+    end_time: float | None = None
     regions: list[Region] = field(default_factory=list)
     errors: list[TorchError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...

@@ -25,8 +25,10 @@ STREAM_DAMAGE = (EOFError, zlib.error, gzip.BadGzipFile)
 def open_binary(path: str | os.PathLike) -> io.BufferedIOBase:
     """Open a file for reading its bytes whether it is gzip-compressed or not."""
     raw = open(path, "rb")
-    magic = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
-    return gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+    if raw.peek(2)[:2] != b"\x1f\x8b":
+        return raw
+    raw.close()
+    return gzip.open(path, "rb")  # owns its file: closing it closes the file
 
 
 def stream_damage(path: str | os.PathLike) -> str | None:

@@ -20,7 +20,7 @@ Integrity: since 1.1 every line ends with `"crc": N`, the CRC-32 of the line's b
 field (`{..., "crc": N}` -> `{...}`). A line whose checksum does not match, that does not parse, or
 that lacks the checksum in a 1.1 trace is damaged: it is skipped, counted, and every region that was
 being recorded when it was written (its region record before the line, its last recompute pass record not)
-is marked damaged (`Region.options["damaged"]`), and so is the region whose recompute ended just
+is marked damaged (`Region.damaged`), and so is the region whose recompute ended just
 before the line (a torch error or exception record is about it); so is a region named only by records
 whose region record was lost. The diagnosis reports such a region as "damaged", never as clean or diverged. A
 damaged header, or one whose fields have the wrong types, raises `TraceFormatError`.
@@ -444,8 +444,11 @@ def read_run(path: str | os.PathLike) -> Run:
     """Read one trace file into the model. Raises TraceFormatError for a file that is not one."""
     records = iter_records(path)
     header = next(records)
-    run = Run(source="trace", path=str(path), header=header)
+    run = Run(source="trace", path=str(path), header=header, rank=header.get("rank"),
+              world_size=int(header.get("world_size", 1) or 1), run_id=header.get("run_id"), argv=header.get("argv"),
+              start_time=header.get("start_time"))
     rank = int(header.get("rank", 0) or 0)
+    check_errors: list[dict] = []
     regions: dict[int, Region] = {}
     ops: dict[tuple, list[OpRecord]] = {}
     damage: list[tuple[int, str]] = []  # (line number, why)
@@ -488,21 +491,21 @@ def read_run(path: str | os.PathLike) -> Run:
                     raise TypeError("region number")
                 regions[number] = Region(
                     rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
-                    parent=rec.get("parent"), options={**rec.get("options", {}), "recorded": rec.get("recorded", True),
-                                                       "parent_phase": rec.get("parent_phase")},
+                    parent=rec.get("parent"), options=dict(rec.get("options", {})),
+                    recorded=rec.get("recorded", True) is not False, parent_phase=rec.get("parent_phase"),
                     compiled=list(rec.get("compiled", [])),
                 )
                 opened[number] = line
             elif kind == "check_error":
-                run.header.setdefault("check_errors", []).append(rec)
+                check_errors.append(rec)
             elif kind == "exception":
-                run.header["exception"] = rec
+                run.exc_type, run.exc_message = rec.get("exc_type"), rec.get("message")
             elif kind == "warning":
                 run.notes.append(str(rec.get("message", "")))
             elif kind == "end":
                 ended = True
                 run.exit_status = rec.get("status")
-                run.header["end"] = rec
+                run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
             damage.append((line, f"a {kind!r} record with fields of the wrong type"))
     if skipped:
@@ -520,6 +523,9 @@ def read_run(path: str | os.PathLike) -> Run:
     if damage:
         _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
     run.regions = sorted(regions.values(), key=lambda r: r.region)
+    from .logs import recorded_errors  # the log parser reads torch's error text (not needed to record)
+
+    run.errors = recorded_errors(run, check_errors)
     if not ended:
         run.truncated = True
         run.notes.append(f"{path} has no end record: the recorded process stopped before ac-diff could finish "
@@ -534,7 +540,7 @@ def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, 
     for number in named - regions.keys():
         if isinstance(number, int):
             regions[number] = Region(rank=rank, region=number, module=None, kind="checkpoint",
-                                     options={"damaged": "its region record is damaged"})
+                                     damaged="its region record is damaged")
     for line, why in damage:
         hit = [number for number, start in opened.items()
                if start < line and (number not in last_pass or last_pass[number] > line)]
@@ -542,8 +548,8 @@ def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, 
         if closed and not any(max(closed)[0] < other < line for other in region_lines):
             hit.append(max(closed)[1])  # right after a region's recompute: its torch error, the exception
         for number in hit:
-            regions[number].options.setdefault("damaged", f"line {line} of the trace, written while this region "
-                                                          f"was recorded or just after, is damaged ({why})")
+            regions[number].damaged = regions[number].damaged or (
+                f"line {line} of the trace, written while this region was recorded or just after, is damaged ({why})")
     lines = ", ".join(str(line) for line, _ in damage[:5]) + (" ..." if len(damage) > 5 else "")
     run.damaged = len(damage)
     run.notes.append(f"{run.path}: {len(damage)} damaged line(s) skipped (line {lines}: {damage[0][1]}); the "
@@ -567,7 +573,7 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
     if rec.get("error"):
         p.state["error"] = rec["error"]
     if rec.get("ops_written") is False:  # RecordOptions(write="diverged"): a clean region's ops were not kept
-        region.options["ops_written"] = False
+        region.ops_written = False
     p.state["n_ops"] = rec.get("n_ops", len(p.ops))
     _set_pass(region, p)
 
@@ -576,7 +582,7 @@ def _set_pass(region: Region, p: Pass) -> None:
     if p.phase == "forward":
         region.forward = p
         return
-    region.options["recomputes"] = max(region.options.get("recomputes", 0), p.attempt + 1)
+    region.recomputes = max(region.recomputes, p.attempt + 1)
     if region.recompute is None or p.attempt < region.recompute.attempt:
         # the first recompute is the one torch compares; later ones (retain_graph) are only counted
         region.recompute = p

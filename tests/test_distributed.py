@@ -277,8 +277,8 @@ def _router(score_fp, index_fp, *, k: int = 2, args=None):
 
 
 def _runs(*per_rank) -> list[Run]:
-    return [Run(source="trace", path=f"trace-rank{r}.jsonl", header={"rank": r, "world_size": len(per_rank),
-                                                                      "run_id": "x"}, regions=[reg], exit_status="ok")
+    return [Run(source="trace", path=f"trace-rank{r}.jsonl", rank=r, world_size=len(per_rank), run_id="x",
+                regions=[reg], exit_status="ok")
             for r, reg in enumerate(per_rank)]
 
 
@@ -371,7 +371,7 @@ def test_replicated_state_drift_but_not_sharded_parameters():
                   fp=[[float(rank), 1.0]])]
         return Region(rank=rank, region=number, module="layers.0", forward=_pass(ops, externals))
 
-    runs = [Run(source="trace", path=f"r{r}", header={"rank": r, "run_id": "x"}, exit_status="ok",
+    runs = [Run(source="trace", path=f"r{r}", rank=r, run_id="x", exit_status="ok",
                 regions=[region(r, 0, [1.0, 1.0], [float(r), 2.0]), region(r, 1, [1.0 + r, 1.0], [float(r), 2.0])])
             for r in (0, 1)]
     _, found = _findings(runs)
@@ -398,7 +398,7 @@ def test_rank_summaries_first_divergence_and_mixed_runs():
     report.ranks = rank_summaries(report)
     assert [(s.rank, s.verdict, s.first_region, s.cause) for s in report.ranks] == [
         (0, CLEAN, None, None), (1, DIVERGED, 1, "state_mutation"), (2, DIVERGED, 0, "rng")]
-    runs = [Run(source="trace", path=f"r{r}", header={"rank": r, "world_size": 4, "run_id": rid}, exit_status="ok")
+    runs = [Run(source="trace", path=f"r{r}", rank=r, world_size=4, run_id=rid, exit_status="ok")
             for r, rid in ((0, "a"), (1, "a"), (2, "b"))]
     lines = cross_rank_findings(runs, report)
     kinds = [f.kind for f in report.cross_rank_findings]

@@ -552,3 +552,21 @@ def test_a_log_pasted_twice_gives_two_errors_not_one_with_repeated_positions(tmp
     path.write_text(fragment + fragment)
     errors = parse_log(path).errors
     assert [[p.position for p in e.positions if p.position is not None] for e in errors] == [[49, 51], [49, 51]]
+
+
+def test_a_traces_checkpoint_error_text_is_parsed_once_when_read():
+    """The text a recorder kept (check_error records first, else the uncaught exception) becomes the Run's
+    TorchErrors with the trace's rank and the region the record names; a non-checkpoint exception adds none."""
+    from conftest import REPO
+
+    from ac_diff.logs import recorded_errors
+    from ac_diff.passes import Run
+
+    text = (REPO / "tests/data/logs/torch-2.14.1/moe_bias_update_error.log").read_text()
+    message = text.split("CheckpointError: ", 1)[1]
+    run = Run(source="trace", rank=3, exc_type="CheckpointError", exc_message=message)
+    [err] = recorded_errors(run, [])
+    assert (err.kind, err.rank, err.region, err.positions[0].position) == ("metadata_mismatch", 3, None, 35)
+    [err] = recorded_errors(run, [{"message": message, "region": 7}])
+    assert err.region == 7
+    assert recorded_errors(Run(source="trace", exc_type="ValueError", exc_message=message), []) == []

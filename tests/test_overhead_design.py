@@ -263,7 +263,7 @@ def test_write_diverged_reports_like_write_all(bias_update, tmp_path):
     if bias_update == "after_step":  # clean: the second step's regions are summaries without ops
         second_step = [r for r in diverged.regions if r.region >= 2]
         assert second_step and all(not r.forward.ops and not r.recompute.ops for r in second_step)
-        assert all(r.options.get("ops_written") is False for r in second_step)
+        assert all(r.ops_written is False for r in second_step)
         assert all(r.forward.state["n_ops"] > 0 for r in second_step)
         assert os.path.getsize(tmp_path / "diverged.jsonl") < 0.7 * os.path.getsize(tmp_path / "all.jsonl")
     else:  # the diverging region is written in full
@@ -299,7 +299,7 @@ def test_regions_past_max_regions_are_listed_without_dispatching_to_the_recorder
     with ac_diff.record(path, max_regions=1) as rec:
         Model(2)(torch.randn(8, 16, requires_grad=True)).sum().backward()
     run = read_run(path)
-    assert [r.options["recorded"] for r in run.regions] == [True, False, False]
+    assert [r.recorded for r in run.regions] == [True, False, False]
     first = run.regions[0]
     assert rec.ops_recorded == len(first.forward.ops) + len(first.recompute.ops) > 0
     assert rec.ops_outside == 0  # the recording mode was never on the stack in regions 1 and 2

@@ -29,7 +29,7 @@ def test_torch_positions_map_to_ops_with_the_saved_shape(tmp_path):
     trace = ac_diff.load(path)
     positions = trace.positions
     # the region torch checked is the one the recorder saw fail its check
-    failing = trace.runs[0].header["check_errors"][0]["region"]
+    failing = trace.runs[0].errors[0].region
     saved = positions[(positions.region == failing) & (positions.phase == "forward")].set_index("position")
     for position, shape in torch_positions.items():
         row = saved.loc[position]

@@ -88,14 +88,14 @@ def test_nested_regions_have_parents(tmp_path):
 
     torch.manual_seed(0)
     _, run = record_step(Top(), tmp_path / "t.jsonl")
-    by_module = {(r.module, r.options.get("parent_phase")): r for r in run.regions}
+    by_module = {(r.module, r.parent_phase): r for r in run.regions}
     outer = by_module[("outer", None)]
     assert outer.parent is None
     children = [r for r in run.regions if r.parent == outer.region]
     assert children, [(r.region, r.module, r.parent) for r in run.regions]
     assert all(r.module == "outer.inner" for r in children)
     # the inner region is entered again when the outer one recomputes: that instance says so
-    assert {r.options.get("parent_phase") for r in children} >= {"forward"}
+    assert {r.parent_phase for r in children} >= {"forward"}
     assert ac_diff.diagnose([run]).verdict == "clean"
 
 

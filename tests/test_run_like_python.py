@@ -98,7 +98,7 @@ def test_crashed_run_leaves_a_loadable_trace(tmp_path):
     assert proc.returncode == 1
     assert "CheckpointError" in proc.stderr
     trace = ac_diff.load(tmp_path / "out")
-    assert trace.runs[0].header["exception"]["exc_type"] == "CheckpointError"
+    assert trace.runs[0].exc_type == "CheckpointError"
     assert len(trace.regions) == 2 and (trace.regions.recompute_ops > 0).sum() == 1
 
 

@@ -89,7 +89,7 @@ def test_terminal_labels_run_a_and_b(traces, tmp_path):
 
 # -- factory-built runs --------------------------------------------------------------------------------
 def _run(path: str, regions: list[Region], rank: int = 0) -> Run:
-    return Run(source="trace", path=path, header={"rank": rank, "argv": ["train.py"]}, regions=regions,
+    return Run(source="trace", path=path, rank=rank, argv=["train.py"], regions=regions,
                exit_status="ok")
 
 

@@ -38,7 +38,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
-from .gc_hold import YoungGenerationHold
+from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
 
+from ..own_files import is_own_file
+
 
 class TargetNotFound(Exception):
     """The script file or module does not exist."""
@@ -101,29 +103,24 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
     return Outcome(exit_code, exception)
 
 
-def _own(filename: str, here: str) -> bool:
-    return filename.startswith(here) and not filename.startswith(os.path.join(here, "_examples") + os.sep)
-
-
 def _print_script_traceback(exc: BaseException) -> None:
     """The traceback python would print: frames of ac-diff and runpy dropped from the top."""
     tb = exc.__traceback__
-    here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and (_own(tb.tb_frame.f_code.co_filename, here)
+    while tb is not None and (is_own_file(tb.tb_frame.f_code.co_filename)
                               or os.path.basename(tb.tb_frame.f_code.co_filename) == "runpy.py"
                               or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
     sys.stdout.flush()
     shown = traceback.TracebackException(type(exc), exc, tb)
-    _drop_own_frames(shown, here)
+    _drop_own_frames(shown)
     print("".join(shown.format()), end="", file=sys.stderr)
     sys.stderr.flush()
 
 
-def _drop_own_frames(te: traceback.TracebackException, here: str) -> None:
+def _drop_own_frames(te: traceback.TracebackException) -> None:
     """ac-diff's wrappers around torch internals are not part of the user's story (its bundled
     examples, installed inside the package, are)."""
     while te is not None:
         te.stack = traceback.StackSummary.from_list(
-            [f for f in te.stack if not _own(f.filename, here)])
+            [f for f in te.stack if not is_own_file(f.filename)])
         te = te.__cause__ or te.__context__

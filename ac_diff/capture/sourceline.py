@@ -12,12 +12,9 @@ import sys
 
 import torch
 
-_INTERNAL_ROOTS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
-    if getattr(m, "__file__", None)
-)
-_BUNDLED_EXAMPLES = tuple(root + "_examples" + os.sep for root in _INTERNAL_ROOTS)  # user code, shipped inside
+from ..own_files import is_own_file
+
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_MODULES = ("contextlib.py", "functools.py", "runpy.py", "threading.py")
 
 _internal_file: dict[str, bool] = {}
@@ -28,7 +25,7 @@ def _is_internal(filename: str) -> bool:
     internal = _internal_file.get(filename)
     if internal is None:
         internal = (
-            (filename.startswith(_INTERNAL_ROOTS) and not filename.startswith(_BUNDLED_EXAMPLES))
+            filename.startswith(_TORCH_ROOT) or is_own_file(filename)
             or filename.startswith("<")
             or os.path.basename(filename) in _STDLIB_MODULES
         )

@@ -36,7 +36,7 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
                 for p in (region.forward, region.recompute):
                     if p is not None:
                         link_log_ids(p)
-        run_errors = list(run.errors) + trace_errors(run)
+        run_errors = list(run.errors)
         errors.extend(run_errors)
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
@@ -85,29 +85,6 @@ def _merge_log_fragments(runs: list[Run]) -> list[str]:
             kept.append(r)
         run.regions = kept
     return notes
-
-
-def trace_errors(run: Run) -> list[TorchError]:
-    """CheckpointErrors the recorded process raised, parsed from the messages the recorder kept."""
-    if run.source != "trace":
-        return []
-    from ..logs import parse_text
-
-    rank = int(run.header.get("rank", 0) or 0)
-    found: list[TorchError] = []
-    messages = [(c.get("message", ""), c.get("region")) for c in run.header.get("check_errors", [])]
-    exc = run.header.get("exception")
-    if exc and exc.get("exc_type") in ("CheckpointError", "RuntimeError") and not messages:
-        messages.append((exc.get("message", ""), None))
-    for region in run.regions:
-        if region.recompute is not None and region.recompute.state.get("error") and not messages:
-            messages.append((region.recompute.state["error"], region.region))
-    for message, region_number in messages:
-        for err in parse_text(message).errors:
-            err.rank = rank
-            err.region = region_number
-            found.append(err)
-    return found
 
 
 def _error_for(region, own: list[TorchError], pooled: list[TorchError], run: Run) -> TorchError | None:
@@ -175,13 +152,11 @@ def _through_nested_regions(reports: list) -> None:
 
 
 def _how_it_stopped(run: Run) -> str:
-    exc = run.header.get("exception") or {}
-    end = run.header.get("end") or {}
-    if run.exit_status == "exit" and exc.get("exc_type") in (None, "SystemExit"):
-        return f"exit code {end.get('exit_code')}"
-    message = (exc.get("message") or "").strip().splitlines()
+    if run.exit_status == "exit" and run.exc_type in (None, "SystemExit"):
+        return f"exit code {run.exit_code}"
+    message = (run.exc_message or "").strip().splitlines()
     first = message[0] if message else ""
-    return f"{exc.get('exc_type', run.exit_status)}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
+    return f"{run.exc_type or run.exit_status}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
                                                        if first else "")
 
 

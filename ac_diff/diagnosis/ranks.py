@@ -111,13 +111,12 @@ def _complete_rank_summaries(report: Report, runs: list[Run]) -> None:
     for run in runs:
         if run.source != "trace":
             continue
-        rank = int(run.header.get("rank", 0) or 0)
+        rank = run.rank or 0
         summary = by_rank.get(rank)
         if summary is None:
             summary = by_rank[rank] = _summary(report, rank)
-        end = run.header.get("end") or {}
         summary.exit_status = run.exit_status
-        summary.exit_code = end.get("exit_code")
+        summary.exit_code = run.exit_code
         summary.truncated = run.truncated
         summary.trace = run.path
     if len(by_rank) != len(report.ranks):
@@ -133,9 +132,9 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
     out: list[CrossRankFinding] = []
     ids: dict[str, list[int]] = {}
     for run in traces:
-        rid = run.header.get("run_id")
+        rid = run.run_id
         if rid:
-            ids.setdefault(str(rid), []).append(int(run.header.get("rank", 0) or 0))
+            ids.setdefault(str(rid), []).append(run.rank or 0)
     if len(ids) > 1:
         parts = "; ".join(f"rank{'s' if len(v) > 1 else ''} {_list(sorted(v))} from run {k}" for k, v in ids.items())
         out.append(CrossRankFinding(
@@ -144,13 +143,13 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
             sorted(r for v in ids.values() for r in v), detail={"run_ids": ids}))
     seen: dict[int, int] = {}
     for run in traces:
-        rank = int(run.header.get("rank", 0) or 0)
+        rank = run.rank or 0
         seen[rank] = seen.get(rank, 0) + 1
     twice = sorted(r for r, n in seen.items() if n > 1)
     if twice:
         out.append(CrossRankFinding("mixed_runs", f"rank{'s' if len(twice) > 1 else ''} {_list(twice)} appear in more "
                                     "than one trace: traces of different runs are mixed", twice))
-    world = max((int(r.header.get("world_size", 1) or 1) for r in traces), default=1)
+    world = max((r.world_size for r in traces), default=1)
     missing = [r for r in range(world) if r not in seen]
     if world > 1 and missing and len(ids) <= 1 and len(traces) >= 2:  # one file alone was asked for on purpose
         out.append(CrossRankFinding(
@@ -251,11 +250,9 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
     for run in runs:
         if run.source != "trace":
             continue
-        rank = int(run.header.get("rank", 0) or 0)
-        end = run.header.get("end") or {}
-        exc = run.header.get("exception") or {}
-        ends[rank] = (run.exit_status, end.get("exit_code"), run.truncated, end.get("end_time"),
-                      exc.get("exc_type"), (exc.get("message") or "").strip().splitlines()[:1])
+        rank = run.rank or 0
+        ends[rank] = (run.exit_status, run.exit_code, run.truncated, run.end_time,
+                      run.exc_type, (run.exc_message or "").strip().splitlines()[:1])
     if len(ends) < 2:
         return []
     failed = [r for r, e in ends.items() if e[0] not in (None, "ok") and e[1] != 143 and not e[2]]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
-from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
+from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair
@@ -41,15 +41,15 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
     )
-    if region.options.get("damaged"):
+    if region.damaged:
         report.status = DAMAGED
-        report.notes.append(f"not diagnosed: {region.options['damaged']}")
+        report.notes.append(f"not diagnosed: {region.damaged}")
         return report
-    if region.options.get("recorded") is False:
+    if not region.recorded:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report
     if fwd is None or rec is None:
-        inside = region.options.get("parent_phase") == "recompute" and region.parent is not None
+        inside = region.parent_phase == "recompute" and region.parent is not None
         if fwd is None:
             _unchecked(report, "forward not recorded", "the original forward was not recorded")
         elif inside:
@@ -72,17 +72,17 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         return report
     cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
-    report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
-    report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)
-    report.first_shape_divergence = _divergence("shape", cmp.first_shape(), cmp)
+    report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
+    report.first_discrete_divergence = divergence_of("discrete", cmp.first_discrete(), cmp)
+    report.first_shape_divergence = divergence_of("shape", cmp.first_shape(), cmp)
     if from_log:  # log lines can be out of order: trust size lists paired by call count over the alignment
         by_call = first_size_change_by_occurrence(cmp.forward_ops, cmp.recompute_ops)
         if by_call is not None:
             f, r = by_call
-            report.first_shape_divergence = _divergence(
+            report.first_shape_divergence = divergence_of(
                 "shape", PairDiff(Pair(f.index, r.index, "match"), f, r, kinds={"args"}), cmp)
-    report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
-    report.first_argument_divergence = _divergence("argument", cmp.first("argument"), cmp)
+    report.first_control_divergence = divergence_of("control", cmp.first("control"), cmp)
+    report.first_argument_divergence = divergence_of("argument", cmp.first("argument"), cmp)
     report.changed_inputs = [
         {"kind": f.kind, "name": f.name, "meta": str(f.meta), "forward": f.fingerprint,
          "recompute": r.fingerprint if r else None, "first_op": f.first_op}
@@ -209,7 +209,8 @@ def _count_mismatch(fwd: Pass, rec: Pass) -> str | None:
     return None
 
 
-def _divergence(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergence | None:
+def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Divergence | None:
+    """The report's entry for one differing op pair (`kind`: value, discrete, shape, control, argument)."""
     if d is None:
         return None
     op = d.forward or d.recompute
@@ -451,18 +452,3 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
         last = hi - 1
     return rows
 
-
-def producer_chain(ops: list[OpRecord], start: OpRecord, stop, limit: int = 8) -> list[OpRecord]:
-    """Follow the first tensor input of `start` back through its producers until `stop(op)` holds."""
-    by_index = {o.index: o for o in ops}
-    chain = [start]
-    current = start
-    for _ in range(limit):
-        ref = next((r for r in current.input_refs if r.kind == "op" and r.op_index in by_index), None)
-        if ref is None:
-            break
-        current = by_index[ref.op_index]
-        chain.append(current)
-        if stop(current):
-            break
-    return list(reversed(chain))

@@ -11,7 +11,7 @@ torchtitan's per-op save-list wording.
 from __future__ import annotations
 
 from ..oprules import packet
-from ..passes import Region
+from ..passes import OpRecord, Region
 from ..report import RegionReport, Suggestion
 from .attributes import attribute_suggestion
 
@@ -192,7 +192,6 @@ def _sac_save_list_text(region: Region, save: list[str]) -> str:
 
 def _feeding_matmul(region: Region, index: int | None) -> str | None:
     """The matmul whose output feeds the discrete op (the router gate), if the dataflow shows one."""
-    from .region import producer_chain
 
     if region.forward is None or index is None:
         return None
@@ -200,7 +199,7 @@ def _feeding_matmul(region: Region, index: int | None) -> str | None:
     start = next((o for o in ops if o.index == index), None)
     if start is None:
         return None
-    for op in reversed(producer_chain(ops, start, lambda o: "mm" in packet(o.op), limit=8)[:-1]):
+    for op in reversed(_producer_chain(ops, start, lambda o: "mm" in packet(o.op), limit=8)[:-1]):
         if packet(op.op) in ("mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm"):
             return op.op
     return None
@@ -226,3 +225,19 @@ def _decision_carries_the_change(report: RegionReport, region: Region, decision:
         if p.origin != "op" and p.name in changed or p.origin == "op" and p.forward_index in bypass:
             return False
     return True
+
+
+def _producer_chain(ops: list[OpRecord], start: OpRecord, stop, limit: int = 8) -> list[OpRecord]:
+    """Follow the first tensor input of `start` back through its producers until `stop(op)` holds."""
+    by_index = {o.index: o for o in ops}
+    chain = [start]
+    current = start
+    for _ in range(limit):
+        ref = next((r for r in current.input_refs if r.kind == "op" and r.op_index in by_index), None)
+        if ref is None:
+            break
+        current = by_index[ref.op_index]
+        chain.append(current)
+        if stop(current):
+            break
+    return list(reversed(chain))

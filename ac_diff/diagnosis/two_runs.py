@@ -21,7 +21,7 @@ from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
 from .compare import PassComparison, compare_passes
 from .labels import where
-from .region import Settings, _divergence, state_changes, window
+from .region import Settings, divergence_of, state_changes, window
 
 KIND = "two_runs"
 
@@ -33,10 +33,10 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
     regions: list[RegionReport] = []
     only_a: list[Region] = []
     only_b: list[Region] = []
-    for pair in align(keys_a, keys_b):
-        a = run_a.regions[pair.forward] if pair.forward is not None else None
-        b = run_b.regions[pair.recompute] if pair.recompute is not None else None
-        if a is not None and b is not None and pair.how == "match":
+    for index_a, index_b, how in _aligned(keys_a, keys_b):
+        a = run_a.regions[index_a] if index_a is not None else None
+        b = run_b.regions[index_b] if index_b is not None else None
+        if a is not None and b is not None and how == "match":
             regions.append(_compare_region(a, b, settings))
             continue
         if a is not None:
@@ -83,11 +83,10 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     )
     if b.region != a.region or b.rank != a.rank:
         report.notes.append(f"run A rank {a.rank} region {a.region} | run B rank {b.rank} region {b.region}")
-    if a.forward is None or b.forward is None or a.options.get("recorded") is False \
-            or b.options.get("recorded") is False:
+    if a.forward is None or b.forward is None or not a.recorded or not b.recorded:
         report.status = UNCHECKED
         report.notes.append("the forward of this region was not recorded in "
-                            + ("run A" if a.forward is None or a.options.get("recorded") is False else "run B"))
+                            + ("run A" if a.forward is None or not a.recorded else "run B"))
         return report
     cmp = compare_passes(a.forward, b.forward, settings.tolerance)
     phase = "forward"
@@ -101,11 +100,11 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
             report.notes.append("the forwards of the two runs are identical; their RECOMPUTES differ (shown here): "
                                 "one run's recompute diverged from its forward - `ac-diff report` on each trace says why")
     report.counts = {**_counts(cmp), "phase_" + phase: 1}
-    report.first_value_divergence = _divergence("value", cmp.first("value"), cmp)
-    report.first_discrete_divergence = _divergence("discrete", cmp.first_discrete(), cmp)
-    report.first_shape_divergence = _divergence("shape", cmp.first_shape(), cmp)
-    report.first_control_divergence = _divergence("control", cmp.first("control"), cmp)
-    report.first_argument_divergence = _divergence("argument", cmp.first("argument"), cmp)
+    report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
+    report.first_discrete_divergence = divergence_of("discrete", cmp.first_discrete(), cmp)
+    report.first_shape_divergence = divergence_of("shape", cmp.first_shape(), cmp)
+    report.first_control_divergence = divergence_of("control", cmp.first("control"), cmp)
+    report.first_argument_divergence = divergence_of("argument", cmp.first("argument"), cmp)
     for d in report.divergences():
         _relabel(d, phase)
     report.changed_inputs = [
@@ -130,6 +129,11 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
         report.notes.append("the pass did not finish in " + ("run A" if not pa.complete else "run B")
                             + " (it raised): ops after that point are not compared")
     return report
+
+
+def _aligned(keys_a: list, keys_b: list):
+    """(index in run A, index in run B, how) per step: the alignment's forward/recompute columns are the runs."""
+    return ((pair.forward, pair.recompute, pair.how) for pair in align(keys_a, keys_b))
 
 
 def _relabel(d: Divergence, phase: str) -> None:
@@ -224,7 +228,7 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
 
 def _is_random(cmp: PassComparison, d: Divergence) -> bool:
     for diff in cmp.diffs:
-        op = diff.forward
+        op = diff.forward  # run A's op
         if op is not None and op.index == d.forward_index:
             return op.random
     return False
@@ -293,27 +297,24 @@ def _headline(regions: list[RegionReport], compared: int, label_a: str, label_b:
 
 
 def _label(run: Run) -> str:
-    rank = run.header.get("rank")
-    argv = run.header.get("argv") or []
+    argv = run.argv or []
     bits = [run.path or "?"]
-    if rank is not None:
-        bits.append(f"rank {rank}")
+    if run.rank is not None:
+        bits.append(f"rank {run.rank}")
     if argv:
         bits.append("argv " + " ".join(str(a) for a in argv)[:120])
     return ", ".join(bits)
 
 
 def _describe(run: Run) -> dict:
-    h = run.header
-    return {"path": run.path, "rank": h.get("rank"), "argv": h.get("argv"), "run_id": h.get("run_id"),
-            "start_time": h.get("start_time"), "exit_status": run.exit_status, "regions": len(run.regions)}
+    return {"path": run.path, "rank": run.rank, "argv": run.argv, "run_id": run.run_id,
+            "start_time": run.start_time, "exit_status": run.exit_status, "regions": len(run.regions)}
 
 
 def _exit_notes(run: Run, letter: str) -> list[str]:
-    exc = run.header.get("exception")
-    if exc:
-        first_line = (exc.get("message") or "").strip().splitlines()[:1]
-        return [f"run {letter} ended with {exc.get('exc_type')}" + (f": {first_line[0][:160]}" if first_line else "")]
+    if run.exc_type is not None:
+        first_line = (run.exc_message or "").strip().splitlines()[:1]
+        return [f"run {letter} ended with {run.exc_type}" + (f": {first_line[0][:160]}" if first_line else "")]
     if run.truncated:
         return [f"run {letter}'s trace is truncated (the process was killed): regions after that point are missing"]
     return []

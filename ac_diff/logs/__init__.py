@@ -26,18 +26,18 @@ Modules, one job each:
 from __future__ import annotations
 
 import contextlib
-import gc
 import gzip
 import io
 import os
 from collections.abc import Callable
 from typing import IO, Union
 
+from ac_diff.gc_hold import collector_paused
 from ac_diff.logs.lines import MAX_LINE, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
-from ac_diff.passes import Run
-from ac_diff.streams import STREAM_DAMAGE
+from ac_diff.passes import Run, TorchError
+from ac_diff.streams import STREAM_DAMAGE, open_binary
 
 __all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]
 
@@ -89,14 +89,11 @@ def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None 
 def _open_log(path: str):
     """(binary stream, size or None) of a log as saved: plain, gzip-compressed (`.log.gz`), or UTF-16
     with a byte-order mark (what PowerShell's `>` writes), the latter two as UTF-8 bytes."""
-    with open(path, "rb") as f:
-        magic = f.read(2)
-        f.seek(0)
-        if magic == b"\x1f\x8b":
-            with gzip.open(f, "rb") as unzipped:
-                yield unzipped, None
+    with open_binary(path) as f:
+        if isinstance(f, gzip.GzipFile):
+            yield f, None
             return
-        if magic in (b"\xff\xfe", b"\xfe\xff"):
+        if f.peek(2)[:2] in (b"\xff\xfe", b"\xfe\xff"):
             data = f.read().decode("utf-16", errors="replace").encode("utf-8")
             yield io.BytesIO(data), len(data)
             return
@@ -114,20 +111,33 @@ def parse_text(text: str) -> Run:
     return _parse_stream(io.StringIO(text), None, len(text), None)
 
 
+def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
+    """The CheckpointErrors a recorded process raised, parsed from the texts its trace kept: the
+    check_error records, else an uncaught CheckpointError / RuntimeError, else a recompute's error."""
+    messages = [(c.get("message", ""), c.get("region")) for c in check_errors]
+    if run.exc_type in ("CheckpointError", "RuntimeError") and not messages:
+        messages.append((run.exc_message or "", None))
+    for region in run.regions:
+        if region.recompute is not None and region.recompute.state.get("error") and not messages:
+            messages.append((region.recompute.state["error"], region.region))
+    found: list[TorchError] = []
+    for message, region_number in messages:
+        for err in parse_text(message).errors:
+            err.rank = run.rank or 0
+            err.region = region_number
+            found.append(err)
+    return found
+
+
 def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None) -> Run:
     # The parser makes no reference cycles, so the cyclic collector has nothing to find; with torch
     # loaded it would rescan ~200k old objects again and again while the ops pile up (5-10x slower).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         parser = LogParser(path)
         for line, ended in iter_lines(stream, parser.read_stats, total=total, progress=progress,
                                       max_line=MAX_LINE):
             parser.feed(line, ended)
         return parser.finish()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def looks_like_log(path: Union[str, os.PathLike]) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.sourceline import user_source
+from ..own_files import is_own_file
 from ..capture.torch_compat import checkpointed_module
 
 MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)
@@ -50,8 +51,6 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_EXAMPLES = _OWN_ROOT + "_examples" + os.sep
 
 
 def _from_ac_diff() -> bool:
@@ -63,8 +62,7 @@ def _from_ac_diff() -> bool:
         frame = frame.f_back
     if frame is None:
         return False
-    name = frame.f_code.co_filename
-    return name.startswith(_OWN_ROOT) and not name.startswith(_EXAMPLES)
+    return is_own_file(frame.f_code.co_filename)
 
 
 class _Made(TorchDispatchMode):
