@@ -12,8 +12,9 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from . import __version__
-from .commands.common import EXIT_INTERNAL, fail
+from ._version import __version__
+from .commands.common import fail
+from .errors import EXIT_INTERNAL, AcDiffError, InputError
 from .streams import describe_os_error
 
 app = typer.Typer(
@@ -55,12 +56,6 @@ def _complete_formats(incomplete: str) -> list[str]:
     return [f for f in FORMATS if f.startswith(incomplete)]
 
 
-def _settings(rtol: float, atol: float):
-    from .diagnosis import Settings, Tolerance
-
-    return Settings(tolerance=Tolerance(rtol=rtol, atol=atol))
-
-
 def _config(ctx: typer.Context, path: Optional[str]):
     """The settings: --config of the command, else of ac-diff, else ./ac-diff.yaml, else the defaults."""
     from .config import load_config
@@ -78,8 +73,6 @@ def _report_file(fmt: str, output: Optional[str], output_dir: Optional[str] = No
     if output_dir:
         return os.path.join(output_dir, "report.html")
     if sys.stdout.isatty():
-        from .api import InputError
-
         raise InputError("an HTML report goes to a file: pass -o report.html (or redirect stdout)")
     return output
 
@@ -335,13 +328,6 @@ def export(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: never lets a traceback of ac-diff's own escape; one line on stderr instead."""
-    from .api import InputError
-    from .audit.extrapolate import ScaleError
-    from .audit.noise import NoiseError
-    from .config import ConfigError
-    from .capture.runner import TargetNotFound
-    from .trace import TraceFormatError
-
     try:
         # without standalone mode click hands typer.Exit's code back as the return value
         code = app(args=argv, prog_name="ac-diff", standalone_mode=False)
@@ -350,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except SystemExit as exc:  # click's own exits (--help, usage errors after printing)
         return exc.code if isinstance(exc.code, int) else 0
-    except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError, NoiseError, ScaleError) as exc:
+    except AcDiffError as exc:
+        return fail(str(exc), exc.exit_code)
+    except FileExistsError as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(describe_os_error(exc))

@@ -51,7 +51,8 @@ try:  # ~10x faster than json for the per-pass records; optional (json writes th
 except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
     orjson = None
 
-from . import __version__
+from ._version import __version__
+from .errors import AcDiffError
 from .streams import STREAM_DAMAGE, open_binary
 from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
@@ -60,7 +61,7 @@ VERSION = "1.1"
 MAJOR = 1
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(AcDiffError, ValueError):
     """The file is not an ac-diff trace this version can read. The message says what to do."""
 
 

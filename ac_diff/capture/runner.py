@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
 
+from ..errors import AcDiffError
 
-class TargetNotFound(Exception):
+
+class TargetNotFound(AcDiffError):
     """The script file or module does not exist."""
 
 

@@ -13,11 +13,7 @@ from rich.console import Console
 from ..render import render
 from ..report import DAMAGED, DIVERGED, UNCHECKED, Report
 
-EXIT_CLEAN = 0
-EXIT_DIVERGED = 1
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 3
-EXIT_UNCHECKED = 4  # no region diverged, but nothing (or not everything: the run crashed) was compared
+from ..errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_UNCHECKED  # noqa: F401
 
 
 def verdict_code(report: Report) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..errors import AcDiffError
 from .common import EXIT_BAD_INPUT, EXIT_CLEAN, fail
 
 WHAT = ("ops", "positions", "regions")
@@ -38,7 +39,7 @@ _SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "
              ".json": "jsonl"}
 
 
-class ExportError(Exception):
+class ExportError(AcDiffError):
     """Bad export arguments or a missing engine: the message says what to do."""
 
 

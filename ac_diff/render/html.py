@@ -23,6 +23,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Iterable
 
+from .._version import __version__
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
 from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
@@ -42,10 +43,6 @@ def e(value: Any) -> str:
 
 def render_html(report: Report) -> str:
     """The whole page as a string."""
-    try:
-        from .. import __version__
-    except ImportError:  # pragma: no cover - partial installs
-        __version__ = "?"
     silent = report.silent
     title = report.title
     any_diverged = any(r.status == DIVERGED for r in report.regions)
