@@ -36,12 +36,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from .commands.choices import REPORT_FORMATS as FORMATS, SCOPES, WRITES
 from .errors import AcDiffError
 
 CONFIG_NAME = "ac-diff.yaml"
-FORMATS = ("terminal", "json", "html")
-SCOPES = ("regions", "all")
-WRITES = ("all", "diverged")
 
 
 class ConfigError(AcDiffError):
