@@ -386,31 +386,16 @@ def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -
 def sigterm_as_exit() -> Iterator[None]:
     """While the script runs on a rank: SIGTERM (torchrun stopping the ranks after one failed) raises
     SystemExit(143) so the trace gets finished; the previous handler comes back afterwards."""
+    from ..capture.runner import finishing
+
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
         _terminated.set()
-        if not _finishing(frame):
+        if not finishing.is_set():  # else ac-diff is already finishing the trace (the script has ended)
             raise SystemExit(EXIT_TERMINATED)
-        # ac-diff is already finishing the trace (the script has ended): let it complete
 
     with _sigterm_handler(handler):
         yield
-
-
-# ac-diff's own functions that finish a trace after the script ended: an exception raised inside them
-# would leave the trace without its end record.
-_FINISHING = frozenset({"stop", "close", "write", "write_many", "flush", "_finish_pass", "_print_script_traceback",
-                        "_drop_own_frames", "_exit_code"})
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-
-
-def _finishing(frame) -> bool:
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in _FINISHING and code.co_filename.startswith(_PACKAGE):
-            return True
-        frame = frame.f_back
-    return False
 
 
 @contextlib.contextmanager
