@@ -6,7 +6,11 @@
                                  first_value_divergence=Divergence(op="aten.add.Tensor", ...), ...)])
     report.to_json()  ->  {"format": "ac-diff-report", "version": 1, "verdict": "diverged", ...}
 
-Renderers (terminal, JSON, HTML) only format this; they never look at traces or logs.
+Renderers (terminal, JSON, HTML) only format this; they never look at traces or logs. What they show
+beyond the stored fields is decided here, once: the verdict's `title`, `silent`, the order regions are
+detailed in (`diverged_regions`, `lead_groups`). These are derived from the fields, not stored, so a step
+that changes the report after diagnosis (the --reference gradients turn a clean verdict into diverged)
+never leaves a stale title behind.
 """
 
 from __future__ import annotations
