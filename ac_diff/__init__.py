@@ -8,13 +8,13 @@
     trace = ac_diff.load("ac-diff-out"); trace.ops  # pandas
 """
 
-__version__ = "0.2.0"
-
-from .api import InputError, Trace, diagnose_paths, load, read_runs  # noqa: E402
-from .diagnosis import diagnose  # noqa: E402
-from .capture.recorder import Recorder, RecordOptions, record  # noqa: E402
-from .report import Report  # noqa: E402
-from .trace import TraceFormatError  # noqa: E402
+from ._version import __version__
+from .api import InputError, Trace, diagnose_paths, load, read_runs
+from .diagnosis import diagnose
+from .errors import AcDiffError
+from .capture.recorder import Recorder, RecordOptions, record
+from .report import Report
+from .trace import TraceFormatError
 
 __all__ = ["record", "Recorder", "RecordOptions", "load", "Trace", "read_runs", "diagnose", "diagnose_paths",
-           "Report", "InputError", "TraceFormatError", "__version__"]
+           "Report", "AcDiffError", "InputError", "TraceFormatError", "__version__"]

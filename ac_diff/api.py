@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .diagnosis import Settings, diagnose
+from .errors import InputError
 from .passes import PHASES, Run, op_count
 from .report import Report
 from .trace import TraceFormatError, is_trace, read_run, trace_files
@@ -35,10 +36,6 @@ def _frame(rows: list[dict], columns: list[str]) -> "pd.DataFrame":
 
 _NULLABLE_INTS = frozenset({"op_index", "position", "index", "rank", "region", "attempt", "parent",
                             "forward_ops", "recompute_ops", "forward_positions", "recompute_positions", "recomputes"})
-
-
-class InputError(Exception):
-    """Bad input named by the user (missing file, not a trace or log): the message says what to do."""
 
 
 def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:

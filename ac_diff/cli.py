@@ -12,8 +12,11 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from . import __version__
-from .commands.common import EXIT_INTERNAL, fail
+from ._version import __version__
+from .commands.choices import (AUDIT_FORMATS, EXPORT_FORMATS, EXPORT_TABLES, REPORT_FORMATS, SCOPES, WRITES,
+                               complete)
+from .commands.common import fail
+from .errors import EXIT_INTERNAL, AcDiffError, InputError
 from .streams import describe_os_error
 
 app = typer.Typer(
@@ -24,8 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-from .config import FORMATS
 
 
 def _version(value: bool) -> None:
@@ -45,20 +46,10 @@ CONFIG_HELP = "Settings file (default: ./ac-diff.yaml when present); options giv
 def main_options(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print versions and exit."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    config: ConfigOption = None,
 ) -> None:
     """Record, diagnose and explain activation-checkpoint recompute divergence."""
     ctx.obj = {"config": config}
-
-
-def _complete_formats(incomplete: str) -> list[str]:
-    return [f for f in FORMATS if f.startswith(incomplete)]
-
-
-def _settings(rtol: float, atol: float):
-    from .diagnosis import Settings, Tolerance
-
-    return Settings(tolerance=Tolerance(rtol=rtol, atol=atol))
 
 
 def _config(ctx: typer.Context, path: Optional[str]):
@@ -78,11 +69,20 @@ def _report_file(fmt: str, output: Optional[str], output_dir: Optional[str] = No
     if output_dir:
         return os.path.join(output_dir, "report.html")
     if sys.stdout.isatty():
-        from .api import InputError
-
         raise InputError("an HTML report goes to a file: pass -o report.html (or redirect stdout)")
     return output
 
+
+# Options several commands take, declared once. A value of None means "from the settings" (ac-diff.yaml,
+# else the default), which `Config.pick` also checks like the settings key.
+ConfigOption = Annotated[Optional[str], typer.Option("--config", metavar="FILE", help=CONFIG_HELP)]
+FormatOption = Annotated[Optional[str], typer.Option(
+    "--format", help=f"Report format: {', '.join(REPORT_FORMATS)} (default {REPORT_FORMATS[0]}).",
+    autocompletion=complete(REPORT_FORMATS))]
+JsonOption = Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report to this file.")]
+RtolOption = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for value fingerprints (default 0: exact).")]
+AtolOption = Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for value fingerprints (default 0).")]
+OutputOption = Annotated[Optional[str], typer.Option("-o", "--output", help="Write the report (--format) to this file.")]
 
 # The script and its arguments, taken the same way by every command that runs one (run, fix, audit).
 ScriptTarget = Annotated[str, typer.Argument(metavar="SCRIPT|MODULE", help="The script to run (or module, with -m).")]
@@ -99,19 +99,20 @@ def run(
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the trace files (default ac-diff-out)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Exit 1 if the script succeeded but a region diverged."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="Report format: terminal (default), json, html.",
-                                       autocompletion=_complete_formats),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
+    fmt: FormatOption = None,
+    json_path: JsonOption = None,
     report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Record ops of the first N regions only."),
     keep_values: Optional[int] = typer.Option(None, "--keep-values", help="Max elements kept per discrete op output (0: none; default 16384)."),
     fingerprints: Optional[bool] = typer.Option(None, "--fingerprints/--no-fingerprints", help="Value fingerprints (--no-fingerprints: metadata only, cheapest)."),
-    scope: Optional[str] = typer.Option(None, "--scope", help="regions (default): observe only checkpointed regions; all: also count other ops."),
-    write: Optional[str] = typer.Option(None, "--write", help="all (default): write every region's ops; diverged: only those of regions that diverged (long runs)."),
+    scope: Optional[str] = typer.Option(None, "--scope", help="regions (default): observe only checkpointed regions; all: also count other ops.",
+                                        autocompletion=complete(SCOPES)),
+    write: Optional[str] = typer.Option(None, "--write", help="all (default): write every region's ops; diverged: only those of regions that diverged (long runs).",
+                                        autocompletion=complete(WRITES)),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes with torchrun."),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0: exact)."),
-    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    rtol: RtolOption = None,
+    atol: AtolOption = None,
+    config: ConfigOption = None,
     reference: Optional[str] = typer.Option(None, "--reference", metavar="no-ac", help="Then run the script again without AC and compare every parameter's gradient."),
     reference_steps: int = typer.Option(1, "--reference-steps", help="Backward passes compared with --reference (default 1)."),
     no_ac: Optional[List[str]] = typer.Option(None, "--no-ac", metavar="GLOB", help="Remedy: run regions whose module matches without checkpointing ('*': all)."),
@@ -173,11 +174,10 @@ def fix(
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
     steps: int = typer.Option(1, "--steps", help="Backward passes whose gradients are compared with the run without AC."),
     jobs: int = typer.Option(1, "--jobs", help="Tries run at the same time."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="Report format: terminal (default), json, html.",
-                                       autocompletion=_complete_formats),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
+    fmt: FormatOption = None,
+    json_path: JsonOption = None,
     report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    config: ConfigOption = None,
 ) -> None:
     """Try each remedy on the script (one process per try) and say which one works.
 
@@ -208,10 +208,11 @@ def audit(
     max_regions: int = typer.Option(4, "--max-regions", help="Replay the first N checkpointed regions (default 4)."),
     scale: Optional[str] = typer.Option(None, "--scale", help="Target scale: tokens=N,layers=N,experts=N,steps=N (default: as audited)."),
     check: bool = typer.Option(False, "--check", help="Exit 1 if the script succeeded but a CheckpointError is likely (>= 50%) at --scale."),
-    fmt: str = typer.Option("terminal", "--format", help="terminal (default) or json (to stdout)."),
+    fmt: str = typer.Option(AUDIT_FORMATS[0], "--format", help=f"{' or '.join(AUDIT_FORMATS)} (to stdout).",
+                            autocompletion=complete(AUDIT_FORMATS)),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the audit JSON to this file."),
     html_path: Optional[str] = typer.Option(None, "--html", help="Also write an HTML page with a margin plot per site."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    config: ConfigOption = None,
 ) -> None:
     """Run a training script and measure how close each checkpointed discrete decision is to flipping.
 
@@ -221,8 +222,8 @@ def audit(
     Example:
       ac-diff audit --scale tokens=8192,layers=48 train.py --steps 2
     """
-    if fmt not in ("terminal", "json"):
-        raise typer.BadParameter("audit --format is terminal or json")
+    if fmt not in AUDIT_FORMATS:
+        raise typer.BadParameter(f"audit --format is {' or '.join(AUDIT_FORMATS)}")
     if seeds < 1 or max_regions < 1:
         raise typer.BadParameter("--seeds and --max-regions take a number >= 1")
     from .commands.audit_cmd import audit_command
@@ -237,13 +238,12 @@ def audit(
 def report(
     ctx: typer.Context,
     paths: List[str] = typer.Argument(..., help="Trace files, directories of traces, or logs."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
-                                       autocompletion=_complete_formats),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the report (--format) to this file."),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0)."),
-    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    fmt: FormatOption = None,
+    json_path: JsonOption = None,
+    output: OutputOption = None,
+    rtol: RtolOption = None,
+    atol: AtolOption = None,
+    config: ConfigOption = None,
 ) -> None:
     """Diagnose recorded traces and print the report. Exit 0 clean, 1 diverged, 2 bad input.
 
@@ -262,13 +262,12 @@ def report(
 def compare(
     ctx: typer.Context,
     paths: List[str] = typer.Argument(..., metavar="LOG_OR_TRACE [OTHER]", help="One log/trace, or two to compare."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
-                                       autocompletion=_complete_formats),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the report (--format) to this file."),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance for value fingerprints (default 0)."),
-    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for value fingerprints (default 0)."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    fmt: FormatOption = None,
+    json_path: JsonOption = None,
+    output: OutputOption = None,
+    rtol: RtolOption = None,
+    atol: AtolOption = None,
+    config: ConfigOption = None,
 ) -> None:
     """Explain a log torch printed (CheckpointError, debug=True dump), or compare two logs/traces.
 
@@ -289,11 +288,10 @@ def compare(
 def demo(
     ctx: typer.Context,
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Where the demo trace goes (default ac-diff-out/demo)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="terminal (default), json or html.",
-                                       autocompletion=_complete_formats),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
+    fmt: FormatOption = None,
+    json_path: JsonOption = None,
     output: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
-    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP),
+    config: ConfigOption = None,
 ) -> None:
     """Run the bundled MoE example end to end and print its report (CPU, seconds).
 
@@ -312,12 +310,10 @@ def demo(
 @app.command()
 def export(
     trace: str = typer.Argument(..., help="A trace file, or a directory of traces (what `ac-diff run` wrote)."),
-    what: str = typer.Option("ops", "--what", help="ops (default), positions or regions.",
-                             autocompletion=lambda incomplete: [w for w in ("ops", "positions", "regions")
-                                                                 if w.startswith(incomplete)]),
-    fmt: Optional[str] = typer.Option(None, "--format", help="csv, parquet or jsonl (default: from -o's extension, else csv).",
-                                      autocompletion=lambda incomplete: [f for f in ("csv", "parquet", "jsonl")
-                                                                          if f.startswith(incomplete)]),
+    what: str = typer.Option(EXPORT_TABLES[0], "--what", help=f"{', '.join(EXPORT_TABLES)} (default {EXPORT_TABLES[0]}).",
+                             autocompletion=complete(EXPORT_TABLES)),
+    fmt: Optional[str] = typer.Option(None, "--format", help=f"{', '.join(EXPORT_FORMATS)} (default: from -o's "
+                                      "extension, else csv).", autocompletion=complete(EXPORT_FORMATS)),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="File to write (default: stdout; not for parquet)."),
 ) -> None:
     """Write a trace's ops, saved positions or regions as a table (the pandas views of ac_diff.load).
@@ -335,13 +331,6 @@ def export(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: never lets a traceback of ac-diff's own escape; one line on stderr instead."""
-    from .api import InputError
-    from .audit.extrapolate import ScaleError
-    from .audit.noise import NoiseError
-    from .config import ConfigError
-    from .capture.runner import TargetNotFound
-    from .trace import TraceFormatError
-
     try:
         # without standalone mode click hands typer.Exit's code back as the return value
         code = app(args=argv, prog_name="ac-diff", standalone_mode=False)
@@ -350,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except SystemExit as exc:  # click's own exits (--help, usage errors after printing)
         return exc.code if isinstance(exc.code, int) else 0
-    except (InputError, ConfigError, TraceFormatError, TargetNotFound, FileExistsError, NoiseError, ScaleError) as exc:
+    except AcDiffError as exc:
+        return fail(str(exc), exc.exit_code)
+    except FileExistsError as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(describe_os_error(exc))

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from .commands.choices import REPORT_FORMATS as FORMATS, SCOPES, WRITES
+from .errors import AcDiffError
+
 CONFIG_NAME = "ac-diff.yaml"
-FORMATS = ("terminal", "json", "html")
-SCOPES = ("regions", "all")
-WRITES = ("all", "diverged")
 
 
-class ConfigError(Exception):
+class ConfigError(AcDiffError):
     """A config file that cannot be used: the message names the file, the key and the valid choices."""
 
 
@@ -109,51 +109,40 @@ def _op_list(v: Any) -> tuple[str, ...]:
     return tuple(x.strip() for x in v)
 
 
-KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("rtol", "finite number >= 0", 0.0, "relative tolerance for value fingerprints (0: exact)", _number),
-    Key("atol", "finite number >= 0", 0.0, "absolute tolerance for value fingerprints", _number),
-    Key("ignore_ops", "list of op names", (), "ops never recorded (e.g. aten.detach.default)", _op_list),
-    Key("discrete_ops", "list of op names", (), "extra ops treated as discrete decisions (custom routers)",
-        _op_list),
-    Key("keep_values", "integer >= 0", 16384, "max elements kept per discrete op output (0: none)", _count),
-    Key("max_regions", "integer >= 0 or null", None, "record ops of the first N regions only (null: all)",
-        _count_or_null),
-    Key("fingerprints", "true/false", True, "value fingerprints of region ops (false: metadata only, cheapest)",
-        _flag),
-    Key("fingerprint_derived", "true/false", False, "also fingerprint elementwise ops whose inputs were "
-        "measured (their values follow from them; false skips about a fifth of the fingerprinting)", _flag),
-    Key("source_lines", "true/false", True, "record the user source line of each op", _flag),
-    Key("scope", "regions|all", "regions", "regions: observe only checkpointed regions; all: also count other ops",
-        _choice(SCOPES)),
-    Key("write", "all|diverged", "all", "all: write every region's ops; diverged: only those of regions whose "
-        "recompute did not reproduce the forward (long runs)", _choice(WRITES)),
-    Key("output_dir", "path", "ac-diff-out", "directory for trace files written by `run` (demo: OUTPUT_DIR/demo)",
-        _text),
-    Key("format", "terminal|json|html", "terminal", "default report format", _choice(FORMATS)),
-    Key("check", "true/false", False, "`run` exits 1 when the script succeeded but a region diverged", _flag),
-    Key("window_before", "integer >= 0", 3, "aligned rows shown before the first divergence", _count),
-    Key("window_after", "integer >= 0", 8, "aligned rows shown after the first divergence", _count),
-)}
+def _key(default: Any, kind: str, help: str, check: Callable[[Any], Any]) -> Any:
+    """A settings key: its default, and in the field's metadata how `ac-diff.yaml` writes and checks it."""
+    return field(default=default, metadata={"kind": kind, "help": help, "check": check})
 
 
 @dataclass(frozen=True)
 class Config:
-    rtol: float = 0.0
-    atol: float = 0.0
-    ignore_ops: tuple[str, ...] = ()
-    discrete_ops: tuple[str, ...] = ()
-    keep_values: int = 16384
-    max_regions: int | None = None
-    fingerprints: bool = True
-    fingerprint_derived: bool = False
-    source_lines: bool = True
-    scope: str = "regions"
-    write: str = "all"
-    output_dir: str = "ac-diff-out"
-    format: str = "terminal"
-    check: bool = False
-    window_before: int = 3
-    window_after: int = 8
+    """The settings: each field is one `ac-diff.yaml` key, declared once with its default, kind and check."""
+
+    rtol: float = _key(0.0, "finite number >= 0", "relative tolerance for value fingerprints (0: exact)", _number)
+    atol: float = _key(0.0, "finite number >= 0", "absolute tolerance for value fingerprints", _number)
+    ignore_ops: tuple[str, ...] = _key((), "list of op names", "ops never recorded (e.g. aten.detach.default)",
+                                       _op_list)
+    discrete_ops: tuple[str, ...] = _key((), "list of op names", "extra ops treated as discrete decisions (custom "
+                                         "routers)", _op_list)
+    keep_values: int = _key(16384, "integer >= 0", "max elements kept per discrete op output (0: none)", _count)
+    max_regions: int | None = _key(None, "integer >= 0 or null", "record ops of the first N regions only (null: all)",
+                                   _count_or_null)
+    fingerprints: bool = _key(True, "true/false", "value fingerprints of region ops (false: metadata only, "
+                              "cheapest)", _flag)
+    fingerprint_derived: bool = _key(False, "true/false", "also fingerprint elementwise ops whose inputs were "
+                                     "measured (their values follow from them; false skips about a fifth of the "
+                                     "fingerprinting)", _flag)
+    source_lines: bool = _key(True, "true/false", "record the user source line of each op", _flag)
+    scope: str = _key("regions", "regions|all", "regions: observe only checkpointed regions; all: also count other "
+                      "ops", _choice(SCOPES))
+    write: str = _key("all", "all|diverged", "all: write every region's ops; diverged: only those of regions whose "
+                      "recompute did not reproduce the forward (long runs)", _choice(WRITES))
+    output_dir: str = _key("ac-diff-out", "path", "directory for trace files written by `run` (demo: "
+                           "OUTPUT_DIR/demo)", _text)
+    format: str = _key("terminal", "terminal|json|html", "default report format", _choice(FORMATS))
+    check: bool = _key(False, "true/false", "`run` exits 1 when the script succeeded but a region diverged", _flag)
+    window_before: int = _key(3, "integer >= 0", "aligned rows shown before the first divergence", _count)
+    window_after: int = _key(8, "integer >= 0", "aligned rows shown after the first divergence", _count)
     path: Path | None = field(default=None, compare=False)  # the file it came from (None: defaults)
 
     def pick(self, name: str, given: Any) -> Any:
@@ -182,6 +171,10 @@ class Config:
             max_regions=self.pick("max_regions", max_regions),
             scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
             ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write))
+
+
+KEYS: dict[str, Key] = {f.name: Key(f.name, f.metadata["kind"], f.default, f.metadata["help"], f.metadata["check"])
+                       for f in fields(Config) if f.metadata}
 
 
 def find_config(cwd: str | os.PathLike | None = None) -> Path | None:
@@ -277,22 +270,3 @@ def _overloads(ns: str, op: str) -> list[str]:
 def _type_name(value: Any) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def describe_keys() -> str:
-    """One line per key, for help texts and docs."""
-    return "\n".join(f"{k.name}: {k.kind} (default {_show(k.default)}) - {k.help}" for k in KEYS.values())
-
-
-def _show(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, tuple):
-        return "[]" if not v else "[" + ", ".join(v) + "]"
-    return str(v)
-
-
-assert [(f.name, f.default) for f in fields(Config) if f.name != "path"] == [(k.name, k.default) for k in KEYS.values()], \
-    "Config fields and KEYS disagree"

@@ -6,7 +6,11 @@
                                  first_value_divergence=Divergence(op="aten.add.Tensor", ...), ...)])
     report.to_json()  ->  {"format": "ac-diff-report", "version": 1, "verdict": "diverged", ...}
 
-Renderers (terminal, JSON, HTML) only format this; they never look at traces or logs.
+Renderers (terminal, JSON, HTML) only format this; they never look at traces or logs. What they show
+beyond the stored fields is decided here, once: the verdict's `title`, `silent`, the order regions are
+detailed in (`diverged_regions`, `lead_groups`). These are derived from the fields, not stored, so a step
+that changes the report after diagnosis (the --reference gradients turn a clean verdict into diverged)
+never leaves a stale title behind.
 """
 
 from __future__ import annotations
@@ -144,6 +148,11 @@ class RegionReport:
             return min(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
         return self.first_discrete_divergence or self.first_shape_divergence
 
+    @property
+    def status_label(self) -> str:
+        """The status as reports show it: "diverged (silent)" when torch raised nothing about it."""
+        return self.status + (" (silent)" if self.silent else "")
+
     def divergences(self) -> list[Divergence]:
         """Every first divergence found, in the order reports list them."""
         return [d for d in (self.first_control_divergence, self.first_value_divergence, self.first_argument_divergence,
@@ -235,6 +244,22 @@ class RankSummary:
     truncated: bool = False  # the trace has no end record (the process was killed)
     trace: str | None = None
 
+    @property
+    def first_diverged(self) -> str:
+        """"layers.1 (region 1)", or "" when the rank did not diverge."""
+        return f"{self.first_module} (region {self.first_region})" if self.first_module is not None else ""
+
+    @property
+    def ending(self) -> str:
+        """How the rank's script ended, in a word: killed (no end record), stopped (SIGTERM), raised, exit N."""
+        if self.truncated:
+            return "killed"
+        if self.exit_code == 143:
+            return "stopped"
+        if self.exit_status == "exception":
+            return "raised"
+        return f"exit {self.exit_code}" if self.exit_code not in (None, 0) else self.exit_status or ""
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -302,6 +327,30 @@ class Report:
     def crashed(self) -> bool:
         """The script raised (or was interrupted) before every region was checked."""
         return self.exit_status in ("exception", "interrupted") and any(r.status == UNCHECKED for r in self.regions)
+
+    def raised(self, region: RegionReport) -> bool:
+        """torch raised a CheckpointError about this region."""
+        return any(e.region == region.region and e.rank == region.rank for e in self.torch_errors)
+
+    def diverged_regions(self) -> list[RegionReport]:
+        """The diverged regions in the order reports detail them: those torch raised about first, then by
+        rank and region (the order diagnosis picks group leads by)."""
+        return sorted((r for r in self.regions if r.status == DIVERGED),
+                      key=lambda r: (not self.raised(r), r.rank, r.region))
+
+    def lead_groups(self) -> list[tuple[RegionReport, list[RegionReport], str]]:
+        """(lead region, members, label) per group of diverged regions, the lead detailed for all; one group
+        per diverged region where the report has none (two traces compared)."""
+        by_key = {(r.rank, r.region): r for r in self.regions}
+        if self.groups:
+            return [(by_key[g.lead], [by_key[k] for k in g.regions if k in by_key], g.label) for g in self.groups
+                    if g.lead in by_key]
+        return [(r, [r], r.module or "?") for r in self.diverged_regions()]
+
+    def group_of(self, region: RegionReport) -> RegionGroup | None:
+        """The group of several diverged regions this one belongs to, if any."""
+        return next((g for g in self.groups if (region.rank, region.region) in g.regions and len(g.regions) > 1),
+                    None)
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""

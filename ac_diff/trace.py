@@ -59,8 +59,9 @@ try:  # ~10x faster than json for the per-pass records; optional (json writes th
 except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
     orjson = None
 
-from . import __version__
+from ._version import __version__
 from .capture.opinfo import short_dtype
+from .errors import AcDiffError
 from .streams import STREAM_DAMAGE, open_binary
 from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
@@ -69,7 +70,7 @@ VERSION = "1.2"
 MAJOR, MINOR = (int(x) for x in VERSION.split("."))
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(AcDiffError, ValueError):
     """The file is not an ac-diff trace this version can read. The message says what to do."""
 
 

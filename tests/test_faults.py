@@ -66,6 +66,27 @@ def test_sigterm_finishes_a_single_process_trace(tmp_path):
     assert end["type"] == "end" and end["exit_code"] == 143
 
 
+def test_sigterm_while_the_trace_is_finished_lets_it_complete(monkeypatch):
+    """Once the script has ended, the runner's `finishing` flag says ac-diff is writing the end of the trace:
+    a SIGTERM then only stops the waiting; while the script runs it ends the script with 143."""
+    from ac_diff.capture.runner import finishing
+    from ac_diff.commands import launch_cmd
+
+    monkeypatch.setattr(launch_cmd, "_terminated", type(launch_cmd._terminated)())  # this test's own event
+    with launch_cmd.sigterm_as_exit():
+        finishing.set()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, and does not raise
+        finally:
+            finishing.clear()
+    assert launch_cmd._terminated.is_set()
+    with pytest.raises(SystemExit) as stopped, launch_cmd.sigterm_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 @pytest.fixture(scope="module")
 def trace_lines(tmp_path_factory) -> list[bytes]:
     import torch

@@ -253,6 +253,16 @@ def test_silent_divergence_is_said_loudly():
 
 # --- wiring ---------------------------------------------------------------------------------------------------
 
+def test_every_renderer_writes_what_it_renders(report, tmp_path):
+    """One writer: the file `render` writes is the renderer's text, whatever the format."""
+    assert {name: r.suffix for name, r in RENDERERS.items()} == {"terminal": ".txt", "json": ".json", "html": ".html"}
+    for name, renderer in RENDERERS.items():
+        path = tmp_path / f"report{renderer.suffix}"
+        render(report, name, path=str(path))
+        assert path.read_text(encoding="utf-8") == renderer.render(report)
+    assert "<style>\n:root{" in RENDERERS["html"].render(report)  # render/assets/report.css, inlined
+
+
 def test_render_to_path_and_stdout(report, tmp_path, capsys):
     render(report, "html", path=str(tmp_path / "r.html"))
     assert (tmp_path / "r.html").read_text(encoding="utf-8") == render_html(report)

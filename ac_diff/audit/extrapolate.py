@@ -21,10 +21,12 @@ import math
 from dataclasses import dataclass
 from statistics import median
 
+from ..errors import AcDiffError
+
 SCALE_KEYS = ("tokens", "layers", "experts", "steps")
 
 
-class ScaleError(ValueError):
+class ScaleError(AcDiffError, ValueError):
     """A --scale value that is not KEY=N[,KEY=N...]."""
 
 

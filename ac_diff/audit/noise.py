@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import AcDiffError
 from ..oprules import packet
 
 # Reduction ops whose rounding depends on the summation order: (index of A, index of B) in their arguments.
 MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "matmul": (0, 1)}
 
 
-class NoiseError(ValueError):
+class NoiseError(AcDiffError, ValueError):
     """A --noise value that is not one of the documented forms."""
 
 

@@ -14,15 +14,22 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
 
+from ..errors import AcDiffError
 from ..own_files import is_own_file
 
 
-class TargetNotFound(Exception):
+# Set from the moment the script has ended until run_target returns: ac-diff is finishing the trace, and a
+# SIGTERM handler lets that complete instead of raising into it (commands/launch_cmd.sigterm_as_exit).
+finishing = threading.Event()
+
+
+class TargetNotFound(AcDiffError):
     """The script file or module does not exist."""
 
 
@@ -83,19 +90,24 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
         else:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
+        finishing.set()
         exit_code = _exit_code(exc)
         recorder.stop(None if exit_code == 0 else exc, exit_code)
     except KeyboardInterrupt as exc:
+        finishing.set()
         exception, exit_code = exc, 130
         recorder.stop(exc, exit_code)
         _print_script_traceback(exc)
     except BaseException as exc:  # the script's own failure: report it as python would
+        finishing.set()
         exception, exit_code = exc, 1
         recorder.stop(exc, exit_code)
         _print_script_traceback(exc)
     else:
+        finishing.set()
         recorder.stop(None, 0)
     finally:
+        finishing.clear()
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0

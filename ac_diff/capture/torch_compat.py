@@ -1,7 +1,7 @@
 """The one version-aware place that knows how each torch release spells the checkpoint internals ac-diff uses.
 
 There is no public API that says "this op runs in the original forward of region 7" or "this tensor
-is saved at position 46", so `CheckpointHooks` wraps the private classes that know (DESIGN.md §4):
+is saved at position 46", so `CheckpointHooks` wraps the private classes that know (this table):
 
     _checkpoint_hook        enter/exit = the original forward of a non-reentrant region;
                             its pack hook = one saved position (position = len(frame.weak_holders))

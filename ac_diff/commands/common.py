@@ -10,14 +10,10 @@ import sys
 
 from rich.console import Console
 
-from ..render import render
+from ..render import RENDERERS, render
 from ..report import DAMAGED, DIVERGED, UNCHECKED, Report
 
-EXIT_CLEAN = 0
-EXIT_DIVERGED = 1
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 3
-EXIT_UNCHECKED = 4  # no region diverged, but nothing (or not everything: the run crashed) was compared
+from ..errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_UNCHECKED  # noqa: F401 (the commands import them from here)
 
 
 def verdict_code(report: Report) -> int:
@@ -36,7 +32,11 @@ def console() -> Console:
     return Console(soft_wrap=False)
 
 
-_FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json"}
+def _format_of(path: str) -> str:
+    """The format a file's suffix names (report.html, report.json), else terminal (plain text)."""
+    suffix = os.path.splitext(path)[1].lower()
+    suffix = {".htm": ".html"}.get(suffix, suffix)
+    return next((name for name, r in RENDERERS.items() if r.suffix == suffix), "terminal")
 
 
 def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, output: str | None = None) -> int:
@@ -45,7 +45,7 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
     A file given with `output` gets `fmt` (or the format its suffix names); the terminal report is
     printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
     if output and fmt == "terminal":
-        fmt = _FORMAT_OF_SUFFIX.get(os.path.splitext(output)[1].lower(), "terminal")
+        fmt = _format_of(output)
     if json_path:
         render(report, "json", path=json_path)
     if output:

@@ -28,17 +28,17 @@ from typing import Any
 
 import pandas as pd
 
+from ..errors import AcDiffError
+from .choices import EXPORT_FORMATS as FORMATS, EXPORT_TABLES as WHAT
 from .common import EXIT_BAD_INPUT, EXIT_CLEAN, fail
 
-WHAT = ("ops", "positions", "regions")
-FORMATS = ("csv", "parquet", "jsonl")
 # columns whose cells are lists or mixed scalars: JSON text in CSV and parquet
 JSON_COLUMNS = ("in_shapes", "out_shapes", "out_dtypes", "args", "fingerprint", "host_value", "shape")
 _SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
              ".json": "jsonl"}
 
 
-class ExportError(Exception):
+class ExportError(AcDiffError):
     """Bad export arguments or a missing engine: the message says what to do."""
 
 

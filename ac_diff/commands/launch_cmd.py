@@ -84,30 +84,6 @@ def header_fields() -> dict[str, Any]:
 
 
 # -- the launcher ---------------------------------------------------------------------------
-def strip_nproc(argv: list[str]) -> list[str]:
-    """Drop `--nproc-per-node N` / `--nproc-per-node=N` from ac-diff's own options (before the target)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--nproc-per-node":
-            i += 2
-            continue
-        if a.startswith("--nproc-per-node="):
-            i += 1
-            continue
-        out.append(a)
-        i += 1
-        if a != "run" and not a.startswith("-") and not (len(out) > 1 and out[-2] in _VALUED):
-            return out + argv[i:]  # the script (or the module after -m): the rest is the script's
-    return out
-
-
-# ac-diff run options that take a value (so the value is not mistaken for the script)
-_VALUED = {"-o", "--output-dir", "--format", "--json", "--report", "--max-regions", "--keep-values", "--scope",
-           "--rtol", "--atol", "--reference", "--reference-steps", "--no-ac", "--must-save", "--must-save-module"}
-
-
 def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, options: Any,
               remedies: Any = None, reference: str | None = None, reference_steps: int = 1) -> list[str]:
     """The `ac-diff run` arguments each rank gets: where to write, what to record, the remedies, the script and
@@ -132,7 +108,7 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
                    reference_steps: int = 1) -> int:
     """Run `ac-diff run ARGV` on `nproc` local processes under torchrun, then report across ranks.
 
-    `argv` is ac-diff's own argument list starting with "run" (`--nproc-per-node` is removed if present).
+    `argv` is the `ac-diff run` argument list each rank gets (`rank_argv`).
     Returns the script's exit code: that of the lowest rank whose script failed, else torchrun's; with
     `check`, 1 when every rank succeeded but a region diverged.
     """
@@ -146,9 +122,7 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
                     "--nproc-per-node (torchrun ... -m ac_diff run SCRIPT records every rank)")
     if target is not None:
         check_target(target, module)
-    argv = strip_nproc(list(argv))
-    if not argv or argv[0] != "run":
-        argv = ["run", *argv]
+    argv = list(argv)
     out = Path(output_dir)
     existing = _trace_paths(out)
     if existing and not force:
@@ -411,31 +385,16 @@ def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -
 def sigterm_as_exit() -> Iterator[None]:
     """While the script runs on a rank: SIGTERM (torchrun stopping the ranks after one failed) raises
     SystemExit(143) so the trace gets finished; the previous handler comes back afterwards."""
+    from ..capture.runner import finishing
+
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
         _terminated.set()
-        if not _finishing(frame):
+        if not finishing.is_set():  # else ac-diff is already finishing the trace (the script has ended)
             raise SystemExit(EXIT_TERMINATED)
-        # ac-diff is already finishing the trace (the script has ended): let it complete
 
     with _sigterm_handler(handler):
         yield
-
-
-# ac-diff's own functions that finish a trace after the script ended: an exception raised inside them
-# would leave the trace without its end record.
-_FINISHING = frozenset({"stop", "close", "write", "write_many", "flush", "_finish_pass", "_print_script_traceback",
-                        "_drop_own_frames", "_exit_code"})
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-
-
-def _finishing(frame) -> bool:
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in _FINISHING and code.co_filename.startswith(_PACKAGE):
-            return True
-        frame = frame.f_back
-    return False
 
 
 @contextlib.contextmanager

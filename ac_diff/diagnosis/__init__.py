@@ -61,8 +61,10 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups)
-    report.ranks = rank_summaries(report)
-    report.cross_rank = cross_rank_findings(runs, report)
+    report.ranks = rank_summaries(report, runs)
+    cross = cross_rank_findings(runs, report)
+    report.cross_rank, report.cross_rank_findings = cross.texts, cross.findings
+    report.notes += cross.notes
     return report
 
 

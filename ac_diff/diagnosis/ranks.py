@@ -1,9 +1,9 @@
 """Per-rank verdicts, and what the ranks say together: who diverged, who first, who disagrees.
 
-    rank_summaries(report)
+    rank_summaries(report, runs)
     -> [RankSummary(rank=0, verdict="clean", ...),
         RankSummary(rank=1, verdict="diverged", cause="state_mutation", first_module="layers.1", ...)]
-    cross_rank_findings(runs, report)
+    cross_rank_findings(runs, report).texts
     -> ["diverged: rank 1 (1 of 2 ranks); clean: rank 0",
         "first divergence: rank 1, region 1 (layers.1): state_mutation of `layers.1.moe.expert_bias`",
         "rank-local: region 1 (layers.1) diverged on rank 1 only; it reproduced exactly on rank 0 ...",
@@ -36,6 +36,8 @@ never reported).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Iterable
 
 from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_in_place_method, packet
 from ..passes import Pass, Region, Run
@@ -49,9 +51,21 @@ MAX_REPLICATED_FINDINGS = 6
 OPS_BUDGET = 500_000
 
 
-def rank_summaries(report: Report) -> list[RankSummary]:
-    ranks = sorted({r.rank for r in report.regions} | {e.rank for e in report.torch_errors if e.rank is not None})
-    return [_summary(report, rank) for rank in ranks]
+def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary]:
+    """One summary per rank of the report's regions and errors, completed with what only the runs know
+    (exit status, exit code, trace; a rank whose trace has no region)."""
+    by_rank = {rank: _summary(report, rank) for rank in
+               {r.rank for r in report.regions} | {e.rank for e in report.torch_errors if e.rank is not None}}
+    for run in runs:
+        if run.source != "trace":
+            continue
+        rank = run.rank or 0
+        summary = by_rank.get(rank) or by_rank.setdefault(rank, _summary(report, rank))
+        summary.exit_status = run.exit_status
+        summary.exit_code = run.exit_code
+        summary.truncated = run.truncated
+        summary.trace = run.path
+    return [by_rank[r] for r in sorted(by_rank)]
 
 
 def _summary(report: Report, rank: int) -> RankSummary:
@@ -85,42 +99,35 @@ def _summary(report: Report, rank: int) -> RankSummary:
     return summary
 
 
-def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = Tolerance()) -> list[str]:
-    """What the ranks say together (one line each); also fills `report.cross_rank_findings` (structured)
-    and completes `report.ranks` with what only the runs know (exit status, trace, ranks without regions)."""
-    _complete_rank_summaries(report, runs)
+@dataclass(frozen=True)
+class CrossRank:
+    """What the ranks say together: the findings (structured; `texts` one line each) and notes for the report."""
+
+    findings: list[CrossRankFinding]
+    notes: list[str]
+
+    @property
+    def texts(self) -> list[str]:
+        return [f.text for f in self.findings]
+
+
+def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = Tolerance()) -> CrossRank:
+    """What the ranks say together, from the runs and a report whose `ranks` are complete (`rank_summaries`
+    with the runs). Changes neither."""
     findings: list[CrossRankFinding] = []
+    notes: list[str] = []
     findings += _provenance(runs)
-    ranks = sorted(s.rank for s in report.ranks)
-    if len(ranks) >= 2:
+    if len(report.ranks) >= 2:
         findings += _overview(report)
         findings += _rank_local(report)
         findings += _exits(report, runs)
         replicated, skipped = _replicated(runs, tolerance)
         findings += replicated
         if skipped:
-            report.notes.append(f"cross-rank comparison stopped after {OPS_BUDGET:,} ops; {skipped} region(s) "
-                                "on other ranks were not compared (compare two ranks with `ac-diff compare A B`)")
-    report.cross_rank_findings = findings
-    return [f.text for f in findings]
+            notes.append(f"cross-rank comparison stopped after {OPS_BUDGET:,} ops; {skipped} region(s) "
+                         "on other ranks were not compared (compare two ranks with `ac-diff compare A B`)")
+    return CrossRank(findings, notes)
 
-
-# -- per-rank facts only the runs know ---------------------------------------------------------
-def _complete_rank_summaries(report: Report, runs: list[Run]) -> None:
-    by_rank = {s.rank: s for s in report.ranks}
-    for run in runs:
-        if run.source != "trace":
-            continue
-        rank = run.rank or 0
-        summary = by_rank.get(rank)
-        if summary is None:
-            summary = by_rank[rank] = _summary(report, rank)
-        summary.exit_status = run.exit_status
-        summary.exit_code = run.exit_code
-        summary.truncated = run.truncated
-        summary.trace = run.path
-    if len(by_rank) != len(report.ranks):
-        report.ranks = [by_rank[r] for r in sorted(by_rank)]
 
 
 # -- which traces -------------------------------------------------------------------------------

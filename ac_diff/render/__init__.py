@@ -1,58 +1,87 @@
-"""Renderers: each formats a finished `Report` and nothing else. Pick one by name.
+"""Renderers: each formats a finished `Report` as text and nothing else; `render` writes it.
 
-    render(report, "terminal", console=Console())     # rich report on the terminal
+    render(report, "terminal", console=Console())     # rich report on stdout (the console's colours, width)
     render(report, "json", path="report.json")         # versioned JSON (schema in the README)
-    render(report, "html", path="report.html")         # one self-contained page, when installed
+    render(report, "html", path="report.html")         # one self-contained page
+    RENDERERS["html"].render(report)                   # -> "<!DOCTYPE html>..." (suffix ".html")
 
-A renderer is a callable `(report, *, console, path) -> None`, registered in RENDERERS.
+A renderer follows `Renderer`: a `suffix` and `render(report) -> str`. It only formats: the verdict,
+its title, the silent flag and the order of the regions are the report's (`ac_diff.report`). `render`
+is the one writer: a file for a path, stdout for none (or "-").
 """
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 from rich.console import Console
 
 from ..report import Report
 from .terminal import render_terminal
 
-Renderer = Callable[..., None]
+
+class Renderer(Protocol):
+    suffix: str
+
+    def render(self, report: Report) -> str: ...
 
 
-def _terminal(report: Report, *, console: Console | None = None, path: str | None = None) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            render_terminal(report, Console(file=f, width=120, color_system=None, soft_wrap=False))
-    else:
-        render_terminal(report, console or Console())
+class TerminalRenderer:
+    """The rich report as text: plain and 120 columns wide (a file), or with the colours and width of
+    `console` (what stdout is)."""
+
+    suffix = ".txt"
+
+    def __init__(self, console: Console | None = None):
+        self.console = console
+
+    def render(self, report: Report) -> str:
+        out = io.StringIO()
+        like = self.console
+        if like is None:
+            console = Console(file=out, width=120, color_system=None, soft_wrap=False)
+        else:
+            console = Console(file=out, width=like.width, color_system=like.color_system,
+                              force_terminal=like.is_terminal, soft_wrap=like.soft_wrap, legacy_windows=False)
+        render_terminal(report, console)
+        return out.getvalue()
 
 
-def _json(report: Report, *, console: Console | None = None, path: str | None = None) -> None:
-    text = json.dumps(report.to_json(), indent=2, default=str, allow_nan=True)
-    if path and path != "-":
-        Path(path).write_text(text + "\n", encoding="utf-8")
-    else:
-        print(text)
+class JsonRenderer:
+    suffix = ".json"
+
+    def render(self, report: Report) -> str:
+        return json.dumps(report.to_json(), indent=2, default=str, allow_nan=True) + "\n"
 
 
-def _html(report: Report, *, console: Console | None = None, path: str | None = None) -> None:
-    from .html import render_html_file
+class HtmlRenderer:
+    suffix = ".html"
 
-    render_html_file(report, path=path)
+    def render(self, report: Report) -> str:
+        from .html import render_html
 
-
-RENDERERS: dict[str, Renderer] = {"terminal": _terminal, "json": _json, "html": _html}
-
-
-def register(name: str, renderer: Renderer) -> None:
-    RENDERERS[name] = renderer
+        return render_html(report)
 
 
-def render(report: Report, fmt: str = "terminal", **kwargs) -> None:
+RENDERERS: dict[str, Renderer] = {"terminal": TerminalRenderer(), "json": JsonRenderer(), "html": HtmlRenderer()}
+
+
+def render(report: Report, fmt: str = "terminal", *, path: str | None = None, console: Console | None = None) -> None:
+    """Write the report in `fmt` to `path`, or to stdout when there is none (or it is "-"); the terminal
+    report on stdout takes `console`'s colours and width."""
     try:
         renderer = RENDERERS[fmt]
     except KeyError:
         raise ValueError(f"unknown report format {fmt!r}; choose one of {', '.join(sorted(RENDERERS))}") from None
-    renderer(report, **kwargs)
+    if fmt == "terminal" and not path:
+        renderer = TerminalRenderer(console or Console())
+    text = renderer.render(report)
+    if path and path != "-":
+        Path(path).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()

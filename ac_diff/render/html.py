@@ -1,4 +1,5 @@
 """The HTML report: one self-contained page (inline CSS and JS, no network), same content as the terminal.
+The style and the script are package files (assets/report.css, assets/report.js), inlined into the page.
 
     render(report, "html", path="report.html")
     ac-diff report ac-diff-out --format html -o report.html
@@ -18,15 +19,18 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from html import escape
-from pathlib import Path
+from importlib import resources
 from typing import Any, Iterable
 
+from .._version import __version__
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
 from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
 
+_ASSETS = resources.files(__package__).joinpath("assets")
+_CSS = _ASSETS.joinpath("report.css").read_text(encoding="utf-8")  # the page's style and its filter script
+_JS = _ASSETS.joinpath("report.js").read_text(encoding="utf-8")
 MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
 _KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "control": "sequence", "cached": "cached",
                "argument": "argument"}
@@ -42,10 +46,6 @@ def e(value: Any) -> str:
 
 def render_html(report: Report) -> str:
     """The whole page as a string."""
-    try:
-        from .. import __version__
-    except ImportError:  # pragma: no cover - partial installs
-        __version__ = "?"
     silent = report.silent
     title = report.title
     any_diverged = any(r.status == DIVERGED for r in report.regions)
@@ -75,15 +75,6 @@ def render_html(report: Report) -> str:
         "</body></html>\n",
     ]
     return "\n".join(p for p in parts if p)
-
-
-def render_html_file(report: Report, *, console: Any = None, path: str | None = None) -> None:
-    """The registered renderer: write `path`, or print the page when there is none (or it is "-")."""
-    text = render_html(report)
-    if path and path != "-":
-        Path(path).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
 
 
 # --- verdict, toolbar, top tables -----------------------------------------------------------------------------
@@ -143,10 +134,9 @@ def _ranks(report: Report) -> str:
     if len(report.ranks) > 1:
         rows = []
         for r in report.ranks:
-            first = f"{r.first_module} (region {r.first_region})" if r.first_module is not None else ""
             rows.append(f"<tr><td>{e(r.rank)}</td><td><span class=\"badge {_status_class(r.verdict)}\">"
                         f"{e(r.verdict)}</span></td><td>{e(r.regions)}</td><td>{e(r.diverged)}</td>"
-                        f"<td>{e(r.cause)}</td><td>{e(first)}</td></tr>")
+                        f"<td>{e(r.cause)}</td><td>{e(r.first_diverged)}</td></tr>")
         out.append("<section id=\"ranks\"><h2>ranks</h2><table><thead><tr><th>rank</th><th>verdict</th>"
                    "<th>regions</th><th>diverged</th><th>cause</th><th>first diverged</th></tr></thead>"
                    f"<tbody>{''.join(rows)}</tbody></table></section>")
@@ -191,7 +181,7 @@ def _regions_table(report: Report) -> str:
     rows = []
     for r in report.regions:
         first = r.first_divergence()
-        status = r.status + (" (silent)" if r.silent else "")
+        status = r.status_label
         module = e(r.module or "?")
         link = f"<a href=\"#{_anchor(r)}\">{module}</a>"
         rows.append(
@@ -210,7 +200,7 @@ def _regions_table(report: Report) -> str:
 
 def _group_html(report: Report, r: RegionReport) -> str:
     """"same cause as layers.0-5" for a member of a group of diverged regions."""
-    g = next((g for g in report.groups if (r.rank, r.region) in g.regions and len(g.regions) > 1), None)
+    g = report.group_of(r)
     return f" <span class=\"dim\">({e(g.label)}: same cause)</span>" if g is not None else ""
 
 
@@ -228,13 +218,8 @@ def _op_html(op: str | None) -> str:
 
 # --- per region -----------------------------------------------------------------------------------------------
 
-def _raised(report: Report, r: RegionReport) -> bool:
-    return any(err.region == r.region and err.rank == r.rank for err in report.torch_errors)
-
-
 def _region_sections(report: Report) -> str:
-    diverged = sorted((r for r in report.regions if r.status == DIVERGED),
-                      key=lambda r: (not _raised(report, r), r.rank, r.region))
+    diverged = report.diverged_regions()
     others = [r for r in report.regions if r.status != DIVERGED]
     out = ["<section id=\"details\"><h2>regions in detail</h2>"] if report.regions else []
     out += [_region_section(r, report, open_=True) for r in diverged]
@@ -254,7 +239,7 @@ def _divergences(r: RegionReport) -> list[Divergence]:
 def _region_section(r: RegionReport, report: Report, open_: bool) -> str:
     status = r.status + (" (silent)" if r.silent else "")
     cause = f" · <span class=\"cause-kind\">{e(r.cause.kind)}</span>" if r.cause else ""
-    raised = " · <span class=\"dim\">torch raised</span>" if _raised(report, r) else ""
+    raised = " · <span class=\"dim\">torch raised</span>" if report.raised(r) else ""
     head = (f"<summary><span class=\"badge {_status_class(r.status)}\">{e(status)}</span> "
             f"region {e(r.region)} · <b>{e(r.module or '?')}</b> · rank {e(r.rank)} · {e(r.kind)} · "
             f"<span class=\"dim\">{e(r.forward_ops)} fwd / {e(r.recompute_ops)} rec ops</span>{cause}{raised}</summary>")
@@ -567,153 +552,3 @@ def _notes(notes: Iterable[str], section_id: str | None) -> str:
     if section_id:
         return f"<section id=\"{section_id}\"><h2>notes</h2><ul class=\"notes\">{items}</ul></section>"
     return f"<ul class=\"notes\">{items}</ul>"
-
-
-_CSS = """
-:root{--bg:#fff;--fg:#1d2330;--dim:#6b7280;--line:#e3e6ec;--panel:#f7f8fa;--red:#c62828;--red-bg:#fdecea;
---green:#2e7d32;--green-bg:#e8f5e9;--amber:#b26a00;--amber-bg:#fff4e0;--magenta:#9c27b0;--cyan:#00838f;
---blue:#1565c0;--mark:#ffe08a;--code:#f3f4f6}
-@media (prefers-color-scheme:dark){:root{--bg:#14161b;--fg:#e6e8ee;--dim:#9aa3b2;--line:#2c313a;--panel:#1b1e25;
---red:#ef5350;--red-bg:#3a1d1d;--green:#66bb6a;--green-bg:#1b2e1d;--amber:#ffb74d;--amber-bg:#33280f;
---magenta:#ce93d8;--cyan:#4dd0e1;--blue:#64b5f6;--mark:#6b5400;--code:#21252d}}
-*{box-sizing:border-box}
-body{margin:0;background:var(--bg);color:var(--fg);font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
-main{padding:0 24px 24px}
-h2{font-size:17px;margin:22px 0 8px}
-h3{font-size:14px;margin:16px 0 6px;display:inline-block}
-code,pre,td.num,.aligned td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
-.dim{color:var(--dim)} .small{font-size:12px}
-.verdict{padding:16px 24px;border-left:8px solid var(--green);background:var(--green-bg)}
-.verdict.diverged{border-color:var(--red);background:var(--red-bg)}
-.verdict.silent{border-color:var(--amber);background:var(--amber-bg)}
-.verdict p{margin:4px 0}
-.verdict-title{font-size:22px;font-weight:700}
-.verdict.diverged .verdict-title{color:var(--red)} .verdict.clean .verdict-title{color:var(--green)}
-.verdict.silent .verdict-title{color:var(--amber)}
-.headline{font-size:16px;font-weight:600}
-.silent-warning{color:var(--red);font-weight:600}
-.toolbar{position:sticky;top:0;z-index:5;display:flex;flex-wrap:wrap;gap:14px;align-items:center;padding:8px 24px;
-background:var(--panel);border-bottom:1px solid var(--line)}
-.toolbar input[type=search]{width:22em;padding:3px 6px;border:1px solid var(--line);border-radius:4px;background:var(--bg);color:var(--fg)}
-.toolbar button{border:1px solid var(--line);background:var(--bg);color:var(--fg);border-radius:4px;padding:2px 8px;cursor:pointer}
-table{border-collapse:collapse;margin:4px 0 8px;max-width:100%}
-th,td{text-align:left;padding:3px 8px;border-bottom:1px solid var(--line);vertical-align:top}
-th{font-weight:600;color:var(--dim);font-size:12.5px}
-td.num{text-align:right;white-space:nowrap}
-td.wrap{max-width:46em}
-td.src,td.meta,td.verdict-cell{white-space:nowrap}
-table.kv th{text-align:right;white-space:nowrap}
-.badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;font-weight:600;white-space:nowrap}
-.badge.st-diverged{background:var(--red-bg);color:var(--red)} .badge.st-clean{background:var(--green-bg);color:var(--green)}
-.badge.st-other{background:var(--panel);color:var(--dim);border:1px solid var(--line)}
-details.region{border:1px solid var(--line);border-radius:6px;margin:10px 0;background:var(--bg)}
-details.region.st-diverged{border-left:4px solid var(--red)}
-details.region>summary{padding:8px 12px;cursor:pointer;background:var(--panel);border-radius:6px}
-.region-body{padding:4px 16px 12px}
-summary h3{margin:10px 0 4px}
-details>summary{cursor:pointer}
-.cause{background:var(--red-bg);border-radius:6px;padding:8px 12px;margin:10px 0}
-.cause p{margin:4px 0} .cause ul{margin:4px 0;padding-left:20px;color:var(--dim)}
-.cause-kind{color:var(--red)}
-.label{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;letter-spacing:.04em;
-color:var(--bg);background:var(--red);padding:0 6px;border-radius:3px;margin-right:4px}
-.label.ok{background:var(--green)}
-.mk{font-weight:600;white-space:nowrap}
-.mk-value{color:var(--amber)} .mk-discrete{color:var(--magenta)} .mk-shape{color:var(--red)} .mk-control{color:var(--cyan)}
-.mk-argument{color:var(--blue)}
-.divergent-op code{font-weight:700}
-.aligned td.cell{max-width:40em;word-break:break-word}
-.aligned tr.divergent td.cell{font-weight:600}
-.aligned td.div-value{background:var(--amber-bg)} .aligned td.div-discrete{background:rgba(156,39,176,.12)}
-.aligned td.div-shape{background:var(--red-bg)} .aligned td.div-control{background:rgba(0,131,143,.12)}
-.aligned td.div-argument{background:rgba(21,101,192,.12)}
-.aligned td.cached{color:var(--dim)}
-.aligned tr.gap td{color:var(--dim);text-align:center}
-.aligned tr:target,.positions tr:target{outline:2px solid var(--cyan)}
-mark{background:var(--mark);color:inherit;border-radius:2px;padding:0 1px}
-.chain{margin:4px 0;padding-left:22px} .chain li{margin:2px 0} .chain li+li::marker{color:var(--red)}
-table.positions tr.pos-mismatch td{background:var(--red-bg)}
-table.positions tr.pos-mismatch td.verdict-cell{color:var(--red);font-weight:700}
-table.positions tr.pos-values td{background:var(--amber-bg)}
-table.positions tr.pos-values td.verdict-cell{color:var(--amber);font-weight:700}
-table.positions tr.pos-match td.verdict-cell{color:var(--green)}
-.fix{border-left:3px solid var(--green);padding:2px 12px;margin:8px 0}
-.fix p{margin:4px 0}
-.code{position:relative}
-pre{background:var(--code);padding:10px 12px;border-radius:6px;overflow:auto;margin:6px 0}
-button.copy{position:absolute;right:6px;top:6px;font-size:11px;border:1px solid var(--line);background:var(--bg);
-color:var(--fg);border-radius:4px;cursor:pointer}
-.plot-box{margin:4px 0 8px;max-width:900px}
-svg.plot{width:100%;height:auto;background:var(--panel);border-radius:6px}
-svg .lane{font-size:11px;fill:var(--dim)} svg .tick{font-size:10px;fill:var(--dim)}
-svg .lane-line{stroke:var(--line)} svg .axis{stroke:var(--dim)}
-svg .win{fill:var(--cyan);opacity:.10}
-svg .mark.mk-value{fill:var(--amber)} svg .mark.mk-discrete{fill:var(--magenta)} svg .mark.mk-shape{fill:var(--red)}
-svg .mark.mk-control{fill:var(--cyan)} svg .mark.mk-argument{fill:var(--blue)} svg .mark.mk-pos_meta{fill:var(--red)} svg .mark.mk-pos_values{fill:var(--amber)}
-svg line.first{stroke-dasharray:3 3;stroke:var(--dim)}
-svg line.first.mk-value{stroke:var(--amber)} svg line.first.mk-discrete{stroke:var(--magenta)}
-svg line.first.mk-shape{stroke:var(--red)} svg line.first.mk-control{stroke:var(--cyan)}
-svg line.first.mk-argument{stroke:var(--blue)} svg .first-label.mk-argument{fill:var(--blue)}
-svg .first-label{font-size:10.5px;fill:var(--fg);font-weight:600}
-svg .first-label.mk-value{fill:var(--amber)} svg .first-label.mk-discrete{fill:var(--magenta)}
-svg .first-label.mk-shape{fill:var(--red)} svg .first-label.mk-control{fill:var(--cyan)}
-.notes{color:var(--dim)}
-[hidden],.filtered-out{display:none!important}
-footer{padding:12px 24px;color:var(--dim);font-size:12px;border-top:1px solid var(--line)}
-"""
-
-_JS = r"""
-(function(){
-  var q=document.getElementById('filter'),dv=document.getElementById('diverged-only'),
-      dp=document.getElementById('differing-only');
-  if(!q){return;}
-  function readHash(){
-    var h=new URLSearchParams(location.hash.slice(1));
-    if(h.has('q')){q.value=h.get('q');}
-    if(h.has('diverged')){dv.checked=h.get('diverged')!=='0';}
-    if(h.has('differing')){dp.checked=h.get('differing')!=='0';}
-  }
-  function writeHash(){
-    var h=new URLSearchParams();
-    if(q.value){h.set('q',q.value);}
-    h.set('diverged',dv.checked?'1':'0');
-    if(dp.checked){h.set('differing','1');}
-    history.replaceState(null,'','#'+h.toString());
-  }
-  function show(el,on){el.hidden=!on;el.classList.toggle('filtered-out',!on);}
-  function apply(){
-    var text=q.value.trim().toLowerCase(),shown=0,total=0;
-    document.querySelectorAll('tr.region-row').forEach(function(tr){
-      var on=(!dv.checked||tr.dataset.status==='diverged')&&(!text||tr.dataset.search.indexOf(text)>=0);
-      show(tr,on);total++;if(on){shown++;}
-    });
-    document.querySelectorAll('details.region').forEach(function(d){
-      show(d,(!dv.checked||d.dataset.status==='diverged')&&(!text||d.dataset.search.indexOf(text)>=0));
-    });
-    // a position row matches on its own op/module/source, or when the filter names its region's module
-    document.querySelectorAll('tr.pos').forEach(function(tr){
-      var region=tr.closest('details.region'),module=region?region.dataset.module:'';
-      show(tr,(!dp.checked||tr.dataset.differing==='1')&&
-        (!text||module.indexOf(text)>=0||tr.dataset.search.indexOf(text)>=0));
-    });
-    var c=document.getElementById('shown-count');
-    if(c){c.textContent=shown+' of '+total+' region(s) shown';}
-    var none=document.getElementById('none-shown');
-    if(none){none.hidden=shown>0;}
-    document.body.dataset.filtered=(dv.checked||text||dp.checked)?'1':'0';
-  }
-  readHash();apply();
-  [q,dv,dp].forEach(function(el){el.addEventListener('input',function(){apply();writeHash();});});
-  window.addEventListener('hashchange',function(){readHash();apply();});
-  document.getElementById('expand-all').addEventListener('click',function(){
-    document.querySelectorAll('details').forEach(function(d){d.open=true;});});
-  document.getElementById('collapse-all').addEventListener('click',function(){
-    document.querySelectorAll('details').forEach(function(d){d.open=false;});});
-  document.querySelectorAll('button.copy').forEach(function(b){
-    b.addEventListener('click',function(){
-      var code=b.parentNode.querySelector('code').textContent;
-      if(navigator.clipboard){navigator.clipboard.writeText(code).then(function(){b.textContent='copied';});}
-    });
-  });
-})();
-"""

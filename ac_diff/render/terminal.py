@@ -51,7 +51,7 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(Text("cross-rank: ", style="bold magenta") + _t(finding))
     if report.regions:
         console.print(_regions_table(report))
-    groups = _groups(report)
+    groups = report.lead_groups()
     shown: set[str] = set()  # fix titles already printed: each fix once
     for lead, members, label in groups[:MAX_DETAILED_REGIONS]:
         _region_detail(lead, report, console, shown)
@@ -71,22 +71,6 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(_t(f"... {len(side_effects) - 6} more side effects in the JSON report", "dim"))
     for note in report.notes:
         console.print(Text("note: ", style="dim bold") + Text(note, style="dim"))
-
-
-def _raised(report: Report, region: RegionReport) -> bool:
-    return any(e.region == region.region and e.rank == region.rank for e in report.torch_errors)
-
-
-def _groups(report: Report) -> list[tuple[RegionReport, list[RegionReport], str]]:
-    """(lead region, members, label) per group of diverged regions; one group per region where the
-    report has none (two traces compared)."""
-    by_key = {(r.rank, r.region): r for r in report.regions}
-    if report.groups:
-        return [(by_key[g.lead], [by_key[k] for k in g.regions if k in by_key], g.label) for g in report.groups
-                if g.lead in by_key]
-    diverged = sorted((r for r in report.regions if r.status == DIVERGED),
-                      key=lambda r: (not _raised(report, r), r.rank, r.region))
-    return [(r, [r], r.module or "?") for r in diverged]
 
 
 def _verdict_panel(report: Report) -> Panel:
@@ -137,11 +121,8 @@ def _ranks_table(report: Report) -> Table:
         table.add_column(col, no_wrap=col != "first diverged")
     for r in report.ranks:
         style = {"diverged": "red", "clean": "green"}.get(r.verdict, "dim")
-        first = f"{r.first_module} (region {r.first_region})" if r.first_module is not None else ""
-        exit_ = ("killed" if r.truncated else "stopped" if r.exit_code == 143 else "raised" if r.exit_status == "exception"
-                 else f"exit {r.exit_code}" if r.exit_code not in (None, 0) else r.exit_status or "")
-        table.add_row(_t(r.rank), _t(r.verdict, style), _t(f"{r.diverged} of {r.regions}"), _t(r.cause), _t(first),
-                      _t(exit_, "dim"))
+        table.add_row(_t(r.rank), _t(r.verdict, style), _t(f"{r.diverged} of {r.regions}"), _t(r.cause),
+                      _t(r.first_diverged), _t(r.ending, "dim"))
     return table
 
 
@@ -155,7 +136,7 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
     rows = report.regions
     shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
     for r in shown:
-        status = Text(r.status + (" (silent)" if r.silent else ""),
+        status = Text(r.status_label,
                       style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
         first = r.first_divergence()
         what = (_t(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
