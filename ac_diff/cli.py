@@ -120,6 +120,7 @@ def run(
     deterministic: bool = typer.Option(False, "--deterministic", help="Remedy: torch.use_deterministic_algorithms(True) (+ CUBLAS_WORKSPACE_CONFIG)."),
     must_save: Optional[List[str]] = typer.Option(None, "--must-save", metavar="OP[,OP..]", help="Remedy: selective AC saves these ops (composed with the script's SAC policy)."),
     must_save_module: Optional[List[str]] = typer.Option(None, "--must-save-module", metavar="GLOB", help="With --must-save: only in modules matching GLOB."),
+    restore: Optional[List[str]] = typer.Option(None, "--restore-in-recompute", metavar="NAME", help="Remedy: the recompute sees the forward's value of this buffer/attribute/generator (FQN glob; a module: its generators)."),
 ) -> None:
     """Run a training script like python would, recording every checkpointed region.
 
@@ -140,7 +141,7 @@ def run(
     from .commands.run_extras import remedy_options
 
     remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,
-                                         deterministic, must_save, must_save_module)
+                                         deterministic, must_save, must_save_module, restore)
     extra = {"remedies": remedies, "reference": reference, "reference_steps": reference_steps}
     if nproc_per_node is not None and nproc_per_node < 1:
         raise typer.BadParameter(f"--nproc-per-node must be an integer >= 1 (got {nproc_per_node})")

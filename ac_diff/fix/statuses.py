@@ -4,11 +4,13 @@
     mark(report, ..., tries=[(candidate, try_)])                        # verified / did not help, by the fix runs
 
 A suggestion is matched to a remedy of `ac-diff fix` by what it asks for: preserve_rng_state, use_reentrant,
-deterministic algorithms, saving an op, leaving the region out of AC.
+deterministic algorithms, saving an op, the state a restore puts back, leaving the region out of AC.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import shlex
 from typing import Any
 
@@ -34,6 +36,11 @@ def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
         return bool(candidate.op) and t.startswith(f"save {candidate.op}".lower())
     if candidate.kind == "non_reentrant":
         return "use_reentrant" in t
+    if candidate.kind == "restore" and candidate.state == "generator":
+        return "torch.generator" in t
+    if candidate.kind == "restore":  # "Update `layers.1.moe.expert_bias` after ...": the named state matches
+        return any(fnmatch.fnmatchcase(name, g) for name in re.findall(r"`([^`]+)`", title)
+                   for g in candidate.spec.restore)
     if candidate.kind == "no_ac":
         return "out of activation checkpointing" in t and region_module in candidate.spec.no_ac
     return False

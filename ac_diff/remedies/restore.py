@@ -1,0 +1,113 @@
+"""`--restore-in-recompute NAME`: the recompute sees the state the region's forward saw, and the current
+state is put back after it. This simulates "move the update after backward" (a buffer or attribute the
+forward or an optimizer changes) and "give the generator's state to the checkpoint" (a private
+torch.Generator), so `ac-diff fix` can prove such a code change before the user makes it.
+
+    RestoreInRecompute(["layers.*.moe.expert_bias"], name_of).apply(call)
+    # call.function now snapshots layers.1.moe.expert_bias when the forward runs it, and on every later
+    # call (a recompute) runs with that value in place, then restores the value it found
+
+NAME is a glob over fully qualified names: a parameter, buffer, tensor attribute or Python scalar attribute
+(`layers.1.moe.router.calls`), or a torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a
+module instead (`layers.1`) means every torch.Generator held by that module or its submodules. Only what
+the checkpointed module reaches is restored; a region that is a bare function has nothing to restore.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable
+
+import torch
+
+from ..capture.modules import clean_fqn
+from ..capture.torch_compat import checkpointed_module
+from .call import CheckpointCall
+
+_SCALARS = (bool, int, float, str)
+
+
+class _Slot:
+    """One piece of state: read it, write it (tensors by swapping `.data`, so no version counter moves)."""
+
+    def __init__(self, owner: Any, attr: str) -> None:
+        self.owner, self.attr = owner, attr
+
+    def read(self) -> Any:
+        value = getattr(self.owner, self.attr)
+        if isinstance(value, torch.Generator):
+            return value.get_state()
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        return value
+
+    def write(self, value: Any) -> None:
+        current = getattr(self.owner, self.attr)
+        if isinstance(current, torch.Generator):
+            current.set_state(value)
+        elif isinstance(current, torch.Tensor):
+            current.data = value.clone()  # the recompute may update it in place: keep the snapshot intact
+        else:
+            setattr(self.owner, self.attr, value)
+
+
+def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slot]:
+    """Every piece of state under `root` (named `prefix`) whose FQN matches: `{"layers.1.moe.expert_bias": slot}`."""
+    found: dict[str, _Slot] = {}
+    for sub_name, sub in root.named_modules():
+        name = clean_fqn(".".join(p for p in (prefix, sub_name) if p))
+        module_matches = any(fnmatch.fnmatchcase(name, g) for g in globs)
+        # parameters, buffers, public attributes, and private generators (`self._gen = torch.Generator()`)
+        attrs = [*sub._parameters, *sub._buffers,
+                 *(k for k, v in vars(sub).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
+        for attr in dict.fromkeys(attrs):
+            value = getattr(sub, attr, None)
+            if not isinstance(value, (torch.Tensor, torch.Generator, *_SCALARS)):
+                continue
+            fqn = f"{name}.{attr}" if name else attr
+            if any(fnmatch.fnmatchcase(fqn, g) for g in globs) or (isinstance(value, torch.Generator) and module_matches):
+                found[fqn] = _Slot(sub, attr)
+    return found
+
+
+class _Restoring:
+    """The checkpointed function, snapshotting its state in the forward (first call) and putting it back
+    around every recompute (later calls, early-stopped ones included)."""
+
+    def __init__(self, function: Callable, slots: dict[str, _Slot]) -> None:
+        self._ac_diff_checkpointed = function  # what the recorder names the region after
+        self.function, self.slots = function, slots
+        self.snapshot: dict[str, Any] | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.snapshot is None:
+            self.snapshot = {name: slot.read() for name, slot in self.slots.items()}
+            return self.function(*args, **kwargs)
+        current = {name: slot.read() for name, slot in self.slots.items()}
+        for name, slot in self.slots.items():
+            slot.write(self.snapshot[name])
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            for name, slot in self.slots.items():
+                slot.write(current[name])
+
+
+class RestoreInRecompute:
+    kind = "restore"
+
+    def __init__(self, globs: list[str], name_of: Callable[[torch.nn.Module], str]) -> None:
+        self.globs = list(globs)
+        self.name_of = name_of
+
+    def apply(self, call: CheckpointCall) -> str | None:
+        if call.bypass:
+            return None
+        module, _ = checkpointed_module(call.function)
+        if module is None:
+            return None
+        slots = find(module, self.name_of(module), self.globs)
+        if not slots:
+            return None
+        call.function = _Restoring(call.function, slots)
+        return "forward value restored in the recompute: " + ", ".join(slots)
