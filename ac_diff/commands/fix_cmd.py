@@ -2,8 +2,8 @@
 
     ac-diff fix -o out train.py --steps 1
     fixes tried on your script: verified: preserve_rng_state=True - every region clean, gradients bit-identical ...
-     remedy                  status        regions diverged   gradients vs no-AC run   extra memory   wall time
-     preserve_rng_state=True verified      4 -> 0             bit-identical            +0 MB peak RSS  6.1 s
+     remedy                  status        regions diverged   gradients vs no-AC run   extra memory     wall time
+     preserve_rng_state=True verified      4 -> 0             bit-identical            +0 B/region      6.1 s
      no AC in layers.0       did not help  4 -> 2             ...
 
 Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both capturing the first
@@ -28,6 +28,7 @@ from typing import Any
 from ..diagnosis import Settings, diagnose
 from ..fix.candidates import candidates
 from ..fix.forms import code_for
+from ..fix.memory import extra_bytes_per_region
 from ..fix.model import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
 from ..fix.tries import Measured, diverged, judge, run_measured
@@ -43,14 +44,16 @@ from .run_extras import CAPTURE_ENV
 ORDER = {VERIFIED: 0, DID_NOT_HELP: 1, CRASHED: 2, UNTESTED: 3}
 
 
-def _report_of(directory: Path, settings: Settings) -> Any | None:
+def _report_of(directory: Path, settings: Settings) -> tuple[Any, Any] | tuple[None, None]:
+    """(the report, rank 0's run) of a recorded directory; (None, None) when it holds no readable trace."""
     trace = directory / "trace-rank0.jsonl"
     if not trace.exists():
-        return None
+        return None, None
     try:
-        return diagnose([read_run(trace)], settings)
+        run = read_run(trace)
+        return diagnose([run], settings), run
     except Exception:  # a trace the try could not finish: judged as crashed
-        return None
+        return None, None
 
 
 def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, max_tries: int,
@@ -72,7 +75,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=out / "reference", steps=steps,
                                                spec=RemedySpec())
     ref_m = run_measured(cmd, ref_env, out / "reference.log")
-    report = _report_of(out / "base", settings)
+    report, base_run = _report_of(out / "base", settings)
     if report is None:
         return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
                     f"(see {out / 'base.log'})")
@@ -89,10 +92,11 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         d = out / f"try-{i + 1}"
         m = run_measured([sys.executable, "-m", "ac_diff", "run", "--force", "-o", str(d), *t.args, *tail], env,
                          out / f"try-{i + 1}.log")
-        r = _report_of(d, settings)
+        r, run = _report_of(d, settings)
         ref = reference_result(r, d, [0], steps, ref_m.code, ref_text, reference_dir=out / "reference") \
             if r is not None else None
-        judge(t, r, ref, m, base_m, c.op)
+        judge(t, r, ref, m, base_m, c.op,
+              extra_bytes_per_region(run, base_run, c.spec.no_ac) if run is not None else None)
 
     budget = range(min(len(found), max_tries))
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)
@@ -134,7 +138,8 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
         result.verified, result.verified_code = c.name, code_for(c)
         n = len(tries) - sum(t.status == UNTESTED for t in tries)
         result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
-                           f"({n} remed{'y' if n == 1 else 'ies'} tried)")
+                           f"({n} remed{'y' if n == 1 else 'ies'} tried)"
+                           + ("; a simulation of a code change: make the change below" if c.kind == "restore" else ""))
     elif verified:
         c, t = verified[0]
         result.verified, result.verified_code = c.name, code_for(c)
