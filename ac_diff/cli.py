@@ -174,6 +174,7 @@ def fix(
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
     steps: int = typer.Option(1, "--steps", help="Backward passes whose gradients are compared with the run without AC."),
     jobs: int = typer.Option(1, "--jobs", help="Tries run at the same time."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Run the script and every try with torchrun, N processes."),
     fmt: Optional[str] = typer.Option(None, "--format", help="Report format: terminal (default), json, html.",
                                        autocompletion=_complete_formats),
     json_path: Optional[str] = typer.Option(None, "--json", help="Also write the JSON report to this file."),
@@ -195,7 +196,8 @@ def fix(
     output_dir = output_dir or os.path.join(cfg.output_dir, "fix")
     raise typer.Exit(fix_command(target, list(args or []), module=module, output_dir=output_dir, max_tries=max_tries,
                                  max_regions=max_regions, steps=steps, jobs=jobs, fmt=fmt, json_path=json_path,
-                                 output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None)))
+                                 output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None),
+                                 nproc=nproc_per_node))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -88,7 +88,7 @@ class RunExtras:
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it
-            mark(report, self.target, self.args, self.module)
+            mark(report, self.target, self.args, self.module, nproc=len(ranks))
         if not self.active:
             return
         applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]

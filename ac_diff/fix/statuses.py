@@ -17,13 +17,17 @@ from typing import Any
 from .model import UNTESTED
 
 
-def fix_command(target: str, args: list[str], module: bool) -> str:
-    return shlex.join(["ac-diff", "fix", *(["-m"] if module else []), target, *args])
+def _launch(nproc: int) -> list[str]:
+    return ["--nproc-per-node", str(nproc)] if nproc > 1 else []
 
 
-def run_command(spec_args: list[str], target: str, args: list[str], module: bool) -> str:
-    return shlex.join(["ac-diff", "run", "--reference", "no-ac", *spec_args, *(["-m"] if module else []), target,
-                       *args])
+def fix_command(target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+    return shlex.join(["ac-diff", "fix", *_launch(nproc), *(["-m"] if module else []), target, *args])
+
+
+def run_command(spec_args: list[str], target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+    return shlex.join(["ac-diff", "run", *_launch(nproc), "--reference", "no-ac", *spec_args,
+                       *(["-m"] if module else []), target, *args])
 
 
 def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
@@ -46,8 +50,9 @@ def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
     return False
 
 
-def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None) -> None:
-    default = fix_command(target, args, module)
+def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None,
+         nproc: int = 1) -> None:
+    default = fix_command(target, args, module, nproc)
     for region in report.regions:
         for s in region.suggestions:
             s.status, s.verify = UNTESTED, default
