@@ -10,8 +10,8 @@ Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both 
 --steps backward passes' gradients; candidate remedies for the diagnosed causes (fix/candidates.py),
 cheapest first, at most --max-tries, stopping at the first verified one that keeps AC (with --jobs 1);
 each try is `ac-diff run <remedy options>` in its own process (OUT/try-N, same arguments, environment and
-seeds), --jobs at a time. With --nproc-per-node N every run is `ac-diff run --nproc-per-node N` (torchrun) and
-the base run's ranks start their own reference ranks (OUT/base/reference). The report is the base run's, with
+seeds), --jobs at a time. With --nproc-per-node N every run is `ac-diff run --nproc-per-node N` and the run
+without AC is a torchrun of N ranks too. The report is the base run's, with
 a `fixes` section and every suggestion's status. Exit 0 when a remedy was verified (or nothing needed
 fixing), 1 when none was.
 """
@@ -36,7 +36,6 @@ from ..fix.tries import Measured, diverged, judge, run_measured
 from ..reference.explain import attach
 from ..reference.model import DIFFERS
 from ..reference.run import reference_command, reference_result
-from ..reference.session import REFERENCE_DIR
 from ..remedies import RemedySpec
 from ..capture.runner import check_target
 from ..trace import read_run
@@ -72,17 +71,13 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     tail = [*(["-m"] if module else []), target, *args]
     run = [sys.executable, "-m", "ac_diff", "run", "--force", *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
     print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
-    if nproc > 1:  # every rank starts its own reference rank (they need their own process group)
-        ref_dir = out / "base" / REFERENCE_DIR
-        base_m = run_measured([*run, "--reference", "no-ac", "--reference-steps", str(steps), "-o", str(out / "base"),
-                               *tail], env, out / "base.log")
-        ref_m, ref_text = base_m, "AC off everywhere, each rank: " + " ".join(["python", *tail])
-    else:
-        ref_dir = out / "reference"
-        base_m = run_measured([*run, "-o", str(out / "base"), *tail], env, out / "base.log")
-        cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=ref_dir, steps=steps,
-                                                   spec=RemedySpec())
-        ref_m = run_measured(cmd, ref_env, out / "reference.log")
+    base_m = run_measured([*run, "-o", str(out / "base"), *tail], env, out / "base.log")
+    ref_dir = out / "reference"
+    cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=ref_dir, steps=steps,
+                                               spec=RemedySpec())
+    if nproc > 1:  # the reference's ranks: a torchrun of their own
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
+    ref_m = run_measured(cmd, ref_env, out / "reference.log")
     report, base_run = _report_of(out / "base", settings)
     if report is None:
         return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "

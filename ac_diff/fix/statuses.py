@@ -9,11 +9,11 @@ deterministic algorithms, saving an op, the state a restore puts back, leaving t
 
 from __future__ import annotations
 
-import fnmatch
 import re
 import shlex
 from typing import Any
 
+from ..remedies.restore import fqn_matches
 from .model import UNTESTED
 
 
@@ -43,8 +43,7 @@ def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
     if candidate.kind == "restore" and candidate.state == "generator":
         return "torch.generator" in t
     if candidate.kind == "restore":  # "Update `layers.1.moe.expert_bias` after ...": the named state matches
-        return any(fnmatch.fnmatchcase(name, g) for name in re.findall(r"`([^`]+)`", title)
-                   for g in candidate.spec.restore)
+        return any(fqn_matches(name, candidate.spec.restore) for name in re.findall(r"`([^`]+)`", title))
     if candidate.kind == "no_ac":
         return "out of activation checkpointing" in t and region_module in candidate.spec.no_ac
     return False

@@ -7,7 +7,7 @@ torch.Generator), so `ac-diff fix` can prove such a code change before the user 
     # call.function now snapshots layers.1.moe.expert_bias when the forward runs it, and on every later
     # call (a recompute) runs with that value in place, then restores the value it found
 
-NAME is a glob over fully qualified names: a parameter, buffer, tensor attribute or Python scalar attribute
+NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a parameter, buffer, tensor attribute or Python scalar attribute
 (`layers.1.moe.router.calls`), or a torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a
 module instead (`layers.1`) means every torch.Generator held by that module or its submodules. Only what
 the checkpointed module reaches is restored; a region that is a bare function has nothing to restore.
@@ -51,12 +51,19 @@ class _Slot:
             setattr(self.owner, self.attr, value)
 
 
+def fqn_matches(name: str, globs: list[str]) -> bool:
+    """Dot by dot: `layers.*.bias` matches `layers.0.bias`, not `layers.0.fc.bias`."""
+    parts = name.split(".")
+    return any(len(g.split(".")) == len(parts) and all(map(fnmatch.fnmatchcase, parts, g.split(".")))
+               for g in globs)
+
+
 def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slot]:
     """Every piece of state under `root` (named `prefix`) whose FQN matches: `{"layers.1.moe.expert_bias": slot}`."""
     found: dict[str, _Slot] = {}
     for sub_name, sub in root.named_modules():
         name = clean_fqn(".".join(p for p in (prefix, sub_name) if p))
-        module_matches = any(fnmatch.fnmatchcase(name, g) for g in globs)
+        module_matches = fqn_matches(name, globs)
         # parameters, buffers, public attributes, and private generators (`self._gen = torch.Generator()`)
         attrs = [*sub._parameters, *sub._buffers,
                  *(k for k, v in vars(sub).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
@@ -65,7 +72,7 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
             if not isinstance(value, (torch.Tensor, torch.Generator, *_SCALARS)):
                 continue
             fqn = f"{name}.{attr}" if name else attr
-            if any(fnmatch.fnmatchcase(fqn, g) for g in globs) or (isinstance(value, torch.Generator) and module_matches):
+            if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and module_matches):
                 found[fqn] = _Slot(sub, attr)
     return found
 
