@@ -120,9 +120,9 @@ def test_fix_under_torchrun_tries_each_remedy_on_every_rank(fixes):
     proc, report = fixes["torchrun"]
     assert {r["rank"] for r in report["regions"]} == {0, 1}
     tries = report["fixes"]["tries"]
-    assert [t["status"] for t in tries] == ["verified", "verified"], tries
-    assert {t["args"][0] for t in tries} == {"--must-save", "--restore-in-recompute"}
-    assert all(t["regions_before"] == 1 and t["gradients"] == "bit-identical" for t in tries)
+    assert [t["status"] for t in tries] == ["verified", "verified", "untested"], tries  # --max-tries 2
+    assert {t["args"][0] for t in tries[:2]} == {"--must-save", "--restore-in-recompute"}
+    assert all(t["regions_before"] == 1 and t["gradients"] == "bit-identical" for t in tries[:2])
     assert all(t["command"].startswith("ac-diff run --nproc-per-node 2 ") for t in tries)
     assert proc.returncode == 0
 
