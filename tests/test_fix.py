@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,7 @@ def _fix(out, *args, cwd=None):
 def fixes(tmp_path_factory):
     out = tmp_path_factory.mktemp("fix")
     jobs = {
-        "rng": ["--max-tries", "1", SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
+        "rng": ["--max-tries", "1", "--report", str(out / "rng.html"), SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
         "bias": ["--max-tries", "2", SCRIPT, "--no-aux", "--bias-update", "--gather-weights"],
         "bias_inplace": ["--max-tries", "3", "--jobs", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
         "generator": [str(STACKS / "private_generator.py")],
@@ -70,6 +71,12 @@ def test_preserve_rng_is_verified_first_with_its_exact_form(fixes):
     others = [s for r in report["regions"] for s in r["suggestions"] if "preserve_rng_state" not in s["title"]]
     assert all(s["status"] == "untested" and s["verify"].startswith("ac-diff fix ") for s in others)
     assert "fixes tried on your script" in proc.stdout and "verified" in proc.stdout
+    assert proc.stdout.index("fixes tried on your script") < proc.stdout.index("regions")  # near the top
+    page = (Path(report["regions"][0]["path"]).parents[2] / "rng.html").read_text()  # OUT/base/trace -> OUT/..
+    fixes_at = page.index('<section id="fixes">')
+    assert fixes_at < page.index('<section id="reference"') < page.index('<section id="regions">')
+    assert "ac-diff run --reference no-ac --preserve-rng" in page[fixes_at:]  # each try's command
+    assert "[verified]" in page and "[untested]" in page  # the suggestions' statuses
 
 
 def test_saving_the_decision_does_not_help_when_its_input_already_differed(fixes):
@@ -137,8 +144,6 @@ def test_gradients_lost_through_reentrant_regions_are_fixed_by_use_reentrant_fal
 
 
 def test_must_save_composes_with_torchtitans_own_sac_policy(fixes):
-    from pathlib import Path
-
     proc, report = fixes["titan"]
     t = report["fixes"]["tries"][0]
     assert t["args"][:2] == ["--must-save", "aten.topk.default"] and t["status"] != "untested", t
