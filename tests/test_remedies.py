@@ -254,7 +254,11 @@ def test_restore_in_recompute_gives_the_recompute_the_forwards_state(patched, re
     assert not same(grads(Stack(block, reentrant)), reference)  # the real mechanism: the recompute sees new state
     patch = patched(RemedySpec(restore=[name]))
     net = Stack(block, reentrant)
+    storage = [layer.fc.weight.data_ptr() for layer in net.layers] + (
+        [layer.bias.data_ptr() for layer in net.layers] if block is Biased else [])
     assert same(grads(net), reference)
+    assert storage == [layer.fc.weight.data_ptr() for layer in net.layers] + (
+        [layer.bias.data_ptr() for layer in net.layers] if block is Biased else [])  # its own storage back
     # after the backward the state is what the forward left (the recompute's own update / draws undone)
     after_forward = Stack(block, checkpointed=False)
     grads(after_forward)

@@ -28,27 +28,31 @@ _SCALARS = (bool, int, float, str)
 
 
 class _Slot:
-    """One piece of state: read it, write it (tensors by swapping `.data`, so no version counter moves)."""
+    """One piece of state: a snapshot of it, and a swap that puts a value in and hands back what was there
+    (a tensor by its `.data`: the recompute's in-place updates land on the snapshot's copy, and the tensor
+    gets its own storage back untouched)."""
 
     def __init__(self, owner: Any, attr: str) -> None:
         self.owner, self.attr = owner, attr
 
-    def read(self) -> Any:
+    def snapshot(self) -> Any:
         value = getattr(self.owner, self.attr)
         if isinstance(value, torch.Generator):
             return value.get_state()
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        return value
+        return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
-    def write(self, value: Any) -> None:
+    def swap(self, value: Any) -> Any:
         current = getattr(self.owner, self.attr)
         if isinstance(current, torch.Generator):
+            before = current.get_state()
             current.set_state(value)
         elif isinstance(current, torch.Tensor):
-            current.data = value.clone()  # the recompute may update it in place: keep the snapshot intact
+            before = current.data
+            current.data = value
         else:
+            before = current
             setattr(self.owner, self.attr, value)
+        return before
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
@@ -77,6 +81,10 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
     return found
 
 
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 class _Restoring:
     """The checkpointed function, snapshotting its state in the forward (first call) and putting it back
     around every recompute (later calls, early-stopped ones included)."""
@@ -88,16 +96,15 @@ class _Restoring:
 
     def __call__(self, *args, **kwargs):
         if self.snapshot is None:
-            self.snapshot = {name: slot.read() for name, slot in self.slots.items()}
+            self.snapshot = {name: slot.snapshot() for name, slot in self.slots.items()}
             return self.function(*args, **kwargs)
-        current = {name: slot.read() for name, slot in self.slots.items()}
-        for name, slot in self.slots.items():
-            slot.write(self.snapshot[name])
+        # a fresh copy per recompute: one may run twice (retain_graph), and each updates its copy in place
+        held = {name: slot.swap(_copy(self.snapshot[name])) for name, slot in self.slots.items()}
         try:
             return self.function(*args, **kwargs)
         finally:
             for name, slot in self.slots.items():
-                slot.write(current[name])
+                slot.swap(held[name])
 
 
 class RestoreInRecompute:
