@@ -4,7 +4,7 @@
     patch = CheckpointPatch(spec).install()        # before the script runs (ac-diff run, the reference child)
     patch.summary()                                # which remedy was applied to which region, how often
 
-One module per remedy kind (`no_ac`, `rng`, `reentrant`, `deterministic`, `must_save`), `spec` (the value that
+One module per remedy kind (`no_ac`, `rng`, `reentrant`, `deterministic`, `must_save`, `restore`), `spec` (the value that
 travels to children and torchrun ranks in $AC_DIFF_REMEDIES) and `patch` (the one place that reaches
 checkpoint(), checkpoint_wrapper, checkpoint_sequential and HF gradient checkpointing).
 """
