@@ -10,8 +10,8 @@ torch.Generator), so `ac-diff fix` can prove such a code change before the user 
 NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a parameter, buffer, tensor
 attribute or Python scalar attribute (`layers.1.moe.router.calls`), or a torch.Generator attribute
 (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every torch.Generator held by
-that module or its submodules. Only what
-the checkpointed module reaches is restored; a region that is a bare function has nothing to restore.
+that module or its submodules. Only what the checkpointed module reaches is restored; a region that is a
+bare function or a checkpoint_sequential segment has nothing to restore.
 """
 
 from __future__ import annotations
