@@ -4,11 +4,11 @@ forward or an optimizer changes) and "give the generator's state to the checkpoi
 torch.Generator), so `ac-diff fix` can prove such a code change before the user makes it.
 
     RestoreInRecompute(["layers.*.moe.expert_bias"], name_of).apply(call)
-    # call.function now snapshots layers.1.moe.expert_bias when the forward runs it, and on every later
-    # call (a recompute) runs with that value in place, then restores the value it found
+    # call.function now holds layers.1.moe.expert_bias as the forward found it, and every later call (a
+    # recompute) runs with that value in place, then puts back the value it found
 
-NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a parameter, buffer, tensor
-attribute or Python scalar attribute (`layers.1.moe.router.calls`), or a torch.Generator attribute
+NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a buffer, tensor attribute
+or Python scalar attribute (`layers.1.moe.router.calls`; not a parameter), or a torch.Generator attribute
 (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every torch.Generator held by
 that module or its submodules. Only what the checkpointed module reaches is restored; a region that is a
 bare function or a checkpoint_sequential segment has nothing to restore.
@@ -29,9 +29,10 @@ _SCALARS = (bool, int, float, str)
 
 
 class _Slot:
-    """One piece of state: a snapshot of it, and a swap that puts a value in and hands back what was there
-    (a tensor by its `.data`: the recompute's in-place updates land on the snapshot's copy, and the tensor
-    gets its own storage back untouched)."""
+    """One piece of state: a snapshot of it, and a swap that puts a value in and hands back what was there. A
+    tensor is swapped as the module's attribute (the buffer's entry), not by its data: no tensor op runs in
+    the recompute for it, so the recording sees only the region's own ops, and the recompute's in-place
+    updates land on the snapshot's copy while the module's tensor stays untouched."""
 
     def __init__(self, owner: Any, attr: str) -> None:
         self.owner, self.attr = owner, attr
@@ -47,13 +48,12 @@ class _Slot:
         if isinstance(current, torch.Generator):
             before = current.get_state()
             current.set_state(value)
-        elif isinstance(current, torch.Tensor):
-            before = current.data
-            current.data = value
+            return before
+        if self.attr in self.owner._buffers:
+            self.owner._buffers[self.attr] = value
         else:
-            before = current
-            setattr(self.owner, self.attr, value)
-        return before
+            object.__setattr__(self.owner, self.attr, value)
+        return current
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
@@ -69,8 +69,9 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
     for sub_name, sub in root.named_modules():
         name = clean_fqn(".".join(p for p in (prefix, sub_name) if p))
         module_matches = fqn_matches(name, globs)
-        # parameters, buffers, public attributes, and private generators (`self._gen = torch.Generator()`)
-        attrs = [*sub._parameters, *sub._buffers,
+        # buffers, public attributes, and private generators (`self._gen = torch.Generator()`); not parameters:
+        # a stand-in would take their gradients
+        attrs = [*sub._buffers,
                  *(k for k, v in vars(sub).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
         for attr in dict.fromkeys(attrs):
             value = getattr(sub, attr, None)
@@ -87,20 +88,24 @@ def _copy(value: Any) -> Any:
 
 
 class _Restoring:
-    """The checkpointed function, snapshotting its state in the forward (first call) and putting it back
-    around every recompute (later calls, early-stopped ones included)."""
+    """The checkpointed function, run by every recompute (its later calls, early-stopped ones included) with
+    the state as the forward found it, then the current state put back. The snapshot and the recompute's
+    copy are made when checkpoint() is called, outside the region (a second recompute copies again)."""
 
     def __init__(self, function: Callable, slots: dict[str, _Slot]) -> None:
         self._ac_diff_checkpointed = function  # what the recorder names the region after
         self.function, self.slots = function, slots
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot = {name: slot.snapshot() for name, slot in slots.items()}
+        self.spare: dict[str, Any] | None = {name: _copy(v) for name, v in self.snapshot.items()}
+        self.forward_done = False
 
     def __call__(self, *args, **kwargs):
-        if self.snapshot is None:
-            self.snapshot = {name: slot.snapshot() for name, slot in self.slots.items()}
+        if not self.forward_done:
+            self.forward_done = True
             return self.function(*args, **kwargs)
-        # a fresh copy per recompute: one may run twice (retain_graph), and each updates its copy in place
-        held = {name: slot.swap(_copy(self.snapshot[name])) for name, slot in self.slots.items()}
+        # each recompute updates its own copy in place (the forward hook runs again)
+        values, self.spare = self.spare or {name: _copy(v) for name, v in self.snapshot.items()}, None
+        held = {name: slot.swap(values[name]) for name, slot in self.slots.items()}
         try:
             return self.function(*args, **kwargs)
         finally:
