@@ -121,6 +121,7 @@ def run(
     deterministic: bool = typer.Option(False, "--deterministic", help="Remedy: torch.use_deterministic_algorithms(True) (+ CUBLAS_WORKSPACE_CONFIG)."),
     must_save: Optional[List[str]] = typer.Option(None, "--must-save", metavar="OP[,OP..]", help="Remedy: selective AC saves these ops (composed with the script's SAC policy)."),
     must_save_module: Optional[List[str]] = typer.Option(None, "--must-save-module", metavar="GLOB", help="With --must-save: only in modules matching GLOB."),
+    restore: Optional[List[str]] = typer.Option(None, "--restore-in-recompute", metavar="NAME", help="Remedy: the recompute sees the forward's value of this buffer/attribute/generator (FQN glob; a module: its generators)."),
 ) -> None:
     """Run a training script like python would, recording every checkpointed region.
 
@@ -141,7 +142,7 @@ def run(
     from .commands.run_extras import remedy_options
 
     remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,
-                                         deterministic, must_save, must_save_module)
+                                         deterministic, must_save, must_save_module, restore)
     extra = {"remedies": remedies, "reference": reference, "reference_steps": reference_steps}
     if nproc_per_node is not None and nproc_per_node < 1:
         raise typer.BadParameter(f"--nproc-per-node must be an integer >= 1 (got {nproc_per_node})")
@@ -174,6 +175,7 @@ def fix(
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
     steps: int = typer.Option(1, "--steps", help="Backward passes whose gradients are compared with the run without AC."),
     jobs: int = typer.Option(1, "--jobs", help="Tries run at the same time."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Run the script and every try with torchrun, N processes."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
     report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
@@ -194,7 +196,8 @@ def fix(
     output_dir = output_dir or os.path.join(cfg.output_dir, "fix")
     raise typer.Exit(fix_command(target, list(args or []), module=module, output_dir=output_dir, max_tries=max_tries,
                                  max_regions=max_regions, steps=steps, jobs=jobs, fmt=fmt, json_path=json_path,
-                                 output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None)))
+                                 output=_report_file(fmt, report_file, output_dir), settings=cfg.settings(None, None),
+                                 nproc=nproc_per_node))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -3,16 +3,20 @@ the others did not. Real mechanisms only (tests/stacks/reentrant_side.py, the to
 dropout with preserve_rng_state=False, a router bias updated in a forward hook whose biased scores also
 give the weights (saving topk does not help: its input already differed and feeds the weights too), the same with top-k weights normalised in place (saving topk crashes the
 script: SAC's cached tensor is mutated), router logits lost through reentrant checkpoint, and torchtitan's
-own op-level SAC policy composed with --must-save.
+own op-level SAC policy composed with --must-save; a block drawing from its own torch.Generator (preserve_rng_state
+does not help, restoring the generator's forward state does); and the distributed bias update under torchrun
+(2 ranks, gloo).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +24,7 @@ from stacks.runs import STACKS
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(STACKS / "reentrant_side.py")
+EXAMPLES = STACKS.parent.parent / "examples"
 
 
 def _fix(out, *args, cwd=None):
@@ -37,13 +42,16 @@ def _fix(out, *args, cwd=None):
 def fixes(tmp_path_factory):
     out = tmp_path_factory.mktemp("fix")
     jobs = {
-        "rng": ["--max-tries", "1", SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
-        "bias": ["--max-tries", "1", SCRIPT, "--no-aux", "--bias-update", "--gather-weights"],
-        "bias_inplace": ["--max-tries", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
+        "rng": ["--max-tries", "1", "--report", str(out / "rng.html"), SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"],
+        "bias": ["--max-tries", "2", SCRIPT, "--no-aux", "--bias-update", "--gather-weights"],
+        "bias_inplace": ["--max-tries", "3", "--jobs", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
+        "generator": [str(STACKS / "private_generator.py")],
         "side_output": [SCRIPT, "--reentrant"],
     }
     with ThreadPoolExecutor(2) as pool:
         done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
+    done["torchrun"] = _fix(out / "torchrun", "--nproc-per-node", "2", "--max-tries", "2", "--jobs", "2",
+                            str(EXAMPLES / "distributed_bias_update.py"))
     done["titan"] = _fix(out / "titan", "--max-tries", "1", "-m", "titanlike.train", "--steps", "1",
                          "--bias-update", "forward_hook", cwd=str(STACKS))
     return done
@@ -64,15 +72,30 @@ def test_preserve_rng_is_verified_first_with_its_exact_form(fixes):
     others = [s for r in report["regions"] for s in r["suggestions"] if "preserve_rng_state" not in s["title"]]
     assert all(s["status"] == "untested" and s["verify"].startswith("ac-diff fix ") for s in others)
     assert "fixes tried on your script" in proc.stdout and "verified" in proc.stdout
+    table = re.search(r"^ *regions *$", proc.stdout, re.M)  # the region table's title
+    assert table and proc.stdout.index("fixes tried on your script") < table.start()  # near the top
+    page = (Path(report["regions"][0]["path"]).parents[2] / "rng.html").read_text()  # OUT/base/trace -> OUT/..
+    fixes_at = page.index('<section id="fixes">')
+    assert fixes_at < page.index('<section id="reference"') < page.index('<section id="regions">')
+    assert "ac-diff run --reference no-ac --preserve-rng" in page[fixes_at:]  # each try's command
+    assert "[verified]" in page and "[untested]" in page  # the suggestions' statuses
 
 
 def test_saving_the_decision_does_not_help_when_its_input_already_differed(fixes):
     proc, report = fixes["bias"]
-    t = report["fixes"]["tries"][0]
+    t, restore = report["fixes"]["tries"][1], report["fixes"]["tries"][0]
     assert t["remedy"].startswith("save aten.topk.default") and t["status"] == "did not help"
     assert "its input already differed" in t["reason"] and "expert_bias" in t["reason"]
-    assert proc.returncode == 1  # nothing verified within --max-tries 1
-    assert report["fixes"]["tries"][1]["status"] == "untested"
+    # what does help: the bias the forward saw, in the recompute (moving the update after backward)
+    assert restore["args"] == ["--restore-in-recompute", "layers.*.expert_bias"], restore
+    assert (restore["status"], restore["regions_after"], restore["gradients"]) == ("verified", 0, "bit-identical")
+    assert restore["extra_bytes"] == 0 and t["extra_bytes"] > 0  # topk's outputs saved per region
+    assert "a simulation of a code change" in report["fixes"]["headline"]
+    assert "register_step_post_hook" in report["fixes"]["verified_code"]
+    assert proc.returncode == 0
+    assert report["fixes"]["tries"][2]["status"] == "untested"
+    update = [s for r in report["regions"] for s in r["suggestions"] if s["title"].startswith("Update `")]
+    assert update and all(s["status"] == "verified" and "--restore-in-recompute" in s["verify"] for s in update)
 
 
 def test_a_remedy_that_crashes_the_script_is_reported_and_the_others_still_run(fixes):
@@ -82,9 +105,35 @@ def test_a_remedy_that_crashes_the_script_is_reported_and_the_others_still_run(f
     assert crashed["status"] == "crashed" and crashed["exit_code"] == 1
     assert "Tensor cached during selective activation checkpoint has been mutated" in crashed["reason"]
     assert by["no AC"]["status"] == "verified" and by["no AC"]["gradients"] == "bit-identical"
-    assert report["fixes"]["headline"].startswith("only turning AC off works")
-    assert report["fixes"]["code_change"]  # the change that keeps AC
+    assert by["no AC"]["extra_bytes"] > 0  # the regions keep their activations
+    restore = next(t for t in report["fixes"]["tries"] if t["remedy"].startswith("restore"))
+    assert restore["status"] == "verified"
+    assert report["fixes"]["verified"] == restore["remedy"]  # the one that keeps AC comes first
     assert "crashed" in proc.stdout
+
+
+def test_a_private_generator_is_restored_where_preserve_rng_state_does_not_help(fixes):
+    proc, report = fixes["generator"]
+    by = {t["remedy"]: t for t in report["fixes"]["tries"]}
+    assert by["preserve_rng_state=True"]["status"] == "did not help"
+    assert "torch.Generator passed to aten.rand" in by["preserve_rng_state=True"]["reason"]
+    first = report["fixes"]["tries"][0]
+    assert first["args"] == ["--restore-in-recompute", "layers.*"] and first["status"] == "verified"
+    assert "gen.set_state(gen_state)" in report["fixes"]["verified_code"]
+    gen = [s for r in report["regions"] for s in r["suggestions"] if "torch.Generator" in s["title"]]
+    assert gen and all(s["status"] == "verified" and "--restore-in-recompute" in s["verify"] for s in gen)
+    assert proc.returncode == 0
+
+
+def test_fix_under_torchrun_tries_each_remedy_on_every_rank(fixes):
+    proc, report = fixes["torchrun"]
+    assert {r["rank"] for r in report["regions"]} == {0, 1}
+    tries = report["fixes"]["tries"]
+    assert [t["status"] for t in tries] == ["verified", "verified", "untested"], tries  # --max-tries 2
+    assert {t["args"][0] for t in tries[:2]} == {"--must-save", "--restore-in-recompute"}
+    assert all(t["regions_before"] == 1 and t["gradients"] == "bit-identical" for t in tries[:2])
+    assert all(t["command"].startswith("ac-diff run --nproc-per-node 2 ") for t in tries)
+    assert proc.returncode == 0
 
 
 def test_gradients_lost_through_reentrant_regions_are_fixed_by_use_reentrant_false(fixes):
@@ -97,8 +146,6 @@ def test_gradients_lost_through_reentrant_regions_are_fixed_by_use_reentrant_fal
 
 
 def test_must_save_composes_with_torchtitans_own_sac_policy(fixes):
-    from pathlib import Path
-
     proc, report = fixes["titan"]
     t = report["fixes"]["tries"][0]
     assert t["args"][:2] == ["--must-save", "aten.topk.default"] and t["status"] != "untested", t

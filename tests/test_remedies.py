@@ -202,3 +202,79 @@ def test_gradient_capture_and_reentrant_watch_leave_training_bit_identical(tmp_p
     for (la, ga), (lb, gb) in zip(plain, observed):
         assert torch.equal(la, lb) and same(ga, gb)
     assert (tmp_path / "grads-rank0.pt").exists()
+
+
+class Biased(nn.Module):
+    """A router-like block whose `bias` buffer a forward hook nudges (the update in the wrong place)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("bias", torch.zeros(dim))
+        self.register_forward_hook(Biased.nudge)
+
+    @staticmethod
+    @torch.no_grad()
+    def nudge(module, inputs, output):
+        module.bias.add_(0.5)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x) + self.bias)
+
+
+class Noisy(nn.Module):
+    """A block drawing from its own private torch.Generator."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self._gen = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x * torch.rand(x.shape, generator=self._gen)))
+
+
+class Stack(nn.Module):
+    def __init__(self, block, reentrant=False, checkpointed=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([block(), block()])
+        self.reentrant, self.checkpointed = reentrant, checkpointed
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, use_reentrant=self.reentrant) if self.checkpointed else layer(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("block, name", [(Biased, "layers.*.bias"), (Noisy, "layers.*")])
+def test_restore_in_recompute_gives_the_recompute_the_forwards_state(patched, reentrant, block, name):
+    reference = grads(Stack(block, checkpointed=False))
+    assert not same(grads(Stack(block, reentrant)), reference)  # the real mechanism: the recompute sees new state
+    patch = patched(RemedySpec(restore=[name]))
+    net = Stack(block, reentrant)
+    storage = [layer.fc.weight.data_ptr() for layer in net.layers] + (
+        [layer.bias.data_ptr() for layer in net.layers] if block is Biased else [])
+    assert same(grads(net), reference)
+    assert storage == [layer.fc.weight.data_ptr() for layer in net.layers] + (
+        [layer.bias.data_ptr() for layer in net.layers] if block is Biased else [])  # its own storage back
+    # after the backward the state is what the forward left (the recompute's own update / draws undone)
+    after_forward = Stack(block, checkpointed=False)
+    grads(after_forward)
+    for a, b in zip(net.layers, after_forward.layers):
+        if block is Biased:
+            assert torch.equal(a.bias, b.bias) and a.bias[0].item() == 0.5
+        else:
+            assert torch.equal(a._gen.get_state(), b._gen.get_state())
+    rows = [r for r in patch.summary() if r["remedy"] == "restore"]
+    held = "bias" if block is Biased else "_gen"
+    assert [(r["region"], r["what"]) for r in rows] == [
+        (f"layers.{i}", f"forward value restored in the recompute: layers.{i}.{held}") for i in (0, 1)]
+
+
+def test_restore_travels_to_children_and_rebuilds_its_command():
+    spec = RemedySpec(restore=["layers.*.moe.expert_bias"])
+    assert RemedySpec.from_env({"AC_DIFF_REMEDIES": spec.to_env()}) == spec
+    assert spec.cli_args() == ["--restore-in-recompute", "layers.*.moe.expert_bias"]
+    assert bool(spec) and "restored in the recompute" in spec.describe()

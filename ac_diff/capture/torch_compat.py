@@ -73,6 +73,7 @@ def checkpointed_module(fn: Any) -> tuple[Any, bool]:
     (module, False): its module hooks fire only outside the region, so in the recompute nothing says
     which module runs unless the recorder puts it on the module stack. (None, True) when unknown.
     """
+    fn = getattr(fn, "_ac_diff_checkpointed", fn)  # a remedy's wrapper (remedies/restore.py)
     for _ in range(4):
         if isinstance(fn, torch.nn.Module):
             return fn, True

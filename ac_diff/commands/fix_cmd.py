@@ -2,15 +2,16 @@
 
     ac-diff fix -o out train.py --steps 1
     fixes tried on your script: verified: preserve_rng_state=True - every region clean, gradients bit-identical ...
-     remedy                  status        regions diverged   gradients vs no-AC run   extra memory   wall time
-     preserve_rng_state=True verified      4 -> 0             bit-identical            +0 MB peak RSS  6.1 s
+     remedy                  status        regions diverged   gradients vs no-AC run   extra memory     wall time
+     preserve_rng_state=True verified      4 -> 0             bit-identical            +0 B/region      6.1 s
      no AC in layers.0       did not help  4 -> 2             ...
 
 Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both capturing the first
 --steps backward passes' gradients; candidate remedies for the diagnosed causes (fix/candidates.py),
 cheapest first, at most --max-tries, stopping at the first verified one that keeps AC (with --jobs 1);
 each try is `ac-diff run <remedy options>` in its own process (OUT/try-N, same arguments, environment and
-seeds), --jobs at a time. The report is the base run's, with
+seeds), --jobs at a time. With --nproc-per-node N every run is `ac-diff run --nproc-per-node N` and the run
+without AC is a torchrun of N ranks too. The report is the base run's, with
 a `fixes` section and every suggestion's status. Exit 0 when a remedy was verified (or nothing needed
 fixing), 1 when none was.
 """
@@ -28,6 +29,7 @@ from typing import Any
 from ..diagnosis import Settings, diagnose
 from ..fix.candidates import candidates
 from ..fix.forms import code_for
+from ..fix.memory import extra_bytes_per_region
 from ..fix.model import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
 from ..fix.tries import Measured, diverged, judge, run_measured
@@ -43,22 +45,23 @@ from .run_extras import CAPTURE_ENV
 ORDER = {VERIFIED: 0, DID_NOT_HELP: 1, CRASHED: 2, UNTESTED: 3}
 
 
-def _report_of(directory: Path, settings: Settings) -> Any | None:
-    trace = directory / "trace-rank0.jsonl"
-    if not trace.exists():
-        return None
+def _report_of(directory: Path, settings: Settings) -> tuple[Any, Any] | tuple[None, None]:
+    """(the report of every rank, rank 0's run) of a recorded directory; (None, None) without rank 0's trace."""
+    if not (directory / "trace-rank0.jsonl").exists():
+        return None, None
     try:
-        return diagnose([read_run(trace)], settings)
+        runs = [read_run(path) for path in sorted(directory.glob("trace-rank*.jsonl"))]
+        return diagnose(runs, settings), next(r for r in runs if int(r.header.get("rank", 0) or 0) == 0)
     except Exception:  # a trace the try could not finish: judged as crashed
-        return None
+        return None, None
 
 
 def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, max_tries: int,
                 max_regions: int | None, steps: int, jobs: int, fmt: str, json_path: str | None,
-                output: str | None, settings: Settings) -> int:
+                output: str | None, settings: Settings, nproc: int = 1) -> int:
     check_target(target, module)
-    if max_tries < 0 or steps < 1 or jobs < 1:
-        return fail("--max-tries must be >= 0, --steps and --jobs >= 1")
+    if max_tries < 0 or steps < 1 or jobs < 1 or nproc < 1:
+        return fail("--max-tries must be >= 0, --steps, --jobs and --nproc-per-node >= 1")
     out = Path(output_dir)
     for stale in [out / "base", out / "reference", *out.glob("try-*")]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -66,33 +69,36 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     started = time.perf_counter()
     env = {**os.environ, CAPTURE_ENV: str(steps)}
     tail = [*(["-m"] if module else []), target, *args]
+    run = [sys.executable, "-m", "ac_diff", "run", "--force", *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
     print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
-    base_m = run_measured([sys.executable, "-m", "ac_diff", "run", "--force", "-o", str(out / "base"), *tail], env,
-                          out / "base.log")
-    cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=out / "reference", steps=steps,
+    base_m = run_measured([*run, "-o", str(out / "base"), *tail], env, out / "base.log")
+    ref_dir = out / "reference"
+    cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=ref_dir, steps=steps,
                                                spec=RemedySpec())
+    if nproc > 1:  # the reference's ranks: a torchrun of their own
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
     ref_m = run_measured(cmd, ref_env, out / "reference.log")
-    report = _report_of(out / "base", settings)
+    report, base_run = _report_of(out / "base", settings)
     if report is None:
         return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
                     f"(see {out / 'base.log'})")
-    attach(report, reference_result(report, out / "base", [0], steps, ref_m.code, ref_text,
-                                    reference_dir=out / "reference"))
+    ranks = sorted({r.rank for r in report.regions}) or [0]
+    attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir))
     found = candidates(report, max_regions)
     before = diverged(report)
     tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
-                 command=run_command(c.spec.cli_args(), target, args, module)) for c in found]
+                 command=run_command(c.spec.cli_args(), target, args, module, nproc)) for c in found]
 
     def one(i: int) -> None:
         c, t = found[i], tries[i]
         print(f"ac-diff fix: try {i + 1}/{min(len(found), max_tries)}: {c.name}", file=sys.stderr)
         d = out / f"try-{i + 1}"
-        m = run_measured([sys.executable, "-m", "ac_diff", "run", "--force", "-o", str(d), *t.args, *tail], env,
-                         out / f"try-{i + 1}.log")
-        r = _report_of(d, settings)
-        ref = reference_result(r, d, [0], steps, ref_m.code, ref_text, reference_dir=out / "reference") \
+        m = run_measured([*run, "-o", str(d), *t.args, *tail], env, out / f"try-{i + 1}.log")
+        r, rank0 = _report_of(d, settings)
+        ref = reference_result(r, d, ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir) \
             if r is not None else None
-        judge(t, r, ref, m, base_m, c.op)
+        judge(t, r, ref, m, base_m, c.op,
+              extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None)
 
     budget = range(min(len(found), max_tries))
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)
@@ -105,7 +111,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
             list(pool.map(one, budget))
     result = _result(report, found, tries, base_m, time.perf_counter() - started)
     report.fixes = result
-    mark(report, target, args, module, list(zip(found, tries)))
+    mark(report, target, args, module, list(zip(found, tries)), nproc)
     emit(report, fmt, json_path, output)
     return EXIT_CLEAN if result.verified or (not found and not report.diverged) else EXIT_DIVERGED
 
@@ -134,7 +140,8 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
         result.verified, result.verified_code = c.name, code_for(c)
         n = len(tries) - sum(t.status == UNTESTED for t in tries)
         result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
-                           f"({n} remed{'y' if n == 1 else 'ies'} tried)")
+                           f"({n} remed{'y' if n == 1 else 'ies'} tried)"
+                           + ("; a simulation of a code change: make the change below" if c.kind == "restore" else ""))
     elif verified:
         c, t = verified[0]
         result.verified, result.verified_code = c.name, code_for(c)

@@ -29,7 +29,7 @@ REFERENCE_MODES = ("no-ac",)
 
 def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str] | None, preserve_rng: bool,
                    non_reentrant: bool, deterministic: bool, must_save: list[str] | None,
-                   must_save_module: list[str] | None) -> tuple[RemedySpec, str | None]:
+                   must_save_module: list[str] | None, restore: list[str] | None = None) -> tuple[RemedySpec, str | None]:
     """The remedy spec and reference mode from `ac-diff run`'s options (bad values: InputError, exit 2)."""
     from ..api import InputError
 
@@ -42,7 +42,8 @@ def remedy_options(reference: str | None, reference_steps: int, no_ac: list[str]
         raise InputError("--must-save-module needs --must-save OP (which ops to save in those modules)")
     return RemedySpec(no_ac=list(no_ac or []), preserve_rng=preserve_rng, non_reentrant=non_reentrant,
                       deterministic=deterministic,
-                      must_save=ops, must_save_modules=list(must_save_module or [])), reference
+                      must_save=ops, must_save_modules=list(must_save_module or []),
+                      restore=list(restore or [])), reference
 
 
 class RunExtras:
@@ -87,7 +88,7 @@ class RunExtras:
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it
-            mark(report, self.target, self.args, self.module)
+            mark(report, self.target, self.args, self.module, nproc=len(ranks))
         if not self.active:
             return
         applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]

@@ -2,12 +2,16 @@
 
     candidates(report)  ->  [Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), why="rng in layers.0"),
                              Candidate("save aten.topk.default in layers.1.moe.router", RemedySpec(must_save=[...]), ...),
+                             Candidate("restore the forward's layers.*.moe.expert_bias in the recompute", ...),
                              Candidate("no AC in layers.1", RemedySpec(no_ac=["layers.1"]), ...)]
 
 Per diverged region's cause: rng -> preserve_rng_state; nondeterministic op / deterministic flag ->
 deterministic algorithms; a flipped discrete decision -> save that op in its module (selective AC,
-non-reentrant regions only; in every layer: `layers.*.moe.router`); gradients that differ through a reentrant region's side output or inputs
-without grad -> use_reentrant=False; and last, turning AC off in the region (it always removes a recompute
+non-reentrant regions only; in every layer: `layers.*.moe.router`); gradients that differ through a
+reentrant region's side output or inputs without grad -> use_reentrant=False; a buffer, tensor or Python
+attribute updated between forward and backward, or a private torch.Generator -> its forward state restored
+in the recompute (`layers.*.moe.expert_bias`: simulates the code change, moving the update after backward or
+handing the generator's state to the checkpoint); and last, turning AC off in the region (it always removes a recompute
 divergence, at the cost of the region's activations). The order is the cost order.
 """
 
@@ -20,7 +24,8 @@ from ..remedies import RemedySpec
 from ..report import DIVERGED, UNCHECKED
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
-ORDER = {"preserve_rng": 0, "deterministic": 1, "non_reentrant": 2, "must_save": 3, "no_ac": 4}
+# a code change the restore simulates
+ORDER = {"preserve_rng": 0, "deterministic": 1, "non_reentrant": 2, "must_save": 3, "restore": 4, "no_ac": 5}
 
 
 def layer_glob(module: str | None) -> str:
@@ -36,6 +41,22 @@ class Candidate:
     why: str
     kind: str
     op: str | None = None  # the op a must-save candidate saves
+    state: str | None = None  # what a restore candidate restores: "generator", or the state's FQN
+
+
+def _restore(r: Any) -> tuple[str, str, str] | None:
+    """(glob, state, words) for a cause the restore simulates: a buffer / tensor / Python attribute updated
+    between forward and backward (in every layer), or a private generator the region draws from."""
+    c = r.cause
+    if c is None:
+        return None
+    if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
+        glob = layer_glob(r.module)
+        return glob, "generator", f"torch.Generator state of {glob}"
+    if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute") and c.tensor:
+        glob = layer_glob(c.tensor)
+        return glob, c.tensor, glob
+    return None
 
 
 def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
@@ -60,6 +81,11 @@ def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
             add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
         if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
             add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))
+        restore = _restore(r)
+        if restore is not None:
+            glob, state, what = restore
+            add(Candidate(f"restore the forward's {what} in the recompute", RemedySpec(restore=[glob]), where,
+                          "restore", state=state))
         d = r.first_discrete_divergence
         if d is not None and d.op and r.kind != "reentrant":
             glob = layer_glob(d.module or r.module)

@@ -32,6 +32,21 @@ def code_for(c: Candidate) -> str:
                 "# Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False, \"context_fn\": context_fn}\n"
                 "# torchtitan (TOML): [activation_checkpoint]\n#   mode = \"selective\"\n#   selective_ac_option = \"op\"\n"
                 f"#   and add torch.ops.{c.op} to the per-op save list (_save_list in parallelize.py)")
+    if c.kind == "restore" and c.state == "generator":
+        return ("# ac-diff restored the generator's forward state in every recompute (a simulation): make it so in "
+                "the code -\n# hand the generator's state to the checkpointed function, which sets it first\n"
+                "def block_fn(x, gen_state):\n    gen.set_state(gen_state)\n    return block(x)\n"
+                "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)\n"
+                "# or draw from torch's default generator (preserve_rng_state=True restores it)")
+    if c.kind == "restore":
+        name = c.state or ", ".join(c.spec.restore)
+        return (f"# ac-diff restored the forward's `{name}` in every recompute (a simulation of the change): "
+                "make the change -\n"
+                f"# update `{name}` after the backward (best after optimizer.step()), not in forward() or a "
+                "forward hook:\n"
+                "def update_after_step(optimizer, args, kwargs):\n    with torch.no_grad():\n"
+                f"        ...  # the update of {name.rsplit('.', 1)[-1]} moves here\n"
+                "optimizer.register_step_post_hook(update_after_step)")
     if c.kind == "no_ac":
         module = ", ".join(c.spec.no_ac)
         return (f"# leave {module} out of activation checkpointing (it keeps its activations):\n"

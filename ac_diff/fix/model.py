@@ -2,7 +2,7 @@
 
     FixResult(headline="verified: preserve_rng_state=True (every region clean, gradients bit-identical ...)",
               tries=[Try(remedy="preserve_rng_state=True", args=["--preserve-rng"], status="verified",
-                         regions_before=4, regions_after=0, gradients="bit-identical", memory_mb=1.5, wall_s=6.2)],
+                         regions_before=4, regions_after=0, gradients="bit-identical", extra_bytes=0.0, wall_s=6.2)],
               verified_code="checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)\\n# Hugging Face: ...")
     result.to_json()  ->  {"headline": ..., "tries": [...], "verified": "...", "verified_code": ..., ...}
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .memory import bytes_text
 
 VERIFIED = "verified"
 DID_NOT_HELP = "did not help"
@@ -31,7 +33,7 @@ class Try:
     regions_before: int | None = None  # diverged regions without the remedy
     regions_after: int | None = None
     gradients: str | None = None  # "bit-identical", "max rel. diff 0.12 (7 of 23 differ)", "not compared"
-    memory_mb: float | None = None  # peak RSS of the try minus that of the run without remedy
+    extra_bytes: float | None = None  # activation bytes kept per region beyond the base run (fix/memory.py)
     wall_s: float | None = None
     exit_code: int | None = None
     reason: str | None = None  # why it did not help / crashed, when known
@@ -43,7 +45,7 @@ class Try:
         return f"{self.regions_before} -> {self.regions_after}"
 
     def memory_text(self) -> str:
-        return "-" if self.memory_mb is None else f"{self.memory_mb:+.0f} MB peak RSS"
+        return bytes_text(self.extra_bytes)
 
 
 @dataclass(slots=True)

@@ -2,26 +2,34 @@
 
     mark(report, "train.py", ["--steps", "2"], module=False)            # untested, verify: ac-diff fix train.py ...
     mark(report, ..., tries=[(candidate, try_)])                        # verified / did not help, by the fix runs
+    mark_from_traces(report, ["out"])   # `ac-diff report`: the script named in the traces' header
 
 A suggestion is matched to a remedy of `ac-diff fix` by what it asks for: preserve_rng_state, use_reentrant,
-deterministic algorithms, saving an op, leaving the region out of AC.
+deterministic algorithms, saving an op, the state a restore puts back, leaving the region out of AC.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
+from pathlib import Path
 from typing import Any
 
+from ..remedies.restore import fqn_matches
 from .model import UNTESTED
 
 
-def fix_command(target: str, args: list[str], module: bool) -> str:
-    return shlex.join(["ac-diff", "fix", *(["-m"] if module else []), target, *args])
+def _launch(nproc: int) -> list[str]:
+    return ["--nproc-per-node", str(nproc)] if nproc > 1 else []
 
 
-def run_command(spec_args: list[str], target: str, args: list[str], module: bool) -> str:
-    return shlex.join(["ac-diff", "run", "--reference", "no-ac", *spec_args, *(["-m"] if module else []), target,
-                       *args])
+def fix_command(target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+    return shlex.join(["ac-diff", "fix", *_launch(nproc), *(["-m"] if module else []), target, *args])
+
+
+def run_command(spec_args: list[str], target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+    return shlex.join(["ac-diff", "run", *_launch(nproc), "--reference", "no-ac", *spec_args,
+                       *(["-m"] if module else []), target, *args])
 
 
 def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
@@ -34,13 +42,18 @@ def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
         return bool(candidate.op) and t.startswith(f"save {candidate.op}".lower())
     if candidate.kind == "non_reentrant":
         return "use_reentrant" in t
+    if candidate.kind == "restore" and candidate.state == "generator":
+        return "torch.generator" in t
+    if candidate.kind == "restore":  # "Update `layers.1.moe.expert_bias` after ...": the named state matches
+        return any(fqn_matches(name, candidate.spec.restore) for name in re.findall(r"`([^`]+)`", title))
     if candidate.kind == "no_ac":
         return "out of activation checkpointing" in t and region_module in candidate.spec.no_ac
     return False
 
 
-def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None) -> None:
-    default = fix_command(target, args, module)
+def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None,
+         nproc: int = 1) -> None:
+    default = fix_command(target, args, module, nproc)
     for region in report.regions:
         for s in region.suggestions:
             s.status, s.verify = UNTESTED, default
@@ -48,3 +61,21 @@ def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tu
                 if t.status != UNTESTED and _answers(s.title, candidate, region.module):
                     s.status, s.verify = t.status, t.command
                     break
+
+
+def mark_from_traces(report: Any, paths: list[str]) -> None:
+    """Statuses and verify commands for a report re-read from traces (`ac-diff report`, `compare`): the script
+    their header names (a log names none: `ac-diff fix SCRIPT`)."""
+    from ..trace import iter_records
+
+    files = [f for p in map(Path, paths) for f in (sorted(p.glob("trace-rank*.jsonl*")) if p.is_dir() else [p])]
+    for f in files:
+        try:
+            header = next(iter_records(f))
+        except Exception:  # a log, or not a trace
+            continue
+        if header.get("target"):
+            mark(report, header["target"], list(header.get("target_args") or []), bool(header.get("module")),
+                 nproc=len({g.name for g in files if g.parent == f.parent}))
+            return
+    mark(report, "SCRIPT", [], False)

@@ -1,10 +1,9 @@
 """Run the script once per remedy, each in its own process, and judge the outcome.
 
-    base = run_measured(["python", "-m", "ac_diff", "run", ...], env, log)   # -> Measured(wall_s, maxrss_mb, code)
-    outcome = judge(try_, report_of_try, reference_result_of_try, measured, base_measured)
+    base = run_measured(["python", "-m", "ac_diff", "run", ...], env, log)   # -> Measured(wall_s, code, log)
+    outcome = judge(try_, report_of_try, reference_result_of_try, measured, base_measured, op, extra_bytes)
 
-A process is measured by a small wrapper process (wall time, and the peak RSS of everything it waited for:
-the try and its children), so tries can run side by side without mixing their figures.
+A process is timed by a small wrapper process, so tries can run side by side without mixing their figures.
 """
 
 from __future__ import annotations
@@ -22,19 +21,17 @@ from .model import CRASHED, DID_NOT_HELP, VERIFIED, Try
 
 _ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 _WRAPPER = """
-import json, resource, subprocess, sys, time
+import json, subprocess, sys, time
 t = time.perf_counter()
 with open(sys.argv[1], "w") as log:
     code = subprocess.run(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT).returncode
-print(json.dumps({"wall_s": time.perf_counter() - t, "code": code,
-                  "maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+print(json.dumps({"wall_s": time.perf_counter() - t, "code": code}))
 """
 
 
 @dataclass
 class Measured:
     wall_s: float
-    maxrss_mb: float
     code: int
     log: Path
 
@@ -55,19 +52,20 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path, cwd: str | None
     try:
         data = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return Measured(0.0, 0.0, proc.returncode or 1, log)
-    return Measured(data["wall_s"], data["maxrss_mb"], data["code"], log)
+        return Measured(0.0, proc.returncode or 1, log)
+    return Measured(data["wall_s"], data["code"], log)
 
 
 def diverged(report: Any) -> int:
     return sum(1 for r in report.regions if r.status == DIVERGED)
 
 
-def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None) -> None:
+def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None,
+          extra_bytes: float | None = None) -> None:
     """Fill in the try's outcome: status, regions after, gradients, memory, wall time, reason."""
     t.wall_s = m.wall_s
     t.exit_code = m.code
-    t.memory_mb = m.maxrss_mb - base.maxrss_mb if m.maxrss_mb and base.maxrss_mb else None
+    t.extra_bytes = extra_bytes
     if report is None:
         t.status, t.reason = CRASHED, f"no trace (exit {m.code}): {m.last_line()}"
         return

@@ -30,6 +30,7 @@ from .call import CheckpointCall
 from .must_save import MustSave
 from .no_ac import NoAC
 from .reentrant import NonReentrant
+from .restore import RestoreInRecompute
 from .rng import PreserveRng
 from .spec import RemedySpec
 
@@ -43,7 +44,7 @@ class CheckpointPatch:
         self.stack = ModuleStack()
         # module names are needed to match globs; "no AC anywhere" alone does not need them
         self._names = names if names is not None else bool(
-            self.watchers or spec.must_save or [g for g in spec.no_ac if g != "*"])
+            self.watchers or spec.must_save or spec.restore or [g for g in spec.no_ac if g != "*"])
         self.remedies: list[Any] = []
         if spec.no_ac:
             self.remedies.append(NoAC(spec.no_ac))
@@ -53,6 +54,8 @@ class CheckpointPatch:
             self.remedies.append(PreserveRng())
         if spec.must_save:
             self.remedies.append(MustSave(spec.must_save, spec.must_save_modules, self.stack.current))
+        if spec.restore:
+            self.remedies.append(RestoreInRecompute(spec.restore, self.stack.name_of))
         self.applied: dict[tuple[str, str, str], int] = {}
         self.process: list[str] = []  # process-wide remedies ("deterministic algorithms")
         self._restore: list[tuple[dict, str, Any]] = []
@@ -109,7 +112,7 @@ class CheckpointPatch:
             return function(*args, **{k: v for k, v in call.kwargs.items() if k not in own})
 
         def run():
-            return original(function, *args, **call.kwargs)
+            return original(call.function, *args, **call.kwargs)
 
         for watch in self.watchers:
             run = functools.partial(watch, call, run)
@@ -140,4 +143,5 @@ class CheckpointPatch:
         for remedy in self.remedies:
             for key, n in sorted(getattr(remedy, "saved", {}).items()):
                 rows.append({"remedy": "must_save", "region": None, "what": f"saved {key}", "calls": n})
+
         return rows

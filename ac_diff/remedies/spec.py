@@ -1,7 +1,7 @@
 """Which remedies a process applies, as one value that travels to child processes and torchrun ranks.
 
     spec = RemedySpec(no_ac=["layers.1"], preserve_rng=True, must_save=["aten.topk.default"],
-                      must_save_modules=["layers.*.moe.router"])
+                      must_save_modules=["layers.*.moe.router"], restore=["layers.*.moe.expert_bias"])
     os.environ[ENV] = spec.to_env()        # a child / every rank reads it back: RemedySpec.from_env()
     spec.cli_args()  ->  ["--no-ac", "layers.1", "--preserve-rng", "--must-save", "aten.topk.default", ...]
     spec.describe()  ->  "no AC in layers.1; preserve_rng_state=True; save aten.topk.default in layers.*.moe.router"
@@ -24,16 +24,19 @@ class RemedySpec:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) + CUBLAS_WORKSPACE_CONFIG
     must_save: list[str] = field(default_factory=list)  # ops every SAC policy must save ("aten.topk.default")
     must_save_modules: list[str] = field(default_factory=list)  # ... only in these modules (globs; empty: all)
+    restore: list[str] = field(default_factory=list)  # state (FQN globs) the recompute sees at its forward value
 
     def __bool__(self) -> bool:
-        return bool(self.no_ac or self.preserve_rng or self.non_reentrant or self.deterministic or self.must_save)
+        return bool(self.no_ac or self.preserve_rng or self.non_reentrant or self.deterministic or self.must_save
+                    or self.restore)
 
     def merged(self, other: "RemedySpec") -> "RemedySpec":
         return RemedySpec(no_ac=_union(self.no_ac, other.no_ac), preserve_rng=self.preserve_rng or other.preserve_rng,
                           non_reentrant=self.non_reentrant or other.non_reentrant,
                           deterministic=self.deterministic or other.deterministic,
                           must_save=_union(self.must_save, other.must_save),
-                          must_save_modules=_union(self.must_save_modules, other.must_save_modules))
+                          must_save_modules=_union(self.must_save_modules, other.must_save_modules),
+                          restore=_union(self.restore, other.restore))
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -65,6 +68,8 @@ class RemedySpec:
             out += ["--must-save", ",".join(self.must_save)]
         for glob in self.must_save_modules:
             out += ["--must-save-module", glob]
+        for name in self.restore:
+            out += ["--restore-in-recompute", name]
         return out
 
     def describe(self) -> str:
@@ -80,6 +85,8 @@ class RemedySpec:
         if self.must_save:
             parts.append("save " + ", ".join(self.must_save)
                          + (" in " + ", ".join(self.must_save_modules) if self.must_save_modules else ""))
+        if self.restore:
+            parts.append("the forward's " + ", ".join(self.restore) + " restored in the recompute")
         return "; ".join(parts) or "none"
 
 

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 from .._version import __version__
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
+from .fixes import fixes_html
 from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
 
@@ -62,7 +63,8 @@ def render_html(report: Report) -> str:
         _verdict(report, title, silent),
         _toolbar(report, any_diverged),
         "<main>",
-        html_sections(report),  # remedies applied, fixes tried, gradients vs the run without AC: near the top
+        fixes_html(report),  # the answer first: what `ac-diff fix` tried and what works
+        html_sections(report),  # remedies applied, gradients vs the run without AC: near the top
         _torch_errors(report),
         _ranks(report),
         _regions_table(report),

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import DIVERGED, UNCHECKED, Report, RegionReport
+from .fixes import fixes_terminal
 from .sections import terminal_items
 
 MAX_DETAILED_REGIONS = 3
@@ -41,7 +42,7 @@ def _t(value: object, style: str = "") -> Text:
 
 def render_terminal(report: Report, console: Console) -> None:
     console.print(_verdict_panel(report))
-    for item in terminal_items(report):  # remedies applied, fixes tried, gradients vs the run without AC
+    for item in fixes_terminal(report) + terminal_items(report):  # fixes tried, remedies applied, reference
         console.print(item)
     if report.torch_errors:
         console.print(_torch_errors(report))

@@ -1,0 +1,63 @@
+"""Activation bytes a remedy keeps per region beyond full AC, from the recorded traces (not process RSS).
+
+    extra_bytes_per_region(try_run, base_run, no_ac_globs)  ->  6144.0   # +6 KiB per region vs the base run
+
+Under full AC a region keeps only its inputs. What a remedy adds: the outputs selective AC saves in the
+forward (ops recorded as `cached`), and, for a region run without AC, every tensor autograd saves inside it
+(the base recording's saved positions that the region computed; parameters and the region's inputs are kept
+either way). The difference to the base run (whose own SAC policy may already save some) is divided by the
+base run's region count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..capture.opinfo import dtype_from_short
+from ..remedies.call import matches
+
+
+def _bytes(meta: Any) -> int:
+    if meta is None:
+        return 0
+    try:
+        size = dtype_from_short(meta.dtype).itemsize
+    except (KeyError, ValueError, TypeError, AttributeError):
+        size = 4
+    return math.prod(meta.shape) * size
+
+
+def sac_bytes(region: Any) -> int:
+    """Bytes of the forward outputs selective AC saved in this region."""
+    fwd = region.forward
+    return 0 if fwd is None else sum(_bytes(m) for op in fwd.ops if op.cached for m in op.out)
+
+
+def activation_bytes(region: Any) -> int:
+    """Bytes autograd saves inside the region when it is not checkpointed (its forward's saved positions that
+    the region computed)."""
+    fwd = region.forward
+    return 0 if fwd is None else sum(_bytes(p.meta) for p in fwd.positions if p.origin == "op")
+
+
+def extra_bytes_per_region(run: Any, base: Any, no_ac: list[str]) -> float | None:
+    regions = [r for r in base.regions if r.forward is not None]
+    if not regions:
+        return None
+    kept = sum(sac_bytes(r) for r in run.regions)
+    kept += sum(activation_bytes(r) for r in regions if no_ac and matches(r.module, no_ac))
+    return (kept - sum(sac_bytes(r) for r in regions)) / len(regions)
+
+
+def bytes_text(n: float | None) -> str:
+    """`+6.0 KiB/region`, `+0 B/region`, `-` (unknown)."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else "+"
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}/region" if unit == "B" else f"{sign}{n:.1f} {unit}/region"
+        n /= 1024
+    return "-"
