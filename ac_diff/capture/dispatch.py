@@ -9,15 +9,11 @@ the recorder's own blocks kept out of it.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if TYPE_CHECKING:
-    from .recorder import Recorder
 
-
+# `recorder` is a capture.recorder.Recorder: annotated, not imported (the recorder imports this module).
 class RecordingMode(TorchDispatchMode):
     """Hands every op to the recorder; never alters arguments or results."""
 
