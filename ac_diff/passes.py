@@ -168,6 +168,30 @@ class Region:
     recompute: Pass | None = None
     compiled: list[str] = field(default_factory=list)  # modules run under torch.compile (invisible inside)
 
+    # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
+    # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists
+    # shapes and arguments only, its ranks' lines can interleave, it can start or end inside a dump, and
+    # it cannot show whether torch stayed silent about a region.
+    @property
+    def source(self) -> str:
+        return "log" if self.kind == "log" else "trace"
+
+    @property
+    def has_values(self) -> bool:
+        return self.kind != "log"
+
+    @property
+    def ops_in_order(self) -> bool:
+        return self.kind != "log"
+
+    @property
+    def passes_whole(self) -> bool:
+        return self.kind != "log"
+
+    @property
+    def sees_torch_silence(self) -> bool:
+        return self.kind != "log"
+
 
 @dataclass(slots=True)
 class PositionMismatch:

@@ -139,6 +139,11 @@ class RegionReport:
     first_argument_divergence: Divergence | None = None
     unchecked_reason: str | None = None  # status unchecked: why, in a few words ("nested checkpoint inside a recompute")
 
+    @property
+    def has_values(self) -> bool:
+        """False for a region read from a log: shapes and arguments, no values."""
+        return self.source != "log"
+
     def first_divergence(self) -> Divergence | None:
         """The divergence to name for the region: the earliest of value / control (in forward order), else
         the discrete decision, else the shape divergence."""

@@ -104,9 +104,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
 
     # from a log (no values): only without a data-dependent decision, and before any shape divergence
     # (spliced lines can fake a sequence change)
-    log_control = (control is not None and report.source == "log" and report.first_discrete_divergence is None
+    log_control = (control is not None and not report.has_values and report.first_discrete_divergence is None
                    and (shape is None or _before(control, shape)))
-    if control is not None and (report.source != "log" or log_control) and (
+    if control is not None and (report.has_values or log_control) and (
             value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
@@ -115,7 +115,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "before any value differed: Python code took another branch",
                      [control.summary])
 
-    if (report.source != "log" and first is not None and first.kinds & ARGUMENT_KINDS
+    if (report.has_values and first is not None and first.kinds & ARGUMENT_KINDS
             and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
         op = first.forward
         return Cause("state_mutation", f"an argument of {op.op}",
@@ -131,7 +131,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      f"{value.op} returned other values from identical inputs (a nondeterministic kernel)",
                      [f"{value.op} at {where(value.module, value.source)}"])
 
-    if report.source == "log" and shape is not None:
+    if not report.has_values and shape is not None:
         decision = report.first_discrete_divergence
         detail = ("a log shows where the shapes diverged, not why: the values that led there are not in it"
                   + (f"; the sizes come from the data-dependent decision {decision.op}" if decision else ""))
@@ -267,7 +267,7 @@ def _in_place_writer(region: Region, name: str) -> str | None:
 
 
 def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[str]:
-    if report.source == "log":
+    if not report.has_values:
         return _log_chain(report, region)
     chain: list[str] = []
     cause = report.cause

@@ -175,7 +175,7 @@ class PassComparison:
 
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
-                   from_log: bool = False, reentrant: bool = False) -> PassComparison:
+                   whole: bool = True, reentrant: bool = False) -> PassComparison:
     f_ops = usable_ops(forward)
     r_ops = usable_ops(recompute)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
@@ -208,7 +208,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
 
     # Trailing forward ops after the last op the recompute reached were never recomputed (early stop).
     last_rec = max((k for k, p in enumerate(pairs) if p.recompute is not None), default=-1)
-    stopped = recompute.stopped_early or not recompute.complete or from_log
+    stopped = recompute.stopped_early or not recompute.complete or not whole
     not_recomputed = 0
     if stopped:
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)

@@ -33,13 +33,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                     settings: Settings = Settings(), run_stopped: str | None = None) -> RegionReport:
     """`run_stopped`: how the run ended, when it stopped early ("RuntimeError: ..."), for regions it left
     without their recompute."""
-    from_log = region.kind == "log"
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
         rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
         silent=False, cause=None, first_value_divergence=None, first_discrete_divergence=None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
-        forward_ops=op_count(fwd), recompute_ops=op_count(rec), source="log" if from_log else "trace",
+        forward_ops=op_count(fwd), recompute_ops=op_count(rec), source=region.source,
     )
     if region.damaged:
         report.status = DAMAGED
@@ -65,17 +64,17 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         return report
 
-    if from_log and not fwd.ops and not rec.ops and torch_error is None:
+    if not region.passes_whole and not fwd.ops and not rec.ops and torch_error is None:
         _unchecked(report, "no op of both passes in the log",
                    "the log holds no op of this region that both passes list (it starts or ends inside the dump), "
                    "and no torch error about it: nothing to compare")
         return report
-    cmp = compare_passes(fwd, rec, settings.tolerance, from_log=from_log, reentrant=region.kind == "reentrant")
+    cmp = compare_passes(fwd, rec, settings.tolerance, whole=region.passes_whole, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
     report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
     report.first_discrete_divergence = divergence_of("discrete", cmp.first_discrete(), cmp)
     report.first_shape_divergence = divergence_of("shape", cmp.first_shape(), cmp)
-    if from_log:  # log lines can be out of order: trust size lists paired by call count over the alignment
+    if not region.ops_in_order:  # trust size lists paired by call count over the alignment
         by_call = first_size_change_by_occurrence(cmp.forward_ops, cmp.recompute_ops)
         if by_call is not None:
             f, r = by_call
@@ -119,7 +118,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.status = UNCHECKED
         report.notes.append("the trace ends inside this region's passes (the process stopped while they were "
                             "written): the ops it has match, the rest were not recorded")
-    if diverged and not from_log:  # a log cannot tell whether torch stayed silent elsewhere
+    if diverged and region.sees_torch_silence:
         torch_checks = region.kind == "checkpoint" and region.options.get("determinism_check") != "none"
         report.silent = torch_error is None and not (torch_checks and (position_mismatch or count_mismatch))
         if rec.state.get("error") and not torch_error:
@@ -132,23 +131,25 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.notes.append(f"saved position{'s' if len(cached) > 1 else ''} {number_ranges([p.position for p in cached])} "
                             f"({', '.join(ops)}) came from selective AC's cache in the recompute: the forward's own "
                             "tensors, not recomputed (never counted as differing)")
-    if from_log and (fwd.state.get("log_starts_at") or 0) > 1:
+    if not region.passes_whole and (fwd.state.get("log_starts_at") or 0) > 1:
         report.notes.append(f"the log starts inside the dump: ops from #{fwd.state['log_starts_at']} on are "
                             "compared, earlier ones are not in it" if fwd.ops else
                             "the log starts inside the dump and its forward and recompute op lists do not "
                             "overlap: no op is compared")
     if not rec.complete and not rec.stopped_early:
-        report.notes.append("the log ends inside the recompute's op list: later ops are not in it" if from_log else
+        report.notes.append("the log ends inside the recompute's op list: later ops are not in it"
+                            if not region.passes_whole else
                             "the recompute did not finish (it raised): ops after that point are not compared")
-    if cmp.not_recomputed and not (from_log and not rec.complete):  # a cut log: said above
+    if cmp.not_recomputed and (region.passes_whole or rec.complete):  # a cut log: said above
         report.notes.append(f"{cmp.not_recomputed} forward op(s) have no recompute counterpart in the log (torch "
-                            "stops recomputing at the last saved tensor); they are not compared" if from_log else
+                            "stops recomputing at the last saved tensor); they are not compared"
+                            if region.source == "log" else
                             f"{cmp.not_recomputed} forward op(s) after the last saved tensor were not recomputed "
                             "(torch's early stop); they are not compared")
-    if from_log:
+    if not region.has_values:
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
                             "modules and the cause")
-    if from_log and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
+    if not region.has_values and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
         report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence, cmp.rec_to_fwd)
     report.window = window(cmp, report, settings)
     if diverged:
