@@ -302,9 +302,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     exit_status: str | None = None
     groups: list[RegionGroup] = field(default_factory=list)  # diverged regions that share a cause, lead first
-    reference: Any = None  # reference.model.ReferenceResult: gradients vs a run without AC (--reference)
+    reference: Any = None  # reference.result.ReferenceResult: gradients vs a run without AC (--reference)
     remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
-    fixes: Any = None  # fix.model.FixResult: remedies tried by `ac-diff fix`
+    fixes: Any = None  # fix.result.FixResult: remedies tried by `ac-diff fix`
 
     @property
     def diverged(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ac_diff.diagnosis.compare import Tolerance
+from ac_diff.diagnosis.passdiff import Tolerance
 from ac_diff.diagnosis.dataflow import decision_path
 from ac_diff.diagnosis.discrete import describe_flip
 from ac_diff.diagnosis.labels import list_diff

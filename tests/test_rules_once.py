@@ -72,7 +72,7 @@ def test_capture_and_diagnosis_agree_on_decisions():
     import torch
 
     from ac_diff.capture.opinfo import op_info
-    from ac_diff.diagnosis.compare import is_discrete
+    from ac_diff.diagnosis.passdiff import is_discrete
     from ac_diff.passes import OpRecord
 
     for op in (torch.ops.aten.max.other, torch.ops.aten.max.dim, torch.ops.aten.max.default,

@@ -30,11 +30,11 @@ from ..diagnosis import Settings, diagnose
 from ..fix.candidates import candidates
 from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
-from ..fix.model import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
+from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
 from ..fix.tries import Measured, diverged, judge, run_measured
 from ..reference.explain import attach
-from ..reference.model import DIFFERS
+from ..reference.result import DIFFERS
 from ..reference.run import reference_command, reference_result
 from ..remedies import RemedySpec
 from ..capture.runner import check_target

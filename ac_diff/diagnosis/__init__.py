@@ -15,7 +15,7 @@ from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary)
 from .cause import SHARDED, sharded_positions
-from .compare import Tolerance
+from .passdiff import Tolerance
 from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..passes import Region
 from ..report import Cause, Suggestion
-from .compare import PairDiff
+from .passdiff import PairDiff
 
 
 @dataclass(frozen=True)

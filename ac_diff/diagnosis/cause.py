@@ -22,7 +22,7 @@ from ..oprules import packet
 from ..passes import OpRecord, Region
 from ..report import Cause, RegionReport
 from .attributes import attribute_cause
-from .compare import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
+from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
 from .dataflow import data_path, decision_path
 from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..passes import OpRecord
 from ..oprules import CHOOSER_OPS, packet
-from .compare import is_discrete
+from .passdiff import is_discrete
 
 _MAX_STEPS = 12
 

@@ -42,7 +42,7 @@ from typing import Iterable
 from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_in_place_method, packet
 from ..passes import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
-from .compare import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
+from .passdiff import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
 from .labels import where
 
 MAX_REPLICATED_FINDINGS = 6

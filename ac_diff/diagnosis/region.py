@@ -16,7 +16,7 @@ from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
 from .cause import explain
 from ..align import Pair
-from .compare import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
+from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import describe_flip
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where

@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..align import align
 from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
-from .compare import PassComparison, compare_passes
+from .passdiff import PassComparison, compare_passes
 from .labels import where
 from .region import Settings, divergence_of, state_changes, window
 

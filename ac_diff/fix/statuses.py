@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..remedies.restore import fqn_matches
-from .model import UNTESTED
+from .result import UNTESTED
 
 
 def _launch(nproc: int) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report import DIVERGED
-from .model import CRASHED, DID_NOT_HELP, VERIFIED, Try
+from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
 
 _ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 _WRAPPER = """

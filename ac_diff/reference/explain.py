@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..report import DIVERGED
-from .model import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
+from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
                  "torchtitan and checkpoint_wrapper use it by default)")

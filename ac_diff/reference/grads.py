@@ -39,7 +39,7 @@ def summarize(t: torch.Tensor | None) -> dict[str, Any] | None:
     flat = t.reshape(-1).cpu()
     raw = flat.contiguous().view(torch.uint8) if flat.numel() else flat
     digest = hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
-    values = flat if flat.dtype.is_floating_point else flat.double()  # compared in float64 (compare.py)
+    values = flat if flat.dtype.is_floating_point else flat.double()  # compared in float64 (graddiff.py)
     sampled = values.numel() > FULL_LIMIT
     if sampled:
         values = values[:: max(1, values.numel() // SAMPLE)][:SAMPLE]

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..remedies import ENV, RemedySpec
-from .compare import compare_captures
+from .graddiff import compare_captures
 from .explain import explain
 from .grads import load_grads
-from .model import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
+from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
 from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
 
 PORT_WAIT_S = 120.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import ParamDiff, StepComparison
+from .result import ParamDiff, StepComparison
 
 
 def rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
