@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..oprules import packet
+from ..render.units import byte_size
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -32,14 +33,6 @@ def _pct(x) -> str:
 
 def _rate(x) -> str:
     return "-" if x is None else ("0" if x == 0 else f"{x:.2g}")
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 _CONSEQUENCE = {"CheckpointError": "error", "silent": "silent", "unknown": "?"}
@@ -83,7 +76,7 @@ def render_audit(doc: dict, console: Console) -> None:
                  f"{r['stress_flips_without_save_list']} rows)" if r["verified"]
                  else f"still {r['flips_with_save_list']} flips with it")
         lines.append(Text(f"fix: save {', '.join(r['save_list'])} with selective AC "
-                          f"({_bytes(r['bytes_per_region'])} per region): {state}", style="green" if r["verified"] else "yellow"))
+                          f"({byte_size(r['bytes_per_region'])} per region): {state}", style="green" if r["verified"] else "yellow"))
     lines.append(Text(f"cost: {a['audit_seconds']:.2f} s of replays in a {a['wall_seconds']:.2f} s run "
                       f"(--max-regions {a['max_regions']}, --seeds {a['seeds']})", style="dim"))
     for note in a["notes"]:

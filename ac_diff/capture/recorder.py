@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from .._version import __version__
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack, scalar_attributes
@@ -921,4 +920,4 @@ def record(path: str | os.PathLike = "ac-diff-out/trace-rank0.jsonl", options: R
         recorder.stop()
 
 
-__all__ = ["Recorder", "RecordOptions", "record", "__version__"]
+__all__ = ["Recorder", "RecordOptions", "record"]

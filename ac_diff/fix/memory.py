@@ -48,16 +48,3 @@ def extra_bytes_per_region(run: Any, base: Any, no_ac: list[str]) -> float | Non
     kept = sum(sac_bytes(r) for r in run.regions)
     kept += sum(activation_bytes(r) for r in regions if no_ac and matches(r.module, no_ac))
     return (kept - sum(sac_bytes(r) for r in regions)) / len(regions)
-
-
-def bytes_text(n: float | None) -> str:
-    """`+6.0 KiB/region`, `+0 B/region`, `-` (unknown)."""
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else "+"
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{sign}{n:.0f} {unit}/region" if unit == "B" else f"{sign}{n:.1f} {unit}/region"
-        n /= 1024
-    return "-"

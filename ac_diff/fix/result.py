@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .memory import bytes_text
 
 VERIFIED = "verified"
 DID_NOT_HELP = "did not help"
@@ -43,9 +42,6 @@ class Try:
         if self.regions_after is None:
             return f"{self.regions_before} -> ?" if self.regions_before is not None else "-"
         return f"{self.regions_before} -> {self.regions_after}"
-
-    def memory_text(self) -> str:
-        return bytes_text(self.extra_bytes)
 
 
 @dataclass(slots=True)

@@ -17,13 +17,20 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from .units import byte_size
+
 COLUMNS = ("remedy", "status", "regions diverged before -> after", "gradients vs no-AC run", "extra memory",
            "wall time")
 _STYLE = {"verified": "green", "did not help": "red", "crashed": "red"}
 
 
+def _extra_memory(n: float | None) -> str:
+    """`+6.0 KiB/region`, `+0 B/region`, `-` (unknown)."""
+    return "-" if n is None else ("-" if n < 0 else "+") + byte_size(abs(n)) + "/region"
+
+
 def _cells(t: Any) -> list[str]:
-    return [t.remedy, t.status, t.regions_text(), t.gradients or "-", t.memory_text(),
+    return [t.remedy, t.status, t.regions_text(), t.gradients or "-", _extra_memory(t.extra_bytes),
             "-" if t.wall_s is None else f"{t.wall_s:.1f} s"]
 
 
