@@ -400,6 +400,24 @@ _ABSENT = _Absent()
 _SAC_MODES = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
 
 
+def sac_policy_answers() -> tuple[Any, Any]:
+    """(save, recompute) as this torch's selective-AC policy answers them: `CheckpointPolicy.MUST_SAVE` /
+    `PREFER_RECOMPUTE` (torch >= 2.5), True / False before (a policy then returns whether to save)."""
+    policy = getattr(_cp, "CheckpointPolicy", None)
+    if policy is not None:
+        return policy.MUST_SAVE, policy.PREFER_RECOMPUTE
+    return True, False
+
+
+def selective_contexts(policy_fn: Callable) -> Any:
+    """The (forward, recompute) context pair of a selective-AC region deciding by `policy_fn`:
+    `create_selective_checkpoint_contexts` (torch >= 2.5) or `_pt2_selective_checkpoint_context_fn_gen` (2.4)."""
+    create = getattr(_cp, "create_selective_checkpoint_contexts", None)
+    if create is not None:
+        return create(policy_fn)
+    return _cp._pt2_selective_checkpoint_context_fn_gen(policy_fn)
+
+
 def wrap_sac_policies(contexts: Any, wrap: Callable[[Any], Any]) -> bool:
     """Replace the policy of each selective-AC mode in `contexts` (what `create_selective_checkpoint_contexts`
     returns, fresh per checkpoint call) by `wrap(policy)`. False when the forward context is not such a mode

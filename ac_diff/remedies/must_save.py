@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import noop_context_fn
 
-from ..capture.torch_compat import wrap_sac_policies
+from ..capture.torch_compat import sac_policy_answers, selective_contexts, wrap_sac_policies
 from .call import CheckpointCall, matches
 
 
@@ -43,7 +43,7 @@ class MustSave:
         user_fn = call.kwargs.get("context_fn", noop_context_fn)
         # checkpoint() calls context_fn exactly once per call: make the pair now, hand the same pair over
         if user_fn is noop_context_fn:
-            contexts = create_selective_checkpoint_contexts(self._wrap(_recompute_everything))
+            contexts = selective_contexts(self._wrap(_recompute_everything))
             done = "SAC policy added"
         else:
             contexts = user_fn()
@@ -61,10 +61,10 @@ class MustSave:
                 if not self.module_globs or matches(module, self.module_globs):
                     key = f"{op} in {module or '?'}"
                     self.saved[key] = self.saved.get(key, 0) + 1
-                    return CheckpointPolicy.MUST_SAVE
+                    return sac_policy_answers()[0]
             return policy(ctx, op, *args, **kwargs)
         return policy_fn
 
 
 def _recompute_everything(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return sac_policy_answers()[1]
