@@ -452,6 +452,7 @@ def read_run(path: str | os.PathLike) -> Run:
     check_errors: list[dict] = []
     regions: dict[int, Region] = {}
     ops: dict[tuple, list[OpRecord]] = {}
+    metas: dict[tuple, TensorMeta] = {}
     damage: list[tuple[int, str]] = []  # (line number, why)
     opened: dict[int, int] = {}  # region -> line of its region record
     last_pass: dict[int, int] = {}  # region -> line of its last recompute pass record
@@ -479,10 +480,10 @@ def read_run(path: str | os.PathLike) -> Run:
                 named.add(key[0])
             elif kind == "ops":
                 key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
-                ops.setdefault(key, []).extend(_ops_from_json(rec))
+                ops.setdefault(key, []).extend(_ops_from_json(rec, metas))
                 named.add(key[0])
             elif kind == "pass":
-                _attach_pass(regions, ops, rec, rank)
+                _attach_pass(regions, ops, rec, rank, metas)
                 named.add(rec.get("region"))
                 if rec.get("phase") == "recompute":
                     last_pass[rec.get("region")] = line
@@ -557,7 +558,8 @@ def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, 
                      "regions recorded around them are reported as damaged, not diagnosed")
 
 
-def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int) -> None:
+def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int,
+                 metas: dict) -> None:
     number = rec.get("region")
     region = regions.get(number)
     if region is None:
@@ -565,7 +567,7 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
     attempt = rec.get("attempt", 0)
     p = Pass(
         phase=rec.get("phase", "forward"), ops=ops.pop((number, rec.get("phase"), attempt), []),
-        positions=[_position_from_json(x) for x in rec.get("positions", [])],
+        positions=[_position_from_json(x, metas) for x in rec.get("positions", [])],
         externals=[_external_from_json(x) for x in rec.get("externals", [])],
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
@@ -604,41 +606,52 @@ def _op_from_json(rec: dict) -> OpRecord:
     )
 
 
-def _ops_from_json(rec: dict) -> list[OpRecord]:
-    """A pass's ops written as one "ops" record (rows of `fields`, strings interned; see encode_ops)."""
+def _ops_from_json(rec: dict, metas: dict | None = None) -> list[OpRecord]:
+    """A pass's ops written as one "ops" record (rows of `fields`, strings interned; see encode_ops).
+    `metas` interns equal TensorMetas across the passes of one file (frozen: safe to share)."""
     strings = rec.get("strings", [])
     fields = rec.get("fields", [])
-    at = {name: i for i, name in enumerate(fields)}
     n = len(fields)
-
-    def col(row: list, name: str) -> Any:
-        i = at.get(name)
-        return row[i] if i is not None and i < len(row) else None
-
-    def text(row: list, name: str) -> str | None:
-        i = col(row, name)
-        return strings[i] if i is not None else None
-
+    at = {name: i for i, name in enumerate(fields)}
+    # a field the record lacks reads the padding slot n, which is always None
+    i_op, i_module, i_src, i_in, i_out, i_args, i_refs, i_fp, i_host, i_vals, i_flags = (
+        at.get(name, n) for name in ("op", "module", "src", "in", "out", "args", "refs", "fp", "host", "vals", "flags"))
+    meta = _meta if metas is None else lambda x: _interned_meta(x, metas)
     out = []
     start = int(rec.get("start", 0) or 0)
     for k, row in enumerate(rec.get("rows", [])):
-        row = list(row) + [None] * (n - len(row))
-        flags = col(row, "flags") or 0
+        row = list(row[:n])
+        row.extend([None] * (n + 1 - len(row)))
+        flags = row[i_flags] or 0
         refs = []
-        for r in col(row, "refs") or ():
+        for r in row[i_refs] or ():
             if r[0] == "op":
                 refs.append(InputRef("op", op_index=r[1], output=r[2] or 0))
             else:
                 refs.append(InputRef(r[0], name=r[1], external=r[2]))
+        op, module, src = row[i_op], row[i_module], row[i_src]
         out.append(OpRecord(
-            index=start + k, op=text(row, "op") or "?", module=text(row, "module"), source=text(row, "src"),
-            inputs=[_meta(x) for x in col(row, "in") or ()], out=[_meta(x) for x in col(row, "out") or ()],
-            args=col(row, "args") or [], input_refs=refs, fingerprint=col(row, "fp"), host_value=col(row, "host"),
-            values=_values_from_json(col(row, "vals")), cached=bool(flags & FLAG_CACHED),
+            index=start + k, op=(strings[op] if op is not None else None) or "?",
+            module=strings[module] if module is not None else None, source=strings[src] if src is not None else None,
+            inputs=[meta(x) for x in row[i_in] or ()], out=[meta(x) for x in row[i_out] or ()],
+            args=row[i_args] or [], input_refs=refs, fingerprint=row[i_fp], host_value=row[i_host],
+            values=_values_from_json(row[i_vals]), cached=bool(flags & FLAG_CACHED),
             random=bool(flags & FLAG_RANDOM), discrete=bool(flags & FLAG_DISCRETE),
             derived=bool(flags & FLAG_DERIVED),
         ))
     return out
+
+
+def _interned_meta(x: Any, metas: dict) -> TensorMeta:
+    """TensorMeta.from_json(x), one shared object per distinct meta (a trace repeats a few hundred shapes)."""
+    key = (tuple(x[0]), x[1], x[2] if len(x) > 2 else "cpu")
+    try:
+        found = metas.get(key)
+    except TypeError:  # an unhashable field (a damaged line that passed its checksum): not interned
+        return _meta(x)
+    if found is None:
+        found = metas[key] = TensorMeta(*key)
+    return found
 
 
 def _values_from_json(vals: Any) -> Any:
@@ -656,9 +669,9 @@ def _values_from_json(vals: Any) -> Any:
     return out
 
 
-def _position_from_json(x: list) -> Position:
+def _position_from_json(x: list, metas: dict) -> Position:
     position, meta, origin, op_index, output, name = (list(x) + [None] * 6)[:6]
-    return Position(position=position, meta=_meta(meta) if meta else None, origin=origin or "unknown",
+    return Position(position=position, meta=_interned_meta(meta, metas) if meta else None, origin=origin or "unknown",
                     op_index=op_index, output=output or 0, name=name)
 
 
