@@ -15,7 +15,7 @@ never leaves a stale title behind.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 REPORT_FORMAT = "ac-diff-report"
@@ -27,6 +27,18 @@ DAMAGED = "damaged"  # the trace lines of the region failed their checksum: noth
 UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so nothing to compare
 # Report verdict `unchecked`: no region diverged, but nothing was compared (a truncated trace, a log without op
 # lists) or the run crashed and left regions unchecked: nothing shows the run clean
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _scalar_fields(row: Any) -> dict[str, Any]:
+    """asdict() of a dataclass whose fields all hold str, int, bool or None, without asdict's deep copy
+    (a report's position and window rows: most of the JSON of a long run)."""
+    names = _FIELD_NAMES.get(type(row))
+    if names is None:
+        names = _FIELD_NAMES[type(row)] = tuple(f.name for f in fields(row))
+    return {name: getattr(row, name) for name in names}
 
 
 @dataclass(slots=True)
@@ -65,7 +77,7 @@ class PositionRow:
     cached: bool = False  # the recompute's tensor came from selective AC's cache (the forward's own, not recomputed)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _scalar_fields(self)
 
 
 @dataclass(slots=True)
@@ -178,7 +190,7 @@ class RegionReport:
             "suggestions": [s.to_json() for s in self.suggestions],
             "chain": list(self.chain), "changed_inputs": self.changed_inputs, "state_changes": self.state_changes,
             "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
-            "window": [asdict(r) for r in self.window], "notes": list(self.notes),
+            "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason,
         })
