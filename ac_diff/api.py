@@ -38,8 +38,8 @@ _NULLABLE_INTS = frozenset({"op_index", "position", "index", "rank", "region", "
                             "forward_ops", "recompute_ops", "forward_positions", "recompute_positions", "recomputes"})
 
 
-def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:
-    """Read every path: a trace, a directory of traces, or a log torch printed."""
+def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = False) -> list[Run]:
+    """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run)."""
     runs: list[Run] = []
     for path in paths:
         p = Path(path)
@@ -51,9 +51,9 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:
             if not files:
                 raise InputError(f"{p}: no trace files (trace-rank*.jsonl) in this directory; run "
                                  f"`ac-diff run SCRIPT` first, or pass a log file")
-            runs.extend(read_run(f) for f in files)
+            runs.extend(read_run(f, lazy) for f in files)
         elif is_trace(p):
-            runs.append(read_run(p))
+            runs.append(read_run(p, lazy))
         else:
             from .logs import looks_like_log, parse_log
 
@@ -71,7 +71,7 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None) -> list[Run]:
 
 
 def diagnose_paths(paths: Iterable[str | os.PathLike], settings: Settings = Settings(), progress=None) -> Report:
-    return diagnose(read_runs(paths, progress=progress), settings)
+    return diagnose(read_runs(paths, progress=progress, lazy=True), settings)
 
 
 @dataclass

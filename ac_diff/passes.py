@@ -18,7 +18,7 @@ Values that came from a log rather than a recording are simply absent (`fingerpr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 FORWARD = "forward"
 RECOMPUTE = "recompute"
@@ -140,7 +140,9 @@ class Pass:
     # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
     attributes: dict[str, Any] = field(default_factory=dict)
     attribute_updates: dict[str, list] = field(default_factory=dict)
-
+    # read_run(lazy=True): (byte offset, line number) of each "ops" line of this pass in its trace file, not yet
+    # decoded into `ops` (Run.ops_loader decodes them for the time a region is diagnosed); None: `ops` is all
+    deferred: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
 
 def op_count(p: Pass | None) -> int:
@@ -236,3 +238,5 @@ class Run:
     truncated: bool = False
     exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown
     damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)
+    # read_run(lazy=True): `with run.ops_loader(region):` fills the region's deferred passes' ops, empties them after
+    ops_loader: Callable[[Region], ContextManager[None]] | None = field(default=None, repr=False, compare=False)

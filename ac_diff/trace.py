@@ -48,6 +48,7 @@ import os
 import queue
 import threading
 import platform
+import re
 import zlib
 import sys
 import time
@@ -355,23 +356,38 @@ def _lines(f: Any) -> Iterator[bytes]:
         yield line
 
 
-def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+# The start of an "ops" line as encode_ops writes it (orjson; json's spacing where json wrote it)
+_OPS_LINE = re.compile(rb'\{"type": ?"ops", ?"region": ?(\d+), ?"phase": ?"(forward|recompute)", ?"attempt": ?(\d+),')
+_AT = "_at"  # a deferred "ops" record: the byte offset of its line
+
+
+def iter_records(path: str | os.PathLike, defer_ops: bool = False) -> Iterator[dict[str, Any]]:
     """Yield the trace's records after checking its header. A damaged line is yielded as
-    {"type": "_damaged", "why": ...}; a cut compressed stream ends the iteration with one."""
+    {"type": "_damaged", "why": ...}; a cut compressed stream ends the iteration with one.
+    defer_ops (uncompressed files): an intact "ops" line is not decoded but yielded as
+    {"type": "ops", "region", "phase", "attempt", "_at": its byte offset}."""
     with open_binary(path) as f:
         lines = _lines(f)
-        header = _parse_header(next(lines, b"") or b"", path)
+        first = next(lines, b"") or b""
+        header = _parse_header(first, path)
         checked = header.pop("crc", None) is not None  # 1.1: every line carries its checksum
         yield header
+        end = len(first)
         for line in lines:
             if line is None:
                 yield {"type": _DAMAGED, "why": "the compressed stream is damaged or cut short here"}
                 return
+            at, end = end, end + len(line)
             if not line.strip():
                 continue
             ok = check_crc(line) if checked else None
             if ok is False or (checked and ok is None):
                 yield {"type": _DAMAGED, "why": "checksum mismatch" if ok is False else "a line without its checksum"}
+                continue
+            deferred = _OPS_LINE.match(line) if defer_ops else None
+            if deferred is not None:
+                yield {"type": "ops", "region": int(deferred[1]), "phase": deferred[2].decode(),
+                       "attempt": int(deferred[3]), _AT: at}
                 continue
             try:
                 rec = decode_line(line)
@@ -441,9 +457,15 @@ def _parse_header(line: bytes, path: Any) -> dict[str, Any]:
     return header
 
 
-def read_run(path: str | os.PathLike) -> Run:
-    """Read one trace file into the model. Raises TraceFormatError for a file that is not one."""
-    records = iter_records(path)
+def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
+    """Read one trace file into the model. Raises TraceFormatError for a file that is not one.
+
+    lazy: leave the ops of an uncompressed file undecoded (`Pass.deferred`: where their lines are) until the
+    diagnosis of their region asks for them (`Run.ops_loader`): reading takes a checksum per line, and
+    memory holds one region's ops at a time instead of the whole file's. A compressed file is read whole."""
+    with open(path, "rb") as f:
+        lazy = lazy and f.read(2) != b"\x1f\x8b"
+    records = iter_records(path, defer_ops=lazy)
     header = next(records)
     run = Run(source="trace", path=str(path), header=header, rank=header.get("rank"),
               world_size=int(header.get("world_size", 1) or 1), run_id=header.get("run_id"), argv=header.get("argv"),
@@ -453,6 +475,7 @@ def read_run(path: str | os.PathLike) -> Run:
     regions: dict[int, Region] = {}
     ops: dict[tuple, list[OpRecord]] = {}
     metas: dict[tuple, TensorMeta] = {}
+    deferred: dict[tuple, list[tuple[int, int]]] = {}  # lazy: (region, phase, attempt) -> its ops lines
     damage: list[tuple[int, str]] = []  # (line number, why)
     opened: dict[int, int] = {}  # region -> line of its region record
     last_pass: dict[int, int] = {}  # region -> line of its last recompute pass record
@@ -478,12 +501,17 @@ def read_run(path: str | os.PathLike) -> Run:
                 key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
                 ops.setdefault(key, []).append(_op_from_json(rec))
                 named.add(key[0])
+            elif kind == "ops" and _AT in rec:
+                key = (rec["region"], rec["phase"], rec["attempt"])
+                ops.setdefault(key, [])
+                deferred.setdefault(key, []).append((rec[_AT], line))
+                named.add(key[0])
             elif kind == "ops":
                 key = (rec.get("region"), rec.get("phase"), rec.get("attempt", 0))
                 ops.setdefault(key, []).extend(_ops_from_json(rec, metas))
                 named.add(key[0])
             elif kind == "pass":
-                _attach_pass(regions, ops, rec, rank, metas)
+                _attach_pass(regions, ops, rec, rank, metas, deferred, path)
                 named.add(rec.get("region"))
                 if rec.get("phase") == "recompute":
                     last_pass[rec.get("region")] = line
@@ -517,7 +545,8 @@ def read_run(path: str | os.PathLike) -> Run:
     for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
         region = regions.get(number)
         if region is not None and phase in PHASES:
-            p = Pass(phase=phase, ops=pending, complete=False, attempt=attempt)
+            p = Pass(phase=phase, ops=pending, complete=False, attempt=attempt,
+                     deferred=deferred.get((number, phase, attempt)))
             p.state["cut"] = True  # not "it raised": the trace ends before this pass was written out
             _set_pass(region, p)
     if damage and not ended and damage[-1][0] == line:  # the line a killed process was writing: cut, not damaged
@@ -525,6 +554,8 @@ def read_run(path: str | os.PathLike) -> Run:
     if damage:
         _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
     run.regions = sorted(regions.values(), key=lambda r: r.region)
+    if lazy:
+        run.ops_loader = lambda region: _ops_loaded(path, metas, region)
     from .logs import recorded_errors  # the log parser reads torch's error text (not needed to record)
 
     run.errors = recorded_errors(run, check_errors)
@@ -533,6 +564,34 @@ def read_run(path: str | os.PathLike) -> Run:
         run.notes.append(f"{path} has no end record: the recorded process stopped before ac-diff could finish "
                          "the trace (killed?); everything up to the last completed pass is shown")
     return run
+
+
+def _decode_deferred(path: Any, lines: list[tuple[int, int]], metas: dict) -> list[OpRecord]:
+    ops: list[OpRecord] = []
+    with open(path, "rb") as f:
+        for at, _ in lines:
+            f.seek(at)
+            ops.extend(_ops_from_json(decode_line(f.readline()), metas))
+    return ops
+
+
+@contextlib.contextmanager
+def _ops_loaded(path: Any, metas: dict, region: Region) -> Iterator[None]:
+    """A lazily read region's ops, decoded for the time of the `with` and dropped after. A line that no
+    longer decodes (the file changed since read_run) makes the region damaged, as read_run would have."""
+    passes = [p for p in (region.forward, region.recompute) if p is not None and p.deferred]
+    try:
+        for p in passes:
+            try:
+                p.ops = _decode_deferred(path, p.deferred, metas)
+            except (OSError, KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
+                region.damaged = region.damaged or (
+                    f"line {p.deferred[0][1]} of the trace, written while this region was recorded or just after, "
+                    "is damaged (an 'ops' record with fields of the wrong type)")
+        yield
+    finally:
+        for p in passes:
+            p.ops = []
 
 
 def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, str]], opened: dict[int, int],
@@ -559,14 +618,15 @@ def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, 
 
 
 def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int,
-                 metas: dict) -> None:
+                 metas: dict, deferred: dict[tuple, list[tuple[int, int]]], path: Any) -> None:
     number = rec.get("region")
     region = regions.get(number)
     if region is None:
         return
     attempt = rec.get("attempt", 0)
+    key = (number, rec.get("phase"), attempt)
     p = Pass(
-        phase=rec.get("phase", "forward"), ops=ops.pop((number, rec.get("phase"), attempt), []),
+        phase=rec.get("phase", "forward"), ops=ops.pop(key, []), deferred=deferred.pop(key, None),
         positions=[_position_from_json(x, metas) for x in rec.get("positions", [])],
         externals=[_external_from_json(x) for x in rec.get("externals", [])],
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
@@ -577,6 +637,8 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         p.state["error"] = rec["error"]
     if rec.get("ops_written") is False:  # RecordOptions(write="diverged"): a clean region's ops were not kept
         region.ops_written = False
+    if p.deferred and not rec.get("n_ops"):  # only the ops themselves can say how many there were
+        p.ops, p.deferred = _decode_deferred(path, p.deferred, metas), None
     p.state["n_ops"] = rec.get("n_ops", len(p.ops))
     _set_pass(region, p)
 

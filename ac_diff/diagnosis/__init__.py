@@ -11,6 +11,8 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 
 from __future__ import annotations
 
+import contextlib
+
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary)
@@ -24,6 +26,22 @@ __all__ = ["diagnose", "Settings", "Tolerance"]
 
 
 def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
+    # a lazily read run (read_run(lazy=True)) has its ops decoded per region; with several runs the cross-rank
+    # findings compare them after the loop, so they stay loaded until the report is done
+    with contextlib.ExitStack() as kept:
+        return _diagnose(runs, settings, kept if len(runs) > 1 else None)
+
+
+def _ops_of(run: Run, region, kept: contextlib.ExitStack | None):
+    if run.ops_loader is None:
+        return contextlib.nullcontext()
+    if kept is not None:
+        kept.enter_context(run.ops_loader(region))
+        return contextlib.nullcontext()
+    return run.ops_loader(region)
+
+
+def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | None) -> Report:
     region_reports = []
     errors: list[TorchError] = []
     notes: list[str] = []
@@ -43,7 +61,8 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
-            report = diagnose_region(region, err, settings, run_stopped=stopped)
+            with _ops_of(run, region, kept):
+                report = diagnose_region(region, err, settings, run_stopped=stopped)
             report.path = run.path or run.source
             region_reports.append(report)
     _through_nested_regions(region_reports)
