@@ -140,8 +140,9 @@ class Pass:
     # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
     attributes: dict[str, Any] = field(default_factory=dict)
     attribute_updates: dict[str, list] = field(default_factory=dict)
-    # read_run(lazy=True): (byte offset, line number) of each "ops" line of this pass in its trace file, not yet
-    # decoded into `ops` (Run.ops_loader decodes them for the time a region is diagnosed); None: `ops` is all
+    # read_run(lazy=True): (byte offset, line number) of this pass's "ops" and "pass" lines in its trace file, not
+    # yet decoded into `ops`, `positions`, `externals` (Run.ops_loader decodes them for the time a region is
+    # diagnosed); None: those are complete
     deferred: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
 

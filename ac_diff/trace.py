@@ -358,14 +358,14 @@ def _lines(f: Any) -> Iterator[bytes]:
 
 # The start of an "ops" line as encode_ops writes it (orjson; json's spacing where json wrote it)
 _OPS_LINE = re.compile(rb'\{"type": ?"ops", ?"region": ?(\d+), ?"phase": ?"(forward|recompute)", ?"attempt": ?(\d+),')
-_AT = "_at"  # a deferred "ops" record: the byte offset of its line
+_AT = "_at"  # the byte offset of a deferred "ops" record's line, or of a "pass" record's
 
 
 def iter_records(path: str | os.PathLike, defer_ops: bool = False) -> Iterator[dict[str, Any]]:
     """Yield the trace's records after checking its header. A damaged line is yielded as
     {"type": "_damaged", "why": ...}; a cut compressed stream ends the iteration with one.
     defer_ops (uncompressed files): an intact "ops" line is not decoded but yielded as
-    {"type": "ops", "region", "phase", "attempt", "_at": its byte offset}."""
+    {"type": "ops", "region", "phase", "attempt", "_at": its byte offset}; a "pass" record has "_at" too."""
     with open_binary(path) as f:
         lines = _lines(f)
         first = next(lines, b"") or b""
@@ -397,6 +397,8 @@ def iter_records(path: str | os.PathLike, defer_ops: bool = False) -> Iterator[d
                 yield {"type": _DAMAGED, "why": "not a JSON record"}
                 continue
             rec.pop("crc", None)
+            if defer_ops and rec.get("type") == "pass":
+                rec[_AT] = at
             yield rec
 
 
@@ -511,7 +513,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 ops.setdefault(key, []).extend(_ops_from_json(rec, metas))
                 named.add(key[0])
             elif kind == "pass":
-                _attach_pass(regions, ops, rec, rank, metas, deferred, path)
+                _attach_pass(regions, ops, rec, rank, metas, deferred, path, line)
                 named.add(rec.get("region"))
                 if rec.get("phase") == "recompute":
                     last_pass[rec.get("region")] = line
@@ -566,24 +568,30 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     return run
 
 
-def _decode_deferred(path: Any, lines: list[tuple[int, int]], metas: dict) -> list[OpRecord]:
+def _decode_deferred(path: Any, p: Pass, metas: dict) -> None:
+    """Fill a lazily read pass: its ops, positions and externals, from the lines `p.deferred` names."""
     ops: list[OpRecord] = []
     with open(path, "rb") as f:
-        for at, _ in lines:
+        for at, _ in p.deferred:
             f.seek(at)
-            ops.extend(_ops_from_json(decode_line(f.readline()), metas))
-    return ops
+            rec = decode_line(f.readline())
+            if rec.get("type") == "pass":
+                p.positions = [_position_from_json(x, metas) for x in rec.get("positions", [])]
+                p.externals = [_external_from_json(x) for x in rec.get("externals", [])]
+            else:
+                ops.extend(_ops_from_json(rec, metas))
+    p.ops = ops
 
 
 @contextlib.contextmanager
 def _ops_loaded(path: Any, metas: dict, region: Region) -> Iterator[None]:
-    """A lazily read region's ops, decoded for the time of the `with` and dropped after. A line that no
-    longer decodes (the file changed since read_run) makes the region damaged, as read_run would have."""
+    """A lazily read region's ops, positions and externals, decoded for the time of the `with` and dropped
+    after. A line that no longer decodes (the file changed since read_run) makes the region damaged."""
     passes = [p for p in (region.forward, region.recompute) if p is not None and p.deferred]
     try:
         for p in passes:
             try:
-                p.ops = _decode_deferred(path, p.deferred, metas)
+                _decode_deferred(path, p, metas)
             except (OSError, KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
                 region.damaged = region.damaged or (
                     f"line {p.deferred[0][1]} of the trace, written while this region was recorded or just after, "
@@ -591,7 +599,7 @@ def _ops_loaded(path: Any, metas: dict, region: Region) -> Iterator[None]:
         yield
     finally:
         for p in passes:
-            p.ops = []
+            p.ops, p.positions, p.externals = [], [], []
 
 
 def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, str]], opened: dict[int, int],
@@ -618,17 +626,19 @@ def _mark_damaged(run: Run, regions: dict[int, Region], damage: list[tuple[int, 
 
 
 def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], rec: dict, rank: int,
-                 metas: dict, deferred: dict[tuple, list[tuple[int, int]]], path: Any) -> None:
+                 metas: dict, deferred: dict[tuple, list[tuple[int, int]]], path: Any, line: int) -> None:
     number = rec.get("region")
     region = regions.get(number)
     if region is None:
         return
     attempt = rec.get("attempt", 0)
     key = (number, rec.get("phase"), attempt)
+    lazy = _AT in rec  # positions and externals are decoded with the ops, when the region is diagnosed
     p = Pass(
-        phase=rec.get("phase", "forward"), ops=ops.pop(key, []), deferred=deferred.pop(key, None),
-        positions=[_position_from_json(x, metas) for x in rec.get("positions", [])],
-        externals=[_external_from_json(x) for x in rec.get("externals", [])],
+        phase=rec.get("phase", "forward"), ops=ops.pop(key, []),
+        deferred=[*deferred.pop(key, ()), (rec[_AT], line)] if lazy else None,
+        positions=[] if lazy else [_position_from_json(x, metas) for x in rec.get("positions", [])],
+        externals=[] if lazy else [_external_from_json(x) for x in rec.get("externals", [])],
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
         attributes=rec.get("attributes") or {}, attribute_updates=rec.get("attribute_updates") or {},
@@ -637,8 +647,9 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         p.state["error"] = rec["error"]
     if rec.get("ops_written") is False:  # RecordOptions(write="diverged"): a clean region's ops were not kept
         region.ops_written = False
-    if p.deferred and not rec.get("n_ops"):  # only the ops themselves can say how many there were
-        p.ops, p.deferred = _decode_deferred(path, p.deferred, metas), None
+    if lazy and not rec.get("n_ops"):  # only the ops themselves can say how many there were
+        _decode_deferred(path, p, metas)
+        p.deferred = None
     p.state["n_ops"] = rec.get("n_ops", len(p.ops))
     _set_pass(region, p)
 

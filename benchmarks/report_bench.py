@@ -3,8 +3,8 @@
 Builds a trace of about --mb MB from a real one: its header, then its region, ops and pass records
 repeated with the region numbers (and parents) shifted past the last copy's, each line re-encoded with
 its checksum as the recorder writes it, then its end record. Each code path (this checkout, and every
---baseline checkout) then runs in its own process on that file, in two stages: `read` (read_run only)
-and `report` (read_run + diagnose + the JSON report). Printed per path and stage: trace MB/s, CPU
+--baseline checkout) then runs in its own process on that file, in two stages: `read` (read_run as
+`ac-diff report` reads: lazily where the checkout can) and `report` (diagnose_paths + the JSON report). Printed per path and stage: trace MB/s, CPU
 seconds and ru_maxrss growth over the process's own size before the stage.
 
     PYTHONPATH=. python benchmarks/report_bench.py --source ac-diff-out/trace-rank0.jsonl --mb 500
@@ -27,16 +27,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One stage in a fresh process: prints {"cpu_s", "rss_growth_mb", "regions"} as JSON.
 STAGE = r"""
-import json, resource, sys, time
+import inspect, json, resource, sys, time
+from ac_diff.api import diagnose_paths
 from ac_diff.trace import read_run
 import ac_diff.diagnosis, ac_diff.report  # imports are not the trace's cost
+lazy = "lazy" in inspect.signature(read_run).parameters  # what `ac-diff report` reads with (older: eagerly)
 before = resource.getrusage(resource.RUSAGE_SELF)
 t0 = time.process_time()
-run = read_run(sys.argv[1])
-n = len(run.regions)
-if sys.argv[2] == "report":
-    from ac_diff.diagnosis import diagnose
-    json.dumps(diagnose([run]).to_json())
+if sys.argv[2] == "read":
+    n = len((read_run(sys.argv[1], lazy=True) if lazy else read_run(sys.argv[1])).regions)
+else:
+    report = diagnose_paths([sys.argv[1]])
+    n = len(report.regions)
+    json.dumps(report.to_json())
 after = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"cpu_s": time.process_time() - t0, "regions": n,
                   "rss_growth_mb": (after.ru_maxrss - before.ru_maxrss) / 1024}))
