@@ -12,7 +12,9 @@
 
 Kept values (`vals`) are raw little-endian bytes in base64 with their dtype and shape (older traces
 stored nested lists; both load). `read_run(path)` turns a file back into the model
-(`ac_diff.passes.Run`). A file of another format or of a newer major version raises
+(`ac_diff.passes.Run`); `read_run(path, lazy=True)` (what `ac-diff report` reads with) only checksums and
+indexes the "ops" lines and leaves ops, positions and externals to be decoded one region at a time
+(`Run.ops_loader`), so memory follows the largest region, not the file. A file of another format or of a newer major version raises
 `TraceFormatError` saying what it is and what to do; a file without its end record (the process
 died) loads with `Run.truncated` set and a note.
 
