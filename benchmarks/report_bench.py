@@ -85,7 +85,8 @@ def record(steps: int, out_dir: Path) -> Path:
 
 def stage(checkout: Path, trace: Path, which: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    proc = subprocess.run([sys.executable, "-c", STAGE, str(trace), which], env=env, text=True,
+    # cwd: `python -c` puts it first on sys.path, so it must be the checkout measured
+    proc = subprocess.run([sys.executable, "-c", STAGE, str(trace), which], cwd=checkout, env=env, text=True,
                           capture_output=True, check=True)
     return json.loads(proc.stdout.splitlines()[-1])
 
