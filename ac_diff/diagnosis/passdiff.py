@@ -37,7 +37,8 @@ class Tolerance:
         if a is None or b is None:
             return True  # nothing to compare
         if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(self.equal(x, y) for x, y in zip(a, b))
+            # list == (in C) implies equal here (a NaN only equals itself there); kept values are long lists
+            return a == b or (len(a) == len(b) and all(self.equal(x, y) for x, y in zip(a, b)))
         if isinstance(a, float) or isinstance(b, float):
             try:
                 fa, fb = float(a), float(b)
