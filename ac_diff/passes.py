@@ -140,6 +140,8 @@ class Pass:
     # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
     attributes: dict[str, Any] = field(default_factory=dict)
     attribute_updates: dict[str, list] = field(default_factory=dict)
+    # a summarized pass (its region reproduced; write="diverged"): a digest of every value it measured
+    values_digest: str | None = None
 
 
 

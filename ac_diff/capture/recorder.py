@@ -84,10 +84,12 @@ class RecordOptions:
     scope: str = "regions"  # "regions": the dispatch mode runs only inside regions; "all": also counts other ops
     discrete_ops: frozenset[str] = frozenset()  # extra op names (e.g. "aten.my_router.default") to treat as discrete
     ignore_ops: frozenset[str] = frozenset()  # op names never recorded
-    # "all": write every recorded pass. "diverged": record everything, but write a region's ops only if its
-    # recompute did not reproduce its forward (or it failed, or was never recomputed); a clean region keeps
-    # its pass records (op counts, saved positions, externals) with "ops_written": false. For long runs.
-    write: str = "all"
+    # "diverged" (default): record everything, but write a region's ops only if its recompute did not reproduce
+    # its forward (or it failed, or was never recomputed), plus the first `keep_clean` clean regions of each
+    # module (a sample to read); every other clean region gets a summary of ~1 KB (retention.pass_summary), so
+    # a trace grows with the regions that diverged, not with the steps. "all": write every recorded pass.
+    write: str = "diverged"
+    keep_clean: int = 1
     hold_bytes: int = 256 << 20  # write="diverged": forwards held awaiting their recompute (oldest written first)
     # encode and write the trace in a background thread (trace.TraceWriter): measured no faster on CPU (the
     # recording keeps the GIL busy), so off by default; it can help where the step has long GIL-free phases
@@ -184,6 +186,7 @@ class Recorder:
         self._held: dict[int, _Region] = {}  # write="diverged": regions whose forward waits for its recompute
         self._held_bytes = 0
         self._side_effect_modules: set[str | None] = set()
+        self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
         self._lock = threading.Lock()
         self._started = False
 
@@ -789,21 +792,19 @@ class Recorder:
         forward = region.held[2] if region.hold == "held" else region.signature
         verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
-        # side effects (a counter the recompute bumps again) are shown for the first region of each module
-        clean = verdict == SAME or (verdict == SIDE_EFFECTS and region.module in self._side_effect_modules)
-        if verdict == SIDE_EFFECTS:
-            self._side_effect_modules.add(region.module)
+        clean = verdict != DIFFERENT and not self._written_in_full(region, verdict)
         if region.hold == "held":
             if clean:
-                _, fwd_record, region.signature, size = region.held
+                fwd_ops, fwd_record, region.signature, size = region.held
                 self._held_bytes -= size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
-                writer.write(pass_summary(fwd_record))
+                fps_rows = (fwd_ops.args[2], fwd_ops.args[1]) if fwd_ops is not None else ({}, [])
+                writer.write(pass_summary(fwd_record, verdict, *fps_rows, ranks=_distributed()))
             else:
                 self._release(region)
         if clean and region.hold == "clean":
-            writer.write(pass_summary(record))
+            writer.write(pass_summary(record, verdict, fps, p.ops, ranks=_distributed()))
             return
         if region.hold == "clean":
             writer.write({"type": "warning", "message": (
@@ -812,6 +813,19 @@ class Recorder:
         if ops_record is not None:
             writer.write(ops_record)
         writer.write(record)
+
+    def _written_in_full(self, region: _Region, verdict: str) -> bool:
+        """Whether a reproduced region is written in full all the same: the first region of each module with side
+        effects (a counter the recompute bumps again: the report names them), and the first `keep_clean` clean
+        regions of each module while their forward is still held (a sample of what a clean region records)."""
+        first_side_effects = verdict == SIDE_EFFECTS and region.module not in self._side_effect_modules
+        if first_side_effects:
+            self._side_effect_modules.add(region.module)
+        sampled = self._clean_samples.get(region.module, 0)
+        if not first_side_effects and (region.hold != "held" or sampled >= self.options.keep_clean):
+            return False
+        self._clean_samples[region.module] = sampled + 1
+        return True
 
     def _release(self, region: _Region) -> None:
         """Write a held forward in full (memory limit, a failed check, the end of the run)."""
@@ -879,8 +893,6 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
 
 
-# (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
-# when the row is written (on the writer thread), which halves the per-tensor cost on the op path
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
@@ -891,6 +903,14 @@ def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
             return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
                     f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
     return None
+
+
+def _distributed() -> bool:
+    """Whether other ranks' traces may be compared with this one (torchrun's WORLD_SIZE, or a process group)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return True
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _exception_text(exc: BaseException) -> str:
