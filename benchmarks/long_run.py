@@ -10,9 +10,14 @@ regions per step) three ways, each in its own process: plain `python`, `ac-diff 
 in `--write-all-steps`, `ac-diff run --write all`. It prints the trace size, the bytes per region, the peak RSS
 of the process (its ru_maxrss, from wait4) and that peak minus the plain run's:
 
-    steps  variant   trace MB  bytes/region  peak RSS MB  vs plain MB
-    1000   plain         -          -            327          0
-    1000   default     2.58       1292           360         +33
+     steps  variant     trace MB  bytes/region  peak RSS MB  vs plain MB
+       100  plain              -             -          324           +0
+       100  default         0.43          2154          351          +27
+       100  write all      19.39         96970          537         +212
+      1000  plain              -             -          327           +0
+      1000  default         2.58          1292          359          +32
+
+(2 CPU cores, torch 2.13; the default's first two regions are written in full, as the sample.)
 
 The claim it checks: the trace grows with the regions that diverged (here none), not with the steps, and the
 run's peak RSS stays within a fixed margin of the plain run's whatever the number of steps.
