@@ -186,6 +186,8 @@ class Recorder:
         self._side_effect_modules: set[str | None] = set()
         self._lock = threading.Lock()
         self._started = False
+        self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
+        self._source_lines = self.options.source_lines
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -520,12 +522,29 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("_on_op", exc)
 
+    def _plan(self, func) -> tuple:
+        """What `_record` does with every call of `func` under this recorder's options, worked out once:
+        (func, info, name, ignored, discrete, derivable, fingerprint, aliases input, shares values,
+        may draw random numbers)."""
+        info: OpInfo = op_info(func)
+        name = info.name
+        options = self.options
+        discrete = info.discrete or name in options.discrete_ops
+        plan = (func, info, name, name in options.ignore_ops, discrete,
+                info.derivable and not options.fingerprint_derived and name not in options.discrete_ops,
+                options.fingerprints and info.fingerprint, info.aliases_input, info.shares_values,
+                info.random or name == COMPILED_GRAPH_OP)
+        self._plans[id(func)] = plan  # keyed by id (an OpOverload hashes in Python); the func is kept in it
+        return plan
+
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        info: OpInfo = op_info(func)
-        name = info.name
-        if name in self.options.ignore_ops:
+        plan = self._plans.get(id(func))
+        if plan is None or plan[0] is not func:
+            plan = self._plan(func)
+        _, info, name, ignored, discrete, derivable, fingerprint, aliases, shares, maybe_random = plan
+        if ignored:
             return
         self.ops_recorded += 1
         p.n_ops += 1
@@ -541,7 +560,7 @@ class Recorder:
         producers = p.producers
         known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, _Tensor):
                 in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
                 if hit is not None and hit[0]() is a:
@@ -571,23 +590,22 @@ class Recorder:
             known = known and len(tensor_inputs) == n_inputs
         stack = p.module_stack
         module = stack[-1][1] if stack else None
-        src = user_source(3) if self.options.source_lines else None
+        src = user_source(3) if self._source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         out_meta: list = []
         host = None
         known = known and bool(tensor_inputs) and not cached
         # "derived": an elementwise op of measured inputs is not fingerprinted (its values follow from
         # theirs, so the first divergence is never there; the diagnosis infers whether they differ)
-        derived = (known and info.derivable and not self.options.fingerprint_derived
-                   and name not in self.options.discrete_ops)
-        fp_wanted = self.options.fingerprints and not cached and info.fingerprint and not derived
-        flows = derived or (known and info.shares_values)  # outputs whose values follow from measured ones
+        derived = known and derivable
+        fp_wanted = fingerprint and not cached and not derived
+        flows = derived or (known and shares)  # outputs whose values follow from measured ones
         for j, o in enumerate(outs):
-            if isinstance(o, torch.Tensor):
+            if isinstance(o, _Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
                 if fp_wanted:
-                    if info.aliases_input and tensor_inputs:
+                    if aliases and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
                     if slot is None and not flows:
                         slot = p.batch.add(o)
@@ -595,16 +613,19 @@ class Recorder:
                         p.fp_slots.append((index, j, slot))
                 # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref,
                 #  values measured or following from measured ones)
-                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None,
+                producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
-            compiled_graph_draws(args[0])
-        flags = (FLAG_CACHED if cached else 0) | (FLAG_RANDOM if random else 0) | (FLAG_DERIVED if derived else 0)
-        if (info.discrete or name in self.options.discrete_ops) and not cached:
+        flags = FLAG_CACHED if cached else 0
+        if maybe_random and (draws(info, args, kwargs) if info.random else bool(args) and
+                             compiled_graph_draws(args[0])):
+            flags |= FLAG_RANDOM
+        if derived:
+            flags |= FLAG_DERIVED
+        if discrete and not cached:
             flags |= FLAG_DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
         ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
@@ -873,6 +894,8 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _SEQUENCES = frozenset({list, tuple})
+_Tensor = torch.Tensor
+_weakref = weakref.ref
 
 
 def _meta(t: torch.Tensor) -> tuple:
