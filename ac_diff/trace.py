@@ -279,6 +279,12 @@ def _written_meta(meta: tuple) -> tuple:
     return w
 
 
+def written_meta(meta: tuple) -> tuple:
+    """(size, dtype, device) -> (size as a tuple, short dtype, device name), as the trace holds a tensor's meta."""
+    w = _written.get(meta)
+    return w if w is not None else _written_meta(meta)
+
+
 def _written_metas(metas: tuple) -> list:
     get = _written.get
     return [get(m) or _written_meta(m) for m in metas]

@@ -48,7 +48,7 @@ from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
-                     encode_ops)
+                     encode_ops, written_meta)
 
 
 class _OpenPass:
@@ -379,25 +379,28 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
 
-    @_never_raise
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
-        region = getattr(frame, "_ac_diff_region", None)
-        passes = self._passes()
-        if region is None or not region.recorded or not passes or tracing():
-            return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
-        p = passes[-1]
-        if p.region is not region:  # a pack of an outer region while an inner one runs
-            p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
-            if p is None:
-                return
-        ref = self._known_ref(p, tensor)
-        if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
-            with self.quiet():
-                ref = self._ref(p, tensor)
-        if ref[0] == "op":
-            p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
-        else:
-            p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
+        try:
+            region = getattr(frame, "_ac_diff_region", None)
+            passes = self._passes()
+            if region is None or not region.recorded or not passes or tracing():
+                return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
+            p = passes[-1]
+            if p.region is not region:  # a pack of an outer region while an inner one runs
+                p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
+                if p is None:
+                    return
+            ref = self._known_ref(p, tensor)
+            if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
+                with self.quiet():
+                    ref = self._ref(p, tensor)
+            if ref[0] == "op":
+                p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
+            else:
+                p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error("pack", exc)
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
@@ -899,11 +902,10 @@ _weakref = weakref.ref
 
 
 def _meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
+    """(shape, short dtype, device name); op rows hold (size, dtype, device), converted alike when written."""
+    return written_meta((t.size(), t.dtype, t.device))
 
 
-# (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
-# when the row is written (on the writer thread), which halves the per-tensor cost on the op path
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
