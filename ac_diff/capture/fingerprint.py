@@ -196,13 +196,14 @@ class FingerprintBatch:
             bits = bucket[3]
             bits.append(_bit_rows_sum(m, odd))
             bit = len(bits) - 1
-            if dtype in _EXACT_ROW_DTYPES:  # `_weighted_pair`, inlined: this runs for most fingerprints
+            if dtype in _EXACT_ROW_DTYPES:  # the pair in two kernels (see `_weights_of_matrix`)
                 pairs = bucket[0]
                 pairs.append(torch.mv(row_pair, torch.mv(m, columns)))
                 self._slots.append((key, True, len(pairs) - 1, bit))
                 return len(self._slots) - 1
+            # half precision: the plain sum in float32; the bilinear sum from the row sums, as float32
             first = t.sum(dtype=torch.float32)
-            second = torch.dot(torch.mv(m, columns), row_weights)  # `_bilinear`
+            second = torch.dot(torch.mv(m, columns), row_weights)
             if second.dtype is not torch.float32:
                 second = second.float()
         elif kind == "f":
