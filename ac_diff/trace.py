@@ -269,17 +269,28 @@ def encode_ops(region: int, phase: str, attempt: int, ops: list[tuple], fps: dic
     return record
 
 
-_meta_names: dict[tuple, tuple[str, str]] = {}
+# (size, dtype, device) as the recorder keeps it -> its written form (size, short dtype, device name); the
+# same few metas recur in every pass, so each is converted once (bounded: data-dependent shapes vary)
+_written: dict[tuple, tuple] = {}
+
+
+def _written_meta(meta: tuple) -> tuple:
+    size, dtype, device = meta
+    if len(_written) > 8192:
+        _written.clear()
+    w = _written[meta] = (tuple(size), short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
+    return w
+
+
+def written_meta(meta: tuple) -> tuple:
+    """(size, dtype, device) -> (size as a tuple, short dtype, device name), as the trace holds a tensor's meta."""
+    w = _written.get(meta)
+    return w if w is not None else _written_meta(meta)
 
 
 def _written_metas(metas: tuple) -> list:
-    out = []
-    for size, dtype, device in metas:
-        names = _meta_names.get((dtype, device))
-        if names is None:
-            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
-        out.append((tuple(size), *names))
-    return out
+    get = _written.get
+    return [get(m) or _written_meta(m) for m in metas]
 
 
 def _json_default(o: Any) -> Any:

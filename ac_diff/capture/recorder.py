@@ -48,7 +48,7 @@ from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
-                     encode_ops)
+                     encode_ops, written_meta)
 
 
 class _OpenPass:
@@ -189,6 +189,8 @@ class Recorder:
         self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
         self._lock = threading.Lock()
         self._started = False
+        self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
+        self._source_lines = self.options.source_lines
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -380,25 +382,28 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
 
-    @_never_raise
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
-        region = getattr(frame, "_ac_diff_region", None)
-        passes = self._passes()
-        if region is None or not region.recorded or not passes or tracing():
-            return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
-        p = passes[-1]
-        if p.region is not region:  # a pack of an outer region while an inner one runs
-            p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
-            if p is None:
-                return
-        ref = self._known_ref(p, tensor)
-        if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
-            with self.quiet():
-                ref = self._ref(p, tensor)
-        if ref[0] == "op":
-            p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
-        else:
-            p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
+        try:
+            region = getattr(frame, "_ac_diff_region", None)
+            passes = self._passes()
+            if region is None or not region.recorded or not passes or tracing():
+                return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
+            p = passes[-1]
+            if p.region is not region:  # a pack of an outer region while an inner one runs
+                p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
+                if p is None:
+                    return
+            ref = self._known_ref(p, tensor)
+            if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
+                with self.quiet():
+                    ref = self._ref(p, tensor)
+            if ref[0] == "op":
+                p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
+            else:
+                p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error("pack", exc)
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
@@ -523,12 +528,29 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("_on_op", exc)
 
+    def _plan(self, func) -> tuple:
+        """What `_record` does with every call of `func` under this recorder's options, worked out once:
+        (func, info, name, ignored, discrete, derivable, fingerprint, aliases input, shares values,
+        may draw random numbers)."""
+        info: OpInfo = op_info(func)
+        name = info.name
+        options = self.options
+        discrete = info.discrete or name in options.discrete_ops
+        plan = (func, info, name, name in options.ignore_ops, discrete,
+                info.derivable and not options.fingerprint_derived and name not in options.discrete_ops,
+                options.fingerprints and info.fingerprint, info.aliases_input, info.shares_values,
+                info.random or name == COMPILED_GRAPH_OP)
+        self._plans[id(func)] = plan  # keyed by id (an OpOverload hashes in Python); the func is kept in it
+        return plan
+
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        info: OpInfo = op_info(func)
-        name = info.name
-        if name in self.options.ignore_ops:
+        plan = self._plans.get(id(func))
+        if plan is None or plan[0] is not func:
+            plan = self._plan(func)
+        _, info, name, ignored, discrete, derivable, fingerprint, aliases, shares, maybe_random = plan
+        if ignored:
             return
         self.ops_recorded += 1
         p.n_ops += 1
@@ -544,7 +566,7 @@ class Recorder:
         producers = p.producers
         known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, _Tensor):
                 in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
                 if hit is not None and hit[0]() is a:
@@ -574,23 +596,22 @@ class Recorder:
             known = known and len(tensor_inputs) == n_inputs
         stack = p.module_stack
         module = stack[-1][1] if stack else None
-        src = user_source(3) if self.options.source_lines else None
+        src = user_source(3) if self._source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         out_meta: list = []
         host = None
         known = known and bool(tensor_inputs) and not cached
         # "derived": an elementwise op of measured inputs is not fingerprinted (its values follow from
         # theirs, so the first divergence is never there; the diagnosis infers whether they differ)
-        derived = (known and info.derivable and not self.options.fingerprint_derived
-                   and name not in self.options.discrete_ops)
-        fp_wanted = self.options.fingerprints and not cached and info.fingerprint and not derived
-        flows = derived or (known and info.shares_values)  # outputs whose values follow from measured ones
+        derived = known and derivable
+        fp_wanted = fingerprint and not cached and not derived
+        flows = derived or (known and shares)  # outputs whose values follow from measured ones
         for j, o in enumerate(outs):
-            if isinstance(o, torch.Tensor):
+            if isinstance(o, _Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
                 if fp_wanted:
-                    if info.aliases_input and tensor_inputs:
+                    if aliases and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
                     if slot is None and not flows:
                         slot = p.batch.add(o)
@@ -598,16 +619,19 @@ class Recorder:
                         p.fp_slots.append((index, j, slot))
                 # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref,
                 #  values measured or following from measured ones)
-                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None,
+                producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
-            compiled_graph_draws(args[0])
-        flags = (FLAG_CACHED if cached else 0) | (FLAG_RANDOM if random else 0) | (FLAG_DERIVED if derived else 0)
-        if (info.discrete or name in self.options.discrete_ops) and not cached:
+        flags = FLAG_CACHED if cached else 0
+        if maybe_random and (draws(info, args, kwargs) if info.random else bool(args) and
+                             compiled_graph_draws(args[0])):
+            flags |= FLAG_RANDOM
+        if derived:
+            flags |= FLAG_DERIVED
+        if discrete and not cached:
             flags |= FLAG_DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
         ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
@@ -887,10 +911,13 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _SEQUENCES = frozenset({list, tuple})
+_Tensor = torch.Tensor
+_weakref = weakref.ref
 
 
 def _meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
+    """(shape, short dtype, device name); op rows hold (size, dtype, device), converted alike when written."""
+    return written_meta((t.size(), t.dtype, t.device))
 
 
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
