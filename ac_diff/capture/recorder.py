@@ -329,7 +329,7 @@ class Recorder:
         # `max_regions` cost nothing (their pass records then have no op count)
         if region.recorded and not any(q.pushed_mode for q in passes):
             if self.options.scope != "all":
-                # without Dynamo nothing can trace the handler: torch's per-op guard (~4 us) is not needed
+                # without Dynamo nothing can trace the handler: torch's per-op guard is not needed
                 dynamo = "torch._dynamo" in sys.modules
                 if dynamo:
                     wrap_compiled_graphs()
