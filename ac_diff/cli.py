@@ -107,8 +107,9 @@ def run(
     fingerprints: Optional[bool] = typer.Option(None, "--fingerprints/--no-fingerprints", help="Value fingerprints (--no-fingerprints: metadata only, cheapest)."),
     scope: Optional[str] = typer.Option(None, "--scope", help="regions (default): observe only checkpointed regions; all: also count other ops.",
                                         autocompletion=complete(SCOPES)),
-    write: Optional[str] = typer.Option(None, "--write", help="all (default): write every region's ops; diverged: only those of regions that diverged (long runs).",
+    write: Optional[str] = typer.Option(None, "--write", help="diverged (default): write the ops of regions that diverged, and of the first --keep-clean clean ones per module; a ~1 KB summary of every other region. all: every region's ops.",
                                         autocompletion=complete(WRITES)),
+    keep_clean: Optional[int] = typer.Option(None, "--keep-clean", help="With --write diverged: clean regions per module written in full (default 1)."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes with torchrun."),
     rtol: RtolOption = None,
     atol: AtolOption = None,
@@ -136,7 +137,7 @@ def run(
     scope = cfg.pick("scope", scope)  # pick checks a given value like the settings key
     write = cfg.pick("write", write)
     options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
-                                 scope=scope, write=write)
+                                 scope=scope, write=write, keep_clean=keep_clean)
     output_dir = cfg.pick("output_dir", output_dir)
     report_file = _report_file(fmt, report_file, output_dir)
     from .commands.run_extras import remedy_options

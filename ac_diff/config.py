@@ -7,7 +7,7 @@
     discrete_ops: [mylib.route.default]      # extra ops treated as discrete decisions
     keep_values: 4096       # max elements kept per discrete op output (0: none)
     max_regions: 64         # record ops of the first N regions only (null: all)
-    write: diverged         # write the ops of diverged regions only (all: every region; see RecordOptions)
+    write: all              # every region's ops (default diverged: those that diverged + a sample; see RecordOptions)
     output_dir: runs/ac-diff
     format: html            # default report format: terminal, json, html
 
@@ -22,7 +22,7 @@ valid choices; the CLI prints it as one line and exits 2.
 
 Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
 `report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
-`fingerprint_derived`, `source_lines`, `scope`, `write` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
+`fingerprint_derived`, `source_lines`, `scope`, `write`, `keep_clean` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
 `OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
 Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
 for every overload of that op and is expanded when torch knows it.
@@ -135,8 +135,11 @@ class Config:
     source_lines: bool = _key(True, "true/false", "record the user source line of each op", _flag)
     scope: str = _key("regions", "regions|all", "regions: observe only checkpointed regions; all: also count other "
                       "ops", _choice(SCOPES))
-    write: str = _key("all", "all|diverged", "all: write every region's ops; diverged: only those of regions whose "
-                      "recompute did not reproduce the forward (long runs)", _choice(WRITES))
+    write: str = _key("diverged", "diverged|all", "diverged: write the ops of regions whose recompute did not "
+                      "reproduce the forward, plus a sample of clean ones (keep_clean), and a ~1 KB summary of every "
+                      "other region (the trace grows with what diverged, not with the steps); all: every region's "
+                      "ops", _choice(WRITES))
+    keep_clean: int = _key(1, "integer >= 0", "write: diverged: clean regions per module written in full", _count)
     output_dir: str = _key("ac-diff-out", "path", "directory for trace files written by `run` (demo: "
                            "OUTPUT_DIR/demo)", _text)
     format: str = _key("terminal", "terminal|json|html", "default report format", _choice(FORMATS))
@@ -162,7 +165,8 @@ class Config:
                         window_before=self.window_before, window_after=self.window_after)
 
     def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
-                       fingerprints: bool | None = None, scope: str | None = None, write: str | None = None):
+                       fingerprints: bool | None = None, scope: str | None = None, write: str | None = None,
+                       keep_clean: int | None = None):
         from .capture.recorder import RecordOptions
 
         return RecordOptions(
@@ -170,7 +174,8 @@ class Config:
             fingerprint_derived=self.fingerprint_derived, source_lines=self.source_lines,
             max_regions=self.pick("max_regions", max_regions),
             scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
-            ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write))
+            ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write),
+            keep_clean=self.pick("keep_clean", keep_clean))
 
 
 KEYS: dict[str, Key] = {f.name: Key(f.name, f.metadata["kind"], f.default, f.metadata["help"], f.metadata["check"])

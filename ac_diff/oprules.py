@@ -19,6 +19,7 @@ Works on names alone (recorded or parsed from a log); torch is asked only for a 
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Iterable
 
 
 def split_op(name: str) -> tuple[str, str, str]:
@@ -98,6 +99,14 @@ def is_in_place_method(name: str) -> bool:
     """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
     op = packet(name)
     return op.endswith("_") and not op.startswith("_")
+
+
+def state_read(name: str, inputs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The parameters and buffers an op reads, of its inputs' (kind, name): not the one an in-place method only
+    updates (a counter's `add_`), which no value of the region depends on."""
+    in_place = is_in_place_method(name)
+    return [(kind, n) for i, (kind, n) in enumerate(inputs)
+            if kind in ("param", "buffer") and not (in_place and i == 0)]
 
 
 def is_outside_update(name: str, first_input_kind: str | None) -> bool:

@@ -140,6 +140,8 @@ class Pass:
     # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
     attributes: dict[str, Any] = field(default_factory=dict)
     attribute_updates: dict[str, list] = field(default_factory=dict)
+    # a summarized pass (its region reproduced; write="diverged"): a digest of every value it measured
+    values_digest: str | None = None
     # read_run(lazy=True): (byte offset, line number) of this pass's "ops" and "pass" lines in its trace file, not
     # yet decoded into `ops`, `positions`, `externals` (Run.ops_loader decodes them for the time a region is
     # diagnosed); None: those are complete

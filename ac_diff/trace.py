@@ -1,6 +1,6 @@
 """The trace file: versioned, self-describing JSON Lines (optionally gzip), streamed and flushed per pass.
 
-    {"type": "header", "format": "ac-diff-trace", "version": "1.2", "torch": "2.13.0", "rank": 0, ...}
+    {"type": "header", "format": "ac-diff-trace", "version": "1.3", "torch": "2.13.0", "rank": 0, ...}
     {"type": "region", "region": 0, "module": "layers.0", "kind": "checkpoint", "options": {...}}
     {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
      "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
@@ -31,6 +31,9 @@ Format history (every version stays readable; tests/data keeps a file of each):
   1.0  header, region, op (one per op, later one "ops" record per pass), pass, end records
   1.1  a CRC-32 per line (`crc`); readers of 1.0 ignore it
   1.2  record types are checked against the minor version (the lines are those of 1.1)
+  1.3  a summarized pass (`"ops_written": false`; `write: diverged`, the default since) carries its `verdict`
+       and a `values_digest`, and no attributes; in a distributed run a forward's summary keeps the parameters
+       and buffers it reads; readers of 1.2 ignore the new keys
 
 NOTE [versions and record types]: the major version changes when a reader of the old one would
 misread the file; it is refused with advice ("upgrade ac-diff" / "re-record it"). A minor version may
@@ -69,7 +72,7 @@ from .streams import STREAM_DAMAGE, open_binary
 from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
 
 FORMAT = "ac-diff-trace"
-VERSION = "1.2"
+VERSION = "1.3"
 MAJOR, MINOR = (int(x) for x in VERSION.split("."))
 
 
@@ -269,17 +272,28 @@ def encode_ops(region: int, phase: str, attempt: int, ops: list[tuple], fps: dic
     return record
 
 
-_meta_names: dict[tuple, tuple[str, str]] = {}
+# (size, dtype, device) as the recorder keeps it -> its written form (size, short dtype, device name); the
+# same few metas recur in every pass, so each is converted once (bounded: data-dependent shapes vary)
+_written: dict[tuple, tuple] = {}
+
+
+def _written_meta(meta: tuple) -> tuple:
+    size, dtype, device = meta
+    if len(_written) > 8192:
+        _written.clear()
+    w = _written[meta] = (tuple(size), short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
+    return w
+
+
+def written_meta(meta: tuple) -> tuple:
+    """(size, dtype, device) -> (size as a tuple, short dtype, device name), as the trace holds a tensor's meta."""
+    w = _written.get(meta)
+    return w if w is not None else _written_meta(meta)
 
 
 def _written_metas(metas: tuple) -> list:
-    out = []
-    for size, dtype, device in metas:
-        names = _meta_names.get((dtype, device))
-        if names is None:
-            names = _meta_names[(dtype, device)] = (short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
-        out.append((tuple(size), *names))
-    return out
+    get = _written.get
+    return [get(m) or _written_meta(m) for m in metas]
 
 
 def _json_default(o: Any) -> Any:
@@ -644,6 +658,7 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
         attributes=rec.get("attributes") or {}, attribute_updates=rec.get("attribute_updates") or {},
+        values_digest=rec.get("values_digest"),
     )
     if rec.get("error"):
         p.state["error"] = rec["error"]

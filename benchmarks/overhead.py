@@ -20,9 +20,11 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * debug        `torch.utils.checkpoint.set_checkpoint_debug_enabled(True)` (torch's debug=True)
 * debugmode    `torch.utils._debug_mode.DebugMode()` + `DebugMode.log_tensor_hashes()` (the whole step)
 * meta         ac-diff, metadata only: `RecordOptions(fingerprints=False, keep_values=0)`
-* full         ac-diff with the defaults (fingerprints, positions, discrete values, source lines)
-* diverged     ac-diff `RecordOptions(write="diverged")`: everything is recorded, only regions whose
-               recompute did not reproduce the forward are written (plus a summary line per clean one)
+* full         ac-diff recording everything (fingerprints, positions, discrete values, source lines) and
+               writing every region's ops: `RecordOptions(write="all")`
+* default      ac-diff with the defaults (`write="diverged"`): everything is recorded and checked, the ops of
+               regions whose recompute did not reproduce the forward are written, plus the first clean region
+               of each module; a ~1 KB summary of every other one
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
                `--max-regions N` regions have been recorded (later regions are listed with their saved
                positions; their ops never reach the recorder)
@@ -224,16 +226,16 @@ def variants(cli, model: nn.Module) -> list[Variant]:
     floor.model = model
     out = [Variant("plain", _plain), floor, Variant("debug", _debug), Variant("debugmode", _debugmode),
            Variant("meta", _recorder(RecordOptions(fingerprints=False, keep_values=0))),
-           Variant("full", _recorder(RecordOptions()))]
+           Variant("full", _recorder(RecordOptions(**({"write": "all"} if "write" in fields else {}))))]
     if "write" in fields:
-        out.append(Variant("diverged", _recorder(RecordOptions(write="diverged"))))
+        out.append(Variant("default", _recorder(RecordOptions())))
     out.append(Variant("limit0", _recorder(RecordOptions(max_regions=0))))
     wanted = cli.variants.split(",") if cli.variants else None
     return [v for v in out if wanted is None or v.name in wanted]
 
 
 # Variants that run a dispatch mode over exactly the ops of the regions: their cost per op is comparable.
-US_PER_OP = ("floor", "meta", "full", "diverged")
+US_PER_OP = ("floor", "meta", "full", "default")
 # --configs launch: sizes at which the step is bound by Python launching ops, not by CPU kernels.
 CONFIGS = {"large": {}, "launch": {"dim": 64, "seq": 32, "batch": 1, "expert_hidden": 64}}
 

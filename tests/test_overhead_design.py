@@ -272,6 +272,55 @@ def test_write_diverged_reports_like_write_all(bias_update, tmp_path):
         assert next(r for r in diverged.regions if r.region == region["region"]).forward.ops
 
 
+def test_the_default_trace_grows_with_what_diverged_not_with_the_steps(tmp_path):
+    """Clean training: the first region of each module is written in full (a sample), every later one as a
+    summary of about 1 KB (a distributed run's summaries also keep the parameters they read: test_distributed)."""
+    sizes = {}
+    for steps in (2, 6):
+        path = tmp_path / f"{steps}.jsonl"
+        with ac_diff.record(path):  # the default policy
+            tiny_moe.train(steps=steps, seq_len=64, log=lambda _: None)
+        sizes[steps] = os.path.getsize(path)
+    run = read_run(path)
+    full = [r.region for r in run.regions if r.forward.ops]
+    assert full == [0, 1]  # layers.0 and layers.1 of the first step
+    assert all(r.ops_written is False and not r.recompute.ops for r in run.regions[2:])
+    assert not run.regions[5].forward.externals and not run.regions[5].recompute.externals
+    per_region = (sizes[6] - sizes[2]) / 8
+    assert per_region < 1500, per_region  # (2,300 bytes of ops per pass under write="all")
+    assert ac_diff.diagnose([run]).verdict == "clean"
+
+
+class Counted(nn.Module):
+    """A block whose forward pre-hook counts its calls: the recompute bumps the counter again, no op differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+        self.register_forward_pre_hook(lambda m, args: setattr(m, "calls", m.calls + 1))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def test_a_module_attribute_the_recompute_changes_is_never_summarized(tmp_path):
+    """Equal ops are not enough: a Python attribute that differs between the passes writes the region in full,
+    so the report can name it (write="all" and the default report the same)."""
+    reports = {}
+    for write in ("all", "diverged"):
+        torch.manual_seed(0)
+        block = Counted()
+        path = tmp_path / f"{write}.jsonl"
+        with ac_diff.record(path, write=write, keep_clean=0):
+            for _ in range(2):
+                cp.checkpoint(block, torch.randn(4, 16, requires_grad=True), use_reentrant=False).sum().backward()
+        run = read_run(path)
+        assert all(r.forward.ops for r in run.regions)
+        reports[write] = [{k: v for k, v in r.items() if k != "path"} for r in ac_diff.diagnose([run]).to_json()["regions"]]
+    assert reports["diverged"] == reports["all"]
+
+
 def test_write_diverged_over_its_memory_bound_writes_the_held_forwards(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "t.jsonl"

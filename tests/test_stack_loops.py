@@ -25,19 +25,22 @@ def mb(k: int) -> set[int]:
 
 
 def pass_order(trace_dir) -> list[tuple[str, int]]:
-    """(phase, region) of every finished pass, in the order the process ran them."""
+    """(phase, region) of every finished pass, in the order the process ran them (`--write all` writes each pass
+    as it ends; the default holds a forward until its recompute decides what is written)."""
     return [(r["phase"][0].upper(), r["region"]) for r in iter_records(trace_dir / "trace-rank0.jsonl")
             if r.get("type") == "pass"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    write_all = ["--write", "all"]
     jobs = {
-        "summed": Job([SCRIPT, "--schedule", "summed"]),
+        "summed": Job([SCRIPT, "--schedule", "summed"], write_all),
         "summed_bias_after_2": Job([SCRIPT, "--schedule", "summed", "--update-bias-after", "2"]),
         "interleaved_bias_after_2": Job([SCRIPT, "--schedule", "interleaved", "--update-bias-after", "2"]),
-        "pipelined": Job([SCRIPT, "--schedule", "pipelined"]),
-        "lightning_training_step": Job([str(STACKS / "lightning_moe.py"), "--bias-update", "training_step"]),
+        "pipelined": Job([SCRIPT, "--schedule", "pipelined"], write_all),
+        "lightning_training_step": Job([str(STACKS / "lightning_moe.py"), "--bias-update", "training_step"],
+                                       write_all),
     }
     return run_all(tmp_path_factory.mktemp("loops"), jobs)
 

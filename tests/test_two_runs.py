@@ -26,9 +26,11 @@ def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_runs")
     paths = {}
     for name, kwargs in (("a", {}), ("b", {}), ("lr", {"lr": 1e-2})):
-        paths[name] = out / name / "trace-rank0.jsonl"
-        with ac_diff.record(paths[name]):
-            tiny_moe.train(steps=2, seq_len=32, log=lambda s: None, **kwargs)
+        for write in ("all", "diverged"):  # every region's ops; the default: later clean regions summarized
+            paths[name, write] = out / write / name / "trace-rank0.jsonl"
+            with ac_diff.record(paths[name, write], write=write):
+                tiny_moe.train(steps=2, seq_len=32, log=lambda s: None, **kwargs)
+        paths[name] = paths[name, "all"]
     return paths
 
 
@@ -71,6 +73,22 @@ def test_other_learning_rate_first_divergent_op(traces, tmp_path):
     # the router decision that flips follows from it
     assert first["first_discrete_divergence"]["op"] == "aten.topk.default"
     assert first["window"] and first["window"][0]["forward_index"] == 0
+
+
+def test_summarized_regions_are_compared_by_their_values_digest(traces, tmp_path):
+    """The default trace writes the first region of each module in full and summarizes later clean ones: those
+    are compared by the digest of every value they measured; a difference is found, with no op to name."""
+    code, report = _compare_cli(traces["a", "diverged"], traces["b", "diverged"], tmp_path)
+    assert code == 0 and report["verdict"] == "clean"
+    assert [r["status"] for r in report["regions"]] == ["clean"] * 4
+    assert all("digests" in " ".join(r["notes"]) for r in report["regions"][2:])
+    code, report = _compare_cli(traces["a", "diverged"], traces["lr", "diverged"], tmp_path)
+    assert code == 1
+    assert [r["status"] for r in report["regions"]] == ["clean", "clean", "diverged", "diverged"]
+    assert report["regions"][2]["first_value_divergence"] is None and "--write all" in report["headline"]
+    code, report = _compare_cli(traces["a", "all"], traces["b", "diverged"], tmp_path)
+    assert [r["status"] for r in report["regions"]] == ["clean", "clean", "unchecked", "unchecked"]
+    assert "run B kept only a summary" in report["regions"][2]["notes"][-1]
 
 
 def test_terminal_labels_run_a_and_b(traces, tmp_path):

@@ -8,7 +8,7 @@
     values[slot]                      # per device and dtype (kept values): O(passes), not O(ops)
     kept[k]                           # {"dtype": "i64", "shape": [4, 2], "b64": "..."} (see encode_values)
 
-Floats: two position-weighted sums in float32, see `_weighted_pair` (float32/64: one pass over the
+Floats: two position-weighted sums in float32, see `_weights_of_matrix` (float32/64: one pass over the
 data; half precision: a float32 sum and the weighted sum, no float64 upcasts, which cost 2-4x more).
 Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
 same experts in another order) changes the fingerprint.
@@ -113,16 +113,33 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
 
 
-def _weighted_row_sums(m: torch.Tensor) -> torch.Tensor:
-    """sum_j wc[j] M[i, j] for every row i of the matrix `m` (see `_rows`): the one pass over the data."""
-    return torch.mv(m, _weights(m.device, m.dtype, m.shape[1]))
+# (device, dtype, rows, columns) -> the weights a float matrix's fingerprint needs (`_weights_of_matrix`)
+_matrix_weights: dict[tuple, tuple] = {}
+
+
+def _weights_of_matrix(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> tuple:
+    """The weights of a (rows, cols) float matrix's fingerprint, looked up once per fingerprint:
+
+    * columns wc (cols,): `mv(M, wc)` is every row's weighted sum, the one pass over the data;
+    * the (2, rows) matrix [ones; wr]: `mv` of it and those row sums is the pair (sum_ij wc[j] M[i, j],
+      sum_ij wr[i] wc[j] M[i, j]), which changes when values move between positions (rows routed
+      elsewhere) or shift by a zero-sum amount (a load-balancing bias update), unlike (sum, abs-sum);
+    * odd int32 row weights for `_bit_rows_sum`;
+    * wr alone (rows,), for the half-precision dtypes whose row sums are rounded to their own precision
+      (their plain sum is taken in float32 instead)."""
+    if len(_matrix_weights) > 4096:  # many distinct shapes (data-dependent): start over
+        _matrix_weights.clear()
+    w = _matrix_weights[(device, dtype, rows, cols)] = (
+        _weights(device, dtype, cols), _weights(device, dtype, rows, "rows"), _weights(device, torch.int32, rows, "odd"),
+        _weights(device, dtype, rows))
+    return w
 
 
 # Integer views of the float dtypes' bit patterns, by element size (8-byte floats as pairs of int32)
 _BIT_VIEWS = {2: torch.int16, 4: torch.int32, 8: torch.int32}
 
 
-def _bit_rows_sum(m: torch.Tensor) -> torch.Tensor:
+def _bit_rows_sum(m: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """sum_i wo[i] * (sum_j bits(M[i, j])) in wrap-around int32 arithmetic, wo odd: a 0-d int32 tensor that
     changes whenever one element's bit pattern does (infinities and NaN included), exact in any order."""
     try:
@@ -130,8 +147,7 @@ def _bit_rows_sum(m: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # 8-byte floats whose rows are not contiguous cannot be viewed as pairs of int32
         bits = m.contiguous().view(torch.int32)
     rows = bits.sum(-1, dtype=torch.int32)
-    w = _weights(m.device, torch.int32, rows.numel(), "odd")
-    return torch.dot(rows, w) if rows.is_cpu else (rows * w).sum(dtype=torch.int32)
+    return torch.dot(rows, odd) if rows.is_cpu else (rows * odd).sum(dtype=torch.int32)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -172,17 +188,26 @@ class FingerprintBatch:
         bit = -1
         if kind == "f" and t.numel():
             m = _rows(t)
+            rows_, cols = m.shape
+            weights = _matrix_weights.get((key[1], dtype, rows_, cols))
+            if weights is None:
+                weights = _weights_of_matrix(key[1], dtype, rows_, cols)
+            columns, row_pair, odd, row_weights = weights
             bits = bucket[3]
-            bits.append(_bit_rows_sum(m))
+            bits.append(_bit_rows_sum(m, odd))
             bit = len(bits) - 1
-            if dtype in _EXACT_ROW_DTYPES:
+            if dtype in _EXACT_ROW_DTYPES:  # the pair in two kernels (see `_weights_of_matrix`)
                 pairs = bucket[0]
-                pairs.append(self._weighted_pair(m))
+                pairs.append(torch.mv(row_pair, torch.mv(m, columns)))
                 self._slots.append((key, True, len(pairs) - 1, bit))
                 return len(self._slots) - 1
-        if kind == "f":
+            # half precision: the plain sum in float32; the bilinear sum from the row sums, as float32
             first = t.sum(dtype=torch.float32)
-            second = self._bilinear(m) if t.numel() else first
+            second = torch.dot(torch.mv(m, columns), row_weights)
+            if second.dtype is not torch.float32:
+                second = second.float()
+        elif kind == "f":
+            first = second = t.sum(dtype=torch.float32)
         else:
             flat = t.reshape(-1)
             first = flat.sum(dtype=torch.int64)
@@ -201,21 +226,6 @@ class FingerprintBatch:
         self._kept.append(local.detach().clone(memory_format=torch.contiguous_format) if local is not None
                           else torch.zeros(0))
         return len(self._kept) - 1
-
-    def _weighted_pair(self, m: torch.Tensor) -> torch.Tensor:
-        """(sum_ij wc[j] M[i, j], sum_ij wr[i] wc[j] M[i, j]) over the tensor seen as rows (`m`, see `_rows`),
-        with fixed quasi-random weights in [1, 2), as ONE (2,) tensor: one pass over the data (mv) and
-        one over its row sums. Unlike (sum, abs-sum), the pair changes when values move between positions
-        (rows routed elsewhere) or shift by a zero-sum amount (a load-balancing bias update)."""
-        rows = _weighted_row_sums(m)
-        return torch.mv(_weights(m.device, m.dtype, rows.numel(), "rows"), rows)
-
-    def _bilinear(self, m: torch.Tensor) -> torch.Tensor:
-        """sum_ij wr[i] * wc[j] * M[i, j] (as `_weighted_pair`'s second number) for the dtypes whose row
-        sums would be rounded to their own precision, in float32."""
-        rows = _weighted_row_sums(m)
-        out = torch.dot(rows, _weights(m.device, m.dtype, rows.numel()))
-        return out if out.dtype is torch.float32 else out.float()
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""

@@ -48,7 +48,7 @@ from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
-                     encode_ops)
+                     encode_ops, written_meta)
 
 
 class _OpenPass:
@@ -84,10 +84,12 @@ class RecordOptions:
     scope: str = "regions"  # "regions": the dispatch mode runs only inside regions; "all": also counts other ops
     discrete_ops: frozenset[str] = frozenset()  # extra op names (e.g. "aten.my_router.default") to treat as discrete
     ignore_ops: frozenset[str] = frozenset()  # op names never recorded
-    # "all": write every recorded pass. "diverged": record everything, but write a region's ops only if its
-    # recompute did not reproduce its forward (or it failed, or was never recomputed); a clean region keeps
-    # its pass records (op counts, saved positions, externals) with "ops_written": false. For long runs.
-    write: str = "all"
+    # "diverged" (default): record everything, but write a region's ops only if its recompute did not reproduce
+    # its forward (or it failed, or was never recomputed), plus the first `keep_clean` clean regions of each
+    # module (a sample to read); every other clean region gets a summary of ~1 KB (retention.pass_summary), so
+    # a trace grows with the regions that diverged, not with the steps. "all": write every recorded pass.
+    write: str = "diverged"
+    keep_clean: int = 1
     hold_bytes: int = 256 << 20  # write="diverged": forwards held awaiting their recompute (oldest written first)
     # encode and write the trace in a background thread (trace.TraceWriter): measured no faster on CPU (the
     # recording keeps the GIL busy), so off by default; it can help where the step has long GIL-free phases
@@ -184,8 +186,11 @@ class Recorder:
         self._held: dict[int, _Region] = {}  # write="diverged": regions whose forward waits for its recompute
         self._held_bytes = 0
         self._side_effect_modules: set[str | None] = set()
+        self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
         self._lock = threading.Lock()
         self._started = False
+        self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
+        self._source_lines = self.options.source_lines
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -324,7 +329,7 @@ class Recorder:
         # `max_regions` cost nothing (their pass records then have no op count)
         if region.recorded and not any(q.pushed_mode for q in passes):
             if self.options.scope != "all":
-                # without Dynamo nothing can trace the handler: torch's per-op guard (~4 us) is not needed
+                # without Dynamo nothing can trace the handler: torch's per-op guard is not needed
                 dynamo = "torch._dynamo" in sys.modules
                 if dynamo:
                     wrap_compiled_graphs()
@@ -377,25 +382,28 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
 
-    @_never_raise
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
-        region = getattr(frame, "_ac_diff_region", None)
-        passes = self._passes()
-        if region is None or not region.recorded or not passes or tracing():
-            return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
-        p = passes[-1]
-        if p.region is not region:  # a pack of an outer region while an inner one runs
-            p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
-            if p is None:
-                return
-        ref = self._known_ref(p, tensor)
-        if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
-            with self.quiet():
-                ref = self._ref(p, tensor)
-        if ref[0] == "op":
-            p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
-        else:
-            p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
+        try:
+            region = getattr(frame, "_ac_diff_region", None)
+            passes = self._passes()
+            if region is None or not region.recorded or not passes or tracing():
+                return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
+            p = passes[-1]
+            if p.region is not region:  # a pack of an outer region while an inner one runs
+                p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
+                if p is None:
+                    return
+            ref = self._known_ref(p, tensor)
+            if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
+                with self.quiet():
+                    ref = self._ref(p, tensor)
+            if ref[0] == "op":
+                p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
+            else:
+                p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error("pack", exc)
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
@@ -520,12 +528,29 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("_on_op", exc)
 
+    def _plan(self, func) -> tuple:
+        """What `_record` does with every call of `func` under this recorder's options, worked out once:
+        (func, info, name, ignored, discrete, derivable, fingerprint, aliases input, shares values,
+        may draw random numbers)."""
+        info: OpInfo = op_info(func)
+        name = info.name
+        options = self.options
+        discrete = info.discrete or name in options.discrete_ops
+        plan = (func, info, name, name in options.ignore_ops, discrete,
+                info.derivable and not options.fingerprint_derived and name not in options.discrete_ops,
+                options.fingerprints and info.fingerprint, info.aliases_input, info.shares_values,
+                info.random or name == COMPILED_GRAPH_OP)
+        self._plans[id(func)] = plan  # keyed by id (an OpOverload hashes in Python); the func is kept in it
+        return plan
+
     def _record(self, p: _Pass, func, args, kwargs, out, cached: bool = False) -> None:
         """One op of a region pass -> one row of plain tuples (no per-op dicts: cheaper to build, and
         tuples of atomic values leave the garbage collector's books at its next pass)."""
-        info: OpInfo = op_info(func)
-        name = info.name
-        if name in self.options.ignore_ops:
+        plan = self._plans.get(id(func))
+        if plan is None or plan[0] is not func:
+            plan = self._plan(func)
+        _, info, name, ignored, discrete, derivable, fingerprint, aliases, shares, maybe_random = plan
+        if ignored:
             return
         self.ops_recorded += 1
         p.n_ops += 1
@@ -541,7 +566,7 @@ class Recorder:
         producers = p.producers
         known = True  # every tensor input is an output of this pass whose values were measured or follow
         for a in args:  # the common cases inline (this runs for every op of every region pass)
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, _Tensor):
                 in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
                 if hit is not None and hit[0]() is a:
@@ -571,23 +596,22 @@ class Recorder:
             known = known and len(tensor_inputs) == n_inputs
         stack = p.module_stack
         module = stack[-1][1] if stack else None
-        src = user_source(3) if self.options.source_lines else None
+        src = user_source(3) if self._source_lines else None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         out_meta: list = []
         host = None
         known = known and bool(tensor_inputs) and not cached
         # "derived": an elementwise op of measured inputs is not fingerprinted (its values follow from
         # theirs, so the first divergence is never there; the diagnosis infers whether they differ)
-        derived = (known and info.derivable and not self.options.fingerprint_derived
-                   and name not in self.options.discrete_ops)
-        fp_wanted = self.options.fingerprints and not cached and info.fingerprint and not derived
-        flows = derived or (known and info.shares_values)  # outputs whose values follow from measured ones
+        derived = known and derivable
+        fp_wanted = fingerprint and not cached and not derived
+        flows = derived or (known and shares)  # outputs whose values follow from measured ones
         for j, o in enumerate(outs):
-            if isinstance(o, torch.Tensor):
+            if isinstance(o, _Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
                 if fp_wanted:
-                    if info.aliases_input and tensor_inputs:
+                    if aliases and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
                     if slot is None and not flows:
                         slot = p.batch.add(o)
@@ -595,16 +619,19 @@ class Recorder:
                         p.fp_slots.append((index, j, slot))
                 # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref,
                 #  values measured or following from measured ones)
-                producers[id(o)] = (weakref.ref(o), index, j, slot, o._version if slot is not None else None,
+                producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
             elif o is not None and isinstance(o, (int, float, bool)):
                 host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
-        random = draws(info, args, kwargs) if info.random else name == COMPILED_GRAPH_OP and bool(args) and \
-            compiled_graph_draws(args[0])
-        flags = (FLAG_CACHED if cached else 0) | (FLAG_RANDOM if random else 0) | (FLAG_DERIVED if derived else 0)
-        if (info.discrete or name in self.options.discrete_ops) and not cached:
+        flags = FLAG_CACHED if cached else 0
+        if maybe_random and (draws(info, args, kwargs) if info.random else bool(args) and
+                             compiled_graph_draws(args[0])):
+            flags |= FLAG_RANDOM
+        if derived:
+            flags |= FLAG_DERIVED
+        if discrete and not cached:
             flags |= FLAG_DISCRETE
             self._keep_values(p, index, outs, tensor_inputs)
         ops.append((name, module, src, tuple(in_meta), tuple(arg_values), tuple(refs), tuple(out_meta), host,
@@ -789,21 +816,19 @@ class Recorder:
         forward = region.held[2] if region.hold == "held" else region.signature
         verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
-        # side effects (a counter the recompute bumps again) are shown for the first region of each module
-        clean = verdict == SAME or (verdict == SIDE_EFFECTS and region.module in self._side_effect_modules)
-        if verdict == SIDE_EFFECTS:
-            self._side_effect_modules.add(region.module)
+        clean = verdict != DIFFERENT and not self._written_in_full(region, verdict)
         if region.hold == "held":
             if clean:
-                _, fwd_record, region.signature, size = region.held
+                fwd_ops, fwd_record, region.signature, size = region.held
                 self._held_bytes -= size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
-                writer.write(pass_summary(fwd_record))
+                fps_rows = (fwd_ops.args[2], fwd_ops.args[1]) if fwd_ops is not None else ({}, [])
+                writer.write(pass_summary(fwd_record, verdict, *fps_rows, ranks=_distributed()))
             else:
                 self._release(region)
         if clean and region.hold == "clean":
-            writer.write(pass_summary(record))
+            writer.write(pass_summary(record, verdict, fps, p.ops, ranks=_distributed()))
             return
         if region.hold == "clean":
             writer.write({"type": "warning", "message": (
@@ -812,6 +837,19 @@ class Recorder:
         if ops_record is not None:
             writer.write(ops_record)
         writer.write(record)
+
+    def _written_in_full(self, region: _Region, verdict: str) -> bool:
+        """Whether a reproduced region is written in full all the same: the first region of each module with side
+        effects (a counter the recompute bumps again: the report names them), and the first `keep_clean` clean
+        regions of each module while their forward is still held (a sample of what a clean region records)."""
+        first_side_effects = verdict == SIDE_EFFECTS and region.module not in self._side_effect_modules
+        if first_side_effects:
+            self._side_effect_modules.add(region.module)
+        sampled = self._clean_samples.get(region.module, 0)
+        if not first_side_effects and (region.hold != "held" or sampled >= self.options.keep_clean):
+            return False
+        self._clean_samples[region.module] = sampled + 1
+        return True
 
     def _release(self, region: _Region) -> None:
         """Write a held forward in full (memory limit, a failed check, the end of the run)."""
@@ -873,14 +911,15 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _SEQUENCES = frozenset({list, tuple})
+_Tensor = torch.Tensor
+_weakref = weakref.ref
 
 
 def _meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), short_dtype(t.dtype), "cpu" if t.is_cpu else str(t.device))
+    """(shape, short dtype, device name); op rows hold (size, dtype, device), converted alike when written."""
+    return written_meta((t.size(), t.dtype, t.device))
 
 
-# (dtype, device) -> (short dtype, device name): op rows hold the objects, turned into `_meta`'s strings
-# when the row is written (on the writer thread), which halves the per-tensor cost on the op path
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
@@ -891,6 +930,14 @@ def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
             return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
                     f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
     return None
+
+
+def _distributed() -> bool:
+    """Whether other ranks' traces may be compared with this one (torchrun's WORLD_SIZE, or a process group)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return True
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _exception_text(exc: BaseException) -> str:

@@ -201,7 +201,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             rec_to_fwd[copy] = rec_to_fwd[original]
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
-    changed_ext, ext_status = _compare_externals(forward, recompute, tolerance)
+    changed_ext, ext_status = compare_externals(forward, recompute, tolerance)
     self_updated, read_updates = _self_updated(f_ops, r_ops, ext_status)
     if self_updated:
         changed_ext = [(f, r) for f, r in changed_ext if _external_key(f.kind, f.name) not in self_updated]
@@ -469,7 +469,7 @@ def _external_key(kind: str, name: str | None) -> tuple:
     return (kind, name)
 
 
-def _compare_externals(forward: Pass, recompute: Pass, tol: Tolerance
+def compare_externals(forward: Pass, recompute: Pass, tol: Tolerance
                        ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool]]:
     """Externals (inputs, parameters, buffers, captured tensors) whose values differ between passes."""
     rec = {_external_key(e.kind, e.name): e for e in recompute.externals}

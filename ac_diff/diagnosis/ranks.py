@@ -39,10 +39,10 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_in_place_method, packet
+from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, packet, state_read
 from ..passes import Pass, Region, Run
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
-from .passdiff import ARGUMENT_KINDS, Tolerance, compare_passes, is_discrete
+from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
 
 MAX_REPLICATED_FINDINGS = 6
@@ -302,7 +302,7 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
         if run.source != "trace":
             continue  # a log has no values: nothing to say about agreement
         for region in run.regions:
-            if region.forward is not None and region.forward.ops:
+            if region.forward is not None and (region.forward.ops or not region.ops_written):
                 by_rank.setdefault(region.rank, {})[region.region] = region
     ranks = sorted(by_rank)
     if len(ranks) < 2:
@@ -323,13 +323,16 @@ def _replicated(runs: list[Run], tolerance: Tolerance) -> tuple[list[CrossRankFi
             other = by_rank[other_rank][number]
             if other.module != base.module:
                 continue
+            if not base.forward.ops or not other.forward.ops:  # a summary: its inputs' fingerprints only
+                drift.observe(base, other, compare_externals(base.forward, other.forward, tolerance)[0])
+                continue
             cost = len(base.forward.ops) + len(other.forward.ops)
             if cost > budget:
                 skipped += 1
                 continue
             budget -= cost
             cmp = compare_passes(base.forward, other.forward, tolerance)
-            drift.observe(base, other, cmp)
+            drift.observe(base, other, cmp.changed_externals)
             if sum(1 for f in found.values() if f.kind != "replicated_state") >= MAX_REPLICATED_FINDINGS:
                 continue
             hit = _first_disagreement(base, other, cmp)
@@ -473,10 +476,10 @@ class _Drift:
         self.agreed: dict[tuple, int] = {}  # (base rank, other rank, kind, name) -> region where equal
         self.hits: dict[tuple, CrossRankFinding] = {}  # (kind, name) -> finding
 
-    def observe(self, base: Region, other: Region, cmp) -> None:
+    def observe(self, base: Region, other: Region, changed_externals: list) -> None:
         read = _read_state(base.forward)
         status = {}
-        for x, y in cmp.changed_externals:
+        for x, y in changed_externals:
             status[(x.kind, x.name)] = True
         theirs = {(e.kind, e.name): e for e in other.forward.externals}
         for e in base.forward.externals:
@@ -524,14 +527,11 @@ class _Drift:
 
 
 def _read_state(p: Pass) -> set[tuple]:
-    """Parameters and buffers the pass reads as an input (not only updates in place: a counter)."""
-    read: set[tuple] = set()
-    for op in p.ops:
-        in_place = is_in_place_method(op.op)
-        for i, ref in enumerate(op.input_refs):
-            if ref.kind in ("param", "buffer") and not (in_place and i == 0):
-                read.add((ref.kind, ref.name))
-    return read
+    """Parameters and buffers the pass reads as an input (not only updates in place: a counter). A summarized
+    pass (write="diverged") kept only the externals it reads."""
+    if not p.ops:
+        return {(e.kind, e.name) for e in p.externals if e.kind in ("param", "buffer")}
+    return {key for op in p.ops for key in state_read(op.op, [(ref.kind, ref.name) for ref in op.input_refs])}
 
 
 def _list(ranks: list[int]) -> str:

@@ -74,6 +74,25 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
 
 
 # -- one region pair ----------------------------------------------------------------------------
+def _compare_summaries(a: Region, b: Region, report: RegionReport) -> None:
+    """A region one trace only summarized (write="diverged": it reproduced there): compared by the digests of the
+    values its passes measured when both traces summarized it, else unchecked."""
+    digests = [(p.values_digest if p is not None else None) for p in (a.forward, a.recompute, b.forward, b.recompute)]
+    if a.ops_written or b.ops_written or None in digests:
+        report.status = UNCHECKED
+        summarized = " and ".join(x for x, r in (("run A", a), ("run B", b)) if not r.ops_written)
+        report.notes.append(f"{summarized} kept only a summary of this region (it reproduced there; write: "
+                            "diverged): record both runs with `--write all` to compare it op by op")
+    elif digests[:2] == digests[2:]:
+        report.notes.append("compared by the digests of every value both passes measured (summaries: the ops were "
+                            "not written)")
+    else:
+        report.status = DIVERGED
+        report.cause = Cause(kind="unknown", tensor=None, detail=(
+            "the values this region computed differ between the runs (the digests of their summaries differ; "
+            "the ops were not written: record both runs with `--write all` to see the first op that differs)"))
+
+
 def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     report = RegionReport(
         rank=a.rank, region=a.region, module=a.module, kind=KIND, status=CLEAN, silent=False, cause=None,
@@ -87,6 +106,9 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
         report.status = UNCHECKED
         report.notes.append("the forward of this region was not recorded in "
                             + ("run A" if a.forward is None or not a.recorded else "run B"))
+        return report
+    if not a.ops_written or not b.ops_written:
+        _compare_summaries(a, b, report)
         return report
     cmp = compare_passes(a.forward, b.forward, settings.tolerance)
     phase = "forward"
