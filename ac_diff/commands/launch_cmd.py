@@ -335,7 +335,7 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
     from ..diagnosis import diagnose
     from ..trace import read_run
 
-    runs = [read_run(p) for _, p in sorted(found.paths.items())]
+    runs = [read_run(p, lazy=True) for _, p in sorted(found.paths.items())]
     ranks = sorted(found.paths)
     print(f"ac-diff: {len(ranks)} trace{'s' if len(ranks) > 1 else ''} written to {str(output_dir).rstrip('/')}/ "
           f"(rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)})", file=sys.stderr)

@@ -56,7 +56,7 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         return outcome.exit_code
     if not recorder.write_failure:
         print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
-    report = diagnose([read_run(trace_path)], settings)
+    report = diagnose([read_run(trace_path, lazy=True)], settings)
     extras.decorate(report, [rank])
     if not quiet_report:
         emit(report, fmt, json_path, output)
