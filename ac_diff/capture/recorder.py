@@ -920,24 +920,28 @@ def _meta(t: torch.Tensor) -> tuple:
     return written_meta((t.size(), t.dtype, t.device))
 
 
+def _process_group_size() -> int:
+    """Ranks in this process's initialized process group (1 without one)."""
+    with contextlib.suppress(Exception):
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    return 1
+
+
 def _unrecorded_ranks(launched_as_rank: bool) -> str | None:
     """A process group of several ranks that this process's launcher did not start (Lightning and
     Accelerate spawn their other ranks themselves, without ac-diff): only this rank was recorded."""
-    with contextlib.suppress(Exception):
-        dist = torch.distributed
-        if not launched_as_rank and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            n = dist.get_world_size()
-            return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
-                    f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
+    n = 1 if launched_as_rank else _process_group_size()
+    if n > 1:
+        return (f"the process group has {n} ranks but only this one was recorded (its launcher started the "
+                f"others without ac-diff): run `ac-diff run --nproc-per-node {n} script.py` to record every rank")
     return None
 
 
 def _distributed() -> bool:
     """Whether other ranks' traces may be compared with this one (torchrun's WORLD_SIZE, or a process group)."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return True
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or _process_group_size() > 1
 
 
 def _exception_text(exc: BaseException) -> str:

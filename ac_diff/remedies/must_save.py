@@ -16,6 +16,8 @@ from torch.utils.checkpoint import noop_context_fn
 from ..capture.torch_compat import sac_policy_answers, selective_contexts, wrap_sac_policies
 from .call import CheckpointCall, matches
 
+_SAVE, _RECOMPUTE = sac_policy_answers()  # this torch's spelling (asked once: the policy runs per op)
+
 
 def op_matches(op: Any, names: list[str]) -> bool:
     """`aten.topk.default` matches "aten.topk.default", "aten.topk" and "topk"."""
@@ -61,10 +63,10 @@ class MustSave:
                 if not self.module_globs or matches(module, self.module_globs):
                     key = f"{op} in {module or '?'}"
                     self.saved[key] = self.saved.get(key, 0) + 1
-                    return sac_policy_answers()[0]
+                    return _SAVE
             return policy(ctx, op, *args, **kwargs)
         return policy_fn
 
 
 def _recompute_everything(ctx, op, *args, **kwargs):
-    return sac_policy_answers()[1]
+    return _RECOMPUTE
