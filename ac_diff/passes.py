@@ -17,6 +17,7 @@ Values that came from a log rather than a recording are simply absent (`fingerpr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -243,3 +244,9 @@ class Run:
     damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)
     # read_run(lazy=True): `with run.ops_loader(region):` fills the region's deferred passes' ops, empties them after
     ops_loader: Callable[[Region], ContextManager[None]] | None = field(default=None, repr=False, compare=False)
+
+    def loaded(self, region: Region | None) -> ContextManager[None]:
+        """`with run.loaded(region):` the region's ops are there (decoded for the block where read lazily)."""
+        if self.ops_loader is None or region is None:
+            return contextlib.nullcontext()
+        return self.ops_loader(region)

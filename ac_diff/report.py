@@ -32,6 +32,20 @@ UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
+class Mapped(list):
+    """`[fn(x) for x in items]` for json's encoder, each item made when it is written, none kept."""
+
+    def __init__(self, items: list, fn: Any) -> None:
+        super().__init__()
+        self._items, self._fn = items, fn
+
+    def __iter__(self):
+        return map(self._fn, self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 def _scalar_fields(row: Any) -> dict[str, Any]:
     """asdict() of a dataclass whose fields all hold str, int, bool or None, without asdict's deep copy
     (a report's position and window rows: most of the JSON of a long run)."""
@@ -39,6 +53,22 @@ def _scalar_fields(row: Any) -> dict[str, Any]:
     if names is None:
         names = _FIELD_NAMES[type(row)] = tuple(f.name for f in fields(row))
     return {name: getattr(row, name) for name in names}
+
+
+# One object per distinct position or window row: a long run's regions repeat them step after step (the
+# same layer saves the same tensors), so a report of many regions holds what differs, not one copy per region.
+_SHARED_LIMIT = 1 << 17
+_shared: dict[Any, Any] = {}
+
+
+def shared(row: "PositionRow | AlignedRow") -> Any:
+    """The pooled object equal to `row` (rows are frozen: sharing one between regions is safe)."""
+    hit = _shared.get(row)
+    if hit is None:
+        if len(_shared) >= _SHARED_LIMIT:  # many distinct rows (data-dependent shapes): start a new pool
+            _shared.clear()
+        hit = _shared[row] = row
+    return hit
 
 
 @dataclass(slots=True)
@@ -58,7 +88,7 @@ class Divergence:
         return asdict(self)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class PositionRow:
     """A saved-tensor position, mapped to the op (or input / parameter) that produced it."""
 
@@ -108,7 +138,7 @@ class Suggestion:
         return asdict(self)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class AlignedRow:
     """One row of the side-by-side view: a forward op, its recompute partner, and what differs."""
 
@@ -378,13 +408,15 @@ class Report:
             by[r.status] = by.get(r.status, 0) + 1
         return f"{len(self.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, lazy: bool = False) -> dict[str, Any]:
+        """The JSON form. `lazy`: its regions as a `Mapped` list, each region's dict made while the encoder
+        writes it (the JSON renderer's way: a report of many regions is written without its whole tree)."""
         return {
             "format": REPORT_FORMAT, "version": REPORT_VERSION, "verdict": self.verdict,
             "title": self.title, "headline": self.headline,
             "torch_error": self.torch_error.to_json() if self.torch_error else None,
             "torch_errors": [e.to_json() for e in self.torch_errors],
-            "regions": [r.to_json() for r in self.regions],
+            "regions": Mapped(self.regions, RegionReport.to_json) if lazy else [r.to_json() for r in self.regions],
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,

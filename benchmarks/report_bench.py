@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One stage in a fresh process: prints {"cpu_s", "rss_growth_mb", "regions"} as JSON.
 STAGE = r"""
-import inspect, json, resource, sys, time
+import inspect, json, os, resource, sys, time
 from ac_diff.api import diagnose_paths
 from ac_diff.trace import read_run
 import ac_diff.diagnosis, ac_diff.report  # imports are not the trace's cost
@@ -39,7 +39,10 @@ if sys.argv[2] == "read":
 else:
     report = diagnose_paths([sys.argv[1]])
     n = len(report.regions)
-    json.dumps(report.to_json())
+    from ac_diff.render import RENDERERS  # the JSON report as `--json FILE` writes it (older checkouts: whole)
+    with open(os.devnull, "w") as out:
+        json_renderer = RENDERERS["json"]
+        out.writelines(json_renderer.chunks(report) if hasattr(json_renderer, "chunks") else [json_renderer.render(report)])
 after = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"cpu_s": time.process_time() - t0, "regions": n,
                   "rss_growth_mb": (after.ru_maxrss - before.ru_maxrss) / 1024, "peak_rss_mb": after.ru_maxrss / 1024}))

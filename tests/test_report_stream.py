@@ -40,10 +40,10 @@ class Net(nn.Module):
         return cp.checkpoint(self.counted, x, use_reentrant=False)
 
 
-def _record(path, steps: int = 2):
+def _record(path, steps: int = 2, options=None):
     torch.manual_seed(0)
     model = Net()
-    with ac_diff.record(path):
+    with ac_diff.record(path, options):
         for _ in range(steps):
             model(torch.randn(4, 8, requires_grad=True)).sum().backward()
     return path
@@ -102,3 +102,64 @@ def test_ops_line_changed_after_reading_makes_its_region_damaged(tmp_path):
     report = diagnose([run])
     assert report.regions[0].status == DAMAGED
     assert report.regions[1].status != DAMAGED
+
+
+def test_compare_of_two_traces_reads_one_region_pair_at_a_time(tmp_path):
+    from ac_diff.diagnosis.two_runs import compare_runs
+
+    a = _record(tmp_path / "a.jsonl", steps=2)
+    b = _record(tmp_path / "b.jsonl", steps=2)
+    with ac_diff.record(tmp_path / "c.jsonl", ac_diff.RecordOptions(write="all")):  # another run: other values
+        torch.manual_seed(1)
+        model = Net()
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    for other in (b, tmp_path / "c.jsonl"):
+        eager = compare_runs(read_run(a), read_run(other)).to_json()
+        run_a, run_b = read_run(a, lazy=True), read_run(other, lazy=True)
+        passes = [p for run in (run_a, run_b) for r in run.regions for p in (r.forward, r.recompute) if p is not None]
+        held = []
+        for run in (run_a, run_b):
+            def watched(region, loader=run.ops_loader):
+                held.append(sum(1 for p in passes if p.ops))
+                return loader(region)
+
+            run.ops_loader = watched
+        assert compare_runs(run_a, run_b).to_json() == eager
+        assert held and max(held) <= 2  # at most the other run's region of the same pair (one pass each)
+        assert all(not p.ops for p in passes)
+    assert compare_runs(read_run(a), read_run(tmp_path / "c.jsonl")).verdict == DIVERGED
+
+
+def test_rows_repeated_from_step_to_step_are_one_object(tmp_path):
+    """A long run's report holds each distinct position row once, not once per region (memory), and its JSON
+    is unchanged."""
+    path = _record(tmp_path / "t.jsonl", steps=4, options=ac_diff.RecordOptions(write="all"))
+    report = diagnose([read_run(path, lazy=True)])
+    clean = [r for r in report.regions if r.module == "clean"]
+    assert len(clean) == 4 and all(r.positions for r in clean)
+    assert all(a is b for r in clean[1:] for a, b in zip(r.positions, clean[0].positions))
+    assert report.to_json() == diagnose([read_run(path)]).to_json()
+
+
+def test_json_report_is_written_one_region_at_a_time(tmp_path, monkeypatch):
+    """The JSON renderer writes exactly json.dumps's text, making each region's dict as it writes it."""
+    import json
+
+    from ac_diff.render import RENDERERS, render
+    from ac_diff.report import RegionReport
+
+    path = _record(tmp_path / "t.jsonl", steps=3, options=ac_diff.RecordOptions(write="all"))
+    report = diagnose([read_run(path, lazy=True)])
+    whole = json.dumps(report.to_json(), indent=2, default=str, allow_nan=True) + "\n"
+    made, written = [], []
+    to_json = RegionReport.to_json
+    monkeypatch.setattr(RegionReport, "to_json", lambda self: made.append(len(written)) or to_json(self))
+    chunks = RENDERERS["json"].chunks(report)
+    for chunk in chunks:
+        written.append(chunk)
+    assert "".join(written) == whole
+    assert len(made) == len(report.regions) > 2
+    assert made == sorted(made) and len(set(made)) == len(made)  # each made after the previous one was written
+    render(report, "json", path=str(tmp_path / "r.json"))
+    assert (tmp_path / "r.json").read_text() == whole

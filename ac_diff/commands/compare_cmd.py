@@ -16,7 +16,7 @@ from .common import emit
 
 def compare_command(paths: list[str], fmt: str, json_path: str | None, output: str | None,
                     settings: Settings) -> int:
-    runs = read_runs(paths, progress=_progress())
+    runs = read_runs(paths, progress=_progress(), lazy=True)
     if len(runs) == 2 and all(r.source == "trace" for r in runs):
         from ..diagnosis.two_runs import compare_runs
 

@@ -33,12 +33,10 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
 
 
 def _ops_of(run: Run, region, kept: contextlib.ExitStack | None):
-    if run.ops_loader is None:
+    if kept is not None:  # several runs: cross-rank findings read every region's ops at the end
+        kept.enter_context(run.loaded(region))
         return contextlib.nullcontext()
-    if kept is not None:
-        kept.enter_context(run.ops_loader(region))
-        return contextlib.nullcontext()
-    return run.ops_loader(region)
+    return run.loaded(region)
 
 
 def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | None) -> Report:

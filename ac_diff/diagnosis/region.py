@@ -13,7 +13,8 @@ from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport)
+from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport,
+                      shared)
 from .cause import explain
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -306,13 +307,13 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         values_differ = None
         if cmp is not None and other is not None:
             values_differ = _position_values_differ(pos, other, cmp)
-        rows.append(PositionRow(
+        rows.append(shared(PositionRow(
             position=pos.position, op=op.op if op else None, module=op.module if op else None,
             source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
             saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
             cached=other is not None and other.origin == "op" and other.op_index in rec_cached,
-        ))
+        )))
     if not fwd.positions and reported:
         by_pack = _positions_by_pack(fwd, rec, cmp, reported) if rec is not None and cmp is not None else {}
         rows.extend(by_pack.values())
@@ -448,8 +449,8 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
                 how = "not_recomputed"
             marker = marks.get(k) or ("cached" if r is not None and r.cached else
                                       "inferred" if f is not None and cmp.tainted.get(f.index) else None)
-            rows.append(AlignedRow(how, d.pair.forward, d.pair.recompute, op_label(f, True), op_label(r, True),
-                                   (f or r).module if (f or r) else None, marker))
+            rows.append(shared(AlignedRow(how, d.pair.forward, d.pair.recompute, op_label(f, True),
+                                          op_label(r, True), (f or r).module if (f or r) else None, marker)))
         last = hi - 1
     return rows
 

@@ -36,15 +36,16 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
     for index_a, index_b, how in _aligned(keys_a, keys_b):
         a = run_a.regions[index_a] if index_a is not None else None
         b = run_b.regions[index_b] if index_b is not None else None
-        if a is not None and b is not None and how == "match":
-            regions.append(_compare_region(a, b, settings))
-            continue
-        if a is not None:
-            only_a.append(a)
-            regions.append(_unmatched(a, "A", "B"))
-        if b is not None:
-            only_b.append(b)
-            regions.append(_unmatched(b, "B", "A"))
+        with run_a.loaded(a), run_b.loaded(b):  # one region pair's ops at a time (traces read lazily)
+            if a is not None and b is not None and how == "match":
+                regions.append(_compare_region(a, b, settings))
+                continue
+            if a is not None:
+                only_a.append(a)
+                regions.append(_unmatched(a, "A", "B"))
+            if b is not None:
+                only_b.append(b)
+                regions.append(_unmatched(b, "B", "A"))
     differ = [r for r in regions if r.status == DIVERGED]
     compared = sum(1 for r in regions if r.status in (CLEAN, DIVERGED) and r.kind == KIND and not _is_unmatched(r))
     notes = [f"run A: {label_a}", f"run B: {label_b}"]

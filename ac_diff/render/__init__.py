@@ -5,9 +5,10 @@
     render(report, "html", path="report.html")         # one self-contained page
     RENDERERS["html"].render(report)                   # -> "<!DOCTYPE html>..." (suffix ".html")
 
-A renderer follows `Renderer`: a `suffix` and `render(report) -> str`. It only formats: the verdict,
-its title, the silent flag and the order of the regions are the report's (`ac_diff.report`). `render`
-is the one writer: a file for a path, stdout for none (or "-").
+A renderer follows `Renderer`: a `suffix`, `render(report) -> str` and `chunks(report)`, the same text in
+pieces (JSON: region by region, so a report of thousands of regions is written without building its whole
+text). It only formats: the verdict, its title, the silent flag and the order of the regions are the
+report's (`ac_diff.report`). `render` is the one writer: a file for a path, stdout for none (or "-").
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import io
 import json
 import sys
-from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from rich.console import Console
 
@@ -29,8 +29,17 @@ class Renderer(Protocol):
 
     def render(self, report: Report) -> str: ...
 
+    def chunks(self, report: Report) -> Iterator[str]: ...
 
-class TerminalRenderer:
+
+class _WholeText:
+    """`chunks` for renderers that build their text in one piece."""
+
+    def chunks(self, report: Report) -> Iterator[str]:
+        yield self.render(report)  # type: ignore[attr-defined]
+
+
+class TerminalRenderer(_WholeText):
     """The rich report as text: plain and 120 columns wide (a file), or with the colours and width of
     `console` (what stdout is)."""
 
@@ -53,12 +62,18 @@ class TerminalRenderer:
 
 class JsonRenderer:
     suffix = ".json"
+    # json.dumps(..., indent=2) runs this same (pure Python) encoder: chunks are exactly its text, in pieces
+    _encoder = json.JSONEncoder(indent=2, default=str, allow_nan=True)
 
     def render(self, report: Report) -> str:
-        return json.dumps(report.to_json(), indent=2, default=str, allow_nan=True) + "\n"
+        return "".join(self.chunks(report))
+
+    def chunks(self, report: Report) -> Iterator[str]:
+        yield from self._encoder.iterencode(report.to_json(lazy=True))
+        yield "\n"
 
 
-class HtmlRenderer:
+class HtmlRenderer(_WholeText):
     suffix = ".html"
 
     def render(self, report: Report) -> str:
@@ -79,9 +94,9 @@ def render(report: Report, fmt: str = "terminal", *, path: str | None = None, co
         raise ValueError(f"unknown report format {fmt!r}; choose one of {', '.join(sorted(RENDERERS))}") from None
     if fmt == "terminal" and not path:
         renderer = TerminalRenderer(console or Console())
-    text = renderer.render(report)
     if path and path != "-":
-        Path(path).write_text(text, encoding="utf-8")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(renderer.chunks(report))
     else:
-        sys.stdout.write(text)
+        sys.stdout.writelines(renderer.chunks(report))
         sys.stdout.flush()
