@@ -48,8 +48,13 @@ def test_command_takes_config(command, capsys):
     assert "--config" in capsys.readouterr().out
 
 
-def test_show_completion_script(capsys):
-    assert main(["--show-completion", "bash"]) == 0
+def test_show_completion_script(capsys, monkeypatch):
+    # typer's --show-completion is a flag: the shell comes from the process tree (shellingham), which a test
+    # runner started outside any shell (a CI container, a detached job) does not have
+    import typer.completion
+
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
+    assert main(["--show-completion"]) == 0
     out = capsys.readouterr().out
     assert "_AC_DIFF_COMPLETE" in out and "complete" in out
 
