@@ -570,3 +570,15 @@ def test_a_traces_checkpoint_error_text_is_parsed_once_when_read():
     [err] = recorded_errors(run, [{"message": message, "region": 7}])
     assert err.region == 7
     assert recorded_errors(Run(source="trace", exc_type="ValueError", exc_message=message), []) == []
+
+
+@pytest.mark.parametrize("text, header", [
+    ("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Unpack is being triggered for a tensor", True),
+    ("CheckpointError: torch.utils.checkpoint: a message a newer torch words differently", True),
+    ("torch.utils.checkpoint.CheckpointError: a message without torch's prefix", True),
+    # prose that names the error (a README, a comment, a chat paste): not an error torch raised
+    ("`CheckpointError: ... tensor at position 46` — or nothing at all while the gradients go wrong.", False),
+    ("we kept hitting CheckpointError: no idea why", False),
+])
+def test_an_unrecognised_checkpoint_error_is_one_torch_raised(text, header):
+    assert (classify_error_line(text) == ("header", "other")) is header

@@ -83,9 +83,17 @@ def classify_error_line(text: str) -> tuple | None:
         if phrase in text:
             return ("header", kind)
     tag = text.find(_EXCEPTION_TAG)
-    if tag >= 0 and DUMP_START not in text and text[tag + len(_EXCEPTION_TAG):].strip():
+    if tag >= 0 and DUMP_START not in text and _raised_by_torch(text, tag):
         return ("header", OTHER)
     return None
+
+
+def _raised_by_torch(text: str, tag: int) -> bool:
+    """Whether "CheckpointError:" at `tag` starts an error torch raised, not prose that names one (a README,
+    a comment, "`CheckpointError: ... position 46`"): torch prints the class qualified
+    ("torch.utils.checkpoint.CheckpointError: ...") and starts every message with "torch.utils.checkpoint:"."""
+    message = text[tag + len(_EXCEPTION_TAG):].strip()
+    return bool(message) and (text[:tag].endswith("checkpoint.") or message.startswith("torch.utils.checkpoint"))
 
 
 @dataclass(slots=True)
