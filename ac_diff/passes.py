@@ -232,6 +232,7 @@ class Run:
     run_id: str | None = None  # the launch's id, the same in the traces of all its ranks
     argv: list[str] | None = None
     start_time: float | None = None
+    torch_version: str | None = None  # the torch that ran it ("2.13.0+cpu"); None for a log
     exc_type: str | None = None  # the uncaught exception ("CheckpointError"), None when none was raised
     exc_message: str | None = None
     exit_code: int | None = None  # from the end record

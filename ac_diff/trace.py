@@ -487,7 +487,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     header = next(records)
     run = Run(source="trace", path=str(path), header=header, rank=header.get("rank"),
               world_size=int(header.get("world_size", 1) or 1), run_id=header.get("run_id"), argv=header.get("argv"),
-              start_time=header.get("start_time"))
+              start_time=header.get("start_time"), torch_version=header.get("torch"))
     rank = int(header.get("rank", 0) or 0)
     check_errors: list[dict] = []
     regions: dict[int, Region] = {}

@@ -280,3 +280,66 @@ def test_restore_travels_to_children_and_rebuilds_its_command():
     assert RemedySpec.from_env({"AC_DIFF_REMEDIES": spec.to_env()}) == spec
     assert spec.cli_args() == ["--restore-in-recompute", "layers.*.moe.expert_bias"]
     assert bool(spec) and "restored in the recompute" in spec.describe()
+
+
+def _routed_grads(context: str | None) -> tuple[torch.Tensor, ...]:
+    """Gradients of a top-k routing whose bias moves between the forward and the backward (the load-balancing
+    update in the wrong place): `context` None runs without AC, "plain" with checkpoint(), else it is the code
+    of a suggested SAC policy, run as the user would paste it (`block`, `x` given, `out` assigned)."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    bias = torch.zeros(6)
+    x = torch.randn(10, 8, requires_grad=True)
+
+    def block(x):
+        scores = x @ w + bias
+        picked = torch.topk(scores, 2, dim=-1).indices
+        return torch.gather(scores, 1, picked).sum() + x[:, :2].mul(picked.float()).sum()
+
+    if context is None:
+        out = block(x)
+    elif context == "plain":
+        out = cp.checkpoint(block, x, use_reentrant=False)
+    else:
+        scope = {"block": block, "x": x}
+        exec(context, scope)
+        out = scope["out"]
+    with torch.no_grad():
+        bias.add_(torch.linspace(3, -3, 6))  # the recompute would pick other experts
+    out.backward()
+    return x.grad, w.grad
+
+
+def test_the_suggested_sac_policy_runs_on_this_torch_and_saves_the_decision():
+    """The policy code a report suggests is written for the torch that ran the script (2.4 has no CheckpointPolicy):
+    pasted as is, it saves topk and the gradients are those of the run without AC."""
+    from ac_diff.diagnosis.suggest import sac_policy
+
+    code = sac_policy(["aten.topk.default"], torch.__version__)
+    assert ("CheckpointPolicy.MUST_SAVE" in code) is hasattr(cp, "CheckpointPolicy")
+    no_ac = _routed_grads(None)
+    assert any(not torch.equal(a, b) for a, b in zip(_routed_grads("plain"), no_ac))  # the divergence is real
+    assert all(torch.equal(a, b) for a, b in zip(_routed_grads(code), no_ac))
+
+
+def test_a_report_writes_the_policy_for_the_torch_in_the_trace(demo, tmp_path):
+    """The suggested policy follows the torch the trace was recorded with, not the one reading it."""
+    import json
+
+    from ac_diff.diagnosis import diagnose
+    from ac_diff.trace import read_run, with_crc
+
+    def policy_code(path):
+        report = diagnose([read_run(path)])
+        return " ".join(s.code or "" for r in report.regions for s in r.suggestions if "selective" in s.title)
+
+    source = demo / "out" / "trace-rank0.jsonl"
+    lines = source.read_bytes().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header.pop("crc", None)
+    header["torch"] = "2.4.1+cu121"
+    old = tmp_path / "trace-rank0.jsonl"
+    old.write_bytes(with_crc(json.dumps(header, separators=(",", ":")).encode()) + b"\n" + b"".join(lines[1:]))
+    assert "CheckpointPolicy.MUST_SAVE" in policy_code(source)
+    legacy = policy_code(old)
+    assert "_pt2_selective_checkpoint_context_fn_gen" in legacy and "CheckpointPolicy.MUST_SAVE" not in legacy

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..diagnosis.suggest import sac_policy
 from .extrapolate import Scale, extrapolate
 from .margins import HIST_LABELS
@@ -54,7 +56,7 @@ def remedy_json(regions) -> dict:
             "flips_with_save_list": residual,
             "stress_flips_without_save_list": sum(r.stress_flips or 0 for r in checked),
             "verified": bool(checked) and residual == 0,
-            "policy": sac_policy(save) if save else None}
+            "policy": sac_policy(save, torch.__version__) if save else None}
 
 
 def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0) -> dict:

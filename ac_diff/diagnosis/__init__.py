@@ -60,7 +60,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             with _ops_of(run, region, kept):
-                report = diagnose_region(region, err, settings, run_stopped=stopped)
+                report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version)
             report.path = run.path or run.source
             region_reports.append(report)
     _through_nested_regions(region_reports)

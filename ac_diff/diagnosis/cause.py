@@ -28,10 +28,10 @@ from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
 
-def explain(report: RegionReport, region: Region, cmp: PassComparison) -> None:
+def explain(report: RegionReport, region: Region, cmp: PassComparison, torch_version: str | None = None) -> None:
     report.cause = _cause(report, region, cmp)
     report.chain = _chain(report, region, cmp)
-    report.suggestions = suggestions_for(report, region)
+    report.suggestions = suggestions_for(report, region, torch_version)
 
 
 SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in the recompute "

@@ -31,9 +31,10 @@ class Settings:
 
 
 def diagnose_region(region: Region, torch_error: TorchError | None = None,
-                    settings: Settings = Settings(), run_stopped: str | None = None) -> RegionReport:
+                    settings: Settings = Settings(), run_stopped: str | None = None,
+                    torch_version: str | None = None) -> RegionReport:
     """`run_stopped`: how the run ended, when it stopped early ("RuntimeError: ..."), for regions it left
-    without their recompute."""
+    without their recompute; `torch_version`: the torch that ran it (its suggested code is written for it)."""
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
         rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
@@ -154,7 +155,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence, cmp.rec_to_fwd)
     report.window = window(cmp, report, settings)
     if diverged:
-        explain(report, region, cmp)
+        explain(report, region, cmp, torch_version)
     return report
 
 

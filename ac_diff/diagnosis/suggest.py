@@ -10,6 +10,8 @@ torchtitan's per-op save-list wording.
 
 from __future__ import annotations
 
+import re
+
 from ..oprules import packet
 from ..passes import OpRecord, Region
 from ..report import RegionReport, Suggestion
@@ -21,8 +23,29 @@ def _torch_op(op: str) -> str:
     return op if op.startswith("torch.ops.") else f"torch.ops.{op}"
 
 
-def sac_policy(ops: list[str]) -> str:
+def _before_2_5(torch_version: str | None) -> bool:
+    """Whether a torch version string ("2.4.1+cu121") names a release before 2.5 (None: unknown, so no)."""
+    match = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    return match is not None and (int(match.group(1)), int(match.group(2))) < (2, 5)
+
+
+def sac_policy(ops: list[str], torch_version: str | None = None) -> str:
+    """A selective-AC policy that saves `ops`, for the torch that will run it: CheckpointPolicy and
+    `create_selective_checkpoint_contexts` (2.5 and later, and where the version is unknown); on 2.4, a policy
+    answering "save?" for `_pt2_selective_checkpoint_context_fn_gen`, 2.4's only spelling."""
     listed = "\n".join(f"    {_torch_op(op)}," for op in ops)
+    if _before_2_5(torch_version):
+        return (
+            "from functools import partial\n"
+            "import torch\n"
+            "# torch 2.4 (2.5 and later: CheckpointPolicy and create_selective_checkpoint_contexts)\n"
+            "from torch.utils.checkpoint import _pt2_selective_checkpoint_context_fn_gen, checkpoint\n\n"
+            f"SAVE = {{\n{listed}\n}}\n\n"
+            "def policy_fn(mode, op, *args, **kwargs):\n"
+            "    return op in SAVE  # True: save the output, False: recompute it\n\n"
+            "out = checkpoint(block, x, use_reentrant=False,\n"
+            "                 context_fn=partial(_pt2_selective_checkpoint_context_fn_gen, policy_fn))"
+        )
     return (
         "from functools import partial\n"
         "import torch\n"
@@ -35,7 +58,7 @@ def sac_policy(ops: list[str]) -> str:
     )
 
 
-def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
+def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:
     cause = report.cause
     out: list[Suggestion] = []
     kind = cause.kind if cause else "unknown"
@@ -164,7 +187,7 @@ def suggestions_for(report: RegionReport, region: Region) -> list[Suggestion]:
                f"In torchtitan: activation_checkpoint.mode = \"selective\", selective_ac_option = \"op\", and add "
                f"{', '.join(_torch_op(s) for s in save)} to the per-op save list (`_save_list` / "
                "`op_sac_save_list` in parallelize.py)."),
-            sac_policy(save)))
+            sac_policy(save, torch_version)))
     if kind == "nondeterministic_op" and value is not None:
         out.append(Suggestion(
             f"Make {value.op} deterministic",

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..diagnosis.suggest import sac_policy
 from .candidates import Candidate
 
@@ -26,7 +28,7 @@ def code_for(c: Candidate) -> str:
         return ("torch.use_deterministic_algorithms(True)  # at the start of the script\n"
                 "# and in the environment, before CUDA starts: CUBLAS_WORKSPACE_CONFIG=:4096:8")
     if c.kind == "must_save" and c.op:
-        return (sac_policy([c.op]) + "\n"
+        return (sac_policy([c.op], torch.__version__) + "\n"  # this torch ran the verifying try
                 f"# (ac-diff verified saving it in {', '.join(c.spec.must_save_modules)}; this policy saves it in "
                 "the whole region)\n"
                 "# Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False, \"context_fn\": context_fn}\n"
