@@ -333,13 +333,17 @@ def test_a_report_writes_the_policy_for_the_torch_in_the_trace(demo, tmp_path):
         report = diagnose([read_run(path)])
         return " ".join(s.code or "" for r in report.regions for s in r.suggestions if "selective" in s.title)
 
-    source = demo / "out" / "trace-rank0.jsonl"
-    lines = source.read_bytes().splitlines(keepends=True)
+    lines = (demo / "out" / "trace-rank0.jsonl").read_bytes().splitlines(keepends=True)
     header = json.loads(lines[0])
     header.pop("crc", None)
-    header["torch"] = "2.4.1+cu121"
-    old = tmp_path / "trace-rank0.jsonl"
-    old.write_bytes(with_crc(json.dumps(header, separators=(",", ":")).encode()) + b"\n" + b"".join(lines[1:]))
-    assert "CheckpointPolicy.MUST_SAVE" in policy_code(source)
-    legacy = policy_code(old)
+
+    def recorded_with(version):
+        header["torch"] = version
+        path = tmp_path / version / "trace-rank0.jsonl"
+        path.parent.mkdir()
+        path.write_bytes(with_crc(json.dumps(header, separators=(",", ":")).encode()) + b"\n" + b"".join(lines[1:]))
+        return path
+
+    assert "CheckpointPolicy.MUST_SAVE" in policy_code(recorded_with("2.13.0+cpu"))
+    legacy = policy_code(recorded_with("2.4.1+cu121"))
     assert "_pt2_selective_checkpoint_context_fn_gen" in legacy and "CheckpointPolicy.MUST_SAVE" not in legacy

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary)
@@ -59,7 +60,9 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
-            with _ops_of(run, region, kept):
+            # one region's ops are decoded and compared with the collector paused: it would rescan every live object
+            # (torch's included) many times per region while finding no cycles; it runs once after instead
+            with collector_paused(), _ops_of(run, region, kept):
                 report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version)
             report.path = run.path or run.source
             region_reports.append(report)
