@@ -17,6 +17,7 @@ run A, `recompute_index` = in run B); `Report.compared` says which trace is A an
 from __future__ import annotations
 
 from ..align import align
+from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
 from .passdiff import PassComparison, compare_passes
@@ -36,7 +37,7 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
     for index_a, index_b, how in _aligned(keys_a, keys_b):
         a = run_a.regions[index_a] if index_a is not None else None
         b = run_b.regions[index_b] if index_b is not None else None
-        with run_a.loaded(a), run_b.loaded(b):  # one region pair's ops at a time (traces read lazily)
+        with collector_paused(), run_a.loaded(a), run_b.loaded(b):  # one region pair at a time (as diagnose)
             if a is not None and b is not None and how == "match":
                 regions.append(_compare_region(a, b, settings))
                 continue
