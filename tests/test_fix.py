@@ -54,7 +54,19 @@ def fixes(tmp_path_factory):
                             str(EXAMPLES / "distributed_bias_update.py"))
     done["titan"] = _fix(out / "titan", "--max-tries", "1", "-m", "titanlike.train", "--steps", "1",
                          "--bias-update", "forward_hook", cwd=str(STACKS))
+    done["dirs"] = {name: out / name for name in [*jobs, "torchrun", "titan"]}
     return done
+
+
+def test_every_run_keeps_every_regions_ops(fixes):
+    """A try's extra memory is read from the saved positions of every region (fix/memory.py): fix records with
+    --write all, or the clean regions the default summarizes would count as keeping nothing."""
+    from ac_diff.trace import read_run
+
+    traces = [t for d in fixes["dirs"].values() for t in d.glob("*/trace-rank*.jsonl")]
+    regions = [r for t in traces for r in read_run(t).regions if r.recorded]
+    assert len(traces) > 10 and regions and all(r.ops_written for r in regions)
+    assert any(r.forward is not None and r.forward.ops for r in regions)
 
 
 def test_preserve_rng_is_verified_first_with_its_exact_form(fixes):

@@ -69,7 +69,10 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     started = time.perf_counter()
     env = {**os.environ, CAPTURE_ENV: str(steps)}
     tail = [*(["-m"] if module else []), target, *args]
-    run = [sys.executable, "-m", "ac_diff", "run", "--force", *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
+    # every region's ops and saved positions: a try's extra memory is read from them (fix/memory.py), and a summarized
+    # clean region (the default --write diverged) has none; fix runs a few steps, so the traces stay small
+    run = [sys.executable, "-m", "ac_diff", "run", "--force", "--write", "all",
+           *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
     print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
     base_m = run_measured([*run, "-o", str(out / "base"), *tail], env, out / "base.log")
     ref_dir = out / "reference"
