@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -99,6 +99,17 @@ class RecordOptions:
     fingerprint_derived: bool = False
 
 
+class _HeldForward(NamedTuple):
+    """A forward held unwritten until its recompute says whether it reproduced (write="diverged")."""
+
+    ops_record: Any  # () -> its "ops" record (built and encoded only if written), or None without ops
+    record: dict  # its "pass" record
+    signature: tuple  # retention.signature
+    size: int  # ~ its encoded size, counted against `hold_bytes`
+    fps: dict[int, list]  # fingerprints by op: its summary's values digest
+    rows: list[tuple]  # its op rows: the state its summary keeps in a distributed run
+
+
 @dataclass
 class _Region:
     number: int
@@ -115,7 +126,7 @@ class _Region:
     # more than call one module)
     first_module_fqn: str | None = None  # the region was named after the first module its function called
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
-    held: Any = None  # (ops record builder, pass record, signature, size estimate) while held
+    held: "_HeldForward | None" = None  # the forward's records while held
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
 
 
@@ -751,6 +762,7 @@ class Recorder:
             })
         ops_record = None  # () -> the pass's "ops" record, built only when it is written
         fps: dict[int, list] = {}
+        kept: list = []
         if region.recorded:
             with self.quiet():
                 fingerprints, kept = p.batch.collect()
@@ -775,7 +787,7 @@ class Recorder:
         if exc is not None and not stopped_early:
             record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
         if region.recorded and self.options.write == "diverged":
-            self._write_if_diverged(p, ops_record, record, fps, failed=exc is not None and not stopped_early)
+            self._write_if_diverged(p, ops_record, record, fps, kept, failed=exc is not None and not stopped_early)
         else:
             if ops_record is not None:
                 writer.write(ops_record)  # built (and encoded) by the writer thread
@@ -788,7 +800,7 @@ class Recorder:
         p.ops = []
 
     # -- write="diverged" ---------------------------------------------------------------------
-    def _write_if_diverged(self, p: _Pass, ops_record: Any, record: dict, fps: dict[int, list],
+    def _write_if_diverged(self, p: _Pass, ops_record: Any, record: dict, fps: dict[int, list], kept: list,
                            failed: bool) -> None:
         """Hold a forward until its recompute; then write both in full if they differ, else only their pass
         records (marked "ops_written": false). Conservative: anything unusual is written in full."""
@@ -803,28 +815,25 @@ class Recorder:
                 writer.write(record)
                 return
             # held unencoded (encoding is half the cost of writing); counted at ~ its encoded size
-            size = 0
-            if ops_record is not None:
-                kept = ops_record.args[3]
-                size = 300 * len(p.ops) + sum(len(v["b64"]) for v in kept if v)
-            region.held, region.hold = (ops_record, record, sig, size), "held"
+            size = 300 * len(p.ops) + sum(len(v["b64"]) for v in kept if v) if ops_record is not None else 0
+            region.held, region.hold = _HeldForward(ops_record, record, sig, size, fps, p.ops), "held"
             self._held[region.number] = region
             self._held_bytes += size
             while self._held_bytes > self.options.hold_bytes and self._held:
                 self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
             return
-        forward = region.held[2] if region.hold == "held" else region.signature
+        forward = region.held.signature if region.hold == "held" else region.signature
         verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
         clean = verdict != DIFFERENT and not self._written_in_full(region, verdict)
         if region.hold == "held":
             if clean:
-                fwd_ops, fwd_record, region.signature, size = region.held
-                self._held_bytes -= size
+                held = region.held
+                region.signature = held.signature
+                self._held_bytes -= held.size
                 self._held.pop(region.number, None)
                 region.held, region.hold = None, "clean"
-                fps_rows = (fwd_ops.args[2], fwd_ops.args[1]) if fwd_ops is not None else ({}, [])
-                writer.write(pass_summary(fwd_record, verdict, *fps_rows, ranks=_distributed()))
+                writer.write(pass_summary(held.record, verdict, held.fps, held.rows, ranks=_distributed()))
             else:
                 self._release(region)
         if clean and region.hold == "clean":
@@ -855,13 +864,14 @@ class Recorder:
         """Write a held forward in full (memory limit, a failed check, the end of the run)."""
         if region.hold != "held":
             return
-        ops_record, record, region.signature, size = region.held
-        self._held_bytes -= size
+        held = region.held
+        region.signature = held.signature
+        self._held_bytes -= held.size
         self._held.pop(region.number, None)
         region.held, region.hold = None, "written"
-        if ops_record is not None:
-            self._writer.write(ops_record)
-        self._writer.write(record)
+        if held.ops_record is not None:
+            self._writer.write(held.ops_record)
+        self._writer.write(held.record)
 
 
 
