@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import platform
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -582,3 +583,28 @@ def test_a_traces_checkpoint_error_text_is_parsed_once_when_read():
 ])
 def test_an_unrecognised_checkpoint_error_is_one_torch_raised(text, header):
     assert (classify_error_line(text) == ("header", "other")) is header
+
+
+_MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+_NOT_FOUND = "aten.mm.default invocation index 1 encountered during backward but not found in storage."
+
+
+@pytest.mark.parametrize("text, kind", [
+    (f"RuntimeError: {_MUTATED}", "sac_mutated"),
+    (_MUTATED, "sac_mutated"),
+    (f"[rank1]: RuntimeError: {_NOT_FOUND}", "sac_not_found"),
+    (f'{{"level": "ERROR", "exc_info": "Traceback (most recent call last):\\nRuntimeError: {_MUTATED}"}}',
+     "sac_mutated"),  # a structured log: the traceback in one JSON string
+    (f'{{"error": "{_NOT_FOUND}"}}', "sac_not_found"),
+    # prose quoting torch's words (this README's fix section), a source line a traceback shows: no error
+    (f'the script\'s error (e.g. SAC\'s "{_MUTATED}" when the script normalises', None),
+    (f'                    "{_MUTATED}"', None),
+    ("the checkpoint file was not found in storage", None),
+])
+def test_selective_ac_errors_start_the_message(text, kind):
+    assert classify_error_line(text) == (("header", kind) if kind else None)
+
+
+def test_the_readme_is_not_a_log():
+    run = parse_text(Path(__file__).resolve().parent.parent.joinpath("README.md").read_text())
+    assert run.errors == [] and run.regions == []

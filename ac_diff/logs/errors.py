@@ -41,16 +41,24 @@ SAC_NOT_FOUND = "sac_not_found"
 SAC_MUTATED = "sac_mutated"
 OTHER = "other"
 
-# (phrase, kind): each phrase spans a line break of torch's source string literal, so the
-# `raise CheckpointError(` source line a traceback shows never matches.
+# (phrase, kind, where the message torch raised starts relative to the phrase or None): each phrase spans a
+# line break of torch's source string literal, so the `raise CheckpointError(` source line a traceback
+# shows never matches. CheckpointError's phrases are matched anywhere (torch words them for checkpoint
+# alone); selective AC's RuntimeError texts must start the message (`_starts_message`), so prose quoting
+# them (a README, a comment) is not read as an error.
 HEADER_PHRASES = (
-    ("Recomputed values for the following tensors have different metadata", METADATA_MISMATCH),
+    ("Recomputed values for the following tensors have different metadata", METADATA_MISMATCH, None),
     ("A different number of tensors was saved during the original forward and recomputation",
-     COUNT_MISMATCH),
-    ("trying to save more tensors during recomputation than during the original forward", MORE_SAVED),
-    ("not found in storage", SAC_NOT_FOUND),  # "{func} [invocation index N] encountered during backward but not found in storage"
-    ("cached during selective activation checkpoint has been mutated", SAC_MUTATED),
+     COUNT_MISMATCH, None),
+    ("trying to save more tensors during recomputation than during the original forward", MORE_SAVED, None),
+    # "{func} [invocation index N] encountered during backward[,] but not found in storage"
+    ("not found in storage", SAC_NOT_FOUND,
+     re.compile(r"[\w.]+(?: invocation index \d+)? encountered during backward,? but $")),
+    ("Tensor cached during selective activation checkpoint has been mutated", SAC_MUTATED, re.compile("$")),
 )
+# what may come before a message torch raised: nothing, an exception's class ("RuntimeError: ", also after
+# a JSON log's escaped newline), or a JSON key ('"error": "')
+_MESSAGE_LEAD = re.compile(r'(?:^|(?:^|\\n|[\s"])[\w.]*(?:Error|Exception)\s*:\s*|"\w+"\s*:\s*")$')
 DUMP_START = "An error happened while unpacking tensors; dumping logs"
 _EXCEPTION_TAG = "CheckpointError:"
 
@@ -79,13 +87,21 @@ def classify_error_line(text: str) -> tuple | None:
         return (kind, int(m.group(2)), m.group(3) != "")  # (.., .., followed by something: not cut)
     if text == "." or text.startswith("Tip: To see a more detailed error message"):
         return ("end", None)
-    for phrase, kind in HEADER_PHRASES:
-        if phrase in text:
+    for phrase, kind, start in HEADER_PHRASES:
+        at = text.find(phrase)
+        if at >= 0 and (start is None or _starts_message(text[:at], start)):
             return ("header", kind)
     tag = text.find(_EXCEPTION_TAG)
     if tag >= 0 and DUMP_START not in text and _raised_by_torch(text, tag):
         return ("header", OTHER)
     return None
+
+
+def _starts_message(before: str, start: re.Pattern) -> bool:
+    """Whether the text `before` a phrase ends with the start of torch's message (`start`, anchored at the
+    phrase) led by what a log prints before a raised message (`_MESSAGE_LEAD`)."""
+    m = start.search(before)
+    return m is not None and _MESSAGE_LEAD.search(before[:m.start()].rstrip(" ")) is not None
 
 
 def _raised_by_torch(text: str, tag: int) -> bool:
