@@ -171,6 +171,7 @@ def block(x):
 x = torch.randn(2, 4, requires_grad=True)
 with torch.utils.checkpoint.set_checkpoint_early_stop(False):   # the recompute runs every collective again
     checkpoint(block, x, use_reentrant=False).backward()
+dist.barrier()  # no rank tears gloo down while another still talks to it (a rare abort at exit otherwise)
 dist.destroy_process_group()
 '''
 
