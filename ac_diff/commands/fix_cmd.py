@@ -50,7 +50,7 @@ def _report_of(directory: Path, settings: Settings) -> tuple[Any, Any] | tuple[N
     if not (directory / "trace-rank0.jsonl").exists():
         return None, None
     try:
-        runs = [read_run(path) for path in sorted(directory.glob("trace-rank*.jsonl"))]
+        runs = [read_run(path, lazy=True) for path in sorted(directory.glob("trace-rank*.jsonl"))]
         return diagnose(runs, settings), next(r for r in runs if int(r.header.get("rank", 0) or 0) == 0)
     except Exception:  # a trace the try could not finish: judged as crashed
         return None, None

@@ -41,10 +41,21 @@ def activation_bytes(region: Any) -> int:
     return 0 if fwd is None else sum(_bytes(p.meta) for p in fwd.positions if p.origin == "op")
 
 
+def _each(run: Any, regions: list, count) -> int:
+    """The sum of `count(region)` over `regions` of `run`, each region's ops decoded only while it is counted
+    (a run read lazily holds one region's ops at a time)."""
+    total = 0
+    for region in regions:
+        with run.loaded(region):
+            total += count(region)
+    return total
+
+
 def extra_bytes_per_region(run: Any, base: Any, no_ac: list[str]) -> float | None:
     regions = [r for r in base.regions if r.forward is not None]
     if not regions:
         return None
-    kept = sum(sac_bytes(r) for r in run.regions)
-    kept += sum(activation_bytes(r) for r in regions if no_ac and matches(r.module, no_ac))
-    return (kept - sum(sac_bytes(r) for r in regions)) / len(regions)
+    kept = _each(run, run.regions, sac_bytes)
+    if no_ac:
+        kept += _each(base, [r for r in regions if matches(r.module, no_ac)], activation_bytes)
+    return (kept - _each(base, regions, sac_bytes)) / len(regions)
