@@ -163,3 +163,24 @@ def test_json_report_is_written_one_region_at_a_time(tmp_path, monkeypatch):
     assert made == sorted(made) and len(set(made)) == len(made)  # each made after the previous one was written
     render(report, "json", path=str(tmp_path / "r.json"))
     assert (tmp_path / "r.json").read_text() == whole
+
+
+def test_html_report_is_written_one_region_at_a_time(tmp_path, monkeypatch):
+    """The HTML page comes in pieces: each region's table row and section is made after the previous piece was
+    written, and the pieces make the page render_html gives."""
+    from ac_diff.render import RENDERERS, render
+    from ac_diff.render import html
+
+    path = _record(tmp_path / "t.jsonl", steps=3, options=ac_diff.RecordOptions(write="all"))
+    report = diagnose([read_run(path, lazy=True)])
+    whole = html.render_html(report)
+    made, written = [], []
+    section = html._region_section
+    monkeypatch.setattr(html, "_region_section", lambda r, *a, **k: made.append(len(written)) or section(r, *a, **k))
+    for chunk in RENDERERS["html"].chunks(report):
+        written.append(chunk)
+    assert "".join(written) == whole and whole.endswith("</body></html>\n")
+    assert len(made) == len(report.regions) > 2 and len(set(made)) == len(made)
+    assert sum(chunk.startswith("<tr class=\"region-row") for chunk in written) == len(report.regions)
+    render(report, "html", path=str(tmp_path / "r.html"))
+    assert (tmp_path / "r.html").read_text() == whole

@@ -73,13 +73,18 @@ class JsonRenderer:
         yield "\n"
 
 
-class HtmlRenderer(_WholeText):
+class HtmlRenderer:
+    """The page, written one region's row or section at a time."""
+
     suffix = ".html"
 
     def render(self, report: Report) -> str:
-        from .html import render_html
+        return "".join(self.chunks(report))
 
-        return render_html(report)
+    def chunks(self, report: Report) -> Iterator[str]:
+        from .html import html_chunks
+
+        return html_chunks(report)
 
 
 RENDERERS: dict[str, Renderer] = {"terminal": TerminalRenderer(), "json": JsonRenderer(), "html": HtmlRenderer()}

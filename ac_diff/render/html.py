@@ -21,7 +21,7 @@ import difflib
 import re
 from html import escape
 from importlib import resources
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .._version import __version__
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
@@ -47,36 +47,51 @@ def e(value: Any) -> str:
 
 def render_html(report: Report) -> str:
     """The whole page as a string."""
+    return "".join(html_chunks(report))
+
+
+def html_chunks(report: Report) -> Iterator[str]:
+    """The page in pieces, one region's row or section at a time (what `--format html` writes): the parts of
+    the page joined by newlines, an empty part left out."""
+    first = True
+    for part in _page_parts(report):
+        pieces = iter((part,) if isinstance(part, str) else part)
+        head = next((x for x in pieces if x), "")
+        if not head:
+            continue
+        yield head if first else "\n" + head
+        first = False
+        yield from pieces
+
+
+def _page_parts(report: Report) -> Iterator[str | Iterable[str]]:
     silent = report.silent
     title = report.title
     any_diverged = any(r.status == DIVERGED for r in report.regions)
-    parts = [
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
-        # no network, ever: everything the page needs is inline
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
-        "script-src 'unsafe-inline'; img-src data:\">",
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">",
-        f"<meta name=\"generator\" content=\"ac-diff {e(__version__)}\">",
-        f"<title>ac-diff: {e(title)} — {e(report.headline)}</title>",
-        f"<style>{_CSS}</style></head>",
-        f"<body data-verdict=\"{e(report.verdict)}\">",
-        _verdict(report, title, silent),
-        _toolbar(report, any_diverged),
-        "<main>",
-        fixes_html(report),  # the answer first: what `ac-diff fix` tried and what works
-        html_sections(report),  # remedies applied, gradients vs the run without AC: near the top
-        _torch_errors(report),
-        _ranks(report),
-        _regions_table(report),
-        _region_sections(report),
-        _notes(report.notes, "notes"),
-        "</main>",
-        f"<footer>ac-diff {e(__version__)} · report format v1 · "
-        f"{e(', '.join(report.sources)) if report.sources else ''}</footer>",
-        f"<script>{_JS}</script>",
-        "</body></html>\n",
-    ]
-    return "\n".join(p for p in parts if p)
+    yield "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    # no network, ever: everything the page needs is inline
+    yield ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+           "script-src 'unsafe-inline'; img-src data:\">")
+    yield "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+    yield f"<meta name=\"generator\" content=\"ac-diff {e(__version__)}\">"
+    yield f"<title>ac-diff: {e(title)} — {e(report.headline)}</title>"
+    yield f"<style>{_CSS}</style></head>"
+    yield f"<body data-verdict=\"{e(report.verdict)}\">"
+    yield _verdict(report, title, silent)
+    yield _toolbar(report, any_diverged)
+    yield "<main>"
+    yield fixes_html(report)  # the answer first: what `ac-diff fix` tried and what works
+    yield html_sections(report)  # remedies applied, gradients vs the run without AC: near the top
+    yield _torch_errors(report)
+    yield _ranks(report)
+    yield _regions_table(report)
+    yield _region_sections(report)
+    yield _notes(report.notes, "notes")
+    yield "</main>"
+    yield (f"<footer>ac-diff {e(__version__)} · report format v1 · "
+           f"{e(', '.join(report.sources)) if report.sources else ''}</footer>")
+    yield f"<script>{_JS}</script>"
+    yield "</body></html>\n"
 
 
 # --- verdict, toolbar, top tables -----------------------------------------------------------------------------
@@ -175,18 +190,21 @@ def _label_op(label: str | None) -> str:
     return re.split(r"[(\s]", label, maxsplit=1)[0] if label else ""
 
 
-def _regions_table(report: Report) -> str:
+def _regions_table(report: Report) -> Iterator[str]:
     if not report.regions:
         what = ("no region details in this input: torch's error above is what it holds"
                 if report.torch_errors else "no checkpointed region was recorded")
-        return f"<section id=\"regions\"><h2>regions</h2><p class=\"dim\">{e(what)}</p></section>"
-    rows = []
+        yield f"<section id=\"regions\"><h2>regions</h2><p class=\"dim\">{e(what)}</p></section>"
+        return
+    yield ("<section id=\"regions\"><h2>regions</h2><table id=\"region-table\"><thead><tr><th>rank</th>"
+           "<th>region</th><th>module</th><th>kind</th><th>ops fwd/rec</th><th>status</th><th>cause</th>"
+           "<th>first divergence</th></tr></thead><tbody>")
     for r in report.regions:
         first = r.first_divergence()
         status = r.status_label
         module = e(r.module or "?")
         link = f"<a href=\"#{_anchor(r)}\">{module}</a>"
-        rows.append(
+        yield (
             f"<tr class=\"region-row {_status_class(r.status)}\" data-region=\"{_anchor(r)}\" "
             f"data-status=\"{e(r.status)}\" data-search=\"{e(_search_text(r))}\">"
             f"<td>{e(r.rank)}</td><td class=\"num\">{e(r.region)}</td><td>{link}</td><td>{e(r.kind)}</td>"
@@ -194,10 +212,7 @@ def _regions_table(report: Report) -> str:
             f"<td><span class=\"badge {_status_class(r.status)}\">{e(status)}</span></td>"
             f"<td>{e(r.cause.kind if r.cause else '')}{_group_html(report, r)}</td>"
             f"<td>{_first_html(first) or (e(r.unchecked_reason) if r.status == UNCHECKED else '')}</td></tr>")
-    return ("<section id=\"regions\"><h2>regions</h2><table id=\"region-table\"><thead><tr><th>rank</th>"
-            "<th>region</th><th>module</th><th>kind</th><th>ops fwd/rec</th><th>status</th><th>cause</th>"
-            f"<th>first divergence</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
-            "<p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>")
+    yield "</tbody></table><p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>"
 
 
 def _group_html(report: Report, r: RegionReport) -> str:
@@ -220,18 +235,19 @@ def _op_html(op: str | None) -> str:
 
 # --- per region -----------------------------------------------------------------------------------------------
 
-def _region_sections(report: Report) -> str:
-    diverged = report.diverged_regions()
+def _region_sections(report: Report) -> Iterator[str]:
+    if not report.regions:
+        return
     others = [r for r in report.regions if r.status != DIVERGED]
-    out = ["<section id=\"details\"><h2>regions in detail</h2>"] if report.regions else []
-    out += [_region_section(r, report, open_=True) for r in diverged]
-    out += [_region_section(r, report, open_=False) for r in others[:MAX_OTHER_SECTIONS]]
+    yield "<section id=\"details\"><h2>regions in detail</h2>"
+    for r in report.diverged_regions():
+        yield "\n" + _region_section(r, report, open_=True)
+    for r in others[:MAX_OTHER_SECTIONS]:
+        yield "\n" + _region_section(r, report, open_=False)
     if len(others) > MAX_OTHER_SECTIONS:
-        out.append(f"<p class=\"dim\">{len(others) - MAX_OTHER_SECTIONS} more clean/unchecked region(s) are in the "
-                   "region table only; the JSON report has every position of every region</p>")
-    if out:
-        out.append("</section>")
-    return "\n".join(out)
+        yield (f"\n<p class=\"dim\">{len(others) - MAX_OTHER_SECTIONS} more clean/unchecked region(s) are in the "
+               "region table only; the JSON report has every position of every region</p>")
+    yield "\n</section>"
 
 
 def _divergences(r: RegionReport) -> list[Divergence]:
