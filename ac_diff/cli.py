@@ -174,7 +174,7 @@ def fix(
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Directory for the runs (default ac-diff-out/fix)."),
     max_tries: int = typer.Option(4, "--max-tries", help="Remedies tried at most (cheapest first)."),
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Diverged regions (modules) to build remedies for."),
-    steps: int = typer.Option(1, "--steps", help="Backward passes whose gradients are compared with the run without AC."),
+    steps: int = typer.Option(2, "--steps", help="Backward passes whose gradients are compared with the run without AC (default 2: a state the recompute updates twice shows in the second)."),
     jobs: int = typer.Option(1, "--jobs", help="Tries run at the same time."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Run the script and every try with torchrun, N processes."),
     fmt: FormatOption = None,
@@ -188,7 +188,7 @@ def fix(
 
     \b
     Example:
-      ac-diff fix -o out train.py --steps 1
+      ac-diff fix -o out --steps 3 train.py --lr 3e-4
     """
     from .commands.fix_cmd import fix_command
 

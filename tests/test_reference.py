@@ -15,6 +15,7 @@ from stacks.runs import STACKS, Job, run_all
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(STACKS / "reentrant_side.py")
+CENTER = str(STACKS / "running_center.py")
 REF = ["--reference", "no-ac", "--check"]
 
 
@@ -28,6 +29,11 @@ def runs(tmp_path_factory):
         "dropout": Job([SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"], REF),
         "unseeded": Job([SCRIPT, "--unseeded"], REF),
         "side_output_no_ac_layer1": Job([SCRIPT, "--reentrant"], REF + ["--no-ac", "layers.1"]),
+        # a hook in the region moves a buffer: saving the decision keeps the recompute clean, not the next step
+        "repeated_update": Job([CENTER], REF + ["--reference-steps", "2", "--must-save", "aten.argmax.default",
+                                                "--must-save-module", "layers.*.router"]),
+        "repeated_update_restored": Job([CENTER], REF + ["--reference-steps", "2", "--restore-in-recompute",
+                                                         "layers.*.router.center"]),
     })
 
 
@@ -146,3 +152,19 @@ def test_remedies_reach_every_rank_under_the_launcher(tmp_path):
         (0, "layers.1", "AC off"), (1, "layers.1", "AC off")}
     differing = {d["name"] for s in report["reference"]["steps"] for d in s["differing"]}
     assert "layers.0.gate.weight" in differing and not any(n.startswith("layers.1.") for n in differing)
+
+
+def test_a_state_the_recompute_updates_twice_is_a_defect_from_the_next_step(runs):
+    """Every recompute reproduced its forward and the first backward's gradients are identical, but the hook ran
+    twice: the second loss differs. That is the recompute's repeated update, not random draws, and not a pass."""
+    r = runs["repeated_update"]
+    ref = _ref(r)
+    assert r.report["regions"] and all(x["status"] == "clean" for x in r.report["regions"])
+    assert ref["verdict"] == "differs" and r.returncode == 1, r.explain()
+    assert [s["loss_identical"] for s in ref["steps"]] == [True, False] and not ref["steps"][0]["differing"]
+    why = ref["explanations"][0]
+    assert why["kind"] == "repeated_update" and "router.center" in why["text"] and "counted twice" in why["text"]
+    assert "rng_draws" not in {e["kind"] for e in ref["explanations"]}
+    restored = runs["repeated_update_restored"]
+    assert _ref(restored)["verdict"] == "identical" and restored.returncode == 0, restored.explain()
+    assert len(_ref(restored)["steps"]) == 2

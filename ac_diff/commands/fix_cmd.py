@@ -1,6 +1,6 @@
 """`ac-diff fix [opts] SCRIPT [ARGS...]` / `-m MODULE`: try each remedy on the user's own script.
 
-    ac-diff fix -o out train.py --steps 1
+    ac-diff fix -o out --steps 3 train.py --lr 3e-4
     fixes tried on your script: verified: preserve_rng_state=True - every region clean, gradients bit-identical ...
      remedy                  status        regions diverged   gradients vs no-AC run   extra memory     wall time
      preserve_rng_state=True verified      4 -> 0             bit-identical            +0 B/region      6.1 s

@@ -9,8 +9,12 @@
 Why the two runs can differ, in the order they are checked:
 - the loss of the first backward already differs: the forward is not reproducible across processes
   (unseeded randomness): not a defect, nothing to compare (`not_comparable`);
-- a later backward's loss differs while the gradients before it were identical: random numbers drawn
-  differently (a recompute without preserve_rng_state draws again): comparison stops there, not a defect;
+- a later backward's loss differs while the gradients before it were identical: the state that backward
+  starts from differs. Where the recompute repeated an in-place update inside a region (the report's side
+  effects, "counted twice"), that is a defect (`repeated_update`): the training departs from the run without
+  AC. Where a recompute drew random numbers again instead (a region whose cause is rng, or whose RNG state
+  differed between its passes), the comparison stops there, not a gradient defect (`rng_draws`). With
+  neither, the loss difference is a defect left unexplained (`state_drift`);
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
 - otherwise `unexplained`, with the regions whose parameters differ.
@@ -49,18 +53,26 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
             fix="seed the script (torch.manual_seed, the generators and data loaders it uses) and run again"))
         return result
     compared = [steps[0]]
+    drift: Explanation | None = None  # why a later loss differs after identical gradients
+    drift_step = 0
     for prev, step in zip(steps, steps[1:]):
-        if step.loss_identical is False and not prev.differing:
-            result.explanations.append(Explanation(
-                "rng_draws",
-                f"backward {step.step}: the loss differs although every gradient of backward {prev.step} was "
-                "identical: the two runs drew other random numbers in between (a recompute without "
-                "preserve_rng_state draws again). Not a gradient defect; later backwards are not compared.",
-                fix="preserve_rng_state=True (ac-diff run --preserve-rng)"))
-            break
+        if drift is None and step.loss_identical is False and not prev.differing:
+            drift, drift_step = _drift(step, prev, report), step.step
+            if drift.kind == "rng_draws":
+                result.explanations.append(drift)
+                break
         compared.append(step)
     result.steps = compared
     differing = [s for s in compared if s.differing]
+    if drift is not None and drift.kind != "rng_draws":
+        result.verdict = DIFFERS
+        result.explanations.insert(0, drift)
+        first = differing[0] if differing else None
+        result.headline = (f"the loss of backward {drift_step} differs from the run without AC although every gradient "
+                           f"of backward {drift_step - 1} was identical"
+                           + (f", and {len(first.differing)} of {first.parameters} gradients differ at backward "
+                              f"{first.step}" if first else "") + f": {drift.kind.replace('_', ' ')}")
+        return result
     if not differing:
         result.verdict = IDENTICAL
         total = compared[0].parameters
@@ -80,6 +92,30 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                        + (f", {len(missing)} get no gradient with AC" if missing else "")
                        + (f": {why[0].kind.replace('_', ' ')}" if why else ""))
     return result
+
+
+def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanation:
+    """Why backward `step`'s loss differs although every gradient of backward `prev` was identical (see the module
+    docstring), from what the report saw in the regions."""
+    regions = getattr(report, "regions", [])
+    start = (f"backward {step.step}: the loss differs although every gradient of backward {prev.step} was identical, "
+             "so the state it starts from differs from the run without AC")
+    repeated = sorted({e for r in regions for e in r.side_effects})
+    if repeated:
+        more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
+        return Explanation(
+            "repeated_update", f"{start}: {repeated[0]}{more}. Later backwards start from that state.",
+            fix="apply the update once per step: outside the checkpointed region (after the backward, e.g. in an "
+                "optimizer step hook), or not in the recompute")
+    if any((r.cause is not None and r.cause.kind == "rng") or "rng" in r.state_changes for r in regions):
+        return Explanation(
+            "rng_draws", f"{start}: the two runs drew other random numbers in between (a recompute without "
+            "preserve_rng_state draws again). Not a gradient defect; later backwards are not compared.",
+            fix="preserve_rng_state=True (ac-diff run --preserve-rng)")
+    return Explanation(
+        "state_drift", f"{start}: something other than the parameters (a buffer, a Python attribute, a generator) "
+        "evolved differently with AC, and the recorded regions show no update repeated by the recompute and no "
+        "random draws")
 
 
 def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: Any) -> list[Explanation]:

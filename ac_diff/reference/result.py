@@ -44,7 +44,8 @@ class StepComparison:
 
 @dataclass(slots=True)
 class Explanation:
-    kind: str  # side_output, no_grad_inputs, recompute_divergence, reference_randomness, rng_draws, unexplained
+    kind: str  # side_output, no_grad_inputs, recompute_divergence, reference_randomness, rng_draws, repeated_update,
+    # state_drift, unexplained
     text: str
     region: str | None = None
     module: str | None = None
