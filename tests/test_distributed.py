@@ -451,3 +451,36 @@ def test_fsdp2_hooks_inside_a_checkpointed_region_are_not_control_flow(tmp_path,
         assert report.verdict == "clean", report.headline
     else:
         assert {r.cause.kind for r in report.regions if r.status == "diverged"} == {"rng"}
+
+
+def test_a_lone_process_trace_beside_a_launched_runs_traces_is_another_run():
+    """`ac-diff run` without a launcher writes no run id: next to an earlier two-rank run's rank-1 trace it is
+    still another run (a report would otherwise read that rank's divergence as this run's)."""
+    from ac_diff.diagnosis.ranks import cross_rank_findings
+
+    report = Report(verdict=CLEAN, headline="", regions=[_region_report(0, 0, CLEAN), _region_report(1, 0, CLEAN)])
+    alone = Run(source="trace", path="trace-rank0.jsonl", rank=0, world_size=1, run_id=None, exit_status="ok")
+    launched = Run(source="trace", path="trace-rank1.jsonl", rank=1, world_size=2, run_id="f9e8", exit_status="ok")
+    mixed = [f for f in cross_rank_findings([alone, launched], report).findings if f.kind == "mixed_runs"]
+    assert len(mixed) == 1 and "trace-rank0.jsonl (one process)" in mixed[0].text and mixed[0].ranks == [0, 1]
+    same = [Run(source="trace", path=f"trace-rank{r}.jsonl", rank=r, world_size=2, run_id="f9e8", exit_status="ok")
+            for r in (0, 1)]
+    assert not [f for f in cross_rank_findings(same, report).findings if f.kind == "mixed_runs"]
+
+
+def test_run_force_removes_an_earlier_runs_traces_of_every_rank(tmp_path):
+    """One process writes the directory's only trace: --force removes an earlier launch's rank-1 trace, and without
+    --force an earlier trace of any rank stops the run before the script starts."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom torch.utils.checkpoint import checkpoint\n"
+                      "x = torch.ones(3, requires_grad=True)\n"
+                      "checkpoint(torch.sin, x, use_reentrant=False).sum().backward()\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "trace-rank1.jsonl").write_text("an earlier run's\n")
+    refused = run_cli("run", "-o", str(out), str(script))
+    assert refused.returncode == 2 and "trace-rank1.jsonl already exists" in refused.stderr
+    assert not (out / "trace-rank0.jsonl").exists()
+    done = run_cli("run", "--force", "-o", str(out), str(script))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["trace-rank0.jsonl"]

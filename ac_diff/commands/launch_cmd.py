@@ -123,14 +123,9 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     if target is not None:
         check_target(target, module)
     argv = list(argv)
-    out = Path(output_dir)
-    existing = _trace_paths(out)
-    if existing and not force:
-        return fail(f"{existing[0]} already exists; pass --force to overwrite the traces in {out}, or -o DIR for "
-                    "another directory")
-    for stale in existing:  # --force: every trace of an earlier run goes, also of ranks this run won't have
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    refused = clear_traces(output_dir, force)
+    if refused:
+        return fail(refused)
     if "--force" not in argv:
         argv.insert(1, "--force")  # the directory is clean now; a rank restarted by torchrun may rewrite
     rid = uuid.uuid4().hex[:12]
@@ -195,6 +190,21 @@ class RankTraces:
     end_times: dict[int, float] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # expected ranks without a trace of this launch
     stale: list[Path] = field(default_factory=list)  # traces in the directory from another launch
+
+
+def clear_traces(output_dir: str | os.PathLike, force: bool) -> str | None:
+    """Before a run that writes every trace of `output_dir` (a launch, or one process): with --force, remove every
+    trace an earlier run left there, also of ranks this run will not have (a report would mix them in); without
+    it, the refusal to print when there is one."""
+    out = Path(output_dir)
+    existing = _trace_paths(out)
+    if existing and not force:
+        return (f"{existing[0]} already exists; pass --force to overwrite the traces in {out}, or -o DIR for another "
+                "directory")
+    for stale in existing:
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    return None
 
 
 def _trace_paths(directory: Path) -> list[Path]:

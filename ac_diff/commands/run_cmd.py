@@ -38,8 +38,12 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     multi = launch.is_multi_rank() or launch.launched()  # under torchrun: one trace per rank, one report
     if multi:
         launch.prepare_rank(output_dir, trace_path, force)
-    if trace_path.exists() and not force:
-        return fail(f"{trace_path} already exists; pass --force to overwrite it, or -o DIR for another directory")
+        if trace_path.exists() and not force:
+            return fail(f"{trace_path} already exists; pass --force to overwrite it, or -o DIR for another directory")
+    else:  # one process writes the directory's only trace: an earlier run's traces of other ranks would mix in
+        refused = launch.clear_traces(output_dir, force)
+        if refused:
+            return fail(refused)
     rank = int(os.environ.get("RANK", "0") or 0)
     recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module, "target_args": args,
                                                            **launch.header_fields()})

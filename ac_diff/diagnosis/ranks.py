@@ -142,6 +142,9 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
         rid = run.run_id
         if rid:
             ids.setdefault(str(rid), []).append(run.rank or 0)
+        elif any(r.run_id for r in traces) or any(r.world_size != run.world_size for r in traces):
+            # a process launched alone has no run id: beside other runs' traces it is a run of its own
+            ids.setdefault(f"{run.path or '?'} (one process)", []).append(run.rank or 0)
     if len(ids) > 1:
         parts = "; ".join(f"rank{'s' if len(v) > 1 else ''} {_list(sorted(v))} from run {k}" for k, v in ids.items())
         out.append(CrossRankFinding(
