@@ -236,6 +236,8 @@ class RegionGroup:
     culprit: str | None  # the cause's tensor, relative to each region's module ("moe.expert_bias")
     regions: list[tuple[int, int]]  # (rank, region) of every member, the lead first
     lead: tuple[int, int]
+    # the members themselves (not written): two logs that name no rank both hold a "rank 0, region 0"
+    members: list["RegionReport"] = field(default_factory=list, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "cause": self.cause, "culprit": self.culprit,
@@ -390,14 +392,15 @@ class Report:
         per diverged region where the report has none (two traces compared)."""
         by_key = {(r.rank, r.region): r for r in self.regions}
         if self.groups:
-            return [(by_key[g.lead], [by_key[k] for k in g.regions if k in by_key], g.label) for g in self.groups
-                    if g.lead in by_key]
+            return [(g.members[0], g.members, g.label) if g.members else
+                    (by_key[g.lead], [by_key[k] for k in g.regions if k in by_key], g.label) for g in self.groups
+                    if g.members or g.lead in by_key]
         return [(r, [r], r.module or "?") for r in self.diverged_regions()]
 
     def group_of(self, region: RegionReport) -> RegionGroup | None:
         """The group of several diverged regions this one belongs to, if any."""
-        return next((g for g in self.groups if (region.rank, region.region) in g.regions and len(g.regions) > 1),
-                    None)
+        return next((g for g in self.groups if len(g.regions) > 1 and (
+            any(m is region for m in g.members) if g.members else (region.rank, region.region) in g.regions)), None)
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import traceback
 from pathlib import Path
 
@@ -157,6 +158,13 @@ def test_two_logs_keep_their_own_errors(tmp_path):
     both = [[p.position for p in r.positions if p.in_torch_error] for r in report.regions]
     assert own["b.log"] and sorted(both) == sorted(own.values())
     assert sorted(Path(r.path).name for r in report.regions) == ["a.log", "b.log"]  # which file each is from
+    # neither names a rank, so both hold "rank 0, region 0": the reports still detail each file's own region
+    leads = [lead for lead, _, _ in report.lead_groups()]
+    assert len(leads) == 2 and {id(lead) for lead in leads} == {id(r) for r in report.regions}
+    from ac_diff.render.html import render_html
+
+    ids = re.findall(r' id="([^"]+)"', render_html(report))
+    assert len(ids) == len(set(ids))  # one anchor per region and position
 
 
 def test_a_dump_cut_in_the_middle_is_not_aligned_from_its_beginning(tmp_path):

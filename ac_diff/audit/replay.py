@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.opinfo import op_info
 from ..oprules import written_arguments
 from ..capture.sourceline import user_source
-from .margins import Margins, decision_margins, packet_of
+from .margins import Margins, decision_margins
 from .noise import NoiseSpec, perturb, reduction_sigma
 
 Key = tuple[str, int]  # (op name, call index of that op in the pass): how two passes of a region line up

@@ -39,7 +39,7 @@ from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from .retention import DIFFERENT, SAME, SIDE_EFFECTS, compare_signatures, pass_summary, signature
+from .retention import DIFFERENT, SIDE_EFFECTS, compare_signatures, pass_summary, signature
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, rng_digest, training_mode
 from .rows import _MODULE, _OP, _OUT

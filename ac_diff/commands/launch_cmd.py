@@ -123,7 +123,8 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     if target is not None:
         check_target(target, module)
     argv = list(argv)
-    refused = clear_traces(output_dir, force)
+    out = Path(output_dir)
+    refused = clear_traces(out, force)
     if refused:
         return fail(refused)
     if "--force" not in argv:

@@ -259,7 +259,7 @@ def _headline(regions, errors, runs, groups) -> str:
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
-    same = next((g for g in groups if g.lead == (lead.rank, lead.region) and len(g.regions) > 1), None)
+    same = next((g for g in groups if g.members and g.members[0] is lead and len(g.regions) > 1), None)
     more = (f" [{len(diverged)} of {len(regions)} regions diverged"
             + (f"; {same.label}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)

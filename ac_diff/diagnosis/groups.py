@@ -28,7 +28,7 @@ def _relative(name: str | None, module: str | None) -> str | None:
 
 def _key(r: RegionReport) -> tuple:
     first = r.first_divergence()
-    return (r.rank if r.source == "log" else None, r.kind,
+    return ((r.path, r.rank) if r.source == "log" else None, r.kind,
             r.cause.kind if r.cause else None, r.cause.mechanism if r.cause else None,
             _relative(r.cause.tensor, r.module) if r.cause else None,
             first.kind if first else None, first.op if first else None,
@@ -60,5 +60,5 @@ def group_regions(regions: list[RegionReport], lead_first=None) -> list[RegionGr
         out.append(RegionGroup(
             label=module_range([r.module for r in members]), cause=lead.cause.kind if lead.cause else None,
             culprit=_relative(lead.cause.tensor, lead.module) if lead.cause else None,
-            regions=[(r.rank, r.region) for r in members], lead=(lead.rank, lead.region)))
+            regions=[(r.rank, r.region) for r in members], lead=(lead.rank, lead.region), members=members))
     return out

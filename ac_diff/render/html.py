@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import zlib
 from html import escape
 from importlib import resources
 from typing import Any, Iterable, Iterator
@@ -167,8 +168,15 @@ def _status_class(status: str) -> str:
     return {DIVERGED: "st-diverged", CLEAN: "st-clean"}.get(status, "st-other")
 
 
+def _region_id(r: RegionReport) -> str:
+    """The region in the page's ids, "rank-region": a log's regions also name their file (two logs without rank
+    prefixes both hold a "rank 0, region 0")."""
+    tag = f"-{zlib.crc32(r.path.encode()):08x}" if r.source == "log" and r.path else ""
+    return f"{int(r.rank)}-{int(r.region)}{tag}"
+
+
 def _anchor(r: RegionReport) -> str:
-    return f"region-{int(r.rank)}-{int(r.region)}"
+    return f"region-{_region_id(r)}"
 
 
 def _search_text(r: RegionReport) -> str:
@@ -334,8 +342,8 @@ def _idx(i: Any) -> str:
 
 def _row_id(r: RegionReport, forward_index: int | None, recompute_index: int | None) -> str:
     if forward_index is not None:
-        return f"w-{int(r.rank)}-{int(r.region)}-f{int(forward_index)}"
-    return f"w-{int(r.rank)}-{int(r.region)}-r{int(recompute_index or 0)}"
+        return f"w-{_region_id(r)}-f{int(forward_index)}"
+    return f"w-{_region_id(r)}-r{int(recompute_index or 0)}"
 
 
 def _forward_x(r: RegionReport, forward_index: int | None, recompute_index: int | None) -> float | None:
@@ -375,7 +383,7 @@ def _plot(r: RegionReport) -> str:
             continue
         what = _short_op(p.op) if p.op else f"{p.origin} {p.name or ''}"
         label = f"position {p.position}: {what} at op #{p.forward_index} ({p.saved} -> {p.recomputed})"
-        marks[lane].append((float(p.forward_index), label, f"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}"))
+        marks[lane].append((float(p.forward_index), label, f"p-{_region_id(r)}-{int(p.position)}"))
     firsts = []
     for d in _divergences(r):
         x = _forward_x(r, d.forward_index, d.recompute_index)
@@ -541,7 +549,7 @@ def _position_row(r: RegionReport, p: PositionRow) -> str:
         saved, recomputed = e(p.saved or "?"), e(p.recomputed or "-")
     differing = "1" if (p.matches is False or p.values_differ or p.in_torch_error) else "0"
     search = " ".join(x for x in (p.op, p.module, p.name, p.origin, p.source) if x).lower()
-    return (f"<tr id=\"p-{int(r.rank)}-{int(r.region)}-{int(p.position)}\" class=\"pos {cls}\" "
+    return (f"<tr id=\"p-{_region_id(r)}-{int(p.position)}\" class=\"pos {cls}\" "
             f"data-differing=\"{differing}\" data-search=\"{e(search)}\">"
             f"<td class=\"num\">{e(p.position)}</td><td>{what}</td><td>{e(p.module)}</td>"
             f"<td class=\"num\">{_idx(p.forward_index)}</td><td class=\"meta\">{saved}</td>"
