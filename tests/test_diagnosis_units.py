@@ -141,3 +141,22 @@ def test_decision_path_through_host_list():
     ]
     path = decision_path(ops, ops[5])
     assert [o.op.split(".")[1] for o in path] == ["topk", "view", "histc", "_to_copy", "split_with_sizes"]
+
+
+def test_another_branch_running_the_same_op_says_where_each_pass_ran_it():
+    """A Python branch picks another submodule: the first ops read alike (a transpose of a same-sized weight), so
+    the divergence names the module and line each pass ran it in."""
+    f_ops = [op(0, "aten.native_layer_norm.default", fp=[[1.0, 1.0]]),
+             op(1, "aten.t.default", module="mix.a", fp=[[2.0, 2.0]]),
+             op(2, "aten.relu.default", module="mix", refs=[ref(1)], fp=[[3.0, 3.0]])]
+    r_ops = [op(0, "aten.native_layer_norm.default", fp=[[1.0, 1.0]]),
+             op(1, "aten.t.default", module="mix.b", fp=[[5.0, 5.0]]),
+             op(2, "aten.tanh.default", module="mix", refs=[ref(1)], fp=[[4.0, 4.0]])]
+    r_ops[1].source = "model.py:12 in forward (the other branch)"
+    f, r = _two_passes(f_ops, r_ops, positions(1, 2), positions(1, 2))
+    report = diagnose_region(region(f, r))
+    assert report.status == "diverged" and report.cause.kind == "control_flow"
+    first = report.first_divergence()
+    assert first.op == "aten.t.default", first
+    assert "in mix.a (model.py:11 in forward) where the recompute ran aten.t.default -> f32[4, 4] in mix.b " \
+           "(model.py:12 in forward (the other branch))" in first.summary, first.summary

@@ -258,10 +258,18 @@ def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Diverge
     else:
         summary = {"forward_only": "ran in the forward but not in the recompute",
                    "recompute_only": "ran in the recompute but not in the forward",
-                   "substituted": f"the forward ran {op_label(f)} where the recompute ran {op_label(r)}"}.get(
-            d.pair.how, "the op sequence differs here")
+                   "substituted": _substituted(f, r)}.get(d.pair.how, "the op sequence differs here")
     return Divergence(kind=kind, op=op.op, module=op.module, source=op.source, forward_index=d.pair.forward,
                       recompute_index=d.pair.recompute, summary=summary, detail=detail)
+
+
+def _substituted(f, r) -> str:
+    """"the forward ran X where the recompute ran Y": with where each ran when the ops read alike (the same op of
+    another module: another branch of the Python code)."""
+    a, b = op_label(f), op_label(r)
+    if a == b and f is not None and r is not None and (f.module, f.source) != (r.module, r.source):
+        a, b = f"{a} in {where(f.module, f.source)}", f"{b} in {where(r.module, r.source)}"
+    return f"the forward ran {a} where the recompute ran {b}"
 
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
