@@ -79,10 +79,21 @@ ConfigOption = Annotated[Optional[str], typer.Option("--config", metavar="FILE",
 FormatOption = Annotated[Optional[str], typer.Option(
     "--format", help=f"Report format: {', '.join(REPORT_FORMATS)} (default {REPORT_FORMATS[0]}).",
     autocompletion=complete(REPORT_FORMATS))]
-JsonOption = Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report to this file.")]
+def _writable(path: Optional[str]) -> Optional[str]:
+    """An output file's folder must exist before anything runs (not fail after the whole training run)."""
+    if path and path != "-":
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise typer.BadParameter(f"{path}: the folder {folder} does not exist; create it or pick another path")
+    return path
+
+
+JsonOption = Annotated[Optional[str], typer.Option("--json", help="Also write the JSON report to this file.",
+                                                   callback=_writable)]
 RtolOption = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for value fingerprints (default 0: exact).")]
 AtolOption = Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for value fingerprints (default 0).")]
-OutputOption = Annotated[Optional[str], typer.Option("-o", "--output", help="Write the report (--format) to this file.")]
+OutputOption = Annotated[Optional[str], typer.Option("-o", "--output", help="Write the report (--format) to this file.",
+                                                     callback=_writable)]
 
 # The script and its arguments, taken the same way by every command that runs one (run, fix, audit).
 ScriptTarget = Annotated[str, typer.Argument(metavar="SCRIPT|MODULE", help="The script to run (or module, with -m).")]
@@ -101,7 +112,7 @@ def run(
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Exit 1 if the script succeeded but a region diverged."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
-    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
+    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html).", callback=_writable),
     max_regions: Optional[int] = typer.Option(None, "--max-regions", help="Record ops of the first N regions only."),
     keep_values: Optional[int] = typer.Option(None, "--keep-values", help="Max elements kept per discrete op output (0: none; default 16384)."),
     fingerprints: Optional[bool] = typer.Option(None, "--fingerprints/--no-fingerprints", help="Value fingerprints (--no-fingerprints: metadata only, cheapest)."),
@@ -179,7 +190,7 @@ def fix(
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Run the script and every try with torchrun, N processes."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
-    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file."),
+    report_file: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file.", callback=_writable),
     config: ConfigOption = None,
 ) -> None:
     """Try each remedy on the script (one process per try) and say which one works.
@@ -214,8 +225,8 @@ def audit(
     check: bool = typer.Option(False, "--check", help="Exit 1 if the script succeeded but a CheckpointError is likely (>= 50%) at --scale."),
     fmt: str = typer.Option(AUDIT_FORMATS[0], "--format", help=f"{' or '.join(AUDIT_FORMATS)} (to stdout).",
                             autocompletion=complete(AUDIT_FORMATS)),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the audit JSON to this file."),
-    html_path: Optional[str] = typer.Option(None, "--html", help="Also write an HTML page with a margin plot per site."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the audit JSON to this file.", callback=_writable),
+    html_path: Optional[str] = typer.Option(None, "--html", help="Also write an HTML page with a margin plot per site.", callback=_writable),
     config: ConfigOption = None,
 ) -> None:
     """Run a training script and measure how close each checkpointed discrete decision is to flipping.
@@ -294,7 +305,7 @@ def demo(
     output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", help="Where the demo trace goes (default ac-diff-out/demo)."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
-    output: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html)."),
+    output: Optional[str] = typer.Option(None, "--report", help="Write the report (--format) to this file (html: default OUTPUT_DIR/report.html).", callback=_writable),
     config: ConfigOption = None,
 ) -> None:
     """Run the bundled MoE example end to end and print its report (CPU, seconds).
@@ -318,7 +329,8 @@ def export(
                              autocompletion=complete(EXPORT_TABLES)),
     fmt: Optional[str] = typer.Option(None, "--format", help=f"{', '.join(EXPORT_FORMATS)} (default: from -o's "
                                       "extension, else csv).", autocompletion=complete(EXPORT_FORMATS)),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="File to write (default: stdout; not for parquet)."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="File to write (default: stdout; not for parquet).",
+                                          callback=_writable),
 ) -> None:
     """Write a trace's ops, saved positions or regions as a table (the pandas views of ac_diff.load).
 

@@ -6,6 +6,7 @@ import pytest
 
 import ac_diff
 from ac_diff.cli import app, main
+from conftest import run_cli
 
 
 def _commands() -> list[str]:
@@ -103,3 +104,16 @@ def test_short_labels_keep_host_values():
     assert _short_label("aten._local_scalar_dense.default = 2.7244") == "_local_scalar_dense = 2.7244"
     assert _short_label("aten.topk.default(2, 1) -> f32[256, 2]") == "topk(2, 1) -> f32[256, 2]"
     assert _short_label("aten.view.default -> f32[2]") == "view -> f32[2]"
+
+
+def test_an_output_file_in_a_missing_folder_stops_before_the_script_runs(tmp_path):
+    """--json (and -o, --report, --html) into a folder that does not exist: one line, exit 2, and the training
+    script never started (it used to run to the end and then fail to write)."""
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "nodir" / "r.json"), str(script))
+    assert proc.returncode == 2 and "nodir" in proc.stderr and "does not exist" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "train.py.ran").exists()
+    exported = run_cli("export", str(tmp_path), "-o", str(tmp_path / "nodir" / "x.csv"))
+    assert exported.returncode == 2 and "does not exist" in exported.stderr
