@@ -146,7 +146,7 @@ _POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "m
 
 
 def load(path: str | os.PathLike) -> Trace:
-    """Load a trace file or a directory of per-rank traces. Warns if a trace is truncated."""
+    """Load a trace file or a directory of per-rank traces. Warns if a trace is truncated or has damaged lines."""
     files = trace_files(path)
     if not files or not Path(files[0]).exists():
         raise InputError(f"{path}: no trace found; pass a file or directory written by `ac-diff run`")
@@ -155,6 +155,12 @@ def load(path: str | os.PathLike) -> Trace:
         if run.truncated:
             warnings.warn(f"ac-diff: {run.path} is truncated (no end record): the process stopped before the "
                           "trace was finished; what was recorded up to then is loaded", RuntimeWarning, stacklevel=2)
+        if run.damaged:
+            hit = [r.region for r in run.regions if r.damaged]
+            warnings.warn(f"ac-diff: {run.path}: {run.damaged} damaged line(s) skipped (checksum or JSON): the ops of "
+                          + (f"region(s) {', '.join(map(str, hit[:8]))}{', ...' if len(hit) > 8 else ''} are "
+                             "incomplete" if hit else "a region are missing") + "; re-record to have them all",
+                          RuntimeWarning, stacklevel=2)
     return Trace(runs=runs, header=runs[0].header if runs else {})
 
 

@@ -104,3 +104,17 @@ def test_index_columns_with_gaps_stay_integers(trace, demo, tmp_path):
     assert main(["export", str(demo / "out"), "--what", "positions", "-o", str(out)]) == 0
     cells = [line.split(",")[4] for line in out.read_text().splitlines()[1:]]
     assert all("." not in c for c in cells) and any(c.isdigit() for c in cells)  # 4, not 4.0
+
+
+def test_a_damaged_line_is_said_not_silently_dropped(demo, tmp_path, capsys):
+    """One ops line of the trace edited (its checksum no longer matches): export writes the rows it can trust and
+    says which region's ops are incomplete."""
+    lines = (demo / "out" / "trace-rank0.jsonl").read_text().splitlines(keepends=True)
+    ops = next(i for i, line in enumerate(lines) if '"type":"ops"' in line.replace(" ", ""))
+    lines[ops] = lines[ops].replace('"aten.', '"aten_', 1)
+    damaged = tmp_path / "trace-rank0.jsonl"
+    damaged.write_text("".join(lines))
+    assert main(["export", str(damaged), "-o", str(tmp_path / "ops.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "1 damaged line(s) skipped" in err and "are incomplete" in err, err
+    assert len(read_table(tmp_path / "ops.csv")) < len(ac_diff.load(demo / "out").ops)
