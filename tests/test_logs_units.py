@@ -202,6 +202,11 @@ def test_args_general_reader_and_fast_path_agree():
     ("\x1b[31m[rank4]:\x1b[0m hi", 4, "hi"),
     ("Error: not a prefix", None, "Error: not a prefix"),
     ("[ra", None, "[ra"),
+    # a timestamp a log collector put first (also before torchrun's prefix)
+    ("2025-12-04T08:00:00.123456Z /w/train.py:20:forward", None, "/w/train.py:20:forward"),
+    ("[2025-12-04 08:00:00,123] [rank1]: tensor at position 4:", 1, "tensor at position 4:"),
+    ("2025-12-04 08:00:00+01:00 saved metadata: {}", None, "saved metadata: {}"),
+    ("2025-12-04 is not a timestamp", None, "2025-12-04 is not a timestamp"),
 ])
 def test_strip_prefix(text, rank, body):
     assert strip_prefix(text) == (rank, body)
@@ -322,6 +327,8 @@ def test_frame_source():
     assert frame_source("/dev/PythonFallbackKernel.cpp:149:void c10::make<&(x)::fb4/model/model.py:339:forward") is None
     assert frame_source("/x/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py:300:forward") \
         == "models/llama/modeling_llama.py:300 in forward"
+    assert frame_source("/home/me/My Project/train.py:20:forward") == "me/My Project/train.py:20 in forward"
+    assert frame_source("C:\\Users\\John Smith\\train.py:7:main") == "Users/John Smith/train.py:7 in main"
 
 
 def test_footer_table_of_contents_is_not_a_section():

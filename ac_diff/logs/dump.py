@@ -51,8 +51,9 @@ RULE = "+-----"
 S_START, S_TRACES_FWD, S_TRACES_RECOMPUTE, S_LOG, S_LIST_FWD, S_LIST_RECOMPUTE, S_FOOTER = range(7)
 _LABEL_PHASE = {"original": FORWARD, "forward": FORWARD, "recompute": RECOMPUTE, "recomputation": RECOMPUTE}
 
-# path:line:name, where the path is one token (a C++ frame spliced before it does not match)
-_PY_FRAME = re.compile(r"((?:[A-Za-z]:)?[^\s:]+\.py):(\d+):([\w<>.-]+)\Z")
+# path:line:name, where the path holds no colon but a drive's (a C++ frame spliced before it does not match); it
+# may hold spaces ("/home/me/My Project/train.py", "C:\\Users\\John Smith\\train.py")
+_PY_FRAME = re.compile(r"((?:[A-Za-z]:)?[^:]+?\.py):(\d+):([\w<>.-]+)\Z")
 _STDLIB = re.compile(r"/lib/python\d[\d.]*/(?!site-packages/|dist-packages/)")
 # nn.Module's call machinery is in every stack, so concurrent writers most often splice its frames
 # onto some other path ("/dev-sandbox/ratnam" + "/modules/module.py:1809:inner"): never a source.

@@ -99,8 +99,10 @@ def _call_progress(progress: Callable[[int, int | None], None], done: int, total
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # The run of launcher prefixes at the start of a line: `[rank1]:`, `[default1]:` (torchrun --tee),
-# a bare `rank11: `, pytest's `E   `, in any order and number, with indentation around them.
-_PREFIX_RUN = re.compile(r"(?:[ \t]*(?:\[(?:rank|default)\d+\]:|rank\d+:(?=[ \t]|\Z)|E(?=[ \t]{2,}|[ \t]*\Z)))+")
+# a bare `rank11: `, pytest's `E   `, a timestamp a log collector put first (`2025-12-04T08:00:00.123Z`,
+# `[2025-12-04 08:00:00,123]`), in any order and number, with indentation around them.
+_PREFIX_RUN = re.compile(r"(?:[ \t]*(?:\[(?:rank|default)\d+\]:|rank\d+:(?=[ \t]|\Z)|E(?=[ \t]{2,}|[ \t]*\Z)"
+                         r"|\[?\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?:?(?=[ \t])))+")
 _PREFIX_NUM = re.compile(r"(rank|default)(\d+)")
 
 
