@@ -19,6 +19,7 @@ from .diagnosis import Settings, diagnose
 from .errors import InputError
 from .passes import PHASES, Run, op_count
 from .report import Report
+from .streams import readable_file
 from .trace import TraceFormatError, is_trace, read_run, trace_files
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = Fa
     """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run)."""
     runs: list[Run] = []
     for path in paths:
-        p = Path(path)
+        p = readable_file(path)
         if not p.exists():
             raise InputError(f"{p}: no such file or directory; pass a trace written by `ac-diff run` "
                              "(default ac-diff-out/) or a log torch printed")

@@ -6,6 +6,9 @@
         except STREAM_DAMAGE:                         # cut short (EOFError), flipped bits (zlib.error,
             ...                                       # BadGzipFile): damage, not a failure of the file
 
+`readable_file(path)` gives a path that can be opened more than once: standard input ("-"), a pipe or a
+FIFO is copied into a temporary file first.
+
 An OSError of the file itself (EACCES, EIO) is not in STREAM_DAMAGE: it propagates to the CLI,
 which names the file and the fix with `describe_os_error(exc)`:
     "out/trace-rank0.jsonl: No space left on device; the disk is full: free space or pass a path on another disk (-o)"
@@ -13,11 +16,17 @@ which names the file and the fix with `describe_os_error(exc)`:
 
 from __future__ import annotations
 
+import atexit
 import errno
 import gzip
 import io
 import os
+import shutil
+import stat
+import sys
+import tempfile
 import zlib
+from pathlib import Path
 
 STREAM_DAMAGE = (EOFError, zlib.error, gzip.BadGzipFile)
 
@@ -29,6 +38,27 @@ def open_binary(path: str | os.PathLike) -> io.BufferedIOBase:
         return raw
     raw.close()
     return gzip.open(path, "rb")  # owns its file: closing it closes the file
+
+
+def readable_file(path: str | os.PathLike) -> Path:
+    """A path to read as many times as needed: "-" (standard input), a pipe, a FIFO or a device (`<(cmd)`,
+    /dev/stdin) is copied once into a temporary file (removed at exit), since what is read from it is gone, and a
+    second open of a FIFO would wait for another writer; any other path as it is."""
+    p = Path(path)
+    if str(path) != "-":
+        try:
+            mode = p.stat().st_mode
+        except OSError:
+            return p
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return p
+    folder = tempfile.mkdtemp(prefix="ac-diff-input-")
+    atexit.register(shutil.rmtree, folder, True)
+    copy = Path(folder) / ("stdin" if str(path) == "-" else p.name or "input")
+    with (open(sys.stdin.fileno(), "rb", closefd=False) if str(path) == "-" else open(p, "rb")) as src, \
+            open(copy, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    return copy
 
 
 def stream_damage(path: str | os.PathLike) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import ac_diff
@@ -117,3 +119,29 @@ def test_an_output_file_in_a_missing_folder_stops_before_the_script_runs(tmp_pat
     assert not (tmp_path / "train.py.ran").exists()
     exported = run_cli("export", str(tmp_path), "-o", str(tmp_path / "nodir" / "x.csv"))
     assert exported.returncode == 2 and "does not exist" in exported.stderr
+
+
+def test_a_log_from_standard_input_a_pipe_or_a_fifo_reads_like_the_file(tmp_path, demo):
+    """`ac-diff compare -`, `report -`, `<(cmd)`, a named pipe: what is read from them is gone, so they are copied
+    once, then read as the file would be (the FIFO used to hang: it was opened again, waiting for a writer)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    trace = demo / "out" / "trace-rank0.jsonl"
+    env = {**os.environ, "COLUMNS": "120"}
+    plain = subprocess.run([sys.executable, "-m", "ac_diff", "report", str(trace), "--format", "json"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    piped = subprocess.run([sys.executable, "-m", "ac_diff", "report", "-", "--format", "json"], input=trace.read_text(),
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert piped.returncode == plain.returncode == 1, piped.stderr
+    assert json.loads(piped.stdout)["headline"] == json.loads(plain.stdout)["headline"]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(trace.read_bytes()))
+    writer.start()
+    via_fifo = subprocess.run([sys.executable, "-m", "ac_diff", "report", str(fifo), "--format", "json"],
+                              capture_output=True, text=True, env=env, timeout=120)
+    writer.join(5)
+    assert via_fifo.returncode == 1 and json.loads(via_fifo.stdout)["headline"] == json.loads(plain.stdout)["headline"]

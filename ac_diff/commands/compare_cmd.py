@@ -10,7 +10,7 @@ import sys
 
 from ..api import read_runs
 from ..diagnosis import Settings, diagnose
-from ..fix.statuses import mark_from_traces
+from ..fix.statuses import mark_from_runs
 from .common import emit
 
 
@@ -23,7 +23,7 @@ def compare_command(paths: list[str], fmt: str, json_path: str | None, output: s
         report = compare_runs(runs[0], runs[1], settings)
     else:
         report = diagnose(runs, settings)
-    mark_from_traces(report, paths)  # every suggestion: untested, and the command that would verify it
+    mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
     return emit(report, fmt, json_path, output)
 
 

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
-from ..api import diagnose_paths
-from ..fix.statuses import mark_from_traces
+from ..api import read_runs
+from ..diagnosis import diagnose
+from ..fix.statuses import mark_from_runs
 from .common import emit
 
 
 def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
-    report = diagnose_paths(paths, settings)
-    mark_from_traces(report, paths)  # every suggestion: untested, and the command that would verify it
+    runs = read_runs(paths, lazy=True)
+    report = diagnose(runs, settings)
+    mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
     return emit(report, fmt, json_path, output)

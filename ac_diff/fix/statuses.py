@@ -2,7 +2,7 @@
 
     mark(report, "train.py", ["--steps", "2"], module=False)            # untested, verify: ac-diff fix train.py ...
     mark(report, ..., tries=[(candidate, try_)])                        # verified / did not help, by the fix runs
-    mark_from_traces(report, ["out"])   # `ac-diff report`: the script named in the traces' header
+    mark_from_runs(report, runs)   # `ac-diff report`: the script named in the traces' header
 
 A suggestion is matched to a remedy of `ac-diff fix` by what it asks for: preserve_rng_state, use_reentrant,
 deterministic algorithms, saving an op, the state a restore puts back, leaving the region out of AC.
@@ -63,19 +63,14 @@ def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tu
                     break
 
 
-def mark_from_traces(report: Any, paths: list[str]) -> None:
+def mark_from_runs(report: Any, runs: list[Any]) -> None:
     """Statuses and verify commands for a report re-read from traces (`ac-diff report`, `compare`): the script
     their header names (a log names none: `ac-diff fix SCRIPT`)."""
-    from ..trace import iter_records
-
-    files = [f for p in map(Path, paths) for f in (sorted(p.glob("trace-rank*.jsonl*")) if p.is_dir() else [p])]
-    for f in files:
-        try:
-            header = next(iter_records(f))
-        except Exception:  # a log, or not a trace
-            continue
+    for run in runs:
+        header = run.header if run.source == "trace" else {}
         if header.get("target"):
+            folder = Path(run.path or ".").parent
             mark(report, header["target"], list(header.get("target_args") or []), bool(header.get("module")),
-                 nproc=len({g.name for g in files if g.parent == f.parent}))
+                 nproc=len({r.path for r in runs if r.source == "trace" and Path(r.path or ".").parent == folder}))
             return
     mark(report, "SCRIPT", [], False)
