@@ -90,6 +90,52 @@ def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
     assert "optimizer" not in fixes and "step hook" not in fixes
 
 
+class LayerDrop(nn.Module):
+    """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.source = source
+
+    def forward(self, x):
+        draw = random.random() if self.source == "random" else float(np.random.rand())
+        if draw < 0.5:  # the branch: no tensor carries the host value
+            return x * 1.0
+        return x + torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("source", ["random", "numpy"])
+def test_a_host_draw_that_picks_the_branch_is_rng_not_a_python_counter(tmp_path, source):
+    """The host value never becomes a tensor: it only picks the branch. The region's host generator moved during
+    its forward, so the other branch in the recompute is host randomness, not control flow of unknown cause."""
+    torch.manual_seed(0)
+    seed = next(k for k in range(100) if _layerdrop_flips(source, k))
+    (random.seed if source == "random" else np.random.seed)(seed)
+    model, x, path = LayerDrop(source), torch.randn(4, 8, requires_grad=True), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = cp.checkpoint(model, x, use_reentrant=False)
+        with pytest.raises(cp.CheckpointError):  # the skipped block saves fewer tensors in the recompute
+            y.pow(2).sum().backward()
+    region = ac_diff.diagnose_paths([path]).regions[0]
+    assert region.status == "diverged"
+    cause = region.cause
+    assert (cause.kind, cause.mechanism) == ("rng", "host_rng"), cause
+    assert {"random": "`random`", "numpy": "`numpy.random`"}[source] in cause.detail
+    assert "outside the checkpointed region" in region.suggestions[0].title
+
+
+def _layerdrop_flips(source: str, seed: int) -> bool:
+    """Whether after seeding the forward's draw runs the block and the recompute's skips it."""
+    if source == "random":
+        rng = random.Random(seed)
+        a, b = rng.random(), rng.random()
+    else:
+        rng = np.random.RandomState(seed)
+        a, b = rng.rand(), rng.rand()
+    return a >= 0.5 > b
+
+
 # --- 4. private torch.Generator ----------------------------------------------------------------------------------
 
 class PrivateDropout(nn.Module):

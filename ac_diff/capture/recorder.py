@@ -41,7 +41,7 @@ from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import DIFFERENT, SIDE_EFFECTS, compare_signatures, pass_summary, signature
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
-from .state import global_state, rng_digest, training_mode
+from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
 from .rows import _MODULE, _OP, _OUT
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
@@ -161,6 +161,7 @@ class _Pass:
     # attributes a call of their module changed (its forward pre-hooks or forward): name -> [before, after, hooks]
     attribute_updates: dict[str, list] = field(default_factory=dict)
     attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
+    host_rng: tuple = ()  # state.host_rng_states() when the pass began
 
 
 class Recorder:
@@ -329,7 +330,8 @@ class Recorder:
             region.recomputes += 1
         pushed, module = self._enter_function_module(frame, region, phase)
         module_stack = self.modules.stack()
-        p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack)
+        p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
+                  host_rng=host_rng_states() if region.recorded else ())
         if module is not None:
             p.state["training"] = training_mode(module)
         p.pushed = pushed
@@ -778,6 +780,9 @@ class Recorder:
             "n_ops": p.n_ops if region.recorded or p.n_ops else None, "complete": complete, "stopped_early": stopped_early, "state": p.state,
             "externals": p.externals, "positions": p.positions,
         }
+        drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
+        if drew:
+            p.state["host_draws"] = drew  # Python's or numpy's generator moved during the pass
         if p.attributes:
             record["attributes"] = p.attributes
         if p.attribute_updates:

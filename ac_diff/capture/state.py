@@ -4,12 +4,15 @@
                            "matmul_precision": "highest", "sdp_backends": ["flash", "math"], ...}
     training_mode(module) -> "train" | "eval" | "train except a.drop, b.bn"
     rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
+    host_draws(host_rng_states() at a pass's start, at its end) -> ["random"]   (the host generators it drew from)
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import random
+import sys
 from typing import Any
 
 import torch
@@ -62,6 +65,27 @@ def training_mode(module: torch.nn.Module) -> str:
             text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
         return text
     return "?"
+
+
+def host_rng_states() -> tuple:
+    """Where the host's own generators stand (Python's `random`, numpy's global one once imported): compared at a
+    pass's end with its start, they say whether the region drew host random numbers, which preserve_rng_state does
+    not restore (a LayerDrop's `random.random() < p`)."""
+    states: list = []
+    with contextlib.suppress(Exception):
+        states.append(("random", hash(random.getstate())))
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        with contextlib.suppress(Exception):
+            states.append(("numpy.random", hashlib.blake2b(numpy_random.get_state()[1].tobytes(),
+                                                           digest_size=8).hexdigest()))
+    return tuple(states)
+
+
+def host_draws(before: tuple, after: tuple) -> list[str]:
+    """The host generators that moved between two `host_rng_states()`: ["random"], ["numpy.random"], ..."""
+    start = dict(before)
+    return [name for name, state in after if name in start and start[name] != state]
 
 
 def rng_digest() -> str:

@@ -99,6 +99,11 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     if random_op is not None:
         return _rng_cause(random_op, region, rng)
 
+    drew = region.forward.state.get("host_draws") if region.forward is not None else None
+    steered = control or report.first_argument_divergence or shape
+    if drew and steered is not None:  # the host's random numbers steered Python: a branch, a value passed on
+        return _host_draw_cause(drew, steered)
+
     if flags:
         return _global_state_cause(flags, sorted(flags)[0])
 
@@ -162,6 +167,16 @@ def _host_rng_cause(entry: OpRecord, evidence: list[str]) -> Cause:
                  "random) is not covered by preserve_rng_state, which restores torch's generators only",
                  [f"{entry.op} at {at} takes the host-made tensor, in both passes", *evidence],
                  mechanism="host_rng", source=entry.source)
+
+
+def _host_draw_cause(drew: list[str], first: Any) -> Cause:
+    names = " and ".join(f"`{n}`" for n in drew)
+    return Cause("rng", f"host random numbers ({', '.join(drew)})",
+                 f"the region draws from {names} (its generator moved during the forward), which preserve_rng_state "
+                 "does not restore: the recompute drew other numbers, and Python ran another sequence of ops or "
+                 f"passed other values from {where(first.module, first.source)}",
+                 [f"{', '.join(drew)}: the generator's state changed between the start and the end of the forward",
+                  first.summary], mechanism="host_rng", source=first.source)
 
 
 def _generator_arg(op: OpRecord) -> str | None:

@@ -274,7 +274,8 @@ def _substituted(f, r) -> str:
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
     """Global state that differs between the passes' first ops (RNG handled by the cause)."""
-    ignore = {"n_ops", "error", "rng", "cut", "lost_lines"}  # bookkeeping of the reader, not state
+    # bookkeeping of the reader, and what a pass drew (host_draws: the cause reads it), not state
+    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws"}
     if region.kind == "reentrant":
         ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
     keys = (set(fwd.state) | set(rec.state)) - ignore
