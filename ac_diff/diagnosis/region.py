@@ -13,8 +13,8 @@ from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, AlignedRow, Divergence, PositionRow, RegionReport,
-                      shared)
+from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, UNCHECKED, AlignedRow, Divergence, PositionRow,
+                      RegionReport, shared)
 from .cause import explain
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -54,7 +54,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         if fwd is None:
             _unchecked(report, "forward not recorded", "the original forward was not recorded")
         elif inside:
-            _unchecked(report, "nested checkpoint inside a recompute",
+            _unchecked(report, NESTED_RERUN,
                        f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
                        "recompute it again, so there is nothing to compare")
         elif run_stopped:
