@@ -24,3 +24,14 @@ class AcDiffError(Exception):
 
 class InputError(AcDiffError):
     """Bad input named by the user (missing file, not a trace or log): the message says what to do."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM while the script ran (a scheduler's or torchrun's stop): the script ends as with Ctrl-C, the trace is
+    finished and the run is reported as interrupted; the exit code is a shell's for SIGTERM (143)."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + 15)
+
+    def __str__(self) -> str:
+        return "the process received SIGTERM"

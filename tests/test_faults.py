@@ -64,6 +64,10 @@ def test_sigterm_finishes_a_single_process_trace(tmp_path):
     assert "trace written" in stderr and "Traceback" not in stderr
     end = json.loads((out / "trace-rank0.jsonl").read_text().splitlines()[-1])
     assert end["type"] == "end" and end["exit_code"] == 143
+    assert end["status"] == "interrupted"  # like Ctrl-C (the region was checked before: the report is clean)
+    exc = next(json.loads(line) for line in (out / "trace-rank0.jsonl").read_text().splitlines()
+               if '"exception"' in line)
+    assert exc["exc_type"] == "Terminated" and "SIGTERM" in exc["message"]
 
 
 def test_sigterm_while_the_trace_is_finished_lets_it_complete(monkeypatch):

@@ -37,6 +37,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack, scalar_attributes
 from .fingerprint import FingerprintBatch
+from ..errors import Terminated
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import DIFFERENT, SIDE_EFFECTS, compare_signatures, pass_summary, signature
@@ -244,8 +245,8 @@ class Recorder:
             self._release(region)
         status = "ok"
         if exc is not None:
-            status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else "exit" if isinstance(exc, SystemExit)
-                      else "exception")
+            status = ("interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated))
+                      else "exit" if isinstance(exc, SystemExit) else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc)})
         if exit_code not in (None, 0) and status == "ok":

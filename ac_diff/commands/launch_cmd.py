@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .common import EXIT_BAD_INPUT, emit, fail, verdict_code
+from ..errors import Terminated
 
 RUN_ID_ENV = "AC_DIFF_RUN_ID"
 LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by `ac-diff run --nproc-per-node`: the launcher reports, ranks don't
@@ -402,7 +403,7 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
         _terminated.set()
         if not finishing.is_set():  # else ac-diff is already finishing the trace (the script has ended)
-            raise SystemExit(EXIT_TERMINATED)
+            raise Terminated()
 
     with _sigterm_handler(handler):
         yield
