@@ -163,3 +163,27 @@ def test_export_of_a_truncated_trace_warns_in_one_line(tmp_path, trace_lines):
     assert proc.returncode == 0
     assert "RuntimeWarning" not in proc.stderr and ".py:" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if "truncated" in line][0].startswith("ac-diff: warning:")
+
+
+def test_a_script_ending_with_os_exit_is_still_reported_and_checked(tmp_path):
+    """os._exit(code) at the end of a script (common where a process group could hang at exit): the trace is
+    finished and reported, --check still fails a silent divergence, the process then ends with os._exit's code
+    without running atexit handlers, as the script asked."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, os, torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "x, b = torch.randn(4, 4, requires_grad=True), torch.zeros(4)\n"
+        "y = checkpoint(lambda t: torch.sin(t) * (b + 1), x, use_reentrant=False)\n"
+        "b += 1.0  # changed between the forward and the backward: a silent divergence\n"
+        "y.sum().backward()\n"
+        "os._exit(int(os.environ.get('CODE', '0')))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    checked = subprocess.run([sys.executable, "-m", "ac_diff", "run", "--check", "-o", str(tmp_path / "a"),
+                              str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert checked.returncode == 1, checked.stderr  # --check: the script succeeded, a region diverged
+    assert "SILENTLY DIVERGED" in checked.stdout and "atexit ran" not in checked.stdout
+    code = subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "b"), str(script)],
+                          capture_output=True, text=True, env={**env, "CODE": "7"}, timeout=120)
+    assert code.returncode == 7 and "SILENTLY DIVERGED" in code.stdout and "atexit ran" not in code.stdout

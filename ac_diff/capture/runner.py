@@ -37,6 +37,34 @@ class TargetNotFound(AcDiffError):
 class Outcome:
     exit_code: int
     exception: BaseException | None
+    hard_exit: bool = False  # the script called os._exit: the caller ends the process the same way (`end`)
+
+    def end(self, code: int) -> int:
+        """After ac-diff reported: a script that ended with os._exit ends so again (no atexit handlers, which such
+        a script skips on purpose: a hanging process group); else the code to return."""
+        if self.hard_exit:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _real_os_exit(code)
+        return code
+
+
+class _HardExit(BaseException):
+    """os._exit(code) called by the script's main thread: unwinds to run_target so the trace is finished and
+    reported before the process ends (os._exit itself would end it on the spot, losing the report)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+_real_os_exit = os._exit
+
+
+def _os_exit(code: int) -> None:
+    if threading.current_thread() is threading.main_thread():
+        raise _HardExit(code)
+    _real_os_exit(code)  # another thread (a watchdog): the main thread cannot be unwound from here
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -80,7 +108,8 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
         sys.argv = [target, *args]
     recorder.start()
     exception: BaseException | None = None
-    exit_code = 0
+    exit_code, hard_exit = 0, False
+    os._exit = _os_exit
     try:
         if module:
             spec = find_spec(target)
@@ -93,6 +122,10 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
         finishing.set()
         exit_code = _exit_code(exc)
         recorder.stop(None if exit_code == 0 else exc, exit_code)
+    except _HardExit as exc:
+        finishing.set()
+        exit_code, hard_exit = exc.code, True
+        recorder.stop(None if exit_code == 0 else SystemExit(exit_code), exit_code)
     except KeyboardInterrupt as exc:
         finishing.set()
         exception, exit_code = exc, 130
@@ -107,12 +140,13 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
         finishing.set()
         recorder.stop(None, 0)
     finally:
+        os._exit = _real_os_exit
         finishing.clear()
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
         sys.stdout.flush()
-    return Outcome(exit_code, exception)
+    return Outcome(exit_code, exception, hard_exit)
 
 
 def _print_script_traceback(exc: BaseException) -> None:

@@ -54,10 +54,11 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     if recorder.write_failure:  # the script's exit code still wins; the report covers what was written
         print(f"ac-diff: error: {recorder.write_failure}", file=sys.stderr)
     if multi:
-        return launch.finish_rank(outcome.exit_code, trace_path, output_dir, check=check, fmt=fmt,
-                                  json_path=json_path, output=output, settings=settings, decorate=extras.decorate)
+        return outcome.end(launch.finish_rank(outcome.exit_code, trace_path, output_dir, check=check, fmt=fmt,
+                                              json_path=json_path, output=output, settings=settings,
+                                              decorate=extras.decorate))
     if rank != 0:
-        return outcome.exit_code
+        return outcome.end(outcome.exit_code)
     if not recorder.write_failure:
         print(f"ac-diff: trace written to {trace_path}", file=sys.stderr)
     report = diagnose([read_run(trace_path, lazy=True)], settings)
@@ -67,5 +68,5 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else ""),
           file=sys.stderr)
     if check and outcome.exit_code == 0 and report.verdict != "clean":
-        return verdict_code(report)
-    return outcome.exit_code
+        return outcome.end(verdict_code(report))
+    return outcome.end(outcome.exit_code)
