@@ -142,6 +142,23 @@ def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
     return hit
 
 
+_random: dict[str, bool] = {}
+
+
+def is_random_name(name: str) -> bool:
+    """Whether the op named "aten.rand.default" draws from a generator (its schema's nondeterministic_seeded tag):
+    what a log's op list says of randomness, where no recorder flagged it."""
+    hit = _random.get(name)
+    if hit is None:
+        hit = False
+        with contextlib.suppress(Exception):
+            import torch
+
+            hit = torch.Tag.nondeterministic_seeded in (getattr(op_by_name(name), "tags", ()) or ())
+        _random[name] = hit
+    return hit
+
+
 def op_by_name(name: str):
     """The OpOverload named "aten.topk.default", or None (a library not loaded here, not an op name)."""
     import torch  # only for the schema of an op known by name (in-place writes, views)

@@ -248,3 +248,39 @@ def test_head_and_tail_of_one_log_are_one_region_and_damaged_lines_are_no_findin
     assert region.first_discrete_divergence.op == "aten.topk.default"
     assert region.first_shape_divergence.op == "aten.split_with_sizes.default"
     assert any("hold parts of the same debug=True dump" in n for n in report.notes)
+
+
+def test_a_log_names_the_random_op_a_changed_shape_depends_on(tmp_path):
+    """debug=True dump of a dropout-like mask drawn without preserve_rng_state: no values in a log, but the op lists
+    link the changed shape back to aten.rand: rng, with preserve_rng_state as the fix."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def fn(x):
+        keep = torch.rand(x.shape[0]) > 0.3  # drawn again, differently, by the recompute
+        return torch.relu(x[keep] @ w)
+
+    x = torch.randn(64, 16, requires_grad=True)
+    with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+        cp.checkpoint(fn, x, use_reentrant=False, debug=True, preserve_rng_state=False).sum().backward()
+    path = tmp_path / "rng.log"
+    path.write_text("".join(traceback.format_exception(caught.value)))
+    (region,) = ac_diff.diagnose_paths([path]).regions
+    assert (region.cause.kind, region.cause.tensor) == ("rng", "aten.rand.default"), region.cause
+    assert "test_compare_logs.py" in region.cause.source
+    assert any("preserve_rng_state=True" in s.title for s in region.suggestions)
+
+
+@pytest.mark.parametrize("log", sorted((REPO / "tests" / "data" / "logs").glob("torch-*/moe_bias_update_debug.log.gz")),
+                         ids=lambda p: p.parent.name)
+def test_a_log_names_the_in_place_update_the_routing_depends_on(log):
+    """The example's router bias is updated in place inside the region (update_expert_bias, in a forward hook): the
+    dump's op lists show the add_ on a tensor from outside that the routing reads, not the tokens-per-expert
+    counter's add_, which nothing reads."""
+    (region,) = ac_diff.diagnose_paths([log]).regions
+    cause = region.cause
+    assert cause.kind == "state_mutation" and "update_expert_bias" in cause.source, cause
+    assert "aten.add_.Tensor" in cause.detail

@@ -18,12 +18,12 @@ a Python argument changed (state_mutation/python_value), an op gave other output
 
 from __future__ import annotations
 
-from ..oprules import packet
+from ..oprules import is_in_place_method, is_random_name, packet
 from ..passes import OpRecord, Region
 from ..report import Cause, RegionReport
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
-from .dataflow import data_path, decision_path
+from .dataflow import data_path, decision_path, upstream
 from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
@@ -137,6 +137,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      [f"{value.op} at {where(value.module, value.source)}"])
 
     if not report.has_values and shape is not None:
+        from_log = _log_cause(region, shape)
+        if from_log is not None:
+            return from_log
         decision = report.first_discrete_divergence
         detail = ("a log shows where the shapes diverged, not why: the values that led there are not in it"
                   + (f"; the sizes come from the data-dependent decision {decision.op}" if decision else ""))
@@ -167,6 +170,38 @@ def _host_rng_cause(entry: OpRecord, evidence: list[str]) -> Cause:
                  "random) is not covered by preserve_rng_state, which restores torch's generators only",
                  [f"{entry.op} at {at} takes the host-made tensor, in both passes", *evidence],
                  mechanism="host_rng", source=entry.source)
+
+
+def _log_cause(region: Region, shape: Any) -> Cause | None:
+    """From a log's op lists (shapes, no values): what the forward's first shape divergence depends on that explains
+    it. A tensor from outside the region that the region itself updates in place (a router bias a forward hook
+    moves): the recompute reads it updated. Else a random op: the recompute drew other numbers."""
+    ops = region.forward.ops if region.forward is not None else []
+    target = next((o for o in ops if o.index == shape.forward_index), None)
+    if target is None:
+        return None
+    feeding, _ = upstream(ops, target)
+    # tensors from outside whose values the target depends on: read by an op of its chain, not only updated there
+    # (a tokens-per-expert counter's add_ feeds nothing)
+    read = {r.name for op in [target, *feeding] for k, r in enumerate(op.input_refs)
+            if r.kind != "op" and r.name and not (k == 0 and is_in_place_method(op.op))}
+    for op in ops:
+        ref = op.input_refs[0] if op.input_refs else None
+        if is_in_place_method(op.op) and ref is not None and ref.kind != "op" and ref.name in read:
+            at = where(op.module, op.source)
+            return Cause("state_mutation", ref.name,
+                         f"the region updates the tensor {ref.name} (made outside it) in place, by {op.op} at {at}, and "
+                         f"{shape.op} depends on it: the recompute reads it after the forward's update (and updates it "
+                         "again)", [f"{op.op} at {at} writes {ref.name}", shape.summary], mechanism="tensor",
+                         source=op.source)
+    drawn = next((op for op in reversed(feeding) if is_random_name(op.op)), None)
+    if drawn is not None:
+        at = where(drawn.module, drawn.source)
+        return Cause("rng", drawn.op,
+                     f"{shape.op} depends on the random op {drawn.op} at {at}: the recompute drew other numbers (a "
+                     "checkpoint with preserve_rng_state=False, or a generator it does not restore)",
+                     [f"{drawn.op} at {at} feeds {shape.op}", shape.summary], source=drawn.source)
+    return None
 
 
 def _host_draw_cause(drew: list[str], first: Any) -> Cause:
