@@ -122,8 +122,8 @@ def _ranks_table(report: Report) -> Table:
         table.add_column(col, no_wrap=col != "first diverged")
     for r in report.ranks:
         style = {"diverged": "red", "clean": "green"}.get(r.verdict, "dim")
-        table.add_row(_t(r.rank), _t(r.verdict, style), _t(f"{r.diverged} of {r.regions}"), _t(r.cause),
-                      _t(r.first_diverged), _t(r.ending, "dim"))
+        count = f"{r.diverged} of {r.regions}" if r.regions else "no regions"  # (a log without op lists: its error)
+        table.add_row(_t(r.rank), _t(r.verdict, style), _t(count), _t(r.cause), _t(r.first_diverged), _t(r.ending, "dim"))
     return table
 
 
