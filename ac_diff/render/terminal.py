@@ -128,14 +128,17 @@ def _ranks_table(report: Report) -> Table:
 
 
 def _regions_table(report: Report, limit: int = 40) -> Table:
-    table = Table(title="regions", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table = Table(title="regions", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     ops = "ops A/B" if report.regions and all(r.kind == "two_runs" for r in report.regions) else "ops fwd/rec"
-    for col, kw in (("rank", {}), ("region", {"justify": "right"}), ("module", {}), (ops, {}),
+    rows = report.regions
+    shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
+    # the module is what the user looks for: it keeps up to 28 columns, the first divergence folds instead
+    module_width = min(28, max((len(r.module or "?") for r in shown), default=6))
+    for col, kw in (("rank", {}), ("region", {"justify": "right"}),
+                    ("module", {"min_width": module_width, "overflow": "fold"}), (ops, {}),
                     ("status", {"no_wrap": True}), ("cause", {"no_wrap": True}),
                     ("first divergence", {"overflow": "fold", "ratio": 1})):
         table.add_column(col, **kw)
-    rows = report.regions
-    shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
     for r in shown:
         status = Text(r.status_label,
                       style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
