@@ -215,6 +215,21 @@ def test_gzip_and_utf16_logs_read_like_the_plain_one(tmp_path):
         assert got is not None and (got.kind, got.positions) == (expected.kind, expected.positions), name
 
 
+def test_a_gzip_log_failing_its_checksum_says_it_was_read_but_is_corrupted(tmp_path):
+    """The stored CRC does not match (bits flipped somewhere): gzip reads everything and only then says so; the
+    note must not claim the rest was missing."""
+    import gzip
+
+    after = b"".join(b"step %d loss 1.0\n" % i for i in range(120_000))  # the training went on (> 1 MiB)
+    data = bytearray(gzip.compress((SAMPLE_LOGS / "moe_bias_update_error.log").read_bytes() + after))
+    data[-8] ^= 0xFF  # the trailer's CRC32
+    (tmp_path / "log.gz").write_bytes(bytes(data))
+    report = ac_diff.diagnose_paths([tmp_path / "log.gz"])
+    assert report.torch_error is not None
+    note = next(n for n in report.notes if "CRC" in n)
+    assert "fails its checksum" in note and "read to its end" in note and "read only the first" not in note
+
+
 @pytest.mark.parametrize("name", ["readme_glm4v.log", "huggingface_trl_5217.log", "Joluck_RWKV-PEFT_58.log"])
 def test_a_log_without_op_lists_says_what_torch_printed(name):
     """Saved -> recomputed metadata per position, and what shape [0] means (a parameter not gathered)."""

@@ -315,7 +315,11 @@ class LogParser:
         if rs.undecodable_lines:
             notes.append(f"replaced bytes that are not UTF-8 on {rs.undecodable_lines} "
                          f"line{'s' * (rs.undecodable_lines != 1)}")
-        if rs.stream_damaged:
+        if rs.stream_damaged and "CRC check failed" in rs.stream_damaged:  # checked once the data was all read
+            notes.append(f"the compressed file fails its checksum ({rs.stream_damaged}): it was read to its end "
+                         f"({rs.bytes_read} bytes), but some of it is corrupted; what this report shows may be wrong "
+                         "where it was (copy the file again from where it was written)")
+        elif rs.stream_damaged:
             notes.append(f"read only the first {rs.bytes_read} bytes: the rest could not be read "
                          f"({rs.stream_damaged}); what follows them is missing from this report")
         if stopped:
