@@ -452,6 +452,10 @@ def _parse_header(line: bytes, path: Any) -> dict[str, Any]:
         header = decode_line(line)
     except (ValueError, RecursionError):
         header = None
+    if header is None and FORMAT.encode() in line:  # it names the format but does not parse: damaged, not foreign
+        raise TraceFormatError(
+            f"{path}: the trace's header (its first line) is damaged and cannot be read; re-record the trace "
+            "(`ac-diff run`), or copy it again from where it was written")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceFormatError(
             f"{path} is not an ac-diff trace (its first line is not an ac-diff-trace header); "

@@ -115,6 +115,9 @@ def _bad_inputs(tmp_path: Path, lines: list[bytes]) -> dict[str, tuple[Path, lis
             gzip.compress((REAL_LOGS / "readme_glm4v.log").read_bytes()))), ["compressed file is damaged"]),
         "rank.jsonl": (json.dumps({**header, "rank": "abc"}).encode() + b"\n" + b"\n".join(lines[1:]),
                        ["header is damaged", "'rank'"]),
+        # the header line edited into text that no longer parses: damaged, not "not an ac-diff trace"
+        "cut_header.jsonl": (lines[0][:120] + b"}{garbage\n" + b"\n".join(lines[1:]),
+                             ["header (its first line) is damaged"]),
     }
     out = {}
     for name, (content, words) in cases.items():
