@@ -252,9 +252,10 @@ def _headline(regions, errors, runs, groups) -> str:
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "") if repeated else "")
         return f"clean: all {checked} recomputed region(s) reproduced their saved tensors exactly{extra}"
-    # lead with the region torch complained about, else the first in forward order
+    # lead with the region torch complained about, else the first in forward order; the lowest rank first, as the
+    # report's details and cross-rank lines (a log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
-    lead = errored[0] if errored else diverged[0]
+    lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
     where = f"{lead.module} (rank {lead.rank}, region {lead.region})" if lead.module else \
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
