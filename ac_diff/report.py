@@ -227,6 +227,7 @@ class RegionReport:
         return data
 
 
+UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor> is updated in place by <op> in ..."
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
 
 
@@ -404,6 +405,10 @@ class Report:
         """The group of several diverged regions this one belongs to, if any."""
         return next((g for g in self.groups if len(g.regions) > 1 and (
             any(m is region for m in g.members) if g.members else (region.rank, region.region) in g.regions)), None)
+
+    def repeated_updates(self) -> set[str]:
+        """The tensors some region's recompute updates in place a second time (its side effects, "counted twice")."""
+        return {e.split(UPDATED_IN_PLACE)[0] for r in self.regions for e in r.side_effects}
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""

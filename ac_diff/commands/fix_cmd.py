@@ -89,6 +89,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir))
     found = candidates(report, max_regions)
     before = diverged(report)
+    culprits = frozenset(r.cause.tensor for r in report.regions if r.cause is not None and r.cause.tensor)
     tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
                  command=run_command(c.spec.cli_args(), target, args, module, nproc)) for c in found]
 
@@ -101,7 +102,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         ref = reference_result(r, d, ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir) \
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
-              extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None)
+              extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None, culprits)
 
     budget = range(min(len(found), max_tries))
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)

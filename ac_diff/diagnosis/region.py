@@ -13,8 +13,8 @@ from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, UNCHECKED, AlignedRow, Divergence, PositionRow,
-                      RegionReport, shared)
+from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
+                      PositionRow, RegionReport, shared)
 from .cause import explain
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -110,7 +110,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                 if not any(n == name for n, _ in updates)]
     for name, op in updates:
         report.side_effects.append(
-            f"{name or 'a tensor'} is updated in place by {op.op} in {where(op.module, op.source)} "
+            f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None

@@ -61,8 +61,10 @@ def diverged(report: Any) -> int:
 
 
 def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None,
-          extra_bytes: float | None = None) -> None:
-    """Fill in the try's outcome: status, regions after, gradients, memory, wall time, reason."""
+          extra_bytes: float | None = None, culprits: frozenset[str] = frozenset()) -> None:
+    """Fill in the try's outcome: status, regions after, gradients, memory, wall time, reason. `culprits`: the
+    tensors the base run's causes name; a try whose recompute still updates one of them a second time is not
+    verified, however many backwards matched (the drift it causes can take more steps to show)."""
     t.wall_s = m.wall_s
     t.exit_code = m.code
     t.extra_bytes = extra_bytes
@@ -83,8 +85,15 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
     if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
         return
-    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
+    twice = sorted(report.repeated_updates() & culprits)
+    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0 and not twice:
         t.status = VERIFIED
+        return
+    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
+        t.status = DID_NOT_HELP
+        t.reason = (f"every recompute matches and the compared gradients too, but the recompute still updates "
+                    f"{', '.join(twice[:3])} in place a second time (counted twice): the steps after start from another "
+                    "state than without AC")
         return
     t.status = DID_NOT_HELP
     t.reason = _reason(report, reference, op, m)

@@ -40,6 +40,12 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                            (f"the reference run exited with {exit_code} before its first backward"
                             if exit_code else "no backward pass ran (or no parameter was seen)"))
         return result
+    if steps[0].parameters and steps[0].no_grad == steps[0].parameters:
+        result.steps = steps[:1]
+        result.headline = ("no gradients to compare with the run without AC: every parameter's .grad was None after "
+                           "backward 0 in both runs (an optimizer step in a backward hook frees them, or the script "
+                           "sets them to None before the capture); compare the losses instead")
+        return result
     if steps[0].loss_identical is False:
         result.verdict = NOT_COMPARABLE
         result.steps = steps[:1]

@@ -51,6 +51,7 @@ def compare_step(step: int, run: dict[str, Any], ref: dict[str, Any], region_mod
         a, b = grads_a.get(name), grads_b.get(name)
         if same(a, b):
             out.identical += 1
+            out.no_grad += a is None
             continue
         region = region_of(name, region_modules)
         if a is None:

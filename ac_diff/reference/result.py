@@ -40,6 +40,7 @@ class StepComparison:
     identical: int
     differing: list[ParamDiff] = field(default_factory=list)
     rank: int = 0
+    no_grad: int = 0  # of the identical ones, parameters whose .grad was None in both runs (frozen, or freed)
 
 
 @dataclass(slots=True)
