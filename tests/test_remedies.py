@@ -347,3 +347,56 @@ def test_a_report_writes_the_policy_for_the_torch_in_the_trace(demo, tmp_path):
     assert "CheckpointPolicy.MUST_SAVE" in policy_code(recorded_with("2.13.0+cpu"))
     legacy = policy_code(recorded_with("2.4.1+cu121"))
     assert "_pt2_selective_checkpoint_context_fn_gen" in legacy and "CheckpointPolicy.MUST_SAVE" not in legacy
+
+
+class _NoisyLayer(nn.Module):
+    """Drops units with masks drawn from a generator the whole model shares (preserve_rng_state does not cover it)."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = gen
+
+    def forward(self, x):
+        keep = torch.rand(x.shape, generator=self.gen) > 0.2
+        return torch.tanh(self.lin(x)) * keep / 0.8
+
+
+def _shared_generator_training(code: str | None) -> tuple[list, torch.Tensor]:
+    """Three steps of two layers sharing one generator: without AC (code None), or each layer checkpointed through
+    the suggested block_fn (`code` defines it, with `gen` and `block` bound)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    layers = nn.ModuleList([_NoisyLayer(gen), _NoisyLayer(gen)])
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        h = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for layer in layers:
+            if code is None:
+                h = layer(h)
+            else:
+                scope = {"torch": torch, "gen": gen, "block": layer}
+                exec(code, scope)  # noqa: S102 - the suggested code, pasted as a user would
+                h = cp.checkpoint(scope["block_fn"], h, gen.get_state(), use_reentrant=False)
+        opt.zero_grad()
+        h.pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in layers.parameters()])
+        opt.step()
+    return grads, gen.get_state()
+
+
+def test_the_suggested_generator_code_trains_as_without_ac_with_a_shared_generator():
+    """The code ac-diff gives for a private generator (and for a verified generator restore), pasted as a user
+    would: every step's gradients and the generator's final state equal the run without AC, although both layers
+    draw from one generator (setting its state in the recompute without putting it back would rewind it)."""
+    from ac_diff.diagnosis.suggest import GENERATOR_SWAP
+
+    reference, ref_state = _shared_generator_training(None)
+    grads, state = _shared_generator_training(GENERATOR_SWAP.split("\n\nout = ")[0])
+    assert all(torch.equal(a, b) for step_a, step_b in zip(grads, reference) for a, b in zip(step_a, step_b))
+    assert torch.equal(state, ref_state)
+    rewinding = "def block_fn(x, gen_state):\n    gen.set_state(gen_state)\n    return block(x)\n"  # the old advice
+    old_grads, old_state = _shared_generator_training(rewinding)
+    assert not torch.equal(old_state, ref_state) or not all(
+        torch.equal(a, b) for step_a, step_b in zip(old_grads, reference) for a, b in zip(step_a, step_b))

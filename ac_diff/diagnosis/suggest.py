@@ -58,6 +58,20 @@ def sac_policy(ops: list[str], torch_version: str | None = None) -> str:
     )
 
 
+# The code that gives a recompute its torch.Generator's forward state, and then puts the generator back where it
+# stood (a generator shared by several regions, or drawn from after the backward, must not be rewound).
+GENERATOR_SWAP = (
+    "def block_fn(x, gen_state):\n"
+    "    now = gen.get_state()\n"
+    "    gen.set_state(gen_state)                 # forward and recompute draw from the same state\n"
+    "    try:\n"
+    "        return block(x)                      # draws with generator=gen\n"
+    "    finally:                                 # (also when torch stops a recompute early)\n"
+    "        if not torch.equal(now, gen_state):  # the recompute (the forward moved the generator since):\n"
+    "            gen.set_state(now)               # put it back where it stood\n\n"
+    "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)")
+
+
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:
     cause = report.cause
     out: list[Suggestion] = []
@@ -120,10 +134,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "creates and passes (`generator=`). Pass the generator's state into the checkpointed function and set "
             "it there, so the forward and the recompute draw the same numbers; or draw the random tensor outside "
             "the region and pass it in; or use the default generator.",
-            "def block_fn(x, gen_state):\n"
-            "    gen.set_state(gen_state)  # forward and recompute start from the same state\n"
-            "    return block(x)           # draws with generator=gen\n\n"
-            "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)"))
+            GENERATOR_SWAP))
     elif kind == "rng":
         preserve = region.options.get("preserve_rng_state")
         out.append(Suggestion(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..diagnosis.suggest import sac_policy
+from ..diagnosis.suggest import GENERATOR_SWAP, sac_policy
 from .candidates import Candidate
 
 
@@ -36,9 +36,8 @@ def code_for(c: Candidate) -> str:
                 f"#   and add torch.ops.{c.op} to the per-op save list (_save_list in parallelize.py)")
     if c.kind == "restore" and c.state == "generator":
         return ("# ac-diff restored the generator's forward state in every recompute (a simulation): make it so in "
-                "the code -\n# hand the generator's state to the checkpointed function, which sets it first\n"
-                "def block_fn(x, gen_state):\n    gen.set_state(gen_state)\n    return block(x)\n"
-                "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)\n"
+                "the code -\n# hand the generator's state to the checkpointed function, which draws from it and, in the "
+                "recompute, puts the generator back\n" + GENERATOR_SWAP + "\n"
                 "# or draw from torch's default generator (preserve_rng_state=True restores it)")
     if c.kind == "restore":
         name = c.state or ", ".join(c.spec.restore)
