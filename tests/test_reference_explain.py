@@ -72,3 +72,16 @@ def test_fix_does_not_verify_a_try_whose_recompute_still_updates_the_culprit_twi
     judge(harmless, report("layers.0.bn.running_mean"), identical, ok, ok, None,
           culprits=frozenset({"aten.native_dropout.default"}))
     assert harmless.status == VERIFIED
+
+
+def test_a_rank_that_only_received_another_ranks_error_says_so():
+    """DDP averages gradients: rank 0's regions are clean but its gradients differ because rank 1 diverged."""
+    step = StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=2, identical=0)
+    step.differing = [SimpleNamespace(name="w", status="differs", rel_diff=0.1, region="l0")]
+    rank1 = SimpleNamespace(rank=1, region=3, module="layers.0", status="diverged",
+                            cause=SimpleNamespace(kind="rng"))
+    report = _report()
+    report.other_ranks_diverged = [rank1]
+    result = explain([step], [], report, steps_requested=1)
+    assert result.verdict == DIFFERS and result.explanations[0].kind == "other_rank_divergence"
+    assert "rank 1" in result.explanations[0].text and "layers.0" in result.explanations[0].text

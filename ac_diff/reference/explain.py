@@ -151,6 +151,16 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
             out.append(Explanation("side_output", _finding_text(f), region=f["region"], module=f.get("module"),
                                    source=f.get("source"),
                                    fix=REENTRANT_FIX + "; or return the tensor through the region's outputs"))
+    others = getattr(report, "other_ranks_diverged", [])
+    if not out and others:  # gradients reduced across ranks (DDP, FSDP) carry another rank's divergence here
+        ranks = sorted({r.rank for r in others})
+        first = min(others, key=lambda r: (r.rank, r.region))
+        out.append(Explanation(
+            "other_rank_divergence",
+            f"this rank's regions reproduced their forward, but rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))} diverged (first region {first.region}, {first.module or '?'}, rank {first.rank}"
+            f"{': ' + first.cause.kind if first.cause else ''}): gradients reduced across ranks (DDP's all-reduce, "
+            "FSDP's reduce-scatter) bring that error here", region=first.module, parameters=sorted(differing)[:20]))
     if not out:
         regions = sorted({d.region or "outside any checkpointed region" for d in step.differing})
         out.append(Explanation(

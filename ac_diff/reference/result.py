@@ -45,8 +45,9 @@ class StepComparison:
 
 @dataclass(slots=True)
 class Explanation:
-    kind: str  # side_output, no_grad_inputs, recompute_divergence, reference_randomness, rng_draws, repeated_update,
-    # state_drift, unexplained
+    # side_output, no_grad_inputs, recompute_divergence, other_rank_divergence, reference_randomness, rng_draws,
+    # repeated_update, state_drift, unexplained
+    kind: str
     text: str
     region: str | None = None
     module: str | None = None

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..report import DIVERGED
 from ..remedies import ENV, RemedySpec
 from .graddiff import compare_captures
 from .explain import explain
@@ -116,7 +117,9 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
     if len(results) == 1:
         return results[0][1]
     order = {DIFFERS: 0, NOT_COMPARABLE: 1, FAILED: 2, IDENTICAL: 3}
-    r0, worst = min(results, key=lambda x: (order[x[1].verdict], x[0]))
+    # the headline: the rank whose gradients differ for a reason of its own before one that only received them
+    r0, worst = min(results, key=lambda x: (order[x[1].verdict], any(
+        e.kind == "other_rank_divergence" for e in x[1].explanations), x[0]))
     merged = ReferenceResult(mode=worst.mode, verdict=worst.verdict, headline=f"rank {r0}: {worst.headline}",
                              steps_requested=steps, command=command, exit_code=exit_code)
     seen = set()
@@ -135,3 +138,4 @@ class _RankView:
 
     def __init__(self, report: Any, r: int) -> None:
         self.regions = [x for x in getattr(report, "regions", []) if x.rank == r]
+        self.other_ranks_diverged = [x for x in getattr(report, "regions", []) if x.rank != r and x.status == DIVERGED]
