@@ -364,6 +364,18 @@ class Report:
         return not self.torch_errors and any(r.silent for r in self.regions if r.status == DIVERGED)
 
     @property
+    def silent_warning(self) -> str:
+        """What a silent divergence means for the gradients, as every renderer says it: wrong, unless the run without
+        AC was compared and they matched (a decision that only swapped the order of the same experts)."""
+        from .reference.result import IDENTICAL  # (the reference section is attached after diagnosis)
+
+        ref = self.reference
+        if ref is not None and getattr(ref, "verdict", None) == IDENTICAL:
+            return ("torch raised no error; the diverged region(s) saved other tensors, yet the gradients match the run "
+                    "without AC over the compared backward passes.")
+        return "torch raised no error: the gradients of the diverged region(s) are silently wrong."
+
+    @property
     def title(self) -> str:
         """The verdict in a few words, as every renderer shows it ("SILENTLY DIVERGED", "CRASHED", ...)."""
         if self.compared:  # `ac-diff compare A B` of two traces

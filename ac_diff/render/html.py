@@ -103,8 +103,7 @@ def _verdict(report: Report, title: str, silent: bool) -> str:
            f"<div class=\"verdict-title\">ac-diff: <span id=\"verdict-word\">{e(title)}</span></div>",
            f"<p class=\"headline\" id=\"headline\">{e(report.headline)}</p>"]
     if silent:
-        out.append("<p class=\"silent-warning\" id=\"silent-warning\">torch raised no error: the gradients of the "
-                   "diverged region(s) are silently wrong.</p>")
+        out.append(f"<p class=\"silent-warning\" id=\"silent-warning\">{e(report.silent_warning)}</p>")
     counts = report.status_counts()
     if counts:
         out.append(f"<p class=\"dim\">{e(counts)}</p>")

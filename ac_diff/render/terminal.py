@@ -78,8 +78,7 @@ def _verdict_panel(report: Report) -> Panel:
     style = {DIVERGED: "bold red", UNCHECKED: "bold yellow"}.get(report.verdict, "bold green")
     body = [Text(report.headline, style="bold")]
     if report.silent:
-        body.append(Text("torch raised no error: the gradients of the diverged region(s) are silently wrong.",
-                         style="red"))
+        body.append(Text(report.silent_warning, style="red"))
     counts = report.status_counts()
     if counts:
         body.append(Text(counts, style="dim"))
