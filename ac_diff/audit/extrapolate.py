@@ -66,7 +66,7 @@ def likelihood(p: float) -> str:
     return "unlikely"
 
 
-def extrapolate(sites, regions, scale: Scale) -> dict:
+def extrapolate(sites, regions, scale: Scale, noise: str | None = None) -> dict:
     audited_tokens = median([r.tokens for r in regions if r.tokens]) if any(r.tokens for r in regions) else None
     groups: dict[str, list] = {}
     for s in sites:
@@ -105,7 +105,8 @@ def extrapolate(sites, regions, scale: Scale) -> dict:
     at = " x ".join(where) or "the audited scale"
     steps = f" over {scale.steps} steps" if scale.steps > 1 else ""
     headline = (f"at {at}: expect about {total:.2g} decision flips per step, {shape_total:.2g} of them "
-                f"shape-changing: CheckpointError{steps} {likelihood(p_error)}")
+                f"shape-changing: CheckpointError{steps} {likelihood(p_error)}"
+                + (f" if the scores drift by {noise} in the recompute (--noise)" if noise else ""))
     return {"scale": {"tokens": scale.tokens, "layers": scale.layers, "experts": scale.experts, "steps": scale.steps},
             "audited_tokens": audited_tokens, "kinds": kinds, "expected_flips_per_step": total,
             "expected_shape_flips_per_step": shape_total, "p_checkpoint_error": p_error,

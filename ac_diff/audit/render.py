@@ -28,7 +28,10 @@ def sparkline(counts: list[int]) -> str:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+    """A share in whole percent; one that is not 0 never rounds to "0%" (two tied rows of 512 are "<1%")."""
+    if x is None:
+        return "-"
+    return "<1%" if 0 < x < 0.005 else f"{100 * x:.0f}%"
 
 
 def _rate(x) -> str:

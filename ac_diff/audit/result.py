@@ -61,8 +61,8 @@ def remedy_json(regions) -> dict:
 
 def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0) -> dict:
     sites = sorted(auditor.sites.values(), key=lambda s: (s.label[0], s.label[1]))
-    risk = extrapolate(sites, auditor.regions, scale)
     settings = auditor.settings
+    risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
     return {"format": FORMAT, "version": VERSION, "audit": {
         "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,
         "regions_seen": auditor.seen, "regions_audited": len(auditor.regions),
