@@ -47,6 +47,7 @@ def fixes(tmp_path_factory):
         "bias_inplace": ["--max-tries", "3", "--jobs", "2", SCRIPT, "--no-aux", "--bias-update", "--inplace-norm"],
         "generator": [str(STACKS / "private_generator.py")],
         "side_output": [SCRIPT, "--reentrant"],
+        "two_causes": [str(STACKS / "two_causes.py")],
     }
     with ThreadPoolExecutor(2) as pool:
         done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
@@ -165,3 +166,18 @@ def test_must_save_composes_with_torchtitans_own_sac_policy(fixes):
     applied = json.loads((base_trace.parent.parent / "try-1" / "remedies-rank0.json").read_text())["applied"]
     assert any(a["what"] == "composed with the script's SAC policy" for a in applied)
     assert any(a["what"].startswith("saved aten.topk.default in layers.") for a in applied)
+
+
+def test_two_causes_in_one_block_get_their_remedies_together(fixes):
+    """Dropout without its RNG state and a call counter in the same block: the base run names the counter; restoring
+    it reveals the dropout; neither remedy helps alone, both together are verified (and keep AC), with both forms."""
+    proc, report = fixes["two_causes"]
+    fx = report["fixes"]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by = {t["remedy"]: t for t in fx["tries"]}
+    both = next(t for name, t in by.items() if " + " in name)
+    assert "calls" in both["remedy"] and "preserve_rng_state=True" in both["remedy"], list(by)
+    assert both["status"] == "verified" and both["gradients"] == "bit-identical"
+    assert by["restore the forward's layers.*.calls in the recompute"]["status"] == "did not help"
+    assert fx["verified"] == both["remedy"] and "preserve_rng_state=True" in fx["verified_code"]
+    assert "register_step_post_hook" in fx["verified_code"]

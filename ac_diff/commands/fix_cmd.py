@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..diagnosis import Settings, diagnose
-from ..fix.candidates import candidates
+from ..fix.candidates import candidates, combined
 from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
 from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
@@ -93,12 +93,15 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
                  command=run_command(c.spec.cli_args(), target, args, module, nproc)) for c in found]
 
+    reports: dict[int, Any] = {}  # each try's report: what it still diagnosed
+
     def one(i: int) -> None:
         c, t = found[i], tries[i]
         print(f"ac-diff fix: try {i + 1}/{min(len(found), max_tries)}: {c.name}", file=sys.stderr)
         d = out / f"try-{i + 1}"
         m = run_measured([*run, "-o", str(d), *t.args, *tail], env, out / f"try-{i + 1}.log")
         r, rank0 = _report_of(d, settings)
+        reports[i] = r
         ref = reference_result(r, d, ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir) \
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
@@ -113,6 +116,15 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     else:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             list(pool.map(one, budget))
+    ran = [i for i in budget if tries[i].status != UNTESTED]
+    together = None if any(tries[i].status == VERIFIED and found[i].kind != "no_ac" for i in ran) or \
+        len(ran) >= max_tries else combined([found[i] for i in ran], [tries[i].status == DID_NOT_HELP for i in ran],
+                                            [reports.get(i) for i in ran])
+    if together is not None:  # two causes in one block: their remedies, tried together
+        found.append(together)
+        tries.append(Try(together.name, together.spec.cli_args(), together.why, regions_before=before,
+                         command=run_command(together.spec.cli_args(), target, args, module, nproc)))
+        one(len(found) - 1)
     result = _result(report, found, tries, base_m, time.perf_counter() - started)
     report.fixes = result
     mark(report, target, args, module, list(zip(found, tries)), nproc)

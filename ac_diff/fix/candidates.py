@@ -25,7 +25,8 @@ from ..report import DIVERGED, UNCHECKED
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
 # a code change the restore simulates
-ORDER = {"preserve_rng": 0, "deterministic": 1, "non_reentrant": 2, "must_save": 3, "restore": 4, "no_ac": 5}
+ORDER = {"preserve_rng": 0, "deterministic": 1, "non_reentrant": 2, "must_save": 3, "restore": 4, "combined": 5,
+         "no_ac": 6}
 
 
 def layer_glob(module: str | None) -> str:
@@ -42,6 +43,26 @@ class Candidate:
     kind: str
     op: str | None = None  # the op a must-save candidate saves
     state: str | None = None  # what a restore candidate restores: "generator", or the state's FQN
+    parts: tuple = ()  # a "combined" candidate: the candidates it applies together
+
+
+def combined(found: list[Candidate], did_not_help: list[bool], revealed: list[Any]) -> Candidate | None:
+    """Remedies that did not help alone, applied together: a block with two causes (dropout without its RNG state
+    and a step counter) needs one remedy for each. The second cause may show only once the first is remedied:
+    `revealed` holds each try's report, whose own candidates join. None with fewer than two parts (turning AC off
+    is never one)."""
+    failed = [c for c, no in zip(found, did_not_help) if no and c.kind != "no_ac"]
+    tried = {c.spec.to_env() for c in found}
+    more = [c for report, no in zip(revealed, did_not_help) if no and report is not None
+            for c in candidates(report) if c.kind != "no_ac" and c.spec.to_env() not in tried]
+    parts = list({c.spec.to_env(): c for c in failed + more}.values())
+    if len(parts) < 2:
+        return None
+    spec = parts[0].spec
+    for c in parts[1:]:
+        spec = spec.merged(c.spec)
+    return Candidate(" + ".join(c.name for c in parts), spec, "; ".join(c.why for c in parts), "combined",
+                     parts=tuple(parts))
 
 
 def _restore(r: Any) -> tuple[str, str, str] | None:

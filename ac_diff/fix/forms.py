@@ -14,6 +14,8 @@ from .candidates import Candidate
 
 
 def code_for(c: Candidate) -> str:
+    if c.kind == "combined":
+        return "\n\n".join(code for code in map(code_for, c.parts) if code)
     if c.kind == "preserve_rng":
         return ("checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)\n"
                 "# Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
