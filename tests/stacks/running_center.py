@@ -9,11 +9,11 @@ although the first backward's gradients were identical. Restoring the buffer in 
 (`--restore-in-recompute 'layers.*.router.center'`) keeps one update per step.
 """
 
-import argparse
-
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from small_loop import train
 
 DIM, EXPERTS = 16, 4
 
@@ -61,21 +61,5 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    args = p.parse_args()
-    torch.manual_seed(0)
-    model = Model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(args.steps):
-        x, y = torch.randn(256, DIM), torch.randn(256, 1)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        print(f"step {step} loss {loss.item():.6f}")
-
-
 if __name__ == "__main__":
-    main()
+    train(Model, lambda: (torch.randn(256, DIM), torch.randn(256, 1)), lr=0.05)

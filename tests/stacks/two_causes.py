@@ -7,12 +7,13 @@ Restoring the counter in the recompute leaves the dropout masks differing, and p
 counter: only both together make the recompute reproduce the forward.
 """
 
-import argparse
 import math
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from small_loop import train
 
 
 class Block(nn.Module):
@@ -40,21 +41,5 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    args = p.parse_args()
-    torch.manual_seed(0)
-    model = Model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(args.steps):
-        x, y = torch.randn(16, 16), torch.randn(16, 1)
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        print(f"step {step} loss {loss.item():.6f}")
-
-
 if __name__ == "__main__":
-    main()
+    train(Model, lambda: (torch.randn(16, 16), torch.randn(16, 1)), lr=0.05)
