@@ -231,6 +231,11 @@ UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor>
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
 
 
+def repeated_updates(regions: list[RegionReport]) -> set[str]:
+    """The tensors some region's recompute updates in place a second time (its side effects, "counted twice")."""
+    return {e.split(UPDATED_IN_PLACE)[0] for r in regions for e in r.side_effects}
+
+
 @dataclass(slots=True)
 class RegionGroup:
     """Diverged regions that share a cause and culprit: reports show the lead region once for all."""
@@ -419,8 +424,7 @@ class Report:
             any(m is region for m in g.members) if g.members else (region.rank, region.region) in g.regions)), None)
 
     def repeated_updates(self) -> set[str]:
-        """The tensors some region's recompute updates in place a second time (its side effects, "counted twice")."""
-        return {e.split(UPDATED_IN_PLACE)[0] for r in self.regions for e in r.side_effects}
+        return repeated_updates(self.regions)
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""

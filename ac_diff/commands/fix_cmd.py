@@ -117,10 +117,12 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             list(pool.map(one, budget))
     ran = [i for i in budget if tries[i].status != UNTESTED]
-    together = None if any(tries[i].status == VERIFIED and found[i].kind != "no_ac" for i in ran) or \
-        len(ran) >= max_tries else combined([found[i] for i in ran], [tries[i].status == DID_NOT_HELP for i in ran],
-                                            [reports.get(i) for i in ran])
-    if together is not None:  # two causes in one block: their remedies, tried together
+    keeps_ac = any(tries[i].status == VERIFIED and found[i].kind != "no_ac" for i in ran)
+    together = None
+    if not keeps_ac and len(ran) < max_tries:  # two causes in one block: their remedies, tried together
+        together = combined([found[i] for i in ran], [tries[i].status == DID_NOT_HELP for i in ran],
+                            [reports.get(i) for i in ran])
+    if together is not None:
         found.append(together)
         tries.append(Try(together.name, together.spec.cli_args(), together.why, regions_before=before,
                          command=run_command(together.spec.cli_args(), target, args, module, nproc)))

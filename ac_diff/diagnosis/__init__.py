@@ -15,8 +15,8 @@ import contextlib
 
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, UPDATED_IN_PLACE, Cause, MetadataChange, Report, RegionReport,
-                      TorchErrorSummary)
+from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
+                      TorchErrorSummary, repeated_updates)
 from .cause import SHARDED, sharded_positions
 from .passdiff import Tolerance
 from .groups import group_regions
@@ -248,7 +248,7 @@ def _headline(regions, errors, runs, groups) -> str:
             why = next((r.notes[-1] for r in regions if r.notes), "")
             return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare"
                     + (f" ({why})" if why else ""))
-        repeated = {e.split(UPDATED_IN_PLACE)[0] for r in regions for e in r.side_effects}
+        repeated = repeated_updates(regions)
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "") if repeated else "")
         return f"clean: all {checked} recomputed region(s) reproduced their saved tensors exactly{extra}"

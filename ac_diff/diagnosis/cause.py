@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..oprules import is_in_place_method, is_random_name, packet
 from ..passes import OpRecord, Region
-from ..report import Cause, RegionReport
+from ..report import Cause, Divergence, RegionReport
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
 from .dataflow import data_path, decision_path, upstream
@@ -172,7 +172,7 @@ def _host_rng_cause(entry: OpRecord, evidence: list[str]) -> Cause:
                  mechanism="host_rng", source=entry.source)
 
 
-def _log_cause(region: Region, shape: Any) -> Cause | None:
+def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     """From a log's op lists (shapes, no values): what the forward's first shape divergence depends on that explains
     it. A tensor from outside the region that the region itself updates in place (a router bias a forward hook
     moves): the recompute reads it updated. Else a random op: the recompute drew other numbers."""
@@ -180,7 +180,7 @@ def _log_cause(region: Region, shape: Any) -> Cause | None:
     target = next((o for o in ops if o.index == shape.forward_index), None)
     if target is None:
         return None
-    feeding, _ = upstream(ops, target)
+    feeding = upstream(ops, target)
     # tensors from outside whose values the target depends on: read by an op of its chain, not only updated there
     # (a tokens-per-expert counter's add_ feeds nothing)
     read = {r.name for op in [target, *feeding] for k, r in enumerate(op.input_refs)
@@ -204,7 +204,7 @@ def _log_cause(region: Region, shape: Any) -> Cause | None:
     return None
 
 
-def _host_draw_cause(drew: list[str], first: Any) -> Cause:
+def _host_draw_cause(drew: list[str], first: Divergence) -> Cause:
     names = " and ".join(f"`{n}`" for n in drew)
     return Cause("rng", f"host random numbers ({', '.join(drew)})",
                  f"the region draws from {names} (its generator moved during the forward), which preserve_rng_state "

@@ -113,19 +113,17 @@ def data_path(ops: list[OpRecord], target: OpRecord, sources: set[int], through)
     return []
 
 
-def upstream(ops: list[OpRecord], target: OpRecord) -> tuple[list[OpRecord], set[str]]:
-    """Everything `target`'s values depend on within the pass: the ops (nearest first) and the names of the
-    tensors that came from outside it (a log's `$N`, a recorder's buffer or external names)."""
+def upstream(ops: list[OpRecord], target: OpRecord) -> list[OpRecord]:
+    """Every op of the pass whose outputs `target`'s values depend on, nearest first."""
     by_index = {o.index: o for o in ops}
     position = {o.index: k for k, o in enumerate(ops)}
-    seen, found, outside = {target.index}, [], set()
+    seen, found = {target.index}, []
     queue = [target]
     while queue:
         current = queue.pop(0)
-        outside.update(r.name for r in current.input_refs if r.kind != "op" and r.name)
         for producer in _producers(ops, current, by_index, position):
             if producer.index not in seen:
                 seen.add(producer.index)
                 found.append(producer)
                 queue.append(producer)
-    return found, outside
+    return found

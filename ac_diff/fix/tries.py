@@ -85,17 +85,16 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
     if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
         return
-    twice = sorted(report.repeated_updates() & culprits)
-    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0 and not twice:
-        t.status = VERIFIED
-        return
+    t.status = DID_NOT_HELP
     if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
-        t.status = DID_NOT_HELP
+        twice = sorted(report.repeated_updates() & culprits)
+        if not twice:
+            t.status = VERIFIED
+            return
         t.reason = (f"every recompute matches and the compared gradients too, but the recompute still updates "
                     f"{', '.join(twice[:3])} in place a second time (counted twice): the steps after start from another "
                     "state than without AC")
         return
-    t.status = DID_NOT_HELP
     t.reason = _reason(report, reference, op, m)
 
 
