@@ -90,13 +90,8 @@ def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
     assert "optimizer" not in fixes and "step hook" not in fixes
 
 
-class LayerDrop(nn.Module):
+class LayerDrop(HostNoise):
     """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs."""
-
-    def __init__(self, source: str):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.source = source
 
     def forward(self, x):
         draw = random.random() if self.source == "random" else float(np.random.rand())
