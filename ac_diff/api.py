@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from .diagnosis import Settings, diagnose
 from .errors import InputError
-from .passes import PHASES, Run, op_count
+from .passes import PHASES, Run, TensorMeta, op_count
 from .report import Report
-from .streams import readable_file
+from .streams import STDIN, readable_file, source_name
 from .trace import TraceFormatError, is_trace, read_run, trace_files
 
 if TYPE_CHECKING:
@@ -44,31 +44,48 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = Fa
     runs: list[Run] = []
     for path in paths:
         p = readable_file(path)
-        if not p.exists():
-            raise InputError(f"{p}: no such file or directory; pass a trace written by `ac-diff run` "
-                             "(default ac-diff-out/) or a log torch printed")
-        if p.is_dir():
-            files = trace_files(p)
-            if not files:
-                raise InputError(f"{p}: no trace files (trace-rank*.jsonl) in this directory; run "
-                                 f"`ac-diff run SCRIPT` first, or pass a log file")
-            runs.extend(read_run(f, lazy) for f in files)
-        elif is_trace(p):
-            runs.append(read_run(p, lazy))
-        else:
-            from .logs import looks_like_log, parse_log
-
-            if not looks_like_log(p):
-                from .streams import stream_damage
-
-                damage = stream_damage(p)
-                if damage:
-                    raise InputError(f"{p}: the compressed file is damaged ({damage}); copy it again from where it "
-                                     "was written (or decompress what is readable: zcat FILE > FILE.log)")
-                raise InputError(f"{p}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
-                                 "debug dump in it; pass the log that contains the CheckpointError")
-            runs.append(parse_log(p, progress=progress))
+        first = len(runs)
+        runs.extend(_read_path(p, source_name(p), progress, lazy))
+        for run in runs[first:]:  # standard input is called <stdin>, not by the temporary copy read
+            _rename(run, str(p), source_name(p))
     return runs
+
+
+def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
+    """The runs in one path: the traces of a directory, a trace, or a log (bad input: InputError naming `name`)."""
+    if not p.exists():
+        raise InputError(f"{name}: no such file or directory; pass a trace written by `ac-diff run` "
+                         "(default ac-diff-out/) or a log torch printed")
+    if p.is_dir():
+        files = trace_files(p)
+        if not files:
+            raise InputError(f"{name}: no trace files (trace-rank*.jsonl) in this directory; run "
+                             f"`ac-diff run SCRIPT` first, or pass a log file")
+        return [read_run(f, lazy) for f in files]
+    if p.stat().st_size == 0:
+        raise InputError(f"{name}: {'nothing came in' if name == STDIN else 'the file is empty'}; pass a trace written "
+                         "by `ac-diff run` or a log torch printed")
+    if is_trace(p):
+        return [read_run(p, lazy)]
+    from .logs import looks_like_log, parse_log
+
+    if not looks_like_log(p):
+        from .streams import stream_damage
+
+        damage = stream_damage(p)
+        if damage:
+            raise InputError(f"{name}: the compressed file is damaged ({damage}); copy it again from where it "
+                             "was written (or decompress what is readable: zcat FILE > FILE.log)")
+        raise InputError(f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
+                         "debug dump in it; pass the log that contains the CheckpointError")
+    return [parse_log(p, progress=progress, lazy=lazy)]
+
+
+def _rename(run: Run, read_as: str, name: str) -> None:
+    """Call a run by the name the user knows (`<stdin>`) where it was read from a temporary copy."""
+    if name != read_as:
+        run.path = name
+        run.notes = [note.replace(read_as, name) for note in run.notes]
 
 
 def diagnose_paths(paths: Iterable[str | os.PathLike], settings: Settings = Settings(), progress=None) -> Report:
@@ -106,8 +123,10 @@ class Trace:
                 rows.append({
                     "rank": r.rank, "region": r.region, "phase": p.phase, "attempt": p.attempt, "index": o.index,
                     "op": o.op, "module": o.module, "source": o.source,
-                    "in_shapes": [list(m.shape) for m in o.inputs], "out_shapes": [list(m.shape) for m in o.out],
-                    "out_dtypes": [m.dtype for m in o.out], "args": o.args, "fingerprint": o.fingerprint,
+                    "in_shapes": [list(m.shape) for m in o.inputs],
+                    "out_shapes": [list(m.shape) if type(m) is TensorMeta else None for m in o.out],
+                    "out_dtypes": [m.dtype if type(m) is TensorMeta else None if m is None else type(m).__name__
+                                   for m in o.out], "args": o.args, "fingerprint": o.fingerprint,
                     "host_value": o.host_value, "cached": o.cached, "random": o.random, "discrete": o.discrete,
                     "derived": o.derived,
                 })

@@ -12,6 +12,8 @@
     written_arguments("aten.add_.Tensor") -> (0,)   (from the schema; batch norms by their `training` flag)
     written_inputs(name, args, refs)     the references of the arguments an op writes in place
     is_view_op("aten.view.default")      -> True
+    output_roles("aten._scaled_dot_product_efficient_attention.default")
+                                         -> ("data", "data", "rng", "rng")   (from the schema's return names)
 
 Works on names alone (recorded or parsed from a log); torch is asked only for a named op's schema.
 """
@@ -83,6 +85,33 @@ def is_collective(name: str) -> bool:
 UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                                "empty_permuted"})
 
+# What an op's outputs are, by position, from the names its schema gives its returns (an output a kernel may
+# leave unwritten must never be compared as data):
+#   "data"   values the op computed;
+#   "rng"    RNG bookkeeping (philox seed/offset, a flash kernel's rng_state): written only when the call draws
+#            (dropout_p > 0); then a changed value is evidence that the passes drew differently, otherwise it
+#            is uninitialised memory (`at::empty`, CUDA and ROCm alike);
+#   "unused" placeholders and debug outputs (flash's `unused`, `debug_attn_mask` unless asked for).
+DATA, RNG_BOOKKEEPING, UNUSED = "data", "rng", "unused"
+_RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "seed", "offset"})
+_UNUSED_RETURNS = frozenset({"unused", "debug_attn_mask"})
+_roles: dict[str, tuple[str, ...]] = {}
+
+
+def output_roles(name: str) -> tuple[str, ...]:
+    """The role of each of op `name`'s returns (DATA, RNG_BOOKKEEPING, UNUSED), by position; every output of
+    an op that allocates uninitialised memory is UNUSED; () for an op whose schema is unknown (all data)."""
+    uninitialised = packet(name) in UNINITIALISED_OPS
+    return _from_schema(_roles, name, lambda schema: tuple(
+        UNUSED if uninitialised or r.name in _UNUSED_RETURNS else RNG_BOOKKEEPING if r.name in _RNG_RETURNS
+        else DATA for r in schema.returns))
+
+
+def output_role(name: str, output: int) -> str:
+    roles = output_roles(name)
+    return roles[output] if output < len(roles) else DATA
+
+
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor
@@ -130,15 +159,21 @@ def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
     () for unknown ops and ops that write nothing."""
     if name.count(".") == 2 and packet(name) in _UNANNOTATED_STATS_UPDATES:
         return (3, 4) if len(args) > 5 and args[5] is True else ()
-    hit = _written.get(name)
+    return _from_schema(_written, name, lambda schema: tuple(
+        i for i, a in enumerate(schema.arguments)
+        if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write))
+
+
+def _from_schema(cache: dict[str, tuple], name: str, read: Any) -> tuple:
+    """`read(schema)` of the op named `name`, once per name; () for an unknown op or an odd schema."""
+    hit = cache.get(name)
     if hit is None:
         hit = ()
         with contextlib.suppress(Exception):  # an odd schema: nothing known
             schema = getattr(op_by_name(name), "_schema", None)
             if schema is not None:
-                hit = tuple(i for i, a in enumerate(schema.arguments)
-                            if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-        _written[name] = hit
+                hit = read(schema)
+        cache[name] = hit
     return hit
 
 

@@ -77,7 +77,11 @@ class OpRecord:
     module: str | None = None  # module FQN, wrapper names stripped; None when unknown
     source: str | None = None  # "moe.py:40 in forward" — the innermost user frame
     inputs: list[TensorMeta] = field(default_factory=list)
-    out: list[TensorMeta] = field(default_factory=list)
+    # One entry per return of the op, by position (trace format 1.4): a TensorMeta for a tensor, None for
+    # None (flash attention's cum_seq_q), the value of an int/float/bool (its max_q), a short text for
+    # anything else ("list[3]"). Output j means the same op output in refs, fingerprints, kept values and
+    # positions. Logs and traces before 1.4 list tensors only.
+    out: list[Any] = field(default_factory=list)
     args: list[Any] = field(default_factory=list)  # non-tensor arguments as JSON values ("$" = a tensor)
     input_refs: list[InputRef] = field(default_factory=list)
     # One entry per output tensor: two position-weighted sums (see fingerprint.py), or None where not
@@ -96,6 +100,18 @@ class OpRecord:
     def key(self) -> tuple[str, str | None]:
         return (self.op, self.module)
 
+    def tensor_outputs(self) -> list[tuple[int, TensorMeta]]:
+        """(output index, meta) of each output that is a tensor."""
+        return [(j, m) for j, m in enumerate(self.out) if type(m) is TensorMeta]
+
+    def out_signature(self) -> list[Any]:
+        """What the outputs are without their values: (shape, dtype) per tensor, the value of a non-tensor
+        return among several (an int like flash attention's max_q is a size), None for None; a value returned
+        alone (`.item()`) is the host value, compared as one, so here only its type."""
+        if self.host_value is not None and len(self.out) == 1:
+            return [type(self.out[0]).__name__]
+        return [(m.shape, m.dtype) if type(m) is TensorMeta else m for m in self.out]
+
 
 # How a nested region's output is named where the enclosing region reads it (recorder -> diagnosis)
 NESTED_OUTPUT = "output of nested region "
@@ -111,6 +127,10 @@ class Position:
     op_index: int | None = None
     output: int = 0
     name: str | None = None
+    # the saved tensor's values (see fingerprint.py), None where not measured: a log, selective AC's cache; for a
+    # view of a tensor its pass knows, the base's values, and `view` = [its offset from the base's, *its strides]
+    fingerprint: list[float] | None = None
+    view: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -141,8 +161,15 @@ class Pass:
     # those a call changed (a forward pre-hook counting calls): name -> [before, after, the module's pre-hooks]
     attributes: dict[str, Any] = field(default_factory=dict)
     attribute_updates: dict[str, list] = field(default_factory=dict)
+    # scalar module-level globals the code of those modules reads ("model.LOW_PRECISION" -> True), at the first
+    # call of each forward, and the functions that read each ("model.py in forward")
+    globals: dict[str, Any] = field(default_factory=dict)
+    global_readers: dict[str, list] = field(default_factory=dict)
     # a summarized pass (its region reproduced; write="diverged"): a digest of every value it measured
     values_digest: str | None = None
+    # a recorded forward (format 1.4): (op index, output) of the tensors it made that outlived it (the region's
+    # outputs, tensors its code kept); None where not recorded
+    outputs: list[tuple[int, int]] | None = None
     # read_run(lazy=True): (byte offset, line number) of this pass's "ops" and "pass" lines in its trace file, not
     # yet decoded into `ops`, `positions`, `externals` (Run.ops_loader decodes them for the time a region is
     # diagnosed); None: those are complete
@@ -208,7 +235,12 @@ class PositionMismatch:
 
 @dataclass(slots=True)
 class TorchError:
-    """An error torch.utils.checkpoint raised (recorded at the crash, or parsed from a log)."""
+    """An error torch.utils.checkpoint raised (recorded at the crash, or parsed from a log).
+
+    One TorchError stands for every identical repetition of the error (`same_as`: kind, rank, region,
+    counts and every position's metadata; the raw text may differ where another writer cut into it):
+    a log that prints it 40,643 times gives TorchError(count=40643, first_line=7, last_line=1788249).
+    """
 
     kind: str  # metadata_mismatch, count_mismatch, more_saved_in_recompute, sac_not_found, sac_mutated, other
     message: str
@@ -217,6 +249,14 @@ class TorchError:
     saved_count: int | None = None
     recomputed_count: int | None = None
     region: int | None = None  # region that raised it, when the recorder knows
+    count: int = 1  # how many times it was raised (printed) identically
+    first_line: int | None = None  # line of the log where its first / last repetition starts (None: not from a log)
+    last_line: int | None = None
+
+    def same_as(self) -> tuple:
+        """What makes two errors the same error (hashable): repetitions share it, whatever their lines."""
+        return (self.kind, self.rank, self.region, self.saved_count, self.recomputed_count,
+                tuple((p.position, p.saved, p.recomputed) for p in self.positions))
 
 
 @dataclass(slots=True)
@@ -243,6 +283,13 @@ class Run:
     truncated: bool = False
     exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown
     damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)
+    # what the recorder's own errors cost (the end record's "lost"): {"passes": n, "ops": m, "positions": k,
+    # "errors": [messages]}; None when it recorded everything
+    recorder_lost: dict[str, Any] | None = None
+    # torch.compile in the run (the end record's "compiled", capture/compiled.py): {"eager": --compiled eager,
+    # "modules": compiled modules seen, "regions"/"graphs": checkpointed regions inside the graphs Dynamo compiled,
+    # "mutations": [{"name", "kind", "op"}] state their bodies update in place}; None without compile
+    compiled: dict[str, Any] | None = None
     # read_run(lazy=True): `with run.ops_loader(region):` fills the region's deferred passes' ops, empties them after
     ops_loader: Callable[[Region], ContextManager[None]] | None = field(default=None, repr=False, compare=False)
 

@@ -118,9 +118,12 @@ class Cause:
     evidence: list[str] = field(default_factory=list)
     # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
     # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
-    # attribute, also under control_flow), input, tensor; None otherwise
+    # attribute, also under control_flow), global (a module-level global the module's code reads, also under
+    # control_flow), input, input_written (the region writes its own input in place), tensor; None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
+    # every piece of state it names, `tensor` first (each dropout's `p` a scheduler moved): what a restore must cover
+    names: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +183,8 @@ class RegionReport:
     # a non-tensor, non-size argument (a Python float, a flag) that differs: not a shape divergence
     first_argument_divergence: Divergence | None = None
     unchecked_reason: str | None = None  # status unchecked: why, in a few words ("nested checkpoint inside a recompute")
+    # what checkpoint() ran with, as far as the trace tells: {"preserve_rng_state": True, "early_stop": True, ...}
+    checkpoint_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def has_values(self) -> bool:
@@ -222,13 +227,25 @@ class RegionReport:
             "forward_ops": self.forward_ops, "recompute_ops": self.recompute_ops, "counts": self.counts,
             "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
-            "unchecked_reason": self.unchecked_reason,
+            "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
         })
         return data
 
 
 UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor> is updated in place by <op> in ..."
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
+RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
+RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
+
+
+def count_by_status(regions: list[RegionReport]) -> str:
+    """"1 diverged, 3 clean": how many of `regions` have each status (empty for none)."""
+    by: dict[str, int] = {}
+    for r in regions:
+        # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
+        status = f"{UNCHECKED} ({NESTED_RERUN})" if r.unchecked_reason == NESTED_RERUN else r.status
+        by[status] = by.get(status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
 
 def repeated_updates(regions: list[RegionReport]) -> set[str]:
@@ -273,6 +290,18 @@ class TorchErrorSummary:
     recomputed_count: int | None = None
     changes: list[MetadataChange] = field(default_factory=list)  # what torch printed per position
     cause: str | None = None  # what the changes alone tell ("sharded_parameter: ..."), when no region explains it
+    count: int = 1  # times torch raised (a log printed) this same error
+    first_line: int | None = None  # the log line where its first / last repetition starts; None: not from a log
+    last_line: int | None = None
+
+    @property
+    def occurrences(self) -> str:
+        """Where and how often, as every renderer shows it: "4,513 times, lines 7-198,535", "line 7", or ""."""
+        if self.first_line is None:
+            return f"{self.count:,} times" if self.count > 1 else ""
+        if self.count == 1 or self.last_line == self.first_line:
+            return (f"{self.count:,} times, " if self.count > 1 else "") + f"line {self.first_line:,}"
+        return f"{self.count:,} times, lines {self.first_line:,}-{self.last_line:,}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -358,6 +387,7 @@ class Report:
     reference: Any = None  # reference.result.ReferenceResult: gradients vs a run without AC (--reference)
     remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
     fixes: Any = None  # fix.result.FixResult: remedies tried by `ac-diff fix`
+    compiled: dict[str, Any] | None = None  # torch.compile in the run: Run.compiled (diagnosis/compiled.py)
 
     @property
     def diverged(self) -> bool:
@@ -390,6 +420,8 @@ class Report:
         if self.verdict == UNCHECKED:
             if self.crashed:
                 return "INTERRUPTED" if self.exit_status == "interrupted" else "CRASHED"
+            if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):
+                return "AC COMPILED, NOT RECORDED"
             return "NOTHING CHECKED"
         return "CLEAN"
 
@@ -428,14 +460,7 @@ class Report:
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""
-        if not self.regions:
-            return ""
-        by: dict[str, int] = {}
-        for r in self.regions:
-            # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
-            status = f"{UNCHECKED} ({NESTED_RERUN})" if r.unchecked_reason == NESTED_RERUN else r.status
-            by[status] = by.get(status, 0) + 1
-        return f"{len(self.regions)} region(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+        return f"{len(self.regions)} region(s): {count_by_status(self.regions)}" if self.regions else ""
 
     def to_json(self, lazy: bool = False) -> dict[str, Any]:
         """The JSON form. `lazy`: its regions as a `Mapped` list, each region's dict made while the encoder
@@ -452,4 +477,5 @@ class Report:
             "groups": [g.to_json() for g in self.groups],
             "reference": self.reference.to_json() if self.reference is not None else None,
             "remedies": self.remedies, "fixes": self.fixes.to_json() if self.fixes is not None else None,
+            "compiled": self.compiled,
         }

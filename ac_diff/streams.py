@@ -7,7 +7,10 @@
             ...                                       # BadGzipFile): damage, not a failure of the file
 
 `readable_file(path)` gives a path that can be opened more than once: standard input ("-"), a pipe or a
-FIFO is copied into a temporary file first.
+FIFO is copied into a temporary file first; `source_name(copy)` is what to call it ("<stdin>", "/dev/fd/63"):
+
+    copy = readable_file("-")        # /tmp/ac-diff-input-k2x/stdin
+    source_name(copy)                # "<stdin>"
 
 An OSError of the file itself (EACCES, EIO) is not in STREAM_DAMAGE: it propagates to the CLI,
 which names the file and the fix with `describe_os_error(exc)`:
@@ -58,7 +61,18 @@ def readable_file(path: str | os.PathLike) -> Path:
     with (open(sys.stdin.fileno(), "rb", closefd=False) if str(path) == "-" else open(p, "rb")) as src, \
             open(copy, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
+    _COPIED[str(copy)] = STDIN if str(path) == "-" else str(path)
     return copy
+
+
+STDIN = "<stdin>"
+_COPIED: dict[str, str] = {}  # a copy readable_file made -> the name of what it copied
+
+
+def source_name(path: str | os.PathLike) -> str:
+    """What to call a file in messages and reports: `<stdin>` (or the pipe's own path) for a copy readable_file
+    made, else the path itself."""
+    return _COPIED.get(str(path), str(path))
 
 
 def stream_damage(path: str | os.PathLike) -> str | None:

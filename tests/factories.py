@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ac_diff.passes import External, InputRef, OpRecord, Pass, Position, Region, TensorMeta
+from ac_diff.passes import External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta
 
 
 def meta(*shape: int, dtype: str = "f32") -> TensorMeta:
@@ -32,3 +32,11 @@ def positions(*op_indices: int, shapes=None) -> list[Position]:
 def region(forward: Pass, recompute: Pass | None, kind: str = "checkpoint", **options) -> Region:
     return Region(rank=0, region=0, module="layers.0", kind=kind, forward=forward, recompute=recompute,
                   options={"use_reentrant": kind == "reentrant", "determinism_check": "default", **options})
+
+
+def param_ref(name: str) -> InputRef:
+    return InputRef("param", name=name)
+
+
+def run(*regions: Region, path: str = "trace-rank0.jsonl") -> Run:
+    return Run(source="trace", path=path, rank=0, regions=list(regions), exit_status="ok")

@@ -96,6 +96,42 @@ def test_moe_training_bit_identical_with_and_without_audit(dropout):
     assert any(sum(s.flips) for s in auditor.sites.values())
 
 
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
+    """Dropout in checkpointed blocks without their RNG state (examples/dropout_no_rng.py's mechanism): every
+    recompute draws another mask, so the run diverges now; the replays (which start from the forward's RNG state)
+    cannot see it, and the audit said "CheckpointError unlikely" alone. Its first line now says so, and the control
+    run (RNG state preserved) is checked and found clean."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ac_diff.audit.render import render_audit
+
+    args = tiny_moe.ModelArgs(dropout=0.1)
+    model = tiny_moe.build_model(args, seed=3, preserve_rng_state=preserve_rng_state)
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=1)).start()
+    try:
+        tiny_moe.train(model=model, args=args, steps=2, seq_len=32, log=lambda s: None)
+    finally:
+        auditor.stop()
+    a = audit_document(auditor, parse_scale(None), target="my train.py", wall_seconds=1.0)["audit"]
+    out = StringIO()
+    render_audit({"audit": a}, Console(file=out, width=400, color_system=None))
+    first = out.getvalue().splitlines()[0]
+    check = a["recompute"]
+    assert check["checked"] == 4  # 2 blocks x 2 steps, every one compared (not only the replayed one)
+    if preserve_rng_state:
+        assert check["diverged_count"] == 0 and a["headline"] == a["extrapolation"]["headline"]
+        assert first.startswith("ac-diff audit:")
+        return
+    assert check["diverged_count"] == 4 and [r["region"] for r in check["diverged"]] == [1, 2, 3, 4]
+    assert {r["how"] for r in check["diverged"]} == {"values"}  # same shapes: torch raises nothing
+    assert a["headline"] == check["headline"] and first == a["headline"]
+    assert first.startswith("the run already diverges: 4 of 4 recomputed region(s)") and "gradients are wrong" in first
+    assert "`ac-diff run 'my train.py'`" in first
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gradients_bit_identical_for_every_checkpoint_variant(variant):
     torch.manual_seed(1)
@@ -112,12 +148,16 @@ def test_gradients_bit_identical_for_every_checkpoint_variant(variant):
     for name in plain[1]:
         assert torch.equal(plain[1][name], audited[1][name]), name
     assert [r.module for r in auditor.regions] == ["layers.0", "layers.1"]
+    # every variant recomputes what its forward saved: none is said to diverge (reentrant ones are not compared)
+    check = auditor.recompute.result()
+    assert check["diverged_count"] == 0 and check["checked"] == (0 if variant == "reentrant" else 2), check
     assert auditor.notes == ([] if variant != "sac" else [
         "selective AC: the replays serve the outputs of aten.addmm.default from the forward, as the policy's cache "
         "does (every call of these ops)"])
 
 
 # -- predictions against a real mechanism -------------------------------------------------------------
+@pytest.mark.e2e  # trains the broken and the fixed example several times (~40 s on 2 cores)
 def test_predicted_flip_rate_matches_the_real_bias_update():
     """The broken example moves expert_bias by about 1e-3 between forward and recompute; the audit of the fixed
     example with that much noise must predict the share of routing rows that really flip (within 2x)."""
@@ -163,6 +203,8 @@ def test_audit_of_the_fixed_example(fixed_audit):
     assert r["bytes_per_region"] == 256 * 2 * (4 + 8)  # topk's values (f32) and indices (i64)
     risk = a["extrapolation"]
     assert risk["expected_flips_per_step"] > 100 and risk["p_checkpoint_error"] > 0.99
+    # the fixed example's recomputes reproduce their forwards: the prediction is the headline
+    assert a["recompute"]["checked"] > 0 and a["recompute"]["diverged_count"] == 0 and a["headline"] == risk["headline"]
     assert proc.returncode == 1, proc.stderr[-2000:]  # --check: a CheckpointError is predicted at that scale
     assert "CheckpointError almost certain" in proc.stdout and "fix: save aten.topk.default" in proc.stdout
     # the HTML page: one margin plot per site with margins, the headline, the policy

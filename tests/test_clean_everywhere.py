@@ -1,6 +1,7 @@
 """No clean run is ever reported as diverged: every clean example and stack of the test suite, run under
 op-level selective AC (topk and the matmuls saved), full AC and nested AC (each checkpointed function
-checkpointed again inside), is reported clean. Small sizes, one step (`tests/stacks/ac_modes.py` switches
+checkpointed again inside), is reported clean; so is a whole-model torch.compile of checkpointed blocks, recorded
+with `--compiled eager`. Small sizes, one step (`tests/stacks/ac_modes.py` switches
 the mode without touching the scripts).
 """
 
@@ -22,15 +23,20 @@ CLEAN = {  # name -> the script (or -m module) and its arguments
     "moe_bias_update_fixed": [str(EXAMPLES / "moe_bias_update_fixed.py"), "--steps", "1", "--seq-len", "32"],
     "grad_accum_summed": [str(STACKS / "grad_accum.py"), "--schedule", "summed", "--micro-batches", "2"],
     "compiled_none": [str(STACKS / "compiled_blocks.py"), "--compile", "none", "--steps", "1", "--dropout", "0.1"],
+    # torch.compile(model) over the checkpointed blocks, recorded with compiled code forced eager (OPTIONS)
+    "compiled_around": [str(STACKS / "compiled_blocks.py"), "--compile", "around", "--steps", "1", "--dropout", "0.1"],
     # Mixtral divides topk's values in place, which selective AC refuses for a cached tensor: mm only
     "hf_mixtral": ["--save", "mm", str(STACKS / "hf_moe.py"), "--model", "mixtral", "--steps", "1", "--seq-len", "16"],
     "torchtitan_selective": ["-m", "titanlike.train", "--steps", "1"],
 }
 
 
+OPTIONS = {"compiled_around": ["--compiled", "eager"]}  # ac-diff run options of a target
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    jobs = {f"{name}-{mode}": Job([RUNNER, "--ac", mode, *target], cwd=STACKS, env=ENV)
+    jobs = {f"{name}-{mode}": Job([RUNNER, "--ac", mode, *target], options=OPTIONS.get(name, []), cwd=STACKS, env=ENV)
             for name, target in CLEAN.items() for mode in MODES}
     return run_all(tmp_path_factory.mktemp("clean"), jobs, timeout=900)
 
@@ -47,6 +53,8 @@ def test_a_clean_run_is_clean_in_every_ac_mode(runs, name, mode):
     assert report["verdict"] == "clean" and not bad, f"{report['headline']}: {bad}"
     if mode == "nested":  # every region has a region inside it
         assert len(report["regions"]) == 2 * len(runs[f"{name}-full"].report["regions"])
+    if name in OPTIONS:  # compiled code forced eager: said in the headline
+        assert report["headline"].startswith("Net ran eagerly (--compiled eager"), report["headline"]
     if mode == "sac":  # selective AC really ran (torchtitan's stack: with its own save list)
         run = read_run(r.trace_dir / "trace-rank0.jsonl")
         assert all(g.options.get("sac") for g in run.regions)

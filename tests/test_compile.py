@@ -14,6 +14,7 @@ from ac_diff.trace import read_run
 from stacks.runs import STACKS, Job, run_all
 
 SCRIPT = str(STACKS / "compiled_blocks.py")
+BUFFER = [SCRIPT, "--compile", "around", "--fullgraph", "--buffer-update", "--steps", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,12 @@ def runs(tmp_path_factory):
         "block": Job([SCRIPT, "--compile", "block", "--fullgraph"]),
         # the workaround the report gives: --scope all runs compiled code eagerly, regions included
         "around_scope_all": Job([SCRIPT, "--compile", "around"], options=["--scope", "all"]),
+        # whole-model compile (fullgraph) over blocks that update a buffer in place in their forward: a real divergence
+        "buffer": Job(BUFFER, options=["--reference", "no-ac"]),
+        "buffer_eager": Job(BUFFER, options=["--compiled", "eager", "--reference", "no-ac"]),
+        # a clean compiled model against the run without AC: the reference's checkpoint() is traced by Dynamo
+        "block_reference": Job([SCRIPT, "--compile", "block", "--fullgraph", "--steps", "1"],
+                               options=["--reference", "no-ac"]),
     })
 
 
@@ -52,10 +59,78 @@ def test_torchtitan_per_block_fullgraph_compile_does_not_crash_and_says_why_no_r
     assert r.returncode == 0, r.explain()  # the training itself ran, compiled
     assert "step 1: loss" in r.stdout
     report = r.report
-    assert report["regions"] == []
+    assert report["regions"] == [] and report["verdict"] == "unchecked"
+    assert report["title"] == "AC COMPILED, NOT RECORDED"
+    assert report["headline"].startswith("AC runs inside compiled graphs (2 checkpointed regions in 2 graphs)"), \
+        report["headline"]
+    assert "the graphs show no state updated inside the regions" in report["headline"]
+    assert "ac-diff run --compiled eager" in report["headline"]
+    assert report["compiled"] == {"eager": False, "modules": ["layers.0", "layers.1"], "regions": 2, "graphs": 2,
+                                  "mutations": []}
     note = next(n for n in report["notes"] if n.startswith("torch.compile"))
     assert "compiled module(s) layers.0, layers.1 ran outside any recorded region" in note
-    assert "no checkpointed region ran" in note and "--scope all" in note
+    assert "no checkpointed region ran" in note and "--compiled eager" in note
+
+
+@pytest.mark.e2e
+def test_a_buffer_updated_in_compiled_regions_is_named_from_the_graphs_and_the_gradients_differ(runs):
+    r = runs["buffer"]
+    assert r.returncode == 0, r.explain()  # --reference no-ac on a whole-model fullgraph compile: no crash
+    report = r.report
+    assert report["verdict"] == "diverged" and report["regions"] == []
+    assert "no checkpointed region ran" not in report["headline"]
+    assert "AC runs inside compiled graphs (2 checkpointed regions in 1 graph)" in report["headline"]
+    assert [(m["name"], m["kind"]) for m in report["compiled"]["mutations"]] == [
+        ("layers.0.scale", "buffer"), ("layers.1.scale", "buffer")]
+    ref = report["reference"]
+    assert ref["verdict"] == "differs", ref["headline"]  # the ground truth: compiled AC changes the gradients
+    assert [e["kind"] for e in ref["explanations"]] == ["compiled_ac"]
+    assert "layers.0.scale, layers.1.scale" in ref["explanations"][0]["text"]
+    assert any(n.startswith("both runs ran compiled") for n in ref["notes"])
+
+
+@pytest.mark.e2e
+def test_compiled_eager_records_the_regions_of_a_compiled_model_and_places_the_divergence(runs):
+    r = runs["buffer_eager"]
+    assert r.returncode == 0, r.explain()
+    report = r.report
+    assert report["headline"].startswith("Net ran eagerly (--compiled eager: torch.compiler.set_stance('force_eager'))")
+    assert [g["module"] for g in report["regions"]] == ["layers.0", "layers.1"]
+    for g in report["regions"]:
+        assert g["status"] == "diverged" and g["cause"]["kind"] == "state_mutation"
+        assert g["cause"]["tensor"] == f"{g['module']}.scale"
+    ref = report["reference"]
+    assert ref["verdict"] == "differs" and ref["explanations"][0]["kind"] == "recompute_divergence"
+    assert any("both runs ran torch.compile'd code eagerly" in n for n in ref["notes"])
+    assert report["compiled"]["eager"] is True and report["compiled"]["modules"] == ["Net"]
+
+
+@pytest.mark.e2e
+def test_a_clean_compiled_model_matches_the_run_without_ac(runs):
+    r = runs["block_reference"]
+    assert r.returncode == 0, r.explain()
+    assert r.report["reference"]["verdict"] == "identical", r.report["reference"]["headline"]
+
+
+@pytest.mark.e2e
+def test_fix_on_a_compiled_model_records_it_eagerly_and_verifies_a_remedy(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    json_path = tmp_path / "fix.json"
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "fix", "-o", str(tmp_path / "fix"), "--steps", "1",
+                           "--max-tries", "1", "--json", str(json_path), *BUFFER], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recording again with compiled code run eagerly" in proc.stderr
+    report = json.loads(json_path.read_text())
+    fixes = report["fixes"]
+    assert fixes["verified"] == "restore the forward's layers.*.scale in the recompute", fixes["headline"]
+    assert "--compiled eager" in fixes["tries"][0]["command"]
+    assert report["notes"][0].startswith("the compiled run (before --compiled eager): ")
+    assert "layers.0.scale, layers.1.scale" in report["notes"][0]
 
 
 @pytest.mark.e2e
@@ -103,7 +178,66 @@ def test_in_process_recording_of_compiled_models(tmp_path, how):
     else:  # torch.compile(model) over checkpoint_wrapper'd blocks: no crash, no region, and why
         note = next(n for n in run.notes if n.startswith("torch.compile"))
         assert run.regions == []
+        assert run.compiled["regions"] == 2 and run.compiled["mutations"] == []  # read from Dynamo's graph
         assert "Sequential ran outside any recorded region" in note and "no checkpointed region ran" in note
+
+
+class _Counted(nn.Module):
+    """Updates two buffers and a view of a plain tensor attribute in place. (`self.seen += 1` would be a
+    reassignment: Dynamo then leaves the region uncompiled, and it runs as an ordinary recorded region.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("amax", torch.zeros(8))
+        self.history = torch.zeros(4)
+
+    def forward(self, x):
+        self.seen.add_(1)
+        self.amax.copy_(torch.maximum(self.amax, x.detach().abs().amax(0)))
+        self.history[1:].zero_()
+        return torch.tanh(self.lin(x / (self.amax + 1)))
+
+
+def test_graph_watch_counts_compiled_regions_and_names_what_they_update_in_place():
+    from torch.utils.checkpoint import checkpoint
+
+    from ac_diff.capture.compiled_graphs import GraphWatch
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_Counted(), nn.Linear(8, 8)])
+
+        def forward(self, x):
+            x = checkpoint(self.blocks[0], x, use_reentrant=False)
+            # nested: an outer region around a clean one
+            return checkpoint(lambda y: checkpoint(self.blocks[1], y, use_reentrant=False), x, use_reentrant=False)
+
+    watch = GraphWatch(where=lambda: "model").install()
+    try:
+        torch.compile(Net(), backend="aot_eager")(torch.randn(4, 8)).sum().backward()
+    finally:
+        watch.uninstall()
+        torch._dynamo.reset()
+    summary = watch.summary()
+    assert summary["regions"] == 3 and summary["graphs"] == 1, summary
+    assert [(m["name"], m["kind"]) for m in summary["mutations"]] == [
+        ("model.blocks.0.seen", "buffer"), ("model.blocks.0.amax", "buffer"), ("model.blocks.0.history", "attribute")]
+    assert torch.compile.__name__ == "compile" and not hasattr(torch.compile, "__wrapped__")  # put back
+
+
+def test_source_name_reads_dynamo_sources():
+    from ac_diff.capture.compiled_graphs import source_name
+
+    assert source_name("L['self']._modules['layers']._modules['0'].__dict__['_modules']['_checkpoint_wrapped_module']"
+                       "._buffers['scale']", "") == ("layers.0.scale", "buffer")
+    assert source_name("L['self']._modules['w']._parameters['weight']", "layers.1") == ("layers.1.w.weight",
+                                                                                        "parameter")
+    assert source_name("L['self'].cache", "attn") == ("attn.cache", "attribute")
+    assert source_name("L['x']", "layers.0") == ("x", "input")
+    assert source_name("G['STATS']", None) == ("STATS", "global")
 
 
 # -- units ------------------------------------------------------------------------------------------

@@ -171,13 +171,15 @@ def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
         check: true
         rtol: 0.01
     """)
+    (tmp_path / "train.py").write_text("")  # the script must exist: it is checked before anything runs
     assert main(["run", "train.py", "--lr", "3"]) == 0
     target, args, kw = calls[-1]
     assert (target, args) == ("train.py", ["--lr", "3"])
     assert kw["options"] == RecordOptions(keep_values=64, scope="all", ignore_ops=frozenset({"aten.mul.Tensor"}),
                                           discrete_ops=frozenset({"aten.add.Tensor"}), write="diverged")
     assert kw["settings"].tolerance == Tolerance(rtol=0.01, atol=0.0)
-    assert (kw["output_dir"], kw["fmt"], kw["check"], kw["output"]) == ("traces", "json", True, None)
+    # every path is resolved when ac-diff starts (a script's os.chdir() must not move them)
+    assert (kw["output_dir"], kw["fmt"], kw["check"], kw["output"]) == (str(tmp_path / "traces"), "json", True, None)
 
     assert main(["run", "--keep-values", "0", "--scope", "regions", "--no-check", "--rtol", "0", "--format", "html",
                  "-o", "elsewhere", "--no-fingerprints", "--write", "all", "train.py"]) == 0
@@ -186,5 +188,5 @@ def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
     assert kw["options"].write == "all"
     assert kw["options"].ignore_ops == frozenset({"aten.mul.Tensor"})  # not overridden: still the config's
     assert kw["settings"].tolerance.rtol == 0.0 and kw["check"] is False
-    assert (kw["output_dir"], kw["fmt"]) == ("elsewhere", "html")
-    assert kw["output"] == str(Path("elsewhere") / "report.html")  # an HTML page needs a file
+    assert (kw["output_dir"], kw["fmt"]) == (str(tmp_path / "elsewhere"), "html")
+    assert kw["output"] == str(tmp_path / "elsewhere" / "report.html")  # an HTML page needs a file

@@ -7,6 +7,7 @@ import io
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -122,6 +123,80 @@ def test_sdpa_backend_flag_differs_between_passes_is_global_state(tmp_path):
     assert region.status == "diverged"
     assert region.cause.kind == "global_state" and region.cause.tensor == "sdp_backends"
     assert region.state_changes["sdp_backends"]["forward"] == ["math"]
+
+
+# torch.backends flags that choose GPU kernels, readable (and settable) on a CPU build
+BACKEND_FLAGS = [("cuda.matmul", "allow_tf32"), ("cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+                 ("cuda.matmul", "allow_fp16_reduced_precision_reduction"), ("cudnn", "allow_tf32"),
+                 ("cudnn", "benchmark"), ("cudnn", "deterministic"), ("cudnn", "enabled")]
+
+
+@pytest.mark.parametrize("owner, flag", BACKEND_FLAGS)
+def test_backend_flag_set_between_forward_and_backward_is_global_state(tmp_path, owner, flag):
+    """A forward hook on the model flips a torch.backends flag once the forward has run (as a "speed up the backward"
+    hook would): the recompute runs under the other value. A CPU ignores it, so the values match and the region is
+    clean, but the flag is named, with both values and the fix: set it once for the whole step."""
+    namespace = {"cuda.matmul": torch.backends.cuda.matmul, "cudnn": torch.backends.cudnn}[owner]
+    before = getattr(namespace, flag)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model.register_forward_hook(lambda *_: setattr(namespace, flag, not before))
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            cp.checkpoint(model, x, use_reentrant=False).sum().backward()
+    finally:
+        setattr(namespace, flag, before)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    region = report.regions[0]
+    key, name = f"{owner}.{flag}", f"torch.backends.{owner}.{flag}"
+    assert report.verdict == "clean" and region.status == "clean"  # the same values on a CPU
+    assert region.state_changes[key] == {"forward": before, "recompute": not before}
+    assert region.cause.kind == "global_state" and region.cause.tensor == key
+    assert f"`{name}` was {before!r} in the forward and {not before!r} in the recompute" in region.cause.detail
+    fix = region.suggestions[0]
+    assert fix.title == f"Set `{name}` once for the whole step, not between the forward and the backward"
+    assert fix.code.startswith(f"{name} = {before!r}  # once, before the training loop")
+    assert name in report.headline and report.headline.startswith("clean: ")
+
+
+def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path):
+    """The training loop turns TF32 on between the forward and loss.backward(): set_float32_matmul_precision("high")
+    sets torch.backends.cuda.matmul.allow_tf32 too; both are named, the backend flag first, in every renderer."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(4, 8, requires_grad=True)
+    before = torch.get_float32_matmul_precision()
+    try:
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            loss = cp.checkpoint(model, x, use_reentrant=False).sum()
+            torch.set_float32_matmul_precision("high")
+            loss.backward()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    region = report.regions[0]
+    assert region.status == "clean" and region.cause.tensor == "cuda.matmul.allow_tf32"
+    assert region.state_changes["matmul_precision"] == {"forward": "highest", "recompute": "high"}
+    assert any("torch.set_float32_matmul_precision" in e and "'highest' -> 'high'" in e
+               for e in region.cause.evidence)
+    assert any("no value differed in this run" in n for n in region.notes)
+    out = io.StringIO()
+    render_terminal(report, Console(file=out, width=200))
+    assert "torch.backends.cuda.matmul.allow_tf32" in out.getvalue() and "global_state" in out.getvalue()
+
+
+def test_flags_that_stay_set_for_the_whole_step_are_not_named(tmp_path):
+    """The same flag set once, before the step: the forward and the recompute agree, nothing to report."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    try:
+        torch.backends.cudnn.deterministic = True
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            cp.checkpoint(model, x, use_reentrant=False).sum().backward()
+    finally:
+        torch.backends.cudnn.deterministic = False
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "clean" and region.cause is None and not region.state_changes
 
 
 def test_reentrant_divergence_is_silent(tmp_path):

@@ -114,6 +114,27 @@ def test_random_op_with_same_inputs_is_rng():
     assert report.cause.kind == "rng" and "preserve_rng_state=False" in report.cause.detail
 
 
+def test_a_kernel_flag_set_for_the_backward_where_values_differ_is_global_state():
+    """On a GPU: TF32 turned on between the forward and the backward, the recompute's matmul gives other values from
+    identical inputs. A pass writes a backend flag only off its usual value; the report gives both values."""
+    w = InputRef("param", name="lin.weight")
+    f_ops = [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), w], fp=[[1.0, 2.0]])]
+    r_ops = [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), w], fp=[[1.0001, 2.0001]])]
+    same = [ext("input", "input[0]", [1.0, 1.0]), ext("param", "lin.weight", [3.0, 3.0], 1)]
+    f, r = _two_passes(f_ops, r_ops, positions(0), positions(0), same, same)
+    f.state = {"grad_enabled": True, "matmul_precision": "highest"}
+    r.state = {"grad_enabled": True, "matmul_precision": "high", "cuda.matmul.allow_tf32": True}
+    report = diagnose_region(region(f, r))
+    assert report.status == "diverged" and report.first_value_divergence.detail["inputs_identical"]
+    assert report.state_changes["cuda.matmul.allow_tf32"] == {"forward": False, "recompute": True}
+    assert report.cause.kind == "global_state" and report.cause.tensor == "cuda.matmul.allow_tf32"
+    assert report.cause.detail.startswith("`torch.backends.cuda.matmul.allow_tf32` was False in the forward and True "
+                                          "in the recompute")
+    fix = report.suggestions[0]
+    assert "once for the whole step" in fix.title
+    assert fix.code.startswith("torch.backends.cuda.matmul.allow_tf32 = False  # once, before the training loop")
+
+
 def test_topk_flip_margin():
     scores_f = [[0.9, 0.5, 0.49, 0.1], [0.8, 0.7, 0.2, 0.1]]
     scores_r = [[0.9, 0.49, 0.5, 0.1], [0.8, 0.7, 0.2, 0.1]]

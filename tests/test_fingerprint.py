@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
 
-from ac_diff.capture.fingerprint import FingerprintBatch, _rows
+import ac_diff
+from ac_diff.capture.fingerprint import FingerprintBatch, StreamFence, _rows
+from models import record_step
 
 
 def fp(*tensors: torch.Tensor) -> list:
@@ -56,6 +63,145 @@ def test_a_dense_non_contiguous_tensor_is_reduced_in_memory_order_without_a_copy
     assert fp(expanded) == fp(expanded.contiguous())
 
 
+def _quantized(dtype: torch.dtype) -> bool:
+    with warnings.catch_warnings():  # torch warns that quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        return torch.empty(0, dtype=dtype).is_quantized
+
+
+def _dtypes() -> list[torch.dtype]:
+    """Every dtype of the torch that runs the tests (found at run time: float8, uint16, sub-byte, bits
+    dtypes come and go with versions), but the quantized ones, which need a quantizer to hold values."""
+    found = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return sorted((d for d in found if not _quantized(d)), key=str)
+
+
+def _sample(dtype: torch.dtype) -> torch.Tensor:
+    """An (8, 4) tensor of `dtype`: normal values cast where torch can cast to a float or complex dtype
+    (random bits would hold NaN, and NaN != NaN), random bytes otherwise. The first two values are 2 and
+    -2 (times 1+1j): half-precision weighted sums are only as fine as their dtype, so the swap of two
+    close values may round away, and 2's top byte has an exponent bit to flip."""
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point or dtype.is_complex:
+        values = torch.randn(8, 4, generator=g, dtype=torch.complex64 if dtype.is_complex else None)
+        values.view(-1)[:2] = torch.tensor([2.0, -2.0]) * (1 + 1j if dtype.is_complex else 1)
+        try:
+            return values.to(dtype)
+        except (RuntimeError, NotImplementedError):  # float4_e2m1fn_x2: no casts, only bits
+            pass
+    high = 2 if dtype is torch.bool else 256
+    return torch.randint(0, high, (8, 4 * dtype.itemsize), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def _edited(t: torch.Tensor, edit) -> torch.Tensor:
+    """A copy of `t` made through its bytes, `edit` applied to the (elements, bytes) matrix of the copy
+    (the only way to write every dtype: the sub-byte ones have no copy kernels)."""
+    data = t.view(torch.uint8).clone()
+    edit(data.view(-1, t.element_size()))
+    return data.view(t.dtype)
+
+
+def _flip_one(elements: torch.Tensor) -> None:
+    # a bit of the first element's most significant byte: a float's last bits can round away in its sums
+    elements[0, -1 if sys.byteorder == "little" else 0] ^= 1
+
+
+def _swap_two(elements: torch.Tensor) -> None:
+    other = next(j for j in range(1, len(elements)) if not torch.equal(elements[j], elements[0]))
+    elements[[0, other]] = elements[[other, 0]]
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: str(d).removeprefix("torch."))
+def test_every_dtype_is_fingerprinted(dtype):
+    t = _sample(dtype)
+    first, again, flipped, swapped = fp(t, _edited(t, lambda e: None), _edited(t, _flip_one), _edited(t, _swap_two))
+    assert first is not None
+    assert again == first and fp(t) == [first]  # the same values give the same fingerprint, batch after batch
+    assert flipped != first  # one element's bits changed
+    assert swapped != first  # two unequal elements swapped
+
+
+def test_views_of_other_dtypes_are_taken_whatever_the_layout():
+    c = torch.randn(8, 4, dtype=torch.complex64)
+    assert fp(c.conj()) == fp(c.conj().resolve_conj()) != fp(c)  # a lazy conjugate is resolved, not refused
+    for t in (torch.randn(8, 4).to(torch.float8_e4m3fn), torch.randint(0, 2**16, (8, 4)).to(torch.uint16)):
+        assert fp(t.t()) == fp(t.t().contiguous())  # non-contiguous: the same integers
+
+
 def test_tensors_that_cannot_be_reduced_get_no_slot():
-    assert fp(torch.randn(3, dtype=torch.complex64), torch.empty(2, 2, device="meta")) == [None, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    sparse = torch.eye(3).to_sparse()
+    assert fp(quantized, sparse, torch.empty(2, 2, device="meta")) == [None, None, None]
     assert fp(torch.zeros(0, 3))[0] is not None  # empty: a fingerprint all the same
+
+
+class _Float8Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).to(torch.float8_e4m3fn).to(torch.float32).relu()  # a float8 round trip
+
+
+class _Float8Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Float8Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cp.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_a_float8_cast_in_a_checkpointed_region_is_recorded_and_compared(tmp_path):
+    torch.manual_seed(0)
+    _, run = record_step(_Float8Net(), tmp_path / "t.jsonl")
+    assert not run.notes  # no recorder warning (the float8 fingerprint used to raise inside the recorder)
+    region = run.regions[0]
+    for p in (region.forward, region.recompute):
+        casts = [o for o in p.ops if o.op == "aten._to_copy.default" and o.out[0].dtype == "f8e4m3fn"]
+        assert len(casts) == 1 and casts[0].fingerprint and casts[0].fingerprint[0] is not None, p.phase
+    assert ac_diff.diagnose([run]).verdict == "clean"
+
+
+class _FakeStream:
+    """A CUDA stream's `wait_stream`, recorded."""
+
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def wait_stream(self, other) -> None:
+        self.waited.append(other)
+
+
+def test_the_reading_stream_waits_for_every_other_stream_that_queued_work_on_its_device():
+    main0, side0, main1, reader0 = _FakeStream(), _FakeStream(), _FakeStream(), _FakeStream()
+    fence = StreamFence()
+    for device, stream in (("cuda:0", main0), ("cuda:0", side0), ("cuda:0", side0), ("cuda:1", main1)):
+        fence.note(device, stream)
+    fence.wait({"cuda:0": main0, "cuda:1": main1}.__getitem__)
+    assert main0.waited == [side0]  # once, and never on itself
+    assert main1.waited == [] and side0.waited == []  # cuda:1 reads on its only stream: nothing to wait for
+    fence.wait({"cuda:0": reader0, "cuda:1": main1}.__getitem__)  # a collect on a third stream
+    assert reader0.waited == [main0, side0]
+
+
+def test_nothing_queued_on_a_gpu_asks_for_no_reading_stream():
+    StreamFence().wait(lambda device: pytest.fail(f"asked for the reading stream of {device}"))
+
+
+def test_cpu_tensors_make_no_cuda_call(monkeypatch):
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("torch.cuda called for CPU tensors")
+
+    for name in ("current_stream", "current_device", "synchronize", "is_available", "stream"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    batch = FingerprintBatch()
+    tensors = (torch.randn(4, 4), torch.arange(6), torch.randn(3, dtype=torch.complex64),
+               torch.randn(4).to(torch.float8_e4m3fn), torch.arange(3).to(torch.uint16))
+    slots = [batch.add(t) for t in tensors]
+    batch.keep(torch.arange(3))
+    values, kept = batch.collect()
+    assert all(values[s] is not None for s in slots) and len(kept) == 1

@@ -11,31 +11,17 @@ does not help, restoring the generator's forward state does); and the distribute
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from stacks.runs import STACKS
+from stacks.runs import STACKS, fix as _fix
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(STACKS / "reentrant_side.py")
 EXAMPLES = STACKS.parent.parent / "examples"
-
-
-def _fix(out, *args, cwd=None):
-    json_path = out.parent / f"{out.name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
-    if cwd is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STACKS), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "ac_diff", "fix", "-o", str(out), "--json", str(json_path), *args],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
-    assert json_path.exists(), proc.stderr[-3000:]
-    return proc, json.loads(json_path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +112,10 @@ def test_a_remedy_that_crashes_the_script_is_reported_and_the_others_still_run(f
 
 
 def test_a_private_generator_is_restored_where_preserve_rng_state_does_not_help(fixes):
+    """The blocks ran with preserve_rng_state=True (checkpoint's default), which does not cover their own generator:
+    it is not tried again; restoring the generator's forward state is."""
     proc, report = fixes["generator"]
-    by = {t["remedy"]: t for t in report["fixes"]["tries"]}
-    assert by["preserve_rng_state=True"]["status"] == "did not help"
-    assert "torch.Generator passed to aten.rand" in by["preserve_rng_state=True"]["reason"]
+    assert "preserve_rng_state=True" not in {t["remedy"] for t in report["fixes"]["tries"]}
     first = report["fixes"]["tries"][0]
     assert first["args"] == ["--restore-in-recompute", "layers.*"] and first["status"] == "verified"
     assert "gen.set_state(gen_state)" in report["fixes"]["verified_code"]

@@ -296,7 +296,7 @@ def test_html_report_file_defaults(tmp_path, monkeypatch):
             return True
 
     monkeypatch.setattr(sys, "stdout", Tty())
-    with pytest.raises(ac_diff.InputError, match="pass -o report.html"):
+    with pytest.raises(ac_diff.InputError, match="pass --report report.html"):
         _report_file("html", None)
 
 

@@ -1,12 +1,17 @@
-"""reference/explain.py on given gradient comparisons: what a later loss that differs means, and a backward that
-left no gradient to compare (no runs needed: the e2e cases are in test_reference.py)."""
+"""reference/explain.py on given gradient comparisons: what a later loss that differs means, a backward that left no
+gradient to compare, and a first loss that differs: a kernel that gives other values from identical inputs in
+another process, or the script's own randomness, told apart on factory-built first forwards (no runs needed: the
+e2e cases are in test_reference.py and test_reference_kernel.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ac_diff.passes import Pass, Region
 from ac_diff.reference.explain import explain
-from ac_diff.reference.result import DIFFERS, FAILED, IDENTICAL, StepComparison
+from ac_diff.reference.forwards import first_difference
+from ac_diff.reference.result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, StepComparison
+from factories import ext, op, param_ref, ref, run
 
 
 def _steps(second_loss_identical: bool, no_grad: int = 0) -> list[StepComparison]:
@@ -85,3 +90,59 @@ def test_a_rank_that_only_received_another_ranks_error_says_so():
     result = explain([step], [], report, steps_requested=1)
     assert result.verdict == DIFFERS and result.explanations[0].kind == "other_rank_divergence"
     assert "rank 1" in result.explanations[0].text and "layers.0" in result.explanations[0].text
+
+
+# -- a first loss that differs: the two runs' first forwards, op by op -------------------------------------------
+def _first_loss_differs() -> list[StepComparison]:
+    return [StepComparison(step=0, loss_identical=False, loss_rel_diff=3e-7, parameters=4, identical=0)]
+
+
+def _forward(w=(1.0, 2.0), index_add=(2.0, 2.0), drop=(3.0, 3.0), random_drop=False) -> Region:
+    """mm(param w) -> index_add -> dropout (random or not), with the given fingerprints."""
+    ops = [op(0, "aten.mm.default", refs=[param_ref("layers.0.w")], fp=[[1.0, 1.0] if w == (1.0, 2.0) else [7.0, 7.0]]),
+           op(1, "aten.index_add.default", refs=[ref(0)], fp=[list(index_add)]),
+           op(2, "aten.native_dropout.default", refs=[ref(1)], fp=[list(drop)], random=random_drop)]
+    return Region(rank=0, region=0, module="layers.0",
+                  forward=Pass("forward", ops, externals=[ext("param", "layers.0.w", list(w))]))
+
+
+def _first_loss(a: Region, b: Region):
+    return explain(_first_loss_differs(), [], _report(), steps_requested=1,
+                   first_forward=first_difference(run(a), run(b, path="reference/trace-rank0.jsonl")))
+
+
+def test_a_first_loss_from_a_kernel_that_differs_between_processes_names_the_kernel():
+    """Every input of index_add identical in both runs, its output not: a nondeterministic kernel (float atomics)."""
+    result = _first_loss(_forward(), _forward(index_add=(2.0, 2.5), drop=(3.0, 3.5)))
+    assert result.verdict == NOT_COMPARABLE and "(a nondeterministic kernel)" in result.headline
+    why = result.explanations[0]
+    assert why.kind == "nondeterministic_kernel" and why.region == "layers.0" and why.source == "model.py:11 in forward"
+    assert ("nondeterministic kernel: aten.index_add.default at m (model.py:11 in forward) gives other values from the "
+            "same inputs from one process to the next") in why.text
+    assert why.fix == "run with torch.use_deterministic_algorithms(True) (ac-diff fix tries --deterministic)"
+
+
+def test_a_first_loss_from_inputs_or_draws_that_already_differ_is_the_scripts_own_randomness():
+    """A parameter that differs (unseeded initialisation), a random op drawing other numbers from identical inputs
+    (unseeded), or nothing recorded: seed the script."""
+    unseeded_init = _first_loss(_forward(), _forward(w=(1.0, 2.5), index_add=(2.0, 2.5), drop=(3.0, 3.5)))
+    unseeded_draw = _first_loss(_forward(random_drop=True), _forward(drop=(3.0, 3.5), random_drop=True))
+    unrecorded = explain(_first_loss_differs(), [], _report(), steps_requested=1, first_forward=None)
+    for result in (unseeded_init, unseeded_draw, unrecorded):
+        assert result.verdict == NOT_COMPARABLE and "(the script's own randomness)" in result.headline
+        assert [e.kind for e in result.explanations] == ["reference_randomness"]
+        assert result.explanations[0].fix.startswith("seed the script")
+    assert "layers.0.w" in unseeded_init.explanations[0].text
+    assert "aten.native_dropout.default" in unseeded_draw.explanations[0].text
+
+
+def test_a_nondeterministic_kernel_makes_fix_try_deterministic_algorithms():
+    """The base run is clean and its gradients could not be compared: deterministic algorithms is the remedy to try."""
+    from ac_diff.fix.candidates import candidates
+
+    result = _first_loss(_forward(), _forward(index_add=(2.0, 2.5), drop=(3.0, 3.5)))
+    found = candidates(SimpleNamespace(regions=[], reference=result))
+    assert [(c.kind, c.spec.cli_args()) for c in found] == [("deterministic", ["--deterministic"])]
+    assert found[0].why == "nondeterministic kernel in m (model.py:11 in forward)"
+    seeded = _first_loss(_forward(), _forward(w=(1.0, 2.5)))
+    assert candidates(SimpleNamespace(regions=[], reference=seeded)) == []

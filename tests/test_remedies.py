@@ -7,6 +7,7 @@ torchtitan-shaped `apply_ac` with an op-level SAC policy.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import pytest
@@ -19,6 +20,11 @@ from ac_diff.capture.torch_compat import sac_policy_answers, selective_contexts
 from ac_diff.reference.session import CaptureSession
 from ac_diff.remedies import CheckpointPatch, RemedySpec
 from stacks import reentrant_side
+from stacks.runs import STACKS
+
+sys.path.insert(0, str(STACKS))  # the scripts import their shared loop and model
+import delayed_scaling  # noqa: E402
+import lora_generator  # noqa: E402
 
 
 class Block(nn.Module):
@@ -273,6 +279,33 @@ def test_restore_in_recompute_gives_the_recompute_the_forwards_state(patched, re
     held = "bias" if block is Biased else "_gen"
     assert [(r["region"], r["what"]) for r in rows] == [
         (f"layers.{i}", f"forward value restored in the recompute: layers.{i}.{held}") for i in (0, 1)]
+
+
+def _trained(stack, spec: RemedySpec) -> list[list[torch.Tensor]]:
+    """Each step's gradients of a stack script (its `main`, 3 steps) under `spec`'s remedies: `no_ac=["*"]` gives
+    the run without AC, an empty spec the script as written."""
+    patch = CheckpointPatch(spec).install()
+    try:
+        return stack.main(["--steps", "3"])
+    finally:
+        patch.uninstall()
+
+
+@pytest.mark.parametrize("stack, restore", [
+    (lora_generator, ["layers.*.q_proj.lora_dropout.default", "layers.*.v_proj.lora_dropout.default"]),
+    (lora_generator, ["layers.*"]),  # the block: the generators its submodules hold
+    (delayed_scaling, ["layers.*.amax_history"]),  # filled from the first batch, with a flag, in step 0's forward
+])
+def test_restore_reaches_the_state_where_it_lives_and_never_undoes_the_first_forward(stack, restore):
+    """A LoRA dropout's own generator, two modules below the checkpointed block, is restored from the block's glob
+    too; a buffer the module's first forward fills (setting its `initialized` flag) is not put back empty under the
+    set flag in step 0's recompute: that recompute replays the filling. Every step then trains as without AC (the
+    forward's own updates stand)."""
+    reference = _trained(stack, RemedySpec(no_ac=["*"]))
+    differs = _trained(stack, RemedySpec())
+    assert not all(torch.equal(a, b) for step, ref in zip(differs, reference) for a, b in zip(step, ref))
+    restored = _trained(stack, RemedySpec(restore=restore))
+    assert [all(map(torch.equal, step, ref)) for step, ref in zip(restored, reference)] == [True] * 3
 
 
 def test_restore_travels_to_children_and_rebuilds_its_command():

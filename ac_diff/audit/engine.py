@@ -6,6 +6,8 @@
                                                over the regions that ran it: margins, flips per seed,
                                                whether a flip changed the saved tensors' shapes
     auditor.regions    -> [RegionAudit]        per audited region: module, tokens, cost, remedy check
+    auditor.recompute  -> RecomputeCheck       every region's real recompute against its forward: does the
+                                               run diverge already (recompute.py)
 
 It listens to the same version-guarded checkpoint hooks as the recorder (capture/torch_compat.py), and when a
 region's original forward finishes it replays the region (replay.RegionReplay): once clean, once per
@@ -30,6 +32,7 @@ from ..oprules import is_collective
 from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
+from .recompute import RecomputeCheck
 from .replay import PassResult, RegionReplay, RngState, origin_of, producer_of, reachable
 
 _SQRT2 = math.sqrt(2.0)
@@ -140,6 +143,7 @@ class Auditor:
         self.hooks = CheckpointHooks(self)
         self.sites: dict[tuple, SiteStats] = {}
         self.regions: list[RegionAudit] = []
+        self.recompute = RecomputeCheck()
         self.notes: list[str] = []
         self.seen = 0
         self.audit_seconds = 0.0
@@ -172,6 +176,7 @@ class Auditor:
         if self._busy or phase != FORWARD:
             return
         self.seen += 1
+        self.recompute.forward(frame, self.seen, self._name(getattr(frame, "_ac_diff_fn", None)))
         if self.seen > self.settings.max_regions:
             return
         inputs = getattr(frame, "_ac_diff_inputs", None) or ()
@@ -183,7 +188,10 @@ class Auditor:
             self._pending[id(frame)] = (hit[0], RngState.capture(tuple(inputs)), tuple(inputs))
 
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
-        if self._busy or phase != FORWARD:
+        if self._busy:
+            return
+        self.recompute.exit(frame, phase, exc)
+        if phase != FORWARD:
             return
         hit = self._pending.pop(id(frame), None)
         sac_ops = self._sac.pop(id(frame), set())
@@ -205,11 +213,12 @@ class Auditor:
             self.audit_seconds += time.perf_counter() - start
             self._busy = False
 
-    def pack(self, *args) -> None:
-        pass
+    def pack(self, frame: Any, phase: str, position: int, x: Any) -> None:
+        if not self._busy:
+            self.recompute.pack(frame, phase, position, x)
 
-    def check_failed(self, *args) -> None:
-        pass
+    def check_failed(self, frame: Any, exc: BaseException) -> None:
+        self.recompute.failed(frame, exc)
 
     def sac_saved(self, func) -> None:
         """An op the region's selective-AC policy saved in its forward: its recompute gets the forward's output."""
@@ -231,7 +240,7 @@ class Auditor:
         module, hooks_run = checkpointed_module(fn)
         replay = RegionReplay(fn, inputs, kwargs, rng, self.modules, self.settings.discrete_ops,
                               module=None if hooks_run else module, sac_ops=sac_ops)
-        name = self.modules.name_of(module) if module is not None else getattr(fn, "__qualname__", "?")
+        name = self._name(fn)
         first = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
         tokens = (first.numel() // max(first.shape[-1], 1) if first.dim() >= 2 else first.numel()) if first is not None else 0
         try:
@@ -247,6 +256,11 @@ class Auditor:
             replay.close()
         region.seconds = time.perf_counter() - start
         return region
+
+    def _name(self, fn: Any) -> str:
+        """The checkpointed module's name ("layers.0"), else the function's ("?" when unknown)."""
+        module, _ = checkpointed_module(fn)
+        return self.modules.name_of(module) if module is not None else getattr(fn, "__qualname__", "?")
 
     def _targets(self, clean: PassResult) -> dict:
         """site key -> (the op row the noise goes into, its slot), for decisions that noise can reach."""

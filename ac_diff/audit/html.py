@@ -41,6 +41,7 @@ def audit_html(doc: dict) -> str:
     risk, remedy = a["extrapolation"], a["remedy"]
     out = [f"<!doctype html><meta charset=utf-8><title>ac-diff audit: {escape(a['target'])}</title><style>{_CSS}</style>",
            f"<h1>ac-diff audit of {escape(a['target'])}</h1>",
+           *([f'<p class="risk bad">{escape(a["recompute"]["headline"])}</p>'] if a["recompute"]["headline"] else []),
            f"<p>noise {escape(a['noise'])} x {a['seeds']} seeds; {a['regions_audited']} of {a['regions_seen']} regions "
            f"replayed; {a['audit_seconds']:.2f} s of replays in a {a['wall_seconds']:.2f} s run</p>",
            f'<p class="risk {"bad" if risk["check_failed"] else "ok"}">{escape(risk["headline"])}</p>']

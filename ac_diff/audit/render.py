@@ -18,6 +18,7 @@ from ..oprules import packet
 from ..render.units import byte_size
 
 _BARS = "▁▂▃▄▅▆▇█"
+MAX_DIVERGED_SHOWN = 4
 
 
 def sparkline(counts: list[int]) -> str:
@@ -88,5 +89,13 @@ def render_audit(doc: dict, console: Console) -> None:
     body.add_row(table if scored else Text("no discrete decision fed by floating scores ran in the audited regions"))
     for line in lines:
         body.add_row(line)
+    diverged = a["recompute"]
+    if diverged["headline"]:  # the run diverges already: that comes before any prediction
+        console.print(Text(diverged["headline"], style="bold red"))
+        for r in diverged["diverged"][:MAX_DIVERGED_SHOWN]:
+            console.print(Text(f"  region {r['region']} ({r['module']}): {r['detail']}", style="red"))
+        more = diverged["diverged_count"] - min(len(diverged["diverged"]), MAX_DIVERGED_SHOWN)
+        if more > 0:
+            console.print(Text(f"  ... {more} more in the JSON (--json)", style="dim"))
     console.print(Text(title, style="bold"))
     console.print(body)

@@ -6,9 +6,15 @@
                                    "observed_rate": 0.018, "model_rate": 0.019, "consequence": "CheckpointError"}
     doc["audit"]["remedy"]     -> {"save_list": ["aten.topk.default"], "bytes_per_region": 6144, "verified": true, ...}
     doc["audit"]["extrapolation"]["headline"]
+    doc["audit"]["recompute"]  -> {"checked": 8, "diverged_count": 6, "diverged": [{"region": 1, "module": "layers.0",
+                                   "how": "values", "positions": [3], "detail": "other values at 1 of 12 ..."}, ...]}
+    doc["audit"]["headline"]   -> the answer first: "the run already diverges: 6 of 8 recomputed regions ..." when
+                                  the real recompute already differs from the forward, else the extrapolation's
 """
 
 from __future__ import annotations
+
+import shlex
 
 import torch
 
@@ -59,11 +65,27 @@ def remedy_json(regions) -> dict:
             "policy": sac_policy(save, torch.__version__) if save else None}
 
 
+def recompute_json(check, target: str) -> dict:
+    """Every region's real recompute against its forward (recompute.py), with the headline it calls for."""
+    doc = check.result()
+    n, checked = doc["diverged_count"], doc["checked"]
+    first = doc["diverged"][0] if doc["diverged"] else None
+    doc["headline"] = None if not n else (
+        f"the run already diverges: {n} of {checked} recomputed region(s) saved other tensors than their forward "
+        f"(first: {first['module']}, region {first['region']}: {first['detail']}); "
+        + ("torch raises CheckpointError" if first["how"] in ("shapes", "count") else
+           "torch raises nothing and the gradients are wrong")
+        + f" now, whatever the margins below predict; `ac-diff run {shlex.quote(target)}` names the cause")
+    return doc
+
+
 def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0) -> dict:
     sites = sorted(auditor.sites.values(), key=lambda s: (s.label[0], s.label[1]))
     settings = auditor.settings
     risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
+    recompute = recompute_json(auditor.recompute, target)
     return {"format": FORMAT, "version": VERSION, "audit": {
+        "headline": recompute["headline"] or risk["headline"],
         "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,
         "regions_seen": auditor.seen, "regions_audited": len(auditor.regions),
         "wall_seconds": round(wall_seconds, 3), "audit_seconds": round(auditor.audit_seconds, 3),
@@ -72,5 +94,6 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
         "regions": [region_json(r) for r in auditor.regions],
         "remedy": remedy_json(auditor.regions),
         "extrapolation": risk,
+        "recompute": recompute,
         "notes": auditor.all_notes(),
     }}

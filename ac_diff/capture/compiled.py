@@ -16,8 +16,10 @@ classes. torch.compile changes both:
   at that call); `compiled_graph_draws` says whether that graph draws random numbers. With other
   backends (aot_eager) the graph's aten ops reach the mode one by one.
   On older torch Dynamo skips frames under a dispatch mode: that code runs eagerly (said in a note).
-* `ac-diff run --scope all` keeps the mode on for the whole run: there `EagerStance` runs compiled code
-  eagerly on purpose, so that checkpoint() inside a compiled model runs as a region ac-diff can see.
+* `ac-diff run --compiled eager` ($AC_DIFF_COMPILED=eager, inherited by the reference run and `fix`'s tries) and
+  `--scope all` (the mode on for the whole run) have `EagerStance` run compiled code eagerly on purpose, so that
+  checkpoint() inside a compiled model runs as a region ac-diff can see. Without it, `GraphWatch`
+  (compiled_graphs.py) counts the checkpointed regions in the graphs Dynamo compiles and the state they update.
 
 `CompileWatch` notes both: modules that are compiled (`OptimizedModule`, `module.compile()`) as the
 module hooks see them, inside a region or outside, and how many frames Dynamo compiled during the
@@ -31,6 +33,7 @@ hooks would be baked into compiled graphs (and Dynamo trips over their weak-keye
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 from typing import Any, Callable
@@ -120,6 +123,28 @@ class EagerStance:
             except Exception:
                 pass
             self._prior, self.active = None, False
+
+
+COMPILED_ENV = "AC_DIFF_COMPILED"  # "eager": `ac-diff run --compiled eager` (inherited by the processes it starts)
+
+
+def eager_requested() -> bool:
+    """`ac-diff run --compiled eager` asked for torch.compile'd code to run eagerly in this process."""
+    return os.environ.get(COMPILED_ENV, "") == "eager"
+
+
+def force_eager(stance: EagerStance) -> str | None:
+    """Run torch.compile'd code eagerly from now on (`torch.compiler.set_stance("force_eager")`), so that checkpoint()
+    inside a compiled model runs as a torch.utils.checkpoint region. Returns a warning where this torch cannot."""
+    try:
+        import torch._dynamo.eval_frame as eval_frame
+
+        eval_frame.DynamoStance  # noqa: B018 - set_stance is torch >= 2.6
+    except (ImportError, AttributeError):
+        return (f"--compiled eager: torch {torch.__version__} has no torch.compiler.set_stance (torch >= 2.6), so "
+                "compiled code ran compiled and checkpointed regions inside compiled graphs were not recorded")
+    stance.push()
+    return None if stance.active else "--compiled eager: torch.compiler.set_stance('force_eager') was refused"
 
 
 def keeps_compiled_code() -> bool:
@@ -225,18 +250,24 @@ def _dynamo_counts() -> tuple[int, int]:
 class CompileWatch:
     """Collects what torch.compile did during one recording; `messages()` says what it means."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: Callable[[], str | None] = lambda: None) -> None:
+        from .compiled_graphs import GraphWatch
+
         self.inside: dict[int, list[str]] = {}  # region number -> compiled modules run in it
         self.outside: dict[str, str] = {}  # compiled module FQN run outside any region -> kind
+        self.graphs = GraphWatch(where)  # checkpointed regions inside the graphs Dynamo compiles
+        self.eager = False  # compiled code runs eagerly (--compiled eager)
         self._start = (0, 0)
         self._filter: tuple | None = None
 
     def start(self) -> None:
         self._start = _dynamo_counts()
+        self.graphs.install()
         warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING)
         self._filter = warnings.filters[0]
 
     def stop(self) -> None:
+        self.graphs.uninstall()
         if self._filter is not None:
             try:
                 warnings.filters.remove(self._filter)
@@ -250,6 +281,7 @@ class CompileWatch:
         kind = compile_kind(module)
         if kind is None:
             return None
+        self.graphs.ensure()  # Dynamo may have been loaded after the recording began
         name = fqn or type(getattr(module, "_orig_mod", module)).__name__
         if region is None:
             self.outside.setdefault(name, kind)
@@ -258,6 +290,15 @@ class CompileWatch:
             if name not in names:
                 names.append(name)
         return kind
+
+    def summary(self) -> dict[str, Any] | None:
+        """The end record's `compiled`: {"eager", "modules", "regions", "graphs", "mutations"} (None: no compile)."""
+        modules = sorted(set(self.outside) | {n for ns in self.inside.values() for n in ns})
+        graphs = self.graphs.summary() or {}
+        if not (modules or graphs or self.eager):
+            return None
+        return {"eager": self.eager, "modules": modules, "regions": graphs.get("regions", 0),
+                "graphs": graphs.get("graphs", 0), "mutations": graphs.get("mutations", [])}
 
     def compiled_frames(self) -> tuple[int, int]:
         frames, graphs = _dynamo_counts()
@@ -272,6 +313,14 @@ class CompileWatch:
                 out.append(f"torch.compile: {_list(names)} ran eagerly: with --scope all ac-diff's dispatch mode is "
                            "always active and torch.compile does not compile under it, so the regions recorded are "
                            "those of the eager model (a divergence only the compiled code has is not reproduced)")
+            return out
+        if self.eager:  # --compiled eager
+            names = sorted(set(self.outside) | {n for ns in self.inside.values() for n in ns})
+            if names:
+                out.append(f"torch.compile: {_list(names)} ran eagerly (--compiled eager: torch.compiler.set_stance("
+                           f"'force_eager')), so the {regions_seen} checkpointed region(s) recorded are those of the "
+                           "eager model; a divergence only the compiled code has (AOTAutograd's recompute, inductor's "
+                           "kernels) is not reproduced")
             return out
         if self.inside:
             names = sorted({n for ns in self.inside.values() for n in ns})
@@ -293,9 +342,9 @@ class CompileWatch:
                     f"({_list(sorted(set(self.outside.values())))})")
             if regions_seen == 0:
                 text += ("; no checkpointed region ran: checkpoint() inside a compiled graph is recomputed by the "
-                         "compiler (AOTAutograd) and ac-diff cannot see it. Run without compile (torchtitan: "
-                         "--compile.enable false; HF Trainer: torch_compile=False) or with `ac-diff run --scope all` "
-                         "(compiled code then runs eagerly, with its checkpointed regions)")
+                         "compiler (AOTAutograd) and ac-diff cannot see it. Run with `ac-diff run --compiled eager` "
+                         "(compiled code then runs eagerly, with its checkpointed regions) or without compile "
+                         "(torchtitan: --compile.enable false; HF Trainer: torch_compile=False)")
             else:
                 text += ("; checkpointed regions inside them are recomputed by the compiler, not by "
                          "torch.utils.checkpoint, and are not in this trace")
@@ -303,7 +352,7 @@ class CompileWatch:
         elif frames and regions_seen == 0:
             out.append(f"torch.compile: Dynamo compiled {frames} frame(s) ({graphs} graph(s)) during the recording "
                        "and no checkpointed region ran: checkpoint() inside a compiled function is recomputed by the "
-                       "compiler and ac-diff cannot see it; run without compile or with `ac-diff run --scope all`")
+                       "compiler and ac-diff cannot see it; run with `ac-diff run --compiled eager` or without compile")
         return out
 
 

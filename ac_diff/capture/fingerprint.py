@@ -13,6 +13,16 @@ data; half precision: a float32 sum and the weighted sum, no float64 upcasts, wh
 Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
 same experts in another order) changes the fingerprint.
 
+Every other dtype is fingerprinted through a view of the same memory (`_plan`), no copy:
+* complex: `torch.view_as_real`, as floats (complex32 as float16), so like its real dtype;
+* float dtypes without arithmetic kernels (float8 variants, float4_e2m1fn_x2 and any later one):
+  their bit patterns as same-size integers (a byte view: uint8), fingerprinted as integers: the exact
+  sum and position-weighted sum of the bit patterns, so one changed byte or a permutation changes it;
+* uint16/32/64 (few kernels) and the bits, sub-byte int and uint dtypes: the same-size integer view
+  (int16/32/64, uint8), fingerprinted as integers;
+* quantized tensors (their values mean something only with their scales), sparse and meta tensors
+  get no fingerprint.
+
 Non-finite floats: a sum over a tensor that holds -inf (an additive attention mask) or NaN, or whose
 huge values overflow (a `finfo.min` mask), is -inf or NaN whatever else changed. So every float tensor
 also gets a third number, computed on the device with the pair: the sums of each row's bit patterns
@@ -23,27 +33,57 @@ that number (`[-inf, -inf, 12345]`). One more pass over the data, about half the
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op).
+
+CUDA streams: the reductions of a tensor are queued on the stream current when it is added (the one its
+producer ran on: an FSDP all-gather's or an overlapped collective's side stream), the read-back runs on
+the stream current at collect time. So `add` and `keep` note, per device, the current stream of the
+tensor's own device (cuda:1 on LOCAL_RANK 1), and `collect` makes each device's reading stream wait for
+all of them first (`StreamFence`). CPU tensors make no torch.cuda call.
 """
 
 from __future__ import annotations
 
 import base64
 from math import isfinite
-from typing import Any
+from operator import methodcaller
+from typing import Any, Callable
 
 import torch
 
 from .opinfo import short_dtype
+from ..values import decode_values  # noqa: F401 - the codec's other half, importable from here
 
-_INT_KINDS = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-_kinds: dict[torch.dtype, str] = {}  # dtype -> "f" (float), "i" (integer/bool) or "" (not fingerprinted)
+# The dtypes reduced by their own kernels; every other one through a view of its memory (see `_plan`)
+_FLOAT_KINDS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+_INT_KINDS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+# Integer dtypes by element size: bit patterns of dtypes without arithmetic (or numpy) support
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# dtype -> (kind: "f" float, "i" integer or bit pattern, "" not fingerprinted; view to reduce or None)
+_plans: dict[torch.dtype, tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]] = {}
 
 
-def _kind(dtype: torch.dtype) -> str:
-    kind = _kinds.get(dtype)
-    if kind is None:
-        kind = _kinds[dtype] = "i" if dtype in _INT_KINDS else "f" if dtype.is_floating_point else ""
-    return kind
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as floats (..., 2); a lazily conjugated one is resolved first (a copy)."""
+    return torch.view_as_real(t.resolve_conj())
+
+
+def _plan(t: torch.Tensor) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """How tensors of `t`'s dtype are fingerprinted: (kind, the view of them to reduce or None for
+    themselves), see the module docstring. It depends on the dtype only, and is cached per dtype."""
+    dtype = t.dtype
+    if dtype in _FLOAT_KINDS:
+        plan = ("f", None)
+    elif dtype in _INT_KINDS:
+        plan = ("i", None)
+    elif t.is_quantized:
+        plan = ("", None)
+    elif dtype.is_complex:
+        plan = ("f", _as_real)
+    else:  # float8 & co., uint16/32/64, bits and sub-byte dtypes: their bit patterns as integers
+        bits = _SAME_SIZE_INTS.get(t.element_size())
+        plan = ("i", methodcaller("view", bits)) if bits is not None else ("", None)
+    _plans[dtype] = plan
+    return plan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
@@ -82,7 +122,7 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
         else:
             base = _weight_bases.get(key[:3])
             if base is None or base.numel() < n:
-                k = torch.arange(max(n, 1024), dtype=torch.float64)
+                k = torch.arange(max(n, 1024), dtype=torch.float64, device=device)  # made there: no copy, no sync
                 values = (k + 1 if kind == "int" else 2 * k + 1 if kind == "odd"
                           else 1.0 + torch.frac(k * 0.6180339887498949))
                 base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
@@ -155,10 +195,38 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
 
 
+class StreamFence:
+    """The CUDA streams that queued work, per device, and making a reader wait for all of them.
+
+    Bookkeeping only: streams are any objects with `wait_stream` (torch.cuda.Stream), so that it is
+    tested without a GPU. `FingerprintBatch` notes a tensor's stream when it queues work on it, and
+    collects after `wait`, on the stream then current."""
+
+    def __init__(self) -> None:
+        self._queued: dict[Any, dict[Any, None]] = {}  # device -> its streams that queued work (ordered)
+
+    def note(self, device: Any, stream: Any) -> None:
+        """Work for `device` was queued on `stream`."""
+        streams = self._queued.get(device)
+        if streams is None:
+            streams = self._queued[device] = {}
+        streams[stream] = None
+
+    def wait(self, reader_of: Callable[[Any], Any]) -> None:
+        """Make each device's reading stream, `reader_of(device)`, wait for every other stream that queued
+        work on that device (a device-side wait: no host sync). Nothing noted, nothing called."""
+        for device, streams in self._queued.items():
+            reader = reader_of(device)
+            for stream in streams:
+                if stream != reader:
+                    reader.wait_stream(stream)
+
+
 class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bits: bool = False) -> None:
+        self.bits = bits  # every float fingerprint ends with its exact bit sum, finite or not (gradients: grads.py)
         # (kind, device) -> [pairs: (2,) tensors, firsts: 0-d tensors, seconds: 0-d tensors,
         #                   bits: 0-d int32 tensors (floats only, see `_bit_rows_sum`)]
         self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor],
@@ -166,6 +234,7 @@ class FingerprintBatch:
         # (bucket, is a pair, index, index of its bit sum or -1)
         self._slots: list[tuple[tuple[str, torch.device], bool, int, int]] = []
         self._kept: list[torch.Tensor] = []
+        self._streams = StreamFence()
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
 
     def add(self, t: torch.Tensor) -> int | None:
@@ -174,14 +243,19 @@ class FingerprintBatch:
             t = _local(t)
             if t is None:
                 return None
-        dtype = t.dtype
-        kind = _kinds.get(dtype)
-        if kind is None:
-            kind = _kind(dtype)
-        # complex and quantized dtypes have kind ""; sparse and other layouts are not strided
+        plan = _plans.get(t.dtype)
+        if plan is None:
+            plan = _plan(t)
+        kind, view = plan
+        # quantized dtypes have kind ""; sparse and other layouts are not strided
         if not kind or t.layout is not torch.strided or t.is_meta:
             return None
+        if view is not None:
+            t = view(t)
+        dtype = t.dtype
         key = (kind, t.device)
+        if t.is_cuda:
+            self._note_stream(key[1])
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = ([], [], [], [])
@@ -223,12 +297,19 @@ class FingerprintBatch:
     def keep(self, t: torch.Tensor) -> int:
         """Keep a small tensor's values (a contiguous copy on its device) to read back at collect time."""
         local = _local(t)
+        if local is not None and local.is_cuda:
+            self._note_stream(local.device)
         self._kept.append(local.detach().clone(memory_format=torch.contiguous_format) if local is not None
                           else torch.zeros(0))
         return len(self._kept) - 1
 
+    def _note_stream(self, device: torch.device) -> None:
+        """Note the stream now current on a CUDA device: the work just queued for it runs there."""
+        self._streams.note(device, torch.cuda.current_stream(device))
+
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""
+        self._streams.wait(torch.cuda.current_stream)
         read = {}
         for key, (pairs, firsts, seconds, bits) in self._buckets.items():
             parts = [torch.stack(pairs)] if pairs else []
@@ -247,7 +328,7 @@ class FingerprintBatch:
         for key, is_pair, i, bit in self._slots:
             values, bit_sums = read[key]
             fp = values[i if is_pair else len(self._buckets[key][0]) + i]
-            if bit >= 0 and not all(map(isfinite, fp)):
+            if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
                 fp = fp + [bit_sums[bit]]  # the pair says nothing here: the bit patterns do
             out.append(fp)
         return out, _read_kept(self._kept)
@@ -260,18 +341,44 @@ def _read_kept(kept: list[torch.Tensor]) -> list[dict[str, Any]]:
     """Encode kept tensors: those of one (device, dtype) travel in ONE copy (the same path on CPU, where
     the copy is a cheap concatenation, so the sync-count tests on CPU test the GPU path)."""
     out: list[dict[str, Any] | None] = [None] * len(kept)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(kept):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), idx in groups.items():
-        parts = [kept[i].reshape(-1) for i in idx]
-        flat = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
+    for flat, idx in _grouped_to_host(kept):
         array = _as_numpy(flat)
-        name = short_dtype(dtype)
+        name = short_dtype(flat.dtype)
         start = 0
         for i in idx:
             n = kept[i].numel()
             out[i] = _encode_array(array[start:start + n], name, list(kept[i].shape))
+            start += n
+    return out  # type: ignore[return-value]
+
+
+def _grouped_to_host(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
+    """[(the flat host copy of the tensors of one (device, dtype), their indices)]: one `to_host` per group."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    out = []
+    for idx in groups.values():
+        parts = [tensors[i].reshape(-1) for i in idx]
+        out.append((to_host(torch.cat(parts) if len(parts) > 1 else parts[0]), idx))
+    return out
+
+
+def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host tensors holding the values of `tensors` (same shapes), read back with one copy per (device, dtype):
+
+        host_copies([cuda_a, cuda_b, cpu_c])  ->  [a, b, c] on the host; a and b share one storage
+
+    Never a view of a CPU input's own memory (so keeping them never keeps a larger tensor alive)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for flat, idx in _grouped_to_host(tensors):
+        if len(idx) == 1 and flat.device.type == "cpu" and flat.untyped_storage().data_ptr() == \
+                tensors[idx[0]].untyped_storage().data_ptr():
+            flat = flat.clone()  # one CPU part: to_host gave its own memory back
+        start = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[start:start + n].view(tensors[i].shape)
             start += n
     return out  # type: ignore[return-value]
 
@@ -286,7 +393,7 @@ def _as_numpy(flat: torch.Tensor) -> Any:
     try:
         return flat.numpy()
     except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, float8): the raw bits will do
-        return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).numpy()
+        return flat.view(_SAME_SIZE_INTS[flat.element_size()]).numpy()
 
 
 def _encode_array(a: Any, dtype: str, shape: list) -> dict[str, Any]:
@@ -311,19 +418,3 @@ def encode_values(t: torch.Tensor) -> dict[str, Any]:
     flat = t.detach().contiguous().reshape(-1)
     return _encode_array(_as_numpy(flat), short_dtype(t.dtype), list(t.shape))
 
-
-def decode_values(v: Any) -> Any:
-    """The inverse of `encode_values` (nested lists, like `.tolist()`); anything else is returned as is
-    (format 1.0 traces stored the lists themselves)."""
-    if not isinstance(v, dict) or "b64" not in v:
-        return v
-    from .opinfo import dtype_from_short
-
-    dtype = dtype_from_short(v.get("dtype", "f32"))
-    stored = dtype_from_short(v["as"]) if v.get("as") else dtype
-    shape = tuple(v.get("shape", ()))
-    raw = base64.b64decode(v["b64"])
-    if not raw:
-        return torch.empty(shape, dtype=dtype).tolist()
-    values = torch.frombuffer(bytearray(raw), dtype=stored).reshape(shape)
-    return (values if stored is dtype else values.to(dtype)).tolist()

@@ -20,25 +20,8 @@ import torch
 import torch.fx
 from torch import nn
 
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
-
-
-def clean_fqn(name: str) -> str:
-    """`layers.1._checkpoint_wrapped_module.moe` -> `layers.1.moe`."""
-    if not any(seg in name for seg in WRAPPER_SEGMENTS):
-        return name
-    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
-
-
-# Python attributes that are state the recorder compares between passes: plain scalars a module keeps
-# (`self.step`, `self.scale`), not torch's own bookkeeping (the mode is recorded as the pass's "training")
-SCALAR_TYPES = (int, float, bool, str)
-_NOT_STATE = frozenset({"training", "_is_full_backward_hook"})
-
-
-def scalar_attributes(module: nn.Module) -> dict[str, int | float | bool | str]:
-    """The module's own int/float/bool/str attributes: `{"step": 3, "scale": 0.5}`."""
-    return {k: v for k, v in vars(module).items() if type(v) in SCALAR_TYPES and k not in _NOT_STATE}
+from .compiled import skip_when_compiling
+from .fqn import clean_fqn
 
 
 class ModuleStack:
@@ -53,11 +36,14 @@ class ModuleStack:
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
-        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        # Dynamo must not trace these hooks into compiled graphs: it trips over their weak-keyed state
+        # ("... is already tracked for mutation") and would bake them in (compiled.skip_when_compiling)
+        pre = nn.modules.module.register_module_forward_pre_hook(skip_when_compiling(self._pre))
+        post_hook = skip_when_compiling(self._post)
         try:
-            post = nn.modules.module.register_module_forward_hook(self._post, always_call=True)
+            post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
         except TypeError:  # torch < 2.1 has no always_call: an exception inside a module leaves it
-            post = nn.modules.module.register_module_forward_hook(self._post)
+            post = nn.modules.module.register_module_forward_hook(post_hook)
         self._handles = [pre, post]
 
     def uninstall(self) -> None:

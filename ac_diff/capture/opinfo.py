@@ -10,39 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_decision, split_op
+from ..dtypes import dtype_from_short, short_dtype  # noqa: F401 - their importers import them from here
+from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_decision, output_roles, split_op
 
 
 # Not views to autograd, but their output is their input's memory reshaped.
 ALIASING_COPIES = frozenset({"_unsafe_view"})
-
-_SHORT_DTYPES = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
-}
-for _name, _short in (("float8_e4m3fn", "f8e4m3fn"), ("float8_e5m2", "f8e5m2"), ("uint16", "u16"),
-                      ("uint32", "u32"), ("uint64", "u64")):
-    if hasattr(torch, _name):
-        _SHORT_DTYPES[getattr(torch, _name)] = _short
-
-
-def short_dtype(dtype: torch.dtype) -> str:
-    short = _SHORT_DTYPES.get(dtype)
-    return short if short is not None else str(dtype).replace("torch.", "")
-
-
-_FROM_SHORT = {short: dtype for dtype, short in _SHORT_DTYPES.items()}
-
-
-def dtype_from_short(name: str) -> torch.dtype:
-    """The inverse of `short_dtype`: "f32" -> torch.float32, "float8_e4m3fnuz" -> torch.float8_e4m3fnuz."""
-    dtype = _FROM_SHORT.get(name)
-    if dtype is None:
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +35,8 @@ class OpInfo:
     # a random op's arguments that can switch its drawing off: ((position, name), ...) of `dropout_p`
     # (SDPA: 0 draws nothing) and `train`/`training` (dropout, rrelu: False draws nothing); see `draws`
     random_switches: tuple[tuple[int, str], ...] = ()
+    # the role of each return, by position (oprules.output_roles: data, RNG bookkeeping, unused)
+    output_roles: tuple[str, ...] = ()
 
 
 # id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
@@ -103,6 +78,7 @@ def _compute(func) -> OpInfo:
         aliases_input=packet in ALIASING_COPIES,
         derivable=pointwise and fingerprint and not random and not discrete and not mutates,
         shares_values=is_view or packet in ALIASING_COPIES,
+        output_roles=output_roles(name),
     )
 
 

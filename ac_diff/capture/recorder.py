@@ -9,13 +9,15 @@ pass it belongs to and which op each saved position came from; `ModuleStack` nam
 For each op of a region pass it keeps: op name, module FQN, source line, input/output metadata,
 non-tensor arguments, where each input came from, a device-side value fingerprint of every output
 (read back once per pass), host values, and, for discrete ops, their small outputs and score inputs.
-Ops outside regions are only counted. The recorder never changes what it observes: it reads
+Per saved position: the op or input it came from and the fingerprint of the tensor saved (`_saved_values`); per
+forward: the tensors it made that outlived it (its outputs, what its code kept). Ops outside regions are only
+counted. The recorder never changes what it observes: it reads
 tensors, never writes them, and consumes no randomness.
 
 Its helpers, one job each: dispatch.py (the dispatch mode, the per-op hot path), rows.py (an op's
 row), fingerprint.py (value fingerprints), modules.py and sourceline.py (naming), state.py (state
-snapshots), retention.py (what write="diverged" keeps), ac_diff/trace.py (the encoding),
-ac_diff/oprules.py (what an op name says).
+snapshots), pystate.py (module attributes and the globals their code reads), retention.py (what
+write="diverged" keeps), ac_diff/trace.py (the encoding), ac_diff/oprules.py (what an op name says).
 """
 
 from __future__ import annotations
@@ -34,20 +36,22 @@ from typing import Any, NamedTuple
 import torch
 
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
-                       route_compiled_code, skip_when_compiling, tracing, wrap_compiled_graphs)
-from .modules import ModuleStack, scalar_attributes
+                       eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
+from .modules import ModuleStack
+from .pystate import GlobalReads, module_attributes
 from .fingerprint import FingerprintBatch
 from ..errors import Terminated
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from .retention import DIFFERENT, SIDE_EFFECTS, compare_signatures, pass_summary, signature
+from .retention import HeldForward, Retention
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
-from .rows import _MODULE, _OP, _OUT
+from .rows import _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
+from ..oprules import DATA, RNG_BOOKKEEPING, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
 
@@ -100,17 +104,6 @@ class RecordOptions:
     fingerprint_derived: bool = False
 
 
-class _HeldForward(NamedTuple):
-    """A forward held unwritten until its recompute says whether it reproduced (write="diverged")."""
-
-    ops_record: Any  # () -> its "ops" record (built and encoded only if written), or None without ops
-    record: dict  # its "pass" record
-    signature: tuple  # retention.signature
-    size: int  # ~ its encoded size, counted against `hold_bytes`
-    fps: dict[int, list]  # fingerprints by op: its summary's values digest
-    rows: list[tuple]  # its op rows: the state its summary keeps in a distributed run
-
-
 @dataclass
 class _Region:
     number: int
@@ -127,7 +120,7 @@ class _Region:
     # more than call one module)
     first_module_fqn: str | None = None  # the region was named after the first module its function called
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
-    held: "_HeldForward | None" = None  # the forward's records while held
+    held: "HeldForward | None" = None  # the forward's records while held (retention.Retention)
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
 
 
@@ -141,8 +134,11 @@ class _Pass:
     ops: list[tuple] = field(default_factory=list)  # one row per op: see capture/rows.py
     producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
     externals: list[dict] = field(default_factory=list)
-    external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, external index)
+    # id(tensor) -> (weakref, external index, its ref, fingerprint slot or None, its version when fingerprinted)
+    external_ids: dict[int, tuple] = field(default_factory=dict)
     input_ids: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position in the region's inputs
+    # one row per saved position: [position, meta, origin, op index, output, name(, fingerprint slot -> its
+    # fingerprint when the pass ends(, view: [offset, *strides] of a view fingerprinted as its base))]
     positions: list[list] = field(default_factory=list)
     batch: FingerprintBatch = field(default_factory=FingerprintBatch)
     fp_slots: list[tuple[int, int, int]] = field(default_factory=list)  # (op index, output index, slot)
@@ -162,7 +158,15 @@ class _Pass:
     # attributes a call of their module changed (its forward pre-hooks or forward): name -> [before, after, hooks]
     attribute_updates: dict[str, list] = field(default_factory=dict)
     attribute_calls: list[tuple] = field(default_factory=list)  # (module, fqn, its attributes at the call)
+    # scalar module-level globals the code of the pass's modules reads ("model.LOW_PRECISION" -> True), at the
+    # first call of each forward, and the functions reading them (pystate.GlobalReads)
+    globals: dict[str, Any] = field(default_factory=dict)
+    global_readers: dict[str, list] = field(default_factory=dict)
+    codes_seen: set = field(default_factory=set)  # (forward function, module class) whose globals were read
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
+    # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
+    # such a pass is never compared as whole (see `_lose`)
+    lost: dict[str, Any] = field(default_factory=dict)
 
 
 class Recorder:
@@ -175,11 +179,8 @@ class Recorder:
         self.modules = ModuleStack()
         self.modules.on_enter = self._on_module_enter
         self.modules.on_exit = self._on_module_exit
-        # Dynamo must not trace the global module hooks into compiled graphs (compiled.py)
-        self.modules._pre = skip_when_compiling(self.modules._pre)
-        self.modules._post = skip_when_compiling(self.modules._post)
-        self.compile_watch = CompileWatch()
-        self._stance = EagerStance()  # --scope all: torch.compile'd code runs eagerly (compiled.py)
+        self.compile_watch = CompileWatch(where=self.modules.current)
+        self._stance = EagerStance()  # --scope all, --compiled eager: torch.compile'd code runs eagerly (compiled.py)
         self._gc_hold = YoungGenerationHold()  # fewer collector passes while passes are recorded
         self._launched_as_rank = False
         self.hooks = CheckpointHooks(self)
@@ -193,28 +194,33 @@ class Recorder:
         self.ops_recorded = 0
         self.ops_outside = 0
         self.errors: list[str] = []
+        self.lost = {"passes": 0, "ops": 0, "positions": 0}  # what recorder errors cost, for the end record
         self._reported: set[tuple[str, str]] = set()
         self._header_extra = header_extra or {}
         self._writer: TraceWriter | None = None
-        self._held: dict[int, _Region] = {}  # write="diverged": regions whose forward waits for its recompute
-        self._held_bytes = 0
-        self._side_effect_modules: set[str | None] = set()
-        self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
+        self._retention: Retention | None = None  # write="diverged": what is written of each pass (start())
         self._lock = threading.Lock()
         self._started = False
         self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
+        self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
         self._source_lines = self.options.source_lines
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
         header = default_header(self.options, self._header_extra)
         self._writer = TraceWriter(self.path, header, background=self.options.writer_thread)
+        self._retention = Retention(self._writer, self.options.hold_bytes, self.options.keep_clean, _distributed)
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
         self.modules.install()
         self.compile_watch.start()
         route_compiled_code(RecordingMode, UnguardedRecordingMode)
+        if eager_requested():
+            self.compile_watch.eager = True
+            refused = force_eager(self._stance)
+            if refused:
+                self._writer.write({"type": "warning", "message": refused})
         if self.options.scope == "all":
             self._stance.push()
             self._mode.__enter__()
@@ -232,6 +238,8 @@ class Recorder:
             with contextlib.suppress(Exception):
                 self._mode.__exit__(None, None, None)
             self._stance.pop()
+        if self.compile_watch.eager:
+            self._stance.pop()
         self._gc_hold.pop(all_=True)
         self.hooks.uninstall()
         self.modules.uninstall()
@@ -241,8 +249,8 @@ class Recorder:
         message = _unrecorded_ranks(self._launched_as_rank)
         if message:
             self._writer.write({"type": "warning", "message": message})
-        for region in list(self._held.values()):  # never recomputed (or the run stopped first): keep them
-            self._release(region)
+        compiled = self.compile_watch.summary()  # AC inside compiled graphs, --compiled eager (compiled.py)
+        self._retention.release_all()  # forwards never recomputed (or the run stopped first): keep them
         status = "ok"
         if exc is not None:
             status = ("interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated))
@@ -256,6 +264,8 @@ class Recorder:
             "ops_recorded": self.ops_recorded,
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
             "end_time": time.time(),
+            **({"compiled": compiled} if compiled else {}),
+            **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })
 
     def _close_open_passes(self, exc: BaseException | None) -> None:
@@ -266,6 +276,8 @@ class Recorder:
             self.exit(_OpenPass(passes[-1].region), passes[-1].phase, exc)
 
     def _internal_error(self, where: str, exc: Exception) -> None:
+        if where in ("enter", "exit"):  # a pass that never started, or ended unwritten (finishing it is counted
+            self.lost["passes"] += 1    # by `_write_lost_pass`)
         key = (where, type(exc).__name__)
         if key in self._reported:
             return
@@ -335,6 +347,9 @@ class Recorder:
                   host_rng=host_rng_states() if region.recorded else ())
         if module is not None:
             p.state["training"] = training_mode(module)
+        fn = getattr(frame, "_ac_diff_fn", None)
+        if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
+            self._note_globals(p, fn)  # a checkpointed function (or `partial(layer.forward)`) reads them too
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if phase == FORWARD and inputs is not None:
@@ -370,9 +385,43 @@ class Recorder:
             self._hand_outputs_to_parent(p, passes[-1])
         try:
             self._finish_pass(p, complete, stopped_early, exc)
+        except Exception as error:  # noqa: BLE001 - the pass is lost, but never silently
+            self._internal_error("finish_pass", error)
+            self._write_lost_pass(p, error)
         finally:
             if p.pushed_mode:  # after the pass's rows are freed: they leave the collector's count unvisited
                 self._gc_hold.pop()
+
+    def _lose(self, what: str, exc: Exception) -> None:
+        """A recorder error lost one op or saved position of the current pass: count it (the pass then reads as
+        incomplete, never as clean) and drop what the failed op had half-queued, so that no fingerprint or kept
+        value lands on the op recorded after it."""
+        self.lost[what] += 1
+        passes = getattr(self._local, "passes", None)
+        if not passes:
+            return
+        p = passes[-1]
+        p.lost[what] = p.lost.get(what, 0) + 1
+        p.lost.setdefault("why", f"{type(exc).__name__}: {_exception_text(exc)[:300]}")
+        n = len(p.ops)
+        p.fp_slots = [s for s in p.fp_slots if s[0] < n]
+        p.kept = [k for k in p.kept if k[0] < n]
+
+    def _write_lost_pass(self, p: _Pass, exc: Exception) -> None:
+        """Finishing the pass failed: write what is known of it, marked as lost, so the region reads as unchecked
+        with the reason instead of vanishing (a forward that vanished made every region "not recorded")."""
+        self.lost["passes"] += 1
+        region = p.region
+        with contextlib.suppress(Exception):
+            self._write_region(region)
+            if region.hold == "held":
+                self._retention.release(region)
+            region.hold = "written"  # later recomputes are written in full
+            self._writer.write({
+                "type": "pass", "region": region.number, "phase": p.phase, "attempt": p.attempt, "n_ops": p.n_ops,
+                "complete": False, "state": {}, "externals": [], "positions": [],
+                "lost": {**p.lost, "pass": True, "why": f"{type(exc).__name__}: {_exception_text(exc)[:300]}"}})
+            self._writer.flush()
 
     @staticmethod
     def _hand_outputs_to_parent(p: _Pass, parent: _Pass) -> None:
@@ -413,17 +462,58 @@ class Recorder:
                 with self.quiet():
                     ref = self._ref(p, tensor)
             if ref[0] == "op":
-                p.positions.append([position, _meta(tensor), "op", ref[1], ref[2], None])
+                row = [position, _meta(tensor), "op", ref[1], ref[2], None]
             else:
-                p.positions.append([position, _meta(tensor), ref[0], None, 0, ref[1]])
+                row = [position, _meta(tensor), ref[0], None, 0, ref[1]]
+            slot, view = self._saved_values(p, tensor, ref) if self.options.fingerprints else (None, None)
+            if slot is not None:  # the saved values' fingerprint once the pass ends (`_finish_pass`)
+                row += [slot] if view is None else [slot, view]
+            p.positions.append(row)
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("pack", exc)
+            self._lose("positions", exc)
+
+    def _saved_values(self, p: _Pass, tensor: torch.Tensor, ref: tuple) -> tuple[int | None, list | None]:
+        """(fingerprint slot, view) of a saved tensor's values, so that backward's inputs are compared by value whatever
+        the ops before them measured. A view of a tensor the pass knows (`w.t()` of a parameter, a split piece) is
+        its base's values and which of them it reads, view = [offset from the base's, *strides]; anything else its
+        own values, view None. The same in both passes, whichever ops were fingerprinted: a slot already filled at
+        this version is reused, else one is added (and kept for the next reader). None where selective AC serves the
+        tensor: the recompute takes the forward's own from its cache."""
+        base = tensor._base if type(tensor) in _PLAIN_TENSORS else None  # (a subclass: its own values, local shard)
+        base_ref = self._known_ref(p, base) if type(base) in _PLAIN_TENSORS else None
+        if base_ref is not None:
+            if base_ref[0] == "op" and (_cached(p, base_ref[1]) or not _values_meaningful(p, base_ref)):
+                return None, None
+            slot = self._values_slot(p, base)
+            return slot, [tensor.storage_offset() - base.storage_offset(), *tensor.stride()]
+        if ref[0] == "op" and (_cached(p, ref[1]) or not _values_meaningful(p, ref)):
+            return None, None
+        return self._values_slot(p, tensor), None
+
+    def _values_slot(self, p: _Pass, t: torch.Tensor) -> int | None:
+        """The slot holding `t`'s fingerprint at its current version: its producer's or first read's, else a new one
+        (noted in its producer's entry, so that the next reader reuses it)."""
+        key = id(t)
+        hit = p.producers.get(key)
+        if hit is not None and hit[_P_WEAKREF]() is t:
+            if hit[_P_SLOT] is not None and hit[_P_VERSION] == t._version:
+                return hit[_P_SLOT]
+            with self.quiet():
+                slot = p.batch.add(t)
+            p.producers[key] = (*hit[:_P_SLOT], slot, t._version, *hit[_P_VERSION + 1:])
+            return slot
+        hit = p.external_ids.get(key)
+        if hit is not None and hit[0]() is t and hit[3] is not None and hit[4] == t._version:
+            return hit[3]
+        with self.quiet():
+            return p.batch.add(t)
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:
         region = getattr(frame, "_ac_diff_region", None)
         if region is not None and region.hold == "held":
-            self._release(region)
+            self._retention.release(region)
         self._writer.write({"type": "check_error", "region": region.number if region else None,
                             "exc_type": type(exc).__name__, "message": _exception_text(exc)})
         self._writer.flush()
@@ -484,7 +574,7 @@ class Recorder:
         passes = self._passes()
         if self.compile_watch.saw(module, fqn, passes[-1].region if passes else None):
             # Dynamo may have been loaded after the recording began
-            self._stance.ensure() if self.options.scope == "all" else wrap_compiled_graphs()
+            self._stance.ensure() if self._stance.active or self.options.scope == "all" else wrap_compiled_graphs()
         if passes:
             p = passes[-1]
             if p.region.recorded:
@@ -493,14 +583,25 @@ class Recorder:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
                 p.region.first_module_fqn = fqn
 
-    @staticmethod
-    def _note_attributes(p: _Pass, module, fqn: str) -> None:
-        """The module's scalar attributes as this call begins (before its own forward pre-hooks run)."""
-        attrs = scalar_attributes(module)
+    def _note_attributes(self, p: _Pass, module, fqn: str) -> None:
+        """The module's attributes as this call begins (before its own forward pre-hooks run), and the globals its
+        forward reads (once per forward function and pass)."""
+        seen = (vars(module).get("forward") or type(module).forward, type(module))
+        if seen not in p.codes_seen:
+            p.codes_seen.add(seen)
+            self._note_globals(p, *seen)
+        attrs = module_attributes(module)
         prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
         for key, value in attrs.items():
             p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
         p.attribute_calls.append((module, prefix, attrs))
+
+    def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
+        """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""
+        for key, (value, readers) in self._global_reads.values(function, owner).items():
+            p.globals.setdefault(key, value)
+            known = p.global_readers.setdefault(key, [])
+            known.extend(r for r in readers if r not in known)
 
     @_never_raise
     def _on_module_exit(self, module, fqn: str) -> None:
@@ -517,7 +618,7 @@ class Recorder:
             return
         _, prefix, before = calls[k]
         del calls[k:]
-        after = scalar_attributes(module)
+        after = module_attributes(module)
         updates = passes[-1].attribute_updates
         for key, value in after.items():
             if key in before and before[key] != value and prefix + key not in updates:
@@ -541,19 +642,18 @@ class Recorder:
             self._record(p, func, args, kwargs or {}, out)
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("_on_op", exc)
+            self._lose("ops", exc)
 
-    def _plan(self, func) -> tuple:
-        """What `_record` does with every call of `func` under this recorder's options, worked out once:
-        (func, info, name, ignored, discrete, derivable, fingerprint, aliases input, shares values,
-        may draw random numbers)."""
+    def _plan(self, func) -> "_OpPlan":
+        """What `_record` does with every call of `func` under this recorder's options, worked out once."""
         info: OpInfo = op_info(func)
         name = info.name
         options = self.options
         discrete = info.discrete or name in options.discrete_ops
-        plan = (func, info, name, name in options.ignore_ops, discrete,
-                info.derivable and not options.fingerprint_derived and name not in options.discrete_ops,
-                options.fingerprints and info.fingerprint, info.aliases_input, info.shares_values,
-                info.random or name == COMPILED_GRAPH_OP)
+        plan = _OpPlan(func, info, name, name in options.ignore_ops, discrete,
+                       info.derivable and not options.fingerprint_derived and name not in options.discrete_ops,
+                       options.fingerprints and info.fingerprint, info.aliases_input, info.shares_values,
+                       info.random or name == COMPILED_GRAPH_OP, info.output_roles)
         self._plans[id(func)] = plan  # keyed by id (an OpOverload hashes in Python); the func is kept in it
         return plan
 
@@ -563,7 +663,7 @@ class Recorder:
         plan = self._plans.get(id(func))
         if plan is None or plan[0] is not func:
             plan = self._plan(func)
-        _, info, name, ignored, discrete, derivable, fingerprint, aliases, shares, maybe_random = plan
+        _, info, name, ignored, discrete, derivable, fingerprint, aliases, shares, maybe_random, roles = plan
         if ignored:
             return
         self.ops_recorded += 1
@@ -583,9 +683,9 @@ class Recorder:
             if isinstance(a, _Tensor):
                 in_meta.append((a.size(), a.dtype, a.device))  # as `_meta` (converted in `trace.encode_ops`)
                 hit = producers.get(id(a))
-                if hit is not None and hit[0]() is a:
-                    refs.append(hit[5])
-                    known = known and hit[6]
+                if hit is not None and hit[_P_WEAKREF]() is a:
+                    refs.append(hit[_P_REF])
+                    known = known and hit[_P_MEASURED]
                 else:
                     refs.append(self._ref(p, a))
                     known = False
@@ -620,11 +720,15 @@ class Recorder:
         derived = known and derivable
         fp_wanted = fingerprint and not cached and not derived
         flows = derived or (known and shares)  # outputs whose values follow from measured ones
-        for j, o in enumerate(outs):
+        drew = maybe_random and (draws(info, args, kwargs) if info.random else bool(args) and
+                                 compiled_graph_draws(args[0]))
+        for j, o in enumerate(outs):  # positional: one entry per return (trace NOTE [op outputs])
             if isinstance(o, _Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
-                if fp_wanted:
+                # an RNG bookkeeping output is data only when the call drew; unused outputs never are
+                if fp_wanted and (not roles or j >= len(roles) or roles[j] is DATA or roles[j] is RNG_BOOKKEEPING
+                                  and drew):
                     if aliases and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
                     if slot is None and not flows:
@@ -635,13 +739,16 @@ class Recorder:
                 #  values measured or following from measured ones)
                 producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
-            elif o is not None and isinstance(o, (int, float, bool)):
-                host = o
+            elif o is None or type(o) in _PLAIN_ARGS:
+                out_meta.append(o)
+                if outs is not out:  # the op returned this value alone: the value handed to Python
+                    host = o
                 if type(o) is float and not isfinite(o):
                     p.nonfinite = True
+            else:
+                out_meta.append(_describe_output(o))
         flags = FLAG_CACHED if cached else 0
-        if maybe_random and (draws(info, args, kwargs) if info.random else bool(args) and
-                             compiled_graph_draws(args[0])):
+        if drew:
             flags |= FLAG_RANDOM
         if derived:
             flags |= FLAG_DERIVED
@@ -679,11 +786,11 @@ class Recorder:
         or (kind, name, external index)."""
         key = id(t)
         hit = p.producers.get(key)
-        if hit is not None and hit[0]() is t:
-            return hit[5]
+        if hit is not None and hit[_P_WEAKREF]() is t:
+            return hit[_P_REF]
         hit = p.external_ids.get(key)
         if hit is not None and hit[0]() is t:
-            return hit[2]
+            return hit[2]  # (weakref, external index, its ref)
         return None
 
     def _ref(self, p: _Pass, t: torch.Tensor) -> tuple:
@@ -707,12 +814,11 @@ class Recorder:
                 p.externals_per_kind[kind] = n + 1
                 name = f"{kind}[{n}]"
         ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
-        if self.options.fingerprints:
-            slot = p.batch.add(t)
-            if slot is not None:
-                p.ext_slots.append((ext, slot))
+        slot = p.batch.add(t) if self.options.fingerprints else None
+        if slot is not None:
+            p.ext_slots.append((ext, slot))
         ref = (kind, name, ext["i"])
-        p.external_ids[key] = (weakref.ref(t), ext["i"], ref)
+        p.external_ids[key] = (weakref.ref(t), ext["i"], ref, slot, t._version if slot is not None else None)
         p.externals.append(ext)
         return ref
 
@@ -754,15 +860,7 @@ class Recorder:
                    for row in p.ops):  # (a root module's FQN is "": every module is inside it)
                 region.module = region.fn_name  # the function does more than call that module
         writer = self._writer
-        if not region.written:
-            region.written = True
-            writer.write({
-                "type": "region", "region": region.number, "module": region.module or region.caller,
-                "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
-                "options": dict(region.options), "recorded": region.recorded,  # copies: encoded later
-                **({"compiled": list(self.compile_watch.inside[region.number])}
-                   if region.number in self.compile_watch.inside else {}),
-            })
+        self._write_region(region)
         ops_record = None  # () -> the pass's "ops" record, built only when it is written
         fps: dict[int, list] = {}
         kept: list = []
@@ -772,6 +870,9 @@ class Recorder:
             p.nonfinite = p.nonfinite or not p.batch.finite
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
+            for row in p.positions:
+                if len(row) > 6:
+                    row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
             if p.ops:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
@@ -784,16 +885,24 @@ class Recorder:
         drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
         if drew:
             p.state["host_draws"] = drew  # Python's or numpy's generator moved during the pass
+        if p.phase == FORWARD and region.recorded:
+            record["outputs"] = _outliving(p)
         if p.attributes:
             record["attributes"] = p.attributes
         if p.attribute_updates:
             record["attribute_updates"] = p.attribute_updates
+        if p.globals:
+            record["globals"] = p.globals
+            record["global_readers"] = p.global_readers
         if p.nonfinite:
             record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
+        if p.lost:
+            record["lost"] = dict(p.lost)
         if exc is not None and not stopped_early:
             record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
         if region.recorded and self.options.write == "diverged":
-            self._write_if_diverged(p, ops_record, record, fps, kept, failed=exc is not None and not stopped_early)
+            self._retention.write(p, ops_record, record, fps, kept,
+                                  failed=exc is not None and not stopped_early or bool(p.lost))
         else:
             if ops_record is not None:
                 writer.write(ops_record)  # built (and encoded) by the writer thread
@@ -805,87 +914,32 @@ class Recorder:
         p.batch = FingerprintBatch()
         p.ops = []
 
-    # -- write="diverged" ---------------------------------------------------------------------
-    def _write_if_diverged(self, p: _Pass, ops_record: Any, record: dict, fps: dict[int, list], kept: list,
-                           failed: bool) -> None:
-        """Hold a forward until its recompute; then write both in full if they differ, else only their pass
-        records (marked "ops_written": false). Conservative: anything unusual is written in full."""
-        region = p.region
-        writer = self._writer
-        sig = signature(p, fps)
-        if p.phase == FORWARD:
-            if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
-                region.hold = "written"
-                if ops_record is not None:
-                    writer.write(ops_record)
-                writer.write(record)
-                return
-            # held unencoded (encoding is half the cost of writing); counted at ~ its encoded size
-            size = 300 * len(p.ops) + sum(len(v["b64"]) for v in kept if v) if ops_record is not None else 0
-            region.held, region.hold = _HeldForward(ops_record, record, sig, size, fps, p.ops), "held"
-            self._held[region.number] = region
-            self._held_bytes += size
-            while self._held_bytes > self.options.hold_bytes and self._held:
-                self._release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
+    def _write_region(self, region: _Region) -> None:
+        """The region's record, once, before its first pass record."""
+        if region.written:
             return
-        forward = region.held.signature if region.hold == "held" else region.signature
-        verdict = DIFFERENT if failed or forward is None else compare_signatures(
-            forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
-        clean = verdict != DIFFERENT and not self._written_in_full(region, verdict)
-        if region.hold == "held":
-            if clean:
-                held = region.held
-                region.signature = held.signature
-                self._held_bytes -= held.size
-                self._held.pop(region.number, None)
-                region.held, region.hold = None, "clean"
-                writer.write(pass_summary(held.record, verdict, held.fps, held.rows, ranks=_distributed()))
-            else:
-                self._release(region)
-        if clean and region.hold == "clean":
-            writer.write(pass_summary(record, verdict, fps, p.ops, ranks=_distributed()))
-            return
-        if region.hold == "clean":
-            writer.write({"type": "warning", "message": (
-                f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
-                "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
-        if ops_record is not None:
-            writer.write(ops_record)
-        writer.write(record)
-
-    def _written_in_full(self, region: _Region, verdict: str) -> bool:
-        """Whether a reproduced region is written in full all the same: the first region of each module with side
-        effects (a counter the recompute bumps again: the report names them), and the first `keep_clean` clean
-        regions of each module while their forward is still held (a sample of what a clean region records)."""
-        first_side_effects = verdict == SIDE_EFFECTS and region.module not in self._side_effect_modules
-        if first_side_effects:
-            self._side_effect_modules.add(region.module)
-        sampled = self._clean_samples.get(region.module, 0)
-        if not first_side_effects and (region.hold != "held" or sampled >= self.options.keep_clean):
-            return False
-        self._clean_samples[region.module] = sampled + 1
-        return True
-
-    def _release(self, region: _Region) -> None:
-        """Write a held forward in full (memory limit, a failed check, the end of the run)."""
-        if region.hold != "held":
-            return
-        held = region.held
-        region.signature = held.signature
-        self._held_bytes -= held.size
-        self._held.pop(region.number, None)
-        region.held, region.hold = None, "written"
-        if held.ops_record is not None:
-            self._writer.write(held.ops_record)
-        self._writer.write(held.record)
+        region.written = True
+        self._writer.write({
+            "type": "region", "region": region.number, "module": region.module or region.caller,
+            "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
+            "options": dict(region.options), "recorded": region.recorded,  # copies: encoded later
+            **({"compiled": list(self.compile_watch.inside[region.number])}
+               if region.number in self.compile_watch.inside else {}),
+        })
 
 
+def _outliving(p: _Pass) -> list[list[int]]:
+    """[op index, output] of each tensor the pass made that is still alive as it ends: the region's outputs and
+    what its code kept (a cache), as opposed to intermediates, freed when the region returned. Not a tensor it read
+    and updated in place (a buffer's running statistic: the recompute's second update is a side effect)."""
+    externals = p.external_ids
+    return sorted([e[_P_OP], e[_P_OUTPUT]] for key, e in p.producers.items()
+                  if e[_P_WEAKREF]() is not None and not (key in externals and externals[key][0]() is e[_P_WEAKREF]()))
 
 
-
-
-
-
+def _cached(p: _Pass, index: int) -> bool:
+    """Whether selective AC saved op `index` of the pass (forward) or served it from its cache (recompute)."""
+    return index in p.cached or bool(p.ops[index][_FLAGS] & FLAG_CACHED)
 
 
 def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, index: int) -> int | None:
@@ -895,14 +949,45 @@ def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, 
     dimension) see identical data in identical order and give bit-identical numbers, so `out` need not
     be reduced again (mm -> _unsafe_view in every linear and matmul of a 3-D input)."""
     hit = producers.get(id(source))
-    if hit is None or hit[3] is None or hit[1] != index - 1 or hit[0]() is not source or source._version != hit[4]:
+    if (hit is None or hit[_P_SLOT] is None or hit[_P_OP] != index - 1 or hit[_P_WEAKREF]() is not source
+            or source._version != hit[_P_VERSION]):
         return None
     if (out.dtype is not source.dtype or out.dim() < 2 or source.dim() < 2 or out.shape[-1] != source.shape[-1]
             or out.numel() != source.numel() or not out.numel() or out.data_ptr() != source.data_ptr()
             or not out.is_contiguous() or not source.is_contiguous() or type(out) is not torch.Tensor
             or type(source) is not torch.Tensor):
         return None
-    return hit[3]
+    return hit[_P_SLOT]
+
+
+class _OpPlan(NamedTuple):
+    """What `Recorder._record` does with every call of one op (unpacked in the hot path: no attribute lookups)."""
+
+    func: Any
+    info: OpInfo
+    name: str
+    ignored: bool
+    discrete: bool
+    derivable: bool  # its outputs need no fingerprint when all its inputs were measured
+    fingerprint: bool
+    aliases_input: bool
+    shares_values: bool
+    maybe_random: bool
+    output_roles: tuple[str, ...]  # oprules.output_roles, by position
+
+
+def _values_meaningful(p: _Pass, ref: tuple) -> bool:
+    """Whether output ref = ("op", i, j) holds values worth comparing: data, or RNG bookkeeping of a call that drew;
+    not memory its kernel may leave unwritten (flash attention's `unused`, the philox seed of a call that drew
+    nothing), which autograd saves for backward all the same (oprules.output_roles)."""
+    row = p.ops[ref[1]]
+    role = output_role(row[_OP], ref[2])
+    return role is DATA or role is RNG_BOOKKEEPING and bool(row[_FLAGS] & FLAG_RANDOM)
+
+
+def _describe_output(o: Any) -> str:
+    """A return that is neither a tensor nor a plain value, as the trace lists it ("list[3]", "SymInt")."""
+    return f"{type(o).__name__}[{len(o)}]" if isinstance(o, (list, tuple)) else type(o).__name__
 
 
 def _fps_by_op(p: _Pass, fingerprints: list) -> dict[int, list]:
@@ -926,6 +1011,7 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})  # memory of their own: offsets and strides say it all
 _SEQUENCES = frozenset({list, tuple})
 _Tensor = torch.Tensor
 _weakref = weakref.ref

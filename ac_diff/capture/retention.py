@@ -1,5 +1,9 @@
 """Retention: what the recorder writes of a pass under `write="diverged"`, decided from a signature of each pass.
 
+    retention = Retention(writer, hold_bytes=256 << 20, keep_clean=1, distributed=lambda: False)
+    retention.write(p, ops_record, record, fps, kept, failed=False)   # per finished pass: hold, summarize or write
+    retention.release(region); retention.release_all()                # write held forwards in full
+
     sig = signature(p, fps)                               # ops, positions, externals, state, mutated, attributes
     compare_signatures(forward_sig, recompute_sig, stopped_early=False, reentrant=False)
     -> "same" | "side_effects" | "different"
@@ -14,7 +18,7 @@ bit-identical, op for op).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from ..oprules import HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_outside_update, state_read, written_inputs
 from .rows import _ARGS, _HOST, _OP, _OUT, _REFS
@@ -29,7 +33,9 @@ def pass_summary(record: dict, verdict: str, fps: dict[int, list], rows: list[tu
     their fingerprints: what ranks compare to find replicated state that drifted apart (+~100 bytes each).
     Positions, module attributes and every other input go (the signature found them equal; a counter bumped
     twice would look like a changed input)."""
-    kept = {k: v for k, v in record.items() if k not in ("positions", "externals", "attributes", "attribute_updates")}
+    kept = {k: v for k, v in record.items()
+            if k not in ("positions", "externals", "attributes", "attribute_updates", "globals", "global_readers",
+                         "outputs")}
     read = set() if record["phase"] != FORWARD or not ranks else {
         key for row in rows for key in state_read(row[_OP], [ref[:2] for ref in row[_REFS]])}
     externals = [{k: v for k, v in e.items() if k not in ("i", "first_op")}
@@ -61,12 +67,14 @@ def signature(p: Any, fps: dict[int, list]) -> tuple:
         if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
             mutated.update(ref[:2] for ref in written_inputs(name, row[_ARGS], row[_REFS]) if ref[0] != "op")
         ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
-    positions = [pos[1] for pos in p.positions]
+    # per saved position: ([meta, view of a base]) and the fingerprint of its values
+    positions = [(pos[1:2] + pos[7:8], pos[6] if len(pos) > 6 else None) for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
     state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
     if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
         state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
-    attributes = {**p.attributes, **{"updated " + k: v for k, v in p.attribute_updates.items()}}
+    attributes = {**p.attributes, **{"updated " + k: v for k, v in p.attribute_updates.items()},
+                  **{"global " + k: v for k, v in p.globals.items()}}
     return ops, positions, externals, state, mutated, attributes
 
 
@@ -77,8 +85,11 @@ def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, re
     """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
     f_ops, f_positions, f_externals, f_state, f_mutated, f_attributes = forward
     r_ops, r_positions, r_externals, r_state, r_mutated, r_attributes = recompute
-    if f_state != r_state or f_positions != r_positions or f_externals.keys() != r_externals.keys():
+    if f_state != r_state or f_externals.keys() != r_externals.keys() or len(f_positions) != len(r_positions):
         return DIFFERENT
+    for (meta, a), (other, b) in zip(f_positions, r_positions):  # values where both were measured
+        if meta != other or a is not None and b is not None and a != b:
+            return DIFFERENT
     # module attributes both passes saw (an early-stopped recompute calls fewer modules): a counter a pre-hook bumps
     if any(f_attributes[k] != r_attributes[k] for k in f_attributes.keys() & r_attributes.keys()):
         return DIFFERENT
@@ -104,3 +115,106 @@ def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, re
                         return DIFFERENT
                     side_effects = True
     return SIDE_EFFECTS if side_effects else SAME
+
+
+class HeldForward(NamedTuple):
+    """A forward held unwritten until its recompute says whether it reproduced."""
+
+    ops_record: Any  # () -> its "ops" record (built and encoded only if written), or None without ops
+    record: dict  # its "pass" record
+    signature: tuple  # `signature`
+    size: int  # ~ its encoded size, counted against `hold_bytes`
+    fps: dict[int, list]  # fingerprints by op: its summary's values digest
+    rows: list[tuple]  # its op rows: the state its summary keeps in a distributed run
+
+
+class Retention:
+    """The write="diverged" policy: hold each forward until its recompute; then write both in full if they differ,
+    else only their pass records (marked "ops_written": false). Conservative: anything unusual is written in full.
+    A region carries its state in `hold` ("held": forward in memory, "clean": summarized, "written"), `held` (a
+    HeldForward) and `signature` (the forward's, once decided: later recomputes compare with it)."""
+
+    def __init__(self, writer: Any, hold_bytes: int, keep_clean: int, distributed: Callable[[], bool]) -> None:
+        self._writer = writer
+        self._hold_bytes = hold_bytes
+        self._keep_clean = keep_clean
+        self._distributed = distributed  # whether summaries keep what ranks compare
+        self._held: dict[int, Any] = {}  # region number -> region whose forward waits for its recompute
+        self._held_size = 0
+        self._side_effect_modules: set[str | None] = set()
+        self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
+
+    def write(self, p: Any, ops_record: Any, record: dict, fps: dict[int, list], kept: list, failed: bool) -> None:
+        """A finished pass: hold it (a forward), summarize it and its forward (a reproduction), or write both."""
+        region = p.region
+        writer = self._writer
+        sig = signature(p, fps)
+        if p.phase == FORWARD:
+            if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
+                region.hold = "written"
+                if ops_record is not None:
+                    writer.write(ops_record)
+                writer.write(record)
+                return
+            # held unencoded (encoding is half the cost of writing); counted at ~ its encoded size
+            size = 300 * len(p.ops) + sum(len(v["b64"]) for v in kept if v) if ops_record is not None else 0
+            region.held, region.hold = HeldForward(ops_record, record, sig, size, fps, p.ops), "held"
+            self._held[region.number] = region
+            self._held_size += size
+            while self._held_size > self._hold_bytes and self._held:
+                self.release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
+            return
+        forward = region.held.signature if region.hold == "held" else region.signature
+        verdict = DIFFERENT if failed or forward is None else compare_signatures(
+            forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")
+        clean = verdict != DIFFERENT and not self._written_in_full(region, verdict)
+        if region.hold == "held":
+            if clean:
+                held = self._unhold(region, "clean")
+                writer.write(pass_summary(held.record, verdict, held.fps, held.rows, ranks=self._distributed()))
+            else:
+                self.release(region)
+        if clean and region.hold == "clean":
+            writer.write(pass_summary(record, verdict, fps, p.ops, ranks=self._distributed()))
+            return
+        if region.hold == "clean":
+            writer.write({"type": "warning", "message": (
+                f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
+                "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
+        if ops_record is not None:
+            writer.write(ops_record)
+        writer.write(record)
+
+    def release(self, region: Any) -> None:
+        """Write a held forward in full (memory limit, a failed check, the end of the run)."""
+        if region.hold != "held":
+            return
+        held = self._unhold(region, "written")
+        if held.ops_record is not None:
+            self._writer.write(held.ops_record)
+        self._writer.write(held.record)
+
+    def release_all(self) -> None:
+        for region in list(self._held.values()):
+            self.release(region)
+
+    def _unhold(self, region: Any, hold: str) -> HeldForward:
+        held = region.held
+        region.signature = held.signature
+        self._held_size -= held.size
+        self._held.pop(region.number, None)
+        region.held, region.hold = None, hold
+        return held
+
+    def _written_in_full(self, region: Any, verdict: str) -> bool:
+        """Whether a reproduced region is written in full all the same: the first region of each module with side
+        effects (a counter the recompute bumps again: the report names them), and the first `keep_clean` clean
+        regions of each module while their forward is still held (a sample of what a clean region records)."""
+        first_side_effects = verdict == SIDE_EFFECTS and region.module not in self._side_effect_modules
+        if first_side_effects:
+            self._side_effect_modules.add(region.module)
+        sampled = self._clean_samples.get(region.module, 0)
+        if not first_side_effects and (region.hold != "held" or sampled >= self._keep_clean):
+            return False
+        self._clean_samples[region.module] = sampled + 1
+        return True

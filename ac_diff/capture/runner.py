@@ -11,6 +11,7 @@ codes map to exit codes the same way. The script's traceback is printed without 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -61,10 +62,15 @@ class _HardExit(BaseException):
 _real_os_exit = os._exit
 
 
+_owner: int | None = None  # the process run_target runs the script in (not a process the script forked)
+
+
 def _os_exit(code: int) -> None:
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and os.getpid() == _owner:
         raise _HardExit(code)
-    _real_os_exit(code)  # another thread (a watchdog): the main thread cannot be unwound from here
+    # another thread (a watchdog): the main thread cannot be unwound from here; a forked process (a DataLoader
+    # worker ends with os._exit): it ends on the spot, as it asked, leaving the parent's trace and report alone
+    _real_os_exit(code)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -96,8 +102,13 @@ def check_target(target: str, module: bool) -> None:
         raise TargetNotFound(f"script not found: {target}")
 
 
-def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> Outcome:
-    """Run the target under the recorder; the recorder is stopped (trace finished) before returning."""
+def run_target(target: str, args: list[str], *, module: bool, recorder: Any, example: bool = False) -> Outcome:
+    """Run the target under the recorder; the recorder is stopped (trace finished) before returning.
+
+    A process the script forks (a DataLoader worker, `os.fork()`) never returns from here: it ends like the forked
+    process it is (`_end_forked_child`), without touching the trace or reporting. `example`: the target is ac-diff's
+    bundled example, not the user's script: its stdout goes to stderr (stdout carries only the report) and its
+    error is one line (`_print_script_error`)."""
     saved_argv, saved_path0 = list(sys.argv), sys.path[0] if sys.path else None
     if module:
         sys.path[0:1] = [os.getcwd()] if sys.path else [os.getcwd()]
@@ -106,39 +117,30 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
         script = os.path.abspath(target)
         sys.path[0:1] = [os.path.dirname(script)]
         sys.argv = [target, *args]
+    global _owner
+    _owner = os.getpid()
     recorder.start()
-    exception: BaseException | None = None
-    exit_code, hard_exit = 0, False
+    ended: BaseException | None = None
     os._exit = _os_exit
     try:
-        if module:
-            spec = find_spec(target)
-            if spec is not None and spec.origin:
-                sys.argv[0] = spec.origin
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as exc:
+        with contextlib.redirect_stdout(sys.stderr) if example else contextlib.nullcontext():
+            if module:
+                spec = find_spec(target)
+                if spec is not None and spec.origin:
+                    sys.argv[0] = spec.origin
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except BaseException as exc:  # noqa: BLE001 - whatever ended the script is reported as python would
+        ended = exc
+    try:
+        exit_code, exception, hard_exit = _how_it_ended(ended)
+        if os.getpid() != _owner:
+            _end_forked_child(exit_code, exception)
         finishing.set()
-        exit_code = _exit_code(exc)
-        recorder.stop(None if exit_code == 0 else exc, exit_code)
-    except _HardExit as exc:
-        finishing.set()
-        exit_code, hard_exit = exc.code, True
-        recorder.stop(None if exit_code == 0 else SystemExit(exit_code), exit_code)
-    except KeyboardInterrupt as exc:
-        finishing.set()
-        exception, exit_code = exc, 130
-        recorder.stop(exc, exit_code)
-        _print_script_traceback(exc)
-    except BaseException as exc:  # the script's own failure: report it as python would
-        finishing.set()
-        exception, exit_code = exc, 1
-        recorder.stop(exc, exit_code)
-        _print_script_traceback(exc)
-    else:
-        finishing.set()
-        recorder.stop(None, 0)
+        recorder.stop(_stop_reason(ended, exit_code), exit_code)
+        if exception is not None:
+            _print_script_error(exception, short=example and not os.environ.get("AC_DIFF_DEBUG"))
     finally:
         os._exit = _real_os_exit
         finishing.clear()
@@ -147,6 +149,49 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any) -> 
             sys.path[0] = saved_path0
         sys.stdout.flush()
     return Outcome(exit_code, exception, hard_exit)
+
+
+def _how_it_ended(ended: BaseException | None) -> tuple[int, BaseException | None, bool]:
+    """(exit code as python's, the exception to print a traceback for, whether the script called os._exit)."""
+    if ended is None:
+        return 0, None, False
+    if isinstance(ended, _HardExit):
+        return ended.code, None, True
+    if isinstance(ended, SystemExit):
+        return _exit_code(ended), None, False
+    return (130 if isinstance(ended, KeyboardInterrupt) else 1), ended, False
+
+
+def _stop_reason(ended: BaseException | None, exit_code: int) -> BaseException | None:
+    """What the recorder is told ended the script: nothing for a clean exit (code 0)."""
+    if exit_code == 0 and isinstance(ended, (SystemExit, _HardExit)):
+        return None
+    return SystemExit(exit_code) if isinstance(ended, _HardExit) else ended
+
+
+def _end_forked_child(exit_code: int, exception: BaseException | None) -> None:
+    """A process the script forked got to the end of the script (its code after fork() returned 0): it ends as
+    that process, with python's traceback for an error, but without finishing the parent's trace, reporting, or
+    running the exit handlers it inherited from the parent (which would act a second time on the parent's state)."""
+    if exception is not None:
+        _print_script_error(exception, short=False)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    _real_os_exit(exit_code)
+
+
+def _print_script_error(exc: BaseException, short: bool) -> None:
+    """The script's error: python's traceback, or (`short`) its last line only, for the bundled example whose
+    error is expected (`AC_DIFF_DEBUG=1` shows the traceback)."""
+    if short:
+        sys.stdout.flush()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+        print(f"the example raised {name}: {first}  (as expected; AC_DIFF_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return
+    _print_script_traceback(exc)
 
 
 def _print_script_traceback(exc: BaseException) -> None:

@@ -21,7 +21,8 @@ _internal_file: dict[str, bool] = {}
 _formatted: dict[tuple, str] = {}
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
+    """Code of torch, ac-diff, the standard library's plumbing, or no file: not the user's."""
     internal = _internal_file.get(filename)
     if internal is None:
         internal = (
@@ -55,7 +56,7 @@ def user_source(start_depth: int = 2) -> str | None:
         code = frame.f_code
         internal = internal_code.get(code)
         if internal is None:
-            internal = internal_code[code] = _is_internal(code.co_filename)
+            internal = internal_code[code] = is_internal(code.co_filename)
         if not internal:
             break
         frame = frame.f_back

@@ -1,7 +1,10 @@
 """State snapshots: what a pass records about the process around it, to compare forward with recompute.
 
     global_state(mode) -> {"grad_enabled": True, "deterministic": False, "default_dtype": "f32",
-                           "matmul_precision": "highest", "sdp_backends": ["flash", "math"], ...}
+                           "matmul_precision": "highest", "sdp_backends": ["flash", "math"],
+                           "cudnn.deterministic": True, ...}   (a backend flag only where not at its usual value)
+    flag_label("cudnn.deterministic") -> "`torch.backends.cudnn.deterministic`"
+    flag_value(state, "cuda.matmul.allow_tf32") -> False   (its usual value where the pass did not write it)
     training_mode(module) -> "train" | "eval" | "train except a.drop, b.bn"
     rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
     host_draws(host_rng_states() at a pass's start, at its end) -> ["random"]   (the host generators it drew from)
@@ -19,6 +22,46 @@ import torch
 
 from .opinfo import short_dtype
 
+# The backend flags that choose GPU kernels (TF32 matmuls and convolutions, cuDNN's algorithm choice, reduced-precision
+# reductions), readable on any build: key (its name under torch.backends) -> (torch's own getter, its usual value).
+# The getters are called directly (through torch.backends each read is a Python __getattr__, 7x slower), and a pass
+# writes a flag only where it is not at its usual value, so a pass record stays small.
+_BACKEND_FLAGS = {
+    "cuda.matmul.allow_tf32": ("_get_cublas_allow_tf32", False),
+    "cuda.matmul.allow_bf16_reduced_precision_reduction": ("_get_cublas_allow_bf16_reduced_precision_reduction", True),
+    "cuda.matmul.allow_fp16_reduced_precision_reduction": ("_get_cublas_allow_fp16_reduced_precision_reduction", True),
+    "cudnn.allow_tf32": ("_get_cudnn_allow_tf32", True),
+    "cudnn.benchmark": ("_get_cudnn_benchmark", False),
+    "cudnn.deterministic": ("_get_cudnn_deterministic", False),
+    "cudnn.enabled": ("_get_cudnn_enabled", True),
+}
+USUAL = {key: usual for key, (_, usual) in _BACKEND_FLAGS.items()}
+_GETTERS = [(key, getattr(torch._C, getter), usual) for key, (getter, usual) in _BACKEND_FLAGS.items()
+            if hasattr(torch._C, getter)]
+
+# Flags that choose kernels: where one differs between a region's forward and its recompute, the recompute may
+# compute other values on another device even when it did not on this one (a CPU ignores the GPU's flags)
+KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", *_BACKEND_FLAGS})
+
+_LABELS = {
+    "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",
+    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`)",
+    "sdp_backends": "the SDPA backend choice (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`)",
+    "default_dtype": "the default dtype (`torch.set_default_dtype`)",
+    "grad_enabled": "grad mode (`torch.is_grad_enabled()`)",
+    "training": "the modules' mode (`train()` / `eval()`)",
+}
+
+
+def flag_label(key: str) -> str:
+    """A state key as reports name it: "`torch.backends.cudnn.deterministic`", "the SDPA backends enabled (...)"."""
+    return f"`torch.backends.{key}`" if key in _BACKEND_FLAGS else _LABELS.get(key, f"`{key}`")
+
+
+def flag_value(state: dict[str, Any], key: str) -> Any:
+    """A state key's value in a pass: a backend flag the pass did not write was at its usual value."""
+    return state.get(key, USUAL.get(key))
+
 
 def global_state(own_mode: Any) -> dict[str, Any]:
     """Process-wide settings that change what ops compute (the recorder's own dispatch mode left out)."""
@@ -34,6 +77,15 @@ def global_state(own_mode: Any) -> dict[str, Any]:
         state["sdp_backends"] = [name for name, on in (
             ("flash", b.flash_sdp_enabled()), ("mem_efficient", b.mem_efficient_sdp_enabled()),
             ("math", b.math_sdp_enabled()), ("cudnn", b.cudnn_sdp_enabled())) if on]
+    for key, get, usual in _GETTERS:  # (~60 ns each)
+        try:
+            value = get()
+        except Exception:  # noqa: BLE001 - a build without the backend: nothing to read
+            continue
+        if type(value) is tuple:  # the reduced-precision getters (torch >= 2.10): (allowed, allowed with split-K)
+            value = value[0]
+        if value != usual:
+            state[key] = value
     for device in ("cpu", "cuda"):
         with contextlib.suppress(Exception):
             if torch.is_autocast_enabled(device):

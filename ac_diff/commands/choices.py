@@ -1,7 +1,7 @@
 """Every fixed set of values a command-line option (or settings key) takes, declared once: the checks, the
 help texts and shell completion all read these.
 
-    REPORT_FORMATS  -> ("terminal", "json", "html")     # --format of run, fix, report, compare, demo
+    REPORT_FORMATS  -> ("terminal", "json", "html")     # --format of run, fix, report, compare, demo, audit
     complete(REPORT_FORMATS)("h")  -> ["html"]          # typer's autocompletion callback
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-REPORT_FORMATS = ("terminal", "json", "html")
-AUDIT_FORMATS = ("terminal", "json")
+REPORT_FORMATS = ("terminal", "json", "html")  # --format of every command that reports (export: EXPORT_FORMATS)
 SCOPES = ("regions", "all")  # --scope / scope: what the recorder observes
 WRITES = ("all", "diverged")  # --write / write: which regions' ops the trace gets
+COMPILED = ("keep", "eager")  # --compiled: torch.compile'd code runs compiled (keep) or eagerly, its regions recorded
 EXPORT_TABLES = ("ops", "positions", "regions")  # export --what
 EXPORT_FORMATS = ("csv", "parquet", "jsonl")  # export --format
 

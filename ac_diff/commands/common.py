@@ -1,12 +1,15 @@
 """What every subcommand shares: exit codes, the one-line error, and emitting a finished report.
 
     emit(report, fmt="terminal", json_path="report.json")   # prints / writes; returns the exit code
+    command_line("ac-diff", "report", "out ü dir")           # -> "ac-diff report 'out ü dir'" (to paste into a shell)
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -28,11 +31,22 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
+def command_line(*words: str | Path) -> str:
+    """A command to show the user, quoted for a POSIX shell: every path pastes back as one word."""
+    return shlex.join(str(w) for w in words)
+
+
+def print_next(output_dir: str | Path, json_path: str | None, more: str = "") -> None:
+    """After a run: the command that shows its report again (on stderr)."""
+    print("ac-diff: next: " + command_line("ac-diff", "report", output_dir)
+          + ("" if json_path else " --json report.json") + more, file=sys.stderr)
+
+
 def console() -> Console:
     return Console(soft_wrap=False)
 
 
-def _format_of(path: str) -> str:
+def format_of(path: str) -> str:
     """The format a file's suffix names (report.html, report.json), else terminal (plain text)."""
     suffix = os.path.splitext(path)[1].lower()
     suffix = {".htm": ".html"}.get(suffix, suffix)
@@ -45,7 +59,7 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
     A file given with `output` gets `fmt` (or the format its suffix names); the terminal report is
     printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
     if output and fmt == "terminal":
-        fmt = _format_of(output)
+        fmt = format_of(output)
     if json_path:
         render(report, "json", path=json_path)
     if output:

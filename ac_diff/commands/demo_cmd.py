@@ -2,7 +2,9 @@
 
 The example updates an MoE router's load-balancing `expert_bias` between the forward and the
 recompute; torch raises CheckpointError, and the report names the buffer, the flipped topk and the
-fix. Exit 0 when the demo showed what it should.
+fix. Exit 0 when the demo showed what it should. The example's own output goes to stderr, and its expected
+CheckpointError is one line there (the traceback with AC_DIFF_DEBUG=1): stdout holds the report alone, so
+`ac-diff demo --format json | jq` works.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def demo_command(output_dir: str, fmt: str, json_path: str | None, output: str |
     print(f"ac-diff demo: running {script.name} (a 2-layer MoE whose router bias is updated between forward "
           "and backward) under the recorder...", file=sys.stderr)
     code = run_command(str(script), [], module=False, output_dir=output_dir, force=True, check=False, fmt=fmt,
-                       json_path=json_path, output=output, options=RecordOptions(), settings=Settings())
+                       json_path=json_path, output=output, options=RecordOptions(), settings=Settings(),
+                       example=True)
     # the example is meant to crash with CheckpointError (exit 1); the demo succeeded if it did
     return EXIT_CLEAN if code == 1 else (code or EXIT_INTERNAL)

@@ -7,12 +7,15 @@
      no AC in layers.0       did not help  4 -> 2             ...
 
 Steps: one recorded run (OUT/base) and one run without AC (OUT/reference), both capturing the first
---steps backward passes' gradients; candidate remedies for the diagnosed causes (fix/candidates.py),
+--steps backward passes' gradients (a try with deterministic algorithms is compared with a run without AC that
+uses them too, OUT/reference-deterministic); candidate remedies for the diagnosed causes (fix/candidates.py),
 cheapest first, at most --max-tries, stopping at the first verified one that keeps AC (with --jobs 1);
 each try is `ac-diff run <remedy options>` in its own process (OUT/try-N, same arguments, environment and
 seeds), --jobs at a time. With --nproc-per-node N every run is `ac-diff run --nproc-per-node N` and the run
 without AC is a torchrun of N ranks too. The report is the base run's, with
-a `fixes` section and every suggestion's status. Exit 0 when a remedy was verified (or nothing needed
+a `fixes` section and every suggestion's status. Where the base run's AC ran inside compiled graphs (nothing recorded,
+remedies would not reach it), the base run, the run without AC and every try run compiled code eagerly
+(`--compiled eager`), and the compiled run's headline is kept as the report's first note. Exit 0 when a remedy was verified (or nothing needed
 fixing), 1 when none was.
 """
 
@@ -21,12 +24,18 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..capture.compiled import COMPILED_ENV, eager_requested
+from ..children import child_command
 from ..diagnosis import Settings, diagnose
+from ..diagnosis.suggest import LOUDER
+from ..diagnosis.compiled import unrecorded
+from ..fix.ac_only import fails_only_with_ac
 from ..fix.candidates import candidates, combined
 from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
@@ -63,31 +72,56 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     if max_tries < 0 or steps < 1 or jobs < 1 or nproc < 1:
         return fail("--max-tries must be >= 0, --steps, --jobs and --nproc-per-node >= 1")
     out = Path(output_dir)
-    for stale in [out / "base", out / "reference", *out.glob("try-*")]:
+    for stale in [out / "base", out / "reference", out / "reference-deterministic", *out.glob("try-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    env = {**os.environ, CAPTURE_ENV: str(steps)}
+    capture = {CAPTURE_ENV: str(steps)}  # every run's environment: children.py's, and this
     tail = [*(["-m"] if module else []), target, *args]
     # every region's ops and saved positions: a try's extra memory is read from them (fix/memory.py), and a summarized
     # clean region (the default --write diverged) has none; fix runs a few steps, so the traces stay small
-    run = [sys.executable, "-m", "ac_diff", "run", "--force", "--write", "all",
+    run = ["-m", "ac_diff", "run", "--force", "--write", "all",
            *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
     print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
-    base_m = run_measured([*run, "-o", str(out / "base"), *tail], env, out / "base.log")
-    ref_dir = out / "reference"
-    cmd, ref_env, ref_text = reference_command(target, args, module=module, directory=ref_dir, steps=steps,
-                                               spec=RemedySpec())
-    if nproc > 1:  # the reference's ranks: a torchrun of their own
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
-    ref_m = run_measured(cmd, ref_env, out / "reference.log")
-    report, base_run = _report_of(out / "base", settings)
-    if report is None:
-        return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
-                    f"(see {out / 'base.log'})")
-    ranks = sorted({r.rank for r in report.regions}) or [0]
-    attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir))
-    found = candidates(report, max_regions)
+    references: dict[bool, tuple[Path, Measured, str]] = {}
+    lock = threading.Lock()
+
+    def reference(deterministic: bool) -> tuple[Path, Measured, str]:
+        """(directory, measured, command) of the run without AC, with deterministic algorithms where the try uses
+        them (its kernels then match the try's); each one run once."""
+        with lock:
+            if deterministic not in references:
+                directory = out / ("reference-deterministic" if deterministic else "reference")
+                # the reference's ranks: a torchrun of their own, started like the launcher's (children.py)
+                child, text = reference_command(target, args, module=module, directory=directory, steps=steps,
+                                                spec=RemedySpec(deterministic=deterministic),
+                                                nproc=nproc if nproc > 1 else 0)
+                references[deterministic] = directory, run_measured(child, out / f"{directory.name}.log"), text
+            return references[deterministic]
+
+    compiled_run = None
+    while True:
+        base_m = run_measured(child_command([*run, "-o", str(out / "base"), *tail], extra=capture), out / "base.log")
+        ref_dir, ref_m, ref_text = reference(False)
+        report, base_run = _report_of(out / "base", settings)
+        if report is None:
+            return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
+                        f"(see {out / 'base.log'})")
+        ranks = sorted({r.rank for r in report.regions}) or [0]
+        attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text,
+                                         reference_dir=ref_dir))
+        if eager_requested() or not unrecorded(report.compiled):
+            break
+        # AC inside compiled graphs: remedies need regions, so from here on every run runs compiled code eagerly
+        print("ac-diff fix: AC runs inside compiled graphs; recording again with compiled code run eagerly "
+              "(--compiled eager), as the run without AC and every try will", file=sys.stderr)
+        compiled_run = f"the compiled run (before --compiled eager): {report.headline}"
+        os.environ[COMPILED_ENV] = "eager"  # (every child's environment starts from this one's)
+        references.clear()
+    if compiled_run:
+        report.notes.insert(0, compiled_run)
+    ac_only = fails_only_with_ac(base_m, out / "base", ref_m, ref_dir)  # a checkpointing defect, named or not
+    found = candidates(report, max_regions, failed_with_ac=ac_only)
     before = diverged(report)
     culprits = frozenset(r.cause.tensor for r in report.regions if r.cause is not None and r.cause.tensor)
     tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
@@ -99,10 +133,11 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         c, t = found[i], tries[i]
         print(f"ac-diff fix: try {i + 1}/{min(len(found), max_tries)}: {c.name}", file=sys.stderr)
         d = out / f"try-{i + 1}"
-        m = run_measured([*run, "-o", str(d), *t.args, *tail], env, out / f"try-{i + 1}.log")
+        m = run_measured(child_command([*run, "-o", str(d), *t.args, *tail], extra=capture), out / f"try-{i + 1}.log")
         r, rank0 = _report_of(d, settings)
         reports[i] = r
-        ref = reference_result(r, d, ranks, steps, ref_m.code, ref_text, reference_dir=ref_dir) \
+        try_dir, try_m, try_text = reference(c.spec.deterministic)
+        ref = reference_result(r, d, ranks, steps, try_m.code, try_text, reference_dir=try_dir) \
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
               extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None, culprits)
@@ -127,26 +162,31 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         tries.append(Try(together.name, together.spec.cli_args(), together.why, regions_before=before,
                          command=run_command(together.spec.cli_args(), target, args, module, nproc)))
         one(len(found) - 1)
-    result = _result(report, found, tries, base_m, time.perf_counter() - started)
+    result = _result(report, found, tries, base_m, time.perf_counter() - started, ac_only)
     report.fixes = result
     mark(report, target, args, module, list(zip(found, tries)), nproc)
     emit(report, fmt, json_path, output)
-    return EXIT_CLEAN if result.verified or (not found and not report.diverged) else EXIT_DIVERGED
+    return EXIT_CLEAN if result.verified or (not found and not report.diverged and not ac_only) else EXIT_DIVERGED
 
 
-def _result(report: Any, found: list, tries: list[Try], base: Measured, total: float) -> FixResult:
+def _result(report: Any, found: list, tries: list[Try], base: Measured, total: float,
+            ac_only: bool = False) -> FixResult:
     pairs = sorted(zip(found, tries), key=lambda p: ORDER[p[1].status])
     result = FixResult(headline="", tries=[t for _, t in pairs], baseline_wall_s=base.wall_s, total_wall_s=total)
     verified = [(c, t) for c, t in pairs if t.status == VERIFIED]
     keeps_ac = [(c, t) for c, t in verified if c.kind != "no_ac"]
-    change = next((s.title + ": " + s.text for r in report.regions for s in r.suggestions), None)
+    change = next((s.title + ": " + s.text for r in report.regions for s in r.suggestions if s.title != LOUDER), None)
     ref = report.reference
     if not found:
-        if base.code != 0 and not report.diverged:
+        if ac_only and not report.diverged:
+            result.headline = (f"the script fails only with AC (exit {base.code}: {base.last_line()}) while the run "
+                               "without AC passed: a checkpointing defect ac-diff could not name; see " + str(base.log))
+        elif base.code != 0 and not report.diverged:
             result.headline = (f"the script failed on its own (exit {base.code}: {base.last_line()}), before any "
                                "remedy could be tried; see " + str(base.log))
         elif report.diverged:
-            result.headline = "no mechanical remedy applies to what was diagnosed; make the code change below"
+            result.headline = "no mechanical remedy applies to what was diagnosed" + (
+                "; make the code change below" if change else ", and ac-diff knows no code change for it")
             result.code_change = change
         else:
             result.headline = ("nothing to fix: every region reproduced its forward"
@@ -164,8 +204,9 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
         c, t = verified[0]
         result.verified, result.verified_code = c.name, code_for(c)
         result.code_change = change
-        result.headline = (f"only turning AC off works ({c.name}): no remedy that keeps AC made the recompute match; "
-                           "the code change below keeps AC")
+        result.headline = (f"only turning AC off works ({c.name}): no remedy that keeps AC made the recompute match"
+                           + ("; the code change below keeps AC" if change else
+                              ", and ac-diff knows no code change that keeps AC for what it diagnosed"))
     else:
         result.code_change = change
         result.headline = ("no remedy tried made every region clean with gradients bit-identical to the run without "

@@ -26,20 +26,17 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .common import EXIT_BAD_INPUT, emit, fail, verdict_code
+from .common import EXIT_BAD_INPUT, command_line, emit, fail, print_next, verdict_code
 from ..errors import Terminated
 
-RUN_ID_ENV = "AC_DIFF_RUN_ID"
-LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by `ac-diff run --nproc-per-node`: the launcher reports, ranks don't
+from ..children import LAUNCHED_ENV, RUN_ID_ENV, child_command  # noqa: F401 - the launch's environment (children.py)
 WAIT_ENV = "AC_DIFF_RANK_WAIT"  # seconds rank 0 waits for the other ranks' traces (default 60)
 DEFAULT_WAIT_S = 60.0
 POLL_S = 0.2
@@ -130,21 +127,13 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
         return fail(refused)
     if "--force" not in argv:
         argv.insert(1, "--force")  # the directory is clean now; a rank restarted by torchrun may rewrite
-    rid = uuid.uuid4().hex[:12]
-    env = {**os.environ, RUN_ID_ENV: rid, LAUNCHED_ENV: "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "ac_diff", *argv]
-    print(f"ac-diff: launching {nproc} processes with torchrun (run {rid}): {' '.join(cmd[1:])}", file=sys.stderr)
+    child = child_command(["-m", "ac_diff", *argv], nproc=nproc)  # the same environment as every child (children.py)
+    rid = child.run_id
+    print(f"ac-diff: launching {nproc} processes with torchrun (run {rid}): {' '.join(child.argv[1:])}",
+          file=sys.stderr)
     sys.stderr.flush()
-    interrupted = False
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # the ranks got the Ctrl-C too (same process group); let torchrun wind down
-        interrupted = True
-        with contextlib.suppress(KeyboardInterrupt):
-            code = proc.wait()
+    code = child.run()
+    interrupted = child.interrupted  # the ranks got the Ctrl-C too; torchrun has wound down
     runs_found = collect_traces(out, rid, nproc)
     if not runs_found.paths:
         fail(f"no trace with run id {rid} in {out}: the ranks did not get to start the recorder (see torchrun's "
@@ -360,16 +349,18 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
     if unfinished:
         report.notes.append(f"rank{'s' if len(unfinished) > 1 else ''} {_ranks_text(unfinished)} had not finished "
                             f"{'their traces' if len(unfinished) > 1 else 'its trace'} when this report was made "
-                            f"(still running, or killed); `ac-diff report {output_dir}` later shows what they recorded")
+                            f"(still running, or killed); `{command_line('ac-diff', 'report', output_dir)}` later "
+                            "shows what they recorded")
     if found.stale:
         report.notes.append(f"ignored {len(found.stale)} trace file(s) in {output_dir} from an earlier run: "
                             + ", ".join(p.name for p in found.stale[:4]))
     if decorate is not None:  # the reference section, the remedies applied (run_extras)
         decorate(report, ranks)
     emit(report, fmt, json_path, output)
-    print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else "")
-          + (f"   (one rank: ac-diff report {found.paths[ranks[-1]]}; two ranks side by side: ac-diff compare "
-             f"{found.paths[ranks[0]]} {found.paths[ranks[-1]]})" if len(ranks) > 1 else ""), file=sys.stderr)
+    print_next(output_dir, json_path,
+               f"   (one rank: {command_line('ac-diff', 'report', found.paths[ranks[-1]])}; two ranks side by side: "
+               f"{command_line('ac-diff', 'compare', found.paths[ranks[0]], found.paths[ranks[-1]])})"
+               if len(ranks) > 1 else "")
     return report
 
 
@@ -453,7 +444,8 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
         if outcome_code not in (0, EXIT_TERMINATED):
             # torchrun now stops the other ranks, rank 0 included: it may not live to report
             print(f"[rank{r}] ac-diff: the script failed on rank {r}; trace: {trace_path}. torchrun stops the other "
-                  f"ranks now; for the report across ranks run: ac-diff report {output_dir}", file=sys.stderr)
+                  f"ranks now; for the report across ranks run: {command_line('ac-diff', 'report', output_dir)}",
+                  file=sys.stderr)
         return outcome_code
     header = read_header(trace_path) or {}
     rid = header.get("run_id")

@@ -21,7 +21,7 @@ from .run_extras import RunExtras
 from ..capture.runner import check_target, run_target
 from ..trace import read_run
 from . import launch_cmd as launch
-from .common import emit, fail, verdict_code
+from .common import emit, fail, print_next, verdict_code
 
 
 def trace_path_for(output_dir: str | os.PathLike) -> Path:
@@ -32,7 +32,9 @@ def trace_path_for(output_dir: str | os.PathLike) -> Path:
 def run_command(target: str, args: list[str], *, module: bool, output_dir: str, force: bool, check: bool,
                 fmt: str, json_path: str | None, output: str | None, options: RecordOptions,
                 settings: Settings, quiet_report: bool = False, remedies: RemedySpec | None = None,
-                reference: str | None = None, reference_steps: int = 1) -> int:
+                reference: str | None = None, reference_steps: int = 1, example: bool = False) -> int:
+    """Record the target, report, and return the exit code. Paths are used as given: the CLI has resolved them
+    (commands/outputs.py), so a script that calls os.chdir() does not move them. `example`: see `run_target`."""
     trace_path = trace_path_for(output_dir)
     check_target(target, module)  # a missing script first: that is the problem to report
     multi = launch.is_multi_rank() or launch.launched()  # under torchrun: one trace per rank, one report
@@ -49,7 +51,7 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                                                            **launch.header_fields()})
     extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
     with launch.sigterm_as_exit(), extras:  # SIGTERM (a scheduler, torchrun's agent) still finishes the trace
-        outcome = run_target(target, args, module=module, recorder=recorder)
+        outcome = run_target(target, args, module=module, recorder=recorder, example=example)
     extras.after(target, args, module)
     if recorder.write_failure:  # the script's exit code still wins; the report covers what was written
         print(f"ac-diff: error: {recorder.write_failure}", file=sys.stderr)
@@ -65,8 +67,7 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     extras.decorate(report, [rank])
     if not quiet_report:
         emit(report, fmt, json_path, output)
-    print(f"ac-diff: next: ac-diff report {output_dir}" + (" --json report.json" if not json_path else ""),
-          file=sys.stderr)
+    print_next(output_dir, json_path)
     if check and outcome.exit_code == 0 and report.verdict != "clean":
         return outcome.end(verdict_code(report))
     return outcome.end(outcome.exit_code)

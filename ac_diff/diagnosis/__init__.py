@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 
+from ..capture.state import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, DAMAGED, DIVERGED, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
+from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, repeated_updates)
 from .cause import SHARDED, sharded_positions
+from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
@@ -70,17 +72,28 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
+    lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
-               UNCHECKED if crash or not any(r.status == CLEAN for r in region_reports) else CLEAN)
+               UNCHECKED if crash or lost or not any(r.status == CLEAN for r in region_reports) else CLEAN)
     raised = {(e.rank, e.region) for e in errors_summary}
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.rank, r.region))
     headline = _headline(region_reports, errors_summary, runs, groups)
     if crash and not diverged and not errors:
         headline = crash
+    compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
+    if unrecorded(compiled) and not region_reports and not errors:
+        headline = unrecorded_headline(compiled)
+    headline = eager_prefix(compiled) + headline if region_reports else headline
+    if lost:
+        if verdict == UNCHECKED:
+            headline = lost + (f"; {crash}" if crash else "")
+        else:
+            notes.append(lost)
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
-                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups)
+                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups,
+                    compiled=compiled)
     report.ranks = rank_summaries(report, runs)
     cross = cross_rank_findings(runs, report)
     report.cross_rank, report.cross_rank_findings = cross.texts, cross.findings
@@ -148,7 +161,8 @@ def _summary(err: TorchError) -> TorchErrorSummary:
                              positions=[p.position for p in err.positions if p.position is not None],
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
-                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else None)
+                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else None,
+                             count=err.count, first_line=err.first_line, last_line=err.last_line)
 
 
 def _through_nested_regions(reports: list) -> None:
@@ -169,7 +183,7 @@ def _through_nested_regions(reports: list) -> None:
         r.cause = Cause(child.cause.kind, child.cause.tensor,
                         f"through the nested region {module} (region {child.region}): {child.cause.detail}",
                         [f"the output of {module} differs between this region's forward and recompute",
-                         *child.cause.evidence], child.cause.mechanism, child.cause.source)
+                         *child.cause.evidence], child.cause.mechanism, child.cause.source, list(child.cause.names))
         r.suggestions = list(child.suggestions)
 
 
@@ -218,6 +232,28 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
             f"{checked} region(s) checked clean, {len(unchecked)} never checked ({reasons})")
 
 
+def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None:
+    """What ac-diff's own recorder errors left unrecorded, naming the regions that could not be compared and
+    why; None when it recorded everything. Data lost this way never reads as clean."""
+    totals: dict[str, int] = {}
+    errors: list[str] = []
+    for run in runs:
+        for key, value in (run.recorder_lost or {}).items():
+            if key == "errors":
+                errors += [e for e in value if e not in errors]
+            elif isinstance(value, int):
+                totals[key] = totals.get(key, 0) + value
+    hit = [r for r in regions if r.unchecked_reason == RECORDER_ERROR]
+    if not hit and not any(totals.values()):
+        return None
+    counts = ", ".join(f"{n} {key if n != 1 else key[:-1]}" for key, n in totals.items() if n)
+    where = (f"region{'s' if len(hit) > 1 else ''} {_listed([r.region for r in hit])} not compared"
+             if hit else "some ops went unrecorded")
+    first = errors[0] if errors else (hit[0].notes[-1] if hit and hit[0].notes else "")
+    return (f"ac-diff's recorder failed ({counts or 'data lost'}): {where}; NOT CHECKED, not clean"
+            + (f" [{first}]" if first else "") + "; please report it with the trace")
+
+
 def _headline(regions, errors, runs, groups) -> str:
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
@@ -245,12 +281,20 @@ def _headline(regions, errors, runs, groups) -> str:
                     f"were not diagnosed" + (f"; {checked} other region(s) clean" if checked else "")
                     + "; copy the trace again from where it was written, or re-record it")
         if not checked:
-            why = next((r.notes[-1] for r in regions if r.notes), "")
+            why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
+                       next((r.notes[-1] for r in regions if r.notes), ""))
             return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare"
                     + (f" ({why})" if why else ""))
         repeated = repeated_updates(regions)
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "") if repeated else "")
+        flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
+        if flagged:
+            key = flagged[0].cause.tensor
+            change = flagged[0].state_changes.get(key) or {}
+            extra += (f"; but in {len(flagged)} of them a flag that chooses kernels differed between the forward and "
+                      f"the recompute ({flag_label(key)}: {change.get('forward')!r} -> {change.get('recompute')!r}): "
+                      "the same values on this device, not where a kernel depends on it")
         return f"clean: all {checked} recomputed region(s) reproduced their saved tensors exactly{extra}"
     # lead with the region torch complained about, else the first in forward order; the lowest rank first, as the
     # report's details and cross-rank lines (a log may print rank 1's dump before rank 0's)

@@ -1,15 +1,24 @@
-"""Python attributes of the modules a region calls, compared between its forward and its recompute.
+"""Python state of the modules a region calls, compared between its forward and its recompute.
 
-The recorder keeps each module's scalar attributes (int/float/bool/str) at its first call in a pass, and
-the ones a call changed (a forward pre-hook counting calls). Here they become the cause when the region
-diverged on a Python value, not a tensor (`control_flow` where a branch on it changed the ops):
+The recorder keeps each module's attributes (int/float/bool/str, and list/tuple/dict/deque by length and the
+identity of their items) at its first call in a pass, the ones a call changed (a forward pre-hook counting
+calls, a forward that appends to a memory), and the scalar module-level globals the modules' code reads
+(capture/pystate.py). Here they become the cause when the region diverged on a Python value, not a tensor
+(`control_flow` where a branch on it changed the ops):
 
     attribute_cause(region, first)
-    -> Cause(kind="state_mutation", tensor="blocks.0.step",
+    -> Cause(kind="state_mutation", tensor="blocks.0.step", mechanism="attribute",
              detail="the Python attribute `blocks.0.step` was 0 in the forward and 1 in the recompute: ...",
-             evidence=["blocks.0.step: 0 in the forward, 1 in the recompute", "each call of blocks.0 changes it
-                        (0 -> 1 in the forward, 1 -> 2 in the recompute) (by its forward pre-hook Block.bump_step ...)"])
+             evidence=["blocks.0.step: 0 in the forward and 1 in the recompute", "each call of blocks.0 changes
+                        blocks.0.step: 0 -> 1 in the forward, 1 -> 2 in the recompute (by its forward pre-hook ...)"])
+    # a list a forward appends to: "`layers.1.attn.mems` was a list of 1 entry in the forward and 2 in the recompute"
+    # a flag a branch reads: Cause(kind="control_flow", tensor="model.LOW_PRECISION", mechanism="global",
+    #     detail="... the module-level global `model.LOW_PRECISION` was True in the forward and False in the recompute")
     attribute_suggestion(region, "blocks.0.step") -> Suggestion("Do not update `blocks.0.step` in a forward ...")
+
+A change read where the region first diverged (an attribute of the op's module or one around it, a global
+read by the function at the op's source line) is named first; it outranks a random op whose argument it
+changed (a dropout's `p` annealed between forward and backward changes bernoulli_'s probability).
 """
 
 from __future__ import annotations
@@ -17,28 +26,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..passes import Region
+from ..capture.pystate import is_container
+from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
-from .passdiff import PairDiff
+from .passdiff import ARGUMENT_KINDS, PairDiff
 
 
 @dataclass(frozen=True)
 class AttributeChange:
-    name: str  # "blocks.0.step"
+    name: str  # "blocks.0.step", or a global "model.LOW_PRECISION"
     forward: Any
     recompute: Any
     # [before, after] of the call that changed it, in each pass (a call counted again in the recompute)
     forward_update: list | None = None
     recompute_update: list | None = None
     hooks: list[str] = field(default_factory=list)  # the module's forward pre-hooks
+    readers: list[str] = field(default_factory=list)  # a global: the functions reading it ("model.py in forward")
 
     @property
     def counted_twice(self) -> bool:
         return self.forward_update is not None and self.recompute_update is not None
 
+    @property
+    def is_global(self) -> bool:
+        return bool(self.readers)
+
+    def read_by(self, op: OpRecord | None) -> bool:
+        """Whether `op` ran where this state is read: in the attribute's module (or one inside it), or in a
+        function that reads the global."""
+        if op is None:
+            return False
+        if self.is_global:
+            return bool(op.source) and _function_of(op.source) in self.readers
+        module = self.name.rsplit(".", 1)[0] if "." in self.name else ""
+        return op.module is not None and (op.module == module or op.module.startswith(module + "."))
+
+
+def _function_of(source: str) -> str:
+    """"model.py:12 in forward" -> "model.py in forward" (how a global's readers are named)."""
+    place, _, function = source.partition(" in ")
+    return f"{place.rsplit(':', 1)[0]} in {function}"
+
 
 def changed_attributes(region: Region) -> list[AttributeChange]:
-    """Attributes with another value at the module's first call in the recompute than in the forward."""
+    """Attributes and globals with another value at the first reading in the recompute than in the forward."""
     fwd, rec = region.forward, region.recompute
     if fwd is None or rec is None:
         return []
@@ -49,46 +80,127 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
             hooks = list((f_up or r_up or [None, None, []])[2] or [])
             out.append(AttributeChange(name, value, rec.attributes[name], f_up[:2] if f_up else None,
                                        r_up[:2] if r_up else None, hooks))
+    for name, value in fwd.globals.items():
+        if name in rec.globals and rec.globals[name] != value:
+            readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
+            out.append(AttributeChange(name, value, rec.globals[name], readers=readers or ["?"]))
     return out
+
+
+def shown(value: Any) -> str:
+    """An attribute's recorded value as a report shows it: `0.1`, `'residual'`, "a list of 2 entries"."""
+    return f"a {value['type']} of {_entries(value['len'])}" if is_container(value) else repr(value)
+
+
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def _change_words(forward: Any, recompute: Any) -> str:
+    """"0 in the forward and 1 in the recompute"; "a list of 1 entry in the forward and 2 in the recompute"; "a
+    list of 2 entries in both passes, with other items in the recompute"."""
+    if is_container(forward) and is_container(recompute) and forward["type"] == recompute["type"]:
+        a, b = forward["len"], recompute["len"]
+        if a == b:
+            return f"{shown(forward)} in both passes, with other items in the recompute"
+        return f"{shown(forward)} in the forward and {b} in the recompute"
+    a, b = _distinct(forward, recompute)
+    return f"{a} in the forward and {b} in the recompute"
+
+
+def _distinct(a: Any, b: Any) -> tuple[str, str]:
+    """Two values with as few digits as tell them apart: (0.1, 0.09000000000000001) -> ("0.1", "0.09")."""
+    if type(a) is float and type(b) is float:
+        for digits in (6, 9, 12, 17):
+            x, y = _float_text(a, digits), _float_text(b, digits)
+            if x != y:
+                return x, y
+    return shown(a), shown(b)
+
+
+def _float_text(x: float, digits: int) -> str:
+    """`x` to `digits` significant digits, still reading as a float: 1.0 -> "1.0", not "1"."""
+    text = f"{x:.{digits}g}"
+    return text if any(c in text for c in ".einf") else text + ".0"
+
+
+def _what(change: AttributeChange) -> str:
+    return (f"the module-level global `{change.name}`" if change.is_global else
+            f"the Python attribute `{change.name}`")
 
 
 def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     """The changed attribute behind a divergence that no tensor explains: the first divergent op read
-    identical tensors (a Python number argument changed, or another branch was taken) and draws no
-    random numbers."""
+    identical tensors (a Python number argument changed, or another branch was taken). A random op's other
+    values are its own (RNG) unless its arguments changed too, and a change read where it ran explains them."""
     changes = changed_attributes(region)
     if not changes or first is None or first.inputs_same is False:
         return None
     op = first.forward or first.recompute
-    if op is not None and op.random and "value" in first.kinds and not first.kinds & {"args", "control"}:
-        return None
-    top = next((c for c in changes if c.counted_twice), changes[0])
+    if op is not None and op.random and "value" in first.kinds:
+        if not first.kinds & (ARGUMENT_KINDS | {"control"}):
+            return None
+        if not any(c.read_by(op) for c in changes):
+            return None
+    top = min(changes, key=lambda c: (not c.read_by(op), not c.counted_twice))
     module = top.name.rsplit(".", 1)[0] if "." in top.name else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
     detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
-              + f"the Python attribute `{top.name}` was {top.forward!r} in the forward and {top.recompute!r} in "
-              "the recompute")
-    evidence = [f"{c.name}: {c.forward!r} in the forward, {c.recompute!r} in the recompute" for c in changes[:4]]
+              + f"{_what(top)} was {_change_words(top.forward, top.recompute)}")
+    evidence = [f"{c.name}: {_change_words(c.forward, c.recompute)}"
+                + (f" (read by {', '.join(c.readers[:2])})" if c.is_global else "") for c in changes[:4]]
     if top.counted_twice:
         by = (f"its forward pre-hook {', '.join(top.hooks)} or its forward" if top.hooks else "its forward")
         detail += (f": each call of {module} changes it (by {by}), and the recompute calls {module} again, so the "
                    "update counts twice")
-        evidence.append(f"each call of {module} changes {top.name}: {top.forward_update[0]!r} -> "
-                        f"{top.forward_update[1]!r} in the forward, {top.recompute_update[0]!r} -> "
-                        f"{top.recompute_update[1]!r} in the recompute (by {by})")
+        evidence.append(f"each call of {module} changes {top.name}: {_shown_update(top.forward_update)} in the "
+                        f"forward, {_shown_update(top.recompute_update)} in the recompute (by {by})")
+    elif top.is_global:
+        detail += ": it was set for the forward and changed before the backward, whose recompute reads it again"
     else:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
         evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}) with identical tensors in")
-    return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence, mechanism="attribute")
+    # what a restore must cover: every module attribute that changed (a scheduler moved each dropout's `p`)
+    names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global)]
+    return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
+                 mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _shown_update(update: list) -> str:
+    before, after = update
+    if is_container(before) and is_container(after):
+        return f"{before['len']} -> {after['len']} entries"
+    return " -> ".join(_distinct(before, after))
 
 
 def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
-    """The fix for a changed attribute (None if `name` is no changed attribute of the region)."""
-    change = next((c for c in changed_attributes(region) if c.name == name), None)
+    """The fix for a changed attribute or global (None if `name` is neither, in the region)."""
+    changes = changed_attributes(region)
+    change = next((c for c in changes if c.name == name), None)
     if change is None:
         return None
     attr = name.rsplit(".", 1)[-1]
+    if change.is_global:
+        return Suggestion(
+            f"Keep the global `{attr}` as the forward saw it until after the backward",
+            f"The recompute runs inside loss.backward() and reads `{name}` as it is then ({shown(change.recompute)}, "
+            f"not the forward's {shown(change.forward)}), so it takes another branch. Set it around the forward and "
+            "the backward together, or pass the value to the checkpointed module as an argument (checkpoint keeps "
+            "its arguments for the recompute).",
+            f"{attr} = {change.forward!r}\nloss = model(batch)\nloss.backward()  # the recompute reads {attr} here\n"
+            f"{attr} = {change.recompute!r}")
+    if is_container(change.forward):
+        return Suggestion(
+            f"Do not change `{name}` in the checkpointed forward; update it after the backward",
+            f"The recompute runs the module's forward again and reads the {change.forward['type']} as it is then "
+            f"({_change_words(change.forward, change.recompute)}). Append (or replace) its entries after "
+            "loss.backward(), or hand the forward a snapshot as an argument (checkpoint keeps its arguments for the "
+            f"recompute). `ac-diff fix` can simulate this: --restore-in-recompute restores `{name}` for the "
+            "recompute.",
+            f"# in forward: read self.{attr}, return the new entry instead of appending it\n"
+            f"out, new_entry = model(batch)\nloss = loss_fn(out)\nloss.backward()\n"
+            f"module.{attr}.append(new_entry.detach())  # after the backward")
     if change.counted_twice:
         return Suggestion(
             f"Do not update `{name}` in the checkpointed module's forward or pre-hook",
@@ -97,7 +209,9 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             "(in the training loop, or an optimizer step hook), or pass the value in as an argument.",
             f"# instead of a forward pre-hook that does `module.{attr} += 1`:\n"
             f"loss.backward()\noptimizer.step()\nfor block in model.blocks:\n    block.{attr} += 1")
+    also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice]
+    names = ", ".join(f"`{n}`" for n in [name, *also[:3]]) + (f" and {len(also) - 3} more" if len(also) > 3 else "")
     return Suggestion(
-        f"Change `{name}` after the backward, not between forward and backward",
+        f"Change {names} after the backward, not between forward and backward",
         "The recompute reads the attribute as it is during backward. Change it after loss.backward(), or pass the "
         "value to the checkpointed function as an argument (checkpoint keeps its arguments for the recompute).")

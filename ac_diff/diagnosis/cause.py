@@ -11,13 +11,17 @@ Order of precedence, each needing its evidence: a tensor read by the region chan
 most parameters at once: an optimizer step, mechanism optimizer_step; a tensor made from host data in the
 region: host randomness, rng/host_rng), a parameter that is empty in recompute (sharded_parameter), a random
 op drew other numbers (rng: default_generator, or private_generator when it was handed a torch.Generator),
-global dispatch state differs (global_state), the op sequence changed before any value did (control_flow),
+global dispatch state differs (global_state; also on a region whose values matched, where a flag that chooses
+kernels differed: `explain_flags`), the op sequence changed before any value did (control_flow),
 a Python argument changed (state_mutation/python_value), an op gave other outputs from identical inputs
 (nondeterministic_op), else unknown. The chain's steps are producer links (dataflow.data_path).
 """
 
 from __future__ import annotations
 
+import re
+
+from ..capture.state import KERNEL_FLAGS, flag_label
 from ..oprules import is_in_place_method, is_random_name, packet
 from ..passes import OpRecord, Region
 from ..report import Cause, Divergence, RegionReport
@@ -88,7 +92,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
                       "modified tensor)")
         return Cause("state_mutation", top["name"], detail, evidence,
-                     mechanism="input" if top["kind"] == "input" else "tensor")
+                     mechanism="input" if top["kind"] == "input" else "tensor",
+                     names=[] if top["kind"] == "input" else _module_state(top["name"], changed))
 
     attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
     if attribute is not None:
@@ -235,13 +240,30 @@ def _rng_cause(random_op: OpRecord, region: Region, rng: dict | None) -> Cause:
                      f"{random_op.op} draws from a {generator} passed to it at {at}, not from torch's default "
                      "generator: preserve_rng_state saves and restores only the default generators, so this one kept "
                      "advancing and the recompute drew other numbers", evidence,
-                     mechanism="private_generator", source=random_op.source)
+                     mechanism="private_generator", source=random_op.source, names=_drawing_modules(region))
     if rng:
         evidence.append(f"RNG state digest {rng['forward']} in forward, {rng['recompute']} in recompute")
     detail = (f"{random_op.op} drew other random numbers in the recompute"
               + (" because checkpoint ran with preserve_rng_state=False" if preserve is False else
                  " (the RNG state at the start of the recompute differs from the forward's)" if rng else ""))
     return Cause("rng", random_op.op, detail, evidence, mechanism="default_generator", source=random_op.source)
+
+
+def _drawing_modules(region: Region) -> list[str]:
+    """The modules whose ops draw from a private generator in the region's forward, where such a generator lives
+    (a dropout's own, `layers.0.q_proj.lora_dropout.default`): what a restore must cover."""
+    ops = region.forward.ops if region.forward is not None else []
+    return list(dict.fromkeys(op.module for op in ops if op.random and op.module and _generator_arg(op)))
+
+
+_STATE_NAME = re.compile(r"[\w.]+")  # a module's buffer or tensor attribute (not `input[0]`, `external[3]`)
+
+
+def _module_state(lead: str, changed: list[dict]) -> list[str]:
+    """`lead` and every other buffer / tensor attribute of a module whose values differ in the recompute (two
+    layers each updating a running buffer): what a restore must cover."""
+    return list(dict.fromkeys([lead, *(c["name"] for c in changed if c["kind"] in ("buffer", "external")
+                                        and _STATE_NAME.fullmatch(c["name"]))]))
 
 
 # Parameters changed between a region's forward and its recompute, as a share of those it read, from
@@ -278,8 +300,25 @@ def _saved_updates(report: RegionReport, region: Region) -> set[str]:
 
 def _global_state_cause(flags: dict, key: str) -> Cause:
     return Cause("global_state", key,
-                 f"`{key}` was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in the "
-                 "recompute", [f"{k}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
+                 f"{flag_label(key)} was {flags[key]['forward']!r} in the forward and {flags[key]['recompute']!r} in "
+                 "the recompute" + (": changed between the forward and the backward, so the recompute ran under "
+                                    "another setting than the forward" if key in KERNEL_FLAGS else ""),
+                 [f"{flag_label(k)}: {v['forward']!r} -> {v['recompute']!r}" for k, v in flags.items()])
+
+
+def explain_flags(report: RegionReport, region: Region, torch_version: str | None = None) -> None:
+    """A region that reproduced its forward although a flag that chooses kernels differed between its passes (a CPU
+    ignores the GPU's TF32 and cuDNN flags): the global_state cause it has where a kernel depends on the flag, with
+    its fix, and a note that this run's values matched."""
+    flags = {k: v for k, v in report.state_changes.items() if k in KERNEL_FLAGS}
+    if not flags:
+        return
+    report.cause = _global_state_cause(flags, sorted(flags)[0])
+    report.suggestions = suggestions_for(report, region, torch_version)
+    report.notes.append(f"no value differed in this run (no kernel it ran depends on "
+                        f"{flag_label(report.cause.tensor)}), but where one does (a GPU: TF32 or reduced-precision "
+                        "matmuls, cuDNN's algorithm, the attention kernel) the recompute computes other values than the "
+                        "forward")
 
 
 def _before(a, b) -> bool:
@@ -299,7 +338,8 @@ def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:
         if d.side_effect:
             continue
         if "value" in d.kinds and d.forward is not None and d.forward.random and d.inputs_same is not False:
-            return d.forward
+            # drawn with another argument (a dropout's probability): the argument's change is the cause
+            return None if d.kinds & ARGUMENT_KINDS else d.forward
         if "value" in d.kinds and d.inputs_same:
             return None  # a non-random op diverged on its own first
     return None
@@ -396,8 +436,9 @@ def _between(report: RegionReport, region: Region, cmp: PassComparison, limit: i
     path = data_path(ops, target, sources, lambda op: bool(cmp.tainted.get(op.index)))
     picked = []
     for f in path[1:-1]:
-        integer_out = any(m.dtype[0] in "iub" for m in f.out)
-        host = f.host_value is not None or any(m.device == "cpu" for m in f.out) and "_to_copy" in f.op
+        metas = [m for _, m in f.tensor_outputs()]
+        integer_out = any(m.dtype[0] in "iub" for m in metas)
+        host = f.host_value is not None or any(m.device == "cpu" for m in metas) and "_to_copy" in f.op
         if is_discrete(f) or integer_out or host:
             picked.append(f)
     return picked[:limit]

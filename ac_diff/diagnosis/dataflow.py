@@ -38,7 +38,7 @@ def _host_source(ops_before: list[OpRecord], sizes: list[int]) -> OpRecord | Non
     total = sum(sizes)
     fallback = None
     for op in reversed(ops_before[-200:]):
-        for j, meta in enumerate(op.out):
+        for j, meta in op.tensor_outputs():
             numel = 1
             for s in meta.shape:
                 numel *= s

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..oprules import DECISION_OUTPUT, packet
-from ..passes import OpRecord
+from ..passes import OpRecord, TensorMeta
 
 # Ops that choose the k largest/smallest entries along a dim, and which output holds the choice.
 @dataclass
@@ -52,7 +52,8 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     fv = (f.values or {}).get(out_key)
     rv = (r.values or {}).get(out_key)
     if fv is None or rv is None:
-        shapes = [(a.shape, b.shape) for a, b in zip(f.out, r.out) if a.shape != b.shape]
+        shapes = [(a.shape, b.shape) for a, b in zip(f.out, r.out)
+                  if type(a) is TensorMeta and type(b) is TensorMeta and a.shape != b.shape]
         if shapes:  # a log, or values past --keep-values: the shape of the decision is what is known
             return Flip(f"its output changed shape: {_shape(shapes[0][0])} -> {_shape(shapes[0][1])}")
         if f.log_ids is not None:

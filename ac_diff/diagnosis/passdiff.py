@@ -140,6 +140,7 @@ class PassComparison:
     # externals whose values differ only because the forward updated them itself (a batch norm's running
     # statistics): the recompute reads the updated tensor and updates it again -> the op that wrote it
     self_updated: dict[tuple, OpRecord] = field(default_factory=dict)
+    tolerance: Tolerance = Tolerance()  # the one values were compared with (saved positions too)
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
@@ -249,16 +250,17 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     hook_views = {i: o.input_refs[0] for i, o in framework_hook_ops(forward).items()
                   if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
-                          tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated)
+                          tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated,
+                          tolerance=tolerance)
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:
     """Per output, where both passes measured it: does it differ (shape or fingerprint)?"""
     fa, fb = f.fingerprint or [], r.fingerprint or []
-    for j, (ma, mb) in enumerate(zip(f.out, r.out)):
+    for j, (ma, mb) in enumerate(zip(f.out_signature(), r.out_signature())):
         a = fa[j] if j < len(fa) else None
         b = fb[j] if j < len(fb) else None
-        if (ma.shape, ma.dtype) != (mb.shape, mb.dtype):
+        if ma != mb:
             tainted_outputs[(f.index, j)] = True
         elif a is not None and b is not None:
             tainted_outputs[(f.index, j)] = not tol.equal(a, b)
@@ -347,7 +349,7 @@ def _compare_pair(d: PairDiff, f: OpRecord, r: OpRecord, tol: Tolerance) -> None
         if _int_lists(f.args) != _int_lists(r.args) and len(_int_lists(f.args)) == len(_int_lists(r.args)):
             d.kinds.add("args")
         return
-    if [(m.shape, m.dtype) for m in f.out] != [(m.shape, m.dtype) for m in r.out]:
+    if f.out_signature() != r.out_signature():
         d.kinds.add("shape")
     plain_f, plain_r = _plain_args(f.args), _plain_args(r.args)
     if plain_f != plain_r:
@@ -450,8 +452,11 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
     changed: list[str] = []
     for fr, rr in zip(f.input_refs, r.input_refs):
         if fr.kind == "op":
-            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != f_source.get(fr.op_index, fr.op_index):
+            source = f_source.get(fr.op_index, fr.op_index)
+            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != source:
                 same = False
+            elif source != fr.op_index:  # a skipped copy (a detach) of that op's output: as that op
+                same = same and not tainted.get(source, False)
             elif (tainted_outputs or {}).get((fr.op_index, fr.output), tainted.get(fr.op_index, False)):
                 same = False
         else:

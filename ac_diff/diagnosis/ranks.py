@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, packet, state_read
-from ..passes import Pass, Region, Run
+from ..passes import Pass, Region, Run, TensorMeta
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
@@ -454,7 +454,7 @@ def _significant(f, o) -> bool:
     if f.host_value is not None or o.host_value is not None:
         return f.host_value != o.host_value
     for meta, a, b in zip(f.out, f.fingerprint or [], o.fingerprint or []):
-        if a is None or b is None:
+        if a is None or b is None or type(meta) is not TensorMeta:
             continue
         if meta.dtype[:1] in ("i", "u", "b"):
             if a != b:

@@ -13,13 +13,15 @@ from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
+from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
-from .cause import explain
+from ..capture.state import flag_value
+from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import describe_flip
+from .inplace_input import input_written, name_input_write
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
 
@@ -41,6 +43,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         silent=False, cause=None, first_value_divergence=None, first_discrete_divergence=None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source=region.source,
+        checkpoint_options=dict(region.options),
     )
     if region.damaged:
         report.status = DAMAGED
@@ -48,6 +51,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         return report
     if not region.recorded:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
+        return report
+    lost = recorder_loss(region)
+    if lost and torch_error is None:
+        _unchecked(report, RECORDER_ERROR, f"not compared: {lost}")
         return report
     if fwd is None or rec is None:
         inside = region.parent_phase == "recompute" and region.parent is not None
@@ -64,6 +71,9 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             _unchecked(report, "not recomputed: no backward",
                        "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
+        written = input_written(fwd) if run_stopped and region.has_values else None
+        if written is not None:  # what stopped the run: the backward found the kept input changed
+            name_input_write(report, *written)
         return report
 
     if not region.passes_whole and not fwd.ops and not rec.ops and torch_error is None:
@@ -97,12 +107,17 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     count_mismatch = _count_mismatch(fwd, rec)
     first = cmp.first_divergence()
     if fwd.positions and region.kind != "reentrant":
-        # Backward uses only the recomputed saved tensors: they decide whether gradients are wrong.
-        diverged = bool(position_mismatch or position_values or count_mismatch or torch_error)
+        # Backward uses the recomputed saved tensors, compared by value; other values elsewhere are harmless only
+        # where they reach neither those nor a tensor that outlives the region (its output, state its code keeps)
+        escaped = outliving_differ(fwd, cmp)
+        diverged = bool(position_mismatch or position_values or count_mismatch or torch_error or escaped)
         if first is not None and not diverged:
             report.notes.append(f"{first.forward.op if first.forward else first.recompute.op} and later ops computed "
                                 "other values in the recompute, but no saved tensor depends on them: harmless "
                                 "for the gradients")
+        elif escaped and not (position_mismatch or position_values or count_mismatch or torch_error):
+            report.notes.append(f"every saved tensor matched, but what {escaped} made in the recompute differs from "
+                                "the forward's and outlived the region (its output, or a tensor its code kept)")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
     updates = [(d.forward.input_refs[0].name, d.forward) for d in cmp.repeated_updates()]
@@ -116,6 +131,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
     report.status = DIVERGED if diverged else CLEAN
+    if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
+        _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
+                   f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "
+                   "the saved tensors were never all recomputed and compared")
     if not diverged and (rec.state.get("cut") or fwd.state.get("cut")):  # the rest of the pass is not in the trace
         report.status = UNCHECKED
         report.notes.append("the trace ends inside this region's passes (the process stopped while they were "
@@ -138,11 +157,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                             "compared, earlier ones are not in it" if fwd.ops else
                             "the log starts inside the dump and its forward and recompute op lists do not "
                             "overlap: no op is compared")
-    if not rec.complete and not rec.stopped_early:
+    raised = report.unchecked_reason == RECOMPUTE_RAISED
+    if not rec.complete and not rec.stopped_early and not raised:
         report.notes.append("the log ends inside the recompute's op list: later ops are not in it"
                             if not region.passes_whole else
                             "the recompute did not finish (it raised): ops after that point are not compared")
-    if cmp.not_recomputed and (region.passes_whole or rec.complete):  # a cut log: said above
+    if cmp.not_recomputed and (region.passes_whole or rec.complete) and not raised:  # a cut log: said above
         report.notes.append(f"{cmp.not_recomputed} forward op(s) have no recompute counterpart in the log (torch "
                             "stops recomputing at the last saved tensor); they are not compared"
                             if region.source == "log" else
@@ -156,7 +176,32 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     report.window = window(cmp, report, settings)
     if diverged:
         explain(report, region, cmp, torch_version)
+    elif report.status == CLEAN:
+        explain_flags(report, region, torch_version)
     return report
+
+
+def outliving_differ(fwd: Pass, cmp: PassComparison) -> str | None:
+    """The forward's ops whose tensors outlived its pass (`Pass.outputs`) and differ in the recompute ("aten.add.Tensor
+    #7"), or None."""
+    ops = {o.index: o for o in cmp.forward_ops}
+    hit = sorted({i for i, j in fwd.outputs or () if i in ops
+                  and cmp.tainted_outputs.get((i, j), cmp.tainted.get(i, False))})
+    return ", ".join(f"{ops[i].op} #{i}" for i in hit) or None
+
+
+def recorder_loss(region: Region) -> str | None:
+    """What ac-diff's recorder failed to record in the region's passes ("the recompute lost 2 op(s) to
+    ac-diff's own error (KeyError: 1)"), or None. Such a region is never reported clean."""
+    parts = []
+    for p in (region.forward, region.recompute):
+        lost = p.state.get("lost") if p is not None else None
+        if not lost:
+            continue
+        what = "its record" if lost.get("pass") else " and ".join(
+            f"{lost[k]} {k[:-1] if lost[k] == 1 else k}" for k in ("ops", "positions") if lost.get(k)) or "data"
+        parts.append(f"the {p.phase} lost {what} to an error of ac-diff's recorder ({lost.get('why', '?')})")
+    return "; ".join(parts) or None
 
 
 def _unchecked(report: RegionReport, reason: str, note: str) -> None:
@@ -273,15 +318,17 @@ def _substituted(f, r) -> str:
 
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
-    """Global state that differs between the passes' first ops (RNG handled by the cause)."""
+    """Global state that differs between the passes' first ops (RNG handled by the cause), with both values."""
     # bookkeeping of the reader, and what a pass drew (host_draws: the cause reads it), not state
-    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws"}
+    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws", "lost"}
     if region.kind == "reentrant":
         ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
     keys = (set(fwd.state) | set(rec.state)) - ignore
     if not fwd.state or not rec.state:
         return {}
-    out = {k: {"forward": fwd.state.get(k), "recompute": rec.state.get(k)}
+    if "grad_enabled" not in fwd.state or "grad_enabled" not in rec.state:
+        keys &= set(fwd.state) & set(rec.state)  # a pass that ran no op took no snapshot: only what both say
+    out = {k: {"forward": flag_value(fwd.state, k), "recompute": flag_value(rec.state, k)}
            for k in sorted(keys) if fwd.state.get(k) != rec.state.get(k)}
     if fwd.state.get("rng") and rec.state.get("rng") and fwd.state["rng"] != rec.state["rng"]:
         out["rng"] = {"forward": fwd.state["rng"], "recompute": rec.state["rng"]}
@@ -376,6 +423,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
         for k in range(cursor, len(candidates)):
             producer, forward, j = candidates[k]
             if (forward is not None and j < len(producer.out) and j < len(forward.out)
+                    and type(producer.out[j]) is TensorMeta and type(forward.out[j]) is TensorMeta
                     and (producer.out[j].shape, producer.out[j].dtype) == (err.recomputed.shape, err.recomputed.dtype)
                     and (forward.out[j].shape, forward.out[j].dtype) == (err.saved.shape, err.saved.dtype)):
                 rows[position] = PositionRow(
@@ -391,7 +439,7 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
 def _positions_by_shape(fwd: Pass, reported: dict) -> list[PositionRow]:
     """A log has no saved-tensor bookkeeping: match torch's positions, in order, to forward outputs of the
     same shape and dtype. A guess, labelled as one (origin "shape match")."""
-    outputs = [(op, meta) for op in fwd.ops if op.op not in HOOK_ONLY_OPS for meta in op.out]
+    outputs = [(op, meta) for op in fwd.ops if op.op not in HOOK_ONLY_OPS for _, meta in op.tensor_outputs()]
     rows, cursor = [], 0
     for position, err in sorted(reported.items()):
         if err.saved is None:
@@ -417,9 +465,15 @@ def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
     if pos.origin == "op":
         if other.origin != "op" or cmp.rec_to_fwd.get(other.op_index) != pos.op_index:
             return True  # a different tensor took this position (a shifted sequence torch may not see)
-        return bool(cmp.tainted_outputs.get((pos.op_index, pos.output), cmp.tainted.get(pos.op_index, False)))
-    if other.origin != pos.origin or other.name != pos.name and pos.origin != "input":
+    elif other.origin != pos.origin or other.name != pos.name and pos.origin != "input":
         return True
+    elif (pos.origin, pos.name) in cmp.self_updated:
+        return False  # read only by the op that updates it (a batch norm's running statistics): the side effect
+    if pos.fingerprint is not None and other.fingerprint is not None and (pos.view is None) == (other.view is None):
+        # measured: what backward will read
+        return not cmp.tolerance.equal(pos.fingerprint, other.fingerprint) or pos.view != other.view
+    if pos.origin == "op":
+        return bool(cmp.tainted_outputs.get((pos.op_index, pos.output), cmp.tainted.get(pos.op_index, False)))
     changed = {(f.kind, f.name) for f, _ in cmp.changed_externals}
     return (pos.origin, pos.name) in changed
 

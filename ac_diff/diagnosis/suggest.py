@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from ..capture.state import KERNEL_FLAGS, flag_label
 from ..oprules import packet
 from ..passes import OpRecord, Region
 from ..report import RegionReport, Suggestion
@@ -70,6 +71,28 @@ GENERATOR_SWAP = (
     "        if not torch.equal(now, gen_state):  # the recompute (the forward moved the generator since):\n"
     "            gen.set_state(now)               # put it back where it stood\n\n"
     "out = checkpoint(block_fn, x, gen.get_state(), use_reentrant=False)")
+
+
+# The title of the one suggestion that changes no code (a CI check), so never the code change a fix points to
+LOUDER = "Turn the silent error into a loud one while you fix it"
+
+_SDP_BACKENDS = {"flash": "FLASH_ATTENTION", "mem_efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+                 "cudnn": "CUDNN_ATTENTION"}  # state.global_state's names -> torch.nn.attention.SDPBackend's
+
+
+def _set_once(key: str, value: object) -> str:
+    """The line that sets a kernel-choosing flag once (to the forward's value), for the whole step."""
+    once = "  # once, before the training loop: not between the forward and loss.backward()"
+    if key == "deterministic":
+        return f"torch.use_deterministic_algorithms({value!r}){once}"
+    if key == "matmul_precision":
+        return f"torch.set_float32_matmul_precision({value!r}){once}"
+    if key == "sdp_backends":
+        backends = ", ".join("SDPBackend." + _SDP_BACKENDS.get(b, b.upper()) for b in value or [])
+        return ("from torch.nn.attention import SDPBackend, sdpa_kernel\n\n"
+                f"with sdpa_kernel([{backends}]):  # around the whole step\n"
+                "    loss = model(batch)\n    loss.backward()  # the recompute runs here: under the same backends")
+    return f"torch.backends.{key} = {value!r}{once}"
 
 
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:
@@ -158,6 +181,16 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "between the forward and loss.backward() makes batch norm use other statistics and dropout draw "
             "nothing in the recompute. Switch modes after the backward (and the optimizer step).",
             "loss = model(batch).loss\nloss.backward()\noptimizer.step()\nmodel.eval()  # after the backward"))
+    elif kind == "global_state" and cause is not None and cause.tensor in KERNEL_FLAGS:
+        label = flag_label(cause.tensor)
+        change = report.state_changes.get(cause.tensor) or {}
+        out.append(Suggestion(
+            f"Set {label} once for the whole step, not between the forward and the backward",
+            f"{label} was {change.get('forward')!r} in the forward and {change.get('recompute')!r} in the recompute: "
+            "the recompute runs inside loss.backward() under the setting of that moment, so it can pick other kernels "
+            "than the forward did (TF32 or reduced-precision matmuls, another cuDNN or attention algorithm). Set it "
+            "once, before the training loop, and leave it for the whole step; or set it back before loss.backward().",
+            _set_once(cause.tensor, change.get("forward"))))
     elif kind == "global_state" and cause is not None:
         out.append(Suggestion(
             f"Make `{cause.tensor}` the same in the forward and in the backward",
@@ -207,7 +240,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "deterministic variant avoids atomics."))
     if report.silent:
         out.append(Suggestion(
-            "Turn the silent error into a loud one while you fix it",
+            LOUDER,
             "torch compared only shapes (or nothing) and raised no error, so the gradients of this region are wrong. "
             "Keep `ac-diff run --check` in CI to fail on any recompute divergence."))
     return out

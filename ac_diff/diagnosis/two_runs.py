@@ -17,6 +17,7 @@ run A, `recompute_index` = in run B); `Report.compared` says which trace is A an
 from __future__ import annotations
 
 from ..align import align
+from ..capture.state import flag_label
 from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
@@ -237,8 +238,9 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
                      [f"{value.op} at {where(value.module, value.source)}"])
     if flags:
         key = sorted(flags)[0]
-        return Cause("global_state", key, f"`{key}` was {flags[key]['run_a']!r} in run A and {flags[key]['run_b']!r} "
-                     "in run B", [f"{k}: {v['run_a']!r} -> {v['run_b']!r}" for k, v in flags.items()])
+        return Cause("global_state", key, f"{flag_label(key)} was {flags[key]['run_a']!r} in run A and "
+                     f"{flags[key]['run_b']!r} in run B",
+                     [f"{flag_label(k)}: {v['run_a']!r} -> {v['run_b']!r}" for k, v in flags.items()])
     if control is not None and (value is None or (control.forward_index or 0) <= (value.forward_index or 0)):
         return Cause("control_flow", control.op, f"the runs ran different ops from {where(control.module, control.source)} "
                      "before any value differed: Python code took another branch", [control.summary])

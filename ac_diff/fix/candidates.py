@@ -5,14 +5,17 @@
                              Candidate("restore the forward's layers.*.moe.expert_bias in the recompute", ...),
                              Candidate("no AC in layers.1", RemedySpec(no_ac=["layers.1"]), ...)]
 
-Per diverged region's cause: rng -> preserve_rng_state; nondeterministic op / deterministic flag ->
-deterministic algorithms; a flipped discrete decision -> save that op in its module (selective AC,
-non-reentrant regions only; in every layer: `layers.*.moe.router`); gradients that differ through a
-reentrant region's side output or inputs without grad -> use_reentrant=False; a buffer, tensor or Python
-attribute updated between forward and backward, or a private torch.Generator -> its forward state restored
-in the recompute (`layers.*.moe.expert_bias`: simulates the code change, moving the update after backward or
-handing the generator's state to the checkpoint); and last, turning AC off in the region (it always removes a recompute
-divergence, at the cost of the region's activations). The order is the cost order.
+Per diverged region's cause: rng -> preserve_rng_state (not where the region already ran with it);
+nondeterministic op / deterministic flag, or a first loss that differs from the run without AC through a
+nondeterministic kernel (the reference's explanation) -> deterministic algorithms; a flipped discrete decision ->
+save that op in its module (selective AC, non-reentrant regions only; in every layer: `layers.*.moe.router`);
+gradients that differ through a reentrant region's side output or inputs without grad -> use_reentrant=False; a
+buffer, tensor or Python attribute updated between forward and backward (every one the causes name, in one
+restore for all the diverged regions), or a private torch.Generator (at the module drawing from it, where it lives)
+-> its forward state restored in the recompute (`layers.*.moe.expert_bias`: simulates the code change, moving the
+update after backward or handing the generator's state to the checkpoint); and last, turning AC
+off in the region (it always removes a recompute divergence, at the cost of the region's activations). The order
+is the cost order.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Candidate:
     why: str
     kind: str
     op: str | None = None  # the op a must-save candidate saves
-    state: str | None = None  # what a restore candidate restores: "generator", or the state's FQN
+    state: str | None = None  # what a restore candidate restores: "generator", or the states' FQN globs
     parts: tuple = ()  # a "combined" candidate: the candidates it applies together
 
 
@@ -65,22 +68,44 @@ def combined(found: list[Candidate], did_not_help: list[bool], revealed: list[An
                      parts=tuple(parts))
 
 
-def _restore(r: Any) -> tuple[str, str, str] | None:
-    """(glob, state, words) for a cause the restore simulates: a buffer / tensor / Python attribute updated
-    between forward and backward (in every layer), or a private generator the region draws from."""
+def _restore(r: Any) -> tuple[str, list[str]] | None:
+    """("generator" | "state", globs) for a cause the restore simulates, at the modules that own what it names (in
+    every layer): a private generator, where it lives (the module that draws from it: `layers.*.q_proj.lora_dropout
+    .default`, not the block), or a buffer / tensor / Python attribute updated between forward and backward (every
+    one the cause names: both linears' running buffers, each dropout's `p` a scheduler moved)."""
     c = r.cause
     if c is None:
         return None
     if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
-        glob = layer_glob(r.module)
-        return glob, "generator", f"torch.Generator state of {glob}"
+        return "generator", [layer_glob(name) for name in c.names or [r.module]]
     if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute") and c.tensor:
-        glob = layer_glob(c.tensor)
-        return glob, c.tensor, glob
+        return "state", [layer_glob(name) for name in [c.tensor, *c.names]]
     return None
 
 
-def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
+def _restores(regions: list[Any]) -> list[Candidate]:
+    """One restore for every diverged region's state (all the updates the report found, in every region), one for
+    their private generators."""
+    by_state: dict[str, list[tuple[Any, list[str]]]] = {}  # "generator" / "state" -> (region, its globs)
+    for r in regions:
+        restore = _restore(r)
+        if restore is not None:
+            by_state.setdefault(restore[0], []).append((r, restore[1]))
+    out = []
+    for state, found in by_state.items():
+        globs = sorted({glob for _, some in found for glob in some})
+        kinds = ", ".join(dict.fromkeys(r.cause.kind for r, _ in found))
+        modules = ", ".join(dict.fromkeys(r.module for r, _ in found))
+        names = ", ".join(globs)
+        what = f"torch.Generator state of {names}" if state == "generator" else names
+        out.append(Candidate(f"restore the forward's {what} in the recompute", RemedySpec(restore=globs),
+                             f"{kinds} in {modules}", "restore", state="generator" if state == "generator" else names))
+    return out
+
+
+def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool = False) -> list[Candidate]:
+    """`failed_with_ac`: the run failed where the run without AC did not (fix/ac_only.py), so the regions it left
+    unchecked are suspects even where none was seen to diverge."""
     out: dict[str, Candidate] = {}
 
     def add(c: Candidate) -> None:
@@ -90,7 +115,8 @@ def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
     # a run torch stopped in its first diverged recompute leaves the other regions unchecked: they may hide the
     # same mechanism, so turning AC off covers them too
     modules = list(dict.fromkeys(r.module for r in diverged if r.module))[:max_regions]
-    unchecked = [r.module for r in report.regions if r.module and r.status == UNCHECKED and diverged]
+    unchecked = [r.module for r in report.regions if r.module and r.status == UNCHECKED
+                 and (diverged or failed_with_ac)]
     silenced = list(dict.fromkeys(modules + unchecked))
     saves: dict[str, list[str]] = {}  # flipped op -> the modules it flipped in
     for r in diverged:
@@ -98,29 +124,32 @@ def candidates(report: Any, max_regions: int | None = None) -> list[Candidate]:
             continue
         kind = r.cause.kind if r.cause else "unknown"
         where = f"{kind} in {r.module}"
-        if kind == "rng":
+        if kind == "rng" and r.checkpoint_options.get("preserve_rng_state") is not True:  # (not one in effect)
             add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
         if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
             add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))
-        restore = _restore(r)
-        if restore is not None:
-            glob, state, what = restore
-            add(Candidate(f"restore the forward's {what} in the recompute", RemedySpec(restore=[glob]), where,
-                          "restore", state=state))
         d = r.first_discrete_divergence
         if d is not None and d.op and r.kind != "reentrant":
             glob = layer_glob(d.module or r.module)
             saves.setdefault(d.op, [])
             if glob not in saves[d.op]:
                 saves[d.op].append(glob)
+    for c in _restores([r for r in diverged if r.module in modules]):
+        add(c)
     for op, where_ in saves.items():  # one try per op, in every module where it flipped
         add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
                       f"{op} flipped in {', '.join(where_)}", "must_save", op))
     ref = getattr(report, "reference", None)
+    kernel = next((e for e in getattr(ref, "explanations", None) or [] if e.kind == "nondeterministic_kernel"), None)
+    if kernel is not None:  # the gradients can be compared once both runs use deterministic kernels
+        add(Candidate("deterministic algorithms", RemedySpec(deterministic=True),
+                      f"nondeterministic kernel in {kernel.module or kernel.region or '?'}"
+                      + (f" ({kernel.source})" if kernel.source else ""), "deterministic"))
     if ref is not None and ref.defect and any(e.kind in ("side_output", "no_grad_inputs") for e in ref.explanations):
         add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True),
                       "gradients differ through reentrant regions (" + ", ".join(
                           sorted({e.kind.replace("_", " ") for e in ref.explanations})) + ")", "non_reentrant"))
     if silenced:  # last: the diverged regions keep their activations (always removes their recompute divergence)
-        add(Candidate(f"no AC in {', '.join(silenced)}", RemedySpec(no_ac=silenced), "the diverged regions", "no_ac"))
+        add(Candidate(f"no AC in {', '.join(silenced)}", RemedySpec(no_ac=silenced),
+                      "the diverged regions" if modules else "the run fails only with AC", "no_ac"))
     return sorted(out.values(), key=lambda c: ORDER[c.kind])

@@ -42,13 +42,14 @@ def code_for(c: Candidate) -> str:
                 "recompute, puts the generator back\n" + GENERATOR_SWAP + "\n"
                 "# or draw from torch's default generator (preserve_rng_state=True restores it)")
     if c.kind == "restore":
-        name = c.state or ", ".join(c.spec.restore)
-        return (f"# ac-diff restored the forward's `{name}` in every recompute (a simulation of the change): "
+        names = ", ".join(f"`{name}`" for name in c.spec.restore)
+        leaves = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in c.spec.restore))
+        return (f"# ac-diff restored the forward's {names} in every recompute (a simulation of the change): "
                 "make the change -\n"
-                f"# update `{name}` after the backward (best after optimizer.step()), not in forward() or a "
+                f"# update {names} after the backward (best after optimizer.step()), not in forward() or a "
                 "forward hook:\n"
                 "def update_after_step(optimizer, args, kwargs):\n    with torch.no_grad():\n"
-                f"        ...  # the update of {name.rsplit('.', 1)[-1]} moves here\n"
+                f"        ...  # the update of {leaves} moves here\n"
                 "optimizer.register_step_post_hook(update_after_step)")
     if c.kind == "no_ac":
         module = ", ".join(c.spec.no_ac)

@@ -31,7 +31,7 @@ def _bytes(meta: Any) -> int:
 def sac_bytes(region: Any) -> int:
     """Bytes of the forward outputs selective AC saved in this region."""
     fwd = region.forward
-    return 0 if fwd is None else sum(_bytes(m) for op in fwd.ops if op.cached for m in op.out)
+    return 0 if fwd is None else sum(_bytes(m) for op in fwd.ops if op.cached for _, m in op.tensor_outputs())
 
 
 def activation_bytes(region: Any) -> int:

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from ..capture.compiled import eager_requested
 from ..remedies.restore import fqn_matches
 from .result import UNTESTED
 
@@ -28,7 +29,8 @@ def fix_command(target: str, args: list[str], module: bool, nproc: int = 1) -> s
 
 
 def run_command(spec_args: list[str], target: str, args: list[str], module: bool, nproc: int = 1) -> str:
-    return shlex.join(["ac-diff", "run", *_launch(nproc), "--reference", "no-ac", *spec_args,
+    eager = ["--compiled", "eager"] if eager_requested() else []  # (compiled code run eagerly: so is the check)
+    return shlex.join(["ac-diff", "run", *_launch(nproc), *eager, "--reference", "no-ac", *spec_args,
                        *(["-m"] if module else []), target, *args])
 
 

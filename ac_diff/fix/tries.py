@@ -1,6 +1,6 @@
 """Run the script once per remedy, each in its own process, and judge the outcome.
 
-    base = run_measured(["python", "-m", "ac_diff", "run", ...], env, log)   # -> Measured(wall_s, code, log)
+    base = run_measured(child_command(["-m", "ac_diff", "run", ...]), log)   # -> Measured(wall_s, code, log)
     outcome = judge(try_, report_of_try, reference_result_of_try, measured, base_measured, op, extra_bytes)
 
 A process is timed by a small wrapper process, so tries can run side by side without mixing their figures.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..children import Child
 from ..report import DIVERGED
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
 
@@ -45,10 +46,11 @@ class Measured:
         return (errors or lines or [""])[-1]
 
 
-def run_measured(cmd: list[str], env: dict[str, str], log: Path, cwd: str | None = None) -> Measured:
+def run_measured(child: Child, log: Path, cwd: str | None = None) -> Measured:
+    """Run `child` (children.py: its command and environment) timed, its output into `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, str(log), *cmd], env=env, cwd=cwd, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run([sys.executable, "-c", _WRAPPER, str(log), *child.argv], env=child.env, cwd=cwd,
+                          capture_output=True, text=True, check=False)
     try:
         data = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -4,7 +4,8 @@
 
     run = parse_log("rank1.log", progress=lambda done, total: ...)
     run.errors[0]   # TorchError(kind="metadata_mismatch", rank=1,
-                    #            positions=[PositionMismatch(48, bf16[99, 5120], bf16[98, 5120]), ...])
+                    #            positions=[PositionMismatch(48, bf16[99, 5120], bf16[98, 5120]), ...],
+                    #            count=40643, first_line=7, last_line=1788249)   (one per distinct error)
     run.regions[0]  # Region(rank=1, region=0, kind="log", forward=Pass(ops=[OpRecord(...)]), recompute=...)
     run.notes       # ["skipped 7 garbled lines (...)", "the log ends mid-structure: rank 1: ..."]
     run.truncated   # True if the log stops inside an error message, a dump or a traceback
@@ -18,8 +19,11 @@ Modules, one job each:
     meta     dtype / shape / device / metadata dicts -> TensorMeta
     args     the arguments of an op call -> JSON values
     errors   CheckpointError texts -> TorchError
+    repeats  the same error printed again and again -> one TorchError with its count and first / last line
+    memo     each distinct short line read once (logs repeat theirs)
     oplines  one LoggingTensor op line -> ParsedOp
     dump     debug=True dump sections -> Region (with sources from the stack traces)
+    spill    parse_log(lazy=True): each finished region's ops on disk until the diagnosis loads them
     parser   the per-rank state machine that ties them together
 """
 
@@ -36,6 +40,8 @@ from ac_diff.gc_hold import collector_paused
 from ac_diff.logs.lines import MAX_LINE, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
+from ac_diff.logs.repeats import fold_errors
+from ac_diff.logs.spill import RegionSpill
 from ac_diff.passes import Run, TorchError
 from ac_diff.streams import STREAM_DAMAGE, open_binary
 
@@ -64,17 +70,19 @@ _MARKERS = (
 )
 
 
-def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None = None) -> Run:
+def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None = None, lazy: bool = False) -> Run:
     """Parse a log file (path) or an open stream (text or binary) into a Run; never raises on content.
 
     `progress(bytes_read, total_bytes)` is called about once per MiB and at the end; total_bytes is
     None for a stream whose size is unknown. A path that cannot be opened raises OSError, as open()
-    would: that is the caller's error, not the log's.
+    would: that is the caller's error, not the log's. `lazy`: each region's ops wait in a temporary
+    file until `run.loaded(region)` asks for them (spill.py), so memory holds one region, not the log.
     """
+    spill = RegionSpill() if lazy else None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         with _open_log(path) as (f, total):
-            return _parse_stream(f, path, total, progress)
+            return _parse_stream(f, path, total, progress, spill)
     name = getattr(source, "name", None)
     total = None
     if isinstance(name, str):
@@ -82,7 +90,7 @@ def parse_log(source: Union[str, os.PathLike, IO], *, progress: Progress | None 
             total = os.path.getsize(name)
         except OSError:
             total = None
-    return _parse_stream(source, name if isinstance(name, str) else None, total, progress)
+    return _parse_stream(source, name if isinstance(name, str) else None, total, progress, spill)
 
 
 @contextlib.contextmanager
@@ -125,15 +133,17 @@ def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
         for err in parse_text(message).errors:
             err.rank = run.rank or 0
             err.region = region_number
+            err.first_line = err.last_line = None  # lines of the message, not of a log
             found.append(err)
-    return found
+    return fold_errors(found)
 
 
-def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None) -> Run:
+def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None,
+                  spill: RegionSpill | None = None) -> Run:
     # The parser makes no reference cycles, so the cyclic collector has nothing to find; with torch
     # loaded it would rescan ~200k old objects again and again while the ops pile up (5-10x slower).
     with collector_paused():
-        parser = LogParser(path)
+        parser = LogParser(path, spill)
         for line, ended in iter_lines(stream, parser.read_stats, total=total, progress=progress,
                                       max_line=MAX_LINE):
             parser.feed(line, ended)

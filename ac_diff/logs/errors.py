@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ac_diff.logs.meta import parse_metadata
+from ac_diff.logs.meta import parse_metadata_cached
 from ac_diff.passes import PositionMismatch, TorchError
 
 METADATA_MISMATCH = "metadata_mismatch"
@@ -131,12 +131,19 @@ class ErrorBuilder:
     entry: _Entry | None = None
     cut_entries: int = 0  # metadata dicts that were cut or garbled
     last_dict_cut: bool = False
+    seq: int = 0  # errors started before this one (in the log, over all ranks)
+    # The highest position number so far (torch lists them in increasing order; a fragment whose number was cut
+    # off does not reset it, so a second paste of the same error starts a new one)
+    last_position: int | None = None
     _message: list[str] = field(default_factory=list)
     _message_len: int = 0
 
     @classmethod
-    def start(cls, kind: str, rank: int | None, header_text: str | None) -> ErrorBuilder:
-        b = cls(TorchError(kind=kind, message="", rank=rank), has_header=header_text is not None)
+    def start(cls, kind: str, rank: int | None, header_text: str | None, line: int | None = None,
+              seq: int = 0) -> ErrorBuilder:
+        """The builder of an error that starts on log line `line`, the `seq`-th error started."""
+        b = cls(TorchError(kind=kind, message="", rank=rank, first_line=line, last_line=line),
+                has_header=header_text is not None, seq=seq)
         if header_text is not None:
             b.add_text(_EXC_PREFIX.sub("", header_text, count=1))
         return b
@@ -146,16 +153,12 @@ class ErrorBuilder:
             self._message.append(text)
             self._message_len += len(text) + 1
 
-    @property
-    def last_position(self) -> int | None:
-        """The highest position number so far (torch lists them in increasing order; a fragment whose
-        number was cut off does not reset it, so a second paste of the same error starts a new one)."""
-        return max((m.position for m in self.error.positions if m.position is not None), default=None)
-
     def position(self, n: int) -> None:
         self.entry = _Entry(PositionMismatch(n, None, None))
         self.error.positions.append(self.entry.mismatch)
         self.last_dict_cut = False
+        if self.last_position is None or n > self.last_position:
+            self.last_position = n
 
     def metadata(self, which: str, dict_text: str) -> bool:
         """Add a saved/recomputed metadata line; returns whether its dict was whole."""
@@ -166,7 +169,7 @@ class ErrorBuilder:
             self.entry = entry = _Entry(PositionMismatch(None, None, None))
             self.error.positions.append(entry.mismatch)
         setattr(entry, seen, True)
-        parsed = parse_metadata(dict_text)
+        parsed = parse_metadata_cached(dict_text)
         if which == "saved":
             entry.mismatch.saved = parsed.meta
         else:

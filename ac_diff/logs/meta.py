@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ac_diff.logs.memo import short_text_memo
 from ac_diff.passes import TensorMeta
 
 UNKNOWN_DEVICE = "unknown"  # op lines in a debug dump do not say where a tensor lives
@@ -116,3 +117,7 @@ def parse_metadata(text: str) -> MetaParse:
     if shape is None or dtype_m is None:
         return MetaParse(None, False)
     return MetaParse(TensorMeta(shape, short_dtype(dtype_m.group(1)), device or UNKNOWN_DEVICE), complete)
+
+
+# parse_metadata of a dict text seen before (a repeated error): the same MetaParse, read once
+parse_metadata_cached = short_text_memo(parse_metadata)

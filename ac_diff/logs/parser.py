@@ -13,6 +13,11 @@ Every rank has its own state (an open error, an open dump, an open traceback), s
 several ranks interleaved in one file continue their own structures. A line without a rank prefix
 belongs to the rank of the line before it. Nothing here raises on content: what cannot be used is
 counted and reported in Run.notes.
+
+An error or a dump is final when the next one begins on its rank (or the log ends): the error is then
+counted in (repetitions fold into one TorchError with their count, repeats.py), the dump becomes its
+Region, whose ops go to the spill when there is one (spill.py). So the parser holds one open error and
+one open dump per rank, whatever the length of the log.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from dataclasses import dataclass, field
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
 from ac_diff.logs.lines import ReadStats, split_segments
+from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
-from ac_diff.passes import Run
+from ac_diff.logs.repeats import ErrorTally
+from ac_diff.logs.spill import RegionSpill
+from ac_diff.passes import Region, Run
 
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
 _TRACEBACK = "Traceback (most recent call last)"
 _CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+_segments_of = short_text_memo(split_segments)  # a log repeats its lines: each distinct one is split once
 
 
 @dataclass(slots=True)
@@ -36,6 +45,7 @@ class _RankState:
     rank: int | None
     error: ErrorBuilder | None = None  # the error being read (or last read)
     dump: D.DumpBuilder | None = None  # the dump being read (or last read, in its footer)
+    dump_at: int = 0  # its place in the log's regions
     dumps: int = 0
     traceback_open: bool = False
     seen: bool = False  # any error or dump started on this rank
@@ -48,9 +58,10 @@ class _Counts:
     cut_entries: int = 0  # metadata dicts cut or garbled (counted by ErrorBuilder)
     ops_outside: int = 0  # op lines outside any debug dump
     unplaced_ops: int = 0  # op lines in a stack-trace section without "(i of n in ...)" (from the dumps)
-    headerless_errors: list[str] = field(default_factory=list)
-    mid_dumps: list[str] = field(default_factory=list)
-    cut_dumps: list[str] = field(default_factory=list)
+    # who had each kind of trouble, and how often: {"rank 1": 3}
+    headerless_errors: dict[str, int] = field(default_factory=dict)
+    mid_dumps: dict[str, int] = field(default_factory=dict)
+    cut_dumps: dict[str, int] = field(default_factory=dict)
 
 
 def _who(rank: int | None) -> str:
@@ -60,12 +71,15 @@ def _who(rank: int | None) -> str:
 class LogParser:
     """Feed it physical lines in order; `finish()` returns the Run."""
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, spill: RegionSpill | None = None) -> None:
+        """`spill`: where each finished region's ops go (parse_log(lazy=True)); None keeps them in the Run."""
         self.path = path
+        self._spill = spill
         self.read_stats = ReadStats()
         self._ranks: dict[int | None, _RankState] = {}
-        self._errors: list[ErrorBuilder] = []
-        self._dumps: list[D.DumpBuilder] = []
+        self._errors = ErrorTally()  # the errors read to their end, repetitions folded
+        self._errors_started = 0
+        self._dumps: list[D.DumpBuilder | Region] = []  # in the order they started; a Region once read to its end
         self._counts = _Counts()
         self._last_rank: int | None = None
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
@@ -76,7 +90,7 @@ class LogParser:
     def feed(self, text: str, ended: bool = True) -> None:
         """One physical line (without its newline); `ended` is False if no newline followed it."""
         try:
-            segments, self._last_rank = split_segments(text, self._last_rank)
+            segments, self._last_rank = _segments_of(text, self._last_rank)
             complete = True
             last = len(segments) - 1
             for i, (rank, body) in enumerate(segments):
@@ -144,19 +158,26 @@ class LogParser:
         d = st.dump
         if d is not None and not d.closed:
             d.cut = True
-            self._counts.cut_dumps.append(_who(st.rank))
+            _tally(self._counts.cut_dumps, _who(st.rank))
 
     def _new_error(self, st: _RankState, kind: str, header: str | None) -> ErrorBuilder:
-        self._close_error(st)
         self._cut_dump(st)
-        b = ErrorBuilder.start(kind, st.rank, header)
+        self._retire_error(st)
+        b = ErrorBuilder.start(kind, st.rank, header, line=self.read_stats.lines, seq=self._errors_started)
+        self._errors_started += 1
         if header is None:
-            self._counts.headerless_errors.append(
-                _who(st.rank) + (" (the log starts inside it)" if not st.seen else ""))
+            _tally(self._counts.headerless_errors, _who(st.rank) + (" (the log starts inside it)" if not st.seen else ""))
         st.error = b
         st.seen = True
-        self._errors.append(b)
         return b
+
+    def _retire_error(self, st: _RankState) -> None:
+        """The rank's last error is read to its end (another begins, or the log ends): count it in."""
+        b = st.error
+        if b is not None:
+            st.error = None
+            self._counts.cut_entries += b.cut_entries
+            self._errors.add(b.finish(), b.seq)
 
     def _error_line(self, st: _RankState, body: str, cls: tuple) -> bool:
         what, value = cls[0], cls[1]
@@ -198,18 +219,28 @@ class LogParser:
 
     def _new_dump(self, st: _RankState, started_mid: bool) -> D.DumpBuilder:
         self._cut_dump(st)
+        self._retire_dump(st)
         d = D.DumpBuilder(st.rank, st.dumps, started_mid=started_mid)
         st.dumps += 1
         if started_mid:
-            self._counts.mid_dumps.append(_who(st.rank))
+            _tally(self._counts.mid_dumps, _who(st.rank))
         # the error printed just before a dump is the one the dump explains ("direct cause")
         if st.error is not None and st.error.error.region is None:
             st.error.error.region = d.region
         self._close_error(st)
-        st.dump = d
+        st.dump, st.dump_at = d, len(self._dumps)
         st.seen = True
         self._dumps.append(d)
         return d
+
+    def _retire_dump(self, st: _RankState) -> None:
+        """The rank's last dump is read to its end (another begins, or the log ends): its region is final."""
+        d = st.dump
+        if d is not None:
+            st.dump = None
+            self._counts.unplaced_ops += d.unplaced_ops
+            region = d.finish()
+            self._dumps[st.dump_at] = self._spill.put(region) if self._spill is not None else region
 
     def _dump_marker(self, st: _RankState, section: int) -> None:
         d = st.dump
@@ -261,7 +292,6 @@ class LogParser:
         return run
 
     def _finish(self, run: Run) -> None:
-        c = self._counts
         stopped: list[str] = []
         for st in self._ranks.values():
             who = _who(st.rank)
@@ -274,10 +304,13 @@ class LogParser:
                 stopped.append(f"{who}: inside {why}")
             if st.traceback_open:
                 stopped.append(f"{who}: inside a traceback, before its exception line")
-        run.errors = [b.finish() for b in self._errors]
-        run.regions = [d.finish() for d in self._dumps]
-        c.cut_entries = sum(b.cut_entries for b in self._errors)
-        c.unplaced_ops += sum(d.unplaced_ops for d in self._dumps)
+        for st in self._ranks.values():
+            self._retire_error(st)
+            self._retire_dump(st)
+        run.errors = self._errors.errors()
+        run.regions = self._dumps  # type: ignore[assignment]  (every dump retired: all Regions)
+        if self._spill is not None:
+            run.ops_loader = self._spill.loaded
         run.truncated = bool(stopped)
         ranks = sorted(r for r in self._ranks if r is not None)
         rs = self.read_stats
@@ -324,16 +357,17 @@ class LogParser:
                          f"({rs.stream_damaged}); what follows them is missing from this report")
         if stopped:
             notes.append("the log ends mid-structure: " + "; ".join(stopped))
-        if not self._errors and not self._dumps:
+        if not self._errors_started and not self._dumps:
             notes.append("found no CheckpointError text and no debug=True dump")
         return notes
 
 
-def _summary(items: list[str], limit: int = 5) -> str:
+def _tally(counts: dict[str, int], who: str) -> None:
+    counts[who] = counts.get(who, 0) + 1
+
+
+def _summary(counts: dict[str, int], limit: int = 5) -> str:
     """`rank 1, rank 3 (x2)` in first-seen order, at most `limit` distinct entries."""
-    counts: dict[str, int] = {}
-    for it in items:
-        counts[it] = counts.get(it, 0) + 1
     parts = [k + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
     more = len(parts) - limit
     return ", ".join(parts[:limit]) + (f", and {more} more" if more > 0 else "")

@@ -6,9 +6,18 @@
         inside reentrant region model.layers.0 and leaves it through a list ..., not through its outputs: ..."
     attach(report, result)   # the run is not clean when its gradients differ from the reference
 
+    explain(steps_whose_first_loss_differs, [], report, steps_requested=1, first_forward=first_difference(...))
+    result.explanations[0].text -> "the first loss differs (rel. diff 3.1e-07): nondeterministic kernel:
+        aten.index_add.default at layers.0.moe (moe.py:88) gives other values from the same inputs from one process
+        to the next ..."   (fix: "run with torch.use_deterministic_algorithms(True) (ac-diff fix tries ...)")
+
 Why the two runs can differ, in the order they are checked:
-- the loss of the first backward already differs: the forward is not reproducible across processes
-  (unseeded randomness): not a defect, nothing to compare (`not_comparable`);
+- the loss of the first backward already differs: the forward is not reproducible across processes: not a
+  defect, nothing to compare (`not_comparable`). The two runs' first forwards, compared op by op (forwards.py),
+  say why: an op that gave other values from identical inputs is a kernel whose result differs from one process
+  to the next (`nondeterministic_kernel`: float atomics in index_add_ / scatter_add_ on a GPU; fixed by
+  deterministic algorithms); inputs, parameters or random draws that already differed are the script's own
+  randomness (`reference_randomness`: seed it);
 - a later backward's loss differs while the gradients before it were identical: the state that backward
   starts from differs. Where the recompute repeated an in-place update inside a region (the report's side
   effects, "counted twice"), that is a defect (`repeated_update`): the training departs from the run without
@@ -17,6 +26,7 @@ Why the two runs can differ, in the order they are checked:
   neither, the loss difference is a defect left unexplained (`state_drift`);
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
+- AC inside compiled graphs that nothing recorded: what the graphs show the regions update (`compiled_ac`);
 - otherwise `unexplained`, with the regions whose parameters differ.
 """
 
@@ -24,7 +34,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..report import DIVERGED
+from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
+from ..diagnosis.labels import where
+from ..report import DIVERGED, Divergence, RegionReport
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -32,7 +44,9 @@ REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwar
 
 
 def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report: Any, *, steps_requested: int,
-            mode: str = "no-ac", exit_code: int | None = None, command: str | None = None) -> ReferenceResult:
+            mode: str = "no-ac", exit_code: int | None = None, command: str | None = None,
+            first_forward: RegionReport | None = None) -> ReferenceResult:
+    """`first_forward`: forwards.first_difference of the run and the reference (read where the first loss differs)."""
     result = ReferenceResult(mode=mode, verdict=FAILED, headline="", steps_requested=steps_requested,
                              command=command, exit_code=exit_code)
     if not steps:
@@ -49,14 +63,11 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
     if steps[0].loss_identical is False:
         result.verdict = NOT_COMPARABLE
         result.steps = steps[:1]
+        result.explanations.append(_first_loss(steps[0], first_forward))
         result.headline = ("gradients not compared: the loss of the first backward already differs from the run "
-                           "without AC, before any recompute ran (the script's own randomness)")
-        result.explanations.append(Explanation(
-            "reference_randomness",
-            f"the first loss differs (rel. diff {_num(steps[0].loss_rel_diff)}): the forward is not reproducible "
-            "from one process to the next (unseeded random ops, data order, nondeterministic kernels). That is the "
-            "reference's own randomness, not a checkpointing defect.",
-            fix="seed the script (torch.manual_seed, the generators and data loaders it uses) and run again"))
+                           "without AC, before any recompute ran (" + (
+                               "a nondeterministic kernel" if result.explanations[0].kind == "nondeterministic_kernel"
+                               else "the script's own randomness") + ")")
         return result
     compared = [steps[0]]
     drift: Explanation | None = None  # why a later loss differs after identical gradients
@@ -98,6 +109,53 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                        + (f", {len(missing)} get no gradient with AC" if missing else "")
                        + (f": {why[0].kind.replace('_', ' ')}" if why else ""))
     return result
+
+
+def nondeterministic_kernel(first: RegionReport | None) -> Divergence | None:
+    """The op of forwards.first_difference's region that computed other values from identical inputs (a kernel whose
+    result differs from one process to the next); None when something differed before it: a region input or
+    parameter (unseeded data or initialisation), a random op's draw (unseeded), or the op sequence (Python took
+    another branch)."""
+    if first is None or first.changed_inputs or (first.cause is not None
+                                                 and first.cause.kind in ("rng", "control_flow")):
+        return None
+    value, control = first.first_value_divergence, first.first_control_divergence
+    if value is None or not value.detail.get("inputs_identical"):
+        return None
+    if control is not None and (control.forward_index or 0) <= (value.forward_index or 0):
+        return None
+    return value
+
+
+def _first_loss(step: StepComparison, first: RegionReport | None) -> Explanation:
+    """Why the first loss differs between two processes: an op that gives other values from identical inputs, else
+    the script's own randomness (see the module docstring)."""
+    differs = f"the first loss differs (rel. diff {_num(step.loss_rel_diff)})"
+    kernel = nondeterministic_kernel(first)
+    if kernel is not None:
+        return Explanation(
+            "nondeterministic_kernel",
+            f"{differs}: nondeterministic kernel: {kernel.op} at {where(kernel.module, kernel.source)} gives other "
+            f"values from the same inputs from one process to the next (the first op whose values differ in the two "
+            f"runs' first forward, region {first.region}: every input identical). Not a checkpointing defect, but "
+            "the gradients cannot be compared while it stays nondeterministic.",
+            region=first.module, module=kernel.module, source=kernel.source,
+            fix="run with torch.use_deterministic_algorithms(True) (ac-diff fix tries --deterministic)")
+    seen = ""
+    if first is not None:  # what the two runs' first forwards show
+        names = [c["name"] for c in first.changed_inputs]
+        lead, kind = first.first_divergence(), first.cause.kind if first.cause is not None else None
+        what = (f"already reads other values of {', '.join(names[:3])}"
+                + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names
+                else f"draws other random numbers in {lead.op}" if kind == "rng" and lead is not None
+                else f"runs other ops from {lead.op}" if kind == "control_flow" and lead is not None
+                else f"differs first at {lead.op}" if lead is not None else "differs")
+        seen = f"; in the two runs' first forwards, region {first.region} ({first.module or '?'}) {what}"
+    return Explanation(
+        "reference_randomness",
+        f"{differs}: the forward is not reproducible from one process to the next (unseeded random ops, data order, "
+        f"nondeterministic kernels){seen}. That is the reference's own randomness, not a checkpointing defect.",
+        fix="seed the script (torch.manual_seed, the generators and data loaders it uses) and run again")
 
 
 def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanation:
@@ -161,6 +219,18 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
             f"{', '.join(map(str, ranks))} diverged (first region {first.region}, {first.module or '?'}, rank {first.rank}"
             f"{': ' + first.cause.kind if first.cause else ''}): gradients reduced across ranks (DDP's all-reduce, "
             "FSDP's reduce-scatter) bring that error here", region=first.module, parameters=sorted(differing)[:20]))
+    compiled = getattr(report, "compiled", None)
+    if not out and unrecorded(compiled):  # AC inside compiled graphs: what the graphs show
+        found = mutations_text(compiled)
+        out.append(Explanation(
+            "compiled_ac",
+            f"AC runs inside compiled graphs ({compiled['regions']} checkpointed region(s)), recomputed by the compiler "
+            "(AOTAutograd) where ac-diff records nothing; " + (f"from the graphs: {found}" if found else
+                                                                "the graphs show no state updated inside the regions")
+            + f"; record them eagerly to place the divergence: {EAGER_RUN} ...",
+            parameters=[d.name for d in step.differing[:20]],
+            fix="update state outside the checkpointed region (after the backward, e.g. in an optimizer step hook)"
+            if found else None))
     if not out:
         regions = sorted({d.region or "outside any checkpointed region" for d in step.differing})
         out.append(Explanation(
@@ -191,8 +261,9 @@ def attach(report: Any, result: ReferenceResult) -> None:
     report.reference = result
     if not result.defect:
         return
-    if report.verdict != DIVERGED:
-        report.headline = result.headline
+    if report.verdict != DIVERGED:  # (AC inside compiled graphs: what they show stays in the headline)
+        report.headline = result.headline + (f"; {report.headline}" if unrecorded(getattr(report, "compiled", None))
+                                             else "")
     else:
         report.headline = f"{report.headline}; {result.headline}"
     report.verdict = DIVERGED

@@ -1,13 +1,21 @@
-"""Every parameter's gradient after each of the first N backward passes, bounded in memory.
+"""Every parameter's gradient after each of the first N backward passes, summarized on its device, bounded on the host.
 
     capture = GradCapture("out/grads-rank0.pt", steps=1).install()   # wraps torch.autograd.backward
-    ...  # the script: loss.backward() -> one snapshot of every parameter's .grad
+    ...  # the script: loss.backward() -> one summary of every parameter's .grad
     capture.finish()                                                 # writes the file (if not yet)
     load_grads("out/grads-rank0.pt")  ->  {"steps": [{"loss": Summary, "grads": {"layers.0.w": Summary}}]}
 
-A summary is the gradient's shape, dtype, a hash of its bytes, its norm, and its values: all of them up to
-`FULL_LIMIT` elements (the relative difference is then exact), else `SAMPLE` elements at a fixed stride
-(marked `sampled`). `None` gradients are kept as such (a parameter that got no gradient).
+    summarize_all({"w": grad, "b": None}, budget=64 << 20)
+    ->  {"w": {"shape": [4096, 1024], "dtype": "float32", "fp": [0.12, 3.4, 81234], "norm": 2.5,
+               "values": <16384 host floats>, "kept": "sample", "sampled": True}, "b": None}
+
+Per gradient (a DTensor's local shard: what this rank holds), on its device: a fingerprint (capture/fingerprint.py,
+with its exact bit sum always: equal fingerprints mean bit-identical up to a 2**-32 chance) and its norm, read back
+in one batched copy per device per step. Values reach the host only within `budget` bytes per step
+($AC_DIFF_REFERENCE_BUDGET_MB, `--reference-budget-mb`, default 64): first a strided sample of every gradient
+(all of it when it has at most `SAMPLE` elements), then the whole of the smallest ones while the budget lasts;
+gradients past it keep fingerprint and norm only (`kept: "none"`). The rule depends on the names and sizes only,
+so both runs keep the same values. Never the whole model on the host. `None` gradients are kept as such.
 
 Parameters are named from the root modules the script called (the modules no other called module
 contains), as `named_parameters()` names them with wrapper segments dropped: the same names in both runs.
@@ -15,7 +23,6 @@ contains), as `named_parameters()` names them with wrapper segments dropped: the
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from pathlib import Path
@@ -24,28 +31,92 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.compiled import skip_when_compiling
+from ..capture.fingerprint import FingerprintBatch, _local, host_copies
 from ..capture.modules import clean_fqn
 
-FULL_LIMIT = int(os.environ.get("AC_DIFF_REFERENCE_FULL", 1 << 20))  # elements kept whole per gradient
-SAMPLE = 1 << 14
+BUDGET_ENV = "AC_DIFF_REFERENCE_BUDGET_MB"  # host bytes for gradient values per compared step, in MB
+DEFAULT_BUDGET_MB = 64
+SAMPLE = 1 << 14  # elements of a gradient's strided sample
+FORMAT_VERSION = 2
 
 
-def summarize(t: torch.Tensor | None) -> dict[str, Any] | None:
-    if t is None:
-        return None
-    t = t.detach()
-    if hasattr(t, "to_local"):  # DTensor: this rank's shard
-        t = t.to_local()
-    flat = t.reshape(-1).cpu()
-    raw = flat.contiguous().view(torch.uint8) if flat.numel() else flat
-    digest = hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
-    values = flat if flat.dtype.is_floating_point else flat.double()  # compared in float64 (graddiff.py)
-    sampled = values.numel() > FULL_LIMIT
-    if sampled:
-        values = values[:: max(1, values.numel() // SAMPLE)][:SAMPLE]
-    return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "hash": digest,
-            "norm": float(flat.double().norm()) if flat.numel() else 0.0, "values": values.clone(),
-            "sampled": sampled}
+def budget_bytes() -> int:
+    """The host budget for gradient values per step ($AC_DIFF_REFERENCE_BUDGET_MB, default 64 MB)."""
+    try:
+        return max(0, int(float(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_MB)) * (1 << 20)))
+    except ValueError:
+        return DEFAULT_BUDGET_MB << 20
+
+
+def plan_values(sizes: dict[str, tuple[int, int]], budget: int) -> dict[str, str]:
+    """What to keep of each gradient, from {name: (elements, bytes per element)}: "full", "sample" or "none".
+
+        plan_values({"a": (10, 4), "b": (10**6, 4)}, budget=100_000)  ->  {"a": "full", "b": "sample"}
+
+    Samples first (in order), then whole gradients, smallest first, while `budget` bytes last."""
+    plan: dict[str, str] = {}
+    left = budget
+    for name, (n, size) in sizes.items():
+        cost = min(n, SAMPLE) * size
+        if cost <= left:
+            left -= cost
+            plan[name] = "full" if n <= SAMPLE else "sample"
+        else:
+            plan[name] = "none"
+    for name, (n, size) in sorted(((k, v) for k, v in sizes.items() if plan[k] == "sample"), key=lambda kv: kv[1][0]):
+        extra = (n - SAMPLE) * size
+        if extra > left:
+            break
+        left -= extra
+        plan[name] = "full"
+    return plan
+
+
+def _sample(flat: torch.Tensor) -> torch.Tensor:
+    """`SAMPLE` elements of a 1-d tensor at a fixed stride (a view: copied by the read-back)."""
+    return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of `t` on its device, as a 0-d float64 tensor (float32 arithmetic below float64)."""
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        t = t.double()
+    wide = torch.float64 if t.dtype in (torch.float64, torch.complex128) else torch.float32
+    return torch.linalg.vector_norm(t, dtype=wide if not t.dtype.is_complex else None).double()
+
+
+def summarize_all(tensors: dict[str, torch.Tensor | None], budget: int) -> dict[str, dict[str, Any] | None]:
+    """Summaries of named tensors (gradients): fingerprint and norm of each, values within `budget` bytes."""
+    shaped = {}  # the plain tensors (a DTensor's local shard), in their own shape: fingerprinted as matrices
+    for name, t in tensors.items():
+        t = _local(t.detach()) if t is not None else None
+        if t is not None and t.layout is torch.strided:
+            shaped[name] = t
+    local = {k: v.reshape(-1) for k, v in shaped.items()}
+    plan = plan_values({k: (v.numel(), v.element_size()) for k, v in local.items()}, budget)
+    batch = FingerprintBatch(bits=True)
+    slots = {k: batch.add(v) for k, v in shaped.items()}
+    names = list(local)
+    by_device: dict[torch.device, list[str]] = {}
+    for k in names:
+        by_device.setdefault(local[k].device, []).append(k)
+    norms = [torch.stack([_norm(local[k]) for k in group]) for group in by_device.values()]
+    kept = [k for k in names if plan[k] != "none"]
+    fps, _ = batch.collect()  # the fingerprints: one read-back per device
+    host = host_copies([*norms, *(local[k] if plan[k] == "full" else _sample(local[k]) for k in kept)])
+    norm_of = {k: float(x) for group, n in zip(by_device.values(), host) for k, x in zip(group, n.tolist())}
+    values = dict(zip(kept, host[len(norms):]))
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, t in tensors.items():
+        flat = local.get(name)
+        if t is None or flat is None:
+            out[name] = None
+            continue
+        out[name] = {"shape": list(shaped[name].shape), "dtype": str(flat.dtype).replace("torch.", ""),
+                     "fp": fps[slots[name]] if slots[name] is not None else None, "norm": norm_of[name],
+                     "values": values.get(name), "kept": plan[name], "sampled": plan[name] == "sample"}
+    return out
 
 
 class GradCapture:
@@ -62,7 +133,8 @@ class GradCapture:
         self.written = False
 
     def install(self) -> "GradCapture":
-        self._hook = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        # (compiled modules: Dynamo must not trace it; the compiled module itself is seen, called eagerly)
+        self._hook = nn.modules.module.register_module_forward_pre_hook(skip_when_compiling(self._pre))
         self._original = torch.autograd.backward
         original = self._original
 
@@ -113,8 +185,8 @@ class GradCapture:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ())
                                                                       if isinstance(t, torch.Tensor)]
         self.snapshots.append({
-            "loss": summarize(roots[0]) if len(roots) == 1 else None,
-            "grads": {name: summarize(p.grad) for name, p in self.named_parameters()},
+            "loss": summarize_all({"loss": roots[0]}, budget_bytes())["loss"] if len(roots) == 1 else None,
+            "grads": summarize_all({name: p.grad for name, p in self.named_parameters()}, budget_bytes()),
         })
         if len(self.snapshots) >= self.steps:
             self.finish()
@@ -127,12 +199,17 @@ class GradCapture:
         self.written = True
         self.uninstall()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"format": "ac-diff-grads", "version": 1, "steps": self.snapshots}, self.path)
+        torch.save({"format": "ac-diff-grads", "version": FORMAT_VERSION, "steps": self.snapshots}, self.path)
+        for step in self.snapshots:  # written: the values are read back from the file, not kept in this process
+            for summary in [step.get("loss"), *step["grads"].values()]:
+                if summary is not None:
+                    summary["values"] = None
 
 
 def load_grads(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
-        data = torch.load(path, weights_only=True)
+        data = torch.load(path, weights_only=True, mmap=True)  # values paged in as compared, not all at once
     except (OSError, RuntimeError, EOFError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("format") == "ac-diff-grads" else None
+    ok = isinstance(data, dict) and data.get("format") == "ac-diff-grads" and data.get("version") == FORMAT_VERSION
+    return data if ok else None

@@ -29,6 +29,7 @@ class ParamDiff:
     rel_diff: float | None = None  # ||run - ref|| / ||ref|| (over a strided sample when `sampled`)
     sampled: bool = False
     region: str | None = None  # the checkpointed region whose module holds the parameter
+    norm_only: bool = False  # values over the budget (grads.py): rel_diff is | ||run|| - ||ref|| | / ||ref||, a lower bound
 
 
 @dataclass(slots=True)
@@ -45,8 +46,8 @@ class StepComparison:
 
 @dataclass(slots=True)
 class Explanation:
-    # side_output, no_grad_inputs, recompute_divergence, other_rank_divergence, reference_randomness, rng_draws,
-    # repeated_update, state_drift, unexplained
+    # side_output, no_grad_inputs, recompute_divergence, other_rank_divergence, reference_randomness,
+    # nondeterministic_kernel, rng_draws, repeated_update, state_drift, compiled_ac, unexplained
     kind: str
     text: str
     region: str | None = None

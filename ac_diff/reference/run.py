@@ -3,6 +3,8 @@
     code, command = run_reference("train.py", ["--steps", "2"], module=False, output_dir="out", steps=1,
                                   spec=RemedySpec(deterministic=True))
     result = reference_result(report, "out", ranks=[0], steps=1, exit_code=code, command=command)
+    # a first loss that differs: the two runs' first forwards compared op by op (forwards.py) say whether a kernel
+    # gave other values from identical inputs, or the script's own randomness differed
 
 The reference is a separate process: the same interpreter, arguments, working directory and environment,
 plus the remedy "no AC anywhere" (and the run's other process-wide remedies, e.g. deterministic
@@ -15,16 +17,18 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from ..children import Child, child_command
+from ..diagnosis.compiled import reference_note
 from ..report import DIVERGED
 from ..remedies import ENV, RemedySpec
 from .graddiff import compare_captures
 from .explain import explain
+from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
 from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
 from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
@@ -38,30 +42,34 @@ def reference_spec(spec: RemedySpec) -> RemedySpec:
 
 
 def reference_command(target: str, args: list[str], *, module: bool, directory: str | os.PathLike, steps: int,
-                      spec: RemedySpec, since: float = 0.0) -> tuple[list[str], dict[str, str], str]:
-    """(argv, environment, description) of the reference process writing into `directory`."""
+                      spec: RemedySpec, since: float = 0.0, nproc: int = 0) -> tuple[Child, str]:
+    """(the process, its description) of the reference writing into `directory`: one process, or with `nproc` a
+    torchrun of its own (fix --nproc-per-node), started like every ac-diff child (children.py)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    stale = grads_path(directory)
-    if stale.exists():
-        stale.unlink()
-    env = {**os.environ, ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
+    for stale in (grads_path(directory), trace_path(directory)):
+        if stale.exists():
+            stale.unlink()
+    extra = {ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        env.update(_fresh_group(directory, since))
-    cmd = [sys.executable, "-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args]
-    return cmd, env, "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
+        extra.update(_fresh_group(directory, since))
+    child = child_command(["-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args], nproc=nproc,
+                          extra=extra)
+    return child, "AC off everywhere: " + " ".join(["python", *(["-m"] if module else []), target, *args])
 
 
 def run_reference(target: str, args: list[str], *, module: bool, output_dir: str, steps: int,
                   spec: RemedySpec, since: float = 0.0) -> tuple[int, str]:
     """Run the reference; `since`: when this run started (a rendezvous file older than that is stale)."""
-    cmd, env, command = reference_command(target, args, module=module, directory=Path(output_dir) / REFERENCE_DIR,
-                                          steps=steps, spec=spec, since=since)
+    child, command = reference_command(target, args, module=module, directory=Path(output_dir) / REFERENCE_DIR,
+                                       steps=steps, spec=spec, since=since)
     print(f"ac-diff: reference run without AC ({steps} backward pass(es)): {command.split(': ', 1)[1]}",
           file=sys.stderr)
     sys.stderr.flush()
-    proc = subprocess.run(cmd, env=env, stdout=sys.stderr.fileno(), check=False)
-    return proc.returncode, command
+    code = child.run(stdout=sys.stderr.fileno())
+    if child.interrupted:
+        raise KeyboardInterrupt
+    return code, command
 
 
 def _fresh_group(directory: Path, since: float) -> dict[str, str]:
@@ -102,7 +110,10 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
             s.rank = r
         findings = load_side(output_dir, r).get("reentrant", [])
         rank_report = _RankView(report, r)
-        result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command)
+        first = compare_first_forwards(output_dir, reference_dir, r) \
+            if compared and compared[0].loss_identical is False else None  # why the runs differ from the start
+        result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command,
+                         first_forward=first)
         turned_off = sum(row.get("calls") or 0 for row in load_side(reference_dir, r).get("applied", [])
                          if row.get("remedy") == "no_ac")
         if turned_off == 0 and rank_report.regions and result.verdict != FAILED:
@@ -113,6 +124,9 @@ def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
         if run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
+        compiled = reference_note(rank_report.compiled)
+        if compiled and compared:
+            result.notes.append(compiled)
         results.append((r, result))
     if len(results) == 1:
         return results[0][1]
@@ -138,4 +152,5 @@ class _RankView:
 
     def __init__(self, report: Any, r: int) -> None:
         self.regions = [x for x in getattr(report, "regions", []) if x.rank == r]
+        self.compiled = getattr(report, "compiled", None)  # torch.compile in the run (diagnosis/compiled.py)
         self.other_ranks_diverged = [x for x in getattr(report, "regions", []) if x.rank != r and x.status == DIVERGED]

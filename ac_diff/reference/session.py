@@ -4,7 +4,8 @@
     session.install(); ...script...; session.finish()
     -> OUT/grads-rank{R}.pt (this run's gradients), OUT/remedies-rank{R}.json (remedies applied, reentrant findings)
 
-The reference child writes OUT/reference/grads-rank{R}.pt. `load_side(OUT, rank)` reads a sidecar back.
+The reference child writes OUT/reference/grads-rank{R}.pt, and with `forwards=True` the forward of its regions up to
+its first backward, OUT/reference/trace-rank{R}.jsonl (forwards.py). `load_side(OUT, rank)` reads a sidecar back.
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..env import process_rank as rank
 from .grads import GradCapture
 from .leaks import ReentrantWatch
 
 REFERENCE_DIR = "reference"
 DIR_ENV = "AC_DIFF_GRADS_DIR"  # set for a child: capture gradients into this directory
 STEPS_ENV = "AC_DIFF_GRADS_STEPS"
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
 
 
 def grads_path(directory: str | os.PathLike, r: int | None = None) -> Path:
@@ -37,7 +35,7 @@ def side_path(directory: str | os.PathLike, r: int | None = None) -> Path:
 
 class CaptureSession:
     def __init__(self, directory: str | os.PathLike, steps: int, patch: Any, *, watch: bool = True,
-                 exit_after: bool = False) -> None:
+                 exit_after: bool = False, forwards: bool = False) -> None:
         self.directory = Path(directory)
         self.patch = patch
         self.watch = ReentrantWatch(patch.stack) if watch else None
@@ -45,10 +43,18 @@ class CaptureSession:
             patch.add_watcher(self.watch)
         self.exit_after = exit_after  # the reference child: nothing after the N-th backward is needed
         self.capture = GradCapture(grads_path(directory), steps, on_done=self._done) if steps > 0 else None
+        self.forwards = None
+        if forwards:
+            from .forwards import ReferenceForwards  # (the recorder: only the reference child needs it)
+
+            self.forwards = ReferenceForwards(directory, patch, until=lambda: self.capture is None
+                                              or self.capture.snapshots)
 
     def install(self) -> "CaptureSession":
         if self.capture is not None:
             self.capture.install()
+        if self.forwards is not None:
+            self.forwards.start()
         return self
 
     def _done(self) -> None:
@@ -59,6 +65,8 @@ class CaptureSession:
             os._exit(0)
 
     def finish(self) -> None:
+        if self.forwards is not None:
+            self.forwards.stop()
         if self.capture is not None:
             self.capture.finish()
         write_side(self.directory, self.patch, self.watch.findings() if self.watch else [])

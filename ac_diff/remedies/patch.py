@@ -10,7 +10,8 @@
 holds is re-pointed (`checkpoint_wrapper` binds it at import time as `torch_utils_checkpoint`, HF's
 modeling_utils as `checkpoint`). That covers `checkpoint()`, `checkpoint_wrapper` (torchtitan's
 apply_ac), `checkpoint_sequential` and HF `gradient_checkpointing_enable`. Watchers (`watch(call, run)`)
-see each call that still checkpoints (the reference run's reentrant-leak watch).
+see each call that still checkpoints (the reference run's reentrant-leak watch); bypass watchers, each call run
+without checkpointing (the reference run records its first forward: reference/forwards.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint as _cp
 
+from ..capture.compiled import is_compiling
 from ..capture.modules import ModuleStack
 from ..capture.torch_compat import checkpointed_module, sequential_segment
 from . import deterministic
@@ -37,10 +39,21 @@ from .spec import RemedySpec
 _MARK = "_ac_diff_remedies_original"
 
 
+def traced_call(original: Callable, own: set[str], everywhere: bool, function: Any, args: tuple, kwargs: dict) -> Any:
+    """A checkpoint() call as Dynamo traces it (torch.compile around checkpointed blocks): "AC off everywhere" (the
+    reference) inlines the function, so the compiled graph has no checkpointed region; every other remedy needs
+    module names the hooks cannot give inside a compiled graph, so the call stays the checkpoint Dynamo compiles
+    (`ac-diff run --compiled eager` runs such code eagerly, where every remedy applies)."""
+    if everywhere:
+        return function(*args, **{k: v for k, v in kwargs.items() if k not in own})
+    return original(function, *args, **kwargs)
+
+
 class CheckpointPatch:
     def __init__(self, spec: RemedySpec, watchers: list[Callable] | None = None, *, names: bool | None = None) -> None:
         self.spec = spec
         self.watchers = list(watchers or [])
+        self.bypass_watchers: list[Callable] = []  # `watch(call, run)` around each call run without checkpointing
         self.stack = ModuleStack()
         # module names are needed to match globs; "no AC anywhere" alone does not need them
         self._names = names if names is not None else bool(
@@ -65,6 +78,10 @@ class CheckpointPatch:
         self.watchers.append(watch)
         self._names = True
 
+    def add_bypass_watcher(self, watch: Callable) -> None:
+        """`watch(call, run)` sees every call run without checkpointing (a remedy bypassed it)."""
+        self.bypass_watchers.append(watch)
+
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> "CheckpointPatch":
         if self.spec.deterministic:
@@ -75,8 +92,12 @@ class CheckpointPatch:
         own = {name for name, p in inspect.signature(original).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY} | {"preserve_rng_state"}
 
+        everywhere = "*" in self.spec.no_ac
+
         @functools.wraps(original)
         def checkpoint(function, *args, **kwargs):
+            if is_compiling():  # Dynamo traces this call into a graph: no Python state here, no module names
+                return traced_call(original, own, everywhere, function, args, kwargs)
             return self._call(original, own, function, args, kwargs)
 
         setattr(checkpoint, _MARK, original)
@@ -109,12 +130,14 @@ class CheckpointPatch:
                 key = (remedy.kind, region, what)
                 self.applied[key] = self.applied.get(key, 0) + 1
         if call.bypass:
-            return function(*args, **{k: v for k, v in call.kwargs.items() if k not in own})
-
-        def run():
-            return original(call.function, *args, **call.kwargs)
-
-        for watch in self.watchers:
+            def run():
+                return function(*args, **{k: v for k, v in call.kwargs.items() if k not in own})
+            watchers = self.bypass_watchers
+        else:
+            def run():
+                return original(call.function, *args, **call.kwargs)
+            watchers = self.watchers
+        for watch in watchers:
             run = functools.partial(watch, call, run)
         return run()
 

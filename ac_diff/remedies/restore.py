@@ -7,25 +7,33 @@ torch.Generator), so `ac-diff fix` can prove such a code change before the user 
     # call.function now holds layers.1.moe.expert_bias as the forward found it, and every later call (a
     # recompute) runs with that value in place, then puts back the value it found
 
-NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a buffer, tensor attribute
-or Python scalar attribute (`layers.1.moe.router.calls`; not a parameter), or a torch.Generator attribute
-(`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every torch.Generator held by
-that module or its submodules. Only what the checkpointed module reaches is restored; a region that is a
-bare function or a checkpoint_sequential segment has nothing to restore.
+NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a buffer, tensor attribute,
+Python scalar attribute (`layers.1.moe.router.calls`; not a parameter), list/tuple/dict/deque attribute (a
+memory the forward appends to, `layers.1.attn.mems`: the recompute gets a copy of the forward's), or a
+torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every
+torch.Generator held by that module or its submodules (a LoRA dropout's own, `layers.1.q_proj.lora_dropout.default
+.gen`). Only what the checkpointed module reaches is restored; a region that is a bare function or a
+checkpoint_sequential segment has nothing to restore.
+
+The forward's own updates stand after the recompute, and a module's first forward is never undone: where that
+forward also changed other state of the module that holds what NAME names (the flag a lazy initialisation sets when
+it fills `amax_history` from the first batch), the recompute of that first forward starts from that state too, so
+it initialises again as the forward did instead of reading the empty buffer with the flag already set.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..capture.modules import clean_fqn
+from ..capture.pystate import CONTAINER_TYPES, SCALAR_TYPES
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
-
-_SCALARS = (bool, int, float, str)
 
 
 class _Slot:
@@ -41,7 +49,7 @@ class _Slot:
         value = getattr(self.owner, self.attr)
         if isinstance(value, torch.Generator):
             return value.get_state()
-        return value.detach().clone() if isinstance(value, torch.Tensor) else value
+        return _copy(value)
 
     def swap(self, value: Any) -> Any:
         current = getattr(self.owner, self.attr)
@@ -55,6 +63,19 @@ class _Slot:
             object.__setattr__(self.owner, self.attr, value)
         return current
 
+    def holds(self, snapshot: Any) -> bool:
+        """Whether the state still equals `snapshot` (a container of tensors counts as changed)."""
+        value = getattr(self.owner, self.attr)
+        if isinstance(value, torch.Generator):
+            value = value.get_state()
+        if isinstance(value, torch.Tensor) or isinstance(snapshot, torch.Tensor):
+            return (isinstance(value, torch.Tensor) and isinstance(snapshot, torch.Tensor)
+                    and (value.shape, value.dtype) == (snapshot.shape, snapshot.dtype) and torch.equal(value, snapshot))
+        try:
+            return type(value) is type(snapshot) and bool(value == snapshot)
+        except Exception:  # (tensors inside a container: not compared)
+            return False
+
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
     """Dot by dot: `layers.*.bias` matches `layers.0.bias`, not `layers.0.fc.bias`."""
@@ -64,45 +85,64 @@ def fqn_matches(name: str, globs: list[str]) -> bool:
 
 
 def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slot]:
-    """Every piece of state under `root` (named `prefix`) whose FQN matches: `{"layers.1.moe.expert_bias": slot}`."""
+    """Every piece of state under `root` (named `prefix`) whose FQN matches, and every generator of a module a glob
+    names or of its submodules: `{"layers.1.moe.expert_bias": slot, "layers.1.q_proj.lora_dropout.default.gen":
+    slot}`."""
     found: dict[str, _Slot] = {}
     for sub_name, sub in root.named_modules():
         name = clean_fqn(".".join(p for p in (prefix, sub_name) if p))
-        module_matches = fqn_matches(name, globs)
-        # buffers, public attributes, and private generators (`self._gen = torch.Generator()`); not parameters:
-        # a stand-in would take their gradients
-        attrs = [*sub._buffers,
-                 *(k for k, v in vars(sub).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
-        for attr in dict.fromkeys(attrs):
-            value = getattr(sub, attr, None)
-            if not isinstance(value, (torch.Tensor, torch.Generator, *_SCALARS)):
-                continue
+        parts = name.split(".")
+        under = any(fqn_matches(".".join(parts[:k]), globs) for k in range(1, len(parts) + 1))
+        for attr, value in _state_of(sub):
             fqn = f"{name}.{attr}" if name else attr
-            if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and module_matches):
+            if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and under):
                 found[fqn] = _Slot(sub, attr)
     return found
 
 
+def _state_of(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """(attribute, value) of the state a module holds itself: buffers, public tensor / scalar / container
+    attributes, and private generators (`self._gen = torch.Generator()`); not parameters: a stand-in would take
+    their gradients."""
+    attrs = [*module._buffers,
+             *(k for k, v in vars(module).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
+    for attr in dict.fromkeys(attrs):
+        value = getattr(module, attr, None)
+        if isinstance(value, (torch.Tensor, torch.Generator, *SCALAR_TYPES, *CONTAINER_TYPES)):
+            yield attr, value
+
+
 def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
+    """A copy the forward's later updates do not reach: a tensor's values, a container's entries (shallow)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.copy(value) if isinstance(value, CONTAINER_TYPES) else value
 
 
 class _Restoring:
     """The checkpointed function, run by every recompute (its later calls, early-stopped ones included) with
     the state as the forward found it, then the current state put back. The snapshot and the recompute's
-    copy are made when checkpoint() is called, outside the region (a second recompute copies again)."""
+    copy are made when checkpoint() is called, outside the region (a second recompute copies again).
+    `replay`: more state, restored only where the forward changed it (an owner's first forward)."""
 
-    def __init__(self, function: Callable, slots: dict[str, _Slot]) -> None:
+    def __init__(self, function: Callable, slots: dict[str, _Slot], replay: dict[str, _Slot] | None = None) -> None:
         self._ac_diff_checkpointed = function  # what the recorder names the region after
-        self.function, self.slots = function, slots
-        self.snapshot = {name: slot.snapshot() for name, slot in slots.items()}
+        self.function, self.slots = function, {**(replay or {}), **slots}
+        self.replay = [name for name in replay or () if name not in slots]
+        self.snapshot = {name: slot.snapshot() for name, slot in self.slots.items()}
         self.spare: dict[str, Any] | None = {name: _copy(v) for name, v in self.snapshot.items()}
         self.forward_done = False
 
     def __call__(self, *args, **kwargs):
         if not self.forward_done:
             self.forward_done = True
-            return self.function(*args, **kwargs)
+            try:
+                return self.function(*args, **kwargs)
+            finally:
+                for name in self.replay:  # what the forward left as it found it needs no restoring
+                    if self.slots[name].holds(self.snapshot[name]):
+                        for table in (self.slots, self.snapshot, self.spare):
+                            table.pop(name, None)
         # each recompute updates its own copy in place (the forward hook runs again)
         values, self.spare = self.spare or {name: _copy(v) for name, v in self.snapshot.items()}, None
         held = {name: slot.swap(values[name]) for name, slot in self.slots.items()}
@@ -119,6 +159,7 @@ class RestoreInRecompute:
     def __init__(self, globs: list[str], name_of: Callable[[torch.nn.Module], str]) -> None:
         self.globs = list(globs)
         self.name_of = name_of
+        self._started: weakref.WeakSet = weakref.WeakSet()  # the modules whose first forward has run
 
     def apply(self, call: CheckpointCall) -> str | None:
         if call.bypass:
@@ -129,5 +170,17 @@ class RestoreInRecompute:
         slots = find(module, self.name_of(module), self.globs)
         if not slots:
             return None
-        call.function = _Restoring(call.function, slots)
+        call.function = _Restoring(call.function, slots, self._first_forwards(slots))
         return "forward value restored in the recompute: " + ", ".join(slots)
+
+    def _first_forwards(self, slots: dict[str, _Slot]) -> dict[str, _Slot]:
+        """The rest of the state of each module holding a slot, on that module's first forward: what the forward
+        initialises there with it (a flag) is replayed, never left set over the restored buffer."""
+        out: dict[str, _Slot] = {}
+        for fqn, slot in slots.items():
+            if slot.owner in self._started:
+                continue
+            prefix = fqn.rsplit(".", 1)[0] + "." if "." in fqn else ""
+            out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in _state_of(slot.owner)})
+        self._started.update(slot.owner for slot in slots.values())
+        return out

@@ -137,12 +137,13 @@ def _torch_errors(report: Report) -> str:
     for err in report.torch_errors:
         counts = f"{err.saved_count}/{err.recomputed_count}" if err.saved_count is not None else ""
         rows.append(f"<tr><td>{e(err.rank)}</td><td>{e(err.region)}</td><td>{e(err.kind)}</td>"
-                    f"<td class=\"wrap\">{e(', '.join(map(str, err.positions)))}</td><td>{e(counts)}</td></tr>")
+                    f"<td class=\"wrap\">{e(', '.join(map(str, err.positions)))}</td><td>{e(counts)}</td>"
+                    f"<td>{e(err.occurrences)}</td></tr>")
     messages = "".join(f"<details class=\"message\"><summary>torch's message (rank {e(err.rank)})</summary>"
                        f"<pre>{e(err.message)}</pre></details>" for err in report.torch_errors if err.message)
     return (f"<section id=\"torch-error\"><h2>torch's error</h2>"
             f"<table><thead><tr><th>rank</th><th>region</th><th>kind</th><th>positions</th>"
-            f"<th>counts (saved/recomputed)</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"<th>counts (saved/recomputed)</th><th>raised</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             f"{messages}</section>")
 
 

@@ -25,6 +25,8 @@ def _largest(step: Any) -> list[Any]:
 
 def _diff_text(d: Any) -> str:
     if d.status == "differs":
+        if getattr(d, "norm_only", False):
+            return f"{d.name} differs (values over budget: norm only, >= {_num(d.rel_diff)})"
         return f"{d.name} {_num(d.rel_diff)}" + (" (sampled)" if d.sampled else "")
     return f"{d.name} ({d.status.replace('_', ' ')})"
 

@@ -14,20 +14,24 @@ ones rich picks) when the console is not a terminal.
 from __future__ import annotations
 
 import os
+import re
 
 from rich import box
-from rich.console import Console, Group
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import DIVERGED, UNCHECKED, Report, RegionReport
+from ..report import DIVERGED, UNCHECKED, Report, RegionReport, count_by_status
 from .fixes import fixes_terminal
 from .sections import terminal_items
 
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
+MAX_ERROR_ROWS = 12
 _MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim",
                  "inferred": "dim yellow", "argument": "blue"}
 # "inferred": not fingerprinted (a view, a derived elementwise op), fed by an input that differs
@@ -38,6 +42,40 @@ _MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ 
 def _t(value: object, style: str = "") -> Text:
     """A cell from report data: never parsed as rich markup (logs contain `[...]` everywhere)."""
     return Text("" if value is None else str(value), style=style)
+
+
+class Breakable:
+    """A table cell that wraps between words and after the dots and slashes of names, never inside a word:
+
+        Breakable("add.Tensor in layers.1.moe.router") in a 16-column cell ->  add.Tensor in
+                                                                               layers.1.moe.
+                                                                               router
+    Its narrowest width is its longest part, which the table keeps where it can; a part still wider than its
+    column (a very narrow terminal) ends in "…" instead of going on in the next line."""
+
+    _PARTS = re.compile(r"[^\s./]+[./]*\s*|[./]+\s*|\s+")
+
+    def __init__(self, value: object, style: str = "") -> None:
+        self.text = "" if value is None else str(value)
+        self.style = style
+
+    def parts(self) -> list[str]:
+        return self._PARTS.findall(self.text)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        widest = max((cell_len(p.rstrip()) for p in self.parts()), default=0)
+        return Measurement(min(widest, options.max_width), min(cell_len(self.text), options.max_width))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width, lines, line = options.max_width, [], ""
+        for part in self.parts():
+            if line.strip() and cell_len((line + part).rstrip()) > width:
+                lines.append(line.rstrip())
+                line = part.lstrip()
+            else:
+                line += part
+        lines.append(line.rstrip())
+        yield Text("\n".join(lines), style=self.style, no_wrap=True, overflow="ellipsis")
 
 
 def render_terminal(report: Report, console: Console) -> None:
@@ -83,21 +121,25 @@ def _verdict_panel(report: Report) -> Panel:
     if counts:
         body.append(Text(counts, style="dim"))
     if report.sources:
-        body.append(Text("from " + ", ".join(report.sources), style="dim"))
+        body.append(Breakable("from " + ", ".join(report.sources), style="dim"))  # paths wrap after a "/"
     return Panel(Group(*body), title=f"ac-diff: {report.title}", title_align="left", border_style=style, box=box.ROUNDED)
 
 
 def _torch_errors(report: Report) -> Table | Group:
     table = Table(title="torch's error", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
-    for col in ("rank", "kind", "positions", "counts (saved/recomputed)"):
+    errors = report.torch_errors[:MAX_ERROR_ROWS]  # one row per distinct error (repetitions are counted in it)
+    seen = any(e.occurrences for e in errors)
+    for col in ("rank", "kind", "positions", "counts (saved/recomputed)") + (("raised",) if seen else ()):
         table.add_column(col)
-    for e in report.torch_errors:
+    for e in errors:
         counts = f"{e.saved_count}/{e.recomputed_count}" if e.saved_count is not None else ""
-        positions = _compact(e.positions)
-        table.add_row(_t(e.rank), _t(e.kind), _t(positions), _t(counts))
+        table.add_row(_t(e.rank), _t(e.kind), _t(_compact(e.positions)), _t(counts),
+                      *((_t(e.occurrences),) if seen else ()))
+    if len(report.torch_errors) > len(errors):
+        table.caption = f"{len(report.torch_errors) - len(errors)} more distinct error(s) in the JSON report"
     lines = []
     mapped = any(r.positions for r in report.regions)  # else the positions table below shows them with their ops
-    for e in [] if mapped else report.torch_errors:  # what torch printed per position: all a bare error text has
+    for e in [] if mapped else errors:  # what torch printed per position: all a bare error text has
         shown = [c for c in e.changes if c.saved or c.recomputed][:12]
         lines += [Text(f"  position {c.position}: saved {c.saved} -> recomputed {c.recomputed}", style="dim")
                   for c in shown]
@@ -131,23 +173,24 @@ def _regions_table(report: Report, limit: int = 40) -> Table:
     ops = "ops A/B" if report.regions and all(r.kind == "two_runs" for r in report.regions) else "ops fwd/rec"
     rows = report.regions
     shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
-    # the module is what the user looks for: it keeps up to 28 columns, the first divergence folds instead
+    # the module is what the user looks for: it keeps up to 28 columns, the first divergence wraps instead
     module_width = min(28, max((len(r.module or "?") for r in shown), default=6))
     for col, kw in (("rank", {}), ("region", {"justify": "right"}),
-                    ("module", {"min_width": module_width, "overflow": "fold"}), (ops, {}),
+                    ("module", {"min_width": module_width}), (ops, {}),
                     ("status", {"no_wrap": True}), ("cause", {"no_wrap": True}),
-                    ("first divergence", {"overflow": "fold", "ratio": 1})):
+                    ("first divergence", {"ratio": 1})):
         table.add_column(col, **kw)
     for r in shown:
         status = Text(r.status_label,
                       style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
         first = r.first_divergence()
-        what = (_t(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
-                _t(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
-        table.add_row(_t(r.rank), _t(r.region), _t(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
+        what = (Breakable(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
+                Breakable(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
+        table.add_row(_t(r.rank), _t(r.region), Breakable(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
                       _t(r.cause.kind if r.cause else ""), what)
     if len(shown) < len(rows):
-        table.caption = f"{len(rows) - len(shown)} clean/unchecked region(s) not shown"
+        hidden = [r for r in rows if r.status != DIVERGED] + [r for r in rows if r.status == DIVERGED][limit:]
+        table.caption = f"{len(hidden)} region(s) not shown ({count_by_status(hidden)})"  # what it hides, by status
     return table
 
 
@@ -219,9 +262,9 @@ def _window_table(r: RegionReport) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left",
                   title="run A | run B, aligned" if two else "forward | recompute, aligned")
     table.add_column("A#" if two else "fwd#", justify="right")
-    table.add_column("run A" if two else "forward", overflow="fold", ratio=1)
+    table.add_column("run A" if two else "forward", ratio=1)
     table.add_column("B#" if two else "rec#", justify="right")
-    table.add_column("run B" if two else "recompute", overflow="fold", ratio=1)
+    table.add_column("run B" if two else "recompute", ratio=1)
     table.add_column("")
     for row in r.window:
         if row.how == "gap":
@@ -231,8 +274,8 @@ def _window_table(r: RegionReport) -> Table:
         marker = Text(_MARKER_TEXT.get(row.marker or "", ""), style=style)
         recompute = row.recompute if row.recompute is not None else (
             "(not recomputed: early stop)" if row.how == "not_recomputed" else "(missing)")
-        table.add_row(_t(_idx(row.forward_index)), _t(_short_label(row.forward) or "(missing)", style),
-                      _t(_idx(row.recompute_index)), _t(_short_label(recompute), style), marker)
+        table.add_row(_t(_idx(row.forward_index)), Breakable(_short_label(row.forward) or "(missing)", style),
+                      _t(_idx(row.recompute_index)), Breakable(_short_label(recompute), style), marker)
     return table
 
 
@@ -246,7 +289,7 @@ def _positions_table(r: RegionReport) -> Table | None:
                   title=f"saved positions: {len(shown)} differ in metadata, {len(value_only)} more hold other values "
                         f"({len(r.positions)} in all)")
     for col, kw in (("pos", {"justify": "right"}), ("op / origin", {}), ("module", {}),
-                    ("saved -> recomputed", {}), ("source", {"overflow": "fold"})):
+                    ("saved -> recomputed", {}), ("source", {})):
         table.add_column(col, **kw)
     rows = shown + value_only  # metadata first, then the positions torch cannot see
     for p in rows[:MAX_POSITION_ROWS]:
@@ -256,8 +299,8 @@ def _positions_table(r: RegionReport) -> Table | None:
         change = f"{p.saved or '?'} -> {p.recomputed or '-'}"
         if p in value_only:
             change += ", other values"
-        table.add_row(_t(p.position), _t(what), _t(p.module), _t(change, "red" if p.matches is False else "yellow"),
-                      _t(_short_source(p.source), "dim"))
+        table.add_row(_t(p.position), Breakable(what), Breakable(p.module),
+                      Breakable(change, "red" if p.matches is False else "yellow"), Breakable(_short_source(p.source), "dim"))
     if len(rows) > MAX_POSITION_ROWS:
         table.caption = f"{len(rows) - MAX_POSITION_ROWS} more; every position is in the JSON/HTML report"
     elif not shown:

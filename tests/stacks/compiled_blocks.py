@@ -9,7 +9,8 @@
     --compile none     eager
 
 `--dropout P --no-preserve-rng` puts a real divergence (dropout without preserved RNG state) in the
-blocks' feed-forward. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
+blocks' feed-forward. `--buffer-update` another: each block normalises its input by a running statistic,
+a buffer it updates in place in its forward, so the recompute updates it again and sees another value. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
 `--backend inductor` compiles C++ kernels (gcc), whose dropout draws other numbers than eager dropout.
 """
 
@@ -43,19 +44,25 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, p, use_function):
+    def __init__(self, dim, p, use_function, buffer_update=False):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, p, use_function)
+        self.buffer_update = buffer_update
+        if buffer_update:
+            self.register_buffer("scale", torch.ones(()))
 
     def forward(self, x):
+        if self.buffer_update:  # a running mean of |x|, updated in place (the recompute updates it again)
+            self.scale.mul_(0.5).add_(x.detach().abs().mean(), alpha=0.5)
+            x = x / self.scale
         return x + self.ff(self.norm(x))
 
 
 class Net(nn.Module):
-    def __init__(self, dim=32, n_layers=2, p=0.0, use_function=False):
+    def __init__(self, dim=32, n_layers=2, p=0.0, use_function=False, buffer_update=False):
         super().__init__()
-        self.layers = nn.ModuleList([Block(dim, p, use_function) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([Block(dim, p, use_function, buffer_update) for _ in range(n_layers)])
         self.out = nn.Linear(dim, 8)
 
     def forward(self, x):
@@ -73,10 +80,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--no-preserve-rng", action="store_true")
+    p.add_argument("--buffer-update", action="store_true", help="a buffer updated in place in each block's forward")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
-    net = Net(p=args.dropout, use_function=args.compile == "function")
+    net = Net(p=args.dropout, use_function=args.compile == "function", buffer_update=args.buffer_update)
     compile_ = lambda m: torch.compile(m, backend=args.backend, fullgraph=args.fullgraph)  # noqa: E731
     wrap = lambda m: checkpoint_wrapper(m, preserve_rng_state=not args.no_preserve_rng)  # noqa: E731
     for i, block in enumerate(list(net.layers)):

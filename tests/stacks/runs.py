@@ -8,6 +8,8 @@
 
 Each job runs `python -m ac_diff run -o DIR --json FILE [ac-diff options] TARGET...` (or plain `python`
 with `plain=True`) with OMP_NUM_THREADS=1; at most `workers` run at the same time.
+
+    proc, report = fix(tmp_path / "gen", "--max-tries", "2", "script.py")   # `ac-diff fix`, its JSON report
 """
 
 from __future__ import annotations
@@ -66,3 +68,15 @@ def run_all(out: Path, jobs: dict[str, Job], workers: int = 2, timeout: int = 60
 
 def regions_by(report: dict, **match) -> list[dict]:
     return [r for r in report["regions"] if all(r[k] == v for k, v in match.items())]
+
+
+def fix(out: Path, *args: str, cwd: str | os.PathLike | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m ac_diff fix -o OUT --json OUT.json ARGS...` (with `cwd`, the stack scripts importable from it)."""
+    json_path = out.parent / f"{out.name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    if cwd is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STACKS), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "fix", "-o", str(out), "--json", str(json_path), *args],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    assert json_path.exists(), proc.stderr[-3000:]
+    return proc, json.loads(json_path.read_text())

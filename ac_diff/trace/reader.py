@@ -1,346 +1,36 @@
-"""The trace file: versioned, self-describing JSON Lines (optionally gzip), streamed and flushed per pass.
+"""The trace reader: a trace file back into the model of a run (`ac_diff.passes.Run`).
 
-    {"type": "header", "format": "ac-diff-trace", "version": "1.3", "torch": "2.13.0", "rank": 0, ...}
-    {"type": "region", "region": 0, "module": "layers.0", "kind": "checkpoint", "options": {...}}
-    {"type": "op", "region": 0, "phase": "forward", "attempt": 0, "i": 0, "op": "aten.mm.default",
-     "module": "layers.0.moe.router.gate", "src": "model.py:40 in forward", "in": [[[512, 64], "f32", "cpu"], ...],
-     "out": [...], "args": ["$", "$"], "refs": [{"k": "op", "op": 3}, {"k": "param", "name": "..."}],
-     "fp": [[12.5, 801.2]], "vals": {"out1": {"dtype": "i64", "shape": [512, 2], "b64": "..."}}}
-    {"type": "pass", "region": 0, "phase": "forward", "n_ops": 57, "complete": true, "positions": [...], ...}
-    {"type": "check_error" | "exception" | "warning", ...}
-    {"type": "end", "status": "ok" | "exception" | "interrupted" | "exit", "exit_code": 0, ...}
+    read_run("ac-diff-out/trace-rank0.jsonl")
+    -> Run(source="trace", rank=0, regions=[Region(region=0, module="layers.0", forward=Pass(ops=[OpRecord(...),
+       ...]), recompute=Pass(...)), ...], truncated=False, damaged=0, notes=[...])
+    read_run(path, lazy=True)            # ops left undecoded until `run.ops_loader(region)` asks for them
+    read_header(path) -> {"type": "header", "format": "ac-diff-trace", "version": "1.4", "rank": 0, ...}
+    iter_records(path)                   # the header, then each record ({"type": "_damaged", ...} where damaged)
+    trace_files("ac-diff-out")           # [.../trace-rank0.jsonl, .../trace-rank1.jsonl]
 
-Kept values (`vals`) are raw little-endian bytes in base64 with their dtype and shape (older traces
-stored nested lists; both load). `read_run(path)` turns a file back into the model
-(`ac_diff.passes.Run`); `read_run(path, lazy=True)` (what `ac-diff report` reads with) only checksums and
-indexes the "ops" lines and leaves ops, positions and externals to be decoded one region at a time
-(`Run.ops_loader`), so memory follows the largest region, not the file. A file of another format or of a newer major version raises
-`TraceFormatError` saying what it is and what to do; a file without its end record (the process
-died) loads with `Run.truncated` set and a note.
-
-Integrity: since 1.1 every line ends with `"crc": N`, the CRC-32 of the line's bytes without that
-field (`{..., "crc": N}` -> `{...}`). A line whose checksum does not match, that does not parse, or
-that lacks the checksum in a 1.1 trace is damaged: it is skipped, counted, and every region that was
-being recorded when it was written (its region record before the line, its last recompute pass record not)
-is marked damaged (`Region.damaged`), and so is the region whose recompute ended just
-before the line (a torch error or exception record is about it); so is a region named only by records
-whose region record was lost. The diagnosis reports such a region as "damaged", never as clean or diverged. A
-damaged header, or one whose fields have the wrong types, raises `TraceFormatError`.
-
-Format history (every version stays readable; tests/data keeps a file of each):
-  1.0  header, region, op (one per op, later one "ops" record per pass), pass, end records
-  1.1  a CRC-32 per line (`crc`); readers of 1.0 ignore it
-  1.2  record types are checked against the minor version (the lines are those of 1.1)
-  1.3  a summarized pass (`"ops_written": false`; `write: diverged`, the default since) carries its `verdict`
-       and a `values_digest`, and no attributes; in a distributed run a forward's summary keeps the parameters
-       and buffers it reads; readers of 1.2 ignore the new keys
-
-NOTE [versions and record types]: the major version changes when a reader of the old one would
-misread the file; it is refused with advice ("upgrade ac-diff" / "re-record it"). A minor version may
-add record types. A record type this reader does not know is therefore corruption in a trace of its own
-minor version or an older one (an error), but new data in a trace of a newer minor: those records are
-skipped with one line on stderr naming both versions and saying "upgrade ac-diff". (Readers before 1.2
-skipped unknown types silently: an older ac-diff read a newer trace as empty regions.)
+What a damaged line, a cut file or a newer version does to the result: format.py (Integrity, NOTE
+[versions and record types]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import io
-import json
 import os
-import queue
-import threading
-import platform
 import re
-import zlib
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-try:  # ~10x faster than json for the per-pass records; optional (json writes the same lines)
-    import orjson
-except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
-    orjson = None
-
-from ._version import __version__
-from .capture.opinfo import short_dtype
-from .errors import AcDiffError
-from .streams import STREAM_DAMAGE, open_binary
-from .passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
-
-FORMAT = "ac-diff-trace"
-VERSION = "1.3"
-MAJOR, MINOR = (int(x) for x in VERSION.split("."))
+from .._version import __version__
+from ..passes import (External, InputRef, OpRecord, Pass, Position, Region, Run, TensorMeta, PHASES)
+from ..streams import STREAM_DAMAGE, open_binary
+from ..values import decode_values
+from .format import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, FORMAT, MAJOR, MINOR, RECORD_TYPES,
+                     VERSION, TraceFormatError)
+from .lines import check_crc, decode_line
 
 
-class TraceFormatError(AcDiffError, ValueError):
-    """The file is not an ac-diff trace this version can read. The message says what to do."""
-
-
-# -- writing ----------------------------------------------------------------------------------
-# flags of an op row (see encode_ops)
-FLAG_CACHED, FLAG_RANDOM, FLAG_DISCRETE, FLAG_DERIVED = 1, 2, 4, 8
-OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
-# every record type a trace of this version may hold
-RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end"})
-
-
-def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    import torch
-
-    rank = int(os.environ.get("RANK", "0") or 0)
-    header = {
-        "type": "header", "format": FORMAT, "version": VERSION, "ac_diff": __version__,
-        "torch": torch.__version__, "python": platform.python_version(), "argv": list(sys.argv),
-        "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1") or 1),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0), "pid": os.getpid(),
-        "host": platform.node(), "start_time": time.time(), "cwd": os.getcwd(),
-        "options": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in vars(options).items()},
-    }
-    header.update(extra or {})
-    return header
-
-
-class TraceWriter:
-    """Appends records to a trace file; `flush()` pushes them to disk so a crash loses nothing written.
-
-    With `background=True` a writer thread encodes and writes, in order, what `write` queues (a record,
-    or a function that builds one): the training thread only queues, and on a machine with a core to
-    spare the JSON encoding overlaps the backward's kernels (which run without the GIL). Whoever queues
-    a record must not change it afterwards. `close()` drains the queue, so an exception, SystemExit or
-    Ctrl-C still leaves a finished trace; a process killed outright loses what was still queued (a pass
-    or two) instead of nothing after the last flush. A write that fails (a full disk) never raises into
-    the training: the writer stops writing and `failure` says which file and what was lost.
-    """
-
-    def __init__(self, path: str | os.PathLike, header: dict[str, Any], background: bool = False) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        raw = open(self.path, "wb")
-        self._raw = raw
-        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
-        # records are trees: no circular-reference bookkeeping (a quarter of the encoding time)
-        self._encode = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False).encode
-        self.error: BaseException | None = None  # the first failure of the writer thread, if any
-        self.failure: str | None = None  # the first write that failed (a full disk): what was lost, in words
-        self._lost = 0  # records not written since
-        self._written = 0
-        self._write_now(header)
-        self._flush_now()
-        if self.failure is not None:  # not even the header: nothing to record into, before anything ran
-            raise self._os_error
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        if background:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="ac-diff-trace-writer", daemon=True)
-            self._thread.start()
-
-    def write(self, record: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
-        """Queue or write one record. One that may hold NaN or infinite floats must say so with
-        `"nonfinite": true`: only json writes them as such (orjson would write null)."""
-        if self._queue is not None:
-            self._queue.put((self._write_now, record))
-        else:
-            self._write_now(record)
-
-    def flush(self) -> None:
-        if self._queue is not None:
-            self._queue.put((self._flush_now, None))
-        else:
-            self._flush_now()
-
-    def close(self, end_record: dict[str, Any]) -> None:
-        self.write(end_record)
-        if self._queue is not None:
-            self._queue.put((None, None))
-            self._thread.join()
-            self._queue = None
-        self._flush_now()
-        for f in {id(self._file): self._file, id(self._raw): self._raw}.values():
-            try:
-                f.close()
-            except OSError as exc:  # the last buffered bytes (a gzip trailer) did not fit
-                self._failed(exc)
-        if self.failure is not None:
-            self.failure += f"; {self._lost} record(s) after it were lost (the end record too)" if self._lost else ""
-
-    def _write_now(self, record: Any) -> None:
-        if self.failure is not None:
-            self._lost += 1
-            return
-        if callable(record):
-            record = record()
-        line = None if record.get("nonfinite") else _fast_encode(record)
-        if line is None:
-            line = self._encode(record).encode("utf-8", "replace")
-        try:
-            self._file.write(with_crc(line) + b"\n")
-            self._written += 1
-        except OSError as exc:
-            self._failed(exc)
-            self._lost += 1
-
-    def _flush_now(self, _: Any = None) -> None:
-        if self.failure is not None:
-            return
-        try:
-            if isinstance(self._file, gzip.GzipFile):
-                self._file.flush(gzip.zlib.Z_SYNC_FLUSH)
-            self._file.flush()
-            self._raw.flush()
-        except OSError as exc:
-            self._failed(exc)
-
-    def _failed(self, exc: OSError) -> None:
-        """A write failed (a full disk, a quota, a dead mount): keep the training running, write nothing more,
-        and say what was lost. The file keeps what reached it (read back as a trace cut short)."""
-        if self.failure is None:
-            from .streams import describe_os_error
-
-            exc.filename = exc.filename or str(self.path)
-            self._os_error = exc
-            self.failure = (f"could not write the trace: {describe_os_error(exc)}; it holds only what was written "
-                            f"before ({self._written} record(s), the last one possibly cut) and reads as cut short")
-
-    def _run(self) -> None:
-        queue_ = self._queue
-        while True:
-            action, arg = queue_.get()
-            if action is None:
-                return
-            try:
-                action(arg)
-            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the others
-                if self.error is None:
-                    self.error = exc
-                with contextlib.suppress(Exception):
-                    self._write_now({"type": "warning", "message": f"ac-diff trace writer: {type(exc).__name__}: "
-                                                                   f"{exc} (a record was lost; please report)"})
-
-
-def encode_ops(region: int, phase: str, attempt: int, ops: list[tuple], fps: dict[int, list],
-               vals: dict[int, dict], cached: Any, nonfinite: bool) -> dict[str, Any]:
-    """All ops of a pass as ONE trace record (format 1.0 wrote one "op" record per op; both load):
-
-        {"type": "ops", "region": 0, "phase": "forward", "attempt": 0, "start": 0,
-         "fields": ["op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals"],
-         "strings": ["aten.mm.default", "layers.0.attention.wq", "model.py:40 in forward", ...],
-         "rows": [[0, 1, 2, [[[512, 64], "f32", "cpu"]], ["$", "$"], [["op", 3, 0], ["param", "w", 1]],
-                   [[[512, 64], "f32", "cpu"]], [[12.5, 801.2]], null, 0, {"out1": {...}}], ...]}
-
-    Each row is one recorder op tuple; `cached` holds the indices of ops selective AC served. `op`, `module` and `src` are indices into `strings`; refs are ["op", op index, output index] or
-    [kind, name, external index]; flags: 1 cached (selective AC), 2 random, 4 discrete, 8 derived
-    (elementwise op of measured inputs: not fingerprinted, see recorder `_record`); trailing empty
-    fields are left off. One JSON encoding per pass instead of one per op, and a third of the bytes.
-    """
-    strings: dict[str, int] = {}
-    rows = []
-    for index, (name, module, src, in_meta, args, refs, out_meta, host, flags) in enumerate(ops):
-        op_id = strings.get(name)
-        if op_id is None:
-            op_id = strings[name] = len(strings)
-        module_id = None
-        if module is not None:
-            module_id = strings.get(module)
-            if module_id is None:
-                module_id = strings[module] = len(strings)
-        src_id = None
-        if src is not None:
-            src_id = strings.get(src)
-            if src_id is None:
-                src_id = strings[src] = len(strings)
-        if cached and index in cached:
-            flags |= FLAG_CACHED
-        row = [op_id, module_id, src_id, _written_metas(in_meta), args, refs, _written_metas(out_meta),
-               fps.get(index), host, flags,
-               vals.get(index)]
-        if row[10] is None:  # leave off empty trailing fields: no vals, no flags, no host, no fp
-            row.pop()
-            if not flags:
-                row.pop()
-                while len(row) > 7 and row[-1] is None:
-                    row.pop()
-        rows.append(row)
-    record = {"type": "ops", "region": region, "phase": phase, "attempt": attempt, "start": 0,
-              "fields": OPS_FIELDS, "strings": list(strings), "rows": rows}
-    if nonfinite:
-        record["nonfinite"] = True
-    return record
-
-
-# (size, dtype, device) as the recorder keeps it -> its written form (size, short dtype, device name); the
-# same few metas recur in every pass, so each is converted once (bounded: data-dependent shapes vary)
-_written: dict[tuple, tuple] = {}
-
-
-def _written_meta(meta: tuple) -> tuple:
-    size, dtype, device = meta
-    if len(_written) > 8192:
-        _written.clear()
-    w = _written[meta] = (tuple(size), short_dtype(dtype), "cpu" if device.type == "cpu" else str(device))
-    return w
-
-
-def written_meta(meta: tuple) -> tuple:
-    """(size, dtype, device) -> (size as a tuple, short dtype, device name), as the trace holds a tensor's meta."""
-    w = _written.get(meta)
-    return w if w is not None else _written_meta(meta)
-
-
-def _written_metas(metas: tuple) -> list:
-    get = _written.get
-    return [get(m) or _written_meta(m) for m in metas]
-
-
-def _json_default(o: Any) -> Any:
-    return list(o) if isinstance(o, tuple) else str(o)  # tuple subclasses (torch.Size) as json writes them
-
-
-def _fast_encode(record: Any) -> bytes | None:
-    """orjson's bytes for `record`, or None where only json can write it (no orjson, ints over 64 bits,
-    lone surrogates): the caller then uses json. Non-finite floats must not get here (see `write`)."""
-    if orjson is None:
-        return None
-    try:
-        return orjson.dumps(record, default=_json_default, option=orjson.OPT_NON_STR_KEYS)
-    except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError
-        return None
-
-
-_CRC = b',"crc":'
-
-
-def with_crc(line: bytes) -> bytes:
-    """An encoded record (`{...}`) with its checksum as the last field: `{...,"crc":N}`."""
-    return b"%s%s%d}" % (line[:-1], _CRC, zlib.crc32(line))
-
-
-def check_crc(line: bytes) -> bool | None:
-    """True if the line's checksum matches, False if it does not, None if the line has none."""
-    at = line.rfind(_CRC)
-    if at < 0:
-        return None
-    digits = line[at + len(_CRC):].rstrip()
-    if not digits.endswith(b"}") or not digits[:-1].isdigit():
-        return False
-    return zlib.crc32(line[:at] + b"}") == int(digits[:-1])
-
-
-def decode_line(line: str | bytes) -> Any:
-    """One JSON line (orjson where it can: it rejects the NaN and Infinity literals json writes)."""
-    if orjson is not None:
-        try:
-            return orjson.loads(line)
-        except ValueError:  # orjson.JSONDecodeError is a ValueError (and a json.JSONDecodeError)
-            pass
-    return json.loads(line)
-
-
-# -- reading ----------------------------------------------------------------------------------
 def open_text(path: str | os.PathLike) -> io.TextIOBase:
     """Open a file as text whether it is gzip-compressed or not."""
     return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace")
@@ -558,12 +248,15 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 ended = True
                 run.exit_status = rec.get("status")
                 run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
+                run.recorder_lost = rec.get("lost")
+                run.compiled = rec.get("compiled") if isinstance(rec.get("compiled"), dict) else None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
             damage.append((line, f"a {kind!r} record with fields of the wrong type"))
-    if skipped:
+    if newer:  # read as far as this reader knows the format: say so even when nothing was skipped
+        what = (f"skipped {sum(skipped.values())} records of types it does not know ({', '.join(sorted(skipped))})"
+                if skipped else "what the newer format added may be missing from the report")
         print(f"ac-diff: warning: {path} is a trace of format {header.get('version')}, this ac-diff ({__version__}) "
-              f"reads {VERSION}: skipped {sum(skipped.values())} records of types it does not know "
-              f"({', '.join(sorted(skipped))}); upgrade ac-diff (pip install -U ac-diff)", file=sys.stderr)
+              f"reads {VERSION}: {what}; upgrade ac-diff (pip install -U ac-diff)", file=sys.stderr)
     for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
         region = regions.get(number)
         if region is not None and phase in PHASES:
@@ -578,7 +271,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     run.regions = sorted(regions.values(), key=lambda r: r.region)
     if lazy:
         run.ops_loader = lambda region: _ops_loaded(path, metas, region)
-    from .logs import recorded_errors  # the log parser reads torch's error text (not needed to record)
+    from ..logs import recorded_errors  # the log parser reads torch's error text (not needed to record)
 
     run.errors = recorded_errors(run, check_errors)
     if not ended:
@@ -662,10 +355,14 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         state=rec.get("state", {}), complete=bool(rec.get("complete", True)),
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
         attributes=rec.get("attributes") or {}, attribute_updates=rec.get("attribute_updates") or {},
+        globals=rec.get("globals") or {}, global_readers=rec.get("global_readers") or {},
         values_digest=rec.get("values_digest"),
+        outputs=_outputs_from_json(rec.get("outputs")),
     )
     if rec.get("error"):
         p.state["error"] = rec["error"]
+    if rec.get("lost"):  # the recorder failed inside this pass (format 1.4)
+        p.state["lost"] = rec["lost"]
     if rec.get("ops_written") is False:  # RecordOptions(write="diverged"): a clean region's ops were not kept
         region.ops_written = False
     if lazy and not rec.get("n_ops"):  # only the ops themselves can say how many there were
@@ -692,7 +389,7 @@ def _meta(x: Any) -> TensorMeta:
 def _op_from_json(rec: dict) -> OpRecord:
     return OpRecord(
         index=rec.get("i", 0), op=rec.get("op", "?"), module=rec.get("module"), source=rec.get("src"),
-        inputs=[_meta(x) for x in rec.get("in", [])], out=[_meta(x) for x in rec.get("out", [])],
+        inputs=[_meta(x) for x in rec.get("in", [])], out=[_output(x, _meta) for x in rec.get("out", [])],
         args=rec.get("args", []), input_refs=[InputRef.from_json(r) for r in rec.get("refs", [])],
         fingerprint=rec.get("fp"), host_value=rec.get("host"), values=_values_from_json(rec.get("vals")),
         cached=bool(rec.get("cached", False)), random=bool(rec.get("random", False)),
@@ -727,13 +424,18 @@ def _ops_from_json(rec: dict, metas: dict | None = None) -> list[OpRecord]:
         out.append(OpRecord(
             index=start + k, op=(strings[op] if op is not None else None) or "?",
             module=strings[module] if module is not None else None, source=strings[src] if src is not None else None,
-            inputs=[meta(x) for x in row[i_in] or ()], out=[meta(x) for x in row[i_out] or ()],
+            inputs=[meta(x) for x in row[i_in] or ()], out=[_output(x, meta) for x in row[i_out] or ()],
             args=row[i_args] or [], input_refs=refs, fingerprint=row[i_fp], host_value=row[i_host],
             values=_values_from_json(row[i_vals]), cached=bool(flags & FLAG_CACHED),
             random=bool(flags & FLAG_RANDOM), discrete=bool(flags & FLAG_DISCRETE),
             derived=bool(flags & FLAG_DERIVED),
         ))
     return out
+
+
+def _output(x: Any, meta: Callable[[Any], TensorMeta]) -> Any:
+    """One entry of an op's "out" (NOTE [op outputs]): a tensor's meta, or the non-tensor return as written."""
+    return meta(x) if type(x) is list else x
 
 
 def _interned_meta(x: Any, metas: dict) -> TensorMeta:
@@ -752,8 +454,6 @@ def _values_from_json(vals: Any) -> Any:
     """Kept values: each is {"dtype", "shape", "b64"} (raw bytes); the first 1.0 traces stored nested lists."""
     if not isinstance(vals, dict) or not any(isinstance(v, dict) for v in vals.values()):
         return vals
-    from .capture.fingerprint import decode_values
-
     out = {}
     for key, v in vals.items():
         try:
@@ -764,9 +464,14 @@ def _values_from_json(vals: Any) -> Any:
 
 
 def _position_from_json(x: list, metas: dict) -> Position:
-    position, meta, origin, op_index, output, name = (list(x) + [None] * 6)[:6]
+    position, meta, origin, op_index, output, name, fingerprint, view = (list(x) + [None] * 8)[:8]
     return Position(position=position, meta=_interned_meta(meta, metas) if meta else None, origin=origin or "unknown",
-                    op_index=op_index, output=output or 0, name=name)
+                    op_index=op_index, output=output or 0, name=name, fingerprint=fingerprint, view=view)
+
+
+def _outputs_from_json(x: Any) -> list[tuple[int, int]] | None:
+    """A forward's `outputs` ([[op index, output], ...], format 1.4), or None where the trace has none."""
+    return [tuple(o) for o in x if isinstance(o, list) and len(o) == 2] if isinstance(x, list) else None
 
 
 def _external_from_json(x: dict) -> External:

@@ -1,0 +1,147 @@
+"""Does the run diverge already? Each region's recompute (in the backward), saved tensor by saved tensor, against
+its forward: shape, dtype and a value fingerprint of every tensor autograd saved, at the same position.
+
+    check = RecomputeCheck()
+    check.pack(frame, "forward", 0, x)       # the auditor passes on the checkpoint hooks' calls
+    check.exit(frame, "forward", None)       # the forward's fingerprints are read back (one sync per pass)
+    ...                                      # the backward recomputes the region
+    check.exit(frame, "recompute", None)     # compared, and the forward's figures dropped
+    check.result()  ->  {"checked": 8, "diverged": [{"region": 1, "module": "layers.0", "how": "values",
+                         "positions": [3, 7], "detail": "other values at 2 of 12 saved positions"}, ...]}
+
+The replays of the audit start from the forward's own state, so they cannot see what changed before the real
+recompute (a buffer updated after the forward, dropout without its RNG state): this check can. A region's figures
+are held from its forward until its recompute only; what torch's own check raises (`failed`) counts as diverged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..capture.fingerprint import FingerprintBatch
+from ..capture.torch_compat import FORWARD, RECOMPUTE
+
+
+@dataclass
+class _Pass:
+    batch: FingerprintBatch = field(default_factory=FingerprintBatch)
+    meta: list = field(default_factory=list)  # per position: (shape, dtype)
+    slots: list = field(default_factory=list)  # per position: its fingerprint's slot, or None
+    fingerprints: list | None = None  # read back at the pass's end
+
+
+@dataclass
+class _Region:
+    index: int
+    module: str
+    forward: _Pass = field(default_factory=_Pass)
+    recompute: _Pass | None = None
+
+
+class RecomputeCheck:
+    """Compares every recompute with its forward, as it happens; `result()` says which regions diverged."""
+
+    MAX_LISTED = 64  # diverged regions listed one by one (all are counted)
+    MAX_OPEN = 4096  # forwards waiting for their recompute (a forward never recomputed is let go past this)
+
+    def __init__(self) -> None:
+        self._open: dict[int, _Region] = {}  # id(frame) -> a region whose recompute has not ended
+        self.checked = 0
+        self.diverged: list[dict] = []
+        self.diverged_count = 0
+
+    def forward(self, frame: Any, index: int, module: str) -> None:
+        """A region's forward begins (`index`: its number in the run)."""
+        if len(self._open) >= self.MAX_OPEN:
+            del self._open[next(iter(self._open))]
+        self._open[id(frame)] = _Region(index, module)
+
+    def pack(self, frame: Any, phase: str, position: int, x: Any) -> None:
+        region = self._open.get(id(frame))
+        if region is None or not isinstance(x, torch.Tensor):
+            return
+        p = region.forward if phase == FORWARD else region.recompute
+        if p is None:
+            p = region.recompute = _Pass()
+        while len(p.meta) <= position:  # positions come in order; a gap stays unknown
+            p.meta.append(None)
+            p.slots.append(None)
+        p.meta[position] = (tuple(x.shape), x.dtype)
+        p.slots[position] = p.batch.add(x.detach())
+
+    def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
+        region = self._open.get(id(frame))
+        if region is None:
+            return
+        if phase == FORWARD:
+            if exc is not None:
+                self._open.pop(id(frame))
+            else:
+                _read(region.forward)
+            return
+        if phase != RECOMPUTE:
+            return
+        self._open.pop(id(frame))
+        if region.recompute is None:  # nothing saved again (a reentrant region: its packs are not seen)
+            return
+        _read(region.recompute)
+        self._judge(region, _compare(region.forward, region.recompute, stopped=exc is not None))
+
+    def failed(self, frame: Any, exc: BaseException) -> None:
+        """torch's own check raised: shapes, dtypes or the count of saved tensors differ."""
+        region = self._open.pop(id(frame), None)
+        if region is not None:
+            self._judge(region, ("shapes", [], f"torch raised {type(exc).__name__}: "
+                                 + (str(exc).strip().splitlines() or [""])[0][:160]))
+
+    def _judge(self, region: _Region, verdict: tuple | None) -> None:
+        self.checked += 1
+        if verdict is None:
+            return
+        self.diverged_count += 1
+        if len(self.diverged) < self.MAX_LISTED:
+            how, positions, detail = verdict
+            self.diverged.append({"region": region.index, "module": region.module, "how": how,
+                                  "positions": positions, "detail": detail})
+
+    def result(self) -> dict:
+        """{"checked", "diverged_count", "diverged": [{"region", "module", "how", "positions", "detail"}]} in region
+        order."""
+        return {"checked": self.checked, "diverged_count": self.diverged_count,
+                "diverged": sorted(self.diverged, key=lambda r: r["region"])}  # (the backward runs them last first)
+
+
+def _read(p: _Pass) -> None:
+    if p.fingerprints is None:
+        p.fingerprints, _ = p.batch.collect()
+        p.batch = FingerprintBatch()  # the reductions' results are read: let them go
+
+
+def _compare(fwd: _Pass, rec: _Pass, stopped: bool) -> tuple | None:
+    """(how, positions, detail) of the first kind of difference, None when the recompute saved what the forward did.
+    `stopped`: the recompute ended on an exception (torch's early stop after the last saved tensor, or an error)."""
+    n_fwd, n_rec = len(fwd.meta), len(rec.meta)
+    if n_rec > n_fwd or (n_rec < n_fwd and not stopped):
+        return ("count", [], f"{n_rec} saved tensors in the recompute, {n_fwd} in the forward")
+    shapes = [i for i in range(n_rec) if rec.meta[i] is not None and rec.meta[i] != fwd.meta[i]]
+    if shapes:
+        return ("shapes", shapes, f"other shapes or dtypes at {len(shapes)} of {n_fwd} saved positions")
+    values = [i for i in range(n_rec) if _fingerprint(rec, i) is not None and _fingerprint(fwd, i) is not None
+              and not _same(_fingerprint(rec, i), _fingerprint(fwd, i))]
+    if values:
+        return ("values", values, f"other values at {len(values)} of {n_fwd} saved positions")
+    return None
+
+
+def _fingerprint(p: _Pass, i: int) -> list | None:
+    slot = p.slots[i]
+    return None if slot is None or p.fingerprints is None else p.fingerprints[slot]
+
+
+def _same(a: list, b: list) -> bool:
+    """Bit-identical fingerprints (NaN where both have it counts as the same)."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))

@@ -1,0 +1,16 @@
+"""Module names as users wrote them: wrapper segments they never wrote are stripped.
+
+    clean_fqn("layers.1._checkpoint_wrapped_module.moe") -> "layers.1.moe"
+    clean_fqn("_orig_mod.layers.0")                      -> "layers.0"
+"""
+
+from __future__ import annotations
+
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
+
+
+def clean_fqn(name: str) -> str:
+    """`layers.1._checkpoint_wrapped_module.moe` -> `layers.1.moe`."""
+    if not any(seg in name for seg in WRAPPER_SEGMENTS):
+        return name
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)

@@ -1,0 +1,171 @@
+"""Python state a pass records besides tensors: the attributes of the modules it calls, and the module-level
+globals their code reads. Compared between a region's forward and its recompute (diagnosis/attributes.py).
+
+    module_attributes(block)  ->  {"step": 3, "scale": 0.5,
+                                   "mems": {"type": "list", "len": 2, "ids": 3240967713}}
+    globals_read = GlobalReads()
+    globals_read.values(Mlp.forward)  ->  {"model.LOW_PRECISION": (True, ("model.py in forward",))}
+
+A container attribute (list, tuple, dict, deque) is summarized by its length and the identity of its first
+items (a Transformer-XL memory that grows by one tensor per call: 1 -> 2 entries), never by its values. A
+global is one a function's code loads by name (`co_names` read by LOAD_GLOBAL) whose value is a plain scalar:
+the flag a branch reads (`if LOW_PRECISION:`), in the function itself, the code nested in it, and the user's
+functions and methods (`self.helper()`) it calls by name. Which globals a function reads is worked out once per
+function; the values are read per call of `values()` (the recorder: once per function and pass).
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import types
+from collections import OrderedDict, defaultdict, deque
+from itertools import islice
+from typing import Any
+
+from torch import nn
+
+from .sourceline import is_internal, short_path
+
+# plain scalars a module keeps (`self.step`, `self.scale`)
+SCALAR_TYPES = (int, float, bool, str)
+CONTAINER_TYPES = (list, tuple, dict, deque, OrderedDict, defaultdict)
+# torch's own bookkeeping on every module (hook dicts, `_parameters`, ...); the mode is the pass's "training"
+_NOT_STATE = frozenset({"training", "_is_full_backward_hook", *vars(nn.Module())})
+_IDENTITY_ITEMS = 64  # items of a container whose identity is summarized (its length is always exact)
+
+
+def container_summary(value: Any) -> dict[str, Any]:
+    """`[t1, t2]` -> {"type": "list", "len": 2, "ids": 3240967713}: `ids` digests the first items, a scalar by value,
+    a tensor by identity (its hash), so a tensor replaced or appended gives other ids, equal numbers rebuilt do not."""
+    try:  # (C-level hashing: a tuple of sizes costs ~0.3 us)
+        digest = hash(value if type(value) is tuple else tuple(islice(
+            value.items() if isinstance(value, dict) else value, _IDENTITY_ITEMS)))
+    except Exception:  # an unhashable item (a list in a list): by identity
+        if isinstance(value, dict):
+            digest = hash(tuple((_identity(k), _identity(v)) for k, v in islice(value.items(), _IDENTITY_ITEMS)))
+        else:
+            digest = hash(tuple(_identity(x) for x in islice(value, _IDENTITY_ITEMS)))
+    return {"type": type(value).__name__, "len": len(value), "ids": digest & 0xFFFFFFFF}
+
+
+def _identity(x: Any) -> Any:
+    return x if type(x) in SCALAR_TYPES else id(x)
+
+
+def module_attributes(module: nn.Module) -> dict[str, Any]:
+    """The module's own scalar attributes, and its containers summarized (`container_summary`), by name in sorted
+    order. Runs at every module call in a region: torch's ~20 keys of every module are left out at C speed."""
+    out: dict[str, Any] = {}
+    space = vars(module)
+    for key in sorted(space.keys() - _NOT_STATE):
+        value = space[key]
+        kind = type(value)
+        if kind in SCALAR_TYPES:
+            out[key] = value
+        elif kind in CONTAINER_TYPES:
+            out[key] = container_summary(value)
+    return out
+
+
+def is_container(value: Any) -> bool:
+    """A recorded attribute value that summarizes a container (see `container_summary`)."""
+    return isinstance(value, dict) and "len" in value and "type" in value
+
+
+_MAX_FUNCTIONS = 32  # functions followed from one root (its helpers, their helpers)
+
+
+class GlobalReads:
+    """The scalar module-level globals a function reads, by name: worked out once per function."""
+
+    def __init__(self) -> None:
+        # (code object, owner) -> ((globals dict, name, key, the functions reading it), ...)
+        self._reads: dict[tuple, tuple] = {}
+
+    def values(self, fn: Any, owner: type | None = None) -> dict[str, tuple[Any, tuple[str, ...]]]:
+        """{"model.LOW_PRECISION": (True, ("model.py in forward",))}: each global `fn` (or what it calls) reads,
+        with its value now and the functions reading it; `owner`: the class whose methods `self.x()` calls."""
+        fn = _function(fn)
+        if fn is None:
+            return {}
+        reads = self._reads.get((fn.__code__, owner))
+        if reads is None:
+            reads = self._reads[fn.__code__, owner] = _reads_of(fn, owner)
+        out: dict[str, tuple[Any, tuple[str, ...]]] = {}
+        for space, name, key, readers in reads:
+            value = space.get(name)
+            if type(value) in SCALAR_TYPES or value is None:
+                out[key] = (value[:200] if type(value) is str else value, readers)
+        return out
+
+
+def _function(fn: Any) -> types.FunctionType | None:
+    """The plain function behind a bound method or functools.partial; None for anything else (a builtin)."""
+    for _ in range(4):
+        if isinstance(fn, types.FunctionType):
+            return fn
+        fn = getattr(fn, "__func__", None) or getattr(fn, "func", None)
+    return None
+
+
+def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
+    found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
+    todo, seen = [root], set()
+    while todo and len(seen) < _MAX_FUNCTIONS:
+        fn = todo.pop()
+        if fn.__code__ in seen or is_internal(fn.__code__.co_filename):
+            continue
+        seen.add(fn.__code__)
+        space = fn.__globals__
+        module = _module_name(space)
+        for code in _codes(fn.__code__):
+            reader = f"{short_path(code.co_filename)} in {code.co_name}"
+            loaded = _global_names(code)
+            for name in code.co_names:
+                if name not in loaded:  # an attribute's name (`self.helper()`, `self.fc`): a method is followed
+                    method = _method(owner, name)
+                    if isinstance(method, types.FunctionType):
+                        todo.append(method)
+                    continue
+                value = space.get(name)
+                if isinstance(value, types.FunctionType):
+                    todo.append(value)
+                elif (type(value) in SCALAR_TYPES or value is None) and name in space and not name.startswith("__"):
+                    key = f"{module}.{name}"
+                    readers = found.setdefault(key, (space, name, []))[2]
+                    if reader not in readers:
+                        readers.append(reader)
+    return tuple((space, name, key, tuple(readers)) for key, (space, name, readers) in found.items())
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names `code` loads as globals (not attribute names, which `co_names` lists too)."""
+    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    """The code object and those nested in it (comprehensions, inner functions, lambdas)."""
+    out, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return out
+
+
+def _method(owner: type | None, name: str) -> Any:
+    """The function `owner.name` (a method `self.name()` calls), without running descriptors."""
+    for klass in owner.__mro__ if owner is not None else ():
+        if name in vars(klass):
+            value = vars(klass)[name]
+            return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    return None
+
+
+def _module_name(space: dict) -> str:
+    """The module a globals dict belongs to, as a user names it: a script's file name, not `__main__`."""
+    name = space.get("__name__") or "?"
+    if name == "__main__" and isinstance(space.get("__file__"), str):
+        return os.path.splitext(os.path.basename(space["__file__"]))[0]
+    return name

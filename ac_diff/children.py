@@ -1,0 +1,78 @@
+"""Every process ac-diff starts, started one way: the launcher's ranks, the reference run, fix's runs.
+
+    child = child_command(["-m", "ac_diff.reference.child", "train.py"], extra={"AC_DIFF_GRADS_DIR": "out/reference"})
+    child.argv  ->  [sys.executable, "-m", "ac_diff.reference.child", "train.py"]
+    child = child_command(["-m", "ac_diff", "run", ...], nproc=2)
+    child.argv  ->  [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ac_diff", ...]
+    child.env   ->  os.environ + OMP_NUM_THREADS=1 (unless set) + AC_DIFF_RUN_ID=<fresh> + AC_DIFF_LAUNCHED=1 + PYTHONPATH
+    child.run(stdout=sys.stderr.fileno())  ->  exit code (Ctrl-C: the child winds down first, child.interrupted)
+
+The environment, the same for all: this process's (with $AC_DIFF_COMPILED, $AC_DIFF_REFERENCE_BUDGET_MB and the
+rest that --compiled and --reference-budget-mb set), PYTHONPATH reaching this ac_diff (appended, so the child imports
+the same one without shadowing the script's modules), `extra`; and for a torchrun of N ranks the launcher's part:
+a fresh run id ($AC_DIFF_RUN_ID, one per launch), $AC_DIFF_LAUNCHED (ac-diff reports, not the ranks) and
+OMP_NUM_THREADS=1 unless set (torchrun's own default, without its warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import site
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_ID_ENV = "AC_DIFF_RUN_ID"
+LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by ac-diff's torchrun launches: the launcher reports, ranks don't
+_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding this ac_diff package
+
+
+@dataclass
+class Child:
+    argv: list[str]
+    env: dict[str, str]
+    run_id: str | None = None  # a torchrun launch's run id
+    interrupted: bool = False  # after run(): Ctrl-C arrived meanwhile
+
+    def run(self, **popen: object) -> int:
+        """Run it to the end, its exit code; on Ctrl-C (the child got it too: same process group) wait for it to
+        wind down and note `interrupted`."""
+        proc = subprocess.Popen(self.argv, env=self.env, **popen)  # type: ignore[call-overload]
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            with contextlib.suppress(KeyboardInterrupt):
+                return proc.wait()
+            return proc.poll() or 130
+
+
+def child_command(args: list[str], *, nproc: int = 0, extra: dict[str, str] | None = None) -> Child:
+    """`python ARGS`, or with `nproc` >= 1 a torchrun of `nproc` local ranks each running `python ARGS`."""
+    env = child_env(extra)
+    if nproc < 1:
+        return Child([sys.executable, *args], env)
+    rid = uuid.uuid4().hex[:12]
+    env.update({RUN_ID_ENV: rid, LAUNCHED_ENV: "1"})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return Child([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
+                 env, rid)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, PYTHONPATH reaching this ac_diff, and `extra`."""
+    env = {**os.environ, **(extra or {})}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _ROOT not in paths and _ROOT not in _site_dirs():
+        env["PYTHONPATH"] = os.pathsep.join([*paths, _ROOT])
+    return env
+
+
+def _site_dirs() -> set[str]:
+    dirs = set(site.getsitepackages()) if hasattr(site, "getsitepackages") else set()
+    with contextlib.suppress(Exception):
+        dirs.add(site.getusersitepackages())
+    return {str(Path(d).resolve()) for d in dirs}

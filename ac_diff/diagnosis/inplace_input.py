@@ -1,0 +1,84 @@
+"""A region that writes its own input in place: a checkpointing defect the forward alone shows.
+
+    written = input_written(region.forward)   # -> (OpRecord(op="aten.add_.Tensor", ...), "input[0]") or None
+    name_input_write(report, *written)        # the report: diverged, its cause, the out-of-place fix
+
+checkpoint keeps the region's inputs and recomputes from them in backward. `x += self.pos` as a block's first
+line writes the very tensor it kept: torch's version check then stops the backward ("modified by an inplace
+operation") before any recompute, while a run without AC, where nothing reads the old value, trains on.
+"""
+
+from __future__ import annotations
+
+from ..oprules import is_in_place_method, is_view_op, packet
+from ..passes import InputRef, OpRecord, Pass
+from ..report import DIVERGED, Cause, RegionReport, Suggestion
+from .labels import where
+from .passdiff import written_refs
+
+INPUT_WRITTEN = "input_written"  # Cause.mechanism (kind state_mutation)
+
+_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+
+def input_written(fwd: Pass | None) -> tuple[OpRecord, str] | None:
+    """(the first forward op that writes one of the region's inputs in place, or a view of one, that input's name)
+    or None."""
+    ops = {op.index: op for op in fwd.ops} if fwd is not None else {}
+    for op in ops.values():
+        hit = next((ref for ref in (_viewed(ops, r) for r in written_refs(op)) if ref.kind == "input"), None)
+        if hit is not None:
+            return op, hit.name or "input"
+    return None
+
+
+def _viewed(ops: dict[int, OpRecord], ref: InputRef) -> InputRef:
+    """The tensor `ref` is a view of (`x[:, 0]` -> x), through any chain of views; else `ref`."""
+    source = ops.get(ref.op_index) if ref.kind == "op" else None
+    while source is not None and is_view_op(source.op) and source.input_refs:
+        ref = source.input_refs[0]
+        source = ops.get(ref.op_index) if ref.kind == "op" else None
+    return ref
+
+
+def name_input_write(report: RegionReport, op: OpRecord, name: str) -> None:
+    """Make `report` say the region modifies its input `name` in place with `op`, and how to write it instead."""
+    at = where(op.module, op.source)
+    report.status = DIVERGED
+    report.silent = False  # torch's version check raises in the backward
+    report.unchecked_reason = None
+    report.cause = Cause(
+        "state_mutation", name,
+        f"the region modifies its own input in place: {op.op} writes {name} at {at}; checkpoint keeps the region's "
+        "inputs to recompute from them, so the backward finds the kept tensor changed and torch stops it (\"modified "
+        "by an inplace operation\"); without AC nothing reads the old value",
+        [f"{op.op} (forward op #{op.index}) writes {name}, the tensor checkpoint keeps for the recompute"],
+        INPUT_WRITTEN, op.source, [name])
+    report.chain = [f"{op.op} writes the region's {name} in place at {at}",
+                    "the tensor checkpoint kept for the recompute changed: torch raises in the backward"]
+    report.suggestions = [Suggestion(
+        f"Make the update of the region's input out of place ({op.source or report.module or 'the region'})",
+        f"{op.op} changes the region's input, the tensor checkpoint keeps to recompute from. Compute a new tensor "
+        "instead (the input stays as the forward received it), or clone the input first.",
+        out_of_place(op))]
+
+
+def out_of_place(op: OpRecord) -> str:
+    """The out-of-place form of the update ("x = x + self.pos   # not: x += self.pos")."""
+    name = packet(op.op)
+    base = name[:-1] if is_in_place_method(op.op) else name
+    symbol = _OPERATORS.get(base)
+    y = _operand(op)
+    if symbol is not None:
+        return f"x = x {symbol} {y}   # not: x {symbol}= {y}"
+    return f"x = x.{base}({y})   # not: x.{name}({y})"
+
+
+def _operand(op: OpRecord) -> str:
+    """The update's second tensor as the module's code names it (`self.pos` for layers.0.pos in layers.0), else
+    "..."."""
+    ref = op.input_refs[1] if len(op.input_refs) > 1 else None
+    prefix = f"{op.module}." if op.module else ""
+    if ref is not None and ref.kind in ("param", "buffer") and ref.name and ref.name.startswith(prefix):
+        return "self." + ref.name[len(prefix):]
+    return "..."

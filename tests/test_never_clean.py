@@ -1,0 +1,53 @@
+"""A run is never reported clean over what was not compared: a recompute that died part of the way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+_DIES_IN_RECOMPUTE = """
+import sys, torch
+from torch.utils.checkpoint import checkpoint
+
+calls = 0
+
+def block(x):
+    global calls
+    calls += 1
+    if calls == 2:  # the recompute
+        {death}
+    return torch.sin(x).cos() * x
+
+x = torch.randn(4, 8, requires_grad=True)
+checkpoint(block, x, use_reentrant=False).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("death,code", [("sys.exit(7)", 7), ("raise RuntimeError('lost the cache')", 1)],
+                         ids=["sys.exit", "raise"])
+def test_a_script_that_dies_inside_a_recompute_is_not_clean(death, code, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_DIES_IN_RECOMPUTE.replace("{death}", death))
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)],
+                         capture_output=True, text=True)
+    assert run.returncode == code, run.stdout + run.stderr  # the script's own exit code
+    assert "CLEAN" not in run.stdout and "the recompute raised" in run.stdout
+    report = subprocess.run([sys.executable, "-m", "ac_diff", "report", "--format", "json", str(out)],
+                            capture_output=True, text=True)
+    assert report.returncode == 4, report.stdout + report.stderr
+    assert '"verdict": "unchecked"' in report.stdout
+
+
+@pytest.mark.e2e
+def test_audit_check_fails_on_a_run_that_already_diverges():
+    """Dropout in checkpointed blocks without their RNG state: every recompute differs now, whatever the
+    prediction at scale says; `audit --check` must not pass it."""
+    from conftest import EXAMPLES
+
+    done = subprocess.run([sys.executable, "-m", "ac_diff", "audit", "--check", str(EXAMPLES / "dropout_no_rng.py")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "the run already diverges" in done.stdout

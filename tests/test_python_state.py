@@ -1,0 +1,273 @@
+"""Python state a region reads, named as the cause when the recompute sees it changed:
+
+- a container attribute a forward appends to (a Transformer-XL style memory of past segments): the recompute
+  sees one entry more, `torch.cat` gets another number of inputs, torch raises. The cause is the attribute,
+  `cells.1.memory.seen` 0 -> 1 entries, with its restore (which works) and its fix;
+- a module-level flag of the model's own Python module set around the forward only: the branch that reads it
+  is named by the flag and its value in each pass, wherever the branch reads it (the forward, a helper
+  function, a method);
+- a scheduler that anneals every dropout's `p` between forward and backward: the changed attributes that feed
+  bernoulli_'s argument outrank the random op, and `fix` restores them all, never trying preserve_rng_state
+  (already on).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import pytest
+import torch
+from torch import nn
+import torch.utils.checkpoint as cp
+
+import ac_diff
+from ac_diff.fix.candidates import candidates
+from ac_diff.remedies import CheckpointPatch, RemedySpec
+from conftest import run_cli
+from stacks import annealed_dropout
+from stacks.annealed_dropout import anneal
+
+
+def _record(tmp_path, step):
+    """Run `step()` under the recorder (a CheckpointError it raises is part of the mechanism) and diagnose it."""
+    with ac_diff.record(tmp_path / "trace-rank0.jsonl"):
+        try:
+            step()
+        except cp.CheckpointError:
+            pass
+    return ac_diff.diagnose_paths([str(tmp_path)])
+
+
+def _diverged(report):
+    return [r for r in report.regions if r.status == "diverged"]
+
+
+# --- a container attribute the forward appends to ----------------------------------------------------------------
+
+class Memory(nn.Module):
+    """Attends over the segments it has seen and the new one, then remembers the new one."""
+
+    def __init__(self, container: type) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.seen = container()
+
+    def forward(self, x):
+        past = list(self.seen.values()) if isinstance(self.seen, dict) else list(self.seen)
+        context = torch.cat([*past, x])
+        if isinstance(self.seen, dict):
+            self.seen[len(self.seen)] = x.detach()
+        else:
+            self.seen.append(x.detach())
+        return self.proj(context)[-x.shape[0]:]
+
+
+class Cell(nn.Module):
+    def __init__(self, container: type) -> None:
+        super().__init__()
+        self.memory = Memory(container)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.tanh(self.memory(x)))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, container: type, checkpointed: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cells = nn.ModuleList([Cell(container) for _ in range(2)])
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for cell in self.cells:
+            x = cp.checkpoint(cell, x, use_reentrant=False) if self.checkpointed else cell(x)
+        return x
+
+
+def _grads(net):
+    torch.manual_seed(1)
+    net(torch.randn(4, 8)).pow(2).sum().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("container", [list, deque, dict])
+def test_a_memory_the_forward_appends_to_is_the_cause_with_its_entries(tmp_path, container):
+    report = _record(tmp_path, lambda: _grads(Recurrent(container)))
+    region, = _diverged(report)  # (torch stopped at the first recompute: cells.1)
+    assert region.first_shape_divergence.op == "aten.cat.default"
+    cause = region.cause
+    assert (cause.kind, cause.mechanism, cause.tensor) == ("state_mutation", "attribute", "cells.1.memory.seen")
+    kind = container.__name__
+    assert f"a {kind} of 0 entries in the forward and 1 in the recompute" in cause.detail
+    assert "counts twice" in cause.detail  # the recompute calls the forward that appends again
+    assert any("0 -> 1 entries in the forward, 1 -> 2 entries in the recompute" in e for e in cause.evidence)
+    assert region.suggestions[0].title.startswith("Do not change `cells.1.memory.seen` in the checkpointed forward")
+    restore = [c for c in candidates(report) if c.kind == "restore"]
+    assert [c.spec.restore for c in restore] == [["cells.*.memory.seen"]]
+
+
+def test_restoring_the_memory_in_the_recompute_gives_the_gradients_without_ac():
+    reference = _grads(Recurrent(list, checkpointed=False))
+    patch = CheckpointPatch(RemedySpec(restore=["cells.*.memory.seen"])).install()
+    try:
+        net = Recurrent(list)
+        restored = _grads(net)
+    finally:
+        patch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(restored, reference))
+    assert [len(c.memory.seen) for c in net.cells] == [1, 1]  # the forward's own append stays, once
+
+
+# --- a module-level flag set around the forward only --------------------------------------------------------------
+
+ROUNDED = False  # "compute this block in reduced precision": the user's own switch
+
+
+def _rounded(h):
+    return h.to(torch.bfloat16).float() if ROUNDED else h
+
+
+class InForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if ROUNDED:
+            h = h.to(torch.bfloat16).float()
+        return torch.tanh(h)
+
+
+class InHelper(InForward):
+    def forward(self, x):
+        return torch.tanh(_rounded(self.fc(x)))
+
+
+class InMethod(InForward):
+    def forward(self, x):
+        return torch.tanh(self.maybe_round(self.fc(x)))
+
+    def maybe_round(self, h):
+        if ROUNDED:
+            return h.to(torch.bfloat16).float()
+        return h
+
+
+class Layers(nn.Module):
+    def __init__(self, block: type) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([block() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
+def _rounded_step(net, through_backward: bool):
+    global ROUNDED
+    ROUNDED = True
+    try:
+        loss = net(torch.randn(4, 8)).pow(2).sum()
+        if not through_backward:
+            ROUNDED = False
+        loss.backward()
+    finally:
+        ROUNDED = False
+
+
+@pytest.mark.parametrize("block", [InForward, InHelper, InMethod])
+def test_a_global_flag_set_around_the_forward_is_named_at_the_branch(tmp_path, block):
+    report = _record(tmp_path, lambda: _rounded_step(Layers(block), through_backward=False))
+    regions = _diverged(report)
+    assert len(regions) == 2
+    flag = f"{__name__}.ROUNDED"
+    for region in regions:
+        cause = region.cause
+        assert (cause.kind, cause.mechanism, cause.tensor) == ("control_flow", "global", flag)
+        assert f"the module-level global `{flag}` was True in the forward and False in the recompute" in cause.detail
+        assert any(e.startswith(f"{flag}: True in the forward and False in the recompute (read by ") for e in
+                   cause.evidence)
+        assert region.suggestions[0].title == "Keep the global `ROUNDED` as the forward saw it until after the backward"
+        assert "ROUNDED = True" in region.suggestions[0].code
+    assert not [c for c in candidates(report) if c.kind == "restore"]  # a global is no module state to restore
+
+
+def test_a_global_flag_kept_for_the_backward_is_no_cause(tmp_path):
+    report = _record(tmp_path, lambda: _rounded_step(Layers(InHelper), through_backward=True))
+    assert report.verdict == "clean", report.headline
+
+
+# --- a scheduler anneals every dropout's p between forward and backward -------------------------------------------
+
+def _annealed_step(net):
+    torch.manual_seed(1)
+    loss = net(torch.randn(8, 16)).pow(2).mean()
+    anneal(net)
+    loss.backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_an_annealed_dropout_probability_outranks_the_random_op(tmp_path):
+    torch.manual_seed(0)
+    report = _record(tmp_path, lambda: _annealed_step(annealed_dropout.Net()))
+    regions = _diverged(report)
+    assert [r.module for r in regions] == ["blocks.0", "blocks.1"] and all(r.silent for r in regions)
+    for region, i in zip(regions, (0, 1)):
+        cause = region.cause
+        assert region.first_argument_divergence.op == "aten.bernoulli_.float"
+        assert (cause.kind, cause.mechanism) == ("state_mutation", "attribute"), cause.detail
+        assert cause.tensor == f"blocks.{i}.mixer.after_mix.p"  # the first dropout to draw, in the forward
+        assert "was 0.2 in the forward and 0.18 in the recompute" in cause.detail
+        assert cause.names == [f"blocks.{i}.mixer.after_mix.p", f"blocks.{i}.ffn.hidden_dropout.p"]
+        assert region.suggestions[0].title == (f"Change `blocks.{i}.mixer.after_mix.p`, "
+                                               f"`blocks.{i}.ffn.hidden_dropout.p` after the backward, not between "
+                                               "forward and backward")
+        assert region.checkpoint_options["preserve_rng_state"] is True
+    found = candidates(report)
+    assert [c.kind for c in found] == ["restore", "no_ac"]  # preserve_rng_state is on already: not a remedy
+    assert found[0].spec.restore == ["blocks.*.ffn.hidden_dropout.p", "blocks.*.mixer.after_mix.p"]
+
+
+def test_restoring_every_annealed_probability_gives_the_gradients_without_ac():
+    torch.manual_seed(0)
+    reference = _annealed_step(_NoAC(annealed_dropout.Net()))  # the same model and draws, without AC
+    spec = RemedySpec(restore=["blocks.*.ffn.hidden_dropout.p", "blocks.*.mixer.after_mix.p"])
+    patch = CheckpointPatch(spec).install()
+    try:
+        torch.manual_seed(0)
+        restored = _annealed_step(annealed_dropout.Net())
+    finally:
+        patch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(restored, reference))
+
+
+class _NoAC(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.blocks = net.blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.e2e
+def test_fix_restores_every_annealed_probability_and_skips_preserve_rng(tmp_path):
+    json_path = tmp_path / "fix.json"
+    proc = run_cli("fix", "-o", str(tmp_path / "out"), "--json", str(json_path), "--steps", "1",
+                   annealed_dropout.__file__)
+    assert json_path.exists(), proc.stderr[-3000:]
+    fixes = json.loads(json_path.read_text())["fixes"]
+    tried = [t for t in fixes["tries"] if t["status"] != "untested"]
+    assert [t["status"] for t in tried] == ["verified"], fixes
+    assert tried[0]["args"] == ["--restore-in-recompute", "blocks.*.ffn.hidden_dropout.p",
+                                "--restore-in-recompute", "blocks.*.mixer.after_mix.p"]
+    assert tried[0]["gradients"] == "bit-identical"
+    assert not any("preserve_rng" in t["remedy"] for t in fixes["tries"])
+    assert proc.returncode == 0, proc.stdout[-3000:]

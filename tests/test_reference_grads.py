@@ -1,0 +1,49 @@
+"""Reference gradients summarized on their device, values on the host only within a budget (reference/grads.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ac_diff.capture import fingerprint
+from ac_diff.reference.graddiff import compare_step
+from ac_diff.reference.grads import SAMPLE, plan_values, summarize_all
+
+
+def _grads() -> dict[str, torch.Tensor | None]:
+    torch.manual_seed(0)
+    return {"w": torch.randn(64, 32), "b": torch.randn(32), "big": torch.randn(300, 100), "frozen": None}
+
+
+def test_the_plan_samples_everything_then_keeps_the_smallest_whole_within_the_budget():
+    sizes = {"a": (10, 4), "b": (10 * SAMPLE, 4), "c": (2 * SAMPLE, 4)}
+    assert plan_values(sizes, budget=10**9) == {"a": "full", "b": "full", "c": "full"}
+    assert plan_values(sizes, budget=40 + 4 * SAMPLE * 3) == {"a": "full", "b": "sample", "c": "full"}
+    assert plan_values(sizes, budget=40 + 4 * SAMPLE) == {"a": "full", "b": "sample", "c": "none"}
+    assert plan_values(sizes, budget=0) == {"a": "none", "b": "none", "c": "none"}
+
+
+def test_one_ulp_is_a_difference_and_identical_gradients_need_no_values(monkeypatch):
+    copies = []
+    monkeypatch.setattr(fingerprint, "to_host", lambda t: copies.append(t.numel()) or t)
+    g = _grads()
+    a = summarize_all(g, budget=0)
+    assert len(copies) == 2  # fingerprints, norms: one read-back each per device, whatever the number of gradients
+    assert a["frozen"] is None and all(a[k]["values"] is None and a[k]["kept"] == "none" for k in ("w", "b", "big"))
+    g2 = {k: v.clone() if v is not None else None for k, v in g.items()}
+    g2["w"][3, 4] = torch.nextafter(g2["w"][3, 4], torch.tensor(10.0))
+    step = compare_step(0, {"grads": a}, {"grads": summarize_all(g2, budget=0)}, [])
+    assert step.identical == 3 and [d.name for d in step.differing] == ["w"]  # b, big, frozen (None in both)
+
+
+def test_relative_difference_exact_sampled_or_from_the_norms_past_the_budget():
+    g = _grads()
+    g2 = {**g, "w": g["w"] * 1.25, "big": g["big"] * 1.5}
+    whole = compare_step(0, {"grads": summarize_all(g, 1 << 30)}, {"grads": summarize_all(g2, 1 << 30)}, [])
+    assert {d.name: round(d.rel_diff, 6) for d in whole.differing} == {"w": 0.2, "big": round(1 / 3, 6)}
+    assert not any(d.norm_only or d.sampled for d in whole.differing)
+    budget = 4 * (64 * 32 + 32) + 100  # w and b whole, big over the budget
+    tight = compare_step(0, {"grads": summarize_all(g, budget)}, {"grads": summarize_all(g2, budget)}, [])
+    big = next(d for d in tight.differing if d.name == "big")
+    assert big.norm_only and abs(big.rel_diff - 1 / 3) < 1e-6  # a pure scaling: the norms' bound is exact here
+    from ac_diff.render.sections import _diff_text
+    assert "values over budget: norm only" in _diff_text(big)

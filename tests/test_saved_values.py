@@ -1,0 +1,180 @@
+"""A recompute that draws other numbers is a divergence unless those provably reach no saved tensor and nothing
+that outlives the region: saved tensors are compared by value (each saved position's fingerprint, taken as torch
+packs it), whatever the ops before them measured.
+
+The mechanism (tests/stacks/stochastic_rounding.py): a custom autograd.Function rounds activations stochastically
+with a private generator seeded from a class-level call counter. Its noise reaches the tensor the next linear saves
+only through ops that are not fingerprinted (a bit-level add and mask, `view.dtype`, `detach`, `view`), and torch's
+early stop ends the recompute before anything measured reads it. Before saved tensors were fingerprinted, the
+taint through those ops was lost at the `detach` and ac-diff said "clean: all 6 recomputed region(s) reproduced
+their saved tensors exactly"; `--reference no-ac` then called the differing gradients "unexplained: the recompute
+matched the forward".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import ac_diff
+from ac_diff.capture import recorder as recorder_module
+from ac_diff.diagnosis.passdiff import compare_passes
+from ac_diff.diagnosis.region import diagnose_region
+from ac_diff.trace import read_run
+from conftest import run_cli
+from stacks.runs import STACKS
+
+sys.path.insert(0, str(STACKS))  # the scripts import their shared loop and model
+import stochastic_rounding  # noqa: E402
+
+
+def _record(tmp_path, fn, **options) -> tuple:
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path, write="all", **options):
+        fn()
+    return read_run(path), ac_diff.diagnose_paths([path])
+
+
+@pytest.mark.parametrize("derived", [False, True], ids=["default", "fingerprint_derived"])
+def test_stochastic_rounding_with_a_counter_seeded_generator_diverges(tmp_path, derived):
+    run, report = _record(tmp_path, lambda: stochastic_rounding.main(["--steps", "1"]), fingerprint_derived=derived)
+    assert report.verdict == "diverged", report.headline
+    assert [r.status for r in report.regions] == ["diverged"] * 3
+    region = report.regions[0]
+    assert (region.cause.kind, region.cause.mechanism) == ("rng", "private_generator"), region.cause
+    assert "aten.randint.low_generator" in region.cause.detail and "torch.Generator" in region.cause.tensor
+    # the evidence is the saved tensor itself: the one `down` saves, made by ops nobody fingerprinted
+    differ = [p for p in region.positions if p.values_differ]
+    assert [p.op for p in differ] == ["aten.view.default"], region.positions
+    fwd, rec = run.regions[0].forward, run.regions[0].recompute
+    saved = next(p for p in fwd.positions if p.position == differ[0].position)
+    assert fwd.ops[saved.op_index].fingerprint is None
+    assert saved.fingerprint != next(p for p in rec.positions if p.position == saved.position).fingerprint
+    assert rec.stopped_early and not any(o.op == "aten.addmm.default" and o.module == "layers.0.down" for o in rec.ops)
+
+
+def test_a_detach_the_alignment_skips_passes_the_difference_on(tmp_path):
+    """Without saved-tensor fingerprints (a trace before them), the inference that a saved tensor differs follows
+    the dataflow through `x.detach()`, which alignment drops as a hook-only copy."""
+    run, _ = _record(tmp_path, lambda: stochastic_rounding.main(["--steps", "1"]))
+    region = run.regions[0]
+    for p in (region.forward, region.recompute):
+        for pos in p.positions:
+            pos.fingerprint = None
+    cmp = compare_passes(region.forward, region.recompute)
+    view = next(o for o in region.forward.ops if o.op == "aten.view.default")
+    assert cmp.tainted[view.index]
+    assert diagnose_region(region).status == "diverged"
+
+
+class _Noisy(nn.Module):
+    """Private-generator noise: added to the region's output (`to_output`), or drawn and dropped."""
+
+    def __init__(self, to_output: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(0)
+        self.to_output = to_output
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        noise = torch.randn(h.shape, generator=self.gen)
+        return h + 0.01 * noise if self.to_output else h
+
+
+def _noisy_step(to_output: bool):
+    def step():
+        torch.manual_seed(0)
+        model, x = _Noisy(to_output), torch.randn(4, 8, requires_grad=True)
+        with cp.set_checkpoint_early_stop(False):  # the recompute runs the whole region
+            y = cp.checkpoint(model, x, use_reentrant=False)
+        y.sum().backward()
+    return step
+
+
+def test_other_values_that_outlive_the_region_are_a_divergence(tmp_path):
+    """Every saved tensor matches, but the recomputed output differs: not "harmless"."""
+    run, report = _record(tmp_path, _noisy_step(to_output=True))
+    region = report.regions[0]
+    assert region.status == "diverged" and region.cause.mechanism == "private_generator"
+    assert not any(p.values_differ for p in region.positions)
+    assert any("outlived the region" in n for n in region.notes), region.notes
+    fwd = run.regions[0].forward
+    assert [fwd.ops[i].op for i, _ in fwd.outputs] == ["aten.add.Tensor"]  # the region's output, nothing else
+
+
+def test_other_values_that_reach_nothing_stay_harmless(tmp_path):
+    _, report = _record(tmp_path, _noisy_step(to_output=False))
+    region = report.regions[0]
+    assert region.status == "clean", region.notes
+    assert any("harmless for the gradients" in n for n in region.notes)
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.tanh(self.fc(x))
+
+
+def test_a_buffer_the_region_updates_in_place_outlives_it_as_a_side_effect(tmp_path):
+    """The recompute's second update of state the region reads is reported as counted twice, not as a divergence."""
+    def step():
+        with cp.set_checkpoint_early_stop(False):
+            y = cp.checkpoint(_Counting(), torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        y.sum().backward()
+
+    run, report = _record(tmp_path, step)
+    region = report.regions[0]
+    assert region.status == "clean" and any("calls" in s for s in region.side_effects), region
+    fwd = run.regions[0].forward
+    assert [fwd.ops[i].op for i, _ in fwd.outputs] == ["aten.tanh.default"]
+
+
+def test_saved_tensors_already_measured_cost_no_second_fingerprint(tmp_path, monkeypatch):
+    """Linear -> GELU -> Linear saves the input, `w.t()` twice (views of parameters), the first linear's output and
+    the GELU's output: only the GELU's (an elementwise op of measured inputs, not fingerprinted) is reduced again."""
+    fresh = []
+    saved_values = recorder_module.Recorder._saved_values
+
+    def counting(self, p, tensor, ref):
+        before = len(p.batch)
+        values = saved_values(self, p, tensor, ref)
+        fresh.append(len(p.batch) > before)
+        return values
+
+    monkeypatch.setattr(recorder_module.Recorder, "_saved_values", counting)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def step():
+        cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+
+    run, report = _record(tmp_path, step)
+    assert report.verdict == "clean"
+    assert len(fresh) == 10 and sum(fresh) == 2  # 5 positions per pass, one fresh fingerprint in each
+    fwd = run.regions[0].forward
+    assert all(p.fingerprint is not None for p in fwd.positions)
+    gelu = next(p for p in fwd.positions if p.op_index is not None and fwd.ops[p.op_index].op == "aten.gelu.default")
+    assert fwd.ops[gelu.op_index].fingerprint is None  # derived: only the saved tensor was measured
+
+
+@pytest.mark.e2e
+def test_reference_explains_the_gradients_by_the_diverged_regions(tmp_path):
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    proc = run_cli("run", "--reference", "no-ac", "-o", str(out), "--json", str(json_path),
+                   str(STACKS / "stochastic_rounding.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(json_path.read_text())
+    assert report["verdict"] == "diverged" and report["reference"]["verdict"] == "differs"
+    kinds = {e["kind"] for e in report["reference"]["explanations"]}
+    assert kinds == {"recompute_divergence"}, report["reference"]["explanations"]
+    assert "unexplained" not in report["reference"]["headline"]
