@@ -1,7 +1,7 @@
 """No clean run is ever reported as diverged: every clean example and stack of the test suite, run under
 op-level selective AC (topk and the matmuls saved), full AC and nested AC (each checkpointed function
 checkpointed again inside), is reported clean; so is a whole-model torch.compile of checkpointed blocks, recorded
-with `--compiled eager`. Small sizes, one step (`tests/stacks/ac_modes.py` switches
+with `--compiled eager`, and FSDP2 (`fully_shard`) blocks on two ranks. Small sizes, one step (`tests/stacks/ac_modes.py` switches
 the mode without touching the scripts).
 """
 
@@ -28,10 +28,12 @@ CLEAN = {  # name -> the script (or -m module) and its arguments
     # Mixtral divides topk's values in place, which selective AC refuses for a cached tensor: mm only
     "hf_mixtral": ["--save", "mm", str(STACKS / "hf_moe.py"), "--model", "mixtral", "--steps", "1", "--seq-len", "16"],
     "torchtitan_selective": ["-m", "titanlike.train", "--steps", "1"],
+    # fully_shard blocks, each checkpointed, on 2 gloo ranks (OPTIONS): FSDP2's gathers inside the forward only
+    "fsdp2": [str(STACKS / "fsdp2_blocks.py"), "--steps", "1"],
 }
 
 
-OPTIONS = {"compiled_around": ["--compiled", "eager"]}  # ac-diff run options of a target
+OPTIONS = {"compiled_around": ["--compiled", "eager"], "fsdp2": ["--nproc-per-node", "2"]}  # ac-diff run options
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,11 @@ def test_a_clean_run_is_clean_in_every_ac_mode(runs, name, mode):
     bad = [(g["region"], g["status"], (g["cause"] or {}).get("detail")) for g in report["regions"]
            if g["status"] != "clean"]
     assert report["verdict"] == "clean" and not bad, f"{report['headline']}: {bad}"
+    if name == "fsdp2":
+        assert report["ranks"] and len(report["ranks"]) == 2, report["ranks"]  # both ranks recorded and compared
     if mode == "nested":  # every region has a region inside it
         assert len(report["regions"]) == 2 * len(runs[f"{name}-full"].report["regions"])
-    if name in OPTIONS:  # compiled code forced eager: said in the headline
+    if name == "compiled_around":  # compiled code forced eager: said in the headline
         assert report["headline"].startswith("Net ran eagerly (--compiled eager"), report["headline"]
     if mode == "sac":  # selective AC really ran (torchtitan's stack: with its own save list)
         run = read_run(r.trace_dir / "trace-rank0.jsonl")
