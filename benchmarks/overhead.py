@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/overhead.py [--json FILE] [--rounds N] [--models moe,dense] [--dim 256] ...
+    python benchmarks/overhead.py --device cuda --dtype bfloat16 --configs gpu,launch    # on a GPU
 
 Two models, both with every transformer block checkpointed (non-reentrant, `checkpoint_wrapper`,
 torchtitan's way), trained with AdamW in ONE process:
@@ -50,6 +51,13 @@ and the ratio of median CPU times (this process, all threads). Then, untimed, on
   through /proc/self/clear_refs after `malloc_trim`), torch's CPU tensors included, minus plain's
   growth (mean of two measurements in opposite variant orders; allocator noise is a few MB);
 * peak Python heap (tracemalloc, Python objects only: records, dicts, lists; not tensor storage).
+
+* host syncs: on CUDA, the device-to-host synchronisations of one step (torch's sync debug mode, counted on
+  the training thread; autograd's backward threads are not seen), and ac-diff's own read-backs (`to_host` calls).
+
+On a GPU (`--device cuda`): the model stays float32 and `--dtype bfloat16` runs the forward under autocast, as
+mixed-precision training does; the step ends with `loss.item()` (a sync), so its wall time includes the GPU's
+work. `--configs gpu` is a GPU-bound MoE (dim 2048, 16 experts top-4, 2x4096 tokens, 4 layers).
 
 The machine's load average is printed before and after: other processes make timings noisy.
 """
@@ -117,7 +125,7 @@ def build(kind: str, cli) -> tuple[nn.Module, tiny_moe.ModelArgs]:
     args = tiny_moe.ModelArgs(vocab_size=cli.vocab, dim=cli.dim, n_layers=cli.layers, n_heads=cli.heads,
                               num_experts=cli.experts, top_k=cli.top_k, hidden_dim=cli.expert_hidden)
     torch.manual_seed(cli.seed)
-    model = tiny_moe.Transformer(args)
+    model = tiny_moe.Transformer(args).to(cli.device)
     if kind == "dense":
         for name in list(model.layers.keys()):
             model.layers[name] = DenseBlock(args, cli.top_k * cli.expert_hidden)
@@ -130,9 +138,14 @@ def make_step(model: nn.Module, args: tiny_moe.ModelArgs, cli) -> Callable[[int]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     moes = [m for m in model.modules() if isinstance(m, tiny_moe.MoE)]
 
+    autocast = (functools.partial(torch.autocast, cli.device.split(":")[0], dtype=getattr(torch, cli.dtype))
+                if cli.dtype != "float32" else contextlib.nullcontext)
+
     def step(i: int) -> float:
         inputs, labels = tiny_moe.make_batch(args, i, seed=cli.seed, batch_size=cli.batch, seq_len=cli.seq)
-        loss = tiny_moe.loss_fn(model(inputs), labels)
+        inputs, labels = inputs.to(cli.device), labels.to(cli.device)
+        with autocast():
+            loss = tiny_moe.loss_fn(model(inputs), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -237,7 +250,9 @@ def variants(cli, model: nn.Module) -> list[Variant]:
 # Variants that run a dispatch mode over exactly the ops of the regions: their cost per op is comparable.
 US_PER_OP = ("floor", "meta", "full", "default")
 # --configs launch: sizes at which the step is bound by Python launching ops, not by CPU kernels.
-CONFIGS = {"large": {}, "launch": {"dim": 64, "seq": 32, "batch": 1, "expert_hidden": 64}}
+CONFIGS = {"large": {}, "launch": {"dim": 64, "seq": 32, "batch": 1, "expert_hidden": 64},
+           "gpu": {"dim": 2048, "heads": 16, "experts": 16, "top_k": 4, "expert_hidden": 1024, "seq": 4096,
+                   "batch": 2}}
 
 
 # -- measurement ------------------------------------------------------------------------------
@@ -277,10 +292,43 @@ def _peak_rss_growth_mb(v: Variant, tmp: str, step) -> float | None:
     return (peak - base) / 1024 if peak is not None and base is not None else None
 
 
+def _host_syncs(v: Variant, tmp: str, step) -> dict | None:
+    """One untimed step's device-to-host syncs on CUDA: {"cuda": seen on this thread, "ac_diff": to_host calls}."""
+    if not torch.cuda.is_available() or not str(next(iter(v.model.parameters())).device).startswith("cuda"):
+        return None
+    import warnings
+
+    from ac_diff.capture import fingerprint
+
+    calls = [0]
+    real = fingerprint.to_host
+
+    def counted(t):
+        calls[0] += not t.is_cpu
+        return real(t)
+
+    fingerprint.to_host = counted
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with v.context(tmp, "syncs"):
+                    step(0)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        fingerprint.to_host = real
+    return {"cuda": sum("synchroniz" in str(w.message) for w in seen), "ac_diff": calls[0]}
+
+
 def bench_model(kind: str, cli, out: dict) -> None:
     model, args = build(kind, cli)
     step = make_step(model, args, cli)
     vs = variants(cli, model)
+    for v in vs:
+        v.model = model
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     cpu: dict[str, list[float]] = {v.name: [] for v in vs}
     paired: dict[str, list[float]] = {v.name: [] for v in vs}  # time / plain's time in the same round
@@ -325,7 +373,8 @@ def bench_model(kind: str, cli, out: dict) -> None:
             _, py_peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
             size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
-            mem[v.name] = {"growth": growth, "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops}
+            mem[v.name] = {"growth": growth, "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops,
+                           "syncs": _host_syncs(v, tmp, step)}
         for v in reversed(vs):  # a second RSS measurement in the other order: allocator state favours neither
             mem[v.name]["growth"].append(_peak_rss_growth_mb(v, tmp, step))
     finally:
@@ -357,6 +406,7 @@ def bench_model(kind: str, cli, out: dict) -> None:
             "peak_rss_growth_mb": round(g, 1) if g is not None else None,
             "extra_peak_rss_mb": round(g - g0, 1) if g is not None and g0 is not None else None,
             "py_peak_mb": round(m["py_peak_mb"], 2),
+            "host_syncs": m["syncs"],
         }
     out[kind] = rows
 
@@ -372,6 +422,10 @@ def print_table(title: str, rows: dict) -> None:
         print(f"{name:<10} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x {r['paired_ratio']:>6.2f}x "
               f"{r['cpu_ratio']:>8.2f}x {r['min_ms']:>7.0f}..{r['max_ms']:<7.0f} {upo:>6} {r['ops'] or '-':>6} "
               f"{bpo:>10} {rss:>8} {r['py_peak_mb']:>10.2f}")
+    syncs = {name: r["host_syncs"] for name, r in rows.items() if r.get("host_syncs")}
+    if syncs:
+        print("host syncs in one step (CUDA syncs seen on the training thread / ac-diff's read-backs): "
+              + ", ".join(f"{name} {s['cuda']}/{s['ac_diff']}" for name, s in syncs.items()))
 
 
 def main(argv=None) -> None:
@@ -398,6 +452,9 @@ def main(argv=None) -> None:
                    help="torch.set_num_threads; 0: torch's choice (default %(default)s: on a loaded 2-core machine "
                         "two OpenMP threads oversubscribe and step times jump 3-5x at random)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="float32, or autocast to this dtype (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")
     cli = p.parse_args(argv)
     if cli.threads:
