@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
-from torch.utils.checkpoint import checkpoint
+from small_stack import DIM, CheckpointedStack, batch
 
 
 class Block(nn.Module):
@@ -26,18 +26,6 @@ class Block(nn.Module):
         return x + self.down(self.drop(torch.relu(self.up(self.norm(x)))))
 
 
-class Net(nn.Module):
-    def __init__(self, dim: int = 16, layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False)
-        return self.head(x)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=2)
@@ -45,14 +33,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         torch.manual_seed(0)  # the same initial weights on every rank, as FSDP2 expects
-        model = Net()
+        model = CheckpointedStack(lambda: Block(DIM))
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         torch.manual_seed(1 + dist.get_rank())  # each rank its own batch
         for step in range(args.steps):
-            x, y = torch.randn(32, 16), torch.randn(32, 1)
+            x, y = batch()
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

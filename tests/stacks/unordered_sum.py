@@ -16,7 +16,7 @@ import argparse
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from small_stack import DIM, CheckpointedStack
 
 ROWS = 48
 
@@ -65,24 +65,12 @@ class Block(nn.Module):
         return x + torch.tanh(row_sum(torch.cat([large, parts[:, ROWS // 2:] - large], 1)))
 
 
-class Model(nn.Module):
-    def __init__(self, dim: int = 16, layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block(dim) for _ in range(layers)])
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False)
-        return self.head(x)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Model()
+    model = CheckpointedStack(lambda: Block(DIM))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = torch.randn(8, 16)
     for _ in range(args.steps):
