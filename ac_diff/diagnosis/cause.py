@@ -85,9 +85,12 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         writer = _in_place_writer(region, top["name"])
         if writer:
-            evidence.append(f"modified in place by {writer}")
+            evidence.append(f"modified in place by {writer[0]} ({writer[1]})")
         detail = (f"the {what.get(top['kind'], 'tensor')} `{top['name']}` has other values in the recompute than in "
-                  "the forward: it was modified between the forward and the backward")
+                  + ("the forward: the region's own forward updates it in place "
+                     f"({writer[0]}), so the recompute reads it after that update and applies it a second time"
+                     if writer and writer[1] == "forward" else
+                     "the forward: it was modified between the forward and the backward"))
         if top["kind"] == "input":
             detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
                       "modified tensor)")
@@ -345,14 +348,15 @@ def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:
     return None
 
 
-def _in_place_writer(region: Region, name: str) -> str | None:
-    """An in-place op recorded on the tensor inside this region (the mutation itself, when it is visible)."""
+def _in_place_writer(region: Region, name: str) -> tuple[str, str] | None:
+    """An in-place op recorded on the tensor inside this region (the mutation itself, when it is visible):
+    ("aten.mul_.Tensor at blk (train.py:9 in forward)", the pass it ran in)."""
     for p in (region.forward, region.recompute):
         if p is None:
             continue
         for op in p.ops:
-            if packet(op.op).endswith("_") and op.input_refs and op.input_refs[0].name == name:
-                return f"{op.op} at {where(op.module, op.source)} ({p.phase})"
+            if is_in_place_method(op.op) and op.input_refs and op.input_refs[0].name == name:
+                return f"{op.op} at {where(op.module, op.source)}", p.phase
     return None
 
 
