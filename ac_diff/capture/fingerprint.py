@@ -310,15 +310,19 @@ class FingerprintBatch:
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""
         self._streams.wait(torch.cuda.current_stream)
-        read = {}
-        for key, (pairs, firsts, seconds, bits) in self._buckets.items():
+        on_device = []
+        for pairs, firsts, seconds, bits in self._buckets.values():
             parts = [torch.stack(pairs)] if pairs else []
             if firsts:
                 parts.append(torch.stack((torch.stack(firsts), torch.stack(seconds)), dim=1))
             both = torch.cat(parts) if len(parts) > 1 else parts[0]
             if bits:  # float pairs and int32 bit sums travel together as float64 (exact for both)
                 both = torch.cat((both.double().reshape(-1), torch.stack(bits).double()))
-            host = to_host(both)
+            on_device.append(both)
+        kept = _grouped(self._kept)
+        hosts = _packed_to_host(on_device + [flat for flat, _ in kept])  # one read per device for everything
+        read = {}
+        for (key, (pairs, firsts, _, bits)), host in zip(self._buckets.items(), hosts):
             n = len(pairs) + len(firsts)
             values = host[:2 * n].reshape(n, 2) if bits else host
             if key[0] == "f" and self.finite and not bool(torch.isfinite(values).all()):
@@ -331,17 +335,16 @@ class FingerprintBatch:
             if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
                 fp = fp + [bit_sums[bit]]  # the pair says nothing here: the bit patterns do
             out.append(fp)
-        return out, _read_kept(self._kept)
+        return out, _encode_kept(self._kept, list(zip(hosts[len(on_device):], (idx for _, idx in kept))))
 
     def __len__(self) -> int:
         return len(self._slots)
 
 
-def _read_kept(kept: list[torch.Tensor]) -> list[dict[str, Any]]:
-    """Encode kept tensors: those of one (device, dtype) travel in ONE copy (the same path on CPU, where
-    the copy is a cheap concatenation, so the sync-count tests on CPU test the GPU path)."""
+def _encode_kept(kept: list[torch.Tensor], read: list[tuple[torch.Tensor, list[int]]]) -> list[dict[str, Any]]:
+    """Encode kept tensors from their host copies: [(the flat copy of one (device, dtype) group, its indices)]."""
     out: list[dict[str, Any] | None] = [None] * len(kept)
-    for flat, idx in _grouped_to_host(kept):
+    for flat, idx in read:
         array = _as_numpy(flat)
         name = short_dtype(flat.dtype)
         start = 0
@@ -352,16 +355,38 @@ def _read_kept(kept: list[torch.Tensor]) -> list[dict[str, Any]]:
     return out  # type: ignore[return-value]
 
 
-def _grouped_to_host(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-    """[(the flat host copy of the tensors of one (device, dtype), their indices)]: one `to_host` per group."""
+def _grouped(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
+    """[(the tensors of one (device, dtype) flattened into one, on their device; their indices)]."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     out = []
     for idx in groups.values():
         parts = [tensors[i].reshape(-1) for i in idx]
-        out.append((to_host(torch.cat(parts) if len(parts) > 1 else parts[0]), idx))
+        out.append((torch.cat(parts) if len(parts) > 1 else parts[0], idx))
     return out
+
+
+def _packed_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of tensors of any dtypes and shapes, those of one device read back as ONE byte buffer (one `to_host`,
+    one sync per device), then split and viewed as their dtypes again. Each part starts 8-byte aligned (a view as
+    float64 needs it). On CPU the same packing runs, so the read-count tests on CPU test the GPU path."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for device, idx in by_device.items():
+        parts, spans, at = [], [], 0
+        for i in idx:
+            raw = tensors[i].contiguous().reshape(-1).view(torch.uint8)
+            pad = -raw.numel() % 8
+            parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)] if pad else [raw]
+            spans.append((at, raw.numel()))
+            at += raw.numel() + pad
+        host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
+        for i, (start, n) in zip(idx, spans):
+            out[i] = host[start:start + n].view(tensors[i].dtype).view(tensors[i].shape)
+    return out  # type: ignore[return-value]
 
 
 def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -371,7 +396,8 @@ def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
     Never a view of a CPU input's own memory (so keeping them never keeps a larger tensor alive)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for flat, idx in _grouped_to_host(tensors):
+    groups = _grouped(tensors)
+    for (_, idx), flat in zip(groups, _packed_to_host([g for g, _ in groups])):
         if len(idx) == 1 and flat.device.type == "cpu" and flat.untyped_storage().data_ptr() == \
                 tensors[idx[0]].untyped_storage().data_ptr():
             flat = flat.clone()  # one CPU part: to_host gave its own memory back
