@@ -112,6 +112,12 @@ def output_role(name: str, output: int) -> str:
     return roles[output] if output < len(roles) else DATA
 
 
+def holds_values(role: str, drew: bool) -> bool:
+    """Whether an output of this role holds values worth comparing in a call that did (not) draw random numbers:
+    data does; RNG bookkeeping only when the call drew (else its kernel left it unwritten); unused outputs never."""
+    return role is DATA or role is RNG_BOOKKEEPING and drew
+
+
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor

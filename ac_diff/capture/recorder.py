@@ -46,12 +46,12 @@ from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
-from .rows import _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
+from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
                                    checkpointed_module, frame_options, sequential_segment)
-from ..oprules import DATA, RNG_BOOKKEEPING, output_role
+from ..oprules import holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
 
@@ -134,8 +134,7 @@ class _Pass:
     ops: list[tuple] = field(default_factory=list)  # one row per op: see capture/rows.py
     producers: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (weakref, op index, output index)
     externals: list[dict] = field(default_factory=list)
-    # id(tensor) -> (weakref, external index, its ref, fingerprint slot or None, its version when fingerprinted)
-    external_ids: dict[int, tuple] = field(default_factory=dict)
+    external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> see capture/rows.py (_E_*)
     input_ids: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position in the region's inputs
     # one row per saved position: [position, meta, origin, op index, output, name(, fingerprint slot -> its
     # fingerprint when the pass ends(, view: [offset, *strides] of a view fingerprinted as its base))]
@@ -504,8 +503,8 @@ class Recorder:
             p.producers[key] = (*hit[:_P_SLOT], slot, t._version, *hit[_P_VERSION + 1:])
             return slot
         hit = p.external_ids.get(key)
-        if hit is not None and hit[0]() is t and hit[3] is not None and hit[4] == t._version:
-            return hit[3]
+        if hit is not None and hit[_E_WEAKREF]() is t and hit[_E_SLOT] is not None and hit[_E_VERSION] == t._version:
+            return hit[_E_SLOT]
         with self.quiet():
             return p.batch.add(t)
 
@@ -726,9 +725,7 @@ class Recorder:
             if isinstance(o, _Tensor):
                 out_meta.append((o.size(), o.dtype, o.device))
                 slot = None
-                # an RNG bookkeeping output is data only when the call drew; unused outputs never are
-                if fp_wanted and (not roles or j >= len(roles) or roles[j] is DATA or roles[j] is RNG_BOOKKEEPING
-                                  and drew):
+                if fp_wanted and (j >= len(roles) or holds_values(roles[j], drew)):
                     if aliases and tensor_inputs:
                         slot = _same_memory_slot(producers, tensor_inputs[0], o, index)
                     if slot is None and not flows:
@@ -789,8 +786,8 @@ class Recorder:
         if hit is not None and hit[_P_WEAKREF]() is t:
             return hit[_P_REF]
         hit = p.external_ids.get(key)
-        if hit is not None and hit[0]() is t:
-            return hit[2]  # (weakref, external index, its ref)
+        if hit is not None and hit[_E_WEAKREF]() is t:
+            return hit[_E_REF]
         return None
 
     def _ref(self, p: _Pass, t: torch.Tensor) -> tuple:
@@ -934,7 +931,8 @@ def _outliving(p: _Pass) -> list[list[int]]:
     and updated in place (a buffer's running statistic: the recompute's second update is a side effect)."""
     externals = p.external_ids
     return sorted([e[_P_OP], e[_P_OUTPUT]] for key, e in p.producers.items()
-                  if e[_P_WEAKREF]() is not None and not (key in externals and externals[key][0]() is e[_P_WEAKREF]()))
+                  if e[_P_WEAKREF]() is not None
+                  and not (key in externals and externals[key][_E_WEAKREF]() is e[_P_WEAKREF]()))
 
 
 def _cached(p: _Pass, index: int) -> bool:
@@ -981,8 +979,7 @@ def _values_meaningful(p: _Pass, ref: tuple) -> bool:
     not memory its kernel may leave unwritten (flash attention's `unused`, the philox seed of a call that drew
     nothing), which autograd saves for backward all the same (oprules.output_roles)."""
     row = p.ops[ref[1]]
-    role = output_role(row[_OP], ref[2])
-    return role is DATA or role is RNG_BOOKKEEPING and bool(row[_FLAGS] & FLAG_RANDOM)
+    return holds_values(output_role(row[_OP], ref[2]), bool(row[_FLAGS] & FLAG_RANDOM))
 
 
 def _describe_output(o: Any) -> str:

@@ -2,9 +2,8 @@
 
     global_state(mode) -> {"grad_enabled": True, "deterministic": False, "default_dtype": "f32",
                            "matmul_precision": "highest", "sdp_backends": ["flash", "math"],
-                           "cudnn.deterministic": True, ...}   (a backend flag only where not at its usual value)
-    flag_label("cudnn.deterministic") -> "`torch.backends.cudnn.deterministic`"
-    flag_value(state, "cuda.matmul.allow_tf32") -> False   (its usual value where the pass did not write it)
+                           "cudnn.deterministic": True, ...}   (a backend flag only where not at its usual value:
+                                                                ac_diff/stateflags.py names them)
     training_mode(module) -> "train" | "eval" | "train except a.drop, b.bn"
     rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
     host_draws(host_rng_states() at a pass's start, at its end) -> ["random"]   (the host generators it drew from)
@@ -21,46 +20,12 @@ from typing import Any
 import torch
 
 from .opinfo import short_dtype
+from ..stateflags import BACKEND_FLAGS
 
-# The backend flags that choose GPU kernels (TF32 matmuls and convolutions, cuDNN's algorithm choice, reduced-precision
-# reductions), readable on any build: key (its name under torch.backends) -> (torch's own getter, its usual value).
-# The getters are called directly (through torch.backends each read is a Python __getattr__, 7x slower), and a pass
-# writes a flag only where it is not at its usual value, so a pass record stays small.
-_BACKEND_FLAGS = {
-    "cuda.matmul.allow_tf32": ("_get_cublas_allow_tf32", False),
-    "cuda.matmul.allow_bf16_reduced_precision_reduction": ("_get_cublas_allow_bf16_reduced_precision_reduction", True),
-    "cuda.matmul.allow_fp16_reduced_precision_reduction": ("_get_cublas_allow_fp16_reduced_precision_reduction", True),
-    "cudnn.allow_tf32": ("_get_cudnn_allow_tf32", True),
-    "cudnn.benchmark": ("_get_cudnn_benchmark", False),
-    "cudnn.deterministic": ("_get_cudnn_deterministic", False),
-    "cudnn.enabled": ("_get_cudnn_enabled", True),
-}
-USUAL = {key: usual for key, (_, usual) in _BACKEND_FLAGS.items()}
-_GETTERS = [(key, getattr(torch._C, getter), usual) for key, (getter, usual) in _BACKEND_FLAGS.items()
+# torch's own getters of the backend flags, called directly (through torch.backends each read is a Python __getattr__,
+# 7x slower)
+_GETTERS = [(key, getattr(torch._C, getter), usual) for key, (getter, usual) in BACKEND_FLAGS.items()
             if hasattr(torch._C, getter)]
-
-# Flags that choose kernels: where one differs between a region's forward and its recompute, the recompute may
-# compute other values on another device even when it did not on this one (a CPU ignores the GPU's flags)
-KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", *_BACKEND_FLAGS})
-
-_LABELS = {
-    "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",
-    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`)",
-    "sdp_backends": "the SDPA backend choice (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`)",
-    "default_dtype": "the default dtype (`torch.set_default_dtype`)",
-    "grad_enabled": "grad mode (`torch.is_grad_enabled()`)",
-    "training": "the modules' mode (`train()` / `eval()`)",
-}
-
-
-def flag_label(key: str) -> str:
-    """A state key as reports name it: "`torch.backends.cudnn.deterministic`", "the SDPA backends enabled (...)"."""
-    return f"`torch.backends.{key}`" if key in _BACKEND_FLAGS else _LABELS.get(key, f"`{key}`")
-
-
-def flag_value(state: dict[str, Any], key: str) -> Any:
-    """A state key's value in a pass: a backend flag the pass did not write was at its usual value."""
-    return state.get(key, USUAL.get(key))
 
 
 def global_state(own_mode: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..capture.state import flag_label
+from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,

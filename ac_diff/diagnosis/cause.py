@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import re
 
-from ..capture.state import KERNEL_FLAGS, flag_label
-from ..oprules import is_in_place_method, is_random_name, packet
+from ..stateflags import KERNEL_FLAGS, flag_label
+from ..oprules import is_in_place_method, is_random_name
 from ..passes import OpRecord, Region
 from ..report import Cause, Divergence, RegionReport
 from .attributes import attribute_cause

@@ -15,7 +15,7 @@ from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
-from ..capture.state import flag_value
+from ..stateflags import flag_value
 from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,

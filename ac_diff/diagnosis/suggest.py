@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from ..capture.state import KERNEL_FLAGS, flag_label
+from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import packet
 from ..passes import OpRecord, Region
 from ..report import RegionReport, Suggestion

@@ -17,7 +17,7 @@ run A, `recompute_index` = in run B); `Report.compared` says which trace is A an
 from __future__ import annotations
 
 from ..align import align
-from ..capture.state import flag_label
+from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion

@@ -97,19 +97,20 @@ def _train(model: Net, backend: str, steps: int = 2, grads: list | None = None) 
     torch.cuda.synchronize()
 
 
-def _diagnose(path):
-    runs = ac_diff.read_runs([path])
-    return ac_diff.diagnose(runs), [n for run in runs for n in run.notes]
+def _recorded(tmp_path, model, backend):
+    """Train `model` under the recorder with `backend`, diagnose the trace: (report, the trace's notes, recorder
+    errors)."""
+    with ac_diff.record(tmp_path / "t.jsonl") as rec:
+        _train(model, backend)
+    runs = ac_diff.read_runs([tmp_path / "t.jsonl"])
+    return ac_diff.diagnose(runs), [n for run in runs for n in run.notes], rec.errors
 
 
 @pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn", "math"])
 def test_each_sdpa_backend_records_clean(backend, tmp_path):
     _require(backend)
-    model = _model()
-    with ac_diff.record(tmp_path / "t.jsonl") as rec:
-        _train(model, backend)
-    report, notes = _diagnose(tmp_path / "t.jsonl")
-    assert rec.errors == [] and notes == [], notes or rec.errors
+    report, notes, errors = _recorded(tmp_path, _model(), backend)
+    assert errors == [] and notes == [], notes or errors
     assert report.verdict == "clean", report.headline
     assert len(report.regions) == 4 and all(r.status == "clean" for r in report.regions), report.status_counts()
 
@@ -117,10 +118,8 @@ def test_each_sdpa_backend_records_clean(backend, tmp_path):
 @pytest.mark.parametrize("backend", ["flash", "efficient"])
 def test_attention_dropout_without_rng_state_is_rng_at_the_attention_op(backend, tmp_path):
     _require(backend, dropout_p=0.1)
-    with ac_diff.record(tmp_path / "t.jsonl") as rec:
-        _train(_model(dropout_p=0.1, preserve_rng_state=False), backend)
-    report, notes = _diagnose(tmp_path / "t.jsonl")
-    assert not [n for n in notes if "recorder error" in n] and rec.errors == [], notes
+    report, notes, errors = _recorded(tmp_path, _model(dropout_p=0.1, preserve_rng_state=False), backend)
+    assert not [n for n in notes if "recorder error" in n] and errors == [], notes
     assert report.verdict == "diverged", report.headline
     lead = report.lead_groups()[0][0]
     assert lead.cause is not None and lead.cause.kind == "rng", lead.cause
@@ -130,10 +129,8 @@ def test_attention_dropout_without_rng_state_is_rng_at_the_attention_op(backend,
 @pytest.mark.parametrize("backend", ["flash", "efficient"])
 def test_attention_dropout_with_rng_state_is_clean(backend, tmp_path):
     _require(backend, dropout_p=0.1)
-    with ac_diff.record(tmp_path / "t.jsonl") as rec:
-        _train(_model(dropout_p=0.1, preserve_rng_state=True), backend)
-    report, notes = _diagnose(tmp_path / "t.jsonl")
-    assert rec.errors == [] and notes == [], notes or rec.errors
+    report, notes, errors = _recorded(tmp_path, _model(dropout_p=0.1, preserve_rng_state=True), backend)
+    assert errors == [] and notes == [], notes or errors
     assert report.verdict == "clean", report.headline
     assert all(r.status == "clean" for r in report.regions), report.status_counts()
 
