@@ -22,7 +22,8 @@ valid choices; the CLI prints it as one line and exits 2.
 
 Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
 `report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
-`fingerprint_derived`, `source_lines`, `scope`, `write`, `keep_clean` to recording (`run`); `output_dir` to `run` (and `demo`, which writes to
+`fingerprint_derived`, `source_lines`, `scope`, `write`, `keep_clean`, `watch`, `watch_full_steps`, `full_from_step` to
+recording (`run`); `output_dir` to `run` (and `demo`, which writes to
 `OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
 Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
 for every overload of that op and is expanded when torch knows it.
@@ -132,6 +133,12 @@ class Config:
     fingerprint_derived: bool = _key(False, "true/false", "also fingerprint elementwise ops whose inputs were "
                                      "measured (their values follow from them; false skips about a fifth of the "
                                      "fingerprinting)", _flag)
+    watch: bool = _key(False, "true/false", "watch mode: no dispatch mode; each region's saved tensors are compared "
+                       "on the device, and a module whose region diverged is recorded in full from then on (cheap "
+                       "enough to leave on)", _flag)
+    watch_full_steps: int = _key(1, "integer >= 0", "watch: the first N steps are recorded in full", _count)
+    full_from_step: int | None = _key(None, "integer >= 1 or null", "record every region in full from this step on "
+                                      "(watched before it)", _count_or_null)
     source_lines: bool = _key(True, "true/false", "record the user source line of each op", _flag)
     scope: str = _key("regions", "regions|all", "regions: observe only checkpointed regions; all: also count other "
                       "ops", _choice(SCOPES))
@@ -166,7 +173,8 @@ class Config:
 
     def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
                        fingerprints: bool | None = None, scope: str | None = None, write: str | None = None,
-                       keep_clean: int | None = None):
+                       keep_clean: int | None = None, watch: bool | None = None,
+                       watch_full_steps: int | None = None, full_from_step: int | None = None):
         from .capture.recorder import RecordOptions
 
         return RecordOptions(
@@ -175,7 +183,9 @@ class Config:
             max_regions=self.pick("max_regions", max_regions),
             scope=self.pick("scope", scope), discrete_ops=frozenset(self.discrete_ops),
             ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write),
-            keep_clean=self.pick("keep_clean", keep_clean))
+            keep_clean=self.pick("keep_clean", keep_clean), watch=self.pick("watch", watch),
+            watch_full_steps=self.pick("watch_full_steps", watch_full_steps),
+            full_from_step=self.pick("full_from_step", full_from_step))
 
 
 KEYS: dict[str, Key] = {f.name: Key(f.name, f.metadata["kind"], f.default, f.metadata["help"], f.metadata["check"])

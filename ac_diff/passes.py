@@ -123,10 +123,10 @@ class Position:
 
     position: int
     meta: TensorMeta | None
-    origin: str  # "op", "param", "buffer", "input", "external", "unknown"
+    origin: str  # "op", "param", "buffer", "input", "external", "unknown"; watched passes: "saved", "output"
     op_index: int | None = None
     output: int = 0
-    name: str | None = None
+    name: str | None = None  # an input's, a parameter's; for a watched pass's "saved" / "output" one, its module
     # the saved tensor's values (see fingerprint.py), None where not measured: a log, selective AC's cache; for a
     # view of a tensor its pass knows, the base's values, and `view` = [its offset from the base's, *its strides]
     fingerprint: list[float] | None = None
@@ -200,6 +200,9 @@ class Region:
     forward: Pass | None = None
     recompute: Pass | None = None
     compiled: list[str] = field(default_factory=list)  # modules run under torch.compile (invisible inside)
+    # watch mode (capture/watch.py): the passes hold saved positions only (their digests), no ops; the step it ran in
+    watched: bool = False
+    step: int | None = None
 
     # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
     # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists
@@ -290,6 +293,9 @@ class Run:
     # "modules": compiled modules seen, "regions"/"graphs": checkpointed regions inside the graphs Dynamo compiled,
     # "mutations": [{"name", "kind", "op"}] state their bodies update in place}; None without compile
     compiled: dict[str, Any] | None = None
+    # watch mode: {"step": last step, "full_from_step": N or None, "modules": {module: [compared, diverged, never
+    # compared]}, "escalated": {module: {"diverged_step", "region", "from_step"}}} (the last "watch" record)
+    watch: dict[str, Any] | None = None
     # read_run(lazy=True): `with run.ops_loader(region):` fills the region's deferred passes' ops, empties them after
     ops_loader: Callable[[Region], ContextManager[None]] | None = field(default=None, repr=False, compare=False)
 

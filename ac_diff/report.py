@@ -185,6 +185,9 @@ class RegionReport:
     unchecked_reason: str | None = None  # status unchecked: why, in a few words ("nested checkpoint inside a recompute")
     # what checkpoint() ran with, as far as the trace tells: {"preserve_rng_state": True, "early_stop": True, ...}
     checkpoint_options: dict[str, Any] = field(default_factory=dict)
+    # watch mode compared this region by its saved tensors only (no ops); the step it ran in
+    watched: bool = False
+    step: int | None = None
 
     @property
     def has_values(self) -> bool:
@@ -228,6 +231,7 @@ class RegionReport:
             "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
+            "watched": self.watched, "step": self.step,
         })
         return data
 
@@ -387,7 +391,9 @@ class Report:
     reference: Any = None  # reference.result.ReferenceResult: gradients vs a run without AC (--reference)
     remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
     fixes: Any = None  # fix.result.FixResult: remedies tried by `ac-diff fix`
+    missing_ranks: list[int] = field(default_factory=list)  # ranks whose results are not all here (missing_ranks)
     compiled: dict[str, Any] | None = None  # torch.compile in the run: Run.compiled (diagnosis/compiled.py)
+    watch: dict[str, Any] | None = None  # watch mode's totals and escalations (diagnosis/watched.py)
 
     @property
     def diverged(self) -> bool:
@@ -420,6 +426,8 @@ class Report:
         if self.verdict == UNCHECKED:
             if self.crashed:
                 return "INTERRUPTED" if self.exit_status == "interrupted" else "CRASHED"
+            if self.missing_ranks:
+                return "RANKS MISSING"
             if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):
                 return "AC COMPILED, NOT RECORDED"
             return "NOTHING CHECKED"
@@ -477,5 +485,31 @@ class Report:
             "groups": [g.to_json() for g in self.groups],
             "reference": self.reference.to_json() if self.reference is not None else None,
             "remedies": self.remedies, "fixes": self.fixes.to_json() if self.fixes is not None else None,
-            "compiled": self.compiled,
+            "missing_ranks": list(self.missing_ranks),
+            "compiled": self.compiled, "watch": self.watch,
         }
+
+
+_MISSING_LEAD = "results missing from rank"  # how missing_ranks leads the headline of a run it made unchecked
+
+
+def missing_ranks(report: Report, ranks: list[int], notes: list[str] = ()) -> None:
+    """The one rule for ranks of the run whose results are not all in the report (no trace, one never finished, a
+    copy cut on its way to rank 0): a missing rank is never clean. `notes` (which ranks, and why) join the report's;
+    a clean verdict becomes unchecked, its headline led by the ranks missing, since what they ran was not all
+    compared; diverged and damaged stay. Applied again (the diagnosis, then the launch that knows more), it adds to
+    what it said."""
+    report.notes.extend(notes)
+    new = sorted(set(ranks) - set(report.missing_ranks))
+    if not new:
+        return
+    had = bool(report.missing_ranks)
+    report.missing_ranks = sorted(set(report.missing_ranks) | set(new))
+    n = len(report.missing_ranks)
+    lead = (f"{_MISSING_LEAD}{'s' if n > 1 else ''} {', '.join(map(str, report.missing_ranks))}: what "
+            f"{'they' if n > 1 else 'it'} ran was not all compared")
+    if report.verdict == CLEAN:
+        report.verdict = UNCHECKED
+        report.headline = f"{lead}; {report.headline}"
+    elif report.verdict == UNCHECKED and had and report.headline.startswith(_MISSING_LEAD):
+        report.headline = lead + report.headline[report.headline.index(";"):]

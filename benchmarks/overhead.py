@@ -26,6 +26,9 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * default      ac-diff with the defaults (`write="diverged"`): everything is recorded and checked, the ops of
                regions whose recompute did not reproduce the forward are written, plus the first clean region
                of each module; a ~1 KB summary of every other one
+* watch        ac-diff watch mode in its steady state: `RecordOptions(watch=True, watch_full_steps=0)`: no dispatch
+               mode; each region's saved tensors digested on the device (one reduction each), compared per pass,
+               read back asynchronously (no host sync)
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
                `--max-regions N` regions have been recorded (later regions are listed with their saved
                positions; their ops never reach the recorder)
@@ -243,6 +246,8 @@ def variants(cli, model: nn.Module) -> list[Variant]:
     if "write" in fields:
         out.append(Variant("default", _recorder(RecordOptions())))
     out.append(Variant("limit0", _recorder(RecordOptions(max_regions=0))))
+    if "watch" in fields:  # steady state: every step watched (a run records its first step in full, once)
+        out.append(Variant("watch", _recorder(RecordOptions(watch=True, watch_full_steps=0))))
     wanted = cli.variants.split(",") if cli.variants else None
     return [v for v in out if wanted is None or v.name in wanted]
 

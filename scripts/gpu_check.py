@@ -463,7 +463,7 @@ def check_hf_llama(env: Env) -> tuple[str, str, dict]:
 # check 4: the bundled examples, DEVICE/DTYPE vs CPU float32
 
 
-def _example(env: Env, name: str, suffix: str = "") -> Diagnosis:
+def _example(env: Env, name: str, suffix: str = "", **options: Any) -> Diagnosis:
     import tiny_moe
 
     dev, dtype = env.device, env.dtype
@@ -501,7 +501,7 @@ def _example(env: Env, name: str, suffix: str = "") -> Diagnosis:
 
     torch.manual_seed(0)
     tag = f"{dev.type}-{str(dtype).replace('torch.', '')}"
-    return record(env, f"example-{name}-{tag}{suffix}", loop, expect_raise=(cp.CheckpointError,))
+    return record(env, f"example-{name}-{tag}{suffix}", loop, expect_raise=(cp.CheckpointError,), **options)
 
 
 CPU_REFERENCE: dict[str, Diagnosis] = {}
@@ -677,6 +677,100 @@ def check_host_syncs(env: Env) -> tuple[str, str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# check 8: watch mode (no dispatch mode; saved tensors digested on the device, read back without a sync)
+
+WATCH = {"watch": True, "watch_full_steps": 0}  # every step watched: the steady state of a long run
+
+
+def check_watch_clean(env: Env) -> tuple[str, str, dict]:
+    backend = "flash" if env.cuda else "math"
+    probe_backend(env, backend)
+    xs = batches(env, 3)
+    model = build(env, nonreentrant())
+    diag = record(env, f"watch-sdpa-{backend}", lambda: train(model, xs, sdpa_ctx(backend)), **WATCH)
+    watch = diag.report.watch or {}
+    problems = [] if diag.verdict == "clean" else [f"verdict {diag.verdict}: {diag.report.headline}"]
+    if watch.get("compared", 0) < 3 or watch.get("diverged") or watch.get("never_compared"):
+        problems.append(f"watch totals {watch}")
+    return (f"{diag.verdict}: {watch.get('text', 'no watch totals')}", FAIL if problems else PASS,
+            {"diagnosis": diag.summary(), "watch": watch, "problems": problems})
+
+
+def check_watch_example(env: Env, name: str) -> tuple[str, str, dict]:
+    """Watch alone (no step in full) reaches the verdict full recording reaches on the same device and dtype."""
+    full = _example(env, name, "-full-for-watch")
+    watched = _example(env, name, "-watched", **WATCH)
+    problems = [] if watched.verdict == full.verdict else [f"watch {watched.verdict} vs full {full.verdict}"]
+    modules = sorted({r.module for r in watched.report.regions if r.status == "diverged"})
+    full_lead = full.lead_summary().get("module")
+    if full.verdict == "diverged" and full_lead not in modules and modules:
+        problems.append(f"watch found {modules}, full recording leads with {full_lead}")
+    said = f"watch {watched.verdict} @ {', '.join(modules) or '-'}; full {full.verdict} @ {full_lead}"
+    return said, FAIL if problems else PASS, {"watch": watched.summary(), "full": full.summary(),
+                                               "problems": problems}
+
+
+def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
+    """Watch mode's device-to-host reads: `to_host` (a sync) never; CUDA syncs per step those of the plain step."""
+    from ac_diff.capture import fingerprint, watch
+
+    backend = "flash" if env.cuda else "math"
+    xs = batches(env, 4)
+    counts = {"to_host": 0, "later": 0}
+    real_to_host, real_later = fingerprint.to_host, watch.to_host_later
+
+    def count(key, real):
+        def counted(t):
+            counts[key] += 1
+            return real(t)
+        return counted
+
+    def syncs_per_step(ctx: Callable) -> list[int]:
+        per_step: list[int] = []
+        model = build(env, nonreentrant())
+        if not env.cuda:
+            ctx(lambda: train(model, xs, sdpa_ctx(backend)))
+            return per_step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            last = [0]
+
+            def on_step(step: int) -> None:
+                seen = sum("synchroniz" in str(w.message) for w in caught)
+                per_step.append(seen - last[0])
+                last[0] = seen
+            try:
+                ctx(lambda: train(model, xs, sdpa_ctx(backend), on_step=on_step))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return per_step
+
+    plain = syncs_per_step(lambda fn: fn())
+    fingerprint.to_host, watch.to_host_later = count("to_host", real_to_host), count("later", real_later)
+    try:
+        holder: list = []
+        watched = syncs_per_step(lambda fn: holder.append(record(env, "watch-syncs", fn, **WATCH)))
+    finally:
+        fingerprint.to_host, watch.to_host_later = real_to_host, real_later
+    diag = holder[0]
+    problems = []
+    # a module whose watched values differed where full recording may not compare them (attention's unused output)
+    # is recorded in full once, to learn which positions those are: one step with read-backs, then none
+    learning = len(diag.report.regions) and max((r.step or 0) for r in diag.report.regions)
+    if counts["to_host"] > 2 * len(diag.report.regions):
+        problems.append(f"{counts['to_host']} synchronous read-back(s) (to_host) in watch mode")
+    if env.cuda and watched[-2:] != plain[-2:]:
+        problems.append(f"CUDA syncs per step {watched} watched vs {plain} plain")
+    if diag.verdict != "clean":
+        problems.append(f"verdict {diag.verdict}")
+    said = (f"to_host {counts['to_host']} (full recording of step {learning or '-'}), async copies "
+            f"{counts['later']}; CUDA syncs/step plain {plain or 'n/a'}, watched {watched or 'n/a'}; {diag.verdict}")
+    return said, FAIL if problems else PASS, {"counts": counts, "plain": plain, "watched": watched,
+                                               "diagnosis": diag.summary(), "problems": problems}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # check 7: float8 cast in a region
 
 
@@ -805,8 +899,13 @@ def plan(env: Env) -> list[tuple[str, str, Callable[[], tuple[str, str, dict]]]]
          functools.partial(check_grads_identical, env, "flash")),
         ("6 host_syncs", "a constant number per step (reported)", functools.partial(check_host_syncs, env)),
         ("7 float8_cast", "f8 _to_copy ops fingerprinted in the trace; clean", functools.partial(check_float8, env)),
-        ("timing[plain vs recorded]", "ratio (reported)", functools.partial(check_timing, env)),
+        ("8 watch[sdpa clean]", "clean, every region compared by watch", functools.partial(check_watch_clean, env)),
+        ("8 watch[syncs]", "no to_host; CUDA syncs/step = plain's", functools.partial(check_watch_syncs, env)),
     ]
+    for name in ("moe_bias_update", "dropout_no_rng", "python_state_branch"):
+        checks.append((f"8 watch[{name}]", "verdict = full recording's, same module",
+                       functools.partial(check_watch_example, env, name)))
+    checks.append(("timing[plain vs recorded]", "ratio (reported)", functools.partial(check_timing, env)))
     return checks
 
 

@@ -187,6 +187,9 @@ class Auditor:
         if hit is not None and isinstance(frame, ReentrantFrame):  # its inputs (and devices) are known only now
             self._pending[id(frame)] = (hit[0], RngState.capture(tuple(inputs)), tuple(inputs))
 
+    def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
+        """(A reentrant pass's outputs: the audit replays regions, it needs none.)"""
+
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         if self._busy:
             return

@@ -32,7 +32,8 @@ pair is finite it is the fingerprint, as before; where it is not, the fingerprin
 that number (`[-inf, -inf, 12345]`). One more pass over the data, about half the cost of the pair's.
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
-synchronisation, so there must be a constant number per pass, never one per op).
+synchronisation, so there must be a constant number per pass, never one per op), or, where the values are read
+later (watch mode), `to_host_later`: an asynchronous copy into pinned memory and its event, no sync.
 
 CUDA streams: the reductions of a tensor are queued on the stream current when it is added (the one its
 producer ran on: an FSDP all-gather's or an overlapped collective's side stream), the read-back runs on
@@ -193,6 +194,19 @@ def _bit_rows_sum(m: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """The one place ac-diff copies recorded values from a device to the host (a sync on a GPU)."""
     return t if t.device.type == "cpu" else t.cpu()
+
+
+def to_host_later(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The one place ac-diff copies device values to the host without waiting (watch mode): into pinned memory, on the
+    current stream, with the event that says when they have landed (`event.query()`: no sync). A CPU tensor is its
+    own host copy, event None."""
+    if t.device.type == "cpu":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class StreamFence:

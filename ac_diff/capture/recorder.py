@@ -40,6 +40,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
 from .modules import ModuleStack
 from .pystate import GlobalReads, module_attributes
 from .fingerprint import FingerprintBatch
+from .watch import Watch, WatchedPass
 from ..errors import Terminated
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
@@ -102,6 +103,12 @@ class RecordOptions:
     # also fingerprint elementwise ops whose inputs were all measured ("derived": their values follow from
     # those inputs; off, the default, saves about a fifth of the fingerprinting)
     fingerprint_derived: bool = False
+    # watch mode (capture/watch.py): no dispatch mode; each region's saved tensors are compared between its forward
+    # and its recompute on the device; a module whose region diverged is recorded in full from then on (`escalate`)
+    watch: bool = False
+    escalate: bool = True
+    watch_full_steps: int = 1  # watch mode records the first N steps in full: a bug that strikes at once is diagnosed
+    full_from_step: int | None = None  # record every region in full from this step on (1: the first); watch before
 
 
 @dataclass
@@ -122,6 +129,12 @@ class _Region:
     hold: str = ""  # write="diverged": "held" (forward in memory), "clean" (summarized), "written"
     held: "HeldForward | None" = None  # the forward's records while held (retention.Retention)
     signature: Any = None  # the forward's signature once decided (later recomputes compare with it)
+    # watch mode (capture/watch.py): compared by its saved tensors only; its step; the module escalation goes by
+    watched: bool = False
+    step: int | None = None
+    watch_key: str | None = None
+    watch_forward: Any = None  # the forward's WatchedPass
+    watch_compared: bool = False
 
 
 @dataclass
@@ -166,6 +179,7 @@ class _Pass:
     # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
     # such a pass is never compared as whole (see `_lose`)
     lost: dict[str, Any] = field(default_factory=dict)
+    watch: WatchedPass | None = None  # a watched region's pass (capture/watch.py)
 
 
 class Recorder:
@@ -203,12 +217,16 @@ class Recorder:
         self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
         self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
         self._source_lines = self.options.source_lines
+        self._watch: Watch | None = None  # watch mode (start())
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
         header = default_header(self.options, self._header_extra)
         self._writer = TraceWriter(self.path, header, background=self.options.writer_thread)
         self._retention = Retention(self._writer, self.options.hold_bytes, self.options.keep_clean, _distributed)
+        if self.options.watch or self.options.full_from_step is not None:
+            self._watch = Watch(self._writer.write, self._region_record, self.options.full_from_step,
+                                self.options.escalate, self.options.watch_full_steps if self.options.watch else 0)
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
@@ -233,6 +251,8 @@ class Recorder:
             return
         self._close_open_passes(exc)
         self._started = False
+        if self._watch is not None:
+            self._close_watch()
         if self.options.scope == "all":
             with contextlib.suppress(Exception):
                 self._mode.__exit__(None, None, None)
@@ -266,6 +286,12 @@ class Recorder:
             **({"compiled": compiled} if compiled else {}),
             **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })
+
+    @_never_raise
+    def _close_watch(self) -> None:
+        """Judge the watched regions whose digests are still on their way (one wait), write the totals."""
+        with self.quiet():
+            self._watch.close()
 
     def _close_open_passes(self, exc: BaseException | None) -> None:
         """Finish the passes a region left open: torch <= 2.12 does not throw a forward's exception into its
@@ -331,6 +357,10 @@ class Recorder:
         if tracing():  # torch.compile/export tracing checkpoint() with fake tensors: not a real pass
             return
         passes = self._passes()
+        watch = self._watch
+        if watch is not None and watch.pending:
+            with self.internal():
+                watch.poll()
         if phase == FORWARD:
             region = self._new_region(frame, passes)
             attempt = 0
@@ -341,6 +371,8 @@ class Recorder:
             attempt = region.recomputes
             region.recomputes += 1
         pushed, module = self._enter_function_module(frame, region, phase)
+        if watch is not None and phase == FORWARD:
+            self._watch_or_record(region, top_level=not passes)
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
@@ -351,6 +383,8 @@ class Recorder:
             self._note_globals(p, fn)  # a checkpointed function (or `partial(layer.forward)`) reads them too
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
+        if region.watched:
+            p.watch = WatchedPass()
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
         # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past
@@ -366,6 +400,15 @@ class Recorder:
             self._gc_hold.push()
             p.pushed_mode = True
         passes.append(p)
+
+    def _watch_or_record(self, region: _Region, top_level: bool) -> None:
+        """Watch mode, a region's forward begins: record it in full (escalated, --full-from-step), or watch it."""
+        key = region.watch_key = region.module or region.fn_name or region.caller
+        full = self._watch.full(key, top_level)
+        region.step = self._watch.step
+        if not full:
+            region.recorded, region.watched = False, True
+            self._watch.started(key)
 
     @_never_raise
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
@@ -448,14 +491,17 @@ class Recorder:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
         try:
             region = getattr(frame, "_ac_diff_region", None)
-            passes = self._passes()
-            if region is None or not region.recorded or not passes or tracing():
+            passes = getattr(self._local, "passes", None)
+            if region is None or not (region.recorded or region.watched) or not passes or tracing():
                 return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
             p = passes[-1]
             if p.region is not region:  # a pack of an outer region while an inner one runs
                 p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
                 if p is None:
                     return
+            if p.watch is not None:
+                self._watch_saved(p, position, tensor)
+                return
             ref = self._known_ref(p, tensor)
             if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
                 with self.quiet():
@@ -470,6 +516,43 @@ class Recorder:
             p.positions.append(row)
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("pack", exc)
+            self._lose("positions", exc)
+
+    def _watch_saved(self, p: _Pass, position: int, tensor: torch.Tensor) -> None:
+        """A watched pass saved `tensor` at `position`: a parameter (or a view of one) and the region's inputs are
+        the same tensors in both passes, compared by metadata; anything the region made gets a digest."""
+        base = tensor._base
+        if _is_parameter(tensor) or base is not None and _is_parameter(base):
+            origin, name, measured = "param", None, None
+        else:
+            index = p.input_ids.get(id(tensor) if base is None else id(base))
+            if index is not None:
+                origin, name, measured = "input", f"input[{index}]", None
+            else:
+                origin, name, measured = "saved", self.modules.current(), tensor
+        if measured is None or not _dispatch_stack_len():
+            p.watch.saved(position, measured, _meta(tensor), origin, name)
+        else:  # a mode (selective AC's, the recorder's around an outer region) must not see the reduction
+            with self.quiet():
+                p.watch.saved(position, measured, _meta(tensor), origin, name)
+
+    def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
+        """A reentrant region's pass returned: in watch mode its tensor outputs are what is compared (its forward runs
+        without grad and saves nothing)."""
+        try:
+            passes = self._passes()
+            if not passes or passes[-1].region is not getattr(frame, "_ac_diff_region", None):
+                return
+            p = passes[-1]
+            if p.watch is None:
+                return
+            tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+            with self.quiet():
+                for i, t in enumerate(tensors):
+                    if isinstance(t, torch.Tensor):
+                        p.watch.saved(i, t, _meta(t), "output", p.region.module)  # (backward has no module stack)
+        except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
+            self._internal_error("pass_outputs", exc)
             self._lose("positions", exc)
 
     def _saved_values(self, p: _Pass, tensor: torch.Tensor, ref: tuple) -> tuple[int | None, list | None]:
@@ -513,6 +596,8 @@ class Recorder:
         region = getattr(frame, "_ac_diff_region", None)
         if region is not None and region.hold == "held":
             self._retention.release(region)
+        if region is not None and region.watched:
+            self._watch.torch_raised(region)
         self._writer.write({"type": "check_error", "region": region.number if region else None,
                             "exc_type": type(exc).__name__, "message": _exception_text(exc)})
         self._writer.flush()
@@ -851,6 +936,12 @@ class Recorder:
 
     def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:
         region = p.region
+        if p.watch is not None:
+            error = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}" if exc is not None and not stopped_early \
+                else None
+            with self.quiet():
+                self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error)
+            return
         inner = region.first_module_fqn
         if inner is not None and region.fn_name and not region.written and p.phase == FORWARD:
             if any(row[_MODULE] is None or inner and row[_MODULE] != inner and not row[_MODULE].startswith(inner + ".")
@@ -871,6 +962,8 @@ class Recorder:
                 if len(row) > 6:
                     row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
+            if self._watch is not None and p.phase == FORWARD:
+                self._watch.learn(region.watch_key, p.positions)
             if p.ops:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {
@@ -916,13 +1009,18 @@ class Recorder:
         if region.written:
             return
         region.written = True
-        self._writer.write({
+        self._writer.write(self._region_record(region))
+
+    def _region_record(self, region: _Region) -> dict[str, Any]:
+        return {
             "type": "region", "region": region.number, "module": region.module or region.caller,
             "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
             "options": dict(region.options), "recorded": region.recorded,  # copies: encoded later
             **({"compiled": list(self.compile_watch.inside[region.number])}
                if region.number in self.compile_watch.inside else {}),
-        })
+            **({"watched": True} if region.watched else {}),
+            **({"step": region.step} if region.step is not None else {}),
+        }
 
 
 def _outliving(p: _Pass) -> list[list[int]]:
@@ -1007,6 +1105,13 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
     return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
 
 
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """isinstance(t, Parameter), without its metaclass's Python __instancecheck__ for plain tensors (per saved tensor)."""
+    kind = type(t)
+    return kind is not _Tensor and (kind is torch.nn.Parameter or isinstance(t, torch.nn.Parameter))
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})  # memory of their own: offsets and strides say it all
 _SEQUENCES = frozenset({list, tuple})

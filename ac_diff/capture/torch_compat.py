@@ -312,7 +312,9 @@ class CheckpointHooks:
                 listener.pass_inputs(frame, inputs)
                 exc = None
                 try:
-                    return run_function(*inputs)
+                    out = run_function(*inputs)
+                    listener.pass_outputs(frame, phase, out)
+                    return out
                 except BaseException as e:
                     exc = e
                     raise

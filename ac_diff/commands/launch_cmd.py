@@ -18,12 +18,17 @@ after torchrun returns, whatever happened to the ranks. Under a plain torchrun, 
 `AC_DIFF_RANK_WAIT` seconds, default 60) for the other ranks' traces to be finished, then reports; a
 non-zero rank whose script failed prints one line with the trace and the command to run, since rank 0
 may not live to report. A rank torchrun terminates (SIGTERM) still finishes its trace.
+
+Without a shared filesystem (nodes with their own -o directories on local disks), the traces travel through
+torchrun's rendezvous store instead (rank_exchange.py): every rank says hello when it starts and hands its
+finished trace to rank 0, which writes it into its own directory and says where the full trace is; a rank that
+started but sent nothing is named, and the verdict is then never clean. Without a store, rank 0 reads its
+directory alone, as above, and says so on stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -36,6 +41,7 @@ from typing import Any, Iterator
 from .common import EXIT_BAD_INPUT, command_line, emit, fail, print_next, verdict_code
 from ..errors import Terminated
 
+from .trace_peek import read_end, read_header  # noqa: F401 - also read by rank_exchange
 from ..children import LAUNCHED_ENV, RUN_ID_ENV, child_command  # noqa: F401 - the launch's environment (children.py)
 WAIT_ENV = "AC_DIFF_RANK_WAIT"  # seconds rank 0 waits for the other ranks' traces (default 60)
 DEFAULT_WAIT_S = 60.0
@@ -96,6 +102,10 @@ def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, op
         argv += ["--max-regions", str(options.max_regions)]
     if not options.fingerprints:
         argv.append("--no-fingerprints")
+    if options.watch:
+        argv += ["--watch", "--watch-full-steps", str(options.watch_full_steps)]
+    if options.full_from_step is not None:
+        argv += ["--full-from-step", str(options.full_from_step)]
     return argv + (["-m"] if module else []) + [target, *args]
 
 
@@ -205,38 +215,6 @@ def _trace_paths(directory: Path) -> list[Path]:
                   and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl.gz")))
 
 
-def read_header(path: Path) -> dict | None:
-    """The trace's header, or None while it cannot be read as one (not written yet, another format)."""
-    from ..trace import read_header as read_trace_header
-
-    try:
-        return read_trace_header(path)
-    except (OSError, ValueError):  # TraceFormatError is a ValueError
-        return None
-
-
-def read_end(path: Path) -> dict | None:
-    """The end record, if the trace has one (read from the file's tail; gzip files are read through)."""
-    try:
-        if path.name.endswith(".gz"):
-            from ..trace import open_text
-
-            last = None
-            with open_text(path) as f:
-                for line in f:
-                    last = line
-            tail = [last] if last else []
-        else:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 8192))
-                tail = f.read().decode("utf-8", "replace").splitlines()[-2:]
-        for line in reversed(tail):
-            if '"type":"end"' in line or '"type": "end"' in line:
-                return json.loads(line)
-    except (OSError, ValueError, EOFError):
-        return None
     return None
 
 
@@ -294,22 +272,35 @@ _terminated = threading.Event()  # set when torchrun asks this rank to stop whil
 
 
 def wait_for_ranks(directory: Path, rid: str | None, expected: int, timeout: float, *,
-                   since: float | None = None) -> RankTraces:
-    """Poll until every rank's trace of this launch is finished, or `timeout` seconds have passed.
+                   since: float | None = None, exchange: Any = None) -> RankTraces:
+    """Poll until every rank's trace of this launch is finished, or `timeout` seconds have passed. With an
+    `exchange` (rank_exchange.Exchange), the traces that arrive through the store are written into `directory`
+    as they come, and a rank is also finished once it said so there.
 
     If SIGTERM arrives meanwhile (torchrun stops every rank), wait at most 3 s more: the other ranks
     finish their traces on the same signal."""
     start = time.monotonic()
     deadline = start + max(0.0, timeout)
-    told = False
+    told = last = False
     while True:
+        done: set[int] = set()
+        if exchange is not None:
+            try:
+                done = exchange.receive(directory, rid, scan=last)
+            except Exception as exc:  # noqa: BLE001 - the store went away: what is on disk is all there is
+                print(f"ac-diff: lost the rendezvous store ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+                      f"the report covers the traces in {directory}", file=sys.stderr)
+                exchange = None
         found = collect_traces(directory, rid, expected, since=since)
-        pending = sorted(set(range(expected)) - found.finished)
+        pending = sorted(set(range(expected)) - found.finished - done)
         now = time.monotonic()
         if _terminated.is_set():
             deadline = min(deadline, now + 3.0)
-        if not pending or now >= deadline:
+        if not pending or last:
             return found
+        if now >= deadline:
+            last = True  # one more look: a trace that arrived meanwhile still counts
+            continue
         if not told and now - start > 2.0:
             print(f"ac-diff: waiting up to {timeout:.0f} s for rank{'s' if len(pending) > 1 else ''} "
                   f"{_ranks_text(pending)} to finish {'their traces' if len(pending) > 1 else 'its trace'}...",
@@ -331,9 +322,11 @@ def rank_wait_seconds() -> float:
 
 # -- reporting --------------------------------------------------------------------------------
 def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | None, output: str | None,
-                 output_dir: Path, decorate: Any = None):
-    """Diagnose every rank's trace of this launch together and print the cross-rank report."""
+                 output_dir: Path, decorate: Any = None, exchange: Any = None):
+    """Diagnose every rank's trace of this launch together and print the cross-rank report. A rank without a
+    finished trace makes it unchecked at best (report.missing_ranks); `exchange`: what came through the store."""
     from ..diagnosis import diagnose
+    from ..report import missing_ranks
     from ..trace import read_run
 
     runs = [read_run(p, lazy=True) for _, p in sorted(found.paths.items())]
@@ -341,16 +334,20 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
     print(f"ac-diff: {len(ranks)} trace{'s' if len(ranks) > 1 else ''} written to {str(output_dir).rstrip('/')}/ "
           f"(rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)})", file=sys.stderr)
     report = diagnose(runs, settings)
-    if found.missing:
-        report.notes.append(f"no trace from rank{'s' if len(found.missing) > 1 else ''} "
-                            f"{_ranks_text(found.missing)} of this run in {output_dir} (the process did not start "
-                            "the recorder, or it wrote to another directory / node)")
+    notes = _received_notes(exchange) if exchange is not None else []
+    if found.missing and exchange is not None:
+        notes += _unheard_notes(exchange, found.missing)
+    elif found.missing:
+        notes.append(f"no trace from rank{'s' if len(found.missing) > 1 else ''} "
+                     f"{_ranks_text(found.missing)} of this run in {output_dir} (the process did not start "
+                     "the recorder, or it wrote to another directory / node)")
     unfinished = sorted(set(found.paths) - found.ended)
     if unfinished:
-        report.notes.append(f"rank{'s' if len(unfinished) > 1 else ''} {_ranks_text(unfinished)} had not finished "
-                            f"{'their traces' if len(unfinished) > 1 else 'its trace'} when this report was made "
-                            f"(still running, or killed); `{command_line('ac-diff', 'report', output_dir)}` later "
-                            "shows what they recorded")
+        notes.append(f"rank{'s' if len(unfinished) > 1 else ''} {_ranks_text(unfinished)} had not finished "
+                     f"{'their traces' if len(unfinished) > 1 else 'its trace'} when this report was made "
+                     f"(still running, or killed); `{command_line('ac-diff', 'report', output_dir)}` later "
+                     "shows what they recorded")
+    missing_ranks(report, sorted(set(found.missing) | set(unfinished)), notes)
     if found.stale:
         report.notes.append(f"ignored {len(found.stale)} trace file(s) in {output_dir} from an earlier run: "
                             + ", ".join(p.name for p in found.stale[:4]))
@@ -364,10 +361,61 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
     return report
 
 
+def _received_notes(exchange: Any) -> list[str]:
+    """Where the full trace of each rank that came through the store is: one line per node and directory."""
+    groups: dict[tuple, list[int]] = {}
+    for r, meta in sorted(exchange.arrived.items()):
+        groups.setdefault((meta.get("node"), meta.get("host"), meta.get("dir"), bool(meta.get("cut"))), []).append(r)
+    notes = []
+    for (node, host, directory, cut), ranks in groups.items():
+        many = len(ranks) > 1
+        cut_text = (f", cut to {'their' if many else 'its'} records without op lists (over the "
+                    f"{exchange.cap / (1 << 20):.0f} MiB a rank may send)") if cut else ""
+        notes.append(f"rank{'s' if many else ''} {_ranks_text(ranks)}: trace{'s' if many else ''} received from "
+                     f"{_place(node, host, directory)}{cut_text}; "
+                     f"{'their full traces are' if many else 'its full trace is'} there")
+    for r, why in sorted(exchange.damaged.items()):
+        notes.append(f"rank {r}'s trace arrived incomplete through the rendezvous store ({why}); its full trace is "
+                     "where that rank wrote it")
+    return notes
+
+
+def _unheard_notes(exchange: Any, missing: list[int]) -> list[str]:
+    """The ranks that sent no trace: those that said hello (they started, then died or hung), and the others."""
+    try:
+        hellos = exchange.hellos(missing)
+    except Exception:  # noqa: BLE001 - the store is gone: say what is known without it
+        hellos = {}
+    groups: dict[tuple, list[int]] = {}
+    for r in missing:
+        if r in hellos and r not in exchange.damaged:
+            groups.setdefault((hellos[r].get("node"), hellos[r].get("host"), hellos[r].get("dir")), []).append(r)
+    notes = []
+    for (node, host, directory), ranks in groups.items():
+        many = len(ranks) > 1
+        where = ", ".join(x for x in (f"node {node}" if node is not None else "", f"host {host}" if host else "") if x)
+        notes.append(f"rank{'s' if many else ''} {_ranks_text(ranks)}{f' ({where})' if where else ''} started but sent "
+                     f"no results: {'they' if many else 'it'} may have died (or not finished within the wait); what "
+                     f"{'they' if many else 'it'} recorded "
+                     f"is in {directory} on {host or 'its host'}")
+    silent = [r for r in missing if r not in hellos and r not in exchange.damaged]
+    if silent:
+        notes.append(f"no trace from rank{'s' if len(silent) > 1 else ''} {_ranks_text(silent)} of this run: never "
+                     "heard of through the rendezvous store (the process did not start the recorder, or could not "
+                     "reach the store)")
+    return notes
+
+
+def _place(node: Any, host: Any, directory: Any) -> str:
+    """"node 1 (host h, /scratch/out)"; "host h (/scratch/out)" where the node is not known."""
+    return f"node {node} (host {host}, {directory})" if node is not None else f"host {host} ({directory})"
+
+
 # -- what a rank does (called by run_cmd) ------------------------------------------------------
 def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -> None:
     """Before recording: keep an earlier attempt's trace when torchrun restarted this rank; with --force,
-    rank 0 removes traces of ranks this run will not have (left by a bigger earlier run)."""
+    rank 0 removes traces of ranks this run will not have (left by a bigger earlier run); under torchrun, say
+    hello in the rendezvous store (rank_exchange.py: rank 0 can then name a rank that started and never delivered)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart and trace_path.exists():
         header = read_header(trace_path) or {}
@@ -382,6 +430,45 @@ def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -
             if header is not None and int(header.get("rank", 0) or 0) >= size:
                 with contextlib.suppress(OSError):
                     path.unlink()
+    if is_multi_rank() and not launched():
+        with contextlib.suppress(Exception):  # no store: rank 0 reads the filesystem, and says so when it reports
+            _exchange().hello(output_dir)
+
+
+def _exchange():
+    """This rank's side of the rendezvous store (rank_exchange.py); StoreUnavailable where there is none."""
+    from .rank_exchange import connect
+
+    return connect(run_id() or f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", rank(), world_size())
+
+
+def _connected(r: int, output_dir: str, trace_path: Path):
+    """At a rank's end: its side of the rendezvous store, or None (rank 0 then reads its directory alone and says
+    so; another rank says so only where a store was named but could not be reached)."""
+    from .rank_exchange import StoreUnavailable
+
+    try:
+        return _exchange()
+    except StoreUnavailable as exc:
+        if r == 0:
+            print(f"ac-diff: {exc}; rank 0 reads the other ranks' traces from {output_dir} alone (on several nodes: "
+                  "give every rank a directory they all share)", file=sys.stderr)
+        elif exc.failed:
+            print(f"[rank{r}] ac-diff: {exc}; rank 0 gets no trace from rank {r}: it stays in {trace_path}",
+                  file=sys.stderr)
+        return None
+
+
+def _hand_over(exchange: Any, r: int, trace_path: Path, output_dir: str) -> None:
+    """A non-zero rank's finished trace to rank 0 (rank_exchange.Exchange.send), within SEND_S; a failure is one line."""
+    from .rank_exchange import SEND_S, bounded
+
+    try:
+        with sigterm_stops_waiting():  # torchrun's SIGTERM waits for the trace to be handed over
+            bounded(lambda: exchange.send(trace_path, output_dir), SEND_S)
+    except Exception as exc:  # noqa: BLE001 - one line; the trace stays where it is
+        print(f"[rank{r}] ac-diff: could not send the trace to rank 0 through the rendezvous store "
+              f"({type(exc).__name__}: {str(exc).strip()[:200]}); it stays in {trace_path}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -436,11 +523,15 @@ def _sigterm_handler(handler) -> Iterator[None]:
 
 def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: bool, fmt: str,
                 json_path: str | None, output: str | None, settings: Any, decorate: Any = None) -> int:
-    """After a rank's script ended under torchrun: rank 0 reports across ranks, the others stay quiet."""
+    """After a rank's script ended under torchrun: the others hand their trace to rank 0 through the rendezvous store
+    (rank_exchange.py) and stay quiet; rank 0 waits for them and reports across ranks."""
     r = rank()
     if launched():
         return outcome_code  # the launcher reports once torchrun is done
+    exchange = _connected(r, output_dir, trace_path)
     if r != 0:
+        if exchange is not None:
+            _hand_over(exchange, r, trace_path, output_dir)
         if outcome_code not in (0, EXIT_TERMINATED):
             # torchrun now stops the other ranks, rank 0 included: it may not live to report
             print(f"[rank{r}] ac-diff: the script failed on rank {r}; trace: {trace_path}. torchrun stops the other "
@@ -453,9 +544,9 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
     # Rank 0's own failure makes torchrun stop the others, who may be blocked waiting for it: don't wait long.
     timeout = rank_wait_seconds() if outcome_code == 0 else min(rank_wait_seconds(), 3.0)
     with sigterm_stops_waiting():
-        found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since)
+        found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since, exchange=exchange)
         found.paths.setdefault(0, trace_path)
-        report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir), decorate)
+        report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir), decorate, exchange)
     if check and outcome_code == 0 and report.verdict != "clean":
         return verdict_code(report)
     return outcome_code

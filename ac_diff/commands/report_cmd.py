@@ -2,6 +2,10 @@
 
     ac-diff report ac-diff-out                 # terminal report; exit 0 clean, 1 diverged, 2 bad input
     ac-diff report ac-diff-out --json r.json   # also the versioned JSON report
+    ac-diff report node0-out node1-out         # one run's ranks, copied together from several nodes: one report
+
+A rank of one run found in several of the paths (rank 0's directory holds the copies the other nodes sent it,
+each node's directory the full traces) is read once, from its most complete trace: finished and not cut first.
 """
 
 from __future__ import annotations
@@ -9,11 +13,39 @@ from __future__ import annotations
 from ..api import read_runs
 from ..diagnosis import diagnose
 from ..fix.statuses import mark_from_runs
+from ..passes import Run
 from .common import emit
 
 
 def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
-    runs = read_runs(paths, lazy=True)
+    runs, notes = one_trace_per_rank(read_runs(paths, lazy=True))
     report = diagnose(runs, settings)
+    report.notes += notes
     mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
     return emit(report, fmt, json_path, output)
+
+
+def one_trace_per_rank(runs: list[Run]) -> tuple[list[Run], list[str]]:
+    """One trace per rank of each run (traces with a run id), the most complete where several are given: finished
+    before unfinished, whole before cut (rank_exchange.trace_bytes), else the first given. Also what was left out
+    for being less complete than another copy, one line each."""
+    best: dict[tuple, Run] = {}
+    for run in runs:
+        key = (run.run_id, run.rank or 0)
+        if run.source != "trace" or not run.run_id:
+            continue
+        if key not in best or _completeness(run) > _completeness(best[key]):
+            best[key] = run
+    kept, notes = [], []
+    for run in runs:
+        chosen = best.get((run.run_id, run.rank or 0)) if run.source == "trace" and run.run_id else run
+        if chosen is run:
+            kept.append(run)
+        elif _completeness(run) < _completeness(chosen):
+            notes.append(f"rank {run.rank or 0}: read from {chosen.path}, not from {run.path} "
+                         f"({'a cut copy' if run.header.get('cut') else 'unfinished'})")
+    return kept, notes
+
+
+def _completeness(run: Run) -> tuple[bool, bool]:
+    return not run.truncated, not run.header.get("cut")

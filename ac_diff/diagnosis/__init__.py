@@ -17,13 +17,14 @@ from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
-                      TorchErrorSummary, repeated_updates)
+                      TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import SHARDED, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from .groups import group_regions
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
+from .watched import watch_summary, watched_clean
 
 __all__ = ["diagnose", "Settings", "Tolerance"]
 
@@ -69,16 +70,19 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
             report.path = run.path or run.source
             region_reports.append(report)
     _through_nested_regions(region_reports)
+    watch = watch_summary(runs, region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
-               UNCHECKED if crash or lost or not any(r.status == CLEAN for r in region_reports) else CLEAN)
+               UNCHECKED if crash or lost or not (any(r.status == CLEAN for r in region_reports) or watched_clean(watch))
+               else CLEAN)
     raised = {(e.rank, e.region) for e in errors_summary}
-    groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.rank, r.region))
-    headline = _headline(region_reports, errors_summary, runs, groups)
+    # a region recorded in full leads over a watched one (which shows no ops)
+    groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
+    headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch))
     if crash and not diverged and not errors:
         headline = crash
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
@@ -93,11 +97,16 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups,
-                    compiled=compiled)
+                    compiled=compiled, watch=watch)
     report.ranks = rank_summaries(report, runs)
     cross = cross_rank_findings(runs, report)
     report.cross_rank, report.cross_rank_findings = cross.texts, cross.findings
     report.notes += cross.notes
+    # ranks of the run without a trace here, whose trace is a copy cut on its way to rank 0, or whose process was
+    # killed before its trace was finished: never clean
+    missing_ranks(report, [r for f in cross.findings if f.kind == "missing_ranks" for r in f.ranks]
+                  + [run.rank or 0 for run in runs if run.header.get("cut")
+                     or run.source == "trace" and run.truncated and run.world_size > 1])
     return report
 
 
@@ -254,7 +263,8 @@ def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None
             + (f" [{first}]" if first else "") + "; please report it with the trace")
 
 
-def _headline(regions, errors, runs, groups) -> str:
+def _headline(regions, errors, runs, groups, watched: int = 0) -> str:
+    """`watched`: regions watch mode compared and found clean (they have no report of their own)."""
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:
@@ -267,14 +277,14 @@ def _headline(regions, errors, runs, groups) -> str:
                     + (f"; {e.cause}" if e.cause else "")
                     + "; no region's op lists were available to explain it (checkpoint(..., debug=True) puts "
                       "them in the log; `ac-diff run` on the script records values, modules and the cause)")
-        if not regions and all(r.source == "trace" for r in runs):
+        if not regions and not watched and all(r.source == "trace" for r in runs):
             stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
             if stopped is not None:
                 return f"no checkpointed region ran: the script stopped before any did ({_how_it_stopped(stopped)})"
             return ("no checkpointed region ran: is activation checkpointing on? (torch.utils.checkpoint.checkpoint, "
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")
-        checked = sum(1 for r in regions if r.status == CLEAN)
+        checked = sum(1 for r in regions if r.status == CLEAN) + watched
         damaged = sum(1 for r in regions if r.status == DAMAGED)
         if damaged or any(run.damaged for run in runs):
             return (f"damaged: {damaged} region(s) could not be read intact from the trace (damaged lines) and "
@@ -295,11 +305,12 @@ def _headline(regions, errors, runs, groups) -> str:
             extra += (f"; but in {len(flagged)} of them a flag that chooses kernels differed between the forward and "
                       f"the recompute ({flag_label(key)}: {change.get('forward')!r} -> {change.get('recompute')!r}): "
                       "the same values on this device, not where a kernel depends on it")
-        return f"clean: all {checked} recomputed region(s) reproduced their saved tensors exactly{extra}"
+        how = f" ({watched} of them watched)" if watched else ""
+        return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{extra}"
     # lead with the region torch complained about, else the first in forward order; the lowest rank first, as the
     # report's details and cross-rank lines (a log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
-    lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
+    lead = min(errored or diverged, key=lambda r: (r.watched, r.rank, r.region))
     where = f"{lead.module} (rank {lead.rank}, region {lead.region})" if lead.module else \
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""

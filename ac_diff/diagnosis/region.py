@@ -22,6 +22,7 @@ from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, firs
                       is_discrete)
 from .discrete import describe_flip
 from .inplace_input import input_written, name_input_write
+from .watched import WATCHED_ORIGINS, explain_watched
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
 
@@ -49,7 +50,8 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.status = DAMAGED
         report.notes.append(f"not diagnosed: {region.damaged}")
         return report
-    if not region.recorded:
+    report.watched, report.step = region.watched, region.step
+    if not region.recorded and not region.watched:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report
     lost = recorder_loss(region)
@@ -106,7 +108,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     position_values = any(p.values_differ for p in report.positions)
     count_mismatch = _count_mismatch(fwd, rec)
     first = cmp.first_divergence()
-    if fwd.positions and region.kind != "reentrant":
+    if fwd.positions and (region.kind != "reentrant" or region.watched):  # (watched: a reentrant one's outputs)
         # Backward uses the recomputed saved tensors, compared by value; other values elsewhere are harmless only
         # where they reach neither those nor a tensor that outlives the region (its output, state its code keeps)
         escaped = outliving_differ(fwd, cmp)
@@ -176,6 +178,8 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     report.window = window(cmp, report, settings)
     if diverged:
         explain(report, region, cmp, torch_version)
+        if region.watched:
+            explain_watched(report, region)
     elif report.status == CLEAN:
         explain_flags(report, region, torch_version)
     return report
@@ -365,7 +369,8 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         if cmp is not None and other is not None:
             values_differ = _position_values_differ(pos, other, cmp)
         rows.append(shared(PositionRow(
-            position=pos.position, op=op.op if op else None, module=op.module if op else None,
+            position=pos.position, op=op.op if op else None,
+            module=op.module if op else pos.name if pos.origin in WATCHED_ORIGINS else None,
             source=op.source if op else None, origin=pos.origin, name=pos.name, forward_index=pos.op_index,
             saved=str(pos.meta) if pos.meta else None, recomputed=str(recomputed) if recomputed else None,
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,

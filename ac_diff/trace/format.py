@@ -42,6 +42,12 @@ Format history (every version stays readable; tests/data keeps a file of each):
        saved there (of its base for a view, whose [offset, *strides] are then an 8th); a forward's pass record lists the tensors it made that outlived it
        (`outputs`: [[op index, output], ...]); readers of 1.3 ignore both. The end record may say what
        torch.compile did (`compiled`: capture/compiled.py, `Run.compiled`); readers that predate it ignore it
+  1.5  watch mode (capture/watch.py): a region record may say `"watched": true` (its passes list saved positions
+       only, `n_ops` null: origin "saved" for a tensor the region made, named after the module it was saved in,
+       its 7th entry a digest [sum, row-weighted sum] of its bit patterns; "param", "input" as before; "output"
+       for a reentrant region's outputs) and the `step` it ran in; new record types "watch" (totals per module:
+       [compared, diverged, never compared], the escalations, the last step) and "escalate" (a module recorded
+       in full from `from_step` on, after its region `region` diverged in step `diverged_step`)
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").
@@ -72,7 +78,7 @@ from ..env import process_rank
 from ..errors import AcDiffError
 
 FORMAT = "ac-diff-trace"
-VERSION = "1.4"
+VERSION = "1.5"
 MAJOR, MINOR = (int(x) for x in VERSION.split("."))
 
 
@@ -84,7 +90,8 @@ class TraceFormatError(AcDiffError, ValueError):
 FLAG_CACHED, FLAG_RANDOM, FLAG_DISCRETE, FLAG_DERIVED = 1, 2, 4, 8
 OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 # every record type a trace of this version may hold
-RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end"})
+RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end",
+                          "watch", "escalate"})
 
 
 def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:

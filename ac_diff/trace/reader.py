@@ -235,9 +235,21 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                     rank=rank, region=number, module=rec.get("module"), kind=rec.get("kind", "checkpoint"),
                     parent=rec.get("parent"), options=dict(rec.get("options", {})),
                     recorded=rec.get("recorded", True) is not False, parent_phase=rec.get("parent_phase"),
-                    compiled=list(rec.get("compiled", [])),
+                    compiled=list(rec.get("compiled", [])), watched=rec.get("watched") is True,
+                    step=rec.get("step") if isinstance(rec.get("step"), int) else None,
                 )
                 opened[number] = line
+            elif kind == "watch":
+                earlier = (run.watch or {}).get("escalated", {})
+                run.watch = {"step": int(rec.get("step") or 0), "full_from_step": rec.get("full_from_step"),
+                             "full_steps": int(rec.get("full_steps") or 0),
+                             "modules": {str(k): [int(x) for x in v] for k, v in dict(rec["modules"]).items()},
+                             "escalated": {**earlier, **{str(k): dict(v) for k, v in
+                                                         dict(rec.get("escalated") or {}).items()}}}
+            elif kind == "escalate":  # also in the next "watch" record; this one survives a killed process
+                watch = run.watch = run.watch or {"step": 0, "full_from_step": None, "full_steps": 0, "modules": {},
+                                                  "escalated": {}}
+                watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step")}
             elif kind == "check_error":
                 check_errors.append(rec)
             elif kind == "exception":

@@ -1,0 +1,433 @@
+"""Watch mode: each checkpointed region's saved tensors compared between its forward and its recompute, with no
+dispatch mode and no host sync; a module whose region diverged is then recorded in full (escalation).
+
+    watch = Watch(writer, full_from_step=None)
+    watch.full(key, top_level)                  # per region forward: counts steps; True -> record it in full
+    wp = WatchedPass()                          # a watched pass
+    wp.saved(position, tensor, meta, origin, name)  # ONE reduction kernel per saved tensor the region made
+    watch.ended(region, wp, ...)                # per pass: 3 kernels and an asynchronous copy to pinned memory
+    watch.poll()                                # comparisons whose copies have landed (event.query(): no sync)
+    watch.close()                               # at the end: the rest (waits once), then the totals
+
+What it writes (trace format 1.5): nothing for a region that reproduced its saved tensors (it is counted); for one
+that did not (values, shapes, count of saved tensors, or torch's error), its region record ("watched": true, its
+step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
+an "escalate" record when a module is recorded in full from then on; a "watch" record with the totals per module
+(every 100 steps and at the end), so a long watched run's trace stays small.
+
+The digest of a saved tensor: its bit patterns as same-size integers summed per row of its last dimension in
+wrap-around integers (one kernel, exact, in any order), then, per pass and for all its tensors at once, the plain and
+the row-weighted sums of those row sums in int64 (odd weights starting over at each tensor): changing any element's
+bits changes both, moving rows (tokens routed elsewhere) changes the weighted one. Two elements exchanged within one
+row go unseen. A tensor saved at several positions is reduced once per pass.
+Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
+(an FSDP all-gather rewrites a parameter in place, a new version with the same values).
+
+Steps: a step begins each time the first region the run checkpointed (by its module) starts its forward again, so
+with gradient accumulation a step is one micro-batch. Steps count from 1, as training loops print them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from weakref import ref as _weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .fingerprint import _SAME_SIZE_INTS, StreamFence, _as_real, _local, _rows, to_host_later
+
+SUMMARY_EVERY = 100  # steps between "watch" totals records
+_MASK = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+# Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
+# any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
+_ROW_SUM_DTYPE = {1: torch.int32, 2: torch.int32, 4: torch.int32, 8: torch.int64}
+
+
+_plans: dict[torch.dtype, tuple | None] = {}  # dtype -> (bit view dtype or None, sum dtype), None: no digest
+
+
+def _plan(t: torch.Tensor) -> tuple | None:
+    """How tensors of `t`'s dtype are digested (per dtype, cached): complex through its real view, every dtype
+    through the same-size integers of its bits."""
+    if t.is_quantized:
+        plan = None
+    else:
+        size = t.element_size() // 2 if t.dtype.is_complex else t.element_size()
+        ints = _SAME_SIZE_INTS.get(size)
+        plan = None if ints is None else (None if t.dtype is ints else ints, _ROW_SUM_DTYPE[size])
+    _plans[t.dtype] = plan
+    return plan
+
+
+def row_bits(t: torch.Tensor) -> torch.Tensor | None:
+    """The sums of `t`'s bit patterns per row of its last dimension (one kernel), or None for a tensor whose memory
+    holds no plain values (quantized, sparse, meta, a wrapper subclass without a local tensor)."""
+    if type(t) is not _Tensor:
+        t = _local(t)
+        if t is None:
+            return None
+    dtype = t.dtype
+    plan = _plans[dtype] if dtype in _plans else _plan(t)
+    if plan is None or t.layout is not _strided or t.is_meta:
+        return None
+    if dtype.is_complex:
+        t = _as_real(t)
+    view, acc = plan
+    bits = t if view is None else t.view(view)
+    if bits.dim() != 2 or not bits.is_contiguous():
+        bits = _rows(bits)
+    return bits.sum(-1, dtype=acc)
+
+
+_Tensor = torch.Tensor
+_strided = torch.strided
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # device index -> (stream id, index, type)
+
+
+# (device, capacity) -> the (2, capacity) int64 weights [ones; 1, 3, 5, ...], made on the device; by length, views
+_pair_bases: dict[torch.device, torch.Tensor] = {}
+_pair_slices: dict[tuple, torch.Tensor] = {}
+_index_cache: dict[tuple, torch.Tensor] = {}  # (device, row counts of a pass) -> index of each tensor's last row
+
+
+def _pair_weights(device: torch.device, n: int) -> torch.Tensor:
+    key = (device, n)
+    w = _pair_slices.get(key)
+    if w is None:
+        base = _pair_bases.get(device)
+        if base is None or base.shape[1] < n:
+            k = torch.arange(max(n, 4096) * 2, dtype=torch.int64, device=device).view(2, -1)
+            k[0] = 1
+            k[1] = 2 * k[1] - 2 * k[1, 0] + 1  # 1, 3, 5, ...
+            base = _pair_bases[device] = k
+        if len(_pair_slices) > 1024:
+            _pair_slices.clear()
+        w = _pair_slices[key] = base[:, :n]
+    return w
+
+
+def _last_rows(device: torch.device, lengths: tuple[int, ...]) -> torch.Tensor:
+    """The device index of each non-empty tensor's last row in the concatenation: copied there once per layout
+    (the same every step for a fixed model), from pinned memory without a sync."""
+    key = (device, lengths)
+    idx = _index_cache.get(key)
+    if idx is None:
+        ends, at = [], 0
+        for n in lengths:
+            at += n
+            if n:
+                ends.append(at - 1)
+        host = torch.tensor(ends, dtype=torch.int64)
+        if device.type == "cuda":
+            idx = host.pin_memory().to(device, non_blocking=True)
+        else:
+            idx = host.to(device)
+        if len(_index_cache) > 256:
+            _index_cache.clear()
+        _index_cache[key] = idx
+    return idx
+
+
+class Landing:
+    """One pass's digests on their way to the host: ready once the copy's event has completed."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[list[int], tuple[int, ...], torch.Tensor, Any]] = []  # (slots, lengths, host, event)
+
+    def add(self, slots: list[int], lengths: tuple[int, ...], host: torch.Tensor, event: Any) -> None:
+        self._parts.append((slots, lengths, host, event))
+
+    def ready(self) -> bool:
+        return all(event is None or event.query() for *_, event in self._parts)
+
+    def wait(self) -> None:
+        for *_, event in self._parts:
+            if event is not None:
+                event.synchronize()
+
+    def digests(self, n: int) -> list[list[int] | None]:
+        """[plain sum, row-weighted sum] per slot (None for a tensor without a digest): read once ready."""
+        out: list[list[int] | None] = [None] * n
+        for slots, lengths, host, _ in self._parts:
+            c1, c2 = host.tolist() if host.numel() else ([], [])
+            k, prev1, prev2, start = 0, 0, 0, 0
+            for slot, rows in zip(slots, lengths):
+                if not rows:
+                    out[slot] = [0, 0]
+                    continue
+                s1, s2 = c1[k] - prev1, c2[k] - prev2
+                prev1, prev2 = c1[k], c2[k]
+                k += 1
+                out[slot] = [_signed(s1), _signed(s2 - 2 * start * s1)]  # weights restart at the tensor's first row
+                start += rows
+        return out
+
+
+class WatchedPass:
+    """One watched pass: the rows of its saved positions, and their row sums on the device until it ends."""
+
+    def __init__(self) -> None:
+        # per saved position: [position, meta, origin, None, 0, name(, digest slot -> its digest once landed)]
+        self.positions: list[list] = []
+        self._rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> [(slot, row sums)]
+        self._slots = 0
+        self._seen: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, version, slot): reduced once
+        self._streams: set[tuple] = set()  # CUDA streams the reductions ran on (raw, see `launch`)
+        self.landing: Landing | None = None
+        self.error: str | None = None
+        self.complete = True
+        self.stopped_early = False
+
+    def saved(self, position: int, tensor: torch.Tensor | None, meta: Any, origin: str, name: str | None) -> None:
+        row = [position, meta, origin, None, 0, name]
+        if tensor is not None:
+            hit = self._seen.get(id(tensor))
+            if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+                row.append(hit[2])
+            else:
+                rows = row_bits(tensor)
+                if rows is not None:
+                    device = rows.device
+                    if device.type == "cuda":  # the raw (id, device, type) of its current stream: a cheap C call
+                        self._streams.add(_current_stream(device.index))
+                    self._rows.setdefault(device, []).append((self._slots, rows))
+                    self._seen[id(tensor)] = (_weakref(tensor), tensor._version, self._slots)
+                    row.append(self._slots)
+                    self._slots += 1
+        self.positions.append(row)
+
+    def launch(self) -> None:
+        """Per device: the plain and weighted cumulative sums of every row sum, at each tensor's last row, copied
+        asynchronously to pinned memory (cat, mul, cumsum, index_select, copy: no host sync)."""
+        landing = Landing()
+        if self._streams:
+            fence = StreamFence()
+            for stream_id, index, kind in self._streams:
+                fence.note(index, torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind))
+            fence.wait(torch.cuda.current_stream)
+            self._streams = set()
+        for device, entries in self._rows.items():
+            slots = [s for s, _ in entries]
+            parts = [r for _, r in entries]
+            lengths = tuple(r.numel() for r in parts)
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            sums = torch.cumsum(flat.unsqueeze(0) * _pair_weights(device, flat.numel()), dim=1)
+            picked = sums.index_select(1, _last_rows(device, lengths))
+            landing.add(slots, lengths, *to_host_later(picked))
+        self._rows = {}
+        self._seen = {}
+        self.landing = landing
+
+    def resolve(self) -> None:
+        """Replace each digest slot by its digest (the landing is ready)."""
+        digests = self.landing.digests(self._slots) if self.landing is not None else []
+        for row in self.positions:
+            if len(row) > 6:
+                row[6] = digests[row[6]]
+        self.landing = None
+
+
+@dataclass
+class _Totals:
+    compared: int = 0
+    diverged: int = 0
+    unchecked: int = 0  # forwards never compared (no backward reached them, the run stopped first)
+
+    def to_json(self) -> list[int]:
+        return [self.compared, self.diverged, self.unchecked]
+
+
+@dataclass
+class _Comparison:
+    region: Any
+    forward: WatchedPass
+    recompute: WatchedPass
+
+
+@dataclass
+class Watch:
+    """Steps, escalation and the comparisons of watched passes (see the module docstring). `write(record)` writes
+    one trace record; `region_record(region)` gives a region's record."""
+
+    write: Any
+    region_record: Any
+    full_from_step: int | None = None
+    escalate: bool = True
+    full_steps: int = 0  # the first steps recorded in full (a bug that strikes in step 1 needs no second run)
+    step: int = 0
+    first_key: Any = None
+    escalated: dict[str, dict] = field(default_factory=dict)  # key -> {"diverged_step", "region", "from_step"}
+    totals: dict[str, _Totals] = field(default_factory=dict)
+    pending: deque = field(default_factory=deque)
+    raised: set = field(default_factory=set)  # ids of regions torch's check raised for
+    # (module, saved positions) -> the positions whose values full recording does not compare (`learn`)
+    masks: dict[tuple, frozenset] = field(default_factory=dict)
+    held: dict[tuple, list] = field(default_factory=dict)  # comparisons awaiting their mask, by the same key
+    _summarized_at: int = 0
+
+    # -- which regions are recorded in full ----------------------------------------------------
+    def full(self, key: str | None, top_level: bool) -> bool:
+        """A region's forward begins: count the step, and say whether it is recorded in full (from
+        --full-from-step, or its module was escalated)."""
+        if top_level:
+            if self.first_key is None:
+                self.first_key = key
+            if key == self.first_key:
+                self.step += 1
+                if self.step - self._summarized_at >= SUMMARY_EVERY:
+                    self.summarize()
+        if self.step <= self.full_steps or self.full_from_step is not None and self.step >= self.full_from_step:
+            return True
+        hit = self.escalated.get(key) if key is not None else None
+        if hit is None:
+            return False
+        if hit["from_step"] is None:
+            hit["from_step"] = self.step
+            if not hit.get("provisional"):
+                self.write({"type": "escalate", "module": key, "diverged_step": hit["diverged_step"],
+                            "region": hit["region"], "from_step": self.step})
+        return True
+
+    def learn(self, key: str | None, positions: list[list]) -> None:
+        """A forward of `key`'s module recorded in full: its saved positions without a fingerprint are those whose
+        values full recording does not compare (attention's unused output, the philox state of a call that drew
+        nothing, selective AC's cache); watched passes of the same module and count skip them too. Comparisons
+        held for this mask are judged now."""
+        mask_key = (key, len(positions))
+        self.masks[mask_key] = frozenset(row[0] for row in positions if len(row) <= 6 or row[6] is None)
+        held = self.held.pop(mask_key, [])
+        for cmp in held:
+            self._judge(cmp)
+        hit = self.escalated.get(key) if key is not None else None
+        if held and hit is not None and hit.get("provisional") and not hit.get("confirmed"):
+            del self.escalated[key]  # escalated only to learn the mask, and nothing diverged: watched again
+
+    def started(self, key: str | None) -> None:
+        """A watched forward began."""
+        self._totals(key).unchecked += 1
+
+    def torch_raised(self, region: Any) -> None:
+        self.raised.add(id(region))
+
+    # -- passes ------------------------------------------------------------------------------
+    def ended(self, region: Any, wp: WatchedPass, phase: str, complete: bool, stopped_early: bool,
+              error: str | None) -> None:
+        wp.complete, wp.stopped_early, wp.error = complete, stopped_early, error
+        wp.launch()
+        if phase == "forward":
+            if region.watch_forward is None:
+                region.watch_forward = wp
+            return
+        forward = region.watch_forward
+        if forward is None or region.watch_compared:  # a second recompute (retain_graph): the first is compared
+            return
+        region.watch_compared = True
+        self.pending.append(_Comparison(region, forward, wp))
+
+    def poll(self) -> None:
+        """Judge every comparison whose digests have landed, oldest first (the copies land in order)."""
+        pending = self.pending
+        while pending and _landed(pending[0]):
+            self._judge(pending.popleft())
+
+    def close(self) -> None:
+        """The run ended: wait for every digest still on its way, judge, write the totals."""
+        while self.pending:
+            cmp = self.pending.popleft()
+            for wp in (cmp.forward, cmp.recompute):
+                if wp.landing is not None:
+                    wp.landing.wait()
+            self._judge(cmp)
+        for held in self.held.values():
+            for cmp in held:
+                self._judge(cmp, final=True)
+        self.held.clear()
+        self.summarize()
+
+    def summarize(self) -> None:
+        self._summarized_at = self.step
+        self.write({"type": "watch", "step": self.step, "full_from_step": self.full_from_step,
+                    "full_steps": self.full_steps,
+                    "modules": {key: t.to_json() for key, t in self.totals.items()},
+                    "escalated": {key: dict(v) for key, v in self.escalated.items()}})
+
+    # -- judging -----------------------------------------------------------------------------
+    def _judge(self, cmp: _Comparison, final: bool = False) -> None:
+        """`final`: the run ended; a comparison whose mask never came is judged without it (never clean over a
+        difference nothing explained)."""
+        region = cmp.region
+        for wp in (cmp.forward, cmp.recompute):
+            if wp.landing is not None:
+                wp.resolve()
+        key = region.watch_key
+        mask_key = (key, len(cmp.forward.positions))
+        mask = self.masks.get(mask_key)
+        raised = id(region) in self.raised
+        how = _difference(cmp.forward, cmp.recompute, mask or frozenset())
+        if how == "values" and mask is None and not raised and not final and self.escalate and key is not None:
+            # values differ only where full recording may not compare them (uninitialised outputs): record this
+            # module's next region in full to learn which positions those are, then judge
+            self.held.setdefault(mask_key, []).append(cmp)
+            self.escalated.setdefault(key, {"diverged_step": region.step, "region": region.number,
+                                            "from_step": None, "provisional": True})
+            return
+        totals = self._totals(key)
+        totals.unchecked -= 1
+        totals.compared += 1
+        if not (how or raised):
+            return
+        self.raised.discard(id(region))
+        totals.diverged += 1
+        self.write(self.region_record(region))
+        for wp, phase in ((cmp.forward, "forward"), (cmp.recompute, "recompute")):
+            rows = wp.positions if not mask else [row[:6] if row[0] in mask else row for row in wp.positions]
+            record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
+                      "complete": wp.complete, "stopped_early": wp.stopped_early, "state": {}, "externals": [],
+                      "positions": rows}
+            if wp.error:
+                record["error"] = wp.error
+            self.write(record)
+        if self.escalate and key is not None:
+            hit = self.escalated.get(key)
+            if hit is None:
+                self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": None}
+            elif hit.get("provisional") and not hit.get("confirmed"):
+                hit.update(confirmed=True, diverged_step=region.step, region=region.number)
+
+    def _totals(self, key: str | None) -> _Totals:
+        name = key or "?"
+        t = self.totals.get(name)
+        if t is None:
+            t = self.totals[name] = _Totals()
+        return t
+
+
+def _landed(cmp: _Comparison) -> bool:
+    return all(wp.landing is None or wp.landing.ready() for wp in (cmp.forward, cmp.recompute))
+
+
+def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -> str | None:
+    """How the recompute saved other tensors: "saved" (another count, not an early stop's prefix; other metadata or
+    origin; or it raised), "values" (only values differ, outside `mask`), or None."""
+    if recompute.error or not recompute.complete:
+        return "saved"
+    f, r = forward.positions, recompute.positions
+    if len(r) != len(f) and not (recompute.stopped_early and len(r) < len(f)):
+        return "saved"
+    values = False
+    for a, b in zip(f, r):
+        if a[1] != b[1] or a[2] != b[2] or a[5] != b[5]:
+            return "saved"
+        if len(a) > 6 and len(b) > 6 and a[6] != b[6] and a[0] not in mask:
+            values = True
+    return "values" if values else None
+

@@ -1,0 +1,117 @@
+"""What watch mode saw (capture/watch.py): the totals over the steps, each watched region that diverged, and the full
+recording of its module that followed (escalation).
+
+    explain_watched(report, region)        # a watched region that diverged: which saved tensors, and where next
+    watch = watch_summary(runs, reports)   # -> Report.watch
+    {"steps": 1000, "compared": 3996, "diverged": 4, "never_compared": 0, "full_from_step": None,
+     "escalated": [{"module": "layers.1", "diverged_step": 3, "region": 17, "from_step": 4,
+                    "full_regions": 8, "full_diverged": 8, "lead": 21}],
+     "text": "watched 4,000 region(s) over 1,000 step(s): 3,996 reproduced their saved tensors, 4 diverged; ..."}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..passes import Region, Run
+from ..report import DIVERGED, Cause, RegionReport
+from .labels import number_ranges
+
+WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
+
+
+def explain_watched(report: RegionReport, region: Region) -> None:
+    """A watched region that diverged: watch recorded no ops, so the cause names the saved tensors that differ and
+    the module they were saved in, and points to the full recording (escalation, or --full-from-step)."""
+    report.watched, report.step = True, region.step
+    differ = [p for p in report.positions if p.matches is False or p.values_differ]
+    shapes = [p for p in differ if p.matches is False]
+    modules = sorted({p.module for p in differ if p.module})
+    if differ:
+        what = (f"saved position{'s' if len(differ) > 1 else ''} {number_ranges([p.position for p in differ])}"
+                + (f" (in {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''})" if modules else "")
+                + (" changed shape" if len(shapes) == len(differ) else
+                   f" hold other values ({len(shapes)} of them another shape)" if shapes else " hold other values"))
+    else:
+        what = "the recompute did not save the same tensors (another count, or it raised)"
+    step = f" in step {region.step}" if region.step is not None else ""
+    if report.cause is None or report.cause.kind == "unknown":
+        report.cause = Cause("unknown", modules[0] if modules else None,
+                             f"watch mode{step}: {what}; it records no ops, so which op diverged first and why is in "
+                             "the full recording of this module",
+                             [f"{p.saved} -> {p.recomputed}" + (" (values)" if p.matches is not False else "")
+                              for p in differ[:6]])
+
+
+def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any] | None:
+    """Watch mode's totals over the runs, each escalation with what the full recording of its module found; None
+    when no run was watched."""
+    watched = [run for run in runs if run.watch is not None]
+    if not watched:
+        return None
+    compared = diverged = never = steps = 0
+    escalated: list[dict[str, Any]] = []
+    for run in watched:
+        w = run.watch
+        steps = max(steps, int(w.get("step") or 0))
+        for c, d, u in w["modules"].values():
+            compared, diverged, never = compared + c, diverged + d, never + u
+        full = [r for r in reports if r.path == run.path and not r.watched]
+        for module, e in sorted(w["escalated"].items(), key=lambda kv: kv[1].get("region") or 0):
+            mine = [r for r in full if (r.module == module or (r.module or "").startswith(module + "."))
+                    and e.get("from_step") is not None and (r.step or 0) >= e["from_step"]]
+            bad = [r for r in mine if r.status == DIVERGED]
+            escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
+                              ("diverged_step", "region", "from_step")},
+                              "full_regions": len(mine), "full_diverged": len(bad),
+                              "lead": bad[0].region if bad else None})
+    summary = {"steps": steps, "compared": compared, "diverged": diverged, "never_compared": never,
+               "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated}
+    summary["text"] = _text(summary)
+    _link_escalations(reports, escalated)
+    return summary
+
+
+def watched_clean(summary: dict[str, Any] | None) -> int:
+    """Watched regions that reproduced their saved tensors (they have no region report of their own)."""
+    return summary["compared"] - summary["diverged"] if summary else 0
+
+
+def _text(s: dict[str, Any]) -> str:
+    text = (f"watched {s['compared']:,} region(s) over {s['steps']:,} step(s): "
+            f"{s['compared'] - s['diverged']:,} reproduced their saved tensors exactly"
+            + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
+    if s["never_compared"]:
+        text += f"; {s['never_compared']:,} forward(s) never recomputed (no backward reached them)"
+    for e in s["escalated"]:
+        if e["from_step"] is None:
+            text += (f"; {e['module']} diverged in step {e['diverged_step']} and the run ended before it ran again: "
+                     f"run again with --full-from-step {e['diverged_step']} to record that step in full")
+        else:
+            found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
+                     if e["full_diverged"] else f"all {e['full_regions']} reproduced their saved tensors")
+            text += (f"; {e['module']} diverged in step {e['diverged_step']}: recorded in full from step "
+                     f"{e['from_step']} on: {found}")
+    if s["full_from_step"] is not None:
+        text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
+    return text
+
+
+def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]]) -> None:
+    """Each watched region that diverged says where its module's full recording is, or that it reproduced."""
+    by_region = {(e["rank"], e["region"]): e for e in escalated}
+    for r in reports:
+        e = by_region.get((r.rank, r.region)) if r.watched and r.status == DIVERGED else None
+        if e is None:
+            continue
+        if e["from_step"] is None:
+            r.notes.append(f"the run ended before {e['module']} ran again: `--full-from-step {e['diverged_step']}` "
+                           "records that step in full (first divergent op, decision and cause)")
+        elif e["full_diverged"]:
+            r.notes.append(f"{e['module']} was recorded in full from step {e['from_step']}: region {e['lead']} "
+                           "shows the first divergent op and the cause")
+        else:
+            r.notes.append(f"{e['module']} was recorded in full from step {e['from_step']} and reproduced its saved "
+                           f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur "
+                           "(a rare event: a near-tie, a nondeterministic kernel)")
+

@@ -1,0 +1,305 @@
+"""Two nodes without a shared filesystem: each rank's trace reaches rank 0 through torchrun's rendezvous store
+(ac_diff/commands/rank_exchange.py), a rank that never delivers is named and the verdict is never clean.
+
+The end-to-end tests simulate two nodes on this machine: two torchrun launches of 2 processes each (c10d
+rendezvous, gloo on CPU), each in its own working directory with its own -o directory:
+
+    python -m torch.distributed.run --nnodes 2 --node-rank N --nproc-per-node 2 --rdzv-backend c10d \\
+        --rdzv-endpoint localhost:PORT --rdzv-id ID -m ac_diff run --check -o out stacks/rank_local_center.py ...
+
+The unit tests run the exchange over an in-process store (HashStore, TCPStore) with traces recorded here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+from conftest import REPO, report_json, run_cli
+
+from ac_diff.capture.recorder import Recorder, RecordOptions
+from ac_diff.commands import launch_cmd, rank_exchange
+from ac_diff.commands.common import verdict_code
+from ac_diff.commands.report_cmd import one_trace_per_rank
+from ac_diff.diagnosis import Settings, diagnose
+from ac_diff.report import CLEAN, DIVERGED, UNCHECKED, Report, missing_ranks
+from ac_diff.trace import read_run
+
+SCRIPT = REPO / "tests" / "stacks" / "rank_local_center.py"
+RID = "two-nodes.0"
+
+
+# -- the exchange, in one process ---------------------------------------------------------------------
+class Centered(nn.Module):
+    """A checkpointed block whose buffer `center` may move inside the forward (then the recompute moves it again)."""
+
+    def __init__(self, moves: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("center", torch.zeros(8))
+        self.moves = moves
+
+    def forward(self, x):
+        if self.moves:
+            with torch.no_grad():
+                self.center.add_(x.mean(0))
+        return torch.tanh(self.proj(x - self.center))
+
+
+def record_rank(path: Path, rank: int, monkeypatch, world: int = 3, moves: bool = False, **options) -> Path:
+    """Rank `rank`'s trace of run RID: three checkpointed blocks (the last one's centre moves if `moves`), one step."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Centered(False), Centered(False), Centered(moves)])
+    recorder = Recorder(path, RecordOptions(**options), header_extra={"run_id": RID}).start()
+    try:
+        x = torch.randn(4, 8)
+        for block in blocks:
+            x = cp.checkpoint(block, x, use_reentrant=False)
+        x.pow(2).sum().backward()
+    finally:
+        recorder.stop()
+    return path
+
+
+def as_node(monkeypatch, node: int, host: str = "node-a") -> None:
+    monkeypatch.setenv("GROUP_RANK", str(node))
+    monkeypatch.setattr(rank_exchange.platform, "node", lambda: host)
+
+
+def test_exchange_delivers_a_trace_and_names_a_rank_that_died(tmp_path, monkeypatch, capsys):
+    store = dist.HashStore()
+    dirs = {r: tmp_path / f"node{r}" / "out" for r in range(3)}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    zero = rank_exchange.Exchange(store, 0, 3)
+    as_node(monkeypatch, 0, "node-a")
+    zero.hello(dirs[0])
+    record_rank(dirs[0] / "trace-rank0.jsonl", 0, monkeypatch)
+    monkeypatch.setattr(rank_exchange, "CHUNK", 4096)  # several chunks
+    as_node(monkeypatch, 1, "node-b")
+    one = rank_exchange.Exchange(store, 1, 3)
+    one.hello(dirs[1])
+    sent = record_rank(dirs[1] / "trace-rank1.jsonl", 1, monkeypatch, moves=True, write="all")
+    meta = one.send(sent, dirs[1])
+    assert meta["chunks"] > 1 and not meta["cut"] and not meta["shared"]
+    rank_exchange.Exchange(store, 2, 3).hello(dirs[2])  # rank 2 starts, then dies: no trace, no "done"
+
+    assert zero.receive(dirs[0], RID) == {0, 1}
+    received = dirs[0] / "trace-rank1.jsonl"
+    assert received.read_bytes() == sent.read_bytes()
+    assert not store.check([f"trace/1/{i}" for i in range(meta["chunks"])][:1])  # taken out of the store
+    assert zero.arrived[1]["node"] == 1 and zero.arrived[1]["host"] == "node-b"
+
+    found = launch_cmd.collect_traces(dirs[0], RID, 3)
+    assert sorted(found.paths) == [0, 1] and found.missing == [2]
+    report = launch_cmd.report_ranks(found, Settings(), "terminal", None, None, dirs[0], exchange=zero)
+    assert report.verdict == DIVERGED  # a divergence stays a divergence, rank 2 missing or not
+    assert report.missing_ranks == [2]
+    notes = " ".join(report.notes)
+    assert f"rank 1: trace received from node 1 (host node-b, {dirs[1]}); its full trace is there" in notes
+    assert "rank 2 (node 1, host node-b) started but sent no results: it may have died" in notes
+    assert str(dirs[2]) in notes
+    assert "RANKS MISSING" not in capsys.readouterr().out
+
+
+def test_a_shared_directory_is_not_sent_twice(tmp_path, monkeypatch):
+    store = dist.HashStore()
+    out = tmp_path / "out"
+    zero, one = rank_exchange.Exchange(store, 0, 2), rank_exchange.Exchange(store, 1, 2)
+    zero.hello(out)
+    trace = record_rank(out / "trace-rank1.jsonl", 1, monkeypatch, world=2)
+    before = trace.stat().st_mtime_ns
+    meta = one.send(trace, out)
+    assert meta["shared"] and meta["chunks"] == 0
+    assert zero.receive(out, RID) == {0, 1} and not zero.arrived
+    assert trace.stat().st_mtime_ns == before
+
+
+def test_a_trace_over_the_cap_travels_without_its_op_lists(tmp_path, monkeypatch):
+    store = dist.HashStore()
+    full = record_rank(tmp_path / "node1" / "trace-rank1.jsonl", 1, monkeypatch, world=2, moves=True)
+    one = rank_exchange.Exchange(store, 1, 2, cap=1000)
+    meta = one.send(full, full.parent)
+    assert meta["cut"] and meta["original_bytes"] == full.stat().st_size and meta["bytes"] < meta["original_bytes"]
+    zero = rank_exchange.Exchange(store, 0, 2)
+    zero.receive(tmp_path / "node0", RID)
+    copy = tmp_path / "node0" / "trace-rank1.jsonl"
+    lines = [json.loads(line) for line in copy.read_text().splitlines()]
+    assert lines[0]["cut"]["path"] == str(full.resolve()) and lines[-1]["type"] == "end"
+    assert not {rec["type"] for rec in lines} & {"op", "ops"}
+    originals = [json.loads(line) for line in full.read_text().splitlines()]
+    had_ops = {(r["region"], r["phase"], r["attempt"]) for r in originals if r["type"] == "ops"}
+    cut = {(r["region"], r["phase"], r["attempt"]) for r in lines if r["type"] == "pass" and r["state"].get("cut")}
+    assert had_ops and cut == had_ops  # exactly the passes whose op lists stayed behind
+
+    run = read_run(copy, lazy=True)  # every checksum holds: nothing reads as damaged
+    assert not run.damaged and not run.truncated
+    assert any("cut for the trip to rank 0" in note and str(full.resolve()) in note for note in run.notes)
+    report = diagnose([run])
+    status = {r.region: r.status for r in report.regions}
+    # a summarized region (it reproduced) travels whole; one without its ops and positions proves nothing either way
+    summarized = {r.region for r in run.regions if not r.ops_written}
+    assert summarized and all(status[r] == CLEAN for r in summarized)
+    assert status[2] == UNCHECKED
+    assert report.verdict == UNCHECKED and report.missing_ranks == [1]  # a cut copy is never clean
+    whole = diagnose([read_run(full)])
+    assert {r.region: r.status for r in whole.regions} == {0: CLEAN, 1: CLEAN, 2: DIVERGED}
+
+    kept, notes = one_trace_per_rank([read_run(copy, lazy=True), read_run(full, lazy=True)])
+    assert [r.path for r in kept] == [str(full)]  # the complete trace wins
+    assert notes == [f"rank 1: read from {full}, not from {copy} (a cut copy)"]
+
+
+def test_connect_over_a_real_store_and_without_one(monkeypatch):
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(rank_exchange.StoreUnavailable) as absent:
+        rank_exchange.connect(RID, 1, 2)
+    assert not absent.value.failed  # nothing to reach: rank 0 says so once, the others stay quiet
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    exchange = rank_exchange.connect(RID, 1, 2)
+    exchange.hello("out")
+    assert master.check([f"ac-diff/{RID}/hello/1"])  # namespaced by the run id
+    assert rank_exchange.connect("another.0", 0, 2).hellos([1]) == {}
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    start = time.monotonic()
+    with pytest.raises(rank_exchange.StoreUnavailable) as failed:
+        rank_exchange.connect(RID, 1, 2, timeout=1.0)
+    assert failed.value.failed and "could not reach the rendezvous store" in str(failed.value)
+    assert time.monotonic() - start < 10
+
+
+def test_a_missing_rank_is_never_clean():
+    def report(verdict: str) -> Report:
+        return Report(verdict=verdict, headline="clean: all 4 recomputed region(s) reproduced", regions=[])
+
+    clean = report(CLEAN)
+    missing_ranks(clean, [3], ["rank 3 (node 1, host h) started but sent no results: it may have died"])
+    assert clean.verdict == UNCHECKED and verdict_code(clean) == 4 and clean.title == "RANKS MISSING"
+    assert clean.headline.startswith("results missing from rank 3: ")
+    missing_ranks(clean, [2, 3])  # the launch knows more than the diagnosis: one headline for both
+    assert clean.missing_ranks == [2, 3] and clean.headline.startswith("results missing from ranks 2, 3: ")
+    assert clean.headline.count("clean: all 4") == 1 and len(clean.notes) == 1
+    diverged = report(DIVERGED)
+    missing_ranks(diverged, [1])
+    assert diverged.verdict == DIVERGED and verdict_code(diverged) == 1
+    untouched = report(CLEAN)
+    missing_ranks(untouched, [])
+    assert untouched.verdict == CLEAN
+
+
+# -- two nodes, end to end ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int = 90) -> dict[str, dict]:
+    """Both launches, each in its own directory (a "node") writing its own out/; returns per node its exit code,
+    output and directory, keyed "zero" (the node that got rank 0) and "one"."""
+    port, rdzv_id = _free_port(), f"t{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "AC_DIFF_RANK_WAIT": str(wait_s)}
+    for name in (launch_cmd.RUN_ID_ENV, launch_cmd.LAUNCHED_ENV, "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(name, None)
+    procs = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+               "--rdzv-id", rdzv_id, "-m", "ac_diff", "run", "--check", "-o", "out", "--json", "report.json",
+               str(SCRIPT), *script_args]
+        procs.append((cwd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, start_new_session=True)))
+        time.sleep(0.3)  # the first launch hosts the rendezvous: its node gets rank 0, as on a real cluster
+    deadline = time.monotonic() + timeout
+    nodes = []
+    for cwd, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        nodes.append({"dir": cwd, "code": proc.returncode, "stdout": out, "stderr": err})
+    zero = next(n for n in nodes if (n["dir"] / "out" / "trace-rank0.jsonl").exists())
+    return {"zero": zero, "one": next(n for n in nodes if n is not zero)}
+
+
+def rank0_exit_code(stderr: str) -> int | None:
+    """Rank 0's exit code, from torchrun's failure summary (torchrun itself exits 1 when a worker fails)."""
+    hit = re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return int(hit[1]) if hit else None
+
+
+@pytest.mark.e2e
+def test_divergence_on_a_rank_of_the_other_node_reaches_rank_0(tmp_path):
+    """Rank 3 (node 1) keeps a running centre inside its checkpointed blocks; rank 0 (node 0, another -o
+    directory) reports it diverged, and says where the full traces of node 1 are."""
+    nodes = two_nodes(tmp_path, "--center-rank", "3")
+    zero, one = nodes["zero"], nodes["one"]
+    said = zero["stderr"][-4000:] + one["stderr"][-4000:]
+    assert sorted(p.name for p in (one["dir"] / "out").iterdir()) == ["trace-rank2.jsonl", "trace-rank3.jsonl"], said
+    report = report_json(zero["dir"] / "report.json")
+    assert report["verdict"] == DIVERGED and report["missing_ranks"] == [], said
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert {r: s["verdict"] for r, s in ranks.items()} == {0: CLEAN, 1: CLEAN, 2: CLEAN, 3: DIVERGED}
+    assert ranks[3]["cause"] == "state_mutation" and ranks[3]["first_module"] == "layers.0"
+    assert ranks[3]["cause_tensor"] == "layers.0.center"
+    local = next(f for f in report["cross_rank_findings"] if f["kind"] == "rank_local")
+    assert local["ranks"] == [3] and local["region"] == 0 and local["module"] == "layers.0"
+    node1 = (one["dir"] / "out").resolve()
+    assert any(n.startswith("ranks 2, 3: traces received from node 1 (host ") and f", {node1}); their full traces "
+               "are there" in n for n in report["notes"]), report["notes"]
+    assert "DIVERGED" in zero["stdout"] and "rank 3" in zero["stdout"]
+    assert rank0_exit_code(zero["stderr"]) == 1, said  # --check: the diverged verdict's code
+
+    merged = run_cli("report", "--json", str(tmp_path / "merged.json"), str(zero["dir"] / "out"),
+                     str(one["dir"] / "out"))
+    assert merged.returncode == 1, merged.stderr  # ranks 2 and 3 are in both directories: read once
+    kinds = {f["kind"] for f in report_json(tmp_path / "merged.json")["cross_rank_findings"]}
+    assert "mixed_runs" not in kinds and "missing_ranks" not in kinds
+
+
+@pytest.mark.e2e
+def test_a_rank_killed_on_the_other_node_makes_the_report_unchecked(tmp_path):
+    """Rank 3 (node 1) kills itself after its last step, before finishing its trace: rank 0 names it, with its
+    node and host, and the verdict is unchecked (exit 4 with --check), not clean."""
+    nodes = two_nodes(tmp_path, "--center-rank", "-1", "--die-rank", "3", wait_s=8)
+    zero = nodes["zero"]
+    said = zero["stderr"][-4000:] + nodes["one"]["stderr"][-4000:]
+    report = report_json(zero["dir"] / "report.json")
+    assert report["verdict"] == UNCHECKED and report["title"] == "RANKS MISSING", said
+    # rank 2, which node 1's torchrun stops when rank 3 dies, may be cut short too (a trace without its end record)
+    assert 3 in report["missing_ranks"] and set(report["missing_ranks"]) <= {2, 3}, report["missing_ranks"]
+    assert report["headline"].startswith("results missing from rank"), report["headline"]
+    assert any(n.startswith("rank 3 (node 1, host ") and "started but sent no results: it may have died" in n
+               for n in report["notes"]), report["notes"]
+    assert "RANKS MISSING" in zero["stdout"]
+    assert rank0_exit_code(zero["stderr"]) == 4, said
+
+    later = run_cli("report", str(zero["dir"] / "out"))
+    assert later.returncode == 4, later.stdout[-2000:]  # rank 3's trace is not there: never clean

@@ -1,0 +1,291 @@
+"""Watch mode (capture/watch.py): no dispatch mode, saved tensors digested on the device and compared per position,
+read back without a sync; escalation to full recording; the same verdicts as full recording on real mechanisms."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import ac_diff
+from ac_diff.capture import fingerprint, watch
+from ac_diff.capture.watch import WatchedPass, row_bits
+from ac_diff.trace import read_run
+from cuda_standin import KERNELS, CudaAttention, attention
+from test_fingerprint import _dtypes, _edited, _flip_one, _sample
+
+WATCH = {"watch": True, "watch_full_steps": 0}  # every step watched (the steady state of a long run)
+
+
+def digests(*tensors: torch.Tensor) -> list:
+    wp = WatchedPass()
+    for i, t in enumerate(tensors):
+        wp.saved(i, t, None, "saved", None)
+    wp.launch()
+    wp.resolve()
+    return [row[6] if len(row) > 6 else None for row in wp.positions]
+
+
+# -- the digest ---------------------------------------------------------------------------------------------------
+def _swap_rows(elements: torch.Tensor) -> None:
+    """Swap the first element with one of another row of the (8, 4) sample that holds other bits."""
+    other = next(j for j in range(4, len(elements)) if not torch.equal(elements[j], elements[0]))
+    elements[[0, other]] = elements[[other, 0]]
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: str(d).removeprefix("torch."))
+def test_every_dtype_gets_a_digest_that_sees_one_bit_and_moved_rows(dtype):
+    t = _sample(dtype)
+    first, again, flipped, moved = digests(t, _edited(t, lambda e: None), _edited(t, _flip_one), _edited(t, _swap_rows))
+    assert first is not None and again == first and digests(t) == [first]
+    assert flipped != first  # one element's bits changed
+    assert moved != first  # values moved to another row (a token routed elsewhere)
+
+
+def test_the_digest_of_a_tensor_does_not_depend_on_what_was_saved_before_it():
+    a, b = torch.randn(16, 8), torch.randn(5, 8)
+    alone = digests(b)[0]
+    after_a = digests(a, b)[1]
+    after_other = digests(torch.randn(3, 8), b)[1]
+    assert alone == after_a == after_other  # weights start over at each tensor: a shifted position still matches
+
+
+def test_a_tensor_saved_twice_is_reduced_once(monkeypatch):
+    calls = []
+    real = watch.row_bits
+    monkeypatch.setattr(watch, "row_bits", lambda t: calls.append(1) or real(t))
+    x = torch.randn(4, 4)
+    alone = digests(x)[0]
+    calls.clear()
+    assert digests(x, x, x.clone()) == [alone] * 3
+    assert len(calls) == 2
+
+
+def test_tensors_without_plain_values_get_no_digest():
+    sparse = torch.eye(3).to_sparse()
+    assert digests(sparse, torch.empty(2, 2, device="meta")) == [None, None]
+    assert row_bits(torch.zeros(0, 3)) is not None
+
+
+# -- watched training -------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, dim: int = 16, drift_after: int | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.register_buffer("center", torch.zeros(dim))
+        self.calls, self.drift_after, self.dropout = 0, drift_after, dropout
+
+    def forward(self, x):
+        self.calls += 1
+        if self.drift_after is not None and self.calls > self.drift_after:
+            # a running statistic updated inside the checkpointed forward: the recompute reads the new one
+            self.center.mul_(0.9).add_(x.detach().mean((0, 1)), alpha=0.1)
+        h = torch.relu(self.up(x - self.center))
+        return self.down(nn.functional.dropout(h, self.dropout, self.training)) + x
+
+
+class Net(nn.Module):
+    def __init__(self, reentrant: bool = False, preserve: bool = True, **block) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(**block) for _ in range(2))
+        self.reentrant, self.preserve = reentrant, preserve
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=self.reentrant, preserve_rng_state=self.preserve)
+        return x
+
+
+MECHANISMS = {  # name -> (model kwargs, the verdict full recording reaches)
+    "clean": ({}, "clean"),
+    "clean_reentrant": ({"reentrant": True}, "clean"),
+    "buffer_updated_from_step_3": ({"drift_after": 4}, "diverged"),  # 2 forward calls per step: forward, recompute
+    "dropout_without_rng_state": ({"dropout": 0.3, "preserve": False}, "diverged"),
+    "reentrant_dropout_without_rng_state": ({"reentrant": True, "dropout": 0.3, "preserve": False}, "diverged"),
+    "dropout_with_rng_state": ({"dropout": 0.3}, "clean"),
+}
+
+
+def train(model: nn.Module, steps: int = 4) -> list[float]:
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 6, 16, requires_grad=True)  # (reentrant checkpoint needs an input that requires grad)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def recorded(tmp_path, name: str, model_kwargs: dict, **options):
+    torch.manual_seed(0)
+    model = Net(**model_kwargs)
+    path = tmp_path / f"{name}.jsonl"
+    with ac_diff.record(path, **options) as rec:
+        losses = train(model)
+    run = read_run(path)
+    return rec, run, ac_diff.diagnose([run]), losses, model
+
+
+@pytest.mark.parametrize("name", sorted(MECHANISMS))
+def test_watch_reaches_the_verdict_full_recording_reaches(name, tmp_path):
+    kwargs, expected = MECHANISMS[name]
+    _, _, full, full_losses, full_model = recorded(tmp_path, f"{name}-full", kwargs)
+    rec, run, watched, losses, model = recorded(tmp_path, f"{name}-watch", kwargs, **WATCH)
+    assert rec.errors == []
+    assert full.verdict == expected, full.headline
+    assert watched.verdict == expected, watched.headline
+    assert watched.watch["compared"] >= 1 and run.watch is not None
+    assert losses == full_losses  # the recorder changes nothing it watches
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), full_model.state_dict().values()))
+
+
+def test_after_escalation_the_lead_is_full_recordings_lead(tmp_path):
+    kwargs = MECHANISMS["buffer_updated_from_step_3"][0]
+    _, _, full, _, _ = recorded(tmp_path, "full", kwargs)
+    _, run, watched, _, _ = recorded(tmp_path, "watch", kwargs, **WATCH)
+    lead_full, lead_watch = full.lead_groups()[0][0], watched.lead_groups()[0][0]
+    assert not lead_watch.watched, watched.headline  # a region recorded in full after the escalation leads
+    assert (lead_watch.module, lead_watch.cause.kind, lead_watch.cause.tensor) == \
+        (lead_full.module, lead_full.cause.kind, lead_full.cause.tensor)
+    assert lead_watch.first_divergence().op == lead_full.first_divergence().op
+    escalated = {e["module"]: e for e in watched.watch["escalated"]}
+    first = min(r.step for r in watched.regions if r.watched and r.status == "diverged")
+    assert escalated[lead_watch.module]["diverged_step"] == first == 3
+    assert escalated[lead_watch.module]["from_step"] == 4
+    assert "recorded in full from step 4" in watched.watch["text"]
+
+
+def test_watch_reads_nothing_back_synchronously(tmp_path, monkeypatch):
+    """No `to_host` (a device sync on a GPU) while watching; one asynchronous copy per pass and device."""
+    calls = {"to_host": 0, "later": 0}
+    real_to_host, real_later = fingerprint.to_host, watch.to_host_later
+    monkeypatch.setattr(fingerprint, "to_host", lambda t: calls.__setitem__("to_host", calls["to_host"] + 1)
+                        or real_to_host(t))
+    monkeypatch.setattr(watch, "to_host_later", lambda t: calls.__setitem__("later", calls["later"] + 1)
+                        or real_later(t))
+    _, _, report, _, _ = recorded(tmp_path, "syncs", {}, **WATCH)
+    assert report.verdict == "clean"
+    assert calls["to_host"] == 0
+    assert calls["later"] == 4 * 2 * 2  # steps x regions x passes
+    calls["to_host"] = 0
+    recorded(tmp_path, "full", {})
+    assert calls["to_host"] >= 4 * 2 * 2  # full recording reads back once per pass
+
+
+_COMPUTE = frozenset({"aten::sum", "aten::cumsum", "aten::cat", "aten::mul", "aten::index_select", "aten::copy_",
+                      "aten::_to_copy", "aten::clone"})
+
+
+def test_watch_adds_one_reduction_per_saved_tensor(tmp_path):
+    """Ops with kernels that watch adds (counted by the profiler, outermost calls only): one reduction per saved
+    tensor the region made, and a constant number per pass (cat, mul, cumsum, index_select, one copy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(**options) -> int:
+        torch.manual_seed(0)
+        model = Net()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with ac_diff.record(tmp_path / "k.jsonl", **options) if options else contextlib.nullcontext():
+                train(model, steps=1)
+        return sum(1 for e in prof.events() if e.name in _COMPUTE
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+    kernels(**WATCH)  # the weights made once per process
+    plain = kernels()
+    counted = []
+    real = watch.row_bits
+    watch.row_bits = lambda t: counted.append(1) or real(t)
+    try:
+        watched = kernels(**WATCH)
+    finally:
+        watch.row_bits = real
+    passes = 2 * 2
+    assert len(counted) > 0
+    assert len(counted) <= watched - plain <= len(counted) + 5 * passes, (watched, plain, len(counted))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_kernels_uninitialised_outputs_are_not_an_alarm(kernel, tmp_path):
+    """CUDA's attention kernels save an output nobody writes (flash's `unused`, the philox state of a call that drew
+    nothing): a watched difference there is held until a full recording of the module says which positions hold no
+    values; then the region is clean, and the module is watched again."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x):
+            q, k, v = (t.view(2, 8, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            return attention(q, k, v, kernel, dropout_p=0.0, is_causal=True).transpose(1, 2).reshape(2, 8, 32)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Attn() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    model = Model()
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for _ in range(4):
+            with CudaAttention():
+                model(torch.randn(2, 8, 32)).pow(2).sum().backward()
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "clean", report.headline
+    assert report.watch["escalated"] == [] and report.watch["diverged"] == 0
+    assert report.watch["compared"] >= 2 * 3  # one step recorded in full to learn, the rest watched
+
+
+def test_a_watched_divergence_the_run_never_saw_again_says_so(tmp_path):
+    """The script stops in the step the divergence appeared (torch raised): the report says which step to record in
+    full, and the verdict is diverged."""
+    torch.manual_seed(0)
+    model = Net(drift_after=4)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **WATCH):
+        train(model, steps=3)
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "diverged"
+    assert "--full-from-step 3" in report.watch["text"]
+    lead = report.lead_groups()[0][0]
+    assert lead.watched and lead.step == 3 and "watch mode in step 3" in lead.cause.detail
+
+
+def test_full_from_step_records_from_that_step(tmp_path):
+    _, run, report, _, _ = recorded(tmp_path, "from", {}, watch=True, watch_full_steps=0, full_from_step=3)
+    steps = sorted({r.step for r in run.regions if r.recorded})
+    assert steps == [3, 4] and report.verdict == "clean"
+    assert report.watch["compared"] == 2 * 2  # steps 1 and 2 watched
+
+
+def test_a_long_watched_run_keeps_a_small_trace(tmp_path):
+    """Clean watched regions leave only counts: a "watch" record every 100 steps and at the end."""
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "long.jsonl"
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ac_diff.record(path, watch=True):
+        for _ in range(300):
+            model(torch.randn(1, 2, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    size = path.stat().st_size
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "clean" and report.watch["steps"] == 300
+    assert report.watch["compared"] == 2 * 299 + 0 and size < 200_000, size  # step 1 in full
+    types = [json.loads(line)["type"] for line in path.read_text().splitlines()]
+    assert types.count("watch") == 300 // 100 + 1
