@@ -715,7 +715,7 @@ def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
     from ac_diff.capture import fingerprint, watch
 
     backend = "flash" if env.cuda else "math"
-    xs = batches(env, 4)
+    xs = batches(env, 6)  # the steady state after a step recorded in full to learn (and the step its results land)
     counts = {"to_host": 0, "later": 0}
     real_to_host, real_later = fingerprint.to_host, watch.to_host_later
 

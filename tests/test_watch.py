@@ -289,3 +289,19 @@ def test_a_long_watched_run_keeps_a_small_trace(tmp_path):
     assert report.watch["compared"] == 2 * 299 + 0 and size < 200_000, size  # step 1 in full
     types = [json.loads(line)["type"] for line in path.read_text().splitlines()]
     assert types.count("watch") == 300 // 100 + 1
+
+
+# -- the batched CUDA digest (byte_sums.py), run on CPU by Triton's interpreter ---------------------------------
+def test_watch_through_the_batched_cuda_kernel_under_tritons_interpreter():
+    """Watch mode's CUDA path (every saved tensor to the batched Triton kernel) on CPU tensors, the kernel run by
+    Triton's interpreter, which must be switched on before triton is imported: a process of its own
+    (tests/watch_batched.py holds the checks)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "watch_batched.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.split() == ["kernel", "ok", "verdicts", "ok", "in_place", "ok"], done.stdout

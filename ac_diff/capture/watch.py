@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
+from .byte_sums import ByteSums
 from .fingerprint import _SAME_SIZE_INTS, StreamFence, _as_real, _local, _rows, to_host_later
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
+BATCH = 64  # CUDA tensors held for one launch of the batched digest kernel (byte_sums.py)
 _MASK = (1 << 64) - 1
 
 
@@ -91,6 +93,12 @@ def row_bits(t: torch.Tensor) -> torch.Tensor | None:
 _Tensor = torch.Tensor
 _strided = torch.strided
 _current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # device index -> (stream id, index, type)
+_byte_sums = ByteSums.get
+
+
+def _batched(t: torch.Tensor) -> bool:
+    """Digested by the batched kernel (a CUDA tensor, where it compiled), not by a reduction of its own."""
+    return t.is_cuda and _byte_sums() is not None
 
 
 # (device, capacity) -> the (2, capacity) int64 weights [ones; 1, 3, 5, ...], made on the device; by length, views
@@ -141,9 +149,10 @@ class Landing:
     """One pass's digests on their way to the host: ready once the copy's event has completed."""
 
     def __init__(self) -> None:
-        self._parts: list[tuple[list[int], tuple[int, ...], torch.Tensor, Any]] = []  # (slots, lengths, host, event)
+        # (slots, row counts (None: the host holds one [sum, weighted sum] row per slot, byte_sums), host, event)
+        self._parts: list[tuple[list[int], tuple[int, ...] | None, torch.Tensor, Any]] = []
 
-    def add(self, slots: list[int], lengths: tuple[int, ...], host: torch.Tensor, event: Any) -> None:
+    def add(self, slots: list[int], lengths: tuple[int, ...] | None, host: torch.Tensor, event: Any) -> None:
         self._parts.append((slots, lengths, host, event))
 
     def ready(self) -> bool:
@@ -158,6 +167,10 @@ class Landing:
         """[plain sum, row-weighted sum] per slot (None for a tensor without a digest): read once ready."""
         out: list[list[int] | None] = [None] * n
         for slots, lengths, host, _ in self._parts:
+            if lengths is None:  # byte sums, one pair per slot
+                for slot, pair in zip(slots, host.tolist()):
+                    out[slot] = pair
+                continue
             c1, c2 = host.tolist() if host.numel() else ([], [])
             k, prev1, prev2, start = 0, 0, 0, 0
             for slot, rows in zip(slots, lengths):
@@ -181,7 +194,11 @@ class WatchedPass:
         self._rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> [(slot, row sums)]
         self._slots = 0
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, version, slot): reduced once
-        self._streams: set[tuple] = set()  # CUDA streams the reductions ran on (raw, see `launch`)
+        self._streams: set[tuple] = set()  # CUDA streams the saved tensors were made on (raw, see `_fence`)
+        # CUDA tensors awaiting the batched kernel (byte_sums), by device: [(slot, tensor, its version at the save)]
+        self._batch: dict[torch.device, list[tuple[int, torch.Tensor, int]]] = {}
+        self._pairs: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}  # device -> [(slots, (k, 2) sums)]
+        self.unmeasured: set[int] = set()  # slots whose tensor changed in place before it was read: not compared
         self.landing: Landing | None = None
         self.error: str | None = None
         self.complete = True
@@ -193,7 +210,7 @@ class WatchedPass:
             hit = self._seen.get(id(tensor))
             if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
                 row.append(hit[2])
-            else:
+            elif not (_batched(tensor) and self._add_to_batch(tensor, row)):
                 rows = row_bits(tensor)
                 if rows is not None:
                     device = rows.device
@@ -205,16 +222,53 @@ class WatchedPass:
                     self._slots += 1
         self.positions.append(row)
 
-    def launch(self) -> None:
-        """Per device: the plain and weighted cumulative sums of every row sum, at each tensor's last row, copied
-        asynchronously to pinned memory (cat, mul, cumsum, index_select, copy: no host sync)."""
-        landing = Landing()
+    def _add_to_batch(self, tensor: torch.Tensor, row: list) -> bool:
+        """A CUDA tensor waits for the batched kernel (held until then: at most BATCH of them per device); False for
+        one the kernel does not take (not dense, not 16-byte sized and aligned: reduced on its own)."""
+        t = tensor if type(tensor) is _Tensor else _local(tensor)
+        if t is None or t.is_quantized or t.layout is not _strided or not _byte_sums().fits(t):
+            return False
+        if t.is_cuda:
+            self._streams.add(_current_stream(t.device.index))
+        batch = self._batch.setdefault(t.device, [])
+        batch.append((self._slots, t, t._version))
+        self._seen[id(tensor)] = (_weakref(tensor), tensor._version, self._slots)
+        row.append(self._slots)
+        self._slots += 1
+        if len(batch) >= BATCH:
+            self._flush(t.device)
+        return True
+
+    def _flush(self, device: torch.device) -> None:
+        batch = self._batch.pop(device, [])
+        if not batch:
+            return
+        self._fence()
+        self.unmeasured.update(slot for slot, t, version in batch if t._version != version)
+        self._pairs.setdefault(device, []).append(([s for s, _, _ in batch], _byte_sums().launch([t for _, t, _ in batch])))
+
+    def _fence(self) -> None:
+        """The current stream waits for the streams the saved tensors were made on (a device-side wait)."""
         if self._streams:
             fence = StreamFence()
             for stream_id, index, kind in self._streams:
                 fence.note(index, torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind))
             fence.wait(torch.cuda.current_stream)
             self._streams = set()
+
+    def launch(self) -> None:
+        """Per device: the digests of the pass, copied asynchronously to pinned memory (no host sync). Row sums: their
+        plain and weighted cumulative sums at each tensor's last row (cat, mul, cumsum, index_select, copy); CUDA
+        tensors: the batched byte sums (one kernel per BATCH tensors, a cat, a copy)."""
+        landing = Landing()
+        for device in list(self._batch):
+            self._flush(device)
+        self._fence()
+        for device, batches in self._pairs.items():
+            slots = [s for part, _ in batches for s in part]
+            sums = torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]
+            landing.add(slots, None, *to_host_later(sums))
+        self._pairs = {}
         for device, entries in self._rows.items():
             slots = [s for s, _ in entries]
             parts = [r for _, r in entries]
@@ -232,7 +286,7 @@ class WatchedPass:
         digests = self.landing.digests(self._slots) if self.landing is not None else []
         for row in self.positions:
             if len(row) > 6:
-                row[6] = digests[row[6]]
+                row[6] = None if row[6] in self.unmeasured else digests[row[6]]
         self.landing = None
 
 
@@ -427,7 +481,8 @@ def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -
     for a, b in zip(f, r):
         if a[1] != b[1] or a[2] != b[2] or a[5] != b[5]:
             return "saved"
-        if len(a) > 6 and len(b) > 6 and a[6] != b[6] and a[0] not in mask:
+        if len(a) > 6 and len(b) > 6 and a[6] != b[6] and a[6] is not None and b[6] is not None \
+                and a[0] not in mask:
             values = True
     return "values" if values else None
 
