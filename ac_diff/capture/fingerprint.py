@@ -322,7 +322,14 @@ class FingerprintBatch:
         self._streams.note(device, torch.cuda.current_stream(device))
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
-        """Read everything back: (fingerprint per slot, kept values encoded by `encode_values`)."""
+        """Read everything back now: (fingerprint per slot, kept values encoded by `encode_values`); one `to_host`
+        (a sync on a GPU) per device."""
+        return self.launch(later=False).collect()
+
+    def launch(self, later: bool = True) -> "Collection":
+        """Queue the read-back: per device ONE byte buffer of every fingerprint and kept value, copied to pinned memory
+        without waiting (`to_host_later`; `later=False`: `to_host`, read at once). `Collection.ready()` says when
+        `collect()` no longer waits."""
         self._streams.wait(torch.cuda.current_stream)
         on_device = []
         for pairs, firsts, seconds, bits in self._buckets.values():
@@ -334,7 +341,11 @@ class FingerprintBatch:
                 both = torch.cat((both.double().reshape(-1), torch.stack(bits).double()))
             on_device.append(both)
         kept = _grouped(self._kept)
-        hosts = _packed_to_host(on_device + [flat for flat, _ in kept])  # one read per device for everything
+        packed = _Packed(on_device + [flat for flat, _ in kept], later)
+        return Collection(self, packed, len(on_device), [idx for _, idx in kept])
+
+    def _decode(self, hosts: list[torch.Tensor], n_buckets: int, kept_idx: list[list[int]]
+                ) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         read = {}
         for (key, (pairs, firsts, _, bits)), host in zip(self._buckets.items(), hosts):
             n = len(pairs) + len(firsts)
@@ -349,7 +360,7 @@ class FingerprintBatch:
             if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
                 fp = fp + [bit_sums[bit]]  # the pair says nothing here: the bit patterns do
             out.append(fp)
-        return out, _encode_kept(self._kept, list(zip(hosts[len(on_device):], (idx for _, idx in kept))))
+        return out, _encode_kept(self._kept, list(zip(hosts[n_buckets:], kept_idx)))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -381,26 +392,61 @@ def _grouped(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]
     return out
 
 
+class Collection:
+    """A FingerprintBatch's read-back on its way (`FingerprintBatch.launch`): `ready()` without waiting, `collect()`
+    (fingerprint per slot, kept values), waiting only if it has not landed."""
+
+    def __init__(self, batch: FingerprintBatch, packed: "_Packed", n_buckets: int, kept_idx: list[list[int]]) -> None:
+        self._batch, self._packed, self._n, self._kept_idx = batch, packed, n_buckets, kept_idx
+
+    def ready(self) -> bool:
+        return self._packed.ready()
+
+    def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
+        return self._batch._decode(self._packed.hosts(), self._n, self._kept_idx)
+
+
+class _Packed:
+    """Tensors of any dtypes and shapes, those of one device copied to the host as ONE byte buffer (`to_host`, one sync
+    per device; `later`: `to_host_later`, no sync), then split and viewed as their dtypes again (`hosts()`). Each part
+    starts 8-byte aligned (a view as float64 needs it). On CPU the same packing runs, so the read-count tests on CPU
+    test the GPU path."""
+
+    def __init__(self, tensors: list[torch.Tensor], later: bool = False) -> None:
+        self._tensors = [(t.dtype, t.shape) for t in tensors]
+        self._devices: list[tuple[list[int], list[tuple[int, int]], torch.Tensor, Any]] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        for device, idx in by_device.items():
+            parts, spans, at = [], [], 0
+            for i in idx:
+                raw = tensors[i].contiguous().reshape(-1).view(torch.uint8)
+                pad = -raw.numel() % 8
+                parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)] if pad else [raw]
+                spans.append((at, raw.numel()))
+                at += raw.numel() + pad
+            buffer = torch.cat(parts) if len(parts) > 1 else parts[0]
+            host, event = to_host_later(buffer) if later else (to_host(buffer), None)
+            self._devices.append((idx, spans, host, event))
+
+    def ready(self) -> bool:
+        return all(event is None or event.query() for *_, event in self._devices)
+
+    def hosts(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(self._tensors)
+        for idx, spans, host, event in self._devices:
+            if event is not None:
+                event.synchronize()
+            for i, (start, n) in zip(idx, spans):
+                dtype, shape = self._tensors[i]
+                out[i] = host[start:start + n].view(dtype).view(shape)
+        return out  # type: ignore[return-value]
+
+
 def _packed_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of tensors of any dtypes and shapes, those of one device read back as ONE byte buffer (one `to_host`,
-    one sync per device), then split and viewed as their dtypes again. Each part starts 8-byte aligned (a view as
-    float64 needs it). On CPU the same packing runs, so the read-count tests on CPU test the GPU path."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for device, idx in by_device.items():
-        parts, spans, at = [], [], 0
-        for i in idx:
-            raw = tensors[i].contiguous().reshape(-1).view(torch.uint8)
-            pad = -raw.numel() % 8
-            parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)] if pad else [raw]
-            spans.append((at, raw.numel()))
-            at += raw.numel() + pad
-        host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
-        for i, (start, n) in zip(idx, spans):
-            out[i] = host[start:start + n].view(tensors[i].dtype).view(tensors[i].shape)
-    return out  # type: ignore[return-value]
+    """Host copies of tensors of any dtypes and shapes: one `to_host` per device (`_Packed`)."""
+    return _Packed(tensors).hosts()
 
 
 def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

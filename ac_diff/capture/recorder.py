@@ -22,6 +22,7 @@ write="diverged" keeps), ac_diff/trace.py (the encoding), ac_diff/oprules.py (wh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -218,6 +219,9 @@ class Recorder:
         self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
         self._source_lines = self.options.source_lines
         self._watch: Watch | None = None  # watch mode (start())
+        # recorded passes whose read-back is on its way: (Collection, write it, the pass), in the order they ended
+        self._landing: collections.deque = collections.deque()
+        self._landing_lock = threading.RLock()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -251,6 +255,7 @@ class Recorder:
             return
         self._close_open_passes(exc)
         self._started = False
+        self._write_landed(wait=True)
         if self._watch is not None:
             self._close_watch()
         if self.options.scope == "all":
@@ -357,6 +362,8 @@ class Recorder:
         if tracing():  # torch.compile/export tracing checkpoint() with fake tensors: not a real pass
             return
         passes = self._passes()
+        if self._landing:
+            self._write_landed()
         watch = self._watch
         if watch is not None and watch.pending:
             with self.internal():
@@ -492,7 +499,8 @@ class Recorder:
         try:
             region = getattr(frame, "_ac_diff_region", None)
             passes = getattr(self._local, "passes", None)
-            if region is None or not (region.recorded or region.watched) or not passes or tracing():
+            if region is None or not (region.recorded or region.watched) or not passes or (
+                    type(tensor) is not _Tensor and tracing()):
                 return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
             p = passes[-1]
             if p.region is not region:  # a pack of an outer region while an inner one runs
@@ -947,14 +955,42 @@ class Recorder:
             if any(row[_MODULE] is None or inner and row[_MODULE] != inner and not row[_MODULE].startswith(inner + ".")
                    for row in p.ops):  # (a root module's FQN is "": every module is inside it)
                 region.module = region.fn_name  # the function does more than call that module
+        # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
+        drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
+        outputs = _outliving(p) if p.phase == FORWARD and region.recorded else None
+        collection = None
+        if region.recorded:
+            with self.quiet():
+                collection = p.batch.launch()  # one asynchronous read-back per device: no host sync
+        finish = functools.partial(self._write_pass, p, complete, stopped_early, exc, drew, outputs, collection)
+        if collection is None or (not self._landing and collection.ready()):
+            finish()
+        else:  # written once the read-back has landed, in the order the passes ended (`_write_landed`)
+            self._landing.append((collection, finish, p))
+
+    def _write_landed(self, wait: bool = False) -> None:
+        """Write the passes whose read-back has landed (`wait`: all of them, waiting), oldest first."""
+        landing = self._landing
+        with self._landing_lock:
+            while landing and (wait or landing[0][0].ready()):
+                _, finish, p = landing.popleft()
+                try:
+                    finish()
+                except Exception as error:  # noqa: BLE001 - the pass is lost, but never silently
+                    self._internal_error("finish_pass", error)
+                    self._write_lost_pass(p, error)
+
+    def _write_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None, drew: list,
+                    outputs: list | None, collection: Any) -> None:
+        region = p.region
         writer = self._writer
         self._write_region(region)
         ops_record = None  # () -> the pass's "ops" record, built only when it is written
         fps: dict[int, list] = {}
         kept: list = []
-        if region.recorded:
+        if collection is not None:
             with self.quiet():
-                fingerprints, kept = p.batch.collect()
+                fingerprints, kept = collection.collect()
             p.nonfinite = p.nonfinite or not p.batch.finite
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
@@ -972,11 +1008,10 @@ class Recorder:
             "n_ops": p.n_ops if region.recorded or p.n_ops else None, "complete": complete, "stopped_early": stopped_early, "state": p.state,
             "externals": p.externals, "positions": p.positions,
         }
-        drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
         if drew:
             p.state["host_draws"] = drew  # Python's or numpy's generator moved during the pass
-        if p.phase == FORWARD and region.recorded:
-            record["outputs"] = _outliving(p)
+        if outputs is not None:
+            record["outputs"] = outputs
         if p.attributes:
             record["attributes"] = p.attributes
         if p.attribute_updates:
