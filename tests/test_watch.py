@@ -307,3 +307,22 @@ def test_watch_through_the_batched_cuda_kernel_under_tritons_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.split() == ["kernel", "ok", "verdicts", "ok", "in_place", "ok"], done.stdout
+
+
+@pytest.mark.e2e
+def test_watch_under_torchrun_finds_the_rank_that_diverged(tmp_path):
+    """`ac-diff run --nproc-per-node 2 --watch`: every rank watches; rank 1 updates its router bias between forward
+    and recompute (torch raises there), rank 0 reproduces; the cross-rank report says so."""
+    from conftest import EXAMPLES, report_json, run_cli
+
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "--watch", "--watch-full-steps", "0", "-o", str(out),
+                   "--json", str(json_path), str(EXAMPLES / "distributed_bias_update.py"), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # rank 1's CheckpointError
+    report = report_json(json_path)
+    assert report["verdict"] == "diverged"
+    headers = [json.loads((out / f"trace-rank{r}.jsonl").open().readline()) for r in (0, 1)]
+    assert all(h["options"]["watch"] and h["options"]["watch_full_steps"] == 0 for h in headers)
+    diverged = [(r["rank"], r["module"], r["watched"]) for r in report["regions"] if r["status"] == "diverged"]
+    assert diverged == [(1, "layers.1", True)], report["regions"]
+    assert report["watch"]["compared"] >= 2  # rank 0's two regions, and rank 1's

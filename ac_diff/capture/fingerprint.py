@@ -203,9 +203,9 @@ def to_host_later(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     if t.device.type == "cpu":
         return t, None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host.copy_(t, non_blocking=True)  # (queued on the current stream of t's device, cuda:1 on LOCAL_RANK 1)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(t.device))
     return host, event
 
 

@@ -372,6 +372,8 @@ class Recorder:
             region = self._new_region(frame, passes)
             attempt = 0
         else:
+            if watch is not None:
+                watch.recomputed = True
             region = getattr(frame, "_ac_diff_region", None)
             if region is None:  # a frame created before recording started: nothing to compare with
                 region = self._new_region(frame, passes, recorded=False)

@@ -23,8 +23,10 @@ row go unseen. A tensor saved at several positions is reduced once per pass.
 Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
 (an FSDP all-gather rewrites a parameter in place, a new version with the same values).
 
-Steps: a step begins each time the first region the run checkpointed (by its module) starts its forward again, so
-with gradient accumulation a step is one micro-batch. Steps count from 1, as training loops print them.
+Steps: the first region's forward begins step 1; a region's forward that begins after a recompute has run (a backward
+reached a region) begins the next step. With gradient accumulation that is one micro-batch where each one's backward
+runs before the next forward, one accumulation cycle where the forwards run first. Steps count from 1, as training
+loops print them.
 """
 
 from __future__ import annotations
@@ -318,7 +320,7 @@ class Watch:
     escalate: bool = True
     full_steps: int = 0  # the first steps recorded in full (a bug that strikes in step 1 needs no second run)
     step: int = 0
-    first_key: Any = None
+    recomputed: bool = False  # a recompute ran since the step began (the next region forward begins a new step)
     escalated: dict[str, dict] = field(default_factory=dict)  # key -> {"diverged_step", "region", "from_step"}
     totals: dict[str, _Totals] = field(default_factory=dict)
     pending: deque = field(default_factory=deque)
@@ -332,13 +334,11 @@ class Watch:
     def full(self, key: str | None, top_level: bool) -> bool:
         """A region's forward begins: count the step, and say whether it is recorded in full (from
         --full-from-step, or its module was escalated)."""
-        if top_level:
-            if self.first_key is None:
-                self.first_key = key
-            if key == self.first_key:
-                self.step += 1
-                if self.step - self._summarized_at >= SUMMARY_EVERY:
-                    self.summarize()
+        if top_level and (self.step == 0 or self.recomputed):
+            self.step += 1
+            self.recomputed = False
+            if self.step - self._summarized_at >= SUMMARY_EVERY:
+                self.summarize()
         if self.step <= self.full_steps or self.full_from_step is not None and self.step >= self.full_from_step:
             return True
         hit = self.escalated.get(key) if key is not None else None
