@@ -224,10 +224,14 @@ def test_attention_kernels_uninitialised_outputs_are_not_an_alarm(kernel, tmp_pa
         def __init__(self) -> None:
             super().__init__()
             self.qkv = nn.Linear(32, 96)
+            self.repeats = 1
 
         def forward(self, x):
             q, k, v = (t.view(2, 8, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-            return attention(q, k, v, kernel, dropout_p=0.0, is_causal=True).transpose(1, 2).reshape(2, 8, 32)
+            x = attention(q, k, v, kernel, dropout_p=0.0, is_causal=True).transpose(1, 2).reshape(2, 8, 32)
+            for _ in range(self.repeats):  # saves a number of tensors that changes from step to step (as an MoE's)
+                x = torch.sin(x) * x
+            return x
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -243,7 +247,9 @@ def test_attention_kernels_uninitialised_outputs_are_not_an_alarm(kernel, tmp_pa
     model = Model()
     path = tmp_path / "t.jsonl"
     with ac_diff.record(path, **WATCH):
-        for _ in range(4):
+        for step in range(4):
+            for layer in model.layers:
+                layer.repeats = 1 + step % 3
             with CudaAttention():
                 model(torch.randn(2, 8, 32)).pow(2).sum().backward()
     report = ac_diff.diagnose([read_run(path)])

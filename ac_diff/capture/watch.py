@@ -325,9 +325,9 @@ class Watch:
     totals: dict[str, _Totals] = field(default_factory=dict)
     pending: deque = field(default_factory=deque)
     raised: set = field(default_factory=set)  # ids of regions torch's check raised for
-    # (module, saved positions) -> the positions whose values full recording does not compare (`learn`)
-    masks: dict[tuple, frozenset] = field(default_factory=dict)
-    held: dict[tuple, list] = field(default_factory=dict)  # comparisons awaiting their mask, by the same key
+    # module -> the (position, metadata) of saved tensors whose values its full recordings do not compare (`learn`)
+    unmeasured: dict[str, set] = field(default_factory=dict)
+    held: dict[str, list] = field(default_factory=dict)  # comparisons awaiting a full recording of their module
     _summarized_at: int = 0
 
     # -- which regions are recorded in full ----------------------------------------------------
@@ -354,11 +354,14 @@ class Watch:
     def learn(self, key: str | None, positions: list[list]) -> None:
         """A forward of `key`'s module recorded in full: its saved positions without a fingerprint are those whose
         values full recording does not compare (attention's unused output, the philox state of a call that drew
-        nothing, selective AC's cache); watched passes of the same module and count skip them too. Comparisons
-        held for this mask are judged now."""
-        mask_key = (key, len(positions))
-        self.masks[mask_key] = frozenset(row[0] for row in positions if len(row) <= 6 or row[6] is None)
-        held = self.held.pop(mask_key, [])
+        nothing, selective AC's cache); watched passes of the same module skip a position of the same number and
+        metadata (not the count: an MoE's saves vary with the experts that got tokens). Comparisons held for this
+        module are judged now."""
+        if key is None:
+            return
+        self.unmeasured.setdefault(key, set()).update(
+            (row[0], row[1]) for row in positions if len(row) <= 6 or row[6] is None)
+        held = self.held.pop(key, [])
         for cmp in held:
             self._judge(cmp)
         hit = self.escalated.get(key) if key is not None else None
@@ -423,14 +426,15 @@ class Watch:
             if wp.landing is not None:
                 wp.resolve()
         key = region.watch_key
-        mask_key = (key, len(cmp.forward.positions))
-        mask = self.masks.get(mask_key)
+        learned = self.unmeasured.get(key) if key is not None else None
+        mask = None if learned is None else frozenset(row[0] for row in cmp.forward.positions
+                                                      if (row[0], row[1]) in learned)
         raised = id(region) in self.raised
         how = _difference(cmp.forward, cmp.recompute, mask or frozenset())
         if how == "values" and mask is None and not raised and not final and self.escalate and key is not None:
             # values differ only where full recording may not compare them (uninitialised outputs): record this
             # module's next region in full to learn which positions those are, then judge
-            self.held.setdefault(mask_key, []).append(cmp)
+            self.held.setdefault(key, []).append(cmp)
             self.escalated.setdefault(key, {"diverged_step": region.step, "region": region.number,
                                             "from_step": None, "provisional": True})
             return
