@@ -467,8 +467,13 @@ class Report:
         return repeated_updates(self.regions)
 
     def status_counts(self) -> str:
-        """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions)."""
-        return f"{len(self.regions)} region(s): {count_by_status(self.regions)}" if self.regions else ""
+        """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions); watch
+        mode's clean regions, which have no report of their own, counted in ("30 region(s): 24 diverged, 6 clean
+        (watched)")."""
+        watched = self.watch["compared"] - self.watch["diverged"] if self.watch else 0
+        counts = ", ".join(filter(None, [count_by_status(self.regions), f"{watched} clean (watched)" if watched else ""]))
+        n = len(self.regions) + watched
+        return f"{n} region(s): {counts}" if n else ""
 
     def to_json(self, lazy: bool = False) -> dict[str, Any]:
         """The JSON form. `lazy`: its regions as a `Mapped` list, each region's dict made while the encoder

@@ -332,3 +332,16 @@ def test_watch_under_torchrun_finds_the_rank_that_diverged(tmp_path):
     diverged = [(r["rank"], r["module"], r["watched"]) for r in report["regions"] if r["status"] == "diverged"]
     assert diverged == [(1, "layers.1", True)], report["regions"]
     assert report["watch"]["compared"] >= 2  # rank 0's two regions, and rank 1's
+
+
+def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(tmp_path):
+    """With the first step recorded in full (the default), a module whose saved tensors differ there is never watched:
+    every later region of it is recorded in full (the same lead, op and cause as full recording), and the report says
+    why; a module that only counts its calls in its forward (a harmless attribute update) is watched."""
+    _, _, report, _, _ = recorded(tmp_path, "rng", MECHANISMS["dropout_without_rng_state"][0], watch=True)
+    assert report.verdict == "diverged" and not any(r.watched for r in report.regions)
+    assert report.watch["compared"] == 0
+    assert all(e["why"] == "full" and e["from_step"] == 1 for e in report.watch["escalated"])
+    assert "saved other tensors than its forward, so it stays recorded in full" in report.watch["text"]
+    _, _, clean, _, _ = recorded(tmp_path, "counting", {}, watch=True)  # Block counts its calls in its forward
+    assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3

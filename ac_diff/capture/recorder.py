@@ -1000,8 +1000,9 @@ class Recorder:
                 if len(row) > 6:
                     row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
-            if self._watch is not None and p.phase == FORWARD:
-                self._watch.learn(region.watch_key, p.positions)
+            if self._watch is not None:  # a region of watch mode's full steps: what watch would have compared
+                self._watch.full_pass(region, p.phase, p.positions, complete, stopped_early,
+                                      exc is not None and not stopped_early)
             if p.ops:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {

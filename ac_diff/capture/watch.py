@@ -368,6 +368,38 @@ class Watch:
         if held and hit is not None and hit.get("provisional") and not hit.get("confirmed"):
             del self.escalated[key]  # escalated only to learn the mask, and nothing diverged: watched again
 
+    def full_pass(self, region: Any, phase: str, positions: list[list], complete: bool, stopped_early: bool,
+                  raised: bool) -> None:
+        """A pass recorded in full (the first steps, an escalated module, --full-from-step): a forward teaches which
+        saved positions hold no values (`learn`); a recompute whose saved tensors differ from its forward's, as watch
+        compares them, keeps its module recorded in full (`keep_full`)."""
+        if phase == "forward":
+            region.watch_forward = positions
+            self.learn(region.watch_key, positions)
+            return
+        forward = region.watch_forward
+        if forward is None or region.watch_compared:
+            return
+        region.watch_compared = True
+        f, r = WatchedPass(), WatchedPass()
+        f.positions, r.positions = forward, positions
+        r.complete, r.stopped_early, r.error = complete, stopped_early, "raised" if raised else None
+        if _difference(f, r, frozenset()):
+            self.keep_full(region)
+
+    def keep_full(self, region: Any) -> None:
+        """A region recorded in full saved other tensors in its recompute: its module is recorded in full from then
+        on, as if watch had seen it diverge."""
+        key = region.watch_key
+        if key is None or not self.escalate:
+            return
+        hit = self.escalated.get(key)
+        if hit is None or hit.get("provisional") and not hit.get("confirmed"):
+            self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": region.step,
+                                   "confirmed": True, "why": "full"}
+            self.write({"type": "escalate", "module": key, "diverged_step": region.step, "region": region.number,
+                        "from_step": region.step, "why": "full"})
+
     def started(self, key: str | None) -> None:
         """A watched forward began."""
         self._totals(key).unchecked += 1

@@ -37,8 +37,8 @@ def explain_watched(report: RegionReport, region: Region) -> None:
     step = f" in step {region.step}" if region.step is not None else ""
     if report.cause is None or report.cause.kind == "unknown":
         report.cause = Cause("unknown", modules[0] if modules else None,
-                             f"watch mode{step}: {what}; it records no ops, so which op diverged first and why is in "
-                             "the full recording of this module",
+                             f"watch mode{step}: {what}; watch records no ops (the first divergent op and the cause "
+                             "come from a full recording: see below)",
                              [f"{p.saved} -> {p.recomputed}" + (" (values)" if p.matches is not False else "")
                               for p in differ[:6]])
 
@@ -62,7 +62,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                     and e.get("from_step") is not None and (r.step or 0) >= e["from_step"]]
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
-                              ("diverged_step", "region", "from_step")},
+                              ("diverged_step", "region", "from_step", "why")},
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "lead": bad[0].region if bad else None})
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "never_compared": never,
@@ -90,28 +90,37 @@ def _text(s: dict[str, Any]) -> str:
         else:
             found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
                      if e["full_diverged"] else f"all {e['full_regions']} reproduced their saved tensors")
-            text += (f"; {e['module']} diverged in step {e['diverged_step']}: recorded in full from step "
-                     f"{e['from_step']} on: {found}")
+            if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
+                text += (f"; {e['module']}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
+                         f"tensors than its forward, so it stays recorded in full: {found}")
+            else:
+                text += (f"; {e['module']} diverged in step {e['diverged_step']}: recorded in full from step "
+                         f"{e['from_step']} on: {found}")
     if s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
     return text
 
 
 def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]]) -> None:
-    """Each watched region that diverged says where its module's full recording is, or that it reproduced."""
-    by_region = {(e["rank"], e["region"]): e for e in escalated}
+    """Each watched region that diverged says where its module's full recording is, or why there is none and the
+    command that makes one; its cause says it too (the headline shows the cause)."""
+    by_module = {(e["rank"], e["module"]): e for e in escalated}
     for r in reports:
-        e = by_region.get((r.rank, r.region)) if r.watched and r.status == DIVERGED else None
+        e = by_module.get((r.rank, r.module)) if r.watched and r.status == DIVERGED else None
         if e is None:
             continue
+        again = f"`ac-diff run --full-from-step {r.step}` records step {r.step} in full (first divergent op, decision " \
+                "and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
         if e["from_step"] is None:
-            r.notes.append(f"the run ended before {e['module']} ran again: `--full-from-step {e['diverged_step']}` "
-                           "records that step in full (first divergent op, decision and cause)")
+            where = f"the run ended before {e['module']} ran again: {again}"
         elif e["full_diverged"]:
-            r.notes.append(f"{e['module']} was recorded in full from step {e['from_step']}: region {e['lead']} "
-                           "shows the first divergent op and the cause")
+            where = (f"{e['module']} was recorded in full from step {e['from_step']} on: region {e['lead']} shows the "
+                     "first divergent op and the cause")
         else:
-            r.notes.append(f"{e['module']} was recorded in full from step {e['from_step']} and reproduced its saved "
-                           f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur "
-                           "(a rare event: a near-tie, a nondeterministic kernel)")
+            where = (f"{e['module']} was recorded in full from step {e['from_step']} on and reproduced its saved "
+                     f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur (a rare "
+                     f"event: a near-tie, a nondeterministic kernel, a state that changed once); {again}")
+        r.notes.append(where)
+        if r.cause is not None and r.cause.kind == "unknown" and r.cause.detail.endswith("see below)"):
+            r.cause.detail = r.cause.detail[:r.cause.detail.rindex(" (the first")] + f"; {where}"
 

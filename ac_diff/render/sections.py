@@ -42,6 +42,8 @@ def remedies_text(report: Any) -> str | None:
 
 def terminal_items(report: Any) -> list[Any]:
     out: list[Any] = []
+    if report.watch:
+        out.append(Text("watch: ", style="bold cyan") + Text(report.watch["text"]))
     text = remedies_text(report)
     if text:
         out.append(Text("remedies applied: ", style="bold cyan") + Text(text))
@@ -66,6 +68,8 @@ def terminal_items(report: Any) -> list[Any]:
 
 def html_sections(report: Any) -> str:
     parts = []
+    if report.watch:
+        parts.append(f"<section id=\"watch\"><h2>watch mode</h2><p>{escape(report.watch['text'])}</p></section>")
     text = remedies_text(report)
     if text:
         parts.append(f"<section id=\"remedies\"><h2>remedies applied</h2><p>{escape(text)}</p></section>")

@@ -249,7 +249,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
             elif kind == "escalate":  # also in the next "watch" record; this one survives a killed process
                 watch = run.watch = run.watch or {"step": 0, "full_from_step": None, "full_steps": 0, "modules": {},
                                                   "escalated": {}}
-                watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step")}
+                watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step",
+                                                                                  "why")}
             elif kind == "check_error":
                 check_errors.append(rec)
             elif kind == "exception":
