@@ -470,7 +470,7 @@ class Report:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions); watch
         mode's clean regions, which have no report of their own, counted in ("30 region(s): 24 diverged, 6 clean
         (watched)")."""
-        watched = self.watch["compared"] - self.watch["diverged"] if self.watch else 0
+        watched = self.watch["clean"] if self.watch else 0
         counts = ", ".join(filter(None, [count_by_status(self.regions), f"{watched} clean (watched)" if watched else ""]))
         n = len(self.regions) + watched
         return f"{n} region(s): {counts}" if n else ""

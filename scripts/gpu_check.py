@@ -712,12 +712,12 @@ def check_watch_example(env: Env, name: str) -> tuple[str, str, dict]:
 
 def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
     """Watch mode's device-to-host reads: `to_host` (a sync) never; CUDA syncs per step those of the plain step."""
-    from ac_diff.capture import fingerprint, watch
+    from ac_diff.capture import fingerprint
 
     backend = "flash" if env.cuda else "math"
     xs = batches(env, 6)  # the steady state after a step recorded in full to learn (and the step its results land)
     counts = {"to_host": 0, "later": 0}
-    real_to_host, real_later = fingerprint.to_host, watch.to_host_later
+    real_to_host, real_later = fingerprint.to_host, fingerprint.to_host_later
 
     def count(key, real):
         def counted(t):
@@ -747,12 +747,12 @@ def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
         return per_step
 
     plain = syncs_per_step(lambda fn: fn())
-    fingerprint.to_host, watch.to_host_later = count("to_host", real_to_host), count("later", real_later)
+    fingerprint.to_host, fingerprint.to_host_later = count("to_host", real_to_host), count("later", real_later)
     try:
         holder: list = []
         watched = syncs_per_step(lambda fn: holder.append(record(env, "watch-syncs", fn, **WATCH)))
     finally:
-        fingerprint.to_host, watch.to_host_later = real_to_host, real_later
+        fingerprint.to_host, fingerprint.to_host_later = real_to_host, real_later
     diag = holder[0]
     problems = []
     # a module whose watched values differed where full recording may not compare them (attention's unused output)

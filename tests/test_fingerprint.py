@@ -106,8 +106,9 @@ def _flip_one(elements: torch.Tensor) -> None:
     elements[0, -1 if sys.byteorder == "little" else 0] ^= 1
 
 
-def _swap_two(elements: torch.Tensor) -> None:
-    other = next(j for j in range(1, len(elements)) if not torch.equal(elements[j], elements[0]))
+def _swap_two(elements: torch.Tensor, start: int = 1) -> None:
+    """Swap the first element with the first one from `start` on that holds other bits."""
+    other = next(j for j in range(start, len(elements)) if not torch.equal(elements[j], elements[0]))
     elements[[0, other]] = elements[[other, 0]]
 
 

@@ -4,6 +4,7 @@ read back without a sync; escalation to full recording; the same verdicts as ful
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from ac_diff.capture import fingerprint, watch
 from ac_diff.capture.watch import WatchedPass, row_bits
 from ac_diff.trace import read_run
 from cuda_standin import KERNELS, CudaAttention, attention
-from test_fingerprint import _dtypes, _edited, _flip_one, _sample
+from test_fingerprint import _dtypes, _edited, _flip_one, _sample, _swap_two
 
 WATCH = {"watch": True, "watch_full_steps": 0}  # every step watched (the steady state of a long run)
 
@@ -31,10 +32,7 @@ def digests(*tensors: torch.Tensor) -> list:
 
 
 # -- the digest ---------------------------------------------------------------------------------------------------
-def _swap_rows(elements: torch.Tensor) -> None:
-    """Swap the first element with one of another row of the (8, 4) sample that holds other bits."""
-    other = next(j for j in range(4, len(elements)) if not torch.equal(elements[j], elements[0]))
-    elements[[0, other]] = elements[[other, 0]]
+_swap_rows = functools.partial(_swap_two, start=4)  # an element of another row of the (8, 4) sample
 
 
 @pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: str(d).removeprefix("torch."))
@@ -166,20 +164,18 @@ def test_after_escalation_the_lead_is_full_recordings_lead(tmp_path):
 def test_watch_reads_nothing_back_synchronously(tmp_path, monkeypatch):
     """No `to_host` (a device sync on a GPU) while watching; one asynchronous copy per pass and device."""
     calls = {"to_host": 0, "later": 0}
-    real_to_host, real_later = fingerprint.to_host, watch.to_host_later
+    real_to_host, real_later = fingerprint.to_host, fingerprint.to_host_later
     monkeypatch.setattr(fingerprint, "to_host", lambda t: calls.__setitem__("to_host", calls["to_host"] + 1)
                         or real_to_host(t))
-    monkeypatch.setattr(watch, "to_host_later", lambda t: calls.__setitem__("later", calls["later"] + 1)
+    monkeypatch.setattr(fingerprint, "to_host_later", lambda t: calls.__setitem__("later", calls["later"] + 1)
                         or real_later(t))
     _, _, report, _, _ = recorded(tmp_path, "syncs", {}, **WATCH)
     assert report.verdict == "clean"
     assert calls["to_host"] == 0
     assert calls["later"] == 4 * 2 * 2  # steps x regions x passes
-    full_reads = []
-    real_full = fingerprint.to_host_later
-    monkeypatch.setattr(fingerprint, "to_host_later", lambda t: full_reads.append(1) or real_full(t))
+    calls["later"] = 0
     recorded(tmp_path, "full", {})
-    assert calls["to_host"] == 0 and len(full_reads) == 4 * 2 * 2  # full recording: once per pass, no sync either
+    assert calls["to_host"] == 0 and calls["later"] == 4 * 2 * 2  # full recording: once per pass, no sync either
 
 
 _COMPUTE = frozenset({"aten::sum", "aten::cumsum", "aten::cat", "aten::mul", "aten::index_select", "aten::copy_",

@@ -71,12 +71,13 @@ def dense(t: torch.Tensor) -> bool:
 def host_reference(t: torch.Tensor) -> list[int]:
     """[sum w_i, sum (2i + 1) w_i] of `t`'s 32-bit words, on the host, wrapped to int32 (the check)."""
     words = t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).view(torch.int32).tolist()
-    return [_wrap(sum(words)), _wrap(sum((2 * i + 1) * w for i, w in enumerate(words)))]
+    return [wrapped(sum(words), 32), wrapped(sum((2 * i + 1) * w for i, w in enumerate(words)), 32)]
 
 
-def _wrap(x: int) -> int:
-    x &= (1 << 32) - 1
-    return x - (1 << 32) if x >> 31 else x
+def wrapped(x: int, bits: int) -> int:
+    """A Python integer as a `bits`-bit two's-complement integer wraps it (what int32 / int64 sums on a device give)."""
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >> (bits - 1) else x
 
 
 class ByteSums:

@@ -114,7 +114,8 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
 
     "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
     times an odd weight never vanishes in wrap-around arithmetic); "rows": the (2, n) matrix [ones; float
-    weights] that turns row sums into a plain and a weighted total in one kernel."""
+    weights] that turns row sums into a plain and a weighted total in one kernel; "ones_odd": the (2, n) matrix
+    [ones; odd] (watch mode's plain and weighted sums, in one multiplication)."""
     key = (device, dtype, kind, n)
     w = _weight_slices.get(key)
     if w is None:
@@ -122,12 +123,14 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
             w = torch.stack((torch.ones(n, dtype=dtype, device=device), _weights(device, dtype, n)))
         else:
             base = _weight_bases.get(key[:3])
-            if base is None or base.numel() < n:
+            if base is None or base.shape[-1] < n:
                 k = torch.arange(max(n, 1024), dtype=torch.float64, device=device)  # made there: no copy, no sync
-                values = (k + 1 if kind == "int" else 2 * k + 1 if kind == "odd"
+                values = (k + 1 if kind == "int" else 2 * k + 1 if kind in ("odd", "ones_odd")
                           else 1.0 + torch.frac(k * 0.6180339887498949))
+                if kind == "ones_odd":
+                    values = torch.stack((torch.ones_like(values), values))
                 base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
-            w = base[:n]
+            w = base[..., :n]
         if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
             _weight_slices.clear()
         _weight_slices[key] = w

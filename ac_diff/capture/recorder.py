@@ -946,9 +946,10 @@ class Recorder:
 
     def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:
         region = p.region
+        # what the pass raised (not the early stop that ends a recompute at its last saved tensor)
+        error = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}" if exc is not None and not stopped_early \
+            else None
         if p.watch is not None:
-            error = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}" if exc is not None and not stopped_early \
-                else None
             with self.quiet():
                 self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error)
             return
@@ -964,7 +965,7 @@ class Recorder:
         if region.recorded:
             with self.quiet():
                 collection = p.batch.launch()  # one asynchronous read-back per device: no host sync
-        finish = functools.partial(self._write_pass, p, complete, stopped_early, exc, drew, outputs, collection)
+        finish = functools.partial(self._write_pass, p, complete, stopped_early, error, drew, outputs, collection)
         if collection is None or (not self._landing and collection.ready()):
             finish()
         else:  # written once the read-back has landed, in the order the passes ended (`_write_landed`)
@@ -982,7 +983,7 @@ class Recorder:
                     self._internal_error("finish_pass", error)
                     self._write_lost_pass(p, error)
 
-    def _write_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None, drew: list,
+    def _write_pass(self, p: _Pass, complete: bool, stopped_early: bool, error: str | None, drew: list,
                     outputs: list | None, collection: Any) -> None:
         region = p.region
         writer = self._writer
@@ -1001,8 +1002,7 @@ class Recorder:
                     row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
             if self._watch is not None:  # a region of watch mode's full steps: what watch would have compared
-                self._watch.full_pass(region, p.phase, p.positions, complete, stopped_early,
-                                      exc is not None and not stopped_early)
+                self._watch.full_pass(region, p.phase, p.positions, complete, stopped_early, error)
             if p.ops:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {
@@ -1026,11 +1026,11 @@ class Recorder:
             record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
         if p.lost:
             record["lost"] = dict(p.lost)
-        if exc is not None and not stopped_early:
-            record["error"] = f"{type(exc).__name__}: {_exception_text(exc)[:2000]}"
+        if error is not None:
+            record["error"] = error
         if region.recorded and self.options.write == "diverged":
             self._retention.write(p, ops_record, record, fps, kept,
-                                  failed=exc is not None and not stopped_early or bool(p.lost))
+                                  failed=error is not None or bool(p.lost))
         else:
             if ops_record is not None:
                 writer.write(ops_record)  # built (and encoded) by the writer thread

@@ -38,19 +38,11 @@ from typing import Any
 
 import torch
 
-from .byte_sums import ByteSums
-from .fingerprint import _SAME_SIZE_INTS, StreamFence, _as_real, _local, _rows, to_host_later
+from .byte_sums import ByteSums, wrapped
+from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, _weights
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
 BATCH = 64  # CUDA tensors held for one launch of the batched digest kernel (byte_sums.py)
-_MASK = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    x &= _MASK
-    return x - (1 << 64) if x >> 63 else x
-
-
 # Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
 # any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
 _ROW_SUM_DTYPE = {1: torch.int32, 2: torch.int32, 4: torch.int32, 8: torch.int64}
@@ -103,26 +95,7 @@ def _batched(t: torch.Tensor) -> bool:
     return t.is_cuda and _byte_sums() is not None
 
 
-# (device, capacity) -> the (2, capacity) int64 weights [ones; 1, 3, 5, ...], made on the device; by length, views
-_pair_bases: dict[torch.device, torch.Tensor] = {}
-_pair_slices: dict[tuple, torch.Tensor] = {}
 _index_cache: dict[tuple, torch.Tensor] = {}  # (device, row counts of a pass) -> index of each tensor's last row
-
-
-def _pair_weights(device: torch.device, n: int) -> torch.Tensor:
-    key = (device, n)
-    w = _pair_slices.get(key)
-    if w is None:
-        base = _pair_bases.get(device)
-        if base is None or base.shape[1] < n:
-            k = torch.arange(max(n, 4096) * 2, dtype=torch.int64, device=device).view(2, -1)
-            k[0] = 1
-            k[1] = 2 * k[1] - 2 * k[1, 0] + 1  # 1, 3, 5, ...
-            base = _pair_bases[device] = k
-        if len(_pair_slices) > 1024:
-            _pair_slices.clear()
-        w = _pair_slices[key] = base[:, :n]
-    return w
 
 
 def _last_rows(device: torch.device, lengths: tuple[int, ...]) -> torch.Tensor:
@@ -148,27 +121,21 @@ def _last_rows(device: torch.device, lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 class Landing:
-    """One pass's digests on their way to the host: ready once the copy's event has completed."""
+    """One pass's digests on their way to the host (fingerprint._Packed: one buffer per device, no sync); `digests()`
+    reads them, waiting only if they have not landed."""
 
-    def __init__(self) -> None:
-        # (slots, row counts (None: the host holds one [sum, weighted sum] row per slot, byte_sums), host, event)
-        self._parts: list[tuple[list[int], tuple[int, ...] | None, torch.Tensor, Any]] = []
-
-    def add(self, slots: list[int], lengths: tuple[int, ...] | None, host: torch.Tensor, event: Any) -> None:
-        self._parts.append((slots, lengths, host, event))
+    def __init__(self, parts: list[tuple[list[int], tuple[int, ...] | None, torch.Tensor]]) -> None:
+        # (slots, row counts (None: one [sum, weighted sum] row per slot, byte_sums), the device tensor)
+        self._layout = [(slots, lengths) for slots, lengths, _ in parts]
+        self._packed = _Packed([t for *_, t in parts], later=True)
 
     def ready(self) -> bool:
-        return all(event is None or event.query() for *_, event in self._parts)
-
-    def wait(self) -> None:
-        for *_, event in self._parts:
-            if event is not None:
-                event.synchronize()
+        return self._packed.ready()
 
     def digests(self, n: int) -> list[list[int] | None]:
-        """[plain sum, row-weighted sum] per slot (None for a tensor without a digest): read once ready."""
+        """[plain sum, row-weighted sum] per slot (None for a tensor without a digest)."""
         out: list[list[int] | None] = [None] * n
-        for slots, lengths, host, _ in self._parts:
+        for (slots, lengths), host in zip(self._layout, self._packed.hosts()):
             if lengths is None:  # byte sums, one pair per slot
                 for slot, pair in zip(slots, host.tolist()):
                     out[slot] = pair
@@ -182,7 +149,7 @@ class Landing:
                 s1, s2 = c1[k] - prev1, c2[k] - prev2
                 prev1, prev2 = c1[k], c2[k]
                 k += 1
-                out[slot] = [_signed(s1), _signed(s2 - 2 * start * s1)]  # weights restart at the tensor's first row
+                out[slot] = [wrapped(s1, 64), wrapped(s2 - 2 * start * s1, 64)]  # weights restart at the first row
                 start += rows
         return out
 
@@ -259,29 +226,27 @@ class WatchedPass:
             self._streams = set()
 
     def launch(self) -> None:
-        """Per device: the digests of the pass, copied asynchronously to pinned memory (no host sync). Row sums: their
+        """Per device: the digests of the pass, copied to pinned memory in one buffer (no host sync). Row sums: their
         plain and weighted cumulative sums at each tensor's last row (cat, mul, cumsum, index_select, copy); CUDA
         tensors: the batched byte sums (one kernel per BATCH tensors, a cat, a copy)."""
-        landing = Landing()
+        parts = []
         for device in list(self._batch):
             self._flush(device)
         self._fence()
         for device, batches in self._pairs.items():
             slots = [s for part, _ in batches for s in part]
-            sums = torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]
-            landing.add(slots, None, *to_host_later(sums))
+            parts.append((slots, None, torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]))
         self._pairs = {}
         for device, entries in self._rows.items():
             slots = [s for s, _ in entries]
-            parts = [r for _, r in entries]
-            lengths = tuple(r.numel() for r in parts)
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            sums = torch.cumsum(flat.unsqueeze(0) * _pair_weights(device, flat.numel()), dim=1)
-            picked = sums.index_select(1, _last_rows(device, lengths))
-            landing.add(slots, lengths, *to_host_later(picked))
+            rows = [r for _, r in entries]
+            lengths = tuple(r.numel() for r in rows)
+            flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+            sums = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
+            parts.append((slots, lengths, sums.index_select(1, _last_rows(device, lengths))))
         self._rows = {}
         self._seen = {}
-        self.landing = landing
+        self.landing = Landing(parts)
 
     def resolve(self) -> None:
         """Replace each digest slot by its digest (the landing is ready)."""
@@ -369,22 +334,20 @@ class Watch:
             del self.escalated[key]  # escalated only to learn the mask, and nothing diverged: watched again
 
     def full_pass(self, region: Any, phase: str, positions: list[list], complete: bool, stopped_early: bool,
-                  raised: bool) -> None:
+                  error: str | None) -> None:
         """A pass recorded in full (the first steps, an escalated module, --full-from-step): a forward teaches which
         saved positions hold no values (`learn`); a recompute whose saved tensors differ from its forward's, as watch
         compares them, keeps its module recorded in full (`keep_full`)."""
+        wp = WatchedPass()
+        wp.positions, wp.complete, wp.stopped_early, wp.error = positions, complete, stopped_early, error
         if phase == "forward":
-            region.watch_forward = positions
+            region.watch_forward = wp
             self.learn(region.watch_key, positions)
             return
-        forward = region.watch_forward
-        if forward is None or region.watch_compared:
+        if region.watch_forward is None or region.watch_compared:
             return
         region.watch_compared = True
-        f, r = WatchedPass(), WatchedPass()
-        f.positions, r.positions = forward, positions
-        r.complete, r.stopped_early, r.error = complete, stopped_early, "raised" if raised else None
-        if _difference(f, r, frozenset()):
+        if _difference(region.watch_forward, wp, frozenset()):
             self.keep_full(region)
 
     def keep_full(self, region: Any) -> None:
@@ -431,11 +394,7 @@ class Watch:
     def close(self) -> None:
         """The run ended: wait for every digest still on its way, judge, write the totals."""
         while self.pending:
-            cmp = self.pending.popleft()
-            for wp in (cmp.forward, cmp.recompute):
-                if wp.landing is not None:
-                    wp.landing.wait()
-            self._judge(cmp)
+            self._judge(self.pending.popleft())  # (reading the digests waits for those still on their way)
         for held in self.held.values():
             for cmp in held:
                 self._judge(cmp, final=True)

@@ -3,7 +3,7 @@ recording of its module that followed (escalation).
 
     explain_watched(report, region)        # a watched region that diverged: which saved tensors, and where next
     watch = watch_summary(runs, reports)   # -> Report.watch
-    {"steps": 1000, "compared": 3996, "diverged": 4, "never_compared": 0, "full_from_step": None,
+    {"steps": 1000, "compared": 4000, "diverged": 4, "clean": 3996, "never_compared": 0, "full_from_step": None,
      "escalated": [{"module": "layers.1", "diverged_step": 3, "region": 17, "from_step": 4,
                     "full_regions": 8, "full_diverged": 8, "lead": 21}],
      "text": "watched 4,000 region(s) over 1,000 step(s): 3,996 reproduced their saved tensors, 4 diverged; ..."}
@@ -23,7 +23,6 @@ WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name`
 def explain_watched(report: RegionReport, region: Region) -> None:
     """A watched region that diverged: watch recorded no ops, so the cause names the saved tensors that differ and
     the module they were saved in, and points to the full recording (escalation, or --full-from-step)."""
-    report.watched, report.step = True, region.step
     differ = [p for p in report.positions if p.matches is False or p.values_differ]
     shapes = [p for p in differ if p.matches is False]
     modules = sorted({p.module for p in differ if p.module})
@@ -37,8 +36,7 @@ def explain_watched(report: RegionReport, region: Region) -> None:
     step = f" in step {region.step}" if region.step is not None else ""
     if report.cause is None or report.cause.kind == "unknown":
         report.cause = Cause("unknown", modules[0] if modules else None,
-                             f"watch mode{step}: {what}; watch records no ops (the first divergent op and the cause "
-                             "come from a full recording: see below)",
+                             f"watch mode{step}: {what}; watch records no ops",
                              [f"{p.saved} -> {p.recomputed}" + (" (values)" if p.matches is not False else "")
                               for p in differ[:6]])
 
@@ -65,7 +63,8 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                               ("diverged_step", "region", "from_step", "why")},
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "lead": bad[0].region if bad else None})
-    summary = {"steps": steps, "compared": compared, "diverged": diverged, "never_compared": never,
+    summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
+               "never_compared": never,
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated}
     summary["text"] = _text(summary)
     _link_escalations(reports, escalated)
@@ -74,12 +73,12 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
 
 def watched_clean(summary: dict[str, Any] | None) -> int:
     """Watched regions that reproduced their saved tensors (they have no region report of their own)."""
-    return summary["compared"] - summary["diverged"] if summary else 0
+    return summary["clean"] if summary else 0
 
 
 def _text(s: dict[str, Any]) -> str:
     text = (f"watched {s['compared']:,} region(s) over {s['steps']:,} step(s): "
-            f"{s['compared'] - s['diverged']:,} reproduced their saved tensors exactly"
+            f"{s['clean']:,} reproduced their saved tensors exactly"
             + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
     if s["never_compared"]:
         text += f"; {s['never_compared']:,} forward(s) never recomputed (no backward reached them)"
@@ -121,6 +120,6 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                      f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur (a rare "
                      f"event: a near-tie, a nondeterministic kernel, a state that changed once); {again}")
         r.notes.append(where)
-        if r.cause is not None and r.cause.kind == "unknown" and r.cause.detail.endswith("see below)"):
-            r.cause.detail = r.cause.detail[:r.cause.detail.rindex(" (the first")] + f"; {where}"
+        if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
+            r.cause.detail += f"; {where}"
 
