@@ -95,7 +95,14 @@ def _output_file(ctx: typer.Context, param: typer.CallbackParam, path: Optional[
     """An output file given on the command line: resolved now and shown to be writable before anything runs
     (not after the whole training run); a problem names the option that gave the path. Shell completion, which
     parses the line without running it, checks nothing."""
-    return path if ctx.resilient_parsing else output_file(path, max(param.opts, key=len))
+    if ctx.resilient_parsing:
+        return path
+    out = ctx.params.get("output_dir")  # (-o is eager: parsed first)
+    if path and path != "-" and out:
+        folder, out = os.path.dirname(os.path.abspath(path)), os.path.abspath(out)
+        if not os.path.isdir(folder) and os.path.commonpath([folder, out]) == out:
+            checked_dir(folder, "-o")  # inside the output directory, which the run creates: made now
+    return output_file(path, max(param.opts, key=len))
 
 
 def _script(ctx: typer.Context, target: str) -> str:
@@ -191,7 +198,7 @@ def run(
     target: ScriptTarget,
     args: ScriptArgs = None,
     module: ModuleFlag = False,
-    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", help="Directory for the trace files (default ac-diff-out)."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", is_eager=True, help="Directory for the trace files (default ac-diff-out)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Exit 1 if the script succeeded but a region diverged."),
     fmt: FormatOption = None,
@@ -279,7 +286,7 @@ def fix(
     target: ScriptTarget,
     args: ScriptArgs = None,
     module: ModuleFlag = False,
-    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", help="Directory for the runs (default ac-diff-out/fix)."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", is_eager=True, help="Directory for the runs (default ac-diff-out/fix)."),
     max_tries: int = typer.Option(4, "--max-tries", metavar="N", help="Remedies tried at most (cheapest first)."),
     max_modules: Optional[int] = typer.Option(None, "--max-modules", metavar="N", help="Build remedies for the first N modules whose regions diverged (default: all)."),
     old_max_regions: Optional[int] = typer.Option(None, "--max-regions", hidden=True),  # what --max-modules was called
@@ -324,7 +331,7 @@ def audit(
     target: ScriptTarget,
     args: ScriptArgs = None,
     module: ModuleFlag = False,
-    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", help="Directory for the HTML page of --format html (default ac-diff-out/audit)."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", is_eager=True, help="Directory for the HTML page of --format html (default ac-diff-out/audit)."),
     noise: str = typer.Option("1ulp", "--noise", metavar="NOISE", help="Noise injected into the scores of each decision: Nulp, rel:EPS, abs:EPS, or realistic (the rounding of the matmul that made them)."),
     seeds: int = typer.Option(3, "--seeds", metavar="N", help="Noisy replays per region."),
     max_regions: int = typer.Option(4, "--max-regions", metavar="N", help="Replay the first N checkpointed regions."),
@@ -424,7 +431,7 @@ def compare(
 @app.command(cls=_Command)
 def demo(
     ctx: typer.Context,
-    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", help="Where the demo trace goes (default ac-diff-out/demo)."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir", metavar="DIR", is_eager=True, help="Where the demo trace goes (default ac-diff-out/demo)."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
     report_file: RunReportOption = None,

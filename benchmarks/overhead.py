@@ -27,8 +27,10 @@ Variants of the same training step (forward, loss, backward, optimizer step):
                regions whose recompute did not reproduce the forward are written, plus the first clean region
                of each module; a ~1 KB summary of every other one
 * watch        ac-diff watch mode in its steady state: `RecordOptions(watch=True, watch_full_steps=0)`: no dispatch
-               mode; each region's saved tensors digested on the device (one reduction each), compared per pass,
-               read back asynchronously (no host sync)
+               mode; each region's saved tensors digested on the device (CUDA: one batched kernel per 64 of them;
+               CPU: small ones of one shape share a kernel), compared per pass, read back asynchronously (no host
+               sync). Timed as it runs in a long run: the step after a first one inside the same recorder (starting
+               and stopping a recorder, ~1 ms, happens once per run, not per step)
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
                `--max-regions N` regions have been recorded (later regions are listed with their saved
                positions; their ops never reach the recorder)
@@ -174,9 +176,11 @@ def make_step(model: nn.Module, args: tiny_moe.ModelArgs, cli) -> Callable[[int]
 class Variant:
     """How to run one step; `last_trace` is the trace of the last step (ac-diff variants)."""
 
-    def __init__(self, name: str, ctx: Callable[["Variant", str], contextlib.AbstractContextManager]):
+    def __init__(self, name: str, ctx: Callable[["Variant", str], contextlib.AbstractContextManager],
+                 steady: bool = False):
         self.name = name
         self._ctx = ctx
+        self.steady = steady  # timed inside a running recorder, after a first step (`_timed_step`)
         self.last_trace: str | None = None
         self.last_ops = 0
         self.model: nn.Module | None = None  # floor: the model whose checkpoint wrappers it patches
@@ -247,7 +251,7 @@ def variants(cli, model: nn.Module) -> list[Variant]:
         out.append(Variant("default", _recorder(RecordOptions())))
     out.append(Variant("limit0", _recorder(RecordOptions(max_regions=0))))
     if "watch" in fields:  # steady state: every step watched (a run records its first step in full, once)
-        out.append(Variant("watch", _recorder(RecordOptions(watch=True, watch_full_steps=0))))
+        out.append(Variant("watch", _recorder(RecordOptions(watch=True, watch_full_steps=0)), steady=True))
     wanted = cli.variants.split(",") if cli.variants else None
     return [v for v in out if wanted is None or v.name in wanted]
 
@@ -328,6 +332,25 @@ def _host_syncs(v: Variant, tmp: str, step) -> dict | None:
     return {"cuda": sum("synchroniz" in str(w.message) for w in seen), "ac_diff": calls[0]}
 
 
+def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restore) -> tuple[float, float]:
+    """(wall, CPU) seconds of one training step of variant `v`: with its recorder's start and finish, or for a steady
+    variant inside a running recorder, after one untimed step there (the model state put back in between)."""
+    if not v.steady:
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with v.context(tmp, tag):
+            run()
+        return time.perf_counter() - t0, time.process_time() - c0
+    with v.context(tmp, tag):
+        run()
+        if restore is not None:
+            restore()
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.process_time()
+        run()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
 def bench_model(kind: str, cli, out: dict) -> None:
     model, args = build(kind, cli)
     step = make_step(model, args, cli)
@@ -349,11 +372,7 @@ def bench_model(kind: str, cli, out: dict) -> None:
             for v in order:
                 if restore is not None:
                     restore()
-                gc.collect()
-                t0, c0 = time.perf_counter(), time.process_time()
-                with v.context(tmp, str(rnd)):
-                    step(min(rnd, cli.warmup))
-                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                dt, dc = _timed_step(v, tmp, str(rnd), lambda: step(min(rnd, cli.warmup)), restore)
                 this[v.name] = dt * 1e3
                 if rnd >= cli.warmup:
                     times[v.name].append(dt * 1e3)

@@ -710,6 +710,48 @@ def check_watch_example(env: Env, name: str) -> tuple[str, str, dict]:
                                                "problems": problems}
 
 
+class _SideStreamStack(nn.Module):
+    """A region whose first tensor is made on a side stream (as an overlapped all-gather's is) and which saves more
+    tensors than watch holds at once (several flushes of the batched kernel per pass)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(48))
+
+    def forward(self, x):
+        if x.is_cuda:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                x = torch.tanh(x * 2)
+            torch.cuda.current_stream().wait_stream(side)
+            x.record_stream(torch.cuda.current_stream())
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def check_watch_side_stream(env: Env) -> tuple[str, str, dict]:
+    """Watch over tensors made on a side stream, held across several flushes in one pass: clean, every pass compared."""
+    torch.manual_seed(0)
+    block = _SideStreamStack(256).to(env.device)
+
+    def run() -> None:
+        for _ in range(3):
+            x = torch.randn(4, 512, 256, device=env.device, requires_grad=True)
+            with torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32):
+                y = cp.checkpoint(block, x, use_reentrant=False)
+            y.float().pow(2).mean().backward()
+
+    diag = record(env, "watch-side-stream", run, **WATCH)
+    watch = diag.report.watch or {}
+    problems = [] if diag.verdict == "clean" else [f"verdict {diag.verdict}: {diag.report.headline}"]
+    if watch.get("compared") != 3:
+        problems.append(f"watch totals {watch}")
+    return (f"{diag.verdict}: {watch.get('text', 'no watch totals')}", FAIL if problems else PASS,
+            {"diagnosis": diag.summary(), "watch": watch, "problems": problems})
+
+
 def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
     """Watch mode's device-to-host reads: `to_host` (a sync) never; CUDA syncs per step those of the plain step."""
     from ac_diff.capture import fingerprint
@@ -901,6 +943,8 @@ def plan(env: Env) -> list[tuple[str, str, Callable[[], tuple[str, str, dict]]]]
         ("7 float8_cast", "f8 _to_copy ops fingerprinted in the trace; clean", functools.partial(check_float8, env)),
         ("8 watch[sdpa clean]", "clean, every region compared by watch", functools.partial(check_watch_clean, env)),
         ("8 watch[syncs]", "no to_host; CUDA syncs/step = plain's", functools.partial(check_watch_syncs, env)),
+        ("8 watch[side stream]", "clean, 3 compared (side-stream tensor, 2 flushes per pass)",
+         functools.partial(check_watch_side_stream, env)),
     ]
     for name in ("moe_bias_update", "dropout_no_rng", "python_state_branch"):
         checks.append((f"8 watch[{name}]", "verdict = full recording's, same module",

@@ -199,6 +199,20 @@ def test_an_unwritable_output_file_stops_before_the_script_and_names_its_option(
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("order", ["o_first", "json_first"])
+def test_a_report_file_inside_the_new_output_directory_is_fine(tmp_path, tiny, order):
+    """`-o out --json out/r.json` on a fresh machine: the run creates out/, so the file inside it is not refused
+    (a folder elsewhere that does not exist still is)."""
+    out, report = tmp_path / "out", tmp_path / "out" / "r.json"
+    args = ["-o", str(out), "--json", str(report)] if order == "o_first" else ["--json", str(report), "-o", str(out)]
+    proc = run_cli("run", *args, str(tiny))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(report.read_text())["verdict"] == "clean"
+    proc = run_cli("run", "-o", str(out), "--json", str(tmp_path / "elsewhere" / "r.json"), str(tiny))
+    assert proc.returncode == 2 and "does not exist" in _one_error_line(proc.stderr)
+
+
+@pytest.mark.e2e
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="a path no one may write")
 def test_a_path_no_one_may_write_names_the_option(tmp_path, tiny):
     target = "/sys/kernel/ac-diff-report.txt"

@@ -111,3 +111,38 @@ def test_fix_treats_a_failure_only_with_ac_as_a_defect(tmp_path):
     assert "only turning AC off works" in fixes["headline"]
     assert "out of place" in fixes["code_change"]
     assert proc.returncode == 0, proc.stdout + proc.stderr  # a remedy verified (the code change keeps AC)
+
+
+class _IndexedBias(torch.nn.Module):
+    """Writes its routing bias through a view at an index its call counter picks (`bias.zero_()[i] = 0.5`), inside
+    the checkpointed forward: the recompute writes elsewhere, with equal values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.register_buffer("bias", torch.zeros(4))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        with torch.no_grad():
+            self.bias.zero_()[self.calls % 4] = 0.5
+        return (self.gate(x) + self.bias).softmax(-1)
+
+
+def test_a_write_through_a_view_reaches_the_readers_of_its_base(tmp_path):
+    """The readers of a tensor written through a view read that write: a value divergence after it is not blamed on
+    "identical inputs" (before: the base's producer stayed its earlier `zero_`, and the equal written values hid the
+    other index)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = _IndexedBias()
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path):
+        checkpoint(block, torch.randn(5, 8, requires_grad=True), use_reentrant=False).pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged"
+    first_value = report.regions[0].first_value_divergence
+    assert first_value.op == "aten.add.Tensor", first_value
+    assert "every input is identical" not in first_value.summary and "input already differed" in first_value.summary

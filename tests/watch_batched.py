@@ -21,7 +21,7 @@ def batched() -> None:
     sums = byte_sums.ByteSums(byte_sums._kernel())
     watch._byte_sums = lambda: sums
     watch._batched = lambda t: True
-    watch.BATCH = 3
+    watch.HOLD = 3
 
 
 def kernel() -> None:
@@ -52,11 +52,11 @@ def in_place() -> None:
     """A saved tensor changed in place after its save, before the batch was launched: not compared."""
     wp = watch.WatchedPass()
     x = torch.randn(4, 4)
-    wp.saved(0, x, None, "saved", None)
+    wp.hold(0, x, None)
     x.add_(1)
     wp.launch()
     wp.resolve()
-    assert wp.positions[0][6] is None
+    assert wp.digests[0] is None
 
 
 if __name__ == "__main__":

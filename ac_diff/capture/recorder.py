@@ -181,6 +181,7 @@ class _Pass:
     # such a pass is never compared as whole (see `_lose`)
     lost: dict[str, Any] = field(default_factory=dict)
     watch: WatchedPass | None = None  # a watched region's pass (capture/watch.py)
+    watched_outputs: WatchedPass | None = None  # in watch mode, a reentrant region's pass recorded in full: its outputs
 
 
 class Recorder:
@@ -385,7 +386,7 @@ class Recorder:
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
-        if module is not None:
+        if module is not None and region.recorded:  # (a watched pass compares saved tensors only)
             p.state["training"] = training_mode(module)
         fn = getattr(frame, "_ac_diff_fn", None)
         if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
@@ -393,7 +394,7 @@ class Recorder:
         p.pushed = pushed
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if region.watched:
-            p.watch = WatchedPass()
+            p.watch = WatchedPass(p.input_ids)
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
         # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past
@@ -510,7 +511,8 @@ class Recorder:
                 if p is None:
                     return
             if p.watch is not None:
-                self._watch_saved(p, position, tensor)
+                if p.watch.hold(position, tensor, self.modules.current()):
+                    self._flush_watched(p.watch)
                 return
             ref = self._known_ref(p, tensor)
             if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
@@ -528,39 +530,35 @@ class Recorder:
             self._internal_error("pack", exc)
             self._lose("positions", exc)
 
-    def _watch_saved(self, p: _Pass, position: int, tensor: torch.Tensor) -> None:
-        """A watched pass saved `tensor` at `position`: a parameter (or a view of one) and the region's inputs are
-        the same tensors in both passes, compared by metadata; anything the region made gets a digest."""
-        base = tensor._base
-        if _is_parameter(tensor) or base is not None and _is_parameter(base):
-            origin, name, measured = "param", None, None
+    def _flush_watched(self, wp: WatchedPass, launch: bool = False) -> None:
+        """Digest the tensors a watched pass holds (`launch`: and queue their read-back); a mode on the dispatch stack
+        (selective AC's, the recorder's around an outer region) must not see the reductions."""
+        step = wp.launch if launch else wp.flush
+        if not _dispatch_stack_len():
+            step()
         else:
-            index = p.input_ids.get(id(tensor) if base is None else id(base))
-            if index is not None:
-                origin, name, measured = "input", f"input[{index}]", None
-            else:
-                origin, name, measured = "saved", self.modules.current(), tensor
-        if measured is None or not _dispatch_stack_len():
-            p.watch.saved(position, measured, _meta(tensor), origin, name)
-        else:  # a mode (selective AC's, the recorder's around an outer region) must not see the reduction
             with self.quiet():
-                p.watch.saved(position, measured, _meta(tensor), origin, name)
+                step()
 
     def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
         """A reentrant region's pass returned: in watch mode its tensor outputs are what is compared (its forward runs
-        without grad and saves nothing)."""
+        without grad and saves nothing), also where the pass is recorded in full (watch's first steps): watch then
+        knows whether the recompute reproduced them (`Watch.full_pass`)."""
         try:
             passes = self._passes()
             if not passes or passes[-1].region is not getattr(frame, "_ac_diff_region", None):
                 return
             p = passes[-1]
-            if p.watch is None:
+            if p.watch is None and (self._watch is None or not p.region.recorded):
                 return
+            wp = p.watch
+            if wp is None:
+                wp = p.watched_outputs = WatchedPass()
             tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-            with self.quiet():
-                for i, t in enumerate(tensors):
-                    if isinstance(t, torch.Tensor):
-                        p.watch.saved(i, t, _meta(t), "output", p.region.module)  # (backward has no module stack)
+            for i, t in enumerate(tensors):
+                if isinstance(t, torch.Tensor):
+                    wp.hold(i, t, p.region.module, "output")  # (backward has no module stack)
+            self._flush_watched(wp, launch=wp is not p.watch)
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("pass_outputs", exc)
             self._lose("positions", exc)
@@ -831,6 +829,11 @@ class Recorder:
                 #  values measured or following from measured ones)
                 producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
+                if tensor_inputs and o is tensor_inputs[0] and o._base is not None:
+                    # written in place through a view (`buf[i] = x`): the base's later readers read this op's write
+                    # too; its own values are not this output's (no fingerprint slot of its own yet)
+                    base = o._base
+                    producers[id(base)] = (_weakref(base), index, j, None, None, ("op", index, j), False)
             elif o is None or type(o) in _PLAIN_ARGS:
                 out_meta.append(o)
                 if outs is not out:  # the op returned this value alone: the value handed to Python
@@ -1002,7 +1005,7 @@ class Recorder:
                     row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
             if self._watch is not None:  # a region of watch mode's full steps: what watch would have compared
-                self._watch.full_pass(region, p.phase, p.positions, complete, stopped_early, error)
+                self._watch.full_pass(region, p.phase, p.positions, complete, stopped_early, error, p.watched_outputs)
             if p.ops:
                 ops_record = functools.partial(_ops_record, p, p.ops, fps, kept)
         record = {
@@ -1146,10 +1149,6 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """isinstance(t, Parameter), without its metaclass's Python __instancecheck__ for plain tensors (per saved tensor)."""
-    kind = type(t)
-    return kind is not _Tensor and (kind is torch.nn.Parameter or isinstance(t, torch.nn.Parameter))
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})  # memory of their own: offsets and strides say it all
 _SEQUENCES = frozenset({list, tuple})

@@ -43,6 +43,7 @@ FORWARD = "forward"
 RECOMPUTE = "recompute"
 
 _REQUIRED = ("_checkpoint_hook", "_recomputation_hook", "_CheckpointFrame")
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack  # (in every supported release)
 
 # The exception early stop ends a recompute with (every release since 2.1; () matches nothing).
 STOP_RECOMPUTATION: Any = getattr(_cp, "_StopRecomputationError", ())
@@ -260,6 +261,8 @@ class CheckpointHooks:
                     target = target_frame_ref()
                     if target is not None:
                         listener.pack(target, RECOMPUTE, target.recomp_counter[gid], x)
+                    if not _dispatch_stack_len():  # no mode to hide it from (a watched pass)
+                        return pack(x)
                     with listener.internal():  # torch's own detach in this hook is not the region's
                         return pack(x)
 
@@ -433,3 +436,14 @@ def wrap_sac_policies(contexts: Any, wrap: Callable[[Any], Any]) -> bool:
         if type(mode).__name__ in _SAC_MODES and callable(getattr(mode, "policy_fn", None)):
             mode.policy_fn = wrap(mode.policy_fn)
     return True
+
+
+_flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
+
+
+def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Contiguous tensors of one dtype as one flat tensor (one C++ call, one copy; one tensor: a view of it), as
+    torch's own `_flatten_dense_tensors` (DDP's buckets) does."""
+    if _flatten_dense is not None:
+        return _flatten_dense(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)

@@ -3,9 +3,10 @@ dispatch mode and no host sync; a module whose region diverged is then recorded 
 
     watch = Watch(writer, full_from_step=None)
     watch.full(key, top_level)                  # per region forward: counts steps; True -> record it in full
-    wp = WatchedPass()                          # a watched pass
-    wp.saved(position, tensor, meta, origin, name)  # ONE reduction kernel per saved tensor the region made
-    watch.ended(region, wp, ...)                # per pass: 3 kernels and an asynchronous copy to pinned memory
+    wp = WatchedPass(inputs)                    # a watched pass (inputs: id -> index of the region's inputs)
+    if wp.hold(position, tensor, module):       # per saved tensor: classified and held (a large CPU one reduced now)
+        wp.flush()                              # every 64 held: CUDA, ONE batched kernel; CPU, one per dtype and row
+    watch.ended(region, wp, ...)                # per pass: its digests in one asynchronous copy to pinned memory
     watch.poll()                                # comparisons whose copies have landed (event.query(): no sync)
     watch.close()                               # at the end: the rest (waits once), then the totals
 
@@ -16,10 +17,12 @@ an "escalate" record when a module is recorded in full from then on; a "watch" r
 (every 100 steps and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor: its bit patterns as same-size integers summed per row of its last dimension in
-wrap-around integers (one kernel, exact, in any order), then, per pass and for all its tensors at once, the plain and
-the row-weighted sums of those row sums in int64 (odd weights starting over at each tensor): changing any element's
-bits changes both, moving rows (tokens routed elsewhere) changes the weighted one. Two elements exchanged within one
-row go unseen. A tensor saved at several positions is reduced once per pass.
+wrap-around integers (one kernel, exact, in any order; small CPU tensors of one dtype and row length share one flat
+copy and one kernel), then the plain and the row-weighted sums of those row sums in int64 (odd weights starting over
+at each tensor: one cumulative sum per pass for all of them, or on CPU one matrix-vector product for a tensor of many
+rows): changing any element's bits changes both, moving rows (tokens routed elsewhere) changes the weighted one. Two
+elements exchanged within one row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum] of the tensor's
+32-bit words (byte_sums.py) sees those too. A tensor saved at several positions is reduced once per pass.
 Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
 (an FSDP all-gather rewrites a parameter in place, a new version with the same values).
 
@@ -38,11 +41,16 @@ from typing import Any
 
 import torch
 
-from .byte_sums import ByteSums, wrapped
+from .byte_sums import ByteSums
 from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, _weights
+from .torch_compat import flatten_dense
+from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
-BATCH = 64  # CUDA tensors held for one launch of the batched digest kernel (byte_sums.py)
+HOLD = 64  # saved tensors held before their digests are taken (CUDA: one launch of the batched kernel, byte_sums.py)
+HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
+SMALL = 16 << 10  # a CPU tensor larger than this is reduced when it is saved (in the cache), not held and copied
+MANY_ROWS = 1024  # a CPU tensor with more rows gets its digest pair at once (`_add_rows`)
 # Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
 # any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
 _ROW_SUM_DTYPE = {1: torch.int32, 2: torch.int32, 4: torch.int32, 8: torch.int64}
@@ -95,166 +103,281 @@ def _batched(t: torch.Tensor) -> bool:
     return t.is_cuda and _byte_sums() is not None
 
 
-_index_cache: dict[tuple, torch.Tensor] = {}  # (device, row counts of a pass) -> index of each tensor's last row
+_bounds_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, row counts) -> `_bounds`
 
 
-def _last_rows(device: torch.device, lengths: tuple[int, ...]) -> torch.Tensor:
-    """The device index of each non-empty tensor's last row in the concatenation: copied there once per layout
-    (the same every step for a fixed model), from pinned memory without a sync."""
+def _bounds(device: torch.device, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tensors of `lengths` rows concatenated after one leading zero row: the index of that zero row and of each
+    tensor's last row, and -2 x (index of each tensor's first row), both int64 on `device`; made once per layout
+    (the same every step for a fixed model), copied from pinned memory without a sync."""
     key = (device, lengths)
-    idx = _index_cache.get(key)
-    if idx is None:
-        ends, at = [], 0
+    bounds = _bounds_cache.get(key)
+    if bounds is None:
+        ends = [0]
         for n in lengths:
-            at += n
-            if n:
-                ends.append(at - 1)
-        host = torch.tensor(ends, dtype=torch.int64)
+            ends.append(ends[-1] + n)
+        host = torch.tensor([ends, [0] + [-2 * (e + 1) for e in ends[:-1]]], dtype=torch.int64)
         if device.type == "cuda":
-            idx = host.pin_memory().to(device, non_blocking=True)
-        else:
-            idx = host.to(device)
-        if len(_index_cache) > 256:
-            _index_cache.clear()
-        _index_cache[key] = idx
-    return idx
+            host = host.pin_memory().to(device, non_blocking=True)
+        bounds = (host[0], host[1, 1:])
+        if len(_bounds_cache) > 256:
+            _bounds_cache.clear()
+        _bounds_cache[key] = bounds
+    return bounds
+
+
+_ZERO_ROW: dict[tuple, torch.Tensor] = {}
+
+
+def segment_pairs(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.Tensor:
+    """(k, 2) int64: per tensor [sum of its row sums, sum of (2i + 1) x its i-th row sum], for the row sums of k
+    tensors (`lengths` rows each, any of them empty) given as pieces in order. One cumulative sum for all of them:
+    a tensor's pair is its difference between its bounds, its weights restarted at its first row. Exact (int64,
+    wrapping), on the rows' device, seven kernels, no sync."""
+    device = rows[0].device
+    zero = _ZERO_ROW.get((device, rows[0].dtype))
+    if zero is None:
+        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
+    flat = torch.cat([zero, *rows])  # a zero row first: a tensor starting at row 0 has a bound to subtract
+    cum = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
+    ends, shift = _bounds(device, lengths)
+    seg = cum.index_select(1, ends).diff(dim=1)
+    # a tensor's first row (index start + 1 after the zero row) has the global weight 2 * start + 3: shift it to 1
+    return torch.stack((seg[0], torch.addcmul(seg[1], shift, seg[0])), dim=1)
 
 
 class Landing:
     """One pass's digests on their way to the host (fingerprint._Packed: one buffer per device, no sync); `digests()`
     reads them, waiting only if they have not landed."""
 
-    def __init__(self, parts: list[tuple[list[int], tuple[int, ...] | None, torch.Tensor]]) -> None:
-        # (slots, row counts (None: one [sum, weighted sum] row per slot, byte_sums), the device tensor)
-        self._layout = [(slots, lengths) for slots, lengths, _ in parts]
-        self._packed = _Packed([t for *_, t in parts], later=True)
+    def __init__(self, parts: list[tuple[list[int], torch.Tensor]]) -> None:
+        # (slots, their (k, 2) [sum, weighted sum] on the device)
+        self._slots = [slots for slots, _ in parts]
+        self._packed = _Packed([t for _, t in parts], later=True)
 
     def ready(self) -> bool:
         return self._packed.ready()
 
     def digests(self, n: int) -> list[list[int] | None]:
-        """[plain sum, row-weighted sum] per slot (None for a tensor without a digest)."""
+        """[plain sum, weighted sum] per slot (None for a tensor without a digest)."""
         out: list[list[int] | None] = [None] * n
-        for (slots, lengths), host in zip(self._layout, self._packed.hosts()):
-            if lengths is None:  # byte sums, one pair per slot
-                for slot, pair in zip(slots, host.tolist()):
-                    out[slot] = pair
-                continue
-            c1, c2 = host.tolist() if host.numel() else ([], [])
-            k, prev1, prev2, start = 0, 0, 0, 0
-            for slot, rows in zip(slots, lengths):
-                if not rows:
-                    out[slot] = [0, 0]
-                    continue
-                s1, s2 = c1[k] - prev1, c2[k] - prev2
-                prev1, prev2 = c1[k], c2[k]
-                k += 1
-                out[slot] = [wrapped(s1, 64), wrapped(s2 - 2 * start * s1, 64)]  # weights restart at the first row
-                start += rows
+        for slots, host in zip(self._slots, self._packed.hosts()):
+            for slot, pair in zip(slots, host.tolist()):
+                out[slot] = pair
         return out
 
 
-class WatchedPass:
-    """One watched pass: the rows of its saved positions, and their row sums on the device until it ends."""
+NO_DIGEST = -1  # a position compared by metadata only (a parameter, a region input, a tensor without plain values)
 
-    def __init__(self) -> None:
-        # per saved position: [position, meta, origin, None, 0, name(, digest slot -> its digest once landed)]
-        self.positions: list[list] = []
-        self._rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> [(slot, row sums)]
+
+class WatchedPass:
+    """One watched pass: its saved positions as columns (position, metadata, origin, module, digest slot), and the
+    digests on the device until it ends.
+
+    `hold` classifies a saved tensor when torch packs it: a parameter (or a view of one) and the region's inputs are
+    the same tensors in both passes, compared by metadata; anything else gets a digest slot. A large CPU tensor is
+    reduced at once (its memory is still in the cache); small CPU tensors and CUDA tensors are kept until `flush`
+    (every HOLD of them, or HOLD_BYTES), which digests them together: CPU, one copy and one kernel per dtype and row
+    length (`flatten_dense`); CUDA, ONE batched kernel (byte_sums). Holding them costs what a recompute
+    holds anyway, a region's saved tensors, and at most HOLD_BYTES of them."""
+
+    def __init__(self, inputs: dict[int, int] | None = None) -> None:
+        self.positions: list[int] = []
+        self.metas: list[tuple] = []  # (size, dtype, device); written as the trace holds it only when written
+        self.origins: list[str] = []
+        self.names: list[str | None] = []
+        self.slots: list[int] = []  # digest slot, NO_DIGEST
+        self.digests: list | None = None  # per position, once landed (`resolve`): [sum, weighted sum] or None
+        self._inputs = inputs if inputs is not None else {}  # id(tensor) -> index of the region's input it is
+        self._held: list[tuple[int, torch.Tensor, int]] = []  # (slot, tensor, its version at the save)
+        self._held_bytes = 0
+        # device -> [(slots, their row counts, row sums)] for `launch`'s one cumulative sum (groups of small CPU tensors,
+        # device tensors the batched kernel did not take)
+        self._rows: dict[torch.device, list[tuple[list[int], tuple[int, ...], torch.Tensor]]] = {}
         self._slots = 0
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, version, slot): reduced once
         self._streams: set[tuple] = set()  # CUDA streams the saved tensors were made on (raw, see `_fence`)
-        # CUDA tensors awaiting the batched kernel (byte_sums), by device: [(slot, tensor, its version at the save)]
-        self._batch: dict[torch.device, list[tuple[int, torch.Tensor, int]]] = {}
-        self._pairs: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}  # device -> [(slots, (k, 2) sums)]
+        # (device, dtype) -> [(slots, (k, 2) [sum, weighted sum] per slot)]: the batched kernel's, a CPU tensor's own
+        self._pairs: dict[tuple, list[tuple[list[int], torch.Tensor]]] = {}
         self.unmeasured: set[int] = set()  # slots whose tensor changed in place before it was read: not compared
         self.landing: Landing | None = None
         self.error: str | None = None
         self.complete = True
         self.stopped_early = False
 
-    def saved(self, position: int, tensor: torch.Tensor | None, meta: Any, origin: str, name: str | None) -> None:
-        row = [position, meta, origin, None, 0, name]
-        if tensor is not None:
-            hit = self._seen.get(id(tensor))
-            if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-                row.append(hit[2])
-            elif not (_batched(tensor) and self._add_to_batch(tensor, row)):
-                rows = row_bits(tensor)
-                if rows is not None:
-                    device = rows.device
-                    if device.type == "cuda":  # the raw (id, device, type) of its current stream: a cheap C call
-                        self._streams.add(_current_stream(device.index))
-                    self._rows.setdefault(device, []).append((self._slots, rows))
-                    self._seen[id(tensor)] = (_weakref(tensor), tensor._version, self._slots)
-                    row.append(self._slots)
-                    self._slots += 1
-        self.positions.append(row)
+    @classmethod
+    def of_rows(cls, rows: list[list]) -> "WatchedPass":
+        """A pass recorded in full, from its position rows (metadata as written, fingerprints landed), to compare as
+        watch compares."""
+        wp = cls()
+        for row in rows:
+            wp.positions.append(row[0])
+            wp.metas.append(row[1])
+            wp.origins.append(row[2])
+            wp.names.append(row[5])
+        wp.digests = [row[6] if len(row) > 6 else None for row in rows]
+        return wp
 
-    def _add_to_batch(self, tensor: torch.Tensor, row: list) -> bool:
-        """A CUDA tensor waits for the batched kernel (held until then: at most BATCH of them per device); False for
-        one the kernel does not take (not dense, not 16-byte sized and aligned: reduced on its own)."""
-        t = tensor if type(tensor) is _Tensor else _local(tensor)
-        if t is None or t.is_quantized or t.layout is not _strided or not _byte_sums().fits(t):
+    def hold(self, position: int, tensor: torch.Tensor, name: str | None, origin: str | None = None) -> bool:
+        """Torch saved `tensor` at `position` (in module `name`); `origin` "output": a reentrant region's output.
+        True: the tensors held for their digests are due (`flush`)."""
+        self.positions.append(position)
+        self.metas.append((tensor.size(), tensor.dtype, tensor.device))
+        if origin is None:
+            base = tensor._base
+            if _is_parameter(tensor) or base is not None and _is_parameter(base):
+                self.origins.append("param")
+                self.names.append(None)
+                self.slots.append(NO_DIGEST)
+                return False
+            index = self._inputs.get(id(tensor) if base is None else id(base))
+            if index is not None:
+                self.origins.append("input")
+                self.names.append(f"input[{index}]")
+                self.slots.append(NO_DIGEST)
+                return False
+            origin = "saved"
+        self.origins.append(origin)
+        self.names.append(name)
+        version = tensor._version
+        hit = self._seen.get(id(tensor))
+        if hit is not None and hit[0]() is tensor and hit[1] == version:
+            self.slots.append(hit[2])
             return False
-        if t.is_cuda:
-            self._streams.add(_current_stream(t.device.index))
-        batch = self._batch.setdefault(t.device, [])
-        batch.append((self._slots, t, t._version))
-        self._seen[id(tensor)] = (_weakref(tensor), tensor._version, self._slots)
-        row.append(self._slots)
+        t = tensor if type(tensor) is _Tensor else _local(tensor)
+        size = t.numel() * t.element_size() if t is not None else 0
+        if t is None or not _batched(t) and (t.is_cuda or size > SMALL):
+            rows = row_bits(t) if t is not None else None  # now, while its memory is in the cache
+            if rows is None:
+                self.slots.append(NO_DIGEST)
+                return False
+            if t.is_cuda:
+                self._streams.add(_current_stream(t.get_device()))
+            self._add_rows(self._new_slot(tensor, version), rows)
+            return False
+        if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
+            self._streams.add(_current_stream(t.get_device()))
+        self._held.append((self._new_slot(tensor, version), t, version))
+        self._held_bytes += size
+        return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
+
+    def _new_slot(self, tensor: torch.Tensor, version: int) -> int:
+        slot = self._slots
         self._slots += 1
-        if len(batch) >= BATCH:
-            self._flush(t.device)
-        return True
+        self._seen[id(tensor)] = (_weakref(tensor), version, slot)
+        self.slots.append(slot)
+        return slot
 
-    def _flush(self, device: torch.device) -> None:
-        batch = self._batch.pop(device, [])
-        if not batch:
-            return
-        self._fence()
-        self.unmeasured.update(slot for slot, t, version in batch if t._version != version)
-        self._pairs.setdefault(device, []).append(([s for s, _, _ in batch], _byte_sums().launch([t for _, t, _ in batch])))
+    def flush(self) -> None:
+        """Digest the held tensors: CUDA ones the batched kernel takes in one launch per device; contiguous CPU ones
+        by their row sums, those of one dtype and row length in ONE flat copy and one kernel (the same row sums as each
+        on its own); any other on its own. A tensor changed in place since its save is not compared (its values at the
+        save are gone)."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for slot, t, version in held:
+            if t._version != version:
+                self.unmeasured.add(slot)
+            elif _batched(t):
+                if t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
+                    batches.setdefault(t.device, []).append((slot, t))
+                else:
+                    self._digest_rows(slot, t)
+            elif t.is_contiguous() and t.layout is _strided and not t.is_quantized and not t.dtype.is_complex \
+                    and not t.is_meta:
+                groups.setdefault((t.dtype, t.shape[-1] if t.dim() > 1 else 1), []).append((slot, t))
+            else:
+                self._digest_rows(slot, t)
+        for (_, row_length), group in groups.items():
+            if len(group) == 1:
+                self._digest_rows(*group[0])
+                continue
+            sums = row_bits(flatten_dense([t for _, t in group]).view(-1, row_length))
+            self._rows.setdefault(sums.device, []).append(
+                ([s for s, _ in group], tuple(t.numel() // row_length for _, t in group), sums))
+        if batches:
+            foreign = self._fence()
+            for device, batch in batches.items():
+                tensors = [t for _, t in batch]
+                if foreign:  # made on another stream, read on this one: their memory must outlive the read there
+                    stream = torch.cuda.current_stream(device)
+                    for t in tensors:
+                        t.record_stream(stream)
+                self._pairs.setdefault((device, torch.int32), []).append(
+                    ([s for s, _ in batch], _byte_sums().launch(tensors)))
 
-    def _fence(self) -> None:
-        """The current stream waits for the streams the saved tensors were made on (a device-side wait)."""
-        if self._streams:
-            fence = StreamFence()
-            for stream_id, index, kind in self._streams:
-                fence.note(index, torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind))
-            fence.wait(torch.cuda.current_stream)
-            self._streams = set()
+    def _digest_rows(self, slot: int, t: torch.Tensor) -> None:
+        rows = row_bits(t)
+        if rows is None:
+            self.unmeasured.add(slot)
+        else:
+            self._add_rows(slot, rows)
+
+    def _add_rows(self, slot: int, rows: torch.Tensor) -> None:
+        """One tensor's row sums, kept for the pass's one cumulative sum (`segment_pairs`); on CPU, many rows get their
+        pair at once instead (ONE int64 matrix-vector product, [ones; odd] x rows, exact, while they are in the cache:
+        the cumulative sum costs four passes over every row; integer products have no CUDA kernel)."""
+        device = rows.device
+        if device.type == "cpu" and rows.numel() > MANY_ROWS:
+            pair = torch.mv(_weights(device, torch.int64, rows.numel(), "ones_odd"), rows.to(torch.int64))
+            self._pairs.setdefault((device, torch.int64), []).append(([slot], pair.unsqueeze(0)))
+        else:
+            self._rows.setdefault(device, []).append(([slot], (rows.numel(),), rows))
+
+    def _fence(self) -> bool:
+        """The current stream waits for the streams the saved tensors were made on (a device-side wait); True if one
+        of them is another stream."""
+        if not self._streams:
+            return False
+        fence, foreign = StreamFence(), False
+        for stream_id, index, kind in self._streams:
+            stream = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+            fence.note(index, stream)
+            foreign = foreign or stream != torch.cuda.current_stream(index)
+        fence.wait(torch.cuda.current_stream)
+        self._streams = set()
+        return foreign
 
     def launch(self) -> None:
-        """Per device: the digests of the pass, copied to pinned memory in one buffer (no host sync). Row sums: their
-        plain and weighted cumulative sums at each tensor's last row (cat, mul, cumsum, index_select, copy); CUDA
-        tensors: the batched byte sums (one kernel per BATCH tensors, a cat, a copy)."""
-        parts = []
-        for device in list(self._batch):
-            self._flush(device)
+        """Per device: the [sum, weighted sum] pairs of the pass, copied to pinned memory in one buffer (no host sync):
+        the batched kernel's, those of CPU tensors (taken as they were saved or flushed), and those of a device's row
+        sums (`segment_pairs`, where the batched kernel did not take a tensor)."""
+        self.flush()
         self._fence()
-        for device, batches in self._pairs.items():
-            slots = [s for part, _ in batches for s in part]
-            parts.append((slots, None, torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]))
-        self._pairs = {}
-        for device, entries in self._rows.items():
-            slots = [s for s, _ in entries]
-            rows = [r for _, r in entries]
-            lengths = tuple(r.numel() for r in rows)
-            flat = torch.cat(rows) if len(rows) > 1 else rows[0]
-            sums = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
-            parts.append((slots, lengths, sums.index_select(1, _last_rows(device, lengths))))
+        for device, entries in self._rows.items():  # ONE cumulative sum per device for all their row sums
+            self._pairs.setdefault((device, torch.int64), []).append((
+                [s for slots, _, _ in entries for s in slots],
+                segment_pairs([r for _, _, r in entries], tuple(n for _, lengths, _ in entries for n in lengths))))
         self._rows = {}
+        parts = []
+        for batches in self._pairs.values():
+            slots = [s for part, _ in batches for s in part]
+            parts.append((slots, torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]))
+        self._pairs = {}
         self._seen = {}
         self.landing = Landing(parts)
 
     def resolve(self) -> None:
-        """Replace each digest slot by its digest (the landing is ready)."""
-        digests = self.landing.digests(self._slots) if self.landing is not None else []
-        for row in self.positions:
-            if len(row) > 6:
-                row[6] = None if row[6] in self.unmeasured else digests[row[6]]
+        """The digest of each position (the landing is ready)."""
+        by_slot = self.landing.digests(self._slots) if self.landing is not None else []
+        for slot in self.unmeasured:
+            by_slot[slot] = None
+        self.digests = [None if slot < 0 else by_slot[slot] for slot in self.slots]
         self.landing = None
+
+    def rows(self, mask: frozenset = frozenset()) -> list[list]:
+        """The positions as the trace holds them: [position, meta, origin, None, 0, module(, digest)]; a position
+        in `mask` (or without values) without its digest, one whose tensor changed in place with None."""
+        digests = self.digests or [None] * len(self.positions)
+        return [[p, written_meta(m), o, None, 0, n] if s < 0 or p in mask else [p, written_meta(m), o, None, 0, n, d]
+                for p, m, o, n, s, d in zip(self.positions, self.metas, self.origins, self.names, self.slots, digests)]
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """isinstance(t, Parameter), without its metaclass's Python __instancecheck__ for plain tensors (per saved tensor)."""
+    kind = type(t)
+    return kind is not _Tensor and (kind is torch.nn.Parameter or isinstance(t, torch.nn.Parameter))
 
 
 @dataclass
@@ -334,12 +457,17 @@ class Watch:
             del self.escalated[key]  # escalated only to learn the mask, and nothing diverged: watched again
 
     def full_pass(self, region: Any, phase: str, positions: list[list], complete: bool, stopped_early: bool,
-                  error: str | None) -> None:
+                  error: str | None, outputs: WatchedPass | None = None) -> None:
         """A pass recorded in full (the first steps, an escalated module, --full-from-step): a forward teaches which
         saved positions hold no values (`learn`); a recompute whose saved tensors differ from its forward's, as watch
-        compares them, keeps its module recorded in full (`keep_full`)."""
-        wp = WatchedPass()
-        wp.positions, wp.complete, wp.stopped_early, wp.error = positions, complete, stopped_early, error
+        compares them, keeps its module recorded in full (`keep_full`). `outputs`: a reentrant region's, compared
+        instead (its forward saves nothing)."""
+        if outputs is not None:
+            outputs.resolve()  # (queued before the pass's own read-back, which has landed)
+            wp = outputs
+        else:
+            wp = WatchedPass.of_rows(positions)
+        wp.complete, wp.stopped_early, wp.error = complete, stopped_early, error
         if phase == "forward":
             region.watch_forward = wp
             self.learn(region.watch_key, positions)
@@ -418,8 +546,10 @@ class Watch:
                 wp.resolve()
         key = region.watch_key
         learned = self.unmeasured.get(key) if key is not None else None
-        mask = None if learned is None else frozenset(row[0] for row in cmp.forward.positions
-                                                      if (row[0], row[1]) in learned)
+        forward = cmp.forward
+        mask = None if learned is None else frozenset(
+            p for p, meta in zip(forward.positions, forward.metas) if (p, written_meta(meta)) in learned
+        ) if learned else frozenset()
         raised = id(region) in self.raised
         how = _difference(cmp.forward, cmp.recompute, mask or frozenset())
         if how == "values" and mask is None and not raised and not final and self.escalate and key is not None:
@@ -438,10 +568,9 @@ class Watch:
         totals.diverged += 1
         self.write(self.region_record(region))
         for wp, phase in ((cmp.forward, "forward"), (cmp.recompute, "recompute")):
-            rows = wp.positions if not mask else [row[:6] if row[0] in mask else row for row in wp.positions]
             record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
                       "complete": wp.complete, "stopped_early": wp.stopped_early, "state": {}, "externals": [],
-                      "positions": rows}
+                      "positions": wp.rows(mask or frozenset())}
             if wp.error:
                 record["error"] = wp.error
             self.write(record)
@@ -469,15 +598,19 @@ def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -
     origin; or it raised), "values" (only values differ, outside `mask`), or None."""
     if recompute.error or not recompute.complete:
         return "saved"
-    f, r = forward.positions, recompute.positions
-    if len(r) != len(f) and not (recompute.stopped_early and len(r) < len(f)):
+    n, m = len(recompute.metas), len(forward.metas)
+    if n != m and not (recompute.stopped_early and n < m):
         return "saved"
-    values = False
-    for a, b in zip(f, r):
-        if a[1] != b[1] or a[2] != b[2] or a[5] != b[5]:
+    # column by column (list comparisons in C): an early stop's recompute is a prefix of the forward
+    for column in ("metas", "origins", "names"):
+        f = getattr(forward, column)
+        if getattr(recompute, column) != (f if n == m else f[:n]):
             return "saved"
-        if len(a) > 6 and len(b) > 6 and a[6] != b[6] and a[6] is not None and b[6] is not None \
-                and a[0] not in mask:
-            values = True
-    return "values" if values else None
+    fd, rd = forward.digests, recompute.digests
+    if fd == rd:
+        return None
+    for p, a, b in zip(forward.positions, fd, rd):
+        if a != b and a is not None and b is not None and p not in mask:
+            return "values"
+    return None
 

@@ -174,6 +174,18 @@ def _shown_update(update: list) -> str:
     return " -> ".join(_distinct(before, after))
 
 
+def _once_per_step(change: AttributeChange, name: str, attr: str) -> str:
+    """The code of the fix: the update made once per step after the backward, on the module that holds it."""
+    owner = name.rsplit(".", 1)[0] if "." in name else ""
+    where = f"its pre-hook ({', '.join(change.hooks[:2])})" if change.hooks else "its forward"
+    module = f'model.get_submodule("{owner}")' if owner else "model"
+    before, after = change.forward_update
+    numbers = all(type(v) in (int, float) for v in (before, after))
+    update = (f"{module}.{attr} += {after - before!r}" if numbers
+              else f"{module}.{attr} = ...  # what {where} set it to ({shown(before)} -> {shown(after)})")
+    return f"# {where}: read self.{attr}, do not change it\nloss.backward()\noptimizer.step()\n{update}  # once per step"
+
+
 def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     """The fix for a changed attribute or global (None if `name` is neither, in the region)."""
     changes = changed_attributes(region)
@@ -207,8 +219,7 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             "The recompute runs the module (and its forward pre-hooks) again, so an update made there is applied a "
             "second time and the recompute computes with the new value. Update it once per step outside the region "
             "(in the training loop, or an optimizer step hook), or pass the value in as an argument.",
-            f"# instead of a forward pre-hook that does `module.{attr} += 1`:\n"
-            f"loss.backward()\noptimizer.step()\nfor block in model.blocks:\n    block.{attr} += 1")
+            _once_per_step(change, name, attr))
     also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice]
     names = ", ".join(f"`{n}`" for n in [name, *also[:3]]) + (f" and {len(also) - 3} more" if len(also) > 3 else "")
     return Suggestion(

@@ -240,9 +240,13 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                 tainted_outputs.update({(f.index, j): False for j in range(len(f.out))})
                 diffs.append(d)
                 continue
+            # an input that differs taints the output unless both passes measured it equal; an in-place write
+            # (`buf[i] = x`: copy_ into a view) stays tainted: equal written values may have landed elsewhere
+            written_elsewhere = same is False and is_in_place_method(f.op)
             tainted[f.index] = (not d.side_effect or f.index in read_updates) and (
-                bool(d.kinds & {"value", "shape", "args", "argument", "host"}) or (same is False and not _measured(f, r)))
-            if tainted[f.index] and not d.kinds & {"args", "argument", "host"}:
+                bool(d.kinds & {"value", "shape", "args", "argument", "host"})
+                or (same is False and (written_elsewhere or not _measured(f, r))))
+            if tainted[f.index] and not d.kinds & {"args", "argument", "host"} and not written_elsewhere:
                 _taint_outputs(tainted_outputs, f, r, tolerance)
         elif f is not None:
             tainted[f.index] = True

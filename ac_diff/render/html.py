@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 from .._version import __version__
 from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
+from . import positions
 from .fixes import fixes_html
 from .sections import html_sections
 from .terminal import _short_label, _short_op, _short_source
@@ -517,10 +518,8 @@ def _chain(r: RegionReport) -> str:
 def _positions(r: RegionReport, open_: bool) -> str:
     if not r.positions:
         return ""
-    meta = [p for p in r.positions if p.matches is False or p.in_torch_error]
-    value_only = [p for p in r.positions if p.values_differ and p.matches is not False and not p.in_torch_error]
-    title = (f"saved positions: {len(meta)} differ in metadata, {len(value_only)} more hold other values "
-             f"({len(r.positions)} in all)")
+    meta, value_only = positions.split(r)
+    title = positions.title(r)
     rows = "".join(_position_row(r, p) for p in r.positions)
     note = ("<p class=\"dim small\">values differ with unchanged shapes: torch cannot see this</p>"
             if value_only and not meta else "")

@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import DIVERGED, UNCHECKED, Report, RegionReport, count_by_status
+from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
 
@@ -224,9 +225,9 @@ def _region_detail(r: RegionReport, report: Report, console: Console, shown: set
         console.print(Text("chain", style="bold"))
         for i, step in enumerate(r.chain):
             console.print(Text(("   " if i == 0 else " → ") + step))
-    positions = _positions_table(r)
-    if positions is not None:
-        console.print(positions)
+    position_table = _positions_table(r)
+    if position_table is not None:
+        console.print(position_table)
     for s in r.suggestions:
         if s.title in shown:
             console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"), (" (as above)", "dim")))
@@ -281,13 +282,10 @@ def _window_table(r: RegionReport) -> Table:
 
 def _positions_table(r: RegionReport) -> Table | None:
     """Positions whose metadata differ or that torch named; a count of those whose values differ."""
-    shown = [p for p in r.positions if p.matches is False or p.in_torch_error]
-    value_only = [p for p in r.positions if p.values_differ and p.matches is not False and not p.in_torch_error]
+    shown, value_only = positions.split(r)
     if not shown and not value_only:
         return None
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left",
-                  title=f"saved positions: {len(shown)} differ in metadata, {len(value_only)} more hold other values "
-                        f"({len(r.positions)} in all)")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title=positions.title(r))
     for col, kw in (("pos", {"justify": "right"}), ("op / origin", {}), ("module", {}),
                     ("saved -> recomputed", {}), ("source", {})):
         table.add_column(col, **kw)

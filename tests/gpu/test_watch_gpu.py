@@ -74,3 +74,37 @@ def test_a_watched_cuda_run_finds_a_buffer_updated_in_the_forward(tmp_path, monk
     report, _ = _run(tmp_path, True, monkeypatch)
     assert report.verdict == "diverged", report.headline
     assert {r.module for r in report.regions if r.status == "diverged"} == {"layers.0", "layers.1"}
+
+
+class SideStreamBlock(nn.Module):
+    """Its first tensor is made on a side stream (as an overlapped all-gather's are), and it saves more tensors than
+    watch holds at once (several flushes of the batched kernel in one pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(48))
+
+    def forward(self, x):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            h = torch.tanh(x * 2)
+        torch.cuda.current_stream().wait_stream(side)
+        h.record_stream(torch.cuda.current_stream())
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def test_watched_tensors_from_a_side_stream_over_several_flushes_are_clean(tmp_path):
+    torch.manual_seed(0)
+    block = SideStreamBlock().cuda()
+    path = tmp_path / "side.jsonl"
+    with ac_diff.record(path, watch=True, watch_full_steps=0):
+        for _ in range(3):
+            x = torch.randn(4, 512, 256, device="cuda", requires_grad=True)
+            checkpoint(block, x, use_reentrant=False).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "clean", report.headline
+    assert report.watch["compared"] == 3
