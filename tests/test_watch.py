@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ac_diff
-from ac_diff.capture import fingerprint, watch
+from ac_diff.capture import fingerprint
 from ac_diff.capture.watch import WatchedPass, row_bits
 from ac_diff.trace import read_run
 from cuda_standin import KERNELS, CudaAttention, attention
@@ -88,6 +88,12 @@ def test_a_held_tensor_changed_in_place_before_its_digest_is_not_compared():
     wp.launch()
     wp.resolve()
     assert wp.digests == [None, before[1]]
+    alone = WatchedPass()  # nothing else to read back
+    alone.hold(0, small, None)
+    small.add_(1)
+    alone.launch()
+    alone.resolve()
+    assert alone.digests == [None]
 
 
 def test_tensors_without_plain_values_get_no_digest():

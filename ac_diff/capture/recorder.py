@@ -344,13 +344,17 @@ class Recorder:
         torch's recompute pack hook enters this once per saved tensor)."""
         return self._internal_block
 
-    @contextlib.contextmanager
     def quiet(self):
         """For the recorder's own tensor work outside its dispatch handler: no dispatch mode may see it.
 
         A selective-AC caching mode that saw a fingerprint reduction would store it and change what the
-        recompute replays; a user's FlopCounter would count it.
+        recompute replays; a user's FlopCounter would count it. With no mode on the stack, `internal()` alone
+        (a plain object: a generator context manager costs ~3 us, and a watched pass ends in one).
         """
+        return self._quiet_modes() if _dispatch_stack_len() else self._internal_block
+
+    @contextlib.contextmanager
+    def _quiet_modes(self):
         with self.internal(), no_dispatch_modes():
             yield
 
@@ -511,7 +515,8 @@ class Recorder:
                 if p is None:
                     return
             if p.watch is not None:
-                if p.watch.hold(position, tensor, self.modules.current()):
+                stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
+                if p.watch.hold(position, tensor, stack[-1][1] if stack else None):
                     self._flush_watched(p.watch)
                 return
             ref = self._known_ref(p, tensor)

@@ -182,11 +182,15 @@ class WatchedPass:
     holds anyway, a region's saved tensors, and at most HOLD_BYTES of them."""
 
     def __init__(self, inputs: dict[int, int] | None = None) -> None:
+        # per saved position: (position, (size, dtype, device), origin, module, digest slot or NO_DIGEST); as columns
+        # (`positions`, `metas`, ...) once the pass is resolved. Metadata is written as the trace holds it only for a
+        # pass that is written.
+        self.entries: list[tuple] = []
         self.positions: list[int] = []
-        self.metas: list[tuple] = []  # (size, dtype, device); written as the trace holds it only when written
+        self.metas: list[tuple] = []
         self.origins: list[str] = []
         self.names: list[str | None] = []
-        self.slots: list[int] = []  # digest slot, NO_DIGEST
+        self.slots: list[int] = []
         self.digests: list | None = None  # per position, once landed (`resolve`): [sum, weighted sum] or None
         self._inputs = inputs if inputs is not None else {}  # id(tensor) -> index of the region's input it is
         self._held: list[tuple[int, torch.Tensor, int]] = []  # (slot, tensor, its version at the save)
@@ -210,62 +214,59 @@ class WatchedPass:
         """A pass recorded in full, from its position rows (metadata as written, fingerprints landed), to compare as
         watch compares."""
         wp = cls()
-        for row in rows:
-            wp.positions.append(row[0])
-            wp.metas.append(row[1])
-            wp.origins.append(row[2])
-            wp.names.append(row[5])
+        wp.positions = [row[0] for row in rows]
+        wp.metas = [row[1] for row in rows]
+        wp.origins = [row[2] for row in rows]
+        wp.names = [row[5] for row in rows]
         wp.digests = [row[6] if len(row) > 6 else None for row in rows]
         return wp
 
     def hold(self, position: int, tensor: torch.Tensor, name: str | None, origin: str | None = None) -> bool:
         """Torch saved `tensor` at `position` (in module `name`); `origin` "output": a reentrant region's output.
-        True: the tensors held for their digests are due (`flush`)."""
-        self.positions.append(position)
-        self.metas.append((tensor.size(), tensor.dtype, tensor.device))
+        True: the tensors held for their digests are due (`flush`). (Per saved tensor: kept lean.)"""
+        meta = (tensor.size(), tensor.dtype, tensor.device)
+        kind = type(tensor)
         if origin is None:
             base = tensor._base
-            if _is_parameter(tensor) or base is not None and _is_parameter(base):
-                self.origins.append("param")
-                self.names.append(None)
-                self.slots.append(NO_DIGEST)
+            if kind is not _Tensor and _is_parameter(tensor) or base is not None and _is_parameter(base):
+                self.entries.append((position, meta, "param", None, NO_DIGEST))
                 return False
             index = self._inputs.get(id(tensor) if base is None else id(base))
             if index is not None:
-                self.origins.append("input")
-                self.names.append(f"input[{index}]")
-                self.slots.append(NO_DIGEST)
+                self.entries.append((position, meta, "input", f"input[{index}]", NO_DIGEST))
                 return False
             origin = "saved"
-        self.origins.append(origin)
-        self.names.append(name)
         version = tensor._version
         hit = self._seen.get(id(tensor))
-        if hit is not None and hit[0]() is tensor and hit[1] == version:
-            self.slots.append(hit[2])
+        if hit is not None and hit[1] == version and hit[0]() is tensor:
+            self.entries.append((position, meta, origin, name, hit[2]))
             return False
-        t = tensor if type(tensor) is _Tensor else _local(tensor)
-        size = t.numel() * t.element_size() if t is not None else 0
-        if t is None or not _batched(t) and (t.is_cuda or size > SMALL):
-            rows = row_bits(t) if t is not None else None  # now, while its memory is in the cache
-            if rows is None:
-                self.slots.append(NO_DIGEST)
-                return False
-            if t.is_cuda:
-                self._streams.add(_current_stream(t.get_device()))
-            self._add_rows(self._new_slot(tensor, version), rows)
+        t = tensor if kind is _Tensor else _local(tensor)
+        if t is None:
+            self.entries.append((position, meta, origin, name, NO_DIGEST))
             return False
-        if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
+        size = t.numel() * t.element_size()
+        cuda = t.is_cuda
+        if cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
             self._streams.add(_current_stream(t.get_device()))
-        self._held.append((self._new_slot(tensor, version), t, version))
-        self._held_bytes += size
+        if not _batched(t) and (cuda or size > SMALL):
+            rows = row_bits(t)  # now, while its memory is in the cache
+            if rows is None:
+                self.entries.append((position, meta, origin, name, NO_DIGEST))
+                return False
+            slot = self._new_slot(tensor, version)
+            self._add_rows(slot, rows)
+        else:
+            slot = self._new_slot(tensor, version)
+            self._held.append((slot, t, version))
+            self._held_bytes += size
+        self.entries.append((position, meta, origin, name, slot))
         return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
 
     def _new_slot(self, tensor: torch.Tensor, version: int) -> int:
         slot = self._slots
-        self._slots += 1
+        self._slots = slot + 1
         self._seen[id(tensor)] = (_weakref(tensor), version, slot)
-        self.slots.append(slot)
         return slot
 
     def flush(self) -> None:
@@ -356,13 +357,15 @@ class WatchedPass:
             parts.append((slots, torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]))
         self._pairs = {}
         self._seen = {}
-        self.landing = Landing(parts)
+        self.landing = Landing(parts) if parts else None  # (nothing to read back: parameters and inputs only)
 
     def resolve(self) -> None:
-        """The digest of each position (the landing is ready)."""
-        by_slot = self.landing.digests(self._slots) if self.landing is not None else []
+        """The columns of the saved positions and the digest of each (the landing is ready)."""
+        by_slot = self.landing.digests(self._slots) if self.landing is not None else [None] * self._slots
         for slot in self.unmeasured:
             by_slot[slot] = None
+        if self.entries:
+            self.positions, self.metas, self.origins, self.names, self.slots = map(list, zip(*self.entries))
         self.digests = [None if slot < 0 else by_slot[slot] for slot in self.slots]
         self.landing = None
 
