@@ -30,7 +30,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-KERNELS = ("flash", "efficient", "cudnn")
+
+
+def _cudnn_takes_a_bias() -> bool:
+    """cuDNN attention's op as the stand-in answers it (attn_bias, compute_log_sumexp: torch >= 2.5; torch 2.4's has
+    another signature)."""
+    schema = getattr(getattr(aten, "_scaled_dot_product_cudnn_attention", None), "default", None)
+    return schema is not None and any(a.name == "attn_bias" for a in schema._schema.arguments)
+
+
+KERNELS = ("flash", "efficient") + (("cudnn",) if _cudnn_takes_a_bias() else ())
 FORWARD_OPS = {"flash": aten._scaled_dot_product_flash_attention.default,
                "efficient": aten._scaled_dot_product_efficient_attention.default,
                "cudnn": aten._scaled_dot_product_cudnn_attention.default}

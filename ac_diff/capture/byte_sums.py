@@ -30,32 +30,9 @@ _state: dict[str, Any] = {}
 
 def _kernel():
     try:  # CUDA builds of torch bring Triton; without it watch mode reduces each tensor on its own
-        import triton
-        import triton.language as tl
+        from .byte_sums_kernel import word_sums
     except ImportError as exc:
         raise RuntimeError("triton is not installed") from exc
-
-    @triton.jit
-    def word_sums(addrs, sizes, out, G: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        g = tl.program_id(1)
-        base = tl.load(addrs + t).to(tl.pointer_type(tl.int32))
-        base = tl.multiple_of(base, 16)
-        n = tl.multiple_of(tl.load(sizes + t), 4)
-        offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
-        s1 = tl.zeros([BLOCK], dtype=tl.int32)
-        s2 = tl.zeros([BLOCK], dtype=tl.int32)
-        start = g * BLOCK
-        while start < n:
-            idx = start + offs
-            w = tl.load(base + idx, mask=idx < n, other=0)
-            s1 += w
-            s2 += w * (2 * idx + 1)
-            start += G * BLOCK
-        at = (t * G + g) * 2
-        tl.store(out + at, tl.sum(s1, axis=0))
-        tl.store(out + at + 1, tl.sum(s2, axis=0))
-
     return word_sums
 
 
