@@ -84,3 +84,36 @@ def test_an_attribute_the_region_only_reads_is_no_cause_when_nothing_diverges(tm
         _step(net)
     report = ac_diff.diagnose_paths([str(tmp_path)]).to_json()
     assert report["verdict"] == "clean", report["headline"]
+
+
+class LazyBlock(Block):
+    """The counter does not exist before the first call: the pre-hook creates it (`getattr(module, "step", 0) + 1`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.step
+        self._forward_pre_hooks.clear()
+        self.register_forward_pre_hook(LazyBlock.bump_lazily)
+
+    @staticmethod
+    def bump_lazily(module, args):
+        module.step = getattr(module, "step", 0) + 1
+
+    def forward(self, x):
+        scale = 1.0 / (1 + 0.1 * self.step)
+        return torch.tanh(x + scale * self.fc(x))
+
+
+def test_a_counter_the_first_call_creates_is_named_too(tmp_path):
+    """In the first step the attribute is made by the forward's call (unset before it), then updated by the
+    recompute's: the same counted-twice cause as in later steps, not an unexplained Python argument."""
+    torch.manual_seed(0)
+    net = Net()
+    net.blocks = nn.ModuleList([LazyBlock() for _ in range(2)])
+    with ac_diff.record(tmp_path / "trace-rank0.jsonl"):
+        _step(net)
+    region = read_run(tmp_path / "trace-rank0.jsonl").regions[0]
+    assert region.forward.attribute_updates["blocks.0.step"][:2] == [{"unset": True}, 1]
+    cause = ac_diff.diagnose_paths([str(tmp_path)]).to_json()["regions"][0]["cause"]
+    assert cause["kind"] == "state_mutation" and cause["tensor"] == "blocks.0.step", cause
+    assert "was unset in the forward and 1 in the recompute" in cause["detail"] and "counts twice" in cause["detail"]

@@ -68,6 +68,10 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+# The recorded value of an attribute a module call created (it did not exist when the call began)
+UNSET: dict[str, Any] = {"unset": True}
+
+
 def is_container(value: Any) -> bool:
     """A recorded attribute value that summarizes a container (see `container_summary`)."""
     return isinstance(value, dict) and "len" in value and "type" in value

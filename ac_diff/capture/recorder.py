@@ -39,7 +39,7 @@ import torch
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack
-from .pystate import GlobalReads, module_attributes
+from .pystate import UNSET, GlobalReads, module_attributes
 from .fingerprint import FingerprintBatch
 from .watch import Watch, WatchedPass
 from ..errors import Terminated
@@ -716,11 +716,15 @@ class Recorder:
         _, prefix, before = calls[k]
         del calls[k:]
         after = module_attributes(module)
-        updates = passes[-1].attribute_updates
+        p = passes[-1]
+        updates = p.attribute_updates
         for key, value in after.items():
-            if key in before and before[key] != value and prefix + key not in updates:
+            old = before.get(key, UNSET)
+            if old != value and prefix + key not in updates:
                 hooks = [getattr(h, "__qualname__", type(h).__name__) for h in module._forward_pre_hooks.values()]
-                updates[prefix + key] = [before[key], value, hooks]
+                updates[prefix + key] = [old, value, hooks]
+                if old is UNSET:  # made by this call (`self.calls = getattr(self, "calls", 0) + 1`): unset before it
+                    p.attributes.setdefault(prefix + key, UNSET)
 
     # -- ops ----------------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs, out) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture.pystate import is_container
+from ..capture.pystate import UNSET, is_container
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
 from .passdiff import ARGUMENT_KINDS, PairDiff
@@ -89,6 +89,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
 
 def shown(value: Any) -> str:
     """An attribute's recorded value as a report shows it: `0.1`, `'residual'`, "a list of 2 entries"."""
+    if value == UNSET:
+        return "unset"
     return f"a {value['type']} of {_entries(value['len'])}" if is_container(value) else repr(value)
 
 
