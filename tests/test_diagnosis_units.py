@@ -181,3 +181,10 @@ def test_another_branch_running_the_same_op_says_where_each_pass_ran_it():
     assert first.op == "aten.t.default", first
     assert "in mix.a (model.py:11 in forward) where the recompute ran aten.t.default -> f32[4, 4] in mix.b " \
            "(model.py:12 in forward (the other branch))" in first.summary, first.summary
+
+
+def test_a_bare_sequential_index_reads_as_a_module_in_sentences():
+    from ac_diff.diagnosis.labels import module_label
+
+    assert module_label("1") == "module `1`" and module_label("0.2") == "module `0.2`"
+    assert module_label("layers.1") == "layers.1" and module_label("1.fc") == "1.fc"

@@ -22,6 +22,7 @@ from .cause import SHARDED, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from .groups import group_regions
+from .labels import module_label
 from .ranks import cross_rank_findings, rank_summaries
 from .region import Settings, diagnose_region
 from .watched import watch_summary, watched_clean
@@ -311,7 +312,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0) -> str:
     # report's details and cross-rank lines (a log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = min(errored or diverged, key=lambda r: (r.watched, r.rank, r.region))
-    where = f"{lead.module} (rank {lead.rank}, region {lead.region})" if lead.module else \
+    where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region})" if lead.module else \
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""

@@ -29,6 +29,7 @@ from typing import Any
 from ..capture.pystate import UNSET, is_container
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
+from .labels import module_label
 from .passdiff import ARGUMENT_KINDS, PairDiff
 
 
@@ -145,7 +146,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         if not any(c.read_by(op) for c in changes):
             return None
     top = min(changes, key=lambda c: (not c.read_by(op), not c.counted_twice))
-    module = top.name.rsplit(".", 1)[0] if "." in top.name else "the module"
+    module = module_label(top.name.rsplit(".", 1)[0]) if "." in top.name else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
     detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
               + f"{_what(top)} was {_change_words(top.forward, top.recompute)}")

@@ -1,6 +1,7 @@
 """Short human labels for ops, tensors and argument differences, shared by every part of a report.
 
     op_label(op)                  -> "aten.topk.default -> f32[512, 2], i64[512, 2]"
+    module_label("1")             -> "module `1`" (a Sequential's child; "layers.1" stays as it is)
     list_diff([14, 99, 71], [14, 98, 71]) -> "[14, 99→98, 71]"
 """
 
@@ -13,6 +14,12 @@ from ..passes import OpRecord, TensorMeta
 
 # a Python object the recorder could only write as its repr: "<torch._C.Generator object at 0x7f..>"
 _OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
+
+
+def module_label(fqn: str) -> str:
+    """A module's name in a sentence: a bare Sequential child's index ("1", "0.2") reads as a number, so it is named
+    as a module (module `1`); any other FQN as it is."""
+    return f"module `{fqn}`" if fqn and all(part.isdigit() for part in fqn.split(".")) else fqn
 
 
 def readable_arg(a: Any) -> Any:
