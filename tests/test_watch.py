@@ -426,3 +426,69 @@ def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(t
     assert "saved other tensors than its forward, so it stays recorded in full" in report.watch["text"]
     _, _, clean, _, _ = recorded(tmp_path, "counting", {}, watch=True)  # Block counts its calls in its forward
     assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3
+
+
+class Wide(nn.Module):
+    """Saved tensors (and outputs) larger than watch reduces at their save on CPU (watch.SMALL)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 256), nn.Linear(256, 128)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + x
+
+
+def _train_wide(context_fn=None, reentrant: bool = False, steps: int = 3) -> None:
+    torch.manual_seed(0)
+    model = Wide()
+    for _ in range(steps):
+        x = torch.randn(4, 64, 128, requires_grad=True)
+        kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+        loss = checkpoint(model, x, use_reentrant=reentrant, **kwargs).pow(2).mean()
+        loss.backward()  # (another line: ops recorded here and at the checkpoint call read as other code)
+
+
+def test_a_large_output_reduced_in_a_step_recorded_in_full_is_not_recorded_as_the_regions_op(tmp_path):
+    """A reentrant region's large output is reduced when watch takes it (its first step, recorded in full): the
+    recording mode must not see that reduction (before: it was recorded as the region's ops, in the forward and the
+    recompute at other source lines, a control-flow false alarm)."""
+    path = tmp_path / "reentrant.jsonl"
+    with ac_diff.record(path, watch=True):  # the first step recorded in full
+        _train_wide(reentrant=True)
+    run = read_run(path)
+    report = ac_diff.diagnose([run])
+    assert report.verdict == "clean", report.headline
+    assert report.watch["compared"] == 2  # steps 2 and 3 watched
+    full = tmp_path / "full.jsonl"  # the same first step recorded in full without watch: the same ops
+    with ac_diff.record(full):
+        _train_wide(reentrant=True, steps=1)
+    assert [o.op for o in run.regions[0].forward.ops] == [o.op for o in read_run(full).regions[0].forward.ops]
+
+
+class WideDropout(Wide):
+    def forward(self, x):
+        return self.down(torch.dropout(torch.relu(self.up(x)), 0.3, True)) + x
+
+
+def test_selective_acs_cache_never_serves_watchs_own_reductions(tmp_path):
+    """Selective AC whose policy saves every sum: the reductions watch runs as it takes a large saved tensor must
+    not reach its caching mode, or the recompute's digest would be the forward's, replayed (here a dropout without
+    its RNG state would read as clean)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, func, *args, **kwargs):
+        saved = (torch.ops.aten.mm.default, torch.ops.aten.sum.dim_IntList)
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    model = WideDropout()
+    path = tmp_path / "sac.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for _ in range(2):
+            x = torch.randn(4, 64, 128, requires_grad=True)
+            loss = checkpoint(model, x, use_reentrant=False, preserve_rng_state=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy)).sum()
+            loss.backward()
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "diverged", report.headline

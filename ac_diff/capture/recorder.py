@@ -516,7 +516,13 @@ class Recorder:
                     return
             if p.watch is not None:
                 stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
-                if p.watch.hold(position, tensor, stack[-1][1] if stack else None):
+                name = stack[-1][1] if stack else None
+                if not _dispatch_stack_len():
+                    due = p.watch.hold(position, tensor, name)
+                else:  # (a large tensor is reduced as it is held: a mode on the stack must not see it)
+                    with self.quiet():
+                        due = p.watch.hold(position, tensor, name)
+                if due:
                     self._flush_watched(p.watch)
                 return
             ref = self._known_ref(p, tensor)
@@ -535,15 +541,14 @@ class Recorder:
             self._internal_error("pack", exc)
             self._lose("positions", exc)
 
-    def _flush_watched(self, wp: WatchedPass, launch: bool = False) -> None:
-        """Digest the tensors a watched pass holds (`launch`: and queue their read-back); a mode on the dispatch stack
-        (selective AC's, the recorder's around an outer region) must not see the reductions."""
-        step = wp.launch if launch else wp.flush
+    def _flush_watched(self, wp: WatchedPass) -> None:
+        """Digest the tensors a watched pass holds; a mode on the dispatch stack (selective AC's, the recorder's
+        around an outer region) must not see the reductions."""
         if not _dispatch_stack_len():
-            step()
+            wp.flush()
         else:
             with self.quiet():
-                step()
+                wp.flush()
 
     def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
         """A reentrant region's pass returned: in watch mode its tensor outputs are what is compared (its forward runs
@@ -560,10 +565,11 @@ class Recorder:
             if wp is None:
                 wp = p.watched_outputs = WatchedPass()
             tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-            for i, t in enumerate(tensors):
-                if isinstance(t, torch.Tensor):
-                    wp.hold(i, t, p.region.module, "output")  # (backward has no module stack)
-            self._flush_watched(wp, launch=wp is not p.watch)
+            with self.quiet():  # (a pass recorded in full: its recording mode must not see the reductions)
+                for i, t in enumerate(tensors):
+                    if isinstance(t, torch.Tensor):
+                        wp.hold(i, t, p.region.module, "output")  # (backward has no module stack)
+                wp.launch() if wp is not p.watch else wp.flush()
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("pass_outputs", exc)
             self._lose("positions", exc)
