@@ -209,9 +209,11 @@ class RegionReport:
         return self.status + (" (silent)" if self.silent else "")
 
     def divergences(self) -> list[Divergence]:
-        """Every first divergence found, in the order reports list them."""
-        return [d for d in (self.first_control_divergence, self.first_value_divergence, self.first_argument_divergence,
-                            self.first_discrete_divergence, self.first_shape_divergence) if d is not None]
+        """Every first divergence found, in the order reports list them: forward order (a changed argument at op 2
+        before the value it changed at op 6), kinds in this order at the same op."""
+        found = [d for d in (self.first_control_divergence, self.first_value_divergence, self.first_argument_divergence,
+                             self.first_discrete_divergence, self.first_shape_divergence) if d is not None]
+        return sorted(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
 
     def to_json(self) -> dict[str, Any]:
         data = {

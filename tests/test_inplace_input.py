@@ -146,3 +146,5 @@ def test_a_write_through_a_view_reaches_the_readers_of_its_base(tmp_path):
     first_value = report.regions[0].first_value_divergence
     assert first_value.op == "aten.add.Tensor", first_value
     assert "every input is identical" not in first_value.summary and "input already differed" in first_value.summary
+    listed = report.regions[0].divergences()  # in forward order: the index that changed, then the sum it moved
+    assert [d.kind for d in listed][:2] == ["argument", "value"], [(d.kind, d.forward_index) for d in listed]

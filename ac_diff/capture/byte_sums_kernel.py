@@ -8,8 +8,11 @@ globals. The two sums accumulate in wrap-around int32; their last reduction runs
 same numbers modulo 2**32: interpreters that sum int32 through numpy widen the result and refuse to narrow it).
 """
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # (byte_sums._kernel() imports this module, and watch falls back without Triton)
+    raise ImportError("triton is not installed") from exc
 
 
 @triton.jit
