@@ -318,7 +318,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0) -> str:
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
     same = next((g for g in groups if g.members and g.members[0] is lead and len(g.regions) > 1), None)
     more = (f" [{len(diverged)} of {len(regions) + watched} regions diverged"
-            + (f"; {same.label}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
+            + (f"; {module_label(same.label)}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)
     more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
     return f"{where} diverged{silent}{cause}{more}"

@@ -113,8 +113,8 @@ def _plain(xs: list) -> list:
 def where(module: str | None, source: str | None) -> str:
     """"layers.1.moe (tiny_moe.py:158 in update)"; either part may be unknown."""
     if module and source:
-        return f"{module} ({source})"
-    return module or source or "(unknown place)"
+        return f"{module_label(module)} ({source})"
+    return (module_label(module) if module else None) or source or "(unknown place)"
 
 
 def outputs_diff(f: OpRecord, r: OpRecord, limit: int = 4) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..passes import Region, Run
 from ..report import DIVERGED, Cause, RegionReport
-from .labels import number_ranges
+from .labels import module_label, number_ranges
 
 WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
 
@@ -83,17 +83,18 @@ def _text(s: dict[str, Any]) -> str:
     if s["never_compared"]:
         text += f"; {s['never_compared']:,} forward(s) never recomputed (no backward reached them)"
     for e in s["escalated"]:
+        module = module_label(e["module"])
         if e["from_step"] is None:
-            text += (f"; {e['module']} diverged in step {e['diverged_step']} and the run ended before it ran again: "
+            text += (f"; {module} diverged in step {e['diverged_step']} and the run ended before it ran again: "
                      f"run again with --full-from-step {e['diverged_step']} to record that step in full")
         else:
             found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
                      if e["full_diverged"] else f"all {e['full_regions']} reproduced their saved tensors")
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
-                text += (f"; {e['module']}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
+                text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
                          f"tensors than its forward, so it stays recorded in full: {found}")
             else:
-                text += (f"; {e['module']} diverged in step {e['diverged_step']}: recorded in full from step "
+                text += (f"; {module} diverged in step {e['diverged_step']}: recorded in full from step "
                          f"{e['from_step']} on: {found}")
     if s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
