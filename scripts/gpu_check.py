@@ -710,9 +710,9 @@ def check_watch_example(env: Env, name: str) -> tuple[str, str, dict]:
                                                "problems": problems}
 
 
-class _SideStreamStack(nn.Module):
+class SideStreamStack(nn.Module):
     """A region whose first tensor is made on a side stream (as an overlapped all-gather's is) and which saves more
-    tensors than watch holds at once (several flushes of the batched kernel per pass)."""
+    tensors than watch holds at once (several flushes of the batched kernel per pass); tests/gpu uses it too."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -734,7 +734,7 @@ class _SideStreamStack(nn.Module):
 def check_watch_side_stream(env: Env) -> tuple[str, str, dict]:
     """Watch over tensors made on a side stream, held across several flushes in one pass: clean, every pass compared."""
     torch.manual_seed(0)
-    block = _SideStreamStack(256).to(env.device)
+    block = SideStreamStack(256).to(env.device)
 
     def run() -> None:
         for _ in range(3):

@@ -51,7 +51,7 @@ from .state import global_state, host_draws, host_rng_states, rng_digest, traini
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
-from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame,
+from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..oprules import holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
@@ -516,14 +516,9 @@ class Recorder:
                     return
             if p.watch is not None:
                 stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
-                name = stack[-1][1] if stack else None
-                if not _dispatch_stack_len():
-                    due = p.watch.hold(position, tensor, name)
-                else:  # (a large tensor is reduced as it is held: a mode on the stack must not see it)
-                    with self.quiet():
-                        due = p.watch.hold(position, tensor, name)
-                if due:
-                    self._flush_watched(p.watch)
+                # (a large tensor is reduced as it is held; held ones when due: no mode may see either)
+                if self._unseen(p.watch.hold, position, tensor, stack[-1][1] if stack else None):
+                    self._unseen(p.watch.flush)
                 return
             ref = self._known_ref(p, tensor)
             if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops
@@ -541,14 +536,13 @@ class Recorder:
             self._internal_error("pack", exc)
             self._lose("positions", exc)
 
-    def _flush_watched(self, wp: WatchedPass) -> None:
-        """Digest the tensors a watched pass holds; a mode on the dispatch stack (selective AC's, the recorder's
-        around an outer region) must not see the reductions."""
+    def _unseen(self, work: Any, *args: Any) -> Any:
+        """`work(*args)`, tensor work of watch's, where no mode on the dispatch stack (selective AC's, the recorder's
+        around an outer region) sees it; with no mode there, no context at all (this runs per saved tensor)."""
         if not _dispatch_stack_len():
-            wp.flush()
-        else:
-            with self.quiet():
-                wp.flush()
+            return work(*args)
+        with self.quiet():
+            return work(*args)
 
     def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
         """A reentrant region's pass returned: in watch mode its tensor outputs are what is compared (its forward runs
@@ -569,7 +563,10 @@ class Recorder:
                 for i, t in enumerate(tensors):
                     if isinstance(t, torch.Tensor):
                         wp.hold(i, t, p.region.module, "output")  # (backward has no module stack)
-                wp.launch() if wp is not p.watch else wp.flush()
+                if wp is p.watch:
+                    wp.flush()
+                else:  # (a pass recorded in full: its outputs' digests are read back with it)
+                    wp.launch()
         except Exception as exc:  # noqa: BLE001 - deliberately broad: this is the training's call path
             self._internal_error("pass_outputs", exc)
             self._lose("positions", exc)
@@ -1159,9 +1156,6 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
     for index, key, idx in p.kept:
         vals.setdefault(index, {})[key] = kept[idx]
     return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
-
-
-_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})

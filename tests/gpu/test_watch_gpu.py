@@ -3,6 +3,9 @@ reads nothing back synchronously (scripts/gpu_check.py's watch rows check the ex
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -11,6 +14,9 @@ import ac_diff
 from ac_diff.capture import fingerprint
 from ac_diff.capture.byte_sums import ByteSums, host_reference
 from ac_diff.trace import read_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from gpu_check import SideStreamStack  # noqa: E402
 
 
 def test_the_batched_kernel_compiles_and_agrees_with_the_host():
@@ -76,29 +82,9 @@ def test_a_watched_cuda_run_finds_a_buffer_updated_in_the_forward(tmp_path, monk
     assert {r.module for r in report.regions if r.status == "diverged"} == {"layers.0", "layers.1"}
 
 
-class SideStreamBlock(nn.Module):
-    """Its first tensor is made on a side stream (as an overlapped all-gather's are), and it saves more tensors than
-    watch holds at once (several flushes of the batched kernel in one pass)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(48))
-
-    def forward(self, x):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            h = torch.tanh(x * 2)
-        torch.cuda.current_stream().wait_stream(side)
-        h.record_stream(torch.cuda.current_stream())
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return h
-
-
 def test_watched_tensors_from_a_side_stream_over_several_flushes_are_clean(tmp_path):
     torch.manual_seed(0)
-    block = SideStreamBlock().cuda()
+    block = SideStreamStack(256).cuda()  # (scripts/gpu_check.py's watch[side stream] model)
     path = tmp_path / "side.jsonl"
     with ac_diff.record(path, watch=True, watch_full_steps=0):
         for _ in range(3):
