@@ -11,8 +11,17 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import ac_diff
+from ac_diff.capture import fingerprint
 from ac_diff.capture.fingerprint import FingerprintBatch, StreamFence, _rows
 from models import record_step
+
+
+@pytest.fixture(autouse=True, params=["batched", "alone"])
+def cpu_path(request, monkeypatch):
+    """Every test here on both paths: CPU tensors held and reduced together, and each reduced on its own (the path
+    CUDA tensors take)."""
+    monkeypatch.setattr(fingerprint, "BATCH_CPU", request.param == "batched")
+    return request.param
 
 
 def fp(*tensors: torch.Tensor) -> list:
@@ -206,3 +215,72 @@ def test_cpu_tensors_make_no_cuda_call(monkeypatch):
     batch.keep(torch.arange(3))
     values, kept = batch.collect()
     assert all(values[s] is not None for s in slots) and len(kept) == 1
+
+
+def _assorted(g: torch.Generator) -> list[torch.Tensor]:
+    """Tensors of every kind a flush mixes: small and large, several row lengths and dtypes, transposed, integers."""
+    return [torch.randn(4, 8, generator=g), torch.randn(3, 8, generator=g).double(), torch.randn(100, 64, generator=g),
+            torch.randn(5, 7, generator=g).t(), torch.randn(6, 8, generator=g).to(torch.bfloat16),
+            torch.randint(0, 50, (9, 2), generator=g), torch.randn(17, generator=g) * 1e4,
+            torch.randn(2, 3000, generator=g), torch.tensor([1.0, float("-inf"), 2.0])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_fingerprint_does_not_depend_on_the_tensors_reduced_beside_it(threads):
+    """Forward and recompute reduce the same tensor among other neighbours (an op more or less, another flush): its
+    numbers must be bit-identical all the same."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        tensors = _assorted(g)
+        alone = [fp(t)[0] for t in tensors]
+        together = fp(*tensors)
+        shuffled = torch.randperm(len(tensors), generator=g).tolist()
+        others = fp(*[torch.randn(3, 8, generator=g), torch.randn(1, 64, generator=g)],
+                    *[tensors[i] for i in shuffled])[2:]
+        assert together == alone
+        assert [others[shuffled.index(i)] for i in range(len(tensors))] == alone
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_batch_of_more_than_a_flush_keeps_every_slot():
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(2, 4, generator=g) for _ in range(fingerprint.HOLD * 2 + 3)]
+    assert fp(*tensors) == [fp(t)[0] for t in tensors]
+
+
+class _WritesItsOutput(nn.Module):
+    """`h` is made, read, then written in place within the region: its op's fingerprint must be of what it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = h * 2
+        h.add_(1)
+        return y + h
+
+
+def test_an_output_written_in_place_later_is_fingerprinted_as_its_op_made_it(tmp_path):
+    torch.manual_seed(1)
+    model = _WritesItsOutput()
+    torch.manual_seed(0)  # (the input `record_step` makes)
+    with torch.no_grad():
+        made = model.lin(torch.randn(4, 8))
+    _, run = record_step(_Wrapped(model), tmp_path / "t.jsonl")
+    ops = run.regions[0].forward.ops
+    linear = next(o for o in ops if o.op.startswith("aten.addmm"))
+    assert linear.fingerprint[0] == fp(made)[0] != fp(made + 1)[0]
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cp.checkpoint(self.inner, x, use_reentrant=False)

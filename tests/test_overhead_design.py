@@ -125,7 +125,14 @@ def _recorded_step(depth: int, path) -> tuple[dict, int, int]:
     return counts, passes, rec.ops_recorded
 
 
-def test_host_reads_are_per_pass_not_per_op(tmp_path):
+@pytest.fixture
+def device_path(monkeypatch):
+    """CPU tensors reduced one by one, on their device, as CUDA tensors are: the path whose reads are device syncs (CPU
+    tensors are held and reduced together, and read on the host at their flush: `test_cpu_flushes_read_per_flush`)."""
+    monkeypatch.setattr(fingerprint, "BATCH_CPU", False)
+
+
+def test_host_reads_are_per_pass_not_per_op(tmp_path, device_path):
     small, passes_small, ops_small = _recorded_step(2, tmp_path / "small.jsonl")
     big, passes_big, ops_big = _recorded_step(10, tmp_path / "big.jsonl")
     assert passes_small == passes_big == 6  # 3 regions, forward + recompute
@@ -139,7 +146,25 @@ def test_host_reads_are_per_pass_not_per_op(tmp_path):
     assert big["to_host"] == small["to_host"] == 0
 
 
-def test_fingerprints_and_kept_values_are_collected_in_one_read_per_group():
+def test_cpu_flushes_read_per_flush_not_per_op(tmp_path, monkeypatch):
+    """CPU tensors are fingerprinted HOLD at a time (or fewer, before an in-place write and at a pass's end), and read on
+    the host then (a CPU read waits for no device): two reads per flush, however many tensors it holds."""
+    flushes = []
+    real = FingerprintBatch._flush
+    monkeypatch.setattr(FingerprintBatch, "_flush", lambda self, held: flushes.append(len(held)) or real(self, held))
+    torch.manual_seed(0)
+    model = Model(10)
+    x = torch.randn(8, 16, requires_grad=True)
+    with counting_host_reads() as counts:
+        with ac_diff.record(tmp_path / "t.jsonl") as rec:
+            model(x).sum().backward()
+    reads = [w for w in counts["where"] if "fingerprint.py" in w]
+    assert counts["elsewhere"] == len(reads)  # every read outside a pass's collection is a flush's
+    assert 0 < len(reads) <= 2 * len(flushes) < rec.ops_recorded / 8
+    assert counts["to_host"] == 0
+
+
+def test_fingerprints_and_kept_values_are_collected_in_one_read_per_group(device_path):
     batch = FingerprintBatch()
     tensors = [torch.randn(5, 3), torch.arange(7), torch.rand(4) > 0.5, torch.randn(2, 2).to(torch.bfloat16)]
     slots = [batch.add(t) for t in tensors * 50]

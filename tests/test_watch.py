@@ -207,8 +207,13 @@ def test_watch_reads_nothing_back_synchronously(tmp_path, monkeypatch):
     assert calls["to_host"] == 0
     assert calls["later"] == 4 * 2 * 2  # steps x regions x passes
     calls["later"] = 0
+    monkeypatch.setattr(fingerprint, "BATCH_CPU", False)  # each tensor reduced on its own, as on a GPU
     recorded(tmp_path, "full", {})
     assert calls["to_host"] == 0 and calls["later"] == 4 * 2 * 2  # full recording: once per pass, no sync either
+    calls["later"] = 0
+    monkeypatch.setattr(fingerprint, "BATCH_CPU", True)  # CPU tensors read at their flush: nothing left to copy
+    recorded(tmp_path, "full-cpu", {})
+    assert calls["to_host"] == 0 and calls["later"] <= 4 * 2 * 2
 
 
 # aten ops that launch no kernel (views, metadata): the profiler counts every other outermost aten op as one kernel
@@ -271,6 +276,30 @@ def test_small_saved_tensors_of_one_shape_share_their_kernels(tmp_path):
     added, digested, passes = _added_kernels(tmp_path, Deep(), torch.randn(4, 16, requires_grad=True))
     assert passes == 2 and digested >= 2 * 24
     assert added < digested / 2, (added, digested)  # (one reduction per tensor would add more than them all)
+
+
+def test_a_full_recording_adds_less_than_a_kernel_per_recorded_op(tmp_path):
+    """Fingerprints of small CPU tensors share their copies and reductions (fingerprint.FingerprintBatch.flush): a full
+    recording of a region of 24 small layers adds fewer kernels than the ops it records (one reduction per output
+    took two to four each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(4, 16, requires_grad=True)
+
+    def kernels(recording: bool) -> tuple[int, int]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with ac_diff.record(tmp_path / "f.jsonl") if recording else contextlib.nullcontext() as rec:
+                checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+        return (sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in _NO_KERNEL
+                    and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))),
+                rec.ops_recorded if recording else 0)
+
+    kernels(True)  # the weights made once per process
+    recorded_kernels, ops = kernels(True)
+    added = recorded_kernels - kernels(False)[0]
+    assert ops > 2 * 24 * 2
+    assert 0 < added < ops, (added, ops)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -2,6 +2,7 @@
 the recorder's own blocks kept out of it.
 
     mode = RecordingMode(recorder)        # __torch_dispatch__: run the op, then recorder._on_op(...)
+                                          # (an op writing in place: recorder.before_write(...) first)
     with InternalBlock(recorder): ...          # the recorder's own ops: not recorded (and the mode popped)
     with no_dispatch_modes(): ...         # no outer mode sees the recorder's reductions
 """
@@ -11,6 +12,20 @@ from __future__ import annotations
 import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .opinfo import op_info
+
+
+# (named as the method it becomes: frames of `__torch_dispatch__` read as a mode passing an op on, see reference/leaks.py)
+def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    """Run the op, then hand it to the recorder. Before an op that writes in place, the recorder fingerprints the
+    tensors it holds there (fingerprint.FingerprintBatch): the op is about to change them (OpInfo.before)."""
+    before = op_info(func).before
+    if before is not None:
+        self.recorder.before_write(before, args, kwargs)
+    out = func(*args, **(kwargs or {}))
+    self._on_op(func, args, kwargs, out)
+    return out
 
 
 # `recorder` is a capture.recorder.Recorder: annotated, not imported (the recorder imports this module).
@@ -27,10 +42,7 @@ class RecordingMode(TorchDispatchMode):
         """torch.compile'd code inside a region compiles and runs as without the recorder (compiled.py)."""
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._on_op(func, args, kwargs, out)
-        return out
+    __torch_dispatch__ = __torch_dispatch__
 
 
 class UnguardedRecordingMode(RecordingMode):
@@ -43,10 +55,7 @@ class UnguardedRecordingMode(RecordingMode):
     def _should_skip_dynamo(cls) -> bool:  # read by TorchDispatchMode.__init_subclass__: do not wrap
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._on_op(func, args, kwargs, out)
-        return out
+    __torch_dispatch__ = __torch_dispatch__  # (its own attribute: the base class's is the wrapped one)
 
 
 try:  # private, guarded: without it the recorder's own reductions could be seen by outer modes

@@ -8,10 +8,20 @@
     values[slot]                      # per device and dtype (kept values): O(passes), not O(ops)
     kept[k]                           # {"dtype": "i64", "shape": [4, 2], "b64": "..."} (see encode_values)
 
-Floats: two position-weighted sums in float32, see `_weights_of_matrix` (float32/64: one pass over the
+Floats: two position-weighted sums, see `_weights_of_matrix` (on a device: float32/64 in one pass over the
 data; half precision: a float32 sum and the weighted sum, no float64 upcasts, which cost 2-4x more).
 Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
 same experts in another order) changes the fingerprint.
+
+CPU tensors are not reduced one by one: they are held (a reference, no copy) and fingerprinted HOLD at a time
+(`FingerprintBatch.flush`, before any op that writes in place, and at the end of the pass): small float tensors of
+one dtype and row length share one copy and one row reduction, a larger one gets its row reduction alone; all those
+row sums become pairs in ONE segmented float64 sum, and the small integer tensors get their pairs from ONE exact
+cumulative sum (segments.py). Each number depends on its tensor's values only, never on the tensors beside it in
+the flush (tested), so forward and recompute agree bit for bit. That is about 0.5 kernels per recorded op where
+there were 2.4. On CPU reading the results waits for no device, so they are read at the flush; the bit sums below
+are then taken only for the tensors whose pair is not finite. Tensors on a GPU are reduced on their own, on their
+stream: a GPU's segmented reductions may order a sum by its alignment, and the pair must be bit-identical.
 
 Every other dtype is fingerprinted through a view of the same memory (`_plan`), no copy:
 * complex: `torch.view_as_real`, as floats (complex32 as float16), so like its real dtype;
@@ -29,7 +39,7 @@ also gets a third number, computed on the device with the pair: the sums of each
 (the floats reinterpreted as integers, in wrap-around int32 arithmetic, exact in any order) weighted
 by odd row weights. A change of any one element's bits changes it, as does a changed row. Where the
 pair is finite it is the fingerprint, as before; where it is not, the fingerprint is the pair plus
-that number (`[-inf, -inf, 12345]`). One more pass over the data, about half the cost of the pair's.
+that number (`[-inf, -inf, 12345]`). On a device, one more pass over the data, about half the cost of the pair's.
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op), or, where the values are read
@@ -52,6 +62,8 @@ from typing import Any, Callable
 import torch
 
 from .opinfo import short_dtype
+from .segments import _weights, segment_float_pairs, segment_pairs
+from .torch_compat import flatten_dense
 from ..values import decode_values  # noqa: F401 - the codec's other half, importable from here
 
 # The dtypes reduced by their own kernels; every other one through a view of its memory (see `_plan`)
@@ -101,40 +113,6 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
         waited = wait()
         return waited if type(waited) is torch.Tensor else None
     return t if not hasattr(t, "__tensor_flatten__") else None
-
-
-# Fingerprint weights: a base per (device, dtype, kind), grown as needed, and its slices by length.
-_weight_bases: dict[tuple, torch.Tensor] = {}
-_weight_slices: dict[tuple, torch.Tensor] = {}
-
-
-def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "float") -> torch.Tensor:
-    """The first n fingerprint weights, cached per (device, dtype, kind, n) for the whole process: the
-    same values for a given length however the base grew, and no slicing dispatch per fingerprint.
-
-    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
-    times an odd weight never vanishes in wrap-around arithmetic); "rows": the (2, n) matrix [ones; float
-    weights] that turns row sums into a plain and a weighted total in one kernel; "ones_odd": the (2, n) matrix
-    [ones; odd] (watch mode's plain and weighted sums, in one multiplication)."""
-    key = (device, dtype, kind, n)
-    w = _weight_slices.get(key)
-    if w is None:
-        if kind == "rows":
-            w = torch.stack((torch.ones(n, dtype=dtype, device=device), _weights(device, dtype, n)))
-        else:
-            base = _weight_bases.get(key[:3])
-            if base is None or base.shape[-1] < n:
-                k = torch.arange(max(n, 1024), dtype=torch.float64, device=device)  # made there: no copy, no sync
-                values = (k + 1 if kind == "int" else 2 * k + 1 if kind in ("odd", "ones_odd")
-                          else 1.0 + torch.frac(k * 0.6180339887498949))
-                if kind == "ones_odd":
-                    values = torch.stack((torch.ones_like(values), values))
-                base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
-            w = base[..., :n]
-        if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
-            _weight_slices.clear()
-        _weight_slices[key] = w
-    return w
 
 
 # Float dtypes whose row sums keep float32 precision: one weighted pass gives both numbers of the pair.
@@ -239,8 +217,42 @@ class StreamFence:
                     reader.wait_stream(stream)
 
 
+# CPU tensors are held and fingerprinted together (`FingerprintBatch.flush`): small float tensors of one row length
+# share one copy and one reduction, a larger one gets its own row reduction (no copy); integer tensors up to SMALL
+# share one exact cumulative sum, larger ones are reduced on their own at once.
+SMALL = 16 << 10
+HOLD = 64  # held tensors per flush
+BATCH_CPU = True  # False: CPU tensors are reduced one by one, as CUDA tensors are (the tests run that path this way)
+HOLD_BYTES = 64 << 20  # ... or fewer, once the larger ones among them hold this much memory
+_layout_weights: dict[tuple, torch.Tensor] = {}  # a flush's rows per tensor -> `_flush_weights`
+
+
+def _flush_weights(lengths: tuple[int, ...]) -> torch.Tensor:
+    """(n, 2) float64 [1, wr_i] per row i of each tensor of a flush (`lengths` rows each), made once per layout: what
+    turns weighted row sums into the pair (`_weights_of_matrix`)."""
+    w = _layout_weights.get(lengths)
+    if w is None:
+        if len(_layout_weights) > 256:  # data-dependent shapes: many layouts; start over
+            _layout_weights.clear()
+        pieces = [_weights(_CPU, torch.float64, n, "rows").t() for n in lengths]
+        w = _layout_weights[lengths] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return w
+
+
+_CPU = torch.device("cpu")
+
+
 class FingerprintBatch:
-    """Deferred fingerprints of many tensors, collected with one sync per device and kind."""
+    """Deferred fingerprints of many tensors, collected with one sync per device and kind.
+
+    CPU (`add`): a tensor up to SMALL bytes is held, and HOLD of them are fingerprinted together (`flush`): one flat
+    copy, one product with their weights and one segmented sum in float64 for the float pairs, one cumulative sum of
+    integers for the integers' pairs and the floats' bit sums (segments.py). A larger float tensor is reduced to its
+    weighted row sums and its rows' bit sums at once (two kernels), which join the next flush. Every number depends
+    on the tensor's own values only, not on its neighbours in a flush. A held tensor must not change before its flush:
+    the recorder flushes before any op that writes in place (`holding`); a kernel launched outside torch's dispatch,
+    which no recorder sees, is measured after its write, in both passes alike. CUDA: each tensor reduced on its own, on its stream (a GPU's segmented sums may order
+    a segment's sum by its alignment, and the float pair must be bit-identical)."""
 
     def __init__(self, *, bits: bool = False) -> None:
         self.bits = bits  # every float fingerprint ends with its exact bit sum, finite or not (gradients: grads.py)
@@ -248,11 +260,29 @@ class FingerprintBatch:
         #                   bits: 0-d int32 tensors (floats only, see `_bit_rows_sum`)]
         self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor],
                                                              list[torch.Tensor], list[torch.Tensor]]] = {}
-        # (bucket, is a pair, index, index of its bit sum or -1)
-        self._slots: list[tuple[tuple[str, torch.device], bool, int, int]] = []
+        # per slot: (bucket, is a pair, index, index of its bit sum or -1); ("done", fingerprint, is a float's): read
+        # at its flush (CPU) or made without a kernel (an empty tensor); None while held
+        self._slots: list[tuple | None] = []
+        # (slot, tensor, kind, larger than SMALL, its storage's address and size when added)
+        self._held: list[tuple[int, torch.Tensor, str, bool, int, int]] = []
+        self._held_bytes = 0  # of the larger ones
+        self._addresses: set[int] = set()  # their storages' addresses (`holds_memory_of`)
         self._kept: list[torch.Tensor] = []
         self._streams = StreamFence()
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
+
+    @property
+    def holding(self) -> bool:
+        """Tensors wait for their flush: an op about to write one of them in place must `flush` first."""
+        return bool(self._held)
+
+    def holds_memory_of(self, t: torch.Tensor) -> bool:
+        """A held tensor shares `t`'s memory (its storage): writing `t` may change it. True where that cannot be told
+        (a wrapper subclass without a storage of its own)."""
+        try:
+            return t.untyped_storage().data_ptr() in self._addresses
+        except (RuntimeError, NotImplementedError, TypeError):
+            return True
 
     def add(self, t: torch.Tensor) -> int | None:
         """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced."""
@@ -269,6 +299,31 @@ class FingerprintBatch:
             return None
         if view is not None:
             t = view(t)
+        slots = self._slots
+        if t.is_cpu and BATCH_CPU:
+            numel = t.numel()
+            if not numel:
+                slots.append(("done", [0.0, 0.0] if kind == "f" else [0, 0], False))
+                return len(slots) - 1
+            nbytes = numel * t.element_size()
+            if kind == "i" and nbytes > SMALL:
+                return self._add_alone(t, kind)
+            slots.append(None)
+            # `.data`: an alias no dispatch mode sees; holding the op's own output while the recording mode returns it
+            # would make torch detach it there, an op more in the region
+            storage = t.untyped_storage()
+            address = storage.data_ptr()
+            self._held.append((len(slots) - 1, t.data, kind, nbytes > SMALL, address, storage.nbytes()))
+            self._addresses.add(address)
+            if nbytes > SMALL:
+                self._held_bytes += nbytes
+            if len(self._held) >= HOLD or self._held_bytes > HOLD_BYTES:
+                self.flush()
+            return len(slots) - 1
+        return self._add_alone(t, kind)
+
+    def _add_alone(self, t: torch.Tensor, kind: str) -> int:
+        """Queue the reductions of one tensor (on its device and stream) into its bucket; returns its slot."""
         dtype = t.dtype
         key = (kind, t.device)
         if t.is_cuda:
@@ -311,6 +366,63 @@ class FingerprintBatch:
         self._slots.append((key, False, len(bucket[1]) - 1, bit))
         return len(self._slots) - 1
 
+    def flush(self) -> None:
+        """Fingerprint the held tensors together (see the class docstring)."""
+        held = self._held
+        if not held:
+            return
+        self._held, self._held_bytes = [], 0
+        self._addresses.clear()
+        with torch.no_grad():  # (a pass's end: held outputs require grad by then; no graph, nothing saved)
+            self._flush(held)
+
+    def _flush(self, held: list) -> None:
+        groups: dict[tuple, list] = {}  # small floats by (dtype, row length): [(slot, rows)]
+        ints: list[tuple[int, torch.Tensor]] = []
+        row_sums: list[torch.Tensor] = []  # per large tensor and per group of small ones: weighted row sums
+        counts: list[int] = []  # rows per tensor, in order
+        order: list[tuple[int, torch.Tensor]] = []  # (slot, its rows)
+        for slot, t, kind, large, address, size in held:
+            storage = t.untyped_storage()
+            if storage.data_ptr() != address or storage.nbytes() != size:  # resized outside torch's dispatch (FSDP
+                continue  # frees an all-gather's storage so): its values are gone, no fingerprint (None)
+            if kind != "f":
+                ints.append((slot, t.reshape(-1)))
+                continue
+            m = _rows(t)
+            if large:
+                rows_, cols = m.shape
+                weights = _matrix_weights.get((_CPU, m.dtype, rows_, cols))
+                if weights is None:
+                    weights = _weights_of_matrix(_CPU, m.dtype, rows_, cols)
+                row_sums.append(torch.mv(m, weights[0]))
+                counts.append(rows_)
+                order.append((slot, m))
+                continue
+            key = (m.dtype, m.shape[1])
+            members = groups.get(key)
+            if members is None:
+                members = groups[key] = []
+            members.append((slot, m))
+        for (dtype, cols), members in groups.items():
+            flat = flatten_dense([m for _, m in members]).view(-1, cols)  # one copy of all of them
+            wc = _weights(_CPU, torch.float64 if dtype is torch.float64 else torch.float32, cols)
+            row_sums.append((flat * wc).sum(-1))  # (each row's sum on its own: the same whatever its neighbours)
+            for slot, m in members:
+                counts.append(m.shape[0])
+                order.append((slot, m))
+        if row_sums:
+            flat = torch.cat(row_sums) if len(row_sums) > 1 else row_sums[0]
+            lengths = tuple(counts)
+            for (slot, m), fp in zip(order, segment_float_pairs(flat, _flush_weights(lengths), lengths).tolist()):
+                if self.bits or not (isfinite(fp[0]) and isfinite(fp[1])):  # (CPU: reading it waits for nothing)
+                    fp.append(int(_bit_rows_sum(m, _weights(_CPU, torch.int32, m.shape[0], "odd"))))
+                self._slots[slot] = ("done", fp, True)
+        if ints:
+            pairs = segment_pairs([v for _, v in ints], tuple(v.numel() for _, v in ints)).tolist()
+            for (slot, _), fp in zip(ints, pairs):
+                self._slots[slot] = ("done", fp, False)
+
     def keep(self, t: torch.Tensor) -> int:
         """Keep a small tensor's values (a contiguous copy on its device) to read back at collect time."""
         local = _local(t)
@@ -333,6 +445,7 @@ class FingerprintBatch:
         """Queue the read-back: per device ONE byte buffer of every fingerprint and kept value, copied to pinned memory
         without waiting (`to_host_later`; `later=False`: `to_host`, read at once). `Collection.ready()` says when
         `collect()` no longer waits."""
+        self.flush()
         self._streams.wait(torch.cuda.current_stream)
         on_device = []
         for pairs, firsts, seconds, bits in self._buckets.values():
@@ -347,26 +460,44 @@ class FingerprintBatch:
         packed = _Packed(on_device + [flat for flat, _ in kept], later)
         return Collection(self, packed, len(on_device), [idx for _, idx in kept])
 
-    def _decode(self, hosts: list[torch.Tensor], n_buckets: int, kept_idx: list[list[int]]
+    def _decode(self, hosts: list[torch.Tensor], n_parts: int, kept_idx: list[list[int]]
                 ) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         read = {}
-        for (key, (pairs, firsts, _, bits)), host in zip(self._buckets.items(), hosts):
+        at = 0
+        for key, (pairs, firsts, _, bits) in self._buckets.items():
+            host = hosts[at]
+            at += 1
             n = len(pairs) + len(firsts)
             values = host[:2 * n].reshape(n, 2) if bits else host
             if key[0] == "f" and self.finite and not bool(torch.isfinite(values).all()):
                 self.finite = False
             read[key] = (values.tolist(), [int(b) for b in host[2 * n:].tolist()] if bits else [])
         out: list[list[float] | None] = []
-        for key, is_pair, i, bit in self._slots:
-            values, bit_sums = read[key]
-            fp = values[i if is_pair else len(self._buckets[key][0]) + i]
-            if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
-                fp = fp + [bit_sums[bit]]  # the pair says nothing here: the bit patterns do
-            out.append(fp)
-        return out, _encode_kept(self._kept, list(zip(hosts[n_buckets:], kept_idx)))
+        for entry in self._slots:
+            if entry is None:
+                out.append(None)
+            elif entry[0] == "done":
+                fp = entry[1]
+                if entry[2] and self.finite and not (isfinite(fp[0]) and isfinite(fp[1])):
+                    self.finite = False
+                out.append(list(fp))
+            else:
+                key, is_pair, i, bit = entry
+                values, bit_sums = read[key]
+                fp = values[i if is_pair else len(self._buckets[key][0]) + i]
+                if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
+                    fp = fp + [bit_sums[bit]]
+                out.append(fp)
+        return out, _encode_kept(self._kept, list(zip(hosts[n_parts:], kept_idx)))
 
     def __len__(self) -> int:
         return len(self._slots)
+
+
+def _int32(x: int) -> int:
+    """A Python integer wrapped to int32, as the bit sums of tensors reduced alone are (`_bit_rows_sum`)."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >> 31 else x
 
 
 def _encode_kept(kept: list[torch.Tensor], read: list[tuple[torch.Tensor, list[int]]]) -> list[dict[str, Any]]:

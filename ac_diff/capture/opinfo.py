@@ -37,6 +37,13 @@ class OpInfo:
     random_switches: tuple[tuple[int, str], ...] = ()
     # the role of each return, by position (oprules.output_roles: data, RNG bookkeeping, unused)
     output_roles: tuple[str, ...] = ()
+    # what must be fingerprinted before the op runs (fingerprint.FingerprintBatch holds CPU tensors until a flush):
+    # None, nothing; ((position, name), ...), the tensors of those arguments it writes in place; FLUSH_ALL, everything
+    # held (a framework hook's scope begins: FSDP frees an all-gathered parameter's storage in its post-forward hook)
+    before: tuple | None = None
+
+
+FLUSH_ALL = ("all",)
 
 
 # id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
@@ -69,9 +76,17 @@ def _compute(func) -> OpInfo:
     switches = ()
     if random and schema is not None:
         switches = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.name in _RANDOM_SWITCHES)
+    before = None
+    if packet.startswith("_record_function_enter"):
+        before = FLUSH_ALL
+    elif mutates:
+        written = tuple((i, a.name) for i, a in enumerate(getattr(schema, "arguments", ()))
+                        if a.alias_info is not None and a.alias_info.is_write)
+        before = written or FLUSH_ALL
     return OpInfo(
         name=name,
         fingerprint=fingerprint,
+        before=before,
         random=random,
         random_switches=switches,
         discrete=discrete,

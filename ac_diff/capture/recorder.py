@@ -49,7 +49,7 @@ from .retention import HeldForward, Retention
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
-from .opinfo import OpInfo, draws, op_info, short_dtype
+from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                                    checkpointed_module, frame_options, sequential_segment)
@@ -730,6 +730,24 @@ class Recorder:
                     p.attributes.setdefault(prefix + key, UNSET)
 
     # -- ops ----------------------------------------------------------------------------------
+    @_never_raise
+    def before_write(self, written: tuple, args: tuple, kwargs: dict | None) -> None:
+        """An op is about to write the arguments `written` ((position, name), ... or FLUSH_ALL) in place (dispatch.py):
+        the passes' held tensors that share their memory are fingerprinted first, as they are now
+        (FingerprintBatch.flush)."""
+        local = self._local
+        passes = getattr(local, "passes", None)
+        if not passes or local.internal:
+            return
+        batches = [p.batch for p in passes if p.batch.holding]
+        if not batches:
+            return
+        if written is not FLUSH_ALL:
+            batches = [b for b in batches if any(map(b.holds_memory_of, _written_tensors(written, args, kwargs)))]
+        for batch in batches:
+            with self.quiet():
+                batch.flush()
+
     def _on_op(self, func, args, kwargs, out) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per op)
         try:
@@ -1074,6 +1092,15 @@ class Recorder:
             **({"watched": True} if region.watched else {}),
             **({"step": region.step} if region.step is not None else {}),
         }
+
+
+def _written_tensors(written: tuple, args: tuple, kwargs: dict | None) -> list:
+    """The tensors an op is given at the argument positions (or names) it writes in place."""
+    found = []
+    for i, name in written:
+        a = args[i] if i < len(args) else (kwargs or {}).get(name)
+        found.extend(x for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, torch.Tensor))
+    return found
 
 
 def _outliving(p: _Pass) -> list[list[int]]:

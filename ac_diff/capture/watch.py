@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, _weights
+from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
+from .segments import _weights, segment_pairs
 from .torch_compat import flatten_dense
 from ..trace.encode import written_meta
 
@@ -101,49 +102,6 @@ _byte_sums = ByteSums.get
 def _batched(t: torch.Tensor) -> bool:
     """Digested by the batched kernel (a CUDA tensor, where it compiled), not by a reduction of its own."""
     return t.is_cuda and _byte_sums() is not None
-
-
-_bounds_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, row counts) -> `_bounds`
-
-
-def _bounds(device: torch.device, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For tensors of `lengths` rows concatenated after one leading zero row: the index of that zero row and of each
-    tensor's last row, and -2 x (index of each tensor's first row), both int64 on `device`; made once per layout
-    (the same every step for a fixed model), copied from pinned memory without a sync."""
-    key = (device, lengths)
-    bounds = _bounds_cache.get(key)
-    if bounds is None:
-        ends = [0]
-        for n in lengths:
-            ends.append(ends[-1] + n)
-        host = torch.tensor([ends, [0] + [-2 * (e + 1) for e in ends[:-1]]], dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory().to(device, non_blocking=True)
-        bounds = (host[0], host[1, 1:])
-        if len(_bounds_cache) > 256:
-            _bounds_cache.clear()
-        _bounds_cache[key] = bounds
-    return bounds
-
-
-_ZERO_ROW: dict[tuple, torch.Tensor] = {}
-
-
-def segment_pairs(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.Tensor:
-    """(k, 2) int64: per tensor [sum of its row sums, sum of (2i + 1) x its i-th row sum], for the row sums of k
-    tensors (`lengths` rows each, any of them empty) given as pieces in order. One cumulative sum for all of them:
-    a tensor's pair is its difference between its bounds, its weights restarted at its first row. Exact (int64,
-    wrapping), on the rows' device, seven kernels, no sync."""
-    device = rows[0].device
-    zero = _ZERO_ROW.get((device, rows[0].dtype))
-    if zero is None:
-        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
-    flat = torch.cat([zero, *rows])  # a zero row first: a tensor starting at row 0 has a bound to subtract
-    cum = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
-    ends, shift = _bounds(device, lengths)
-    seg = cum.index_select(1, ends).diff(dim=1)
-    # a tensor's first row (index start + 1 after the zero row) has the global weight 2 * start + 3: shift it to 1
-    return torch.stack((seg[0], torch.addcmul(seg[1], shift, seg[0])), dim=1)
 
 
 class Landing:

@@ -1,0 +1,108 @@
+"""Exact and deterministic sums of many tensors at once, each tensor's own (a segment of one flat tensor), and the
+weights they use: what lets watch mode and full recordings reduce dozens of tensors in a handful of kernels.
+
+    w = _weights(device, torch.float32, n)            # n fingerprint weights, cached ("float", "int", "odd", ...)
+    segment_pairs([bits_a, bits_b], (na, nb))         # (2, 2) int64: [sum v, sum (2k + 1) v] per tensor, exact
+    segment_float_pairs(flat, weights, lengths)       # (k, 2) float64: [sum w1 x, sum w2 x] per segment
+
+`segment_pairs` runs one cumulative sum over all of them: integers, so exact in any order (wrapping), and a tensor's
+pair is the difference between its bounds. `segment_float_pairs` sums each segment on its own, in order (CPU
+`segment_reduce`), in float64: a tensor's numbers depend on its values only, never on the tensors beside it, so two
+passes that reduce the same tensor among other neighbours get bit-identical numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# Fingerprint weights: a base per (device, dtype, kind), grown as needed, and its slices by length.
+_weight_bases: dict[tuple, torch.Tensor] = {}
+_weight_slices: dict[tuple, torch.Tensor] = {}
+
+
+def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "float") -> torch.Tensor:
+    """The first n fingerprint weights, cached per (device, dtype, kind, n) for the whole process: the
+    same values for a given length however the base grew, and no slicing dispatch per fingerprint.
+
+    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
+    times an odd weight never vanishes in wrap-around arithmetic); "rows": the (2, n) matrix [ones; float
+    weights] that turns row sums into a plain and a weighted total in one kernel; "ones_odd": the (2, n) matrix
+    [ones; odd] (watch mode's plain and weighted sums, in one multiplication)."""
+    key = (device, dtype, kind, n)
+    w = _weight_slices.get(key)
+    if w is None:
+        if kind == "rows":
+            w = torch.stack((torch.ones(n, dtype=dtype, device=device), _weights(device, dtype, n)))
+        else:
+            base = _weight_bases.get(key[:3])
+            if base is None or base.shape[-1] < n:
+                k = torch.arange(max(n, 1024), dtype=torch.float64, device=device)  # made there: no copy, no sync
+                values = (k + 1 if kind == "int" else 2 * k + 1 if kind in ("odd", "ones_odd")
+                          else 1.0 + torch.frac(k * 0.6180339887498949))
+                if kind == "ones_odd":
+                    values = torch.stack((torch.ones_like(values), values))
+                base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
+            w = base[..., :n]
+        if len(_weight_slices) > 4096:  # many distinct lengths (data-dependent shapes): start over
+            _weight_slices.clear()
+        _weight_slices[key] = w
+    return w
+
+
+_bounds_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, row counts) -> `_bounds`
+
+
+def _bounds(device: torch.device, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tensors of `lengths` rows concatenated after one leading zero row: the index of that zero row and of each
+    tensor's last row, and -2 x (index of each tensor's first row), both int64 on `device`; made once per layout
+    (the same every step for a fixed model), copied from pinned memory without a sync."""
+    key = (device, lengths)
+    bounds = _bounds_cache.get(key)
+    if bounds is None:
+        ends = [0]
+        for n in lengths:
+            ends.append(ends[-1] + n)
+        host = torch.tensor([ends, [0] + [-2 * (e + 1) for e in ends[:-1]]], dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory().to(device, non_blocking=True)
+        bounds = (host[0], host[1, 1:])
+        if len(_bounds_cache) > 256:
+            _bounds_cache.clear()
+        _bounds_cache[key] = bounds
+    return bounds
+
+
+_ZERO_ROW: dict[tuple, torch.Tensor] = {}
+
+
+def segment_pairs(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.Tensor:
+    """(k, 2) int64: per tensor [sum of its row sums, sum of (2i + 1) x its i-th row sum], for the row sums of k
+    tensors (`lengths` rows each, any of them empty) given as pieces in order. One cumulative sum for all of them:
+    a tensor's pair is its difference between its bounds, its weights restarted at its first row. Exact (int64,
+    wrapping), on the rows' device, seven kernels, no sync."""
+    device = rows[0].device
+    zero = _ZERO_ROW.get((device, rows[0].dtype))
+    if zero is None:
+        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
+    flat = torch.cat([zero, *rows])  # a zero row first: a tensor starting at row 0 has a bound to subtract
+    cum = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
+    ends, shift = _bounds(device, lengths)
+    seg = cum.index_select(1, ends).diff(dim=1)
+    # a tensor's first row (index start + 1 after the zero row) has the global weight 2 * start + 3: shift it to 1
+    return torch.stack((seg[0], torch.addcmul(seg[1], shift, seg[0])), dim=1)
+
+
+_lengths_cache: dict[tuple, torch.Tensor] = {}
+
+
+def segment_float_pairs(flat: torch.Tensor, weights: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """(k, 2) float64: per segment of `flat` (`lengths` elements each, none empty), [sum w1 x, sum w2 x] with
+    `weights` (n, 2) float64 per element. Each segment is summed on its own, in order: deterministic, and independent
+    of the other segments (CPU only: a GPU's segmented reductions may order a segment's sum by its alignment)."""
+    lengths_t = _lengths_cache.get(lengths)
+    if lengths_t is None:
+        if len(_lengths_cache) > 256:
+            _lengths_cache.clear()
+        lengths_t = _lengths_cache[lengths] = torch.tensor(lengths, dtype=torch.int64)
+    return torch.segment_reduce(flat.unsqueeze(1) * weights, "sum", lengths=lengths_t, axis=0)
