@@ -284,3 +284,36 @@ class _Wrapped(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cp.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_the_exact_bit_sum_is_one_number_whichever_path_reduced_the_tensor(monkeypatch):
+    """A float tensor's bit sum (the fingerprint's third number where its pair is not finite, always for gradients)
+    is defined once: held CPU tensors take it at their flush, tensors on a device from their row sums, all of a
+    pass's in one exact cumulative sum; the numbers are equal."""
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(4, 8, generator=g), torch.randn(300, 64, generator=g), torch.tensor([1.0, float("-inf")]),
+               torch.randn(5, 7, generator=g).t().to(torch.bfloat16), torch.randn(6, generator=g).double()]
+
+    def bit_sums(batched: bool) -> list[int]:
+        monkeypatch.setattr(fingerprint, "BATCH_CPU", batched)
+        batch = FingerprintBatch(bits=True)
+        slots = [batch.add(t) for t in tensors]
+        values, _ = batch.collect()
+        return [values[s][2] for s in slots]
+
+    assert bit_sums(True) == bit_sums(False)
+    assert len(set(bit_sums(True))) == len(tensors)
+
+
+def test_a_held_tensor_whose_storage_is_freed_before_its_flush_gets_no_fingerprint(cpu_path):
+    """FSDP frees an all-gathered tensor's storage outside torch's dispatch (`untyped_storage().resize_(0)`): a CPU
+    tensor held for its flush then has no values to read. It gets no fingerprint, and nothing reads freed memory; a
+    tensor reduced on its own was reduced when it was added."""
+    gone, kept = torch.randn(4, 8), torch.randn(3, 8)
+    expected = fp(kept.clone())[0]
+    batch = FingerprintBatch()
+    slots = [batch.add(gone), batch.add(kept)]
+    gone.untyped_storage().resize_(0)
+    values, _ = batch.collect()
+    assert (values[slots[0]] is None) == (cpu_path == "batched")
+    assert values[slots[1]] == expected

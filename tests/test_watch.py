@@ -75,6 +75,20 @@ def test_held_tensors_digested_together_get_the_digests_each_gets_alone():
     assert len(set(map(tuple, together))) == len(tensors)
 
 
+def test_a_held_tensor_whose_storage_is_freed_before_its_digest_is_not_read():
+    """FSDP frees an all-gathered tensor's storage (`untyped_storage().resize_(0)`, outside torch's dispatch): a held
+    tensor's memory may be gone by its flush. It is not compared, and nothing reads the freed memory."""
+    gone, kept = torch.randn(4, 4), torch.randn(3, 4)
+    before = digests(kept.clone())[0]
+    wp = WatchedPass()
+    wp.hold(0, gone, None)
+    wp.hold(1, kept, None)
+    gone.untyped_storage().resize_(0)
+    wp.launch()
+    wp.resolve()
+    assert wp.digests == [None, before]
+
+
 def test_a_held_tensor_changed_in_place_before_its_digest_is_not_compared():
     """A small CPU tensor is held until the flush: changed in place before it, its values at the save are gone (not
     compared); a large one is reduced when saved, before the change."""

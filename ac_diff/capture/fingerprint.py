@@ -161,15 +161,30 @@ def _weights_of_matrix(device: torch.device, dtype: torch.dtype, rows: int, cols
 _BIT_VIEWS = {2: torch.int16, 4: torch.int32, 8: torch.int32}
 
 
-def _bit_rows_sum(m: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
-    """sum_i wo[i] * (sum_j bits(M[i, j])) in wrap-around int32 arithmetic, wo odd: a 0-d int32 tensor that
-    changes whenever one element's bit pattern does (infinities and NaN included), exact in any order."""
+def _bit_rows(m: torch.Tensor) -> torch.Tensor:
+    """sum_j bits(M[i, j]) per row i, in wrap-around int32 arithmetic (one kernel, exact in any order)."""
     try:
         bits = m.view(_BIT_VIEWS[m.element_size()])
     except RuntimeError:  # 8-byte floats whose rows are not contiguous cannot be viewed as pairs of int32
         bits = m.contiguous().view(torch.int32)
-    rows = bits.sum(-1, dtype=torch.int32)
-    return torch.dot(rows, odd) if rows.is_cpu else (rows * odd).sum(dtype=torch.int32)
+    return bits.sum(-1, dtype=torch.int32)
+
+
+def _bit_rows_sum(m: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """sum_i wo[i] * (sum_j bits(M[i, j])) in wrap-around int32 arithmetic, wo odd: a 0-d int32 tensor that
+    changes whenever one element's bit pattern does (infinities and NaN included), exact in any order. (Tensors
+    reduced on their own get the same number from their `_bit_rows`, all of a pass's in one `segment_pairs`.)"""
+    return torch.dot(_bit_rows(m), odd)
+
+
+def _storage_of(t: torch.Tensor) -> tuple[int | None, int]:
+    """(address, bytes) of `t`'s storage, which changes when something frees or resizes it (FSDP's reshard, outside
+    torch's dispatch); (None, 0) for a tensor without one (sparse, a wrapper subclass)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None, 0
+    return storage.data_ptr(), storage.nbytes()
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -257,7 +272,7 @@ class FingerprintBatch:
     def __init__(self, *, bits: bool = False) -> None:
         self.bits = bits  # every float fingerprint ends with its exact bit sum, finite or not (gradients: grads.py)
         # (kind, device) -> [pairs: (2,) tensors, firsts: 0-d tensors, seconds: 0-d tensors,
-        #                   bits: 0-d int32 tensors (floats only, see `_bit_rows_sum`)]
+        #                   bits: int32 row sums of the bit patterns (floats only, see `_bit_rows_sum`)]
         self._buckets: dict[tuple[str, torch.device], tuple[list[torch.Tensor], list[torch.Tensor],
                                                              list[torch.Tensor], list[torch.Tensor]]] = {}
         # per slot: (bucket, is a pair, index, index of its bit sum or -1); ("done", fingerprint, is a float's): read
@@ -278,11 +293,9 @@ class FingerprintBatch:
 
     def holds_memory_of(self, t: torch.Tensor) -> bool:
         """A held tensor shares `t`'s memory (its storage): writing `t` may change it. True where that cannot be told
-        (a wrapper subclass without a storage of its own)."""
-        try:
-            return t.untyped_storage().data_ptr() in self._addresses
-        except (RuntimeError, NotImplementedError, TypeError):
-            return True
+        (a wrapper subclass, a sparse tensor: no storage of their own)."""
+        address = _storage_of(t)[0]
+        return address is None or address in self._addresses
 
     def add(self, t: torch.Tensor) -> int | None:
         """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced."""
@@ -311,9 +324,8 @@ class FingerprintBatch:
             slots.append(None)
             # `.data`: an alias no dispatch mode sees; holding the op's own output while the recording mode returns it
             # would make torch detach it there, an op more in the region
-            storage = t.untyped_storage()
-            address = storage.data_ptr()
-            self._held.append((len(slots) - 1, t.data, kind, nbytes > SMALL, address, storage.nbytes()))
+            address, size = _storage_of(t)
+            self._held.append((len(slots) - 1, t.data, kind, nbytes > SMALL, address, size))
             self._addresses.add(address)
             if nbytes > SMALL:
                 self._held_bytes += nbytes
@@ -340,7 +352,7 @@ class FingerprintBatch:
                 weights = _weights_of_matrix(key[1], dtype, rows_, cols)
             columns, row_pair, odd, row_weights = weights
             bits = bucket[3]
-            bits.append(_bit_rows_sum(m, odd))
+            bits.append(_bit_rows(m))  # (their odd-weighted sums: all of them at once, in `launch`)
             bit = len(bits) - 1
             if dtype in _EXACT_ROW_DTYPES:  # the pair in two kernels (see `_weights_of_matrix`)
                 pairs = bucket[0]
@@ -383,9 +395,8 @@ class FingerprintBatch:
         counts: list[int] = []  # rows per tensor, in order
         order: list[tuple[int, torch.Tensor]] = []  # (slot, its rows)
         for slot, t, kind, large, address, size in held:
-            storage = t.untyped_storage()
-            if storage.data_ptr() != address or storage.nbytes() != size:  # resized outside torch's dispatch (FSDP
-                continue  # frees an all-gather's storage so): its values are gone, no fingerprint (None)
+            if _storage_of(t) != (address, size):  # resized outside torch's dispatch (FSDP frees an all-gather's
+                continue  # storage so): its values are gone, no fingerprint (None)
             if kind != "f":
                 ints.append((slot, t.reshape(-1)))
                 continue
@@ -454,7 +465,8 @@ class FingerprintBatch:
                 parts.append(torch.stack((torch.stack(firsts), torch.stack(seconds)), dim=1))
             both = torch.cat(parts) if len(parts) > 1 else parts[0]
             if bits:  # float pairs and int32 bit sums travel together as float64 (exact for both)
-                both = torch.cat((both.double().reshape(-1), torch.stack(bits).double()))
+                sums = segment_pairs(bits, tuple(b.numel() for b in bits))[:, 1].to(torch.int32)  # (wraps as int32)
+                both = torch.cat((both.double().reshape(-1), sums.double()))
             on_device.append(both)
         kept = _grouped(self._kept)
         packed = _Packed(on_device + [flat for flat, _ in kept], later)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
+from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, _storage_of
 from .segments import _weights, segment_pairs
 from .torch_compat import flatten_dense
 from ..trace.encode import written_meta
@@ -151,7 +151,8 @@ class WatchedPass:
         self.slots: list[int] = []
         self.digests: list | None = None  # per position, once landed (`resolve`): [sum, weighted sum] or None
         self._inputs = inputs if inputs is not None else {}  # id(tensor) -> index of the region's input it is
-        self._held: list[tuple[int, torch.Tensor, int]] = []  # (slot, tensor, its version at the save)
+        # (slot, tensor, its version at the save, its storage's address and size then)
+        self._held: list[tuple[int, torch.Tensor, int, int, int]] = []
         self._held_bytes = 0
         # device -> [(slots, their row counts, row sums)] for `launch`'s one cumulative sum (groups of small CPU tensors,
         # device tensors the batched kernel did not take)
@@ -216,7 +217,7 @@ class WatchedPass:
             self._add_rows(slot, rows)
         else:
             slot = self._new_slot(tensor, version)
-            self._held.append((slot, t, version))
+            self._held.append((slot, t, version, *_storage_of(t)))
             self._held_bytes += size
         self.entries.append((position, meta, origin, name, slot))
         return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
@@ -231,13 +232,13 @@ class WatchedPass:
         """Digest the held tensors: CUDA ones the batched kernel takes in one launch per device; contiguous CPU ones
         by their row sums, those of one dtype and row length in ONE flat copy and one kernel (the same row sums as each
         on its own); any other on its own. A tensor changed in place since its save is not compared (its values at the
-        save are gone)."""
+        save are gone), nor is one whose storage was resized or freed since (FSDP's reshard frees storage so)."""
         held, self._held, self._held_bytes = self._held, [], 0
         batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-        for slot, t, version in held:
-            if t._version != version:
-                self.unmeasured.add(slot)
+        for slot, t, version, address, nbytes in held:
+            if t._version != version or _storage_of(t) != (address, nbytes):
+                self.unmeasured.add(slot)  # (written, or its storage resized outside dispatch: FSDP frees so)
             elif _batched(t):
                 if t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
                     batches.setdefault(t.device, []).append((slot, t))
