@@ -126,7 +126,7 @@ def test_a_recorder_failure_never_reaches_the_training(tmp_path, monkeypatch):
     from ac_diff.capture.fingerprint import FingerprintBatch
     from models import train_step
 
-    def broken(self, t):
+    def broken(self, t, *args, **kwargs):
         raise RuntimeError("simulated recorder bug")
 
     torch.manual_seed(0)

@@ -13,15 +13,18 @@ data; half precision: a float32 sum and the weighted sum, no float64 upcasts, wh
 Integers and bools: exact int64 sum and position-weighted sum, so a permutation (topk picking the
 same experts in another order) changes the fingerprint.
 
-CPU tensors are not reduced one by one: they are held (a reference, no copy) and fingerprinted HOLD at a time
-(`FingerprintBatch.flush`, before any op that writes in place, and at the end of the pass): small float tensors of
-one dtype and row length share one copy and one row reduction, a larger one gets its row reduction alone; all those
-row sums become pairs in ONE segmented float64 sum, and the small integer tensors get their pairs from ONE exact
-cumulative sum (segments.py). Each number depends on its tensor's values only, never on the tensors beside it in
-the flush (tested), so forward and recompute agree bit for bit. That is about 0.5 kernels per recorded op where
-there were 2.4. On CPU reading the results waits for no device, so they are read at the flush; the bit sums below
-are then taken only for the tensors whose pair is not finite. Tensors on a GPU are reduced on their own, on their
-stream: a GPU's segmented reductions may order a sum by its alignment, and the pair must be bit-identical.
+CPU tensors are not reduced one by one: they are fingerprinted HOLD at a time (`FingerprintBatch.flush`). A small
+one is copied into a staging buffer when added (one kernel: whatever writes it later, through torch or behind its
+back, cannot reach its fingerprint), one per dtype and row length, so they share one row reduction at the flush; a
+larger float tensor gets its weighted row sums when added; all those row sums become pairs in ONE segmented float64
+sum, and the small integer tensors get theirs from ONE exact cumulative sum (segments.py). Each number depends on
+its tensor's values only, never on the tensors beside it in the flush (tested), so forward and recompute agree bit
+for bit. Borrowed tensors (parameters, inputs: the pass did not make them) are not copied but read at the flush,
+which comes before any op that writes one of them in place; one whose storage was freed since (FSDP's reshard) gets
+no fingerprint. About 0.8 kernels per recorded op where there were 2.4. On CPU reading the results waits for no
+device, so they are read at the flush; the bit sums below are then taken only for the tensors whose pair is not
+finite. Tensors on a GPU are reduced on their own, on their stream: a GPU's segmented reductions may order a sum by
+its alignment, and the pair must be bit-identical.
 
 Every other dtype is fingerprinted through a view of the same memory (`_plan`), no copy:
 * complex: `torch.view_as_real`, as floats (complex32 as float16), so like its real dtype;
@@ -232,13 +235,13 @@ class StreamFence:
                     reader.wait_stream(stream)
 
 
-# CPU tensors are held and fingerprinted together (`FingerprintBatch.flush`): small float tensors of one row length
-# share one copy and one reduction, a larger one gets its own row reduction (no copy); integer tensors up to SMALL
-# share one exact cumulative sum, larger ones are reduced on their own at once.
+# CPU tensors are fingerprinted together (`FingerprintBatch.flush`): small ones are copied to a staging buffer when
+# added (one kernel; float tensors of one dtype and row length then share one row reduction, integer tensors one exact
+# cumulative sum); a larger float tensor gets its row reduction when added, a larger integer tensor its own reductions.
 SMALL = 16 << 10
-HOLD = 64  # held tensors per flush
+HOLD = 64  # tensors per flush
 BATCH_CPU = True  # False: CPU tensors are reduced one by one, as CUDA tensors are (the tests run that path this way)
-HOLD_BYTES = 64 << 20  # ... or fewer, once the larger ones among them hold this much memory
+HOLD_BYTES = 64 << 20  # ... or fewer, once the larger ones among them (kept for their bit sums) hold this much memory
 _layout_weights: dict[tuple, torch.Tensor] = {}  # a flush's rows per tensor -> `_flush_weights`
 
 
@@ -260,14 +263,11 @@ _CPU = torch.device("cpu")
 class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind.
 
-    CPU (`add`): a tensor up to SMALL bytes is held, and HOLD of them are fingerprinted together (`flush`): one flat
-    copy, one product with their weights and one segmented sum in float64 for the float pairs, one cumulative sum of
-    integers for the integers' pairs and the floats' bit sums (segments.py). A larger float tensor is reduced to its
-    weighted row sums and its rows' bit sums at once (two kernels), which join the next flush. Every number depends
-    on the tensor's own values only, not on its neighbours in a flush. A held tensor must not change before its flush:
-    the recorder flushes before any op that writes in place (`holding`); a kernel launched outside torch's dispatch,
-    which no recorder sees, is measured after its write, in both passes alike. CUDA: each tensor reduced on its own, on its stream (a GPU's segmented sums may order
-    a segment's sum by its alignment, and the float pair must be bit-identical)."""
+    CPU (`add`, see the module docstring): small tensors staged (copied) when added, large float ones reduced to
+    weighted row sums when added, borrowed ones (parameters, inputs) read at the flush; HOLD of them fingerprinted
+    together (`flush`). The recorder flushes before any op that writes a waiting tensor in place (`holding`,
+    `holds_memory_of`). CUDA: each tensor reduced on its own, on its stream (a GPU's segmented sums may order a
+    segment's sum by its alignment, and the float pair must be bit-identical)."""
 
     def __init__(self, *, bits: bool = False) -> None:
         self.bits = bits  # every float fingerprint ends with its exact bit sum, finite or not (gradients: grads.py)
@@ -278,27 +278,36 @@ class FingerprintBatch:
         # per slot: (bucket, is a pair, index, index of its bit sum or -1); ("done", fingerprint, is a float's): read
         # at its flush (CPU) or made without a kernel (an empty tensor); None while held
         self._slots: list[tuple | None] = []
-        # (slot, tensor, kind, larger than SMALL, its storage's address and size when added)
-        self._held: list[tuple[int, torch.Tensor, str, bool, int, int]] = []
-        self._held_bytes = 0  # of the larger ones
-        self._addresses: set[int] = set()  # their storages' addresses (`holds_memory_of`)
+        # CPU (BATCH_CPU), until the next flush: small tensors copied to a staging buffer per (dtype, row length; 0:
+        # integers, flat): [buffer, elements used, [(slot, rows or elements)]]; large float tensors, (slot, their
+        # weighted row sums, the tensor, its storage's address and size)
+        self._staged: dict[tuple, list] = {}
+        self._large: list[tuple[int, torch.Tensor, torch.Tensor, int | None, int]] = []
+        self._borrowed: list[tuple[int, torch.Tensor, str, int | None, int]] = []  # small borrowed tensors: (slot,
+        # the tensor, kind, its storage's address and size)
+        self._large_bytes = 0
+        self._pending = 0  # tensors staged or large since the last flush
+        self._addresses: set[int | None] = set()  # the large ones' storages (`holds_memory_of`)
         self._kept: list[torch.Tensor] = []
         self._streams = StreamFence()
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
 
     @property
     def holding(self) -> bool:
-        """Tensors wait for their flush: an op about to write one of them in place must `flush` first."""
-        return bool(self._held)
+        """Borrowed tensors and large ones (for their bit sums) wait for their flush: an op about to write one of them in
+        place must `flush` first."""
+        return bool(self._large or self._borrowed)
 
     def holds_memory_of(self, t: torch.Tensor) -> bool:
-        """A held tensor shares `t`'s memory (its storage): writing `t` may change it. True where that cannot be told
-        (a wrapper subclass, a sparse tensor: no storage of their own)."""
+        """A tensor waiting for its flush shares `t`'s memory (its storage): writing `t` may change it. True where that
+        cannot be told (a wrapper subclass, a sparse tensor: no storage of their own)."""
         address = _storage_of(t)[0]
         return address is None or address in self._addresses
 
-    def add(self, t: torch.Tensor) -> int | None:
-        """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced."""
+    def add(self, t: torch.Tensor, borrowed: bool = False) -> int | None:
+        """Queue a fingerprint of `t`; returns its slot, or None for tensors that cannot be reduced. `borrowed`: a
+        tensor the pass did not make (a parameter, an input), which its code does not write behind torch's back: a
+        small one is read at the flush, not copied now."""
         if type(t) is not torch.Tensor:
             t = _local(t)
             if t is None:
@@ -319,20 +328,50 @@ class FingerprintBatch:
                 slots.append(("done", [0.0, 0.0] if kind == "f" else [0, 0], False))
                 return len(slots) - 1
             nbytes = numel * t.element_size()
-            if kind == "i" and nbytes > SMALL:
+            if nbytes <= SMALL:
+                slots.append(None)
+                if borrowed:
+                    address, size = _storage_of(t)
+                    self._borrowed.append((len(slots) - 1, t.data, kind, address, size))
+                    self._addresses.add(address)
+                else:
+                    self._stage(len(slots) - 1, t, kind, numel)
+            elif kind == "f":
+                m = _rows(t)
+                rows_, cols = m.shape
+                weights = _matrix_weights.get((_CPU, m.dtype, rows_, cols))
+                if weights is None:
+                    weights = _weights_of_matrix(_CPU, m.dtype, rows_, cols)
+                slots.append(None)
+                address, size = _storage_of(m)
+                # its weighted row sums now; the tensor itself (`.data`: an alias no dispatch mode sees) only for the
+                # exact bit sum, wanted where its pair is not finite
+                self._large.append((len(slots) - 1, torch.mv(m, weights[0]), m.data, address, size))
+                self._addresses.add(address)
+                self._large_bytes += nbytes
+            else:
                 return self._add_alone(t, kind)
-            slots.append(None)
-            # `.data`: an alias no dispatch mode sees; holding the op's own output while the recording mode returns it
-            # would make torch detach it there, an op more in the region
-            address, size = _storage_of(t)
-            self._held.append((len(slots) - 1, t.data, kind, nbytes > SMALL, address, size))
-            self._addresses.add(address)
-            if nbytes > SMALL:
-                self._held_bytes += nbytes
-            if len(self._held) >= HOLD or self._held_bytes > HOLD_BYTES:
+            self._pending += 1
+            if self._pending >= HOLD or self._large_bytes > HOLD_BYTES:
                 self.flush()
             return len(slots) - 1
         return self._add_alone(t, kind)
+
+    def _stage(self, slot: int, t: torch.Tensor, kind: str, numel: int) -> None:
+        """Copy a small tensor into its staging buffer (one per dtype and row length, integers flat): one kernel, and
+        later writes to the tensor, through torch or not (numpy, `.data`), cannot reach its fingerprint."""
+        if kind == "f":
+            m = _rows(t)
+            key = (m.dtype, m.shape[1])
+        else:
+            m, key = t, (t.dtype, 0)
+        stage = self._staged.get(key)
+        if stage is None:
+            stage = self._staged[key] = [torch.empty(HOLD * SMALL // t.element_size(), dtype=t.dtype), 0, []]
+        buffer, used, members = stage
+        buffer[used:used + numel].view(m.shape).copy_(m)
+        members.append((slot, m.shape[0] if kind == "f" else numel))
+        stage[1] = used + numel
 
     def _add_alone(self, t: torch.Tensor, kind: str) -> int:
         """Queue the reductions of one tensor (on its device and stream) into its bucket; returns its slot."""
@@ -379,59 +418,53 @@ class FingerprintBatch:
         return len(self._slots) - 1
 
     def flush(self) -> None:
-        """Fingerprint the held tensors together (see the class docstring)."""
-        held = self._held
-        if not held:
+        """Fingerprint the staged and the large tensors together (see the class docstring)."""
+        if not self._pending:
             return
-        self._held, self._held_bytes = [], 0
+        large, staged = self._large, [(key, buffer[:used], members) for key, (buffer, used, members)
+                                       in self._staged.items() if members]
+        borrowed = self._borrowed
+        self._large, self._borrowed, self._large_bytes, self._pending = [], [], 0, 0
         self._addresses.clear()
-        with torch.no_grad():  # (a pass's end: held outputs require grad by then; no graph, nothing saved)
-            self._flush(held)
+        with torch.no_grad():  # (a pass's end: outputs require grad by then; no graph, nothing saved)
+            self._flush(large, staged + _grouped_borrowed(borrowed))
+        for stage in self._staged.values():  # (read: the buffers take the next ones)
+            stage[1], stage[2] = 0, []
 
-    def _flush(self, held: list) -> None:
-        groups: dict[tuple, list] = {}  # small floats by (dtype, row length): [(slot, rows)]
-        ints: list[tuple[int, torch.Tensor]] = []
-        row_sums: list[torch.Tensor] = []  # per large tensor and per group of small ones: weighted row sums
+    def _flush(self, large: list, staged: list) -> None:
+        row_sums: list[torch.Tensor] = []  # per large tensor and per staged dtype and row length: weighted row sums
         counts: list[int] = []  # rows per tensor, in order
-        order: list[tuple[int, torch.Tensor]] = []  # (slot, its rows)
-        for slot, t, kind, large, address, size in held:
-            if _storage_of(t) != (address, size):  # resized outside torch's dispatch (FSDP frees an all-gather's
-                continue  # storage so): its values are gone, no fingerprint (None)
-            if kind != "f":
-                ints.append((slot, t.reshape(-1)))
+        order: list[tuple[int, torch.Tensor | None]] = []  # (slot, its rows for the bit sum, None: freed since)
+        for slot, rs, m, address, size in large:
+            row_sums.append(rs)
+            counts.append(m.shape[0])
+            # (a storage freed or resized outside dispatch since, as FSDP's reshard does: no bit sum to take)
+            order.append((slot, m if _storage_of(m) == (address, size) else None))
+        ints: list[torch.Tensor] = []
+        int_members: list[tuple[int, int]] = []
+        for (dtype, cols), flat, members in staged:
+            if not cols:
+                ints.append(flat)
+                int_members.extend(members)
                 continue
-            m = _rows(t)
-            if large:
-                rows_, cols = m.shape
-                weights = _matrix_weights.get((_CPU, m.dtype, rows_, cols))
-                if weights is None:
-                    weights = _weights_of_matrix(_CPU, m.dtype, rows_, cols)
-                row_sums.append(torch.mv(m, weights[0]))
-                counts.append(rows_)
-                order.append((slot, m))
-                continue
-            key = (m.dtype, m.shape[1])
-            members = groups.get(key)
-            if members is None:
-                members = groups[key] = []
-            members.append((slot, m))
-        for (dtype, cols), members in groups.items():
-            flat = flatten_dense([m for _, m in members]).view(-1, cols)  # one copy of all of them
+            matrix = flat.view(-1, cols)
             wc = _weights(_CPU, torch.float64 if dtype is torch.float64 else torch.float32, cols)
-            row_sums.append((flat * wc).sum(-1))  # (each row's sum on its own: the same whatever its neighbours)
-            for slot, m in members:
-                counts.append(m.shape[0])
-                order.append((slot, m))
+            row_sums.append((matrix * wc).sum(-1))  # (each row's sum on its own: the same whatever its neighbours)
+            at = 0
+            for slot, rows_ in members:
+                counts.append(rows_)
+                order.append((slot, matrix[at:at + rows_]))
+                at += rows_
         if row_sums:
             flat = torch.cat(row_sums) if len(row_sums) > 1 else row_sums[0]
             lengths = tuple(counts)
             for (slot, m), fp in zip(order, segment_float_pairs(flat, _flush_weights(lengths), lengths).tolist()):
-                if self.bits or not (isfinite(fp[0]) and isfinite(fp[1])):  # (CPU: reading it waits for nothing)
+                if (self.bits or not (isfinite(fp[0]) and isfinite(fp[1]))) and m is not None:  # (CPU: no wait)
                     fp.append(int(_bit_rows_sum(m, _weights(_CPU, torch.int32, m.shape[0], "odd"))))
                 self._slots[slot] = ("done", fp, True)
         if ints:
-            pairs = segment_pairs([v for _, v in ints], tuple(v.numel() for _, v in ints)).tolist()
-            for (slot, _), fp in zip(ints, pairs):
+            pairs = segment_pairs(ints, tuple(n for _, n in int_members)).tolist()
+            for (slot, _), fp in zip(int_members, pairs):
                 self._slots[slot] = ("done", fp, False)
 
     def keep(self, t: torch.Tensor) -> int:
@@ -504,6 +537,26 @@ class FingerprintBatch:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+
+def _grouped_borrowed(borrowed: list) -> list[tuple[tuple, torch.Tensor, list]]:
+    """Small borrowed tensors as staged ones are: per (dtype, row length; 0 for integers), their values in one flat
+    copy (integers: one tensor each, the cumulative sum concatenates them) and [(slot, rows or elements)]. One whose
+    storage was freed or resized since it was added (FSDP's reshard, outside torch's dispatch) is left out: no
+    fingerprint."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    out = []
+    for slot, t, kind, address, size in borrowed:
+        if _storage_of(t) != (address, size):
+            continue
+        if kind != "f":
+            out.append(((t.dtype, 0), t.reshape(-1), [(slot, t.numel())]))
+            continue
+        m = _rows(t)
+        tensors, members = groups.setdefault((m.dtype, m.shape[1]), ([], []))
+        tensors.append(m)
+        members.append((slot, m.shape[0]))
+    return out + [(key, flatten_dense(tensors), members) for key, (tensors, members) in groups.items()]
 
 
 def _int32(x: int) -> int:

@@ -939,7 +939,7 @@ class Recorder:
                 p.externals_per_kind[kind] = n + 1
                 name = f"{kind}[{n}]"
         ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
-        slot = p.batch.add(t) if self.options.fingerprints else None
+        slot = p.batch.add(t, borrowed=True) if self.options.fingerprints else None
         if slot is not None:
             p.ext_slots.append((ext, slot))
         ref = (kind, name, ext["i"])

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, _storage_of
+from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
 from .segments import _weights, segment_pairs
 from .torch_compat import flatten_dense
 from ..trace.encode import written_meta
@@ -151,8 +151,8 @@ class WatchedPass:
         self.slots: list[int] = []
         self.digests: list | None = None  # per position, once landed (`resolve`): [sum, weighted sum] or None
         self._inputs = inputs if inputs is not None else {}  # id(tensor) -> index of the region's input it is
-        # (slot, tensor, its version at the save, its storage's address and size then)
-        self._held: list[tuple[int, torch.Tensor, int, int, int]] = []
+        # (slot, tensor, its version and the address of its memory at the save)
+        self._held: list[tuple[int, torch.Tensor, int, int | None]] = []
         self._held_bytes = 0
         # device -> [(slots, their row counts, row sums)] for `launch`'s one cumulative sum (groups of small CPU tensors,
         # device tensors the batched kernel did not take)
@@ -217,7 +217,11 @@ class WatchedPass:
             self._add_rows(slot, rows)
         else:
             slot = self._new_slot(tensor, version)
-            self._held.append((slot, t, version, *_storage_of(t)))
+            try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
+                address = t.data_ptr()
+            except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
+                address = None
+            self._held.append((slot, t, version, address))
             self._held_bytes += size
         self.entries.append((position, meta, origin, name, slot))
         return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
@@ -236,8 +240,8 @@ class WatchedPass:
         held, self._held, self._held_bytes = self._held, [], 0
         batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-        for slot, t, version, address, nbytes in held:
-            if t._version != version or _storage_of(t) != (address, nbytes):
+        for slot, t, version, address in held:
+            if t._version != version or address is not None and t.data_ptr() != address:
                 self.unmeasured.add(slot)  # (written, or its storage resized outside dispatch: FSDP frees so)
             elif _batched(t):
                 if t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
