@@ -316,10 +316,13 @@ def test_a_full_recording_adds_about_a_kernel_per_fingerprinted_tensor(tmp_path,
     monkeypatch.setattr(fingerprint.FingerprintBatch, "add", add)
     monkeypatch.setattr(fingerprint.FingerprintBatch, "_flush", flush)
 
+    seen = {"segment_reduce": 0}
+
     def kernels(recording: bool) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             with ac_diff.record(tmp_path / "f.jsonl") if recording else contextlib.nullcontext():
                 checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+        seen["segment_reduce"] = sum(e.name == "aten::segment_reduce" for e in prof.events())
         return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in _NO_KERNEL
                    and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
@@ -327,11 +330,13 @@ def test_a_full_recording_adds_about_a_kernel_per_fingerprinted_tensor(tmp_path,
     kernels(True)  # the weights made once per process
     counts.update(added=0, flushes=0)
     batched = kernels(True) - plain
-    added, flushes = counts["added"], counts["flushes"]
+    added, flushes, segmented = counts["added"], counts["flushes"], seen["segment_reduce"]
     monkeypatch.setattr(fingerprint, "BATCH_CPU", False)
     alone = kernels(True) - plain
     assert added > 2 * 24 and flushes >= 2
     assert 0 < batched <= added + 12 * flushes, (batched, added, flushes)
+    if segmented < flushes or alone < added:  # (each tensor reduced on its own takes one kernel or more)
+        pytest.skip("this torch's profiler does not see every op the recorder runs (torch 2.4)")
     assert 2 * batched < alone, (batched, alone)
 
 
