@@ -238,8 +238,8 @@ class StreamFence:
 # CPU tensors are fingerprinted together (`FingerprintBatch.flush`): small ones are copied to a staging buffer when
 # added (one kernel; float tensors of one dtype and row length then share one row reduction, integer tensors one exact
 # cumulative sum); a larger float tensor gets its row reduction when added, a larger integer tensor its own reductions.
-SMALL = 16 << 10
-HOLD = 64  # tensors per flush
+SMALL = 16 << 10  # (watch mode's too: a saved CPU tensor larger than this is reduced when it is saved)
+HOLD = 64  # tensors per flush (watch mode's too)
 BATCH_CPU = True  # False: CPU tensors are reduced one by one, as CUDA tensors are (the tests run that path this way)
 HOLD_BYTES = 64 << 20  # ... or fewer, once the larger ones among them (kept for their bit sums) hold this much memory
 _layout_weights: dict[tuple, torch.Tensor] = {}  # a flush's rows per tensor -> `_flush_weights`
@@ -287,7 +287,7 @@ class FingerprintBatch:
         # the tensor, kind, its storage's address and size)
         self._large_bytes = 0
         self._pending = 0  # tensors staged or large since the last flush
-        self._addresses: set[int | None] = set()  # the large ones' storages (`holds_memory_of`)
+        self._addresses: set[int | None] = set()  # the large and borrowed ones' storages (`holds_memory_of`)
         self._kept: list[torch.Tensor] = []
         self._streams = StreamFence()
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
@@ -505,13 +505,10 @@ class FingerprintBatch:
         packed = _Packed(on_device + [flat for flat, _ in kept], later)
         return Collection(self, packed, len(on_device), [idx for _, idx in kept])
 
-    def _decode(self, hosts: list[torch.Tensor], n_parts: int, kept_idx: list[list[int]]
+    def _decode(self, hosts: list[torch.Tensor], n_buckets: int, kept_idx: list[list[int]]
                 ) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         read = {}
-        at = 0
-        for key, (pairs, firsts, _, bits) in self._buckets.items():
-            host = hosts[at]
-            at += 1
+        for (key, (pairs, firsts, _, bits)), host in zip(self._buckets.items(), hosts):
             n = len(pairs) + len(firsts)
             values = host[:2 * n].reshape(n, 2) if bits else host
             if key[0] == "f" and self.finite and not bool(torch.isfinite(values).all()):
@@ -533,7 +530,7 @@ class FingerprintBatch:
                 if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
                     fp = fp + [bit_sums[bit]]
                 out.append(fp)
-        return out, _encode_kept(self._kept, list(zip(hosts[n_parts:], kept_idx)))
+        return out, _encode_kept(self._kept, list(zip(hosts[n_buckets:], kept_idx)))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -557,12 +554,6 @@ def _grouped_borrowed(borrowed: list) -> list[tuple[tuple, torch.Tensor, list]]:
         tensors.append(m)
         members.append((slot, m.shape[0]))
     return out + [(key, flatten_dense(tensors), members) for key, (tensors, members) in groups.items()]
-
-
-def _int32(x: int) -> int:
-    """A Python integer wrapped to int32, as the bit sums of tensors reduced alone are (`_bit_rows_sum`)."""
-    x &= 0xFFFFFFFF
-    return x - (1 << 32) if x >> 31 else x
 
 
 def _encode_kept(kept: list[torch.Tensor], read: list[tuple[torch.Tensor, list[int]]]) -> list[dict[str, Any]]:

@@ -42,15 +42,15 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .fingerprint import _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
+from .fingerprint import HOLD, SMALL, _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
 from .segments import _weights, segment_pairs
 from .torch_compat import flatten_dense
 from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
-HOLD = 64  # saved tensors held before their digests are taken (CUDA: one launch of the batched kernel, byte_sums.py)
+# HOLD (fingerprint.py): saved tensors held before their digests are taken (CUDA: one launch of the batched kernel,
+# byte_sums.py); SMALL: a CPU tensor larger than this is reduced when it is saved (in the cache), not held and copied
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
-SMALL = 16 << 10  # a CPU tensor larger than this is reduced when it is saved (in the cache), not held and copied
 MANY_ROWS = 1024  # a CPU tensor with more rows gets its digest pair at once (`_add_rows`)
 # Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
 # any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
