@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=${AC_DIFF_CI_TORCH:-torch==2.13.0}  # the CPU wheel (a bare `torch` could pull a CUDA build)
 # the oldest versions pyproject.toml allows (keep in step with its lower bounds)
-OLDEST=("typer==0.16.0" "rich==13.0.0" "pandas==2.2.2" "pyyaml==6.0" "orjson==3.9.0")
+OLDEST=("typer==0.16.0" "rich==13.0.0" "pandas==2.2.2" "pyyaml==6.0" "orjson==3.9.0" "xxhash==3.2.0")
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 fail() { echo "fresh venv ($1): $2" >&2; exit 1; }
@@ -33,7 +33,7 @@ smoke() {  # smoke NAME VENV
       [ "$(wc -l <stderr)" = 1 ] && grep -q "^ac-diff: error: " stderr \
         || fail "$name" "ac-diff $args: stderr is not one line: $(cat stderr)"
     done )
-  echo "fresh venv ($name): ok ($("$bin/python" -m pip list 2>/dev/null | grep -iE '^(typer|click|rich|pandas|pyyaml|orjson|numpy) ' | tr -s ' ' | tr '\n' ' '))"
+  echo "fresh venv ($name): ok ($("$bin/python" -m pip list 2>/dev/null | grep -iE '^(typer|click|rich|pandas|pyyaml|orjson|xxhash|numpy) ' | tr -s ' ' | tr '\n' ' '))"
 }
 
 install() {  # install NAME [PINS...]

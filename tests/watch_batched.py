@@ -21,6 +21,7 @@ def batched() -> None:
     sums = byte_sums.ByteSums(byte_sums._kernel())
     watch._byte_sums = lambda: sums
     watch._batched = lambda t: True
+    watch.HOST_CPU = False  # (CPU tensors would be hashed on the host first)
     watch.HOLD = 3
 
 
@@ -49,14 +50,18 @@ def verdicts() -> None:
 
 
 def in_place() -> None:
-    """A saved tensor changed in place after its save, before the batch was launched: not compared."""
+    """A held tensor changed in place after its save, or whose storage was freed (FSDP's reshard frees it outside
+    dispatch), before the batch was launched: not compared, and the freed memory is never read."""
     wp = watch.WatchedPass()
-    x = torch.randn(4, 4)
-    wp.hold(0, x, None)
+    x, gone, kept = torch.randn(4, 4), torch.randn(4, 4), torch.randn(3, 4)
+    before = digests(kept.clone())[0]
+    for i, t in enumerate((x, gone, kept)):
+        wp.hold(i, t, None)
     x.add_(1)
+    gone.untyped_storage().resize_(0)
     wp.launch()
     wp.resolve()
-    assert wp.digests[0] is None
+    assert wp.digests == [None, None, before], wp.digests
 
 
 if __name__ == "__main__":

@@ -122,19 +122,27 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
 _EXACT_ROW_DTYPES = frozenset({torch.float32, torch.float64})
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a matrix of rows of its last dimension, without copying where its memory allows: a
-    non-contiguous but dense tensor (a transposed attention output) is first permuted to its memory
-    order. The same layout gives the same matrix, so forward and recompute are reduced alike. A vector
-    is one column (so its pair is its plain sum and its weighted sum, not one number twice)."""
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or where it is not contiguous but dense (a transposed attention output) a view of it whose dimensions are
+    permuted to its memory order, which is contiguous: its memory read as it lies, without a copy. The same layout
+    gives the same view, so forward and recompute read alike. A tensor that is not dense comes back as it is."""
     dim = t.dim()
-    if dim == 2 and t.is_contiguous():
-        return t  # its own row view: reshaping would only add a dispatch
     if dim > 1 and not t.is_contiguous():
         strides = t.stride()
         dense = t.permute(sorted(range(dim), key=lambda d: -strides[d]))
         if dense.is_contiguous():
-            t = dense
+            return dense
+    return t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a matrix of rows of its last dimension, without copying where its memory allows
+    (`in_memory_order`). A vector is one column (so its pair is its plain sum and its weighted sum, not one number
+    twice)."""
+    dim = t.dim()
+    if dim == 2 and t.is_contiguous():
+        return t  # its own row view: reshaping would only add a dispatch
+    t = in_memory_order(t)
     return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
 
 

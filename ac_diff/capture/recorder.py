@@ -514,11 +514,15 @@ class Recorder:
                 p = next((q for q in reversed(passes) if q.region is region and q.phase == phase), None)
                 if p is None:
                     return
-            if p.watch is not None:
+            wp = p.watch
+            if wp is not None:
                 stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
-                # (a large tensor is reduced as it is held; held ones when due: no mode may see either)
-                if self._unseen(p.watch.hold, position, tensor, stack[-1][1] if stack else None):
-                    self._unseen(p.watch.flush)
+                name = stack[-1][1] if stack else None
+                if not _dispatch_stack_len():  # (`_unseen`, inlined: this runs per saved tensor)
+                    if wp.hold(position, tensor, name):
+                        wp.flush()
+                elif self._unseen(wp.hold, position, tensor, name):
+                    self._unseen(wp.flush)
                 return
             ref = self._known_ref(p, tensor)
             if ref is None:  # first sight of this tensor in the pass: fingerprinting it dispatches ops

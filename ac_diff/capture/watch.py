@@ -4,8 +4,8 @@ dispatch mode and no host sync; a module whose region diverged is then recorded 
     watch = Watch(writer, full_from_step=None)
     watch.full(key, top_level)                  # per region forward: counts steps; True -> record it in full
     wp = WatchedPass(inputs)                    # a watched pass (inputs: id -> index of the region's inputs)
-    if wp.hold(position, tensor, module):       # per saved tensor: classified and held (a large CPU one reduced now)
-        wp.flush()                              # every 64 held: CUDA, ONE batched kernel; CPU, one per dtype and row
+    if wp.hold(position, tensor, module):       # per saved tensor: classified; a CPU one digested now, on the host
+        wp.flush()                              # every 64 held CUDA tensors: ONE launch of the batched kernel
     watch.ended(region, wp, ...)                # per pass: its digests in one asynchronous copy to pinned memory
     watch.poll()                                # comparisons whose copies have landed (event.query(): no sync)
     watch.close()                               # at the end: the rest (waits once), then the totals
@@ -16,13 +16,15 @@ step) and both passes' positions, each with the digest of the tensor saved there
 an "escalate" record when a module is recorded in full from then on; a "watch" record with the totals per module
 (every 100 steps and at the end), so a long watched run's trace stays small.
 
-The digest of a saved tensor: its bit patterns as same-size integers summed per row of its last dimension in
-wrap-around integers (one kernel, exact, in any order; small CPU tensors of one dtype and row length share one flat
-copy and one kernel), then the plain and the row-weighted sums of those row sums in int64 (odd weights starting over
-at each tensor: one cumulative sum per pass for all of them, or on CPU one matrix-vector product for a tensor of many
-rows): changing any element's bits changes both, moving rows (tokens routed elsewhere) changes the weighted one. Two
-elements exchanged within one row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum] of the tensor's
-32-bit words (byte_sums.py) sees those too. A tensor saved at several positions is reduced once per pass.
+The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
+device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
+their count (host_hash.py: XXH3, no kernel); one too large for that, as a device tensor's. A device tensor's: its bit patterns as same-size integers summed per row of its last dimension in
+wrap-around integers (one kernel, exact, in any order), then the plain and the row-weighted sums of those row sums
+in int64 (odd weights starting over at each tensor: one cumulative sum per pass for all of them; on CPU one
+matrix-vector product): changing any element's bits changes both, moving rows (tokens routed elsewhere) changes the
+weighted one. Two elements exchanged within one row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum]
+of the tensor's 32-bit words (byte_sums.py) sees those too. A tensor saved at several positions is digested once per
+pass.
 Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
 (an FSDP all-gather rewrites a parameter in place, a new version with the same values).
 
@@ -42,16 +44,17 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .fingerprint import HOLD, SMALL, _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows
+from .host_hash import hash_bytes, on_host
+from .fingerprint import HOLD, _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, in_memory_order
 from .segments import _weights, segment_pairs
-from .torch_compat import flatten_dense
 from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
-# HOLD (fingerprint.py): saved tensors held before their digests are taken (CUDA: one launch of the batched kernel,
-# byte_sums.py); SMALL: a CPU tensor larger than this is reduced when it is saved (in the cache), not held and copied
+# HOLD (fingerprint.py): CUDA tensors held before their digests are taken (one launch of the batched kernel,
+# byte_sums.py)
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
-MANY_ROWS = 1024  # a CPU tensor with more rows gets its digest pair at once (`_add_rows`)
+SPAN_MIN = 64 << 10  # a CPU tensor smaller than this is hashed again where another view of its memory was: cheaper
+HOST_CPU = True  # False: CPU tensors are digested as CUDA tensors without the batched kernel are (tests run that path)
 # Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
 # any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
 _ROW_SUM_DTYPE = {1: torch.int32, 2: torch.int32, 4: torch.int32, 8: torch.int64}
@@ -89,12 +92,56 @@ def row_bits(t: torch.Tensor) -> torch.Tensor | None:
     view, acc = plan
     bits = t if view is None else t.view(view)
     if bits.dim() != 2 or not bits.is_contiguous():
-        bits = _rows(bits)
+        bits = _rows(repeated_once(bits))
     return bits.sum(-1, dtype=acc)
+
+
+def repeated_once(t: torch.Tensor) -> torch.Tensor:
+    """`t` with each expanded dimension (stride 0: every index reads the same memory) cut to one index, a view: the
+    values it repeats, once (an MoE's token indices expanded over the model dimension for a gather or a scatter
+    are digested without a copy of every repeat)."""
+    strides = t.stride()
+    if 0 not in strides or t.numel() == 0:
+        return t
+    return t.as_strided([1 if stride == 0 else n for n, stride in zip(t.shape, strides)], strides)
 
 
 _Tensor = torch.Tensor
 _strided = torch.strided
+_int64 = torch.int64
+
+
+def host_readable(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
+    """A CPU tensor as the host reads it, contiguous, and the span of memory it reads (address, bytes) where that is
+    its own memory as it lies (a dense tensor, in memory order; an expanded dimension once, `repeated_once`): two
+    saved tensors that read one span at one version read the same bytes (spans over SPAN_MIN only). A tensor that is not dense (a slice) or a
+    lazily conjugated one is read from a copy (no span). None for a tensor without plain values."""
+    if t.layout is not _strided or t.is_quantized or t.is_nested:
+        return None
+    own = True
+    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
+        t, own = t.resolve_conj().resolve_neg(), False
+    if not t.is_contiguous():
+        t = in_memory_order(repeated_once(t))
+        if not t.is_contiguous():  # (not dense: a slice)
+            return t.detach().contiguous(), None
+    size = t.numel() * t.element_size()
+    return t, (t.data_ptr(), size) if own and size > SPAN_MIN else None
+
+
+def host_digest(t: torch.Tensor) -> list[int] | None:
+    """The digest of a contiguous CPU tensor (`host_readable`), read on the host when it is saved (a CPU read waits
+    for no device, and the values at the save are what it digests, whatever writes them later behind torch's back):
+    [hash of its bytes, their count] (host_hash.py: no kernel); one too large to hash here (several torch threads
+    reduce it faster), the [sum, odd-weighted sum] of its row sums (`row_bits`, one matrix-vector product)."""
+    size = t.numel() * t.element_size()
+    if on_host(size):
+        return [hash_bytes(t), size]
+    rows = row_bits(t)
+    return None if rows is None else torch.mv(
+        _weights(t.device, _int64, rows.numel(), "ones_odd"), rows.to(_int64)).tolist()
+
+
 _current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # device index -> (stream id, index, type)
 _byte_sums = ByteSums.get
 
@@ -133,11 +180,11 @@ class WatchedPass:
     digests on the device until it ends.
 
     `hold` classifies a saved tensor when torch packs it: a parameter (or a view of one) and the region's inputs are
-    the same tensors in both passes, compared by metadata; anything else gets a digest slot. A large CPU tensor is
-    reduced at once (its memory is still in the cache); small CPU tensors and CUDA tensors are kept until `flush`
-    (every HOLD of them, or HOLD_BYTES), which digests them together: CPU, one copy and one kernel per dtype and row
-    length (`flatten_dense`); CUDA, ONE batched kernel (byte_sums). Holding them costs what a recompute
-    holds anyway, a region's saved tensors, and at most HOLD_BYTES of them."""
+    the same tensors in both passes, compared by metadata; anything else gets a digest slot. A CPU tensor is digested
+    at once, on the host (`host_digest`); a CUDA tensor is kept until `flush` (every HOLD of them, or HOLD_BYTES),
+    which digests them with ONE launch of the batched kernel (byte_sums), or, where it did not compile, has its row
+    sums taken at once. Holding them costs what a recompute holds anyway, a region's saved tensors, and at most
+    HOLD_BYTES of them."""
 
     def __init__(self, inputs: dict[int, int] | None = None) -> None:
         # per saved position: (position, (size, dtype, device), origin, module, digest slot or NO_DIGEST); as columns
@@ -154,6 +201,8 @@ class WatchedPass:
         # (slot, tensor, its version and the address of its memory at the save)
         self._held: list[tuple[int, torch.Tensor, int, int | None]] = []
         self._held_bytes = 0
+        self._host: dict[int, list[int] | None] = {}  # slot -> digest, taken on the host at the save (CPU tensors)
+        self._spans: dict[tuple, tuple[Any, int]] = {}  # (address, bytes, version) read on the host -> (weakref, slot)
         # device -> [(slots, their row counts, row sums)] for `launch`'s one cumulative sum (groups of small CPU tensors,
         # device tensors the batched kernel did not take)
         self._rows: dict[torch.device, list[tuple[list[int], tuple[int, ...], torch.Tensor]]] = {}
@@ -204,27 +253,45 @@ class WatchedPass:
         if t is None:
             self.entries.append((position, meta, origin, name, NO_DIGEST))
             return False
-        size = t.numel() * t.element_size()
-        cuda = t.is_cuda
-        if cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
-            self._streams.add(_current_stream(t.get_device()))
-        if not _batched(t) and (cuda or size > SMALL):
-            rows = row_bits(t)  # now, while its memory is in the cache
-            if rows is None:
+        if t.is_cpu and HOST_CPU:  # its digest now, on the host: the values at the save, whatever writes them later
+            readable = host_readable(t)
+            if readable is None:
                 self.entries.append((position, meta, origin, name, NO_DIGEST))
                 return False
+            read, span = readable
+            if span is not None:  # (another view of memory already read at this version: its digest)
+                span = (*span, t._version)
+                hit = self._spans.get(span)
+                if hit is not None and hit[0]() is not None:  # (alive: its memory is not another tensor's since)
+                    self.entries.append((position, meta, origin, name, hit[1]))
+                    return False
             slot = self._new_slot(tensor, version)
-            self._add_rows(slot, rows)
-        else:
+            self._host[slot] = host_digest(read)
+            if span is not None:
+                self._spans[span] = (self._seen[id(tensor)][0], slot)
+        elif _batched(t):  # held for the batched kernel
+            if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
+                self._streams.add(_current_stream(t.get_device()))
             slot = self._new_slot(tensor, version)
             try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
                 address = t.data_ptr()
             except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
                 address = None
             self._held.append((slot, t, version, address))
-            self._held_bytes += size
+            self._held_bytes += t.numel() * t.element_size()
+            self.entries.append((position, meta, origin, name, slot))
+            return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
+        else:  # its row sums now, on its device (while its memory is in the cache), paired at `launch`
+            if t.is_cuda:
+                self._streams.add(_current_stream(t.get_device()))
+            rows = row_bits(t)
+            if rows is None:
+                self.entries.append((position, meta, origin, name, NO_DIGEST))
+                return False
+            slot = self._new_slot(tensor, version)
+            self._add_rows(slot, rows)
         self.entries.append((position, meta, origin, name, slot))
-        return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
+        return False
 
     def _new_slot(self, tensor: torch.Tensor, version: int) -> int:
         slot = self._slots
@@ -233,33 +300,23 @@ class WatchedPass:
         return slot
 
     def flush(self) -> None:
-        """Digest the held tensors: CUDA ones the batched kernel takes in one launch per device; contiguous CPU ones
-        by their row sums, those of one dtype and row length in ONE flat copy and one kernel (the same row sums as each
-        on its own); any other on its own. A tensor changed in place since its save is not compared (its values at the
-        save are gone), nor is one whose storage was resized or freed since (FSDP's reshard frees storage so)."""
+        """Digest the held tensors (CUDA ones, or any where the batched kernel is forced): the batched kernel takes
+        them in one launch per device; one it cannot take (a size it does not fit) gets its row sums. A tensor changed
+        in place since its save is not compared (its values at the save are gone), nor is one whose storage was
+        resized or freed since (FSDP's reshard frees storage so)."""
         held, self._held, self._held_bytes = self._held, [], 0
         batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for slot, t, version, address in held:
             if t._version != version or address is not None and t.data_ptr() != address:
                 self.unmeasured.add(slot)  # (written, or its storage resized outside dispatch: FSDP frees so)
-            elif _batched(t):
-                if t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
-                    batches.setdefault(t.device, []).append((slot, t))
-                else:
-                    self._digest_rows(slot, t)
-            elif t.is_contiguous() and t.layout is _strided and not t.is_quantized and not t.dtype.is_complex \
-                    and not t.is_meta:
-                groups.setdefault((t.dtype, t.shape[-1] if t.dim() > 1 else 1), []).append((slot, t))
+            elif t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
+                batches.setdefault(t.device, []).append((slot, t))
             else:
-                self._digest_rows(slot, t)
-        for (_, row_length), group in groups.items():
-            if len(group) == 1:
-                self._digest_rows(*group[0])
-                continue
-            sums = row_bits(flatten_dense([t for _, t in group]).view(-1, row_length))
-            self._rows.setdefault(sums.device, []).append(
-                ([s for s, _ in group], tuple(t.numel() // row_length for _, t in group), sums))
+                rows = row_bits(t)
+                if rows is None:
+                    self.unmeasured.add(slot)
+                else:
+                    self._add_rows(slot, rows)
         if batches:
             foreign = self._fence()
             for device, batch in batches.items():
@@ -271,23 +328,9 @@ class WatchedPass:
                 self._pairs.setdefault((device, torch.int32), []).append(
                     ([s for s, _ in batch], _byte_sums().launch(tensors)))
 
-    def _digest_rows(self, slot: int, t: torch.Tensor) -> None:
-        rows = row_bits(t)
-        if rows is None:
-            self.unmeasured.add(slot)
-        else:
-            self._add_rows(slot, rows)
-
     def _add_rows(self, slot: int, rows: torch.Tensor) -> None:
-        """One tensor's row sums, kept for the pass's one cumulative sum (`segment_pairs`); on CPU, many rows get their
-        pair at once instead (ONE int64 matrix-vector product, [ones; odd] x rows, exact, while they are in the cache:
-        the cumulative sum costs four passes over every row; integer products have no CUDA kernel)."""
-        device = rows.device
-        if device.type == "cpu" and rows.numel() > MANY_ROWS:
-            pair = torch.mv(_weights(device, torch.int64, rows.numel(), "ones_odd"), rows.to(torch.int64))
-            self._pairs.setdefault((device, torch.int64), []).append(([slot], pair.unsqueeze(0)))
-        else:
-            self._rows.setdefault(device, []).append(([slot], (rows.numel(),), rows))
+        """One tensor's row sums, kept for the pass's one cumulative sum on their device (`segment_pairs`)."""
+        self._rows.setdefault(rows.device, []).append(([slot], (rows.numel(),), rows))
 
     def _fence(self) -> bool:
         """The current stream waits for the streams the saved tensors were made on (a device-side wait); True if one
@@ -319,12 +362,14 @@ class WatchedPass:
             slots = [s for part, _ in batches for s in part]
             parts.append((slots, torch.cat([p for _, p in batches]) if len(batches) > 1 else batches[0][1]))
         self._pairs = {}
-        self._seen = {}
+        self._seen, self._spans = {}, {}
         self.landing = Landing(parts) if parts else None  # (nothing to read back: parameters and inputs only)
 
     def resolve(self) -> None:
         """The columns of the saved positions and the digest of each (the landing is ready)."""
         by_slot = self.landing.digests(self._slots) if self.landing is not None else [None] * self._slots
+        for slot, digest in self._host.items():
+            by_slot[slot] = digest
         for slot in self.unmeasured:
             by_slot[slot] = None
         if self.entries:
@@ -508,7 +553,7 @@ class Watch:
         difference nothing explained)."""
         region = cmp.region
         for wp in (cmp.forward, cmp.recompute):
-            if wp.landing is not None:
+            if wp.digests is None:  # (not yet resolved: a pass of parameters and host digests has no landing)
                 wp.resolve()
         key = region.watch_key
         learned = self.unmeasured.get(key) if key is not None else None

@@ -44,7 +44,8 @@ Format history (every version stays readable; tests/data keeps a file of each):
        torch.compile did (`compiled`: capture/compiled.py, `Run.compiled`); readers that predate it ignore it
   1.5  watch mode (capture/watch.py): a region record may say `"watched": true` (its passes list saved positions
        only, `n_ops` null: origin "saved" for a tensor the region made, named after the module it was saved in,
-       its 7th entry a digest [sum, row-weighted sum] of its bit patterns; "param", "input" as before; "output"
+       its 7th entry a digest [sum, row-weighted sum] of its bit patterns (a CPU tensor's: [hash of its bytes,
+       their count]), compared for equality only; "param", "input" as before; "output"
        for a reentrant region's outputs) and the `step` it ran in; new record types "watch" (totals per module:
        [compared, diverged, never compared], the escalations, the last step) and "escalate" (a module recorded
        in full from `from_step` on, after its region `region` diverged in step `diverged_step`)
