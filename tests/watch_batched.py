@@ -64,8 +64,21 @@ def in_place() -> None:
     assert wp.digests == [None, None, before], wp.digests
 
 
+def spans() -> None:
+    """Views of one large memory span, held for the kernel, get one digest per version (the kernel reads the memory
+    they occupy); a slice of it its own."""
+    x = torch.randn(64, 32, 16)  # 128 KiB: over SPAN_MIN
+    wp = watch.WatchedPass()
+    for i, t in enumerate((x, x.view(-1, 16), x.transpose(0, 1), x[:32])):
+        wp.hold(i, t, None)
+    wp.launch()
+    wp.resolve()
+    assert wp.slots == [0, 0, 0, 1], wp.slots
+    assert wp.digests[0] == byte_sums.host_reference(x) and wp.digests[3] == byte_sums.host_reference(x[:32])
+
+
 if __name__ == "__main__":
     batched()
-    for check in (kernel, verdicts, in_place):
+    for check in (kernel, verdicts, in_place, spans):
         check()
         print(check.__name__, "ok", flush=True)

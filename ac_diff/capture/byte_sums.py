@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .fingerprint import in_memory_order
+
 G = 64  # programs per tensor (each strides over the tensor's words)
 BLOCK = 1024  # words per program per iteration
 
@@ -38,11 +40,7 @@ def _kernel():
 
 def dense(t: torch.Tensor) -> bool:
     """`t` covers exactly numel * itemsize bytes from its data pointer (contiguous, or contiguous dims permuted)."""
-    if t.is_contiguous():
-        return True
-    strides = t.stride()
-    order = sorted(range(t.dim()), key=lambda d: -strides[d])
-    return t.permute(order).is_contiguous()
+    return t.is_contiguous() or in_memory_order(t).is_contiguous()
 
 
 def host_reference(t: torch.Tensor) -> list[int]:

@@ -45,7 +45,7 @@ from .watch import Watch, WatchedPass
 from ..errors import Terminated
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
-from .retention import HeldForward, Retention
+from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
@@ -121,6 +121,7 @@ class _Region:
     options: dict[str, Any]
     module: str | None = None
     caller: str | None = None
+    fn_site: str | None = None  # the function checkpoint() was given, by name and source line (a lambda's)
     recorded: bool = True
     written: bool = False
     recomputes: int = 0
@@ -417,7 +418,7 @@ class Recorder:
 
     def _watch_or_record(self, region: _Region, top_level: bool) -> None:
         """Watch mode, a region's forward begins: record it in full (escalated, --full-from-step), or watch it."""
-        key = region.watch_key = region.module or region.fn_name or region.caller
+        key = region.watch_key = region.module or region.fn_name or region.caller or region.fn_site
         full = self._watch.full(key, top_level)
         region.step = self._watch.step
         if not full:
@@ -663,6 +664,9 @@ class Recorder:
             elif phase == FORWARD:
                 name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
                 region.fn_name = name if isinstance(name, str) and "<lambda>" not in name else None
+                code = getattr(fn, "__code__", None)
+                if code is not None:  # (a lambda's: the same every step; watch keys its module by it)
+                    region.fn_site = f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
             return None, None
         name = self.modules.name_of(module)
         if phase == FORWARD and region.module is None:
@@ -1034,8 +1038,18 @@ class Recorder:
             p.nonfinite = p.nonfinite or not p.batch.finite
             for ext, slot in p.ext_slots:
                 ext["fp"] = fingerprints[slot]
+            updated = None
             for row in p.positions:
                 if len(row) > 6:
+                    if row[2] != "op":
+                        if updated is None:
+                            updated = updated_externals(p.ops)
+                        if (row[2], row[5]) in updated:
+                            # saved before the op that updates it (a batch norm's running statistics, read by no
+                            # backward in training): the recompute saves it after the forward's update, a side
+                            # effect. No fingerprint, so that watch learns from this pass not to compare it
+                            del row[6:]
+                            continue
                     row[6] = fingerprints[row[6]]
             fps = _fps_by_op(p, fingerprints)
             if self._watch is not None:  # a region of watch mode's full steps: what watch would have compared

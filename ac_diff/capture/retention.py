@@ -53,6 +53,12 @@ def values_digest(fps: dict[int, list], externals: Any) -> str:
     return h.hexdigest()
 
 
+def updated_externals(ops: Any) -> set[tuple]:
+    """(kind, name) of the tensors a pass did not make that its ops (recorder rows) write in place: a batch norm's
+    running statistics in training, a step counter."""
+    return {ref[:2] for row in ops for ref in written_inputs(row[_OP], row[_ARGS], row[_REFS]) if ref[0] != "op"}
+
+
 def signature(p: Any, fps: dict[int, list]) -> tuple:
     """What must be equal for a recompute to count as a reproduction of its forward (write="diverged")."""
     ops = []
@@ -64,9 +70,9 @@ def signature(p: Any, fps: dict[int, list]) -> tuple:
         side = bool(row[_REFS]) and is_outside_update(name, row[_REFS][0][0])
         if side:
             mutated.add(row[_REFS][0][:2])
-        if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
-            mutated.update(ref[:2] for ref in written_inputs(name, row[_ARGS], row[_REFS]) if ref[0] != "op")
         ops.append((name, row[_ARGS], row[_OUT], row[_HOST], fps.get(i), side))
+    if p.phase == FORWARD:  # externals the forward updates itself (a batch norm's running statistics)
+        mutated |= updated_externals(row for row in p.ops if row[_OP] not in HOOK_ONLY_OPS)
     # per saved position: ([meta, view of a base]) and the fingerprint of its values
     positions = [(pos[1:2] + pos[7:8], pos[6] if len(pos) > 6 else None) for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}

@@ -24,7 +24,8 @@ in int64 (odd weights starting over at each tensor: one cumulative sum per pass 
 matrix-vector product): changing any element's bits changes both, moving rows (tokens routed elsewhere) changes the
 weighted one. Two elements exchanged within one row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum]
 of the tensor's 32-bit words (byte_sums.py) sees those too. A tensor saved at several positions is digested once per
-pass.
+pass; on a GPU so are views of one memory span over 64 KiB held at one version (a linear's 2-D view of a 3-D
+activation), which the batched kernel would read twice.
 Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
 (an FSDP all-gather rewrites a parameter in place, a new version with the same values).
 
@@ -53,7 +54,7 @@ SUMMARY_EVERY = 100  # steps between "watch" totals records
 # HOLD (fingerprint.py): CUDA tensors held before their digests are taken (one launch of the batched kernel,
 # byte_sums.py)
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
-SPAN_MIN = 64 << 10  # a CPU tensor smaller than this is hashed again where another view of its memory was: cheaper
+SPAN_MIN = 64 << 10  # a held tensor smaller than this is read again where another view of its memory is: cheaper
 HOST_CPU = True  # False: CPU tensors are digested as CUDA tensors without the batched kernel are (tests run that path)
 # Row sums accumulate in wrap-around int32 (int64 for 8-byte elements): exact modulo 2**32 in any order, so a change of
 # any one element's bits changes its row's sum; an int64 accumulator over narrower integers is 10x slower on CPU.
@@ -111,22 +112,20 @@ _strided = torch.strided
 _int64 = torch.int64
 
 
-def host_readable(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
-    """A CPU tensor as the host reads it, contiguous, and the span of memory it reads (address, bytes) where that is
-    its own memory as it lies (a dense tensor, in memory order; an expanded dimension once, `repeated_once`): two
-    saved tensors that read one span at one version read the same bytes (spans over SPAN_MIN only). A tensor that is not dense (a slice) or a
-    lazily conjugated one is read from a copy (no span). None for a tensor without plain values."""
+def host_readable(t: torch.Tensor) -> torch.Tensor | None:
+    """A CPU tensor as the host reads it, contiguous: its memory as it lies where it is dense (in memory order; an
+    expanded dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor). None for a
+    tensor without plain values. (Each save is hashed on its own, views of one memory included: a write behind
+    torch's back between two saves, through `.data`, bumps no version, so no span can stand for the other.)"""
     if t.layout is not _strided or t.is_quantized or t.is_nested:
         return None
-    own = True
-    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
-        t, own = t.resolve_conj().resolve_neg(), False
+    if t.dtype.is_complex:
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = in_memory_order(repeated_once(t))
         if not t.is_contiguous():  # (not dense: a slice)
-            return t.detach().contiguous(), None
-    size = t.numel() * t.element_size()
-    return t, (t.data_ptr(), size) if own and size > SPAN_MIN else None
+            t = t.detach().contiguous()
+    return t
 
 
 def host_digest(t: torch.Tensor) -> list[int] | None:
@@ -202,7 +201,7 @@ class WatchedPass:
         self._held: list[tuple[int, torch.Tensor, int, int | None]] = []
         self._held_bytes = 0
         self._host: dict[int, list[int] | None] = {}  # slot -> digest, taken on the host at the save (CPU tensors)
-        self._spans: dict[tuple, tuple[Any, int]] = {}  # (address, bytes, version) read on the host -> (weakref, slot)
+        self._spans: dict[tuple, tuple[Any, int]] = {}  # (address, bytes, version) held -> (weakref, slot)
         # device -> [(slots, their row counts, row sums)] for `launch`'s one cumulative sum (groups of small CPU tensors,
         # device tensors the batched kernel did not take)
         self._rows: dict[torch.device, list[tuple[list[int], tuple[int, ...], torch.Tensor]]] = {}
@@ -254,11 +253,18 @@ class WatchedPass:
             self.entries.append((position, meta, origin, name, NO_DIGEST))
             return False
         if t.is_cpu and HOST_CPU:  # its digest now, on the host: the values at the save, whatever writes them later
-            readable = host_readable(t)
-            if readable is None:
+            read = host_readable(t)
+            if read is None:
                 self.entries.append((position, meta, origin, name, NO_DIGEST))
                 return False
-            read, span = readable
+            span, batched = None, False
+        elif _batched(t):  # held for the batched kernel, which reads the memory it occupies (at the flush: views of one
+            # memory span, at one version, read the same bytes then)
+            read, batched, size = t, True, t.numel() * t.element_size()
+            span = (t.data_ptr(), size) if size > SPAN_MIN and t.layout is _strided and _byte_sums().fits(t) else None
+        else:
+            read = None
+        if read is not None:
             if span is not None:  # (another view of memory already read at this version: its digest)
                 span = (*span, t._version)
                 hit = self._spans.get(span)
@@ -266,30 +272,30 @@ class WatchedPass:
                     self.entries.append((position, meta, origin, name, hit[1]))
                     return False
             slot = self._new_slot(tensor, version)
-            self._host[slot] = host_digest(read)
             if span is not None:
                 self._spans[span] = (self._seen[id(tensor)][0], slot)
-        elif _batched(t):  # held for the batched kernel
+            self.entries.append((position, meta, origin, name, slot))
+            if not batched:
+                self._host[slot] = host_digest(read)
+                return False
             if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
                 self._streams.add(_current_stream(t.get_device()))
-            slot = self._new_slot(tensor, version)
             try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
                 address = t.data_ptr()
             except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
                 address = None
             self._held.append((slot, t, version, address))
             self._held_bytes += t.numel() * t.element_size()
-            self.entries.append((position, meta, origin, name, slot))
             return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
-        else:  # its row sums now, on its device (while its memory is in the cache), paired at `launch`
-            if t.is_cuda:
-                self._streams.add(_current_stream(t.get_device()))
-            rows = row_bits(t)
-            if rows is None:
-                self.entries.append((position, meta, origin, name, NO_DIGEST))
-                return False
-            slot = self._new_slot(tensor, version)
-            self._add_rows(slot, rows)
+        # its row sums now, on its device (while its memory is in the cache), paired at `launch`
+        if t.is_cuda:
+            self._streams.add(_current_stream(t.get_device()))
+        rows = row_bits(t)
+        if rows is None:
+            self.entries.append((position, meta, origin, name, NO_DIGEST))
+            return False
+        slot = self._new_slot(tensor, version)
+        self._add_rows(slot, rows)
         self.entries.append((position, meta, origin, name, slot))
         return False
 
