@@ -54,6 +54,25 @@ def test_a_vector_gives_its_sum_and_a_weighted_sum():
     assert w1 != w0
 
 
+def test_a_zero_sum_update_at_any_four_positions_shows():
+    """A load-balancing bias update +c, -c, -c, +c (an MoE router's expert bias): weights in arithmetic progression,
+    or any additive sequence (frac(k * golden ratio)), cancel it wherever i + j = k + l; hashed weights do not."""
+    bias = torch.zeros(16)
+    updates = []
+    for i in range(16):
+        for j in range(i + 1, 16):
+            for k in range(16):
+                l_ = i + j - k
+                if k not in (i, j) and k < l_ < 16 and l_ not in (i, j):
+                    u = bias.clone()
+                    u[[i, j]] += 0.25
+                    u[[k, l_]] -= 0.25
+                    updates.append(u)
+    assert len(updates) > 100
+    first, *rest = fp(bias, *updates)
+    assert all(r != first for r in rest)
+
+
 def test_integers_are_exact_and_order_sensitive():
     idx = torch.tensor([[0, 3], [1, 2]])
     (a_sum, a_w), (b_sum, b_w) = fp(idx, idx.flip(-1))

@@ -25,7 +25,7 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
     """The first n fingerprint weights, cached per (device, dtype, kind, n) for the whole process: the
     same values for a given length however the base grew, and no slicing dispatch per fingerprint.
 
-    "float": quasi-random in [1, 2); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
+    "float": pseudo-random in [1, 2) (`_unit_hash`); "int": 1, 2, 3, ... (int64, exact); "odd": 1, 3, 5, ... (a change
     times an odd weight never vanishes in wrap-around arithmetic); "rows": the (2, n) matrix [ones; float
     weights] that turns row sums into a plain and a weighted total in one kernel; "ones_odd": the (2, n) matrix
     [ones; odd] (watch mode's plain and weighted sums, in one multiplication)."""
@@ -39,7 +39,7 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
             if base is None or base.shape[-1] < n:
                 k = torch.arange(max(n, 1024), dtype=torch.float64, device=device)  # made there: no copy, no sync
                 values = (k + 1 if kind == "int" else 2 * k + 1 if kind in ("odd", "ones_odd")
-                          else 1.0 + torch.frac(k * 0.6180339887498949))
+                          else 1.0 + _unit_hash(k.long()))
                 if kind == "ones_odd":
                     values = torch.stack((torch.ones_like(values), values))
                 base = _weight_bases[key[:3]] = values.to(device=device, dtype=dtype)
@@ -48,6 +48,23 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
             _weight_slices.clear()
         _weight_slices[key] = w
     return w
+
+
+def _shifted(z: torch.Tensor, s: int) -> torch.Tensor:
+    """z >> s as unsigned 64-bit integers (torch's >> on int64 copies the sign bit)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _unit_hash(k: torch.Tensor) -> torch.Tensor:
+    """float64 in [0, 1) per int64 index: splitmix64's finalizer (wrap-around int64 products), its top 53 bits. Unlike
+    an additive sequence such as frac(k * golden ratio), whose w_i + w_j equals w_k + w_l whenever i + j = k + l (a
+    zero-sum update at such positions, +c -c -c +c, would leave a weighted sum unchanged), hashed weights have no
+    linear relations between positions."""
+    z = k * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+    z = (z ^ _shifted(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ _shifted(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ _shifted(z, 31)
+    return _shifted(z, 11).double() * 2.0 ** -53
 
 
 _bounds_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, row counts) -> `_bounds`
