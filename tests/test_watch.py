@@ -177,6 +177,41 @@ def test_a_batch_norm_in_training_is_not_a_divergence(tmp_path, full_steps):
     assert report.watch["compared"] >= 1
 
 
+class ScaledBehindTorchsBack(nn.Module):
+    """A saved activation scaled in place through `.data` (no version bump) by a gain the region itself advances:
+    the recompute scales by another gain, and the next op saves a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.u = nn.Parameter(torch.randn(32, 64) * 0.1), nn.Parameter(torch.randn(16, 8) * 0.1)
+        self.register_buffer("gain", torch.tensor(1.0))
+
+    def forward(self, x):
+        a = torch.tanh(x @ self.w)
+        a.data.mul_(self.gain)
+        with torch.no_grad():
+            self.gain += 0.5
+        return a.t() @ self.u
+
+
+def test_a_divergence_full_recording_does_not_see_says_so(tmp_path):
+    """Watch hashes each save: it sees the scaled view differ. Full recording fingerprints the view by its base's
+    values at their version, which `.data` did not bump, so the escalated recording reproduces: the report says
+    the divergence did not recur there, naming writes behind torch's back among the reasons, and the command that
+    records the step in full."""
+    torch.manual_seed(0)
+    model = ScaledBehindTorchsBack()
+    with ac_diff.record(tmp_path / "data.jsonl", **WATCH):
+        for _ in range(3):
+            checkpoint(model, torch.randn(16, 32), use_reentrant=False).pow(2).mean().backward()
+    report = ac_diff.diagnose([read_run(tmp_path / "data.jsonl")])
+    assert report.verdict == "diverged", report.headline
+    lead = report.lead_groups()[0][0]
+    assert lead.watched and lead.step == 1
+    assert any("did not recur there" in n and "behind torch's back" in n and "--full-from-step 1" in n
+               for n in lead.notes), lead.notes
+
+
 def test_tensors_without_plain_values_get_no_digest():
     sparse = torch.eye(3).to_sparse()
     assert digests(sparse, torch.empty(2, 2, device="meta")) == [None, None]

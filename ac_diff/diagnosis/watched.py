@@ -118,8 +118,9 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                      "first divergent op and the cause")
         else:
             where = (f"{e['module']} was recorded in full from step {e['from_step']} on and reproduced its saved "
-                     f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur (a rare "
-                     f"event: a near-tie, a nondeterministic kernel, a state that changed once); {again}")
+                     f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur there (a "
+                     f"rare event: a near-tie, a nondeterministic kernel, a state that changed once; or a write "
+                     f"behind torch's back, through `.data` or numpy, that full recording does not see); {again}")
         r.notes.append(where)
         if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
