@@ -122,6 +122,9 @@ def holds_values(role: str, drew: bool) -> bool:
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor
 HOOK_ONLY_OPS = frozenset({DETACH})
+# Aliases with a version counter of their own: what `.data` dispatches (a write through one leaves the aliased
+# tensor's version as it was).
+DETACHED_ALIAS_OPS = frozenset({DETACH, "aten.alias.default"})
 # Copies autograd adds in a reentrant recompute only (its forward ran under no_grad, so an in-place op
 # on a tensor needed for backward was not guarded by a clone there).
 REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})

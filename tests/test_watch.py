@@ -178,33 +178,52 @@ def test_a_batch_norm_in_training_is_not_a_divergence(tmp_path, full_steps):
 
 
 class ScaledBehindTorchsBack(nn.Module):
-    """A saved activation scaled in place through `.data` (no version bump) by a gain the region itself advances:
-    the recompute scales by another gain, and the next op saves a view of it."""
+    """A saved activation scaled in place by a gain the region itself advances, through `.data` (dispatched, a
+    version counter of its own) or through NumPy (nothing torch sees): the recompute scales by another gain, and the
+    next op saves a view of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, numpy: bool = False) -> None:
         super().__init__()
         self.w, self.u = nn.Parameter(torch.randn(32, 64) * 0.1), nn.Parameter(torch.randn(16, 8) * 0.1)
         self.register_buffer("gain", torch.tensor(1.0))
+        self.numpy = numpy
 
     def forward(self, x):
         a = torch.tanh(x @ self.w)
-        a.data.mul_(self.gain)
+        if self.numpy:
+            a.detach().numpy()[:] *= float(self.gain)
+        else:
+            a.data.mul_(self.gain)
         with torch.no_grad():
             self.gain += 0.5
         return a.t() @ self.u
 
 
-def test_a_divergence_full_recording_does_not_see_says_so(tmp_path):
-    """Watch hashes each save: it sees the scaled view differ. Full recording fingerprints the view by its base's
-    values at their version, which `.data` did not bump, so the escalated recording reproduces: the report says
-    the divergence did not recur there, naming writes behind torch's back among the reasons, and the command that
-    records the step in full."""
+def _scaled(tmp_path, **options):
     torch.manual_seed(0)
-    model = ScaledBehindTorchsBack()
-    with ac_diff.record(tmp_path / "data.jsonl", **WATCH):
+    model = ScaledBehindTorchsBack(numpy=options.pop("numpy"))
+    with ac_diff.record(tmp_path / "data.jsonl", **options):
         for _ in range(3):
             checkpoint(model, torch.randn(16, 32), use_reentrant=False).pow(2).mean().backward()
-    report = ac_diff.diagnose([read_run(tmp_path / "data.jsonl")])
+    return ac_diff.diagnose([read_run(tmp_path / "data.jsonl")])
+
+
+def test_a_write_through_data_between_two_saves_of_one_tensor_is_seen_in_full(tmp_path):
+    """`.data` dispatches a detach whose alias has its own version counter: writing it marks the outputs sharing its
+    memory stale, so the view saved next is fingerprinted as it is then (before: the output's fingerprint from before
+    the write was reused, and the region read as clean)."""
+    report = _scaled(tmp_path, numpy=False)
+    assert report.verdict == "diverged", report.headline
+    lead = report.lead_groups()[0][0]
+    assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "gain"), lead.cause
+
+
+def test_a_divergence_full_recording_does_not_see_says_so(tmp_path):
+    """Written through NumPy, nothing reaches torch: watch hashes each save and sees the scaled view differ; full
+    recording fingerprints the view by its base's values at their version, so the escalated recording reproduces.
+    The report says the divergence did not recur there, names writes behind torch's back among the reasons, and
+    gives the command that records the step in full."""
+    report = _scaled(tmp_path, numpy=True, **WATCH)
     assert report.verdict == "diverged", report.headline
     lead = report.lead_groups()[0][0]
     assert lead.watched and lead.step == 1

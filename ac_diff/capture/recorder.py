@@ -40,7 +40,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
 from .modules import ModuleStack
 from .pystate import UNSET, GlobalReads, module_attributes
-from .fingerprint import FingerprintBatch
+from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from ..errors import Terminated
 from ..gc_hold import YoungGenerationHold
@@ -53,7 +53,7 @@ from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
 from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                                    checkpointed_module, frame_options, sequential_segment)
-from ..oprules import holds_values, output_role
+from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
 
@@ -747,11 +747,16 @@ class Recorder:
         passes = getattr(local, "passes", None)
         if not passes or local.internal:
             return
+        tensors = None if written is FLUSH_ALL else _written_tensors(written, args, kwargs)
+        if tensors:
+            for p in passes:
+                if p.region.recorded and p.producers:
+                    _mark_aliased_outputs_stale(p, tensors)
         batches = [p.batch for p in passes if p.batch.holding]
         if not batches:
             return
-        if written is not FLUSH_ALL:
-            batches = [b for b in batches if any(map(b.holds_memory_of, _written_tensors(written, args, kwargs)))]
+        if tensors is not None:
+            batches = [b for b in batches if any(map(b.holds_memory_of, tensors))]
         for batch in batches:
             with self.quiet():
                 batch.flush()
@@ -1110,6 +1115,26 @@ class Recorder:
             **({"watched": True} if region.watched else {}),
             **({"step": region.step} if region.step is not None else {}),
         }
+
+
+def _mark_aliased_outputs_stale(p: _Pass, tensors: list) -> None:
+    """Tensors about to be written in place that the pass made by detaching (`.data`): such an alias has a version
+    counter of its own, so the output it aliases sees no new version. The outputs that share its storage are marked
+    stale, so that a later reader (a view torch saves) is fingerprinted as the memory is then, not served the
+    fingerprint the output had before the write."""
+    producers, ops = p.producers, p.ops
+    for t in tensors:
+        hit = producers.get(id(t))
+        if hit is None or hit[_P_WEAKREF]() is not t or ops[hit[_P_OP]][_OP] not in DETACHED_ALIAS_OPS:
+            continue
+        address = _storage_of(t)[0]
+        if address is None:
+            continue
+        stale = [k for k, e in producers.items() if e[_P_SLOT] is not None and e[_P_VERSION] >= 0
+                 and (o := e[_P_WEAKREF]()) is not None and o is not t and _storage_of(o)[0] == address]
+        for k in stale:
+            e = producers[k]
+            producers[k] = (*e[:_P_VERSION], -1, *e[_P_VERSION + 1:])
 
 
 def _written_tensors(written: tuple, args: tuple, kwargs: dict | None) -> list:
