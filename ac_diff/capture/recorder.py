@@ -518,11 +518,8 @@ class Recorder:
             wp = p.watch
             if wp is not None:
                 stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
-                name = stack[-1][1] if stack else None
-                if not _dispatch_stack_len():  # (`_unseen`, inlined: this runs per saved tensor)
-                    if wp.hold(position, tensor, name):
-                        wp.flush()
-                elif self._unseen(wp.hold, position, tensor, name):
+                # (CPU tensors are hashed as they are held, held ones digested when due: no mode may see either)
+                if self._unseen(wp.hold, position, tensor, stack[-1][1] if stack else None):
                     self._unseen(wp.flush)
                 return
             ref = self._known_ref(p, tensor)

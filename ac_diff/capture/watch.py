@@ -18,14 +18,15 @@ an "escalate" record when a module is recorded in full from then on; a "watch" r
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
 device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
-their count (host_hash.py: XXH3, no kernel); one too large for that, as a device tensor's. A device tensor's: its bit patterns as same-size integers summed per row of its last dimension in
-wrap-around integers (one kernel, exact, in any order), then the plain and the row-weighted sums of those row sums
-in int64 (odd weights starting over at each tensor: one cumulative sum per pass for all of them; on CPU one
-matrix-vector product): changing any element's bits changes both, moving rows (tokens routed elsewhere) changes the
-weighted one. Two elements exchanged within one row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum]
-of the tensor's 32-bit words (byte_sums.py) sees those too. A tensor saved at several positions is digested once per
-pass; on a GPU so are views of one memory span over 64 KiB held at one version (a linear's 2-D view of a 3-D
-activation), which the batched kernel would read twice.
+their count (host_hash.py: XXH3, no kernel); one too large for that, as a device tensor's. A device tensor's: its
+bit patterns as same-size integers summed per row of its last dimension in wrap-around integers (one kernel, exact,
+in any order), then the plain and the row-weighted sums of those row sums in int64 (odd weights starting over at
+each tensor: one cumulative sum per pass for all of them; on CPU one matrix-vector product): changing any element's
+bits changes both, moving rows (tokens routed elsewhere) changes the weighted one. Two elements exchanged within one
+row go unseen. On CUDA, the batched kernel's [sum, odd-weighted sum] of the tensor's 32-bit words (byte_sums.py)
+sees those too. A tensor saved at several positions is digested once per pass; on a GPU so are views of one memory
+span over 64 KiB held at one version (a linear's 2-D view of a 3-D activation), which the batched kernel would read
+twice.
 Parameters (and views of them) and the region's inputs are the same tensors in both passes: compared by metadata
 (an FSDP all-gather rewrites a parameter in place, a new version with the same values).
 
@@ -257,36 +258,12 @@ class WatchedPass:
             if read is None:
                 self.entries.append((position, meta, origin, name, NO_DIGEST))
                 return False
-            span, batched = None, False
-        elif _batched(t):  # held for the batched kernel, which reads the memory it occupies (at the flush: views of one
-            # memory span, at one version, read the same bytes then)
-            read, batched, size = t, True, t.numel() * t.element_size()
-            span = (t.data_ptr(), size) if size > SPAN_MIN and t.layout is _strided and _byte_sums().fits(t) else None
-        else:
-            read = None
-        if read is not None:
-            if span is not None:  # (another view of memory already read at this version: its digest)
-                span = (*span, t._version)
-                hit = self._spans.get(span)
-                if hit is not None and hit[0]() is not None:  # (alive: its memory is not another tensor's since)
-                    self.entries.append((position, meta, origin, name, hit[1]))
-                    return False
             slot = self._new_slot(tensor, version)
-            if span is not None:
-                self._spans[span] = (self._seen[id(tensor)][0], slot)
+            self._host[slot] = host_digest(read)
             self.entries.append((position, meta, origin, name, slot))
-            if not batched:
-                self._host[slot] = host_digest(read)
-                return False
-            if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
-                self._streams.add(_current_stream(t.get_device()))
-            try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
-                address = t.data_ptr()
-            except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
-                address = None
-            self._held.append((slot, t, version, address))
-            self._held_bytes += t.numel() * t.element_size()
-            return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
+            return False
+        if _batched(t):
+            return self._hold_for_kernel(position, meta, origin, name, tensor, t, version)
         # its row sums now, on its device (while its memory is in the cache), paired at `launch`
         if t.is_cuda:
             self._streams.add(_current_stream(t.get_device()))
@@ -298,6 +275,33 @@ class WatchedPass:
         self._add_rows(slot, rows)
         self.entries.append((position, meta, origin, name, slot))
         return False
+
+    def _hold_for_kernel(self, position: int, meta: tuple, origin: str, name: str | None, tensor: torch.Tensor,
+                         t: torch.Tensor, version: int) -> bool:
+        """Hold `t` (the plain tensor of `tensor`) for the batched kernel, which reads the memory it occupies at the
+        flush: views of one memory span over SPAN_MIN, saved at one version, read the same bytes then and share one
+        digest. True: the held tensors are due."""
+        size = t.numel() * t.element_size()
+        span = (t.data_ptr(), size, t._version) if size > SPAN_MIN and t.layout is _strided \
+            and _byte_sums().fits(t) else None
+        if span is not None:
+            hit = self._spans.get(span)
+            if hit is not None and hit[0]() is not None:  # (alive: its memory is not another tensor's since)
+                self.entries.append((position, meta, origin, name, hit[1]))
+                return False
+        slot = self._new_slot(tensor, version)
+        if span is not None:
+            self._spans[span] = (self._seen[id(tensor)][0], slot)
+        self.entries.append((position, meta, origin, name, slot))
+        if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
+            self._streams.add(_current_stream(t.get_device()))
+        try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
+            address = t.data_ptr()
+        except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
+            address = None
+        self._held.append((slot, t, version, address))
+        self._held_bytes += size
+        return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
 
     def _new_slot(self, tensor: torch.Tensor, version: int) -> int:
         slot = self._slots
