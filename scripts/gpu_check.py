@@ -816,6 +816,68 @@ def check_watch_syncs(env: Env) -> tuple[str, str, dict]:
 # check 7: float8 cast in a region
 
 
+def check_fused_prints(env: Env) -> tuple[str, str, dict]:
+    """Full recording's fused fingerprint kernels: they compile and agree with the host here; a full recording of the
+    side-stream stack (several flushes per pass, a tensor made on a side stream) is clean; the CUDA kernels a recorded
+    step adds to the plain step, per fingerprinted output (profiler), at most one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ac_diff.capture import fingerprint, fused_prints
+
+    if not env.cuda:
+        raise Skipped("CUDA only")
+    if fused_prints.FusedPrints.get() is None:
+        return "the fused kernels are unavailable (see the warning)", FAIL, {}
+    torch.manual_seed(0)
+    block = SideStreamStack(256).to(env.device)
+    xs = [torch.randn(4, 512, 256, device=env.device, requires_grad=True) for _ in range(3)]
+
+    def step(x: torch.Tensor) -> None:
+        with torch.autocast("cuda", dtype=env.dtype, enabled=env.dtype != torch.float32):
+            y = cp.checkpoint(block, x, use_reentrant=False)
+        y.float().pow(2).mean().backward()
+
+    def kernels(fn: Callable[[], None]) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            env.sync()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+    step(xs[0])
+    plain = kernels(lambda: step(xs[1]))
+    outputs = [0]
+    real_add = fingerprint.FingerprintBatch.add
+
+    def counting_add(self, t, borrowed=False):
+        slot = real_add(self, t, borrowed)
+        outputs[0] += slot is not None
+        return slot
+
+    counted: dict[str, int] = {}
+
+    def recorded() -> None:
+        for x in xs[:2]:
+            step(x)
+        fingerprint.FingerprintBatch.add = counting_add
+        try:
+            counted["kernels"] = kernels(lambda: step(xs[2]))
+        finally:
+            fingerprint.FingerprintBatch.add = real_add
+
+    diag = record(env, "fused-side-stream", recorded)
+    added = counted.get("kernels", 0) - plain
+    per_output = added / max(outputs[0], 1)
+    problems = [] if diag.verdict == "clean" else [f"verdict {diag.verdict}: {diag.report.headline}"]
+    if per_output > 1:
+        problems.append(f"{per_output:.2f} kernels per fingerprinted output")
+    said = (f"{diag.verdict}; {added} kernels added for {outputs[0]} fingerprinted outputs: {per_output:.2f} per "
+            f"output (plain step {plain} kernels)")
+    return said, FAIL if problems else PASS, {"diagnosis": diag.summary(), "plain_kernels": plain,
+                                               "recorded_kernels": counted.get("kernels"), "outputs": outputs[0],
+                                               "problems": problems}
+
+
 def check_float8(env: Env) -> tuple[str, str, dict]:
     if not hasattr(torch, "float8_e4m3fn"):
         raise Skipped("skipped (not available): torch has no float8_e4m3fn")
@@ -949,6 +1011,8 @@ def plan(env: Env) -> list[tuple[str, str, Callable[[], tuple[str, str, dict]]]]
     for name in ("moe_bias_update", "dropout_no_rng", "python_state_branch"):
         checks.append((f"8 watch[{name}]", "verdict = full recording's, same module",
                        functools.partial(check_watch_example, env, name)))
+    checks.append(("9 fused_prints[side stream]", "kernels pass their check; clean; <= 1 kernel per output",
+                   functools.partial(check_fused_prints, env)))
     checks.append(("timing[plain vs recorded]", "ratio (reported)", functools.partial(check_timing, env)))
     return checks
 

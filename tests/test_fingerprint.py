@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -11,16 +12,25 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import ac_diff
-from ac_diff.capture import fingerprint
+from ac_diff.capture import fingerprint, fused_prints
 from ac_diff.capture.fingerprint import FingerprintBatch, StreamFence, _rows
 from models import record_step
 
 
-@pytest.fixture(autouse=True, params=["batched", "alone"])
+# Under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported: tests/test_fused_prints.py runs this
+# file so), every test here also runs on the fused kernels' path, the one CUDA tensors take where they compiled.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True, params=["batched", "alone", *(["fused"] if INTERPRETED else [])])
 def cpu_path(request, monkeypatch):
-    """Every test here on both paths: CPU tensors held and reduced together, and each reduced on its own (the path
-    CUDA tensors take)."""
+    """Every test here on each path: CPU tensors held and reduced together; each reduced on its own (the path CUDA
+    tensors take without the fused kernels); held for the fused kernels (interpreted: see INTERPRETED)."""
     monkeypatch.setattr(fingerprint, "BATCH_CPU", request.param == "batched")
+    if request.param == "fused":
+        prints = fused_prints.FusedPrints(fused_prints._kernels())
+        monkeypatch.setattr(fingerprint, "_fused", lambda t: prints)
+        monkeypatch.setattr(fused_prints, "G", 4)  # (fewer programs to interpret; each still strides over many tiles)
     return request.param
 
 
@@ -336,9 +346,10 @@ def test_a_tensor_whose_storage_is_freed_before_the_flush_is_never_read_there(cp
     for t in (small, borrowed, large):
         t.untyped_storage().resize_(0)
     values = [batch.collect()[0][s] for s in slots]
-    assert values[0] == expected[0]
-    if cpu_path == "batched":
-        assert values[1] is None and values[2] == expected[2][:2]
+    if cpu_path == "fused":  # every one read at the flush (a CUDA tensor is not copied when added)
+        assert values == [None, None, None]
+    elif cpu_path == "batched":  # the small one copied when added
+        assert values[0] == expected[0] and values[1] is None and values[2] == expected[2][:2]
     else:  # each reduced when added
         assert values == expected
 

@@ -17,17 +17,15 @@ watch mode reduces per tensor instead, with one warning.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from .fingerprint import in_memory_order
+from .kernel_check import first_use
 
 G = 64  # programs per tensor (each strides over the tensor's words)
 BLOCK = 1024  # words per program per iteration
-
-_state: dict[str, Any] = {}
 
 
 def _kernel():
@@ -63,27 +61,20 @@ class ByteSums:
 
     @classmethod
     def get(cls) -> "ByteSums | None":
-        if "sums" not in _state:
-            _state["sums"] = cls._checked()
-        return _state["sums"]
+        return first_use("byte_sums", cls._checked, "watch mode reduces each saved tensor on its own")
 
     @classmethod
     def _checked(cls) -> "ByteSums | None":
         if not torch.cuda.is_available():
             return None
-        try:
-            sums = cls(_kernel())
-            g = torch.Generator().manual_seed(0)
-            samples = [torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32) for n in (4, 4100, 70000)]
-            got = sums.launch([s.cuda() for s in samples]).cpu().tolist()
-            want = [host_reference(s) for s in samples]
-            if got != want:
-                raise RuntimeError(f"digests {got} != {want}")
-            return sums
-        except Exception as exc:  # noqa: BLE001 - no Triton, no compiler, another GPU: the per-tensor path works
-            warnings.warn(f"ac-diff: watch mode reduces each saved tensor on its own (the batched kernel is "
-                          f"unavailable: {type(exc).__name__}: {str(exc)[:200]})", RuntimeWarning, stacklevel=2)
-            return None
+        sums = cls(_kernel())
+        g = torch.Generator().manual_seed(0)
+        samples = [torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32) for n in (4, 4100, 70000)]
+        got = sums.launch([s.cuda() for s in samples]).cpu().tolist()
+        want = [host_reference(s) for s in samples]
+        if got != want:
+            raise RuntimeError(f"digests {got} != {want}")
+        return sums
 
     @staticmethod
     def fits(t: torch.Tensor) -> bool:

@@ -23,8 +23,10 @@ for bit. Borrowed tensors (parameters, inputs: the pass did not make them) are n
 which comes before any op that writes one of them in place; one whose storage was freed since (FSDP's reshard) gets
 no fingerprint. About 0.8 kernels per recorded op where there were 2.4. On CPU reading the results waits for no
 device, so they are read at the flush; the bit sums below are then taken only for the tensors whose pair is not
-finite. Tensors on a GPU are reduced on their own, on their stream: a GPU's segmented reductions may order a sum by
-its alignment, and the pair must be bit-identical.
+finite. Tensors on a GPU are held too and fingerprinted by ONE launch of the fused kernels per dtype at the flush
+(fused_prints.py: the pair and the bit sum from one pass over each tensor's memory, over fixed tiles in a fixed order;
+a non-dense one through a copy); where those kernels are not available, each is reduced on its own, on its stream (a
+GPU's segmented reductions may order a sum by its alignment, and the pair must be bit-identical).
 
 Every other dtype is fingerprinted through a view of the same memory (`_plan`), no copy:
 * complex: `torch.view_as_real`, as floats (complex32 as float16), so like its real dtype;
@@ -64,6 +66,7 @@ from typing import Any, Callable
 
 import torch
 
+from .fused_prints import MAX_ELEMENTS, FusedPrints, combine
 from .opinfo import short_dtype
 from .segments import _weights, segment_float_pairs, segment_pairs
 from .torch_compat import flatten_dense
@@ -268,14 +271,20 @@ def _flush_weights(lengths: tuple[int, ...]) -> torch.Tensor:
 _CPU = torch.device("cpu")
 
 
+def _fused(t: torch.Tensor) -> FusedPrints | None:
+    """The fused kernels that fingerprint `t` among others (a CUDA tensor, where they compiled), else None."""
+    return FusedPrints.get() if t.is_cuda else None
+
+
 class FingerprintBatch:
     """Deferred fingerprints of many tensors, collected with one sync per device and kind.
 
     CPU (`add`, see the module docstring): small tensors staged (copied) when added, large float ones reduced to
     weighted row sums when added, borrowed ones (parameters, inputs) read at the flush; HOLD of them fingerprinted
     together (`flush`). The recorder flushes before any op that writes a waiting tensor in place (`holding`,
-    `holds_memory_of`). CUDA: each tensor reduced on its own, on its stream (a GPU's segmented sums may order a
-    segment's sum by its alignment, and the float pair must be bit-identical)."""
+    `holds_memory_of`). CUDA: held as well, HOLD of them fingerprinted by one launch of the fused kernels per dtype
+    (`_launch_fused`); without those kernels, each reduced on its own, on its stream (a GPU's segmented sums may order
+    a segment's sum by its alignment, and the float pair must be bit-identical)."""
 
     def __init__(self, *, bits: bool = False) -> None:
         self.bits = bits  # every float fingerprint ends with its exact bit sum, finite or not (gradients: grads.py)
@@ -293,8 +302,13 @@ class FingerprintBatch:
         self._large: list[tuple[int, torch.Tensor, torch.Tensor, int | None, int]] = []
         self._borrowed: list[tuple[int, torch.Tensor, str, int | None, int]] = []  # small borrowed tensors: (slot,
         # the tensor, kind, its storage's address and size)
+        # (device, dtype) -> tensors held for the fused kernels (CUDA): [(slot, their memory as (rows, cols) or flat,
+        # its storage's address and size, the stream current when added or None)]
+        self._fused_held: dict[tuple, list[tuple[int, torch.Tensor, int | None, int, Any]]] = {}
+        self._fused_out: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (slots, sums, bits) launched
+        self._prints: FusedPrints | None = None
         self._large_bytes = 0
-        self._pending = 0  # tensors staged or large since the last flush
+        self._pending = 0  # tensors staged, large or held for the fused kernels since the last flush
         self._addresses: set[int | None] = set()  # the large and borrowed ones' storages (`holds_memory_of`)
         self._kept: list[torch.Tensor] = []
         self._streams = StreamFence()
@@ -304,7 +318,7 @@ class FingerprintBatch:
     def holding(self) -> bool:
         """Borrowed tensors and large ones (for their bit sums) wait for their flush: an op about to write one of them in
         place must `flush` first."""
-        return bool(self._large or self._borrowed)
+        return bool(self._large or self._borrowed or self._fused_held)
 
     def holds_memory_of(self, t: torch.Tensor) -> bool:
         """A tensor waiting for its flush shares `t`'s memory (its storage): writing `t` may change it. True where that
@@ -363,7 +377,35 @@ class FingerprintBatch:
             if self._pending >= HOLD or self._large_bytes > HOLD_BYTES:
                 self.flush()
             return len(slots) - 1
+        prints = _fused(t)
+        if prints is not None and FusedPrints.takes(t.dtype) and 0 < t.numel() < MAX_ELEMENTS:
+            # floats: their memory as it lies (`_rows`); integers in order (exact: the per-tensor path's numbers); not
+            # dense (an expanded tensor): its values in order, the copy a reduction of its own would make
+            m = in_memory_order(t) if kind == "f" else t
+            self._prints = prints
+            return self._hold_fused(m if m.is_contiguous() else t.contiguous(), kind)
         return self._add_alone(t, kind)
+
+    def _hold_fused(self, m: torch.Tensor, kind: str) -> int:
+        """Hold a dense tensor (`m`: in memory order) for the fused kernels' launch at the flush; its slot."""
+        slots = self._slots
+        slots.append(None)
+        if kind == "f" and m.dim() > 1:
+            m = m.view(-1, m.shape[-1])  # (`_rows`)
+        else:
+            m = m.view(-1, 1)
+        address, size = _storage_of(m)
+        stream = None
+        if m.is_cuda:
+            stream = torch.cuda.current_stream(m.device)
+            self._streams.note(m.device, stream)
+        self._fused_held.setdefault((m.device, m.dtype), []).append((len(slots) - 1, m, address, size, stream))
+        self._addresses.add(address)
+        self._large_bytes += m.numel() * m.element_size()
+        self._pending += 1
+        if self._pending >= HOLD or self._large_bytes > HOLD_BYTES:
+            self.flush()
+        return len(slots) - 1
 
     def _stage(self, slot: int, t: torch.Tensor, kind: str, numel: int) -> None:
         """Copy a small tensor into its staging buffer (one per dtype and row length, integers flat): one kernel, and
@@ -431,13 +473,32 @@ class FingerprintBatch:
             return
         large, staged = self._large, [(key, buffer[:used], members) for key, (buffer, used, members)
                                        in self._staged.items() if members]
-        borrowed = self._borrowed
-        self._large, self._borrowed, self._large_bytes, self._pending = [], [], 0, 0
+        borrowed, fused = self._borrowed, self._fused_held
+        self._large, self._borrowed, self._fused_held, self._large_bytes, self._pending = [], [], {}, 0, 0
         self._addresses.clear()
+        if fused:
+            self._launch_fused(fused)
         with torch.no_grad():  # (a pass's end: outputs require grad by then; no graph, nothing saved)
             self._flush(large, staged + _grouped_borrowed(borrowed))
         for stage in self._staged.values():  # (read: the buffers take the next ones)
             stage[1], stage[2] = 0, []
+
+    def _launch_fused(self, groups: dict[tuple, list]) -> None:
+        """ONE launch of the fused kernels per (device, dtype) for the tensors held for them, on the current stream,
+        after the streams they were made on. One whose storage was freed or resized since (FSDP's reshard) gets no
+        fingerprint; one made on another stream is kept for this stream's read (`record_stream`)."""
+        self._streams.wait(torch.cuda.current_stream)
+        for (device, dtype), held in groups.items():
+            live = [(slot, m, stream) for slot, m, address, size, stream in held if _storage_of(m) == (address, size)]
+            if not live:
+                continue
+            if device.type == "cuda":
+                current = torch.cuda.current_stream(device)
+                for _, m, stream in live:
+                    if stream != current:
+                        m.record_stream(current)
+            sums, bits = self._prints.launch(device, dtype, [(m.data_ptr(), *m.shape) for _, m, _ in live])
+            self._fused_out.append(([slot for slot, _, _ in live], sums, bits))
 
     def _flush(self, large: list, staged: list) -> None:
         row_sums: list[torch.Tensor] = []  # per large tensor and per staged dtype and row length: weighted row sums
@@ -509,11 +570,13 @@ class FingerprintBatch:
                 sums = segment_pairs(bits, tuple(b.numel() for b in bits))[:, 1].to(torch.int32)  # (wraps as int32)
                 both = torch.cat((both.double().reshape(-1), sums.double()))
             on_device.append(both)
+        fused_out, self._fused_out = self._fused_out, []
+        fused = [t for _, sums, bits in fused_out for t in (sums, bits) if t is not None]
         kept = _grouped(self._kept)
-        packed = _Packed(on_device + [flat for flat, _ in kept], later)
-        return Collection(self, packed, len(on_device), [idx for _, idx in kept])
+        packed = _Packed(on_device + fused + [flat for flat, _ in kept], later)
+        return Collection(self, packed, len(on_device), fused_out, [idx for _, idx in kept])
 
-    def _decode(self, hosts: list[torch.Tensor], n_buckets: int, kept_idx: list[list[int]]
+    def _decode(self, hosts: list[torch.Tensor], n_buckets: int, fused_out: list, kept_idx: list[list[int]]
                 ) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
         read = {}
         for (key, (pairs, firsts, _, bits)), host in zip(self._buckets.items(), hosts):
@@ -522,6 +585,12 @@ class FingerprintBatch:
             if key[0] == "f" and self.finite and not bool(torch.isfinite(values).all()):
                 self.finite = False
             read[key] = (values.tolist(), [int(b) for b in host[2 * n:].tolist()] if bits else [])
+        at = n_buckets
+        for slots, _, bits in fused_out:
+            for slot, fp in zip(slots, combine(hosts[at], hosts[at + 1] if bits is not None else None)):
+                self._slots[slot] = ("done", fp if bits is None or self.bits or not all(map(isfinite, fp[:2]))
+                                     else fp[:2], bits is not None)
+            at += 1 if bits is None else 2
         out: list[list[float] | None] = []
         for entry in self._slots:
             if entry is None:
@@ -538,7 +607,7 @@ class FingerprintBatch:
                 if bit >= 0 and (self.bits or not all(map(isfinite, fp))):
                     fp = fp + [bit_sums[bit]]
                 out.append(fp)
-        return out, _encode_kept(self._kept, list(zip(hosts[n_buckets:], kept_idx)))
+        return out, _encode_kept(self._kept, list(zip(hosts[at:], kept_idx)))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -594,14 +663,15 @@ class Collection:
     """A FingerprintBatch's read-back on its way (`FingerprintBatch.launch`): `ready()` without waiting, `collect()`
     (fingerprint per slot, kept values), waiting only if it has not landed."""
 
-    def __init__(self, batch: FingerprintBatch, packed: "_Packed", n_buckets: int, kept_idx: list[list[int]]) -> None:
-        self._batch, self._packed, self._n, self._kept_idx = batch, packed, n_buckets, kept_idx
+    def __init__(self, batch: FingerprintBatch, packed: "_Packed", n_buckets: int, fused_out: list,
+                 kept_idx: list[list[int]]) -> None:
+        self._batch, self._packed, self._n, self._fused, self._kept_idx = batch, packed, n_buckets, fused_out, kept_idx
 
     def ready(self) -> bool:
         return self._packed.ready()
 
     def collect(self) -> tuple[list[list[float] | None], list[dict[str, Any]]]:
-        return self._batch._decode(self._packed.hosts(), self._n, self._kept_idx)
+        return self._batch._decode(self._packed.hosts(), self._n, self._fused, self._kept_idx)
 
 
 class _Packed:
