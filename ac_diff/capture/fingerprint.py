@@ -246,6 +246,25 @@ class StreamFence:
                     reader.wait_stream(stream)
 
 
+current_stream_raw = getattr(torch._C, "_cuda_getCurrentStream", None)  # device index -> (stream id, index, type):
+# the CUDA stream current on a device as a cheap C call (per held tensor), made a Stream only when waited for
+
+
+def wait_for_raw(streams: set[tuple]) -> bool:
+    """The current stream of each device waits for the `streams` noted there (raw, `current_stream_raw`; a
+    device-side wait); True if one of them is not the current stream (tensors made there and read on it must be
+    kept for it: `record_stream`)."""
+    if not streams:
+        return False
+    fence, foreign = StreamFence(), False
+    for stream_id, index, kind in streams:
+        stream = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+        fence.note(index, stream)
+        foreign = foreign or stream != torch.cuda.current_stream(index)
+    fence.wait(torch.cuda.current_stream)
+    return foreign
+
+
 # CPU tensors are fingerprinted together (`FingerprintBatch.flush`): small ones are copied to a staging buffer when
 # added (one kernel; float tensors of one dtype and row length then share one row reduction, integer tensors one exact
 # cumulative sum); a larger float tensor gets its row reduction when added, a larger integer tensor its own reductions.
@@ -303,8 +322,9 @@ class FingerprintBatch:
         self._borrowed: list[tuple[int, torch.Tensor, str, int | None, int]] = []  # small borrowed tensors: (slot,
         # the tensor, kind, its storage's address and size)
         # (device, dtype) -> tensors held for the fused kernels (CUDA): [(slot, their memory as (rows, cols) or flat,
-        # its storage's address and size, the stream current when added or None)]
-        self._fused_held: dict[tuple, list[tuple[int, torch.Tensor, int | None, int, Any]]] = {}
+        # its storage's address and size)], and the streams they were made on (raw: `current_stream_raw`)
+        self._fused_held: dict[tuple, list[tuple[int, torch.Tensor, int | None, int]]] = {}
+        self._fused_streams: set[tuple] = set()
         self._fused_out: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (slots, sums, bits) launched
         self._prints: FusedPrints | None = None
         self._large_bytes = 0
@@ -395,11 +415,9 @@ class FingerprintBatch:
         else:
             m = m.view(-1, 1)
         address, size = _storage_of(m)
-        stream = None
         if m.is_cuda:
-            stream = torch.cuda.current_stream(m.device)
-            self._streams.note(m.device, stream)
-        self._fused_held.setdefault((m.device, m.dtype), []).append((len(slots) - 1, m, address, size, stream))
+            self._fused_streams.add(current_stream_raw(m.get_device()))
+        self._fused_held.setdefault((m.device, m.dtype), []).append((len(slots) - 1, m, address, size))
         self._addresses.add(address)
         self._large_bytes += m.numel() * m.element_size()
         self._pending += 1
@@ -486,19 +504,21 @@ class FingerprintBatch:
     def _launch_fused(self, groups: dict[tuple, list]) -> None:
         """ONE launch of the fused kernels per (device, dtype) for the tensors held for them, on the current stream,
         after the streams they were made on. One whose storage was freed or resized since (FSDP's reshard) gets no
-        fingerprint; one made on another stream is kept for this stream's read (`record_stream`)."""
-        self._streams.wait(torch.cuda.current_stream)
+        fingerprint; where one was made on another stream, all are kept for this stream's read (`record_stream`)."""
+        foreign = wait_for_raw(self._fused_streams)
+        self._fused_streams = set()
         for (device, dtype), held in groups.items():
-            live = [(slot, m, stream) for slot, m, address, size, stream in held if _storage_of(m) == (address, size)]
+            live = [(slot, m) for slot, m, address, size in held if _storage_of(m) == (address, size)]
             if not live:
                 continue
-            if device.type == "cuda":
+            if foreign:
                 current = torch.cuda.current_stream(device)
-                for _, m, stream in live:
-                    if stream != current:
-                        m.record_stream(current)
-            sums, bits = self._prints.launch(device, dtype, [(m.data_ptr(), *m.shape) for _, m, _ in live])
-            self._fused_out.append(([slot for slot, _, _ in live], sums, bits))
+                for _, m in live:
+                    m.record_stream(current)
+            sums, bits = self._prints.launch(device, dtype, [(m.data_ptr(), *m.shape) for _, m in live])
+            if device.type == "cuda":
+                self._note_stream(device)  # (the read-back waits for the stream the kernel ran on)
+            self._fused_out.append(([slot for slot, _ in live], sums, bits))
 
     def _flush(self, large: list, staged: list) -> None:
         row_sums: list[torch.Tensor] = []  # per large tensor and per staged dtype and row length: weighted row sums

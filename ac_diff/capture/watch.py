@@ -47,7 +47,8 @@ import torch
 
 from .byte_sums import ByteSums
 from .host_hash import hash_bytes, on_host
-from .fingerprint import HOLD, _SAME_SIZE_INTS, StreamFence, _Packed, _as_real, _local, _rows, in_memory_order
+from .fingerprint import (HOLD, _SAME_SIZE_INTS, _Packed, _as_real, _local, _rows, current_stream_raw, in_memory_order,
+                          wait_for_raw)
 from .segments import _weights, segment_pairs
 from ..trace.encode import written_meta
 
@@ -142,7 +143,6 @@ def host_digest(t: torch.Tensor) -> list[int] | None:
         _weights(t.device, _int64, rows.numel(), "ones_odd"), rows.to(_int64)).tolist()
 
 
-_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # device index -> (stream id, index, type)
 _byte_sums = ByteSums.get
 
 
@@ -266,7 +266,7 @@ class WatchedPass:
             return self._hold_for_kernel(position, meta, origin, name, tensor, t, version)
         # its row sums now, on its device (while its memory is in the cache), paired at `launch`
         if t.is_cuda:
-            self._streams.add(_current_stream(t.get_device()))
+            self._streams.add(current_stream_raw(t.get_device()))
         rows = row_bits(t)
         if rows is None:
             self.entries.append((position, meta, origin, name, NO_DIGEST))
@@ -294,7 +294,7 @@ class WatchedPass:
             self._spans[span] = (self._seen[id(tensor)][0], slot)
         self.entries.append((position, meta, origin, name, slot))
         if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
-            self._streams.add(_current_stream(t.get_device()))
+            self._streams.add(current_stream_raw(t.get_device()))
         try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
             address = t.data_ptr()
         except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
@@ -345,14 +345,7 @@ class WatchedPass:
     def _fence(self) -> bool:
         """The current stream waits for the streams the saved tensors were made on (a device-side wait); True if one
         of them is another stream."""
-        if not self._streams:
-            return False
-        fence, foreign = StreamFence(), False
-        for stream_id, index, kind in self._streams:
-            stream = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
-            fence.note(index, stream)
-            foreign = foreign or stream != torch.cuda.current_stream(index)
-        fence.wait(torch.cuda.current_stream)
+        foreign = wait_for_raw(self._streams)
         self._streams = set()
         return foreign
 
