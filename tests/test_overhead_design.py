@@ -85,7 +85,7 @@ def counting_host_reads():
             # reads of what to_host returned (host memory) happen in these functions only
             if code.co_filename.startswith(AC_DIFF_DIR) and name_ not in (
                     "collect", "_decode", "_encode_kept", "_as_numpy", "_encode_array", "encode_values", "decode_values",
-                    "rng_digest"):
+                    "rng_digest", "combine"):
                 counts["elsewhere"] += 1
                 counts["where"].append(f"{code.co_filename}:{caller.f_lineno} {name}")
             return original(self, *args, **kwargs)

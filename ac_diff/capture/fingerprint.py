@@ -410,10 +410,9 @@ class FingerprintBatch:
         """Hold a dense tensor (`m`: in memory order) for the fused kernels' launch at the flush; its slot."""
         slots = self._slots
         slots.append(None)
-        if kind == "f" and m.dim() > 1:
-            m = m.view(-1, m.shape[-1])  # (`_rows`)
-        else:
-            m = m.view(-1, 1)
+        # (`.data`: an alias of its memory that keeps the tensor itself, which the recorder follows by weak
+        # reference, from outliving its pass)
+        m = m.data.view(-1, m.shape[-1] if kind == "f" and m.dim() > 1 else 1)  # (`_rows`)
         address, size = _storage_of(m)
         if m.is_cuda:
             self._fused_streams.add(current_stream_raw(m.get_device()))
