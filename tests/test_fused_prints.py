@@ -34,3 +34,17 @@ def test_verdicts_and_kernel_launches_on_the_fused_path():
     words = done.stdout.split()
     assert [w for w in words if w in ("kernel", "verdicts", "launches", "ok")] == \
         ["kernel", "ok", "verdicts", "ok", "launches", "ok"], done.stdout
+
+
+def test_the_diagnosis_tests_hold_with_every_tensor_on_the_fused_path():
+    """The end-to-end diagnosis tests (every mechanism's verdict, lead, cause and first divergent op; saved values;
+    never clean over a divergence) with every tensor a full recording fingerprints on the fused path
+    (tests/fused_everywhere.py)."""
+    files = ["test_diagnosis_examples.py", "test_trust_diagnosis.py", "test_saved_values.py", "test_never_clean.py",
+             "test_inplace_input.py", "test_derived_ops.py"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fused_everywhere",
+                           *(str(HERE / f) for f in files)], env={**ENV, "PYTHONPATH": str(HERE)}, cwd=HERE.parent,
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= 40 and "failed" not in done.stdout, done.stdout[-2000:]
