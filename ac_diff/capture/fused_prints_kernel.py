@@ -24,7 +24,7 @@ except ImportError as exc:  # (fused_prints imports this module lazily; without 
     raise ImportError("triton is not installed") from exc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors"])  # (one compiled kernel whatever a launch's size: 1 would be a constant)
 def float_prints(meta, weights, sums, bits, n_tensors, VALUE: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -65,7 +65,7 @@ def float_prints(meta, weights, sums, bits, n_tensors, VALUE: tl.constexpr, G: t
     tl.store(bits + at, tl.sum(s3.to(tl.int64), axis=0).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors"])
 def int_prints(meta, sums, n_tensors, WIDTH: tl.constexpr, SIGNED: tl.constexpr, G: tl.constexpr,
                BLOCK: tl.constexpr):
     t = tl.program_id(0)
