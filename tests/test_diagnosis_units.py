@@ -9,7 +9,7 @@ from ac_diff.diagnosis.dataflow import decision_path
 from ac_diff.diagnosis.discrete import describe_flip
 from ac_diff.diagnosis.labels import list_diff
 from ac_diff.diagnosis.region import diagnose_region
-from ac_diff.passes import InputRef, Pass
+from ac_diff.passes import InputRef, Pass, TensorMeta
 from factories import ext, meta, op, positions, ref, region
 
 
@@ -188,3 +188,19 @@ def test_a_bare_sequential_index_reads_as_a_module_in_sentences():
 
     assert module_label("1") == "module `1`" and module_label("0.2") == "module `0.2`"
     assert module_label("layers.1") == "layers.1" and module_label("1.fc") == "1.fc"
+
+
+def test_other_values_from_identical_inputs_on_a_gpu_also_name_a_write_around_dispatch():
+    """A nondeterministic kernel, and on a GPU, where outputs are fingerprinted in batches (fused_prints.py), also a
+    raw kernel that wrote the output in place before its batch was read."""
+    def passes(device: str):
+        out = [TensorMeta((4, 4), "f32", device)]
+        f_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]], out=out),
+                 op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.0, 1.0]], out=out)]
+        r_ops = [op(0, "aten.mm.default", fp=[[1.0, 2.0]], out=out),
+                 op(1, "aten.relu.default", refs=[ref(0)], fp=[[1.5, 1.5]], out=out)]
+        return _two_passes(f_ops, r_ops, positions(0, 1), positions(0, 1))
+
+    cpu, gpu = (diagnose_region(region(*passes(d))).cause for d in ("cpu", "cuda:0"))
+    assert cpu.kind == gpu.kind == "nondeterministic_op" and cpu.tensor == gpu.tensor == "aten.relu.default"
+    assert "raw Triton" in gpu.detail and "raw Triton" not in cpu.detail

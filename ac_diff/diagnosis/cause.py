@@ -49,6 +49,19 @@ def sharded_positions(rows: list) -> list:
             and not p.saved.endswith("[0]")]
 
 
+# A GPU recording fingerprints outputs in batches, up to 64 ops after they are made (capture/fused_prints.py)
+_HELD_NOTE = ("; on a GPU also a kernel outside torch's dispatch, a raw Triton or extension kernel, that wrote its "
+              "output in place within 64 ops of it: the output's fingerprint is read then")
+
+
+def _on_gpu(region: Region, value: Divergence) -> bool:
+    """The op of divergence `value` wrote a CUDA tensor in the forward (its outputs were fingerprinted in batches)."""
+    ops = region.forward.ops if region.forward is not None else []
+    i = value.forward_index
+    return i is not None and 0 <= i < len(ops) and any(
+        m.device.startswith("cuda") for _, m in ops[i].tensor_outputs())
+
+
 def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     value = report.first_value_divergence
     control = report.first_control_divergence
@@ -141,7 +154,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
 
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
-                     f"{value.op} returned other values from identical inputs (a nondeterministic kernel)",
+                     f"{value.op} returned other values from identical inputs (a nondeterministic kernel"
+                     + (_HELD_NOTE if _on_gpu(region, value) else "") + ")",
                      [f"{value.op} at {where(value.module, value.source)}"])
 
     if not report.has_values and shape is not None:
