@@ -204,3 +204,19 @@ def test_other_values_from_identical_inputs_on_a_gpu_also_name_a_write_around_di
     cpu, gpu = (diagnose_region(region(*passes(d))).cause for d in ("cpu", "cuda:0"))
     assert cpu.kind == gpu.kind == "nondeterministic_op" and cpu.tensor == gpu.tensor == "aten.relu.default"
     assert "raw Triton" in gpu.detail and "raw Triton" not in cpu.detail
+
+
+def test_externals_pair_by_name_or_where_one_pass_could_not_name_it():
+    """`external[0]`: the recorder found no owner in that pass (a nested recompute without the module stack that names
+    it in the forward); it is the forward's unmatched external of its kind. Two names are two tensors."""
+    from ac_diff.diagnosis.passdiff import Tolerance, compare_externals
+
+    def passes(f_name: str, r_name: str, kind: str = "external"):
+        return (Pass("forward", externals=[ext("param", "w", [1.0, 1.0]), ext(kind, f_name, [0.0, 0.0], 1)]),
+                Pass("recompute", externals=[ext("param", "w", [1.0, 1.0]), ext(kind, r_name, [2.0, 3.0], 1)]))
+
+    changed, status, renamed = compare_externals(*passes("stack.mask", "external[0]"), Tolerance())
+    assert [(f.name, r.name) for f, r in changed] == [("stack.mask", "external[0]")]
+    assert status[("external", "stack.mask")] and renamed == {("external", "external[0]"): "stack.mask"}
+    changed, status, renamed = compare_externals(*passes("a.buf", "b.buf", "buffer"), Tolerance())
+    assert changed == [] and ("buffer", "a.buf") not in status and renamed == {}

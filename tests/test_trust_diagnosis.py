@@ -307,3 +307,50 @@ def test_two_runs_that_differ_only_in_a_python_float_differ_by_an_argument(tmp_p
     arg = report.regions[0].first_argument_divergence
     assert arg is not None and arg.op == "aten.mul.Tensor" and "0.5→0.25" in arg.summary
     assert report.regions[0].first_shape_divergence is None
+
+
+# --- a captured tensor the nested recompute cannot name ------------------------------------------------------
+
+class _MaskedLayer(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, holder):
+        return torch.tanh(self.lin(x) + holder.mask[:, :, None])
+
+
+class _MaskedStack(nn.Module):
+    """Caches the additive mask as an attribute (`mask` of the root module), read by inner checkpointed layers through `holder`:
+    named from the module stack in the forward, not in the inner recompute, which runs without the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MaskedLayer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, self, use_reentrant=False)
+        return x
+
+
+def test_a_refilled_mask_is_the_cause_even_where_the_recompute_cannot_name_it(tmp_path):
+    """A GPipe-like schedule (every micro-batch's forward, then their backwards) refills ONE mask buffer per
+    micro-batch: the first micro-batch's recompute reads the second's mask. A stranger's script read as a
+    nondeterministic kernel (the recompute's `external[0]` was not paired with the forward's `stack.mask`)."""
+    torch.manual_seed(0)
+    stack = _MaskedStack()
+    mask = torch.zeros(2, 8)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        outs = []
+        for fill in (0.0, -3.0):
+            mask.fill_(fill)
+            stack.mask = mask
+            outs.append(cp.checkpoint(stack, torch.randn(2, 8, 16, requires_grad=True), use_reentrant=False))
+        for out in outs:
+            out.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged", report.headline
+    lead = report.lead_groups()[0][0]
+    assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "mask"), lead.cause

@@ -14,6 +14,7 @@ arguments and `$N` ids only): whatever evidence is present is used, absent evide
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +203,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             rec_to_fwd[copy] = rec_to_fwd[original]
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
-    changed_ext, ext_status = compare_externals(forward, recompute, tolerance)
+    changed_ext, ext_status, renamed = compare_externals(forward, recompute, tolerance)
     self_updated, read_updates = _self_updated(f_ops, r_ops, ext_status)
     if self_updated:
         changed_ext = [(f, r) for f, r in changed_ext if _external_key(f.kind, f.name) not in self_updated]
@@ -215,7 +216,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     if stopped:
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
 
-    sources = _changed_sources(r_ops, ext_status)
+    sources = _changed_sources(r_ops, ext_status, renamed)
     damaged_ops = {o.op for o in (*f_ops, *r_ops) if o.damaged}
     tainted: dict[int, bool] = {}
     tainted_outputs: dict[tuple[int, int], bool] = {}
@@ -317,16 +318,21 @@ def is_outside_update(op: OpRecord | None) -> bool:
     return op is not None and bool(op.input_refs) and _is_outside_update(op.op, op.input_refs[0].kind)
 
 
-def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool]) -> dict[int, frozenset[str]]:
-    """For each recompute op, the changed externals that reach it through its inputs (transitively)."""
+def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool], renamed: dict[tuple, str | None]
+                     ) -> dict[int, frozenset[str]]:
+    """For each recompute op, the changed externals that reach it through its inputs (transitively), by their
+    forward names."""
     reach: dict[int, frozenset[str]] = {}
     for op in r_ops:
         found: set[str] = set()
         for ref in op.input_refs:
             if ref.kind == "op":
                 found |= reach.get(ref.op_index, frozenset())
-            elif ext_status.get(_external_key(ref.kind, ref.name)):
-                found.add(ref.name or ref.kind)
+                continue
+            key = _external_key(ref.kind, ref.name)
+            name = renamed.get(key, ref.name)
+            if ext_status.get(_external_key(ref.kind, name)):
+                found.add(name or ref.kind)
         reach[op.index] = frozenset(found)
     return reach
 
@@ -478,20 +484,47 @@ def _external_key(kind: str, name: str | None) -> tuple:
     return (kind, name)
 
 
+def _paired_externals(forward: list[External], recompute: list[External], rec: dict[tuple, External]
+                      ) -> list[tuple[External, External]]:
+    """Each forward external and the recompute's: by name, else, where one pass could not name it (a module attribute
+    named from the module stack in the forward is `external[0]` in a nested recompute that lacks its owner), the
+    next unmatched one of its kind in the order the passes first read them. Two different names are two tensors."""
+    fwd_keys = {_external_key(e.kind, e.name) for e in forward}
+    spare: dict[str, list[External]] = {}
+    for e in recompute:
+        if _external_key(e.kind, e.name) not in fwd_keys:
+            spare.setdefault(e.kind, []).append(e)
+    pairs = []
+    for e in forward:
+        other = rec.get(_external_key(e.kind, e.name))
+        candidates = spare.get(e.kind)
+        if other is None and candidates and (_unnamed(e) or _unnamed(candidates[0])):
+            other = candidates.pop(0)
+        if other is not None:
+            pairs.append((e, other))
+    return pairs
+
+
+def _unnamed(e: External) -> bool:
+    """Named by its place only (`external[0]`, `param[2]`: the recorder found no owner for it)."""
+    return e.name is None or re.fullmatch(r"\w+\[\d+\]", e.name) is not None and not e.name.startswith("input[")
+
+
 def compare_externals(forward: Pass, recompute: Pass, tol: Tolerance
-                       ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool]]:
-    """Externals (inputs, parameters, buffers, captured tensors) whose values differ between passes."""
+                      ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool], dict[tuple, str | None]]:
+    """Externals (inputs, parameters, buffers, captured tensors) whose values differ between passes: (the changed
+    ones, differs per forward external's key, the forward name of each recompute external named otherwise)."""
     rec = {_external_key(e.kind, e.name): e for e in recompute.externals}
     changed: list[tuple[External, External | None]] = []
     status: dict[tuple, bool] = {}
-    for e in forward.externals:
+    renamed: dict[tuple, str | None] = {}
+    for e, other in _paired_externals(forward.externals, recompute.externals, rec):
         key = _external_key(e.kind, e.name)
-        other = rec.get(key)
-        if other is None:
-            continue
         differs = (e.meta.shape != other.meta.shape or e.meta.dtype != other.meta.dtype
                    or not tol.equal(e.fingerprint, other.fingerprint))
         status[key] = differs
+        if other.name != e.name:
+            renamed[_external_key(other.kind, other.name)] = e.name
         if differs:
             changed.append((e, other))
-    return changed, status
+    return changed, status, renamed
