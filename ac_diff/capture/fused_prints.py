@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from .kernel_check import first_use
@@ -133,10 +132,10 @@ def combine(sums: torch.Tensor, bits: torch.Tensor | None) -> list[list]:
     parts = sums.numpy()
     if bits is None:  # (int64: numpy's sums wrap, as the kernel's do)
         return parts.sum(axis=1).tolist()
-    total = parts[:, 0].astype(np.float64)
+    total = parts[:, 0].astype("float64")
     for g in range(1, parts.shape[1]):
         total += parts[:, g]
-    wrapped = bits.numpy().astype(np.int64).sum(axis=1).astype(np.int32)  # (exact, then modulo 2**32)
+    wrapped = bits.numpy().astype("int64").sum(axis=1).astype("int32")  # (exact, then modulo 2**32)
     return [[s1, s2, b] for (s1, s2), b in zip(total.tolist(), wrapped.tolist())]
 
 
