@@ -133,6 +133,13 @@ REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
 OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
 
 
+def is_foreach_update(name: str) -> bool:
+    """An in-place foreach op (`_foreach_mul_`, `_foreach_add_`: an optimizer-like update of a list of tensors): it
+    writes each tensor of its first list."""
+    op = packet(name)
+    return op.startswith("_foreach_") and op.endswith("_")
+
+
 def is_in_place_method(name: str) -> bool:
     """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
     op = packet(name)
@@ -226,8 +233,8 @@ def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
     ref = 0
     for i, a in enumerate(args):
         n = _tensor_count(a)
-        if i in positions and n == 1 and ref < len(refs):
-            out.append(refs[ref])
+        if i in positions and (n == 1 or isinstance(a, (list, tuple))):  # (a foreach op writes each of a list)
+            out.extend(refs[ref:ref + n])
         ref += n
     return out
 

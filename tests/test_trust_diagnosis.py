@@ -354,3 +354,33 @@ def test_a_refilled_mask_is_the_cause_even_where_the_recompute_cannot_name_it(tm
     assert report.verdict == "diverged", report.headline
     lead = report.lead_groups()[0][0]
     assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "mask"), lead.cause
+
+
+class _EmaHead(nn.Module):
+    """Centers its logits with EMA buffers it updates inside the checkpointed forward, optimizer-like, through
+    torch._foreach_mul_ / _foreach_add_ after reading them: the recompute reads them updated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("center", torch.zeros(8))
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        z = self.proj(x)
+        out = torch.log_softmax((z - self.center) / self.scale, dim=-1)
+        with torch.no_grad():
+            buffers = [self.center, self.scale]
+            torch._foreach_mul_(buffers, 0.9)
+            torch._foreach_add_(buffers, [z.mean(0) * 0.1, z.std(0) * 0.1])
+        return out
+
+
+def test_buffers_a_foreach_update_in_the_forward_advances_are_named_as_updated_by_the_region_itself(tmp_path):
+    """A stranger's DINO-like head: the cause says the region's own forward updates the buffer (a foreach op writes
+    each tensor of its first list), not that something modified it between the forward and the backward."""
+    torch.manual_seed(0)
+    report = _record(tmp_path, _EmaHead(), torch.randn(4, 8))
+    lead = report.lead_groups()[0][0]
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor in ("center", "scale"), lead.cause
+    assert "the region's own forward updates it in place (aten._foreach_" in lead.cause.detail, lead.cause.detail
