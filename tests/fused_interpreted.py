@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ac_diff.capture import fingerprint, fused_prints  # noqa: E402
-from test_watch import MECHANISMS, recorded  # noqa: E402
+from test_watch import _NO_KERNEL, MECHANISMS, recorded  # noqa: E402
 
 _INTERPRETER = "INTERPRETED_KERNEL"
 PRINTS = fused_prints.FusedPrints(fused_prints._kernels())
@@ -135,18 +135,9 @@ def launches() -> None:
     print(f"launches: per fingerprinted output {kernels / n:.2f} fused, {alone / n:.2f} each on its own", end=" ")
 
 
-# aten ops that launch no kernel (views, metadata, allocations)
-_NOT_KERNELS = {"aten::view", "aten::reshape", "aten::unsqueeze", "aten::t", "aten::transpose", "aten::permute",
-                "aten::expand", "aten::slice", "aten::select", "aten::as_strided", "aten::detach", "aten::alias",
-                "aten::_unsafe_view", "aten::view_as_real", "aten::squeeze", "aten::unbind", "aten::split",
-                "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh", "aten::result_type",
-                "aten::resolve_conj", "aten::resolve_neg", "aten::contiguous", "aten::lift", "aten::_reshape_alias",
-                "aten::is_same_size", "aten::pin_memory", "aten::is_pinned", "aten::_pin_memory"}
-
-
 def _kernel_inside(e, scope: str) -> bool:
     """An outermost aten op that launches a kernel, under `scope`."""
-    if not e.name.startswith("aten::") or e.name in _NOT_KERNELS:
+    if not e.name.startswith("aten::") or e.name in _NO_KERNEL:
         return False
     p = e.cpu_parent
     while p is not None and p.name != scope:

@@ -354,19 +354,24 @@ def test_a_tensor_whose_storage_is_freed_before_the_flush_is_never_read_there(cp
         assert values == expected
 
 
-class _NumpyWriteAfterLastSave(nn.Module):
-    """After its last saved tensor, the region writes into relu's output through numpy (no torch op: no version, no
-    dispatch) where it keeps the mask: the recompute stops before that line, and the gradients are the same."""
+class _WriteAfterLastSave(nn.Module):
+    """After its last saved tensor, the region writes into relu's output, through numpy (no torch op: no version, no
+    dispatch) where it keeps the mask, or in place through `.data` (an alias with a version counter of its own): the
+    recompute stops before that line, and the gradients are the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, through: str) -> None:
         super().__init__()
         self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.through = through
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = torch.relu(self.l1(x))
         out = self.l2(a * 2.0)
-        values = a.detach().numpy()
-        values[values > 0] += 1.0
+        if self.through == "numpy":
+            values = a.detach().numpy()
+            values[values > 0] += 1.0
+        else:
+            a.data.mul_(3.0)
         return out
 
 
@@ -374,28 +379,13 @@ def test_a_write_behind_torchs_back_after_the_op_does_not_reach_its_fingerprint(
     """A stranger's script: fingerprints read when the op ran, not at a later flush (small tensors are copied when
     added), so a numpy write after it is no false alarm."""
     torch.manual_seed(0)
-    _, run = record_step(_Wrapped(_NumpyWriteAfterLastSave()), tmp_path / "t.jsonl")
+    _, run = record_step(_Wrapped(_WriteAfterLastSave("numpy")), tmp_path / "t.jsonl")
     assert ac_diff.diagnose([run]).verdict == "clean"
-
-
-class _DataWriteAfterLastSave(nn.Module):
-    """After its last saved tensor, the region scales relu's output in place through `.data` (an alias with a version
-    counter of its own): the recompute stops before that line, and the gradients are the same."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = torch.relu(self.l1(x))
-        out = self.l2(a * 2.0)
-        a.data.mul_(3.0)
-        return out
 
 
 def test_a_write_through_data_after_the_op_does_not_reach_its_fingerprint(tmp_path):
     """The write dispatches an op: a held output that shares its memory is fingerprinted before it (on the fused path
     too, where outputs wait for their flush), so the forward's relu reads as the recompute's."""
     torch.manual_seed(0)
-    _, run = record_step(_Wrapped(_DataWriteAfterLastSave()), tmp_path / "t.jsonl")
+    _, run = record_step(_Wrapped(_WriteAfterLastSave("data")), tmp_path / "t.jsonl")
     assert ac_diff.diagnose([run]).verdict == "clean"

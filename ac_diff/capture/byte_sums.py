@@ -23,6 +23,7 @@ import torch
 
 from .fingerprint import in_memory_order
 from .kernel_check import first_use
+from .segments import wrapped
 
 G = 64  # programs per tensor (each strides over the tensor's words)
 BLOCK = 1024  # words per program per iteration
@@ -45,12 +46,6 @@ def host_reference(t: torch.Tensor) -> list[int]:
     """[sum w_i, sum (2i + 1) w_i] of `t`'s 32-bit words, on the host, wrapped to int32 (the check)."""
     words = t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).view(torch.int32).tolist()
     return [wrapped(sum(words), 32), wrapped(sum((2 * i + 1) * w for i, w in enumerate(words)), 32)]
-
-
-def wrapped(x: int, bits: int) -> int:
-    """A Python integer as a `bits`-bit two's-complement integer wraps it (what int32 / int64 sums on a device give)."""
-    x &= (1 << bits) - 1
-    return x - (1 << bits) if x >> (bits - 1) else x
 
 
 class ByteSums:

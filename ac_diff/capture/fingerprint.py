@@ -393,9 +393,7 @@ class FingerprintBatch:
                 self._large_bytes += nbytes
             else:
                 return self._add_alone(t, kind)
-            self._pending += 1
-            if self._pending >= HOLD or self._large_bytes > HOLD_BYTES:
-                self.flush()
+            self._one_more_pending()
             return len(slots) - 1
         prints = _fused(t)
         if prints is not None and FusedPrints.takes(t.dtype) and 0 < t.numel() < MAX_ELEMENTS:
@@ -419,10 +417,14 @@ class FingerprintBatch:
         self._fused_held.setdefault((m.device, m.dtype), []).append((len(slots) - 1, m, address, size))
         self._addresses.add(address)
         self._large_bytes += m.numel() * m.element_size()
+        self._one_more_pending()
+        return len(slots) - 1
+
+    def _one_more_pending(self) -> None:
+        """A tensor waits for the flush: flush when HOLD of them wait, or HOLD_BYTES of the held ones."""
         self._pending += 1
         if self._pending >= HOLD or self._large_bytes > HOLD_BYTES:
             self.flush()
-        return len(slots) - 1
 
     def _stage(self, slot: int, t: torch.Tensor, kind: str, numel: int) -> None:
         """Copy a small tensor into its staging buffer (one per dtype and row length, integers flat): one kernel, and

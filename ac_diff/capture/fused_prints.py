@@ -21,12 +21,13 @@ The kernels are checked against a float64 host computation the first time they r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from .kernel_check import first_use
-from .segments import _weights
+from .segments import _weights, wrapped
 
 G = 64  # programs per tensor (each strides over the tensor's elements), as many partial sums
 BLOCK = 1024  # elements per program per iteration
@@ -112,18 +113,7 @@ class FusedPrints:
 
 def _on(device: torch.device) -> Any:
     """The launch's device context (a CUDA device other than the current one); nothing for the interpreter's CPU."""
-    return torch.cuda.device(device) if device.type == "cuda" else _NOTHING
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NOTHING = _Nothing()
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def combine(sums: torch.Tensor, bits: torch.Tensor | None) -> list[list]:
@@ -153,5 +143,4 @@ def host_reference(t: torch.Tensor) -> list:
     values = m.double() * wc
     words = m.view(torch.int16 if m.element_size() == 2 else torch.int32).to(torch.int64).sum(1)
     odd = torch.arange(m.shape[0], dtype=torch.int64) * 2 + 1
-    bits = int((words * odd).sum()) & 0xFFFFFFFF
-    return [float(values.sum()), float((values.sum(1) * wr).sum()), bits - (1 << 32) if bits >> 31 else bits]
+    return [float(values.sum()), float((values.sum(1) * wr).sum()), wrapped(int((words * odd).sum()), 32)]

@@ -50,6 +50,12 @@ def _weights(device: torch.device, dtype: torch.dtype, n: int, kind: str = "floa
     return w
 
 
+def wrapped(x: int, bits: int) -> int:
+    """A Python integer as a `bits`-bit two's-complement integer wraps it (what int32 / int64 sums on a device give)."""
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >> (bits - 1) else x
+
+
 def _shifted(z: torch.Tensor, s: int) -> torch.Tensor:
     """z >> s as unsigned 64-bit integers (torch's >> on int64 copies the sign bit)."""
     return (z >> s) & ((1 << (64 - s)) - 1)

@@ -369,9 +369,9 @@ def _in_place_writer(region: Region, name: str) -> tuple[str, str] | None:
         if p is None:
             continue
         for op in p.ops:
-            if is_in_place_method(op.op) and op.input_refs and op.input_refs[0].name == name or \
+            if (is_in_place_method(op.op) and op.input_refs and op.input_refs[0].name == name) or (
                     is_foreach_update(op.op) and any(r.name == name for r in written_inputs(op.op, op.args,
-                                                                                              op.input_refs)):
+                                                                                               op.input_refs))):
                 return f"{op.op} at {where(op.module, op.source)}", p.phase
     return None
 
