@@ -10,7 +10,7 @@
     HOOK_ONLY_OPS, REENTRANT_ONLY_OPS    ops one pass has and the other not, values unchanged
 
     written_arguments("aten.add_.Tensor") -> (0,)   (from the schema; batch norms by their `training` flag)
-    written_inputs(name, args, refs)     the references of the arguments an op writes in place
+    written_inputs(name, args, refs)     the references of the arguments an op writes in place (`out=` too)
     is_view_op("aten.view.default")      -> True
     output_roles("aten._scaled_dot_product_efficient_attention.default")
                                          -> ("data", "data", "rng", "rng")   (from the schema's return names)
@@ -133,13 +133,6 @@ REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
 OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
 
 
-def is_foreach_update(name: str) -> bool:
-    """An in-place foreach op (`_foreach_mul_`, `_foreach_add_`: an optimizer-like update of a list of tensors): it
-    writes each tensor of its first list."""
-    op = packet(name)
-    return op.startswith("_foreach_") and op.endswith("_")
-
-
 def is_in_place_method(name: str) -> bool:
     """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
     op = packet(name)
@@ -223,17 +216,34 @@ def op_by_name(name: str):
         return None
 
 
+def written_keywords(name: str) -> tuple[str, ...]:
+    """Names of the keyword-only arguments an op writes (`out` of "aten.div.out"), from its schema."""
+    return _from_schema(_written_keywords, name, lambda schema: tuple(
+        a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write))
+
+
+_written_keywords: dict[str, tuple] = {}
+
+
 def written_inputs(name: str, args: list | tuple, refs: list | tuple) -> list:
-    """The tensor references (recorder refs or `InputRef`s) of the arguments op `name` writes in place:
-    the recorded arguments hold "$" for each tensor, in the order of `refs`."""
+    """The tensor references (recorder refs or `InputRef`s) of the arguments op `name` writes in place, its `out=`
+    included: the recorded arguments hold "$" for each tensor, in the order of `refs`, keyword arguments last as
+    {name: value}."""
+    if not refs:
+        return []
     positions = written_arguments(name, args)
-    if not positions or not refs:
+    keywords = written_keywords(name)
+    if not positions and not keywords:
         return []
     out = []
     ref = 0
     for i, a in enumerate(args):
         n = _tensor_count(a)
-        if i in positions and (n == 1 or isinstance(a, (list, tuple))):  # (a foreach op writes each of a list)
+        if isinstance(a, dict):
+            written = any(k in keywords for k in a)
+        else:  # (a foreach op writes each of a list)
+            written = i in positions and (n == 1 or isinstance(a, (list, tuple)))
+        if written:
             out.extend(refs[ref:ref + n])
         ref += n
     return out

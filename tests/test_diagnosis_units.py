@@ -9,6 +9,7 @@ from ac_diff.diagnosis.dataflow import decision_path
 from ac_diff.diagnosis.discrete import describe_flip
 from ac_diff.diagnosis.labels import list_diff
 from ac_diff.diagnosis.region import diagnose_region
+from ac_diff.oprules import written_inputs
 from ac_diff.passes import InputRef, Pass, TensorMeta
 from factories import ext, meta, op, positions, ref, region
 
@@ -220,3 +221,13 @@ def test_externals_pair_by_name_or_where_one_pass_could_not_name_it():
     assert status[("external", "stack.mask")] and renamed == {("external", "external[0]"): "stack.mask"}
     changed, status, renamed = compare_externals(*passes("a.buf", "b.buf", "buffer"), Tolerance())
     assert changed == [] and ("buffer", "a.buf") not in status and renamed == {}
+
+
+def test_written_inputs_are_the_references_an_op_writes_its_out_and_each_of_a_foreach_list_included():
+    refs = ["a", "b", "c", "d"]
+    assert written_inputs("aten.add_.Tensor", ["$", "$"], refs[:2]) == ["a"]
+    assert written_inputs("aten._foreach_mul_.Scalar", [["$", "$"], 0.9], refs[:2]) == ["a", "b"]
+    # F.normalize(x, out=buf) -> div.out: the keyword argument comes last, as {name: value}
+    assert written_inputs("aten.div.out", ["$", "$", {"out": "$"}], refs[:3]) == ["c"]
+    assert written_inputs("aten.div.Tensor", ["$", "$"], refs[:2]) == []
+    assert written_inputs("aten.max.dim_max", ["$", 1, False, {"max": "$"}, {"max_values": "$"}], refs[:3]) == ["b", "c"]

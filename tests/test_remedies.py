@@ -16,6 +16,7 @@ from torch import nn
 import torch.utils.checkpoint as cp
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw_module
 
+import ac_diff
 from ac_diff.capture.torch_compat import sac_policy_answers, selective_contexts
 from ac_diff.reference.session import CaptureSession
 from ac_diff.remedies import CheckpointPatch, RemedySpec
@@ -279,6 +280,34 @@ def test_restore_in_recompute_gives_the_recompute_the_forwards_state(patched, re
     held = "bias" if block is Biased else "_gen"
     assert [(r["region"], r["what"]) for r in rows] == [
         (f"layers.{i}", f"forward value restored in the recompute: layers.{i}.{held}") for i in (0, 1)]
+
+
+class Spectral(nn.Module):
+    """spectral_norm: each training forward updates the parametrization's `_u` and `_v` buffers in place."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_restore_checks_what_the_first_forward_left_outside_the_regions_ops(tmp_path, reentrant):
+    """Restoring `_v` replays the rest of its module's state (`_u`) on the first forward, and compares it with its
+    snapshot as that forward ends, inside the region: that comparison (torch.equal) is not one of the region's ops.
+    Recorded as the region's, it made every reentrant region read as another sequence of ops (`ac-diff fix` called
+    the remedy unhelpful on a stranger's spectral-norm GAN)."""
+    assert not same(grads(Stack(Spectral, reentrant)), grads(Stack(Spectral, checkpointed=False)))
+    patch = CheckpointPatch(RemedySpec(restore=["layers.*.fc.parametrizations.weight.0._v"])).install()
+    try:
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            grads(Stack(Spectral, reentrant))
+    finally:
+        patch.uninstall()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
 
 
 def _trained(stack, spec: RemedySpec) -> list[list[torch.Tensor]]:

@@ -384,3 +384,85 @@ def test_buffers_a_foreach_update_in_the_forward_advances_are_named_as_updated_b
     lead = report.lead_groups()[0][0]
     assert lead.cause.kind == "state_mutation" and lead.cause.tensor in ("center", "scale"), lead.cause
     assert "the region's own forward updates it in place (aten._foreach_" in lead.cause.detail, lead.cause.detail
+
+
+class _SpectralBlock(nn.Module):
+    """spectral_norm's power iteration updates its `_u`/`_v` buffers in place in every training forward
+    (`F.normalize(..., out=self._u)`, under no_grad): the recompute iterates again from the updated buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Disc(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blk, self.reentrant = _SpectralBlock(), reentrant
+
+    def forward(self, x):
+        return cp.checkpoint(self.blk, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("root", ["model", "region"])
+def test_a_buffer_a_parametrization_updates_through_out_is_named_by_its_path_and_updated_by_the_region(
+        tmp_path, reentrant, root):
+    """A stranger's GAN discriminator: the buffer was named `0._v` (spectral_norm runs its parametrization once while
+    the model is built, before any forward: that module was named as a root of its own for good), and the cause said
+    it was modified between the forward and the backward (an `out=` write was not seen as one). `root`: the model
+    holding the checkpointed block is called, or the block is checkpointed on its own."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        torch.manual_seed(0)
+        model = _Disc(reentrant) if root == "model" else _SpectralBlock()  # built while recording, as under `run`
+        x = torch.randn(4, 8, requires_grad=True)
+        y = model(x) if root == "model" else cp.checkpoint(model, x, use_reentrant=reentrant)
+        y.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    lead = report.lead_groups()[0][0]
+    prefix = "blk." if root == "model" else ""
+    assert lead.cause.kind == "state_mutation", lead.cause
+    assert lead.cause.tensor in (f"{prefix}fc.parametrizations.weight.0._u", f"{prefix}fc.parametrizations.weight.0._v"
+                                 ), lead.cause
+    assert "the region's own forward updates it in place (aten.div.out" in lead.cause.detail, lead.cause.detail
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = _Encoder(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_module_names_stay_as_a_region_began_under_them_when_a_larger_root_is_called_before_its_backward(
+        tmp_path, watch):
+    """The encoder is called on its own first (a root from nowhere, its regions named `layers.0`), then the whole
+    model, before the encoder's backward: its recompute names its modules as its forward did (renaming them
+    `encoder.layers.0` now would read as other saved tensors to watch, which compares the module of each)."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **({"watch": True, "watch_full_steps": 0} if watch else {})):
+        torch.manual_seed(0)
+        model = _Outer()
+        first = model.encoder(torch.randn(4, 8, requires_grad=True)).sum()
+        second = model(torch.randn(4, 8, requires_grad=True)).sum()
+        (first + second).backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline

@@ -175,6 +175,7 @@ class Auditor:
     def enter(self, frame: Any, phase: str) -> None:
         if self._busy or phase != FORWARD:
             return
+        self.modules.freeze()
         self.seen += 1
         self.recompute.forward(frame, self.seen, self._name(getattr(frame, "_ac_diff_fn", None)))
         if self.seen > self.settings.max_regions:

@@ -9,6 +9,12 @@ recompute re-enters the same modules through their ordinary `__call__`:
 
 Wrapper segments that users never wrote (`_checkpoint_wrapped_module`, `_orig_mod`,
 `_fsdp_wrapped_module`) are stripped, so `layers.1._checkpoint_wrapped_module.moe` reads `layers.1.moe`.
+
+A module called from nowhere before the first checkpointed region (a parametrization that `spectral_norm` or
+`weight_norm` runs once while the model is built, a block tried on its own) is named as a root for the time being:
+the first larger root that holds it names it again, by its path in the model
+(`b2.fc1.parametrizations.weight.0`, not `0`). From `freeze()` on (a region began: its forward and its recompute
+must name modules alike) names never change.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class ModuleStack:
         self._local = threading.local()
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._handles: list = []
+        self._provisional: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots named before `freeze()`
+        self._frozen = False
         self.on_enter = None  # optional callback(module, fqn, depth_before) for the recorder
         self.on_exit = None  # optional callback(module, fqn) after the module's forward (and its hooks)
 
@@ -50,6 +58,12 @@ class ModuleStack:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def freeze(self) -> None:
+        """Names are final from now on (a checkpointed region began)."""
+        if not self._frozen:
+            self._frozen = True
+            self._provisional = weakref.WeakSet()
 
     # -- queries ------------------------------------------------------------------------------
     def stack(self) -> list[tuple[nn.Module, str]]:
@@ -118,8 +132,20 @@ class ModuleStack:
                 return name
         if stack and isinstance(module, torch.fx.GraphModule):
             return stack[-1][1]
+        if not self._frozen:
+            self._adopt(module)
+            self._provisional.add(module)
         self._index(module, "")
         return self._names[module]
+
+    def _adopt(self, root: nn.Module) -> None:
+        """`root`, a new root, holds modules named earlier as roots of their own: they lose those names, and
+        `_index(root)` names them by their place in it."""
+        for sub in root.modules():
+            if sub is not root and sub in self._provisional:
+                self._provisional.discard(sub)
+                for inner in sub.modules():
+                    self._names.pop(inner, None)
 
     def _index(self, root: nn.Module, prefix: str) -> None:
         for sub_name, sub in root.named_modules(prefix=prefix, remove_duplicate=False):

@@ -386,6 +386,7 @@ class Recorder:
             attempt = region.recomputes
             region.recomputes += 1
         pushed, module = self._enter_function_module(frame, region, phase)
+        self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
             self._watch_or_record(region, top_level=not passes)
         module_stack = self.modules.stack()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import is_foreach_update, is_in_place_method, is_random_name, written_inputs
+from ..oprules import is_in_place_method, is_random_name, written_inputs
 from ..passes import OpRecord, Region
 from ..report import Cause, Divergence, RegionReport
 from .attributes import attribute_cause
@@ -363,15 +363,14 @@ def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:
 
 
 def _in_place_writer(region: Region, name: str) -> tuple[str, str] | None:
-    """An in-place op recorded on the tensor inside this region (the mutation itself, when it is visible):
-    ("aten.mul_.Tensor at blk (train.py:9 in forward)", the pass it ran in)."""
+    """An op recorded writing the tensor inside this region (an in-place method, a foreach update, an `out=`: the
+    mutation itself, when it is visible): ("aten.mul_.Tensor at blk (train.py:9 in forward)", the pass it ran in)."""
     for p in (region.forward, region.recompute):
         if p is None:
             continue
         for op in p.ops:
-            if (is_in_place_method(op.op) and op.input_refs and op.input_refs[0].name == name) or (
-                    is_foreach_update(op.op) and any(r.name == name for r in written_inputs(op.op, op.args,
-                                                                                               op.input_refs))):
+            if (is_in_place_method(op.op) and op.input_refs and op.input_refs[0].name == name) or any(
+                    r.name == name for r in written_inputs(op.op, op.args, op.input_refs)):
                 return f"{op.op} at {where(op.module, op.source)}", p.phase
     return None
 

@@ -121,6 +121,7 @@ class CheckpointPatch:
 
     # -- one checkpoint call ------------------------------------------------------------------
     def _call(self, original: Callable, own: set[str], function: Any, args: tuple, kwargs: dict) -> Any:
+        self.stack.freeze()
         region, modules = self._region(function)
         call = CheckpointCall(function, args, dict(kwargs), region=region, modules=modules,
                               reentrant=kwargs.get("use_reentrant") in (None, True))

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
 from ..capture.pystate import CONTAINER_TYPES, SCALAR_TYPES
 from ..capture.torch_compat import checkpointed_module
@@ -69,8 +70,11 @@ class _Slot:
         if isinstance(value, torch.Generator):
             value = value.get_state()
         if isinstance(value, torch.Tensor) or isinstance(snapshot, torch.Tensor):
-            return (isinstance(value, torch.Tensor) and isinstance(snapshot, torch.Tensor)
-                    and (value.shape, value.dtype) == (snapshot.shape, snapshot.dtype) and torch.equal(value, snapshot))
+            if not (isinstance(value, torch.Tensor) and isinstance(snapshot, torch.Tensor)
+                    and (value.shape, value.dtype) == (snapshot.shape, snapshot.dtype)):
+                return False
+            with no_dispatch_modes():  # (this runs at the end of the region's forward: not one of its ops)
+                return torch.equal(value, snapshot)
         try:
             return type(value) is type(snapshot) and bool(value == snapshot)
         except Exception:  # (tensors inside a container: not compared)
