@@ -203,6 +203,9 @@ class Region:
     # watch mode (capture/watch.py): the passes hold saved positions only (their digests), no ops; the step it ran in
     watched: bool = False
     step: int | None = None
+    # the run stopped before its recompute: its inputs written in place since its forward ended (what torch's version
+    # check stops a backward for), [(input index, meta, version at the forward's end, version when the run stopped)]
+    inputs_written: list[tuple[int, TensorMeta, int, int]] = field(default_factory=list)
 
     # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
     # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists

@@ -422,7 +422,7 @@ def test_a_full_recording_adds_about_a_kernel_per_fingerprinted_tensor(tmp_path,
     the same region costs several times that."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ac_diff.capture import fingerprint, watch
+    from ac_diff.capture import fingerprint
 
     torch.manual_seed(0)
     model, x = Deep(), torch.randn(4, 16, requires_grad=True)
@@ -684,3 +684,90 @@ def test_selective_acs_cache_never_serves_watchs_own_reductions(tmp_path):
             loss.backward()
     report = ac_diff.diagnose([read_run(path)])
     assert report.verdict == "diverged", report.headline
+
+
+class Remembers(nn.Module):
+    """Transformer-XL-like: attends over a memory its trainer passes in (a checkpointed region's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mem):
+        return x + torch.tanh(self.fc(torch.cat([mem, x], dim=1))).narrow(1, 0, x.shape[1])
+
+
+@pytest.mark.parametrize("options", [{}, WATCH], ids=["full", "watch"])
+def test_a_region_input_written_in_place_before_the_backward_is_named_where_torch_stops_the_run(tmp_path, options):
+    """From step 3 the trainer refreshes the memory in place (`mem.copy_`) after the forward, before the backward:
+    torch's version check stops the backward over a [2, 4, 8] tensor, naming no region and no input. A stranger's
+    Transformer-XL: watch called the run clean, full recording left the region unexplained."""
+    torch.manual_seed(0)
+    model, mem = Remembers(), torch.zeros(2, 4, 8)
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with ac_diff.record(path, **options):
+            for step in range(1, 4):
+                out = checkpoint(model, torch.randn(2, 4, 8, requires_grad=True), mem, use_reentrant=False)
+                if step == 3:
+                    with torch.no_grad():
+                        mem.copy_(out)
+                out.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged", report.headline
+    lead = report.lead_groups()[0][0]
+    assert (lead.cause.kind, lead.cause.tensor, lead.cause.mechanism) == ("state_mutation", "input[1]", "input")
+    assert "modified in place after the forward" in lead.cause.detail and "version went from 0 to 1" in \
+        lead.cause.detail, lead.cause.detail
+    assert lead.suggestions[0].title.startswith("Do not modify the region's input in place"), lead.suggestions
+
+
+def test_a_watched_run_that_stops_before_its_recomputes_is_never_clean(tmp_path):
+    """Step 3's targets have another batch size (a data bug): the script stops before that step's backward, and
+    the forwards it watched are never compared. Watch called such a run clean (it counted only what it compared)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(ValueError, match="batch_size"):
+        with ac_diff.record(path, **WATCH):
+            for step in range(1, 4):
+                logits = checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+                target = torch.zeros(4 if step < 3 else 3, dtype=torch.long)
+                nn.functional.cross_entropy(logits, target).backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "unchecked", report.headline
+    assert "crashed" in report.headline and "2 region(s) checked clean, 1 never checked" in report.headline, \
+        report.headline
+    assert "the run stopped first" in report.watch["text"]
+
+
+class NestedBlocks(nn.Module):
+    """Each block checkpoints its inner layer inside its own checkpointed region (nested AC)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.inner:
+            x = checkpoint(lambda y, f=layer: torch.tanh(checkpoint(f, y, use_reentrant=False)), x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("options", [{}, WATCH], ids=["full", "watch"])
+def test_nested_checkpoints_of_a_function_region_are_clean_and_not_left_uncompared(tmp_path, options):
+    """A nested checkpoint that runs inside its parent's recompute is never recomputed again (torch runs it as part
+    of that recompute): watch counted each as a forward "no backward reached", on a clean run where every backward
+    ran. And the parent, a function checkpointed inside the root module, read as diverged in both modes: its
+    forward ran inside the root module (FQN ""), its recompute, run from the backward, inside no module."""
+    torch.manual_seed(0)
+    model = NestedBlocks()
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **options):
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline
+    if options:
+        assert report.watch["never_compared"] == 0 and report.watch["compared"] > 0, report.watch["text"]
+        assert not report.regions, [(r.region, r.status, r.unchecked_reason) for r in report.regions]

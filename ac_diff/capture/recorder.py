@@ -38,6 +38,7 @@ import torch
 
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
+from .kept_inputs import KeptInputs
 from .modules import ModuleStack
 from .pystate import UNSET, GlobalReads, module_attributes
 from .fingerprint import FingerprintBatch, _storage_of
@@ -51,7 +52,7 @@ from .state import global_state, host_draws, host_rng_states, rng_digest, traini
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import user_source
-from .torch_compat import (FORWARD, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
+from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
@@ -121,6 +122,7 @@ class _Region:
     options: dict[str, Any]
     module: str | None = None
     caller: str | None = None
+    caller_module: Any = None  # weakref to the module that called checkpoint() (`_enter_function_module`)
     fn_site: str | None = None  # the function checkpoint() was given, by name and source line (a lambda's)
     recorded: bool = True
     written: bool = False
@@ -137,6 +139,7 @@ class _Region:
     watch_key: str | None = None
     watch_forward: Any = None  # the forward's WatchedPass
     watch_compared: bool = False
+    unwatched: bool = False  # watch mode: a nested checkpoint its parent's recompute ran (not compared, not written)
 
 
 @dataclass
@@ -151,6 +154,7 @@ class _Pass:
     externals: list[dict] = field(default_factory=list)
     external_ids: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> see capture/rows.py (_E_*)
     input_ids: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position in the region's inputs
+    inputs: tuple = ()  # the region's inputs (a forward's: their versions are noted as it ends, kept_inputs.py)
     # one row per saved position: [position, meta, origin, op index, output, name(, fingerprint slot -> its
     # fingerprint when the pass ends(, view: [offset, *strides] of a view fingerprinted as its base))]
     positions: list[list] = field(default_factory=list)
@@ -221,6 +225,7 @@ class Recorder:
         self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
         self._source_lines = self.options.source_lines
         self._watch: Watch | None = None  # watch mode (start())
+        self._kept = KeptInputs()  # regions awaiting their recompute: their inputs' versions (kept_inputs.py)
         # recorded passes whose read-back is on its way: (Collection, write it, the pass), in the order they ended
         self._landing: collections.deque = collections.deque()
         self._landing_lock = threading.RLock()
@@ -282,7 +287,8 @@ class Recorder:
             status = ("interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated))
                       else "exit" if isinstance(exc, SystemExit) else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
-                                "exc_module": type(exc).__module__, "message": _exception_text(exc)})
+                                "exc_module": type(exc).__module__, "message": _exception_text(exc),
+                                **self._inputs_written()})
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"
         self._writer.close({
@@ -293,6 +299,21 @@ class Recorder:
             **({"compiled": compiled} if compiled else {}),
             **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })
+
+    def _inputs_written(self) -> dict:
+        """The run stopped: the inputs of regions still awaiting their recompute that were written in place since
+        their forward ({"inputs_changed": [[region, input index, meta, version then, now], ...]}; what torch's
+        version check stops a backward for); a watched region among them has its record and forward written."""
+        try:
+            written = self._kept.written()
+            for region, _ in written:
+                if region.watched and self._watch is not None:
+                    self._watch.unfinished(region)
+            rows = [[region.number, *entry] for region, entries in written for entry in entries]
+        except Exception as exc:  # noqa: BLE001 - the trace's end must still be written
+            self._internal_error("inputs_written", exc)
+            return {}
+        return {"inputs_changed": rows} if rows else {}
 
     @_never_raise
     def _close_watch(self) -> None:
@@ -385,6 +406,7 @@ class Recorder:
                 region = self._new_region(frame, passes, recorded=False)
             attempt = region.recomputes
             region.recomputes += 1
+            self._kept.recomputed(region)
         pushed, module = self._enter_function_module(frame, region, phase)
         self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
@@ -423,7 +445,11 @@ class Recorder:
         full = self._watch.full(key, top_level)
         region.step = self._watch.step
         if not full:
-            region.recorded, region.watched = False, True
+            region.recorded = False
+            if region.parent_phase == RECOMPUTE:  # a nested checkpoint its parent's recompute runs: torch never
+                region.unwatched = True  # recomputes it again, so there is nothing to compare, count or write
+                return
+            region.watched = True
             self._watch.started(key)
 
     @_never_raise
@@ -439,6 +465,8 @@ class Recorder:
             self._mode.__exit__(None, None, None)
         stopped_early = isinstance(exc, STOP_RECOMPUTATION) if STOP_RECOMPUTATION else False
         complete = exc is None or stopped_early
+        if p.phase == FORWARD:
+            self._kept.forward_ended(p.region, p.inputs)
         if passes and p.region.recorded and passes[-1].region.recorded:
             self._hand_outputs_to_parent(p, passes[-1])
         try:
@@ -502,6 +530,7 @@ class Recorder:
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
+        p.inputs = tuple(inputs)
 
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
@@ -665,6 +694,14 @@ class Recorder:
                 code = getattr(fn, "__code__", None)
                 if code is not None:  # (a lambda's: the same every step; watch keys its module by it)
                     region.fn_site = f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+            else:
+                # a function's recompute runs from the backward, outside the module that called checkpoint(): it
+                # runs inside it again, so that its ops and the module's tensors are named as in the forward
+                caller = region.caller_module() if region.caller_module is not None else None
+                stack = self.modules.stack()
+                if caller is not None and not (stack and stack[-1][0] is caller):
+                    stack.append((caller, region.caller))
+                    return caller, None
             return None, None
         name = self.modules.name_of(module)
         if phase == FORWARD and region.module is None:
@@ -983,6 +1020,7 @@ class Recorder:
             parent_phase=parent.phase if parent else None,
             options=frame_options(frame),
             caller=self.modules.current(),
+            caller_module=_weakref(stack[-1][0]) if (stack := self.modules.stack()) else None,
             recorded=recorded and (limit is None or number < limit),
         )
         frame._ac_diff_region = region
@@ -996,6 +1034,8 @@ class Recorder:
         if p.watch is not None:
             with self.quiet():
                 self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error)
+            return
+        if region.unwatched:
             return
         inner = region.first_module_fqn
         if inner is not None and region.fn_name and not region.written and p.phase == FORWARD:

@@ -580,20 +580,33 @@ class Watch:
             return
         self.raised.discard(id(region))
         totals.diverged += 1
-        self.write(self.region_record(region))
-        for wp, phase in ((cmp.forward, "forward"), (cmp.recompute, "recompute")):
-            record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
-                      "complete": wp.complete, "stopped_early": wp.stopped_early, "state": {}, "externals": [],
-                      "positions": wp.rows(mask or frozenset())}
-            if wp.error:
-                record["error"] = wp.error
-            self.write(record)
+        self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask)
         if self.escalate and key is not None:
             hit = self.escalated.get(key)
             if hit is None:
                 self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": None}
             elif hit.get("provisional") and not hit.get("confirmed"):
                 hit.update(confirmed=True, diverged_step=region.step, region=region.number)
+
+    def unfinished(self, region: Any) -> None:
+        """A watched region the run stopped before recomputing, which the diagnosis needs (torch's version check
+        stopped the backward over one of its inputs): its record and its forward's saved positions."""
+        wp = region.watch_forward
+        if wp is None or region.watch_compared:
+            return
+        if wp.digests is None:
+            wp.resolve()
+        self._write_region(region, (wp, "forward"))
+
+    def _write_region(self, region: Any, *passes: tuple[WatchedPass, str], mask: frozenset | None = None) -> None:
+        self.write(self.region_record(region))
+        for wp, phase in passes:
+            record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
+                      "complete": wp.complete, "stopped_early": wp.stopped_early, "state": {}, "externals": [],
+                      "positions": wp.rows(mask or frozenset())}
+            if wp.error:
+                record["error"] = wp.error
+            self.write(record)
 
     def _totals(self, key: str | None) -> _Totals:
         name = key or "?"

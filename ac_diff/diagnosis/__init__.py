@@ -21,6 +21,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause
 from .cause import SHARDED, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
+from ..logs.errors import version_check
 from .groups import group_regions
 from .labels import module_label
 from .ranks import cross_rank_findings, rank_summaries
@@ -62,12 +63,14 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         notes.extend(run.notes)
         exit_status = exit_status or run.exit_status
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
+        check = version_check(run.exc_message) if stopped else None
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             # one region's ops are decoded and compared with the collector paused: it would rescan every live object
             # (torch's included) many times per region while finding no cycles; it runs once after instead
             with collector_paused(), _ops_of(run, region, kept):
-                report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version)
+                report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version,
+                                         version_check=check)
             report.path = run.path or run.source
             region_reports.append(report)
     _through_nested_regions(region_reports)
@@ -216,7 +219,9 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     run it struck, and how many regions were never checked and why."""
     stopped = next((r for r in runs if r.source == "trace" and r.exit_status in ("exception", "interrupted")), None)
     unchecked = [r for r in regions if r.status == UNCHECKED]
-    if stopped is None or not unchecked:
+    # watched forwards never compared have no region report of their own: counted in watch's totals
+    never_watched = sum(u for _, _, u in stopped.watch["modules"].values()) if stopped and stopped.watch else 0
+    if stopped is None or not (unchecked or never_watched):
         return None
     mine = [r for r in regions if r.path == (stopped.path or stopped.source)] or regions
     raised = next((r for r in stopped.regions if r.recompute is not None and r.recompute.state.get("error")), None)
@@ -231,15 +236,18 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
         at = "before any region was recomputed"
     else:
         at = ""
-    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED))
+    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + (
+        sum(c - d for c, d, _ in stopped.watch["modules"].values()) if stopped.watch else 0)  # (watched clean)
     why: dict[str, int] = {}
     for r in unchecked:
         reason = r.unchecked_reason or "not compared"
         why[reason] = why.get(reason, 0) + 1
+    if never_watched:
+        why["watched, not recomputed"] = never_watched
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
     verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
     return (f"the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
-            f"{checked} region(s) checked clean, {len(unchecked)} never checked ({reasons})")
+            f"{checked} region(s) checked clean, {len(unchecked) + never_watched} never checked ({reasons})")
 
 
 def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None:

@@ -2,6 +2,8 @@
 
     written = input_written(region.forward)   # -> (OpRecord(op="aten.add_.Tensor", ...), "input[0]") or None
     name_input_write(report, *written)        # the report: diverged, its cause, the out-of-place fix
+    after = input_written_after(region, check)  # check: logs.errors.version_check(the run's exception message)
+    name_input_written_after(report, after, check)  # its input written between its forward and its recompute
 
 checkpoint keeps the region's inputs and recomputes from them in backward. `x += self.pos` as a block's first
 line writes the very tensor it kept: torch's version check then stops the backward ("modified by an inplace
@@ -11,7 +13,7 @@ operation") before any recompute, while a run without AC, where nothing reads th
 from __future__ import annotations
 
 from ..oprules import is_in_place_method, is_view_op, packet
-from ..passes import InputRef, OpRecord, Pass
+from ..passes import InputRef, OpRecord, Pass, Region
 from ..report import DIVERGED, Cause, RegionReport, Suggestion
 from .labels import where
 from .passdiff import written_refs
@@ -61,6 +63,38 @@ def name_input_write(report: RegionReport, op: OpRecord, name: str) -> None:
         f"{op.op} changes the region's input, the tensor checkpoint keeps to recompute from. Compute a new tensor "
         "instead (the input stays as the forward received it), or clone the input first.",
         out_of_place(op))]
+
+
+def input_written_after(region: Region, check: tuple[tuple[int, ...], int, int] | None) -> list[tuple] | None:
+    """The region's inputs written in place after its forward (`Region.inputs_written`) that the run's stop is
+    about: autograd's version check (`check`: the shape it names, logs.errors.version_check) over a tensor of their
+    shape. None where there is none, or the run stopped for another reason."""
+    if check is None:
+        return None
+    hit = [entry for entry in region.inputs_written if entry[1].shape == check[0]]
+    return hit or None
+
+
+def name_input_written_after(report: RegionReport, written: list[tuple], check: tuple) -> None:
+    """Make `report` say the region's input was written in place between its forward and its recompute, which stopped
+    the backward (`input_written_after`); the fix is suggest.py's for an input modified after the forward."""
+    index, meta, then, now = written[0]
+    name = f"input[{index}]"
+    report.status = DIVERGED
+    report.silent = False
+    report.unchecked_reason = None
+    report.cause = Cause(
+        "state_mutation", name,
+        f"the region's {name} ({meta}) was modified in place after the forward, before its recompute (its version "
+        f"went from {then} to {now}): checkpoint keeps the region's inputs to recompute from, so torch's version "
+        "check stopped the backward (\"modified by an inplace operation\"); without that check the recompute would "
+        "have read the new values",
+        [f"torch: a tensor saved for the backward, {list(check[0])}, is at version {check[1]}, expected "
+         f"{check[2]}"] + [f"input[{i}] {m}: version {a} when the forward ended, {b} when the run stopped"
+                           for i, m, a, b in written],
+        "input", None, [])
+    report.chain = [f"the region's {name} {meta} was written in place after its forward",
+                    "the tensor checkpoint kept for the recompute changed: torch raises in the backward"]
 
 
 def out_of_place(op: OpRecord) -> str:

@@ -21,7 +21,8 @@ from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import describe_flip
-from .inplace_input import input_written, name_input_write
+from .inplace_input import input_written, input_written_after, name_input_write, name_input_written_after
+from .suggest import suggestions_for
 from .watched import WATCHED_ORIGINS, explain_watched
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
@@ -35,9 +36,10 @@ class Settings:
 
 def diagnose_region(region: Region, torch_error: TorchError | None = None,
                     settings: Settings = Settings(), run_stopped: str | None = None,
-                    torch_version: str | None = None) -> RegionReport:
+                    torch_version: str | None = None, version_check: tuple | None = None) -> RegionReport:
     """`run_stopped`: how the run ended, when it stopped early ("RuntimeError: ..."), for regions it left
-    without their recompute; `torch_version`: the torch that ran it (its suggested code is written for it)."""
+    without their recompute; `torch_version`: the torch that ran it (its suggested code is written for it);
+    `version_check`: what autograd's version check that stopped the run names (logs.errors.version_check)."""
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
         rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
@@ -74,8 +76,12 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                        "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         written = input_written(fwd) if run_stopped and region.has_values else None
+        after = input_written_after(region, version_check) if run_stopped else None
         if written is not None:  # what stopped the run: the backward found the kept input changed
             name_input_write(report, *written)
+        elif after:  # ... changed after the forward
+            name_input_written_after(report, after, version_check)
+            report.suggestions = suggestions_for(report, region, torch_version)
         return report
 
     if not region.passes_whole and not fwd.ops and not rec.ops and torch_error is None:

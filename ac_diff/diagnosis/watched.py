@@ -65,7 +65,8 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                               "lead": bad[0].region if bad else None})
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
                "never_compared": never,
-               "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated}
+               "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
+               "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
     summary["text"] = _text(summary)
     _link_escalations(reports, escalated)
     return summary
@@ -81,7 +82,8 @@ def _text(s: dict[str, Any]) -> str:
             f"{s['clean']:,} reproduced their saved tensors exactly"
             + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
     if s["never_compared"]:
-        text += f"; {s['never_compared']:,} forward(s) never recomputed (no backward reached them)"
+        text += (f"; {s['never_compared']:,} forward(s) never recomputed ("
+                 + ("the run stopped first)" if s.get("stopped") else "no backward reached them)"))
     for e in s["escalated"]:
         module = module_label(e["module"])
         if e["from_step"] is None:

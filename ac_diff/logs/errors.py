@@ -68,6 +68,23 @@ _EXC_PREFIX = re.compile(r"^(?:[\w.]*(?:Error|Exception))\s*:\s*")
 
 MAX_MESSAGE = 64 * 1024  # characters of raw text kept in TorchError.message
 
+# autograd's check that a tensor saved for the backward was not written in place since (torch/csrc/autograd/
+# saved_variable.cpp): "... modified by an inplace operation: [torch.cuda.FloatTensor [3, 8, 32]] is at version 1;
+# expected version 0 instead."
+_VERSION_CHECK = re.compile(r"modified by an inplace operation: \[[^\[\]]*\[([\d, ]*)\]\] is at version (\d+); "
+                            r"expected version (\d+)")
+
+
+def version_check(message: str | None) -> tuple[tuple[int, ...], int, int] | None:
+    """(shape, version now, version saved) where `message` is autograd's version check on a saved tensor, else None:
+    `version_check("... inplace operation: [torch.FloatTensor [3, 8, 32]] is at version 1; expected version 0 ...")`
+    -> ((3, 8, 32), 1, 0)."""
+    hit = _VERSION_CHECK.search(message or "")
+    if hit is None:
+        return None
+    shape = tuple(int(n) for n in hit.group(1).replace(" ", "").split(",") if n)
+    return shape, int(hit.group(2)), int(hit.group(3))
+
 
 def classify_error_line(text: str) -> tuple | None:
     """What an error-related segment is, or None (see the module docstring)."""

@@ -48,7 +48,10 @@ Format history (every version stays readable; tests/data keeps a file of each):
        their count]), compared for equality only; "param", "input" as before; "output"
        for a reentrant region's outputs) and the `step` it ran in; new record types "watch" (totals per module:
        [compared, diverged, never compared], the escalations, the last step) and "escalate" (a module recorded
-       in full from `from_step` on, after its region `region` diverged in step `diverged_step`)
+       in full from `from_step` on, after its region `region` diverged in step `diverged_step`); the exception
+       record may list the inputs of regions still awaiting their recompute that were written in place since their
+       forward ended (`inputs_changed`: [[region, input index, meta, version then, version now], ...]: what torch's
+       version check stops a backward for); readers that predate it ignore it
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").

@@ -196,6 +196,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     skipped: dict[str, int] = {}  # unknown record type -> records skipped
     region_lines: list[int] = []  # lines of region, op(s) and pass records
     ended = False
+    inputs_written: list[tuple] = []  # the exception record's (Region.inputs_written)
     line = 1
     for line, rec in enumerate(records, start=2):
         kind = rec.get("type")
@@ -255,6 +256,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 check_errors.append(rec)
             elif kind == "exception":
                 run.exc_type, run.exc_message = rec.get("exc_type"), rec.get("message")
+                inputs_written = [(int(r[0]), int(r[1]), TensorMeta.from_json(r[2]), int(r[3]), int(r[4]))
+                                  for r in rec.get("inputs_changed") or ()]
             elif kind == "warning":
                 run.notes.append(str(rec.get("message", "")))
             elif kind == "end":
@@ -281,6 +284,9 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
         damage.pop()
     if damage:
         _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
+    for number, *entry in inputs_written:
+        if number in regions:
+            regions[number].inputs_written.append(tuple(entry))
     run.regions = sorted(regions.values(), key=lambda r: r.region)
     if lazy:
         run.ops_loader = lambda region: _ops_loaded(path, metas, region)

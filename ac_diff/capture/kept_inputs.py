@@ -1,0 +1,58 @@
+"""The tensors checkpoint keeps to recompute a region from (its inputs), and which of them were written in place after
+the region's forward and before its recompute: torch's version check then stops the backward ("one of the variables
+needed for gradient computation has been modified by an inplace operation"), an error that names a shape and a
+version, never the region or the input.
+
+    kept = KeptInputs()
+    kept.forward_ended(region, inputs)    # a region's forward ended: its tensor inputs (weakly) and their versions
+    kept.recomputed(region)               # its recompute began: nothing left to check
+    kept.written()                        # the run stopped: [(region, [[input index, meta, version then, now]])]
+
+What it holds per region awaiting its recompute is a few weak references: a forward that is never recomputed (an
+evaluation forward under grad, a graph dropped) costs nothing once its inputs are freed, and those entries are
+dropped when many accumulate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from weakref import ref as _weakref
+
+import torch
+
+from ..trace.encode import written_meta
+
+_PRUNE_AT = 4096  # regions awaiting their recompute before the entries whose inputs are gone are dropped
+
+
+class KeptInputs:
+    def __init__(self) -> None:
+        # region number -> (weakref to the region, [(input index, weakref to the tensor, its version)])
+        self._awaiting: dict[int, tuple[Any, list[tuple[int, Any, int]]]] = {}
+
+    def forward_ended(self, region: Any, inputs: tuple | list | None) -> None:
+        entries = [(i, _weakref(t), t._version) for i, t in enumerate(inputs or ())
+                   if type(t) is torch.Tensor or isinstance(t, torch.Tensor)]
+        if not entries:
+            return
+        if len(self._awaiting) >= _PRUNE_AT:
+            self._awaiting = {n: e for n, e in self._awaiting.items() if any(r() is not None for _, r, _ in e[1])}
+        self._awaiting[region.number] = (_weakref(region), entries)
+
+    def recomputed(self, region: Any) -> None:
+        self._awaiting.pop(region.number, None)
+
+    def written(self) -> list[tuple[Any, list[list]]]:
+        """Each region still awaiting its recompute with an input written in place since its forward ended:
+        (the region, [[input index, meta as the trace holds it, version at the forward's end, version now]])."""
+        out = []
+        for number, (region_ref, entries) in sorted(self._awaiting.items()):
+            region = region_ref()
+            changed = []
+            for index, tensor_ref, version in entries:
+                t = tensor_ref()
+                if t is not None and t._version != version:
+                    changed.append([index, written_meta((t.size(), t.dtype, t.device)), version, t._version])
+            if region is not None and changed:
+                out.append((region, changed))
+        return out
