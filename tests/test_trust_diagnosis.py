@@ -466,3 +466,43 @@ def test_module_names_stay_as_a_region_began_under_them_when_a_larger_root_is_ca
         (first + second).backward()
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == "clean", report.headline
+
+
+class _Classifier(nn.Module):
+    """A stem with one parameter, two blocks with several, a head with one weight (its `t` is what it saves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8, bias=False)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()) for _ in range(2)])
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x):
+        for m in (self.stem, *self.blocks, self.head):
+            x = cp.checkpoint(m, x, use_reentrant=False)
+        return x
+
+
+def test_regions_with_one_changed_parameter_share_the_optimizer_step_other_regions_show(tmp_path):
+    """Two micro-batches' forwards first, then each backward followed by opt.step() (a stranger's accumulation
+    loop): the second micro-batch's regions recompute with stepped weights. The blocks showed the optimizer step
+    (most of their parameters changed); the stem, one parameter, was told to update `stem.weight` after the
+    backward, and the head, whose only differing saved tensor is its weight's transpose, had no cause at all."""
+    torch.manual_seed(0)
+    model = _Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        losses = [model(torch.randn(4, 4, requires_grad=True)).logsumexp(-1).mean() for _ in range(2)]
+        for loss in losses:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    report = ac_diff.diagnose_paths([path])
+    diverged = {r.module: r for r in report.regions if r.status == "diverged"}
+    assert {"stem", "blocks.0", "blocks.1", "head"} <= set(diverged), sorted(diverged)
+    for name in ("stem", "head"):
+        cause = diverged[name].cause
+        assert (cause.kind, cause.mechanism, cause.tensor) == ("state_mutation", "optimizer_step", f"{name}.weight"), \
+            (name, cause)
+        assert diverged[name].suggestions[0].title.startswith("Step the optimizer after all backward passes")

@@ -771,3 +771,23 @@ def test_nested_checkpoints_of_a_function_region_are_clean_and_not_left_uncompar
     if options:
         assert report.watch["never_compared"] == 0 and report.watch["compared"] > 0, report.watch["text"]
         assert not report.regions, [(r.region, r.status, r.unchecked_reason) for r in report.regions]
+
+
+def test_a_model_switched_to_eval_before_the_backward_is_named_by_watch(tmp_path):
+    """A stranger's monitor calls model.eval() between step 4's forward and its backward: batch norm's recompute
+    saves [0]-shaped statistics. Watch blamed ZeRO-3/FSDP (parameters recomputed with shape [0]); it now notes each
+    watched pass's training mode (one attribute per module, per pass) and names the switch, as full recording does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        with ac_diff.record(path, **WATCH):
+            for step in range(1, 4):
+                model.train()
+                out = checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+                if step == 3:
+                    model.eval()  # a monitor's evaluation between the forward and the backward
+                out.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    lead = report.lead_groups()[0][0]
+    assert lead.watched and (lead.cause.kind, lead.cause.tensor) == ("global_state", "training"), lead.cause

@@ -414,7 +414,7 @@ class Recorder:
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
-        if module is not None and region.recorded:  # (a watched pass compares saved tensors only)
+        if module is not None and (region.recorded or region.watched):  # (a watched pass: its mode, to explain)
             p.state["training"] = training_mode(module)
         fn = getattr(frame, "_ac_diff_fn", None)
         if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
@@ -423,6 +423,7 @@ class Recorder:
         inputs = getattr(frame, "_ac_diff_inputs", None)
         if region.watched:
             p.watch = WatchedPass(p.input_ids)
+            p.watch.state = p.state
         if phase == FORWARD and inputs is not None:
             self.pass_inputs(frame, inputs, p)
         # the recording mode goes on the dispatch stack for a recorded pass only: the ops of a region past

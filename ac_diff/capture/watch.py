@@ -213,6 +213,7 @@ class WatchedPass:
         self._pairs: dict[tuple, list[tuple[list[int], torch.Tensor]]] = {}
         self.unmeasured: set[int] = set()  # slots whose tensor changed in place before it was read: not compared
         self.landing: Landing | None = None
+        self.state: dict = {}  # the pass's state as a trace's pass holds it (the region's training mode)
         self.error: str | None = None
         self.complete = True
         self.stopped_early = False
@@ -602,7 +603,7 @@ class Watch:
         self.write(self.region_record(region))
         for wp, phase in passes:
             record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
-                      "complete": wp.complete, "stopped_early": wp.stopped_early, "state": {}, "externals": [],
+                      "complete": wp.complete, "stopped_early": wp.stopped_early, "state": wp.state, "externals": [],
                       "positions": wp.rows(mask or frozenset())}
             if wp.error:
                 record["error"] = wp.error

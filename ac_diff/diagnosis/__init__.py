@@ -18,7 +18,7 @@ from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, missing_ranks, repeated_updates)
-from .cause import SHARDED, sharded_positions
+from .cause import SHARDED, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from ..logs.errors import version_check
@@ -74,6 +74,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
             report.path = run.path or run.source
             region_reports.append(report)
     _through_nested_regions(region_reports)
+    one_optimizer_step(region_reports)
     watch = watch_summary(runs, region_reports)
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]

@@ -22,11 +22,11 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import is_in_place_method, is_random_name, written_inputs
+from ..oprules import is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region
 from ..report import Cause, Divergence, RegionReport
 from .attributes import attribute_cause
-from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update
+from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source
 from .dataflow import data_path, decision_path, upstream
 from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for
@@ -42,11 +42,15 @@ SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in t
            "(ZeRO-3 / FSDP frees them after the forward)")
 
 
+_MADE_IN_THE_REGION = ("op", "saved", "output")  # position origins of tensors the region computed
+
+
 def sharded_positions(rows: list) -> list:
     """Rows (with `saved` / `recomputed` metadata text like "f32[4096]") recomputed with shape [0] but
-    saved with another: a parameter a ZeRO-3 / FSDP wrapper freed after the forward."""
+    saved with another: a parameter a ZeRO-3 / FSDP wrapper freed after the forward. Not a tensor the region
+    computed (a batch norm in eval mode saves [0]-shaped statistics; watch names no state to say so)."""
     return [p for p in rows if p.recomputed and p.recomputed.endswith("[0]") and p.saved
-            and not p.saved.endswith("[0]")]
+            and not p.saved.endswith("[0]") and getattr(p, "origin", None) not in _MADE_IN_THE_REGION]
 
 
 # A GPU recording fingerprints outputs in batches, up to 64 ops after they are made (capture/fused_prints.py)
@@ -81,7 +85,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     first = cmp.first_divergence()
     feeding = set(first.sources) if first is not None else set()
     saved_changed = {p.name for p in report.positions if p.origin != "op" and p.values_differ}
-    saved_changed |= _saved_updates(report, region)
+    saved_changed |= _saved_updates(report, region) | _saved_views(report, region)
     relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed]
     stepped = _whole_model_update(region, changed)
     if stepped is not None and relevant:
@@ -108,7 +112,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
                       "modified tensor)")
         return Cause("state_mutation", top["name"], detail, evidence,
-                     mechanism="input" if top["kind"] == "input" else "tensor",
+                     mechanism={"input": "input", "param": PARAMETER}.get(top["kind"], "tensor") if not (
+                         writer and writer[1] == "forward") else "tensor",
                      names=[] if top["kind"] == "input" else _module_state(top["name"], changed))
 
     attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
@@ -283,6 +288,30 @@ def _module_state(lead: str, changed: list[dict]) -> list[str]:
                                         and _STATE_NAME.fullmatch(c["name"]))]))
 
 
+PARAMETER = "parameter"  # Cause.mechanism: one parameter changed between the forward and the recompute
+OPTIMIZER_STEP = "optimizer_step"  # ... most of those it reads (an optimizer step)
+
+
+def one_optimizer_step(reports: list[RegionReport]) -> None:
+    """Regions that read one changed parameter each (a stem conv, a head's weight), in a run where other regions
+    show most of their parameters changed: the same optimizer step ran between their forward and their backward,
+    with its fix, not "update the parameter after the backward" as if the script updated that one tensor."""
+    stepped = {}
+    for r in reports:
+        if r.cause is not None and r.cause.mechanism == OPTIMIZER_STEP:
+            stepped.setdefault((r.path, r.rank), r)
+    for r in reports:
+        lead = stepped.get((r.path, r.rank))
+        if lead is None or r.cause is None or r.cause.mechanism != PARAMETER:
+            continue
+        r.cause = Cause("state_mutation", r.cause.tensor,
+                        f"the parameter `{r.cause.tensor}` has other values in the recompute: the optimizer (or something "
+                        f"else that updates every parameter) ran between this forward and its backward (region "
+                        f"{lead.region}, {lead.module or '?'}: {lead.cause.tensor} changed)", list(r.cause.evidence),
+                        OPTIMIZER_STEP)
+        r.suggestions = list(lead.suggestions)
+
+
 # Parameters changed between a region's forward and its recompute, as a share of those it read, from
 # which the cause is a whole-model update (an optimizer step) rather than one tensor's update
 _WHOLE_MODEL_SHARE = 0.75
@@ -300,7 +329,21 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     return Cause("state_mutation", f"parameters ({len(moved)} of {len(params)} read by the region)",
                  f"{len(moved)} of the {len(params)} parameters the region reads have other values in the recompute: "
                  "the optimizer (or something else that updates every parameter) ran between this forward and its "
-                 "backward", [f"changed parameters: {shown}"], mechanism="optimizer_step")
+                 "backward", [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
+
+
+def _saved_views(report: RegionReport, region: Region) -> set[str]:
+    """Externals whose view the region saved where the saved values differ (`weight.t()` saved by a linear: the
+    weight changed)."""
+    ops = {op.index: op for op in region.forward.ops} if region.forward is not None else {}
+    out = set()
+    for p in report.positions:
+        op = ops.get(p.forward_index) if p.origin == "op" and p.values_differ else None
+        if op is not None and is_view_op(op.op) and op.input_refs:
+            source = viewed_source(ops, op.input_refs[0])
+            if source.kind != "op" and source.name:
+                out.add(source.name)
+    return out
 
 
 def _saved_updates(report: RegionReport, region: Region) -> set[str]:

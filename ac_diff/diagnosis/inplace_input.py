@@ -12,11 +12,11 @@ operation") before any recompute, while a run without AC, where nothing reads th
 
 from __future__ import annotations
 
-from ..oprules import is_in_place_method, is_view_op, packet
-from ..passes import InputRef, OpRecord, Pass, Region
+from ..oprules import is_in_place_method, packet
+from ..passes import OpRecord, Pass, Region
 from ..report import DIVERGED, Cause, RegionReport, Suggestion
 from .labels import where
-from .passdiff import written_refs
+from .passdiff import viewed_source, written_refs
 
 INPUT_WRITTEN = "input_written"  # Cause.mechanism (kind state_mutation)
 
@@ -28,19 +28,10 @@ def input_written(fwd: Pass | None) -> tuple[OpRecord, str] | None:
     or None."""
     ops = {op.index: op for op in fwd.ops} if fwd is not None else {}
     for op in ops.values():
-        hit = next((ref for ref in (_viewed(ops, r) for r in written_refs(op)) if ref.kind == "input"), None)
+        hit = next((ref for ref in (viewed_source(ops, r) for r in written_refs(op)) if ref.kind == "input"), None)
         if hit is not None:
             return op, hit.name or "input"
     return None
-
-
-def _viewed(ops: dict[int, OpRecord], ref: InputRef) -> InputRef:
-    """The tensor `ref` is a view of (`x[:, 0]` -> x), through any chain of views; else `ref`."""
-    source = ops.get(ref.op_index) if ref.kind == "op" else None
-    while source is not None and is_view_op(source.op) and source.input_refs:
-        ref = source.input_refs[0]
-        source = ops.get(ref.op_index) if ref.kind == "op" else None
-    return ref
 
 
 def name_input_write(report: RegionReport, op: OpRecord, name: str) -> None:

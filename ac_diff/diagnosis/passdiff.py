@@ -271,6 +271,16 @@ def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Toleran
             tainted_outputs[(f.index, j)] = not tol.equal(a, b)
 
 
+def viewed_source(ops: dict[int, OpRecord], ref: InputRef) -> InputRef:
+    """The tensor `ref` is a view of (`x[:, 0]` -> x, `weight.t()` -> weight), through any chain of views; else
+    `ref`. `ops`: the pass's ops by index."""
+    source = ops.get(ref.op_index) if ref.kind == "op" else None
+    while source is not None and is_view_op(source.op) and source.input_refs:
+        ref = source.input_refs[0]
+        source = ops.get(ref.op_index) if ref.kind == "op" else None
+    return ref
+
+
 def written_refs(op: OpRecord) -> list[InputRef]:
     """The inputs `op` writes in place (see `oprules.written_inputs`)."""
     return written_inputs(op.op, op.args, op.input_refs)
