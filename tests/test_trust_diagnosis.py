@@ -506,3 +506,35 @@ def test_regions_with_one_changed_parameter_share_the_optimizer_step_other_regio
         assert (cause.kind, cause.mechanism, cause.tensor) == ("state_mutation", "optimizer_step", f"{name}.weight"), \
             (name, cause)
         assert diverged[name].suggestions[0].title.startswith("Step the optimizer after all backward passes")
+
+
+class _ClipOnce(nn.Module):
+    """Reads its `clip` flag first; a forward hook on its ffn turns the flag on the first time the output is large."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ffn = nn.Linear(8, 8)
+        self.clip = False
+        self.ffn.register_forward_hook(self._watch)
+
+    def _watch(self, module, args, out) -> None:
+        if out.abs().max() > 0.1:
+            self.clip = True
+
+    def forward(self, x):
+        if self.clip:
+            x = x.clamp(-1, 1)
+        return torch.tanh(self.ffn(x))
+
+
+def test_an_attribute_the_regions_own_forward_changes_after_reading_it_is_said_so(tmp_path):
+    """A stranger's clipping switch: the hook flips the flag during the forward, after the block read it; the cause
+    said it was changed between the forward and the backward."""
+    torch.manual_seed(0)
+    model, path = _ClipOnce(), tmp_path / "t.jsonl"
+    with pytest.raises(cp.CheckpointError):  # the recompute's clamp saves one more tensor
+        with ac_diff.record(path):
+            cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    lead = ac_diff.diagnose_paths([path]).lead_groups()[0][0]
+    assert lead.cause.tensor.endswith("clip"), lead.cause
+    assert "the region's forward changed it (False -> True" in lead.cause.detail, lead.cause.detail

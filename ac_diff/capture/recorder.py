@@ -468,6 +468,7 @@ class Recorder:
         complete = exc is None or stopped_early
         if p.phase == FORWARD:
             self._kept.forward_ended(p.region, p.inputs)
+        p.inputs = ()  # (weakly from here: a pass a retention holds must not keep its inputs alive)
         if passes and p.region.recorded and passes[-1].region.recorded:
             self._hand_outputs_to_parent(p, passes[-1])
         try:

@@ -160,6 +160,9 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
                         f"forward, {_shown_update(top.recompute_update)} in the recompute (by {by})")
     elif top.is_global:
         detail += ": it was set for the forward and changed before the backward, whose recompute reads it again"
+    elif top.forward_update is not None:  # the forward changed it once (a hook, its code), after reading it
+        detail += (f": the region's forward changed it ({_shown_update(top.forward_update)}, in {module}'s code or a "
+                   "hook) after reading it, so the recompute starts from the new value")
     else:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
@@ -200,7 +203,8 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
         return Suggestion(
             f"Keep the global `{attr}` as the forward saw it until after the backward",
             f"The recompute runs inside loss.backward() and reads `{name}` as it is then ({shown(change.recompute)}, "
-            f"not the forward's {shown(change.forward)}), so it takes another branch. Set it around the forward and "
+            f"not the forward's {shown(change.forward)}), so it computes with that value, or branches on it. Set it "
+            "around the forward and "
             "the backward together, or pass the value to the checkpointed module as an argument (checkpoint keeps "
             "its arguments for the recompute).",
             f"{attr} = {change.forward!r}\nloss = model(batch)\nloss.backward()  # the recompute reads {attr} here\n"
