@@ -189,3 +189,20 @@ def test_a_run_that_stops_before_the_recompute_says_why(tmp_path):
     assert "the run stopped first (RuntimeError" in report.regions[0].notes[-1]
     assert report.headline.startswith("the script crashed") and "RuntimeError" in report.headline
     assert report.verdict == "unchecked" and report.title == "CRASHED"
+
+
+def test_training_mode_follows_each_modules_flag_and_names_it_as_users_do():
+    """The modes of a region's modules, read per pass (watched passes too): listed once per module, the flags read
+    each time; wrapper segments the user never wrote are left out of the names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from ac_diff.capture.state import training_mode
+
+    block = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())))
+    assert training_mode(block) == "train"
+    block[0]._checkpoint_wrapped_module[1].eval()
+    assert training_mode(block) == "train except 0.1"
+    block.eval()
+    assert training_mode(block) == "eval"
+    block[0].train()
+    assert training_mode(block) == "eval except 0, 0.0, 0.1"
