@@ -15,6 +15,7 @@ dropped when many accumulate.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from weakref import ref as _weakref
 
@@ -31,8 +32,11 @@ class KeptInputs:
         self._awaiting: dict[int, tuple[Any, list[tuple[int, Any, int]]]] = {}
 
     def forward_ended(self, region: Any, inputs: tuple | list | None) -> None:
-        entries = [(i, _weakref(t), t._version) for i, t in enumerate(inputs or ())
-                   if type(t) is torch.Tensor or isinstance(t, torch.Tensor)]
+        entries = []
+        for i, t in enumerate(inputs or ()):
+            if isinstance(t, torch.Tensor):
+                with contextlib.suppress(RuntimeError, TypeError):  # (an inference tensor has no version counter)
+                    entries.append((i, _weakref(t), t._version))
         if not entries:
             return
         if len(self._awaiting) >= _PRUNE_AT:
