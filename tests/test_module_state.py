@@ -206,3 +206,22 @@ def test_training_mode_follows_each_modules_flag_and_names_it_as_users_do():
     assert training_mode(block) == "eval"
     block[0].train()
     assert training_mode(block) == "eval except 0, 0.0, 0.1"
+
+
+def test_ac_diffs_own_dispatch_modes_are_not_the_scripts_global_state():
+    """The reference run's watch around reentrant forwards (reference/leaks.py) is a dispatch mode of ac-diff's: a
+    stranger's `fix` run read it as the script's (`dispatch_modes` ['_Made'] in the forward, none in the recompute)
+    and suggested making the modes alike. A mode of the script's own still counts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ac_diff.capture.state import global_state
+    from ac_diff.reference.leaks import _Made
+
+    class Scripts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Made(lambda: None, set()):
+        assert "dispatch_modes" not in global_state(None)
+        with Scripts():
+            assert global_state(None)["dispatch_modes"] == ["Scripts"]

@@ -538,3 +538,29 @@ def test_an_attribute_the_regions_own_forward_changes_after_reading_it_is_said_s
     lead = ac_diff.diagnose_paths([path]).lead_groups()[0][0]
     assert lead.cause.tensor.endswith("clip"), lead.cause
     assert "the region's forward changed it (False -> True" in lead.cause.detail, lead.cause.detail
+
+
+class _CachedBias(nn.Module):
+    """Builds a position-bias table the first time it sees a length and keeps it (an ALiBi / rotary cache): the
+    forward builds it, the recompute finds it cached and builds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.tables: dict[int, torch.Tensor] = {}
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.tables:
+            pos = torch.arange(n, dtype=torch.float32)
+            self.tables[n] = (pos[None, :] - pos[:, None]).abs().neg().masked_fill(torch.eye(n, dtype=torch.bool), 0)
+        return torch.tanh(self.tables[n] @ self.fc(x))
+
+
+def test_a_table_the_forward_builds_and_the_recompute_finds_cached_is_not_a_divergence(tmp_path):
+    """A stranger's cached ALiBi table: the forward's table outlives the region (the module keeps it); the recompute
+    does not rebuild it. It read as a silent control-flow divergence, although every saved tensor and the gradients
+    matched: what the forward kept was never replaced."""
+    torch.manual_seed(0)
+    report = _record(tmp_path, _CachedBias(), torch.randn(6, 8, requires_grad=True))
+    assert report.verdict == "clean", report.headline

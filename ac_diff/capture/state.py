@@ -60,7 +60,9 @@ def global_state(own_mode: Any) -> dict[str, Any]:
     with contextlib.suppress(Exception):
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack() if m is not own_mode]
+        # (ac-diff's own modes are not the script's: the reference run's watch around reentrant forwards, ...)
+        modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack()
+                 if m is not own_mode and not type(m).__module__.startswith("ac_diff.")]
         if modes:
             state["dispatch_modes"] = modes
     with contextlib.suppress(Exception):

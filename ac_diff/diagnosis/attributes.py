@@ -160,7 +160,8 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
                         f"forward, {_shown_update(top.recompute_update)} in the recompute (by {by})")
     elif top.is_global:
         detail += ": it was set for the forward and changed before the backward, whose recompute reads it again"
-    elif top.forward_update is not None:  # the forward changed it once (a hook, its code), after reading it
+    elif top.forward_update is not None and top.forward_update[1] == top.recompute:  # the forward changed it once
+        # (a hook, its code) after reading it, and the recompute read what it left
         detail += (f": the region's forward changed it ({_shown_update(top.forward_update)}, in {module}'s code or a "
                    "hook) after reading it, so the recompute starts from the new value")
     else:

@@ -142,6 +142,8 @@ class PassComparison:
     # statistics): the recompute reads the updated tensor and updates it again -> the op that wrote it
     self_updated: dict[tuple, OpRecord] = field(default_factory=dict)
     tolerance: Tolerance = Tolerance()  # the one values were compared with (saved positions too)
+    # forward copy ops hooks make (HOOK_ONLY_OPS: a compiled graph's saved `detach`) -> the op whose output they copy
+    forward_through: dict[int, int] = field(default_factory=dict)
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
@@ -256,7 +258,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                   if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
                           tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated,
-                          tolerance=tolerance)
+                          tolerance=tolerance, forward_through=f_source)
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:

@@ -193,9 +193,11 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
 
 def outliving_differ(fwd: Pass, cmp: PassComparison) -> str | None:
     """The forward's ops whose tensors outlived its pass (`Pass.outputs`) and differ in the recompute ("aten.add.Tensor
-    #7"), or None."""
+    #7"), or None. Not one the recompute did not run at all: what it made then stands (a table the forward builds and
+    caches, which the recompute finds cached)."""
     ops = {o.index: o for o in cmp.forward_ops}
-    hit = sorted({i for i, j in fwd.outputs or () if i in ops
+    rerun = set(cmp.rec_to_fwd.values())
+    hit = sorted({i for i, j in fwd.outputs or () if i in ops and i in rerun
                   and cmp.tainted_outputs.get((i, j), cmp.tainted.get(i, False))})
     return ", ".join(f"{ops[i].op} #{i}" for i in hit) or None
 
@@ -473,16 +475,23 @@ def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
     hook_view = cmp.hook_views.get(pos.op_index) if pos.origin == "op" else None
     if hook_view is not None:  # a framework hook's view of an input in the forward: compare as that input
         pos = Position(pos.position, pos.meta, hook_view.kind, name=hook_view.name)
+    # measured: what backward will read
+    measured = pos.fingerprint is not None and other.fingerprint is not None and (pos.view is None) == (
+        other.view is None)
+    alike = measured and cmp.tolerance.equal(pos.fingerprint, other.fingerprint) and pos.view == other.view
     if pos.origin == "op":
-        if other.origin != "op" or cmp.rec_to_fwd.get(other.op_index) != pos.op_index:
-            return True  # a different tensor took this position (a shifted sequence torch may not see)
+        # a copy op a hook made (a compiled graph's saved `detach`) stands for what it copies, in either pass
+        paired = cmp.rec_to_fwd.get(other.op_index)
+        if other.origin != "op" or paired != pos.op_index and paired != cmp.forward_through.get(pos.op_index):
+            # a different tensor took this position (a shifted sequence torch may not see), unless its values are
+            # measured alike (a table the forward built and kept, which the recompute reads as it is)
+            return not alike
     elif other.origin != pos.origin or other.name != pos.name and pos.origin != "input":
-        return True
+        return not alike
     elif (pos.origin, pos.name) in cmp.self_updated:
         return False  # read only by the op that updates it (a batch norm's running statistics): the side effect
-    if pos.fingerprint is not None and other.fingerprint is not None and (pos.view is None) == (other.view is None):
-        # measured: what backward will read
-        return not cmp.tolerance.equal(pos.fingerprint, other.fingerprint) or pos.view != other.view
+    if measured:
+        return not alike
     if pos.origin == "op":
         return bool(cmp.tainted_outputs.get((pos.op_index, pos.output), cmp.tainted.get(pos.op_index, False)))
     changed = {(f.kind, f.name) for f, _ in cmp.changed_externals}
