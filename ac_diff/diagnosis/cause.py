@@ -289,6 +289,8 @@ def _module_state(lead: str, changed: list[dict]) -> list[str]:
 
 
 PARAMETER = "parameter"  # Cause.mechanism: one parameter changed between the forward and the recompute
+_UPDATED = ("the parameters were updated in place between this forward and its backward (an optimizer step, weight "
+            "clipping, an EMA copied into the model)")
 OPTIMIZER_STEP = "optimizer_step"  # ... most of those it reads (an optimizer step)
 
 
@@ -305,8 +307,7 @@ def one_optimizer_step(reports: list[RegionReport]) -> None:
         if lead is None or r.cause is None or r.cause.mechanism != PARAMETER:
             continue
         r.cause = Cause("state_mutation", r.cause.tensor,
-                        f"the parameter `{r.cause.tensor}` has other values in the recompute: the optimizer (or something "
-                        f"else that updates every parameter) ran between this forward and its backward (region "
+                        f"the parameter `{r.cause.tensor}` has other values in the recompute: {_UPDATED} (region "
                         f"{lead.region}, {lead.module or '?'}: {lead.cause.tensor} changed)", list(r.cause.evidence),
                         OPTIMIZER_STEP)
         r.suggestions = list(lead.suggestions)
@@ -328,8 +329,7 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return Cause("state_mutation", f"parameters ({len(moved)} of {len(params)} read by the region)",
                  f"{len(moved)} of the {len(params)} parameters the region reads have other values in the recompute: "
-                 "the optimizer (or something else that updates every parameter) ran between this forward and its "
-                 "backward", [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
+                 + _UPDATED, [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
 
 
 def _saved_views(report: RegionReport, region: Region) -> set[str]:

@@ -482,7 +482,7 @@ def _position_values_differ(pos, other, cmp: PassComparison) -> bool:
     if pos.origin == "op":
         # a copy op a hook made (a compiled graph's saved `detach`) stands for what it copies, in either pass
         paired = cmp.rec_to_fwd.get(other.op_index)
-        if other.origin != "op" or paired != pos.op_index and paired != cmp.forward_through.get(pos.op_index):
+        if other.origin != "op" or paired not in (pos.op_index, cmp.forward_through.get(pos.op_index, pos.op_index)):
             # a different tensor took this position (a shifted sequence torch may not see), unless its values are
             # measured alike (a table the forward built and kept, which the recompute reads as it is)
             return not alike
