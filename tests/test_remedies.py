@@ -103,6 +103,19 @@ def test_no_ac_by_glob_names_the_regions_as_the_report_does(patched):
     assert [(r["region"], r["what"]) for r in patch.summary()] == [("layers.1", "AC off")]
 
 
+def test_no_ac_takes_a_checkpoint_sequential_segment_by_the_name_the_report_gives_it(patched, tmp_path):
+    """The report names checkpoint_sequential's regions "segment 0-1"; `fix` tried `--no-ac 'segment 0-1'`, which
+    matched nothing (the patch named the segment "0..1" and matched its modules only)."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        grads(Net("sequential", layers=4))
+    names = sorted({r.module for r in ac_diff.diagnose_paths([path]).regions})
+    assert names == ["segment 0-1"], names  # (torch runs the last segment without checkpointing)
+    patch = patched(RemedySpec(no_ac=["segment 0-1"]))
+    assert same(grads(Net("sequential", layers=4)), grads(Net("none", layers=4)))
+    assert [(r["region"], r["what"]) for r in patch.summary()] == [("segment 0-1", "AC off")]
+
+
 def test_preserve_rng_makes_dropout_under_preserve_rng_state_false_match_no_ac(patched):
     reference = grads(Net("none"))
     assert not same(grads(Net("checkpoint", preserve_rng_state=False)), reference)  # the real mechanism

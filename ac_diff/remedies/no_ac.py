@@ -1,6 +1,7 @@
 """`--no-ac GLOB`: regions whose module matches run without checkpointing (the reference run: "*").
 
     NoAC(["layers.1"]).apply(call)   # call.bypass is True for layers.1 (and a segment containing it)
+    NoAC(["segment 0-3"]).apply(call)  # ... for checkpoint_sequential's segment of modules 0 to 3, as reports name it
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class NoAC:
 
     def apply(self, call: CheckpointCall) -> str | None:
         """What was done to this call ("AC off"), or None when the region does not match."""
-        if any(matches(name, self.globs) for name in (call.modules or [call.region])):
+        if any(matches(name, self.globs) for name in (*call.modules, call.region)):  # (a segment by its name too)
             call.bypass = True
             return "AC off"
         return None

@@ -151,7 +151,7 @@ class CheckpointPatch:
             self.stack.name_by_index(functions)
             names = [self.stack.name_of(m) for m in functions[start:end + 1] if isinstance(m, torch.nn.Module)]
             if names:
-                return (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"), names
+                return f"segment {start}-{end}", names  # (the recorder's name for it, which the report shows)
         module, _ = checkpointed_module(function)
         if module is not None:
             name = self.stack.name_of(module)
