@@ -220,8 +220,10 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     run it struck, and how many regions were never checked and why."""
     stopped = next((r for r in runs if r.source == "trace" and r.exit_status in ("exception", "interrupted")), None)
     unchecked = [r for r in regions if r.status == UNCHECKED]
-    # watched forwards never compared have no region report of their own: counted in watch's totals
-    never_watched = sum(u for _, _, u in stopped.watch["modules"].values()) if stopped and stopped.watch else 0
+    # watched regions have no region report of their own unless they diverged: counted in watch's totals
+    # [compared, diverged, never compared]
+    totals = list(stopped.watch["modules"].values()) if stopped and stopped.watch else []
+    never_watched = sum(u for _, _, u in totals)
     if stopped is None or not (unchecked or never_watched):
         return None
     mine = [r for r in regions if r.path == (stopped.path or stopped.source)] or regions
@@ -237,8 +239,7 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
         at = "before any region was recomputed"
     else:
         at = ""
-    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + (
-        sum(c - d for c, d, _ in stopped.watch["modules"].values()) if stopped.watch else 0)  # (watched clean)
+    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + sum(c - d for c, d, _ in totals)
     why: dict[str, int] = {}
     for r in unchecked:
         reason = r.unchecked_reason or "not compared"
