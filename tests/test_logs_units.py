@@ -12,7 +12,7 @@ import pytest
 
 from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log, parse_text
 from ac_diff.logs.dump import classify_dump_line, frame_source, S_FOOTER, S_TRACES_FWD
-from ac_diff.logs.errors import classify_error_line
+from ac_diff.logs.errors import classify_error_line, refused_op
 from ac_diff.logs.lines import ReadStats, iter_lines, split_segments, strip_prefix
 from ac_diff.logs.args import parse_args
 from ac_diff.logs.meta import DTYPE_ABBRS, parse_device, parse_metadata, parse_shape, short_dtype
@@ -279,6 +279,17 @@ def test_iter_lines_cr_crlf_long_lines_and_bad_bytes():
 ])
 def test_classify_error_line(text, expected):
     assert classify_error_line(text) == expected
+
+
+@pytest.mark.parametrize("text,op", [
+    ("RuntimeError: aten.arange.start_step encountered during backward but not found in storage. This can happen",
+     "aten.arange.start_step"),
+    ("aten.mm.default invocation index 1 encountered during backward but not found in storage.", "aten.mm.default"),
+    ("RuntimeError: aten.mm.default encountered during backward, but not found in storage", "aten.mm.default"),
+    ("RuntimeError: Tensor cached during selective activation checkpoint has been mutated", None),
+])
+def test_the_op_selective_ac_refused_is_read_from_its_error(text, op):
+    assert refused_op(text) == op
 
 
 @pytest.mark.parametrize("text", [

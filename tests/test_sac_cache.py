@@ -80,3 +80,53 @@ def test_the_same_change_without_the_cache_diverges(tmp_path):
     assert report["verdict"] == "diverged"
     diverged = [r for r in report["regions"] if r["status"] == "diverged"]
     assert diverged and diverged[0]["cause"]["tensor"].endswith("moe.expert_bias")
+
+
+class Branching(nn.Module):
+    """Shifts its activations while `shift` is set: a Python attribute the recompute reads as it is then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.shift = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.shift:
+            h = h + 1.0  # (the branch the recompute takes: an op that saves nothing, so torch's own check is silent)
+        return torch.relu(h)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    aten = torch.ops.aten
+    return CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.addmm.default) \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("mode", ["full", "watch"])
+def test_a_recompute_that_takes_a_branch_selective_ac_refuses_diverged_there(tmp_path, mode):
+    """`shift` is set between the forward and the backward: the recompute runs an extra `add`, which selective AC's
+    storage does not hold, and torch raises "aten.add.Tensor encountered during backward but not found in storage",
+    naming no region. The report names the region, the branch and the attribute, not "the recompute raised"."""
+    torch.manual_seed(0)
+    block, x = Branching(), torch.randn(4, 8, requires_grad=True)
+    context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    options = {"watch": True, "watch_full_steps": 0} if mode == "watch" else {}
+    with pytest.raises(RuntimeError, match="not found in storage"):
+        with ac_diff.record(tmp_path / "trace-rank0.jsonl", **options):
+            out = checkpoint(block, x, use_reentrant=False, context_fn=context)
+            block.shift = True
+            out.sum().backward()
+    report = ac_diff.diagnose_paths([str(tmp_path)]).to_json()
+    assert report["verdict"] == "diverged"
+    assert [(e["kind"], e["region"]) for e in report["torch_errors"]] == [("sac_not_found", 0)]
+    region = report["regions"][0]
+    assert region["status"] == "diverged", region.get("unchecked_reason")
+    if mode == "watch":  # no ops recorded: the error is what says it diverged
+        return
+    assert region["cause"]["kind"] == "control_flow" and "shift" in region["cause"]["detail"]
+    branch = region["first_control_divergence"]
+    assert branch["op"] == "aten.relu.default" and branch["recompute_index"] is not None
+    line = Branching.forward.__code__.co_firstlineno + 3
+    assert "aten.add.Tensor" in branch["summary"] and f"test_sac_cache.py:{line} in forward" in branch["summary"]
+    assert "selective AC refused" in branch["summary"]

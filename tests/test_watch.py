@@ -741,6 +741,29 @@ def test_a_watched_run_that_stops_before_its_recomputes_is_never_clean(tmp_path)
     assert "the run stopped first" in report.watch["text"]
 
 
+def test_an_escalated_module_whose_full_recording_was_never_compared_is_not_said_to_reproduce(tmp_path):
+    """Both layers diverge in step 3 (a buffer updated in their forward), so step 4 records them in full; step 4's
+    targets have another batch size and the script stops before its backward. The report said the full recording
+    "reproduced its saved tensors in all 1 recorded region(s): the divergence did not recur"."""
+    torch.manual_seed(0)
+    model = Net(drift_after=4)
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(ValueError, match="batch_size"):
+        with ac_diff.record(path, **WATCH):
+            for step in range(1, 5):
+                out = model(torch.randn(2, 6, 16, requires_grad=True)).mean(1)
+                target = torch.zeros(2 if step < 4 else 3, dtype=torch.long)
+                nn.functional.cross_entropy(out, target).backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged", report.headline
+    assert [(e["diverged_step"], e["from_step"], e["full_regions"], e["full_clean"]) for e in
+            report.watch["escalated"]] == [(3, 4, 1, 0)] * 2
+    assert "reproduced" not in report.watch["text"].split("; ", 1)[1], report.watch["text"]
+    watched = [r for r in report.regions if r.watched and r.status == "diverged"]
+    assert watched and all("none of its 1 region(s) was compared" in " ".join(r.notes) and
+                           "did not recur" not in r.cause.detail for r in watched)
+
+
 class NestedBlocks(nn.Module):
     """Each block checkpoints its inner layer inside its own checkpointed region (nested AC)."""
 

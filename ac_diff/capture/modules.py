@@ -6,6 +6,7 @@ recompute re-enters the same modules through their ordinary `__call__`:
 
     stack = ModuleStack(); stack.install()
     model(x)            # while layers.1.moe.router.gate runs: stack.current() == "layers.1.moe.router.gate"
+    stack.raised_in(exc)  # the innermost module an exception left: "layers.1.attn.rotary"
 
 Wrapper segments that users never wrote (`_checkpoint_wrapped_module`, `_orig_mod`,
 `_fsdp_wrapped_module`) are stripped, so `layers.1._checkpoint_wrapped_module.moe` reads `layers.1.moe`.
@@ -19,6 +20,7 @@ must name modules alike) names never change.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -73,6 +75,11 @@ class ModuleStack:
             self._local.stack = []
             return self._local.stack
 
+    def raised_in(self, exc: BaseException) -> str | None:
+        """The innermost module `exc` left, as this thread's exit hooks saw it pass (None if none did)."""
+        raised = getattr(self._local, "raised", None)
+        return raised[1] if raised is not None and raised[0] == id(exc) else None
+
     def current(self) -> str | None:
         s = self.stack()
         return s[-1][1] if s else None
@@ -112,6 +119,10 @@ class ModuleStack:
 
     def _post(self, module: nn.Module, args, output) -> None:
         stack = self.stack()
+        if output is None:  # (after an exception torch calls this hook inside its `except`, with no output)
+            exc = sys.exc_info()[1]
+            if exc is not None and getattr(self._local, "raised", (None,))[0] != id(exc):
+                self._local.raised = (id(exc), self._names.get(module))  # the innermost module it left
         # Pop down to this module: a module whose forward raised may not have been popped.
         while stack:
             top, name = stack.pop()

@@ -51,7 +51,7 @@ from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, Unguarded
 from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
-from .sourceline import user_source
+from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                                    checkpointed_module, frame_options, sequential_segment)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
@@ -460,11 +460,13 @@ class Recorder:
             return  # a pass enter() did not start (traced by torch.compile)
         p = passes.pop()
         stack = self.modules.stack()
+        stopped_early = isinstance(exc, STOP_RECOMPUTATION) if STOP_RECOMPUTATION else False
+        if exc is not None and not stopped_early and p.watch is None and p.region.recorded:
+            p.state["raised_in"] = {"module": self.modules.raised_in(exc), "source": raised_at(exc)}  # where it raised
         if p.pushed is not None and stack and stack[-1][0] is p.pushed:
             stack.pop()
         if p.pushed_mode and self.options.scope != "all":
             self._mode.__exit__(None, None, None)
-        stopped_early = isinstance(exc, STOP_RECOMPUTATION) if STOP_RECOMPUTATION else False
         complete = exc is None or stopped_early
         if p.phase == FORWARD:
             self._kept.forward_ended(p.region, p.inputs)

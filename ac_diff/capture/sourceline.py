@@ -1,6 +1,7 @@
 """The user's source line for the op dispatching now: the innermost frame outside torch and ac-diff.
 
     user_source()  ->  "examples/tiny_moe.py:57 in forward"
+    raised_at(exc) ->  "examples/rope.py:23 in _inv"   (where an exception left the user's code)
 
 Results are cached per (code object, line), so the cost per op is a short frame walk.
 """
@@ -68,3 +69,17 @@ def user_source(start_depth: int = 2) -> str | None:
         text = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         _formatted[key] = text
     return text
+
+
+def raised_at(exc: BaseException) -> str | None:
+    """The innermost user frame of `exc`'s traceback (where it left the user's code), or None."""
+    tb, hit = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not is_internal(code.co_filename):
+            hit = (code, tb.tb_lineno)
+        tb = tb.tb_next
+    if hit is None:
+        return None
+    code, line = hit
+    return f"{short_path(code.co_filename)}:{line} in {code.co_name}"

@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
-from ..passes import Pass, Position, Region, TensorMeta, TorchError, op_count
+from ..logs.errors import SAC_NOT_FOUND, refused_op
+from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
 from ..stateflags import flag_value
@@ -89,6 +90,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                    "the log holds no op of this region that both passes list (it starts or ends inside the dump), "
                    "and no torch error about it: nothing to compare")
         return report
+    rec = with_refused_op(rec, torch_error)
     cmp = compare_passes(fwd, rec, settings.tolerance, whole=region.passes_whole, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
     report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
@@ -100,7 +102,13 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             f, r = by_call
             report.first_shape_divergence = divergence_of(
                 "shape", PairDiff(Pair(f.index, r.index, "match"), f, r, kinds={"args"}), cmp)
-    report.first_control_divergence = divergence_of("control", cmp.first("control"), cmp)
+    refused = _refused_instead(cmp, rec, region.recompute)
+    report.first_control_divergence = divergence_of("control", refused or cmp.first("control"), cmp)
+    if refused is not None:
+        r = refused.recompute
+        report.first_control_divergence.summary = (
+            f"the forward ran {op_label(refused.forward)} where the recompute ran {r.op} in {where(r.module, r.source)}, "
+            "which selective AC refused (its forward saved no such op): torch raised there")
     report.first_argument_divergence = divergence_of("argument", cmp.first("argument"), cmp)
     report.changed_inputs = [
         {"kind": f.kind, "name": f.name, "meta": str(f.meta), "forward": f.fingerprint,
@@ -189,6 +197,31 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     elif report.status == CLEAN:
         explain_flags(report, region, torch_version)
     return report
+
+
+def with_refused_op(rec: Pass, torch_error: TorchError | None) -> Pass:
+    """The recompute with, last, the op selective AC refused to run in it (its error names it: the forward saved no
+    such op there, the recompute took another path), where it raised: in the module and at the line the recorder
+    noted. The recompute as it is where its error is another."""
+    op = refused_op(torch_error.message) if torch_error is not None and torch_error.kind == SAC_NOT_FOUND else None
+    if op is None or not rec.state.get("error") or rec.complete:
+        return rec
+    where = rec.state.get("raised_in") or {}
+    index = rec.ops[-1].index + 1 if rec.ops else op_count(rec)
+    return replace(rec, ops=[*rec.ops, OpRecord(index, op, where.get("module"), where.get("source"))])
+
+
+def _refused_instead(cmp: PassComparison, rec: Pass, recorded: Pass) -> PairDiff | None:
+    """Where the recompute ends on the op selective AC refused (`with_refused_op`): that op in place of the forward's
+    next one after the last both ran (the branch the recompute took there), or None."""
+    if rec is recorded or not rec.ops:
+        return None
+    refused = rec.ops[-1]
+    last = max((f for r, f in cmp.rec_to_fwd.items() if r < refused.index), default=-1)
+    instead = next((f for f in cmp.forward_ops if f.index > last), None)
+    if instead is None:
+        return None
+    return PairDiff(Pair(instead.index, refused.index, "substituted"), instead, refused, kinds={"control"})
 
 
 def outliving_differ(fwd: Pass, cmp: PassComparison) -> str | None:

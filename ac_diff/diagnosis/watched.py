@@ -5,7 +5,7 @@ recording of its module that followed (escalation).
     watch = watch_summary(runs, reports)   # -> Report.watch
     {"steps": 1000, "compared": 4000, "diverged": 4, "clean": 3996, "never_compared": 0, "full_from_step": None,
      "escalated": [{"module": "layers.1", "diverged_step": 3, "region": 17, "from_step": 4,
-                    "full_regions": 8, "full_diverged": 8, "lead": 21}],
+                    "full_regions": 8, "full_diverged": 8, "full_clean": 0, "lead": 21}],
      "text": "watched 4,000 region(s) over 1,000 step(s): 3,996 reproduced their saved tensors, 4 diverged; ..."}
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..passes import Region, Run
-from ..report import DIVERGED, Cause, RegionReport
+from ..report import CLEAN, DIVERGED, Cause, RegionReport
 from .labels import module_label, number_ranges
 
 WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
@@ -62,6 +62,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
                               ("diverged_step", "region", "from_step", "why")},
                               "full_regions": len(mine), "full_diverged": len(bad),
+                              "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
                "never_compared": never,
@@ -91,7 +92,7 @@ def _text(s: dict[str, Any]) -> str:
                      f"run again with --full-from-step {e['diverged_step']} to record that step in full")
         else:
             found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
-                     if e["full_diverged"] else f"all {e['full_regions']} reproduced their saved tensors")
+                     if e["full_diverged"] else _reproduced(e))
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
                 text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
                          f"tensors than its forward, so it stays recorded in full: {found}")
@@ -101,6 +102,17 @@ def _text(s: dict[str, Any]) -> str:
     if s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
     return text
+
+
+def _reproduced(e: dict[str, Any]) -> str:
+    """What the full recording of an escalated module found where none of its regions diverged."""
+    clean, n = e.get("full_clean", e["full_regions"]), e["full_regions"]
+    why = "never recomputed, or the recompute stopped early"
+    if clean == n:
+        return f"all {n} reproduced their saved tensors"
+    if not clean:
+        return f"none of its {n} region(s) was compared ({why})"
+    return f"{clean} of {n} reproduced their saved tensors, {n - clean} never compared ({why})"
 
 
 def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]]) -> None:
@@ -118,11 +130,13 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         elif e["full_diverged"]:
             where = (f"{e['module']} was recorded in full from step {e['from_step']} on: region {e['lead']} shows the "
                      "first divergent op and the cause")
+        elif not e["full_clean"]:
+            where = f"{e['module']} was recorded in full from step {e['from_step']} on, but {_reproduced(e)}: {again}"
         else:
-            where = (f"{e['module']} was recorded in full from step {e['from_step']} on and reproduced its saved "
-                     f"tensors in all {e['full_regions']} recorded region(s): the divergence did not recur there (a "
-                     f"rare event: a near-tie, a nondeterministic kernel, a state that changed once; or a write "
-                     f"behind torch's back, through `.data` or numpy, that full recording does not see); {again}")
+            where = (f"{e['module']} was recorded in full from step {e['from_step']} on: {_reproduced(e)}: the "
+                     f"divergence did not recur there (a rare event: a near-tie, a nondeterministic kernel, a state "
+                     f"that changed once; or a write behind torch's back, through `.data` or numpy, that full "
+                     f"recording does not see); {again}")
         r.notes.append(where)
         if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"

@@ -123,11 +123,15 @@ def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
     """The CheckpointErrors a recorded process raised, parsed from the texts its trace kept: the
     check_error records, else an uncaught CheckpointError / RuntimeError, else a recompute's error."""
     messages = [(c.get("message", ""), c.get("region")) for c in check_errors]
+    raised = [(region.recompute.state["error"], region.region) for region in run.regions
+              if region.recompute is not None and region.recompute.state.get("error")]
     if run.exc_type in ("CheckpointError", "RuntimeError") and not messages:
-        messages.append((run.exc_message or "", None))
-    for region in run.regions:
-        if region.recompute is not None and region.recompute.state.get("error") and not messages:
-            messages.append((region.recompute.state["error"], region.region))
+        # the uncaught error is the one a recompute raised, where it is that region's (selective AC's, raised in the
+        # recompute, not by torch's check after it)
+        message = run.exc_message or ""
+        messages.append((message, next((n for text, n in raised if message and message[:1000] in text), None)))
+    if not messages and raised:
+        messages.append(raised[0])
     found: list[TorchError] = []
     for message, region_number in messages:
         for err in parse_text(message).errors:

@@ -86,6 +86,17 @@ def version_check(message: str | None) -> tuple[tuple[int, ...], int, int] | Non
     return shape, int(hit.group(2)), int(hit.group(3))
 
 
+_REFUSED_OP = re.compile(r"([A-Za-z_][\w.]*)(?: invocation index \d+)? encountered during backward,? but not found in storage")
+
+
+def refused_op(message: str | None) -> str | None:
+    """The op selective AC's recompute ran that its forward did not save, where `message` is that error (the
+    recompute took another path): `refused_op("aten.arange.start_step encountered during backward but not found in
+    storage. ...")` -> "aten.arange.start_step"."""
+    hit = _REFUSED_OP.search(message or "")
+    return hit.group(1) if hit else None
+
+
 def classify_error_line(text: str) -> tuple | None:
     """What an error-related segment is, or None (see the module docstring)."""
     c = text[0]
