@@ -117,3 +117,36 @@ def test_a_counter_the_first_call_creates_is_named_too(tmp_path):
     cause = ac_diff.diagnose_paths([str(tmp_path)]).to_json()["regions"][0]["cause"]
     assert cause["kind"] == "state_mutation" and cause["tensor"] == "blocks.0.step", cause
     assert "was unset in the forward and 1 in the recompute" in cause["detail"] and "counts twice" in cause["detail"]
+
+
+class SdpaBlock(nn.Module):
+    """Attention that hands its dropout module's `p` to the fused kernel and never calls that module (as HF's SDPA
+    attention does): its probability is read by the parent's code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(8, 24), nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        p = self.dropout.p if self.training else 0.0
+        return x + nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+
+
+def test_an_annealed_probability_of_a_dropout_module_never_called_is_named(tmp_path):
+    """A dropout schedule sets every nn.Dropout's `p` for the next step before the backward: the recompute draws with
+    another probability. The changed `p` belongs to a module the region never calls; it was reported as "a Python
+    value passed to aten.bernoulli_.float"."""
+    torch.manual_seed(0)
+    block = SdpaBlock()
+    with ac_diff.record(tmp_path / "trace-rank0.jsonl"):
+        loss = checkpoint(block, torch.randn(2, 5, 8, requires_grad=True), use_reentrant=False).pow(2).sum()
+        for m in block.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.08  # the next step's probability
+        loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path])
+    lead = report.lead_groups()[0][0]
+    assert report.verdict == "diverged" and lead.cause.kind == "state_mutation", report.headline
+    assert lead.cause.tensor == "dropout.p", lead.cause  # (named as the module would name it, were it called)
+    assert "0.1 in the forward and 0.08 in the recompute" in lead.cause.detail

@@ -40,6 +40,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
 from .kept_inputs import KeptInputs
 from .modules import ModuleStack
+from .fqn import clean_fqn
 from .pystate import UNSET, GlobalReads, module_attributes
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
@@ -181,6 +182,7 @@ class _Pass:
     globals: dict[str, Any] = field(default_factory=dict)
     global_readers: dict[str, list] = field(default_factory=dict)
     codes_seen: set = field(default_factory=set)  # (forward function, module class) whose globals were read
+    children_noted: set = field(default_factory=set)  # id() of modules whose children's attributes were read
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
     # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
     # such a pass is never compared as whole (see `_lose`)
@@ -742,6 +744,13 @@ class Recorder:
         for key, value in attrs.items():
             p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
         p.attribute_calls.append((module, prefix, attrs))
+        if id(module) not in p.children_noted:  # its children's too (once a pass): a parent's code reads a child
+            p.children_noted.add(id(module))  # it never calls (HF's SDPA attention passes `self.dropout.p`)
+            for key, child in module._modules.items():
+                if child is not None:
+                    child_prefix = clean_fqn(f"{fqn}.{key}" if fqn else key) + "."
+                    for name, value in module_attributes(child).items():
+                        p.attributes.setdefault(child_prefix + name, value[:200] if type(value) is str else value)
 
     def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
         """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""

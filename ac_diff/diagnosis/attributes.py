@@ -43,6 +43,7 @@ class AttributeChange:
     recompute_update: list | None = None
     hooks: list[str] = field(default_factory=list)  # the module's forward pre-hooks
     readers: list[str] = field(default_factory=list)  # a global: the functions reading it ("model.py in forward")
+    uncalled: bool = False  # an attribute of a module that ran no op: the code around it reads it (`self.dropout.p`)
 
     @property
     def counted_twice(self) -> bool:
@@ -60,7 +61,11 @@ class AttributeChange:
         if self.is_global:
             return bool(op.source) and _function_of(op.source) in self.readers
         module = self.name.rsplit(".", 1)[0] if "." in self.name else ""
-        return op.module is not None and (op.module == module or op.module.startswith(module + "."))
+        if op.module is None:
+            return False
+        if self.uncalled and op.module == (module.rsplit(".", 1)[0] if "." in module else ""):
+            return True  # (its parent's code: the module itself never ran)
+        return op.module == module or op.module.startswith(module + ".")
 
 
 def _function_of(source: str) -> str:
@@ -75,12 +80,15 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     if fwd is None or rec is None:
         return []
     out = []
+    ran = {op.module for op in fwd.ops}
     for name, value in fwd.attributes.items():
         if name in rec.attributes and rec.attributes[name] != value:
             f_up, r_up = fwd.attribute_updates.get(name), rec.attribute_updates.get(name)
             hooks = list((f_up or r_up or [None, None, []])[2] or [])
+            module = name.rsplit(".", 1)[0]
+            uncalled = "." in name and not any(m == module or m.startswith(module + ".") for m in ran if m)
             out.append(AttributeChange(name, value, rec.attributes[name], f_up[:2] if f_up else None,
-                                       r_up[:2] if r_up else None, hooks))
+                                       r_up[:2] if r_up else None, hooks, uncalled=uncalled))
     for name, value in fwd.globals.items():
         if name in rec.globals and rec.globals[name] != value:
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
