@@ -110,6 +110,9 @@ class PositionRow:
         return _scalar_fields(self)
 
 
+UPDATED_IN_FORWARD = "updated_in_forward"  # Cause.mechanism: state the region's own forward updates in place
+
+
 @dataclass(slots=True)
 class Cause:
     kind: str  # state_mutation, rng, nondeterministic_op, global_state, control_flow, sharded_parameter, unknown
@@ -119,7 +122,8 @@ class Cause:
     # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
     # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under
-    # control_flow), input, input_written (the region writes its own input in place), tensor; None otherwise
+    # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
+    # (UPDATED_IN_FORWARD), tensor; None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
     # every piece of state it names, `tensor` first (each dropout's `p` a scheduler moved): what a restore must cover

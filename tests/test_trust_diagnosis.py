@@ -206,7 +206,7 @@ def test_optimizer_step_between_forward_and_backward_is_a_whole_model_update(scr
         assert region["cause"]["kind"] == "state_mutation" and region["cause"]["mechanism"] == "optimizer_step"
         assert "optimizer" in region["cause"]["detail"]
         titles = [s["title"] for s in region["suggestions"]]
-        assert titles[0] == "Step the optimizer after all backward passes of the accumulation window"
+        assert titles[0] == "Update the parameters only after the backward of every forward that read them"
         assert "router" not in json.dumps(region["suggestions"])
 
 
@@ -431,6 +431,39 @@ def test_a_buffer_a_parametrization_updates_through_out_is_named_by_its_path_and
     assert "the region's own forward updates it in place (aten.div.out" in lead.cause.detail, lead.cause.detail
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_fix_for_a_parametrizations_own_update_is_one_that_makes_the_region_clean(tmp_path, reentrant):
+    """The fix said "Update `fc.parametrizations.weight.0._v` after the backward", which a user of spectral_norm
+    cannot do (torch's parametrization updates it). It now says to compute the weight once per step under
+    parametrize.cached(), and doing what it says makes the same region reproduce its forward."""
+    import torch.nn.utils.parametrize as P
+
+    torch.manual_seed(0)
+    model, x = _Disc(reentrant), torch.randn(4, 8, requires_grad=True)
+    path = tmp_path / "before.jsonl"
+    with ac_diff.record(path):
+        model(x).pow(2).sum().backward()
+    fix = ac_diff.diagnose_paths([path]).lead_groups()[0][0].suggestions[0]
+    assert fix.title == "Compute `blk.fc.weight` once per step, outside the checkpointed region", fix.title
+    assert "P.cached()" in fix.code and "P.is_parametrized(m)" in fix.code
+    path = tmp_path / "after.jsonl"
+    with ac_diff.record(path), P.cached():  # what the fix's code does
+        for m in model.modules():
+            if P.is_parametrized(m):
+                m.weight
+        model(x).pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline
+
+
+def test_the_fix_for_a_buffer_the_regions_forward_updates_says_the_recompute_runs_the_update_again(tmp_path):
+    torch.manual_seed(0)
+    lead = _record(tmp_path, _EmaHead(), torch.randn(4, 8)).lead_groups()[0][0]
+    fix = lead.suggestions[0]
+    assert fix.title == f"Update `{lead.cause.tensor}` after the backward, not between forward and backward", fix
+    assert "the recompute runs that update again" in fix.text and "router" not in fix.code, fix
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -505,7 +538,7 @@ def test_regions_with_one_changed_parameter_share_the_optimizer_step_other_regio
         cause = diverged[name].cause
         assert (cause.kind, cause.mechanism, cause.tensor) == ("state_mutation", "optimizer_step", f"{name}.weight"), \
             (name, cause)
-        assert diverged[name].suggestions[0].title.startswith("Step the optimizer after all backward passes")
+        assert diverged[name].suggestions[0].title.startswith("Update the parameters only after the backward")
 
 
 class _ClipOnce(nn.Module):

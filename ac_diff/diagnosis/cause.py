@@ -24,7 +24,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region
-from ..report import Cause, Divergence, RegionReport
+from ..report import UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source
 from .dataflow import data_path, decision_path, upstream
@@ -111,10 +111,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         if top["kind"] == "input":
             detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
                       "modified tensor)")
+        in_forward = bool(writer and writer[1] == "forward")
+        names = [] if top["kind"] == "input" else _module_state(top["name"], changed)
+        if in_forward:  # a restore must cover all the state the region updates (spectral norm's _u with its _v)
+            names = list(dict.fromkeys([*names, *(n for n, _ in cmp.region_updates() if n and _STATE_NAME.fullmatch(n))]))
         return Cause("state_mutation", top["name"], detail, evidence,
-                     mechanism={"input": "input", "param": PARAMETER}.get(top["kind"], "tensor") if not (
-                         writer and writer[1] == "forward") else "tensor",
-                     names=[] if top["kind"] == "input" else _module_state(top["name"], changed))
+                     mechanism=UPDATED_IN_FORWARD if in_forward else
+                     {"input": "input", "param": PARAMETER}.get(top["kind"], "tensor"), names=names)
 
     attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
     if attribute is not None:

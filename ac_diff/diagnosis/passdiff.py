@@ -178,6 +178,13 @@ class PassComparison:
         return [d for d in self.diffs if d.kinds and d.forward is not None and d.recompute is not None
                 and is_outside_update(d.forward)]
 
+    def region_updates(self) -> list[tuple[str | None, OpRecord]]:
+        """(name, the forward's op) of each outside tensor the region's own ops update in place, once each: those
+        both passes updated with other values, then those the region updates before reading them."""
+        updates = [(d.forward.input_refs[0].name, d.forward) for d in self.repeated_updates()]
+        return updates + [(name, op) for (_, name), op in self.self_updated.items()
+                          if not any(n == name for n, _ in updates)]
+
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    whole: bool = True, reentrant: bool = False) -> PassComparison:

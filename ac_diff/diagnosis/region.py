@@ -136,10 +136,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                                 "the forward's and outlived the region (its output, or a tensor its code kept)")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
-    updates = [(d.forward.input_refs[0].name, d.forward) for d in cmp.repeated_updates()]
-    updates += [(name, op) for (_, name), op in cmp.self_updated.items()
-                if not any(n == name for n, _ in updates)]
-    for name, op in updates:
+    for name, op in cmp.region_updates():
         report.side_effects.append(
             f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")

@@ -15,7 +15,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import packet
 from ..passes import OpRecord, Region
-from ..report import RegionReport, Suggestion
+from ..report import UPDATED_IN_FORWARD, RegionReport, Suggestion
 from .attributes import attribute_suggestion
 
 
@@ -61,6 +61,15 @@ def sac_policy(ops: list[str], torch_version: str | None = None) -> str:
 
 # The code that gives a recompute its torch.Generator's forward state, and then puts the generator back where it
 # stood (a generator shared by several regions, or drawn from after the backward, must not be rewound).
+# A parametrization's weight (spectral_norm's, which updates its state each time it is computed) computed once per
+# step, outside the checkpointed regions: the forward and the recompute read the same cached tensor
+PARAMETRIZED_ONCE = (
+    "import torch.nn.utils.parametrize as P\n\n"
+    "with P.cached():  # the forward and the backward (its recompute) inside\n"
+    "    for m in model.modules():\n        if P.is_parametrized(m):\n"
+    "            m.weight  # computed here, once, outside every checkpointed region\n"
+    "    loss = loss_fn(model(batch))\n    loss.backward()")
+
 GENERATOR_SWAP = (
     "def block_fn(x, gen_state):\n"
     "    now = gen.get_state()\n"
@@ -104,13 +113,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                  if kind in ("state_mutation", "control_flow") and cause and cause.tensor else None)
     if kind == "state_mutation" and mechanism == "optimizer_step":
         out.append(Suggestion(
-            "Step the optimizer after all backward passes of the accumulation window",
+            "Update the parameters only after the backward of every forward that read them",
             "The parameters changed between this region's forward and its backward, so the recompute ran with the "
-            "updated weights. With gradient accumulation or a micro-batch schedule, call optimizer.step() (and "
-            "zero_grad(), EMA/weight updates, parameter clipping in place) only after every micro-batch's backward "
-            "has run, never between one micro-batch's forward and its backward.",
+            "updated weights. Call optimizer.step() (and zero_grad()), clip weights in place (`p.data.clamp_`, "
+            "a WGAN critic's), or copy an EMA into the model only after every forward that read them has run its "
+            "backward: with gradient accumulation or a micro-batch schedule, after the window's last backward; "
+            "never between one forward and its backward.",
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
-            "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()"))
+            "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()\n"
+            "for p in model.parameters():\n    p.data.clamp_(-c, c)  # weight clipping: here too, not before a backward"))
     elif attribute is not None:
         out.append(attribute)
     elif kind == "state_mutation" and cause is not None:
@@ -124,6 +135,17 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "recompute). A value drawn at random on the host (np.random, random) inside the region: draw it "
                 "before the checkpoint call and pass it in.",
                 "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
+        elif mechanism == UPDATED_IN_FORWARD and ".parametrizations." in name:
+            owner = name.split(".parametrizations.")[0]
+            out.append(Suggestion(
+                f"Compute `{owner}.weight` once per step, outside the checkpointed region",
+                f"A parametrization of `{owner}` (spectral_norm's power iteration) updates `{name}` each time the "
+                "weight is computed in training mode, so the recompute, which computes it again, starts from the "
+                "updated state and updates it a second time. Enter torch.nn.utils.parametrize.cached() around the "
+                "step and compute the parametrized weights before the checkpointed forward: the forward and the "
+                "recompute then read the same weight (with several forwards per step, the iteration runs once per "
+                "step instead of once per forward).",
+                PARAMETRIZED_ONCE))
         elif mechanism == "input":
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
@@ -133,13 +155,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",
                 f"`{name}` is read by the checkpointed region and changed before its recompute ran, so the "
-                "recompute sees another value. Apply the update after `loss.backward()` - best after "
-                "`optimizer.step()`, e.g. from an optimizer step hook (torchtitan's load-balancing bias update "
-                "runs there) - not in a forward hook or inside forward().",
+                "recompute sees another value" + (
+                    " (the region's own forward, or a hook inside it, updates it: the recompute runs that update "
+                    "again, from the updated value)" if mechanism == UPDATED_IN_FORWARD else "")
+                + ". Keep in the forward what the update needs, and apply it after `loss.backward()` - best after "
+                "`optimizer.step()`, e.g. from an optimizer step hook (where torchtitan updates its MoE "
+                "load-balancing bias) - not in a forward hook or inside forward().",
                 "def update_after_step(optimizer, args, kwargs):\n"
                 "    with torch.no_grad():\n"
-                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here (e.g. a router bias from the "
-                "tokens-per-expert counts)\n\n"
+                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
                 "optimizer.register_step_post_hook(update_after_step)"))
     elif kind == "rng" and mechanism == "host_rng":
         out.append(Suggestion(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..remedies import RemedySpec
-from ..report import DIVERGED, UNCHECKED
+from ..report import DIVERGED, UNCHECKED, UPDATED_IN_FORWARD
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
 # a code change the restore simulates
@@ -78,7 +78,8 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
         return None
     if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]
-    if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute") and c.tensor:
+    if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD) \
+            and c.tensor:
         return "state", [layer_glob(name) for name in [c.tensor, *c.names]]
     return None
 

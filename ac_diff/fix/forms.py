@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..diagnosis.suggest import GENERATOR_SWAP, sac_policy
+from ..diagnosis.suggest import GENERATOR_SWAP, PARAMETRIZED_ONCE, sac_policy
 from .candidates import Candidate
 
 
@@ -41,6 +41,10 @@ def code_for(c: Candidate) -> str:
                 "the code -\n# hand the generator's state to the checkpointed function, which draws from it and, in the "
                 "recompute, puts the generator back\n" + GENERATOR_SWAP + "\n"
                 "# or draw from torch's default generator (preserve_rng_state=True restores it)")
+    if c.kind == "restore" and all(".parametrizations." in name for name in c.spec.restore):
+        return ("# ac-diff restored the forward's parametrization state in every recompute (a simulation): make it so "
+                "in the code -\n# compute the parametrized weights once per step, outside the checkpointed regions\n"
+                + PARAMETRIZED_ONCE)
     if c.kind == "restore":
         names = ", ".join(f"`{name}`" for name in c.spec.restore)
         leaves = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in c.spec.restore))
