@@ -143,6 +143,10 @@ class External:
     meta: TensorMeta
     fingerprint: list[float] | None = None
     first_op: int | None = None
+    # a recompute's external the forward made and kept (a cache its code keeps, found there by the recompute):
+    # (op index, output) in the forward, and its version as the forward ended and as the recompute read it
+    made_by: tuple[int, int] | None = None
+    versions: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

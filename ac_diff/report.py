@@ -111,6 +111,7 @@ class PositionRow:
 
 
 UPDATED_IN_FORWARD = "updated_in_forward"  # Cause.mechanism: state the region's own forward updates in place
+KEPT_OUTPUT_WRITTEN = "kept_output_written"  # ... a tensor the forward made and kept (a cache), changed in place since
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ class Cause:
     # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under
     # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
-    # (UPDATED_IN_FORWARD), tensor; None otherwise
+    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor; None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
     # every piece of state it names, `tensor` first (each dropout's `p` a scheduler moved): what a restore must cover

@@ -464,6 +464,46 @@ def test_the_fix_for_a_buffer_the_regions_forward_updates_says_the_recompute_run
     assert "the recompute runs that update again" in fix.text and "router" not in fix.code, fix
 
 
+class _CachedEmbedding(nn.Module):
+    """Caches a sinusoidal embedding per timestep in a dict, filled by its forward on a miss (a DiT's timestep
+    conditioning): the recompute finds it cached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.cache = nn.Linear(8, 8), {}
+
+    def embedding(self, t: int) -> torch.Tensor:
+        if t not in self.cache:
+            with torch.no_grad():
+                self.cache[t] = torch.sin(torch.arange(8.0) * (t + 1))[None]
+        return self.cache[t]
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) + self.embedding(3))
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_cached_tensor_the_forward_made_and_code_then_scales_in_place_is_the_cause(tmp_path, scaled):
+    """A stranger's DiT: a scheduler scales the cached conditioning in place between the forward and the backward.
+    The report blamed the cache filling up (a dict of 0 entries in the forward, 1 in the recompute: another
+    branch), which alone is harmless (the control: no scaling, clean)."""
+    torch.manual_seed(0)
+    model = _CachedEmbedding()
+
+    def scale():
+        if scaled:
+            model.cache[3].mul_(0.5)
+
+    report = _record(tmp_path, model, torch.randn(4, 8), between=scale)
+    if not scaled:
+        assert report.verdict == "clean", report.headline
+        return
+    lead = report.lead_groups()[0][0]
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "cache[3]", lead.cause
+    assert "made (aten.unsqueeze.default at" in lead.cause.detail and "version went from 0 to 1" in lead.cause.detail
+    assert lead.suggestions[0].title.startswith("Do not modify `cache[3]` in place"), lead.suggestions[0]
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -20,9 +20,11 @@ must name modules alike) names never change.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import weakref
+from itertools import islice
 
 import torch
 import torch.fx
@@ -30,6 +32,10 @@ from torch import nn
 
 from .compiled import skip_when_compiling
 from .fqn import clean_fqn
+
+
+_CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.deque)  # a module's own caches, by type
+_SEARCHED_ITEMS = 64  # items of one container searched for a tensor the region read
 
 
 class ModuleStack:
@@ -92,12 +98,21 @@ class ModuleStack:
 
     def owner_name(self, tensor: torch.Tensor) -> tuple[str, str] | None:
         """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack;
-        ("external", fqn) if it is a plain tensor attribute of one (`self.scale = torch.ones(64)`)."""
-        for module, fqn in reversed(self.stack()):
+        ("external", fqn) if it is a plain tensor attribute of one (`self.scale = torch.ones(64)`), or an item of a
+        dict or list one holds (`self.cache[3]`: a cache its forward fills)."""
+        stack = self.stack()
+        for module, fqn in reversed(stack):
             for kind, table in (("param", module._parameters), ("buffer", module._buffers), ("external", vars(module))):
                 for key, value in table.items():
                     if value is tensor:
                         return kind, f"{fqn}.{key}" if fqn else key
+        for module, fqn in reversed(stack):
+            for key, value in vars(module).items():
+                if type(value) in _CONTAINERS and not key.startswith("_"):
+                    items = value.items() if isinstance(value, dict) else enumerate(value)
+                    for index, item in islice(items, _SEARCHED_ITEMS):
+                        if item is tensor:
+                            return "external", f"{fqn + '.' if fqn else ''}{key}[{index!r}]"
         return None
 
     def name_by_index(self, modules: list) -> None:

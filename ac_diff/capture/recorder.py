@@ -141,6 +141,8 @@ class _Region:
     watch_forward: Any = None  # the forward's WatchedPass
     watch_compared: bool = False
     unwatched: bool = False  # watch mode: a nested checkpoint its parent's recompute ran (not compared, not written)
+    # the tensors its forward made that outlived it (a cache its code keeps): id -> (weakref, op, output, version)
+    kept: dict[int, tuple] | None = None
 
 
 @dataclass
@@ -1000,6 +1002,9 @@ class Recorder:
                 p.externals_per_kind[kind] = n + 1
                 name = f"{kind}[{n}]"
         ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
+        made = p.region.kept.get(key) if p.phase == RECOMPUTE and p.region.kept else None
+        if made is not None and made[0]() is t:  # the forward made it and kept it (a cache): read back, not remade
+            ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], t._version]
         slot = p.batch.add(t, borrowed=True) if self.options.fingerprints else None
         if slot is not None:
             p.ext_slots.append((ext, slot))
@@ -1057,7 +1062,10 @@ class Recorder:
                 region.module = region.fn_name  # the function does more than call that module
         # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
         drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
-        outputs = _outliving(p) if p.phase == FORWARD and region.recorded else None
+        outputs = None
+        if p.phase == FORWARD and region.recorded:
+            region.kept = _outliving(p)
+            outputs = sorted([op, out] for _, op, out, _ in region.kept.values())
         collection = None
         if region.recorded:
             with self.quiet():
@@ -1197,14 +1205,18 @@ def _written_tensors(written: tuple, args: tuple, kwargs: dict | None) -> list:
     return found
 
 
-def _outliving(p: _Pass) -> list[list[int]]:
-    """[op index, output] of each tensor the pass made that is still alive as it ends: the region's outputs and
-    what its code kept (a cache), as opposed to intermediates, freed when the region returned. Not a tensor it read
-    and updated in place (a buffer's running statistic: the recompute's second update is a side effect)."""
+def _outliving(p: _Pass) -> dict[int, tuple]:
+    """Each tensor the pass made that is still alive as it ends, id -> (weakref, op index, output, its version now):
+    the region's outputs and what its code kept (a cache), as opposed to intermediates, freed when the region
+    returned. Not a tensor it read and updated in place (a buffer's running statistic: the recompute's second update
+    is a side effect)."""
     externals = p.external_ids
-    return sorted([e[_P_OP], e[_P_OUTPUT]] for key, e in p.producers.items()
-                  if e[_P_WEAKREF]() is not None
-                  and not (key in externals and externals[key][_E_WEAKREF]() is e[_P_WEAKREF]()))
+    kept = {}
+    for key, e in p.producers.items():
+        t = e[_P_WEAKREF]()
+        if t is not None and not (key in externals and externals[key][_E_WEAKREF]() is t):
+            kept[key] = (e[_P_WEAKREF], e[_P_OP], e[_P_OUTPUT], t._version)
+    return kept
 
 
 def _cached(p: _Pass, index: int) -> bool:

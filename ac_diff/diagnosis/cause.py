@@ -24,7 +24,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region
-from ..report import UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
+from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source
 from .dataflow import data_path, decision_path, upstream
@@ -81,6 +81,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
 
     if "training" in flags:  # the modules' mode flipped: what batch norm reads and updates follows from it
         return _global_state_cause(flags, "training")
+
+    kept = _kept_output_changed(region, cmp)  # before any branch the cache made: it reproduces where unchanged
+    if kept is not None:
+        return kept
 
     first = cmp.first_divergence()
     feeding = set(first.sources) if first is not None else set()
@@ -282,6 +286,33 @@ def _drawing_modules(region: Region) -> list[str]:
 
 
 _STATE_NAME = re.compile(r"[\w.]+")  # a module's buffer or tensor attribute (not `input[0]`, `external[3]`)
+
+
+def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
+    """A tensor the region's forward made and kept (a cache it fills), which the recompute read back instead of
+    making it again, and which holds other values than the forward made (changed in place since: its version)."""
+    fwd, rec = region.forward, region.recompute
+    made = {op.index: op for op in cmp.forward_ops}
+    for ext in rec.externals if rec is not None and fwd is not None else ():
+        op = made.get(ext.made_by[0]) if ext.made_by is not None else None
+        if op is None:
+            continue
+        out = ext.made_by[1]
+        fp = op.fingerprint[out] if op.fingerprint and out < len(op.fingerprint) else None
+        measured = fp is not None and ext.fingerprint is not None
+        written = ext.versions is not None and ext.versions[1] != ext.versions[0]
+        if measured and cmp.tolerance.equal(fp, ext.fingerprint) or not measured and not written:
+            continue
+        named = not ext.name.startswith("external[")
+        versions = f" (its version went from {ext.versions[0]} to {ext.versions[1]})" if written else ""
+        return Cause("state_mutation", ext.name if named else f"{op.op} #{op.index}",
+                     f"the tensor the region's forward made ({op.op} at {where(op.module, op.source)}) and kept"
+                     + (f" in `{ext.name}`" if named else "") + f" was modified in place after the forward{versions}: "
+                     "the recompute reads it back instead of making it again, and gets other values",
+                     [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
+                      f"recompute: read as `{ext.name}`, fingerprint {_fp(ext.fingerprint)}"],
+                     mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
+    return None
 
 
 def _module_state(lead: str, changed: list[dict]) -> list[str]:

@@ -213,6 +213,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     f_source = _pass_through(forward, HOOK_ONLY_OPS)
 
     changed_ext, ext_status, renamed = compare_externals(forward, recompute, tolerance)
+    kept = kept_read_back(forward, recompute, tolerance)
     self_updated, read_updates = _self_updated(f_ops, r_ops, ext_status)
     if self_updated:
         changed_ext = [(f, r) for f, r in changed_ext if _external_key(f.kind, f.name) not in self_updated]
@@ -242,7 +243,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             d.kinds.add("control")
         if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
-            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs)
+            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs, kept)
             d.inputs_same, d.changed_inputs = same, changed
             # a side effect taints what reads its result (`avg.lerp_(x)` then `y / avg`), nothing else
             if r.cached:  # served from selective AC's cache: the forward's own tensors, whatever fed it
@@ -471,10 +472,32 @@ def _plain_args(args: list) -> list:
     return out
 
 
+def kept_read_back(forward: Pass, recompute: Pass, tolerance: Tolerance) -> dict[str, tuple[tuple[int, int], bool]]:
+    """The recompute's externals that the forward made and kept (a cache it fills, found there by the recompute):
+    name -> ((forward op index, output), whether it still holds what the forward made: measured alike, or, where
+    not measured, not written since)."""
+    made = {o.index: o for o in forward.ops}
+    out = {}
+    for e in recompute.externals:
+        op = made.get(e.made_by[0]) if e.made_by is not None else None
+        if op is None:
+            continue
+        j = e.made_by[1]
+        fp = op.fingerprint[j] if op.fingerprint and j < len(op.fingerprint) else None
+        if fp is not None and e.fingerprint is not None:
+            unchanged = tolerance.equal(fp, e.fingerprint)
+        else:
+            unchanged = e.versions is not None and e.versions[0] == e.versions[1]
+        out[e.name] = (e.made_by, unchanged)
+    return out
+
+
 def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd: dict[int, int],
                  ext_status: dict[tuple, bool], f_source: dict[int, int],
-                 tainted_outputs: dict[tuple[int, int], bool] | None = None) -> tuple[bool | None, list[str]]:
-    """Were all inputs of this pair identical? Uses the producers' comparison and the externals'."""
+                 tainted_outputs: dict[tuple[int, int], bool] | None = None,
+                 kept: dict[str, tuple[tuple[int, int], bool]] | None = None) -> tuple[bool | None, list[str]]:
+    """Were all inputs of this pair identical? Uses the producers' comparison and the externals' (`kept`: the
+    forward's own tensors the recompute read back, `kept_read_back`)."""
     if not f.input_refs or not r.input_refs or len(f.input_refs) != len(r.input_refs):
         return None, []
     same = True
@@ -482,7 +505,11 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
     for fr, rr in zip(f.input_refs, r.input_refs):
         if fr.kind == "op":
             source = f_source.get(fr.op_index, fr.op_index)
-            if rr.kind != "op" or rec_to_fwd.get(rr.op_index) != source:
+            if rr.kind != "op":
+                back = (kept or {}).get(rr.name)
+                if back is None or back[0] != (fr.op_index, fr.output) or not back[1]:
+                    same = False  # (else: the tensor that op made, kept and read back as it was)
+            elif rec_to_fwd.get(rr.op_index) != source:
                 same = False
             elif source != fr.op_index:  # a skipped copy (a detach) of that op's output: as that op
                 same = same and not tainted.get(source, False)

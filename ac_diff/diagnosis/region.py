@@ -127,7 +127,11 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         # where they reach neither those nor a tensor that outlives the region (its output, state its code keeps)
         escaped = outliving_differ(fwd, cmp)
         diverged = bool(position_mismatch or position_values or count_mismatch or torch_error or escaped)
-        if first is not None and not diverged:
+        if first is not None and not diverged and first.recompute is None:
+            report.notes.append(f"{first.forward.op} and later ops ran in the forward only (the recompute took "
+                                "another path or found what they made kept), and every saved tensor matched: "
+                                "harmless for the gradients")
+        elif first is not None and not diverged:
             report.notes.append(f"{first.forward.op if first.forward else first.recompute.op} and later ops computed "
                                 "other values in the recompute, but no saved tensor depends on them: harmless "
                                 "for the gradients")

@@ -15,7 +15,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import packet
 from ..passes import OpRecord, Region
-from ..report import UPDATED_IN_FORWARD, RegionReport, Suggestion
+from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, RegionReport, Suggestion
 from .attributes import attribute_suggestion
 
 
@@ -146,6 +146,14 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "recompute then read the same weight (with several forwards per step, the iteration runs once per "
                 "step instead of once per forward).",
                 PARAMETRIZED_ONCE))
+        elif mechanism == KEPT_OUTPUT_WRITTEN:
+            out.append(Suggestion(
+                f"Do not modify `{name}` in place: the region keeps it and its recompute reads it back",
+                "The region's forward made this tensor and kept it (a cache it fills); code between the forward and "
+                "the backward changed it in place, and the recompute, which finds it there instead of making it "
+                "again, reads the changed values. Change a copy, or keep a copy in the cache.",
+                "cache[key] = cache[key] * scale  # a new tensor: the one the forward made stays as it was\n"
+                "# not: cache[key].mul_(scale)"))
         elif mechanism == "input":
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",

@@ -496,7 +496,11 @@ def _outputs_from_json(x: Any) -> list[tuple[int, int]] | None:
 def _external_from_json(x: dict) -> External:
     return External(index=x.get("i", 0), kind=x.get("kind", "external"), name=x.get("name", "?"),
                     meta=_meta(x["meta"]) if x.get("meta") else TensorMeta((), "?"), fingerprint=x.get("fp"),
-                    first_op=x.get("first_op"))
+                    first_op=x.get("first_op"), made_by=_pair(x.get("made_by")), versions=_pair(x.get("versions")))
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    return (int(value[0]), int(value[1])) if isinstance(value, list) and len(value) == 2 else None
 
 
 def trace_files(path: str | os.PathLike) -> list[Path]:
