@@ -133,6 +133,12 @@ REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
 OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
 
 
+# torch.ao's fused observer + fake-quantize ops: they update the observer's running range (and scale) in place and
+# quantize with it, so a recompute that runs them again computes with the forward's update
+OBSERVER_OPS = frozenset({"aten._fused_moving_avg_obs_fq_helper.default", "aten.fused_moving_avg_obs_fake_quant.default",
+                          "aten._fused_moving_avg_obs_fq_helper_functional.default"})
+
+
 def is_in_place_method(name: str) -> bool:
     """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
     op = packet(name)

@@ -504,6 +504,50 @@ def test_a_cached_tensor_the_forward_made_and_code_then_scales_in_place_is_the_c
     assert lead.suggestions[0].title.startswith("Do not modify `cache[3]` in place"), lead.suggestions[0]
 
 
+class _QatBlock(nn.Module):
+    """Quantization-aware training: torch.ao's fused observer + fake-quantize (fbgemm's QAT qconfig) on the block's
+    activations; the observer updates its running range in place each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torch.ao.quantization as tq
+
+        self.fc, self.fq = nn.Linear(8, 8), tq.get_default_qat_qconfig("fbgemm").activation()
+
+    def forward(self, x):
+        return x + self.fc(self.fq(x))
+
+
+@pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")
+def test_a_fake_quantize_observer_the_recompute_updates_again_is_the_cause_and_its_fix_works(tmp_path):
+    """A stranger's QAT script: the observer op's inputs read as identical (the region updates its range itself,
+    which counted as a side effect), so the report blamed a nondeterministic kernel and suggested deterministic
+    algorithms. The observer's range is the cause; turning the observers off for the backward makes it reproduce."""
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model, xs = _QatBlock(), [torch.randn(4, 8) * (1 + i) for i in range(2)]  # (a wider range each step)
+
+    def step(path, observers_off: bool):
+        with ac_diff.record(path):
+            for x in xs:
+                loss = cp.checkpoint(model, x, use_reentrant=False).pow(2).sum()
+                if observers_off:
+                    model.apply(tq.disable_observer)
+                loss.backward()
+                model.apply(tq.enable_observer)
+        return ac_diff.diagnose_paths([path])
+
+    report = step(tmp_path / "qat.jsonl", observers_off=False)
+    lead = report.lead_groups()[0][0]
+    assert (lead.cause.kind, lead.cause.mechanism) == ("state_mutation", "updated_in_forward"), lead.cause
+    assert lead.cause.tensor.startswith("fq.activation_post_process."), lead.cause
+    assert lead.suggestions[0].title == "Turn the quantization observers off while the backward runs"
+    assert "tq.disable_observer" in lead.suggestions[0].code
+    fixed = step(tmp_path / "fixed.jsonl", observers_off=True)
+    assert fixed.verdict == "clean", fixed.headline
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -106,6 +106,12 @@ class ModuleStack:
                 for key, value in table.items():
                     if value is tensor:
                         return kind, f"{fqn}.{key}" if fqn else key
+        if stack:  # a child the running module reads but never calls (a fake-quantize module's observer buffers)
+            module, fqn = stack[-1]
+            for kind, named in (("buffer", module.named_buffers), ("param", module.named_parameters)):
+                for key, value in named():
+                    if value is tensor:
+                        return kind, clean_fqn(f"{fqn}.{key}" if fqn else key)
         for module, fqn in reversed(stack):
             for key, value in vars(module).items():
                 if type(value) in _CONTAINERS and not key.startswith("_"):

@@ -26,7 +26,7 @@ from ..oprules import is_in_place_method, is_random_name, is_view_op, written_in
 from ..passes import OpRecord, Region
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
 from .attributes import attribute_cause
-from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source
+from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
 from .labels import number_ranges, readable_arg, where
 from .suggest import suggestions_for
@@ -163,6 +163,17 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "(np.random, random: not covered by preserve_rng_state)",
                      [d.summary for d in (report.first_argument_divergence, report.first_shape_divergence)
                       if d is not None], mechanism="python_value", source=op.source)
+
+    own = _own_state_read(region, cmp, value) if value is not None and value.detail.get("inputs_identical") else None
+    if own:  # (its inputs read as identical: state the region updates itself counts as a side effect)
+        op = region.forward.ops[value.forward_index]
+        return Cause("state_mutation", own[0],
+                     f"{value.op} at {where(op.module, op.source)} reads and updates `{own[0]}` in place (an "
+                     "observer's running range, a running statistic it computes with): the region's own forward "
+                     "updates it, so the recompute starts from the updated state and computes other values",
+                     [f"{value.op} writes {', '.join(f'`{n}`' for n in own)}",
+                      *(f"{name}: other values when the recompute read it" for name in own[:3])],
+                     mechanism=UPDATED_IN_FORWARD, source=op.source, names=own)
 
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
@@ -313,6 +324,24 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                       f"recompute: read as `{ext.name}`, fingerprint {_fp(ext.fingerprint)}"],
                      mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
     return None
+
+
+def _own_state_read(region: Region, cmp: PassComparison, value: Divergence) -> list[str]:
+    """The outside tensors the op of `value` writes in place and computes with, where the region updates them itself
+    and they held other values when the recompute read them (fingerprinted at first read), else []."""
+    fwd, rec = region.forward, region.recompute
+    i = value.forward_index
+    if i is None or not 0 <= i < len(fwd.ops):
+        return []
+    prints = {(e.kind, e.name): e.fingerprint for e in fwd.externals}
+    again = {(e.kind, e.name): e.fingerprint for e in rec.externals}
+    names = []
+    for ref in written_refs(fwd.ops[i]):
+        key = (ref.kind, ref.name)
+        if ref.kind != "op" and key in cmp.self_updated and prints.get(key) and again.get(key) \
+                and not cmp.tolerance.equal(prints[key], again[key]):
+            names.append(ref.name)
+    return names
 
 
 def _module_state(lead: str, changed: list[dict]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import packet
+from ..oprules import OBSERVER_OPS, packet
 from ..passes import OpRecord, Region
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, RegionReport, Suggestion
 from .attributes import attribute_suggestion
@@ -135,6 +135,17 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "recompute). A value drawn at random on the host (np.random, random) inside the region: draw it "
                 "before the checkpoint call and pass it in.",
                 "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
+        elif mechanism == UPDATED_IN_FORWARD and report.first_value_divergence is not None \
+                and report.first_value_divergence.op in OBSERVER_OPS:
+            out.append(Suggestion(
+                "Turn the quantization observers off while the backward runs",
+                f"The fake-quantize op updates its observer's running range (`{name}`) in place each time it runs, "
+                "and the recompute runs it again, from the forward's update, so it quantizes with another scale. "
+                "With the observers off during loss.backward(), the recompute quantizes with the scale the forward "
+                "left, as the forward did.",
+                "import torch.ao.quantization as tq\n\n"
+                "model.apply(tq.disable_observer)  # the recompute inside the backward leaves the ranges alone\n"
+                "loss.backward()\nmodel.apply(tq.enable_observer)"))
         elif mechanism == UPDATED_IN_FORWARD and ".parametrizations." in name:
             owner = name.split(".parametrizations.")[0]
             out.append(Suggestion(
