@@ -27,13 +27,14 @@ USUAL = {key: usual for key, (_, usual) in BACKEND_FLAGS.items()}
 
 # Flags that choose kernels: where one differs between a region's forward and its recompute, the recompute may
 # compute other values on another device even when it did not on this one (a CPU ignores the GPU's flags)
-KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", *BACKEND_FLAGS})
+KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", "num_threads", *BACKEND_FLAGS})
 
 _LABELS = {
     "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",
     "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`)",
     "sdp_backends": "the SDPA backend choice (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`)",
     "default_dtype": "the default dtype (`torch.set_default_dtype`)",
+    "num_threads": "the number of CPU threads (`torch.set_num_threads`)",
     "grad_enabled": "grad mode (`torch.is_grad_enabled()`)",
     "training": "the modules' mode (`train()` / `eval()`)",
 }

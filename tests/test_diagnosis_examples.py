@@ -160,6 +160,27 @@ def test_backend_flag_set_between_forward_and_backward_is_global_state(tmp_path,
     assert name in report.headline and report.headline.startswith("clean: ")
 
 
+def test_the_cpu_thread_count_changed_before_the_backward_is_named(tmp_path):
+    """A stranger's metrics helper sets torch.set_num_threads(1) between the forward and the backward: a CPU matmul
+    then splits its reduction otherwise, so the recompute's values may differ in the last bits. The count is named
+    in both passes (here as the cause of a divergence where the values differed, else on the clean region)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(512, 512), nn.Tanh()), torch.randn(64, 512, requires_grad=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            loss = cp.checkpoint(model, x, use_reentrant=False).sum()
+            torch.set_num_threads(1)
+            loss.backward()
+    finally:
+        torch.set_num_threads(before)
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.state_changes["num_threads"] == {"forward": 2, "recompute": 1}
+    assert region.cause.kind == "global_state" and region.cause.tensor == "num_threads", region.cause
+    assert region.suggestions[0].code.startswith("torch.set_num_threads(2)  # once")
+
+
 def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path):
     """The training loop turns TF32 on between the forward and loss.backward(): set_float32_matmul_precision("high")
     sets torch.backends.cuda.matmul.allow_tf32 too; both are named, the backend flag first, in every renderer."""

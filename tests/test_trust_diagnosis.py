@@ -548,6 +548,53 @@ def test_a_fake_quantize_observer_the_recompute_updates_again_is_the_cause_and_i
     assert fixed.verdict == "clean", fixed.headline
 
 
+class _FrozenStem(nn.Module):
+    """A frozen embedding feeding reentrant-checkpointed blocks: no input of the first checkpoint requires grad."""
+
+    def __init__(self, train_blocks: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8).requires_grad_(False)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+        self.blocks.requires_grad_(train_blocks)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = cp.checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("case", ["full", "watch", "frozen_blocks", "no_grad"])
+def test_a_reentrant_region_no_input_of_which_requires_grad_loses_its_gradients(tmp_path, case):
+    """A stranger's frozen-embedding model: the blocks' parameters got no gradient (torch only warns) and the report
+    said NOTHING CHECKED, "no backward reached this region". Controls: blocks frozen too (nothing lost), and the
+    same model under no_grad (an evaluation: no gradient wanted)."""
+    torch.manual_seed(0)
+    model = _FrozenStem(train_blocks=case != "frozen_blocks")
+    ids = torch.randint(0, 16, (4, 5))
+    with ac_diff.record(tmp_path / "t.jsonl", **({"watch": True, "watch_full_steps": 0} if case == "watch" else {})):
+        if case == "no_grad":
+            with torch.no_grad():
+                model(ids)
+        else:
+            model(ids).pow(2).mean().backward()
+    assert model.blocks[0][0].weight.grad is None  # what the report must say
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if case in ("frozen_blocks", "no_grad"):
+        assert report.verdict == "unchecked" and not any(r.cause for r in report.regions), report.headline
+        if case == "frozen_blocks":
+            assert all(r.unchecked_reason == "needs no backward" for r in report.regions)
+        return
+    assert report.verdict == "diverged", report.headline
+    assert [(r.module, r.status, r.cause.kind) for r in report.regions] == \
+        [(f"blocks.{i}", "diverged", "lost_gradient") for i in range(2)]
+    lead = report.lead_groups()[0][0]
+    assert "its 2 parameter(s) that require grad get no gradient" in lead.cause.detail
+    assert lead.suggestions[0].title.startswith("Use use_reentrant=False")
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

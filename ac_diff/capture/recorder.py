@@ -447,7 +447,9 @@ class Recorder:
     def _watch_or_record(self, region: _Region, top_level: bool) -> None:
         """Watch mode, a region's forward begins: record it in full (escalated, --full-from-step), or watch it."""
         key = region.watch_key = region.module or region.fn_name or region.caller or region.fn_site
-        full = self._watch.full(key, top_level)
+        # (a reentrant region no backward will reach, its inputs not requiring grad: its forward, recorded, is the
+        # finding)
+        full = self._watch.full(key, top_level) or "no_grad_inputs" in region.options
         region.step = self._watch.step
         if not full:
             region.recorded = False

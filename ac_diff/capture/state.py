@@ -36,6 +36,7 @@ def global_state(own_mode: Any) -> dict[str, Any]:
         "grad_enabled": torch.is_grad_enabled(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "default_dtype": short_dtype(torch.get_default_dtype()),
+        "num_threads": torch.get_num_threads(),  # (a CPU reduction splits its sum by thread)
     }
     with contextlib.suppress(Exception):
         state["matmul_precision"] = torch.get_float32_matmul_precision()

@@ -60,10 +60,23 @@ REDUCED_MODES = {
 class ReentrantFrame:
     """Stands in for `_CheckpointFrame` in a reentrant region (which has no frame of its own)."""
 
-    def __init__(self, preserve_rng_state: bool, fn: Any = None) -> None:
+    def __init__(self, preserve_rng_state: bool, fn: Any = None, lost_grad: int | None = None) -> None:
         self.preserve_rng_state = preserve_rng_state
         self.calls = 0
         self._ac_diff_fn = fn  # the checkpointed function (see checkpointed_module)
+        # called with grad enabled and no input that requires grad: its output needs no backward, so the
+        # parameters it holds get no gradient from it; how many of them require grad (None: not a module)
+        self.lost_grad = lost_grad
+
+
+def no_grad_inputs(fn: Any, args: tuple, grad_enabled: bool) -> int | None:
+    """For a reentrant checkpoint called with `args`: where grad was enabled at the call and no input requires grad,
+    the number of the checkpointed module's parameters that do (they get no gradient through it: torch only warns
+    "None of the inputs have requires_grad=True"); -1 where the function is no module; else None."""
+    if not grad_enabled or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return None
+    module, _ = checkpointed_module(fn)
+    return -1 if module is None else sum(p.requires_grad for p in module.parameters())
 
 
 def checkpointed_module(fn: Any) -> tuple[Any, bool]:
@@ -105,7 +118,8 @@ def sequential_segment(fn: Any) -> tuple[list, int, int] | None:
 def frame_options(frame: Any) -> dict[str, Any]:
     """What checkpoint() was called with, as far as the frame tells (None where it does not)."""
     if isinstance(frame, ReentrantFrame):
-        return {"use_reentrant": True, "preserve_rng_state": frame.preserve_rng_state}
+        return {"use_reentrant": True, "preserve_rng_state": frame.preserve_rng_state,
+                **({"no_grad_inputs": frame.lost_grad} if frame.lost_grad is not None else {})}
     meta_fn = getattr(frame, "metadata_fn", None)
     default_fn = getattr(_cp, "_default_meta_extractor", None)
     return {
@@ -301,12 +315,15 @@ class CheckpointHooks:
     # -- reentrant ----------------------------------------------------------------------------
     def _patch_reentrant(self) -> None:
         listener = self.listener
+        pending = self._pending
         fn_cls = _cp.CheckpointFunction
         original_forward = fn_cls.__dict__["forward"]
         original = original_forward.__func__ if isinstance(original_forward, staticmethod) else original_forward
 
         def forward(ctx, run_function, preserve_rng_state, *args):
-            frame = ReentrantFrame(preserve_rng_state, run_function)
+            grad_enabled, pending.grad_enabled = getattr(pending, "grad_enabled", None), None
+            frame = ReentrantFrame(preserve_rng_state, run_function,
+                                   no_grad_inputs(run_function, args, grad_enabled is not False))
 
             def run_and_record(*inputs):
                 phase = FORWARD if frame.calls == 0 else RECOMPUTE
@@ -328,6 +345,14 @@ class CheckpointHooks:
 
         self._restore.append((fn_cls, "forward", original_forward))
         fn_cls.forward = staticmethod(forward)
+
+        def apply(original):  # the grad mode at the call (its forward runs under no_grad, whatever the caller's)
+            def wrapper(cls, *args, **kwargs):
+                pending.grad_enabled = torch.is_grad_enabled()
+                return original(*args, **kwargs)
+            return classmethod(wrapper)
+
+        self._replace(fn_cls, "apply", apply)
 
     # -- selective activation checkpoint ------------------------------------------------------
     def _patch_sac(self) -> None:

@@ -14,7 +14,7 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
 from ..stateflags import flag_value
 from .cause import explain, explain_flags
@@ -61,6 +61,9 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     if lost and torch_error is None:
         _unchecked(report, RECORDER_ERROR, f"not compared: {lost}")
         return report
+    lost = region.options.get("no_grad_inputs") if fwd is not None and rec is None else None
+    if lost is not None:
+        return _no_grad_inputs(report, region, lost, torch_version)
     if fwd is None or rec is None:
         inside = region.parent_phase == "recompute" and region.parent is not None
         if fwd is None:
@@ -197,6 +200,33 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             explain_watched(report, region)
     elif report.status == CLEAN:
         explain_flags(report, region, torch_version)
+    return report
+
+
+def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_version: str | None) -> RegionReport:
+    """A reentrant region called with grad enabled and no input that requires grad (`no_grad_inputs`: how many of its
+    module's parameters require grad, -1 not a module): its output requires no grad, so no backward reaches it."""
+    report.positions = position_rows(region.forward, None, None, None)
+    why = ("checkpoint(use_reentrant=True) got no input that requires grad, so its output does not require grad "
+           "either: no backward reaches this region")
+    if trainable == 0:
+        _unchecked(report, "needs no backward", f"{why}, and none of its parameters requires grad (frozen): nothing "
+                   "is lost, and there is no recompute to compare")
+        return report
+    if trainable < 0:
+        _unchecked(report, "no backward: its inputs require no grad",
+                   f"{why}; a parameter it uses that requires grad gets no gradient from it (torch only warns: None of "
+                   "the inputs have requires_grad=True)")
+        report.suggestions = suggestions_for(report, region, torch_version)
+        return report
+    report.status, report.silent = DIVERGED, True
+    report.cause = Cause("lost_gradient", region.module,
+                         f"{why}, and its {trainable} parameter(s) that require grad get no gradient from it (torch "
+                         "only warns: None of the inputs have requires_grad=True. Gradients will be None)",
+                         [f"{trainable} parameter(s) of {region.module or 'the region'} require grad",
+                          "no input of the checkpoint call requires grad (grad enabled at the call)"],
+                         mechanism="no_grad_inputs")
+    report.suggestions = suggestions_for(report, region, torch_version)
     return report
 
 

@@ -96,6 +96,8 @@ def _set_once(key: str, value: object) -> str:
         return f"torch.use_deterministic_algorithms({value!r}){once}"
     if key == "matmul_precision":
         return f"torch.set_float32_matmul_precision({value!r}){once}"
+    if key == "num_threads":
+        return f"torch.set_num_threads({value!r}){once}"
     if key == "sdp_backends":
         backends = ", ".join("SDPBackend." + _SDP_BACKENDS.get(b, b.upper()) for b in value or [])
         return ("from torch.nn.attention import SDPBackend, sdpa_kernel\n\n"
@@ -184,6 +186,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "    with torch.no_grad():\n"
                 f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
                 "optimizer.register_step_post_hook(update_after_step)"))
+    elif kind == "lost_gradient" or report.unchecked_reason == "no backward: its inputs require no grad":
+        out.append(Suggestion(
+            "Use use_reentrant=False, or give the reentrant checkpoint an input that requires grad",
+            "With use_reentrant=True, checkpoint's output requires grad only if one of its inputs does: a first "
+            "block fed by a frozen embedding or by raw features gets no backward, and its parameters no gradient. "
+            "use_reentrant=False tracks the parameters whatever the inputs. To keep use_reentrant=True, make the "
+            "input require grad (Hugging Face: model.enable_input_require_grads(), as for LoRA on a frozen model).",
+            "out = checkpoint(block, x, use_reentrant=False)\n"
+            "# or, with use_reentrant=True: x.requires_grad_(True) before the first checkpointed block"))
     elif kind == "rng" and mechanism == "host_rng":
         out.append(Suggestion(
             f"Draw the host random values outside the checkpointed region ({cause.source or 'see the cause'})",

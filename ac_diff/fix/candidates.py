@@ -127,6 +127,8 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
         where = f"{kind} in {r.module}"
         if kind == "rng" and r.checkpoint_options.get("preserve_rng_state") is not True:  # (not one in effect)
             add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
+        if kind == "lost_gradient":
+            add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True), where, "non_reentrant"))
         if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
             add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))
         d = r.first_discrete_divergence
