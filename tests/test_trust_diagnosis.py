@@ -94,7 +94,7 @@ class LayerDrop(HostNoise):
     """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs."""
 
     def forward(self, x):
-        draw = random.random() if self.source == "random" else float(np.random.rand())
+        draw = random.random() if self.source == "random" else float(np.random.rand())  # the draw
         if draw < 0.5:  # the branch: no tensor carries the host value
             return x * 1.0
         return x + torch.tanh(self.lin(x))
@@ -117,7 +117,11 @@ def test_a_host_draw_that_picks_the_branch_is_rng_not_a_python_counter(tmp_path,
     cause = region.cause
     assert (cause.kind, cause.mechanism) == ("rng", "host_rng"), cause
     assert {"random": "`random`", "numpy": "`numpy.random`"}[source] in cause.detail
-    assert "outside the checkpointed region" in region.suggestions[0].title
+    # named where it draws (a stranger's LayerDrop was pointed at the first op the recompute skipped)
+    assert cause.source.endswith(f"test_trust_diagnosis.py:{_line_of('# the draw')} in forward"), cause.source
+    fix = region.suggestions[0]
+    assert "outside the checkpointed region" in fix.title and cause.source in fix.title
+    assert "drop = random.random() < p" in fix.code and "np.random.randn" not in fix.code
 
 
 def _layerdrop_flips(source: str, seed: int) -> bool:

@@ -5,6 +5,7 @@ globals their code reads. Compared between a region's forward and its recompute 
                                    "mems": {"type": "list", "len": 2, "ids": 3240967713}}
     globals_read = GlobalReads()
     globals_read.values(Mlp.forward)  ->  {"model.LOW_PRECISION": (True, ("model.py in forward",))}
+    host_draw_sites(Block.forward, Block, ["random"])  ->  ["model.py:20 in forward"]   (`random.random() < p`)
 
 A container attribute (list, tuple, dict, deque) is summarized by its length and the identity of its first
 items (a Transformer-XL memory that grows by one tensor per call: 1 -> 2 entries), never by its values. A
@@ -21,7 +22,7 @@ import os
 import types
 from collections import OrderedDict, defaultdict, deque
 from itertools import islice
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -113,8 +114,9 @@ def _function(fn: Any) -> types.FunctionType | None:
     return None
 
 
-def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
-    found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
+def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
+    """(globals, code object, the names it loads as globals) of `root`, the code nested in it, and the user's
+    functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS of them."""
     todo, seen = [root], set()
     while todo and len(seen) < _MAX_FUNCTIONS:
         fn = todo.pop()
@@ -122,25 +124,61 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
             continue
         seen.add(fn.__code__)
         space = fn.__globals__
-        module = _module_name(space)
         for code in _codes(fn.__code__):
-            reader = f"{short_path(code.co_filename)} in {code.co_name}"
             loaded = _global_names(code)
             for name in code.co_names:
                 if name not in loaded:  # an attribute's name (`self.helper()`, `self.fc`): a method is followed
                     method = _method(owner, name)
                     if isinstance(method, types.FunctionType):
                         todo.append(method)
-                    continue
-                value = space.get(name)
-                if isinstance(value, types.FunctionType):
-                    todo.append(value)
-                elif (type(value) in SCALAR_TYPES or value is None) and name in space and not name.startswith("__"):
-                    key = f"{module}.{name}"
-                    readers = found.setdefault(key, (space, name, []))[2]
-                    if reader not in readers:
-                        readers.append(reader)
+                elif isinstance(space.get(name), types.FunctionType):
+                    todo.append(space[name])
+            yield space, code, loaded
+
+
+def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
+    found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
+    for space, code, loaded in _user_codes(root, owner):
+        module = _module_name(space)
+        reader = f"{short_path(code.co_filename)} in {code.co_name}"
+        for name in code.co_names:
+            value = space.get(name)
+            if name in loaded and (type(value) in SCALAR_TYPES or value is None) and name in space \
+                    and not name.startswith("__"):
+                key = f"{module}.{name}"
+                readers = found.setdefault(key, (space, name, []))[2]
+                if reader not in readers:
+                    readers.append(reader)
     return tuple((space, name, key, tuple(readers)) for key, (space, name, readers) in found.items())
+
+
+def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[str]:
+    """Where `fn` (or what it calls) reads one of the host `generators` that moved ("random", "numpy.random"):
+    ["model.py:20 in forward"], the lines that load the `random` or `numpy` module, or a function bound to their
+    generator (`from random import random`)."""
+    fn = _function(fn)
+    sites: list[str] = []
+    for space, code, loaded in _user_codes(fn, owner) if fn is not None else ():
+        line = code.co_firstlineno
+        for ins in dis.get_instructions(code):
+            line = getattr(getattr(ins, "positions", None), "lineno", None) or ins.starts_line or line
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code):
+                site = f"{short_path(code.co_filename)}:{line} in {code.co_name}"
+                if site not in sites:
+                    sites.append(site)
+    return sites
+
+
+def _draws(value: Any, generators: list[str], code: types.CodeType) -> bool:
+    """`value`, a global the code loads, reads one of the host generators that moved."""
+    name = getattr(value, "__name__", None) if isinstance(value, types.ModuleType) else None
+    owner = getattr(value, "__self__", None)
+    if name == "random" or type(owner).__module__ == "random":
+        return "random" in generators
+    if name == "numpy.random" or name == "numpy" and "random" in code.co_names or \
+            type(owner).__module__.startswith("numpy.random"):
+        return "numpy.random" in generators
+    return False
 
 
 def _global_names(code: types.CodeType) -> set[str]:

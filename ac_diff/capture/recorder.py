@@ -41,7 +41,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
 from .kept_inputs import KeptInputs
 from .modules import ModuleStack
 from .fqn import clean_fqn
-from .pystate import UNSET, GlobalReads, module_attributes
+from .pystate import UNSET, GlobalReads, host_draw_sites, module_attributes
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from ..errors import Terminated
@@ -227,6 +227,7 @@ class Recorder:
         self._started = False
         self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
         self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
+        self._sites: dict[tuple, list[str]] = {}  # (forward function, class, generators) -> where it draws
         self._source_lines = self.options.source_lines
         self._watch: Watch | None = None  # watch mode (start())
         self._kept = KeptInputs()  # regions awaiting their recompute: their inputs' versions (kept_inputs.py)
@@ -756,6 +757,17 @@ class Recorder:
                     for name, value in module_attributes(child).items():
                         p.attributes.setdefault(child_prefix + name, value[:200] if type(value) is str else value)
 
+    def _draw_sites(self, p: _Pass, drew: list[str]) -> list[str]:
+        """The lines of the pass's module code that read a host generator that moved (a few; per code, once)."""
+        sites: list[str] = []
+        for function, owner in p.codes_seen:
+            key = (function, owner, tuple(drew))
+            found = self._sites.get(key)
+            if found is None:
+                found = self._sites[key] = host_draw_sites(function, owner, drew)
+            sites.extend(site for site in found if site not in sites)
+        return sites[:4]
+
     def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
         """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""
         for key, (value, readers) in self._global_reads.values(function, owner).items():
@@ -1130,6 +1142,9 @@ class Recorder:
         }
         if drew:
             p.state["host_draws"] = drew  # Python's or numpy's generator moved during the pass
+            sites = self._draw_sites(p, drew)
+            if sites:
+                p.state["host_draw_sites"] = sites  # where the code of its modules reads that generator
         if outputs is not None:
             record["outputs"] = outputs
         if p.attributes:

@@ -135,7 +135,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     drew = region.forward.state.get("host_draws") if region.forward is not None else None
     steered = control or report.first_argument_divergence or shape
     if drew and steered is not None:  # the host's random numbers steered Python: a branch, a value passed on
-        return _host_draw_cause(drew, steered)
+        return _host_draw_cause(drew, steered, region.forward.state.get("host_draw_sites") or [])
 
     if flags:
         return _global_state_cause(flags, sorted(flags)[0])
@@ -249,14 +249,17 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     return None
 
 
-def _host_draw_cause(drew: list[str], first: Divergence) -> Cause:
+def _host_draw_cause(drew: list[str], first: Divergence, sites: list[str]) -> Cause:
+    """`sites`: the lines of the region's code that read those generators (the recorder's `host_draw_sites`)."""
     names = " and ".join(f"`{n}`" for n in drew)
+    at = f" at {', '.join(sites[:2])}" if sites else ""
     return Cause("rng", f"host random numbers ({', '.join(drew)})",
-                 f"the region draws from {names} (its generator moved during the forward), which preserve_rng_state "
-                 "does not restore: the recompute drew other numbers, and Python ran another sequence of ops or "
-                 f"passed other values from {where(first.module, first.source)}",
+                 f"the region draws from {names}{at} (its generator moved during the forward), which "
+                 "preserve_rng_state does not restore: the recompute drew other numbers, and Python ran another "
+                 f"sequence of ops or passed other values from {where(first.module, first.source)}",
                  [f"{', '.join(drew)}: the generator's state changed between the start and the end of the forward",
-                  first.summary], mechanism="host_rng", source=first.source)
+                  *(f"drawn at {site}" for site in sites), first.summary],
+                 mechanism="host_rng", source=sites[0] if sites else first.source)
 
 
 def _generator_arg(op: OpRecord) -> str | None:
