@@ -483,7 +483,8 @@ class _CachedEmbedding(nn.Module):
         return self.cache[t]
 
     def forward(self, x):
-        return torch.tanh(self.fc(x) + self.embedding(3))
+        e = self.embedding(3)  # (first: the forward's first op runs under no_grad)
+        return torch.tanh(self.fc(x) + e)
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -499,6 +500,8 @@ def test_a_cached_tensor_the_forward_made_and_code_then_scales_in_place_is_the_c
             model.cache[3].mul_(0.5)
 
     report = _record(tmp_path, model, torch.randn(4, 8), between=scale)
+    # the state is read as the region's module begins, not at its first op (the cache fill under no_grad)
+    assert "grad_enabled" not in report.regions[0].state_changes, report.regions[0].state_changes
     if not scaled:
         assert report.verdict == "clean", report.headline
         return

@@ -732,10 +732,20 @@ class Recorder:
         if passes:
             p = passes[-1]
             if p.region.recorded:
+                if depth == p.base_depth and not p.n_ops and "grad_enabled" not in p.state:
+                    with self.quiet():  # the region's module begins: torch's modes are in, the user's not yet
+                        self._snapshot(p)
                 self._note_attributes(p, module, fqn)
             if p.phase == FORWARD and p.region.module is None and depth == p.base_depth:
                 p.region.module = fqn or type(module).__name__  # a root module has the empty FQN
                 p.region.first_module_fqn = fqn
+
+    def _snapshot(self, p: _Pass) -> None:
+        """The pass's global state, once: as its region's module begins (torch restored the RNG and entered the
+        grad and autocast modes of the recompute; a `torch.no_grad()` block inside the region's code has not
+        begun), else at its first op."""
+        p.state.update(global_state(self._mode))
+        p.state["rng"] = rng_digest()
 
     def _note_attributes(self, p: _Pass, module, fqn: str) -> None:
         """The module's attributes as this call begins (before its own forward pre-hooks run), and the globals its
@@ -869,9 +879,8 @@ class Recorder:
         p.n_ops += 1
         ops = p.ops
         index = len(ops)
-        if index == 0:  # at the first op, after torch restored the RNG and entered grad/autocast modes
-            p.state.update(global_state(self._mode))
-            p.state["rng"] = rng_digest()
+        if index == 0 and "grad_enabled" not in p.state:  # no module call began the pass (`_on_module_enter`)
+            self._snapshot(p)
         in_meta: list = []
         refs: list = []
         tensor_inputs: list[torch.Tensor] = []
