@@ -602,6 +602,31 @@ def test_a_reentrant_region_no_input_of_which_requires_grad_loses_its_gradients(
     assert lead.suggestions[0].title.startswith("Use use_reentrant=False")
 
 
+class _TemperedRouter(nn.Module):
+    """A router whose softmax temperature a schedule anneals: the top-2 weights change with it, the choice does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.temperature = nn.Linear(8, 4), 1.0
+
+    def forward(self, x):
+        weights, _ = torch.softmax(self.gate(x) / self.temperature, -1).topk(2, -1)
+        return x * weights.sum(-1, keepdim=True)
+
+
+def test_a_top_k_whose_scores_moved_but_whose_choice_held_is_no_flipped_decision(tmp_path):
+    """A stranger's report showed "decision aten.topk.default: 0 of 128 rows chose other entries" and a fix saving
+    topk: its values output differed, its indices did not."""
+    torch.manual_seed(0)
+    model = _TemperedRouter()
+    report = _record(tmp_path, model, torch.randn(6, 8), between=lambda: setattr(model, "temperature", 1.1))
+    region = report.regions[0]
+    assert region.status == "diverged" and region.cause.tensor == "_TemperedRouter.temperature", region.cause
+    assert region.first_discrete_divergence is None, region.first_discrete_divergence
+    assert not any("topk" in s.title for s in region.suggestions), [s.title for s in region.suggestions]
+    assert "discrete" not in {row.marker for row in region.window}
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -94,6 +94,21 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     return flip
 
 
+def decision_kept(f: OpRecord | None, r: OpRecord | None) -> bool:
+    """The decision output of a discrete op (topk's indices) is measured identical in both passes: only its scores
+    differ, so no decision flipped."""
+    if f is None or r is None or f.host_value is not None or r.host_value is not None:
+        return False
+    key = f"out{DECISION_OUTPUT.get(packet(f.op), 0)}"
+    a, b = _tensor((f.values or {}).get(key)), _tensor((r.values or {}).get(key))
+    return a is not None and b is not None and a.shape == b.shape and bool((a == b).all())
+
+
+def first_flip(cmp: Any) -> Any:
+    """The first pair of a PassComparison whose discrete op decided otherwise (not one whose scores alone moved)."""
+    return next((d for d in cmp.discrete_diffs() if not decision_kept(d.forward, d.recompute)), None)
+
+
 def _k_of(op: OpRecord, name: str) -> int | None:
     if name == "topk":
         ints = [a for a in op.args[1:] if isinstance(a, int) and not isinstance(a, bool)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
@@ -151,13 +151,13 @@ class PassComparison:
                 return d
         return None
 
-    def first_discrete(self) -> PairDiff | None:
+    def discrete_diffs(self) -> Iterator[PairDiff]:
+        """The pairs of discrete ops (topk, argmax, comparisons) whose outputs or arguments differ, in order."""
         for d in self.diffs:
             op = d.forward or d.recompute
             if op is not None and is_discrete(op) and d.kinds & {"value", "shape", "args", "argument", "host"} \
                     and not d.side_effect:
-                return d
-        return None
+                yield d
 
     def first_shape(self) -> PairDiff | None:
         for d in self.diffs:

@@ -21,7 +21,7 @@ from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
-from .discrete import describe_flip
+from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import input_written, input_written_after, name_input_write, name_input_written_after
 from .suggest import suggestions_for
 from .watched import WATCHED_ORIGINS, explain_watched
@@ -97,7 +97,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     cmp = compare_passes(fwd, rec, settings.tolerance, whole=region.passes_whole, reentrant=region.kind == "reentrant")
     report.counts = _counts(cmp)
     report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
-    report.first_discrete_divergence = divergence_of("discrete", cmp.first_discrete(), cmp)
+    report.first_discrete_divergence = divergence_of("discrete", first_flip(cmp), cmp)
     report.first_shape_divergence = divergence_of("shape", cmp.first_shape(), cmp)
     if not region.ops_in_order:  # trust size lists paired by call count over the alignment
         by_call = first_size_change_by_occurrence(cmp.forward_ops, cmp.recompute_ops)
@@ -572,7 +572,8 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
         elif "argument" in d.kinds:
             marks[k] = "argument"
         elif "value" in d.kinds:
-            marks[k] = "discrete" if op is not None and is_discrete(op) else "value"
+            flipped = op is not None and is_discrete(op) and not decision_kept(d.forward, d.recompute)
+            marks[k] = "discrete" if flipped else "value"
         elif "control" in d.kinds:
             marks[k] = "control"
     if not marks:

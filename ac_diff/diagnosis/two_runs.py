@@ -22,6 +22,7 @@ from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
 from .passdiff import PassComparison, compare_passes
+from .discrete import first_flip
 from .labels import where
 from .region import Settings, divergence_of, state_changes, window
 
@@ -126,7 +127,7 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
                                 "one run's recompute diverged from its forward - `ac-diff report` on each trace says why")
     report.counts = {**_counts(cmp), "phase_" + phase: 1}
     report.first_value_divergence = divergence_of("value", cmp.first("value"), cmp)
-    report.first_discrete_divergence = divergence_of("discrete", cmp.first_discrete(), cmp)
+    report.first_discrete_divergence = divergence_of("discrete", first_flip(cmp), cmp)
     report.first_shape_divergence = divergence_of("shape", cmp.first_shape(), cmp)
     report.first_control_divergence = divergence_of("control", cmp.first("control"), cmp)
     report.first_argument_divergence = divergence_of("argument", cmp.first("argument"), cmp)
