@@ -34,6 +34,7 @@ def fixes(tmp_path_factory):
         "generator": [str(STACKS / "private_generator.py")],
         "side_output": [SCRIPT, "--reentrant"],
         "two_causes": [str(STACKS / "two_causes.py")],
+        "scaled_cache": [str(STACKS / "scaled_cache.py")],
     }
     with ThreadPoolExecutor(2) as pool:
         done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
@@ -167,3 +168,14 @@ def test_two_causes_in_one_block_get_their_remedies_together(fixes):
     assert by["restore the forward's layers.*.calls in the recompute"]["status"] == "did not help"
     assert fx["verified"] == both["remedy"] and "preserve_rng_state=True" in fx["verified_code"]
     assert "register_step_post_hook" in fx["verified_code"]
+
+
+def test_where_only_turning_ac_off_works_fix_exits_1_and_gives_the_code_change(fixes):
+    """A cached embedding the scheduler scales in place: no remedy that keeps AC can fix it from outside. Strangers
+    read exit 0 ("a remedy verified") as fixed, where the only verified remedy was turning AC off."""
+    proc, report = fixes["scaled_cache"]
+    fx = report["fixes"]
+    assert [(t["remedy"].split(" in ")[0], t["status"]) for t in fx["tries"]] == [("no AC", "verified")], fx["tries"]
+    assert fx["headline"].startswith("only turning AC off works") and not fx["keeps_ac"]
+    assert fx["code_change"].startswith("Do not modify `blocks.0.temb_cache[3]` in place"), fx["code_change"]
+    assert proc.returncode == 1, proc.stderr[-2000:]

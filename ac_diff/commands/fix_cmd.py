@@ -15,8 +15,8 @@ seeds), --jobs at a time. With --nproc-per-node N every run is `ac-diff run --np
 without AC is a torchrun of N ranks too. The report is the base run's, with
 a `fixes` section and every suggestion's status. Where the base run's AC ran inside compiled graphs (nothing recorded,
 remedies would not reach it), the base run, the run without AC and every try run compiled code eagerly
-(`--compiled eager`), and the compiled run's headline is kept as the report's first note. Exit 0 when a remedy was verified (or nothing needed
-fixing), 1 when none was.
+(`--compiled eager`), and the compiled run's headline is kept as the report's first note. Exit 0 when a remedy that keeps AC was verified (or nothing needed
+fixing), 1 when none was (turning AC off for the regions, verified or not, is not such a remedy).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     report.fixes = result
     mark(report, target, args, module, list(zip(found, tries)), nproc)
     emit(report, fmt, json_path, output)
-    return EXIT_CLEAN if result.verified or (not found and not report.diverged and not ac_only) else EXIT_DIVERGED
+    return EXIT_CLEAN if result.keeps_ac or (not found and not report.diverged and not ac_only) else EXIT_DIVERGED
 
 
 def _result(report: Any, found: list, tries: list[Try], base: Measured, total: float,
@@ -195,7 +195,7 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
         return result
     if keeps_ac:
         c, t = keeps_ac[0]
-        result.verified, result.verified_code = c.name, code_for(c)
+        result.verified, result.verified_code, result.keeps_ac = c.name, code_for(c), True
         n = len(tries) - sum(t.status == UNTESTED for t in tries)
         result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
                            f"({n} remed{'y' if n == 1 else 'ies'} tried)"

@@ -49,6 +49,7 @@ class FixResult:
     headline: str
     tries: list[Try] = field(default_factory=list)
     verified: str | None = None  # the remedy that works (first verified, cheapest)
+    keeps_ac: bool = False  # ... and it keeps activation checkpointing (not only turning AC off for the regions)
     verified_code: str | None = None  # its exact form: code, Hugging Face kwargs, torchtitan TOML
     code_change: str | None = None  # when no mechanical remedy can work: the change to make in the code
     baseline_wall_s: float | None = None
