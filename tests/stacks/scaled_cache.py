@@ -1,21 +1,23 @@
 """DiT-style blocks, checkpointed non-reentrant, that cache their timestep embedding in a dict (filled by the forward on
-a miss); a noise scheduler rescales the cached conditioning in place after the forward, before the backward.
+a miss); a noise scheduler (a forward hook on the model) rescales the cached conditioning in place after the forward,
+before the backward.
 
 The recompute finds the embedding cached and reads the rescaled tensor: its values, and the gradients, are silently
 wrong. No remedy that keeps AC can fix it from outside (the fix is in the scheduler: scale a copy); turning AC off for
 the blocks makes the gradients right.
 
-    python tests/stacks/scaled_cache.py [--steps 2]
+    python tests/stacks/scaled_cache.py [--steps 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from small_loop import train
 
 
 class Block(nn.Module):
@@ -40,29 +42,21 @@ class Net(nn.Module):
     def __init__(self, dim: int = 16, layers: int = 2) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.t = 2
+        self.register_forward_hook(Net.scale_conditioning)
 
-    def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.t += 1  # the diffusion timestep of this batch
         for block in self.blocks:
-            x = checkpoint(block, x, t, use_reentrant=False)
+            x = checkpoint(block, x, self.t, use_reentrant=False)
         return x
 
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=2)
-    args = p.parse_args(argv)
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(args.steps):
-        t = 3 + step
-        loss = model(torch.randn(8, 16), t).pow(2).mean()
-        for block in model.blocks:  # the scheduler's sigma scaling, in place
-            block.temb_cache[t].mul_(1 / math.sqrt(1 + (t / 10) ** 2))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    @staticmethod
+    def scale_conditioning(model: "Net", args, output) -> None:
+        """The scheduler's sigma scaling of the cached conditioning, in place, once the forward has run."""
+        for block in model.blocks:
+            block.temb_cache[model.t].mul_(1 / math.sqrt(1 + (model.t / 10) ** 2))
 
 
 if __name__ == "__main__":
-    main()
+    train(Net, lambda: (torch.randn(8, 16), torch.randn(8, 16)), lr=0.01)
