@@ -327,6 +327,11 @@ def test_after_escalation_the_lead_is_full_recordings_lead(tmp_path):
     assert escalated[lead_watch.module]["diverged_step"] == first == 3
     assert escalated[lead_watch.module]["from_step"] == 4
     assert "recorded in full from step 4" in watched.watch["text"]
+    # the watched region that diverged first takes the cause its module's full recording found (the ranks table
+    # and the cross-rank line name the earliest region: it said "unknown" there)
+    first_watched = next(r for r in watched.regions if r.watched and r.status == "diverged")
+    assert (first_watched.cause.kind, first_watched.cause.tensor) == (lead_watch.cause.kind, lead_watch.cause.tensor)
+    assert f"region {lead_watch.region} shows" in first_watched.cause.detail
 
 
 def test_watch_reads_nothing_back_synchronously(tmp_path, monkeypatch):

@@ -119,10 +119,20 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
     """Each watched region that diverged says where its module's full recording is, or why there is none and the
     command that makes one; its cause says it too (the headline shows the cause)."""
     by_module = {(e["rank"], e["module"]): e for e in escalated}
+    by_region = {(r.rank, r.region): r for r in reports}
     for r in reports:
         e = by_module.get((r.rank, r.module)) if r.watched and r.status == DIVERGED else None
         if e is None:
             continue
+        lead = by_region.get((r.rank, e["lead"])) if e["full_diverged"] else None
+        if lead is not None and lead.cause is not None and lead.cause.kind != "unknown" and r.cause is not None \
+                and r.cause.kind == "unknown":  # the ops of its module's full recording explain it
+            seen = r.cause.detail
+            r.cause = Cause(lead.cause.kind, lead.cause.tensor,
+                            f"as {e['module']}'s region {lead.region} shows, recorded in full from step "
+                            f"{e['from_step']} on: {lead.cause.detail} ({seen})", [*lead.cause.evidence],
+                            lead.cause.mechanism, lead.cause.source, list(lead.cause.names))
+            r.suggestions = list(lead.suggestions)
         again = f"`ac-diff run --full-from-step {r.step}` records step {r.step} in full (first divergent op, decision " \
                 "and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
         if e["from_step"] is None:
