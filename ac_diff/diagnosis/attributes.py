@@ -175,7 +175,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     else:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
-        evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}) with identical tensors in")
+        evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}), its input tensors identical")
     # what a restore must cover: every module attribute that changed (a scheduler moved each dropout's `p`)
     names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global)]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,

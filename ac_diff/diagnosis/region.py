@@ -349,7 +349,9 @@ def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Diverge
         if d.changed_inputs:
             detail["changed_inputs"] = d.changed_inputs
     if kind == "value":
-        summary = ("values differ although every input is identical" if d.inputs_same
+        changed = args_diff(f, r) if f is not None and r is not None and "argument" in d.kinds else None
+        summary = (f"values differ: argument {changed}, the tensors in identical" if changed and d.inputs_same
+                   else "values differ although every input is identical" if d.inputs_same
                    else "values differ (an input already differed)" if d.inputs_same is False
                    else "values differ")
         if f is not None and r is not None and f.fingerprint and r.fingerprint:

@@ -57,7 +57,7 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
     if steps[0].parameters and steps[0].no_grad == steps[0].parameters:
         result.steps = steps[:1]
         result.headline = ("no gradients to compare with the run without AC: every parameter's .grad was None after "
-                           "backward 0 in both runs (an optimizer step in a backward hook frees them, or the script "
+                           "the first backward in both runs (an optimizer step in a backward hook frees them, or the script "
                            "sets them to None before the capture); compare the losses instead")
         return result
     if steps[0].loss_identical is False:
@@ -85,10 +85,10 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
         result.verdict = DIFFERS
         result.explanations.insert(0, drift)
         first = differing[0] if differing else None
-        result.headline = (f"the loss of backward {drift_step} differs from the run without AC although every gradient "
-                           f"of backward {drift_step - 1} was identical"
+        result.headline = (f"the loss of backward {drift_step + 1} differs from the run without AC although every "
+                           f"gradient of backward {drift_step} was identical"
                            + (f", and {len(first.differing)} of {first.parameters} gradients differ at backward "
-                              f"{first.step}" if first else "") + f": {drift.kind.replace('_', ' ')}")
+                              f"{first.step + 1}" if first else "") + f": {drift.kind.replace('_', ' ')}")
         return result
     if not differing:
         result.verdict = IDENTICAL
@@ -105,7 +105,7 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
     why = _explanations(first, findings, report)
     result.explanations = why + result.explanations
     result.headline = (f"{len(first.differing)} of {first.parameters} gradients differ from the run without AC at "
-                       f"backward {first.step}" + (f" (max rel. diff {_num(max(rels))})" if rels else "")
+                       f"backward {first.step + 1}" + (f" (max rel. diff {_num(max(rels))})" if rels else "")
                        + (f", {len(missing)} get no gradient with AC" if missing else "")
                        + (f": {why[0].kind.replace('_', ' ')}" if why else ""))
     return result
@@ -162,7 +162,8 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
     """Why backward `step`'s loss differs although every gradient of backward `prev` was identical (see the module
     docstring), from what the report saw in the regions."""
     regions = getattr(report, "regions", [])
-    start = (f"backward {step.step}: the loss differs although every gradient of backward {prev.step} was identical, "
+    start = (f"backward {step.step + 1}: the loss differs although every gradient of backward {prev.step + 1} was "
+             "identical, "
              "so the state it starts from differs from the run without AC")
     repeated = sorted({e for r in regions for e in r.side_effects})
     if repeated:
