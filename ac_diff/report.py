@@ -329,7 +329,7 @@ class RankSummary:
     cause: str | None
     first_module: str | None  # the checkpointed layer of the first diverged region ("layers.1")
     first_region: int | None
-    clean: int = 0
+    clean: int = 0  # (with the watched regions that reproduced their saved tensors, as `regions`)
     unchecked: int = 0
     silent: bool = False  # the first diverged region diverged without torch raising
     cause_tensor: str | None = None  # the tensor / flag / op the cause names

@@ -598,6 +598,8 @@ def test_watch_under_torchrun_finds_the_rank_that_diverged(tmp_path):
     diverged = [(r["rank"], r["module"], r["watched"]) for r in report["regions"] if r["status"] == "diverged"]
     assert diverged == [(1, "layers.1", True)], report["regions"]
     assert report["watch"]["compared"] >= 2  # rank 0's two regions, and rank 1's
+    ranks = {r["rank"]: r for r in report["ranks"]}  # rank 0's watched regions count there ("0 of 0" before)
+    assert ranks[0]["verdict"] == "clean" and ranks[0]["regions"] == ranks[0]["clean"] >= 2, ranks[0]
 
 
 def test_a_reentrant_region_that_diverged_in_the_full_first_step_stays_recorded_in_full(tmp_path):
@@ -609,6 +611,8 @@ def test_a_reentrant_region_that_diverged_in_the_full_first_step_stays_recorded_
     assert all(e["why"] == "full" and e["from_step"] == 1 for e in report.watch["escalated"])
     _, _, clean, _, _ = recorded(tmp_path, "clean_reentrant", {"reentrant": True}, watch=True)
     assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3
+    assert clean.watch["text"].startswith("step 1 recorded in full (--watch-full-steps 1), then watched 6 region(s) "
+                                          "over 3 step(s)"), clean.watch["text"]
 
 
 def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(tmp_path):
@@ -618,6 +622,9 @@ def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(t
     _, _, report, _, _ = recorded(tmp_path, "rng", MECHANISMS["dropout_without_rng_state"][0], watch=True)
     assert report.verdict == "diverged" and not any(r.watched for r in report.regions)
     assert report.watch["compared"] == 0
+    # it says that the first step was recorded in full (it read "watched 0 region(s) ... 0 reproduced", as if
+    # nothing was checked)
+    assert report.watch["text"].startswith("step 1 recorded in full (--watch-full-steps 1), then no region watched")
     assert all(e["why"] == "full" and e["from_step"] == 1 for e in report.watch["escalated"])
     assert "saved other tensors than its forward, so it stays recorded in full" in report.watch["text"]
     _, _, clean, _, _ = recorded(tmp_path, "counting", {}, watch=True)  # Block counts its calls in its forward

@@ -3,10 +3,11 @@ recording of its module that followed (escalation).
 
     explain_watched(report, region)        # a watched region that diverged: which saved tensors, and where next
     watch = watch_summary(runs, reports)   # -> Report.watch
-    {"steps": 1000, "compared": 4000, "diverged": 4, "clean": 3996, "never_compared": 0, "full_from_step": None,
+    {"steps": 1000, "compared": 4000, "diverged": 4, "clean": 3996, "never_compared": 0, "full_steps": 1,
+     "full_from_step": None,
      "escalated": [{"module": "layers.1", "diverged_step": 3, "region": 17, "from_step": 4,
                     "full_regions": 8, "full_diverged": 8, "full_clean": 0, "lead": 21}],
-     "text": "watched 4,000 region(s) over 1,000 step(s): 3,996 reproduced their saved tensors, 4 diverged; ..."}
+     "text": "step 1 recorded in full (--watch-full-steps 1), then watched 4,000 region(s) over 999 step(s): 3,996 ..."}
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                               "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
-               "never_compared": never,
+               "never_compared": never, "full_steps": max(int(run.watch.get("full_steps") or 0) for run in watched),
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
     summary["text"] = _text(summary)
@@ -79,9 +80,15 @@ def watched_clean(summary: dict[str, Any] | None) -> int:
 
 
 def _text(s: dict[str, Any]) -> str:
-    text = (f"watched {s['compared']:,} region(s) over {s['steps']:,} step(s): "
-            f"{s['clean']:,} reproduced their saved tensors exactly"
-            + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
+    full = min(s.get("full_steps") or 0, s["steps"])
+    first = (f"step{'s 1-' + str(full) if full > 1 else ' 1'} recorded in full (--watch-full-steps {full}), then "
+             if full else "")
+    if full and not s["compared"]:
+        text = first + f"no region watched after {'them' if full > 1 else 'it'}"
+    else:
+        text = (f"{first}watched {s['compared']:,} region(s) over {s['steps'] - full:,} step(s): "
+                f"{s['clean']:,} reproduced their saved tensors exactly"
+                + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
     if s["never_compared"]:
         text += (f"; {s['never_compared']:,} forward(s) never recomputed ("
                  + ("the run stopped first)" if s.get("stopped") else "no backward reached them)"))
