@@ -627,6 +627,22 @@ def test_a_top_k_whose_scores_moved_but_whose_choice_held_is_no_flipped_decision
     assert "discrete" not in {row.marker for row in region.window}
 
 
+def test_a_region_that_saved_no_tensor_is_not_said_to_wait_for_a_recompute(tmp_path):
+    """A layer LayerDrop skipped returns its input: it saves nothing, and torch never recomputes it. It read as
+    "not recomputed: the run stopped" (or "no backward reached this region")."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        x = torch.randn(4, 8, requires_grad=True)
+        y = cp.checkpoint(layers[0], x, use_reentrant=False)
+        y = cp.checkpoint(lambda h: h, y, use_reentrant=False)  # the skipped layer
+        y.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline
+    assert [r.unchecked_reason for r in report.regions] == [None, "saved no tensor: nothing to recompute"]
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -222,10 +222,11 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
         return Suggestion(
             f"Do not change `{name}` in the checkpointed forward; update it after the backward",
             f"The recompute runs the module's forward again and reads the {change.forward['type']} as it is then "
-            f"({_change_words(change.forward, change.recompute)}). Append (or replace) its entries after "
-            "loss.backward(), or hand the forward a snapshot as an argument (checkpoint keeps its arguments for the "
-            f"recompute). `ac-diff fix` can simulate this: --restore-in-recompute restores `{name}` for the "
-            "recompute.",
+            f"({_change_words(change.forward, change.recompute)}). A cache kept for generation (past keys and "
+            "values): keep it off while training (`use_cache=False`, as Hugging Face sets it under gradient "
+            "checkpointing). Else append (or replace) its entries after loss.backward(), or hand the forward a "
+            "snapshot as an argument (checkpoint keeps its arguments for the recompute). `ac-diff fix` can simulate "
+            f"this: --restore-in-recompute restores `{name}` for the recompute.",
             f"# in forward: read self.{attr}, return the new entry instead of appending it\n"
             f"out, new_entry = model(batch)\nloss = loss_fn(out)\nloss.backward()\n"
             f"module.{attr}.append(new_entry.detach())  # after the backward")

@@ -68,6 +68,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         inside = region.parent_phase == "recompute" and region.parent is not None
         if fwd is None:
             _unchecked(report, "forward not recorded", "the original forward was not recorded")
+        elif fwd.complete and not fwd.positions and region.kind != "reentrant" and region.has_values:
+            _unchecked(report, "saved no tensor: nothing to recompute",
+                       "its forward saved no tensor for the backward (it returned its input, or ran under no_grad): "
+                       "torch never recomputes it, and nothing can differ")
         elif inside:
             _unchecked(report, NESTED_RERUN,
                        f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
