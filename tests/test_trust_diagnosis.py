@@ -643,6 +643,23 @@ def test_a_region_that_saved_no_tensor_is_not_said_to_wait_for_a_recompute(tmp_p
     assert [r.unchecked_reason for r in report.regions] == [None, "saved no tensor: nothing to recompute"]
 
 
+def test_two_region_inputs_written_behind_autograds_back_are_both_named(tmp_path):
+    """A stranger's truncated BPTT: the carried (h, c) are the region's inputs, overwritten through `.data` (no
+    version bump: torch says nothing) before the backward. Only input[1] was named."""
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(8, 8)
+    x, h, c = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8), torch.randn(4, 8)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        nh, nc = cp.checkpoint(lambda x, h, c: cell(x, (h, c)), x, h, c, use_reentrant=False)
+        h.data.copy_(nh.detach())
+        c.data.copy_(nc.detach())
+        (nh.sum() + nc.sum()).backward()
+    lead = ac_diff.diagnose_paths([path]).lead_groups()[0][0]
+    assert lead.cause.mechanism == "input" and "input[1] (and input[2]) were modified in place" in lead.cause.detail, \
+        lead.cause.detail
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -113,7 +113,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      if writer and writer[1] == "forward" else
                      "the forward: it was modified between the forward and the backward"))
         if top["kind"] == "input":
-            detail = (f"the region's {top['name']} was modified in place after the forward (the recompute reads the "
+            others = [c["name"] for c in changed if c["kind"] == "input" and c["name"] != top["name"]]
+            detail = (f"the region's {top['name']}" + (f" (and {', '.join(others)})" if others else "")
+                      + f" {'were' if others else 'was'} modified in place after the forward (the recompute reads the "
                       "modified tensor)")
         in_forward = bool(writer and writer[1] == "forward")
         names = [] if top["kind"] == "input" else _module_state(top["name"], changed)
