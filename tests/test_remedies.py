@@ -475,3 +475,27 @@ def test_the_suggested_generator_code_trains_as_without_ac_with_a_shared_generat
     old_grads, old_state = _shared_generator_training(rewinding)
     assert not torch.equal(old_state, ref_state) or not all(
         torch.equal(a, b) for step_a, step_b in zip(old_grads, reference) for a, b in zip(step_a, step_b))
+
+
+def test_a_remedy_under_which_torch_raises_on_the_divergence_did_not_help_and_did_not_crash(tmp_path):
+    """A stranger's reentrant KV cache: under use_reentrant=False torch's own check raises a CheckpointError on the
+    same divergence (the silent one made loud), and the fix table called the try "crashed"."""
+    from ac_diff.fix.result import DID_NOT_HELP, Try
+    from ac_diff.fix.tries import Measured, judge
+
+    torch.manual_seed(0)
+    block, x = nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    grow = {"n": 4}
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(cp.CheckpointError):
+        with ac_diff.record(path):
+            y = cp.checkpoint(lambda h: block(torch.cat([h] * (grow["n"] // 4))), x, use_reentrant=False)
+            grow["n"] = 8  # the recompute concatenates twice: another shape
+            y.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.torch_error is not None
+    log = tmp_path / "try.log"
+    log.write_text("torch.utils.checkpoint.CheckpointError: ...\n")
+    t = Try("use_reentrant=False", ["--non-reentrant"], "the base run diverged silently")
+    judge(t, report, None, Measured(1.0, 1, log), Measured(1.0, 0, log), None)
+    assert t.status == DID_NOT_HELP and t.reason.startswith("the recompute still differs, and torch now raises"), t

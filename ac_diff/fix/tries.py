@@ -84,6 +84,11 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         t.gradients = "not compared (no backward finished)"
     else:
         t.gradients = "not compared"
+    if m.code != 0 and report.torch_error is not None and t.regions_after:  # (a silent divergence made loud)
+        t.status = DID_NOT_HELP
+        t.reason = (f"the recompute still differs, and torch now raises ({report.torch_error.kind}, exit {m.code}): "
+                    + _reason(report, reference, op, m))
+        return
     if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
         return
