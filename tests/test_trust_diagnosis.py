@@ -660,6 +660,32 @@ def test_two_region_inputs_written_behind_autograds_back_are_both_named(tmp_path
         lead.cause.detail
 
 
+class _Capacity(nn.Module):
+    """Keeps the tokens under a capacity a schedule sets (`capacity`), and writes how many it dropped (`dropped`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.capacity, self.dropped = nn.Linear(8, 8), 1.0, 0.0
+
+    def forward(self, x):
+        keep = (torch.arange(x.shape[0]) < int(x.shape[0] * self.capacity)).float()[:, None]
+        self.dropped = 1.0 - float(keep.mean())  # a statistic the forward writes, logged later
+        return torch.tanh(self.fc(x) * keep)
+
+
+def test_a_statistic_the_forward_writes_is_not_in_the_fix_for_an_attribute_changed_between_the_passes(tmp_path):
+    """A stranger's capacity-factor MoE: the fix said "Change `capacity_factor`, `last_drop_rate` after the
+    backward", naming the drop rate its own forward writes."""
+    torch.manual_seed(0)
+    model = _Capacity()
+    model.capacity = 0.5
+    lead = _record(tmp_path, model, torch.randn(8, 8), between=lambda: setattr(model, "capacity", 1.0)) \
+        .lead_groups()[0][0]
+    assert lead.cause.tensor == "_Capacity.capacity" and lead.cause.names == ["_Capacity.capacity"], lead.cause
+    assert lead.suggestions[0].title == "Change `_Capacity.capacity` after the backward, not between forward and " \
+        "backward", lead.suggestions[0].title
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -153,7 +153,8 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
             return None
         if not any(c.read_by(op) for c in changes):
             return None
-    top = min(changes, key=lambda c: (not c.read_by(op), not c.counted_twice))
+    # (an attribute changed between the passes before one the region's own forward sets: a statistic it writes)
+    top = min(changes, key=lambda c: (not c.read_by(op), _set_by_forward(c), not c.counted_twice))
     module = module_label(top.name.rsplit(".", 1)[0]) if "." in top.name else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
     detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
@@ -168,7 +169,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
                         f"forward, {_shown_update(top.recompute_update)} in the recompute (by {by})")
     elif top.is_global:
         detail += ": it was set for the forward and changed before the backward, whose recompute reads it again"
-    elif top.forward_update is not None and top.forward_update[1] == top.recompute:  # the forward changed it once
+    elif _set_by_forward(top):  # the forward changed it once
         # (a hook, its code) after reading it, and the recompute read what it left
         detail += (f": the region's forward changed it ({_shown_update(top.forward_update)}, in {module}'s code or a "
                    "hook) after reading it, so the recompute starts from the new value")
@@ -177,9 +178,16 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     if op is not None:
         evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}), its input tensors identical")
     # what a restore must cover: every module attribute that changed (a scheduler moved each dropout's `p`)
-    names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global)]
+    # (not one the region's own forward set, a statistic it writes: nothing changed it between the passes)
+    names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global
+                                                          and not _set_by_forward(c))]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _set_by_forward(change: AttributeChange) -> bool:
+    """The region's forward set the attribute to the value the recompute then read (a statistic it writes)."""
+    return change.forward_update is not None and change.forward_update[1] == change.recompute
 
 
 def _shown_update(update: list) -> str:
@@ -237,7 +245,8 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             "second time and the recompute computes with the new value. Update it once per step outside the region "
             "(in the training loop, or an optimizer step hook), or pass the value in as an argument.",
             _once_per_step(change, name, attr))
-    also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice]
+    also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice
+            and not _set_by_forward(c)]
     names = ", ".join(f"`{n}`" for n in [name, *also[:3]]) + (f" and {len(also) - 3} more" if len(also) > 3 else "")
     return Suggestion(
         f"Change {names} after the backward, not between forward and backward",
