@@ -686,6 +686,25 @@ def test_a_statistic_the_forward_writes_is_not_in_the_fix_for_an_attribute_chang
         "backward", lead.suggestions[0].title
 
 
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_autocast_around_the_backward_too_is_clean(tmp_path, backward_inside):
+    """A stranger's bf16 training wraps the backward in the same torch.autocast as the forward: autocast's cache keeps
+    the bf16 casts of the weights, so the recompute reads them back instead of casting again. It read as another op
+    sequence (control_flow) on every region, the gradients bit-identical."""
+    torch.manual_seed(0)  # (a pre-norm block: the recompute's first cast, of the normed input, has no twin)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+    x, path = torch.randn(4, 6, 16, requires_grad=True), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = cp.checkpoint(model, x, use_reentrant=False).float().pow(2).mean()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

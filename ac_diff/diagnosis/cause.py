@@ -308,7 +308,7 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
     """A tensor the region's forward made and kept (a cache it fills), which the recompute read back instead of
     making it again, and which holds other values than the forward made (changed in place since: its version)."""
     fwd, rec = region.forward, region.recompute
-    made = {op.index: op for op in cmp.forward_ops}
+    made = {op.index: op for op in region.forward.ops} if region.forward is not None else {}
     for ext in rec.externals if rec is not None and fwd is not None else ():
         op = made.get(ext.made_by[0]) if ext.made_by is not None else None
         if op is None:

@@ -189,6 +189,9 @@ class PassComparison:
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    whole: bool = True, reentrant: bool = False) -> PassComparison:
     f_ops = usable_ops(forward)
+    read_back = _read_back(f_ops, recompute)
+    if read_back:  # the recompute read what they made (a cache kept it: autocast's casts, a memoized table)
+        f_ops = [o for o in f_ops if o.index not in read_back]
     r_ops = usable_ops(recompute)
     raw = align([o.key for o in f_ops], [o.key for o in r_ops])
     # back to the ops' own indices
@@ -470,6 +473,25 @@ def _plain_args(args: list) -> list:
         else:
             out.append(a)
     return out
+
+
+def _read_back(f_ops: list[OpRecord], recompute: Pass) -> set[int]:
+    """The forward's ops the recompute did not run because it read back what they made (`External.made_by`: a
+    tensor the forward made and something kept, autocast's bf16 weight casts, a memoized table) and the ops that
+    fed only those: not aligned, as they have no counterpart (what was read back is compared as an input)."""
+    dropped = {e.made_by[0] for e in recompute.externals if e.made_by is not None}
+    if not dropped:
+        return dropped
+    consumers: dict[int, set[int]] = {}
+    for o in f_ops:
+        for r in o.input_refs:
+            if r.kind == "op":
+                consumers.setdefault(r.op_index, set()).add(o.index)
+    for o in reversed(f_ops):  # (an op's consumers come after it)
+        feeds = consumers.get(o.index)
+        if feeds and feeds <= dropped:
+            dropped.add(o.index)
+    return dropped
 
 
 def kept_read_back(forward: Pass, recompute: Pass, tolerance: Tolerance) -> dict[str, tuple[tuple[int, int], bool]]:

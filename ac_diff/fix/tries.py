@@ -18,6 +18,7 @@ from typing import Any
 
 from ..children import Child
 from ..report import DIVERGED
+from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
 
 _ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
@@ -44,6 +45,10 @@ class Measured:
             return ""
         errors = [line for line in lines if _ERROR.match(line)]
         return (errors or lines or [""])[-1]
+
+
+# what torch raises where a recompute saved other tensors than its forward (not an error the remedy itself caused)
+LOUD = frozenset({METADATA_MISMATCH, COUNT_MISMATCH, MORE_SAVED})
 
 
 def run_measured(child: Child, log: Path, cwd: str | None = None) -> Measured:
@@ -84,7 +89,8 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         t.gradients = "not compared (no backward finished)"
     else:
         t.gradients = "not compared"
-    if m.code != 0 and report.torch_error is not None and t.regions_after:  # (a silent divergence made loud)
+    if m.code != 0 and t.regions_after and report.torch_error is not None \
+            and report.torch_error.kind in LOUD:  # (a silent divergence made loud: torch's check on the recompute)
         t.status = DID_NOT_HELP
         t.reason = (f"the recompute still differs, and torch now raises ({report.torch_error.kind}, exit {m.code}): "
                     + _reason(report, reference, op, m))
