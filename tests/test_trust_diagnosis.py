@@ -705,6 +705,25 @@ def test_autocast_around_the_backward_too_is_clean(tmp_path, backward_inside):
     assert report.verdict == "clean", report.headline
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_custom_functions_ctx_value_from_a_global_changed_before_the_backward(tmp_path, reentrant):
+    """A stranger's gradient warm-up: a custom autograd.Function keeps a factor from a global step counter on ctx,
+    and the loop advances the counter before the backward. Reentrant: the backward runs on the recompute's graph and
+    its factor, every op matched, and the report said CLEAN. Non-reentrant: the forward's graph, clean."""
+    out, json_path = tmp_path / "out", tmp_path / "r.json"
+    proc = run_cli("run", "-o", str(out), "--json", str(json_path), str(SCRIPTS / "function_ctx_global.py"),
+                   *(["--reentrant"] if reentrant else []), cwd=REPO)
+    report = json.loads(json_path.read_text())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if not reentrant:
+        assert report["verdict"] == "clean", report["headline"]
+        return
+    assert report["verdict"] == "diverged", report["headline"]
+    cause = report["regions"][0]["cause"]
+    assert (cause["kind"], cause["tensor"]) == ("state_mutation", "function_ctx_global.GLOBAL_STEP"), cause
+    assert "read by a custom autograd.Function" in cause["detail"] and "ctx" in cause["detail"]
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -24,6 +24,7 @@ from collections import OrderedDict, defaultdict, deque
 from itertools import islice
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from .sourceline import is_internal, short_path
@@ -133,6 +134,10 @@ def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[
                         todo.append(method)
                 elif isinstance(space.get(name), types.FunctionType):
                     todo.append(space[name])
+                elif isinstance(space.get(name), type) and issubclass(space[name], torch.autograd.Function):
+                    forward = _method(space[name], "forward")  # `MyFn.apply(...)`: its forward runs in the pass
+                    if isinstance(forward, types.FunctionType):
+                        todo.append(forward)
             yield space, code, loaded
 
 
@@ -140,7 +145,8 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
     found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
     for space, code, loaded in _user_codes(root, owner):
         module = _module_name(space)
-        reader = f"{short_path(code.co_filename)} in {code.co_name}"
+        reader = f"{short_path(code.co_filename)} in {code.co_name}" + (
+            f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
         for name in code.co_names:
             value = space.get(name)
             if name in loaded and (type(value) in SCALAR_TYPES or value is None) and name in space \
@@ -179,6 +185,18 @@ def _draws(value: Any, generators: list[str], code: types.CodeType) -> bool:
             type(owner).__module__.startswith("numpy.random"):
         return "numpy.random" in generators
     return False
+
+
+# how a global's reader is marked where it is a custom autograd.Function's forward: a value it computes from the
+# global may go to its backward on `ctx`, from the pass that built the graph the backward runs
+FUNCTION_CODE = "(autograd.Function)"
+
+
+def _is_function_code(code: types.CodeType, space: dict) -> bool:
+    """`code` is the forward of a torch.autograd.Function subclass defined in the module of `space`."""
+    owner = space.get(getattr(code, "co_qualname", "").rsplit(".", 1)[0]) if "." in getattr(
+        code, "co_qualname", "") else None
+    return code.co_name == "forward" and isinstance(owner, type) and issubclass(owner, torch.autograd.Function)
 
 
 def _global_names(code: types.CodeType) -> set[str]:

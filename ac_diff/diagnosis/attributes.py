@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture.pystate import UNSET, is_container
+from ..capture.pystate import FUNCTION_CODE, UNSET, is_container
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
 from .labels import module_label
@@ -59,7 +59,7 @@ class AttributeChange:
         if op is None:
             return False
         if self.is_global:
-            return bool(op.source) and _function_of(op.source) in self.readers
+            return bool(op.source) and _function_of(op.source) in {r.split(" (")[0] for r in self.readers}
         module = self.name.rsplit(".", 1)[0] if "." in self.name else ""
         if op.module is None:
             return False
@@ -188,6 +188,26 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
 def _set_by_forward(change: AttributeChange) -> bool:
     """The region's forward set the attribute to the value the recompute then read (a statistic it writes)."""
     return change.forward_update is not None and change.forward_update[1] == change.recompute
+
+
+def function_state_cause(region: Region) -> Cause | None:
+    """A reentrant region whose recompute matched its forward op by op, where a global read by a custom
+    autograd.Function's forward changed between the passes: the backward runs on the graph the recompute built, so a
+    value that Function keeps on `ctx` for its backward (a gradient scale) is the recompute's. None otherwise."""
+    if region.kind != "reentrant":
+        return None
+    change = next((c for c in changed_attributes(region) if c.is_global
+                   and any(r.endswith(FUNCTION_CODE) for r in c.readers)), None)
+    if change is None:
+        return None
+    reader = next(r for r in change.readers if r.endswith(FUNCTION_CODE))
+    return Cause("state_mutation", change.name,
+                 f"{_what(change)} was {_change_words(change.forward, change.recompute)}, read by a custom "
+                 f"autograd.Function ({reader.removesuffix(' ' + FUNCTION_CODE)}): with use_reentrant=True the "
+                 "backward runs on the graph the recompute built, so a value that Function keeps on ctx for its "
+                 "backward comes from the recompute. Every op matched, and the gradients may still differ",
+                 [f"{change.name}: {_change_words(change.forward, change.recompute)} (read by {reader})"],
+                 mechanism="global", names=[change.name])
 
 
 def _shown_update(update: list) -> str:

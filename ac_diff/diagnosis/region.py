@@ -17,6 +17,7 @@ from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, o
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
 from ..stateflags import flag_value
+from .attributes import function_state_cause
 from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -154,6 +155,8 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
+    held = None if diverged else function_state_cause(region)  # (a reentrant region: every op matched)
+    diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
@@ -198,7 +201,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     if not region.has_values and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
         report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence, cmp.rec_to_fwd)
     report.window = window(cmp, report, settings)
-    if diverged:
+    if held is not None:
+        report.cause, report.silent = held, True
+        report.suggestions = suggestions_for(report, region, torch_version)
+    elif diverged:
         explain(report, region, cmp, torch_version)
         if region.watched:
             explain_watched(report, region)
