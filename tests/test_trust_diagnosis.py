@@ -549,6 +549,9 @@ def test_a_fake_quantize_observer_the_recompute_updates_again_is_the_cause_and_i
     lead = report.lead_groups()[0][0]
     assert (lead.cause.kind, lead.cause.mechanism) == ("state_mutation", "updated_in_forward"), lead.cause
     assert lead.cause.tensor.startswith("fq.activation_post_process."), lead.cause
+    # a restore covers the whole observer (its range, scale and zero point), not only what the first op named
+    assert {"fq.activation_post_process.min_val", "fq.activation_post_process.max_val"} <= set(lead.cause.names) \
+        and len(lead.cause.names) > 2, lead.cause.names
     assert lead.suggestions[0].title == "Turn the quantization observers off while the backward runs"
     assert "tq.disable_observer" in lead.suggestions[0].code
     fixed = step(tmp_path / "fixed.jsonl", observers_off=True)

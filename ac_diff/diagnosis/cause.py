@@ -175,7 +175,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "updates it, so the recompute starts from the updated state and computes other values",
                      [f"{value.op} writes {', '.join(f'`{n}`' for n in own)}",
                       *(f"{name}: other values when the recompute read it" for name in own[:3])],
-                     mechanism=UPDATED_IN_FORWARD, source=op.source, names=own)
+                     mechanism=UPDATED_IN_FORWARD, source=op.source,  # (a restore covers every such state)
+                     names=list(dict.fromkeys([*own, *(n for n, _ in cmp.region_updates()
+                                                       if n and _STATE_NAME.fullmatch(n))])))
 
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
