@@ -727,6 +727,36 @@ def test_a_custom_functions_ctx_value_from_a_global_changed_before_the_backward(
     assert "read by a custom autograd.Function" in cause["detail"] and "ctx" in cause["detail"]
 
 
+class _RunningNorm(nn.Module):
+    """Normalizes by a running mean it updates in its own forward (an RL observation normalizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(x.detach().mean(0), alpha=0.1)
+        return x - self.mean
+
+
+def test_fix_does_not_try_to_restore_state_inside_a_checkpoint_sequential_segment(tmp_path):
+    """A stranger's ResNet stages under checkpoint_sequential: `ac-diff fix` tried restoring the buffers of a segment,
+    which the restore cannot reach (a segment is no module), and then said only turning AC off works."""
+    from ac_diff.fix.candidates import candidates
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_RunningNorm(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        cp.checkpoint_sequential(model, 2, torch.randn(4, 8, requires_grad=True), use_reentrant=False) \
+            .pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    lead = report.lead_groups()[0][0]
+    assert lead.module == "segment 0-1" and lead.cause.kind == "state_mutation", (lead.module, lead.cause)
+    kinds = [c.kind for c in candidates(report)]
+    assert "restore" not in kinds and "no_ac" in kinds, kinds
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -40,7 +40,7 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
 from .kept_inputs import KeptInputs
 from .modules import ModuleStack
-from .fqn import clean_fqn
+from .fqn import clean_fqn, segment_name
 from .pystate import UNSET, GlobalReads, host_draw_sites, module_attributes
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
@@ -698,7 +698,7 @@ class Recorder:
                 functions, start, end = segment
                 self.modules.name_by_index(functions)
                 if phase == FORWARD and region.module is None:
-                    region.module = f"segment {start}-{end}"
+                    region.module = segment_name(start, end)
             elif phase == FORWARD:
                 name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
                 region.fn_name = name if isinstance(name, str) and "<lambda>" not in name else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..capture.fqn import is_segment
 from ..remedies import RemedySpec
 from ..report import DIVERGED, UNCHECKED, UPDATED_IN_FORWARD
 
@@ -74,7 +75,7 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
     .default`, not the block), or a buffer / tensor / Python attribute updated between forward and backward (every
     one the cause names: both linears' running buffers, each dropout's `p` a scheduler moved)."""
     c = r.cause
-    if c is None:
+    if c is None or is_segment(r.module):  # (a checkpoint_sequential segment: no module to restore state into)
         return None
     if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]

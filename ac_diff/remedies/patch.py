@@ -25,6 +25,7 @@ import torch
 import torch.utils.checkpoint as _cp
 
 from ..capture.compiled import is_compiling
+from ..capture.fqn import segment_name
 from ..capture.modules import ModuleStack
 from ..capture.torch_compat import checkpointed_module, sequential_segment
 from . import deterministic
@@ -151,7 +152,7 @@ class CheckpointPatch:
             self.stack.name_by_index(functions)
             names = [self.stack.name_of(m) for m in functions[start:end + 1] if isinstance(m, torch.nn.Module)]
             if names:
-                return f"segment {start}-{end}", names  # (the recorder's name for it, which the report shows)
+                return segment_name(start, end), names  # (the recorder's name for it, which the report shows)
         module, _ = checkpointed_module(function)
         if module is not None:
             name = self.stack.name_of(module)
