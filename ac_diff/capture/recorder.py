@@ -184,7 +184,7 @@ class _Pass:
     globals: dict[str, Any] = field(default_factory=dict)
     global_readers: dict[str, list] = field(default_factory=dict)
     codes_seen: set = field(default_factory=set)  # (forward function, module class) whose globals were read
-    children_noted: set = field(default_factory=set)  # id() of modules whose children's attributes were read
+    called: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, fqn): the modules it called
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
     # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
     # such a pass is never compared as whole (see `_lose`)
@@ -759,13 +759,7 @@ class Recorder:
         for key, value in attrs.items():
             p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
         p.attribute_calls.append((module, prefix, attrs))
-        if id(module) not in p.children_noted:  # its children's too (once a pass): a parent's code reads a child
-            p.children_noted.add(id(module))  # it never calls (HF's SDPA attention passes `self.dropout.p`)
-            for key, child in module._modules.items():
-                if child is not None:
-                    child_prefix = clean_fqn(f"{fqn}.{key}" if fqn else key) + "."
-                    for name, value in module_attributes(child).items():
-                        p.attributes.setdefault(child_prefix + name, value[:200] if type(value) is str else value)
+        p.called.setdefault(id(module), (module, fqn))
 
     def _draw_sites(self, p: _Pass, drew: list[str]) -> list[str]:
         """The lines of the pass's module code that read a host generator that moved (a few; per code, once)."""
@@ -777,6 +771,18 @@ class Recorder:
                 found = self._sites[key] = host_draw_sites(function, owner, drew)
             sites.extend(site for site in found if site not in sites)
         return sites[:4]
+
+    @staticmethod
+    def _note_uncalled_children(p: _Pass) -> None:
+        """As the pass ends, the attributes of the children its modules hold but never called: a parent's code reads
+        them (HF's SDPA attention hands `self.dropout.p` to the kernel)."""
+        for module, fqn in p.called.values():
+            for key, child in module._modules.items():
+                if child is not None and id(child) not in p.called:
+                    prefix = clean_fqn(f"{fqn}.{key}" if fqn else key) + "."
+                    for name, value in module_attributes(child).items():
+                        p.attributes.setdefault(prefix + name, value[:200] if type(value) is str else value)
+        p.called = {}
 
     def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
         """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""
@@ -1084,6 +1090,8 @@ class Recorder:
                    for row in p.ops):  # (a root module's FQN is "": every module is inside it)
                 region.module = region.fn_name  # the function does more than call that module
         # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
+        if p.called:
+            self._note_uncalled_children(p)
         drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
         outputs = None
         if p.phase == FORWARD and region.recorded:
