@@ -499,3 +499,18 @@ def test_a_remedy_under_which_torch_raises_on_the_divergence_did_not_help_and_di
     t = Try("use_reentrant=False", ["--non-reentrant"], "the base run diverged silently")
     judge(t, report, None, Measured(1.0, 1, log), Measured(1.0, 0, log), None)
     assert t.status == DID_NOT_HELP and t.reason.startswith("the recompute still differs, and torch now raises"), t
+
+
+def test_a_restore_that_names_nothing_it_can_restore_says_so():
+    """A stranger's `--restore-in-recompute head.logit_scale` (a parameter) did nothing, and nothing said so."""
+    patch = CheckpointPatch(RemedySpec(restore=["layers.*.fc.parametrizations.weight.0._v",
+                                                "layers.*.fc.parametrizations.weight.original"])).install()
+    try:
+        grads(Stack(Spectral))
+    finally:
+        patch.uninstall()
+    rows = [r["what"] for r in patch.summary()]
+    assert any(w.startswith("forward value restored in the recompute") for w in rows), rows
+    assert [w for w in rows if w.startswith("matched nothing")] == [
+        "matched nothing: layers.*.fc.parametrizations.weight.original (a buffer, tensor, Python attribute, list or "
+        "generator of a checkpointed module is restored; a parameter is not)"], rows

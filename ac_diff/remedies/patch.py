@@ -168,5 +168,9 @@ class CheckpointPatch:
         for remedy in self.remedies:
             for key, n in sorted(getattr(remedy, "saved", {}).items()):
                 rows.append({"remedy": "must_save", "region": None, "what": f"saved {key}", "calls": n})
+            for glob in remedy.unmatched() if hasattr(remedy, "unmatched") else ():
+                rows.append({"remedy": remedy.kind, "region": None, "calls": 0, "what": (
+                    f"matched nothing: {glob} (a buffer, tensor, Python attribute, list or generator of a "
+                    "checkpointed module is restored; a parameter is not)")})
 
         return rows

@@ -164,6 +164,7 @@ class RestoreInRecompute:
         self.globs = list(globs)
         self.name_of = name_of
         self._started: weakref.WeakSet = weakref.WeakSet()  # the modules whose first forward has run
+        self._matched: set[str] = set()  # the globs that named some state of a checkpointed module
 
     def apply(self, call: CheckpointCall) -> str | None:
         if call.bypass:
@@ -174,8 +175,15 @@ class RestoreInRecompute:
         slots = find(module, self.name_of(module), self.globs)
         if not slots:
             return None
+        if len(self._matched) < len(self.globs):
+            self._matched.update(g for g in self.globs if g not in self._matched
+                                 and find(module, self.name_of(module), [g]))
         call.function = _Restoring(call.function, slots, self._first_forwards(slots))
         return "forward value restored in the recompute: " + ", ".join(slots)
+
+    def unmatched(self) -> list[str]:
+        """The globs that named nothing the recompute could be given (a parameter, a misspelt name)."""
+        return [g for g in self.globs if g not in self._matched]
 
     def _first_forwards(self, slots: dict[str, _Slot]) -> dict[str, _Slot]:
         """The rest of the state of each module holding a slot, on that module's first forward: what the forward
