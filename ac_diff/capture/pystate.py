@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .sourceline import is_internal, short_path
+from .sourceline import code_site, is_internal, short_path
 
 # plain scalars a module keeps (`self.step`, `self.scale`)
 SCALAR_TYPES = (int, float, bool, str)
@@ -169,7 +169,7 @@ def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[
         for ins in dis.get_instructions(code):
             line = getattr(getattr(ins, "positions", None), "lineno", None) or ins.starts_line or line
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code):
-                site = f"{short_path(code.co_filename)}:{line} in {code.co_name}"
+                site = code_site(code, line)
                 if site not in sites:
                     sites.append(site)
     return sites

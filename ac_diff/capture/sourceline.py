@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -63,11 +64,15 @@ def user_source(start_depth: int = 2) -> str | None:
         frame = frame.f_back
     if frame is None:
         return None
-    key = (frame.f_code, frame.f_lineno)
+    return code_site(frame.f_code, frame.f_lineno)
+
+
+def code_site(code: Any, line: int) -> str:
+    """"model.py:57 in forward": a line of a code object as reports name it (cached per code object and line)."""
+    key = (code, line)
     text = _formatted.get(key)
     if text is None:
-        text = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-        _formatted[key] = text
+        text = _formatted[key] = f"{short_path(code.co_filename)}:{line} in {code.co_name}"
     return text
 
 
@@ -81,5 +86,4 @@ def raised_at(exc: BaseException) -> str | None:
         tb = tb.tb_next
     if hit is None:
         return None
-    code, line = hit
-    return f"{short_path(code.co_filename)}:{line} in {code.co_name}"
+    return code_site(*hit)

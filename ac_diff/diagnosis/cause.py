@@ -120,7 +120,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         in_forward = bool(writer and writer[1] == "forward")
         names = [] if top["kind"] == "input" else _module_state(top["name"], changed)
         if in_forward:  # a restore must cover all the state the region updates (spectral norm's _u with its _v)
-            names = list(dict.fromkeys([*names, *(n for n, _ in cmp.region_updates() if n and _STATE_NAME.fullmatch(n))]))
+            names = list(dict.fromkeys([*names, *_updated_state(cmp)]))
         return Cause("state_mutation", top["name"], detail, evidence,
                      mechanism=UPDATED_IN_FORWARD if in_forward else
                      {"input": "input", "param": PARAMETER}.get(top["kind"], "tensor"), names=names)
@@ -176,8 +176,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      [f"{value.op} writes {', '.join(f'`{n}`' for n in own)}",
                       *(f"{name}: other values when the recompute read it" for name in own[:3])],
                      mechanism=UPDATED_IN_FORWARD, source=op.source,  # (a restore covers every such state)
-                     names=list(dict.fromkeys([*own, *(n for n, _ in cmp.region_updates()
-                                                       if n and _STATE_NAME.fullmatch(n))])))
+                     names=list(dict.fromkeys([*own, *_updated_state(cmp)])))
 
     if value is not None and value.detail.get("inputs_identical"):
         return Cause("nondeterministic_op", value.op,
@@ -309,28 +308,23 @@ _STATE_NAME = re.compile(r"[\w.]+")  # a module's buffer or tensor attribute (no
 def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
     """A tensor the region's forward made and kept (a cache it fills), which the recompute read back instead of
     making it again, and which holds other values than the forward made (changed in place since: its version)."""
-    fwd, rec = region.forward, region.recompute
-    made = {op.index: op for op in region.forward.ops} if region.forward is not None else {}
-    for ext in rec.externals if rec is not None and fwd is not None else ():
-        op = made.get(ext.made_by[0]) if ext.made_by is not None else None
-        if op is None:
-            continue
-        out = ext.made_by[1]
-        fp = op.fingerprint[out] if op.fingerprint and out < len(op.fingerprint) else None
-        measured = fp is not None and ext.fingerprint is not None
-        written = ext.versions is not None and ext.versions[1] != ext.versions[0]
-        if measured and cmp.tolerance.equal(fp, ext.fingerprint) or not measured and not written:
-            continue
-        named = not ext.name.startswith("external[")
-        versions = f" (its version went from {ext.versions[0]} to {ext.versions[1]})" if written else ""
-        return Cause("state_mutation", ext.name if named else f"{op.op} #{op.index}",
-                     f"the tensor the region's forward made ({op.op} at {where(op.module, op.source)}) and kept"
-                     + (f" in `{ext.name}`" if named else "") + f" was modified in place after the forward{versions}: "
-                     "the recompute reads it back instead of making it again, and gets other values",
-                     [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
-                      f"recompute: read as `{ext.name}`, fingerprint {_fp(ext.fingerprint)}"],
-                     mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
-    return None
+    changed = [(name, made) for name, (made, unchanged) in cmp.kept.items() if not unchanged]
+    if not changed:
+        return None
+    name, (index, out) = changed[0]
+    op = next(o for o in region.forward.ops if o.index == index)
+    ext = next(e for e in region.recompute.externals if e.name == name)
+    fp = op.fingerprint[out] if op.fingerprint and out < len(op.fingerprint) else None
+    written = ext.versions is not None and ext.versions[1] != ext.versions[0]
+    named = not name.startswith("external[")
+    versions = f" (its version went from {ext.versions[0]} to {ext.versions[1]})" if written else ""
+    return Cause("state_mutation", name if named else f"{op.op} #{op.index}",
+                 f"the tensor the region's forward made ({op.op} at {where(op.module, op.source)}) and kept"
+                 + (f" in `{name}`" if named else "") + f" was modified in place after the forward{versions}: "
+                 "the recompute reads it back instead of making it again, and gets other values",
+                 [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
+                  f"recompute: read as `{name}`, fingerprint {_fp(ext.fingerprint)}"],
+                 mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
 
 
 def _own_state_read(region: Region, cmp: PassComparison, value: Divergence) -> list[str]:
@@ -349,6 +343,11 @@ def _own_state_read(region: Region, cmp: PassComparison, value: Divergence) -> l
                 and not cmp.tolerance.equal(prints[key], again[key]):
             names.append(ref.name)
     return names
+
+
+def _updated_state(cmp: PassComparison) -> list[str]:
+    """The module state (buffers, tensor attributes) the region's own ops update in place: what a restore covers."""
+    return [n for n, _ in cmp.region_updates() if n and _STATE_NAME.fullmatch(n)]
 
 
 def _module_state(lead: str, changed: list[dict]) -> list[str]:

@@ -144,6 +144,8 @@ class PassComparison:
     tolerance: Tolerance = Tolerance()  # the one values were compared with (saved positions too)
     # forward copy ops hooks make (HOOK_ONLY_OPS: a compiled graph's saved `detach`) -> the op whose output they copy
     forward_through: dict[int, int] = field(default_factory=dict)
+    # the recompute's externals the forward made and kept (`kept_read_back`): name -> ((op, output), unchanged)
+    kept: dict[str, tuple[tuple[int, int], bool]] = field(default_factory=dict)
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
@@ -269,7 +271,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                   if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
                           tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated,
-                          tolerance=tolerance, forward_through=f_source)
+                          tolerance=tolerance, forward_through=f_source, kept=kept)
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:
