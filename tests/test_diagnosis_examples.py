@@ -260,3 +260,22 @@ def test_moe_terminal_report_matches_golden(example_reports):
     # and it says what a stranger needs: the layer, the op, why, and what to change
     for needle in ("DIVERGED", "layers.1", "expert_bias", "topk", "split_with_sizes", "position", "fix:"):
         assert needle in text
+
+
+def test_a_narrow_terminal_leaves_the_first_divergence_to_the_region_details(example_reports):
+    """In a narrow terminal the regions table has no room for the first divergence: it leaves it out and says where
+    it is, rather than wrapping it one word fragment a line; a wide terminal shows it in the table."""
+    report = ac_diff.diagnose_paths([example_reports["moe_bias_update"]["dir"]])
+
+    def regions_table(width: int) -> list[str]:
+        buffer = io.StringIO()
+        render_terminal(report, Console(file=buffer, width=width, color_system=None, force_terminal=False))
+        lines = buffer.getvalue().splitlines()
+        start = lines.index(next(line for line in lines if line.startswith("regions")))
+        end = next(i for i in range(start + 1, len(lines)) if not lines[i].strip() or lines[i].startswith("╭"))
+        return lines[start:end]
+
+    narrow, wide = regions_table(64), regions_table(140)
+    assert "first divergence" not in narrow[1] and any("in the region details below" in line for line in narrow)
+    assert "first divergence" in wide[1] and any(".Tensor in layers.1" in line for line in wide)
+    assert all(len(line.rstrip()) <= 64 for line in narrow)

@@ -73,10 +73,20 @@ def no_grad_inputs(fn: Any, args: tuple, grad_enabled: bool) -> int | None:
     """For a reentrant checkpoint called with `args`: where grad was enabled at the call and no input requires grad,
     the number of the checkpointed module's parameters that do (they get no gradient through it: torch only warns
     "None of the inputs have requires_grad=True"); -1 where the function is no module; else None."""
-    if not grad_enabled or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    if not grad_enabled:
+        return None
+    lost = parameters_losing_grad(fn, args)
+    return None if lost is None else -1 if lost[0] is None else len(lost[1])
+
+
+def parameters_losing_grad(fn: Any, args: Any) -> tuple[Any, list[str]] | None:
+    """A reentrant checkpoint of `fn` called with `args` under grad mode: where no tensor argument requires grad (torch
+    looks at the arguments themselves, not into containers), (the checkpointed module or None, the names of its parameters that require grad: no
+    gradient reaches them through the region); else None."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return None
     module, _ = checkpointed_module(fn)
-    return -1 if module is None else sum(p.requires_grad for p in module.parameters())
+    return module, [] if module is None else [n for n, p in module.named_parameters() if p.requires_grad]
 
 
 def checkpointed_module(fn: Any) -> tuple[Any, bool]:

@@ -180,8 +180,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                     " (the region's own forward, or a hook inside it, updates it: the recompute runs that update "
                     "again, from the updated value)" if mechanism == UPDATED_IN_FORWARD else "")
                 + ". Keep in the forward what the update needs, and apply it after `loss.backward()` - best after "
-                "`optimizer.step()`, e.g. from an optimizer step hook (where torchtitan updates its MoE "
-                "load-balancing bias) - not in a forward hook or inside forward().",
+                "`optimizer.step()`, e.g. from an optimizer step hook - not in a forward hook or inside forward().",
                 "def update_after_step(optimizer, args, kwargs):\n"
                 "    with torch.no_grad():\n"
                 f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
@@ -283,8 +282,10 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
         out.append(Suggestion(
             f"Save {discrete.op} with selective activation checkpointing",
             f"{discrete.op} in {discrete.module or 'the region'} took a different discrete decision in the "
-            "recompute; everything downstream (counts, split sizes, shapes) follows it. Saving its output (and the "
-            "router/gate matmul feeding it) makes the recompute reuse the forward's decision. "
+            "recompute; everything downstream (counts, split sizes, shapes) follows it. Saving its output"
+            + (f" (and that of {save[1]}, the matmul feeding it)" if feeder else
+               f" (and that of {save[1]})" if len(save) > 1 else "")
+            + " makes the recompute reuse the forward's decision. "
             + (_sac_save_list_text(region, save) if region.options.get("sac") else
                f"In torchtitan: activation_checkpoint.mode = \"selective\", selective_ac_option = \"op\", and add "
                f"{', '.join(_torch_op(s) for s in save)} to the per-op save list (`_save_list` / "

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.sourceline import user_source
 from ..own_files import is_own_file
-from ..capture.torch_compat import checkpointed_module
+from ..capture.torch_compat import checkpointed_module, parameters_losing_grad
 
 MAX_TENSORS = 1 << 16  # per region forward: beyond this, stop tracking (bounded memory)
 
@@ -104,12 +104,11 @@ class ReentrantWatch:
             return run()
         inputs = [a for a in tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
         module, _ = checkpointed_module(call.function)
-        if not any(t.requires_grad for t in inputs) and module is not None:
-            params = [f"{call.region}.{n}" if call.region else n for n, p in module.named_parameters()
-                      if p.requires_grad]
-            if params:
-                self._add(("no_grad_inputs", call.region), {"kind": "no_grad_inputs", "region": call.region,
-                                                            "parameters": params})
+        lost = parameters_losing_grad(call.function, call.args)
+        if lost is not None and lost[1]:
+            self._add(("no_grad_inputs", call.region), {
+                "kind": "no_grad_inputs", "region": call.region,
+                "parameters": [f"{call.region}.{n}" if call.region else n for n in lost[1]]})
         grad = {_storage(t) for t in inputs if t.requires_grad}
         if module is not None:
             grad |= {_storage(p) for p in module.parameters() if p.requires_grad}

@@ -90,7 +90,7 @@ def render_terminal(report: Report, console: Console) -> None:
     for finding in report.cross_rank:
         console.print(Text("cross-rank: ", style="bold magenta") + _t(finding))
     if report.regions:
-        console.print(_regions_table(report))
+        console.print(_regions_table(report, console.width))
     groups = report.lead_groups()
     shown: set[str] = set()  # fix titles already printed: each fix once
     for lead, members, label in groups[:MAX_DETAILED_REGIONS]:
@@ -169,29 +169,39 @@ def _ranks_table(report: Report) -> Table:
     return table
 
 
-def _regions_table(report: Report, limit: int = 40) -> Table:
+FIRST_DIVERGENCE_MIN = 16  # columns below which the regions table leaves the first divergence out
+
+
+def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
     table = Table(title="regions", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     ops = "ops A/B" if report.regions and all(r.kind == "two_runs" for r in report.regions) else "ops fwd/rec"
     rows = report.regions
     shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
     # the module is what the user looks for: it keeps up to 28 columns, the first divergence wraps instead
     module_width = min(28, max((len(r.module or "?") for r in shown), default=6))
-    for col, kw in (("rank", {}), ("region", {"justify": "right"}),
-                    ("module", {"min_width": module_width}), (ops, {}),
-                    ("status", {"no_wrap": True}), ("cause", {"no_wrap": True}),
-                    ("first divergence", {"ratio": 1})):
+    cells = [[_t(r.rank), _t(r.region), Breakable(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"),
+              Text(r.status_label, style={"diverged": "red", "clean": "green"}.get(r.status, "dim")),
+              _t(r.cause.kind if r.cause else "")] for r in shown]
+    columns = [("rank", {}), ("region", {"justify": "right"}), ("module", {"min_width": module_width}), (ops, {}),
+               ("status", {"no_wrap": True}), ("cause", {"no_wrap": True})]
+    fixed = sum(max([len(name)] + [c[i].cell_len for c in cells]) + 2
+                for i, (name, _) in enumerate(columns) if name != "module") + module_width + 2
+    # too narrow for the first divergence to read (one word a line): the region details below give it
+    with_first = width - fixed >= FIRST_DIVERGENCE_MIN
+    for col, kw in columns + ([("first divergence", {"ratio": 1})] if with_first else []):
         table.add_column(col, **kw)
-    for r in shown:
-        status = Text(r.status_label,
-                      style={"diverged": "red", "clean": "green"}.get(r.status, "dim"))
+    for r, row in zip(shown, cells):
         first = r.first_divergence()
         what = (Breakable(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
                 Breakable(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
-        table.add_row(_t(r.rank), _t(r.region), Breakable(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"), status,
-                      _t(r.cause.kind if r.cause else ""), what)
+        table.add_row(*row, *([what] if with_first else []))
+    notes = [] if with_first else [
+        f"first divergences: in the region details below (here from {fixed + FIRST_DIVERGENCE_MIN} columns)"]
     if len(shown) < len(rows):
         hidden = [r for r in rows if r.status != DIVERGED] + [r for r in rows if r.status == DIVERGED][limit:]
-        table.caption = f"{len(hidden)} region(s) not shown ({count_by_status(hidden)})"  # what it hides, by status
+        notes.insert(0, f"{len(hidden)} region(s) not shown ({count_by_status(hidden)})")  # what it hides, by status
+    if notes:
+        table.caption = " ".join(notes)
     return table
 
 
