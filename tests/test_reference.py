@@ -8,6 +8,8 @@ an unseeded script (the reference's own randomness), and the same model with use
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import run_cli
@@ -168,3 +170,17 @@ def test_a_state_the_recompute_updates_twice_is_a_defect_from_the_next_step(runs
     restored = runs["repeated_update_restored"]
     assert _ref(restored)["verdict"] == "identical" and restored.returncode == 0, restored.explain()
     assert len(_ref(restored)["steps"]) == 2
+
+
+def test_report_of_the_directory_gives_back_the_remedies_and_the_reference_comparison(runs, tmp_path):
+    """`ac-diff report DIR` later: the remedies the run applied and its comparison with the reference come back
+    from what it left beside the traces, as the run printed them, and the verdict they make (exit 1)."""
+    r = runs["side_output_no_ac_layer1"]
+    later = run_cli("report", str(r.trace_dir), "--json", str(tmp_path / "later.json"))
+    report = json.loads((tmp_path / "later.json").read_text())
+    assert later.returncode == 1, later.stderr
+    assert report["remedies"] == r.report["remedies"]
+    for key in ("verdict", "headline", "steps", "explanations"):
+        assert report["reference"][key] == r.report["reference"][key]
+    assert report["verdict"] == r.report["verdict"] == "diverged"
+    assert "gradients vs the run without AC" in later.stdout and "remedies applied" in later.stdout

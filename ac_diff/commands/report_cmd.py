@@ -4,17 +4,23 @@
     ac-diff report ac-diff-out --json r.json   # also the versioned JSON report
     ac-diff report node0-out node1-out         # one run's ranks, copied together from several nodes: one report
 
+What `ac-diff run` left beside the traces comes back too: the remedies it applied, its comparison with the reference
+(`--reference no-ac`: the gradients in DIR and DIR/reference).
+
 A rank of one run found in several of the paths (rank 0's directory holds the copies the other nodes sent it,
 each node's directory the full traces) is read once, from its most complete trace: finished and not cut first.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..api import read_runs
 from ..diagnosis import diagnose
 from ..fix.statuses import mark_from_runs
 from ..passes import Run
 from .common import emit
+from .run_extras import decorate_from_outputs
 
 
 def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
@@ -22,6 +28,8 @@ def report_command(paths: list[str], fmt: str, json_path: str | None, output: st
     report = diagnose(runs, settings)
     report.notes += notes
     mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
+    decorate_from_outputs(report, {run.rank or 0: Path(run.path).parent for run in runs
+                                   if run.source == "trace" and run.path})  # remedies applied, the reference
     return emit(report, fmt, json_path, output)
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ..fix.statuses import mark
 from ..reference.explain import attach
 from ..reference.run import reference_result, run_reference
-from ..reference.session import CaptureSession, load_side
+from ..reference.session import REFERENCE_DIR, CaptureSession, grads_path, load_side
 from ..remedies import CheckpointPatch, RemedySpec, split_ops
 
 CAPTURE_ENV = "AC_DIFF_CAPTURE_STEPS"
@@ -91,10 +92,28 @@ class RunExtras:
             mark(report, self.target, self.args, self.module, nproc=len(ranks))
         if not self.active:
             return
-        applied = [dict(row, rank=r) for r in ranks for row in load_side(self.output_dir, r).get("applied", [])]
+        dirs = {r: Path(self.output_dir) for r in ranks}
         if self.spec:
-            report.remedies = applied
+            report.remedies = applied_remedies(dirs)
         if self.reference and self.skipped:
             report.notes.append(self.skipped)
         elif self.reference:
-            attach(report, reference_result(report, self.output_dir, ranks, self.steps, self.exit_code, self.command))
+            attach(report, reference_result(report, dirs, ranks, self.steps, self.exit_code, self.command))
+
+
+def applied_remedies(dirs: dict[int, Path]) -> list[dict[str, Any]]:
+    """The remedies each rank applied (its sidecar, remedies-rank{R}.json, in its directory), with their rank."""
+    return [dict(row, rank=r) for r, d in sorted(dirs.items()) for row in load_side(d, r).get("applied", [])]
+
+
+def decorate_from_outputs(report: Any, dirs: dict[int, Path]) -> None:
+    """What `ac-diff run` added to its report, from what it left beside the traces (`ac-diff report DIR`): the
+    remedies applied where it was run with any, and the comparison with the reference where one ran (its
+    gradients in DIR/reference). `dirs`: each rank's directory."""
+    sides = {r: load_side(d, r) for r, d in dirs.items()}
+    if any(any(side.get("spec", {}).values()) for side in sides.values()):
+        report.remedies = applied_remedies(dirs)
+    ranks = sorted(r for r, d in dirs.items() if grads_path(Path(d) / REFERENCE_DIR, r).exists())
+    if ranks:
+        steps = max([side.get("capture_steps") or 1 for side in sides.values()])
+        attach(report, reference_result(report, dirs, ranks, steps, None, None))

@@ -91,13 +91,17 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
     return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
-def reference_result(report: Any, output_dir: str | os.PathLike, ranks: list[int], steps: int,
+def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path], ranks: list[int], steps: int,
                      exit_code: int | None, command: str | None,
                      reference_dir: str | os.PathLike | None = None) -> ReferenceResult:
-    """Compare each rank's gradients with its reference rank's; one result across ranks."""
-    reference_dir = Path(reference_dir) if reference_dir is not None else Path(output_dir) / REFERENCE_DIR
+    """Compare each rank's gradients with its reference rank's; one result across ranks. `output_dir`: the run's
+    directory, or each rank's (a run's ranks copied from several nodes); the reference's is REFERENCE_DIR in it."""
+    dirs = output_dir if isinstance(output_dir, dict) else {r: Path(output_dir) for r in ranks}
+    given = reference_dir
     results = []
     for r in ranks:
+        output_dir = dirs[r]
+        reference_dir = Path(given) if given is not None else Path(output_dir) / REFERENCE_DIR
         run = load_grads(grads_path(output_dir, r))
         ref_path = grads_path(reference_dir, r)
         deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 else 0.0)

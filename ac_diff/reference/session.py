@@ -2,7 +2,8 @@
 
     session = CaptureSession(output_dir, steps=1, patch=patch)   # in `ac-diff run --reference` and its children
     session.install(); ...script...; session.finish()
-    -> OUT/grads-rank{R}.pt (this run's gradients), OUT/remedies-rank{R}.json (remedies applied, reentrant findings)
+    -> OUT/grads-rank{R}.pt (this run's gradients), OUT/remedies-rank{R}.json (the remedies asked for and applied,
+       reentrant findings, the backward passes captured)
 
 The reference child writes OUT/reference/grads-rank{R}.pt, and with `forwards=True` the forward of its regions up to
 its first backward, OUT/reference/trace-rank{R}.jsonl (forwards.py). `load_side(OUT, rank)` reads a sidecar back.
@@ -69,14 +70,15 @@ class CaptureSession:
             self.forwards.stop()
         if self.capture is not None:
             self.capture.finish()
-        write_side(self.directory, self.patch, self.watch.findings() if self.watch else [])
+        write_side(self.directory, self.patch, self.watch.findings() if self.watch else [],
+                   self.capture.steps if self.capture is not None else 0)
 
 
-def write_side(directory: str | os.PathLike, patch: Any, findings: list[dict[str, Any]]) -> None:
+def write_side(directory: str | os.PathLike, patch: Any, findings: list[dict[str, Any]], steps: int = 0) -> None:
     path = side_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"spec": json.loads(patch.spec.to_env()), "applied": patch.summary(),
-                                "reentrant": findings}))
+                                "reentrant": findings, "capture_steps": steps}))
 
 
 def load_side(directory: str | os.PathLike, r: int) -> dict[str, Any]:
