@@ -6,6 +6,7 @@
     is_decision("aten.max.other")        -> False  (elementwise maximum: no choice)
     packet(name) in CHOOSER_OPS          topk chooses; histc is a decision too, but only counts
     is_in_place_method("aten.add_.Tensor") -> True
+    is_host_read("aten._local_scalar_dense.default") -> True   (`.item()`: the value goes to Python)
     is_outside_update("aten.add_.Tensor", "buffer") -> True  (a counter bumped in place)
     HOOK_ONLY_OPS, REENTRANT_ONLY_OPS    ops one pass has and the other not, values unchanged
 
@@ -137,6 +138,15 @@ OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
 # quantize with it, so a recompute that runs them again computes with the forward's update
 OBSERVER_OPS = frozenset({"aten._fused_moving_avg_obs_fq_helper.default", "aten.fused_moving_avg_obs_fake_quant.default",
                           "aten._fused_moving_avg_obs_fq_helper_functional.default"})
+
+
+# Ops that hand a tensor's values to Python (`.item()`, `bool(t)`, `torch.equal`): what becomes of them there is not
+# in the trace; a use of them by later ops shows as those ops' arguments or sequence.
+HOST_READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
+
+
+def is_host_read(name: str) -> bool:
+    return packet(name) in HOST_READ_OPS
 
 
 def is_in_place_method(name: str) -> bool:

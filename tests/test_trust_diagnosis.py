@@ -890,3 +890,36 @@ def test_a_table_the_forward_builds_and_the_recompute_finds_cached_is_not_a_dive
     torch.manual_seed(0)
     report = _record(tmp_path, _CachedBias(), torch.randn(6, 8, requires_grad=True))
     assert report.verdict == "clean", report.headline
+
+
+# --- a buffer the region updates itself, read for Python ------------------------------------------------------
+
+class LoggedNorm(nn.Module):
+    """A conv + batch norm block that reads its running mean for Python before the norm updates it: for a log line
+    (`use=False`), or as a scale of what the relu saves (`use=True`)."""
+
+    def __init__(self, use: bool) -> None:
+        super().__init__()
+        self.conv, self.bn, self.use = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), use
+
+    def forward(self, x):
+        seen = self.bn.running_mean[0].item()  # the recompute reads it after the forward's norm updated it
+        self.last_log = f"running_mean[0]={seen:.6f}"
+        y = self.bn(self.conv(x))
+        return torch.relu(y * (1.0 + seen) if self.use else y)  # (relu saves its output)
+
+
+def test_a_batch_norm_statistic_read_for_a_log_line_is_no_divergence(tmp_path):
+    """`.item()` of a running statistic the region's own batch norm updates gives Python another number in the
+    recompute; used only for a log line it reaches no saved tensor: clean, the repeated update a side effect (a
+    stranger's CNN, gradients bit-identical to the run without AC). Used as a scale, the same read diverges."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    logged = _record(tmp_path, LoggedNorm(use=False), x).regions[0]
+    assert logged.status == "clean", (logged.cause, logged.positions)
+    assert any("harmless for the gradients" in n for n in logged.notes)
+    assert any("running_mean" in s and "a second time" in s for s in logged.side_effects)
+    (tmp_path / "t.jsonl").unlink()
+    used = _record(tmp_path, LoggedNorm(use=True), x).regions[0]
+    assert used.status == "diverged" and used.cause.kind == "state_mutation"
+    assert "running_mean" in used.cause.detail

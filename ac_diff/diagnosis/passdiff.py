@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
-from ..oprules import (HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_in_place_method, is_view_op, packet,
-                       written_inputs)
+from ..oprules import (HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
+                       packet, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg
 
@@ -307,7 +307,8 @@ def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict
 
     - changed ones that both passes update and no other op reads (a batch norm's running statistics, a
       step counter): the recompute reads them after the forward's update and updates them again, a side
-      effect, not a changed input -> {key: the forward op that wrote it};
+      effect, not a changed input -> {key: the forward op that wrote it}; a read whose values go only to Python
+      (`running_mean[0].item()` for a log line: `_host_only`) does not count;
     - forward in-place updates whose result a later op reads (`avg.lerp_(x)` then `y / avg`): a
       difference there flows on like any other -> their op indices."""
     writer: dict[tuple, OpRecord] = {}
@@ -316,6 +317,7 @@ def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict
     read_updates: set[int] = set()
     for ops, first in ((f_ops, True), (r_ops, False)):
         updated_by: dict[int, tuple] = {}  # in-place op index -> the external its output is (add_ returns it)
+        host_only = _host_only(ops)
         for op in ops:
             written = {_external_key(r.kind, r.name) for r in written_refs(op) if r.kind != "op"}
             for key in written:
@@ -325,7 +327,7 @@ def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict
                     rewritten.add(key)
             for r in op.input_refs:
                 key = updated_by.get(r.op_index) if r.kind == "op" else _external_key(r.kind, r.name)
-                if key is None or key in written:
+                if key is None or key in written or op.index in host_only:
                     continue
                 read_elsewhere.add(key)
                 if first and r.kind == "op":
@@ -335,6 +337,22 @@ def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict
     updated = {key: op for key, op in writer.items()
                if ext_status.get(key) and key in rewritten and key not in read_elsewhere}
     return updated, read_updates
+
+
+def _host_only(ops: list[OpRecord]) -> set[int]:
+    """The ops whose outputs reach only host reads (`.item()`, directly or through views and reductions) and no
+    other op: what they compute goes to Python, where a later op that uses it shows it in its arguments."""
+    consumers: dict[int, list[OpRecord]] = {}
+    for op in ops:
+        for r in op.input_refs:
+            if r.kind == "op":
+                consumers.setdefault(r.op_index, []).append(op)
+    only: set[int] = set()
+    for op in reversed(ops):  # (consumers come later in a pass)
+        users = consumers.get(op.index)
+        if is_host_read(op.op) or users and all(u.index in only for u in users):
+            only.add(op.index)
+    return only
 
 
 def is_outside_update(op: OpRecord | None) -> bool:
