@@ -923,3 +923,70 @@ def test_a_batch_norm_statistic_read_for_a_log_line_is_no_divergence(tmp_path):
     used = _record(tmp_path, LoggedNorm(use=True), x).regions[0]
     assert used.status == "diverged" and used.cause.kind == "state_mutation"
     assert "running_mean" in used.cause.detail
+
+
+# --- the default dtype changed around the backward ---------------------------------------------------------------
+
+class AlibiScores(nn.Module):
+    """Attention scores plus an ALiBi-like bias whose slopes come from host floats (`torch.tensor`: the default
+    dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        slopes = torch.tensor([0.5, 0.25])  # the default dtype, whatever it is when this runs
+        scores = self.proj(x) @ x.transpose(-2, -1) + slopes[:, None, None]
+        mixed = torch.softmax(scores, -1) @ x  # (float64 weights meet float32 values: the recompute raises here)
+        return torch.tanh(self.proj(mixed))
+
+
+def test_a_default_dtype_changed_around_the_backward_is_the_cause_not_host_randomness(tmp_path):
+    """`loss.backward()` inside `set_default_dtype(float64)` (a 'stable' float64 loss): the recompute makes the slopes
+    in float64 from the same host numbers. The cause is the default dtype (global state), not host randomness; the
+    chain says the recompute raised before torch's check (torch raised no CheckpointError)."""
+    torch.manual_seed(0)
+    model, x = AlibiScores(), torch.randn(2, 4, 8, requires_grad=True)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = cp.checkpoint(model, x, use_reentrant=False)
+        torch.set_default_dtype(torch.float64)
+        try:
+            y.pow(2).sum().backward()
+        except RuntimeError as exc:  # (not torch's CheckpointError: the recompute itself raised)
+            assert "expected" in str(exc) and "Double" in str(exc), exc
+        finally:
+            torch.set_default_dtype(torch.float32)
+    region = ac_diff.diagnose_paths([path]).regions[0]
+    assert region.status == "diverged"
+    assert region.cause.kind == "global_state" and region.cause.tensor == "default_dtype", region.cause
+    assert not any("raised_in" in e for e in region.cause.evidence)
+    assert "torch raises CheckpointError" not in " ".join(region.chain)
+
+
+class EvalBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+
+
+def test_the_chain_follows_the_data_in_forward_order(tmp_path):
+    """`model.eval()` for a validation batch between the forward and the backward: the chain goes mode -> batch norm
+    (its training argument and statistics' shapes) -> the pool it feeds -> the saved positions, in that order."""
+    torch.manual_seed(0)
+    model, path = EvalBlock(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = cp.checkpoint(model, torch.randn(2, 3, 8, 8, requires_grad=True), use_reentrant=False)
+        model.eval()
+        with pytest.raises(cp.CheckpointError):  # the statistics batch norm saves: [4] in the forward, [0] now
+            y.sum().backward()
+    region = ac_diff.diagnose_paths([path]).regions[0]
+    assert region.cause.kind == "global_state" and region.cause.tensor == "training"
+    ops = [next((o for o in ("native_batch_norm", "max_pool2d", "relu") if o in link), None) for link in region.chain]
+    named = [o for o in ops if o]
+    assert named and named[0] == "native_batch_norm", region.chain
+    assert named == sorted(named, key=["native_batch_norm", "relu", "max_pool2d"].index), region.chain

@@ -23,7 +23,7 @@ import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_in_place_method, is_random_name, is_view_op, written_inputs
-from ..passes import OpRecord, Region
+from ..passes import OpRecord, Region, TensorMeta
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
@@ -85,6 +85,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     kept = _kept_output_changed(region, cmp)  # before any branch the cache made: it reproduces where unchanged
     if kept is not None:
         return kept
+
+    if "default_dtype" in flags and _made_in_default_dtype(cmp):  # torch.tensor([...]) made in another dtype
+        return _global_state_cause(flags, "default_dtype")
 
     first = cmp.first_divergence()
     feeding = set(first.sources) if first is not None else set()
@@ -208,6 +211,20 @@ def _made_from_host(region: Region, name: str) -> OpRecord | None:
                 and op.input_refs[0].name == name:
             return op
     return None
+
+
+def _made_in_default_dtype(cmp: PassComparison) -> bool:
+    """Some tensor the region read has the same values in both passes in another dtype (torch.tensor / torch.arange
+    from host numbers, made in the default dtype), or the first op that diverged changed only its dtype."""
+    if any(r is not None and f.meta.dtype != r.meta.dtype and f.fingerprint == r.fingerprint
+           for f, r in cmp.changed_externals):
+        return True
+    first = cmp.first_divergence()
+    if first is None or first.forward is None or first.recompute is None:
+        return False
+    outs = [(a, b) for a, b in zip(first.forward.out, first.recompute.out)
+            if isinstance(a, TensorMeta) and isinstance(b, TensorMeta)]
+    return bool(outs) and any(a.dtype != b.dtype for a, b in outs) and all(a.shape == b.shape for a, b in outs)
 
 
 def _host_rng_cause(entry: OpRecord, evidence: list[str]) -> Cause:
@@ -496,26 +513,24 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
         chain.append(cause.detail)
     elif cause is not None and cause.kind == "rng":
         chain.append(cause.detail)
-    seen_ops: set[int] = set()
+    steps: dict[int, str] = {}  # forward op index -> its link: the links follow the data, in forward order
     for div in (report.first_control_divergence if cause and cause.kind == "control_flow" else None,
-                report.first_value_divergence, report.first_discrete_divergence):
-        if div is None or div.forward_index in seen_ops:
+                report.first_value_divergence, report.first_discrete_divergence, report.first_shape_divergence):
+        if div is None or div.forward_index in steps:
             continue
-        seen_ops.add(div.forward_index)
         label = {"value": "computes different values", "discrete": div.summary,
                  "control": div.summary}.get(div.kind, div.summary)
-        chain.append(f"{div.op} in {where(div.module, div.source)}: {label}")
+        steps[div.forward_index] = f"{div.op} in {where(div.module, div.source)}: {label}"
     for op in _between(report, region, cmp):
-        if op.index not in seen_ops:
-            seen_ops.add(op.index)
-            chain.append(f"{op.op} in {where(op.module, op.source)}: different result")
-    shape = report.first_shape_divergence
-    if shape is not None and shape.forward_index not in seen_ops:
-        chain.append(f"{shape.op} in {where(shape.module, shape.source)}: {shape.summary}")
+        steps.setdefault(op.index, f"{op.op} in {where(op.module, op.source)}: different result")
+    chain += [steps[i] for i in sorted(steps, key=lambda i: (i is None, i or 0))]
     bad = [p.position for p in report.positions if p.matches is False]
+    raised = region.recompute.state.get("error") if region.recompute is not None else None
     if bad:
         chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in metadata -> "
-                     "torch raises CheckpointError")
+                     + (f"the recompute raised before torch's check: {raised[:160]}"
+                        if raised and not any(p.in_torch_error for p in report.positions)
+                        else "torch raises CheckpointError"))
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
     return chain

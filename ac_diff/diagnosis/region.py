@@ -407,8 +407,8 @@ def _substituted(f, r) -> str:
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
     """Global state that differs between the passes' first ops (RNG handled by the cause), with both values."""
-    # bookkeeping of the reader, and what a pass drew (host_draws: the cause reads it), not state
-    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws", "lost"}
+    # bookkeeping of the reader, what a pass drew and where (the cause reads them), where it raised: not state
+    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws", "host_draw_sites", "lost", "raised_in"}
     if region.kind == "reentrant":
         ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
     keys = (set(fwd.state) | set(rec.state)) - ignore
