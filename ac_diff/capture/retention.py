@@ -4,7 +4,7 @@
     retention.write(p, ops_record, record, fps, kept, failed=False)   # per finished pass: hold, summarize or write
     retention.release(region); retention.release_all()                # write held forwards in full
 
-    sig = signature(p, fps)                               # ops, positions, externals, state, mutated, attributes
+    sig = signature(p, fps)                               # ops, positions, externals, state, mutated, attributes, first reads
     compare_signatures(forward_sig, recompute_sig, stopped_early=False, reentrant=False)
     -> "same" | "side_effects" | "different"
     pass_summary(record, verdict, fps)                    # a reproduced pass's record: counts, verdict, digest
@@ -76,12 +76,13 @@ def signature(p: Any, fps: dict[int, list]) -> tuple:
     # per saved position: ([meta, view of a base]) and the fingerprint of its values
     positions = [(pos[1:2] + pos[7:8], pos[6] if len(pos) > 6 else None) for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
+    first_reads = {(e["kind"], e["name"]): e.get("first_op") for e in p.externals}  # the op that read it first
     state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
     if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
         state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
     attributes = {**p.attributes, **{"updated " + k: v for k, v in p.attribute_updates.items()},
                   **{"global " + k: v for k, v in p.globals.items()}}
-    return ops, positions, externals, state, mutated, attributes
+    return ops, positions, externals, state, mutated, attributes, first_reads
 
 
 SAME, SIDE_EFFECTS, DIFFERENT = "same", "side_effects", "different"
@@ -89,9 +90,10 @@ SAME, SIDE_EFFECTS, DIFFERENT = "same", "side_effects", "different"
 
 def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, reentrant: bool) -> str:
     """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
-    f_ops, f_positions, f_externals, f_state, f_mutated, f_attributes = forward
-    r_ops, r_positions, r_externals, r_state, r_mutated, r_attributes = recompute
-    if f_state != r_state or f_externals.keys() != r_externals.keys() or len(f_positions) != len(r_positions):
+    f_ops, f_positions, f_externals, f_state, f_mutated, f_attributes, f_reads = forward
+    r_ops, r_positions, r_externals, r_state, r_mutated, r_attributes, _ = recompute
+    if f_state != r_state or len(f_positions) != len(r_positions) or not _same_reads(
+            f_externals.keys(), r_externals.keys(), f_reads, len(r_ops) if stopped_early else None):
         return DIFFERENT
     for (meta, a), (other, b) in zip(f_positions, r_positions):  # values where both were measured
         if meta != other or a is not None and b is not None and a != b:
@@ -101,6 +103,8 @@ def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, re
         return DIFFERENT
     side_effects = False
     for key, a in f_externals.items():
+        if key not in r_externals:  # (read only after where the recompute stopped: `_same_reads`)
+            continue
         b = r_externals[key]
         if a is not None and b is not None and a != b:
             if key not in f_mutated:
@@ -121,6 +125,15 @@ def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, re
                         return DIFFERENT
                     side_effects = True
     return SIDE_EFFECTS if side_effects else SAME
+
+
+def _same_reads(forward: Any, recompute: Any, first_reads: dict, stopped_at: int | None) -> bool:
+    """Both passes read the same outside tensors; a recompute torch stopped early (`stopped_at`: the ops it ran) may
+    not read those that only the forward's ops after that point read (the bias of a block's last linear)."""
+    if forward == recompute:
+        return True
+    return stopped_at is not None and recompute <= forward and all(
+        (first_reads.get(key) or 0) >= stopped_at for key in forward - recompute)
 
 
 class HeldForward(NamedTuple):
