@@ -81,6 +81,13 @@ def _count_or_null(v: Any) -> int | None:
     return None if v is None else _count(v)
 
 
+def _step_or_null(v: Any) -> int | None:
+    """A training step (they count from 1), or None."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError("an integer >= 1 (steps count from 1)")
+    return v
+
+
 def _flag(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError("true or false")
@@ -138,7 +145,7 @@ class Config:
                        "enough to leave on)", _flag)
     watch_full_steps: int = _key(1, "integer >= 0", "watch: the first N steps are recorded in full", _count)
     full_from_step: int | None = _key(None, "integer >= 1 or null", "record every region in full from this step on "
-                                      "(watched before it)", _count_or_null)
+                                      "(watched before it)", _step_or_null)
     source_lines: bool = _key(True, "true/false", "record the user source line of each op", _flag)
     scope: str = _key("regions", "regions|all", "regions: observe only checkpointed regions; all: also count other "
                       "ops", _choice(SCOPES))

@@ -443,7 +443,8 @@ class Report:
     @property
     def crashed(self) -> bool:
         """The script raised (or was interrupted) before every region was checked."""
-        return self.exit_status in ("exception", "interrupted") and any(r.status == UNCHECKED for r in self.regions)
+        return self.exit_status in ("exception", "interrupted") and (
+            any(r.status == UNCHECKED for r in self.regions) or bool(self.watch and self.watch.get("never_compared")))
 
     def raised(self, region: RegionReport) -> bool:
         """torch raised a CheckpointError about this region."""
@@ -475,11 +476,15 @@ class Report:
 
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions); watch
-        mode's clean regions, which have no report of their own, counted in ("30 region(s): 24 diverged, 6 clean
-        (watched)")."""
+        mode's clean and never recomputed regions, which have no report of their own, counted in ("30 region(s): 24
+        diverged, 6 clean (watched)")."""
         watched = self.watch["clean"] if self.watch else 0
-        counts = ", ".join(filter(None, [count_by_status(self.regions), f"{watched} clean (watched)" if watched else ""]))
-        n = len(self.regions) + watched
+        never = self.watch["never_compared"] if self.watch else 0
+        unwritten = self.watch.get("unwritten", 0) if self.watch else 0
+        counts = ", ".join(filter(None, [count_by_status(self.regions), f"{watched} clean (watched)" if watched else "",
+                                         f"{unwritten} diverged (watched, counted)" if unwritten else "",
+                                         f"{never} unchecked (watched, never recomputed)" if never else ""]))
+        n = len(self.regions) + watched + never + unwritten
         return f"{n} region(s): {counts}" if n else ""
 
     def to_json(self, lazy: bool = False) -> dict[str, Any]:

@@ -414,3 +414,65 @@ def test_cells_do_not_break_mid_word_at_80_columns(demo_json):
                         and not token.endswith("."):
                     broken.add((token, name))
     assert not broken, broken
+
+
+def test_a_region_begun_as_the_run_stopped_is_never_counted_clean(tmp_path):
+    """Ctrl-C can land after the recorder began a region and before any of it was written (inside torch's
+    checkpoint hooks): the end record counts it, the trace has nothing of it. The report counts it unchecked and
+    says INTERRUPTED; it read CLEAN, and `report --check` passed (a stranger's runs, 2 of 7)."""
+    import torch
+    import torch.utils.checkpoint as cp
+    from torch import nn
+
+    import ac_diff
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        with ac_diff.record(path):
+            x = torch.randn(2, 8)
+            for block in blocks:
+                x = cp.checkpoint(block, x, use_reentrant=False)
+            x.sum().backward()
+            cp.checkpoint(blocks[0], x.detach(), use_reentrant=False)  # the next step's first region...
+            raise KeyboardInterrupt  # ... and Ctrl-C
+    lines = path.read_text().splitlines()
+    # what the trace would hold had the interrupt come before the last region was written: nothing of region 2
+    kept = [line for line in lines if json.loads(line).get("region") != 2]
+    assert len(kept) < len(lines) and json.loads(kept[-1])["regions"] == 3
+    path.write_text("\n".join(kept) + "\n")
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "unchecked" and report.title == "INTERRUPTED", report.headline
+    assert [r.status for r in report.regions] == ["clean", "clean", "unchecked"]
+    assert "the run stopped in its forward" in report.regions[2].unchecked_reason
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_crash_between_the_forward_and_the_backward_is_placed_there(tmp_path, watch):
+    """The script's own check raises after a step's forward, before its backward: the headline says so (it said
+    "in the backward, after region N was recomputed"), and watch mode titles it CRASHED as full recording does
+    (it said NOTHING CHECKED)."""
+    import torch
+    import torch.utils.checkpoint as cp
+    from torch import nn
+
+    import ac_diff
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(ValueError):
+        with ac_diff.record(path, watch=watch):
+            for step in range(3):
+                x = torch.randn(2, 8)
+                for block in blocks:
+                    x = cp.checkpoint(block, x, use_reentrant=False)
+                loss = x.pow(2).mean()
+                if step == 2:
+                    raise ValueError("loss check failed")
+                loss.backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.title == "CRASHED", report.headline
+    where = "crashed in step 3:" if watch else "crashed after the forward of region 5 (Linear), before its backward"
+    assert where in report.headline, report.headline

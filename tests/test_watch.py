@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 import ac_diff
 from ac_diff.capture import fingerprint, watch
-from ac_diff.capture.watch import WatchedPass, row_bits
+from ac_diff.capture.watch import ESCALATION_STEPS, WatchedPass, row_bits
 from ac_diff.trace import read_run
+from conftest import run_cli
 from cuda_standin import KERNELS, CudaAttention, attention
 from test_fingerprint import _dtypes, _edited, _flip_one, _sample, _swap_two
 
@@ -616,17 +617,23 @@ def test_a_reentrant_region_that_diverged_in_the_full_first_step_stays_recorded_
 
 
 def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(tmp_path):
-    """With the first step recorded in full (the default), a module whose saved tensors differ there is never watched:
-    every later region of it is recorded in full (the same lead, op and cause as full recording), and the report says
-    why; a module that only counts its calls in its forward (a harmless attribute update) is watched."""
-    _, _, report, _, _ = recorded(tmp_path, "rng", MECHANISMS["dropout_without_rng_state"][0], watch=True)
+    """With the first step recorded in full (the default), a module whose saved tensors differ there stays recorded
+    in full for ESCALATION_STEPS steps (the same lead, op and cause as full recording), then is watched again, its
+    divergences counted, not written (a divergence that persists does not write every step in full); the report
+    says so; a module that only counts its calls in its forward (a harmless attribute update) is watched."""
+    _, run, report, _, _ = recorded(tmp_path, "rng", MECHANISMS["dropout_without_rng_state"][0], watch=True)
     assert report.verdict == "diverged" and not any(r.watched for r in report.regions)
-    assert report.watch["compared"] == 0
-    # it says that the first step was recorded in full (it read "watched 0 region(s) ... 0 reproduced", as if
-    # nothing was checked)
-    assert report.watch["text"].startswith("step 1 recorded in full (--watch-full-steps 1), then no region watched")
-    assert all(e["why"] == "full" and e["from_step"] == 1 for e in report.watch["escalated"])
-    assert "saved other tensors than its forward, so it stays recorded in full" in report.watch["text"]
+    steps = run.watch["step"]
+    assert steps > ESCALATION_STEPS  # (the test needs a step after the window)
+    assert all(e["why"] == "full" and e["from_step"] == 1 and e["until_step"] == 1 + ESCALATION_STEPS
+               for e in report.watch["escalated"])
+    assert {r.step for r in report.regions} == set(range(1, 1 + ESCALATION_STEPS))  # written: the window only
+    later = report.watch["compared"]
+    assert later == report.watch["diverged"] == report.watch["unwritten"] > 0  # after it: counted
+    assert f"saved other tensors than its forward, so it was recorded in full in steps 1-{ESCALATION_STEPS}" \
+        in report.watch["text"]
+    assert f"watched again from step {1 + ESCALATION_STEPS}" in report.watch["text"]
+    assert f"{later} diverged (watched, counted)" in report.status_counts()
     _, _, clean, _, _ = recorded(tmp_path, "counting", {}, watch=True)  # Block counts its calls in its forward
     assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3
 
@@ -826,3 +833,39 @@ def test_a_model_switched_to_eval_before_the_backward_is_named_by_watch(tmp_path
     report = ac_diff.diagnose_paths([path])
     lead = report.lead_groups()[0][0]
     assert lead.watched and (lead.cause.kind, lead.cause.tensor) == ("global_state", "training"), lead.cause
+
+
+def test_the_counts_lead_and_steps_say_what_watch_saw(tmp_path):
+    """The headline leads with the first region that diverged (watched: its cause comes from its module's full
+    recording); the region count includes a last forward the run never took a backward of, as full recording counts
+    it; the steps watched are those before --full-from-step."""
+    torch.manual_seed(0)
+    _, _, drift, _, _ = recorded(tmp_path, "drift", MECHANISMS["buffer_updated_from_step_3"][0], **WATCH)
+    first = min((r for r in drift.regions if r.status == "diverged"), key=lambda r: r.region)
+    assert first.watched and f"region {first.region})" in drift.headline.split(" diverged")[0], drift.headline
+    torch.manual_seed(0)
+    model, path = Net(), tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True, watch_full_steps=0, full_from_step=3):
+        train(model, steps=4)
+        model(torch.randn(2, 6, 16, requires_grad=True))  # (an evaluation with grad on: no backward)
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.status_counts().startswith(f"{5 * 2} region(s)"), report.status_counts()
+    assert "over 2 step(s)" in report.watch["text"], report.watch["text"]  # steps 1-2: watched; 3 on: in full
+    torch.manual_seed(0)
+    with ac_diff.record(tmp_path / "w.jsonl", **WATCH):
+        train(model, steps=2)
+        model(torch.randn(2, 6, 16, requires_grad=True))
+    watched = ac_diff.diagnose([read_run(tmp_path / "w.jsonl")])
+    assert watched.status_counts() == "6 region(s): 4 clean (watched), 2 unchecked (watched, never recomputed)"
+
+
+def test_a_full_from_step_the_run_never_reached_is_said_and_step_0_is_refused(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True, full_from_step=9):
+        train(Net(), steps=2)
+    report = ac_diff.diagnose([read_run(path)])
+    assert "--full-from-step 9: the run ended in step 2, before it" in report.watch["text"]
+    assert "every region recorded in full from step 9" not in report.watch["text"]
+    bad = run_cli("run", "--watch", "--full-from-step", "0", "-o", str(tmp_path / "out"), "missing.py")
+    assert bad.returncode == 2 and "--full-from-step must be an integer >= 1" in bad.stderr

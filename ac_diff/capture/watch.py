@@ -13,8 +13,9 @@ dispatch mode and no host sync; a module whose region diverged is then recorded 
 What it writes (trace format 1.5): nothing for a region that reproduced its saved tensors (it is counted); for one
 that did not (values, shapes, count of saved tensors, or torch's error), its region record ("watched": true, its
 step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
-an "escalate" record when a module is recorded in full from then on; a "watch" record with the totals per module
-(every 100 steps and at the end), so a long watched run's trace stays small.
+an "escalate" record when a module is recorded in full (for ESCALATION_STEPS steps: then it is watched again, and
+its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
+compared, diverged unwritten] (every 100 steps and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
 device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
@@ -53,6 +54,9 @@ from .segments import _weights, segment_pairs
 from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
+# steps an escalated module is recorded in full; then it is watched again, its divergences counted, not written (a
+# divergence that persists would otherwise write every step of a long run in full)
+ESCALATION_STEPS = 3
 # HOLD (fingerprint.py): CUDA tensors held before their digests are taken (one launch of the batched kernel,
 # byte_sums.py)
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
@@ -400,9 +404,10 @@ class _Totals:
     compared: int = 0
     diverged: int = 0
     unchecked: int = 0  # forwards never compared (no backward reached them, the run stopped first)
+    unwritten: int = 0  # diverged after their module's full recording ended (ESCALATION_STEPS): counted only
 
     def to_json(self) -> list[int]:
-        return [self.compared, self.diverged, self.unchecked]
+        return [self.compared, self.diverged, self.unchecked, self.unwritten]
 
 
 @dataclass
@@ -452,6 +457,9 @@ class Watch:
             if not hit.get("provisional"):
                 self.write({"type": "escalate", "module": key, "diverged_step": hit["diverged_step"],
                             "region": hit["region"], "from_step": self.step})
+        if not hit.get("provisional") and self.step >= hit["from_step"] + ESCALATION_STEPS:
+            hit["until_step"] = hit["from_step"] + ESCALATION_STEPS  # watched again from this step
+            return False
         return True
 
     def learn(self, key: str | None, positions: list[list]) -> None:
@@ -581,6 +589,10 @@ class Watch:
             return
         self.raised.discard(id(region))
         totals.diverged += 1
+        hit = self.escalated.get(key) if key is not None else None
+        if hit is not None and hit.get("until_step") is not None and (region.step or 0) >= hit["until_step"]:
+            totals.unwritten += 1  # its module's full recording already shows this divergence
+            return
         self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask)
         if self.escalate and key is not None:
             hit = self.escalated.get(key)

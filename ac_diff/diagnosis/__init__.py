@@ -87,7 +87,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     raised = {(e.rank, e.region) for e in errors_summary}
     # a region recorded in full leads over a watched one (which shows no ops)
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
-    headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch))
+    headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch),
+                         watch["never_compared"] if watch else 0, watch["unwritten"] if watch else 0)
     if crash and not diverged and not errors:
         headline = crash
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
@@ -223,23 +224,15 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     # watched regions have no region report of their own unless they diverged: counted in watch's totals
     # [compared, diverged, never compared]
     totals = list(stopped.watch["modules"].values()) if stopped and stopped.watch else []
-    never_watched = sum(u for _, _, u in totals)
+    never_watched = sum(t[2] for t in totals)
     if stopped is None or not (unchecked or never_watched):
         return None
     mine = [r for r in regions if r.path == (stopped.path or stopped.source)] or regions
-    raised = next((r for r in stopped.regions if r.recompute is not None and r.recompute.state.get("error")), None)
-    recomputed = [r for r in stopped.regions if r.recompute is not None]
-    if raised is not None:
-        at = f"in the recompute of region {raised.region}" + (f" ({raised.module})" if raised.module else "")
-    elif recomputed:
-        last = recomputed[-1]
-        at = f"in the backward, after region {last.region}" + (f" ({last.module})" if last.module else "") + \
-            " was recomputed"
-    elif any(r.forward is not None for r in stopped.regions):
-        at = "before any region was recomputed"
-    else:
-        at = ""
-    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + sum(c - d for c, d, _ in totals)
+    at = _where_it_stopped(stopped)
+    step = (stopped.watch or {}).get("step")
+    if step and not any(r.step == step for r in stopped.regions):  # watched: its regions are counted, not written
+        at = f"in step {step}"
+    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + sum(t[0] - t[1] for t in totals)
     why: dict[str, int] = {}
     for r in unchecked:
         reason = r.unchecked_reason or "not compared"
@@ -250,6 +243,30 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
     return (f"the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked) + never_watched} never checked ({reasons})")
+
+
+def _where_it_stopped(run: Run) -> str:
+    """Where in the run an exception struck, from its regions: in a recompute, in a forward, between a forward and
+    its backward, or in the backward after a recompute."""
+    def name(r) -> str:
+        return f"region {r.region}" + (f" ({r.module})" if r.module else "")
+
+    raised = next((r for r in run.regions if r.recompute is not None and r.recompute.state.get("error")), None)
+    if raised is not None:
+        return f"in the recompute of {name(raised)}"
+    if run.regions and run.regions[-1].forward is None and run.regions[-1].recompute is None:
+        return f"as the forward of {name(run.regions[-1])} began"  # (nothing of it written: reader.py)
+    forwards = [r for r in run.regions if r.forward is not None]
+    last = forwards[-1] if forwards else None
+    if last is not None and last.forward.state.get("error"):
+        return f"in the forward of {name(last)}"
+    recomputed = [r for r in run.regions if r.recompute is not None]
+    if last is not None and last.recompute is None and (not recomputed or recomputed[-1].region < last.region):
+        return (f"after the forward of {name(last)}, before its backward" if recomputed else
+                "before any region was recomputed")
+    if recomputed:
+        return f"in the backward, after {name(recomputed[-1])} was recomputed"
+    return ""
 
 
 def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None:
@@ -274,8 +291,9 @@ def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None
             + (f" [{first}]" if first else "") + "; please report it with the trace")
 
 
-def _headline(regions, errors, runs, groups, watched: int = 0) -> str:
-    """`watched`: regions watch mode compared and found clean (they have no report of their own)."""
+def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0) -> str:
+    """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed,
+    `unwritten`: those that diverged after their module's full recording ended (none has a report of its own)."""
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:
@@ -318,17 +336,19 @@ def _headline(regions, errors, runs, groups, watched: int = 0) -> str:
                       "the same values on this device, not where a kernel depends on it")
         how = f" ({watched} of them watched)" if watched else ""
         return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{extra}"
-    # lead with the region torch complained about, else the first in forward order; the lowest rank first, as the
-    # report's details and cross-rank lines (a log may print rank 1's dump before rank 0's)
+    # lead with the region torch complained about, else the first in forward order (a watched one too: its cause
+    # names its module's full recording); the lowest rank first, as the report's details and cross-rank lines (a
+    # log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
-    lead = min(errored or diverged, key=lambda r: (r.watched, r.rank, r.region))
+    lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
     where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region})" if lead.module else \
         f"region {lead.region} (rank {lead.rank})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
-    same = next((g for g in groups if g.members and g.members[0] is lead and len(g.regions) > 1), None)
-    more = (f" [{len(diverged)} of {len(regions) + watched} regions diverged"
-            + (f"; {module_label(same.label)}: same cause" if same else "") + "]" if len(diverged) > 1 else "")
+    same = next((g for g in groups if any(m is lead for m in g.members) and len(g.regions) > 1), None)
+    more = (f" [{len(diverged) + unwritten} of {len(regions) + watched + never + unwritten} regions diverged"
+            + (f"; {module_label(same.label)}: same cause" if same else "") + "]" if len(diverged) + unwritten > 1
+            else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)
     more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
     return f"{where} diverged{silent}{cause}{more}"

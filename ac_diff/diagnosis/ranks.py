@@ -65,7 +65,7 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
         summary.exit_code = run.exit_code
         summary.truncated = run.truncated
         summary.trace = run.path
-        watched = sum(c - d for c, d, _ in run.watch["modules"].values()) if run.watch else 0
+        watched = sum(t[0] - t[1] for t in run.watch["modules"].values()) if run.watch else 0
         if watched:  # watched regions that reproduced their saved tensors (they have no region report)
             summary.regions += watched
             summary.clean += watched

@@ -55,6 +55,10 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.notes.append(f"not diagnosed: {region.damaged}")
         return report
     report.watched, report.step = region.watched, region.step
+    if fwd is None and rec is None and run_stopped and region.kind != "log":
+        _unchecked(report, "not recorded: the run stopped in its forward",
+                   f"the run stopped as this region's forward began, before any of it was written ({run_stopped})")
+        return report
     if not region.recorded and not region.watched:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report

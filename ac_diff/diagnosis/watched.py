@@ -48,24 +48,30 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
     watched = [run for run in runs if run.watch is not None]
     if not watched:
         return None
-    compared = diverged = never = steps = 0
+    compared = diverged = never = unwritten = steps = 0
     escalated: list[dict[str, Any]] = []
     for run in watched:
         w = run.watch
         steps = max(steps, int(w.get("step") or 0))
-        for c, d, u in w["modules"].values():
-            compared, diverged, never = compared + c, diverged + d, never + u
+        for c, d, u, k in w["modules"].values():
+            compared, diverged, never, unwritten = compared + c, diverged + d, never + u, unwritten + k
         full = [r for r in reports if r.path == run.path and not r.watched]
         for module, e in sorted(w["escalated"].items(), key=lambda kv: kv[1].get("region") or 0):
             mine = [r for r in full if (r.module == module or (r.module or "").startswith(module + "."))
                     and e.get("from_step") is not None and (r.step or 0) >= e["from_step"]]
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
-                              ("diverged_step", "region", "from_step", "why")},
+                              ("diverged_step", "region", "from_step", "why", "until_step")},
+                              "unwritten": (w["modules"].get(module) or [0, 0, 0, 0])[3],
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
+    # the step from which nothing was watched any more: every watched module recorded in full from then on
+    from_steps = {(run.rank, m): None if e.get("until_step") is not None else e.get("from_step")
+                  for run in watched for m in run.watch["modules"] for e in [run.watch["escalated"].get(m) or {}]}
+    all_full = max(from_steps.values()) if from_steps and None not in from_steps.values() else None
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
+               "all_full_from": all_full, "unwritten": unwritten,
                "never_compared": never, "full_steps": max(int(run.watch.get("full_steps") or 0) for run in watched),
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
@@ -86,7 +92,8 @@ def _text(s: dict[str, Any]) -> str:
     if full and not s["compared"]:
         text = first + f"no region watched after {'them' if full > 1 else 'it'}"
     else:
-        text = (f"{first}watched {s['compared']:,} region(s) over {s['steps'] - full:,} step(s): "
+        last = min([s["steps"], *(x - 1 for x in (s["full_from_step"], s.get("all_full_from")) if x is not None)])
+        text = (f"{first}watched {s['compared']:,} region(s) over {max(last - full, 0):,} step(s): "
                 f"{s['clean']:,} reproduced their saved tensors exactly"
                 + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
     if s["never_compared"]:
@@ -100,13 +107,20 @@ def _text(s: dict[str, Any]) -> str:
         else:
             found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
                      if e["full_diverged"] else _reproduced(e))
+            until = e.get("until_step")
+            span = (f"recorded in full in steps {e['from_step']}-{until - 1}" if until is not None else
+                    f"recorded in full from step {e['from_step']} on")
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
                 text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
-                         f"tensors than its forward, so it stays recorded in full: {found}")
+                         f"tensors than its forward, so it was {span}: {found}")
             else:
-                text += (f"; {module} diverged in step {e['diverged_step']}: recorded in full from step "
-                         f"{e['from_step']} on: {found}")
-    if s["full_from_step"] is not None:
+                text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
+            if until is not None:
+                text += f"; watched again from step {until}" + (
+                    f": {e['unwritten']} more diverged (counted, not written)" if e.get("unwritten") else "")
+    if s["full_from_step"] is not None and s["full_from_step"] > s["steps"]:
+        text += f"; --full-from-step {s['full_from_step']}: the run ended in step {s['steps']}, before it"
+    elif s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
     return text
 
@@ -136,8 +150,9 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                 and r.cause.kind == "unknown":  # the ops of its module's full recording explain it
             seen = r.cause.detail
             r.cause = Cause(lead.cause.kind, lead.cause.tensor,
-                            f"as {e['module']}'s region {lead.region} shows, recorded in full from step "
-                            f"{e['from_step']} on: {lead.cause.detail} ({seen})", [*lead.cause.evidence],
+                            f"as {e['module']}'s region {lead.region} shows, recorded in full in step "
+                            f"{lead.step if lead.step is not None else e['from_step']}: {lead.cause.detail} ({seen})",
+                            [*lead.cause.evidence],
                             lead.cause.mechanism, lead.cause.source, list(lead.cause.names))
             r.suggestions = list(lead.suggestions)
         again = f"`ac-diff run --full-from-step {r.step}` records step {r.step} in full (first divergent op, decision " \

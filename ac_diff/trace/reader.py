@@ -196,6 +196,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     skipped: dict[str, int] = {}  # unknown record type -> records skipped
     region_lines: list[int] = []  # lines of region, op(s) and pass records
     ended = False
+    started = None  # regions the recorder began (the end record's count)
     inputs_written: list[tuple] = []  # the exception record's (Region.inputs_written)
     line = 1
     for line, rec in enumerate(records, start=2):
@@ -244,7 +245,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 earlier = (run.watch or {}).get("escalated", {})
                 run.watch = {"step": int(rec.get("step") or 0), "full_from_step": rec.get("full_from_step"),
                              "full_steps": int(rec.get("full_steps") or 0),
-                             "modules": {str(k): [int(x) for x in v] for k, v in dict(rec["modules"]).items()},
+                             "modules": {str(k): ([int(x) for x in v] + [0, 0, 0, 0])[:4]  # (a 1.5 trace: 3)
+                                         for k, v in dict(rec["modules"]).items()},
                              "escalated": {**earlier, **{str(k): dict(v) for k, v in
                                                          dict(rec.get("escalated") or {}).items()}}}
             elif kind == "escalate":  # also in the next "watch" record; this one survives a killed process
@@ -263,6 +265,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
             elif kind == "end":
                 ended = True
                 run.exit_status = rec.get("status")
+                started = rec.get("regions")
                 run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
                 run.recorder_lost = rec.get("lost")
                 run.compiled = rec.get("compiled") if isinstance(rec.get("compiled"), dict) else None
@@ -287,6 +290,10 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     for number, *entry in inputs_written:
         if number in regions:
             regions[number].inputs_written.append(tuple(entry))
+    if ended and run.exit_status in ("exception", "interrupted") and run.watch is None and isinstance(started, int):
+        for number in range(started):  # begun as the run stopped, before anything of them was written
+            if number not in regions:
+                regions[number] = Region(rank=rank, region=number, module=None)
     run.regions = sorted(regions.values(), key=lambda r: r.region)
     if lazy:
         run.ops_loader = lambda region: _ops_loaded(path, metas, region)
