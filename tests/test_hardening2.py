@@ -476,3 +476,19 @@ def test_a_crash_between_the_forward_and_the_backward_is_placed_there(tmp_path, 
     assert report.title == "CRASHED", report.headline
     where = "crashed in step 3:" if watch else "crashed after the forward of region 5 (Linear), before its backward"
     assert where in report.headline, report.headline
+
+
+def test_a_directory_given_as_the_script_is_called_one(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    result = run_cli("run", "-o", str(tmp_path / "out"), str(tmp_path / "scripts"))
+    assert result.returncode == 2
+    assert "is a directory: name the training script in it" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_trace_cut_after_its_header_is_called_cut(trace, tmp_path):
+    """Not "is activation checkpointing on?": the trace says nothing either way."""
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(Path(trace).read_text().splitlines()[0] + "\n")
+    result = run_cli("report", str(cut))
+    assert result.returncode == 4, result.stderr
+    assert "ends before any region was written" in result.stdout and "is activation checkpointing on" not in result.stdout

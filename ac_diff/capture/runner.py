@@ -98,6 +98,8 @@ def check_target(target: str, module: bool) -> None:
         if spec is None:
             raise TargetNotFound(f"no module named {target!r} (is the package installed, or the working "
                                  "directory the one python -m would use?)")
+    elif os.path.isdir(target):
+        raise TargetNotFound(f"{target} is a directory: name the training script in it (or a package's module: -m)")
     elif not os.path.isfile(target):
         raise TargetNotFound(f"script not found: {target}")
 

@@ -310,6 +310,10 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
             if stopped is not None:
                 return f"no checkpointed region ran: the script stopped before any did ({_how_it_stopped(stopped)})"
+            cut = next((r for r in runs if r.truncated), None)
+            if cut is not None:
+                return (f"nothing to check: {cut.path} ends before any region was written, without its end record "
+                        "(the process was killed early, or the copy is cut): copy it again, or re-run")
             return ("no checkpointed region ran: is activation checkpointing on? (torch.utils.checkpoint.checkpoint, "
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")
