@@ -150,3 +150,34 @@ def test_an_annealed_probability_of_a_dropout_module_never_called_is_named(tmp_p
     assert report.verdict == "diverged" and lead.cause.kind == "state_mutation", report.headline
     assert lead.cause.tensor == "dropout.p", lead.cause  # (named as the module would name it, were it called)
     assert "0.1 in the forward and 0.08 in the recompute" in lead.cause.detail
+
+
+class CastBlock(nn.Module):
+    """Computes in `self.compute_dtype` (a mixed-precision switch a training loop flips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.compute_dtype = torch.float32
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x.to(self.compute_dtype)).float())
+
+
+def test_a_dtype_attribute_changed_before_the_backward_is_named(tmp_path):
+    """`self.compute_dtype` switched to bfloat16 between the forward and the backward: the recompute casts where the
+    forward did not. The cause names the attribute and both dtypes (it said only "Python code took another branch":
+    a dtype was no value the recorder kept)."""
+    torch.manual_seed(0)
+    block, path = CastBlock(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False)
+        block.compute_dtype = torch.bfloat16
+        try:
+            y.sum().backward()
+        except Exception:  # noqa: BLE001 - (torch's check, or the bf16 linear meeting f32 weights: either way)
+            pass
+    region = ac_diff.diagnose_paths([path]).regions[0]
+    assert region.status == "diverged"
+    assert "compute_dtype` was 'torch.float32' in the forward and 'torch.bfloat16'" in region.cause.detail, \
+        region.cause

@@ -31,6 +31,9 @@ from .sourceline import code_site, is_internal, short_path
 
 # plain scalars a module keeps (`self.step`, `self.scale`)
 SCALAR_TYPES = (int, float, bool, str)
+# torch's own values a module or a global keeps that decide what ops do (`self.compute_dtype = torch.bfloat16`):
+# recorded by their name, "torch.bfloat16"
+NAMED_TYPES = (torch.dtype, torch.device)
 CONTAINER_TYPES = (list, tuple, dict, deque, OrderedDict, defaultdict)
 # torch's own bookkeeping on every module (hook dicts, `_parameters`, ...); the mode is the pass's "training"
 _NOT_STATE = frozenset({"training", "_is_full_backward_hook", *vars(nn.Module())})
@@ -65,6 +68,8 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
         kind = type(value)
         if kind in SCALAR_TYPES:
             out[key] = value
+        elif kind in NAMED_TYPES:
+            out[key] = str(value)
         elif kind in CONTAINER_TYPES:
             out[key] = container_summary(value)
     return out
@@ -103,6 +108,8 @@ class GlobalReads:
             value = space.get(name)
             if type(value) in SCALAR_TYPES or value is None:
                 out[key] = (value[:200] if type(value) is str else value, readers)
+            elif type(value) in NAMED_TYPES:
+                out[key] = (str(value), readers)
         return out
 
 
@@ -149,7 +156,8 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
             f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
         for name in code.co_names:
             value = space.get(name)
-            if name in loaded and (type(value) in SCALAR_TYPES or value is None) and name in space \
+            if name in loaded and (type(value) in SCALAR_TYPES or type(value) in NAMED_TYPES or value is None) \
+                    and name in space \
                     and not name.startswith("__"):
                 key = f"{module}.{name}"
                 readers = found.setdefault(key, (space, name, []))[2]

@@ -32,7 +32,7 @@ import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import CONTAINER_TYPES, SCALAR_TYPES
+from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -112,7 +112,7 @@ def _state_of(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
              *(k for k, v in vars(module).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
     for attr in dict.fromkeys(attrs):
         value = getattr(module, attr, None)
-        if isinstance(value, (torch.Tensor, torch.Generator, *SCALAR_TYPES, *CONTAINER_TYPES)):
+        if isinstance(value, (torch.Tensor, torch.Generator, *SCALAR_TYPES, *NAMED_TYPES, *CONTAINER_TYPES)):
             yield attr, value
 
 
