@@ -20,9 +20,10 @@ def _steps(second_loss_identical: bool, no_grad: int = 0) -> list[StepComparison
                            identical=4, no_grad=no_grad)]
 
 
-def _report(side_effects=(), rng=False, cause=None):
+def _report(side_effects=(), rng=False, cause=None, mechanism=None, source=None):
     region = SimpleNamespace(side_effects=list(side_effects), state_changes={"rng": {}} if rng else {},
-                             cause=SimpleNamespace(kind=cause) if cause else None, status="clean", rank=0, module="l0")
+                             cause=SimpleNamespace(kind=cause, mechanism=mechanism, source=source) if cause else None,
+                             status="clean", rank=0, module="l0")
     return SimpleNamespace(regions=[region])
 
 
@@ -40,6 +41,18 @@ def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():
     assert unexplained.verdict == DIFFERS and unexplained.explanations[0].kind == "state_drift"
     same = explain(_steps(True), [], _report(), steps_requested=2)
     assert same.verdict == IDENTICAL and not same.explanations
+
+
+def test_host_draws_are_not_answered_with_preserve_rng_state():
+    """A region that draws from Python's random (LayerDrop): the later loss differs because the recompute drew
+    again; preserve_rng_state, which the script already had, restores torch's generators only."""
+    host = explain(_steps(False), [], _report(cause="rng", mechanism="host_rng", source="m.py:23 in forward"),
+                   steps_requested=2)
+    why = host.explanations[0]
+    assert why.kind == "rng_draws" and "m.py:23 in forward" in why.text
+    assert "--preserve-rng" not in why.fix and "outside the checkpointed region" in why.fix
+    torch_rng = explain(_steps(False), [], _report(cause="rng", mechanism="preserve_rng_state"), steps_requested=2)
+    assert "--preserve-rng" in torch_rng.explanations[0].fix
 
 
 def test_a_backward_that_left_every_grad_none_compares_nothing():

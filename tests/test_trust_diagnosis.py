@@ -91,9 +91,14 @@ def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
 
 
 class LayerDrop(HostNoise):
-    """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs."""
+    """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs. (A loop may
+    reseed it per step; this one does not: the seeding line, which draws nothing, never runs.)"""
+
+    reseed: int | None = None
 
     def forward(self, x):
+        if self.reseed is not None:
+            (random.seed if self.source == "random" else np.random.seed)(self.reseed)
         draw = random.random() if self.source == "random" else float(np.random.rand())  # the draw
         if draw < 0.5:  # the branch: no tensor carries the host value
             return x * 1.0

@@ -174,13 +174,30 @@ def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[
     sites: list[str] = []
     for space, code, loaded in _user_codes(fn, owner) if fn is not None else ():
         line = code.co_firstlineno
-        for ins in dis.get_instructions(code):
+        instructions = list(dis.get_instructions(code))
+        for i, ins in enumerate(instructions):
             line = getattr(getattr(ins, "positions", None), "lineno", None) or ins.starts_line or line
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code) \
+                    and not _SEEDING & set(_attributes_after(instructions, i)):
                 site = code_site(code, line)
                 if site not in sites:
                     sites.append(site)
     return sites
+
+
+# what a line that loads a generator's module may call that draws nothing (`random.seed(step)`)
+_SEEDING = frozenset({"seed", "setstate", "getstate", "set_state", "get_state"})
+
+
+def _attributes_after(instructions: list, i: int) -> list[str]:
+    """The attribute names loaded right after instruction `i` (`random.seed` -> ["seed"], `np.random.rand` ->
+    ["random", "rand"])."""
+    names = []
+    for ins in instructions[i + 1:]:
+        if ins.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+            break
+        names.append(ins.argval)
+    return names
 
 
 def _draws(value: Any, generators: list[str], code: types.CodeType) -> bool:

@@ -172,7 +172,15 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
             "repeated_update", f"{start}: {repeated[0]}{more}. Later backwards start from that state.",
             fix="apply the update once per step: outside the checkpointed region (after the backward, e.g. in an "
                 "optimizer step hook), or not in the recompute")
-    if any((r.cause is not None and r.cause.kind == "rng") or "rng" in r.state_changes for r in regions):
+    rng = [r.cause for r in regions if r.cause is not None and r.cause.kind == "rng"]
+    if any(c.mechanism == "host_rng" for c in rng):  # Python's or NumPy's generator: torch restores neither
+        source = next((c.source for c in rng if c.mechanism == "host_rng" and c.source), None)
+        return Explanation(
+            "rng_draws", f"{start}: the recompute drew from a host generator (Python's random, NumPy) again"
+            + (f" at {source}" if source else "") + ", so the two runs go on from other random numbers (preserve_rng_"
+            "state restores torch's generators only). Later backwards are not compared.",
+            fix="draw the host random values outside the checkpointed region and pass them in")
+    if rng or any("rng" in r.state_changes for r in regions):
         return Explanation(
             "rng_draws", f"{start}: the two runs drew other random numbers in between (a recompute without "
             "preserve_rng_state draws again). Not a gradient defect; later backwards are not compared.",
