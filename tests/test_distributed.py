@@ -484,3 +484,21 @@ def test_run_force_removes_an_earlier_runs_traces_of_every_rank(tmp_path):
     done = run_cli("run", "--force", "-o", str(out), str(script))
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["trace-rank0.jsonl"]
+
+
+def test_a_rank_killed_outright_before_the_others_failed_is_named_first(tmp_path):
+    """Rank 1 SIGKILLed (no end record), rank 0 then loses its peer in a collective: rank 1 stopped first, not
+    rank 0 (torchrun names rank 1 the root cause); a trace cut after the others failed is only stopped."""
+    from ac_diff.diagnosis.ranks import killed_first
+    from ac_diff.passes import Run
+
+    killed, failed = tmp_path / "trace-rank1.jsonl", tmp_path / "trace-rank0.jsonl"
+    killed.write_text("{}\n")
+    failed.write_text("{}\n")
+    os.utime(killed, (100.0, 100.0))
+    peer_lost = Run(source="trace", path=str(failed), rank=0, exit_status="exception", exit_code=1, end_time=130.0,
+                    exc_type="RuntimeError", exc_message="Connection reset by peer")
+    cut = Run(source="trace", path=str(killed), rank=1, truncated=True)
+    assert killed_first([peer_lost, cut]) == 1
+    os.utime(killed, (200.0, 200.0))  # written after rank 0 failed: torchrun stopped it
+    assert killed_first([peer_lost, cut]) is None

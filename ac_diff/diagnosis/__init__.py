@@ -24,7 +24,7 @@ from .passdiff import Tolerance
 from ..logs.errors import version_check
 from .groups import group_regions
 from .labels import module_label
-from .ranks import cross_rank_findings, rank_summaries
+from .ranks import cross_rank_findings, killed_first, rank_summaries
 from .region import Settings, diagnose_region
 from .watched import watch_summary, watched_clean
 
@@ -241,7 +241,10 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
         why["watched, not recomputed"] = never_watched
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
     verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
-    return (f"the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
+    killed = killed_first(runs)
+    first = (f"rank {killed} was killed first (its trace ends without an end record: SIGKILL, the out-of-memory "
+             f"killer?); then on rank {stopped.rank or 0} " if killed is not None else "")
+    return (f"{first}the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked) + never_watched} never checked ({reasons})")
 
 

@@ -35,6 +35,8 @@ never reported).
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -277,7 +279,14 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
     if not failed and not stopped:
         return []
     failed.sort(key=lambda r: (ends[r][3] is None, ends[r][3] or 0.0, r))
+    killed = killed_first(runs)
     parts = []
+    if killed is not None:
+        r = killed
+        stopped = [s for s in stopped if s != r]
+        parts.append(f"rank {r} stopped first: its trace ends without an end record, before any other rank failed "
+                     "(the process was killed: SIGKILL, the out-of-memory killer?)")
+        failed = [r, *failed]
 
     def why(r: int) -> str:
         exc_type, message = ends[r][4], ends[r][5]
@@ -287,7 +296,9 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         text = f"{exc_type}: {first_line}" if first_line else exc_type
         return text if len(text) <= 100 else text[:97] + "..."
 
-    if failed:
+    if failed and killed is not None:
+        parts.append("then on " + ", ".join(f"rank {r}" + (f" ({why(r)})" if why(r) else "") for r in failed[1:]))
+    elif failed:
         first = failed[0]
         parts.append(f"the script failed first on rank {first}" + (f" ({why(first)})" if why(first) else ""))
         if len(failed) > 1:
@@ -300,6 +311,27 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         parts.append(f"rank{'s' if len(ok) > 1 else ''} {_list(ok)} finished normally")
     return [CrossRankFinding("exits", "; ".join(parts), failed + stopped,
                              detail={"failed_in_order": failed, "stopped": stopped, "ok": ok})]
+
+
+def killed_first(runs: list[Run]) -> int | None:
+    """The rank that was killed outright before any other rank failed, or None. A killed process (SIGKILL, the
+    out-of-memory killer) writes no end record, where torchrun's own stop (SIGTERM) lets the recorder finish; its
+    trace was last written (the file's time) before the first failure another rank recorded."""
+    traces = [run for run in runs if run.source == "trace"]
+    failures = [run.end_time for run in traces if not run.truncated and run.exit_status not in (None, "ok")
+                and run.exit_code != 143 and run.end_time is not None]
+    if len(traces) < 2 or not failures:
+        return None
+    killed = sorted((written, run.rank or 0) for run in traces if run.truncated
+                    for written in [_last_write(run)] if written is not None and written < min(failures))
+    return killed[0][1] if killed else None
+
+
+def _last_write(run: Run) -> float | None:
+    try:
+        return os.path.getmtime(run.path) if run.path else None
+    except OSError:
+        return None
 
 
 # -- replicated computation ---------------------------------------------------------------------
