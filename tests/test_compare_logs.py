@@ -299,3 +299,24 @@ def test_a_log_names_the_in_place_update_the_routing_depends_on(log):
     cause = region.cause
     assert cause.kind == "state_mutation" and "update_expert_bias" in cause.source, cause
     assert "aten.add_.Tensor" in cause.detail
+
+
+def test_a_python_argument_changed_in_a_log_is_python_state_not_a_decision(tmp_path):
+    """topk(k) with k from a capacity the loop raises between the forward and the backward: the debug log shows
+    topk(4, 1) then topk(5, 1) over inputs of the same shapes. From the log alone that is a Python value that
+    changed (it said "the sizes come from the data-dependent decision topk", cause unknown)."""
+    import torch
+
+    state = {"k": 4}
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        scores = x @ weight
+        values, _ = scores.topk(state["k"], dim=1)
+        state["k"] = 5  # the capacity grows after the forward (the recompute reads it raised)
+        return values.exp()
+
+    log = _debug_log(tmp_path, "k.log", fn, torch.randn(4, 8, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    assert region.cause.kind == "state_mutation" and region.cause.mechanism == "python_value", region.cause
+    assert "aten.topk.default" in region.cause.tensor and "4→5" in region.cause.detail

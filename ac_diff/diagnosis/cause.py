@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import is_in_place_method, is_random_name, is_view_op, written_inputs
+from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
 from .attributes import attribute_cause
@@ -188,7 +188,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      [f"{value.op} at {where(value.module, value.source)}"])
 
     if not report.has_values and shape is not None:
-        from_log = _log_cause(region, shape)
+        from_log = _log_cause(region, shape) or _log_python_argument(region, shape)
         if from_log is not None:
             return from_log
         decision = report.first_discrete_divergence
@@ -267,6 +267,25 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
                      "checkpoint with preserve_rng_state=False, or a generator it does not restore)",
                      [f"{drawn.op} at {at} feeds {shape.op}", shape.summary], source=drawn.source)
     return None
+
+
+def _log_python_argument(region: Region, shape: Divergence) -> Cause | None:
+    """From a log: the first shape divergence is an op whose non-tensor arguments changed over inputs of the same
+    shapes (topk's k 4 -> 5), and no decision or host read feeds it (split sizes from `counts.tolist()` come from
+    data): the value came from Python state that changed before the backward."""
+    ops = region.forward.ops if region.forward is not None else []
+    target = next((o for o in ops if o.index == shape.forward_index), None)
+    changed = shape.detail.get("args_diff")
+    if target is None or not changed or not shape.detail.get("inputs_identical"):
+        return None
+    if any(is_decision(o.op) or is_host_read(o.op) for o in upstream(ops, target)):
+        return None
+    at = where(target.module, target.source)
+    return Cause("state_mutation", f"an argument of {target.op}",
+                 f"a Python value passed to {target.op} at {at} changed between the forward and the recompute "
+                 f"({changed}, over inputs of the same shapes): Python state the region reads (a capacity, a k, a "
+                 "schedule) was updated before the backward; `ac-diff run` on the script names it",
+                 [shape.summary], mechanism="python_value", source=target.source)
 
 
 def _host_draw_cause(drew: list[str], first: Divergence, sites: list[str]) -> Cause:
