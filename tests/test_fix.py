@@ -179,3 +179,25 @@ def test_where_only_turning_ac_off_works_fix_exits_1_and_gives_the_code_change(f
     assert fx["headline"].startswith("only turning AC off works") and not fx["keeps_ac"]
     assert fx["code_change"].startswith("Do not modify `blocks.0.temb_cache[3]` in place"), fx["code_change"]
     assert proc.returncode == 1, proc.stderr[-2000:]
+
+
+def test_turning_ac_off_is_no_fix_where_the_parameters_changed_in_place_before_the_backward():
+    """An EMA copied into the model through `.data` before the backward: the run without AC reads the changed
+    weights in its backward too, so matching it verifies nothing (a stranger's U-Net: 'verified, bit-identical')."""
+    from types import SimpleNamespace
+
+    from ac_diff.diagnosis.cause import OPTIMIZER_STEP, PARAMETER
+    from ac_diff.fix.result import DID_NOT_HELP, VERIFIED, Try
+    from ac_diff.fix.tries import without_ac_too
+
+    def base(mechanism):
+        cause = SimpleNamespace(mechanism=mechanism)
+        return SimpleNamespace(regions=[SimpleNamespace(module="down", cause=cause)])
+
+    t = Try("no AC in down", ["--no-ac", "down"], "", status=VERIFIED)
+    without_ac_too(t, base(OPTIMIZER_STEP), ["down"])
+    assert t.status == DID_NOT_HELP and "the run without AC is wrong too" in t.reason
+    other = Try("no AC in down", ["--no-ac", "down"], "", status=VERIFIED)
+    without_ac_too(other, base(PARAMETER), ["down"])  # (one parameter, maybe reassigned: the old one is saved)
+    without_ac_too(other, base(OPTIMIZER_STEP), ["up"])  # another module's
+    assert other.status == VERIFIED

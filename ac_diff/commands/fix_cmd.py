@@ -41,7 +41,7 @@ from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
 from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
-from ..fix.tries import Measured, diverged, judge, run_measured
+from ..fix.tries import Measured, diverged, judge, run_measured, without_ac_too
 from ..reference.explain import attach
 from ..reference.result import DIFFERS
 from ..reference.run import reference_command, reference_result
@@ -141,6 +141,8 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
               extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None, culprits)
+        if c.kind == "no_ac":
+            without_ac_too(t, report, c.spec.no_ac)
 
     budget = range(min(len(found), max_tries))
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)

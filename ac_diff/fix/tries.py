@@ -111,6 +111,22 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
     t.reason = _reason(report, reference, op, m)
 
 
+def without_ac_too(t: Try, base: Any, no_ac: list[str]) -> None:
+    """A verified "no AC" where the base run's parameters were updated in place between the forward and the backward
+    (an EMA copied in through `.data`, weight clipping): the run without AC reads those parameters in its backward
+    too (a matmul saves its weight as it is), so matching it proves nothing: not verified, and why."""
+    from ..diagnosis.cause import OPTIMIZER_STEP
+    from ..remedies.call import matches
+
+    if t.status != VERIFIED or not any(r.cause is not None and r.cause.mechanism == OPTIMIZER_STEP
+                                       and matches(r.module, no_ac) for r in base.regions):
+        return
+    t.status = DID_NOT_HELP
+    t.reason = ("no recompute is left to differ, but the run without AC is wrong too: its backward reads the "
+                "parameters as they were changed in place before it (ops save them as they are), so matching it "
+                "proves nothing; change them after the backward (the code change below)")
+
+
 def _reason(report: Any, reference: Any | None, op: str | None, m: Measured) -> str:
     still = [r for r in report.regions if r.status == DIVERGED]
     if still:
