@@ -320,3 +320,18 @@ def test_a_python_argument_changed_in_a_log_is_python_state_not_a_decision(tmp_p
     region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
     assert region.cause.kind == "state_mutation" and region.cause.mechanism == "python_value", region.cause
     assert "aten.topk.default" in region.cause.tensor and "4→5" in region.cause.detail
+
+
+def test_with_two_logs_a_note_names_the_log_it_is_about(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    failing = _debug_log(tmp_path, "rank1.log", _branching([]), torch.randn(4, 4, requires_grad=True))
+    quiet = tmp_path / "rank0.log"
+    quiet.write_text(  # rank 0's log when rank 1 failed (as torchrun's --tee writes it): its peer went away
+        "[rank0]: Traceback (most recent call last):\n"
+        '[rank0]:   File "train.py", line 60, in main\n'
+        "[rank0]:     dist.all_reduce(p.grad)\n"
+        "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10136.\n")
+    report = ac_diff.diagnose_paths([quiet, failing])
+    assert "rank0.log: found no CheckpointError text and no debug=True dump" in report.notes, report.notes

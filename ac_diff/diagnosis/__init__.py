@@ -11,6 +11,8 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 
 from ..stateflags import flag_label
@@ -60,7 +62,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                         link_log_ids(p)
         run_errors = list(run.errors)
         errors.extend(run_errors)
-        notes.extend(run.notes)
+        several = len({r.path for r in runs}) > 1
+        # several logs: which one each note is about (a trace's notes name their file themselves)
+        notes.extend(f"{os.path.basename(run.path)}: {n}" if several and run.source == "log" and run.path
+                     and run.path not in n else n for n in run.notes)
         exit_status = exit_status or run.exit_status
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         check = version_check(run.exc_message) if stopped else None
