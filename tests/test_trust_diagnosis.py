@@ -995,3 +995,41 @@ def test_the_chain_follows_the_data_in_forward_order(tmp_path):
     named = [o for o in ops if o]
     assert named and named[0] == "native_batch_norm", region.chain
     assert named == sorted(named, key=["native_batch_norm", "relu", "max_pool2d"].index), region.chain
+
+
+class ThreeStages(nn.Module):
+    """Three checkpointed stages that read different parameters with different ops (a U-Net's down, mid, up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.mid = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh())
+        self.up = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
+
+    def forward(self, x):
+        for stage in (self.down, self.mid, self.up):
+            x = cp.checkpoint(stage, x, use_reentrant=False)
+        return x
+
+
+def test_the_parameters_updated_before_the_backward_are_one_cause_across_stages(tmp_path):
+    """An EMA copied into the model (through `.data`) between the forward and the backward: every stage diverges
+    for that one reason, whatever parameters and ops it has; the headline groups them all (it grouped "down, up"
+    and left "mid", which read another count of parameters, as if it were another cause)."""
+    torch.manual_seed(0)
+    model = ThreeStages()
+    ema = [p.detach() * 0.9 for p in model.parameters()]
+
+    def swap_in_ema():
+        for p, e in zip(model.parameters(), ema):
+            p.data.copy_(e)
+
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = model(torch.randn(4, 8, requires_grad=True))
+        swap_in_ema()
+        y.pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert [r.status for r in report.regions] == ["diverged"] * 3
+    assert {r.cause.mechanism for r in report.regions} == {"optimizer_step"}
+    assert "[3 of 3 regions diverged; down, mid, up: same cause]" in report.headline, report.headline

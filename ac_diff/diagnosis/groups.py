@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from ..report import DIVERGED, RegionGroup, RegionReport
+from .cause import OPTIMIZER_STEP
 from .labels import number_ranges
 
 
@@ -28,11 +29,14 @@ def _relative(name: str | None, module: str | None) -> str | None:
 
 def _key(r: RegionReport) -> tuple:
     first = r.first_divergence()
+    # the model's parameters updated between forward and backward: one cause, whichever parameters and ops each
+    # region reads (its culprit counts them: "parameters (11 of 12 read by the region)")
+    stepped = r.cause is not None and r.cause.mechanism == OPTIMIZER_STEP
     return ((r.path, r.rank) if r.source == "log" else None, r.kind,
             r.cause.kind if r.cause else None, r.cause.mechanism if r.cause else None,
-            _relative(r.cause.tensor, r.module) if r.cause else None,
-            first.kind if first else None, first.op if first else None,
-            _relative(first.module, r.module) if first else None)
+            _relative(r.cause.tensor, r.module) if r.cause and not stepped else None,
+            first.kind if first and not stepped else None, first.op if first and not stepped else None,
+            _relative(first.module, r.module) if first and not stepped else None)
 
 
 def module_range(modules: list[str | None]) -> str:
