@@ -181,3 +181,38 @@ def test_a_dtype_attribute_changed_before_the_backward_is_named(tmp_path):
     assert region.status == "diverged"
     assert "compute_dtype` was 'torch.float32' in the forward and 'torch.bfloat16'" in region.cause.detail, \
         region.cause
+
+
+def _warmup_hook(warm: int):
+    """A monitoring-style forward pre-hook that warms its module's input up over its first calls, counting them in
+    its own closure."""
+    calls = 0
+
+    def warmup(module, args):
+        nonlocal calls
+        calls += 1
+        return (args[0] * min(1.0, calls / warm),)
+    return warmup
+
+
+def test_a_counter_a_hook_keeps_in_its_closure_is_named_with_its_hook(tmp_path):
+    """The recompute calls the module and its pre-hook again, so the closure's counter moves and the input scale
+    with it: the cause names the variable, the hook and its module, counted twice (it said "a Python value passed to
+    aten.mul.Tensor changed"), and the fix is about the hook, not a restore that has nothing to restore."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    block[0].register_forward_pre_hook(_warmup_hook(warm=10))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for _ in range(2):
+            checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    region = report.regions[0]
+    assert region.status == "diverged" and region.silent
+    cause = region.cause
+    assert "`calls`, which the forward pre-hook `warmup` of 0 keeps in its closure" in cause.detail, cause.detail
+    assert "counts twice" in cause.detail
+    assert region.suggestions[0].title.startswith("Do not count in the forward pre-hook `warmup`")
+    from ac_diff.fix.candidates import candidates
+
+    assert "restore" not in {c.kind for c in candidates(report)}  # (a closure has no attribute to restore)

@@ -72,6 +72,29 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
             out[key] = str(value)
         elif kind in CONTAINER_TYPES:
             out[key] = container_summary(value)
+    if module._forward_pre_hooks or module._forward_hooks:
+        out.update(hook_state(module))
+    return out
+
+
+HOOK_STATE = "<{kind} {name}>.{var}"  # how a hook's own variable is named among its module's attributes
+
+
+def hook_state(module: nn.Module) -> dict[str, Any]:
+    """The scalar variables the module's forward (pre-)hooks keep in their closures (a call counter a monitoring hook
+    bumps): `<forward pre-hook count>.calls` -> 3. The recompute calls the module, and its hooks, again."""
+    out: dict[str, Any] = {}
+    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+        for hook in hooks.values():
+            fn = _function(hook)
+            cells = getattr(fn, "__closure__", None) if fn is not None else None
+            for var, cell in zip(fn.__code__.co_freevars, cells or ()):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # (a cell not yet filled)
+                    continue
+                if type(value) in SCALAR_TYPES:
+                    out[HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)] = value
     return out
 
 

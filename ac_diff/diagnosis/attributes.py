@@ -60,12 +60,35 @@ class AttributeChange:
             return False
         if self.is_global:
             return bool(op.source) and _function_of(op.source) in {r.split(" (")[0] for r in self.readers}
-        module = self.name.rsplit(".", 1)[0] if "." in self.name else ""
+        module = split_name(self.name)[0]
         if op.module is None:
             return False
         if self.uncalled and op.module == (module.rsplit(".", 1)[0] if "." in module else ""):
             return True  # (its parent's code: the module itself never ran)
         return op.module == module or op.module.startswith(module + ".")
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(the module, the attribute) of a recorded attribute's name: "layers.0.step" -> ("layers.0", "step"); a
+    variable a hook of the module keeps (capture.pystate.hook_state), "layers.0.lin.<forward pre-hook warm>.calls"
+    -> ("layers.0.lin", "<forward pre-hook warm>.calls")."""
+    head, sep, hook = name.partition(".<")
+    if sep:
+        return head, "<" + hook
+    if name.startswith("<"):
+        return "", name
+    module, _, attr = name.rpartition(".")
+    return module, attr
+
+
+def hook_variable(name: str) -> tuple[str, str, str] | None:
+    """(hook kind, its function's name, the variable) for a hook's own variable, else None."""
+    attr = split_name(name)[1]
+    if not attr.startswith("<"):
+        return None
+    label, _, var = attr[1:].partition(">.")
+    kind, _, function = label.rpartition(" ")
+    return kind, function, var
 
 
 def _function_of(source: str) -> str:
@@ -85,8 +108,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
         if name in rec.attributes and rec.attributes[name] != value:
             f_up, r_up = fwd.attribute_updates.get(name), rec.attribute_updates.get(name)
             hooks = list((f_up or r_up or [None, None, []])[2] or [])
-            module = name.rsplit(".", 1)[0]
-            uncalled = "." in name and not any(m == module or m.startswith(module + ".") for m in ran if m)
+            module = split_name(name)[0]
+            uncalled = bool(module) and not any(m == module or m.startswith(module + ".") for m in ran if m)
             out.append(AttributeChange(name, value, rec.attributes[name], f_up[:2] if f_up else None,
                                        r_up[:2] if r_up else None, hooks, uncalled=uncalled))
     for name, value in fwd.globals.items():
@@ -136,6 +159,9 @@ def _float_text(x: float, digits: int) -> str:
 
 
 def _what(change: AttributeChange) -> str:
+    hook = hook_variable(change.name)
+    if hook is not None:
+        return f"`{hook[2]}`, which the {hook[0]} `{hook[1]}` of {split_name(change.name)[0]} keeps in its closure,"
     return (f"the module-level global `{change.name}`" if change.is_global else
             f"the Python attribute `{change.name}`")
 
@@ -155,7 +181,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
             return None
     # (an attribute changed between the passes before one the region's own forward sets: a statistic it writes)
     top = min(changes, key=lambda c: (not c.read_by(op), _set_by_forward(c), not c.counted_twice))
-    module = module_label(top.name.rsplit(".", 1)[0]) if "." in top.name else "the module"
+    module = module_label(split_name(top.name)[0]) if split_name(top.name)[0] else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
     detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
               + f"{_what(top)} was {_change_words(top.forward, top.recompute)}")
@@ -219,7 +245,7 @@ def _shown_update(update: list) -> str:
 
 def _once_per_step(change: AttributeChange, name: str, attr: str) -> str:
     """The code of the fix: the update made once per step after the backward, on the module that holds it."""
-    owner = name.rsplit(".", 1)[0] if "." in name else ""
+    owner = split_name(name)[0]
     where = f"its pre-hook ({', '.join(change.hooks[:2])})" if change.hooks else "its forward"
     module = f'model.get_submodule("{owner}")' if owner else "model"
     before, after = change.forward_update
@@ -235,7 +261,7 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     change = next((c for c in changes if c.name == name), None)
     if change is None:
         return None
-    attr = name.rsplit(".", 1)[-1]
+    attr = split_name(name)[1]
     if change.is_global:
         return Suggestion(
             f"Keep the global `{attr}` as the forward saw it until after the backward",
@@ -258,6 +284,17 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             f"# in forward: read self.{attr}, return the new entry instead of appending it\n"
             f"out, new_entry = model(batch)\nloss = loss_fn(out)\nloss.backward()\n"
             f"module.{attr}.append(new_entry.detach())  # after the backward")
+    hook = hook_variable(name)
+    if hook is not None:
+        kind, function, var = hook
+        return Suggestion(
+            f"Do not count in the {kind} `{function}` of {split_name(name)[0]}: the recompute calls it again",
+            f"The {kind} keeps `{var}` in its closure and changes it at each call of the module; the recompute calls "
+            "the module, and its hooks, a second time, so the hook sees another value and the recompute computes "
+            f"with it. Keep `{var}` outside the hook (the training loop's step, passed to the model), or let the "
+            "hook skip its update in the recompute (a flag the loop sets around loss.backward()).",
+            "step = 0\nfor batch in loader:\n    model.warmup_step = step  # what the hook reads, set once per step\n"
+            "    loss = model(batch)\n    loss.backward()\n    step += 1")
     if change.counted_twice:
         return Suggestion(
             f"Do not update `{name}` in the checkpointed module's forward or pre-hook",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..capture.fqn import is_segment
+from ..diagnosis.attributes import hook_variable
 from ..remedies import RemedySpec
 from ..report import DIVERGED, UNCHECKED, UPDATED_IN_FORWARD
 
@@ -81,7 +82,8 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]
     if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD) \
             and c.tensor:
-        return "state", [layer_glob(name) for name in [c.tensor, *c.names]]
+        names = [n for n in dict.fromkeys([c.tensor, *c.names]) if hook_variable(n) is None]  # (a closure: none)
+        return ("state", [layer_glob(name) for name in names]) if names else None
     return None
 
 
