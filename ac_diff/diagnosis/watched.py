@@ -129,6 +129,8 @@ def _reproduced(e: dict[str, Any]) -> str:
     """What the full recording of an escalated module found where none of its regions diverged."""
     clean, n = e.get("full_clean", e["full_regions"]), e["full_regions"]
     why = "never recomputed, or the recompute stopped early"
+    if not n:
+        return "no region of it recorded in full is in the report (the run ended first, or its lines are damaged)"
     if clean == n:
         return f"all {n} reproduced their saved tensors"
     if not clean:
