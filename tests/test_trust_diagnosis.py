@@ -1033,3 +1033,52 @@ def test_the_parameters_updated_before_the_backward_are_one_cause_across_stages(
     assert [r.status for r in report.regions] == ["diverged"] * 3
     assert {r.cause.mechanism for r in report.regions} == {"optimizer_step"}
     assert "[3 of 3 regions diverged; down, mid, up: same cause]" in report.headline, report.headline
+
+
+# --- delayed scaling: the state that reaches a saved tensor is the cause ------------------------------------------
+
+class DelayedScaled(nn.Linear):
+    """Simulated FP8 with delayed scaling (Transformer Engine's recipe): the input is quantized with the scale of
+    earlier steps; the forward then rolls its amax history and sets the next scale, inside the region."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__(i, o)
+        self.register_buffer("amax_history", torch.zeros(4))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        s = self.scale.clone()
+        xs = x * s
+        xq = xs + (xs.to(torch.float8_e4m3fn).to(x.dtype) - xs).detach()
+        with torch.no_grad():
+            self.amax_history.copy_(torch.roll(self.amax_history, 1))
+            self.amax_history[0] = x.abs().amax()
+            self.scale.copy_(448.0 / self.amax_history.amax().clamp(min=1e-6))
+        return nn.functional.linear(xq / s, self.weight, self.bias)
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = DelayedScaled(16, 32), DelayedScaled(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_the_changed_state_named_is_the_one_that_reaches_a_saved_tensor(tmp_path):
+    """Both linears' scaling state moves in each forward; in a step where fc1's scale comes out the same in the
+    recompute, only fc2's scale reaches the saved tensors that differ: the cause names fc2's scale, not fc1's amax
+    history, whose roll is the first op that differs but reaches nothing backward reads (a stranger's FP8 MLP)."""
+    torch.manual_seed(0)
+    block, path = ScaledBlock(), tmp_path / "t.jsonl"
+    g = torch.Generator().manual_seed(1)
+    with ac_diff.record(path):
+        for _ in range(4):
+            cp.checkpoint(block, torch.randn(8, 16, generator=g) * 3, use_reentrant=False).pow(2).mean().backward()
+    report = ac_diff.diagnose_paths([path])
+    diverged = [r for r in report.regions if r.status == "diverged"]
+    assert diverged
+    for r in diverged:
+        reaching = {p.op for p in r.positions if p.values_differ or p.matches is False}
+        assert r.cause.tensor.endswith(".scale"), (r.region, r.cause.tensor, reaching)

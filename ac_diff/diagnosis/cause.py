@@ -93,13 +93,16 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     feeding = set(first.sources) if first is not None else set()
     saved_changed = {p.name for p in report.positions if p.origin != "op" and p.values_differ}
     saved_changed |= _saved_updates(report, region) | _saved_views(report, region)
-    relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed]
+    reaching = _reaching_saved(report, cmp)
+    relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed or c["name"] in reaching]
     stepped = _whole_model_update(region, changed)
     if stepped is not None and relevant:
         return stepped
     if relevant:
-        # prefer model state (buffer/parameter) over an input, then the first one read
-        ranked = sorted(relevant, key=lambda c: (c["kind"] not in ("buffer", "param"), c.get("first_op") or 0))
+        # prefer what reaches a saved tensor that differs (what backward reads), then model state (buffer/parameter)
+        # over an input, then the first one read
+        ranked = sorted(relevant, key=lambda c: (c["name"] not in reaching, c["kind"] not in ("buffer", "param"),
+                                                 c.get("first_op") or 0))
         top = ranked[0]
         evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['forward'])} in forward, "
                     f"{_fp(c['recompute'])} in recompute" for c in ranked[:4]]
@@ -202,6 +205,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
 # Where host data becomes a tensor inside the region: torch.tensor / torch.as_tensor / torch.from_numpy
 # hand the host-made tensor to lift_fresh, the first op that sees it
 _HOST_ENTRY_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default")
+
+
+def _reaching_saved(report: RegionReport, cmp: PassComparison) -> set[str]:
+    """The changed outside tensors that reach a saved position that differs (through the ops that made it)."""
+    bad = {p.forward_index for p in report.positions
+           if p.origin == "op" and (p.values_differ or p.matches is False) and p.forward_index is not None}
+    return {name for d in cmp.diffs if d.forward is not None and d.forward.index in bad for name in d.sources}
 
 
 def _made_from_host(region: Region, name: str) -> OpRecord | None:
