@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
                                                 "--must-save-module", "layers.*.router"]),
         "repeated_update_restored": Job([CENTER], REF + ["--reference-steps", "2", "--restore-in-recompute",
                                                          "layers.*.router.center"]),
+        "fails_only_with_ac": Job([str(STACKS / "scan_chunk.py"), "--steps", "2"], REF + ["--reference-steps", "2"]),
     })
 
 
@@ -184,3 +185,15 @@ def test_report_of_the_directory_gives_back_the_remedies_and_the_reference_compa
         assert report["reference"][key] == r.report["reference"][key]
     assert report["verdict"] == r.report["verdict"] == "diverged"
     assert "gradients vs the run without AC" in later.stdout and "remedies applied" in later.stdout
+
+
+def test_a_backward_that_fails_only_with_ac_is_said_beside_identical_gradients(runs):
+    """The run with AC raises in its second backward (a chunk size changed before it), the run without AC finishes
+    both: the first backward's gradients are identical, and the reference says the second failed only with AC (it
+    said "gradients identical" and nothing else)."""
+    ref = _ref(runs["fails_only_with_ac"])
+    assert ref["verdict"] == "identical" and len(ref["steps"]) == 1
+    assert "backward 2 failed only with AC: the run without AC finished it" in ref["headline"]
+    # the cause: a field of the run config the module holds (it read "Python code took another branch")
+    region = next(r for r in runs["fails_only_with_ac"].report["regions"] if r["status"] == "diverged")
+    assert region["cause"]["tensor"] == "scan.cfg.chunk" and "was 4 in the forward and 8" in region["cause"]["detail"]

@@ -514,3 +514,21 @@ def test_a_restore_that_names_nothing_it_can_restore_says_so():
     assert [w for w in rows if w.startswith("matched nothing")] == [
         "matched nothing: layers.*.fc.parametrizations.weight.original (a buffer, tensor, Python attribute, list or "
         "generator of a checkpointed module is restored; a parameter is not)"], rows
+
+
+def test_restore_reaches_a_field_of_a_run_config_the_module_holds():
+    """`scan.cfg.chunk`: a small config object of the user's held by the module (not a module itself) is state the
+    restore reaches, field by field; its other fields and the module's own state are left alone."""
+    from ac_diff.remedies.restore import find
+
+    class RunConfig:
+        def __init__(self) -> None:
+            self.chunk, self.name = 4, "scan"
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].cfg = RunConfig()
+    found = find(model, "", ["0.cfg.chunk"])
+    assert list(found) == ["0.cfg.chunk"]
+    slot = found["0.cfg.chunk"]
+    before = slot.swap(8)
+    assert (before, model[0].cfg.chunk, model[0].cfg.name) == (4, 8, "scan")

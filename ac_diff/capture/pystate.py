@@ -72,9 +72,25 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
             out[key] = str(value)
         elif kind in CONTAINER_TYPES:
             out[key] = container_summary(value)
+        elif run_config(value):
+            for name, field in vars(value).items():
+                if type(field) in SCALAR_TYPES and not name.startswith("_"):
+                    out[f"{key}.{name}"] = field
     if module._forward_pre_hooks or module._forward_hooks:
         out.update(hook_state(module))
     return out
+
+
+CONFIG_FIELDS = 64  # an object a module holds with at most this many attributes is read as a run config
+
+
+def run_config(value: Any) -> bool:
+    """A plain object of the user's a module holds, small enough to be a run config (`self.cfg.chunk`); not a
+    module, a tensor, a function or one of torch's objects."""
+    space = getattr(value, "__dict__", None)
+    kind = type(value)
+    return (type(space) is dict and len(space) <= CONFIG_FIELDS and not isinstance(value, (nn.Module, torch.Tensor, type,
+            types.FunctionType, types.MethodType, types.ModuleType)) and not kind.__module__.startswith("torch"))
 
 
 HOOK_STATE = "<{kind} {name}>.{var}"  # how a hook's own variable is named among its module's attributes

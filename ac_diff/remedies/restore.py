@@ -8,7 +8,8 @@ torch.Generator), so `ac-diff fix` can prove such a code change before the user 
     # recompute) runs with that value in place, then puts back the value it found
 
 NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a buffer, tensor attribute,
-Python scalar attribute (`layers.1.moe.router.calls`; not a parameter), list/tuple/dict/deque attribute (a
+Python scalar attribute (`layers.1.moe.router.calls`, or a field of a small run config the module holds,
+`layers.1.scan.cfg.chunk`; not a parameter), list/tuple/dict/deque attribute (a
 memory the forward appends to, `layers.1.attn.mems`: the recompute gets a copy of the forward's), or a
 torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every
 torch.Generator held by that module or its submodules (a LoRA dropout's own, `layers.1.q_proj.lora_dropout.default
@@ -32,7 +33,7 @@ import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES
+from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, run_config
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -58,7 +59,7 @@ class _Slot:
             before = current.get_state()
             current.set_state(value)
             return before
-        if self.attr in self.owner._buffers:
+        if self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
             self.owner._buffers[self.attr] = value
         else:
             object.__setattr__(self.owner, self.attr, value)
@@ -101,6 +102,12 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
             fqn = f"{name}.{attr}" if name else attr
             if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and under):
                 found[fqn] = _Slot(sub, attr)
+        for attr, value in vars(sub).items():  # a run config the module holds: its fields (`scan.cfg.chunk`)
+            if run_config(value):
+                for field, v in vars(value).items():
+                    fqn = ".".join(p for p in (name, attr, field) if p)
+                    if type(v) in SCALAR_TYPES and fqn_matches(fqn, globs):
+                        found[fqn] = _Slot(value, field)
     return found
 
 
@@ -193,6 +200,8 @@ class RestoreInRecompute:
             if slot.owner in self._started:
                 continue
             prefix = fqn.rsplit(".", 1)[0] + "." if "." in fqn else ""
-            out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in _state_of(slot.owner)})
+            state = _state_of(slot.owner) if isinstance(slot.owner, torch.nn.Module) else (
+                (k, v) for k, v in vars(slot.owner).items() if type(v) in SCALAR_TYPES)  # (a run config's fields)
+            out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in state})
         self._started.update(slot.owner for slot in slots.values())
         return out
