@@ -232,12 +232,12 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     never_watched = sum(t[2] for t in totals)
     if stopped is None or not (unchecked or never_watched):
         return None
-    mine = [r for r in regions if r.path == (stopped.path or stopped.source)] or regions
     at = _where_it_stopped(stopped)
     step = (stopped.watch or {}).get("step")
     if step and not any(r.step == step for r in stopped.regions):  # watched: its regions are counted, not written
         at = f"in step {step}"
-    checked = sum(1 for r in mine if r.status in (CLEAN, DIVERGED)) + sum(t[0] - t[1] for t in totals)
+    # (every rank's regions, as the unchecked ones and the report's counts are)
+    checked = sum(1 for r in regions if r.status in (CLEAN, DIVERGED)) + sum(t[0] - t[1] for t in totals)
     why: dict[str, int] = {}
     for r in unchecked:
         reason = r.unchecked_reason or "not compared"
