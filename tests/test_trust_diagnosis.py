@@ -1082,3 +1082,39 @@ def test_the_changed_state_named_is_the_one_that_reaches_a_saved_tensor(tmp_path
     for r in diverged:
         reaching = {p.op for p in r.positions if p.values_differ or p.matches is False}
         assert r.cause.tensor.endswith(".scale"), (r.region, r.cause.tensor, reaching)
+
+
+# --- a counter kept on a class, advanced by the region's own code ----------------------------------------------
+
+class OffsetState:
+    """The host-side offset of a counter-based RNG (a fused kernel's Philox offset), advanced at each call."""
+
+    offset = 0
+
+    @classmethod
+    def next(cls) -> int:
+        cls.offset += 1
+        return cls.offset
+
+
+class HashDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        seed = OffsetState.next()  # the recompute advances it again
+        keep = torch.sin(torch.arange(x.numel(), dtype=torch.float32).view(x.shape) * 12.9898 + seed).abs() > 0.3
+        return self.lin(x) * keep
+
+
+def test_a_counter_kept_on_a_class_is_named(tmp_path):
+    """`OffsetState.offset`, a class attribute the region's code advances (and the recompute again): the cause
+    names it (it said "a Python value passed to aten.add.Tensor changed")."""
+    torch.manual_seed(0)
+    OffsetState.offset = 0
+    report = _record(tmp_path, HashDropout(), torch.randn(4, 8, requires_grad=True))
+    cause = report.regions[0].cause
+    assert report.regions[0].status == "diverged"
+    assert cause.tensor.endswith("OffsetState.offset") and "was 0 in the forward and 1 in the recompute" in \
+        cause.detail, cause

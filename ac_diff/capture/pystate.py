@@ -73,9 +73,8 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
         elif kind in CONTAINER_TYPES:
             out[key] = container_summary(value)
         elif run_config(value):
-            for name, field in vars(value).items():
-                if type(field) in SCALAR_TYPES and not name.startswith("_"):
-                    out[f"{key}.{name}"] = field
+            for name, field in scalar_fields(value):
+                out[f"{key}.{name}"] = field
     if module._forward_pre_hooks or module._forward_hooks:
         out.update(hook_state(module))
     return out
@@ -149,7 +148,25 @@ class GlobalReads:
                 out[key] = (value[:200] if type(value) is str else value, readers)
             elif type(value) in NAMED_TYPES:
                 out[key] = (str(value), readers)
+            else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
+                for field, v in scalar_fields(value):
+                    out[f"{key}.{field}"] = (v, readers)
         return out
+
+
+def _holds_fields(value: Any, space: dict) -> bool:
+    """A global whose scalar fields are state: a class defined in the module that reads it (a counter kept on the
+    class, `PhiloxState.offset`), or a small run config object."""
+    if isinstance(value, type):
+        return value.__module__ == space.get("__name__") and len(vars(value)) <= CONFIG_FIELDS
+    return run_config(value)
+
+
+def scalar_fields(value: Any) -> Iterator[tuple[str, Any]]:
+    """(name, value) of an object's public scalar attributes (a run config's fields, a class's counters)."""
+    for field, v in vars(value).items():
+        if type(v) in SCALAR_TYPES and not field.startswith("_"):
+            yield field, v[:200] if type(v) is str else v
 
 
 def _function(fn: Any) -> types.FunctionType | None:
@@ -195,8 +212,8 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
             f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
         for name in code.co_names:
             value = space.get(name)
-            if name in loaded and (type(value) in SCALAR_TYPES or type(value) in NAMED_TYPES or value is None) \
-                    and name in space \
+            if name in loaded and (type(value) in SCALAR_TYPES or type(value) in NAMED_TYPES or value is None
+                                   or _holds_fields(value, space)) and name in space \
                     and not name.startswith("__"):
                 key = f"{module}.{name}"
                 readers = found.setdefault(key, (space, name, []))[2]

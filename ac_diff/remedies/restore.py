@@ -33,7 +33,7 @@ import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, run_config
+from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, run_config, scalar_fields
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -104,9 +104,9 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
                 found[fqn] = _Slot(sub, attr)
         for attr, value in vars(sub).items():  # a run config the module holds: its fields (`scan.cfg.chunk`)
             if run_config(value):
-                for field, v in vars(value).items():
+                for field, _ in scalar_fields(value):
                     fqn = ".".join(p for p in (name, attr, field) if p)
-                    if type(v) in SCALAR_TYPES and fqn_matches(fqn, globs):
+                    if fqn_matches(fqn, globs):
                         found[fqn] = _Slot(value, field)
     return found
 
@@ -200,8 +200,7 @@ class RestoreInRecompute:
             if slot.owner in self._started:
                 continue
             prefix = fqn.rsplit(".", 1)[0] + "." if "." in fqn else ""
-            state = _state_of(slot.owner) if isinstance(slot.owner, torch.nn.Module) else (
-                (k, v) for k, v in vars(slot.owner).items() if type(v) in SCALAR_TYPES)  # (a run config's fields)
+            state = _state_of(slot.owner) if isinstance(slot.owner, torch.nn.Module) else scalar_fields(slot.owner)
             out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in state})
         self._started.update(slot.owner for slot in slots.values())
         return out
