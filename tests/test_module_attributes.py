@@ -216,3 +216,39 @@ def test_a_counter_a_hook_keeps_in_its_closure_is_named_with_its_hook(tmp_path):
     from ac_diff.fix.candidates import candidates
 
     assert "restore" not in {c.kind for c in candidates(report)}  # (a closure has no attribute to restore)
+
+
+class LazyRotary(nn.Module):
+    """Rotary tables built lazily for the longest sequence seen so far, their base scaled with the length
+    (dynamic NTK): a longer micro-batch rebuilds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.cached_len = 0
+        self.register_buffer("cos_cached", torch.zeros(0, 8), persistent=False)
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n > self.cached_len:
+            with torch.no_grad():
+                base = 10000.0 * n / 16
+                pos = torch.arange(n, dtype=torch.float32)[:, None] / base ** (torch.arange(8) / 8)
+                self.cos_cached, self.cached_len = pos.cos(), n
+        return torch.tanh(self.proj(x) * self.cos_cached[:n])
+
+
+def test_a_cache_a_later_micro_batch_rebuilds_is_said_to_be_rebuilt(tmp_path):
+    """Two micro-batches' forwards, then their backwards: the second, longer one rebuilds the rotary tables the
+    first region's recompute then reads. The cause says the forward set `cached_len` and a later forward set it
+    again (it said "changed between the forward and the backward", with a fix to change it after the backward)."""
+    torch.manual_seed(0)
+    rotary, path = LazyRotary(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        losses = [checkpoint(rotary, torch.randn(n, 8, requires_grad=True), use_reentrant=False).sum()
+                  for n in (16, 24)]
+        sum(losses).backward()
+    region = next(r for r in ac_diff.diagnose_paths([path]).regions if r.region == 0)
+    assert region.status == "diverged"
+    assert "set it (0 -> 16" in region.cause.detail and "set again (16 -> 24)" in region.cause.detail, region.cause
+    assert region.suggestions[0].title.startswith("Build what sets `LazyRotary.cached_len` once")

@@ -199,6 +199,11 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         # (a hook, its code) after reading it, and the recompute read what it left
         detail += (f": the region's forward changed it ({_shown_update(top.forward_update)}, in {module}'s code or a "
                    "hook) after reading it, so the recompute starts from the new value")
+    elif _rebuilt_later(top):
+        detail += (f": the region's forward set it ({_shown_update(top.forward_update)}, in {module}'s code or a "
+                   f"hook), and it was set again ({shown(top.forward_update[1])} -> {shown(top.recompute)}) before "
+                   "this recompute: by a later forward of the module (another micro-batch, a longer sequence: a lazy "
+                   "cache rebuilt) or by the loop")
     else:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
@@ -209,6 +214,12 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
                                                           and not _set_by_forward(c))]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _rebuilt_later(change: AttributeChange) -> bool:
+    """The region's forward set the attribute, and something set it again before the recompute read it."""
+    return change.forward_update is not None and change.forward_update[1] != change.recompute \
+        and not change.counted_twice
 
 
 def _set_by_forward(change: AttributeChange) -> bool:
@@ -295,6 +306,15 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             "hook skip its update in the recompute (a flag the loop sets around loss.backward()).",
             "step = 0\nfor batch in loader:\n    model.warmup_step = step  # what the hook reads, set once per step\n"
             "    loss = model(batch)\n    loss.backward()\n    step += 1")
+    if _rebuilt_later(change):
+        return Suggestion(
+            f"Build what sets `{name}` once, outside the checkpointed forward",
+            f"The region's forward sets `{name}` (a lazily built cache and its size), and a later forward of the "
+            "module sets it again before this region's recompute, which then reads the later one. Build it once "
+            "before training for the largest size, or compute it outside the checkpointed module and pass it in "
+            "(checkpoint keeps its arguments for the recompute).",
+            f"model.get_submodule(\"{split_name(name)[0]}\")  # build its cache for the longest sequence before the "
+            "first forward\n# (e.g. rotary cos/sin for max_seq_len), and never grow it inside forward()")
     if change.counted_twice:
         return Suggestion(
             f"Do not update `{name}` in the checkpointed module's forward or pre-hook",

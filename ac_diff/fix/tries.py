@@ -97,6 +97,7 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         return
     if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
+        t.regions_after, t.gradients = None, "not compared (it crashed)"  # (what ran before the crash proves nothing)
         return
     t.status = DID_NOT_HELP
     if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
