@@ -37,6 +37,8 @@ def runs(tmp_path_factory):
         "repeated_update_restored": Job([CENTER], REF + ["--reference-steps", "2", "--restore-in-recompute",
                                                          "layers.*.router.center"]),
         "fails_only_with_ac": Job([str(STACKS / "scan_chunk.py"), "--steps", "2"], REF + ["--reference-steps", "2"]),
+        "first_backward_fails_only_with_ac": Job([str(STACKS / "scan_chunk.py"), "--steps", "2"], REF,
+                                                 env={"FLIP_AT": "1"}),
     })
 
 
@@ -197,3 +199,7 @@ def test_a_backward_that_fails_only_with_ac_is_said_beside_identical_gradients(r
     # the cause: a field of the run config the module holds (it read "Python code took another branch")
     region = next(r for r in runs["fails_only_with_ac"].report["regions"] if r["status"] == "diverged")
     assert region["cause"]["tensor"] == "scan.cfg.chunk" and "was 4 in the forward and 8" in region["cause"]["detail"]
+    # the first backward: nothing to compare, and the reference still runs to say so (it said "no reference was run")
+    first = _ref(runs["first_backward_fails_only_with_ac"])
+    assert first["verdict"] == "differs" and first["headline"].startswith(
+        "backward 1 failed only with AC: the run without AC finished it")

@@ -52,7 +52,7 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
     with launch.sigterm_as_exit(), extras:  # SIGTERM (a scheduler, torchrun's agent) still finishes the trace
         outcome = run_target(target, args, module=module, recorder=recorder, example=example)
-    extras.after(target, args, module)
+    extras.after(target, args, module, outcome.exit_code)
     if recorder.write_failure:  # the script's exit code still wins; the report covers what was written
         print(f"ac-diff: error: {recorder.write_failure}", file=sys.stderr)
     if multi:

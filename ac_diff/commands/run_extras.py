@@ -3,7 +3,7 @@
     extras = RunExtras(RemedySpec(preserve_rng=True), reference="no-ac", reference_steps=1, output_dir="out")
     with extras:                      # remedies installed before the script, gradients captured
         outcome = run_target(...)
-    extras.after("train.py", args, module=False)   # the reference process (each rank its own)
+    extras.after("train.py", args, module=False, exit_code=0)   # the reference process (each rank its own)
     extras.decorate(report, ranks=[0])             # report.remedies, report.reference (verdict), suggestion statuses
 
 Nothing is installed when no remedy, no reference and no $AC_DIFF_CAPTURE_STEPS is asked for: a plain
@@ -78,9 +78,11 @@ class RunExtras:
             self.session.finish()
             self.patch.uninstall()
 
-    def after(self, target: str, args: list[str], module: bool) -> None:
+    def after(self, target: str, args: list[str], module: bool, exit_code: int | None = 0) -> None:
+        """`exit_code`: the script's; one that failed before finishing a backward still gets its reference, which
+        tells whether it fails without AC too."""
         capture = self.session.capture if self.session is not None else None
-        if self.reference and capture is not None and not capture.snapshots:
+        if self.reference and capture is not None and not capture.snapshots and not exit_code:
             self.skipped = "this run finished no backward pass, so there is nothing to compare: no reference was run"
             return
         if self.reference:

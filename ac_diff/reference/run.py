@@ -126,10 +126,12 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                                "checkpoint bound before ac-diff started?), so the comparison shows nothing")
         elif turned_off:
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
-        if run and ref and len(ref["steps"]) > len(run["steps"]) and result.verdict == IDENTICAL:
-            failed = len(run["steps"]) + 1  # (the run with AC stopped before this backward finished)
-            result.headline += (f"; backward {failed} failed only with AC: the run without AC finished it, so the "
-                                "failure is the checkpointing's")
+        done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
+        if ref and len(ref["steps"]) > done and (result.verdict == IDENTICAL or not done):
+            only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
+                    "checkpointing's")
+            result.headline = f"{result.headline}; {only}" if done else only
+            result.verdict = result.verdict if done else DIFFERS
         if run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
         compiled = reference_note(rank_report.compiled)

@@ -2,8 +2,10 @@
 between the second step's forward and its backward: that recompute takes other chunks, saves another number of
 tensors, and torch raises in the second backward. Without AC every step finishes.
 
-    python scan_chunk.py [--steps 2]
+    python scan_chunk.py [--steps 2]        (FLIP_AT=1: before the first backward instead)
 """
+
+import os
 
 import torch
 import torch.nn as nn
@@ -43,7 +45,7 @@ class Model(nn.Module):
     def forward(self, x):
         y = checkpoint(self.scan, x, use_reentrant=False) if AC else self.scan(x)
         self.cfg.forwards += 1
-        if self.cfg.forwards == 2:
+        if self.cfg.forwards == int(os.environ.get("FLIP_AT", "2")):
             self.cfg.chunk = 8  # the scheduler's step, between the second forward and its backward
         return self.head(y)
 
