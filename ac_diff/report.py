@@ -249,9 +249,10 @@ RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region w
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
-def count_by_status(regions: list[RegionReport]) -> str:
-    """"1 diverged, 3 clean": how many of `regions` have each status (empty for none)."""
-    by: dict[str, int] = {}
+def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None = None) -> str:
+    """"1 diverged, 3 clean": how many of `regions` have each status (empty for none); `counted`: more by status,
+    of regions without a report (watch mode's)."""
+    by: dict[str, int] = {k: v for k, v in (counted or {}).items() if v}
     for r in regions:
         # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
         status = f"{UNCHECKED} ({NESTED_RERUN})" if r.unchecked_reason == NESTED_RERUN else r.status
@@ -478,13 +479,12 @@ class Report:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions); watch
         mode's clean and never recomputed regions, which have no report of their own, counted in ("30 region(s): 24
         diverged, 6 clean (watched)")."""
-        watched = self.watch["clean"] if self.watch else 0
-        never = self.watch["never_compared"] if self.watch else 0
-        unwritten = self.watch.get("unwritten", 0) if self.watch else 0
-        counts = ", ".join(filter(None, [count_by_status(self.regions), f"{watched} clean (watched)" if watched else "",
-                                         f"{unwritten} diverged (watched, counted)" if unwritten else "",
-                                         f"{never} unchecked (watched, never recomputed)" if never else ""]))
-        n = len(self.regions) + watched + never + unwritten
+        w = self.watch or {}
+        counted = {"clean (watched)": w.get("clean", 0), "diverged (watched, counted)": w.get("unwritten", 0),
+                   "unchecked (watched, never recomputed)": w.get("never_compared", 0),
+                   f"{UNCHECKED} ({NESTED_RERUN})": w.get("nested", 0)}
+        counts = count_by_status(self.regions, counted)
+        n = len(self.regions) + sum(counted.values())
         return f"{n} region(s): {counts}" if n else ""
 
     def to_json(self, lazy: bool = False) -> dict[str, Any]:

@@ -869,3 +869,38 @@ def test_a_full_from_step_the_run_never_reached_is_said_and_step_0_is_refused(tm
     assert "every region recorded in full from step 9" not in report.watch["text"]
     bad = run_cli("run", "--watch", "--full-from-step", "0", "-o", str(tmp_path / "out"), "missing.py")
     assert bad.returncode == 2 and "--full-from-step must be an integer >= 1" in bad.stderr
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Outer(nn.Module):
+    """A checkpointed block with a checkpointed sub-block (torchtitan's per-layer AC around per-op AC)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.lin = _Inner(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(checkpoint(self.inner, x, use_reentrant=False))
+
+
+def test_nested_checkpoints_are_counted_as_full_recording_counts_them(tmp_path):
+    """The nested checkpoint the outer recompute runs again is never recomputed itself: full recording reports it
+    unchecked (nested); watch counted nothing for it (full said 9 regions, watch 6)."""
+    counts = []
+    for options in ({}, WATCH):
+        torch.manual_seed(0)
+        model, path = _Outer(), tmp_path / f"{len(options)}.jsonl"
+        with ac_diff.record(path, **options):
+            for _ in range(3):
+                checkpoint(model, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+        counts.append(ac_diff.diagnose([read_run(path)]).status_counts())
+    assert counts == ["9 region(s): 6 clean, 3 unchecked (nested checkpoint inside a recompute)",
+                      "9 region(s): 6 clean (watched), 3 unchecked (nested checkpoint inside a recompute)"], counts

@@ -455,7 +455,8 @@ class Recorder:
         if not full:
             region.recorded = False
             if region.parent_phase == RECOMPUTE:  # a nested checkpoint its parent's recompute runs: torch never
-                region.unwatched = True  # recomputes it again, so there is nothing to compare, count or write
+                region.unwatched = True  # recomputes it again, so there is nothing to compare or write
+                self._watch.nested_rerun(key)
                 return
             region.watched = True
             self._watch.started(key)

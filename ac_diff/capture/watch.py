@@ -15,7 +15,7 @@ that did not (values, shapes, count of saved tensors, or torch's error), its reg
 step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
 an "escalate" record when a module is recorded in full (for ESCALATION_STEPS steps: then it is watched again, and
 its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
-compared, diverged unwritten] (every 100 steps and at the end), so a long watched run's trace stays small.
+compared, diverged unwritten, nested reruns] (every 100 steps and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
 device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
@@ -405,9 +405,10 @@ class _Totals:
     diverged: int = 0
     unchecked: int = 0  # forwards never compared (no backward reached them, the run stopped first)
     unwritten: int = 0  # diverged after their module's full recording ended (ESCALATION_STEPS): counted only
+    nested: int = 0  # nested checkpoints a watched recompute ran: torch never recomputes them again
 
     def to_json(self) -> list[int]:
-        return [self.compared, self.diverged, self.unchecked, self.unwritten]
+        return [self.compared, self.diverged, self.unchecked, self.unwritten, self.nested]
 
 
 @dataclass
@@ -517,6 +518,11 @@ class Watch:
     def started(self, key: str | None) -> None:
         """A watched forward began."""
         self._totals(key).unchecked += 1
+
+    def nested_rerun(self, key: str | None) -> None:
+        """A nested checkpoint ran inside a watched recompute: nothing to compare (counted, as full recording
+        reports it)."""
+        self._totals(key).nested += 1
 
     def torch_raised(self, region: Any) -> None:
         self.raised.add(id(region))

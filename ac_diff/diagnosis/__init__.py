@@ -93,7 +93,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     # a region recorded in full leads over a watched one (which shows no ops)
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
     headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch),
-                         watch["never_compared"] if watch else 0, watch["unwritten"] if watch else 0)
+                         watch["never_compared"] + watch["nested"] if watch else 0, watch["unwritten"] if watch else 0)
     if crash and not diverged and not errors:
         headline = crash
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
@@ -300,8 +300,9 @@ def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None
 
 
 def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0) -> str:
-    """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed,
-    `unwritten`: those that diverged after their module's full recording ended (none has a report of its own)."""
+    """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed
+    (or ran nested in a recompute), `unwritten`: those that diverged after their module's full recording ended (none
+    has a report of its own)."""
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:

@@ -48,13 +48,14 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
     watched = [run for run in runs if run.watch is not None]
     if not watched:
         return None
-    compared = diverged = never = unwritten = steps = 0
+    compared = diverged = never = unwritten = nested = steps = 0
     escalated: list[dict[str, Any]] = []
     for run in watched:
         w = run.watch
         steps = max(steps, int(w.get("step") or 0))
-        for c, d, u, k in w["modules"].values():
-            compared, diverged, never, unwritten = compared + c, diverged + d, never + u, unwritten + k
+        for c, d, u, k, n in w["modules"].values():
+            compared, diverged, never, unwritten, nested = (compared + c, diverged + d, never + u, unwritten + k,
+                                                            nested + n)
         full = [r for r in reports if r.path == run.path and not r.watched]
         for module, e in sorted(w["escalated"].items(), key=lambda kv: kv[1].get("region") or 0):
             mine = [r for r in full if (r.module == module or (r.module or "").startswith(module + "."))
@@ -62,7 +63,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
                               ("diverged_step", "region", "from_step", "why", "until_step")},
-                              "unwritten": (w["modules"].get(module) or [0, 0, 0, 0])[3],
+                              "unwritten": (w["modules"].get(module) or [0, 0, 0, 0, 0])[3],
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
@@ -71,7 +72,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                   for run in watched for m in run.watch["modules"] for e in [run.watch["escalated"].get(m) or {}]}
     all_full = max(from_steps.values()) if from_steps and None not in from_steps.values() else None
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
-               "all_full_from": all_full, "unwritten": unwritten,
+               "all_full_from": all_full, "unwritten": unwritten, "nested": nested,
                "never_compared": never, "full_steps": max(int(run.watch.get("full_steps") or 0) for run in watched),
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
