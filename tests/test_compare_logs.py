@@ -335,3 +335,32 @@ def test_with_two_logs_a_note_names_the_log_it_is_about(tmp_path):
         "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10136.\n")
     report = ac_diff.diagnose_paths([quiet, failing])
     assert "rank0.log: found no CheckpointError text and no debug=True dump" in report.notes, report.notes
+
+
+def test_saved_positions_in_a_log_follow_every_pack_in_order(tmp_path):
+    """Expert-choice routing with a capacity raised after the forward: the debug log lists the recompute's packs of
+    the gate's unsqueeze, the bmm output and the view, not of the gathered tokens saved by bmm. Each reported
+    position goes to its own pack in order; greedy pairing gave the gathered tokens' position the bmm output's pack
+    (same shape) and shifted the rest to guesses."""
+    import torch
+
+    torch.manual_seed(0)
+    state = {"capacity": 4}
+    router, experts = torch.randn(8, 2, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
+
+    def fn(x):
+        scores = torch.softmax(x @ router, dim=0)
+        gate, idx = torch.topk(scores.t(), state["capacity"], dim=1)
+        state["capacity"] = 5  # raised after the forward: the recompute routes more tokens
+        tokens = x[idx]
+        out = torch.bmm(tokens, experts) * gate.unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, idx.reshape(-1), out.reshape(-1, x.shape[1]))
+
+    # (the tokens require no grad, the experts' weights do: torch's log lists no pack of the gathered tokens)
+    log = _debug_log(tmp_path, "capacity.log", fn, torch.randn(8, 8))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    packed = {p.op: p.position for p in region.positions if p.origin == "recompute pack"}
+    assert "aten.bmm.default" in packed and "aten.unsqueeze.default" in packed, region.positions
+    assert packed["aten.unsqueeze.default"] < packed["aten.bmm.default"]  # the gate's, then the experts' output
+    gathered = next(p for p in region.positions if p.recomputed == "f32[2, 5, 8]")  # (the first of that shape)
+    assert gathered.position < packed["aten.bmm.default"] and gathered.op == "aten.index.Tensor", region.positions

@@ -508,25 +508,50 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     for producer, j, n in runs:
         if producer is not None:
             candidates += [(producer, f_ops.get(cmp.rec_to_fwd.get(producer.index, -1)), j)] * -(-n // per_pack)
+    def fits(err, candidate) -> bool:
+        producer, forward, j = candidate
+        return (forward is not None and j < len(producer.out) and j < len(forward.out)
+                and type(producer.out[j]) is TensorMeta and type(forward.out[j]) is TensorMeta
+                and (producer.out[j].shape, producer.out[j].dtype) == (err.recomputed.shape, err.recomputed.dtype)
+                and (forward.out[j].shape, forward.out[j].dtype) == (err.saved.shape, err.saved.dtype))
+
+    errs = [(position, err) for position, err in sorted(reported.items())
+            if err.saved is not None and err.recomputed is not None]
     rows: dict[int, PositionRow] = {}
-    cursor = 0
-    for position, err in sorted(reported.items()):
-        if err.saved is None or err.recomputed is None:
-            continue
-        for k in range(cursor, len(candidates)):
-            producer, forward, j = candidates[k]
-            if (forward is not None and j < len(producer.out) and j < len(forward.out)
-                    and type(producer.out[j]) is TensorMeta and type(forward.out[j]) is TensorMeta
-                    and (producer.out[j].shape, producer.out[j].dtype) == (err.recomputed.shape, err.recomputed.dtype)
-                    and (forward.out[j].shape, forward.out[j].dtype) == (err.saved.shape, err.saved.dtype)):
-                rows[position] = PositionRow(
-                    position=position, op=forward.op, module=forward.module, source=forward.source,
-                    origin="recompute pack", name=None, forward_index=forward.index, saved=str(err.saved),
-                    recomputed=str(err.recomputed), matches=_same_meta(err.saved, err.recomputed),
-                    in_torch_error=True)
-                cursor = k + 1
-                break
+    for (position, err), (_, forward, _) in _in_order(errs, candidates, lambda e, c: fits(e[1], c)):
+        rows[position] = PositionRow(
+            position=position, op=forward.op, module=forward.module, source=forward.source,
+            origin="recompute pack", name=None, forward_index=forward.index, saved=str(err.saved),
+            recomputed=str(err.recomputed), matches=_same_meta(err.saved, err.recomputed), in_torch_error=True)
     return rows
+
+
+def _in_order(a: list, b: list, fits) -> list[tuple]:
+    """The most pairs (x of `a`, y of `b`) that `fits`, both in order (a longest common subsequence): a pack the
+    log did not list skips a position, a position torch did not report skips a pack; greedy pairing let one
+    tensor take a later pack of the same shape and shift every position after it."""
+    if len(a) * len(b) > 4_000_000:  # (a dump of thousands of both: pair greedily, in order)
+        out, k = [], 0
+        for x in a:
+            hit = next((i for i in range(k, len(b)) if fits(x, b[i])), None)
+            if hit is not None:
+                out.append((x, b[hit]))
+                k = hit + 1
+        return out
+    best = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i in range(len(a) - 1, -1, -1):
+        for j in range(len(b) - 1, -1, -1):
+            best[i][j] = max(best[i + 1][j], best[i][j + 1], best[i + 1][j + 1] + 1 if fits(a[i], b[j]) else 0)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if fits(a[i], b[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+            out.append((a[i], b[j]))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _positions_by_shape(fwd: Pass, reported: dict) -> list[PositionRow]:
