@@ -84,12 +84,15 @@ class LogParser:
         self._last_rank: int | None = None
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
         self._at_cut = False
+        self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with
+        self._line = ""  # the physical line being read
 
     # ------------------------------------------------------------------ input
 
     def feed(self, text: str, ended: bool = True) -> None:
         """One physical line (without its newline); `ended` is False if no newline followed it."""
         try:
+            self._line = text
             segments, self._last_rank = _segments_of(text, self._last_rank)
             complete = True
             last = len(segments) - 1
@@ -142,6 +145,8 @@ class LogParser:
             return True
         if st.traceback_open and _EXCEPTION_LINE.match(body):
             st.traceback_open = False
+            whole = self._line[self._line.find(body):] if body in self._line else body  # (a "[file:line]" in the
+            self._raised = (rank, whole.strip())  # message reads as a prefix: the physical line keeps it)
             return True
         if st.dump is not None and st.dump.wants_frames:
             st.dump.frame(body)  # a frame with a relative path
@@ -358,7 +363,10 @@ class LogParser:
         if stopped:
             notes.append("the log ends mid-structure: " + "; ".join(stopped))
         if not self._errors_started and not self._dumps:
-            notes.append("found no CheckpointError text and no debug=True dump")
+            raised = self._raised
+            notes.append("found no CheckpointError text and no debug=True dump" + ("" if raised is None else (
+                f"; it ends with {'rank ' + str(raised[0]) + ' raising ' if raised[0] is not None else ''}"
+                f"{raised[1][:160]}" + ("..." if len(raised[1]) > 160 else ""))))
         return notes
 
 
