@@ -194,7 +194,7 @@ def test_a_backward_that_fails_only_with_ac_is_said_beside_identical_gradients(r
     both: the first backward's gradients are identical, and the reference says the second failed only with AC (it
     said "gradients identical" and nothing else)."""
     ref = _ref(runs["fails_only_with_ac"])
-    assert ref["verdict"] == "identical" and len(ref["steps"]) == 1
+    assert ref["verdict"] == "identical" and len(ref["steps"]) == 1 and ref["steps"][0]["backward"] == 1
     assert "backward 2 failed only with AC: the run without AC finished it" in ref["headline"]
     # the cause: a field of the run config the module holds (it read "Python code took another branch")
     region = next(r for r in runs["fails_only_with_ac"].report["regions"] if r["status"] == "diverged")

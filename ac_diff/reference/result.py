@@ -74,4 +74,7 @@ class ReferenceResult:
         return self.verdict == DIFFERS
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for step in out["steps"]:  # `step` is the index; `backward` counts from 1, as the text and the steps do
+            step["backward"] = step["step"] + 1
+        return out
