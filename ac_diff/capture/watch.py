@@ -13,8 +13,8 @@ dispatch mode and no host sync; a module whose region diverged is then recorded 
 What it writes (trace format 1.5): nothing for a region that reproduced its saved tensors (it is counted); for one
 that did not (values, shapes, count of saved tensors, or torch's error), its region record ("watched": true, its
 step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
-an "escalate" record when a module is recorded in full (for ESCALATION_STEPS steps: then it is watched again, and
-its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
+an "escalate" record when a module is recorded in full (until a full recording of it diverges, at most
+ESCALATION_STEPS steps: then it is watched again, and its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
 compared, diverged unwritten, nested reruns] (every 100 steps and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
@@ -54,9 +54,11 @@ from .segments import _weights, segment_pairs
 from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records
-# steps an escalated module is recorded in full; then it is watched again, its divergences counted, not written (a
-# divergence that persists would otherwise write every step of a long run in full)
-ESCALATION_STEPS = 3
+# An escalated module is recorded in full until one of its full recordings diverges (the diagnosis is then in the
+# trace), at most this many steps (a divergence that recurs every few steps, an accumulation cycle's, is caught);
+# then it is watched again, its divergences counted, not written: one that persists would otherwise write every
+# step of a long run in full. Watch seeing it again where full recording never did escalates again.
+ESCALATION_STEPS = 20
 # HOLD (fingerprint.py): CUDA tensors held before their digests are taken (one launch of the batched kernel,
 # byte_sums.py)
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
@@ -404,7 +406,7 @@ class _Totals:
     compared: int = 0
     diverged: int = 0
     unchecked: int = 0  # forwards never compared (no backward reached them, the run stopped first)
-    unwritten: int = 0  # diverged after their module's full recording ended (ESCALATION_STEPS): counted only
+    unwritten: int = 0  # diverged after their module's full recording showed it (ESCALATION_STEPS): counted only
     nested: int = 0  # nested checkpoints a watched recompute ran: torch never recomputes them again
 
     def to_json(self) -> list[int]:
@@ -458,8 +460,12 @@ class Watch:
             if not hit.get("provisional"):
                 self.write({"type": "escalate", "module": key, "diverged_step": hit["diverged_step"],
                             "region": hit["region"], "from_step": self.step})
-        if not hit.get("provisional") and self.step >= hit["from_step"] + ESCALATION_STEPS:
-            hit["until_step"] = hit["from_step"] + ESCALATION_STEPS  # watched again from this step
+        if hit.get("until_step") is not None:
+            return False
+        caught = hit.get("caught")
+        if caught is not None and self.step > caught or \
+                not hit.get("provisional") and self.step >= hit["from_step"] + ESCALATION_STEPS:
+            hit["until_step"] = self.step  # watched again from this step
             return False
         return True
 
@@ -501,7 +507,9 @@ class Watch:
         region.watch_compared = True
         if _difference(region.watch_forward, wp, frozenset()):
             self.keep_full(region)
-
+            hit = self.escalated.get(region.watch_key)
+            if hit is not None and hit.get("caught") is None:
+                hit["caught"] = region.step  # its full recording shows the divergence: watched again after it
     def keep_full(self, region: Any) -> None:
         """A region recorded in full saved other tensors in its recompute: its module is recorded in full from then
         on, as if watch had seen it diverge."""
@@ -597,8 +605,11 @@ class Watch:
         totals.diverged += 1
         hit = self.escalated.get(key) if key is not None else None
         if hit is not None and hit.get("until_step") is not None and (region.step or 0) >= hit["until_step"]:
-            totals.unwritten += 1  # its module's full recording already shows this divergence
-            return
+            if hit.get("caught") is not None:
+                totals.unwritten += 1  # its module's full recording already shows this divergence
+                return
+            # full recording never saw it (it recurs less often than the window): record the module again
+            self.escalated[key] = hit = {"diverged_step": region.step, "region": region.number, "from_step": None}
         self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask)
         if self.escalate and key is not None:
             hit = self.escalated.get(key)

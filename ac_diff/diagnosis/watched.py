@@ -109,8 +109,9 @@ def _text(s: dict[str, Any]) -> str:
             found = (f"{e['full_diverged']} of {e['full_regions']} diverged (region {e['lead']} leads)"
                      if e["full_diverged"] else _reproduced(e))
             until = e.get("until_step")
-            span = (f"recorded in full in steps {e['from_step']}-{until - 1}" if until is not None else
-                    f"recorded in full from step {e['from_step']} on")
+            span = (f"recorded in full from step {e['from_step']} on" if until is None else
+                    f"recorded in full in step {e['from_step']}" if until - 1 <= e["from_step"] else
+                    f"recorded in full in steps {e['from_step']}-{until - 1}")
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
                 text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
                          f"tensors than its forward, so it was {span}: {found}")
