@@ -252,3 +252,18 @@ def test_a_cache_a_later_micro_batch_rebuilds_is_said_to_be_rebuilt(tmp_path):
     assert region.status == "diverged"
     assert "set it (0 -> 16" in region.cause.detail and "set again (16 -> 24)" in region.cause.detail, region.cause
     assert region.suggestions[0].title.startswith("Build what sets `LazyRotary.cached_len` once")
+
+
+def test_a_compilers_graph_module_keeps_no_attributes_of_the_users():
+    """A GraphModule a compiler runs inside a compiled block (aot_eager's) takes its caller's name; its attributes
+    (`_lineno_map`, which grows when Dynamo recompiles on a guard) are the compiler's: they are not read as the
+    block's state (a stranger's compiled block led with `mix.1._lineno_map` instead of its `tau`)."""
+    from ac_diff.capture.pystate import module_attributes
+
+    graph = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    graph.tau = 0.9
+    assert "_lineno_map" in vars(graph) or hasattr(graph, "_code")  # (what a compiler's graph carries)
+    assert module_attributes(graph) == {}
+    block = nn.Linear(4, 4)
+    block.tau = 0.9
+    assert module_attributes(block)["tau"] == 0.9

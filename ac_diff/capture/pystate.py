@@ -37,6 +37,7 @@ NAMED_TYPES = (torch.dtype, torch.device)
 CONTAINER_TYPES = (list, tuple, dict, deque, OrderedDict, defaultdict)
 # torch's own bookkeeping on every module (hook dicts, `_parameters`, ...); the mode is the pass's "training"
 _NOT_STATE = frozenset({"training", "_is_full_backward_hook", *vars(nn.Module())})
+_GraphModule = torch.fx.GraphModule
 _IDENTITY_ITEMS = 64  # items of a container whose identity is summarized (its length is always exact)
 
 
@@ -62,6 +63,8 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
     """The module's own scalar attributes, and its containers summarized (`container_summary`), by name in sorted
     order. Runs at every module call in a region: torch's ~20 keys of every module are left out at C speed."""
     out: dict[str, Any] = {}
+    if isinstance(module, _GraphModule):  # (a graph a compiler made: its attributes are the compiler's, `_lineno_map`)
+        return out
     space = vars(module)
     for key in sorted(space.keys() - _NOT_STATE):
         value = space[key]
