@@ -416,10 +416,11 @@ class Report:
     def silent_warning(self) -> str:
         """What a silent divergence means for the gradients, as every renderer says it: wrong, unless the run without
         AC was compared and they matched (a decision that only swapped the order of the same experts)."""
-        from .reference.result import IDENTICAL  # (the reference section is attached after diagnosis)
+        from .reference.result import IDENTICAL, diverged_after  # (the reference section is attached after diagnosis)
 
         ref = self.reference
-        if ref is not None and getattr(ref, "verdict", None) == IDENTICAL:
+        if ref is not None and getattr(ref, "verdict", None) == IDENTICAL and not diverged_after(
+                self.regions, len(ref.steps)):
             return ("torch raised no error; the diverged region(s) saved other tensors, yet the gradients match the run "
                     "without AC over the compared backward passes.")
         return "torch raised no error: the gradients of the diverged region(s) are silently wrong."

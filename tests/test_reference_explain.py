@@ -159,3 +159,31 @@ def test_a_nondeterministic_kernel_makes_fix_try_deterministic_algorithms():
     assert found[0].why == "nondeterministic kernel in m (model.py:11 in forward)"
     seeded = _first_loss(_forward(), _forward(w=(1.0, 2.5)))
     assert candidates(SimpleNamespace(regions=[], reference=seeded)) == []
+
+
+def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_step(tmp_path):
+    """Full recording numbers steps as watch does (a top-level forward after a recompute begins the next); a
+    region that diverged in a step after the compared backward passes is not covered by "the gradients match"
+    (a stranger's accumulation loop diverged in step 4 and the report said the gradients matched, comparing 1)."""
+    import torch
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+    from ac_diff.reference.result import ReferenceResult, diverged_after
+
+    torch.manual_seed(0)
+    block, path = nn.Linear(4, 4), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for step in range(3):
+            y = cp.checkpoint(block, torch.randn(2, 4, requires_grad=True), use_reentrant=False)
+            if step == 2:
+                with torch.no_grad():
+                    block.weight.mul_(0.5)  # (an optimizer step between this forward and its backward)
+            y.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert [r.step for r in report.regions] == [1, 2, 3]
+    assert [r.region for r in diverged_after(report.regions, 1)] == [2]
+    report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 1,
+                                       steps=_steps(True)[:1])
+    assert "silently wrong" in report.silent_warning  # (not "yet the gradients match")

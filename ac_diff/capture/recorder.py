@@ -214,6 +214,8 @@ class Recorder:
         self._unguarded_mode = UnguardedRecordingMode(self)
         self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
+        self._step = 0  # the training step the last region forward began in (see enter())
+        self._recomputed = False  # a recompute ran since that step began
         self._ops_seen = 0
         self.ops_recorded = 0
         self.ops_outside = 0
@@ -403,9 +405,13 @@ class Recorder:
         if phase == FORWARD:
             region = self._new_region(frame, passes)
             attempt = 0
+            # steps count from 1: the first region's forward begins step 1, a top-level one that begins after a
+            # recompute ran (a backward reached a region) the next
+            if not passes and (self._step == 0 or self._recomputed):
+                self._step, self._recomputed = self._step + 1, False
+            region.step = self._step
         else:
-            if watch is not None:
-                watch.recomputed = True
+            self._recomputed = True
             region = getattr(frame, "_ac_diff_region", None)
             if region is None:  # a frame created before recording started: nothing to compare with
                 region = self._new_region(frame, passes, recorded=False)
@@ -415,7 +421,7 @@ class Recorder:
         pushed, module = self._enter_function_module(frame, region, phase)
         self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
-            self._watch_or_record(region, top_level=not passes)
+            self._watch_or_record(region)
         module_stack = self.modules.stack()
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
@@ -445,13 +451,12 @@ class Recorder:
             p.pushed_mode = True
         passes.append(p)
 
-    def _watch_or_record(self, region: _Region, top_level: bool) -> None:
+    def _watch_or_record(self, region: _Region) -> None:
         """Watch mode, a region's forward begins: record it in full (escalated, --full-from-step), or watch it."""
         key = region.watch_key = region.module or region.fn_name or region.caller or region.fn_site
         # (a reentrant region no backward will reach, its inputs not requiring grad: its forward, recorded, is the
         # finding)
-        full = self._watch.full(key, top_level) or "no_grad_inputs" in region.options
-        region.step = self._watch.step
+        full = self._watch.full(key, region.step) or "no_grad_inputs" in region.options
         if not full:
             region.recorded = False
             if region.parent_phase == RECOMPUTE:  # a nested checkpoint its parent's recompute runs: torch never

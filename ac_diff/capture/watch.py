@@ -2,7 +2,7 @@
 dispatch mode and no host sync; a module whose region diverged is then recorded in full (escalation).
 
     watch = Watch(writer, full_from_step=None)
-    watch.full(key, top_level)                  # per region forward: counts steps; True -> record it in full
+    watch.full(key, step)                       # per region forward, in its step: True -> record it in full
     wp = WatchedPass(inputs)                    # a watched pass (inputs: id -> index of the region's inputs)
     if wp.hold(position, tensor, module):       # per saved tensor: classified; a CPU one digested now, on the host
         wp.flush()                              # every 64 held CUDA tensors: ONE launch of the batched kernel
@@ -431,7 +431,6 @@ class Watch:
     escalate: bool = True
     full_steps: int = 0  # the first steps recorded in full (a bug that strikes in step 1 needs no second run)
     step: int = 0
-    recomputed: bool = False  # a recompute ran since the step began (the next region forward begins a new step)
     escalated: dict[str, dict] = field(default_factory=dict)  # key -> {"diverged_step", "region", "from_step"}
     totals: dict[str, _Totals] = field(default_factory=dict)
     pending: deque = field(default_factory=deque)
@@ -442,12 +441,11 @@ class Watch:
     _summarized_at: int = 0
 
     # -- which regions are recorded in full ----------------------------------------------------
-    def full(self, key: str | None, top_level: bool) -> bool:
-        """A region's forward begins: count the step, and say whether it is recorded in full (from
+    def full(self, key: str | None, step: int) -> bool:
+        """A region's forward begins in `step` (the recorder counts them): say whether it is recorded in full (from
         --full-from-step, or its module was escalated)."""
-        if top_level and (self.step == 0 or self.recomputed):
-            self.step += 1
-            self.recomputed = False
+        if step != self.step:
+            self.step = step
             if self.step - self._summarized_at >= SUMMARY_EVERY:
                 self.summarize()
         if self.step <= self.full_steps or self.full_from_step is not None and self.step >= self.full_from_step:

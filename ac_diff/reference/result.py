@@ -78,3 +78,9 @@ class ReferenceResult:
         for step in out["steps"]:  # `step` is the index; `backward` counts from 1, as the text and the steps do
             step["backward"] = step["step"] + 1
         return out
+
+
+def diverged_after(regions: Any, compared: int) -> list:
+    """The diverged regions that ran in a step after the `compared` backward passes (their gradients were not in
+    the comparison)."""
+    return [r for r in regions if r.status == "diverged" and (r.step or 0) > compared]

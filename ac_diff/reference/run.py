@@ -30,7 +30,7 @@ from .graddiff import compare_captures
 from .explain import explain
 from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
-from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
+from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult, diverged_after
 from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
 
 PORT_WAIT_S = 120.0
@@ -126,6 +126,12 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                                "checkpoint bound before ac-diff started?), so the comparison shows nothing")
         elif turned_off:
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
+        later = diverged_after(rank_report.regions, len(result.steps))
+        if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
+            first = min(later, key=lambda x: x.region)
+            result.headline += (f"; but the first region that diverged (region {first.region}, "
+                                f"{first.module or '?'}) ran in step {first.step}, after the compared backward "
+                                f"pass(es): `--reference-steps {first.step}` compares it")
         done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
         if ref and len(ref["steps"]) > done and (result.verdict == IDENTICAL or not done):
             only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
