@@ -187,3 +187,11 @@ def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_
     report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 1,
                                        steps=_steps(True)[:1])
     assert "silently wrong" in report.silent_warning  # (not "yet the gradients match")
+
+
+def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_too():
+    """(It said "exited with 1 before its first backward", where the run without AC failed in it: an in-place
+    write torch's version check caught, the same bug without AC.)"""
+    failed = explain([], [], _report(), steps_requested=1, exit_code=1)
+    assert failed.verdict == FAILED
+    assert "exited with 1 before its first backward finished (it fails without AC too" in failed.headline

@@ -51,7 +51,8 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                              command=command, exit_code=exit_code)
     if not steps:
         result.headline = ("no gradients to compare with the run without AC: " +
-                           (f"the reference run exited with {exit_code} before its first backward"
+                           (f"the run without AC exited with {exit_code} before its first backward finished (it "
+                            "fails without AC too: see its output)"
                             if exit_code else "no backward pass ran (or no parameter was seen)"))
         return result
     if steps[0].parameters and steps[0].no_grad == steps[0].parameters:
