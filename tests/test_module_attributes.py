@@ -267,3 +267,21 @@ def test_a_compilers_graph_module_keeps_no_attributes_of_the_users():
     block = nn.Linear(4, 4)
     block.tau = 0.9
     assert module_attributes(block)["tau"] == 0.9
+
+
+def _checkpoint_each(blocks, x):
+    """A plain function running the blocks (no parent module is called: its hooks never see them)."""
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def test_blocks_run_from_a_plain_function_are_named_by_the_model_that_holds_them(tmp_path):
+    """The regions are named by their path in the model the caller holds (`0`, `1`, `2`), not all by their class
+    (every region read `Block`, and the three could not be told apart)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _checkpoint_each(net, torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert [r.module for r in read_run(path).regions] == ["0", "1", "2"]

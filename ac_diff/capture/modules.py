@@ -38,6 +38,29 @@ _CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.deque)  #
 _SEARCHED_ITEMS = 64  # items of one container searched for a tensor the region read
 
 
+_CALLERS = 24  # frames searched above a module called from nowhere, for the model that holds it
+
+
+def _holder_in_callers(module: nn.Module) -> nn.Module | None:
+    """The largest module that the user's calling frames hold (a local, `self`) and that holds `module`: the model
+    whose path names it (`blocks.2`, where it would be a root named by its class). None if there is none."""
+    from .sourceline import is_internal
+
+    best, size = None, 0
+    frame = sys._getframe(2)
+    for _ in range(_CALLERS):
+        if frame is None:
+            break
+        if not is_internal(frame.f_code.co_filename):
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, nn.Module) and value is not module:
+                    subs = list(value.modules())
+                    if len(subs) > size and any(m is module for m in subs):
+                        best, size = value, len(subs)
+        frame = frame.f_back
+    return best
+
+
 class ModuleStack:
     """A per-thread stack of (module, fqn) maintained by global module hooks."""
 
@@ -164,6 +187,16 @@ class ModuleStack:
                 return name
         if stack and isinstance(module, torch.fx.GraphModule):
             return stack[-1][1]
+        if not stack:  # called from a plain function (`for block in model.blocks: checkpoint(block, x)`)
+            holder = _holder_in_callers(module)
+            if holder is not None and holder not in self._names:
+                self._discover_root(holder)
+                name = self._names.get(module)
+                if name is not None:
+                    return name
+        return self._discover_root(module)
+
+    def _discover_root(self, module: nn.Module) -> str:
         if not self._frozen:
             self._adopt(module)
             self._provisional.add(module)
