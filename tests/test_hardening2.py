@@ -474,7 +474,7 @@ def test_a_crash_between_the_forward_and_the_backward_is_placed_there(tmp_path, 
                 loss.backward()
     report = ac_diff.diagnose_paths([path])
     assert report.title == "CRASHED", report.headline
-    where = "crashed in step 3:" if watch else "crashed after the forward of region 5 (Linear), before its backward"
+    where = "crashed in step 3:" if watch else "crashed after the forward of region 5 (1), before its backward"
     assert where in report.headline, report.headline
 
 

@@ -133,7 +133,8 @@ def test_a_shared_directory_is_not_sent_twice(tmp_path, monkeypatch):
 
 def test_a_trace_over_the_cap_travels_without_its_op_lists(tmp_path, monkeypatch):
     store = dist.HashStore()
-    full = record_rank(tmp_path / "node1" / "trace-rank1.jsonl", 1, monkeypatch, world=2, moves=True)
+    # (no clean sample written in full: each block is its own module, `blocks.0`-`2`)
+    full = record_rank(tmp_path / "node1" / "trace-rank1.jsonl", 1, monkeypatch, world=2, moves=True, keep_clean=0)
     one = rank_exchange.Exchange(store, 1, 2, cap=1000)
     meta = one.send(full, full.parent)
     assert meta["cut"] and meta["original_bytes"] == full.stat().st_size and meta["bytes"] < meta["original_bytes"]
