@@ -285,3 +285,27 @@ def test_blocks_run_from_a_plain_function_are_named_by_the_model_that_holds_them
     with ac_diff.record(path):
         _checkpoint_each(net, torch.randn(2, 8, requires_grad=True)).sum().backward()
     assert [r.module for r in read_run(path).regions] == ["0", "1", "2"]
+
+
+class _CallCounter:
+    """A forward pre-hook that is an object, not a function (a profiler's, a monitoring library's)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+
+
+def test_a_hook_that_is_an_object_costs_nothing_recorded(tmp_path):
+    """A callable object as a forward pre-hook has no closure to read: the recorder reads the module's attributes as
+    ever, loses nothing, and the clean region stays clean (reading its closure raised inside the recorder, and every
+    region with such a hook lost its attributes to a recorder error)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    block[0].register_forward_pre_hook(_CallCounter())
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path) as rec:
+        checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    assert rec.errors == []
+    assert ac_diff.diagnose_paths([path]).verdict == "clean"

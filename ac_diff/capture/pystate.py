@@ -105,8 +105,9 @@ def hook_state(module: nn.Module) -> dict[str, Any]:
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         for hook in hooks.values():
             fn = _function(hook)
-            cells = getattr(fn, "__closure__", None) if fn is not None else None
-            for var, cell in zip(fn.__code__.co_freevars, cells or ()):
+            if fn is None:  # (a callable object, a builtin: no closure; an object's own state is not read here)
+                continue
+            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 try:
                     value = cell.cell_contents
                 except ValueError:  # (a cell not yet filled)
