@@ -251,8 +251,7 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     """From a log's op lists (shapes, no values): what the forward's first shape divergence depends on that explains
     it. A tensor from outside the region that the region itself updates in place (a router bias a forward hook
     moves): the recompute reads it updated. Else a random op: the recompute drew other numbers."""
-    ops = region.forward.ops if region.forward is not None else []
-    target = next((o for o in ops if o.index == shape.forward_index), None)
+    ops, target = _forward_op(region, shape.forward_index)
     if target is None:
         return None
     feeding = upstream(ops, target)
@@ -279,12 +278,17 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     return None
 
 
+def _forward_op(region: Region, index: int | None) -> tuple[list[OpRecord], OpRecord | None]:
+    """The forward's ops, and the one at `index` (None if it is not there)."""
+    ops = region.forward.ops if region.forward is not None else []
+    return ops, next((o for o in ops if o.index == index), None)
+
+
 def _log_python_argument(region: Region, shape: Divergence) -> Cause | None:
     """From a log: the first shape divergence is an op whose non-tensor arguments changed over inputs of the same
     shapes (topk's k 4 -> 5), and no decision or host read feeds it (split sizes from `counts.tolist()` come from
     data): the value came from Python state that changed before the backward."""
-    ops = region.forward.ops if region.forward is not None else []
-    target = next((o for o in ops if o.index == shape.forward_index), None)
+    ops, target = _forward_op(region, shape.forward_index)
     changed = shape.detail.get("args_diff")
     if target is None or not changed or not shape.detail.get("inputs_identical"):
         return None

@@ -282,11 +282,10 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
     killed = killed_first(runs)
     parts = []
     if killed is not None:
-        r = killed
-        stopped = [s for s in stopped if s != r]
-        parts.append(f"rank {r} stopped first: its trace ends without an end record, before any other rank failed "
-                     "(the process was killed: SIGKILL, the out-of-memory killer?)")
-        failed = [r, *failed]
+        stopped = [s for s in stopped if s != killed]
+        parts.append(f"rank {killed} stopped first: its trace ends without an end record, before any other rank "
+                     "failed (the process was killed: SIGKILL, the out-of-memory killer?)")
+        failed = [killed, *failed]
 
     def why(r: int) -> str:
         exc_type, message = ends[r][4], ends[r][5]

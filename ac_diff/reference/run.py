@@ -137,7 +137,8 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
             only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
                     "checkpointing's")
             result.headline = f"{result.headline}; {only}" if done else only
-            result.verdict = result.verdict if done else DIFFERS
+            if not done:  # (nothing compared: the failure itself is the difference)
+                result.verdict = DIFFERS
         if run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
         compiled = reference_note(rank_report.compiled)
