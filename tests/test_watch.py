@@ -110,6 +110,21 @@ def test_held_tensors_digested_together_get_the_digests_each_gets_alone(digest_p
     assert len(set(map(tuple, together))) == len(tensors)
 
 
+def test_the_host_hash_reads_the_tensors_bytes_in_place(monkeypatch):
+    """A slice of one memoryview of the address space reads exactly the tensor's bytes: the same hash as a copy of
+    them (the fallback where CPython's C API is missing), for a view that starts inside its storage too."""
+    from ac_diff.capture import host_hash
+
+    base = torch.arange(4096, dtype=torch.int32)
+    for t in (base, base[1000:1003], torch.randn(3, 5).t().contiguous(), torch.zeros(0)):
+        in_place = host_hash.hash_bytes(t, t.nbytes)
+        assert in_place == (host_hash._hash(t.numpy().tobytes()) if t.numel() else 0)
+        monkeypatch.setattr(host_hash, "_ALL_MEMORY", None)
+        assert host_hash.hash_bytes(t, t.nbytes) == in_place
+        monkeypatch.undo()
+    assert host_hash.hash_bytes(base[1:], 8) != host_hash.hash_bytes(base, 8)
+
+
 def test_a_cpu_tensor_is_digested_as_torch_saves_it():
     """On the host, at the save: what happens to the tensor afterwards (an in-place write, a write behind torch's
     back through NumPy, its storage freed as FSDP's reshard frees it) does not reach its digest. (Held CUDA tensors:

@@ -565,8 +565,10 @@ class Recorder:
             wp = p.watch
             if wp is not None:
                 stack = p.module_stack  # (this thread's module stack, as `modules.current()` reads it)
+                name = stack[-1][1] if stack else None
                 # (CPU tensors are hashed as they are held, held ones digested when due: no mode may see either)
-                if self._unseen(wp.hold, position, tensor, stack[-1][1] if stack else None):
+                if wp.hold(position, tensor, name) if not _dispatch_stack_len() else self._unseen(
+                        wp.hold, position, tensor, name):
                     self._unseen(wp.flush)
                 return
             ref = self._known_ref(p, tensor)

@@ -120,30 +120,37 @@ _strided = torch.strided
 _int64 = torch.int64
 
 
-def host_readable(t: torch.Tensor) -> torch.Tensor | None:
-    """A CPU tensor as the host reads it, contiguous: its memory as it lies where it is dense (in memory order; an
-    expanded dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor). None for a
-    tensor without plain values. (Each save is hashed on its own, views of one memory included: a write behind
-    torch's back between two saves, through `.data`, bumps no version, so no span can stand for the other.)"""
-    if t.layout is not _strided or t.is_quantized or t.is_nested:
+_host_plain: dict[torch.dtype, bool | None] = {}  # dtype -> True: plain values, False: complex, None: no digest
+
+
+def _host_kind(t: torch.Tensor) -> bool | None:
+    kind = None if t.is_quantized else not t.dtype.is_complex
+    _host_plain[t.dtype] = kind
+    return kind
+
+
+def host_digest(t: torch.Tensor) -> list[int] | None:
+    """The digest of a CPU tensor, read on the host when it is saved (a CPU read waits for no device, and the values
+    at the save are what it digests, whatever writes them later behind torch's back): [hash of its bytes, their
+    count] (host_hash.py: no kernel), its memory read as it lies where it is dense (in memory order; an expanded
+    dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor); one too large to hash
+    here (several torch threads reduce it faster), the [sum, odd-weighted sum] of its row sums (`row_bits`, one
+    matrix-vector product). None for a tensor without plain values. (Each save is hashed on its own, views of one
+    memory included: a write behind torch's back between two saves, through `.data`, bumps no version, so no span
+    can stand for the other.)"""
+    dtype = t.dtype
+    plain = _host_plain[dtype] if dtype in _host_plain else _host_kind(t)
+    if plain is None or t.layout is not _strided or t.is_nested:
         return None
-    if t.dtype.is_complex:
+    if not plain:
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = in_memory_order(repeated_once(t))
         if not t.is_contiguous():  # (not dense: a slice)
             t = t.detach().contiguous()
-    return t
-
-
-def host_digest(t: torch.Tensor) -> list[int] | None:
-    """The digest of a contiguous CPU tensor (`host_readable`), read on the host when it is saved (a CPU read waits
-    for no device, and the values at the save are what it digests, whatever writes them later behind torch's back):
-    [hash of its bytes, their count] (host_hash.py: no kernel); one too large to hash here (several torch threads
-    reduce it faster), the [sum, odd-weighted sum] of its row sums (`row_bits`, one matrix-vector product)."""
-    size = t.numel() * t.element_size()
+    size = t.nbytes
     if on_host(size):
-        return [hash_bytes(t), size]
+        return [hash_bytes(t, size), size]
     rows = row_bits(t)
     return None if rows is None else torch.mv(
         _weights(t.device, _int64, rows.numel(), "ones_odd"), rows.to(_int64)).tolist()
@@ -243,7 +250,8 @@ class WatchedPass:
         kind = type(tensor)
         if origin is None:
             base = tensor._base
-            if kind is not _Tensor and _is_parameter(tensor) or base is not None and _is_parameter(base):
+            if kind is not _Tensor and _is_parameter(tensor) or base is not None and type(base) is not _Tensor \
+                    and _is_parameter(base):
                 self.entries.append((position, meta, "param", None, NO_DIGEST))
                 return False
             index = self._inputs.get(id(tensor) if base is None else id(base))
@@ -261,12 +269,12 @@ class WatchedPass:
             self.entries.append((position, meta, origin, name, NO_DIGEST))
             return False
         if t.is_cpu and HOST_CPU:  # its digest now, on the host: the values at the save, whatever writes them later
-            read = host_readable(t)
-            if read is None:
+            digest = host_digest(t)
+            if digest is None:
                 self.entries.append((position, meta, origin, name, NO_DIGEST))
                 return False
             slot = self._new_slot(tensor, version)
-            self._host[slot] = host_digest(read)
+            self._host[slot] = digest
             self.entries.append((position, meta, origin, name, slot))
             return False
         if _batched(t):
@@ -288,8 +296,12 @@ class WatchedPass:
         """Hold `t` (the plain tensor of `tensor`) for the batched kernel, which reads the memory it occupies at the
         flush: views of one memory span over SPAN_MIN, saved at one version, read the same bytes then and share one
         digest. True: the held tensors are due."""
-        size = t.numel() * t.element_size()
-        span = (t.data_ptr(), size, t._version) if size > SPAN_MIN and t.layout is _strided \
+        size = t.numel() * t.element_size()  # (`nbytes` raises for a sparse tensor)
+        try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
+            address = t.data_ptr()
+        except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
+            address = None
+        span = (address, size, t._version) if address is not None and size > SPAN_MIN and t.layout is _strided \
             and _byte_sums().fits(t) else None
         if span is not None:
             hit = self._spans.get(span)
@@ -302,10 +314,6 @@ class WatchedPass:
         self.entries.append((position, meta, origin, name, slot))
         if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
             self._streams.add(current_stream_raw(t.get_device()))
-        try:  # (where its memory begins: freed or resized outside dispatch, as FSDP's reshard does, it moves)
-            address = t.data_ptr()
-        except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
-            address = None
         self._held.append((slot, t, version, address))
         self._held_bytes += size
         return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
