@@ -169,6 +169,7 @@ class Pass:
     # call of each forward, and the functions that read each ("model.py in forward")
     globals: dict[str, Any] = field(default_factory=dict)
     global_readers: dict[str, list] = field(default_factory=dict)
+    global_updates: dict[str, list] = field(default_factory=dict)  # those the pass changed: [first reading, at its end]
     # a summarized pass (its region reproduced; write="diverged"): a digest of every value it measured
     values_digest: str | None = None
     # a recorded forward (format 1.4): (op index, output) of the tensors it made that outlived it (the region's

@@ -197,6 +197,36 @@ def test_a_global_flag_set_around_the_forward_is_named_at_the_branch(tmp_path, b
     assert not [c for c in candidates(report) if c.kind == "restore"]  # a global is no module state to restore
 
 
+CALLS = 0
+
+
+class EveryOtherCall(nn.Module):
+    """A module-level call counter the forward advances (a schedule by call count): the recompute advances it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        global CALLS
+        CALLS += 1
+        h = self.fc(x)
+        return torch.relu(h) if CALLS % 2 else torch.tanh(h)
+
+
+def test_a_global_counter_the_forward_advances_counts_twice(tmp_path):
+    global CALLS
+    CALLS = 0
+    report = _record(tmp_path, lambda: Layers(EveryOtherCall)(torch.randn(4, 8)).pow(2).sum().backward())
+    region = _diverged(report)[0]
+    flag = f"{__name__}.CALLS"
+    assert (region.cause.mechanism, region.cause.tensor) == ("global", flag), region.cause
+    assert "changes it (0 -> 1 in the forward)" in region.cause.detail and "counts twice" in region.cause.detail
+    fix = region.suggestions[0]
+    assert fix.title == "Do not change the global `CALLS` in the checkpointed forward: the recompute changes it again"
+    assert "value = CALLS" in fix.code and "CALLS += 1" in fix.code, fix.code
+
+
 def test_a_global_flag_kept_for_the_backward_is_no_cause(tmp_path):
     report = _record(tmp_path, lambda: _rounded_step(Layers(InHelper), through_backward=True))
     assert report.verdict == "clean", report.headline

@@ -1118,3 +1118,9 @@ def test_a_counter_kept_on_a_class_is_named(tmp_path):
     assert report.regions[0].status == "diverged"
     assert cause.tensor.endswith("OffsetState.offset") and "was 0 in the forward and 1 in the recompute" in \
         cause.detail, cause
+    # the region's own code advanced it, and the recompute advances it again: the fix takes it out of the region,
+    # in the code's own name for it (it said "keep the global `offset` as the forward saw it", `offset = 0`)
+    assert "the update counts twice" in cause.detail and "0 -> 1 in the forward" in cause.detail, cause.detail
+    fix = report.regions[0].suggestions[0]
+    assert fix.title.startswith("Do not change the global `OffsetState.offset` in the checkpointed forward"), fix
+    assert "value = OffsetState.offset" in fix.code and "OffsetState.offset += 1" in fix.code, fix.code

@@ -35,6 +35,8 @@ SCALAR_TYPES = (int, float, bool, str)
 # recorded by their name, "torch.bfloat16"
 NAMED_TYPES = (torch.dtype, torch.device)
 CONTAINER_TYPES = (list, tuple, dict, deque, OrderedDict, defaultdict)
+MAX_STRING = 200  # characters of a string value kept
+NOT_SCALAR = object()  # `recorded_scalar` of a value that is neither a scalar nor one of torch's named values
 # torch's own bookkeeping on every module (hook dicts, `_parameters`, ...); the mode is the pass's "training"
 _NOT_STATE = frozenset({"training", "_is_full_backward_hook", *vars(nn.Module())})
 _GraphModule = torch.fx.GraphModule
@@ -55,6 +57,16 @@ def container_summary(value: Any) -> dict[str, Any]:
     return {"type": type(value).__name__, "len": len(value), "ids": digest & 0xFFFFFFFF}
 
 
+def recorded_scalar(value: Any) -> Any:
+    """How every scalar the recorder keeps is kept (a module's attribute, a global, a run config's field, a hook's
+    variable): a plain scalar as it is (a string cut at MAX_STRING characters), a dtype or a device by its name
+    ("torch.bfloat16"); NOT_SCALAR for anything else."""
+    kind = type(value)
+    if kind in SCALAR_TYPES:
+        return value[:MAX_STRING] if kind is str else value
+    return str(value) if kind in NAMED_TYPES else NOT_SCALAR
+
+
 def _identity(x: Any) -> Any:
     return x if type(x) in SCALAR_TYPES else id(x)
 
@@ -68,12 +80,10 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
     space = vars(module)
     for key in sorted(space.keys() - _NOT_STATE):
         value = space[key]
-        kind = type(value)
-        if kind in SCALAR_TYPES:
-            out[key] = value
-        elif kind in NAMED_TYPES:
-            out[key] = str(value)
-        elif kind in CONTAINER_TYPES:
+        scalar = recorded_scalar(value)
+        if scalar is not NOT_SCALAR:
+            out[key] = scalar
+        elif type(value) in CONTAINER_TYPES:
             out[key] = container_summary(value)
         elif run_config(value):
             for name, field in scalar_fields(value):
@@ -112,7 +122,8 @@ def hook_state(module: nn.Module) -> dict[str, Any]:
                     value = cell.cell_contents
                 except ValueError:  # (a cell not yet filled)
                     continue
-                if type(value) in SCALAR_TYPES:
+                value = recorded_scalar(value)
+                if value is not NOT_SCALAR:
                     out[HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)] = value
     return out
 
@@ -148,10 +159,9 @@ class GlobalReads:
         out: dict[str, tuple[Any, tuple[str, ...]]] = {}
         for space, name, key, readers in reads:
             value = space.get(name)
-            if type(value) in SCALAR_TYPES or value is None:
-                out[key] = (value[:200] if type(value) is str else value, readers)
-            elif type(value) in NAMED_TYPES:
-                out[key] = (str(value), readers)
+            scalar = recorded_scalar(value)
+            if scalar is not NOT_SCALAR or value is None:
+                out[key] = (scalar if value is not None else None, readers)
             else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
@@ -169,8 +179,9 @@ def _holds_fields(value: Any, space: dict) -> bool:
 def scalar_fields(value: Any) -> Iterator[tuple[str, Any]]:
     """(name, value) of an object's public scalar attributes (a run config's fields, a class's counters)."""
     for field, v in vars(value).items():
-        if type(v) in SCALAR_TYPES and not field.startswith("_"):
-            yield field, v[:200] if type(v) is str else v
+        v = recorded_scalar(v)
+        if v is not NOT_SCALAR and not field.startswith("_"):
+            yield field, v
 
 
 def _function(fn: Any) -> types.FunctionType | None:
@@ -216,7 +227,7 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
             f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
         for name in code.co_names:
             value = space.get(name)
-            if name in loaded and (type(value) in SCALAR_TYPES or type(value) in NAMED_TYPES or value is None
+            if name in loaded and (value is None or recorded_scalar(value) is not NOT_SCALAR
                                    or _holds_fields(value, space)) and name in space \
                     and not name.startswith("__"):
                 key = f"{module}.{name}"

@@ -183,6 +183,8 @@ class _Pass:
     # first call of each forward, and the functions reading them (pystate.GlobalReads)
     globals: dict[str, Any] = field(default_factory=dict)
     global_readers: dict[str, list] = field(default_factory=dict)
+    global_updates: dict[str, list] = field(default_factory=dict)  # those the pass changed: name -> [first, at its end]
+    global_functions: list[tuple] = field(default_factory=list)  # (function, owner) whose globals were read
     codes_seen: set = field(default_factory=set)  # (forward function, module class) whose globals were read
     called: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, fqn): the modules it called
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
@@ -765,7 +767,7 @@ class Recorder:
         attrs = module_attributes(module)
         prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
         for key, value in attrs.items():
-            p.attributes.setdefault(prefix + key, value[:200] if type(value) is str else value)
+            p.attributes.setdefault(prefix + key, value)
         p.attribute_calls.append((module, prefix, attrs))
         p.called.setdefault(id(module), (module, fqn))
 
@@ -789,15 +791,25 @@ class Recorder:
                 if child is not None and id(child) not in p.called:
                     prefix = clean_fqn(f"{fqn}.{key}" if fqn else key) + "."
                     for name, value in module_attributes(child).items():
-                        p.attributes.setdefault(prefix + name, value[:200] if type(value) is str else value)
+                        p.attributes.setdefault(prefix + name, value)
         p.called = {}
 
     def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
         """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""
+        p.global_functions.append((function, owner))
         for key, (value, readers) in self._global_reads.values(function, owner).items():
             p.globals.setdefault(key, value)
             known = p.global_readers.setdefault(key, [])
             known.extend(r for r in readers if r not in known)
+
+    def _note_global_updates(self, p: _Pass) -> None:
+        """As the pass ends, the globals it changed (a counter its code advances, `PhiloxState.offset += 1`: the
+        recompute, which runs that code again, advances it a second time)."""
+        for function, owner in p.global_functions:
+            for key, (value, _) in self._global_reads.values(function, owner).items():
+                first = p.globals.get(key, value)
+                if value != first and key not in p.global_updates:
+                    p.global_updates[key] = [first, value]
 
     @_never_raise
     def _on_module_exit(self, module, fqn: str) -> None:
@@ -1100,6 +1112,8 @@ class Recorder:
         # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
         if p.called:
             self._note_uncalled_children(p)
+        if p.global_functions:
+            self._note_global_updates(p)
         drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
         outputs = None
         if p.phase == FORWARD and region.recorded:
@@ -1179,6 +1193,8 @@ class Recorder:
         if p.globals:
             record["globals"] = p.globals
             record["global_readers"] = p.global_readers
+        if p.global_updates:
+            record["global_updates"] = p.global_updates
         if p.nonfinite:
             record["nonfinite"] = True  # the trace writer then keeps NaN and infinities (see TraceWriter.write)
         if p.lost:

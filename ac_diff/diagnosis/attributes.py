@@ -23,6 +23,7 @@ changed (a dropout's `p` annealed between forward and backward changes bernoulli
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +116,20 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     for name, value in fwd.globals.items():
         if name in rec.globals and rec.globals[name] != value:
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
-            out.append(AttributeChange(name, value, rec.globals[name], readers=readers or ["?"]))
+            f_up, r_up = fwd.global_updates.get(name), rec.global_updates.get(name)
+            out.append(AttributeChange(name, value, rec.globals[name], f_up, r_up, readers=readers or ["?"]))
     return out
+
+
+def code_name(change: AttributeChange) -> str:
+    """How the code names a global: "train.PhiloxState.offset" read in train.py -> `PhiloxState.offset`,
+    "model.LOW_PRECISION" -> `LOW_PRECISION` (a global's name begins with the module its readers are in)."""
+    for reader in change.readers:
+        stem = os.path.splitext(os.path.basename(reader.split(" in ")[0]))[0]
+        head, sep, rest = change.name.partition(stem + ".")
+        if sep and rest and (not head or head.endswith(".")):
+            return rest
+    return split_name(change.name)[1]
 
 
 def shown(value: Any) -> str:
@@ -187,7 +200,13 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
               + f"{_what(top)} was {_change_words(top.forward, top.recompute)}")
     evidence = [f"{c.name}: {_change_words(c.forward, c.recompute)}"
                 + (f" (read by {', '.join(c.readers[:2])})" if c.is_global else "") for c in changes[:4]]
-    if top.counted_twice:
+    if top.counted_twice and top.is_global:
+        detail += (f": the region's code changes it ({_shown_update(top.forward_update)} in the forward), and the "
+                   f"recompute runs that code again ({_shown_update(top.recompute_update)}), so the update counts "
+                   "twice")
+        evidence.append(f"{top.name} changed during each pass: {_shown_update(top.forward_update)} in the forward, "
+                        f"{_shown_update(top.recompute_update)} in the recompute")
+    elif top.counted_twice:
         by = (f"its forward pre-hook {', '.join(top.hooks)} or its forward" if top.hooks else "its forward")
         detail += (f": each call of {module} changes it (by {by}), and the recompute calls {module} again, so the "
                    "update counts twice")
@@ -273,16 +292,31 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     if change is None:
         return None
     attr = split_name(name)[1]
-    if change.is_global:
+    if change.is_global and change.counted_twice:
+        var = code_name(change)
+        before, after = change.forward_update
+        advance = (f"{var} += {after - before!r}" if all(type(v) in (int, float) for v in (before, after))
+                   else f"{var} = ...  # what the forward set it to ({shown(before)} -> {shown(after)})")
         return Suggestion(
-            f"Keep the global `{attr}` as the forward saw it until after the backward",
+            f"Do not change the global `{var}` in the checkpointed forward: the recompute changes it again",
+            f"The region's code changes `{name}` ({_shown_update(change.forward_update)}), and the recompute runs "
+            f"that code again inside loss.backward(): it starts from {shown(change.recompute)} and computes with it. "
+            "Read the value outside the region and pass it to the checkpointed function as an argument (checkpoint "
+            "keeps its arguments for the recompute), and advance it there, once per call.",
+            f"value = {var}  # read once, outside the checkpointed forward\n"
+            f"out = checkpoint(block, x, value, use_reentrant=False)  # the forward uses `value`, not {var}\n"
+            f"{advance}  # advanced outside the region: the recompute sees `value` again")
+    if change.is_global:
+        var = code_name(change)
+        return Suggestion(
+            f"Keep the global `{var}` as the forward saw it until after the backward",
             f"The recompute runs inside loss.backward() and reads `{name}` as it is then ({shown(change.recompute)}, "
             f"not the forward's {shown(change.forward)}), so it computes with that value, or branches on it. Set it "
             "around the forward and "
             "the backward together, or pass the value to the checkpointed module as an argument (checkpoint keeps "
             "its arguments for the recompute).",
-            f"{attr} = {change.forward!r}\nloss = model(batch)\nloss.backward()  # the recompute reads {attr} here\n"
-            f"{attr} = {change.recompute!r}")
+            f"{var} = {change.forward!r}\nloss = model(batch)\nloss.backward()  # the recompute reads {var} here\n"
+            f"{var} = {change.recompute!r}")
     if is_container(change.forward):
         return Suggestion(
             f"Do not change `{name}` in the checkpointed forward; update it after the backward",

@@ -51,7 +51,8 @@ Format history (every version stays readable; tests/data keeps a file of each):
        in full from `from_step` on, after its region `region` diverged in step `diverged_step`); the exception
        record may list the inputs of regions still awaiting their recompute that were written in place since their
        forward ended (`inputs_changed`: [[region, input index, meta, version then, version now], ...]: what torch's
-       version check stops a backward for); readers that predate it ignore it
+       version check stops a backward for); readers that predate it ignore it. A pass may list the globals it
+       changed (`global_updates`: name -> [first reading, at its end]); readers that predate it ignore it
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").

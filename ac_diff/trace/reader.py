@@ -382,6 +382,7 @@ def _attach_pass(regions: dict[int, Region], ops: dict[tuple, list[OpRecord]], r
         stopped_early=bool(rec.get("stopped_early", False)), attempt=attempt,
         attributes=rec.get("attributes") or {}, attribute_updates=rec.get("attribute_updates") or {},
         globals=rec.get("globals") or {}, global_readers=rec.get("global_readers") or {},
+        global_updates=rec.get("global_updates") or {},
         values_digest=rec.get("values_digest"),
         outputs=_outputs_from_json(rec.get("outputs")),
     )
