@@ -1035,6 +1035,38 @@ def test_the_parameters_updated_before_the_backward_are_one_cause_across_stages(
     assert "[3 of 3 regions diverged; down, mid, up: same cause]" in report.headline, report.headline
 
 
+class BiasLast(nn.Module):
+    """A block whose last parameter is read by an op that saves nothing (`+ b`): torch's early stop ends the
+    recompute at the last saved tensor, before that op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(8, 8) * 0.3), nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.b = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w1) @ self.w2 + self.b
+
+
+def test_parameters_the_early_stopped_recompute_never_read_are_not_counted_as_unchanged(tmp_path):
+    """Every parameter was updated before the backward; the recompute stopped before reading `b`. The update is
+    still the whole model's (it said nothing of an optimizer step: 2 of 3 parameters read changed, under the share
+    for a whole-model update; elsewhere "5 of the 6 parameters" where all 6 changed)."""
+    torch.manual_seed(0)
+    model = BiasLast()
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+        y.pow(2).sum().backward()
+    cause = ac_diff.diagnose_paths([path]).regions[0].cause
+    assert cause.mechanism == "optimizer_step", cause
+    assert cause.detail.startswith("all 2 parameters the recompute read again have other values in the recompute "
+                                   "(torch's early stop ended the recompute before it read the other 1)"), cause.detail
+
+
 # --- delayed scaling: the state that reaches a saved tensor is the cause ------------------------------------------
 
 class DelayedScaled(nn.Linear):

@@ -441,14 +441,21 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     """Most or all parameters the region read changed: the optimizer (or something else that updates
     every parameter) ran between this forward and its backward."""
     params = {e.name for e in region.forward.externals if e.kind == "param"} if region.forward is not None else set()
+    rec = region.recompute
+    reread = {e.name for e in rec.externals if e.kind == "param"} if rec is not None and rec.stopped_early else set()
+    unread = len(params - reread) if reread else 0  # torch's early stop ended the recompute before it read them
+    params = params & reread if reread else params
     moved = [c for c in changed if c["kind"] == "param"]
     if len(moved) < 2 or len(moved) < _WHOLE_MODEL_SHARE * len(params):
         return None
     names = [c["name"] for c in moved]
     shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return Cause("state_mutation", f"parameters ({len(moved)} of {len(params)} read by the region)",
-                 f"{len(moved)} of the {len(params)} parameters the region reads have other values in the recompute: "
-                 + _UPDATED, [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
+    share = f"all {len(moved)}" if len(moved) >= len(params) else f"{len(moved)} of the {len(params)}"
+    read = "the recompute read again" if unread else "the region reads"
+    stopped = (f" (torch's early stop ended the recompute before it read the other {unread})" if unread else "")
+    return Cause("state_mutation", f"parameters ({share} {read})",
+                 f"{share} parameters {read} have other values in the recompute{stopped}: " + _UPDATED,
+                 [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
 
 
 def _saved_views(report: RegionReport, region: Region) -> set[str]:

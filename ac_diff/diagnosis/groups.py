@@ -30,7 +30,7 @@ def _relative(name: str | None, module: str | None) -> str | None:
 def _key(r: RegionReport) -> tuple:
     first = r.first_divergence()
     # the model's parameters updated between forward and backward: one cause, whichever parameters and ops each
-    # region reads (its culprit counts them: "parameters (11 of 12 read by the region)")
+    # region reads (its culprit counts them: "parameters (11 of the 12 the region reads)")
     stepped = r.cause is not None and r.cause.mechanism == OPTIMIZER_STEP
     return ((r.path, r.rank) if r.source == "log" else None, r.kind,
             r.cause.kind if r.cause else None, r.cause.mechanism if r.cause else None,
