@@ -299,6 +299,9 @@ def test_a_log_names_the_in_place_update_the_routing_depends_on(log):
     cause = region.cause
     assert cause.kind == "state_mutation" and "update_expert_bias" in cause.source, cause
     assert "aten.add_.Tensor" in cause.detail
+    # named by the code checkpoint() ran, the user frame under checkpoint's in the dump's stacks (it read "region
+    # 0 · ?"), not by the innermost frame of an op (the rms_norm call)
+    assert region.module == "forward at wt-compat/examples/tiny_moe.py:172", region.module
 
 
 def test_a_python_argument_changed_in_a_log_is_python_state_not_a_decision(tmp_path):

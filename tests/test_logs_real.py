@@ -352,6 +352,7 @@ def test_llama4_head_dump_start():
     run = run_of("torchtitan_llama4_rank1_head.log")
     (region,) = run.regions
     assert (region.rank, region.region) == (1, 0)
+    assert region.module == "forward at llama4/model/model.py:337"  # the code checkpoint() ran
     fwd = region.forward
     assert [o.op for o in fwd.ops] == ["aten.view.default", "aten._to_copy.default",
                                        "aten.pow.Tensor_Scalar", "aten.mean.dim"]

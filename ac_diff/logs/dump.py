@@ -58,6 +58,9 @@ _STDLIB = re.compile(r"/lib/python\d[\d.]*/(?!site-packages/|dist-packages/)")
 # nn.Module's call machinery is in every stack, so concurrent writers most often splice its frames
 # onto some other path ("/dev-sandbox/ratnam" + "/modules/module.py:1809:inner"): never a source.
 _MODULE_CALL = ("module.py", ("_call_impl", "_wrapped_call_impl", "inner", "__call__"))
+# torch's checkpoint (or a wrapper's: FSDP's checkpoint_wrapper calls it) in an op's stack: the frames inside it
+# are the region's
+_CHECKPOINT_FRAME = re.compile(r"torch[/\\]utils[/\\]checkpoint\.py:\d+:")
 
 
 def classify_dump_line(text: str, in_footer: bool) -> int | None:
@@ -138,6 +141,10 @@ class DumpBuilder:
     unplaced_ops: int = 0  # op lines in a trace section without their "(i of n in ...)"
     parts: dict[str, _PassParts] = field(default_factory=lambda: {FORWARD: _PassParts(), RECOMPUTE: _PassParts()})
     current: _Traced | None = None
+    # the code checkpoint() ran ("forward at llama4/model/moe.py:40"): the outermost user frame under the first
+    # checkpoint frame of an op's stack; `_outermost`: the outermost user frame of the current op's stack so far
+    entry: str | None = None
+    _outermost: str | None = None
 
     @property
     def closed(self) -> bool:
@@ -176,6 +183,7 @@ class DumpBuilder:
             parts = self.parts[phase]
             parts.total = max(parts.total or 0, n)
             self.current = parts.traced[i] = _Traced(parsed)
+            self._outermost = None
             return True
         self.current = None
         if self.section in (S_LIST_FWD, S_LOG):
@@ -197,12 +205,19 @@ class DumpBuilder:
 
     @property
     def wants_frames(self) -> bool:
-        return self.current is not None and self.current.source is None and not self.cut
+        return self.current is not None and (self.current.source is None or self.entry is None) and not self.cut
 
     def frame(self, text: str) -> None:
+        """One frame under the current op, innermost first: its source is the first user frame; the region's
+        entry, the last user frame before checkpoint's own (read from the first op whose stack shows it)."""
         source = frame_source(text)
-        if source is not None and self.current is not None:
-            self.current.source = source
+        if source is not None:
+            if self.current.source is None:
+                self.current.source = source
+            self._outermost = source
+        elif self.entry is None and self._outermost is not None and _CHECKPOINT_FRAME.search(text):
+            place, _, function = self._outermost.partition(" in ")
+            self.entry = f"{function} at {place}"
 
     def incomplete(self) -> str | None:
         """Why this dump is unfinished if the log stopped now, or None."""
@@ -216,7 +231,7 @@ class DumpBuilder:
         forward = _build_pass(FORWARD, self.parts[FORWARD], done)
         recompute = _build_pass(RECOMPUTE, self.parts[RECOMPUTE], done)
         _same_range(forward, recompute)
-        return Region(rank=region_rank, region=self.region, module=None, kind="log",
+        return Region(rank=region_rank, region=self.region, module=self.entry, kind="log",
                       options={"debug": True}, forward=forward, recompute=recompute)
 
 
