@@ -60,6 +60,7 @@ _STDLIB = re.compile(r"/lib/python\d[\d.]*/(?!site-packages/|dist-packages/)")
 _MODULE_CALL = ("module.py", ("_call_impl", "_wrapped_call_impl", "inner", "__call__"))
 # torch's checkpoint (or a wrapper's: FSDP's checkpoint_wrapper calls it) in an op's stack: the frames inside it
 # are the region's
+ENTRY_OPS = 16
 _CHECKPOINT_FRAME = re.compile(r"torch[/\\]utils[/\\]checkpoint\.py:\d+:")
 
 
@@ -145,6 +146,7 @@ class DumpBuilder:
     # checkpoint frame of an op's stack; `_outermost`: the outermost user frame of the current op's stack so far
     entry: str | None = None
     _outermost: str | None = None
+    _entry_ops: int = 0  # ops whose stacks were read for the entry (at most ENTRY_OPS: a stack may lack the frame)
 
     @property
     def closed(self) -> bool:
@@ -184,6 +186,7 @@ class DumpBuilder:
             parts.total = max(parts.total or 0, n)
             self.current = parts.traced[i] = _Traced(parsed)
             self._outermost = None
+            self._entry_ops += self.entry is None
             return True
         self.current = None
         if self.section in (S_LIST_FWD, S_LOG):
@@ -205,7 +208,8 @@ class DumpBuilder:
 
     @property
     def wants_frames(self) -> bool:
-        return self.current is not None and (self.current.source is None or self.entry is None) and not self.cut
+        return self.current is not None and not self.cut and (
+            self.current.source is None or self.entry is None and self._entry_ops <= ENTRY_OPS)
 
     def frame(self, text: str) -> None:
         """One frame under the current op, innermost first: its source is the first user frame; the region's
