@@ -186,9 +186,44 @@ def test_a_run_that_stops_before_the_recompute_says_why(tmp_path):
             out.sum().backward()
     report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
     assert [r.status for r in report.regions] == ["unchecked"]
-    assert "the run stopped first (RuntimeError" in report.regions[0].notes[-1]
+    notes = report.regions[0].notes
+    assert any("the run stopped first (RuntimeError" in n for n in notes), notes
     assert report.headline.startswith("the script crashed") and "RuntimeError" in report.headline
     assert report.verdict == "unchecked" and report.title == "CRASHED"
+    # the linear saves its input itself: a run without AC stops at the same check, so it is no checkpoint divergence
+    assert any("its input[0] (f32[4, 8]) was modified in place after the forward" in n and "not the checkpoint" in n
+               for n in notes), notes
+
+
+class DoubledFeedForward(nn.Module):
+    """Its first op, `x * 2.0`, saves nothing of its input: only checkpoint keeps that tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x * 2.0))
+
+
+def test_an_input_only_the_checkpoint_kept_written_after_the_forward_is_named(tmp_path):
+    """A residual stream scaled in place (`h.mul_(0.5)`) after the region's forward: only checkpoint keeps `h`, so the
+    run fails only with AC. Autograd names the tensor as "output 0 of Mul" (it has a grad_fn): the report names the
+    region's input written after the forward (it read the message as another error, and called the run CRASHED with
+    every region unchecked)."""
+    torch.manual_seed(0)
+    block = DoubledFeedForward()
+    h = torch.randn(4, 8, requires_grad=True) * 1.0
+    with pytest.raises(RuntimeError, match="which is output 0 of Mul"):
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            out = cp.checkpoint(block, h, use_reentrant=False)
+            h.mul_(0.5)
+            out.sum().backward()
+    region = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")]).regions[0]
+    assert region.status == "diverged" and region.cause.tensor == "input[0]", region
+    assert "was modified in place after the forward, before its recompute (its version went from 0 to 1)" in \
+        region.cause.detail
+    assert region.suggestions[0].title.startswith("Do not modify the region's input in place after the forward")
 
 
 def test_training_mode_follows_each_modules_flag_and_names_it_as_users_do():

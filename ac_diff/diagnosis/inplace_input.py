@@ -4,6 +4,7 @@
     name_input_write(report, *written)        # the report: diverged, its cause, the out-of-place fix
     after = input_written_after(region, check)  # check: logs.errors.version_check(the run's exception message)
     name_input_written_after(report, after, check)  # its input written between its forward and its recompute
+    saved_by_its_ops(region, after)  # True: its own ops saved that input, so the run fails without AC too
 
 checkpoint keeps the region's inputs and recomputes from them in backward. `x += self.pos` as a block's first
 line writes the very tensor it kept: torch's version check then stops the backward ("modified by an inplace
@@ -64,6 +65,13 @@ def input_written_after(region: Region, check: tuple[tuple[int, ...], int, int] 
         return None
     hit = [entry for entry in region.inputs_written if entry[1].shape == check[0]]
     return hit or None
+
+
+def saved_by_its_ops(region: Region, written: list[tuple]) -> bool:
+    """Every input in `written` is one the region's own ops saved for their backward (a linear keeps its input):
+    a run without AC keeps it too and stops at the same version check."""
+    saved = {p.name for p in region.forward.positions if p.origin == "input"} if region.forward is not None else set()
+    return all(f"input[{index}]" in saved for index, *_ in written)
 
 
 def name_input_written_after(report: RegionReport, written: list[tuple], check: tuple) -> None:

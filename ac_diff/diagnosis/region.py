@@ -23,7 +23,8 @@ from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
 from .discrete import decision_kept, describe_flip, first_flip
-from .inplace_input import input_written, input_written_after, name_input_write, name_input_written_after
+from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
+                           saved_by_its_ops)
 from .suggest import suggestions_for
 from .watched import WATCHED_ORIGINS, explain_watched
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where
@@ -92,6 +93,13 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         after = input_written_after(region, version_check) if run_stopped else None
         if written is not None:  # what stopped the run: the backward found the kept input changed
             name_input_write(report, *written)
+        elif after and saved_by_its_ops(region, after):  # not the checkpoint's: its own ops saved that input
+            index, meta, then, now = after[0]
+            report.notes.append(
+                f"its input[{index}] ({meta}) was modified in place after the forward (version {then} -> {now}); the "
+                "region's own ops save that input for their backward, so a run without AC stops at the same version "
+                "check: the in-place write is the bug (make it out of place, or clone the input first), not the "
+                "checkpoint")
         elif after:  # ... changed after the forward
             name_input_written_after(report, after, version_check)
             report.suggestions = suggestions_for(report, region, torch_version)

@@ -70,9 +70,9 @@ MAX_MESSAGE = 64 * 1024  # characters of raw text kept in TorchError.message
 
 # autograd's check that a tensor saved for the backward was not written in place since (torch/csrc/autograd/
 # saved_variable.cpp): "... modified by an inplace operation: [torch.cuda.FloatTensor [3, 8, 32]] is at version 1;
-# expected version 0 instead."
-_VERSION_CHECK = re.compile(r"modified by an inplace operation: \[[^\[\]]*\[([\d, ]*)\]\] is at version (\d+); "
-                            r"expected version (\d+)")
+# expected version 0 instead.", with ", which is output 0 of MulBackward0," before "is at" for a tensor an op made
+_VERSION_CHECK = re.compile(r"modified by an inplace operation: \[[^\[\]]*\[([\d, ]*)\]\]"
+                            r"(?:, which is output \d+ of [^,]*,)? is at version (\d+); expected version (\d+)")
 
 
 def version_check(message: str | None) -> tuple[tuple[int, ...], int, int] | None:
