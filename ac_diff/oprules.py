@@ -149,6 +149,15 @@ def is_host_read(name: str) -> bool:
     return packet(name) in HOST_READ_OPS
 
 
+def updates_as_it_computes(name: str) -> bool:
+    """An op that updates state while it computes a new output (a batch norm's running statistics): selective AC can
+    save its outputs, and the recompute then does not run it (nor update the state) again. An in-place method's
+    output is the state itself: saving it is refused ("Tensor cached during selective activation checkpoint has been
+    mutated")."""
+    return not is_in_place_method(name) and (packet(name) in _UNANNOTATED_STATS_UPDATES
+                                             or bool(written_arguments(name)))
+
+
 def is_in_place_method(name: str) -> bool:
     """An in-place method (`add_`, `lerp_`): its output is its first input, updated."""
     op = packet(name)

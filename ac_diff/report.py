@@ -183,6 +183,8 @@ class RegionReport:
     window: list[AlignedRow] = field(default_factory=list)  # side-by-side rows around the first divergence
     notes: list[str] = field(default_factory=list)
     side_effects: list[str] = field(default_factory=list)  # in-place state updates the recompute repeats
+    # the same, as (tensor, the op updating it, the module it ran in): what `fix` tries to save
+    repeated: list[tuple[str, str, str | None]] = field(default_factory=list)
     source: str = "trace"  # trace or log
     path: str | None = None  # the trace or log file it was read from
     # a non-tensor, non-size argument (a Python float, a flag) that differs: not a shape divergence
@@ -262,7 +264,7 @@ def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None 
 
 def repeated_updates(regions: list[RegionReport]) -> set[str]:
     """The tensors some region's recompute updates in place a second time (its side effects, "counted twice")."""
-    return {e.split(UPDATED_IN_PLACE)[0] for r in regions for e in r.side_effects}
+    return {name for r in regions for name, _, _ in r.repeated}
 
 
 @dataclass(slots=True)

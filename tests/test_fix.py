@@ -4,8 +4,8 @@ dropout with preserve_rng_state=False, a router bias updated in a forward hook w
 give the weights (saving topk does not help: its input already differed and feeds the weights too), the same with top-k weights normalised in place (saving topk crashes the
 script: SAC's cached tensor is mutated), router logits lost through reentrant checkpoint, and torchtitan's
 own op-level SAC policy composed with --must-save; a block drawing from its own torch.Generator (preserve_rng_state
-does not help, restoring the generator's forward state does); and the distributed bias update under torchrun
-(2 ranks, gloo).
+does not help, restoring the generator's forward state does); a batch norm whose recompute updates its running
+statistics again (saving its op does); and the distributed bias update under torchrun (2 ranks, gloo).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def fixes(tmp_path_factory):
         "side_output": [SCRIPT, "--reentrant"],
         "two_causes": [str(STACKS / "two_causes.py")],
         "scaled_cache": [str(STACKS / "scaled_cache.py")],
+        "batch_norm": [str(STACKS / "batch_norm_block.py")],
     }
     with ThreadPoolExecutor(2) as pool:
         done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
@@ -122,6 +123,19 @@ def test_a_private_generator_is_restored_where_preserve_rng_state_does_not_help(
     assert "gen.set_state(gen_state)" in report["fixes"]["verified_code"]
     gen = [s for r in report["regions"] for s in r["suggestions"] if "torch.Generator" in s["title"]]
     assert gen and all(s["status"] == "verified" and "--restore-in-recompute" in s["verify"] for s in gen)
+    assert proc.returncode == 0
+
+
+def test_a_batch_norm_the_recompute_runs_again_is_saved(fixes):
+    """Every region reproduced its forward, but the recompute updates the batch norms' running statistics a second
+    time: saving the batch norm op is tried and verified (it said "nothing to fix"), and the try counts only where
+    the statistics are no longer updated twice (the counter's add_ still is: harmless with a momentum)."""
+    proc, report = fixes["batch_norm"]
+    first = report["fixes"]["tries"][0]
+    assert first["args"][:2] == ["--must-save", "aten.native_batch_norm.default"], first
+    assert first["status"] == "verified" and first["gradients"] == "bit-identical", first
+    assert "the recompute no longer updates layers.0.bn.running_mean, layers.0.bn.running_var, layers.1.bn." \
+        "running_mean again" in report["fixes"]["headline"], report["fixes"]["headline"]
     assert proc.returncode == 0
 
 

@@ -52,6 +52,18 @@ def test_batch_norm_statistics_updated_again_in_the_recompute_are_a_side_effect(
     assert region.cause is None and not any(p.values_differ for p in region.positions)
     effects = " ".join(region.side_effects)
     assert "bn.running_mean" in effects and "bn.running_var" in effects and "bn.num_batches_tracked" in effects
+    # what that costs and the fix: the statistics end each step other than without AC; saving the batch norm op
+    # keeps the recompute from running it again (a clean report said nothing more, and `fix` "nothing to fix")
+    assert "so they end each step other than a run without AC leaves them" in report.headline, report.headline
+    (fix,) = region.suggestions
+    assert fix.title.startswith("Save aten.native_batch_norm.default with selective activation checkpointing, so "
+                                "the recompute does not update `bn.running_mean`, `bn.running_var` again"), fix.title
+    assert "torch.ops.aten.native_batch_norm.default," in fix.code and "`bn.num_batches_tracked`" in fix.text
+    from ac_diff.fix.candidates import candidates
+
+    (save,) = candidates(report)
+    assert save.spec.must_save == ["aten.native_batch_norm.default"] and save.spec.must_save_modules == ["bn"]
+    assert save.repeats == {"bn.running_mean", "bn.running_var"}  # (the counter's add_ cannot be saved)
 
 
 def test_eval_between_forward_and_backward_is_the_module_mode(tmp_path):

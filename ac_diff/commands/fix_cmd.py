@@ -140,7 +140,8 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         ref = reference_result(r, d, ranks, steps, try_m.code, try_text, reference_dir=try_dir) \
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
-              extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None, culprits)
+              extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None,
+              culprits | c.repeats)
         if c.kind == "no_ac":
             without_ac_too(t, report, c.spec.no_ac)
 
@@ -199,8 +200,9 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
         c, t = keeps_ac[0]
         result.verified, result.verified_code, result.keeps_ac = c.name, code_for(c), True
         n = len(tries) - sum(t.status == UNTESTED for t in tries)
-        result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC "
-                           f"({n} remed{'y' if n == 1 else 'ies'} tried)"
+        stopped = f", and the recompute no longer updates {', '.join(sorted(c.repeats)[:3])} again" if c.repeats else ""
+        result.headline = (f"verified: {c.name} - every region clean, gradients bit-identical to the run without AC"
+                           f"{stopped} ({n} remed{'y' if n == 1 else 'ies'} tried)"
                            + ("; a simulation of a code change: make the change below" if c.kind == "restore" else ""))
     elif verified:
         c, t = verified[0]

@@ -339,7 +339,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     + (f" ({why})" if why else ""))
         repeated = repeated_updates(regions)
         extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
-                 + (" ..." if len(repeated) > 3 else "") if repeated else "")
+                 + (" ..." if len(repeated) > 3 else "")
+                 + ", so they end each step other than a run without AC leaves them" if repeated else "")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor

@@ -25,7 +25,7 @@ from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, firs
 from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
                            saved_by_its_ops)
-from .suggest import suggestions_for
+from .suggest import repeated_update_suggestion, suggestions_for
 from .watched import WATCHED_ORIGINS, explain_watched
 from .labels import args_diff, number_ranges, op_label, outputs_diff, where
 
@@ -164,12 +164,15 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         report.side_effects.append(
             f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
+        report.repeated.append((name or "a tensor", op.op, op.module))
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
     held = None if diverged else function_state_cause(region)  # (a reentrant region: every op matched)
     diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
+    if not diverged and report.repeated:
+        report.suggestions = [repeated_update_suggestion(report, torch_version)]
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import OBSERVER_OPS, packet
+from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, RegionReport, Suggestion
 from .attributes import attribute_suggestion
@@ -104,6 +104,39 @@ def _set_once(key: str, value: object) -> str:
                 f"with sdpa_kernel([{backends}]):  # around the whole step\n"
                 "    loss = model(batch)\n    loss.backward()  # the recompute runs here: under the same backends")
     return f"torch.backends.{key} = {value!r}{once}"
+
+
+def repeated_update_suggestion(report: RegionReport, torch_version: str | None = None) -> Suggestion:
+    """A region that reproduced its forward but whose recompute updates state a second time (`report.repeated`: a
+    batch norm's running statistics, a counter): the gradients are right, the state the next steps start from is
+    not. An op that updates while it computes (a batch norm) is saved with selective AC, so the recompute does not
+    run it again; an in-place update (`counter.add_(1)`) is moved out of the checkpointed forward."""
+    saved = list(dict.fromkeys(op for _, op, _ in report.repeated if updates_as_it_computes(op)))
+    shown = _names([name for name, op, _ in report.repeated if op in saved or not saved])
+    in_place = [f"`{n}` ({op})" for n, op, _ in report.repeated if not updates_as_it_computes(op)]
+    after = (" Each step then leaves them other than a run without AC does (a batch norm's running statistics: "
+             "evaluation reads them), though this step's gradients are right.")
+    if saved:
+        rest = (f" The in-place update{'s' if len(in_place) > 1 else ''} of {', '.join(in_place[:3])} still runs "
+                "twice (a batch norm's `num_batches_tracked` only matters with momentum=None): move it out of the "
+                "checkpointed forward, or keep the module out of the region." if in_place else "")
+        return Suggestion(
+            f"Save {', '.join(saved)} with selective activation checkpointing, so the recompute does not update "
+            f"{shown} again",
+            f"The recompute runs {', '.join(saved)} again, and it updates {shown} as it computes." + after
+            + " With its outputs saved (selective AC), the recompute reuses them and does not run it again; or run "
+            "that module outside the checkpointed region." + rest,
+            sac_policy(saved, torch_version))
+    return Suggestion(
+        f"Apply the update of {shown} once per step, outside the checkpointed forward",
+        f"The region's code updates {shown} in place, and the recompute runs that code again." + after
+        + " Move the update after the backward (or into an optimizer step hook), or skip it while the recompute "
+        "runs (a flag the training loop sets around loss.backward()).")
+
+
+def _names(names: list[str]) -> str:
+    names = list(dict.fromkeys(names))
+    return ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..capture.fqn import is_segment
 from ..diagnosis.attributes import hook_variable
+from ..oprules import updates_as_it_computes
 from ..remedies import RemedySpec
 from ..report import DIVERGED, UNCHECKED, UPDATED_IN_FORWARD
 
@@ -49,6 +50,9 @@ class Candidate:
     op: str | None = None  # the op a must-save candidate saves
     state: str | None = None  # what a restore candidate restores: "generator", or the states' FQN globs
     parts: tuple = ()  # a "combined" candidate: the candidates it applies together
+    # the state the base run's recompute updated a second time that this candidate is to stop (a try that leaves one
+    # of them updated twice is not verified)
+    repeats: frozenset = frozenset()
 
 
 def combined(found: list[Candidate], did_not_help: list[bool], revealed: list[Any]) -> Candidate | None:
@@ -107,6 +111,22 @@ def _restores(regions: list[Any]) -> list[Candidate]:
     return out
 
 
+def _repeating(regions: list[Any]) -> dict[str, tuple[list[str], set[str]]]:
+    """op -> (module globs, tensors) of each op the regions' recomputes ran again and that updated state as it
+    computed (a batch norm's running statistics: oprules.updates_as_it_computes), outside reentrant regions (no
+    context_fn there)."""
+    out: dict[str, tuple[list[str], set[str]]] = {}
+    for r in regions:
+        for name, op, module in r.repeated if r.kind != "reentrant" else ():
+            if updates_as_it_computes(op):
+                where_, names = out.setdefault(op, ([], set()))
+                glob = layer_glob(module or r.module)
+                if glob not in where_:
+                    where_.append(glob)
+                names.add(name)
+    return out
+
+
 def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool = False) -> list[Candidate]:
     """`failed_with_ac`: the run failed where the run without AC did not (fix/ac_only.py), so the regions it left
     unchecked are suspects even where none was seen to diverge."""
@@ -145,6 +165,10 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
     for op, where_ in saves.items():  # one try per op, in every module where it flipped
         add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
                       f"{op} flipped in {', '.join(where_)}", "must_save", op))
+    for op, (where_, names) in _repeating(report.regions).items():  # its outputs saved, the recompute skips it
+        add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
+                      f"the recompute updates {', '.join(sorted(names)[:3])} a second time", "must_save", op,
+                      repeats=frozenset(names)))
     ref = getattr(report, "reference", None)
     kernel = next((e for e in getattr(ref, "explanations", None) or [] if e.kind == "nondeterministic_kernel"), None)
     if kernel is not None:  # the gradients can be compared once both runs use deterministic kernels

@@ -25,7 +25,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import DIVERGED, UNCHECKED, Report, RegionReport, count_by_status
+from ..report import CLEAN, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
 from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
@@ -109,6 +109,11 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(Text("side effect: ", style="bold yellow") + _t(effect))
     if len(side_effects) > 6:
         console.print(_t(f"... {len(side_effects) - 6} more side effects in the JSON report", "dim"))
+    for r in report.regions:  # a region that reproduced its forward: its fix is for the update it repeats
+        if r.status == CLEAN and r.repeated:
+            for s in r.suggestions:
+                if s.title not in shown:
+                    _suggestion(s, console, shown)
     for note in report.notes:
         console.print(Text("note: ", style="dim bold") + Text(note, style="dim"))
 
@@ -239,21 +244,26 @@ def _region_detail(r: RegionReport, report: Report, console: Console, shown: set
     if position_table is not None:
         console.print(position_table)
     for s in r.suggestions:
-        if s.title in shown:
-            console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"), (" (as above)", "dim")))
-            continue
-        shown.add(s.title)
-        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"),
-                                    (f"  [{s.status}]", {"verified": "green", "did not help": "red"}.get(s.status, "dim"))))
-        console.print(Text("     " + s.text))
-        if s.verify:
-            console.print(Text(f"     {'verified by' if s.status == 'verified' else 'verify'}: {s.verify}", style="dim"))
-        if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
-            code = Syntax(s.code, "python", theme="ansi_dark", background_color="default").highlight(s.code)
-            code.rstrip()
-            console.print(Text("     ") + Text("\n     ").join(code.split("\n")), soft_wrap=True)
+        _suggestion(s, console, shown)
     for note in r.notes:
         console.print(Text("note: " + note, style="dim"))
+
+
+def _suggestion(s: Suggestion, console: Console, shown: set[str]) -> None:
+    """One fix: its title, status, text, how to verify it and its code (each title once per report)."""
+    if s.title in shown:
+        console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"), (" (as above)", "dim")))
+        return
+    shown.add(s.title)
+    console.print(Text.assemble(("fix: ", "bold green"), (s.title, "bold"),
+                                (f"  [{s.status}]", {"verified": "green", "did not help": "red"}.get(s.status, "dim"))))
+    console.print(Text("     " + s.text))
+    if s.verify:
+        console.print(Text(f"     {'verified by' if s.status == 'verified' else 'verify'}: {s.verify}", style="dim"))
+    if s.code:  # highlighted, never wrapped or cropped by rich: the lines copy as they are
+        code = Syntax(s.code, "python", theme="ansi_dark", background_color="default").highlight(s.code)
+        code.rstrip()
+        console.print(Text("     ") + Text("\n     ").join(code.split("\n")), soft_wrap=True)
 
 
 def _idx(i: int | None) -> str:

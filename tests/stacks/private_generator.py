@@ -29,9 +29,11 @@ class NoisyBlock(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, dim: int = 16, layers: int = 2) -> None:
+    """`layers` blocks (`block(dim, i)`), each checkpointed non-reentrant, and a head."""
+
+    def __init__(self, dim: int = 16, layers: int = 2, block=lambda dim, i: NoisyBlock(dim, seed=i)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(NoisyBlock(dim, seed=i) for i in range(layers))
+        self.layers = nn.ModuleList(block(dim, i) for i in range(layers))
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,15 +42,15 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def main(argv=None) -> None:
+def main(argv=None, block=None, batch: int = 8) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    model = Net()
+    model = Net() if block is None else Net(block=block)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(args.steps):
-        loss = model(torch.randn(8, 16)).pow(2).mean()
+        loss = model(torch.randn(batch, 16)).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
