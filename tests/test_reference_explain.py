@@ -77,7 +77,8 @@ def test_fix_does_not_verify_a_try_whose_recompute_still_updates_the_culprit_twi
                               first_shape_divergence=None, first_control_divergence=None, positions=[],
                               suggestions=[], chain=[], side_effects=[f"{e} is updated in place by aten.add_.Tensor in "
                                                                       "layers.0.moe (m.py:9) inside the region"
-                                                                      for e in effects])
+                                                                      for e in effects],
+                              repeated=[(e, "aten.add_.Tensor", "layers.0.moe") for e in effects])
         return Report(verdict="clean", headline="", regions=[region])
 
     identical = SimpleNamespace(steps=_steps(True), defect=False)
