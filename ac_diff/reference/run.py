@@ -126,13 +126,14 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                                "checkpoint bound before ac-diff started?), so the comparison shows nothing")
         elif turned_off:
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
+        done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
         later = diverged_after(rank_report.regions, len(result.steps))
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
             first = min(later, key=lambda x: x.region)
             result.headline += (f"; but the first region that diverged (region {first.region}, "
                                 f"{first.module or '?'}) ran in step {first.step}, after the compared backward "
-                                f"pass(es): `--reference-steps {first.step}` compares it")
-        done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
+                                "pass(es)" + (f": `--reference-steps {first.step}` compares it" if first.step <= done
+                                              else ""))  # (else the run with AC never finished that backward)
         if ref and len(ref["steps"]) > done and (result.verdict == IDENTICAL or not done):
             only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
                     "checkpointing's")
