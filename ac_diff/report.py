@@ -245,6 +245,7 @@ class RegionReport:
         return data
 
 
+CUT_SHORT = "cut short"  # Report.exit_status of a run whose trace has no end record (its process was killed)
 UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor> is updated in place by <op> in ..."
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
 RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
@@ -340,7 +341,7 @@ class RankSummary:
     first_op_module: str | None = None
     first_source: str | None = None
     torch_error: str | None = None  # "metadata_mismatch at positions 35, 36" when torch raised on this rank
-    exit_status: str | None = None  # ok, exception, interrupted, exit (from the trace's end record)
+    exit_status: str | None = None  # ok, exception, interrupted, exit (from the trace's end record); CUT_SHORT
     exit_code: int | None = None
     truncated: bool = False  # the trace has no end record (the process was killed)
     trace: str | None = None
@@ -437,6 +438,8 @@ class Report:
         if self.verdict == UNCHECKED:
             if self.crashed:
                 return "INTERRUPTED" if self.exit_status == "interrupted" else "CRASHED"
+            if self.exit_status == CUT_SHORT:
+                return "CUT SHORT"
             if self.missing_ranks:
                 return "RANKS MISSING"
             if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):

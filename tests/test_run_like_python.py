@@ -120,3 +120,9 @@ def test_killed_process_leaves_readable_trace(tmp_path):
         trace = ac_diff.load(tmp_path / "out")
     assert len(trace.regions) == 3
     assert (trace.regions.recompute_ops > 0).all()
+    # never clean: what ran after the last record was never checked (the report said CLEAN, `--check` exit 0)
+    report = run_cli("report", "--check", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert report.returncode == 4, report.stdout + report.stderr
+    headline = json.loads((tmp_path / "r.json").read_text())["headline"]
+    assert "CUT SHORT" in report.stdout and "ends without its end record: the process was killed" in headline
+    assert "3 region(s) checked clean before its last record" in headline, headline

@@ -551,8 +551,9 @@ def test_full_from_step_records_from_that_step(tmp_path):
     assert report.watch["compared"] == 2 * 2  # steps 1 and 2 watched
 
 
-def test_a_long_watched_run_keeps_a_small_trace(tmp_path):
+def test_a_long_watched_run_keeps_a_small_trace(tmp_path, monkeypatch):
     """Clean watched regions leave only counts: a "watch" record every 100 steps and at the end."""
+    monkeypatch.setattr(watch, "SUMMARY_SECONDS", 1e9)  # (the cadence in time: the next test)
     torch.manual_seed(0)
     model = Net()
     path = tmp_path / "long.jsonl"
@@ -568,6 +569,25 @@ def test_a_long_watched_run_keeps_a_small_trace(tmp_path):
     assert report.watch["compared"] == 2 * 299 + 0 and size < 200_000, size  # step 1 in full
     types = [json.loads(line)["type"] for line in path.read_text().splitlines()]
     assert types.count("watch") == 300 // 100 + 1
+
+
+def test_watched_counts_are_written_every_few_seconds_too(tmp_path, monkeypatch):
+    """Slow steps write their totals by time as well: a process killed outright (SIGKILL) keeps the counts up to its
+    last totals, and its report is CUT SHORT, never clean (it said CLEAN over 3 regions, 156 run)."""
+    monkeypatch.setattr(watch, "SUMMARY_SECONDS", 0.0)
+    torch.manual_seed(0)
+    model, path = Net(), tmp_path / "slow.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for _ in range(6):
+            model(torch.randn(1, 2, 16)).sum().backward()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["type"] for line in lines].count("watch") == 5 + 1  # each step after the first, the end
+    cut = tmp_path / "cut.jsonl"  # killed in step 6: its last totals (step 5) are what is left
+    cut.write_text("\n".join(line for line in lines if json.loads(line)["type"] != "end") + "\n")
+    report = ac_diff.diagnose([read_run(cut)])
+    assert report.verdict == "unchecked" and report.title == "CUT SHORT", report.headline
+    assert report.watch["compared"] >= 2 * 4 and "regions checked clean before its last record" not in report.headline
+    assert f"{report.watch['compared']} region(s) checked clean before its last record" in report.headline
 
 
 # -- the batched CUDA digest (byte_sums.py), run on CPU by Triton's interpreter ---------------------------------

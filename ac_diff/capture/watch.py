@@ -15,7 +15,7 @@ that did not (values, shapes, count of saved tensors, or torch's error), its reg
 step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
 an "escalate" record when a module is recorded in full (until a full recording of it diverges, at most
 ESCALATION_STEPS steps: then it is watched again, and its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
-compared, diverged unwritten, nested reruns] (every 100 steps and at the end), so a long watched run's trace stays small.
+compared, diverged unwritten, nested reruns] (every 100 steps or 30 seconds, and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
 device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
@@ -39,6 +39,7 @@ loops print them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from weakref import ref as _weakref
 from dataclasses import dataclass, field
@@ -53,7 +54,10 @@ from .fingerprint import (HOLD, _SAME_SIZE_INTS, _Packed, _as_real, _local, _row
 from .segments import _weights, segment_pairs
 from ..trace.encode import written_meta
 
-SUMMARY_EVERY = 100  # steps between "watch" totals records
+SUMMARY_EVERY = 100  # steps between "watch" totals records ...
+# ... or seconds, whichever comes first: a process killed outright (SIGKILL, the out-of-memory killer) writes no end,
+# and its trace keeps the counts of the last totals only
+SUMMARY_SECONDS = 30.0
 # An escalated module is recorded in full until one of its full recordings diverges (the diagnosis is then in the
 # trace), at most this many steps (a divergence that recurs every few steps, an accumulation cycle's, is caught);
 # then it is watched again, its divergences counted, not written: one that persists would otherwise write every
@@ -447,6 +451,7 @@ class Watch:
     unmeasured: dict[str, set] = field(default_factory=dict)
     held: dict[str, list] = field(default_factory=dict)  # comparisons awaiting a full recording of their module
     _summarized_at: int = 0
+    _summarized_time: float = field(default_factory=time.monotonic)
 
     # -- which regions are recorded in full ----------------------------------------------------
     def full(self, key: str | None, step: int) -> bool:
@@ -454,7 +459,8 @@ class Watch:
         --full-from-step, or its module was escalated)."""
         if step != self.step:
             self.step = step
-            if self.step - self._summarized_at >= SUMMARY_EVERY:
+            if self.step - self._summarized_at >= SUMMARY_EVERY or self.step > 1 and \
+                    time.monotonic() - self._summarized_time >= SUMMARY_SECONDS:
                 self.summarize()
         if self.step <= self.full_steps or self.full_from_step is not None and self.step >= self.full_from_step:
             return True
@@ -573,7 +579,7 @@ class Watch:
         self.summarize()
 
     def summarize(self) -> None:
-        self._summarized_at = self.step
+        self._summarized_at, self._summarized_time = self.step, time.monotonic()
         self.write({"type": "watch", "step": self.step, "full_from_step": self.full_from_step,
                     "full_steps": self.full_steps,
                     "modules": {key: t.to_json() for key, t in self.totals.items()},

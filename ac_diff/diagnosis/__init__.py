@@ -18,7 +18,7 @@ import contextlib
 from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
+from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import SHARDED, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
@@ -84,6 +84,9 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     errors_summary = [_summary(e) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
+    cut = None if crash else _cut_short(runs, region_reports, watch)
+    if cut is not None:
+        crash, exit_status = cut, exit_status or CUT_SHORT
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
@@ -251,6 +254,22 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
              f"killer?); then on rank {stopped.rank or 0} " if killed is not None else "")
     return (f"{first}the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked) + never_watched} never checked ({reasons})")
+
+
+def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:
+    """A headline for a run whose trace ends without its end record (its process was killed: SIGKILL, the
+    out-of-memory killer, a lost node; or it is still running): what ran after its last record was never checked
+    (watch mode writes a clean region only in its totals, every 100 steps or 30 seconds), so the run is not clean. Several ranks:
+    missing_ranks says it per rank."""
+    cut = next((r for r in runs if r.source == "trace" and r.truncated and r.world_size <= 1), None)
+    if cut is None or not (cut.regions or cut.watch):
+        return None
+    checked = sum(1 for r in regions if r.status in (CLEAN, DIVERGED)) + watched_clean(watch)
+    if not checked:  # (nothing compared at all: said as such, with the trace's note)
+        return None
+    return (f"{cut.path} ends without its end record: the process was killed (SIGKILL, the out-of-memory killer, a "
+            f"lost node) or is still running; {checked} region(s) checked clean before its last record, and what ran "
+            "after it was never checked")
 
 
 def _where_it_stopped(run: Run) -> str:
