@@ -571,6 +571,21 @@ def test_a_long_watched_run_keeps_a_small_trace(tmp_path, monkeypatch):
     assert types.count("watch") == 300 // 100 + 1
 
 
+def test_a_clean_watched_reentrant_region_says_only_its_outputs_were_compared(tmp_path):
+    """A reentrant region's forward runs without grad and saves nothing: watch compares its outputs, and a recompute
+    that reaches the same outputs through other saved tensors (a softmax kept in bf16) changes the gradients unseen.
+    The report says what it compared (it said every region "reproduced their saved tensors")."""
+    torch.manual_seed(0)
+    block, path = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), tmp_path / "r.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for _ in range(3):
+            checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=True).sum().backward()
+    report = ac_diff.diagnose([read_run(path)])
+    assert report.verdict == "clean" and report.watch["outputs_only"] == report.watch["compared"] == 3
+    assert "(the watched reentrant ones: their outputs; their forward saves nothing)" in report.headline
+    assert "all reentrant: compared by their outputs only" in report.watch["text"]
+
+
 def test_watched_counts_are_written_every_few_seconds_too(tmp_path, monkeypatch):
     """Slow steps write their totals by time as well: a process killed outright (SIGKILL) keeps the counts up to its
     last totals, and its report is CUT SHORT, never clean (it said CLEAN over 3 regions, 156 run)."""

@@ -15,7 +15,7 @@ that did not (values, shapes, count of saved tensors, or torch's error), its reg
 step) and both passes' positions, each with the digest of the tensor saved there and the module it was saved in;
 an "escalate" record when a module is recorded in full (until a full recording of it diverges, at most
 ESCALATION_STEPS steps: then it is watched again, and its divergences are counted, not written); a "watch" record with the totals per module [compared, diverged, never
-compared, diverged unwritten, nested reruns] (every 100 steps or 30 seconds, and at the end), so a long watched run's trace stays small.
+compared, diverged unwritten, nested reruns, compared by outputs only] (every 100 steps or 30 seconds, and at the end), so a long watched run's trace stays small.
 
 The digest of a saved tensor. A CPU tensor's is taken on the host as torch saves it (a CPU read waits for no
 device; a later write behind torch's back, numpy's or `.data`'s, cannot reach it): the hash of its bytes in order and
@@ -420,9 +420,10 @@ class _Totals:
     unchecked: int = 0  # forwards never compared (no backward reached them, the run stopped first)
     unwritten: int = 0  # diverged after their module's full recording showed it (ESCALATION_STEPS): counted only
     nested: int = 0  # nested checkpoints a watched recompute ran: torch never recomputes them again
+    outputs: int = 0  # of those compared, reentrant ones: by their outputs only (their forward saves nothing)
 
     def to_json(self) -> list[int]:
-        return [self.compared, self.diverged, self.unchecked, self.unwritten, self.nested]
+        return [self.compared, self.diverged, self.unchecked, self.unwritten, self.nested, self.outputs]
 
 
 @dataclass
@@ -611,6 +612,8 @@ class Watch:
         totals = self._totals(key)
         totals.unchecked -= 1
         totals.compared += 1
+        if cmp.forward.origins and all(o == "output" for o in cmp.forward.origins):
+            totals.outputs += 1
         if not (how or raised):
             return
         self.raised.discard(id(region))

@@ -96,7 +96,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     # a region recorded in full leads over a watched one (which shows no ops)
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
     headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch),
-                         watch["never_compared"] + watch["nested"] if watch else 0, watch["unwritten"] if watch else 0)
+                         watch["never_compared"] + watch["nested"] if watch else 0, watch["unwritten"] if watch else 0,
+                         watch["outputs_only"] if watch else 0)
     if crash and not diverged and not errors:
         headline = crash
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
@@ -318,10 +319,11 @@ def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None
             + (f" [{first}]" if first else "") + "; please report it with the trace")
 
 
-def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0) -> str:
+def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0,
+              outputs_only: int = 0) -> str:
     """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed
     (or ran nested in a recompute), `unwritten`: those that diverged after their module's full recording ended (none
-    has a report of its own)."""
+    has a report of its own), `outputs_only`: reentrant ones among the compared, by their outputs only."""
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:
@@ -368,7 +370,9 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                       f"the recompute ({flag_label(key)}: {change.get('forward')!r} -> {change.get('recompute')!r}): "
                       "the same values on this device, not where a kernel depends on it")
         how = f" ({watched} of them watched)" if watched else ""
-        return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{extra}"
+        only = (f" ({'the' if outputs_only >= watched else str(outputs_only) + ' of the'} watched reentrant ones: their "
+                "outputs; their forward saves nothing)" if outputs_only else "")
+        return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{only}{extra}"
     # lead with the region torch complained about, else the first in forward order (a watched one too: its cause
     # names its module's full recording); the lowest rank first, as the report's details and cross-rank lines (a
     # log may print rank 1's dump before rank 0's)

@@ -48,14 +48,14 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
     watched = [run for run in runs if run.watch is not None]
     if not watched:
         return None
-    compared = diverged = never = unwritten = nested = steps = 0
+    compared = diverged = never = unwritten = nested = outputs = steps = 0
     escalated: list[dict[str, Any]] = []
     for run in watched:
         w = run.watch
         steps = max(steps, int(w.get("step") or 0))
-        for c, d, u, k, n in w["modules"].values():
-            compared, diverged, never, unwritten, nested = (compared + c, diverged + d, never + u, unwritten + k,
-                                                            nested + n)
+        for c, d, u, k, n, o in w["modules"].values():
+            compared, diverged, never, unwritten, nested, outputs = (compared + c, diverged + d, never + u,
+                                                                     unwritten + k, nested + n, outputs + o)
         full = [r for r in reports if r.path == run.path and not r.watched]
         for module, e in sorted(w["escalated"].items(), key=lambda kv: kv[1].get("region") or 0):
             mine = [r for r in full if (r.module == module or (r.module or "").startswith(module + "."))
@@ -63,7 +63,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
                               ("diverged_step", "region", "from_step", "why", "until_step")},
-                              "unwritten": (w["modules"].get(module) or [0, 0, 0, 0, 0])[3],
+                              "unwritten": (w["modules"].get(module) or [0] * 6)[3],
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
@@ -72,7 +72,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                   for run in watched for m in run.watch["modules"] for e in [run.watch["escalated"].get(m) or {}]}
     all_full = max(from_steps.values()) if from_steps and None not in from_steps.values() else None
     summary = {"steps": steps, "compared": compared, "diverged": diverged, "clean": compared - diverged,
-               "all_full_from": all_full, "unwritten": unwritten, "nested": nested,
+               "all_full_from": all_full, "unwritten": unwritten, "nested": nested, "outputs_only": outputs,
                "never_compared": never, "full_steps": max(int(run.watch.get("full_steps") or 0) for run in watched),
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
@@ -96,7 +96,7 @@ def _text(s: dict[str, Any]) -> str:
         last = min([s["steps"], *(x - 1 for x in (s["full_from_step"], s.get("all_full_from")) if x is not None)])
         text = (f"{first}watched {s['compared']:,} region(s) over {max(last - full, 0):,} step(s): "
                 f"{s['clean']:,} reproduced their saved tensors exactly"
-                + (f", {s['diverged']:,} diverged" if s["diverged"] else ""))
+                + (f", {s['diverged']:,} diverged" if s["diverged"] else "") + _outputs_only(s))
     if s["never_compared"]:
         text += (f"; {s['never_compared']:,} forward(s) never recomputed ("
                  + ("the run stopped first)" if s.get("stopped") else "no backward reached them)"))
@@ -125,6 +125,19 @@ def _text(s: dict[str, Any]) -> str:
     elif s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
     return text
+
+
+def _outputs_only(s: dict[str, Any]) -> str:
+    """What watch could not compare in reentrant regions: their forward runs without grad and saves nothing, so their
+    outputs are what was compared; a recompute that builds another graph from the same outputs (a softmax kept in
+    another dtype) changes the gradients unseen."""
+    n = s.get("outputs_only") or 0
+    if not n:
+        return ""
+    return (f" ({'all' if n == s['compared'] else f'{n:,} of them'} reentrant: compared by their outputs only, as "
+            "their forward saves nothing; a recompute that computes the same outputs through other saved tensors "
+            "changes the gradients unseen: record them in full, --watch-full-steps N or without --watch, or use "
+            "use_reentrant=False)")
 
 
 def _reproduced(e: dict[str, Any]) -> str:
