@@ -185,6 +185,7 @@ class RegionReport:
     side_effects: list[str] = field(default_factory=list)  # in-place state updates the recompute repeats
     # the same, as (tensor, the op updating it, the module it ran in): what `fix` tries to save
     repeated: list[tuple[str, str, str | None]] = field(default_factory=list)
+    host_draws: list[str] = field(default_factory=list)  # host generators its recompute drew from ("random")
     source: str = "trace"  # trace or log
     path: str | None = None  # the trace or log file it was read from
     # a non-tensor, non-size argument (a Python float, a flag) that differs: not a shape divergence

@@ -20,10 +20,10 @@ def _steps(second_loss_identical: bool, no_grad: int = 0) -> list[StepComparison
                            identical=4, no_grad=no_grad)]
 
 
-def _report(side_effects=(), rng=False, cause=None, mechanism=None, source=None):
+def _report(side_effects=(), rng=False, cause=None, mechanism=None, source=None, host_draws=()):
     region = SimpleNamespace(side_effects=list(side_effects), state_changes={"rng": {}} if rng else {},
                              cause=SimpleNamespace(kind=cause, mechanism=mechanism, source=source) if cause else None,
-                             status="clean", rank=0, module="l0")
+                             status="clean", rank=0, module="l0", host_draws=list(host_draws))
     return SimpleNamespace(regions=[region])
 
 
@@ -41,6 +41,11 @@ def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():
     assert unexplained.verdict == DIFFERS and unexplained.explanations[0].kind == "state_drift"
     same = explain(_steps(True), [], _report(), steps_requested=2)
     assert same.verdict == IDENTICAL and not same.explanations
+    # clean regions whose recompute drew from Python's `random` again (LayerDrop decided on the host, the same
+    # decisions as their forwards): the runs go on from other draws (it said "state drift ... no random draws")
+    host = explain(_steps(False), [], _report(host_draws=["random"]), steps_requested=2)
+    assert host.verdict == IDENTICAL and [e.kind for e in host.explanations] == ["rng_draws"]
+    assert "drew from a host generator (Python's random, NumPy) again" in host.explanations[0].text
 
 
 def test_host_draws_are_not_answered_with_preserve_rng_state():

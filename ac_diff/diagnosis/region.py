@@ -165,6 +165,7 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
             f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
         report.repeated.append((name or "a tensor", op.op, op.module))
+    report.host_draws = list(rec.state.get("host_draws") or ())
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None

@@ -174,7 +174,10 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
             fix="apply the update once per step: outside the checkpointed region (after the backward, e.g. in an "
                 "optimizer step hook), or not in the recompute")
     rng = [r.cause for r in regions if r.cause is not None and r.cause.kind == "rng"]
-    if any(c.mechanism == "host_rng" for c in rng):  # Python's or NumPy's generator: torch restores neither
+    # Python's or NumPy's generator, which torch restores for neither pass: a recompute that drew from it (the same
+    # decisions as its forward, or another) leaves the run's later draws other than the run without AC's
+    redrew = any(getattr(r, "host_draws", None) for r in regions)
+    if any(c.mechanism == "host_rng" for c in rng) or redrew:
         source = next((c.source for c in rng if c.mechanism == "host_rng" and c.source), None)
         return Explanation(
             "rng_draws", f"{start}: the recompute drew from a host generator (Python's random, NumPy) again"
