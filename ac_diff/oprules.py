@@ -122,6 +122,7 @@ def holds_values(role: str, drew: bool) -> bool:
 # Ops autograd and checkpoint machinery add to one pass and not the other (the recompute's pack hook,
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor
+CAST = "aten._to_copy.default"  # a dtype or device cast (`x.to(torch.bfloat16)`, autocast's casts of the weights)
 HOOK_ONLY_OPS = frozenset({DETACH})
 # Aliases with a version counter of their own: what `.data` dispatches (a write through one leaves the aliased
 # tensor's version as it was).

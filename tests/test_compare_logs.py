@@ -304,6 +304,35 @@ def test_a_log_names_the_in_place_update_the_routing_depends_on(log):
     assert region.module == "forward at wt-compat/examples/tiny_moe.py:172", region.module
 
 
+def test_autocasts_cached_weight_casts_are_not_a_divergence_in_a_log(tmp_path):
+    """A backward run inside the forward's autocast context: the recompute finds the weights' bf16 casts in
+    autocast's cache and makes only the activation's again. From the log (ids only, no values) those forward-only
+    casts were aligned with the activation's and read as the first divergence (`_to_copy` bf16[16] -> bf16[4, 16]);
+    the divergence is the softmax's dtype, which a Python value changed between forward and backward."""
+    import torch
+
+    torch.manual_seed(0)
+    lin, state = torch.nn.Linear(16, 16), {"dtype": torch.float32}
+
+    def fn(x):
+        return lin(x).to(state["dtype"]).softmax(-1)
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        import torch.utils.checkpoint as cp
+
+        with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+            y = cp.checkpoint(fn, x, use_reentrant=False, debug=True).float().sum()
+            state["dtype"] = torch.bfloat16  # (before the backward: the recompute softmaxes in bf16)
+            y.backward()
+    log = tmp_path / "autocast.log"
+    log.write_text("".join(traceback.format_exception(caught.value)))
+    (region,) = ac_diff.diagnose_paths([log]).regions
+    shape = region.first_shape_divergence
+    assert shape is not None and shape.op == "aten._softmax.default", shape
+    assert "f32[4, 16]→bf16[4, 16]" in shape.summary, shape.summary
+
+
 def test_a_python_argument_changed_in_a_log_is_python_state_not_a_decision(tmp_path):
     """topk(k) with k from a capacity the loop raises between the forward and the backward: the debug log shows
     topk(4, 1) then topk(5, 1) over inputs of the same shapes. From the log alone that is a Python value that

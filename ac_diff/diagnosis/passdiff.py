@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
-from ..oprules import (HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
+from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
                        packet, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg
@@ -499,7 +500,7 @@ def _read_back(f_ops: list[OpRecord], recompute: Pass) -> set[int]:
     """The forward's ops the recompute did not run because it read back what they made (`External.made_by`: a
     tensor the forward made and something kept, autocast's bf16 weight casts, a memoized table) and the ops that
     fed only those: not aligned, as they have no counterpart (what was read back is compared as an input)."""
-    dropped = {e.made_by[0] for e in recompute.externals if e.made_by is not None}
+    dropped = {e.made_by[0] for e in recompute.externals if e.made_by is not None} | _cached_casts(f_ops, recompute)
     if not dropped:
         return dropped
     consumers: dict[int, set[int]] = {}
@@ -512,6 +513,26 @@ def _read_back(f_ops: list[OpRecord], recompute: Pass) -> set[int]:
         if feeds and feeds <= dropped:
             dropped.add(o.index)
     return dropped
+
+
+def _cached_casts(f_ops: list[OpRecord], recompute: Pass) -> set[int]:
+    """From a log (no externals: ids only), the forward's casts of tensors from outside the pass (autocast's casts of
+    the weights) that the recompute did not make again, by output shape and dtype: autocast's cache served them (a
+    backward run inside the forward's autocast context), so they have no counterpart to align with."""
+    if recompute.externals or not f_ops or f_ops[0].log_ids is None:
+        return set()
+
+    def casts(ops: list[OpRecord]) -> list[OpRecord]:
+        return [o for o in ops if o.op == CAST and o.input_refs and o.input_refs[0].kind == "external" and o.out]
+
+    remade = Counter(str(o.out[0]) for o in casts(recompute.ops))
+    out = set()
+    for o in casts(f_ops):
+        if remade[str(o.out[0])] > 0:
+            remade[str(o.out[0])] -= 1
+        else:
+            out.add(o.index)
+    return out
 
 
 def kept_read_back(forward: Pass, recompute: Pass, tolerance: Tolerance) -> dict[str, tuple[tuple[int, int], bool]]:
