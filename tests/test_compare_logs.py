@@ -314,8 +314,8 @@ def test_autocasts_cached_weight_casts_are_not_a_divergence_in_a_log(tmp_path):
     torch.manual_seed(0)
     lin, state = torch.nn.Linear(16, 16), {"dtype": torch.float32}
 
-    def fn(x):
-        return lin(x).to(state["dtype"]).softmax(-1)
+    def fn(x):  # (the activation's cast reads the norm's output, the weights' casts read tensors from outside)
+        return lin(torch.nn.functional.layer_norm(x, (16,))).to(state["dtype"]).softmax(-1)
 
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
