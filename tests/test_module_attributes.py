@@ -254,6 +254,41 @@ def test_a_cache_a_later_micro_batch_rebuilds_is_said_to_be_rebuilt(tmp_path):
     assert region.suggestions[0].title.startswith("Build what sets `LazyRotary.cached_len` once")
 
 
+class _AttentionConfig:
+    """A model config as Hugging Face keeps it: the attention implementation in a private field."""
+
+    def __init__(self) -> None:
+        self.hidden = 8
+        self._attn_implementation_internal = "sdpa"
+
+
+class ConfiguredAttention(nn.Module):
+    def __init__(self, config: _AttentionConfig) -> None:
+        super().__init__()
+        self.config, self.proj = config, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.config._attn_implementation_internal == "eager":
+            return torch.softmax(h, -1) * h
+        return torch.tanh(h)
+
+
+def test_a_private_field_of_the_config_a_module_holds_is_named(tmp_path):
+    """`config._attn_implementation = "eager"` between the forward and the backward (a callback preparing an
+    evaluation): the field is named (private config fields were not recorded: "Python code took another branch")."""
+    torch.manual_seed(0)
+    config = _AttentionConfig()
+    block, path = ConfiguredAttention(config), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        y = checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False)
+        config._attn_implementation_internal = "eager"
+        y.sum().backward()
+    cause = ac_diff.diagnose_paths([path]).regions[0].cause
+    assert cause.tensor == "ConfiguredAttention.config._attn_implementation_internal", cause
+    assert "was 'sdpa' in the forward and 'eager' in the recompute" in cause.detail
+
+
 def test_a_compilers_graph_module_keeps_no_attributes_of_the_users():
     """A GraphModule a compiler runs inside a compiled block (aot_eager's) takes its caller's name; its attributes
     (`_lineno_map`, which grows when Dynamo recompiles on a guard) are the compiler's: they are not read as the

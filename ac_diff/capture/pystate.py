@@ -177,10 +177,12 @@ def _holds_fields(value: Any, space: dict) -> bool:
 
 
 def scalar_fields(value: Any) -> Iterator[tuple[str, Any]]:
-    """(name, value) of an object's public scalar attributes (a run config's fields, a class's counters)."""
+    """(name, value) of an object's scalar attributes (a run config's fields, a class's counters), a private one too
+    (Hugging Face keeps the attention implementation a model runs in `config._attn_implementation_internal`), not a
+    dunder."""
     for field, v in vars(value).items():
         v = recorded_scalar(v)
-        if v is not NOT_SCALAR and not field.startswith("_"):
+        if v is not NOT_SCALAR and not field.startswith("__"):
             yield field, v
 
 
