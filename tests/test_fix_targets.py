@@ -103,3 +103,40 @@ def test_the_headline_points_at_a_code_change_only_when_one_is_shown(tmp_path):
     update = Suggestion("Update `layers.0.fc1.running` after the backward", "apply the update after backward")
     headline, change = _headline(tmp_path, [update, loud])
     assert change.startswith("Update `layers.0.fc1.running`") and headline.endswith("the code change below keeps AC")
+
+
+def _sac_run(regions: int, saved: list[int]) -> SimpleNamespace:
+    """A run whose `regions` forwards' selective AC saved one output of `saved[i]` float32 elements each."""
+    import contextlib
+
+    from ac_diff.passes import OpRecord, Pass, Region, TensorMeta
+
+    def region(i: int) -> Region:
+        ops = [OpRecord(0, "aten.topk.default", out=[TensorMeta((saved[i],), "f32", "cpu")], cached=True)]
+        return Region(rank=0, region=i, module="layers.0", forward=Pass("forward", ops=ops))
+    return SimpleNamespace(regions=[region(i) for i in range(regions)], loaded=lambda r: contextlib.nullcontext())
+
+
+def test_a_tries_extra_memory_is_per_region_of_each_run():
+    """A base run that crashed in its first backward recorded 2 regions, the try 6: what selective AC saved is
+    averaged over each run's own regions (it summed the try's 6 over the base's 2: +209 KiB where 3 KiB is true)."""
+    from ac_diff.fix.memory import extra_bytes_per_region
+
+    base, tried = _sac_run(2, [0, 0]), _sac_run(6, [256] * 6)
+    assert extra_bytes_per_region(tried, base, []) == 256 * 4
+
+
+def test_a_scripts_own_sac_policy_is_added_to_not_replaced():
+    """The script's regions already run a selective-AC policy (it saves its own matmuls): the try composes with it,
+    and the form says to add the op to that policy (it printed a fresh policy saving the op alone)."""
+    from ac_diff.fix.candidates import candidates
+    from ac_diff.fix.forms import code_for
+
+    region = SimpleNamespace(status="diverged", module="layers.0.moe", kind="checkpoint", cause=None, repeated=[],
+                             checkpoint_options={"sac": True}, changed_inputs=[],
+                             first_discrete_divergence=SimpleNamespace(op="aten.topk.default", module="layers.0.moe.router"))
+    (save, *_) = candidates(SimpleNamespace(regions=[region], reference=None))
+    assert save.kind == "must_save" and save.own_policy
+    code = code_for(save)
+    assert "already pass a selective-AC policy (context_fn): add torch.ops.aten.topk.default" in code
+    assert "SAVE = {" not in code  # (no policy of its own that would drop the script's saves)

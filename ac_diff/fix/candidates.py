@@ -53,6 +53,7 @@ class Candidate:
     # the state the base run's recompute updated a second time that this candidate is to stop (a try that leaves one
     # of them updated twice is not verified)
     repeats: frozenset = frozenset()
+    own_policy: bool = False  # a must-save candidate where the script's regions already run a selective-AC policy
 
 
 def combined(found: list[Candidate], did_not_help: list[bool], revealed: list[Any]) -> Candidate | None:
@@ -162,13 +163,14 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
                 saves[d.op].append(glob)
     for c in _restores([r for r in diverged if r.module in modules]):
         add(c)
+    own = any(r.checkpoint_options.get("sac") for r in report.regions)  # (the try composes with that policy)
     for op, where_ in saves.items():  # one try per op, in every module where it flipped
         add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
-                      f"{op} flipped in {', '.join(where_)}", "must_save", op))
+                      f"{op} flipped in {', '.join(where_)}", "must_save", op, own_policy=own))
     for op, (where_, names) in _repeating(report.regions).items():  # its outputs saved, the recompute skips it
         add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
                       f"the recompute updates {', '.join(sorted(names)[:3])} a second time", "must_save", op,
-                      repeats=frozenset(names)))
+                      repeats=frozenset(names), own_policy=own))
     ref = getattr(report, "reference", None)
     kernel = next((e for e in getattr(ref, "explanations", None) or [] if e.kind == "nondeterministic_kernel"), None)
     if kernel is not None:  # the gradients can be compared once both runs use deterministic kernels

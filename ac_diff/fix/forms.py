@@ -29,6 +29,13 @@ def code_for(c: Candidate) -> str:
     if c.kind == "deterministic":
         return ("torch.use_deterministic_algorithms(True)  # at the start of the script\n"
                 "# and in the environment, before CUDA starts: CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    if c.kind == "must_save" and c.op and c.own_policy:  # (ac-diff added it to the script's policy, not replaced it)
+        return (f"# your checkpoint calls already pass a selective-AC policy (context_fn): add torch.ops.{c.op} to "
+                "what it saves,\n# keeping everything it saves now (ac-diff verified it composed with your policy, "
+                f"in {', '.join(c.spec.must_save_modules)}):\n"
+                f"#   return CheckpointPolicy.MUST_SAVE if op in SAVE or op == torch.ops.{c.op} else ...\n"
+                f"# torchtitan: add torch.ops.{c.op} to the per-op save list (_save_list / _op_sac_save_list in "
+                "parallelize.py)")
     if c.kind == "must_save" and c.op:
         return (sac_policy([c.op], torch.__version__) + "\n"  # this torch ran the verifying try
                 f"# (ac-diff verified saving it in {', '.join(c.spec.must_save_modules)}; this policy saves it in "

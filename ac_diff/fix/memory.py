@@ -5,8 +5,8 @@
 Under full AC a region keeps only its inputs. What a remedy adds: the outputs selective AC saves in the
 forward (ops recorded as `cached`), and, for a region run without AC, every tensor autograd saves inside it
 (the base recording's saved positions that the region computed; parameters and the region's inputs are kept
-either way). The difference to the base run (whose own SAC policy may already save some) is divided by the
-base run's region count.
+either way). Each run's bytes are averaged over its own regions (a try may run more steps than a base run that
+crashed in its first backward), and the base run's (whose own SAC policy may already save some) subtracted.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def _each(run: Any, regions: list, count) -> int:
 
 def extra_bytes_per_region(run: Any, base: Any, no_ac: list[str]) -> float | None:
     regions = [r for r in base.regions if r.forward is not None]
+    ran = [r for r in run.regions if r.forward is not None]
     if not regions:
         return None
-    kept = _each(run, run.regions, sac_bytes)
+    kept = _each(run, ran, sac_bytes) / len(ran) if ran else 0.0
     if no_ac:
-        kept += _each(base, [r for r in regions if matches(r.module, no_ac)], activation_bytes)
-    return (kept - _each(base, regions, sac_bytes)) / len(regions)
+        kept += _each(base, [r for r in regions if matches(r.module, no_ac)], activation_bytes) / len(regions)
+    return kept - _each(base, regions, sac_bytes) / len(regions)
