@@ -140,3 +140,22 @@ def test_a_scripts_own_sac_policy_is_added_to_not_replaced():
     code = code_for(save)
     assert "already pass a selective-AC policy (context_fn): add torch.ops.aten.topk.default" in code
     assert "SAVE = {" not in code  # (no policy of its own that would drop the script's saves)
+
+
+def test_turning_ac_off_in_a_reentrant_region_costs_what_its_recompute_saved(tmp_path):
+    """A reentrant region's forward runs without grad and saves nothing; without AC it would keep what its recompute
+    saved (it said +0 B/region)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import ac_diff
+    from ac_diff.fix.memory import extra_bytes_per_region
+    from ac_diff.trace import read_run
+
+    torch.manual_seed(0)
+    block, path = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum().backward()
+    run = read_run(path)
+    assert run.regions[0].kind == "reentrant" and not run.regions[0].forward.positions
+    assert extra_bytes_per_region(run, run, ["*"]) == 2 * 4 * 8 * 4  # (at most) the linear's and the tanh's outputs

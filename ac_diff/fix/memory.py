@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from ..capture.opinfo import dtype_from_short
+from ..oprules import is_view_op
 from ..remedies.call import matches
 
 
@@ -35,10 +36,15 @@ def sac_bytes(region: Any) -> int:
 
 
 def activation_bytes(region: Any) -> int:
-    """Bytes autograd saves inside the region when it is not checkpointed (its forward's saved positions that
-    the region computed)."""
+    """Bytes autograd saves inside the region when it is not checkpointed: its forward's saved positions that the
+    region computed; a reentrant region's forward runs without grad and saves nothing, and its recompute's are not
+    listed: at most what its ops made (their outputs that are not views)."""
     fwd = region.forward
-    return 0 if fwd is None else sum(_bytes(p.meta) for p in fwd.positions if p.origin == "op")
+    if fwd is None:
+        return 0
+    if fwd.positions or region.kind != "reentrant":
+        return sum(_bytes(p.meta) for p in fwd.positions if p.origin == "op")
+    return sum(_bytes(m) for op in fwd.ops if not is_view_op(op.op) for _, m in op.tensor_outputs())
 
 
 def _each(run: Any, regions: list, count) -> int:
