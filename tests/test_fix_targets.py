@@ -159,3 +159,19 @@ def test_turning_ac_off_in_a_reentrant_region_costs_what_its_recompute_saved(tmp
     run = read_run(path)
     assert run.regions[0].kind == "reentrant" and not run.regions[0].forward.positions
     assert extra_bytes_per_region(run, run, ["*"]) == 2 * 4 * 8 * 4  # (at most) the linear's and the tanh's outputs
+
+
+def test_turning_ac_off_covers_every_layer_where_the_cause_is_random():
+    """Stochastic depth drawn on the host: which blocks diverge is chance, and another run diverges in others. The
+    no-AC try covers the whole stack (it named the blocks that diverged once, and did not help on the next run)."""
+    from ac_diff.fix.candidates import candidates
+
+    def region(module: str, kind: str) -> SimpleNamespace:
+        return SimpleNamespace(status="diverged", module=module, kind="checkpoint", repeated=[], checkpoint_options={},
+                               cause=SimpleNamespace(kind=kind, mechanism="host_rng", tensor=None, names=[]),
+                               first_discrete_divergence=None, changed_inputs=[])
+
+    drawn = candidates(SimpleNamespace(regions=[region("blocks.0", "rng"), region("blocks.2", "rng")], reference=None))
+    assert [c.spec.no_ac for c in drawn if c.kind == "no_ac"] == [["blocks.*"]]
+    stepped = candidates(SimpleNamespace(regions=[region("blocks.0", "state_mutation")], reference=None))
+    assert [c.spec.no_ac for c in stepped if c.kind == "no_ac"] == [["blocks.0"]]  # (a named module: only it)

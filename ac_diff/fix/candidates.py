@@ -143,6 +143,8 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
     unchecked = [r.module for r in report.regions if r.module and r.status == UNCHECKED
                  and (diverged or failed_with_ac)]
     silenced = list(dict.fromkeys(modules + unchecked))
+    if any(r.cause is not None and r.cause.kind == "rng" for r in diverged):  # which layers draw differently is
+        silenced = list(dict.fromkeys(map(layer_glob, silenced)))  # chance: every layer of the stack (blocks.*)
     saves: dict[str, list[str]] = {}  # flipped op -> the modules it flipped in
     for r in diverged:
         if r.module not in modules:
