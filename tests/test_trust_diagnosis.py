@@ -1156,3 +1156,32 @@ def test_a_counter_kept_on_a_class_is_named(tmp_path):
     fix = report.regions[0].suggestions[0]
     assert fix.title.startswith("Do not change the global `OffsetState.offset` in the checkpointed forward"), fix
     assert "value = OffsetState.offset" in fix.code and "OffsetState.offset += 1" in fix.code, fix.code
+
+
+class NormedUntilEval(nn.Module):
+    """Its forward saves a norm's statistics only while a flag is set: the recompute, after the flag flipped, saves
+    fewer tensors (torch: "a different number of tensors was saved")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.normed = nn.Linear(8, 8), nn.LayerNorm(8), True
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(self.norm(h) if self.normed else h)
+
+
+def test_a_count_mismatch_says_the_count_differs_not_that_positions_paired_by_number_do(tmp_path):
+    """Past the first tensor the recompute did not save, positions paired by number pair unrelated tensors: the chain
+    ends on the count (it said "saved positions 2-4 differ in metadata")."""
+    torch.manual_seed(0)
+    block = NormedUntilEval()
+
+    def flip():
+        block.normed = False
+
+    with pytest.raises(cp.CheckpointError, match="different number of tensors"):
+        _record(tmp_path, block, torch.randn(4, 8, requires_grad=True), between=flip)
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.chain[-1].startswith("the recompute saved "), region.chain
+    assert "tensors where the forward saved " in region.chain[-1] and "differ in metadata" not in region.chain[-1]

@@ -566,7 +566,12 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
     chain += [steps[i] for i in sorted(steps, key=lambda i: (i is None, i or 0))]
     bad = [p.position for p in report.positions if p.matches is False]
     raised = region.recompute.state.get("error") if region.recompute is not None else None
-    if bad:
+    saved = [len(p.positions) for p in (region.forward, region.recompute) if p is not None]
+    if bad and len(saved) == 2 and saved[0] != saved[1] and saved[1] and not raised:
+        # (positions paired by number past the first one missing pair unrelated tensors: the count is what differs)
+        chain.append(f"the recompute saved {saved[1]} tensors where the forward saved {saved[0]} -> torch raises "
+                     "CheckpointError (a different number of tensors)")
+    elif bad:
         chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in metadata -> "
                      + (f"the recompute raised before torch's check: {raised[:160]}"
                         if raised and not any(p.in_torch_error for p in report.positions)
