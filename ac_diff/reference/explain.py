@@ -103,11 +103,13 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
     first = differing[0]
     rels = [d.rel_diff for d in first.differing if d.rel_diff is not None]
     missing = [d.name for d in first.differing if d.status == "missing_in_run"]
+    only = [d.name for d in first.differing if d.status == "missing_in_reference"]
     why = _explanations(first, findings, report)
     result.explanations = why + result.explanations
     result.headline = (f"{len(first.differing)} of {first.parameters} gradients differ from the run without AC at "
                        f"backward {first.step + 1}" + (f" (max rel. diff {_num(max(rels))})" if rels else "")
                        + (f", {len(missing)} get no gradient with AC" if missing else "")
+                       + (f", {len(only)} get one only with AC" if only else "")
                        + (f": {why[0].kind.replace('_', ' ')}" if why else ""))
     return result
 
