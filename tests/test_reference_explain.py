@@ -207,9 +207,9 @@ def test_parameters_that_get_a_gradient_in_one_run_only_are_counted_both_ways():
     """Stochastic depth drawn on the host: some blocks run only with AC, others only without. The headline counts
     both (it said "6 get no gradient with AC" and not that 6 others got one only with AC)."""
     step = StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=1)
-    step.differing = [SimpleNamespace(name="a", status="missing_in_run", rel_diff=None),
-                      SimpleNamespace(name="b", status="missing_in_reference", rel_diff=None),
-                      SimpleNamespace(name="c", status="differs", rel_diff=0.5)]
+    step.differing = [SimpleNamespace(name="a", status="missing_in_run", rel_diff=None, region=None),
+                      SimpleNamespace(name="b", status="missing_in_reference", rel_diff=None, region=None),
+                      SimpleNamespace(name="c", status="differs", rel_diff=0.5, region=None)]
     result = explain([step], [], _report(), steps_requested=1)
     assert result.verdict == DIFFERS
     assert ", 1 get no gradient with AC, 1 get one only with AC" in result.headline, result.headline
