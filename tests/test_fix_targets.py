@@ -175,3 +175,25 @@ def test_turning_ac_off_covers_every_layer_where_the_cause_is_random():
     assert [c.spec.no_ac for c in drawn if c.kind == "no_ac"] == [["blocks.*"]]
     stepped = candidates(SimpleNamespace(regions=[region("blocks.0", "state_mutation")], reference=None))
     assert [c.spec.no_ac for c in stepped if c.kind == "no_ac"] == [["blocks.0"]]  # (a named module: only it)
+
+
+def test_where_saving_the_decision_and_restoring_the_state_both_work_the_code_change_leads(tmp_path):
+    """A schedule stepped before the backward: saving the comparison it feeds and restoring the attribute both make
+    every region clean; the restore simulates the code change (step after the backward), which keeps no extra
+    memory: it leads. The suggestion marked verified for the save shows what was verified (its own form saved the
+    matmul feeding it too)."""
+    from ac_diff.fix.statuses import mark
+
+    save = Candidate("save aten.gt.Scalar in blocks.*", RemedySpec(must_save=["aten.gt.Scalar"],
+                     must_save_modules=["blocks.*"]), "flipped", "must_save", "aten.gt.Scalar")
+    restore = Candidate("restore the forward's blocks.*.threshold in the recompute",
+                        RemedySpec(restore=["blocks.*.threshold"]), "state", "restore", state="blocks.*.threshold")
+    tries = [Try(c.name, c.spec.cli_args(), c.why, VERIFIED, command=f"ac-diff run {c.kind}") for c in (save, restore)]
+    sac = Suggestion("Save aten.gt.Scalar with selective activation checkpointing", "...",
+                     "SAVE = {\n    torch.ops.aten.gt.Scalar,\n    torch.ops.aten.addmm.default,\n}")
+    report = SimpleNamespace(regions=[SimpleNamespace(module="blocks.0", suggestions=[sac])], reference=None,
+                             diverged=True)
+    result = _result(report, [save, restore], tries, Measured(1.0, 0, tmp_path / "base.log"), 2.0)
+    assert result.verified == restore.name and result.headline.startswith("verified: restore the forward's")
+    mark(report, "train.py", [], False, list(zip([save, restore], tries)))
+    assert sac.status == VERIFIED and "aten.addmm.default" not in sac.code and "aten.gt.Scalar" in sac.code

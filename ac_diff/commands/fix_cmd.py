@@ -149,7 +149,9 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)
         for i in budget:
             one(i)
-            if tries[i].status == VERIFIED and found[i].kind != "no_ac":
+            # (a verified save is a workaround that costs memory: the restore after it simulates the code change)
+            if tries[i].status == VERIFIED and found[i].kind != "no_ac" and not (
+                    found[i].kind == "must_save" and any(c.kind == "restore" for c in found[i + 1:])):
                 break
     else:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -177,7 +179,8 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
     pairs = sorted(zip(found, tries), key=lambda p: ORDER[p[1].status])
     result = FixResult(headline="", tries=[t for _, t in pairs], baseline_wall_s=base.wall_s, total_wall_s=total)
     verified = [(c, t) for c, t in pairs if t.status == VERIFIED]
-    keeps_ac = [(c, t) for c, t in verified if c.kind != "no_ac"]
+    # the code change a restore simulates leads a save that also worked (selective AC keeps more memory)
+    keeps_ac = sorted([(c, t) for c, t in verified if c.kind != "no_ac"], key=lambda ct: ct[0].kind != "restore")
     change = next((s.title + ": " + s.text for r in report.regions for s in r.suggestions if s.title != LOUDER), None)
     ref = report.reference
     if not found:

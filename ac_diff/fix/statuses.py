@@ -17,7 +17,8 @@ from typing import Any
 
 from ..capture.compiled import eager_requested
 from ..remedies.restore import fqn_matches
-from .result import UNTESTED
+from .forms import code_for
+from .result import UNTESTED, VERIFIED
 
 
 def _launch(nproc: int) -> list[str]:
@@ -62,6 +63,8 @@ def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tu
             for candidate, t in tries or []:
                 if t.status != UNTESTED and _answers(s.title, candidate, region.module):
                     s.status, s.verify = t.status, t.command
+                    if t.status == VERIFIED and candidate.kind == "must_save":
+                        s.code = code_for(candidate)  # what was verified (the suggestion's saves the matmul too)
                     break
 
 
