@@ -399,3 +399,22 @@ def test_saved_positions_in_a_log_follow_every_pack_in_order(tmp_path):
     assert packed["aten.unsqueeze.default"] < packed["aten.bmm.default"]  # the gate's, then the experts' output
     gathered = next(p for p in region.positions if p.recomputed == "f32[2, 5, 8]")  # (the first of that shape)
     assert gathered.position < packed["aten.bmm.default"] and gathered.op == "aten.index.Tensor", region.positions
+
+
+@pytest.mark.parametrize("log", sorted((REPO / "tests" / "data" / "logs").glob("torch-*/moe_bias_update_debug.log.gz")),
+                         ids=lambda p: p.parent.name)
+def test_a_log_that_begins_inside_the_forwards_op_list_is_compared_from_there(log, tmp_path):
+    """The head of a dump cut off inside section 3's forward list (a log collected from the middle): the forward's
+    remaining ops are the tail of that list, compared with the recompute from where they meet (they were dropped as
+    "op lines outside any debug=True dump", and nothing was checked)."""
+    import gzip
+
+    lines = gzip.open(log, "rt").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Operations executed during the original forward"))
+    cut = tmp_path / "cut.log"
+    cut.write_text("\n".join(lines[start + 40:]) + "\n")  # (40 forward ops in: the routing is further on)
+    whole = ac_diff.diagnose_paths([log]).regions[0]
+    (region,) = ac_diff.diagnose_paths([cut]).regions
+    assert region.status == "diverged" and region.forward_ops > 0, region
+    assert region.first_shape_divergence.op == whole.first_shape_divergence.op == "aten.split_with_sizes.default"
+    assert region.first_shape_divergence.summary == whole.first_shape_divergence.summary

@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ac_diff.align import align
 from ac_diff.logs.oplines import ParsedOp
 from ac_diff.passes import FORWARD, RECOMPUTE, OpRecord, Pass, Region
 
@@ -128,6 +129,7 @@ class _PassParts:
     listed_seen: bool = False
     listed_done: bool = False
     lost: int = 0  # op lines of the list that could not be read (cut into by another writer)
+    head_cut: bool = False  # the list's first ops are not in the log (it begins inside the list)
 
 
 @dataclass(slots=True)
@@ -169,6 +171,11 @@ class DumpBuilder:
             self.parts[RECOMPUTE].listed_seen = True
         self.section = section
         self.current = None
+
+    def forward_tail(self, ops: list[ParsedOp]) -> None:
+        """The forward list's last ops, read before this dump's recompute list (the log began inside that list)."""
+        parts = self.parts[FORWARD]
+        parts.listed, parts.listed_seen, parts.listed_done, parts.head_cut = list(ops), True, True, True
 
     def rule(self) -> None:
         """The `+-----+` line that closes the recompute op list."""
@@ -234,6 +241,7 @@ class DumpBuilder:
         done = self.section == S_FOOTER
         forward = _build_pass(FORWARD, self.parts[FORWARD], done)
         recompute = _build_pass(RECOMPUTE, self.parts[RECOMPUTE], done)
+        _from_the_tail(forward, recompute)
         _same_range(forward, recompute)
         return Region(rank=region_rank, region=self.region, module=self.entry, kind="log",
                       options={"debug": True}, forward=forward, recompute=recompute)
@@ -258,11 +266,37 @@ def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None
         p = Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
         if parts.lost:
             p.state["lost_lines"] = parts.lost
+        if parts.head_cut:
+            p.state["head_cut"] = True
         return p
     if traced:  # a fragment: ops keep their numbers ("(20 of 26 in recompute)" is op 19)
         ops = [_record(i - 1, traced[i].op, traced[i].source) for i in sorted(traced)]
         return Pass(phase, ops=ops, complete=False)
     return None
+
+
+def _from_the_tail(forward: Pass | None, recompute: Pass | None) -> None:
+    """A forward list the log has only from some op on (`head_cut`): the recompute's ops before the first one that
+    tail shares have no counterpart in the log; they are dropped, and both passes start there."""
+    if forward is None or recompute is None or not forward.state.pop("head_cut", False) or not forward.ops:
+        return
+    # aligned from their ends, where the two lists correspond: the tail's first op meets its counterpart, not an
+    # earlier op of the same kind in the recompute's head
+    n, m = len(forward.ops), len(recompute.ops)
+    pairs = align([o.key for o in reversed(forward.ops)], [o.key for o in reversed(recompute.ops)])
+    matched = [(n - 1 - p.forward, m - 1 - p.recompute) for p in pairs
+               if p.forward is not None and p.recompute is not None]
+    if not matched:  # nothing in common: nothing to compare
+        forward.ops, recompute.ops = [], []
+        return
+    f0, r0 = min(matched)
+    start = recompute.ops[r0].index
+    recompute.ops = recompute.ops[r0:]
+    forward.ops = forward.ops[f0:]
+    for k, o in enumerate(forward.ops):  # (its ops numbered as the recompute's counterparts are)
+        o.index = start + k
+    for p in (forward, recompute):
+        p.state["log_starts_at"] = start + 1
 
 
 def _same_range(forward: Pass | None, recompute: Pass | None) -> None:

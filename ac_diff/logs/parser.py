@@ -40,6 +40,9 @@ _CHAINED = ("The above exception was the direct cause", "During handling of the 
 _segments_of = short_text_memo(split_segments)  # a log repeats its lines: each distinct one is split once
 
 
+MAX_ORPHANS = 1 << 20  # op lines kept as a possible forward tail (a log that starts inside a dump's op list)
+
+
 @dataclass(slots=True)
 class _RankState:
     rank: int | None
@@ -49,6 +52,9 @@ class _RankState:
     dumps: int = 0
     traceback_open: bool = False
     seen: bool = False  # any error or dump started on this rank
+    # op lines of an op list read before any dump began on this rank (the log starts inside a dump's forward list):
+    # the forward's tail if its recompute's list follows (`_dump_marker`)
+    orphans: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -256,7 +262,11 @@ class LogParser:
         if section == D.S_FOOTER and (d is None or d.closed):
             return  # a footer on its own: nothing to collect
         if d is None or d.closed or (section <= d.section and d.section != D.S_START):
+            orphans, st.orphans = st.orphans, []
             d = self._new_dump(st, started_mid=section != D.S_TRACES_FWD)
+            if section == D.S_LIST_RECOMPUTE and orphans:  # the forward list's tail: the log began inside it
+                d.forward_tail(orphans)
+                self._counts.ops_outside -= len(orphans)
         d.marker(section)
 
     def _op(self, st: _RankState, body: str) -> bool:
@@ -276,6 +286,8 @@ class LogParser:
                 d.section = D.S_TRACES_RECOMPUTE
         elif d is None or d.closed:
             self._counts.ops_outside += 1
+            if not st.seen and len(st.orphans) < MAX_ORPHANS:
+                st.orphans.append(parsed)
             return False
         d.op(parsed)  # an op it cannot place is counted in d.unplaced_ops
         if parsed.trailing:  # a flattened log: the frames follow on the same line
