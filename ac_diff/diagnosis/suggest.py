@@ -135,7 +135,7 @@ def repeated_update_suggestion(report: RegionReport, torch_version: str | None =
 
 
 def _names(names: list[str]) -> str:
-    names = list(dict.fromkeys(names))
+    names = sorted(set(names))
     return ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
