@@ -418,3 +418,32 @@ def test_a_log_that_begins_inside_the_forwards_op_list_is_compared_from_there(lo
     assert region.status == "diverged" and region.forward_ops > 0, region
     assert region.first_shape_divergence.op == whole.first_shape_divergence.op == "aten.split_with_sizes.default"
     assert region.first_shape_divergence.summary == whole.first_shape_divergence.summary
+
+
+def test_two_ranks_whose_errors_only_share_their_kind_are_not_one_cause(tmp_path):
+    """Two ranks raising different metadata mismatches (other tensors, other shapes), with no op lists to diagnose
+    them: the cross-rank findings do not call the error's kind their shared cause (it said "every diverged rank has
+    the same cause: metadata_mismatch")."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    def error_text(rows: int, grow: int) -> str:
+        state = {"n": rows}
+
+        def fn(x):
+            return torch.sin(x[: state["n"]]).exp()
+
+        with pytest.raises(cp.CheckpointError) as caught:
+            y = cp.checkpoint(fn, torch.randn(16, 4 * grow, requires_grad=True), use_reentrant=False)
+            state["n"] = rows - 1
+            y.sum().backward()
+        return "".join(traceback.format_exception(caught.value))
+
+    lines = [f"[rank{r}]:{line}" for r, text in ((0, error_text(8, 1)), (1, error_text(12, 2)))
+             for line in text.splitlines()]
+    log = tmp_path / "ranks.log"
+    log.write_text("\n".join(lines) + "\n")
+    report = ac_diff.diagnose_paths([log])
+    assert {r.rank for r in report.ranks if r.verdict == "diverged"} == {0, 1}
+    assert not any(f.kind == "same_cause" and "the same cause" in f.text for f in report.cross_rank_findings), \
+        [f.text for f in report.cross_rank_findings]

@@ -210,7 +210,10 @@ def _overview(report: Report) -> list[CrossRankFinding]:
             detail={"cause": lead.cause.kind if lead.cause else None,
                     "tensor": lead.cause.tensor if lead.cause else None, "silent": lead.silent}))
     causes = {(s.cause, s.cause_tensor) for s in report.ranks if s.verdict == DIVERGED}
-    if len(diverged) > 1 and len(causes) == 1:
+    # (a rank whose cause is only the kind of error torch raised, a log without op lists: nothing diagnosed to share)
+    named = all(any(r.rank == s.rank and r.status == DIVERGED and r.cause is not None for r in report.regions)
+                for s in report.ranks if s.verdict == DIVERGED)
+    if len(diverged) > 1 and len(causes) == 1 and named:
         kind, tensor = next(iter(causes))
         if kind:
             out.append(CrossRankFinding("same_cause", f"every diverged rank has the same cause: {kind}"
