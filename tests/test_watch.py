@@ -975,3 +975,25 @@ def test_a_divergence_that_recurs_every_few_steps_is_caught_by_the_full_recordin
     assert lead.cause.kind == "state_mutation" and lead.cause.mechanism == "optimizer_step", lead.cause
     assert "diverged in step 4: recorded in full in steps 5-8" in report.watch["text"], report.watch["text"]
     assert "did not recur" not in report.watch["text"]
+
+
+def test_a_watched_divergence_that_did_not_recur_points_at_random_draws_seen_elsewhere():
+    """Stochastic depth drawn on the host, forwards first: a watched region diverged, its module's full recording
+    reproduced (the draws agreed that time), while another region recorded in full diverged on that draw. The note
+    points at it (it said only "a rare event: a near-tie, a nondeterministic kernel, ...")."""
+    from types import SimpleNamespace
+
+    from ac_diff.diagnosis.watched import _link_escalations
+    from ac_diff.report import Cause
+
+    watched = SimpleNamespace(rank=0, region=51, module="blocks.0", watched=True, status="diverged", step=5, notes=[],
+                              cause=Cause("unknown", None, "watch mode in step 5"), suggestions=[])
+    drawn = SimpleNamespace(rank=0, region=68, module="blocks.2", watched=False, status="diverged", step=6, notes=[],
+                            cause=Cause("rng", "random", "the region draws from `random`", [], "host_rng",
+                                        "train.py:42 in forward"), suggestions=[])
+    escalated = [{"rank": 0, "module": "blocks.0", "lead": None, "full_diverged": 0, "full_clean": 4,
+                  "full_regions": 4, "from_step": 6}]
+    _link_escalations([watched, drawn], escalated)
+    assert "did not recur there" in watched.notes[0]
+    assert "random draws made a region diverge (blocks.2, region 68: a host draw at train.py:42 in forward)" in \
+        watched.notes[0] and watched.notes[0] in watched.cause.detail

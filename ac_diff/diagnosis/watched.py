@@ -182,10 +182,16 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         elif not e["full_clean"]:
             where = f"{e['module']} was recorded in full from step {e['from_step']} on, but {_reproduced(e)}: {again}"
         else:
+            drawn = next((x for x in reports if x.status == DIVERGED and x.cause is not None
+                          and x.cause.kind == "rng" and not x.watched), None)
+            chance = (f"; elsewhere in this run random draws made a region diverge ({drawn.module or '?'}, region "
+                      f"{drawn.region}: {'a host draw' if drawn.cause.mechanism == 'host_rng' else 'a random op'}"
+                      + (f" at {drawn.cause.source}" if drawn.cause.source else "")
+                      + "): a random decision that differs only sometimes fits" if drawn is not None else "")
             where = (f"{e['module']} was recorded in full from step {e['from_step']} on: {_reproduced(e)}: the "
                      f"divergence did not recur there (a rare event: a near-tie, a nondeterministic kernel, a state "
                      f"that changed once; or a write behind torch's back, through `.data` or numpy, that full "
-                     f"recording does not see); {again}")
+                     f"recording does not see){chance}; {again}")
         r.notes.append(where)
         if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
