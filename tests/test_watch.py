@@ -997,3 +997,16 @@ def test_a_watched_divergence_that_did_not_recur_points_at_random_draws_seen_els
     assert "did not recur there" in watched.notes[0]
     assert "random draws made a region diverge (blocks.2, region 68: a host draw at train.py:42 in forward)" in \
         watched.notes[0] and watched.notes[0] in watched.cause.detail
+
+
+def test_an_escalation_after_full_from_step_is_not_said_again():
+    """With --full-from-step 5 every region is recorded in full from step 5: a module escalated in step 17 is not
+    said to be "recorded in full from step 17 on" beside it (the text contradicted itself)."""
+    from ac_diff.diagnosis.watched import _text
+
+    summary = {"steps": 24, "compared": 12, "clean": 12, "diverged": 0, "never_compared": 0, "full_steps": 0,
+               "full_from_step": 5, "all_full_from": None, "escalated": [
+                   {"module": "blocks.2", "diverged_step": 17, "from_step": 17, "why": "full", "until_step": None,
+                    "full_diverged": 1, "full_regions": 1, "lead": 50, "unwritten": 0}]}
+    text = _text(summary)
+    assert "step 17" not in text and text.endswith("every region recorded in full from step 5 (--full-from-step)")

@@ -101,6 +101,8 @@ def _text(s: dict[str, Any]) -> str:
         text += (f"; {s['never_compared']:,} forward(s) never recomputed ("
                  + ("the run stopped first)" if s.get("stopped") else "no backward reached them)"))
     for e in s["escalated"]:
+        if s["full_from_step"] is not None and (e["from_step"] or 0) >= s["full_from_step"]:
+            continue  # (every region was recorded in full by then: --full-from-step, said below)
         module = module_label(e["module"])
         if e["from_step"] is None:
             text += (f"; {module} diverged in step {e['diverged_step']} and the run ended before it ran again: "
