@@ -208,6 +208,7 @@ class Region:
     # watch mode (capture/watch.py): the passes hold saved positions only (their digests), no ops; the step it ran in
     watched: bool = False
     step: int | None = None
+    function: str | None = None  # a checkpointed function that called no module (named by its caller, `module`)
     # the run stopped before its recompute: its inputs written in place since its forward ended (what torch's version
     # check stops a backward for), [(input index, meta, version at the forward's end, version when the run stopped)]
     inputs_written: list[tuple[int, TensorMeta, int, int]] = field(default_factory=list)

@@ -186,6 +186,12 @@ class RegionReport:
     # the same, as (tensor, the op updating it, the module it ran in): what `fix` tries to save
     repeated: list[tuple[str, str, str | None]] = field(default_factory=list)
     host_draws: list[str] = field(default_factory=list)  # host generators its recompute drew from ("random")
+    function: str | None = None  # a checkpointed function that called no module: `module` is its caller's
+
+    @property
+    def label(self) -> str:
+        """How reports name the region: its module, and the function checkpointed in it ("blocks.0 (attention)")."""
+        return f"{self.module or '?'} ({self.function})" if self.function else self.module or "?"
     source: str = "trace"  # trace or log
     path: str | None = None  # the trace or log file it was read from
     # a non-tensor, non-size argument (a Python float, a flag) that differs: not a shape divergence
@@ -241,7 +247,7 @@ class RegionReport:
             "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
-            "watched": self.watched, "step": self.step,
+            "watched": self.watched, "step": self.step, "function": self.function,
         })
         return data
 

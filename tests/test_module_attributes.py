@@ -344,3 +344,28 @@ def test_a_hook_that_is_an_object_costs_nothing_recorded(tmp_path):
         checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
     assert rec.errors == []
     assert ac_diff.diagnose_paths([path]).verdict == "clean"
+
+
+def _scaled_tanh(h):
+    """A checkpointed plain function that calls no module."""
+    return torch.tanh(h) * 2
+
+
+class CallsAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(_scaled_tanh, self.proj(x), use_reentrant=False)
+
+
+def test_a_checkpointed_function_that_calls_no_module_is_told_from_its_caller(tmp_path):
+    """The function's region is named by the module that called it, as the module's own region is: the report
+    shows which function it was ("blocks.0 (attention)"; both read "blocks.0")."""
+    torch.manual_seed(0)
+    net, path = nn.Sequential(CallsAFunction()), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        checkpoint(net[0], torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    regions = ac_diff.diagnose_paths([path]).regions
+    assert sorted(r.label for r in regions) == ["0", "0 (_scaled_tanh)"], [r.label for r in regions]

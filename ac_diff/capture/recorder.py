@@ -1225,6 +1225,8 @@ class Recorder:
     def _region_record(self, region: _Region) -> dict[str, Any]:
         return {
             "type": "region", "region": region.number, "module": region.module or region.caller,
+            # (a checkpointed function that calls no module is named by its caller: which function it was)
+            **({"function": region.fn_name} if region.module is None and region.caller and region.fn_name else {}),
             "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,
             "options": dict(region.options), "recorded": region.recorded,  # copies: encoded later
             **({"compiled": list(self.compile_watch.inside[region.number])}

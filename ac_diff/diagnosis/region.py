@@ -45,7 +45,8 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
     `version_check`: what autograd's version check that stopped the run names (logs.errors.version_check)."""
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
-        rank=region.rank, region=region.region, module=region.module, kind=region.kind, status=CLEAN,
+        rank=region.rank, region=region.region, module=region.module, function=region.function, kind=region.kind,
+        status=CLEAN,
         silent=False, cause=None, first_value_divergence=None, first_discrete_divergence=None,
         first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[], chain=[],
         forward_ops=op_count(fwd), recompute_ops=op_count(rec), source=region.source,

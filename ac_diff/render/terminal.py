@@ -183,8 +183,8 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
     rows = report.regions
     shown = [r for r in rows if r.status == DIVERGED][:limit] if len(rows) > limit else rows
     # the module is what the user looks for: it keeps up to 28 columns, the first divergence wraps instead
-    module_width = min(28, max((len(r.module or "?") for r in shown), default=6))
-    cells = [[_t(r.rank), _t(r.region), Breakable(r.module or "?"), _t(f"{r.forward_ops}/{r.recompute_ops}"),
+    module_width = min(28, max((len(r.label) for r in shown), default=6))
+    cells = [[_t(r.rank), _t(r.region), Breakable(r.label), _t(f"{r.forward_ops}/{r.recompute_ops}"),
               Text(r.status_label, style={"diverged": "red", "clean": "green"}.get(r.status, "dim")),
               _t(r.cause.kind if r.cause else "")] for r in shown]
     columns = [("rank", {}), ("region", {"justify": "right"}), ("module", {"min_width": module_width}), (ops, {}),
@@ -211,7 +211,7 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
 
 
 def _region_detail(r: RegionReport, report: Report, console: Console, shown: set[str]) -> None:
-    head = f"region {r.region} · {r.module or '?'} · rank {r.rank} · {r.kind}"
+    head = f"region {r.region} · {r.label} · rank {r.rank} · {r.kind}"
     if len(report.sources) > 1 and r.path:  # several logs or traces: which one this region is from
         head += f" · {os.path.basename(r.path)}"
     parts = []

@@ -52,7 +52,8 @@ Format history (every version stays readable; tests/data keeps a file of each):
        record may list the inputs of regions still awaiting their recompute that were written in place since their
        forward ended (`inputs_changed`: [[region, input index, meta, version then, version now], ...]: what torch's
        version check stops a backward for); readers that predate it ignore it. A pass may list the globals it
-       changed (`global_updates`: name -> [first reading, at its end]); readers that predate it ignore it
+       changed (`global_updates`: name -> [first reading, at its end]), and a region record the function checkpointed
+       where it called no module (`function`; its `module` is then its caller's); readers that predate it ignore them
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").

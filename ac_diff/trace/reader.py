@@ -239,6 +239,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                     recorded=rec.get("recorded", True) is not False, parent_phase=rec.get("parent_phase"),
                     compiled=list(rec.get("compiled", [])), watched=rec.get("watched") is True,
                     step=rec.get("step") if isinstance(rec.get("step"), int) else None,
+                    function=rec.get("function") if isinstance(rec.get("function"), str) else None,
                 )
                 opened[number] = line
             elif kind == "watch":
