@@ -76,6 +76,10 @@ def test_torchtitan_per_block_fullgraph_compile_does_not_crash_and_says_why_no_r
         report["headline"]
     assert "the graphs show no state updated inside the regions" in report["headline"]
     assert "ac-diff run --compiled eager" in report["headline"]
+    # (what an eager recording finds is the eager program's: whether the compiled run's gradients are right, the
+    # reference on it says)
+    assert "the compiler's own recompute may not, which `--reference no-ac` on this compiled run tells" in \
+        report["headline"]
     assert report["compiled"] == {"eager": False, "modules": ["layers.0", "layers.1"], "regions": 2, "graphs": 2,
                                   "mutations": []}
     note = next(n for n in report["notes"] if n.startswith("torch.compile"))
@@ -105,7 +109,9 @@ def test_compiled_eager_records_the_regions_of_a_compiled_model_and_places_the_d
     r = runs["buffer_eager"]
     assert r.returncode == 0, r.explain()
     report = r.report
-    assert report["headline"].startswith("Net ran eagerly (--compiled eager: torch.compiler.set_stance('force_eager'))")
+    assert report["headline"].startswith("Net ran eagerly (--compiled eager: torch.compiler.set_stance('force_eager'); "
+                                         "what follows is the eager program's, the compiled one's recompute may "
+                                         "differ)"), report["headline"]
     assert [g["module"] for g in report["regions"]] == ["layers.0", "layers.1"]
     for g in report["regions"]:
         assert g["status"] == "diverged" and g["cause"]["kind"] == "state_mutation"

@@ -57,14 +57,16 @@ def unrecorded_headline(summary: dict[str, Any]) -> str:
             f"{_plural(summary.get('graphs') or 1, 'graph')}), recomputed by the compiler in its own backward where "
             "ac-diff records nothing"
             + (f"; from the graphs: {found}" if found else "; the graphs show no state updated inside the regions")
-            + f"; record them eagerly ({STANCE}): {EAGER_RUN} ...")
+            + f"; record them eagerly ({STANCE}): {EAGER_RUN} ... (it finds what the eager program does; the "
+            "compiler's own recompute may not, which `--reference no-ac` on this compiled run tells)")
 
 
 def eager_prefix(summary: dict[str, Any] | None) -> str:
     """Said before the headline of a run whose compiled code ran eagerly (--compiled eager), "" otherwise."""
     if not summary or not summary.get("eager") or not summary.get("modules"):
         return ""
-    return f"{_names(summary['modules'])} ran eagerly (--compiled eager: {STANCE}): "
+    return (f"{_names(summary['modules'])} ran eagerly (--compiled eager: {STANCE}; what follows is the eager "
+            "program's, the compiled one's recompute may differ): ")
 
 
 def reference_note(summary: dict[str, Any] | None) -> str | None:
