@@ -447,3 +447,31 @@ def test_two_ranks_whose_errors_only_share_their_kind_are_not_one_cause(tmp_path
     assert {r.rank for r in report.ranks if r.verdict == "diverged"} == {0, 1}
     assert not any(f.kind == "same_cause" and "the same cause" in f.text for f in report.cross_rank_findings), \
         [f.text for f in report.cross_rank_findings]
+
+
+def test_a_dump_whose_difference_lies_before_where_the_log_begins_is_never_clean(tmp_path):
+    """The log begins inside the forward's op list, after the op that differed: the ops it holds match. torch printed
+    the dump because the recompute differed, so the region is unchecked, with where the difference must be (it was
+    read as CLEAN, exit 0)."""
+    import torch
+
+    calls: list = []
+
+    def fn(x):
+        calls.append(1)
+        y = torch.sin(x)
+        if len(calls) == 1:
+            y = torch.relu(y)  # (the forward only: the recompute saves one tensor fewer)
+        for _ in range(30):
+            y = y * 1.01
+        return y.exp()
+
+    lines = _debug_log(tmp_path, "whole.log", fn, torch.randn(4, requires_grad=True)).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Operations executed during the original forward"))
+    cut = tmp_path / "cut.log"
+    cut.write_text("\n".join(lines[start + 8:]) + "\n")  # (past the relu)
+    (region,) = ac_diff.diagnose_paths([cut]).regions
+    assert region.status == "unchecked" and region.forward_ops > 0, region
+    assert any("torch printed this debug=True dump because the recompute differed" in n for n in region.notes)
+    proc = run_cli("compare", str(cut))
+    assert proc.returncode == 4, proc.stdout

@@ -179,6 +179,14 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "
                    "the saved tensors were never all recomputed and compared")
+    if not diverged and region.kind == "log" and region.options.get("debug"):  # torch prints a dump for a difference
+        starts = fwd.state.get("log_starts_at") or rec.state.get("log_starts_at")
+        _unchecked(report, "torch's difference not in the log",
+                   "torch printed this debug=True dump because the recompute differed from the forward, but the ops "
+                   "the log holds match" + (f" (it starts inside the dump, at op #{starts}): the difference is in the "
+                                            "ops before" if starts and starts > 1 else ": the difference is in what "
+                                            "the log does not show") + "; the whole log, or `ac-diff run` on the "
+                   "script, shows it")
     if not diverged and (rec.state.get("cut") or fwd.state.get("cut")):  # the rest of the pass is not in the trace
         report.status = UNCHECKED
         report.notes.append("the trace ends inside this region's passes (the process stopped while they were "
