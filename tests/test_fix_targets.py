@@ -84,8 +84,8 @@ def test_restoring_a_lazily_filled_history_keeps_the_first_forwards_filling(runs
 def _headline(tmp_path, suggestions: list[Suggestion], only_no_ac: bool = True) -> tuple[str, str | None]:
     """fix's headline and code change for a diverged region with `suggestions`: turning AC off verified, or (not
     `only_no_ac`) no remedy at all."""
-    report = SimpleNamespace(regions=[SimpleNamespace(module="layers.0", suggestions=suggestions)], reference=None,
-                             diverged=True)
+    report = SimpleNamespace(regions=[SimpleNamespace(module="layers.0", status="diverged", suggestions=suggestions)],
+                             reference=None, diverged=True)
     no_ac = Candidate("no AC in layers.0", RemedySpec(no_ac=["layers.0"]), "the diverged regions", "no_ac")
     found, tries = ([no_ac], [Try(no_ac.name, no_ac.spec.cli_args(), no_ac.why, VERIFIED)]) if only_no_ac else ([], [])
     result = _result(report, found, tries, Measured(1.0, 0, tmp_path / "base.log"), 2.0)
@@ -191,9 +191,22 @@ def test_where_saving_the_decision_and_restoring_the_state_both_work_the_code_ch
     tries = [Try(c.name, c.spec.cli_args(), c.why, VERIFIED, command=f"ac-diff run {c.kind}") for c in (save, restore)]
     sac = Suggestion("Save aten.gt.Scalar with selective activation checkpointing", "...",
                      "SAVE = {\n    torch.ops.aten.gt.Scalar,\n    torch.ops.aten.addmm.default,\n}")
-    report = SimpleNamespace(regions=[SimpleNamespace(module="blocks.0", suggestions=[sac])], reference=None,
-                             diverged=True)
+    report = SimpleNamespace(regions=[SimpleNamespace(module="blocks.0", status="diverged", suggestions=[sac])],
+                             reference=None, diverged=True)
     result = _result(report, [save, restore], tries, Measured(1.0, 0, tmp_path / "base.log"), 2.0)
     assert result.verified == restore.name and result.headline.startswith("verified: restore the forward's")
     mark(report, "train.py", [], False, list(zip([save, restore], tries)))
     assert sac.status == VERIFIED and "aten.addmm.default" not in sac.code and "aten.gt.Scalar" in sac.code
+
+
+def test_the_code_change_is_the_diverged_regions_not_a_clean_ones_side_effect_fix(tmp_path):
+    """A step whose batch norms updated their statistics twice (clean regions, a side-effect fix) before a later
+    step diverged on `model.eval()`: the code change fix points at is the diverged region's (it offered the
+    batch-norm save its own table marked "did not help")."""
+    side = Suggestion("Save aten.native_batch_norm.default with selective activation checkpointing", "...")
+    mode = Suggestion("Keep the model's train/eval mode until the backward has run", "...")
+    report = SimpleNamespace(regions=[SimpleNamespace(module="blocks.0", status="clean", suggestions=[side]),
+                                      SimpleNamespace(module="blocks.0", status="diverged", suggestions=[mode])],
+                             reference=None, diverged=True)
+    result = _result(report, [], [], Measured(1.0, 0, tmp_path / "base.log"), 2.0)
+    assert result.code_change.startswith("Keep the model's train/eval mode"), result.code_change

@@ -34,6 +34,7 @@ from ..capture.compiled import COMPILED_ENV, eager_requested
 from ..children import child_command
 from ..diagnosis import Settings, diagnose
 from ..diagnosis.suggest import LOUDER
+from ..report import DIVERGED
 from ..diagnosis.compiled import unrecorded
 from ..fix.ac_only import fails_only_with_ac
 from ..fix.candidates import candidates, combined
@@ -181,7 +182,9 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
     verified = [(c, t) for c, t in pairs if t.status == VERIFIED]
     # the code change a restore simulates leads a save that also worked (selective AC keeps more memory)
     keeps_ac = sorted([(c, t) for c, t in verified if c.kind != "no_ac"], key=lambda ct: ct[0].kind != "restore")
-    change = next((s.title + ": " + s.text for r in report.regions for s in r.suggestions if s.title != LOUDER), None)
+    # the diverged regions' code change first (a clean region's is for an update its recompute repeats)
+    change = next((s.title + ": " + s.text for r in sorted(report.regions, key=lambda r: r.status != DIVERGED)
+                   for s in r.suggestions if s.title != LOUDER), None)
     ref = report.reference
     if not found:
         if ac_only and not report.diverged:

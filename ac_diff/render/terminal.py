@@ -109,11 +109,15 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(Text("side effect: ", style="bold yellow") + _t(effect))
     if len(side_effects) > 6:
         console.print(_t(f"... {len(side_effects) - 6} more side effects in the JSON report", "dim"))
-    for r in report.regions:  # a region that reproduced its forward: its fix is for the update it repeats
-        if r.status == CLEAN and r.repeated:
-            for s in r.suggestions:
-                if s.title not in shown:
-                    _suggestion(s, console, shown)
+    repeating = [r for r in report.regions if r.status == CLEAN and r.repeated and r.suggestions]
+    if repeating:  # regions that reproduced their forward: the fix for the update they repeat, once
+        fix = repeating[0].suggestions[0]
+        if fix.title not in shown:
+            _suggestion(fix, console, shown)
+        others = {s.title for r in repeating for s in r.suggestions} - {fix.title}
+        if others:
+            console.print(_t(f"... the same for the updates of {len(others)} other module(s): see the JSON report",
+                             "dim"))
     for note in report.notes:
         console.print(Text("note: ", style="dim bold") + Text(note, style="dim"))
 
