@@ -626,3 +626,19 @@ def test_selective_ac_errors_start_the_message(text, kind):
 def test_the_readme_is_not_a_log():
     run = parse_text(Path(__file__).resolve().parent.parent.joinpath("README.md").read_text())
     assert run.errors == [] and run.regions == []
+
+
+def test_a_dumps_entry_skips_a_decorators_wrapper():
+    """The frames under a dump's op, innermost first: the region's entry is the user frame under torch's checkpoint,
+    past a decorator's wrapper (transformers wraps a layer's forward in `wrapped_func`)."""
+    from ac_diff.logs.dump import DumpBuilder
+    from ac_diff.logs.oplines import parse_op_line
+
+    d = DumpBuilder(rank=0, region=0)
+    d.op(parse_op_line("$1: f32[2, 4] = torch._ops.aten.mul.Tensor($0, 2)   (1 of 3 in original)"))
+    for frame in ("/venv/lib/python3.11/site-packages/transformers/models/llama/modeling_llama.py:297:forward",
+                  "/venv/lib/python3.11/site-packages/transformers/utils/deprecation.py:173:wrapped_func",
+                  "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1786:_call_impl",
+                  "/venv/lib/python3.11/site-packages/torch/utils/checkpoint.py:496:checkpoint"):
+        d.frame(frame)
+    assert d.entry == "forward at models/llama/modeling_llama.py:297"

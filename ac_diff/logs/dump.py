@@ -62,6 +62,9 @@ _MODULE_CALL = ("module.py", ("_call_impl", "_wrapped_call_impl", "inner", "__ca
 # torch's checkpoint (or a wrapper's: FSDP's checkpoint_wrapper calls it) in an op's stack: the frames inside it
 # are the region's
 ENTRY_OPS = 16
+# a decorator's wrapper between checkpoint and the code it ran (transformers' `deprecate_kwarg` wraps a layer's
+# forward in `wrapped_func`): not the region's entry
+_WRAPPERS = frozenset({"wrapper", "wrapped", "wrapped_func", "inner", "_fn", "decorate_context", "wrapped_fn"})
 _CHECKPOINT_FRAME = re.compile(r"torch[/\\]utils[/\\]checkpoint\.py:\d+:")
 
 
@@ -225,7 +228,8 @@ class DumpBuilder:
         if source is not None:
             if self.current.source is None:
                 self.current.source = source
-            self._outermost = source
+            if source.rpartition(" in ")[2] not in _WRAPPERS:
+                self._outermost = source
         elif self.entry is None and self._outermost is not None and _CHECKPOINT_FRAME.search(text):
             place, _, function = self._outermost.partition(" in ")
             self.entry = f"{function} at {place}"
