@@ -197,6 +197,7 @@ def test_where_saving_the_decision_and_restoring_the_state_both_work_the_code_ch
     assert result.verified == restore.name and result.headline.startswith("verified: restore the forward's")
     mark(report, "train.py", [], False, list(zip([save, restore], tries)))
     assert sac.status == VERIFIED and "aten.addmm.default" not in sac.code and "aten.gt.Scalar" in sac.code
+    assert sac.text.endswith("(ac-diff verified saving aten.gt.Scalar alone: the code below.)")
 
 
 def test_the_code_change_is_the_diverged_regions_not_a_clean_ones_side_effect_fix(tmp_path):

@@ -65,6 +65,7 @@ def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tu
                     s.status, s.verify = t.status, t.command
                     if t.status == VERIFIED and candidate.kind == "must_save":
                         s.code = code_for(candidate)  # what was verified (the suggestion's saves the matmul too)
+                        s.text += f" (ac-diff verified saving {candidate.op} alone: the code below.)"
                     break
 
 
