@@ -1185,3 +1185,10 @@ def test_a_count_mismatch_says_the_count_differs_not_that_positions_paired_by_nu
     region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
     assert region.chain[-1].startswith("the recompute saved "), region.chain
     assert "tensors where the forward saved " in region.chain[-1] and "differ in metadata" not in region.chain[-1]
+    # positions paired through the aligned ops: the linear's weight matches, what the norm saved (its input, its
+    # statistics, its weight) was not saved again, the tanh's output (saved after them) holds other values; paired
+    # by number, the tanh's was read as the norm's input and the rest as the norm's
+    rows = {r.position: r for r in region.positions}
+    assert rows[1].op == "aten.t.default" and rows[1].matches and not rows[1].values_differ
+    assert [rows[k].recomputed for k in (2, 3, 4, 5, 6)] == [None] * 5, region.positions
+    assert rows[7].op == "aten.tanh.default" and rows[7].matches and rows[7].values_differ, rows[7]

@@ -567,7 +567,7 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
     bad = [p.position for p in report.positions if p.matches is False]
     raised = region.recompute.state.get("error") if region.recompute is not None else None
     saved = [len(p.positions) for p in (region.forward, region.recompute) if p is not None]
-    if bad and len(saved) == 2 and saved[0] != saved[1] and saved[1] and not raised:
+    if len(saved) == 2 and saved[0] != saved[1] and saved[1] and not raised:
         # (positions paired by number past the first one missing pair unrelated tensors: the count is what differs)
         chain.append(f"the recompute saved {saved[1]} tensors where the forward saved {saved[0]} -> torch raises "
                      "CheckpointError (a different number of tensors)")

@@ -464,6 +464,8 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         return []
     ops = {o.index: o for o in fwd.ops}
     rec_positions = {p.position: p for p in rec.positions} if rec else {}
+    if rec is not None and cmp is not None and len(fwd.positions) != len(rec.positions) and rec.positions:
+        rec_positions = _paired_by_op(fwd, rec, cmp)
     rec_cached = {o.index for o in rec.ops if o.cached} if rec else set()
     rows: list[PositionRow] = []
     for pos in fwd.positions:
@@ -499,6 +501,25 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
                                     recomputed=str(err.recomputed) if err.recomputed else None,
                                     matches=_same_meta(err.saved, err.recomputed), in_torch_error=True))
     return rows
+
+
+def _paired_by_op(fwd: Pass, rec: Pass, cmp: PassComparison) -> dict[int, Position]:
+    """Where the passes saved different numbers of tensors, positions paired by number pair unrelated tensors past
+    the first one missing: each forward position -> the recompute's that its aligned op saved (an input, a parameter:
+    by its name; a watched pass's: by the module it was saved in), in order."""
+    queue: dict[tuple, list[Position]] = {}
+
+    def key(p: Position, op_index: int | None) -> tuple:
+        return ("op", op_index, p.output) if p.origin == "op" else (p.origin, p.name)
+
+    for p in rec.positions:
+        queue.setdefault(key(p, cmp.rec_to_fwd.get(p.op_index) if p.origin == "op" else None), []).append(p)
+    out = {}
+    for p in fwd.positions:
+        hit = queue.get(key(p, p.op_index))
+        if hit:
+            out[p.position] = hit.pop(0)
+    return out
 
 
 def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict) -> dict[int, PositionRow]:
