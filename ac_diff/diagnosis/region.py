@@ -464,8 +464,12 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
         return []
     ops = {o.index: o for o in fwd.ops}
     rec_positions = {p.position: p for p in rec.positions} if rec else {}
-    if rec is not None and cmp is not None and len(fwd.positions) != len(rec.positions) and rec.positions:
+    extra: list[Position] = []  # the recompute's positions no forward one pairs with (it saved something new)
+    if rec is not None and cmp is not None and len(fwd.positions) != len(rec.positions) and rec.positions \
+            and not rec.state.get("error"):  # (a recompute that raised saved a prefix: by number, as torch pairs)
         rec_positions = _paired_by_op(fwd, rec, cmp)
+        paired = {id(p) for p in rec_positions.values()}
+        extra = [p for p in rec.positions if id(p) not in paired]
     rec_cached = {o.index for o in rec.ops if o.cached} if rec else set()
     rows: list[PositionRow] = []
     for pos in fwd.positions:
@@ -487,6 +491,13 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
             cached=other is not None and other.origin == "op" and other.op_index in rec_cached,
         )))
+    rec_ops = {o.index: o for o in rec.ops} if rec is not None else {}
+    for pos in extra:
+        op = rec_ops.get(pos.op_index) if pos.origin == "op" else None
+        rows.append(PositionRow(
+            position=pos.position, op=op.op if op else None, module=op.module if op else pos.name, source=op.source
+            if op else None, origin=pos.origin, name=pos.name, forward_index=None, saved=None,
+            recomputed=str(pos.meta) if pos.meta else None, matches=False, in_torch_error=False))
     if not fwd.positions and reported:
         by_pack = _positions_by_pack(fwd, rec, cmp, reported) if rec is not None and cmp is not None else {}
         rows.extend(by_pack.values())
