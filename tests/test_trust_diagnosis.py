@@ -1192,3 +1192,18 @@ def test_a_count_mismatch_says_the_count_differs_not_that_positions_paired_by_nu
     assert rows[1].op == "aten.t.default" and rows[1].matches and not rows[1].values_differ
     assert [rows[k].recomputed for k in (2, 3, 4, 5, 6)] == [None] * 5, region.positions
     assert rows[7].op == "aten.tanh.default" and rows[7].matches and rows[7].values_differ, rows[7]
+
+
+def test_a_tensor_only_the_recompute_saved_is_a_position_of_its_own(tmp_path):
+    """`model.eval()` before the backward: the recompute runs no dropout, and its second linear saves the relu's
+    output where the forward's saved the dropout's. Paired through the ops, that save has no forward counterpart: a
+    row of its own (nothing saved -> its metadata), and the region diverges on it."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 8))
+    with pytest.raises(cp.CheckpointError):
+        _record(tmp_path, block, torch.randn(4, 8, requires_grad=True), between=block.eval)
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged"
+    new = [r for r in region.positions if r.saved is None and r.recomputed is not None]
+    assert new and all(r.matches is False for r in new), region.positions
+    assert region.chain[-1].startswith("the recompute saved "), region.chain
