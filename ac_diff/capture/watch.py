@@ -124,15 +124,6 @@ _strided = torch.strided
 _int64 = torch.int64
 
 
-_host_plain: dict[torch.dtype, bool | None] = {}  # dtype -> True: plain values, False: complex, None: no digest
-
-
-def _host_kind(t: torch.Tensor) -> bool | None:
-    kind = None if t.is_quantized else not t.dtype.is_complex
-    _host_plain[t.dtype] = kind
-    return kind
-
-
 def host_digest(t: torch.Tensor) -> list[int] | None:
     """The digest of a CPU tensor, read on the host when it is saved (a CPU read waits for no device, and the values
     at the save are what it digests, whatever writes them later behind torch's back): [hash of its bytes, their
@@ -143,10 +134,9 @@ def host_digest(t: torch.Tensor) -> list[int] | None:
     memory included: a write behind torch's back between two saves, through `.data`, bumps no version, so no span
     can stand for the other.)"""
     dtype = t.dtype
-    plain = _host_plain[dtype] if dtype in _host_plain else _host_kind(t)
-    if plain is None or t.layout is not _strided or t.is_nested:
-        return None
-    if not plain:
+    if (_plans[dtype] if dtype in _plans else _plan(t)) is None or t.layout is not _strided or t.is_nested:
+        return None  # (the dtype's digest plan, as `row_bits` reads it: None for quantized values)
+    if dtype.is_complex:
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = in_memory_order(repeated_once(t))
@@ -523,6 +513,7 @@ class Watch:
             hit = self.escalated.get(region.watch_key)
             if hit is not None and hit.get("caught") is None:
                 hit["caught"] = region.step  # its full recording shows the divergence: watched again after it
+
     def keep_full(self, region: Any) -> None:
         """A region recorded in full saved other tensors in its recompute: its module is recorded in full from then
         on, as if watch had seen it diverge."""

@@ -18,8 +18,8 @@ import contextlib
 from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report, RegionReport,
-                      TorchErrorSummary, missing_ranks, repeated_updates)
+from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report,
+                      RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import SHARDED, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -260,8 +260,8 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
 def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:
     """A headline for a run whose trace ends without its end record (its process was killed: SIGKILL, the
     out-of-memory killer, a lost node; or it is still running): what ran after its last record was never checked
-    (watch mode writes a clean region only in its totals, every 100 steps or 30 seconds), so the run is not clean. Several ranks:
-    missing_ranks says it per rank."""
+    (watch mode writes a clean region only in its totals, every 100 steps or 30 seconds), so the run is not clean.
+    Several ranks: missing_ranks says it per rank."""
     cut = next((r for r in runs if r.source == "trace" and r.truncated and r.world_size <= 1), None)
     if cut is None or not (cut.regions or cut.watch):
         return None
@@ -370,8 +370,9 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                       f"the recompute ({flag_label(key)}: {change.get('forward')!r} -> {change.get('recompute')!r}): "
                       "the same values on this device, not where a kernel depends on it")
         how = f" ({watched} of them watched)" if watched else ""
-        only = (f" ({'the' if outputs_only >= watched else str(outputs_only) + ' of the'} watched reentrant ones: their "
-                "outputs; their forward saves nothing)" if outputs_only else "")
+        which = "the" if outputs_only >= watched else f"{outputs_only} of the"
+        only = (f" ({which} watched reentrant ones: their outputs; their forward saves nothing)" if outputs_only
+                else "")
         return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{only}{extra}"
     # lead with the region torch complained about, else the first in forward order (a watched one too: its cause
     # names its module's full recording); the lowest rank first, as the report's details and cross-rank lines (a

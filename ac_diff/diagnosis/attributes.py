@@ -30,7 +30,7 @@ from typing import Any
 from ..capture.pystate import FUNCTION_CODE, UNSET, is_container
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
-from .labels import module_label
+from .labels import backticked, module_label
 from .passdiff import ARGUMENT_KINDS, PairDiff
 
 
@@ -358,7 +358,7 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             _once_per_step(change, name, attr))
     also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice
             and not _set_by_forward(c)]
-    names = ", ".join(f"`{n}`" for n in [name, *also[:3]]) + (f" and {len(also) - 3} more" if len(also) > 3 else "")
+    names = backticked([name, *also])
     return Suggestion(
         f"Change {names} after the backward, not between forward and backward",
         "The recompute reads the attribute as it is during backward. Change it after loss.backward(), or pass the "

@@ -28,7 +28,7 @@ from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence,
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
-from .labels import number_ranges, readable_arg, where
+from .labels import backticked, number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
 
@@ -449,7 +449,7 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     if len(moved) < 2 or len(moved) < _WHOLE_MODEL_SHARE * len(params):
         return None
     names = [c["name"] for c in moved]
-    shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    shown = backticked(names)
     share = f"all {len(moved)}" if len(moved) >= len(params) else f"{len(moved)} of the {len(params)}"
     read = "the recompute read again" if unread else "the region reads"
     stopped = (f" (torch's early stop ended the recompute before it read the other {unread})" if unread else "")

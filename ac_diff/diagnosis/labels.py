@@ -2,6 +2,7 @@
 
     op_label(op)                  -> "aten.topk.default -> f32[512, 2], i64[512, 2]"
     module_label("1")             -> "module `1`" (a Sequential's child; "layers.1" stays as it is)
+    backticked(["a", "b"])        -> "`a`, `b`" (four, then "and 2 more")
     list_diff([14, 99, 71], [14, 98, 71]) -> "[14, 99→98, 71]"
 """
 
@@ -14,6 +15,12 @@ from ..passes import OpRecord, TensorMeta
 
 # a Python object the recorder could only write as its repr: "<torch._C.Generator object at 0x7f..>"
 _OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
+
+
+def backticked(names: list[str], limit: int = 4) -> str:
+    """The first `limit` names in backticks, and how many more: "`a`, `b`, `c`, `d` and 2 more"."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(f"`{n}`" for n in names[:limit]) + more
 
 
 def module_label(fqn: str) -> str:

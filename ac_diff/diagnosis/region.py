@@ -491,7 +491,7 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
             matches=matches, in_torch_error=err is not None, values_differ=values_differ,
             cached=other is not None and other.origin == "op" and other.op_index in rec_cached,
         )))
-    rec_ops = {o.index: o for o in rec.ops} if rec is not None else {}
+    rec_ops = {o.index: o for o in rec.ops} if extra else {}
     for pos in extra:
         op = rec_ops.get(pos.op_index) if pos.origin == "op" else None
         rows.append(PositionRow(

@@ -17,6 +17,7 @@ from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
 from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, RegionReport, Suggestion
 from .attributes import attribute_suggestion
+from .labels import backticked
 
 
 def _torch_op(op: str) -> str:
@@ -135,8 +136,7 @@ def repeated_update_suggestion(report: RegionReport, torch_version: str | None =
 
 
 def _names(names: list[str]) -> str:
-    names = sorted(set(names))
-    return ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return backticked(sorted(set(names)))
 
 
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:

@@ -160,6 +160,9 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
     command that makes one; its cause says it too (the headline shows the cause)."""
     by_module = {(e["rank"], e["module"]): e for e in escalated}
     by_region = {(r.rank, r.region): r for r in reports}
+    # a region recorded in full that random draws made diverge (what a watched one that did not recur may share)
+    drawn = next((x for x in reports if x.status == DIVERGED and x.cause is not None and x.cause.kind == "rng"
+                  and not x.watched), None)
     for r in reports:
         e = by_module.get((r.rank, r.module)) if r.watched and r.status == DIVERGED else None
         if e is None:
@@ -184,8 +187,6 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         elif not e["full_clean"]:
             where = f"{e['module']} was recorded in full from step {e['from_step']} on, but {_reproduced(e)}: {again}"
         else:
-            drawn = next((x for x in reports if x.status == DIVERGED and x.cause is not None
-                          and x.cause.kind == "rng" and not x.watched), None)
             chance = (f"; elsewhere in this run random draws made a region diverge ({drawn.module or '?'}, region "
                       f"{drawn.region}: {'a host draw' if drawn.cause.mechanism == 'host_rng' else 'a random op'}"
                       + (f" at {drawn.cause.source}" if drawn.cause.source else "")

@@ -166,13 +166,15 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
     for c in _restores([r for r in diverged if r.module in modules]):
         add(c)
     own = any(r.checkpoint_options.get("sac") for r in report.regions)  # (the try composes with that policy)
+
+    def save(op: str, where_: list[str], why: str, repeats: frozenset = frozenset()) -> Candidate:
+        return Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
+                         why, "must_save", op, repeats=repeats, own_policy=own)
+
     for op, where_ in saves.items():  # one try per op, in every module where it flipped
-        add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
-                      f"{op} flipped in {', '.join(where_)}", "must_save", op, own_policy=own))
+        add(save(op, where_, f"{op} flipped in {', '.join(where_)}"))
     for op, (where_, names) in _repeating(report.regions).items():  # its outputs saved, the recompute skips it
-        add(Candidate(f"save {op} in {', '.join(where_)}", RemedySpec(must_save=[op], must_save_modules=where_),
-                      f"the recompute updates {', '.join(sorted(names)[:3])} a second time", "must_save", op,
-                      repeats=frozenset(names), own_policy=own))
+        add(save(op, where_, f"the recompute updates {', '.join(sorted(names)[:3])} a second time", frozenset(names)))
     ref = getattr(report, "reference", None)
     kernel = next((e for e in getattr(ref, "explanations", None) or [] if e.kind == "nondeterministic_kernel"), None)
     if kernel is not None:  # the gradients can be compared once both runs use deterministic kernels

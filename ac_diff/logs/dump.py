@@ -59,12 +59,12 @@ _STDLIB = re.compile(r"/lib/python\d[\d.]*/(?!site-packages/|dist-packages/)")
 # nn.Module's call machinery is in every stack, so concurrent writers most often splice its frames
 # onto some other path ("/dev-sandbox/ratnam" + "/modules/module.py:1809:inner"): never a source.
 _MODULE_CALL = ("module.py", ("_call_impl", "_wrapped_call_impl", "inner", "__call__"))
-# torch's checkpoint (or a wrapper's: FSDP's checkpoint_wrapper calls it) in an op's stack: the frames inside it
-# are the region's
-ENTRY_OPS = 16
+ENTRY_OPS = 16  # ops whose stacks are read for a dump's entry (`DumpBuilder.entry`) at most
 # a decorator's wrapper between checkpoint and the code it ran (transformers' `deprecate_kwarg` wraps a layer's
 # forward in `wrapped_func`): not the region's entry
 _WRAPPERS = frozenset({"wrapper", "wrapped", "wrapped_func", "inner", "_fn", "decorate_context", "wrapped_fn"})
+# torch's checkpoint (or a wrapper's: FSDP's checkpoint_wrapper calls it) in an op's stack: the frames inside it
+# are the region's
 _CHECKPOINT_FRAME = re.compile(r"torch[/\\]utils[/\\]checkpoint\.py:\d+:")
 
 

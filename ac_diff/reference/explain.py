@@ -178,7 +178,7 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
     rng = [r.cause for r in regions if r.cause is not None and r.cause.kind == "rng"]
     # Python's or NumPy's generator, which torch restores for neither pass: a recompute that drew from it (the same
     # decisions as its forward, or another) leaves the run's later draws other than the run without AC's
-    redrew = any(getattr(r, "host_draws", None) for r in regions)
+    redrew = any(r.host_draws for r in regions)
     if any(c.mechanism == "host_rng" for c in rng) or redrew:
         source = next((c.source for c in rng if c.mechanism == "host_rng" and c.source), None)
         return Explanation(
