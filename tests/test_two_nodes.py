@@ -217,6 +217,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until the launch has bound the rendezvous port: which launch binds it first hosts the store, and a sleep
+    does not decide that when importing torch takes longer than the sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("localhost", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int = 90) -> dict[str, dict]:
     """Both launches, each in its own directory (a "node") writing its own out/; returns per node its exit code,
     output and directory, keyed "zero" (the node that got rank 0) and "one"."""
@@ -234,7 +246,8 @@ def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int 
                str(SCRIPT), *script_args]
         procs.append((cwd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, start_new_session=True)))
-        time.sleep(0.3)  # the first launch hosts the rendezvous: its node gets rank 0, as on a real cluster
+        if node == 0:  # hosts the store and, started first (torch ranks nodes of one host by pid), gets rank 0
+            _wait_for_listener(port, procs[0][1])
     deadline = time.monotonic() + timeout
     nodes = []
     for cwd, proc in procs:
