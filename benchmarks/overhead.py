@@ -59,6 +59,8 @@ and the ratio of median CPU times (this process, all threads). Then, untimed, on
 
 * host syncs: on CUDA, the device-to-host synchronisations of one step (torch's sync debug mode, counted on
   the training thread; autograd's backward threads are not seen), and ac-diff's own read-backs (`to_host` calls).
+* profile (`--profile`): one more step under torch's profiler (CUDA: kernels launched, their summed device time,
+  the host ops with the most self time) and one under cProfile (the Python functions with the most self time).
 
 On a GPU (`--device cuda`): the model stays float32 and `--dtype bfloat16` runs the forward under autocast, as
 mixed-precision training does; the step ends with `loss.item()` (a sync), so its wall time includes the GPU's
@@ -332,6 +334,54 @@ def _host_syncs(v: Variant, tmp: str, step) -> dict | None:
     return {"cuda": sum("synchroniz" in str(w.message) for w in seen), "ac_diff": calls[0]}
 
 
+def _kernel_profile(v: Variant, tmp: str, step, restore) -> dict | None:
+    """One untimed step under torch's profiler (--profile): device kernels launched and their summed time, and the
+    host's busiest functions (self time). A steady variant is profiled on its second step, as it is timed."""
+    if not torch.cuda.is_available() or not str(next(iter(v.model.parameters())).device).startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with v.context(tmp, "prof"):
+        if v.steady:
+            step(0)
+            if restore is not None:
+                restore()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(0)
+            torch.cuda.synchronize()
+    try:  # the profiler's event fields were renamed across releases: a profile that fails is a note, not a crash
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ranked = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        return {"kernels": len(kernels), "gpu_ms": round(sum(e.device_time for e in kernels) / 1e3, 2),
+                "host_top": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in ranked[:8]]}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _python_profile(v: Variant, tmp: str, step, restore) -> list | None:
+    """One untimed step under cProfile (--profile): the Python functions with the most self time, ac-diff's among
+    them (where a GPU step's host time goes: the GPU waits for it at every sync)."""
+    if v.name == "plain":
+        return None
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with v.context(tmp, "cprof"):
+        if v.steady:
+            step(0)
+            if restore is not None:
+                restore()
+        prof.enable()
+        step(0)
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:10]
+    return [(f"{os.path.basename(f)}:{line}({name})", calls, round(tt * 1e3, 2))
+            for (f, line, name), (_, calls, tt, _, _) in ranked]
+
+
 def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restore) -> tuple[float, float]:
     """(wall, CPU) seconds of one training step of variant `v`: with its recorder's start and finish, or for a steady
     variant inside a running recorder, after one untimed step there (the model state put back in between)."""
@@ -398,7 +448,9 @@ def bench_model(kind: str, cli, out: dict) -> None:
             tracemalloc.stop()
             size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
             mem[v.name] = {"growth": growth, "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops,
-                           "syncs": _host_syncs(v, tmp, step)}
+                           "syncs": _host_syncs(v, tmp, step),
+                           "profile": _kernel_profile(v, tmp, step, restore) if cli.profile else None,
+                           "python": _python_profile(v, tmp, step, restore) if cli.profile else None}
         for v in reversed(vs):  # a second RSS measurement in the other order: allocator state favours neither
             mem[v.name]["growth"].append(_peak_rss_growth_mb(v, tmp, step))
     finally:
@@ -430,7 +482,7 @@ def bench_model(kind: str, cli, out: dict) -> None:
             "peak_rss_growth_mb": round(g, 1) if g is not None else None,
             "extra_peak_rss_mb": round(g - g0, 1) if g is not None and g0 is not None else None,
             "py_peak_mb": round(m["py_peak_mb"], 2),
-            "host_syncs": m["syncs"],
+            "host_syncs": m["syncs"], "profile": m["profile"], "python_top": m["python"],
         }
     out[kind] = rows
 
@@ -450,6 +502,17 @@ def print_table(title: str, rows: dict) -> None:
     if syncs:
         print("host syncs in one step (CUDA syncs seen on the training thread / ac-diff's read-backs): "
               + ", ".join(f"{name} {s['cuda']}/{s['ac_diff']}" for name, s in syncs.items()))
+    for name, r in rows.items():
+        if r.get("python_top"):
+            print(f"python self time, {name}: "
+                  + ", ".join(f"{fn} x{n} {ms:.1f} ms" for fn, n, ms in r["python_top"]))
+    profiled = {name: r["profile"] for name, r in rows.items() if r.get("profile")}
+    for name, prof in profiled.items():
+        if "error" in prof:
+            print(f"profile {name}: {prof['error']}")
+            continue
+        print(f"profile {name}: {prof['kernels']} kernels, {prof['gpu_ms']:.1f} ms of kernel time; host self time: "
+              + ", ".join(f"{key} x{n} {ms:.1f} ms" for key, n, ms in prof["host_top"]))
 
 
 def main(argv=None) -> None:
@@ -479,6 +542,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="float32, or autocast to this dtype (default %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="on CUDA: one more step per variant under torch's profiler (kernels, kernel time, host time)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")
     cli = p.parse_args(argv)
     if cli.threads:
