@@ -29,8 +29,8 @@ Variants of the same training step (forward, loss, backward, optimizer step):
 * watch        ac-diff watch mode in its steady state: `RecordOptions(watch=True, watch_full_steps=0)`: no dispatch
                mode; each region's saved tensors digested on the device (CUDA: one batched kernel per 64 of them;
                CPU: small ones of one shape share a kernel), compared per pass, read back asynchronously (no host
-               sync). Timed as it runs in a long run: the step after a first one inside the same recorder (starting
-               and stopping a recorder, ~1 ms, happens once per run, not per step)
+               sync). Timed as it runs in a long run: the step after `--settle` untimed ones inside the same recorder
+               (starting and stopping a recorder, ~1 ms, happens once per run, not per step)
 * limit0       ac-diff `RecordOptions(max_regions=0)`: what a step costs in a long run once the first
                `--max-regions N` regions have been recorded (later regions are listed with their saved
                positions; their ops never reach the recorder)
@@ -334,18 +334,16 @@ def _host_syncs(v: Variant, tmp: str, step) -> dict | None:
     return {"cuda": sum("synchroniz" in str(w.message) for w in seen), "ac_diff": calls[0]}
 
 
-def _kernel_profile(v: Variant, tmp: str, step, restore) -> dict | None:
+def _kernel_profile(v: Variant, tmp: str, step, restore, settle: int) -> dict | None:
     """One untimed step under torch's profiler (--profile): device kernels launched and their summed time, and the
-    host's busiest functions (self time). A steady variant is profiled on its second step, as it is timed."""
+    host's busiest functions (self time). A steady variant is profiled after its settling steps, as it is timed."""
     if not torch.cuda.is_available() or not str(next(iter(v.model.parameters())).device).startswith("cuda"):
         return None
     from torch.profiler import ProfilerActivity, profile
 
     with v.context(tmp, "prof"):
         if v.steady:
-            step(0)
-            if restore is not None:
-                restore()
+            _settle(lambda: step(0), restore, settle)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(0)
@@ -359,7 +357,7 @@ def _kernel_profile(v: Variant, tmp: str, step, restore) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _python_profile(v: Variant, tmp: str, step, restore) -> list | None:
+def _python_profile(v: Variant, tmp: str, step, restore, settle: int) -> list | None:
     """One untimed step under cProfile (--profile): the Python functions with the most self time, ac-diff's among
     them (where a GPU step's host time goes: the GPU waits for it at every sync)."""
     if v.name == "plain":
@@ -370,9 +368,7 @@ def _python_profile(v: Variant, tmp: str, step, restore) -> list | None:
     prof = cProfile.Profile()
     with v.context(tmp, "cprof"):
         if v.steady:
-            step(0)
-            if restore is not None:
-                restore()
+            _settle(lambda: step(0), restore, settle)
         prof.enable()
         step(0)
         prof.disable()
@@ -382,9 +378,19 @@ def _python_profile(v: Variant, tmp: str, step, restore) -> list | None:
             for (f, line, name), (_, calls, tt, _, _) in ranked]
 
 
-def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restore) -> tuple[float, float]:
+def _settle(run: Callable[[], float], restore, steps: int) -> None:
+    """The untimed steps a steady variant runs inside its recorder first (the model state put back after each): a
+    module watch escalates after a divergence is recorded in full for a step or more, then watched again."""
+    for _ in range(steps):
+        run()
+        if restore is not None:
+            restore()
+
+
+def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restore,
+                settle: int = 1) -> tuple[float, float]:
     """(wall, CPU) seconds of one training step of variant `v`: with its recorder's start and finish, or for a steady
-    variant inside a running recorder, after one untimed step there (the model state put back in between)."""
+    variant inside a running recorder, after `settle` untimed steps there."""
     if not v.steady:
         gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -392,9 +398,7 @@ def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restor
             run()
         return time.perf_counter() - t0, time.process_time() - c0
     with v.context(tmp, tag):
-        run()
-        if restore is not None:
-            restore()
+        _settle(run, restore, settle)
         gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         run()
@@ -422,7 +426,8 @@ def bench_model(kind: str, cli, out: dict) -> None:
             for v in order:
                 if restore is not None:
                     restore()
-                dt, dc = _timed_step(v, tmp, str(rnd), lambda: step(min(rnd, cli.warmup)), restore)
+                dt, dc = _timed_step(v, tmp, str(rnd), lambda: step(min(rnd, cli.warmup)), restore,
+                                     cli.settle)
                 this[v.name] = dt * 1e3
                 if rnd >= cli.warmup:
                     times[v.name].append(dt * 1e3)
@@ -449,8 +454,8 @@ def bench_model(kind: str, cli, out: dict) -> None:
             size = os.path.getsize(v.last_trace) if v.last_trace and os.path.exists(v.last_trace) else None
             mem[v.name] = {"growth": growth, "py_peak_mb": py_peak / 2**20, "trace_bytes": size, "ops": v.last_ops,
                            "syncs": _host_syncs(v, tmp, step),
-                           "profile": _kernel_profile(v, tmp, step, restore) if cli.profile else None,
-                           "python": _python_profile(v, tmp, step, restore) if cli.profile else None}
+                           "profile": _kernel_profile(v, tmp, step, restore, cli.settle) if cli.profile else None,
+                           "python": _python_profile(v, tmp, step, restore, cli.settle) if cli.profile else None}
         for v in reversed(vs):  # a second RSS measurement in the other order: allocator state favours neither
             mem[v.name]["growth"].append(_peak_rss_growth_mb(v, tmp, step))
     finally:
@@ -542,6 +547,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="float32, or autocast to this dtype (default %(default)s)")
+    p.add_argument("--settle", type=int, default=1,
+                   help="untimed steps a steady variant (watch) runs in its recorder before the timed one (default "
+                        "%(default)s; a run whose watch escalates needs more to reach its steady state)")
     p.add_argument("--profile", action="store_true",
                    help="on CUDA: one more step per variant under torch's profiler (kernels, kernel time, host time)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")

@@ -710,6 +710,47 @@ def check_watch_example(env: Env, name: str) -> tuple[str, str, dict]:
                                                "problems": problems}
 
 
+def _moe_top4(env: Env, suffix: str, **options: Any) -> Diagnosis:
+    """The benchmark's kind of MoE, clean by construction (bias updated after the optimizer step): 16 experts top-4
+    (every token's outputs scatter_add-ed from 4 experts: float atomics on a GPU), fp32 weights, bf16 autocast on
+    CUDA (float32 on CPU), 4 steps."""
+    import tiny_moe
+
+    dev = env.device
+    args = tiny_moe.ModelArgs(dim=256, n_layers=2, num_experts=16, top_k=4, hidden_dim=256)
+    model = tiny_moe.build_model(args, seed=0, ac_mode="checkpoint_wrapper").to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    autocast = (functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if env.cuda
+                else contextlib.nullcontext)
+
+    def loop() -> None:
+        for step in range(4):
+            inputs, labels = tiny_moe.make_batch(args, step, seed=0, batch_size=2, seq_len=1024)
+            with autocast():
+                loss = tiny_moe.loss_fn(model(inputs.to(dev)), labels.to(dev))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for moe in model.moe_layers():
+                tiny_moe.update_expert_bias(moe)
+
+    torch.manual_seed(0)
+    return record(env, f"moe-top4-{dev.type}{suffix}", loop, **options)
+
+
+def check_watch_moe_top4(env: Env) -> tuple[str, str, dict]:
+    """Watch and a full recording of the same clean MoE agree; what each said (a GPU's atomics included)."""
+    full = _moe_top4(env, "-full")
+    watched = _moe_top4(env, "-watched", **WATCH)
+    problems = [] if watched.verdict == full.verdict else [f"watch {watched.verdict} vs full {full.verdict}"]
+    watch = watched.report.watch or {}
+    lead = full.lead_summary()
+    said = (f"full {full.verdict} ({lead.get('cause')} @ {lead.get('module')}: {one_line(full.report.headline, 160)});"
+            f" watch {watched.verdict}: {one_line(watch.get('text', 'no watch totals'), 200)}")
+    return said, FAIL if problems else PASS, {"watch": watched.summary(), "full": full.summary(),
+                                               "watch_totals": watch, "problems": problems}
+
+
 class SideStreamStack(nn.Module):
     """A region whose first tensor is made on a side stream (as an overlapped all-gather's is) and which saves more
     tensors than watch holds at once (several flushes of the batched kernel per pass); tests/gpu uses it too."""
@@ -1011,6 +1052,8 @@ def plan(env: Env) -> list[tuple[str, str, Callable[[], tuple[str, str, dict]]]]
     for name in ("moe_bias_update", "dropout_no_rng", "python_state_branch"):
         checks.append((f"8 watch[{name}]", "verdict = full recording's, same module",
                        functools.partial(check_watch_example, env, name)))
+    checks.append(("8 watch[moe top-4, autocast]", "verdict = full recording's (what each said)",
+                   functools.partial(check_watch_moe_top4, env)))
     checks.append(("9 fused_prints[side stream]", "kernels pass their check; clean; <= 1 kernel per output",
                    functools.partial(check_fused_prints, env)))
     checks.append(("timing[plain vs recorded]", "ratio (reported)", functools.partial(check_timing, env)))

@@ -39,6 +39,10 @@ def kernel() -> None:
     assert got[5] == got[0]  # a permutation of dense dims: the same memory, read as it lies
     assert got[6] is not None and got[6] != byte_sums.host_reference(a[:, :3].contiguous())  # not dense: row sums
     assert got[7] == got[8] is not None
+    long = torch.randint(-2**31, 2**31 - 1, (3 * byte_sums.CHUNK + 1028,), generator=g, dtype=torch.int32)
+    small = torch.randint(-2**31, 2**31 - 1, (4,), generator=g, dtype=torch.int32)
+    sums = byte_sums.ByteSums(byte_sums._kernel()).launch([small, long, small]).tolist()  # 1 + 4 + 1 programs
+    assert sums == [byte_sums.host_reference(small), byte_sums.host_reference(long), byte_sums.host_reference(small)]
 
 
 def verdicts() -> None:

@@ -25,8 +25,9 @@ from .fingerprint import in_memory_order
 from .kernel_check import first_use
 from .segments import wrapped
 
-G = 64  # programs per tensor (each strides over the tensor's words)
-BLOCK = 1024  # words per program per iteration
+CHUNK = 32768  # words per program (128 KiB): a 64 MiB tensor is read by 512 programs
+BLOCK = 4096  # words per program per iteration (16 KiB in flight per program)
+WARPS = 8
 
 
 def _kernel():
@@ -80,15 +81,28 @@ class ByteSums:
         return nbytes % 16 == 0 and nbytes < 1 << 33 and (t.storage_offset() * size) % 16 == 0 and dense(t)
 
     def launch(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """(n, 2) int32 on the tensors' device (all `fits`, one device); the host's address list travels pinned."""
+        """(n, 2) int32 on the tensors' device (all `fits`, one device); the host's address and chunk lists travel
+        in one pinned copy."""
         device = tensors[0].device
-        meta = torch.tensor([[t.data_ptr() for t in tensors], [t.numel() * t.element_size() // 4 for t in tensors]],
-                            dtype=torch.int64)
-        out = torch.empty((len(tensors), G, 2), dtype=torch.int32, device=device)
+        words = [t.numel() * t.element_size() // 4 for t in tensors]
+        owners: list[int] = []
+        starts: list[int] = []
+        for i, w in enumerate(words):
+            first = range(0, w, CHUNK)
+            owners += [i] * len(first)
+            starts += first
+        n_chunks = len(owners)
+        out = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
+        if not n_chunks:  # (empty tensors only)
+            return out
+        meta = torch.tensor([t.data_ptr() for t in tensors] + words + owners + starts, dtype=torch.int64)
+        n = len(tensors)
         if device.type == "cuda":
             meta = meta.pin_memory().to(device, non_blocking=True)
+        args = (meta[:n], meta[n:2 * n], meta[2 * n:], n_chunks, out)
+        if device.type == "cuda":
             with torch.cuda.device(device):
-                self.kernel[(len(tensors), G)](meta[0], meta[1], out, G=G, BLOCK=BLOCK)
+                self.kernel[(n_chunks,)](*args, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): the tests run the kernel on CPU tensors
-            self.kernel[(len(tensors), G)](meta[0], meta[1], out, G=G, BLOCK=BLOCK)
-        return out.sum(1, dtype=torch.int32)  # (wraps, as the kernel's sums do)
+            self.kernel[(n_chunks,)](*args, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS)
+        return out

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ac_diff
 from ac_diff.capture import fingerprint
-from ac_diff.capture.byte_sums import ByteSums, host_reference
+from ac_diff.capture.byte_sums import CHUNK, ByteSums, host_reference
 from ac_diff.trace import read_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -24,7 +24,7 @@ def test_the_batched_kernel_compiles_and_agrees_with_the_host():
     assert sums is not None, "the batched digest kernel did not compile or did not agree (see the warning)"
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(64, 48, generator=g).to(torch.bfloat16), torch.randint(0, 9, (1000,), generator=g),
-               torch.randn(3, 4096, generator=g)]
+               torch.randn(3, 4096, generator=g), torch.randn(3 * CHUNK + 1028, generator=g)]  # 1, 1, 1, 4 chunks
     got = sums.launch([t.cuda() for t in tensors]).cpu().tolist()
     assert got == [host_reference(t) for t in tensors]
 
