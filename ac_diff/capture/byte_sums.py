@@ -86,16 +86,16 @@ class ByteSums:
         device = tensors[0].device
         words = [t.numel() * t.element_size() // 4 for t in tensors]
         owners: list[int] = []
-        starts: list[int] = []
+        numbers: list[int] = []
         for i, w in enumerate(words):
-            first = range(0, w, CHUNK)
-            owners += [i] * len(first)
-            starts += first
+            k = -(-w // CHUNK)
+            owners += [i] * k
+            numbers += range(k)
         n_chunks = len(owners)
         out = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
         if not n_chunks:  # (empty tensors only)
             return out
-        meta = torch.tensor([t.data_ptr() for t in tensors] + words + owners + starts, dtype=torch.int64)
+        meta = torch.tensor([t.data_ptr() for t in tensors] + words + owners + numbers, dtype=torch.int64)
         n = len(tensors)
         if device.type == "cuda":
             meta = meta.pin_memory().to(device, non_blocking=True)

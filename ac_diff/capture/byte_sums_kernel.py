@@ -2,7 +2,7 @@
 
     out = torch.zeros((n, 2), dtype=torch.int32)
     word_sums[(n_chunks,)](addrs, sizes, chunks, n_chunks, out, CHUNK=CHUNK, BLOCK=BLOCK)
-    # program c reads words [start, start + CHUNK) of tensor t (chunks[c] = t, chunks[n_chunks + c] = start) and adds
+    # program c reads words [k * CHUNK, (k + 1) * CHUNK) of tensor t (chunks[c] = t, chunks[n_chunks + c] = k), adds
     # [sum w_i, sum (2i+1) w_i] over them to out[t]
 
 One program per chunk, not a fixed number per tensor: a large tensor gets as many programs as it has chunks, so its
@@ -24,17 +24,17 @@ except ImportError as exc:  # (byte_sums._kernel() imports this module, and watc
 def word_sums(addrs, sizes, chunks, n_chunks, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t = tl.load(chunks + c)
-    start = tl.load(chunks + n_chunks + c).to(tl.int32)  # words < 2**31 (byte_sums.fits): int32 indices wrap alike
+    # (a chunk's number, not its first word: a multiple of CHUNK the compiler can see keeps the loads 16 bytes wide)
+    start = tl.load(chunks + n_chunks + c).to(tl.int32) * CHUNK  # words < 2**31 (byte_sums.fits)
     base = tl.load(addrs + t).to(tl.pointer_type(tl.int32))
     base = tl.multiple_of(base, 16)
     n = tl.multiple_of(tl.load(sizes + t).to(tl.int32), 4)
-    end = tl.minimum(start + CHUNK, n)
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
     s1 = tl.zeros([BLOCK], dtype=tl.int32)
     s2 = tl.zeros([BLOCK], dtype=tl.int32)
-    for i in range(start, end, BLOCK):
-        idx = i + offs
-        w = tl.load(base + idx, mask=idx < end, other=0)
+    for j in range(0, CHUNK, BLOCK):
+        idx = start + j + offs
+        w = tl.load(base + idx, mask=idx < n, other=0)
         s1 += w
         s2 += w * (2 * idx + 1)
     tl.atomic_add(out + 2 * t, tl.sum(s1.to(tl.int64), axis=0).to(tl.int32))
