@@ -84,6 +84,7 @@ def timed(fn, reps: int) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tiles", default="", help="CHUNK:BLOCK:WARPS,... to try instead of byte_sums' own (a sweep)")
     cli = p.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("digest_bandwidth.py needs a CUDA GPU and Triton")
@@ -92,13 +93,21 @@ def main(argv=None) -> None:
         raise SystemExit("the batched kernel failed its check on this GPU (see the warning)")
     old = fixed_split_launch
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for tile in cli.tiles.split(",") if cli.tiles else [None]:
+        if tile:
+            byte_sums.CHUNK, byte_sums.BLOCK, byte_sums.WARPS = map(int, tile.split(":"))
+        print(f"chunk {byte_sums.CHUNK} words, block {byte_sums.BLOCK}, {byte_sums.WARPS} warps")
+        table(sums, old, cli.reps)
+
+
+def table(sums, old, reps: int) -> None:
     print(f"{'batch':<26} {'MiB':>6} {'chunked GB/s':>13} {'fixed split GB/s':>17} {'torch sum GB/s':>15} {'same':>5}")
     for name, shape in BATCHES.items():
         sizes = [64 << 20] + [1 << 20] * 63 if shape is None else [shape[1]] * shape[0]
         tensors = [torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda") for n in sizes]
         total = sum(sizes)
         same = torch.equal(sums.launch(tensors), old(tensors))
-        rates = [total / timed(fn, cli.reps) / 1e9 for fn in (
+        rates = [total / timed(fn, reps) / 1e9 for fn in (
             lambda: sums.launch(tensors), lambda: old(tensors), lambda: [t.sum() for t in tensors])]
         print(f"{name:<26} {total / 2**20:>6.0f} {rates[0]:>13.0f} {rates[1]:>17.0f} {rates[2]:>15.0f} {str(same):>5}")
 

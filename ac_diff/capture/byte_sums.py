@@ -25,8 +25,10 @@ from .fingerprint import in_memory_order
 from .kernel_check import first_use
 from .segments import wrapped
 
-CHUNK = 32768  # words per program (128 KiB): a 64 MiB tensor is read by 512 programs
-BLOCK = 4096  # words per program per iteration (16 KiB in flight per program)
+# Measured on an H100 (benchmarks/digest_bandwidth.py --tiles): smaller chunks spend their time starting programs,
+# larger ones leave SMs idle on a 256 MiB batch
+CHUNK = 262144  # words per program (1 MiB): a 64 MiB tensor is read by 64 programs, each over 32 iterations
+BLOCK = 8192  # words per program per iteration (32 KiB in flight per program)
 WARPS = 8
 
 
