@@ -97,12 +97,14 @@ class ByteSums:
         out = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
         if not n_chunks:  # (empty tensors only)
             return out
-        meta = torch.tensor([t.data_ptr() for t in tensors] + words + owners + numbers, dtype=torch.int64)
+        cuda = device.type == "cuda"
+        meta = torch.tensor([t.data_ptr() for t in tensors] + words + owners + numbers, dtype=torch.int64,
+                            pin_memory=cuda)
         n = len(tensors)
-        if device.type == "cuda":
-            meta = meta.pin_memory().to(device, non_blocking=True)
+        if cuda:
+            meta = meta.to(device, non_blocking=True)
         args = (meta[:n], meta[n:2 * n], meta[2 * n:], n_chunks, out)
-        if device.type == "cuda":
+        if cuda:
             with torch.cuda.device(device):
                 self.kernel[(n_chunks,)](*args, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): the tests run the kernel on CPU tensors

@@ -151,6 +151,7 @@ def host_digest(t: torch.Tensor) -> list[int] | None:
 
 
 _byte_sums = ByteSums.get
+_fits = ByteSums.fits
 
 
 def _batched(t: torch.Tensor) -> bool:
@@ -205,8 +206,8 @@ class WatchedPass:
         self.slots: list[int] = []
         self.digests: list | None = None  # per position, once landed (`resolve`): [sum, weighted sum] or None
         self._inputs = inputs if inputs is not None else {}  # id(tensor) -> index of the region's input it is
-        # (slot, tensor, its version and the address of its memory at the save)
-        self._held: list[tuple[int, torch.Tensor, int, int | None]] = []
+        # (slot, tensor, its version and the address of its memory at the save, whether the batched kernel takes it)
+        self._held: list[tuple[int, torch.Tensor, int, int | None, bool]] = []
         self._held_bytes = 0
         self._host: dict[int, list[int] | None] = {}  # slot -> digest, taken on the host at the save (CPU tensors)
         self._spans: dict[tuple, tuple[Any, int]] = {}  # (address, bytes, version) held -> (weakref, slot)
@@ -295,8 +296,8 @@ class WatchedPass:
             address = t.data_ptr()
         except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
             address = None
-        span = (address, size, t._version) if address is not None and size > SPAN_MIN and t.layout is _strided \
-            and _byte_sums().fits(t) else None
+        takes = address is not None and t.layout is _strided and not t.is_quantized and _fits(t)  # (the kernel)
+        span = (address, size, t._version) if takes and size > SPAN_MIN else None
         if span is not None:
             hit = self._spans.get(span)
             if hit is not None and hit[0]() is not None:  # (alive: its memory is not another tensor's since)
@@ -308,7 +309,7 @@ class WatchedPass:
         self.entries.append((position, meta, origin, name, slot))
         if t.is_cuda:  # the raw (id, device, type) of the stream it was made on: a cheap C call
             self._streams.add(current_stream_raw(t.get_device()))
-        self._held.append((slot, t, version, address))
+        self._held.append((slot, t, version, address, takes))
         self._held_bytes += size
         return len(self._held) >= HOLD or self._held_bytes >= HOLD_BYTES
 
@@ -325,10 +326,10 @@ class WatchedPass:
         resized or freed since (FSDP's reshard frees storage so)."""
         held, self._held, self._held_bytes = self._held, [], 0
         batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for slot, t, version, address in held:
+        for slot, t, version, address, takes in held:
             if t._version != version or address is not None and t.data_ptr() != address:
                 self.unmeasured.add(slot)  # (written, or its storage resized outside dispatch: FSDP frees so)
-            elif t.layout is _strided and not t.is_quantized and _byte_sums().fits(t):
+            elif takes:  # (its layout cannot change without a new version or address)
                 batches.setdefault(t.device, []).append((slot, t))
             else:
                 rows = row_bits(t)
