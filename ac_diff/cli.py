@@ -214,6 +214,7 @@ def run(
     keep_clean: Optional[int] = typer.Option(None, "--keep-clean", metavar="N", help="With --write diverged: clean regions per module written in full (default 1)."),
     watch: Optional[bool] = typer.Option(None, "--watch/--no-watch", help="Watch mode, cheap enough to leave on: no dispatch mode; saved tensors compared on the device; a module that diverged is recorded in full from then on."),
     watch_full_steps: Optional[int] = typer.Option(None, "--watch-full-steps", metavar="N", help="With --watch: record the first N steps in full (default 1)."),
+    watch_resample: Optional[int] = typer.Option(None, "--watch-resample", metavar="N", help="With --watch: record a module whose regions watch compares by their outputs only (reentrant checkpoints) in full once every N steps, one such module a step (default 20; 0: never)."),
     full_from_step: Optional[int] = typer.Option(None, "--full-from-step", metavar="N", help="Record every region in full from step N on (watched before it); steps count from 1."),
     compiled: Optional[str] = CompiledOption,
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N", help="Launch N processes with torchrun."),
@@ -249,7 +250,8 @@ def run(
     write = cfg.pick("write", write)
     options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
                                  scope=scope, write=write, keep_clean=keep_clean, watch=watch,
-                                 watch_full_steps=watch_full_steps, full_from_step=full_from_step)
+                                 watch_full_steps=watch_full_steps, watch_resample=watch_resample,
+                                 full_from_step=full_from_step)
     from .commands.run_extras import remedy_options
 
     remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,

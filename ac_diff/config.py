@@ -22,7 +22,8 @@ valid choices; the CLI prints it as one line and exits 2.
 
 Where each key applies: `rtol`, `atol`, `window_before`, `window_after` to the diagnosis (`run`,
 `report`, `compare`); `ignore_ops`, `discrete_ops`, `keep_values`, `max_regions`, `fingerprints`,
-`fingerprint_derived`, `source_lines`, `scope`, `write`, `keep_clean`, `watch`, `watch_full_steps`, `full_from_step` to
+`fingerprint_derived`, `source_lines`, `scope`, `write`, `keep_clean`, `watch`, `watch_full_steps`, `watch_resample`,
+`full_from_step` to
 recording (`run`); `output_dir` to `run` (and `demo`, which writes to
 `OUTPUT_DIR/demo`); `format` to `run`, `report`, `compare`, `demo`; `check` to `run`.
 Op names are full overload names (`aten.topk.default`); a short name (`topk`, `aten.topk`) stands
@@ -144,6 +145,9 @@ class Config:
                        "on the device, and a module whose region diverged is recorded in full from then on (cheap "
                        "enough to leave on)", _flag)
     watch_full_steps: int = _key(1, "integer >= 0", "watch: the first N steps are recorded in full", _count)
+    watch_resample: int = _key(20, "integer >= 0", "watch: a module whose regions are compared by their outputs "
+                               "only (reentrant checkpoints) is recorded in full once every N steps, one such module "
+                               "a step (0: never)", _count)
     full_from_step: int | None = _key(None, "integer >= 1 or null", "record every region in full from this step on "
                                       "(watched before it)", _step_or_null)
     source_lines: bool = _key(True, "true/false", "record the user source line of each op", _flag)
@@ -181,7 +185,8 @@ class Config:
     def record_options(self, *, keep_values: int | None = None, max_regions: int | None = None,
                        fingerprints: bool | None = None, scope: str | None = None, write: str | None = None,
                        keep_clean: int | None = None, watch: bool | None = None,
-                       watch_full_steps: int | None = None, full_from_step: int | None = None):
+                       watch_full_steps: int | None = None, watch_resample: int | None = None,
+                       full_from_step: int | None = None):
         from .capture.recorder import RecordOptions
 
         return RecordOptions(
@@ -192,6 +197,7 @@ class Config:
             ignore_ops=frozenset(self.ignore_ops), write=self.pick("write", write),
             keep_clean=self.pick("keep_clean", keep_clean), watch=self.pick("watch", watch),
             watch_full_steps=self.pick("watch_full_steps", watch_full_steps),
+            watch_resample=self.pick("watch_resample", watch_resample),
             full_from_step=self.pick("full_from_step", full_from_step))
 
 

@@ -586,6 +586,69 @@ def test_a_clean_watched_reentrant_region_says_only_its_outputs_were_compared(tm
     assert "all reentrant: compared by their outputs only" in report.watch["text"]
 
 
+class PrecisionScheduled(nn.Module):
+    """Its softmax runs in `softmax_dtype`, which a precision schedule sets between the forward and the backward: a
+    float32 softmax rounded to bf16 and a bf16 softmax give the same bf16 output, so a reentrant recompute reaches the
+    forward's outputs while it saves its softmax in another dtype (its backward then runs in bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.softmax_dtype = torch.float32
+
+    def forward(self, x):
+        s = self.lin(x.float()).to(torch.bfloat16)
+        return s.to(self.softmax_dtype).softmax(-1).to(torch.bfloat16)
+
+
+def _precision_schedule(block: nn.Module, steps: int, ac: bool = True) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    grads = []
+    for step in range(steps):
+        x = torch.randn(4, 8, 16).to(torch.bfloat16).requires_grad_()
+        out = checkpoint(block, x, use_reentrant=True) if ac else block(x)
+        block.softmax_dtype = torch.bfloat16 if step >= 1 else torch.float32  # (the schedule, after the forward)
+        (out.float() * torch.arange(16.0)).sum().backward()
+        block.softmax_dtype = torch.float32
+        grads.append(block.lin.weight.grad.clone())
+        block.lin.weight.grad = None
+    return grads
+
+
+def test_watch_resamples_reentrant_modules_in_full(tmp_path):
+    """Watch compares a reentrant region by its outputs; a recompute that reaches the same outputs through other saved
+    tensors changes the gradients unseen. Such a module is recorded in full every --watch-resample steps: the run is
+    diverged, where without resampling it reads clean (the limit the report then states)."""
+    torch.manual_seed(0)
+    block = PrecisionScheduled()
+    state = {k: v.clone() for k, v in block.state_dict().items()}
+    with_ac, without = _precision_schedule(block, 2), _precision_schedule(block, 2, ac=False)
+    assert torch.equal(with_ac[0], without[0]) and not torch.equal(with_ac[1], without[1])  # a real divergence
+    said = {}
+    for every in (3, 0):
+        block.load_state_dict(state)
+        path = tmp_path / f"every{every}.jsonl"
+        with ac_diff.record(path, watch=True, watch_full_steps=0, watch_resample=every):
+            _precision_schedule(block, 6)
+        said[every] = ac_diff.diagnose([read_run(path)])
+    resampled, unsampled = said[3], said[0]
+    assert resampled.verdict == "diverged", resampled.headline
+    lead = resampled.lead_groups()[0][0]
+    assert not lead.watched and lead.step == 4 and lead.cause.tensor and "softmax_dtype" in lead.cause.tensor
+    assert "recorded in full every 3 steps, in turn (--watch-resample; 1 time(s) in this run)" in resampled.watch["text"]
+    assert unsampled.verdict == "clean" and unsampled.watch["outputs_only"] == 6  # (what resampling is for)
+    assert "record them in full, --watch-resample N" in unsampled.watch["text"]
+
+
+def test_resampling_takes_one_module_a_step():
+    """Several modules compared by their outputs are recorded in full in turn, one a step, each every N steps."""
+    w = watch.Watch(write=lambda rec: None, region_record=None, resample_every=2)
+    full = {step: [key for key in ("a", "b", "c") if w.full(key, step, outputs_only=True)] for step in range(1, 9)}
+    assert full == {1: [], 2: [], 3: ["a"], 4: ["b"], 5: ["c"], 6: ["a"], 7: ["b"], 8: ["c"]}
+    assert w.resampled == {"a": 2, "b": 2, "c": 2}
+    assert not any(w.full("d", step) for step in range(9, 20))  # (not compared by its outputs: never)
+
+
 def test_watched_counts_are_written_every_few_seconds_too(tmp_path, monkeypatch):
     """Slow steps write their totals by time as well: a process killed outright (SIGKILL) keeps the counts up to its
     last totals, and its report is CUT SHORT, never clean (it said CLEAN over 3 regions, 156 run)."""

@@ -111,6 +111,9 @@ class RecordOptions:
     watch: bool = False
     escalate: bool = True
     watch_full_steps: int = 1  # watch mode records the first N steps in full: a bug that strikes at once is diagnosed
+    # watch mode records a module whose regions it compares by their outputs only (reentrant) in full once every N
+    # steps, one such module a step (0: never)
+    watch_resample: int = 20
     full_from_step: int | None = None  # record every region in full from this step on (1: the first); watch before
 
 
@@ -246,7 +249,8 @@ class Recorder:
         self._retention = Retention(self._writer, self.options.hold_bytes, self.options.keep_clean, _distributed)
         if self.options.watch or self.options.full_from_step is not None:
             self._watch = Watch(self._writer.write, self._region_record, self.options.full_from_step,
-                                self.options.escalate, self.options.watch_full_steps if self.options.watch else 0)
+                                self.options.escalate, self.options.watch_full_steps if self.options.watch else 0,
+                                resample_every=self.options.watch_resample if self.options.watch else 0)
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
@@ -458,7 +462,7 @@ class Recorder:
         key = region.watch_key = region.module or region.fn_name or region.caller or region.fn_site
         # (a reentrant region no backward will reach, its inputs not requiring grad: its forward, recorded, is the
         # finding)
-        full = self._watch.full(key, region.step) or "no_grad_inputs" in region.options
+        full = self._watch.full(key, region.step, region.kind == "reentrant") or "no_grad_inputs" in region.options
         if not full:
             region.recorded = False
             if region.parent_phase == RECOMPUTE:  # a nested checkpoint its parent's recompute runs: torch never

@@ -434,6 +434,13 @@ class Watch:
     full_from_step: int | None = None
     escalate: bool = True
     full_steps: int = 0  # the first steps recorded in full (a bug that strikes in step 1 needs no second run)
+    # a module watch compares by its outputs only (a reentrant checkpoint's forward saves nothing) is recorded in full
+    # once every `resample_every` steps, one such module a step (`_resample`; 0: never)
+    resample_every: int = 0
+    resampled: dict[str, int] = field(default_factory=dict)  # module -> its steps recorded in full for that
+    _last_full: dict[str, int] = field(default_factory=dict)  # such a module -> the step it was last recorded in full
+    _resampling: tuple = (0, None)  # (step, the module recorded in full in it for that)
+    _ran: dict[str, None] = field(default_factory=dict)  # such modules that ran in this step (ordered)
     step: int = 0
     escalated: dict[str, dict] = field(default_factory=dict)  # key -> {"diverged_step", "region", "from_step"}
     totals: dict[str, _Totals] = field(default_factory=dict)
@@ -446,9 +453,39 @@ class Watch:
     _summarized_time: float = field(default_factory=time.monotonic)
 
     # -- which regions are recorded in full ----------------------------------------------------
-    def full(self, key: str | None, step: int) -> bool:
+    def full(self, key: str | None, step: int, outputs_only: bool = False) -> bool:
         """A region's forward begins in `step` (the recorder counts them): say whether it is recorded in full (from
-        --full-from-step, or its module was escalated)."""
+        --full-from-step, its module was escalated, or, `outputs_only` (reentrant), its turn to be resampled)."""
+        if step != self.step and self.resample_every:
+            self._choose_resample(step)
+        full = self._full(key, step)
+        if outputs_only and key is not None:
+            self._ran[key] = None
+            if full:
+                self._last_full[key] = self.step
+            else:
+                full = self._resample(key)
+        return full
+
+    def _choose_resample(self, step: int) -> None:
+        """Where watch compares a module's regions by their outputs only, a recompute that reaches the same outputs
+        through other saved tensors changes the gradients unseen: such a module is recorded in full every
+        `resample_every` steps, in turn, one a step (no step pays for all of them): of those that ran in the step
+        before, the one recorded in full longest ago, once it is due."""
+        ran, self._ran = self._ran, {}
+        due = [k for k in ran if step - self._last_full[k] >= self.resample_every]
+        self._resampling = (step, min(due, key=self._last_full.__getitem__) if due else None)
+
+    def _resample(self, key: str) -> bool:
+        self._last_full.setdefault(key, self.step)
+        if self._resampling != (self.step, key):
+            return False
+        if self._last_full[key] != self.step:  # (its first region this step: counted once)
+            self._last_full[key] = self.step
+            self.resampled[key] = self.resampled.get(key, 0) + 1
+        return True
+
+    def _full(self, key: str | None, step: int) -> bool:
         if step != self.step:
             self.step = step
             if self.step - self._summarized_at >= SUMMARY_EVERY or self.step > 1 and \
@@ -574,7 +611,8 @@ class Watch:
     def summarize(self) -> None:
         self._summarized_at, self._summarized_time = self.step, time.monotonic()
         self.write({"type": "watch", "step": self.step, "full_from_step": self.full_from_step,
-                    "full_steps": self.full_steps,
+                    "full_steps": self.full_steps, "resample_every": self.resample_every,
+                    "resampled": dict(self.resampled),
                     "modules": {key: t.to_json() for key, t in self.totals.items()},
                     "escalated": {key: dict(v) for key, v in self.escalated.items()}})
 

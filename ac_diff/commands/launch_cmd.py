@@ -103,7 +103,8 @@ def rank_argv(target: str, args: list[str], *, module: bool, output_dir: str, op
     if not options.fingerprints:
         argv.append("--no-fingerprints")
     if options.watch:
-        argv += ["--watch", "--watch-full-steps", str(options.watch_full_steps)]
+        argv += ["--watch", "--watch-full-steps", str(options.watch_full_steps),
+                 "--watch-resample", str(options.watch_resample)]
     if options.full_from_step is not None:
         argv += ["--full-from-step", str(options.full_from_step)]
     return argv + (["-m"] if module else []) + [target, *args]

@@ -75,6 +75,8 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                "all_full_from": all_full, "unwritten": unwritten, "nested": nested, "outputs_only": outputs,
                "never_compared": never, "full_steps": max(int(run.watch.get("full_steps") or 0) for run in watched),
                "full_from_step": watched[0].watch.get("full_from_step"), "escalated": escalated,
+               "resample_every": max(int(run.watch.get("resample_every") or 0) for run in watched),
+               "resampled": sum(sum((run.watch.get("resampled") or {}).values()) for run in watched),
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
     summary["text"] = _text(summary)
     _link_escalations(reports, escalated)
@@ -136,10 +138,14 @@ def _outputs_only(s: dict[str, Any]) -> str:
     n = s.get("outputs_only") or 0
     if not n:
         return ""
-    return (f" ({'all' if n == s['compared'] else f'{n:,} of them'} reentrant: compared by their outputs only, as "
+    said = (f" ({'all' if n == s['compared'] else f'{n:,} of them'} reentrant: compared by their outputs only, as "
             "their forward saves nothing; a recompute that computes the same outputs through other saved tensors "
-            "changes the gradients unseen: record them in full, --watch-full-steps N or without --watch, or use "
-            "use_reentrant=False)")
+            "changes the gradients unseen")
+    every, done = s.get("resample_every") or 0, s.get("resampled") or 0
+    if every:  # (watch._resample)
+        return (f"{said} by watch: each such module is also recorded in full every {every} steps, in turn "
+                f"(--watch-resample; {done:,} time(s) in this run), which sees it)")
+    return f"{said}: record them in full, --watch-resample N, --watch-full-steps N or without --watch)"
 
 
 def _reproduced(e: dict[str, Any]) -> str:

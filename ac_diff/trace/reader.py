@@ -246,6 +246,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 earlier = (run.watch or {}).get("escalated", {})
                 run.watch = {"step": int(rec.get("step") or 0), "full_from_step": rec.get("full_from_step"),
                              "full_steps": int(rec.get("full_steps") or 0),
+                             "resample_every": int(rec.get("resample_every") or 0),
+                             "resampled": {str(k): int(v) for k, v in dict(rec.get("resampled") or {}).items()},
                              "modules": {str(k): ([int(x) for x in v] + [0] * 6)[:6]  # (older: 3, 5)
                                          for k, v in dict(rec["modules"]).items()},
                              "escalated": {**earlier, **{str(k): dict(v) for k, v in
