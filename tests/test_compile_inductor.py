@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
         "plain": Job(ARGS, plain=True),
         "recorded": Job(ARGS),
         "no_rng": Job(ARGS[:-2] + ["--steps", "1", "--no-preserve-rng"]),
+        "anneal": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "--steps", "3"]),
     }, timeout=900)
 
 
@@ -61,3 +62,21 @@ def test_a_divergence_inside_compiled_code_is_placed_at_the_call(runs):
         assert region["cause"]["kind"] == "rng"
         first = region["first_value_divergence"]
         assert first["op"] == "inductor_compiled_code" and first["module"] == f"{region['module']}.ff"
+
+
+def test_a_recompile_in_the_recompute_is_the_attribute_that_changed_in_every_step(runs):
+    """A Python float the compiled feed-forward reads is lowered before each backward: Dynamo's guard on it fails in
+    the recompute, which runs a graph compiled again. Every region says so (the attribute, at the compiled call); a
+    recompute that compiled its graph again was read as 'another branch' where its forward reused one compiled in
+    an earlier recompute: the graph returns the parameters it saves, which read as made by the forward's call."""
+    r = runs["anneal"]
+    assert r.returncode == 0, r.explain()
+    regions = r.report["regions"]
+    assert len(regions) == 6 and all(g["status"] == "diverged" and g["silent"] for g in regions)
+    for g in regions:
+        assert g["cause"]["kind"] == "state_mutation", (g["region"], g["cause"])
+        assert g["cause"]["tensor"] == f"{g['module']}.ff.act_scale"
+        assert g["first_control_divergence"] is None  # (it read "ran in the recompute but not in the forward")
+        first = g["first_value_divergence"]
+        assert first["op"] == "inductor_compiled_code" and first["module"] == f"{g['module']}.ff", first
+        assert first["detail"]["differs"] == ["argument", "value"]  # another compiled graph, other values

@@ -500,7 +500,13 @@ def _read_back(f_ops: list[OpRecord], recompute: Pass) -> set[int]:
     """The forward's ops the recompute did not run because it read back what they made (`External.made_by`: a
     tensor the forward made and something kept, autocast's bf16 weight casts, a memoized table) and the ops that
     fed only those: not aligned, as they have no counterpart (what was read back is compared as an input)."""
-    dropped = {e.made_by[0] for e in recompute.externals if e.made_by is not None} | _cached_casts(f_ops, recompute)
+    dropped = {e.made_by[0] for e in recompute.externals if e.made_by is not None}
+    if dropped:  # (an op the recompute ran as often as the forward was recomputed: what it returned aliases state
+        # the region reads, as a compiled graph returns the parameters it saves for the backward)
+        ran = Counter(o.key for o in usable_ops(recompute))
+        made = Counter(o.key for o in f_ops)
+        dropped = {o.index for o in f_ops if o.index in dropped and made[o.key] > ran[o.key]}
+    dropped |= _cached_casts(f_ops, recompute)
     if not dropped:
         return dropped
     consumers: dict[int, set[int]] = {}

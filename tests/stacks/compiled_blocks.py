@@ -10,7 +10,10 @@
 
 `--dropout P --no-preserve-rng` puts a real divergence (dropout without preserved RNG state) in the
 blocks' feed-forward. `--buffer-update` another: each block normalises its input by a running statistic,
-a buffer it updates in place in its forward, so the recompute updates it again and sees another value. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
+a buffer it updates in place in its forward, so the recompute updates it again and sees another value. `--anneal`
+another: the feed-forward scales its activation by a Python float that a schedule lowers between the forward and the
+backward, so the compiled code's guard on it fails in the recompute, which runs a graph compiled again (static shapes:
+each value its own graph). Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
 `--backend inductor` compiles C++ kernels (gcc), whose dropout draws other numbers than eager dropout.
 """
 
@@ -36,11 +39,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(2 * dim, dim)
         self.drop = nn.Dropout(p)
         self.use_function = use_function
+        self.act_scale = 1.0  # (--anneal: a schedule lowers it between the forward and the backward)
 
     def forward(self, x):
         h = self.w1(x)
         h = gelu_tanh(h) if self.use_function else F.gelu(h, approximate="tanh")
-        return self.drop(self.w2(h))
+        return self.drop(self.w2(h * self.act_scale))
 
 
 class Block(nn.Module):
@@ -81,7 +85,10 @@ def main(argv=None):
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--no-preserve-rng", action="store_true")
     p.add_argument("--buffer-update", action="store_true", help="a buffer updated in place in each block's forward")
+    p.add_argument("--anneal", action="store_true", help="lower each feed-forward's act_scale before the backward")
     args = p.parse_args(argv)
+    if args.anneal:
+        torch._dynamo.config.automatic_dynamic_shapes = False
 
     torch.manual_seed(0)
     net = Net(p=args.dropout, use_function=args.compile == "function", buffer_update=args.buffer_update)
@@ -103,6 +110,10 @@ def main(argv=None):
     for step in range(args.steps):
         x = torch.randn(4, 16, 32, generator=g)
         loss = net(x).pow(2).mean()
+        if args.anneal:  # a schedule hook that runs before the backward
+            for module in net.modules():
+                if isinstance(module, FeedForward):
+                    module.act_scale = 1.0 - 0.1 * (step + 1)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
