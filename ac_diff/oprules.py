@@ -130,6 +130,8 @@ DETACHED_ALIAS_OPS = frozenset({DETACH, "aten.alias.default"})
 # Copies autograd adds in a reentrant recompute only (its forward ran under no_grad, so an in-place op
 # on a tensor needed for backward was not guarded by a clone there).
 REENTRANT_ONLY_OPS = frozenset({"aten.clone.default"})
+# A compiled graph's call (inductor), recorded as one op whose first argument names the graph ("<compiled graph 3>").
+COMPILED_GRAPH_OP = "inductor_compiled_code"
 
 # Kinds of tensor reference that name state the region did not create.
 OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})

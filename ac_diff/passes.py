@@ -264,6 +264,7 @@ class TorchError:
     count: int = 1  # how many times it was raised (printed) identically
     first_line: int | None = None  # line of the log where its first / last repetition starts (None: not from a log)
     last_line: int | None = None
+    compiled: bool = False  # the log's traceback before it runs through torch.compile's code (its compiled backward)
 
     def same_as(self) -> tuple:
         """What makes two errors the same error (hashable): repetitions share it, whatever their lines."""

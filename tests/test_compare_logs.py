@@ -475,3 +475,20 @@ def test_a_dump_whose_difference_lies_before_where_the_log_begins_is_never_clean
     assert any("torch printed this debug=True dump because the recompute differed" in n for n in region.notes)
     proc = run_cli("compare", str(cut))
     assert proc.returncode == 4, proc.stdout
+
+
+def test_a_traceback_through_compiled_code_says_torch_compile_may_have_picked_another_graph():
+    """torch appends its hint about torch.compile's graph selection to every CheckpointError; ac-diff repeats it only
+    where the traceback ran through compiled code (here AOTAutograd's compiled backward, after a guard on a Python
+    float failed in the recompute). Compiled frames in a dump's stack traces are not the traceback's."""
+    report = ac_diff.diagnose_paths([SAMPLE_LOGS / "compiled_recompile_error.log"])
+    error = report.torch_error
+    assert report.verdict == "diverged" and error.kind == "metadata_mismatch" and error.positions == [9]
+    assert error.cause.startswith("compiled_graph: its traceback runs through torch.compile's code: the recompute "
+                                  "may have run another compiled graph than the forward"), error.cause
+    assert "another compiled graph" in report.headline
+    for name in ("torchtitan_llama4_rank1_head.log", "pytorch_torchtitan_1117.log"):  # (dynamo frames in its dumps)
+        other = ac_diff.diagnose_paths([_real(name)]).torch_error
+        assert other is not None and not (other.cause or "").startswith("compiled_graph"), (name, other.cause)
+    plain = ac_diff.diagnose_paths([SAMPLE_LOGS / "python_state_branch_error.log"]).torch_error
+    assert plain.cause is None  # (the same hint is in this log, from an eager traceback)

@@ -30,7 +30,8 @@ def runs(tmp_path_factory):
         "plain": Job(ARGS, plain=True),
         "recorded": Job(ARGS),
         "no_rng": Job(ARGS[:-2] + ["--steps", "1", "--no-preserve-rng"]),
-        "anneal": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "--steps", "3"]),
+        "anneal": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "static", "--steps", "3"]),
+        "anneal_dynamic": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "dynamic"]),
     }, timeout=900)
 
 
@@ -76,7 +77,21 @@ def test_a_recompile_in_the_recompute_is_the_attribute_that_changed_in_every_ste
     for g in regions:
         assert g["cause"]["kind"] == "state_mutation", (g["region"], g["cause"])
         assert g["cause"]["tensor"] == f"{g['module']}.ff.act_scale"
+        assert "the recompute ran another compiled graph than the forward" in g["cause"]["detail"]
         assert g["first_control_divergence"] is None  # (it read "ran in the recompute but not in the forward")
         first = g["first_value_divergence"]
         assert first["op"] == "inductor_compiled_code" and first["module"] == f"{g['module']}.ff", first
         assert first["detail"]["differs"] == ["argument", "value"]  # another compiled graph, other values
+
+
+def test_a_recompile_that_makes_torch_raise_is_another_compiled_graph_not_another_branch(runs):
+    """With automatic dynamic shapes the lowered float becomes the recompiled graph's input: the recompute saves a
+    scalar where the forward saved a weight, and torch raises. The region names the attribute and the other graph
+    (it said "Python code took another branch")."""
+    r = runs["anneal_dynamic"]
+    assert r.returncode == 1, r.explain()  # (the script's CheckpointError)
+    assert r.report["torch_error"]["kind"] == "metadata_mismatch"
+    diverged = [g for g in r.report["regions"] if g["status"] == "diverged"]
+    assert diverged and all(g["cause"]["tensor"] == f"{g['module']}.ff.act_scale" for g in diverged)
+    detail = diverged[0]["cause"]["detail"]
+    assert "another compiled graph than the forward" in detail and "took another branch" not in detail, detail

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..oprules import COMPILED_GRAPH_OP  # (the op a compiled graph call is recorded as)
+
 # torch warns once per compiled module that global module hooks (ours) fire an extra time for the
 # OptimizedModule wrapper; ac-diff's module stack handles that, and the user did not register them.
 _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
@@ -157,7 +159,6 @@ def keeps_compiled_code() -> bool:
         return False
 
 
-COMPILED_GRAPH_OP = "inductor_compiled_code"  # the op a compiled graph call is recorded as
 
 
 def route_compiled_code(*mode_classes: type) -> bool:

@@ -20,7 +20,7 @@ from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report,
                       RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
-from .cause import SHARDED, one_optimizer_step, sharded_positions
+from .cause import RECOMPILED, SHARDED, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from ..logs.errors import version_check
@@ -185,7 +185,8 @@ def _summary(err: TorchError) -> TorchErrorSummary:
                              positions=[p.position for p in err.positions if p.position is not None],
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
-                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else None,
+                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else
+                             f"compiled_graph: {RECOMPILED}" if err.compiled else None,
                              count=err.count, first_line=err.first_line, last_line=err.last_line)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..capture.pystate import FUNCTION_CODE, UNSET, is_container
+from ..oprules import COMPILED_GRAPH_OP
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
 from .labels import backticked, module_label
@@ -179,6 +180,12 @@ def _what(change: AttributeChange) -> str:
             f"the Python attribute `{change.name}`")
 
 
+def other_compiled_graph(region: Region) -> bool:
+    """The recompute called a compiled graph the forward did not call (torch.compile compiled again)."""
+    called = {o.args[0] for o in region.forward.ops if o.op == COMPILED_GRAPH_OP and o.args}
+    return any(o.op == COMPILED_GRAPH_OP and o.args and o.args[0] not in called for o in region.recompute.ops)
+
+
 def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     """The changed attribute behind a divergence that no tensor explains: the first divergent op read
     identical tensors (a Python number argument changed, or another branch was taken). A random op's other
@@ -196,8 +203,10 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     top = min(changes, key=lambda c: (not c.read_by(op), _set_by_forward(c), not c.counted_twice))
     module = module_label(split_name(top.name)[0]) if split_name(top.name)[0] else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
-    detail = (("the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
-              + f"{_what(top)} was {_change_words(top.forward, top.recompute)}")
+    why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
+           "failed): " if other_compiled_graph(region) else
+           "the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
+    detail = why + f"{_what(top)} was {_change_words(top.forward, top.recompute)}"
     evidence = [f"{c.name}: {_change_words(c.forward, c.recompute)}"
                 + (f" (read by {', '.join(c.readers[:2])})" if c.is_global else "") for c in changes[:4]]
     if top.counted_twice and top.is_global:

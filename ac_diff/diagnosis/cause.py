@@ -38,6 +38,10 @@ def explain(report: RegionReport, region: Region, cmp: PassComparison, torch_ver
     report.suggestions = suggestions_for(report, region, torch_version)
 
 
+# what a log's CheckpointError alone tells where its traceback ran through torch.compile's code (TorchError.compiled)
+RECOMPILED = ("its traceback runs through torch.compile's code: the recompute may have run another compiled graph "
+              "than the forward (a guard on a Python value or a shape that changed between them picks another one; "
+              "torch's hint in the log, pytorch issue 166926)")
 SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in the recompute "
            "(ZeRO-3 / FSDP frees them after the forward)")
 

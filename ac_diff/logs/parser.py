@@ -37,6 +37,8 @@ from ac_diff.passes import Region, Run
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
 _TRACEBACK = "Traceback (most recent call last)"
 _CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+# where a traceback passes through code torch.compile made or runs (AOTAutograd's compiled backward, Dynamo, inductor)
+_COMPILED_FRAMES = re.compile(r"torch[/\\]_(?:functorch[/\\]_aot_autograd|dynamo|inductor)[/\\]|compiled_function_backward")
 _segments_of = short_text_memo(split_segments)  # a log repeats its lines: each distinct one is split once
 
 
@@ -51,6 +53,7 @@ class _RankState:
     dump_at: int = 0  # its place in the log's regions
     dumps: int = 0
     traceback_open: bool = False
+    compiled_frames: bool = False  # the last traceback passed through torch.compile's code (`_COMPILED_FRAMES`)
     seen: bool = False  # any error or dump started on this rank
     # op lines of an op list read before any dump began on this rank (the log starts inside a dump's forward list):
     # the forward's tail if its recompute's list follows (`_dump_marker`)
@@ -144,10 +147,14 @@ class LogParser:
         if c == "T" and body.startswith(_TRACEBACK):
             self._close_error(st)
             self._cut_dump(st)
-            st.traceback_open = True
+            st.traceback_open, st.compiled_frames = True, False
+            return True
+        if st.traceback_open and c == "F" and _COMPILED_FRAMES.search(body):
+            st.compiled_frames = True
             return True
         if c in "TD" and body.startswith(_CHAINED):
             self._close_error(st)
+            st.compiled_frames = False
             return True
         if st.traceback_open and _EXCEPTION_LINE.match(body):
             st.traceback_open = False
@@ -194,8 +201,8 @@ class LogParser:
         what, value = cls[0], cls[1]
         b = st.error
         if what == "header":
-            st.traceback_open = False
-            self._new_error(st, value, body)  # type: ignore[arg-type]
+            st.traceback_open = False  # (the traceback's frames are read: whether they passed compiled code stays)
+            self._new_error(st, value, body).error.compiled = st.compiled_frames  # type: ignore[arg-type]
             return True
         if what == "position":
             if (b is None or b.closed or b.error.kind != METADATA_MISMATCH

@@ -10,10 +10,10 @@
 
 `--dropout P --no-preserve-rng` puts a real divergence (dropout without preserved RNG state) in the
 blocks' feed-forward. `--buffer-update` another: each block normalises its input by a running statistic,
-a buffer it updates in place in its forward, so the recompute updates it again and sees another value. `--anneal`
+a buffer it updates in place in its forward, so the recompute updates it again and sees another value. `--anneal static`
 another: the feed-forward scales its activation by a Python float that a schedule lowers between the forward and the
 backward, so the compiled code's guard on it fails in the recompute, which runs a graph compiled again (static shapes:
-each value its own graph). Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
+each value its own graph; `--anneal dynamic`: the value becomes the graph's input, and torch raises). Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
 `--backend inductor` compiles C++ kernels (gcc), whose dropout draws other numbers than eager dropout.
 """
 
@@ -85,9 +85,12 @@ def main(argv=None):
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--no-preserve-rng", action="store_true")
     p.add_argument("--buffer-update", action="store_true", help="a buffer updated in place in each block's forward")
-    p.add_argument("--anneal", action="store_true", help="lower each feed-forward's act_scale before the backward")
+    p.add_argument("--anneal", choices=["static", "dynamic"], help="lower each feed-forward's act_scale before the "
+                   "backward; static: each value compiled as a constant; dynamic: after the first recompile the value "
+                   "becomes a graph input (automatic dynamic shapes), a tensor the recompute saves that the forward "
+                   "did not, and torch raises")
     args = p.parse_args(argv)
-    if args.anneal:
+    if args.anneal == "static":
         torch._dynamo.config.automatic_dynamic_shapes = False
 
     torch.manual_seed(0)
