@@ -392,7 +392,7 @@ def _settle(run: Callable[[], float], restore, steps: int) -> None:
 
 
 def _timed_step(v: Variant, tmp: str, tag: str, run: Callable[[], float], restore,
-                settle: int = 1) -> tuple[float, float]:
+                settle: int = 3) -> tuple[float, float]:
     """(wall, CPU) seconds of one training step of variant `v`: with its recorder's start and finish, or for a steady
     variant inside a running recorder, after `settle` untimed steps there."""
     if not v.steady:
@@ -551,9 +551,10 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="float32, or autocast to this dtype (default %(default)s)")
-    p.add_argument("--settle", type=int, default=1,
+    p.add_argument("--settle", type=int, default=3,
                    help="untimed steps a steady variant (watch) runs in its recorder before the timed one (default "
-                        "%(default)s; a run whose watch escalates needs more to reach its steady state)")
+                        "%(default)s: on a GPU, watch records a module's second step in full, once, to learn which "
+                        "saved values full recording never compares)")
     p.add_argument("--profile", action="store_true",
                    help="on CUDA: one more step per variant under torch's profiler (kernels, kernel time, host time)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round's times to stderr")
