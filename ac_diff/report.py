@@ -219,7 +219,10 @@ class RegionReport:
 
     @property
     def status_label(self) -> str:
-        """The status as reports show it: "diverged (silent)" when torch raised nothing about it."""
+        """The status as reports show it: "diverged (silent)" when torch raised nothing about it, "nested rerun" for
+        a nested checkpoint its parent's recompute ran again."""
+        if self.unchecked_reason == NESTED_RERUN:
+            return NESTED_LABEL
         return self.status + (" (silent)" if self.silent else "")
 
     def divergences(self) -> list[Divergence]:
@@ -255,6 +258,10 @@ class RegionReport:
 CUT_SHORT = "cut short"  # Report.exit_status of a run whose trace has no end record (its process was killed)
 UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor> is updated in place by <op> in ..."
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
+# how counts and tables show such a region: not a gap in the check (its own forward and recompute are compared as
+# the nested region it re-runs), so not "unchecked"
+NESTED_LABEL = "nested rerun"
+NESTED_COUNTED = "nested rerun(s) in a recompute (nothing to compare)"
 RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
@@ -265,7 +272,7 @@ def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None 
     by: dict[str, int] = {k: v for k, v in (counted or {}).items() if v}
     for r in regions:
         # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
-        status = f"{UNCHECKED} ({NESTED_RERUN})" if r.unchecked_reason == NESTED_RERUN else r.status
+        status = NESTED_COUNTED if r.unchecked_reason == NESTED_RERUN else r.status
         by[status] = by.get(status, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
@@ -495,7 +502,7 @@ class Report:
         w = self.watch or {}
         counted = {"clean (watched)": w.get("clean", 0), "diverged (watched, counted)": w.get("unwritten", 0),
                    "unchecked (watched, never recomputed)": w.get("never_compared", 0),
-                   f"{UNCHECKED} ({NESTED_RERUN})": w.get("nested", 0)}
+                   NESTED_COUNTED: w.get("nested", 0)}
         counts = count_by_status(self.regions, counted)
         n = len(self.regions) + sum(counted.values())
         return f"{n} region(s): {counts}" if n else ""

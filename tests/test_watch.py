@@ -1012,8 +1012,8 @@ def test_nested_checkpoints_are_counted_as_full_recording_counts_them(tmp_path):
             for _ in range(3):
                 checkpoint(model, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
         counts.append(ac_diff.diagnose([read_run(path)]).status_counts())
-    assert counts == ["9 region(s): 6 clean, 3 unchecked (nested checkpoint inside a recompute)",
-                      "9 region(s): 6 clean (watched), 3 unchecked (nested checkpoint inside a recompute)"], counts
+    assert counts == ["9 region(s): 6 clean, 3 nested rerun(s) in a recompute (nothing to compare)",
+                      "9 region(s): 6 clean (watched), 3 nested rerun(s) in a recompute (nothing to compare)"], counts
 
 
 def test_a_divergence_that_recurs_every_few_steps_is_caught_by_the_full_recording(tmp_path):
