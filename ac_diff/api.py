@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
         if not files:
             raise InputError(f"{name}: no trace files (trace-rank*.jsonl) in this directory; run "
                              f"`ac-diff run SCRIPT` first, or pass a log file")
-        return [read_run(f, lazy) for f in files]
+        return _read_directory(files, name, lazy)
     if p.stat().st_size == 0:
         raise InputError(f"{name}: {'nothing came in' if name == STDIN else 'the file is empty'}; pass a trace written "
                          "by `ac-diff run` or a log torch printed")
@@ -79,6 +80,33 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
         raise InputError(f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
                          "debug dump in it; pass the log that contains the CheckpointError")
     return [parse_log(p, progress=progress, lazy=lazy)]
+
+
+def _read_directory(files: list[Path], name: str, lazy: bool) -> list[Run]:
+    """The traces of a directory: one that cannot be read (empty, its header cut or damaged: a rank killed as it
+    began, a copy cut short) is left out with a note, and its rank, missing from the run, keeps the report from
+    being clean; where none can be read, the first one's error."""
+    runs: list[Run] = []
+    unread: list[tuple[Path, Exception]] = []
+    for f in files:
+        try:
+            runs.append(read_run(f, lazy))
+        except TraceFormatError as exc:
+            unread.append((f, exc))
+    if not runs:
+        first, exc = unread[0]
+        if first.stat().st_size == 0:
+            raise InputError(f"{first}: the file is empty (its rank wrote nothing: killed as it began?); pass a "
+                             "trace written by `ac-diff run`")
+        raise exc
+    for f, exc in unread:
+        why = "it is empty" if f.stat().st_size == 0 else str(exc).split(";")[0].replace(str(f), "its header")
+        runs[0].notes.append(f"{f} was left out ({why}): that rank's results are missing, so the report is never "
+                             "clean")
+        match = re.fullmatch(r"trace-rank(\d+)\.jsonl(?:\.gz)?", f.name)
+        if match:
+            runs[0].unreadable_ranks.append(int(match[1]))
+    return runs
 
 
 def _rename(run: Run, read_as: str, name: str) -> None:

@@ -293,6 +293,7 @@ class Run:
     regions: list[Region] = field(default_factory=list)
     errors: list[TorchError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...
+    unreadable_ranks: list[int] = field(default_factory=list)  # ranks whose trace beside this one could not be read
     truncated: bool = False
     exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown
     damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)

@@ -191,6 +191,92 @@ def test_connect_over_a_real_store_and_without_one(monkeypatch):
     assert time.monotonic() - start < 10
 
 
+def test_a_launch_that_reuses_the_rendezvous_id_gets_its_own_run_id(tmp_path, monkeypatch):
+    """A fixed --rdzv-id (torch's docs use 100) or a requeued job's id is the same for the next launch: every rank of
+    one launch reads the token the first one set in the agent's store, a new launch (a new store) another, so rank 0
+    never takes an earlier launch's traces for this one's. With --force, rank 0 removes every trace an earlier
+    launch left (it kept node 1's received copies, reported them for this launch: CLEAN over a divergence)."""
+    port = _free_port()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "100")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv(launch_cmd.RUN_ID_ENV, raising=False)
+    ids = []
+    for _ in range(2):  # two launches: each its own agent store
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=__import__("datetime").timedelta(seconds=5))
+        launch_cmd._tokens.clear()
+        first = launch_cmd.run_id()
+        launch_cmd._tokens.clear()  # (another rank of the same launch: its own process)
+        assert launch_cmd.run_id() == first and first.startswith("100-") and first.endswith(".0")
+        ids.append(first)
+        del server
+    assert ids[0] != ids[1]
+
+    out = tmp_path / "out"  # rank 0's directory: its own trace and node 1's copies from the earlier launch
+    out.mkdir()
+    monkeypatch.setattr(launch_cmd, "RUN_ID_ENV", "AC_DIFF_TEST_UNSET")
+    for r in (0, 1, 2):
+        record_rank(out / f"trace-rank{r}.jsonl", r, monkeypatch)  # (run RID: an earlier launch)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=__import__("datetime").timedelta(seconds=5))
+    launch_cmd._tokens.clear()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch_cmd, "is_multi_rank", lambda: True)
+    monkeypatch.setattr(launch_cmd, "launched", lambda: True)  # (no hello: this test has no exchange)
+    launch_cmd.prepare_rank(str(out), out / "trace-rank0.jsonl", force=True)
+    assert sorted(p.name for p in out.iterdir()) == []
+    del server
+
+
+def test_a_rank_killed_after_the_others_finished_is_neither_clean_nor_stopped_by_torchrun(tmp_path, monkeypatch):
+    """Rank 2's process was killed (no end record) while no rank failed: its own verdict is unchecked (it read clean,
+    and "clean: ranks 0-2"), and it was killed outright, not "stopped (torchrun ends every rank when one fails)"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for r in range(3):
+        record_rank(out / f"trace-rank{r}.jsonl", r, monkeypatch)
+    killed = out / "trace-rank2.jsonl"
+    lines = killed.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["type"] == "end"
+    killed.write_text("".join(lines[:-1]))  # what a SIGKILL leaves: everything but the end record
+    import ac_diff
+
+    report = ac_diff.diagnose_paths([out])
+    assert report.verdict == UNCHECKED and 2 in report.missing_ranks
+    ranks = {r.rank: r.verdict for r in report.ranks}
+    assert ranks == {0: CLEAN, 1: CLEAN, 2: UNCHECKED}, ranks
+    exits = next(f for f in report.cross_rank_findings if f.kind == "exits")
+    assert exits.text.startswith("rank 2: the trace ends without an end record and no rank failed (the process was "
+                                 "killed"), exits.text
+    assert "torchrun ends every rank" not in exits.text
+
+
+def test_a_directory_with_an_unreadable_trace_reports_the_others(tmp_path, monkeypatch):
+    """One rank's file empty (or its header cut: a rank killed as it began, a copy cut short): the other ranks are
+    reported, that rank is missing, and the report is never clean (the whole directory was refused, exit 2)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for r in (1, 2):
+        record_rank(out / f"trace-rank{r}.jsonl", r, monkeypatch, moves=r == 2)
+    (out / "trace-rank0.jsonl").write_text("")
+    shown = run_cli("report", "--check", str(out))
+    assert shown.returncode == 1, shown.stderr  # rank 2's divergence still found
+    assert "was left out (it is empty): that rank's results are missing" in " ".join(shown.stdout.split())
+    for r in (1, 2):
+        (out / f"trace-rank{r}.jsonl").unlink()
+    record_rank(out / "trace-rank1.jsonl", 1, monkeypatch)
+    (out / "trace-rank2.jsonl").write_text('{"format": "ac-diff-tr')  # its header cut
+    clean_but = run_cli("report", "--check", str(out))
+    assert clean_but.returncode == 4 and "RANKS MISSING" in clean_but.stdout, clean_but.stdout[-2000:]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "trace-rank0.jsonl").write_text("")
+    nothing = run_cli("report", str(alone))
+    assert nothing.returncode == 2 and "trace-rank0.jsonl: the file is empty" in nothing.stderr, nothing.stderr
+
+
 def test_a_missing_rank_is_never_clean():
     def report(verdict: str) -> Report:
         return Report(verdict=verdict, headline="clean: all 4 recomputed region(s) reproduced", regions=[])

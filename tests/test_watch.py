@@ -53,6 +53,22 @@ def test_every_dtype_gets_a_digest_that_sees_one_bit_and_moved_rows(dtype, diges
     assert moved != first  # values moved to another row (a token routed elsewhere)
 
 
+def test_a_large_cpu_tensor_digest_sees_values_moved_within_a_row(monkeypatch):
+    """A CPU tensor over 1 MiB, torch running several threads: it was reduced by rows (faster than one thread's
+    hash), whose sums do not see values moved within a row (a stranger's shuffle of channel groups inside the region
+    read as clean). Hashed on the host at any size now."""
+    monkeypatch.setattr(watch, "HOST_CPU", True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        t = torch.randn(4, 200_000, generator=torch.Generator().manual_seed(0))  # 3.2 MB
+        moved = t.clone()
+        moved[0, [0, 1]] = moved[0, [1, 0]]  # two values exchanged within the first row
+        assert digests(t, moved)[0] != digests(t, moved)[1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_digest_of_a_tensor_does_not_depend_on_what_was_saved_before_it(digest_path):
     a, b = torch.randn(16, 8), torch.randn(5, 8)
     alone = digests(b)[0]
@@ -1073,3 +1089,23 @@ def test_an_escalation_after_full_from_step_is_not_said_again():
                     "full_diverged": 1, "full_regions": 1, "lead": 50, "unwritten": 0}]}
     text = _text(summary)
     assert "step 17" not in text and text.endswith("every region recorded in full from step 5 (--full-from-step)")
+
+
+@pytest.mark.e2e
+def test_a_rank_that_raised_before_its_recompute_is_never_clean(tmp_path):
+    """Rank 1 raises after its forward in step 2 (its watched forwards are never recomputed); rank 0 then stops in
+    its all_reduce. The run is CRASHED on rank 1, never clean: it read CLEAN where rank 0, the first rank that
+    stopped, had compared everything it ran."""
+    from conftest import REPO, report_json, run_cli
+
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "--watch", "-o", str(out), "--json", str(json_path),
+                   str(REPO / "tests" / "stacks" / "rank_local_center.py"), "--center-rank", "-1", "--steps", "3", "--raise-rank", "1",
+                   "--raise-step", "2", cwd=tmp_path, timeout=240)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    report = report_json(json_path)
+    assert report["verdict"] == "unchecked" and report["title"] == "CRASHED", report["headline"]
+    assert report["headline"].startswith("the script crashed on rank 1 in step 2: ZeroDivisionError"), report["headline"]
+    assert report["watch"]["never_compared"] >= 1
+    again = run_cli("report", "--check", str(out))
+    assert again.returncode == 4, again.stdout[-2000:]

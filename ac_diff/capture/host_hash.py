@@ -2,11 +2,12 @@
 saves it (watch.host_digest).
 
     hash_bytes(t, nbytes)   # int: the hash of a contiguous CPU tensor's bytes, in order
-    on_host(nbytes)         # True: a tensor this large is hashed here; False: torch's reduction is faster
 
 xxhash's XXH3 (64 bits) hashes about 30 GB/s on one core, as fast as torch's vectorized reduction of the same bytes on
-one thread, without its dispatch (microseconds per tensor); without xxhash, zlib's crc32 (about 5 GB/s) does, for
-small tensors only. Either sees every change of a byte, and values moved within a row. The bytes are read in place,
+one thread, without its dispatch (microseconds per tensor); without xxhash, zlib's crc32 (about 5 GB/s). Either sees
+every change of a byte, and values moved within a row, at any size: a large tensor is hashed here too, though torch
+running several threads would reduce it faster, since a reduction by rows does not see values moved within a row (a
+shuffle of channels inside the region). The bytes are read in place,
 through a slice of one read-only memoryview of the whole address space: no copy, and nothing torch can see (a NumPy
 view would mark the storage as not resizable for good, and FSDP's reshard, `untyped_storage().resize_(0)`, would
 then fail).
@@ -24,9 +25,6 @@ try:
 except ImportError:  # pragma: no cover - xxhash is a dependency; crc32 is the fallback
     _hash = None
 
-FAST = _hash is not None
-# the largest tensor hashed here: where torch's reduction, run by several threads, starts to be the faster one
-LIMIT = 1 << 20 if FAST else 16 << 10
 if _hash is None:
     _hash = zlib.crc32
 
@@ -38,12 +36,6 @@ try:  # ONE read-only memoryview of the whole address space (CPython's C API): a
     _ALL_MEMORY = _from_memory(0, 1 << 62, 0x100)  # PyBUF_READ
 except (AttributeError, OverflowError, ValueError):  # pragma: no cover - no CPython C API: a copy (one memcpy)
     _ALL_MEMORY = None
-
-
-def on_host(nbytes: int) -> bool:
-    """A CPU tensor of `nbytes` is hashed here (no larger than LIMIT, or any size where torch runs one thread and
-    XXH3 keeps up with it)."""
-    return nbytes <= LIMIT or FAST and torch.get_num_threads() == 1
 
 
 def hash_bytes(t: torch.Tensor, nbytes: int) -> int:

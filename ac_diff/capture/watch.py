@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from .byte_sums import ByteSums
-from .host_hash import hash_bytes, on_host
+from .host_hash import hash_bytes
 from .fingerprint import (HOLD, _SAME_SIZE_INTS, _Packed, _as_real, _local, _rows, current_stream_raw, in_memory_order,
                           wait_for_raw)
-from .segments import _weights, segment_pairs
+from .segments import segment_pairs
 from ..trace.encode import written_meta
 
 SUMMARY_EVERY = 100  # steps between "watch" totals records ...
@@ -121,16 +121,14 @@ def repeated_once(t: torch.Tensor) -> torch.Tensor:
 
 _Tensor = torch.Tensor
 _strided = torch.strided
-_int64 = torch.int64
 
 
 def host_digest(t: torch.Tensor) -> list[int] | None:
     """The digest of a CPU tensor, read on the host when it is saved (a CPU read waits for no device, and the values
     at the save are what it digests, whatever writes them later behind torch's back): [hash of its bytes, their
     count] (host_hash.py: no kernel), its memory read as it lies where it is dense (in memory order; an expanded
-    dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor); one too large to hash
-    here (several torch threads reduce it faster), the [sum, odd-weighted sum] of its row sums (`row_bits`, one
-    matrix-vector product). None for a tensor without plain values. (Each save is hashed on its own, views of one
+    dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor), whatever its size
+    (row sums would not see values moved within a row). None for a tensor without plain values. (Each save is hashed on its own, views of one
     memory included: a write behind torch's back between two saves, through `.data`, bumps no version, so no span
     can stand for the other.)"""
     dtype = t.dtype
@@ -143,11 +141,7 @@ def host_digest(t: torch.Tensor) -> list[int] | None:
         if not t.is_contiguous():  # (not dense: a slice)
             t = t.detach().contiguous()
     size = t.nbytes
-    if on_host(size):
-        return [hash_bytes(t, size), size]
-    rows = row_bits(t)
-    return None if rows is None else torch.mv(
-        _weights(t.device, _int64, rows.numel(), "ones_odd"), rows.to(_int64)).tolist()
+    return [hash_bytes(t, size), size]
 
 
 _byte_sums = ByteSums.get

@@ -68,14 +68,45 @@ def launched() -> bool:
 
 
 def run_id() -> str | None:
-    """Same for every rank of one launch, different for the next launch (None when unknowable)."""
+    """Same for every rank of one launch (and attempt), different for the next launch (None when unknowable): the
+    launcher's id, else torchrun's rendezvous id with the launch's token from the agent's store (a fixed --rdzv-id
+    or a requeued job reuses the rendezvous id; see `_launch_token`) and the restart count."""
     explicit = os.environ.get(RUN_ID_ENV)
     if explicit:
         return explicit
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    if elastic and elastic != "none":  # torchrun's default rdzv id is the literal "none"
-        return f"{elastic}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return None
+    if not elastic:
+        return None
+    token = _launch_token(elastic)
+    if token is None and elastic == "none":  # torchrun's default rdzv id is the literal "none"
+        return None
+    launch = f"{elastic}-{token}" if token else elastic
+    return f"{launch}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+_tokens: dict[str, str | None] = {}
+
+
+def _unique_launch() -> str | None:
+    """The run id without its restart count where no other launch can share it (the launcher's id, or one with a
+    launch token): a trace of another launch in the directory is then known stale. None otherwise."""
+    rid = run_id()
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid is None or not (os.environ.get(RUN_ID_ENV) or elastic and _tokens.get(elastic)):
+        return None
+    return rid.rsplit(".", 1)[0]
+
+
+def _launch_token(elastic: str) -> str | None:
+    """This launch's token (rank_exchange.launch_token), asked for once per process; None without a store."""
+    if elastic not in _tokens:
+        from .rank_exchange import launch_token
+
+        try:
+            _tokens[elastic] = launch_token(elastic) if is_multi_rank() else None
+        except Exception:  # noqa: BLE001 - no store (or no answer): the rendezvous id alone
+            _tokens[elastic] = None
+    return _tokens[elastic]
 
 
 def header_fields() -> dict[str, Any]:
@@ -415,7 +446,8 @@ def _place(node: Any, host: Any, directory: Any) -> str:
 # -- what a rank does (called by run_cmd) ------------------------------------------------------
 def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -> None:
     """Before recording: keep an earlier attempt's trace when torchrun restarted this rank; with --force,
-    rank 0 removes traces of ranks this run will not have (left by a bigger earlier run); under torchrun, say
+    rank 0 removes traces of ranks this run will not have (left by a bigger earlier run) and, where the run id is
+    this launch's alone, every trace an earlier launch left (copies received from other nodes too); under torchrun, say
     hello in the rendezvous store (rank_exchange.py: rank 0 can then name a rank that started and never delivered)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart and trace_path.exists():
@@ -425,10 +457,13 @@ def prepare_rank(output_dir: str | os.PathLike, trace_path: Path, force: bool) -
             with contextlib.suppress(OSError):  # the failure that caused the restart stays readable
                 trace_path.rename(trace_path.with_name(f"{trace_path.name}.attempt{header.get('restart', restart - 1)}"))
     if force and rank() == 0 and is_multi_rank():
-        size = world_size()
+        size, launch = world_size(), _unique_launch()
         for path in _trace_paths(Path(output_dir)):
             header = read_header(path)
-            if header is not None and int(header.get("rank", 0) or 0) >= size:
+            if header is None:  # (a rank of this launch that has just opened its file)
+                continue
+            earlier = launch is not None and str(header.get("run_id") or "").rsplit(".", 1)[0] != launch
+            if earlier or int(header.get("rank", 0) or 0) >= size:
                 with contextlib.suppress(OSError):
                     path.unlink()
     if is_multi_rank() and not launched():

@@ -65,6 +65,24 @@ class StoreUnavailable(Exception):
 
 def connect(namespace: str, rank: int, world: int, timeout: float = CONNECT_S) -> "Exchange":
     """A client of the torchrun agent's store, under `ac-diff/<namespace>/`. Never waits longer than `timeout`."""
+    import torch.distributed as dist
+
+    return Exchange(dist.PrefixStore(f"ac-diff/{namespace}", _agent_store(timeout)), rank, world)
+
+
+def launch_token(elastic_id: str, timeout: float = CONNECT_S) -> str:
+    """A token the first rank of this launch sets in the agent's store and every rank reads: the store lives as long
+    as the launch's agents, so a launch that reuses the rendezvous id (a fixed --rdzv-id, a requeued job's id) gets
+    another token, and its traces another run id. StoreUnavailable where there is no store."""
+    store = _agent_store(timeout)
+    try:
+        got = bounded(lambda: store.compare_set(f"ac-diff/{elastic_id}/launch", "", os.urandom(4).hex()), OP_S)
+    except Exception as exc:  # noqa: BLE001 - no token: the run id is the rendezvous id alone, as before
+        raise StoreUnavailable(f"the rendezvous store did not answer ({_why(exc)})", failed=True) from None
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def _agent_store(timeout: float):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         raise StoreUnavailable("no rendezvous store of torchrun's agent to hand the traces over through "
                                "(TORCHELASTIC_USE_AGENT_STORE is not True)")
@@ -80,7 +98,7 @@ def connect(namespace: str, rank: int, world: int, timeout: float = CONNECT_S) -
     except Exception as exc:  # noqa: BLE001 - any failure to connect means: use the filesystem
         raise StoreUnavailable(f"could not reach the rendezvous store at {addr}:{port} ({_why(exc)})",
                                failed=True) from None
-    return Exchange(dist.PrefixStore(f"ac-diff/{namespace}", store), rank, world)
+    return store
 
 
 def bounded(fn: Callable[[], T], seconds: float) -> T:

@@ -51,7 +51,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     region_reports = []
     errors: list[TorchError] = []
     notes: list[str] = []
-    exit_status = None
+    endings: list[str | None] = []  # how each run ended
     log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
     notes.extend(_merge_log_fragments(runs))
     for run in runs:
@@ -66,7 +66,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         # several logs: which one each note is about (a trace's notes name their file themselves)
         notes.extend(f"{os.path.basename(run.path)}: {n}" if several and run.source == "log" and run.path
                      and run.path not in n else n for n in run.notes)
-        exit_status = exit_status or run.exit_status
+        endings.append(run.exit_status)
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         check = version_check(run.exc_message) if stopped else None
         for region in run.regions:
@@ -78,6 +78,9 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                                          version_check=check)
             report.path = run.path or run.source
             region_reports.append(report)
+    # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
+    exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
+        (e for e in endings if e), None))
     _through_nested_regions(region_reports)
     one_optimizer_step(region_reports)
     watch = watch_summary(runs, region_reports)
@@ -121,7 +124,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     # killed before its trace was finished: never clean
     missing_ranks(report, [r for f in cross.findings if f.kind == "missing_ranks" for r in f.ranks]
                   + [run.rank or 0 for run in runs if run.header.get("cut")
-                     or run.source == "trace" and run.truncated and run.world_size > 1])
+                     or run.source == "trace" and run.truncated and run.world_size > 1]
+                  + [r for run in runs for r in run.unreadable_ranks])
     return report
 
 
@@ -228,34 +232,47 @@ def _listed(items: list, limit: int = 6) -> str:
 
 def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     """A headline for a run that raised before every region was checked: the exception, where in the
-    run it struck, and how many regions were never checked and why."""
-    stopped = next((r for r in runs if r.source == "trace" and r.exit_status in ("exception", "interrupted")), None)
-    unchecked = [r for r in regions if r.status == UNCHECKED]
-    # watched regions have no region report of their own unless they diverged: counted in watch's totals
-    # [compared, diverged, never compared]
-    totals = list(stopped.watch["modules"].values()) if stopped and stopped.watch else []
-    never_watched = sum(t[2] for t in totals)
-    if stopped is None or not (unchecked or never_watched):
+    run it struck, and how many regions were never checked and why. Several ranks: every rank that stopped counts
+    (the one a gloo error stopped after another rank died as well as that rank), and the headline leads with the
+    rank whose stop left regions unchecked, the first to end among them."""
+    stopped_runs = [r for r in runs if r.source == "trace" and r.exit_status in ("exception", "interrupted")]
+    if not stopped_runs:
         return None
+    unchecked = [r for r in regions if r.status == UNCHECKED]
+
+    def never_watched(run: Run) -> int:  # watched forwards never recomputed ([compared, diverged, never compared])
+        return sum(t[2] for t in run.watch["modules"].values()) if run.watch else 0
+
+    def left(run: Run) -> int:
+        return never_watched(run) + sum(1 for r in unchecked if r.rank == run.rank and r.path == run.path)
+
+    never = sum(never_watched(r) for r in stopped_runs)
+    if not (unchecked or never):
+        return None
+    leading = [r for r in stopped_runs if left(r)] or stopped_runs
+    stopped = min(leading, key=lambda r: (r.end_time is None, r.end_time or 0.0, r.rank or 0))
     at = _where_it_stopped(stopped)
     step = (stopped.watch or {}).get("step")
     if step and not any(r.step == step for r in stopped.regions):  # watched: its regions are counted, not written
         at = f"in step {step}"
     # (every rank's regions, as the unchecked ones and the report's counts are)
+    totals = [t for run in runs if run.watch for t in run.watch["modules"].values()]
     checked = sum(1 for r in regions if r.status in (CLEAN, DIVERGED)) + sum(t[0] - t[1] for t in totals)
     why: dict[str, int] = {}
     for r in unchecked:
         reason = r.unchecked_reason or "not compared"
         why[reason] = why.get(reason, 0) + 1
-    if never_watched:
-        why["watched, not recomputed"] = never_watched
+    if never:
+        why["watched, not recomputed"] = never
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
     verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
     killed = killed_first(runs)
+    ranks = len({r.rank for r in runs if r.source == "trace"}) > 1
+    on = f" on rank {stopped.rank or 0}" if ranks else ""
     first = (f"rank {killed} was killed first (its trace ends without an end record: SIGKILL, the out-of-memory "
-             f"killer?); then on rank {stopped.rank or 0} " if killed is not None else "")
-    return (f"{first}the script {verb}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
-            f"{checked} region(s) checked clean, {len(unchecked) + never_watched} never checked ({reasons})")
+             f"killer?); then " if killed is not None else "")
+    return (f"{first}the script {verb}{on}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
+            f"{checked} region(s) checked clean, {len(unchecked) + never} never checked ({reasons})")
 
 
 def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:

@@ -73,6 +73,10 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
             summary.clean += watched
             if summary.verdict in (UNCHECKED, "no_regions"):
                 summary.verdict = CLEAN
+        never = sum(t[2] for t in run.watch["modules"].values()) if run.watch else 0
+        stopped = run.exit_status in ("exception", "interrupted") and (summary.unchecked or never)
+        if summary.verdict == CLEAN and (run.truncated or stopped):  # killed, or stopped before checking it all
+            summary.verdict = UNCHECKED
     return [by_rank[r] for r in sorted(by_rank)]
 
 
@@ -298,9 +302,17 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         text = f"{exc_type}: {first_line}" if first_line else exc_type
         return text if len(text) <= 100 else text[:97] + "..."
 
+    # no rank failed: torchrun stopped nobody, so a trace without its end record is a process killed outright
+    outright = [r for r in stopped if ends[r][2]] if not failed and killed is None else []
+    if outright:
+        stopped = [s for s in stopped if s not in outright]
+        parts.append(f"rank{'s' if len(outright) > 1 else ''} {_list(outright)}: the trace ends without an end record "
+                     "and no rank failed (the process was killed: SIGKILL, the out-of-memory killer?); what "
+                     f"{'they' if len(outright) > 1 else 'it'} recorded until then is compared")
+        failed = outright
     if failed and killed is not None:
         parts.append("then on " + ", ".join(f"rank {r}" + (f" ({why(r)})" if why(r) else "") for r in failed[1:]))
-    elif failed:
+    elif failed and not outright:
         first = failed[0]
         parts.append(f"the script failed first on rank {first}" + (f" ({why(first)})" if why(first) else ""))
         if len(failed) > 1:

@@ -5,6 +5,7 @@ other rank reproduces its forward exactly.
 
     torchrun --nnodes 2 --nproc-per-node 2 ... -m ac_diff run -o out rank_local_center.py --center-rank 3
     ... rank_local_center.py --center-rank -1 --die-rank 3   # rank 3 kills itself (SIGKILL) after its last step
+    ... rank_local_center.py --center-rank -1 --steps 3 --raise-rank 1 --raise-step 2   # rank 1 raises after a forward
 
 Seeded: the same weights on every rank, each rank its own batch.
 """
@@ -38,6 +39,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--center-rank", type=int, default=3, help="the rank whose blocks keep a running centre")
     p.add_argument("--die-rank", type=int, default=-1, help="the rank that kills itself after its last step")
+    p.add_argument("--raise-rank", type=int, default=-1, help="the rank whose loss scale divides by zero ...")
+    p.add_argument("--raise-step", type=int, default=0, help="... in this step (from 1), after its forward")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,6 +51,8 @@ def main() -> None:
     for step in range(args.steps):
         x, y = batch()
         loss = nn.functional.mse_loss(model(x), y)
+        if rank == args.raise_rank:  # a warm-up loss scale whose countdown reaches zero: ZeroDivisionError there
+            loss = loss * (1.0 / (args.raise_step - 1 - step))
         opt.zero_grad()
         loss.backward()
         for param in model.parameters():
