@@ -713,14 +713,15 @@ def test_autocast_around_the_backward_too_is_clean(tmp_path, backward_inside):
     assert report.verdict == "clean", report.headline
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_custom_functions_ctx_value_from_a_global_changed_before_the_backward(tmp_path, reentrant):
+@pytest.mark.parametrize("reentrant,in_dict", [(True, False), (False, False), (True, True)])
+def test_a_custom_functions_ctx_value_from_a_global_changed_before_the_backward(tmp_path, reentrant, in_dict):
     """A stranger's gradient warm-up: a custom autograd.Function keeps a factor from a global step counter on ctx,
     and the loop advances the counter before the backward. Reentrant: the backward runs on the recompute's graph and
-    its factor, every op matched, and the report said CLEAN. Non-reentrant: the forward's graph, clean."""
+    its factor, every op matched, and the report said CLEAN. Non-reentrant: the forward's graph, clean. The counter
+    as an item of a module-level dict (a schedule's settings) read as clean too: a dict global was not recorded."""
     out, json_path = tmp_path / "out", tmp_path / "r.json"
     proc = run_cli("run", "-o", str(out), "--json", str(json_path), str(SCRIPTS / "function_ctx_global.py"),
-                   *(["--reentrant"] if reentrant else []), cwd=REPO)
+                   *(["--reentrant"] if reentrant else []), *(["--dict"] if in_dict else []), cwd=REPO)
     report = json.loads(json_path.read_text())
     assert proc.returncode == 0, proc.stderr[-2000:]
     if not reentrant:
@@ -728,7 +729,8 @@ def test_a_custom_functions_ctx_value_from_a_global_changed_before_the_backward(
         return
     assert report["verdict"] == "diverged", report["headline"]
     cause = report["regions"][0]["cause"]
-    assert (cause["kind"], cause["tensor"]) == ("state_mutation", "function_ctx_global.GLOBAL_STEP"), cause
+    name = "function_ctx_global.SCHEDULE['step']" if in_dict else "function_ctx_global.GLOBAL_STEP"
+    assert (cause["kind"], cause["tensor"]) == ("state_mutation", name), cause
     assert "read by a custom autograd.Function" in cause["detail"] and "ctx" in cause["detail"]
 
 

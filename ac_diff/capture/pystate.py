@@ -162,6 +162,9 @@ class GlobalReads:
             scalar = recorded_scalar(value)
             if scalar is not NOT_SCALAR or value is None:
                 out[key] = (scalar if value is not None else None, readers)
+            elif isinstance(value, dict):  # a config dict (`GRL["lambda"]`): its scalar items
+                for item, v in _dict_scalars(value):
+                    out[f"{key}[{item!r}]"] = (v, readers)
             else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
@@ -170,7 +173,10 @@ class GlobalReads:
 
 def _holds_fields(value: Any, space: dict) -> bool:
     """A global whose scalar fields are state: a class defined in the module that reads it (a counter kept on the
-    class, `PhiloxState.offset`), or a small run config object."""
+    class, `PhiloxState.offset`), a small run config object, or a small dict of settings (`GRL = {"lambda": 0.0}`, a
+    schedule writes it)."""
+    if type(value) is dict:
+        return 0 < len(value) <= CONFIG_FIELDS and any(True for _ in _dict_scalars(value))
     if isinstance(value, type):
         return value.__module__ == space.get("__name__") and len(vars(value)) <= CONFIG_FIELDS
     return run_config(value)
@@ -184,6 +190,14 @@ def scalar_fields(value: Any) -> Iterator[tuple[str, Any]]:
         v = recorded_scalar(v)
         if v is not NOT_SCALAR and not field.startswith("__"):
             yield field, v
+
+
+def _dict_scalars(value: dict) -> Iterator[tuple[str, Any]]:
+    """(key, value) of a dict's scalar items with string keys (at most CONFIG_FIELDS of them)."""
+    for key, v in islice(value.items(), CONFIG_FIELDS):
+        v = recorded_scalar(v)
+        if isinstance(key, str) and v is not NOT_SCALAR:
+            yield key, v
 
 
 def _function(fn: Any) -> types.FunctionType | None:

@@ -4,7 +4,7 @@ backward. Under use_reentrant=True the backward runs on the graph the recompute 
 factor, and the gradients are silently wrong although every op matches. Under use_reentrant=False the backward runs on
 the forward's graph: clean.
 
-    python tests/trust_scripts/function_ctx_global.py [--reentrant]
+    python tests/trust_scripts/function_ctx_global.py [--reentrant] [--dict]   # --dict: the step in a config dict
 """
 
 import argparse
@@ -14,13 +14,16 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 GLOBAL_STEP = 0
+SCHEDULE = {"step": 0, "name": "warmup"}  # (--dict: the step kept here)
+USE_DICT = False
 
 
 class WarmupLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        ctx.scale = min(1.0, (GLOBAL_STEP + 1) / 8)  # the gradient warm-up of this step
+        step = SCHEDULE["step"] if USE_DICT else GLOBAL_STEP
+        ctx.scale = min(1.0, (step + 1) / 8)  # the gradient warm-up of this step
         return x @ w.t()
 
     @staticmethod
@@ -40,10 +43,12 @@ class Block(nn.Module):
 
 
 def main() -> None:
-    global GLOBAL_STEP
+    global GLOBAL_STEP, USE_DICT
     p = argparse.ArgumentParser()
     p.add_argument("--reentrant", action="store_true")
+    p.add_argument("--dict", action="store_true", help="the step counter is an item of a module-level dict")
     args = p.parse_args()
+    USE_DICT = args.dict
     torch.manual_seed(0)
     blocks = nn.ModuleList([Block() for _ in range(2)])
     for _ in range(2):
@@ -51,7 +56,10 @@ def main() -> None:
         for block in blocks:
             x = checkpoint(block, x, use_reentrant=args.reentrant)
         loss = x.pow(2).mean()
-        GLOBAL_STEP += 1  # the logging callback, before the backward
+        if USE_DICT:  # the logging callback, before the backward
+            SCHEDULE["step"] += 1
+        else:
+            GLOBAL_STEP += 1
         loss.backward()
 
 
