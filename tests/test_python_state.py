@@ -301,3 +301,44 @@ def test_fix_restores_every_annealed_probability_and_skips_preserve_rng(tmp_path
     assert tried[0]["gradients"] == "bit-identical"
     assert not any("preserve_rng" in t["remedy"] for t in fixes["tries"])
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+class _GroupShuffle(nn.Module):
+    """A regulariser: the hidden channels split into groups concatenated in an order Python draws (`random.shuffle`,
+    or the next order of a schedule the module keeps), inside the checkpointed region."""
+
+    def __init__(self, by_random: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.by_random = by_random
+        self.orders = __import__("itertools").cycle([[1, 0, 3, 2], [2, 3, 0, 1]])
+
+    def forward(self, x):
+        chunks = list(torch.relu(self.fc1(x)).chunk(4, dim=-1))
+        if self.by_random:
+            import random
+            random.shuffle(chunks)
+        else:
+            chunks = [chunks[i] for i in next(self.orders)]
+        return x + self.fc2(torch.cat(chunks, dim=-1))
+
+
+@pytest.mark.parametrize("by_random", [True, False])
+def test_tensors_python_hands_an_op_in_another_order_are_not_a_nondeterministic_kernel(tmp_path, by_random):
+    """A stranger's channel-group shuffle: the recompute's cat reads the same chunks in another order, none of which
+    differed. It read as "cat returned other values from identical inputs (a nondeterministic kernel)", fixed by
+    deterministic algorithms; it is Python's choice: the host draw where there is one, else Python state."""
+    import random
+
+    random.seed(0)
+    torch.manual_seed(0)
+    block, path = _GroupShuffle(by_random), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged", report.headline
+    cause = report.regions[0].cause
+    if by_random:
+        assert (cause.kind, cause.mechanism) == ("rng", "host_rng") and "`random`" in cause.detail, cause
+    else:
+        assert cause.kind == "control_flow" and "other tensors than the forward did" in cause.detail, cause

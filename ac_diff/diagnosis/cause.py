@@ -145,7 +145,11 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return _rng_cause(random_op, region, rng)
 
     drew = region.forward.state.get("host_draws") if region.forward is not None else None
-    steered = control or report.first_argument_divergence or shape
+    # the first op to differ read other tensors than its twin though none it read had diverged: Python handed it
+    # others (a shuffled list of chunks, a random pick)
+    rewired = report.first_value_divergence if first is not None and first.inputs_same is False and not first.sources \
+        and not changed else None
+    steered = control or report.first_argument_divergence or shape or rewired
     if drew and steered is not None:  # the host's random numbers steered Python: a branch, a value passed on
         return _host_draw_cause(drew, steered, region.forward.state.get("host_draw_sites") or [])
 
@@ -193,6 +197,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      f"{value.op} returned other values from identical inputs (a nondeterministic kernel"
                      + (_HELD_NOTE if _on_gpu(region, value) else "") + ")",
                      [f"{value.op} at {where(value.module, value.source)}"])
+
+    if rewired is not None:
+        return Cause("control_flow", rewired.op,
+                     f"the recompute passed {rewired.op} at {where(rewired.module, rewired.source)} other tensors than "
+                     "the forward did, none of which had diverged: Python chose them (a list in another order, "
+                     "another pick), from state that changed between the passes or a draw no recorded generator "
+                     "shows", [rewired.summary])
 
     if not report.has_values and shape is not None:
         from_log = _log_cause(region, shape) or _log_python_argument(region, shape)

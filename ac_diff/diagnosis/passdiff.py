@@ -580,6 +580,8 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
                     same = False  # (else: the tensor that op made, kept and read back as it was)
             elif rec_to_fwd.get(rr.op_index) != source:
                 same = False
+            elif source == fr.op_index and rr.output != fr.output:
+                same = False  # another output of the same op (a split's chunks concatenated in another order)
             elif source != fr.op_index:  # a skipped copy (a detach) of that op's output: as that op
                 same = same and not tainted.get(source, False)
             elif (tainted_outputs or {}).get((fr.op_index, fr.output), tainted.get(fr.op_index, False)):
