@@ -1066,13 +1066,15 @@ def test_a_watched_divergence_that_did_not_recur_points_at_random_draws_seen_els
     from ac_diff.report import Cause
 
     watched = SimpleNamespace(rank=0, region=51, module="blocks.0", watched=True, status="diverged", step=5, notes=[],
-                              cause=Cause("unknown", None, "watch mode in step 5"), suggestions=[])
+                              cause=Cause("unknown", None, "watch mode in step 5"), suggestions=[], path="t")
     drawn = SimpleNamespace(rank=0, region=68, module="blocks.2", watched=False, status="diverged", step=6, notes=[],
                             cause=Cause("rng", "random", "the region draws from `random`", [], "host_rng",
-                                        "train.py:42 in forward"), suggestions=[])
+                                        "train.py:42 in forward"), suggestions=[], path="t")
+    full = [SimpleNamespace(rank=0, region=60 + i, module="blocks.0", watched=False, status="clean", step=6 + i,
+                            notes=[], cause=None, suggestions=[], path="t") for i in range(4)]  # its full recording
     escalated = [{"rank": 0, "module": "blocks.0", "lead": None, "full_diverged": 0, "full_clean": 4,
                   "full_regions": 4, "from_step": 6}]
-    _link_escalations([watched, drawn], escalated)
+    _link_escalations([watched, drawn, *full], escalated)
     assert "did not recur there" in watched.notes[0]
     assert "random draws made a region diverge (blocks.2, region 68: a host draw at train.py:42 in forward)" in \
         watched.notes[0] and watched.notes[0] in watched.cause.detail
@@ -1109,3 +1111,38 @@ def test_a_rank_that_raised_before_its_recompute_is_never_clean(tmp_path):
     assert report["watch"]["never_compared"] >= 1
     again = run_cli("report", "--check", str(out))
     assert again.returncode == 4, again.stdout[-2000:]
+
+
+class _ScheduledScale(nn.Module):
+    """Reads `scale`, which a schedule event sets between the forward and the backward now and then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * self.scale)
+
+
+def test_a_divergence_that_recurs_less_often_than_the_full_recording_lasts_is_told_as_such(tmp_path):
+    """A schedule event in steps 25 and 50 only: each watched divergence is followed by steps recorded in full in
+    which it does not recur. Each region says so, and that it diverged again (it said the run ended before the
+    module ran again, and 'did not recur (a rare event)')."""
+    torch.manual_seed(0)
+    block, path = _ScheduledScale(), tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True):
+        for step in range(1, 53):
+            out = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+            if step in (25, 50):
+                block.scale += 0.5  # the schedule's event, before the backward
+            out.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged"
+    watched = sorted((r for r in report.regions if r.watched and r.status == "diverged"), key=lambda r: r.step)
+    assert [r.step for r in watched] == [25, 50], [(r.step, r.status) for r in report.regions if r.status != "clean"]
+    first = " ".join(watched[0].notes)
+    assert "recorded in full in steps 26-45: all 20 reproduced their saved tensors; it diverged again in step 50" \
+        in first and "the run ended before" not in first and "rare event" not in first, first
+    assert "also diverged (watched) in step 25: the steps recorded in full after each saw no divergence" \
+        in report.watch["text"], report.watch["text"]

@@ -145,11 +145,16 @@ class ModuleStack:
         return None
 
     def name_by_index(self, modules: list) -> None:
-        """Name modules that have no name yet by their index in `modules` (checkpoint_sequential's list of a
-        Sequential's children, whose parent is never called: "3", "3.fc" as the Sequential would)."""
+        """Name modules that have no name yet (checkpoint_sequential's list of a Sequential's children, whose parent
+        is never called): by their place in the model a calling frame holds (`net.4`, the loop's `model`), else by
+        their index in `modules` ("3", "3.fc" as the Sequential would)."""
         for j, module in enumerate(modules):
             if isinstance(module, nn.Module) and module not in self._names:
-                self._index(module, str(j))
+                holder = _holder_in_callers(module)
+                if holder is not None and holder not in self._names:
+                    self._discover_root(holder)
+                if module not in self._names:
+                    self._index(module, str(j))
 
     # -- hooks --------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args) -> None:

@@ -63,6 +63,9 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
                               ("diverged_step", "region", "from_step", "why", "until_step")},
+                              "diverged_steps": sorted({r.step for r in reports if r.watched and r.status == DIVERGED
+                                                        and r.path == run.path and r.module == module
+                                                        and r.step is not None}),
                               "unwritten": (w["modules"].get(module) or [0] * 6)[3],
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "full_clean": sum(r.status == CLEAN for r in mine),
@@ -106,6 +109,11 @@ def _text(s: dict[str, Any]) -> str:
         if s["full_from_step"] is not None and (e["from_step"] or 0) >= s["full_from_step"]:
             continue  # (every region was recorded in full by then: --full-from-step, said below)
         module = module_label(e["module"])
+        earlier = [step for step in e.get("diverged_steps") or () if step < (e["diverged_step"] or 0)]
+        if earlier:  # (each earlier divergence had its own full recording, which did not see it recur)
+            text += (f"; {module} also diverged (watched) in step{'s' if len(earlier) > 1 else ''} "
+                     f"{number_ranges(earlier)}: the steps recorded in full after each saw no divergence (it recurs "
+                     "less often than they last)")
         if e["from_step"] is None:
             text += (f"; {module} diverged in step {e['diverged_step']} and the run ended before it ran again: "
                      f"run again with --full-from-step {e['diverged_step']} to record that step in full")
@@ -161,11 +169,23 @@ def _reproduced(e: dict[str, Any]) -> str:
     return f"{clean} of {n} reproduced their saved tensors, {n - clean} never compared ({why})"
 
 
+def _window_after(r: RegionReport, reports: list[RegionReport]) -> tuple[list[RegionReport], list[int]]:
+    """The regions of `r`'s module recorded in full after its step and before that module's next watched divergence
+    (the full recording its divergence started), and the steps of its later watched divergences."""
+    later = sorted({x.step for x in reports if x.watched and x.status == DIVERGED and x.rank == r.rank
+                    and x.module == r.module and x.step is not None and r.step is not None and x.step > r.step})
+    until = later[0] if later else None
+    window = sorted((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
+                     and (x.module == r.module or (x.module or "").startswith(f"{r.module}."))
+                     and x.step is not None and r.step is not None and x.step > r.step
+                     and (until is None or x.step < until)), key=lambda x: (x.step, x.region))
+    return window, later
+
+
 def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]]) -> None:
     """Each watched region that diverged says where its module's full recording is, or why there is none and the
     command that makes one; its cause says it too (the headline shows the cause)."""
     by_module = {(e["rank"], e["module"]): e for e in escalated}
-    by_region = {(r.rank, r.region): r for r in reports}
     # a region recorded in full that random draws made diverge (what a watched one that did not recur may share)
     drawn = next((x for x in reports if x.status == DIVERGED and x.cause is not None and x.cause.kind == "rng"
                   and not x.watched), None)
@@ -173,7 +193,9 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         e = by_module.get((r.rank, r.module)) if r.watched and r.status == DIVERGED else None
         if e is None:
             continue
-        lead = by_region.get((r.rank, e["lead"])) if e["full_diverged"] else None
+        window, later = _window_after(r, reports)
+        bad = [w for w in window if w.status == DIVERGED]
+        lead = bad[0] if bad else None
         if lead is not None and lead.cause is not None and lead.cause.kind != "unknown" and r.cause is not None \
                 and r.cause.kind == "unknown":  # the ops of its module's full recording explain it
             seen = r.cause.detail
@@ -185,22 +207,31 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
             r.suggestions = list(lead.suggestions)
         again = f"`ac-diff run --full-from-step {r.step}` records step {r.step} in full (first divergent op, decision " \
                 "and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
-        if e["from_step"] is None:
+        recurs = f"; it diverged again in step{'s' if len(later) > 1 else ''} {number_ranges(later)}" if later else ""
+        span = f"step {window[0].step}" if len({w.step for w in window}) == 1 else \
+            f"steps {window[0].step}-{window[-1].step}" if window else ""
+        if not window and e["from_step"] is None and not later:
             where = f"the run ended before {e['module']} ran again: {again}"
-        elif e["full_diverged"]:
-            where = (f"{e['module']} was recorded in full from step {e['from_step']} on: region {e['lead']} shows the "
-                     "first divergent op and the cause")
-        elif not e["full_clean"]:
-            where = f"{e['module']} was recorded in full from step {e['from_step']} on, but {_reproduced(e)}: {again}"
-        else:
+        elif bad:
+            where = (f"{e['module']} was recorded in full in {span}: region {bad[0].region} shows the first divergent "
+                     "op and the cause")
+        elif window and not any(w.status == CLEAN for w in window):
+            where = (f"{e['module']} was recorded in full in {span}, but none of its {len(window)} region(s) was "
+                     f"compared (never recomputed, or the recompute stopped early){recurs}: {again}")
+        elif window and later:  # it recurs, less often than the full recording lasts: a schedule's period
+            where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved "
+                     f"tensors{recurs}, each time after its full recording ended: {again}")
+        elif window:
             chance = (f"; elsewhere in this run random draws made a region diverge ({drawn.module or '?'}, region "
                       f"{drawn.region}: {'a host draw' if drawn.cause.mechanism == 'host_rng' else 'a random op'}"
                       + (f" at {drawn.cause.source}" if drawn.cause.source else "")
                       + "): a random decision that differs only sometimes fits" if drawn is not None else "")
-            where = (f"{e['module']} was recorded in full from step {e['from_step']} on: {_reproduced(e)}: the "
-                     f"divergence did not recur there (a rare event: a near-tie, a nondeterministic kernel, a state "
+            where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved tensors: "
+                     f"the divergence did not recur there (a rare event: a near-tie, a nondeterministic kernel, a state "
                      f"that changed once; or a write behind torch's back, through `.data` or numpy, that full "
                      f"recording does not see){chance}; {again}")
+        else:
+            where = f"{e['module']} was not recorded in full after step {r.step}{recurs}: {again}"
         r.notes.append(where)
         if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
