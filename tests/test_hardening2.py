@@ -185,6 +185,33 @@ def test_a_second_run_into_a_directory_in_use_stops_with_one_line(tmp_path, tiny
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.e2e
+def test_a_rank_under_torchrun_holds_its_own_trace(tmp_path, tiny):
+    """Under a plain torchrun only rank 0 held the directory: another launch's rank 1, with --force, replaced rank
+    1's trace while the first launch wrote it (a stranger's diverged run then reported CLEAN). Rank 1 holds its
+    trace: the second stops at once with one line."""
+    waits = tmp_path / "waits.py"
+    waits.write_text(WAITS)
+    flag = str(tmp_path / "flag")
+    rank1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **rank1}
+    first = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "same"), str(waits), flag],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(flag + ".started") and time.time() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert os.path.exists(flag + ".started"), first.communicate()
+        second = run_cli("run", "--force", "-o", str(tmp_path / "same"), str(tiny), env=rank1)
+        assert second.returncode == 2, second.stderr
+        assert "trace-rank1.jsonl is in use by another ac-diff run" in _one_error_line(second.stderr)
+        assert not Path(str(tiny) + ".ran").exists()
+    finally:
+        Path(flag + ".go").touch()
+        out, err = first.communicate(timeout=300)
+    assert "sin" in (tmp_path / "same" / "trace-rank1.jsonl").read_text(), err[-2000:]
+
+
 # -- 6. every output path checked before the script runs -------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.parametrize("option", ["--report", "--json"])

@@ -76,6 +76,19 @@ def hold_directory(directory: str) -> Iterator[None]:
         os.close(fd)  # releases the hold
 
 
+@contextlib.contextmanager
+def hold_trace(path: str | os.PathLike) -> Iterator[None]:
+    """Hold a rank's own trace file for its run under a plain torchrun, where rank 0 holds the directory and the
+    other ranks would otherwise replace another run's traces (`--force`) while it writes them: the same flock, of
+    the file (created empty where missing: the recorder writes it from its start)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _lock(fd, str(path))
+        yield
+    finally:
+        os.close(fd)
+
+
 def _lock(fd: int, directory: str) -> None:
     try:
         import fcntl
