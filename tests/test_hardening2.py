@@ -5,6 +5,7 @@ Every test drives a real script, trace or file; those that spawn the CLI are mar
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import typer
@@ -157,30 +159,38 @@ checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
 """
 
 
-@pytest.mark.e2e
-def test_a_second_run_into_a_directory_in_use_stops_with_one_line(tmp_path, tiny):
-    """While one run records into same/, a second `run --force -o same` refuses at once (it used to replace the
-    first run's trace, which then reported the other run's verdict); the first run reports its own."""
+@contextlib.contextmanager
+def _waiting_run(tmp_path: Path, env: dict) -> Iterator[subprocess.Popen]:
+    """`ac-diff run -o same/ waits.py` started, and waiting (its script holds before its region) until the block
+    ends; then it finishes."""
     waits = tmp_path / "waits.py"
     waits.write_text(WAITS)
     flag = str(tmp_path / "flag")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "same"), str(waits), flag],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not os.path.exists(flag + ".started") and time.time() < deadline and first.poll() is None:
             time.sleep(0.05)
         assert os.path.exists(flag + ".started"), first.communicate()
+        yield first
+    finally:
+        Path(flag + ".go").touch()
+        first.out, first.err = first.communicate(timeout=300)
+
+
+@pytest.mark.e2e
+def test_a_second_run_into_a_directory_in_use_stops_with_one_line(tmp_path, tiny):
+    """While one run records into same/, a second `run --force -o same` refuses at once (it used to replace the
+    first run's trace, which then reported the other run's verdict); the first run reports its own."""
+    with _waiting_run(tmp_path, {}) as first:
         second = run_cli("run", "--force", "-o", str(tmp_path / "same"), str(tiny))
         assert second.returncode == 2
         assert "in use by another ac-diff run" in _one_error_line(second.stderr)
         assert not Path(str(tiny) + ".ran").exists()
-    finally:
-        Path(flag + ".go").touch()
-        out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
-    assert "CLEAN" in out and "sin" in (tmp_path / "same" / "trace-rank0.jsonl").read_text()
+    assert first.returncode == 0, first.err
+    assert "CLEAN" in first.out and "sin" in (tmp_path / "same" / "trace-rank0.jsonl").read_text()
     again = run_cli("run", "--force", "-o", str(tmp_path / "same"), str(tiny))  # free again once it ended
     assert again.returncode == 0, again.stderr
 
@@ -190,26 +200,13 @@ def test_a_rank_under_torchrun_holds_its_own_trace(tmp_path, tiny):
     """Under a plain torchrun only rank 0 held the directory: another launch's rank 1, with --force, replaced rank
     1's trace while the first launch wrote it (a stranger's diverged run then reported CLEAN). Rank 1 holds its
     trace: the second stops at once with one line."""
-    waits = tmp_path / "waits.py"
-    waits.write_text(WAITS)
-    flag = str(tmp_path / "flag")
-    rank1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    env = {**os.environ, **rank1}
-    first = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "same"), str(waits), flag],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not os.path.exists(flag + ".started") and time.time() < deadline and first.poll() is None:
-            time.sleep(0.05)
-        assert os.path.exists(flag + ".started"), first.communicate()
+    rank1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    with _waiting_run(tmp_path, rank1) as first:
         second = run_cli("run", "--force", "-o", str(tmp_path / "same"), str(tiny), env=rank1)
         assert second.returncode == 2, second.stderr
         assert "trace-rank1.jsonl is in use by another ac-diff run" in _one_error_line(second.stderr)
         assert not Path(str(tiny) + ".ran").exists()
-    finally:
-        Path(flag + ".go").touch()
-        out, err = first.communicate(timeout=300)
-    assert "sin" in (tmp_path / "same" / "trace-rank1.jsonl").read_text(), err[-2000:]
+    assert "sin" in (tmp_path / "same" / "trace-rank1.jsonl").read_text(), first.err[-2000:]
 
 
 # -- 6. every output path checked before the script runs -------------------------------------------
