@@ -215,7 +215,7 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
 
 
 def _region_detail(r: RegionReport, report: Report, console: Console, shown: set[str]) -> None:
-    head = f"region {r.region} · {r.label} · rank {r.rank} · {r.kind}"
+    head = f"region {r.region} · {r.label} · rank {r.rank} · {r.kind}" + (f" · step {r.step}" if r.step else "")
     if len(report.sources) > 1 and r.path:  # several logs or traces: which one this region is from
         head += f" · {os.path.basename(r.path)}"
     parts = []
