@@ -159,8 +159,6 @@ def keeps_compiled_code() -> bool:
         return False
 
 
-
-
 def route_compiled_code(*mode_classes: type) -> bool:
     """Have inductor's compiled graphs reach these dispatch modes as one `inductor_compiled_code` op each
     (private torch API, guarded). Graphs compiled from now on are wrapped (their numbers do not change:

@@ -7,10 +7,9 @@ xxhash's XXH3 (64 bits) hashes about 30 GB/s on one core, as fast as torch's vec
 one thread, without its dispatch (microseconds per tensor); without xxhash, zlib's crc32 (about 5 GB/s). Either sees
 every change of a byte, and values moved within a row, at any size: a large tensor is hashed here too, though torch
 running several threads would reduce it faster, since a reduction by rows does not see values moved within a row (a
-shuffle of channels inside the region). The bytes are read in place,
-through a slice of one read-only memoryview of the whole address space: no copy, and nothing torch can see (a NumPy
-view would mark the storage as not resizable for good, and FSDP's reshard, `untyped_storage().resize_(0)`, would
-then fail).
+shuffle of channels inside the region). The bytes are read in place, through a slice of one read-only memoryview of
+the whole address space: no copy, and nothing torch can see (a NumPy view would mark the storage as not resizable for
+good, and FSDP's reshard, `untyped_storage().resize_(0)`, would then fail).
 """
 
 from __future__ import annotations

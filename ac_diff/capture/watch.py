@@ -128,9 +128,9 @@ def host_digest(t: torch.Tensor) -> list[int] | None:
     at the save are what it digests, whatever writes them later behind torch's back): [hash of its bytes, their
     count] (host_hash.py: no kernel), its memory read as it lies where it is dense (in memory order; an expanded
     dimension once, `repeated_once`), else a copy (a slice, a lazily conjugated complex tensor), whatever its size
-    (row sums would not see values moved within a row). None for a tensor without plain values. (Each save is hashed on its own, views of one
-    memory included: a write behind torch's back between two saves, through `.data`, bumps no version, so no span
-    can stand for the other.)"""
+    (row sums would not see values moved within a row). None for a tensor without plain values. (Each save is hashed
+    on its own, views of one memory included: a write behind torch's back between two saves, through `.data`, bumps
+    no version, so no span can stand for the other.)"""
     dtype = t.dtype
     if (_plans[dtype] if dtype in _plans else _plan(t)) is None or t.layout is not _strided or t.is_nested:
         return None  # (the dtype's digest plan, as `row_bits` reads it: None for quantized values)

@@ -87,16 +87,6 @@ def run_id() -> str | None:
 _tokens: dict[str, str | None] = {}
 
 
-def _unique_launch() -> str | None:
-    """The run id without its restart count where no other launch can share it (the launcher's id, or one with a
-    launch token): a trace of another launch in the directory is then known stale. None otherwise."""
-    rid = run_id()
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rid is None or not (os.environ.get(RUN_ID_ENV) or elastic and _tokens.get(elastic)):
-        return None
-    return rid.rsplit(".", 1)[0]
-
-
 def _launch_token(elastic: str) -> str | None:
     """This launch's token (rank_exchange.launch_token), asked for once per process; None without a store."""
     if elastic not in _tokens:
@@ -107,6 +97,16 @@ def _launch_token(elastic: str) -> str | None:
         except Exception:  # noqa: BLE001 - no store (or no answer): the rendezvous id alone
             _tokens[elastic] = None
     return _tokens[elastic]
+
+
+def _unique_launch() -> str | None:
+    """The run id without its restart count where no other launch can share it (the launcher's id, or one with a
+    launch token): a trace of another launch in the directory is then known stale. None otherwise."""
+    rid = run_id()
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid is None or not (os.environ.get(RUN_ID_ENV) or elastic and _launch_token(elastic)):
+        return None
+    return rid.rsplit(".", 1)[0]
 
 
 def header_fields() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from .groups import group_regions
 from .labels import module_label
 from .ranks import cross_rank_findings, killed_first, rank_summaries
 from .region import Settings, diagnose_region
-from .watched import watch_summary, watched_clean
+from .watched import never_recomputed, watch_summary, watched_clean
 
 __all__ = ["diagnose", "Settings", "Tolerance"]
 
@@ -240,13 +240,10 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
         return None
     unchecked = [r for r in regions if r.status == UNCHECKED]
 
-    def never_watched(run: Run) -> int:  # watched forwards never recomputed ([compared, diverged, never compared])
-        return sum(t[2] for t in run.watch["modules"].values()) if run.watch else 0
-
     def left(run: Run) -> int:
-        return never_watched(run) + sum(1 for r in unchecked if r.rank == run.rank and r.path == run.path)
+        return never_recomputed(run) + sum(1 for r in unchecked if r.rank == run.rank and r.path == run.path)
 
-    never = sum(never_watched(r) for r in stopped_runs)
+    never = sum(never_recomputed(r) for r in stopped_runs)
     if not (unchecked or never):
         return None
     leading = [r for r in stopped_runs if left(r)] or stopped_runs

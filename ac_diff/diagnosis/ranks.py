@@ -46,6 +46,7 @@ from ..passes import Pass, Region, Run, TensorMeta
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
+from .watched import never_recomputed
 
 MAX_REPLICATED_FINDINGS = 6
 # Bound on the ops the cross-rank comparison looks at (it is a Python loop per op): beyond it the
@@ -73,8 +74,7 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
             summary.clean += watched
             if summary.verdict in (UNCHECKED, "no_regions"):
                 summary.verdict = CLEAN
-        never = sum(t[2] for t in run.watch["modules"].values()) if run.watch else 0
-        stopped = run.exit_status in ("exception", "interrupted") and (summary.unchecked or never)
+        stopped = run.exit_status in ("exception", "interrupted") and (summary.unchecked or never_recomputed(run))
         if summary.verdict == CLEAN and (run.truncated or stopped):  # killed, or stopped before checking it all
             summary.verdict = UNCHECKED
     return [by_rank[r] for r in sorted(by_rank)]

@@ -86,6 +86,12 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
     return summary
 
 
+def never_recomputed(run: Run) -> int:
+    """Forwards `run` watched that were never recomputed (its totals per module: [compared, diverged, never compared,
+    ...])."""
+    return sum(t[2] for t in run.watch["modules"].values()) if run.watch else 0
+
+
 def watched_clean(summary: dict[str, Any] | None) -> int:
     """Watched regions that reproduced their saved tensors (they have no region report of their own)."""
     return summary["clean"] if summary else 0
@@ -169,11 +175,12 @@ def _reproduced(e: dict[str, Any]) -> str:
     return f"{clean} of {n} reproduced their saved tensors, {n - clean} never compared ({why})"
 
 
-def _window_after(r: RegionReport, reports: list[RegionReport]) -> tuple[list[RegionReport], list[int]]:
+def _window_after(r: RegionReport, reports: list[RegionReport], diverged_steps: list[int]
+                  ) -> tuple[list[RegionReport], list[int]]:
     """The regions of `r`'s module recorded in full after its step and before that module's next watched divergence
-    (the full recording its divergence started), and the steps of its later watched divergences."""
-    later = sorted({x.step for x in reports if x.watched and x.status == DIVERGED and x.rank == r.rank
-                    and x.module == r.module and x.step is not None and r.step is not None and x.step > r.step})
+    (the full recording its divergence started), and the steps of its later watched divergences (of
+    `diverged_steps`, its module's, `watch_summary`)."""
+    later = [step for step in diverged_steps if r.step is not None and step > r.step]
     until = later[0] if later else None
     window = sorted((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
                      and (x.module == r.module or (x.module or "").startswith(f"{r.module}."))
@@ -193,7 +200,7 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         e = by_module.get((r.rank, r.module)) if r.watched and r.status == DIVERGED else None
         if e is None:
             continue
-        window, later = _window_after(r, reports)
+        window, later = _window_after(r, reports, e["diverged_steps"])
         bad = [w for w in window if w.status == DIVERGED]
         lead = bad[0] if bad else None
         if lead is not None and lead.cause is not None and lead.cause.kind != "unknown" and r.cause is not None \
