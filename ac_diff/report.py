@@ -419,6 +419,7 @@ class Report:
     missing_ranks: list[int] = field(default_factory=list)  # ranks whose results are not all here (missing_ranks)
     compiled: dict[str, Any] | None = None  # torch.compile in the run: Run.compiled (diagnosis/compiled.py)
     watch: dict[str, Any] | None = None  # watch mode's totals and escalations (diagnosis/watched.py)
+    script_failed: str | None = None  # clean, but the script failed after its last compared region: how
 
     @property
     def diverged(self) -> bool:
@@ -459,6 +460,8 @@ class Report:
             if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):
                 return "AC COMPILED, NOT RECORDED"
             return "NOTHING CHECKED"
+        if self.script_failed:
+            return "CLEAN, SCRIPT " + ("INTERRUPTED" if self.exit_status == "interrupted" else "FAILED")
         return "CLEAN"
 
     @property
@@ -519,6 +522,7 @@ class Report:
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
+            "script_failed": self.script_failed,
             "groups": [g.to_json() for g in self.groups],
             "reference": self.reference.to_json() if self.reference is not None else None,
             "remedies": self.remedies, "fixes": self.fixes.to_json() if self.fixes is not None else None,

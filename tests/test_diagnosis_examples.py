@@ -279,3 +279,36 @@ def test_a_narrow_terminal_leaves_the_first_divergence_to_the_region_details(exa
     assert "first divergence" not in narrow[1] and any("in the region details below" in line for line in narrow)
     assert "first divergence" in wide[1] and any(".Tensor in layers.1" in line for line in wide)
     assert all(len(line.rstrip()) <= 64 for line in narrow)
+
+
+def test_the_headline_names_an_earlier_silent_step_before_the_error(tmp_path):
+    """torch raised in step 3, a Python attribute changed values only in step 2: the headline leads with the region
+    torch raised about, names its step, and says the run first diverged (silently) a step before."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.gain, self.keep = 1.0, 4
+
+        def forward(self, x):
+            return self.lin(x[:self.keep] * self.gain).relu()
+
+    torch.manual_seed(0)
+    model = Block()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for step in (1, 2, 3):
+            y = cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+            if step == 2:
+                model.gain = 0.5  # a schedule applied before the backward: other values, same shapes
+            if step == 3:
+                model.keep = 3  # ... and one that changes a shape: torch raises
+            try:
+                y.sum().backward()
+            except cp.CheckpointError:
+                assert step == 3
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert [(r.step, r.status, r.silent) for r in report.regions] == [
+        (1, "clean", False), (2, "diverged", True), (3, "diverged", False)]
+    assert "(rank 0, region 2, step 3) diverged" in report.headline.split(":")[0], report.headline
+    assert "the first, silently, in step 2" in report.headline, report.headline

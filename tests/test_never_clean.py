@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,3 +52,31 @@ def test_audit_check_fails_on_a_run_that_already_diverges():
                           capture_output=True, text=True)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "the run already diverges" in done.stdout
+
+
+_FAILS_AFTER_ITS_REGIONS = """
+import sys, torch
+from torch.utils.checkpoint import checkpoint
+
+x = torch.randn(4, 8, requires_grad=True)
+checkpoint(lambda t: torch.sin(t).cos() * t, x, use_reentrant=False).sum().backward()
+{end}
+"""
+
+
+@pytest.mark.parametrize("end,title", [("raise RuntimeError('the eval loader is gone')", "CLEAN, SCRIPT FAILED"),
+                                       ("sys.exit(3)", "CLEAN, SCRIPT FAILED"), ("sys.exit(0)", "CLEAN")],
+                         ids=["raise", "exit-3", "exit-0"])
+def test_a_script_that_fails_after_its_regions_were_compared_says_so(end, title, tmp_path):
+    """Every region that ran reproduced itself, then the script failed: the verdict stays clean (the check's exit
+    code 0), but the title and headline say that the run stopped there, not that training was checked to its end."""
+    script = tmp_path / "train.py"
+    script.write_text(_FAILS_AFTER_ITS_REGIONS.replace("{end}", end))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], capture_output=True)
+    report = subprocess.run([sys.executable, "-m", "ac_diff", "report", "--check", "--format", "json", str(out)],
+                            capture_output=True, text=True)
+    assert report.returncode == 0, report.stdout + report.stderr
+    data = json.loads(report.stdout)
+    assert data["verdict"] == "clean" and data["title"] == title, data["headline"]
+    assert ("but the script failed" in data["headline"]) == (title != "CLEAN"), data["headline"]

@@ -760,6 +760,8 @@ def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(t
     assert "saved other tensors than its forward, so it was recorded in full in step 1" in report.watch["text"]
     assert "watched again from step 2" in report.watch["text"]
     assert f"{later} diverged (watched, counted)" in report.status_counts()
+    rank = report.ranks[0]  # the ranks table counts them too
+    assert rank.diverged == len(report.regions) + later and rank.regions == rank.diverged + rank.clean + rank.unchecked
     _, _, clean, _, _ = recorded(tmp_path, "counting", {}, watch=True)  # Block counts its calls in its forward
     assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3
 
@@ -968,7 +970,8 @@ def test_the_counts_lead_and_steps_say_what_watch_saw(tmp_path):
     torch.manual_seed(0)
     _, _, drift, _, _ = recorded(tmp_path, "drift", MECHANISMS["buffer_updated_from_step_3"][0], **WATCH)
     first = min((r for r in drift.regions if r.status == "diverged"), key=lambda r: r.region)
-    assert first.watched and f"region {first.region})" in drift.headline.split(" diverged")[0], drift.headline
+    assert first.watched and f"region {first.region}, step {first.step})" in drift.headline.split(" diverged")[0], \
+        drift.headline
     torch.manual_seed(0)
     model, path = Net(), tmp_path / "t.jsonl"
     with ac_diff.record(path, watch=True, watch_full_steps=0, full_from_step=3):

@@ -103,6 +103,9 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                          watch["outputs_only"] if watch else 0)
     if crash and not diverged and not errors:
         headline = crash
+    failed = _failed_after(runs) if verdict == CLEAN else None
+    if failed:
+        headline += f"; but {failed}"
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
     if unrecorded(compiled) and not region_reports and not errors:
         headline = unrecorded_headline(compiled)
@@ -115,7 +118,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups,
-                    compiled=compiled, watch=watch)
+                    compiled=compiled, watch=watch, script_failed=failed)
     report.ranks = rank_summaries(report, runs)
     cross = cross_rank_findings(runs, report)
     report.cross_rank, report.cross_rank_findings = cross.texts, cross.findings
@@ -216,6 +219,18 @@ def _through_nested_regions(reports: list) -> None:
         r.suggestions = list(child.suggestions)
 
 
+def _earlier(lead: RegionReport, diverged: list[RegionReport]) -> str:
+    """Where the run first diverged, when that was a step before the lead's (the region torch raised about leads;
+    a silent divergence may have come before it): "; the first, silently, in step 20: layers.0 (region 38)"."""
+    first = min((r for r in diverged if r.step is not None), key=lambda r: (r.step, r.rank, r.region), default=None)
+    if first is None or lead.step is None or first.step >= lead.step:
+        return ""
+    where = module_label(first.module) if first.module else "a region"
+    rank = f"rank {first.rank}, " if first.rank != lead.rank else ""
+    how = ", silently," if first.silent else ""
+    return f"; the first{how} in step {first.step}: {where} ({rank}region {first.region})"
+
+
 def _how_it_stopped(run: Run) -> str:
     if run.exit_status == "exit" and run.exc_type in (None, "SystemExit"):
         return f"exit code {run.exit_code}"
@@ -270,6 +285,22 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
              f"killer?); then " if killed is not None else "")
     return (f"{first}the script {verb}{on}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked) + never} never checked ({reasons})")
+
+
+def _failed_after(runs: list[Run]) -> str | None:
+    """How the script failed where every region it ran was compared (clean), the first rank to fail first: "the script
+    failed on rank 3: exit code 7 (its last region ran in step 30; ...)". None where every run ended normally. (Where
+    in the step it failed is unknown: an exception outside any region, DDP's in its forward, leaves no record.)"""
+    failed = [r for r in runs if r.source == "trace" and (r.exit_status in ("exception", "interrupted") or (
+        r.exit_status == "exit" and r.exit_code not in (None, 0)))]
+    if not failed:
+        return None
+    first = min(failed, key=lambda r: (r.end_time is None, r.end_time or 0.0, r.rank or 0))
+    on = f" on rank {first.rank or 0}" if len({r.rank for r in runs if r.source == "trace"}) > 1 else ""
+    verb = "was interrupted" if first.exit_status == "interrupted" else "failed"
+    steps = [r.step for r in first.regions if r.step is not None] + [(first.watch or {}).get("step") or 0]
+    last = f"its last region ran in step {max(steps)}; " if max(steps) else ""
+    return f"the script {verb}{on}: {_how_it_stopped(first)} ({last}what would have run after it was never recorded)"
 
 
 def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:
@@ -394,14 +425,15 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
     # log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
-    where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region})" if lead.module else \
-        f"region {lead.region} (rank {lead.rank})"
+    step = f", step {lead.step}" if lead.step is not None else ""
+    where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region}{step})" if lead.module else \
+        f"region {lead.region} (rank {lead.rank}{step})"
     silent = " SILENTLY" if lead.silent else ""
     cause = f": {lead.cause.kind}: {lead.cause.detail}" if lead.cause else ""
     same = next((g for g in groups if any(m is lead for m in g.members) and len(g.regions) > 1), None)
     more = (f" [{len(diverged) + unwritten} of {len(regions) + watched + never + unwritten} regions diverged"
-            + (f"; {module_label(same.label)}: same cause" if same else "") + "]" if len(diverged) + unwritten > 1
-            else "")
+            + (f"; {module_label(same.label)}: same cause" if same else "") + _earlier(lead, diverged) + "]"
+            if len(diverged) + unwritten > 1 else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)
     more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
     return f"{where} diverged{silent}{cause}{more}"

@@ -68,12 +68,17 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
         summary.exit_code = run.exit_code
         summary.truncated = run.truncated
         summary.trace = run.path
-        watched = sum(t[0] - t[1] for t in run.watch["modules"].values()) if run.watch else 0
+        totals = run.watch["modules"].values() if run.watch else ()
+        watched = sum(t[0] - t[1] for t in totals)
         if watched:  # watched regions that reproduced their saved tensors (they have no region report)
             summary.regions += watched
             summary.clean += watched
             if summary.verdict in (UNCHECKED, "no_regions"):
                 summary.verdict = CLEAN
+        unwritten = sum(t[3] for t in totals)  # diverged after their module's full recording showed it: counted
+        summary.regions += unwritten + never_recomputed(run)
+        summary.diverged += unwritten
+        summary.unchecked += never_recomputed(run)
         stopped = run.exit_status in ("exception", "interrupted") and (summary.unchecked or never_recomputed(run))
         if summary.verdict == CLEAN and (run.truncated or stopped):  # killed, or stopped before checking it all
             summary.verdict = UNCHECKED
