@@ -376,12 +376,16 @@ def test_divergence_on_a_rank_of_the_other_node_reaches_rank_0(tmp_path):
                "are there" in n for n in report["notes"]), report["notes"]
     assert "DIVERGED" in zero["stdout"] and "rank 3" in zero["stdout"]
     assert rank0_exit_code(zero["stderr"]) == 1, said  # --check: the diverged verdict's code
+    verify = {s["verify"] for r in report["regions"] for s in r["suggestions"]}  # `fix` runs one node's processes
+    assert verify and all("--nproc-per-node 2 " in v for v in verify), verify
 
     merged = run_cli("report", "--json", str(tmp_path / "merged.json"), str(zero["dir"] / "out"),
                      str(one["dir"] / "out"))
     assert merged.returncode == 1, merged.stderr  # ranks 2 and 3 are in both directories: read once
     kinds = {f["kind"] for f in report_json(tmp_path / "merged.json")["cross_rank_findings"]}
     assert "mixed_runs" not in kinds and "missing_ranks" not in kinds
+    verify = {s["verify"] for r in report_json(tmp_path / "merged.json")["regions"] for s in r["suggestions"]}
+    assert verify and all("--nproc-per-node 2 " in v for v in verify), verify
 
 
 @pytest.mark.e2e

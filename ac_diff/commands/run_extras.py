@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..fix.statuses import mark
+from ..fix.statuses import mark, verify_nproc
 from ..reference.explain import attach
 from ..reference.run import reference_result, run_reference
 from ..reference.session import REFERENCE_DIR, CaptureSession, grads_path, load_side
@@ -91,7 +91,8 @@ class RunExtras:
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it
-            mark(report, self.target, self.args, self.module, nproc=len(ranks))
+            mark(report, self.target, self.args, self.module,
+                 nproc=verify_nproc(len(ranks), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)))
         if not self.active:
             return
         dirs = {r: Path(self.output_dir) for r in ranks}

@@ -25,6 +25,12 @@ def _launch(nproc: int) -> list[str]:
     return ["--nproc-per-node", str(nproc)] if nproc > 1 else []
 
 
+def verify_nproc(ranks: int, per_node: int | None) -> int:
+    """The processes `ac-diff fix` starts to verify a run of `ranks` ranks, `per_node` of them on each node
+    (LOCAL_WORLD_SIZE): one node's, since `fix` runs on the node it is started on."""
+    return min(ranks, per_node or ranks)
+
+
 def fix_command(target: str, args: list[str], module: bool, nproc: int = 1) -> str:
     return shlex.join(["ac-diff", "fix", *_launch(nproc), *(["-m"] if module else []), target, *args])
 
@@ -76,7 +82,8 @@ def mark_from_runs(report: Any, runs: list[Any]) -> None:
         header = run.header if run.source == "trace" else {}
         if header.get("target"):
             folder = Path(run.path or ".").parent
+            ranks = len({r.path for r in runs if r.source == "trace" and Path(r.path or ".").parent == folder})
             mark(report, header["target"], list(header.get("target_args") or []), bool(header.get("module")),
-                 nproc=len({r.path for r in runs if r.source == "trace" and Path(r.path or ".").parent == folder}))
+                 nproc=verify_nproc(ranks, header.get("local_world_size")))
             return
     mark(report, "SCRIPT", [], False)

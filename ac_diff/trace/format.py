@@ -108,7 +108,8 @@ def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[st
         "type": "header", "format": FORMAT, "version": VERSION, "ac_diff": __version__,
         "torch": torch.__version__, "python": platform.python_version(), "argv": list(sys.argv),
         "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1") or 1),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0), "pid": os.getpid(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0),
+        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), "pid": os.getpid(),
         "host": platform.node(), "start_time": time.time(), "cwd": os.getcwd(),
         "options": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in vars(options).items()},
     }

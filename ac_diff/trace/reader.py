@@ -110,7 +110,8 @@ def iter_records(path: str | os.PathLike, defer_ops: bool = False) -> Iterator[d
 
 # header fields and the types they must have (a header with others is damaged, not a trace to trust)
 _HEADER_TYPES: dict[str, tuple[type, ...]] = {
-    "rank": (int,), "world_size": (int,), "local_rank": (int,), "pid": (int,), "restart": (int,),
+    "rank": (int,), "world_size": (int,), "local_rank": (int,), "local_world_size": (int,), "pid": (int,),
+    "restart": (int,),
     "start_time": (int, float), "argv": (list,), "options": (dict,), "target_args": (list,),
     "run_id": (str,), "host": (str,), "torch": (str,), "python": (str,), "ac_diff": (str,), "cwd": (str,),
     "target": (str,), "module": (bool,),
