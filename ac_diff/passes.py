@@ -203,7 +203,9 @@ class Region:
     recomputes: int = 0  # recompute passes recorded
     damaged: str | None = None  # why its trace lines cannot be trusted ("line 12 of the trace, ...")
     forward: Pass | None = None
-    recompute: Pass | None = None
+    recompute: Pass | None = None  # the first (torch compares each recompute's metadata with the forward's)
+    later: list[Pass] = field(default_factory=list)  # recomputes after it, in order: each later backward through the
+    # region (retain_graph=True, torch.autograd.grad then .backward()) recomputes it again, from the state of then
     compiled: list[str] = field(default_factory=list)  # modules run under torch.compile (invisible inside)
     # watch mode (capture/watch.py): the passes hold saved positions only (their digests), no ops; the step it ran in
     watched: bool = False

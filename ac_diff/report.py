@@ -202,6 +202,7 @@ class RegionReport:
     # watch mode compared this region by its saved tensors only (no ops); the step it ran in
     watched: bool = False
     step: int | None = None
+    recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
 
     @property
     def has_values(self) -> bool:
@@ -250,7 +251,7 @@ class RegionReport:
             "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
-            "watched": self.watched, "step": self.step, "function": self.function,
+            "watched": self.watched, "step": self.step, "function": self.function, "recompute_n": self.recompute_n,
         })
         return data
 

@@ -70,6 +70,18 @@ def test_sample_error_text():
     assert "debug=True" in report.headline and "ac-diff run" in report.headline  # where more evidence comes from
 
 
+def test_a_precision_change_is_named_from_the_dtypes_torch_printed():
+    """Every position torch names kept its shape and went from float32 to bfloat16: a precision setting changed
+    between the forward and the recompute (tests/stacks/precision_schedule.py); shapes that change are not that."""
+    report = ac_diff.diagnose_paths([SAMPLE_LOGS / "precision_schedule_error.log"])
+    error = report.torch_errors[0]
+    assert [(c.saved, c.recomputed) for c in error.changes] == [("f32[16, 128]", "bf16[16, 128]")]
+    assert error.cause.startswith("dtype_changed: ") and "(f32 -> bf16)" in error.cause, error.cause
+    assert "dtype_changed" in report.headline
+    shapes = ac_diff.diagnose_paths([SAMPLE_LOGS / "moe_bias_update_error.log"]).torch_errors[0]
+    assert shapes.cause is None or "dtype_changed" not in shapes.cause
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in REAL_LOGS.glob("*.log")) or ["<missing>"])
 def test_every_real_log_gets_a_report(name, tmp_path, capsys):
     """In process (the CLI's own entry point), so the whole set stays fast."""

@@ -143,6 +143,7 @@ class _Region:
     watch_key: str | None = None
     watch_forward: Any = None  # the forward's WatchedPass
     watch_compared: bool = False
+    watch_diverged: bool = False  # one of its recomputes diverged (a later one is not written again)
     unwatched: bool = False  # watch mode: a nested checkpoint its parent's recompute ran (not compared, not written)
     # the tensors its forward made that outlived it (a cache its code keeps): id -> (weakref, op, output, version)
     kept: dict[int, tuple] | None = None

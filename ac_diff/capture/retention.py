@@ -18,6 +18,7 @@ bit-identical, op for op).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any, Callable, NamedTuple
 
 from ..oprules import HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_outside_update, state_read, written_inputs
@@ -160,6 +161,11 @@ class Retention:
         self._distributed = distributed  # whether summaries keep what ranks compare
         self._held: dict[int, Any] = {}  # region number -> region whose forward waits for its recompute
         self._held_size = 0
+        # region number -> (weakref to the region, its forward): forwards of regions that reproduced, while the region
+        # lives (its frame: the graph can still be backpropagated through) and within a quarter of `hold_bytes`, for
+        # a later recompute that does not (another backward: retain_graph, autograd.grad then .backward())
+        self._reproduced: dict[int, tuple[Any, HeldForward]] = {}
+        self._reproduced_size = 0
         self._side_effect_modules: set[str | None] = set()
         self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
 
@@ -191,15 +197,24 @@ class Retention:
             if clean:
                 held = self._unhold(region, "clean")
                 writer.write(pass_summary(held.record, verdict, held.fps, held.rows, ranks=self._distributed()))
+                self._keep_reproduced(region, held)
             else:
                 self.release(region)
         if clean and region.hold == "clean":
             writer.write(pass_summary(record, verdict, fps, p.ops, ranks=self._distributed()))
             return
         if region.hold == "clean":
-            writer.write({"type": "warning", "message": (
-                f"region {region.number}: recompute {p.attempt} did not reproduce the forward, whose ops were "
-                "not kept (write='diverged' keeps a clean region's forward only until its first recompute)")})
+            kept = self._reproduced.pop(region.number, None)
+            if kept is not None and kept[0]() is region:  # the forward again, in full: diagnosis compares this one
+                self._reproduced_size -= kept[1].size
+                region.hold = "written"
+                if kept[1].ops_record is not None:
+                    writer.write(kept[1].ops_record)
+                writer.write(kept[1].record)
+            else:
+                writer.write({"type": "warning", "message": (
+                    f"region {region.number}: recompute {p.attempt + 1} did not reproduce the forward, whose ops "
+                    "were not kept (write='diverged' keeps a reproduced region's forward while memory allows)")})
         if ops_record is not None:
             writer.write(ops_record)
         writer.write(record)
@@ -212,6 +227,17 @@ class Retention:
         if held.ops_record is not None:
             self._writer.write(held.ops_record)
         self._writer.write(held.record)
+
+    def _keep_reproduced(self, region: Any, held: HeldForward) -> None:
+        """Keep a reproduced region's forward for a later recompute while the region lives, the oldest dropped past
+        a quarter of `hold_bytes`; those of regions gone (their graph freed) are dropped first."""
+        kept = self._reproduced
+        for number in [n for n, (ref, _) in kept.items() if ref() is None]:
+            self._reproduced_size -= kept.pop(number)[1].size
+        kept[region.number] = (weakref.ref(region), held)
+        self._reproduced_size += held.size
+        while self._reproduced_size > self._hold_bytes // 4 and kept:
+            self._reproduced_size -= kept.pop(next(iter(kept)))[1].size
 
     def release_all(self) -> None:
         for region in list(self._held.values()):

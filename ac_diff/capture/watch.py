@@ -416,6 +416,7 @@ class _Comparison:
     region: Any
     forward: WatchedPass
     recompute: WatchedPass
+    attempt: int = 0  # the recompute's number from 0: a later backward recomputes the region again (retain_graph)
 
 
 @dataclass
@@ -537,10 +538,10 @@ class Watch:
             region.watch_forward = wp
             self.learn(region.watch_key, positions)
             return
-        if region.watch_forward is None or region.watch_compared:
+        if region.watch_forward is None:
             return
         region.watch_compared = True
-        if _difference(region.watch_forward, wp, frozenset()):
+        if _difference(region.watch_forward, wp, frozenset()):  # (each recompute: a later backward's too)
             self.keep_full(region)
             hit = self.escalated.get(region.watch_key)
             if hit is not None and hit.get("caught") is None:
@@ -581,10 +582,13 @@ class Watch:
                 region.watch_forward = wp
             return
         forward = region.watch_forward
-        if forward is None or region.watch_compared:  # a second recompute (retain_graph): the first is compared
+        if forward is None:
             return
+        # each recompute is compared: a later backward through the region (retain_graph=True, torch.autograd.grad
+        # then .backward()) recomputes it from the state of then, and its gradients come from that recompute
+        attempt = region.recomputes - 1 if region.watch_compared else 0
         region.watch_compared = True
-        self.pending.append(_Comparison(region, forward, wp))
+        self.pending.append(_Comparison(region, forward, wp, attempt))
 
     def poll(self) -> None:
         """Judge every comparison whose digests have landed, oldest first (the copies land in order)."""
@@ -634,12 +638,14 @@ class Watch:
                                             "from_step": None, "provisional": True})
             return
         totals = self._totals(key)
-        totals.unchecked -= 1
-        totals.compared += 1
-        if cmp.forward.origins and all(o == "output" for o in cmp.forward.origins):
-            totals.outputs += 1
-        if not (how or raised):
+        if not cmp.attempt:  # (a region counts once, by its first recompute; a later one only when it diverges)
+            totals.unchecked -= 1
+            totals.compared += 1
+            if cmp.forward.origins and all(o == "output" for o in cmp.forward.origins):
+                totals.outputs += 1
+        if not (how or raised) or cmp.attempt and region.watch_diverged:
             return
+        region.watch_diverged = True
         self.raised.discard(id(region))
         totals.diverged += 1
         hit = self.escalated.get(key) if key is not None else None
@@ -649,7 +655,8 @@ class Watch:
                 return
             # full recording never saw it (it recurs less often than the window): record the module again
             self.escalated[key] = hit = {"diverged_step": region.step, "region": region.number, "from_step": None}
-        self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask)
+        self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask,
+                           attempt=cmp.attempt)
         if self.escalate and key is not None:
             hit = self.escalated.get(key)
             if hit is None:
@@ -667,10 +674,12 @@ class Watch:
             wp.resolve()
         self._write_region(region, (wp, "forward"))
 
-    def _write_region(self, region: Any, *passes: tuple[WatchedPass, str], mask: frozenset | None = None) -> None:
+    def _write_region(self, region: Any, *passes: tuple[WatchedPass, str], mask: frozenset | None = None,
+                      attempt: int = 0) -> None:
         self.write(self.region_record(region))
         for wp, phase in passes:
-            record = {"type": "pass", "region": region.number, "phase": phase, "attempt": 0, "n_ops": None,
+            record = {"type": "pass", "region": region.number, "phase": phase,
+                      "attempt": attempt if phase == "recompute" else 0, "n_ops": None,
                       "complete": wp.complete, "stopped_early": wp.stopped_early, "state": wp.state, "externals": [],
                       "positions": wp.rows(mask or frozenset())}
             if wp.error:

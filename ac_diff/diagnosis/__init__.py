@@ -20,7 +20,7 @@ from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report,
                       RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
-from .cause import RECOMPILED, SHARDED, one_optimizer_step, sharded_positions
+from .cause import DTYPE_ONLY, RECOMPILED, SHARDED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from ..logs.errors import version_check
@@ -193,7 +193,9 @@ def _summary(err: TorchError) -> TorchErrorSummary:
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
                              cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else
-                             f"compiled_graph: {RECOMPILED}" if err.compiled else None,
+                             f"compiled_graph: {RECOMPILED}" if err.compiled else
+                             f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
+                             else None,
                              count=err.count, first_line=err.first_line, last_line=err.last_line)
 
 
@@ -425,7 +427,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
     # log may print rank 1's dump before rank 0's)
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
-    step = f", step {lead.step}" if lead.step is not None else ""
+    step = (f", step {lead.step}" if lead.step is not None else "") + (
+        f", recompute {lead.recompute_n} (a later backward's)" if lead.recompute_n > 1 else "")
     where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region}{step})" if lead.module else \
         f"region {lead.region} (rank {lead.rank}{step})"
     silent = " SILENTLY" if lead.silent else ""

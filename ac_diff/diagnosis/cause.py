@@ -46,6 +46,10 @@ SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in t
            "(ZeRO-3 / FSDP frees them after the forward)")
 
 
+DTYPE_ONLY = ("every position torch named kept its shape and changed its dtype ({change}): a precision setting the "
+              "region reads differs between the forward and the recompute (an autocast region's `enabled` or dtype, "
+              "or a dtype attribute or global that a schedule changed before the backward)")
+
 _MADE_IN_THE_REGION = ("op", "saved", "output")  # position origins of tensors the region computed
 
 
@@ -55,6 +59,18 @@ def sharded_positions(rows: list) -> list:
     computed (a batch norm in eval mode saves [0]-shaped statistics; watch names no state to say so)."""
     return [p for p in rows if p.recomputed and p.recomputed.endswith("[0]") and p.saved
             and not p.saved.endswith("[0]") and getattr(p, "origin", None) not in _MADE_IN_THE_REGION]
+
+
+def dtype_only(rows: list) -> str | None:
+    """"f32 -> bf16" where every row (`saved` / `recomputed` metadata text like "f32[4, 8]") whose metadata changed
+    kept its shape and changed its dtype, to one and the same dtype; else None."""
+    changed = [(p.saved.split("[", 1), p.recomputed.split("[", 1)) for p in rows if p.saved and p.recomputed
+               and p.saved != p.recomputed]
+    if not changed or any(len(a) != 2 or len(b) != 2 or a[1] != b[1] or a[0] == b[0] for a, b in changed):
+        return None
+    pairs = {(a[0], b[0]) for a, b in changed}
+    return f"{', '.join(sorted(a for a, _ in pairs))} -> {changed[0][1][0]}" if len({b for _, b in pairs}) == 1 \
+        else None
 
 
 # A GPU recording fingerprints outputs in batches, up to 64 ops after they are made (capture/fused_prints.py)

@@ -42,7 +42,53 @@ def diagnose_region(region: Region, torch_error: TorchError | None = None,
                     torch_version: str | None = None, version_check: tuple | None = None) -> RegionReport:
     """`run_stopped`: how the run ended, when it stopped early ("RuntimeError: ..."), for regions it left
     without their recompute; `torch_version`: the torch that ran it (its suggested code is written for it);
-    `version_check`: what autograd's version check that stopped the run names (logs.errors.version_check)."""
+    `version_check`: what autograd's version check that stopped the run names (logs.errors.version_check).
+    A region recomputed again by a later backward (retain_graph=True; torch.autograd.grad, then .backward())
+    gives that backward the saved tensors of its own recompute: where the first reproduced the forward, the first
+    later one that did not is the region's report."""
+    if not region.later:
+        report = _diagnose_pair(region, torch_error, settings, run_stopped, torch_version, version_check)
+        if report.status != CLEAN and region.recompute is not None and region.recompute.attempt:  # (watch writes
+            _later_recompute(report, region.recompute.attempt + 1, region.recomputes)  # the one that diverged)
+        return report
+    first, fwd = region.recompute, region.forward
+    summarized = [p.values_digest is not None for p in (fwd, first, *region.later)] if fwd is not None else []
+    # (write="diverged") the first recompute summarized as a reproduction, the forward written again in full for a
+    # later one that did not reproduce it: that one is compared
+    start = 1 if summarized and summarized[1] and not summarized[0] else 0
+    report = None
+    try:
+        for n, p in enumerate((first, *region.later)[start:], start=1 + start):
+            if summarized and summarized[0] and not summarized[n]:  # its forward's ops went unkept
+                report = report or _diagnose_pair(region, torch_error, settings, run_stopped, torch_version,
+                                                  version_check)
+                _unchecked(report, "later recompute not compared",
+                           f"recompute {n} (another backward through the region) did not reproduce the forward, "
+                           "whose ops were not kept; re-run with --write all to compare it")
+                return report
+            region.recompute = p
+            again = _diagnose_pair(region, torch_error, settings, run_stopped, torch_version, version_check)
+            if again.status != CLEAN:
+                if n > 1:
+                    _later_recompute(again, n, 1 + len(region.later))
+                return again
+            report = report or again
+    finally:
+        region.recompute = first
+    return report
+
+
+def _later_recompute(report: RegionReport, n: int, of: int) -> None:
+    report.recompute_n = n
+    report.notes.insert(0, (
+        f"recompute {n} of {of} diverged: a later backward through the region (retain_graph=True, or "
+        "torch.autograd.grad and then .backward()) recomputed it from the state of then, while the first reproduced "
+        "the forward; that backward's gradients come from it"))
+
+
+def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Settings, run_stopped: str | None,
+                   torch_version: str | None, version_check: tuple | None) -> RegionReport:
+    """The report of the region's forward and its recompute (`region.recompute`)."""
     fwd, rec = region.forward, region.recompute
     report = RegionReport(
         rank=region.rank, region=region.region, module=region.module, function=region.function, kind=region.kind,

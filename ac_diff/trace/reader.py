@@ -330,7 +330,7 @@ def _decode_deferred(path: Any, p: Pass, metas: dict) -> None:
 def _ops_loaded(path: Any, metas: dict, region: Region) -> Iterator[None]:
     """A lazily read region's ops, positions and externals, decoded for the time of the `with` and dropped
     after. A line that no longer decodes (the file changed since read_run) makes the region damaged."""
-    passes = [p for p in (region.forward, region.recompute) if p is not None and p.deferred]
+    passes = [p for p in (region.forward, region.recompute, *region.later) if p is not None and p.deferred]
     try:
         for p in passes:
             try:
@@ -408,9 +408,10 @@ def _set_pass(region: Region, p: Pass) -> None:
         region.forward = p
         return
     region.recomputes = max(region.recomputes, p.attempt + 1)
-    if region.recompute is None or p.attempt < region.recompute.attempt:
-        # the first recompute is the one torch compares; later ones (retain_graph) are only counted
-        region.recompute = p
+    passes = {q.attempt: q for q in (region.recompute, *region.later) if q is not None}
+    passes[p.attempt] = p
+    first, *region.later = [passes[a] for a in sorted(passes)]
+    region.recompute = first
 
 
 def _meta(x: Any) -> TensorMeta:

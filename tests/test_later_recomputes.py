@@ -1,0 +1,67 @@
+"""A region recomputed by more than one backward: `torch.autograd.grad(..., retain_graph=True)` recomputes it once,
+a later `.backward()` through the same graph again, from the state of then. Each recompute is compared with the
+forward: a first one that reproduced it does not make the region clean when a later one, whose saved tensors that
+later backward's gradients come from, did not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import ac_diff
+
+
+def maml(steps: int = 2, adapt: bool = True) -> None:
+    """Sequential adaptation in the style of MAML: each task's checkpointed loss reads the `fast` weights dict, its
+    gradient (autograd.grad, the graph retained) updates the dict for the next task, and the meta-backward through
+    every task's loss recomputes each region again, reading the dict as it is then (`adapt`: updated since)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        fast = dict(net.named_parameters())
+
+        def task_loss(x, y):
+            return F.mse_loss(functional_call(net, fast, (x,)), y)
+
+        losses = []
+        for t in range(2):
+            x = torch.randn(8, 4)
+            y = (x * (t + 1)).sin().sum(-1, keepdim=True)
+            loss = checkpoint(task_loss, x, y, use_reentrant=False)
+            losses.append(loss)
+            grads = torch.autograd.grad(loss, list(fast.values()), retain_graph=True)
+            if adapt:
+                fast.update({k: v - 0.05 * g for (k, v), g in zip(fast.items(), grads)})
+        opt.zero_grad()
+        torch.stack(losses).mean().backward()
+        opt.step()
+
+
+MODES = {"full": {}, "full, every pass written": {"write": "all"}, "watch": {"watch": True, "watch_full_steps": 0}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_later_recompute_that_diverges_is_reported(mode, tmp_path):
+    with ac_diff.record(tmp_path / "t.jsonl", **MODES[mode]):
+        maml()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "diverged" and report.silent, report.headline
+    lead = report.lead_groups()[0][0]
+    assert lead.recompute_n == 2 and "recompute 2 (a later backward's)" in report.headline, report.headline
+    assert any(n.startswith("recompute 2 of 2 diverged") for n in lead.notes), lead.notes
+    if mode != "watch":  # (watch: the escalated module's full recording names it)
+        assert lead.cause.kind == "state_mutation" and lead.first_value_divergence is not None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recomputes_that_all_reproduce_the_forward_are_clean(mode, tmp_path):
+    """The same loop without the update between the backwards: both recomputes reproduce the forward."""
+    with ac_diff.record(tmp_path / "t.jsonl", **MODES[mode]):
+        maml(adapt=False)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
