@@ -182,6 +182,8 @@ class Trace:
                     p = getattr(r, phase)
                     if p is not None:
                         yield run, r, p
+                for p in r.later:  # recomputes by later backwards (their `attempt` says which)
+                    yield run, r, p
 
 
 _REGION_COLUMNS = ["rank", "region", "module", "kind", "parent", "forward_ops", "recompute_ops", "forward_positions",

@@ -124,7 +124,8 @@ class Cause:
     # optimizer_step (most parameters changed), python_value (an argument), attribute (a module's Python
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under
     # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
-    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor; None otherwise
+    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor; control_flow -> grad_mode (a branch on
+    # grad mode under use_reentrant=True), cache_hit (the recompute read what the forward cached); None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
     # every piece of state it names, `tensor` first (each dropout's `p` a scheduler moved): what a restore must cover
@@ -448,7 +449,7 @@ class Report:
     def title(self) -> str:
         """The verdict in a few words, as every renderer shows it ("SILENTLY DIVERGED", "CRASHED", ...)."""
         if self.compared:  # `ac-diff compare A B` of two traces
-            return "RUNS DIFFER" if self.verdict == DIVERGED else "RUNS MATCH"
+            return {DIVERGED: "RUNS DIFFER", CLEAN: "RUNS MATCH"}.get(self.verdict, "NOT ALL COMPARED")
         if self.verdict == DIVERGED:
             return "SILENTLY DIVERGED" if self.silent else "DIVERGED"
         if self.verdict == UNCHECKED:

@@ -41,6 +41,18 @@ class Net(nn.Module):
         return x
 
 
+class Scaled(nn.Module):
+    """A linear layer scaled by a buffer: what changing `scale` between the forward and the backward does."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.register_buffer("scale", torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
 def _save_addmm(ctx, op, *args, **kwargs):
     return cp.CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else cp.CheckpointPolicy.PREFER_RECOMPUTE
 

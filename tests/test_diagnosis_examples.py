@@ -222,15 +222,7 @@ def test_flags_that_stay_set_for_the_whole_step_are_not_named(tmp_path):
 
 def test_reentrant_divergence_is_silent(tmp_path):
     """Reentrant checkpoint has no check at all: a buffer changed before backward goes unnoticed by torch."""
-
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-            self.register_buffer("scale", torch.ones(8))
-
-        def forward(self, x):
-            return self.lin(x) * self.scale
+    from models import Scaled
 
     torch.manual_seed(0)
     model, x = Scaled(), torch.randn(4, 8, requires_grad=True)

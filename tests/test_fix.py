@@ -95,7 +95,7 @@ def test_saving_the_decision_does_not_help_when_its_input_already_differed(fixes
     assert "register_step_post_hook" in report["fixes"]["verified_code"]
     assert proc.returncode == 0
     assert report["fixes"]["tries"][2]["status"] == "untested"
-    update = [s for r in report["regions"] for s in r["suggestions"] if s["title"].startswith("Update `")]
+    update = [s for r in report["regions"] for s in r["suggestions"] if "`layers." in s["title"]]
     assert update and all(s["status"] == "verified" and "--restore-in-recompute" in s["verify"] for s in update)
 
 

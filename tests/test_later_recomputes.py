@@ -48,14 +48,18 @@ MODES = {"full": {}, "full, every pass written": {"write": "all"}, "watch": {"wa
 @pytest.mark.parametrize("mode", MODES)
 def test_a_later_recompute_that_diverges_is_reported(mode, tmp_path):
     with ac_diff.record(tmp_path / "t.jsonl", **MODES[mode]):
-        maml()
+        maml(steps=3)
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert report.verdict == "diverged" and report.silent, report.headline
     lead = report.lead_groups()[0][0]
     assert lead.recompute_n == 2 and "recompute 2 (a later backward's)" in report.headline, report.headline
     assert any(n.startswith("recompute 2 of 2 diverged") for n in lead.notes), lead.notes
-    if mode != "watch":  # (watch: the escalated module's full recording names it)
-        assert lead.cause.kind == "state_mutation" and lead.first_value_divergence is not None
+    if mode == "watch":  # its module recorded in full after it: the later recomputes diverge there too, and the
+        # watched function regions are named as the full recording names them
+        assert report.watch["escalated"][0]["full_diverged"] >= 1, report.watch["escalated"]
+        assert len({r.module for r in report.regions}) == 1
+    lead = min((r for r in report.regions if not r.watched), key=lambda r: r.region)
+    assert lead.cause.kind == "state_mutation" and lead.first_value_divergence is not None
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -14,7 +14,7 @@ from conftest import run_cli
 
 PROBE = textwrap.dedent("""
     import json, os, sys
-    print("PROBE " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0]}))
+    print("PROBE " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "file": __file__}))
     mode = os.environ.get("PROBE_MODE", "ok")
     if mode == "exit3":
         sys.exit(3)
@@ -36,6 +36,15 @@ def script(tmp_path):
     path.parent.mkdir()
     path.write_text(PROBE)
     return path
+
+
+def test_a_script_given_by_a_relative_path_sees_what_python_gives_it(script, tmp_path):
+    """python makes the main script's `__file__` absolute (3.9+) and keeps argv[0] as typed: a script that finds
+    its files from `__file__` and then changes directory (as Hydra does) works the same under ac-diff."""
+    relative = str(script.relative_to(tmp_path))
+    plain = subprocess.run([sys.executable, relative], capture_output=True, text=True, cwd=tmp_path)
+    ours = run_cli("run", "-o", str(tmp_path / "out"), relative, cwd=tmp_path)
+    assert _probe(ours.stdout) == _probe(plain.stdout) and _probe(plain.stdout)["file"] == str(script)
 
 
 @pytest.mark.parametrize("mode,code", [("ok", 0), ("exit3", 3), ("raise", 1), ("exit_msg", 1)])

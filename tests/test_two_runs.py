@@ -89,6 +89,7 @@ def test_summarized_regions_are_compared_by_their_values_digest(traces, tmp_path
     code, report = _compare_cli(traces["a", "all"], traces["b", "diverged"], tmp_path)
     assert [r["status"] for r in report["regions"]] == ["clean", "clean", "unchecked", "unchecked"]
     assert "run B kept only a summary" in report["regions"][2]["notes"][-1]
+    assert code == 4 and report["verdict"] == "unchecked" and report["title"] == "NOT ALL COMPARED"  # not a match
 
 
 def test_terminal_labels_run_a_and_b(traces, tmp_path):
@@ -158,3 +159,33 @@ def test_unmatched_regions_and_recompute_only_difference():
     assert any("RECOMPUTES differ" in n for n in first.notes)
     assert extra.cause.kind == "control_flow" and "run B only" in extra.cause.detail
     assert report.compared["only_b"] == [1] and report.compared["only_a"] == []
+
+
+def test_a_region_one_run_summarized_and_the_other_diverged_in_differs(tmp_path):
+    """Both runs with the default write="diverged": run A's third region reproduced (a summary), run B's did not
+    (a buffer changed between its forward and backward: written in full). The runs differ there, not "unchecked";
+    and a region neither side could compare never lets the verdict read clean."""
+    import torch
+    import torch.utils.checkpoint as cp
+    from models import Scaled
+
+    import ac_diff
+
+    paths = {}
+    for name, bad_step in (("a", None), ("b", 2)):
+        torch.manual_seed(0)
+        model, paths[name] = Scaled(), tmp_path / name / "trace-rank0.jsonl"
+        with ac_diff.record(paths[name]):
+            for step in range(3):
+                y = cp.checkpoint(model, torch.randn(4, 8), use_reentrant=False)
+                if step == bad_step:
+                    with torch.no_grad():
+                        model.scale.mul_(1.5)  # between the forward and the backward
+                y.sum().backward()
+    code, report = _compare_cli(paths["a"], paths["b"], tmp_path)
+    assert code == 1 and report["title"] == "RUNS DIFFER", report["headline"]
+    region = report["regions"][2]
+    assert region["status"] == "diverged" and region["cause"]["kind"] == "state_mutation", region
+    assert "in run B this region's recompute did not reproduce its forward" in region["cause"]["detail"]
+    code, report = _compare_cli(paths["a"], paths["a"], tmp_path)
+    assert code == 0 and report["title"] == "RUNS MATCH"

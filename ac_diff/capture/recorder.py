@@ -1228,8 +1228,12 @@ class Recorder:
         self._writer.write(self._region_record(region))
 
     def _region_record(self, region: _Region) -> dict[str, Any]:
+        # a watched function's region is named as watch keys it (its function, where it calls more than one module:
+        # what full recording names it after seeing its ops), so its escalation and its full recordings match it
+        module = region.watch_key if region.watched and region.fn_name and region.watch_key == region.fn_name \
+            else region.module or region.caller
         return {
-            "type": "region", "region": region.number, "module": region.module or region.caller,
+            "type": "region", "region": region.number, "module": module,
             # (a checkpointed function that calls no module is named by its caller: which function it was)
             **({"function": region.fn_name} if region.module is None and region.caller and region.fn_name else {}),
             "kind": region.kind, "parent": region.parent, "parent_phase": region.parent_phase,

@@ -104,6 +104,24 @@ def check_target(target: str, module: bool) -> None:
         raise TargetNotFound(f"script not found: {target}")
 
 
+class _Argv(list):
+    """sys.argv as python gives a script, argv[0] as typed, while the script runs from its absolute path (so its
+    `__file__` is absolute, as python 3.9+ makes it): runpy writes the path it runs into argv[0]; this keeps what was
+    typed there instead. Pickled as the plain list it is (multiprocessing's spawn sends sys.argv)."""
+
+    def __init__(self, items: list[str], *, typed: str, absolute: str) -> None:
+        super().__init__(items)
+        self._typed, self._absolute = typed, absolute
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if index == 0 and value == self._absolute:
+            value = self._typed
+        super().__setitem__(index, value)
+
+    def __reduce__(self) -> tuple:
+        return list, (list(self),)
+
+
 def run_target(target: str, args: list[str], *, module: bool, recorder: Any, example: bool = False) -> Outcome:
     """Run the target under the recorder; the recorder is stopped (trace finished) before returning.
 
@@ -118,7 +136,7 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any, exa
     else:
         script = os.path.abspath(target)
         sys.path[0:1] = [os.path.dirname(script)]
-        sys.argv = [target, *args]
+        sys.argv = _Argv([target, *args], typed=target, absolute=script)
     global _owner
     _owner = os.getpid()
     recorder.start()
@@ -132,7 +150,7 @@ def run_target(target: str, args: list[str], *, module: bool, recorder: Any, exa
                     sys.argv[0] = spec.origin
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                runpy.run_path(script, run_name="__main__")  # (absolute: `__file__` as python sets it)
     except BaseException as exc:  # noqa: BLE001 - whatever ended the script is reported as python would
         ended = exc
     try:

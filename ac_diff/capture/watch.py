@@ -544,7 +544,8 @@ class Watch:
         if _difference(region.watch_forward, wp, frozenset()):  # (each recompute: a later backward's too)
             self.keep_full(region)
             hit = self.escalated.get(region.watch_key)
-            if hit is not None and hit.get("caught") is None:
+            if hit is not None and hit.get("caught") is None and (region.step or 0) >= (hit.get("from_step") or 0) \
+                    and hit.get("from_step") is not None:  # (not a region before the escalation: a later recompute)
                 hit["caught"] = region.step  # its full recording shows the divergence: watched again after it
 
     def keep_full(self, region: Any) -> None:

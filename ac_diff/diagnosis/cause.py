@@ -61,6 +61,14 @@ def sharded_positions(rows: list) -> list:
             and not p.saved.endswith("[0]") and getattr(p, "origin", None) not in _MADE_IN_THE_REGION]
 
 
+def _grad_mode_flipped(region: Region) -> bool:
+    """A reentrant region whose forward ran without autograd and whose recompute with it (as use_reentrant=True
+    runs them): code branching on grad mode sees two answers."""
+    fwd, rec = region.forward, region.recompute
+    return region.kind == "reentrant" and fwd is not None and rec is not None and \
+        fwd.state.get("grad_enabled") is False and rec.state.get("grad_enabled") is True
+
+
 def dtype_only(rows: list) -> str | None:
     """"f32 -> bf16" where every row (`saved` / `recomputed` metadata text like "f32[4, 8]") whose metadata changed
     kept its shape and changed its dtype, to one and the same dtype; else None."""
@@ -105,6 +113,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     kept = _kept_output_changed(region, cmp)  # before any branch the cache made: it reproduces where unchanged
     if kept is not None:
         return kept
+    cached = _cache_skipped_saves(region, cmp)
+    if cached is not None:
+        return cached
 
     if "default_dtype" in flags and _made_in_default_dtype(cmp):  # torch.tensor([...]) made in another dtype
         return _global_state_cause(flags, "default_dtype")
@@ -180,6 +191,15 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
+        if _grad_mode_flipped(region):
+            return Cause("control_flow", control.op,
+                         f"the recompute ran a different sequence of ops from {where(control.module, control.source)} "
+                         "before any value differed: under use_reentrant=True the forward runs with autograd off "
+                         "(torch.no_grad) and the recompute with it on, so code that branches on "
+                         "torch.is_grad_enabled() (an inference fast path) or on a tensor's requires_grad / grad_fn "
+                         "takes the other branch in the recompute",
+                         [control.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
+                         mechanism="grad_mode", source=control.source)
         return Cause("control_flow", control.op,
                      f"the recompute ran a different sequence of ops from {where(control.module, control.source)} "
                      "before any value differed: Python code took another branch",
@@ -406,6 +426,32 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                  [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
                   f"recompute: read as `{name}`, fingerprint {_fp(ext.fingerprint)}"],
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
+
+
+def _cache_skipped_saves(region: Region, cmp: PassComparison) -> Cause | None:
+    """The recompute read back tensors the forward made and kept (a cache the forward filled:
+    torch.nn.utils.parametrize.cached(), a memo dict), so it skipped the ops that made them, and those ops had saved
+    tensors in the forward: the recompute saves fewer (torch's count check), from the cache's state, not the inputs."""
+    fwd, rec = region.forward, region.recompute
+    skipped = {p.op_index for p in fwd.positions if p.origin == "op" and p.op_index in cmp.read_back}
+    read = [e for e in rec.externals if e.made_by is not None and e.made_by[0] in cmp.read_back]
+    if not skipped or not read:
+        return None
+    made = {o.index: o for o in fwd.ops}
+    op = made.get(read[0].made_by[0])
+    if op is None:
+        return None
+    kept = ", ".join(f"{made[e.made_by[0]].op} #{e.made_by[0]}" for e in read[:3] if e.made_by[0] in made)
+    return Cause("control_flow", f"{op.op} #{op.index}",
+                 f"the recompute read back {len(read)} tensor(s) the forward made and kept ({kept}, made at "
+                 f"{where(op.module, op.source)}: a cache the forward filled, as torch.nn.utils.parametrize.cached() "
+                 f"or a memo dict keeps one) instead of making them again, so it skipped the {len(cmp.read_back)} "
+                 "op(s) that made them and the tensors they saved for the backward: the forward missed the cache, "
+                 "the recompute hit it",
+                 [f"forward: {len(cmp.read_back)} op(s) made what the recompute read back; {len(skipped)} of them "
+                  "saved tensors",
+                  f"recompute: read {', '.join(e.name for e in read[:3])} (made by the forward)"],
+                 mechanism="cache_hit", source=op.source)
 
 
 def _own_state_read(region: Region, cmp: PassComparison, value: Divergence) -> list[str]:

@@ -147,6 +147,8 @@ class PassComparison:
     forward_through: dict[int, int] = field(default_factory=dict)
     # the recompute's externals the forward made and kept (`kept_read_back`): name -> ((op, output), unchanged)
     kept: dict[str, tuple[tuple[int, int], bool]] = field(default_factory=dict)
+    # the forward's ops the recompute did not run, as it read back what they made (`_read_back`)
+    read_back: set[int] = field(default_factory=set)
 
     def first(self, kind: str) -> PairDiff | None:
         for d in self.diffs:
@@ -272,7 +274,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                   if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
                           tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated,
-                          tolerance=tolerance, forward_through=f_source, kept=kept)
+                          tolerance=tolerance, forward_through=f_source, kept=kept, read_back=read_back)
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:

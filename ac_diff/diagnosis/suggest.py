@@ -205,14 +205,25 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
                 "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
+        elif mechanism == UPDATED_IN_FORWARD:
+            out.append(Suggestion(
+                f"Move the update of `{name}` out of the checkpointed region: its recompute runs the update again",
+                f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute runs that "
+                "update a second time, from the updated value, and computes with it. Compute the new value inside, "
+                "but return it from the checkpointed function and apply it outside, after the call (the recompute "
+                "then recomputes it without applying it); or apply the update after `loss.backward()`, best after "
+                "`optimizer.step()`, e.g. from an optimizer step hook.",
+                "def update_after_step(optimizer, args, kwargs):\n"
+                "    with torch.no_grad():\n"
+                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
+                "optimizer.register_step_post_hook(update_after_step)\n"
+                "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new value\n"
+                "#     with torch.no_grad(): state.copy_(new_state)                   # applied once, outside"))
         else:
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",
                 f"`{name}` is read by the checkpointed region and changed before its recompute ran, so the "
-                "recompute sees another value" + (
-                    " (the region's own forward, or a hook inside it, updates it: the recompute runs that update "
-                    "again, from the updated value)" if mechanism == UPDATED_IN_FORWARD else "")
-                + ". Keep in the forward what the update needs, and apply it after `loss.backward()` - best after "
+                "recompute sees another value. Keep in the forward what the update needs, and apply it after `loss.backward()` - best after "
                 "`optimizer.step()`, e.g. from an optimizer step hook - not in a forward hook or inside forward().",
                 "def update_after_step(optimizer, args, kwargs):\n"
                 "    with torch.no_grad():\n"
@@ -287,6 +298,27 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "The recompute runs under the global state active during backward. Enter the same context "
             "(autocast, deterministic algorithms, dispatch/function modes, default dtype) around both the forward "
             "and loss.backward(), or move the setting inside the checkpointed function so it is replayed."))
+    elif kind == "control_flow" and cause is not None and cause.mechanism == "cache_hit":
+        out.append(Suggestion(
+            "Fill the cache before the checkpointed forward, so that the forward and the recompute both read it",
+            f"The forward filled a cache ({cause.tensor} at {cause.source or 'the region'}) that the recompute then "
+            "read, so the two passes ran different ops. Compute the cached value before the checkpointed blocks run "
+            "(inside `torch.nn.utils.parametrize.cached()`, read each parametrized weight once first), or clear the "
+            "cache before the backward, or leave this module out of activation checkpointing.",
+            "with torch.nn.utils.parametrize.cached():\n"
+            "    for m in model.modules():          # fill the cache first: forward and recompute hit it alike\n"
+            "        if torch.nn.utils.parametrize.is_parametrized(m):\n"
+            "            for name in m.parametrizations:\n"
+            "                getattr(m, name)\n"
+            "    loss = model(batch)\n"
+            "    loss.backward()"))
+    elif kind == "control_flow" and cause is not None and cause.mechanism == "grad_mode":
+        out.append(Suggestion(
+            "Checkpoint with use_reentrant=False, whose forward runs with autograd on as its recompute does",
+            "use_reentrant=True runs the forward under torch.no_grad() and the recompute with grad enabled, so a "
+            "branch on torch.is_grad_enabled() (or on requires_grad) goes one way in each. use_reentrant=False runs "
+            "both with autograd on. Else branch on `self.training` or an argument, not on grad mode.",
+            "out = checkpoint(block, x, use_reentrant=False)"))
     elif kind == "control_flow":
         out.append(Suggestion(
             "Make the region's control flow depend only on its inputs",

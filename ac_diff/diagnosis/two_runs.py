@@ -24,7 +24,7 @@ from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport
 from .passdiff import PassComparison, compare_passes
 from .discrete import first_flip
 from .labels import where
-from .region import Settings, divergence_of, state_changes, window
+from .region import Settings, diagnose_region, divergence_of, state_changes, window
 
 KIND = "two_runs"
 
@@ -57,8 +57,9 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
         notes.append(f"{len(only_a)} region(s) only in run A, {len(only_b)} only in run B: the runs checkpointed "
                      "different modules or ran a different number of steps")
     notes += [f"run A: {n}" for n in run_a.notes] + [f"run B: {n}" for n in run_b.notes]
+    unchecked = any(r.status == UNCHECKED for r in regions)
     report = Report(
-        verdict=DIVERGED if differ else CLEAN,
+        verdict=DIVERGED if differ else UNCHECKED if unchecked or not compared else CLEAN,
         headline=_headline(regions, compared, label_a, label_b),
         regions=regions, sources=[run_a.path or "run A", run_b.path or "run B"], notes=notes,
         exit_status=None,
@@ -82,6 +83,8 @@ def _compare_summaries(a: Region, b: Region, report: RegionReport) -> None:
     """A region one trace only summarized (write="diverged": it reproduced there): compared by the digests of the
     values its passes measured when both traces summarized it, else unchecked."""
     digests = [(p.values_digest if p is not None else None) for p in (a.forward, a.recompute, b.forward, b.recompute)]
+    if a.ops_written != b.ops_written and _reproduced_in_one(a, b, report):
+        return
     if a.ops_written or b.ops_written or None in digests:
         report.status = UNCHECKED
         summarized = " and ".join(x for x, r in (("run A", a), ("run B", b)) if not r.ops_written)
@@ -95,6 +98,29 @@ def _compare_summaries(a: Region, b: Region, report: RegionReport) -> None:
         report.cause = Cause(kind="unknown", tensor=None, detail=(
             "the values this region computed differ between the runs (the digests of their summaries differ; "
             "the ops were not written: record both runs with `--write all` to see the first op that differs)"))
+
+
+def _reproduced_in_one(a: Region, b: Region, report: RegionReport) -> bool:
+    """One run summarized the region (its recompute reproduced its forward there), the other wrote it in full: where
+    that one's recompute did not reproduce its own forward, the runs differ there (True, `report` says how)."""
+    full, side, other = (a, "A", "B") if a.ops_written else (b, "B", "A")
+    own = diagnose_region(full)
+    if own.status != DIVERGED:
+        return False
+    report.status, report.silent = DIVERGED, own.silent
+    for name in ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
+                 "first_control_divergence", "first_argument_divergence"):
+        setattr(report, name, getattr(own, name))
+    kind = own.cause.kind if own.cause is not None else "unknown"
+    report.cause = Cause(kind, own.cause.tensor if own.cause is not None else None, (
+        f"in run {side} this region's recompute did not reproduce its forward"
+        + (f" ({own.cause.detail})" if own.cause is not None else "")
+        + f"; in run {other} it did (its trace kept only a summary: write: diverged)"),
+        list(own.cause.evidence) if own.cause is not None else [],
+        own.cause.mechanism if own.cause is not None else None, own.cause.source if own.cause is not None else None)
+    report.suggestions = list(own.suggestions)
+    report.notes.append(f"`ac-diff report` on run {side}'s trace details this region's divergence")
+    return True
 
 
 def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:

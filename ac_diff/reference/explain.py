@@ -17,7 +17,8 @@ Why the two runs can differ, in the order they are checked:
   say why: an op that gave other values from identical inputs is a kernel whose result differs from one process
   to the next (`nondeterministic_kernel`: float atomics in index_add_ / scatter_add_ on a GPU; fixed by
   deterministic algorithms); inputs, parameters or random draws that already differed are the script's own
-  randomness (`reference_randomness`: seed it);
+  randomness (`reference_randomness`: seed it); but where a reentrant region branches on grad mode (its cause),
+  AC changed the forward itself: use_reentrant=True runs it without autograd (`grad_mode_forward`, differs);
 - a later backward's loss differs while the gradients before it were identical: the state that backward
   starts from differs. Where the recompute repeated an in-place update inside a region (the report's side
   effects, "counted twice"), that is a defect (`repeated_update`): the training departs from the run without
@@ -62,13 +63,16 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                            "sets them to None before the capture); compare the losses instead")
         return result
     if steps[0].loss_identical is False:
-        result.verdict = NOT_COMPARABLE
         result.steps = steps[:1]
-        result.explanations.append(_first_loss(steps[0], first_forward))
+        grad_mode = _grad_mode_forward(steps[0], report)
+        result.verdict = DIFFERS if grad_mode is not None else NOT_COMPARABLE
+        result.explanations.append(grad_mode or _first_loss(steps[0], first_forward))
         result.headline = ("gradients not compared: the loss of the first backward already differs from the run "
-                           "without AC, before any recompute ran (" + (
-                               "a nondeterministic kernel" if result.explanations[0].kind == "nondeterministic_kernel"
-                               else "the script's own randomness") + ")")
+                           "without AC, before any recompute ran (" + {
+                               "nondeterministic_kernel": "a nondeterministic kernel",
+                               "grad_mode_forward": "AC changed the forward itself: use_reentrant=True runs it "
+                                                    "without autograd, and the region branches on grad mode",
+                           }.get(result.explanations[0].kind, "the script's own randomness") + ")")
         return result
     compared = [steps[0]]
     drift: Explanation | None = None  # why a later loss differs after identical gradients
@@ -128,6 +132,22 @@ def nondeterministic_kernel(first: RegionReport | None) -> Divergence | None:
     if control is not None and (control.forward_index or 0) <= (value.forward_index or 0):
         return None
     return value
+
+
+def _grad_mode_forward(step: StepComparison, report: Any) -> Explanation | None:
+    """The first loss differs because a reentrant region's forward, run without autograd, branched on grad mode
+    (its cause): with AC the forward computes other values than without it, a checkpointing defect."""
+    region = next((r for r in getattr(report, "regions", []) if r.status == DIVERGED and r.cause is not None
+                   and r.cause.mechanism == "grad_mode"), None)
+    if region is None:
+        return None
+    return Explanation(
+        "grad_mode_forward",
+        f"the first loss differs (rel. diff {_num(step.loss_rel_diff)}): use_reentrant=True runs the checkpointed "
+        f"forward without autograd, and region {region.region} ({region.module or '?'}) branches on grad mode "
+        f"({region.cause.source or region.cause.tensor}): with AC the forward itself takes the other branch, so the "
+        "training differs from the run without AC from its first step.",
+        region=region.module, source=region.cause.source, fix=REENTRANT_FIX)
 
 
 def _first_loss(step: StepComparison, first: RegionReport | None) -> Explanation:

@@ -1,0 +1,78 @@
+"""Causes of a recompute that ran other ops than its forward, each from a real mechanism: a reentrant region that
+branches on grad mode (use_reentrant=True runs its forward without autograd), and a cache the forward filled that
+the recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached())."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm
+
+import ac_diff
+
+
+class FastPath(nn.Module):
+    """A block with an "inference fast path" taken when autograd is off (bf16 matmuls, as a serving kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            return torch.tanh(self.lin(x.bfloat16().float()))
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_branch_on_grad_mode_under_reentrant_checkpoint(reentrant, tmp_path):
+    torch.manual_seed(0)
+    model, x = FastPath(), torch.randn(4, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        cp.checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if not reentrant:  # both passes run with autograd on: the same branch
+        assert report.verdict == "clean", report.headline
+        return
+    region = report.regions[0]
+    assert region.status == "diverged" and region.cause.kind == "control_flow", report.headline
+    assert region.cause.mechanism == "grad_mode" and "torch.is_grad_enabled()" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Checkpoint with use_reentrant=False")
+
+
+class SpectralBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = spectral_norm(nn.Linear(16, 16))
+
+    def forward(self, x):
+        return x + F.leaky_relu(self.fc(x), 0.2)
+
+
+@pytest.mark.parametrize("warmed", [False, True])
+def test_a_cache_the_forward_filled_and_the_recompute_read(warmed, tmp_path):
+    """Forward and backward inside parametrize.cached(): the forward computes the spectral-normalised weight (power
+    iteration, saving tensors) and caches it, the recompute reads it from the cache and saves fewer: torch raises.
+    With the cache filled before the checkpointed forward, both passes read it: clean."""
+    torch.manual_seed(0)
+    model, x = SpectralBlock(), torch.randn(8, 16, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"), parametrize.cached():
+        if warmed:
+            model.fc.weight  # noqa: B018 - fills the cache
+        try:
+            cp.checkpoint(model, x, use_reentrant=False).sum().backward()
+        except cp.CheckpointError:
+            assert not warmed
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if warmed:
+        assert report.verdict == "clean", report.headline
+        return
+    region = report.regions[0]
+    assert report.torch_error.kind == "count_mismatch"
+    assert region.cause.kind == "control_flow" and region.cause.mechanism == "cache_hit", region.cause
+    assert "read back 1 tensor(s) the forward made and kept" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Fill the cache before the checkpointed forward")
