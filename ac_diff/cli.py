@@ -402,7 +402,7 @@ def report(
 @app.command(cls=_Command)
 def compare(
     ctx: typer.Context,
-    paths: List[str] = typer.Argument(..., metavar="LOG_OR_TRACE [OTHER]", help="One log/trace, or two to compare."),
+    paths: List[str] = typer.Argument(..., metavar="LOG_OR_TRACE [OTHER ...]", help="One log/trace, two to compare, or several logs (one per rank, say) explained as one report."),
     fmt: FormatOption = None,
     json_path: JsonOption = None,
     report_file: ReportOption = None,
@@ -412,7 +412,8 @@ def compare(
     atol: AtolOption = None,
     config: ConfigOption = None,
 ) -> None:
-    """Explain a log torch printed (CheckpointError, debug=True dump), or compare two logs/traces.
+    """Explain a log torch printed (CheckpointError, debug=True dump), or compare two logs/traces (several logs:
+    explained together, as one report).
 
     Exit 0 clean, 1 diverged, 2 bad input, 4 unchecked.
 
@@ -420,8 +421,6 @@ def compare(
     Example:
       ac-diff compare rank1.log
     """
-    if len(paths) > 2:
-        raise typer.BadParameter("compare takes one or two paths")
     from .commands.compare_cmd import compare_command
 
     cfg = _config(ctx, config)

@@ -366,6 +366,19 @@ def test_a_python_argument_changed_in_a_log_is_python_state_not_a_decision(tmp_p
     assert "aten.topk.default" in region.cause.tensor and "4→5" in region.cause.detail
 
 
+def test_compare_takes_several_logs_one_per_rank(tmp_path):
+    """torchrun --log-dir writes one file per rank: compare reads them all as one report."""
+    paths = []
+    for rank in range(3):
+        paths.append(tmp_path / f"rank{rank}.log")
+        text = (SAMPLE_LOGS / "moe_bias_update_error.log").read_text()
+        paths[-1].write_text("".join(f"[rank{rank}]:{line}\n" for line in text.splitlines()))
+    proc = run_cli("compare", "--format", "json", *map(str, paths))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert sorted(e["rank"] for e in report["torch_errors"]) == [0, 1, 2]
+
+
 def test_with_two_logs_a_note_names_the_log_it_is_about(tmp_path):
     import torch
 

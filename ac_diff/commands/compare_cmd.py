@@ -1,4 +1,5 @@
-"""`ac-diff compare LOG_OR_TRACE [OTHER]`: explain a log torch wrote, or compare two runs/ranks.
+"""`ac-diff compare LOG_OR_TRACE [OTHER ...]`: explain a log torch wrote (several: as one report), or compare two
+runs/ranks.
 
     ac-diff compare rank1.log                 # CheckpointError text or debug=True dump, any prefixes
     ac-diff compare run_a/trace-rank0.jsonl run_b/trace-rank0.jsonl
