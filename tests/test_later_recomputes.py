@@ -60,6 +60,9 @@ def test_a_later_recompute_that_diverges_is_reported(mode, tmp_path):
         assert len({r.module for r in report.regions}) == 1
     lead = min((r for r in report.regions if not r.watched), key=lambda r: r.region)
     assert lead.cause.kind == "state_mutation" and lead.first_value_divergence is not None
+    # the dict's new tensors were bound in place of the weights: not an update in place (an optimizer step)
+    assert lead.cause.mechanism == "rebound", lead.cause
+    assert lead.suggestions[0].title == "Pass the weights the region computes with to checkpoint as arguments"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -469,8 +469,8 @@ def test_the_fix_for_a_buffer_the_regions_forward_updates_says_the_recompute_run
     torch.manual_seed(0)
     lead = _record(tmp_path, _EmaHead(), torch.randn(4, 8)).lead_groups()[0][0]
     fix = lead.suggestions[0]
-    assert fix.title == (f"Move the update of `{lead.cause.tensor}` out of the checkpointed region: its recompute "
-                         "runs the update again"), fix
+    assert fix.title == (f"Move the update of `{lead.cause.tensor}` out of the checkpointed region, after the "
+                         "backward: its recompute runs it again"), fix
     assert "the recompute runs that update a second time" in fix.text and "router" not in fix.code, fix
 
 

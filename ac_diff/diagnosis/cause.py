@@ -530,9 +530,25 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     share = f"all {len(moved)}" if len(moved) >= len(params) else f"{len(moved)} of the {len(params)}"
     read = "the recompute read again" if unread else "the region reads"
     stopped = (f" (torch's early stop ended the recompute before it read the other {unread})" if unread else "")
+    if _rebound(region, names):
+        return Cause("state_mutation", f"parameters ({share} {read})",
+                     f"{share} parameters {read} are other tensors in the recompute, with other values{stopped}: new "
+                     "tensors were bound in their place between this forward and its backward (torch.func."
+                     "functional_call with a dict of weights updated since, a parameter reassigned), not updated in "
+                     "place", [f"rebound parameters: {shown}"], mechanism=REBOUND)
     return Cause("state_mutation", f"parameters ({share} {read})",
                  f"{share} parameters {read} have other values in the recompute{stopped}: " + _UPDATED,
                  [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
+
+
+REBOUND = "rebound"  # Cause.mechanism: the parameters read are other tensor objects in the recompute
+
+
+def _rebound(region: Region, names: list[str]) -> bool:
+    """Every named parameter is another tensor object in the recompute than in the forward (both recorded)."""
+    fwd = {e.name: e.obj for e in region.forward.externals if e.kind == "param"}
+    rec = {e.name: e.obj for e in region.recompute.externals if e.kind == "param"}
+    return all(fwd.get(n) is not None and rec.get(n) is not None and fwd[n] != rec[n] for n in names)
 
 
 def _saved_views(report: RegionReport, region: Region) -> set[str]:

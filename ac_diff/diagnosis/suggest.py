@@ -157,6 +157,16 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
             "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()\n"
             "for p in model.parameters():\n    p.data.clamp_(-c, c)  # weight clipping: here too, not before a backward"))
+    elif kind == "state_mutation" and mechanism == "rebound":
+        out.append(Suggestion(
+            "Pass the weights the region computes with to checkpoint as arguments",
+            "The region reads its weights from Python state (a dict of weights for torch.func.functional_call, an "
+            "attribute) that was bound to other tensors before its recompute ran, so the recompute computed with "
+            "the new ones. checkpoint keeps its arguments for every recompute: pass the weights in, and look "
+            "nothing up inside the checkpointed function.",
+            "names = list(weights)\n\ndef region(x, *tensors):\n"
+            "    return functional_call(model, dict(zip(names, tensors)), (x,))\n\n"
+            "out = checkpoint(region, x, *weights.values(), use_reentrant=False)"))
     elif attribute is not None:
         out.append(attribute)
     elif kind == "state_mutation" and cause is not None:
@@ -207,7 +217,8 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
         elif mechanism == UPDATED_IN_FORWARD:
             out.append(Suggestion(
-                f"Move the update of `{name}` out of the checkpointed region: its recompute runs the update again",
+                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute runs it "
+                "again",
                 f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute runs that "
                 "update a second time, from the updated value, and computes with it. Compute the new value inside, "
                 "but return it from the checkpointed function and apply it outside, after the call (the recompute "
