@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 # The tests that rest on torch's checkpoint internals (or on the text torch prints).
 INTERNALS = ["tests/test_positions_match_torch.py", "tests/test_recorder_variants.py", "tests/test_bit_identical.py",
              "tests/test_nested_regions.py", "tests/test_torch_versions.py", "tests/test_compare_logs.py",
-             "tests/test_logs_units.py", "tests/test_remedies.py"]
+             "tests/test_logs_units.py", "tests/test_remedies.py", "tests/test_later_recomputes.py",
+             "tests/test_branch_causes.py"]
 
 # feature -> pytest node ids (substrings) whose outcome decides it
 FEATURES = {
