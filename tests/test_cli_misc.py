@@ -119,6 +119,9 @@ def test_an_output_file_in_a_missing_folder_stops_before_the_script_runs(tmp_pat
     assert not (tmp_path / "train.py.ran").exists()
     exported = run_cli("export", str(tmp_path), "-o", str(tmp_path / "nodir" / "x.csv"))
     assert exported.returncode == 2 and "does not exist" in exported.stderr
+    (tmp_path / "afile").write_text("")  # a file where the folder should be: said so, not "does not exist"
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "afile" / "r.json"), str(script))
+    assert proc.returncode == 2 and "afile is a file, not a folder" in proc.stderr, proc.stderr
 
 
 def test_a_log_from_standard_input_a_pipe_or_a_fifo_reads_like_the_file(tmp_path, demo):

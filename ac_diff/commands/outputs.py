@@ -36,6 +36,9 @@ def output_file(path: str | None, option: str) -> str | None:
     if os.path.isdir(full):
         raise OutputError(f"{option} {path}: a directory, not a file; pass a file path to {option}")
     if not os.path.isdir(folder):
+        file = next((p for p in _parents(folder) if os.path.exists(p) and not os.path.isdir(p)), None)
+        if file is not None:
+            raise OutputError(f"{option} {path}: {file} is a file, not a folder; pick another path")
         raise OutputError(f"{option} {path}: the folder {folder} does not exist; create it or pick another path")
     existed = os.path.exists(full)
     try:
@@ -47,6 +50,16 @@ def output_file(path: str | None, option: str) -> str | None:
         raise OutputError(f"{option} {path}: cannot be written ({exc.strerror or exc}); pass a writable path to "
                           f"{option}") from None
     return full
+
+
+def _parents(folder: str) -> Iterator[str]:
+    """`folder` and the folders above it."""
+    while True:
+        yield folder
+        up = os.path.dirname(folder)
+        if up == folder:
+            return
+        folder = up
 
 
 def output_dir(path: str, option: str = "-o") -> str:
