@@ -650,18 +650,22 @@ def test_watch_resamples_reentrant_modules_in_full(tmp_path):
     resampled, unsampled = said[3], said[0]
     assert resampled.verdict == "diverged", resampled.headline
     lead = resampled.lead_groups()[0][0]
-    assert not lead.watched and lead.step == 4 and lead.cause.tensor and "softmax_dtype" in lead.cause.tensor
-    assert "recorded in full every 3 steps, in turn (--watch-resample; 1 time(s) in this run)" in resampled.watch["text"]
+    # the first resample comes a step after the module's first forward: the divergence from step 2 is found there
+    assert not lead.watched and lead.step == 2 and lead.cause.tensor and "softmax_dtype" in lead.cause.tensor
+    assert "recorded in full every 3 steps, in turn (--watch-resample; 2 time(s) in this run)" in resampled.watch["text"]
     assert unsampled.verdict == "clean" and unsampled.watch["outputs_only"] == 6  # (what resampling is for)
     assert "record them in full, --watch-resample N" in unsampled.watch["text"]
 
 
 def test_resampling_takes_one_module_a_step():
-    """Several modules compared by their outputs are recorded in full in turn, one a step, each every N steps."""
+    """Several modules compared by their outputs are recorded in full in turn, one a step, each every N steps (the
+    first time a step after its first forward, then 2, 4, ... steps apart, up to N)."""
     w = watch.Watch(write=lambda rec: None, region_record=None, resample_every=2)
     full = {step: [key for key in ("a", "b", "c") if w.full(key, step, outputs_only=True)] for step in range(1, 9)}
-    assert full == {1: [], 2: [], 3: ["a"], 4: ["b"], 5: ["c"], 6: ["a"], 7: ["b"], 8: ["c"]}
-    assert w.resampled == {"a": 2, "b": 2, "c": 2}
+    assert full == {1: [], 2: ["a"], 3: ["b"], 4: ["c"], 5: ["a"], 6: ["b"], 7: ["c"], 8: ["a"]}
+    assert w.resampled == {"a": 3, "b": 2, "c": 2}
+    w = watch.Watch(write=lambda rec: None, region_record=None, resample_every=20)  # one module: the ramp
+    assert [step for step in range(1, 60) if w.full("a", step, outputs_only=True)] == [2, 4, 8, 16, 32, 52]
     assert not any(w.full("d", step) for step in range(9, 20))  # (not compared by its outputs: never)
 
 

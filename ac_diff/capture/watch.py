@@ -466,9 +466,10 @@ class Watch:
         """Where watch compares a module's regions by their outputs only, a recompute that reaches the same outputs
         through other saved tensors changes the gradients unseen: such a module is recorded in full every
         `resample_every` steps, in turn, one a step (no step pays for all of them): of those that ran in the step
-        before, the one recorded in full longest ago, once it is due."""
+        before, the one recorded in full longest ago, once it is due. The first resamples come sooner, 1, 2, 4, 8
+        and 16 steps apart, so that a short run, or a divergence from its first steps, is looked at early."""
         ran, self._ran = self._ran, {}
-        due = [k for k in ran if step - self._last_full[k] >= self.resample_every]
+        due = [k for k in ran if step - self._last_full[k] >= min(self.resample_every, 1 << self.resampled.get(k, 0))]
         self._resampling = (step, min(due, key=self._last_full.__getitem__) if due else None)
 
     def _resample(self, key: str) -> bool:
