@@ -149,6 +149,7 @@ class External:
     versions: tuple[int, int] | None = None
     obj: int | None = None  # a parameter's: the tensor object's id in its process (format 1.5: the same one in both
     # passes, updated in place, or another bound in its place: functional_call with a dict of weights updated since)
+    requires_grad: bool | None = None  # a parameter's, as the pass read it (frozen or not: what its ops save)
 
 
 @dataclass(slots=True)

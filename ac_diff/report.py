@@ -121,12 +121,12 @@ class Cause:
     detail: str
     evidence: list[str] = field(default_factory=list)
     # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
-    # optimizer_step (most parameters changed), rebound (other tensors bound in their place), python_value (an
-    # argument), attribute (a module's Python attribute, also under control_flow), global (a module-level global
-    # the module's code reads, also under control_flow), input, input_written (the region writes its own input in
-    # place), updated_in_forward (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor;
-    # control_flow -> grad_mode (a branch on grad mode under use_reentrant=True), cache_hit (the recompute read what
-    # the forward cached); None otherwise
+    # optimizer_step (most parameters changed), rebound (other tensors bound in their place), requires_grad
+    # (parameters frozen or unfrozen before the backward), python_value (an argument), attribute (a module's Python
+    # attribute, also under control_flow), global (a module-level global the module's code reads, also under
+    # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
+    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor; control_flow -> grad_mode (a branch
+    # on grad mode under use_reentrant=True), cache_hit (the recompute read what the forward cached); None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
     # every piece of state it names, `tensor` first (each dropout's `p` a scheduler moved): what a restore must cover

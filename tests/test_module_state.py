@@ -272,3 +272,32 @@ def test_ac_diffs_own_dispatch_modes_are_not_the_scripts_global_state():
         assert "dispatch_modes" not in global_state(None)
         with Scripts():
             assert global_state(None)["dispatch_modes"] == ["Scripts"]
+
+
+@pytest.mark.parametrize("between_steps", [False, True])
+def test_parameters_unfrozen_before_the_backward(between_steps, tmp_path):
+    """A gradual-unfreezing schedule sets requires_grad on a frozen layer after the forward: the recompute saves what
+    the layer's gradient needs, which the forward did not (torch raises). Unfrozen between steps: clean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for step in range(2):
+            x = torch.randn(4, 8, requires_grad=True)
+            if between_steps and step == 1:
+                model[0].requires_grad_(True)
+            y = cp.checkpoint(model, x, use_reentrant=False)
+            if not between_steps and step == 1:
+                model[0].requires_grad_(True)  # the schedule, applied between the forward and the backward
+            try:
+                y.sum().backward()
+            except cp.CheckpointError:
+                assert not between_steps
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if between_steps:
+        assert report.verdict == "clean", report.headline
+        return
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert (region.cause.kind, region.cause.mechanism) == ("state_mutation", "requires_grad"), region.cause
+    assert "were unfrozen between the forward and the backward" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Freeze or unfreeze parameters between steps")

@@ -1056,8 +1056,8 @@ class Recorder:
                 p.externals_per_kind[kind] = n + 1
                 name = f"{kind}[{n}]"
         ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
-        if kind == "param":  # which tensor object: the same one updated in place, or another bound in its place
-            ext["obj"] = key
+        if kind == "param":  # which tensor object: the same one updated in place, or another bound in its place;
+            ext["obj"], ext["rg"] = key, t.requires_grad  # whether it was frozen: it decides what its ops save
         made = p.region.kept.get(key) if p.phase == RECOMPUTE and p.region.kept else None
         if made is not None and made[0]() is t:  # the forward made it and kept it (a cache): read back, not remade
             ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], t._version]

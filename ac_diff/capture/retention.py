@@ -39,7 +39,7 @@ def pass_summary(record: dict, verdict: str, fps: dict[int, list], rows: list[tu
                          "outputs")}
     read = set() if record["phase"] != FORWARD or not ranks else {
         key for row in rows for key in state_read(row[_OP], [ref[:2] for ref in row[_REFS]])}
-    externals = [{k: v for k, v in e.items() if k not in ("i", "first_op", "obj")}
+    externals = [{k: v for k, v in e.items() if k not in ("i", "first_op", "obj", "rg")}
                  for e in record.get("externals", ()) if (e["kind"], e["name"]) in read]
     return {**kept, "ops_written": False, "verdict": verdict, "positions": [], "externals": externals,
             "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ())),

@@ -116,6 +116,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     cached = _cache_skipped_saves(region, cmp)
     if cached is not None:
         return cached
+    frozen = _requires_grad_changed(region)
+    if frozen is not None:
+        return frozen
 
     if "default_dtype" in flags and _made_in_default_dtype(cmp):  # torch.tensor([...]) made in another dtype
         return _global_state_cause(flags, "default_dtype")
@@ -426,6 +429,30 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                  [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
                   f"recompute: read as `{name}`, fingerprint {_fp(ext.fingerprint)}"],
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
+
+
+REQUIRES_GRAD = "requires_grad"  # Cause.mechanism: parameters frozen or unfrozen between the passes
+
+
+def _requires_grad_changed(region: Region) -> Cause | None:
+    """Parameters the region reads whose requires_grad differs between the forward and the recompute (frozen or
+    unfrozen before the backward): an op saves what only a gradient needs where one is needed, so the recompute saves
+    other tensors."""
+    before = {e.name: e.requires_grad for e in region.forward.externals if e.kind == "param"}
+    changed = [(e.name, before[e.name], e.requires_grad) for e in region.recompute.externals if e.kind == "param"
+               and e.requires_grad is not None and before.get(e.name) is not None
+               and before[e.name] != e.requires_grad]
+    if not changed:
+        return None
+    names = [name for name, _, _ in changed]
+    now = "unfrozen" if changed[0][2] else "frozen"
+    return Cause("state_mutation", f"requires_grad of {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1
+                                                                      else ""),
+                 f"{len(names)} parameter(s) the region reads were {now} between the forward and the backward "
+                 f"(requires_grad {changed[0][1]} in the forward, {changed[0][2]} in the recompute: "
+                 f"{backticked(names)}): an op saves the tensors a gradient needs only where one is needed, so the "
+                 "recompute saved other tensors than the forward",
+                 [f"{name}: requires_grad {a} -> {b}" for name, a, b in changed[:6]], mechanism=REQUIRES_GRAD)
 
 
 def _cache_skipped_saves(region: Region, cmp: PassComparison) -> Cause | None:

@@ -157,6 +157,16 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
             "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()\n"
             "for p in model.parameters():\n    p.data.clamp_(-c, c)  # weight clipping: here too, not before a backward"))
+    elif kind == "state_mutation" and mechanism == "requires_grad":
+        out.append(Suggestion(
+            "Freeze or unfreeze parameters between steps, not between a forward and its backward",
+            "requires_grad_() changed on parameters the region reads after its forward ran, so its recompute, in the "
+            "backward, saved the tensors the new setting needs, not those the forward saved: torch raises, or that "
+            "backward's gradients are wrong. Apply a freezing schedule after optimizer.step(), before the next "
+            "forward.",
+            "loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n"
+            "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
+            "    for p in block.parameters():\n        p.requires_grad_(True)"))
     elif kind == "state_mutation" and mechanism == "rebound":
         out.append(Suggestion(
             "Pass the weights the region computes with to checkpoint as arguments",

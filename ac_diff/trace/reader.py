@@ -510,7 +510,8 @@ def _external_from_json(x: dict) -> External:
     return External(index=x.get("i", 0), kind=x.get("kind", "external"), name=x.get("name", "?"),
                     meta=_meta(x["meta"]) if x.get("meta") else TensorMeta((), "?"), fingerprint=x.get("fp"),
                     first_op=x.get("first_op"), made_by=_pair(x.get("made_by")), versions=_pair(x.get("versions")),
-                    obj=x.get("obj") if isinstance(x.get("obj"), int) else None)
+                    obj=x.get("obj") if isinstance(x.get("obj"), int) else None,
+                    requires_grad=x.get("rg") if isinstance(x.get("rg"), bool) else None)
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
