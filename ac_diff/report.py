@@ -120,7 +120,7 @@ class Cause:
     tensor: str | None  # the tensor / flag / op it concerns
     detail: str
     evidence: list[str] = field(default_factory=list)
-    # how, within the kind: rng -> default_generator, private_generator, host_rng; state_mutation ->
+    # how, within the kind: rng -> default_generator, private_generator, host_rng, lazy_init; state_mutation ->
     # optimizer_step (most parameters changed), rebound (other tensors bound in their place), requires_grad
     # (parameters frozen or unfrozen before the backward), python_value (an argument), attribute (a module's Python
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under

@@ -1,6 +1,7 @@
 """Causes of a recompute that ran other ops than its forward, each from a real mechanism: a reentrant region that
-branches on grad mode (use_reentrant=True runs its forward without autograd), and a cache the forward filled that
-the recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached())."""
+branches on grad mode (use_reentrant=True runs its forward without autograd), a cache the forward filled that the
+recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached()), and a lazy module that
+initialized its parameters in the forward only (its random draws moved the generator the dropout after it reads)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,33 @@ def test_a_cache_the_forward_filled_and_the_recompute_read(warmed, tmp_path):
     assert region.cause.kind == "control_flow" and region.cause.mechanism == "cache_hit", region.cause
     assert "read back 1 tensor(s) the forward made and kept" in region.cause.detail
     assert region.suggestions[0].title.startswith("Fill the cache before the checkpointed forward")
+
+
+class LazyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.LazyLinear(16), nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.drop(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("materialized", [False, True])
+def test_a_lazy_module_initialized_inside_the_region(materialized, tmp_path):
+    """nn.LazyLinear initializes its weight (uniform_, from the default generator) in its first forward, inside the
+    region; the recompute skips that, so the dropout after it draws another mask. Materialized first: clean."""
+    torch.manual_seed(0)
+    model, x = LazyBlock(), torch.randn(8, 12)
+    if materialized:
+        with torch.no_grad():
+            model(x)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        cp.checkpoint(model, x, use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if materialized:
+        assert report.verdict == "clean", report.headline
+        return
+    region = report.regions[0]
+    assert (region.cause.kind, region.cause.mechanism) == ("rng", "lazy_init"), region.cause
+    assert region.cause.tensor == "fc.weight" and "lazy module" in region.cause.detail
+    assert region.suggestions[0].title == "Initialize lazy modules before training, outside activation checkpointing"

@@ -129,6 +129,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     saved_changed |= _saved_updates(report, region) | _saved_views(report, region)
     reaching = _reaching_saved(report, cmp)
     relevant = [c for c in changed if c["name"] in feeding or c["name"] in saved_changed or c["name"] in reaching]
+    initialized = _initialized_in_forward(region, cmp)  # (before "updated in place": the init wrote them)
+    if initialized is not None:
+        return initialized
     stepped = _whole_model_update(region, changed)
     if stepped is not None and relevant:
         return stepped
@@ -429,6 +432,29 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                  [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
                   f"recompute: read as `{name}`, fingerprint {_fp(ext.fingerprint)}"],
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
+
+
+LAZY_INIT = "lazy_init"  # Cause.mechanism: the forward initialized state with random draws, the recompute did not
+
+
+def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None:
+    """The forward ran random ops that wrote parameters or buffers in place (a lazy module materialized and
+    initialized on its first call, inside the region), which the recompute, finding them initialized, did not run:
+    the generator it restored then stood elsewhere, and its random ops (dropout) drew other numbers."""
+    recomputed = {p.forward for p in cmp.pairs if p.forward is not None and p.recompute is not None}
+    init = [o for o in region.forward.ops if o.index not in recomputed and is_random_name(o.op)
+            and any(ref.kind in ("param", "buffer") for ref in written_refs(o))]
+    if not init or _first_random_divergence(cmp) is None:
+        return None
+    names = list(dict.fromkeys(ref.name for o in init for ref in written_refs(o) if ref.kind in ("param", "buffer")))
+    op = init[0]
+    return Cause("rng", names[0],
+                 f"the region's forward initialized {backticked(names)} with random draws ({op.op} at "
+                 f"{where(op.module, op.source)}: a lazy module materialized on its first call, inside the region); "
+                 "the recompute found them initialized and did not, so the generator state it restored was not "
+                 "where the forward's later random ops drew from, and they drew other numbers",
+                 [f"{o.op} #{o.index} wrote {', '.join(r.name for r in written_refs(o))} in the forward only"
+                  for o in init[:4]], mechanism=LAZY_INIT, source=op.source, names=names)
 
 
 REQUIRES_GRAD = "requires_grad"  # Cause.mechanism: parameters frozen or unfrozen between the passes

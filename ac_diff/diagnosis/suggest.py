@@ -157,6 +157,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
             "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()\n"
             "for p in model.parameters():\n    p.data.clamp_(-c, c)  # weight clipping: here too, not before a backward"))
+    elif kind == "rng" and mechanism == "lazy_init":
+        out.append(Suggestion(
+            "Initialize lazy modules before training, outside activation checkpointing",
+            "A lazy module (nn.LazyLinear, LazyConv...) materialized and initialized its parameters in its first "
+            "forward, inside the checkpointed region: the recompute skipped that initialization, so every random op "
+            "after it drew other numbers. Run one forward without checkpointing first (a dry run on a sample "
+            "batch), then build the optimizer.",
+            "with torch.no_grad():\n    model(sample_batch)   # materializes the lazy modules, outside AC\n"
+            "optimizer = torch.optim.AdamW(model.parameters())"))
     elif kind == "state_mutation" and mechanism == "requires_grad":
         out.append(Suggestion(
             "Freeze or unfreeze parameters between steps, not between a forward and its backward",
