@@ -369,3 +369,41 @@ def test_a_checkpointed_function_that_calls_no_module_is_told_from_its_caller(tm
         checkpoint(net[0], torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
     regions = ac_diff.diagnose_paths([path]).regions
     assert sorted(r.label for r in regions) == ["0", "0 (_scaled_tanh)"], [r.label for r in regions]
+
+
+class ClippedAttention(nn.Module):
+    """QK-clip: a monitor keeps the largest attention logit of the step (`max_logit`, written in the forward, read by
+    nothing but the loop), and the loop lowers `logit_scale` after the forward when it passed a threshold."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.logit_scale, self.max_logit = dim ** -0.5, 0.0
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = (q @ k.transpose(-1, -2)) * self.logit_scale
+        self.max_logit = max(self.max_logit, float(a.detach().amax()))
+        return self.o(a.softmax(-1) @ v)
+
+
+def test_the_attribute_passed_to_the_op_is_the_cause_not_a_monitor_the_forward_writes(tmp_path):
+    """Where the scale changed and the monitor's value differs too, the cause is the scale: its two values are the
+    argument that differs at the first divergent op; the monitor is only written."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ClippedAttention() for _ in range(2))
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(4):
+            h = torch.randn(4, 6, 16) * 3
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+            loss = h.pow(2).mean()
+            for layer in layers:  # the clip, between the forward and the backward
+                if layer.max_logit > 1.2:
+                    layer.logit_scale *= 1.2 / layer.max_logit
+                layer.max_logit = 0.0
+            loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    diverged = [r for r in report.regions if r.status == "diverged"]
+    assert len(diverged) >= 3 and all(r.cause.tensor.endswith(".logit_scale") for r in diverged), \
+        [(r.region, r.cause.tensor) for r in diverged]

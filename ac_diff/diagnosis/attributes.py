@@ -199,8 +199,11 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
             return None
         if not any(c.read_by(op) for c in changes):
             return None
-    # (an attribute changed between the passes before one the region's own forward sets: a statistic it writes)
-    top = min(changes, key=lambda c: (not c.read_by(op), _set_by_forward(c), not c.counted_twice))
+    # (an attribute changed between the passes before one the region's own forward sets: a statistic it writes;
+    # one both passes read alike, whose update only came out otherwise, a monitor's maximum, follows from the other)
+    passed = _changed_arguments(first)  # (the values it had in each pass, where they are an op's argument)
+    top = min(changes, key=lambda c: (not c.read_by(op), not _numbers(c) or (c.forward, c.recompute) not in passed,
+                                      c.forward == c.recompute, _set_by_forward(c), not c.counted_twice))
     module = module_label(split_name(top.name)[0]) if split_name(top.name)[0] else "the module"
     branch = "control" in first.kinds  # Python code took another branch on it
     why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
@@ -242,6 +245,19 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
                                                           and not _set_by_forward(c))]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _numbers(change: AttributeChange) -> bool:
+    return all(isinstance(v, (int, float)) for v in (change.forward, change.recompute))
+
+
+def _changed_arguments(first: PairDiff) -> set[tuple]:
+    """(forward, recompute) of each number argument that differs between the ops of `first` (a scale 0.25 -> 0.216
+    passed to a mul): an attribute that held exactly those values is the one passed."""
+    if first.forward is None or first.recompute is None or "argument" not in first.kinds:
+        return set()
+    return {(a, b) for a, b in zip(first.forward.args, first.recompute.args)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b}
 
 
 def _rebuilt_later(change: AttributeChange) -> bool:
