@@ -593,7 +593,7 @@ def test_a_clean_watched_reentrant_region_says_only_its_outputs_were_compared(tm
     The report says what it compared (it said every region "reproduced their saved tensors")."""
     torch.manual_seed(0)
     block, path = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), tmp_path / "r.jsonl"
-    with ac_diff.record(path, **WATCH):
+    with ac_diff.record(path, **WATCH, watch_resample=0):  # (every step watched: none resampled in full)
         for _ in range(3):
             checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=True).sum().backward()
     report = ac_diff.diagnose([read_run(path)])
@@ -743,7 +743,7 @@ def test_a_reentrant_region_that_diverged_in_the_full_first_step_stays_recorded_
     _, _, report, _, _ = recorded(tmp_path, "rng_reentrant", kwargs, watch=True)
     assert report.verdict == "diverged" and not any(r.watched for r in report.regions)
     assert all(e["why"] == "full" and e["from_step"] == 1 for e in report.watch["escalated"])
-    _, _, clean, _, _ = recorded(tmp_path, "clean_reentrant", {"reentrant": True}, watch=True)
+    _, _, clean, _, _ = recorded(tmp_path, "clean_reentrant", {"reentrant": True}, watch=True, watch_resample=0)
     assert clean.verdict == "clean" and clean.watch["escalated"] == [] and clean.watch["compared"] == 2 * 3
     assert clean.watch["text"].startswith("step 1 recorded in full (--watch-full-steps 1), then watched 6 region(s) "
                                           "over 3 step(s)"), clean.watch["text"]
@@ -796,7 +796,7 @@ def test_a_large_output_reduced_in_a_step_recorded_in_full_is_not_recorded_as_th
     recording mode must not see that reduction (before: it was recorded as the region's ops, in the forward and the
     recompute at other source lines, a control-flow false alarm)."""
     path = tmp_path / "reentrant.jsonl"
-    with ac_diff.record(path, watch=True):  # the first step recorded in full
+    with ac_diff.record(path, watch=True, watch_resample=0):  # the first step recorded in full, none resampled
         _train_wide(reentrant=True)
     run = read_run(path)
     report = ac_diff.diagnose([run])
