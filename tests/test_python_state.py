@@ -342,3 +342,33 @@ def test_tensors_python_hands_an_op_in_another_order_are_not_a_nondeterministic_
         assert (cause.kind, cause.mechanism) == ("rng", "host_rng") and "`random`" in cause.detail, cause
     else:
         assert cause.kind == "control_flow" and "other tensors than the forward did" in cause.detail, cause
+
+
+PACK_CTX: dict = {"doc_ids": None}  # a packing context the collator fills and the attention reads
+
+
+class PackedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Linear(8, 8)
+
+    def forward(self, x):
+        doc = PACK_CTX["doc_ids"]
+        mask = (doc[:, None] == doc[None, :]).float()
+        return mask @ self.v(x)
+
+
+def test_a_tensor_in_a_module_level_context_is_named_by_it(tmp_path):
+    """Two micro-batches forwarded before one backward, each setting the module-level packing context: the first
+    one's recompute reads the second's document ids. The tensor is named where the code finds it."""
+    torch.manual_seed(0)
+    model = PackedAttention()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        losses = []
+        for n in (3, 5):
+            PACK_CTX["doc_ids"] = torch.arange(6) // n
+            losses.append(cp.checkpoint(model, torch.randn(6, 8), use_reentrant=False).sum())
+        sum(losses).backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged" and region.cause.tensor == "test_python_state.PACK_CTX['doc_ids']", \
+        region.cause

@@ -38,6 +38,22 @@ _CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.deque)  #
 _SEARCHED_ITEMS = 64  # items of one container searched for a tensor the region read
 
 
+def _held_in(space: dict, tensor: torch.Tensor, prefix: str, plain: bool) -> str | None:
+    """The name in `space` (a module's attributes, a module's globals) of `tensor` (where `plain`: as a value of its
+    own) or of the dict or list item that is `tensor` ("cache[3]"), after `prefix`."""
+    for key, value in list(space.items()):
+        if key.startswith("_"):
+            continue
+        if plain and value is tensor:
+            return f"{prefix}{key}"
+        if type(value) in _CONTAINERS:
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for index, item in islice(items, _SEARCHED_ITEMS):
+                if item is tensor:
+                    return f"{prefix}{key}[{index!r}]"
+    return None
+
+
 _CALLERS = 24  # frames searched above a module called from nowhere, for the model that holds it
 
 
@@ -136,12 +152,25 @@ class ModuleStack:
                     if value is tensor:
                         return kind, clean_fqn(f"{fqn}.{key}" if fqn else key)
         for module, fqn in reversed(stack):
-            for key, value in vars(module).items():
-                if type(value) in _CONTAINERS and not key.startswith("_"):
-                    items = value.items() if isinstance(value, dict) else enumerate(value)
-                    for index, item in islice(items, _SEARCHED_ITEMS):
-                        if item is tensor:
-                            return "external", f"{fqn + '.' if fqn else ''}{key}[{index!r}]"
+            held = _held_in(vars(module), tensor, fqn + "." if fqn else "", plain=False)
+            if held is not None:
+                return "external", held
+        return None
+
+    def global_name(self, tensor: torch.Tensor) -> str | None:
+        """A module-level global of the code of the modules on the stack that is `tensor` or holds it in a dict or
+        list (a context the code stashes there for the attention to read): "train.PACK_CTX['doc_ids']"."""
+        from .pystate import _module_name
+
+        seen = set()
+        for module, _ in reversed(self.stack()):
+            space = getattr(getattr(type(module), "forward", None), "__globals__", None)
+            if not isinstance(space, dict) or id(space) in seen:
+                continue
+            seen.add(id(space))
+            held = _held_in(space, tensor, _module_name(space) + ".", plain=True)
+            if held is not None:
+                return held
         return None
 
     def name_by_index(self, modules: list) -> None:

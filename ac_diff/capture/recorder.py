@@ -1050,6 +1050,8 @@ class Recorder:
                 kind, name = owner
             elif child is not None and child[0]() is t:
                 kind, name = "external", child[1]
+            elif type(t) is not torch.nn.Parameter and (held := self.modules.global_name(t)) is not None:
+                kind, name = "external", held  # (a module-level context the code reads: `PACK_CTX["doc_ids"]`)
             else:
                 kind = "param" if isinstance(t, torch.nn.Parameter) else "external"
                 n = p.externals_per_kind.get(kind, 0)
