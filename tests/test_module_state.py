@@ -301,3 +301,23 @@ def test_parameters_unfrozen_before_the_backward(between_steps, tmp_path):
     assert (region.cause.kind, region.cause.mechanism) == ("state_mutation", "requires_grad"), region.cause
     assert "were unfrozen between the forward and the backward" in region.cause.detail
     assert region.suggestions[0].title.startswith("Freeze or unfreeze parameters between steps")
+
+
+def test_a_frozen_teacher_sharing_parameter_names_with_its_student_is_not_unfrozen(tmp_path):
+    """A distillation loss reads a student and a frozen teacher, two models whose parameters have the same names
+    (`0.weight`); the teacher's EMA update before the backward is a change of values, never an unfreezing."""
+    torch.manual_seed(0)
+    student, teacher = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    teacher.requires_grad_(False)
+
+    def distill(x):
+        return (student(x) - teacher(x)).pow(2).mean()
+
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = cp.checkpoint(distill, torch.randn(4, 8), use_reentrant=False)
+        with torch.no_grad():  # the EMA, between the forward and the backward
+            for t, s in zip(teacher.parameters(), student.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+        loss.backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged" and region.cause.mechanism != "requires_grad", region.cause

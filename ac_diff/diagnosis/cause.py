@@ -464,10 +464,11 @@ def _requires_grad_changed(region: Region) -> Cause | None:
     """Parameters the region reads whose requires_grad differs between the forward and the recompute (frozen or
     unfrozen before the backward): an op saves what only a gradient needs where one is needed, so the recompute saves
     other tensors."""
-    before = {e.name: e.requires_grad for e in region.forward.externals if e.kind == "param"}
-    changed = [(e.name, before[e.name], e.requires_grad) for e in region.recompute.externals if e.kind == "param"
-               and e.requires_grad is not None and before.get(e.name) is not None
-               and before[e.name] != e.requires_grad]
+    # (by tensor object: two models' parameters can share names, a frozen teacher's `0.weight` and its student's)
+    before = {e.obj: e.requires_grad for e in region.forward.externals if e.kind == "param" and e.obj is not None}
+    changed = [(e.name, before[e.obj], e.requires_grad) for e in region.recompute.externals if e.kind == "param"
+               and e.requires_grad is not None and before.get(e.obj) is not None
+               and before[e.obj] != e.requires_grad]
     if not changed:
         return None
     names = [name for name, _, _ in changed]
