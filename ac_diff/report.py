@@ -112,6 +112,11 @@ class PositionRow:
 
 UPDATED_IN_FORWARD = "updated_in_forward"  # Cause.mechanism: state the region's own forward updates in place
 KEPT_OUTPUT_WRITTEN = "kept_output_written"  # ... a tensor the forward made and kept (a cache), changed in place since
+REBOUND = "rebound"  # ... the parameters read are other tensor objects in the recompute
+REQUIRES_GRAD = "requires_grad"  # ... parameters frozen or unfrozen between the passes
+LAZY_INIT = "lazy_init"  # ... the forward initialized state with random draws, the recompute did not
+GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True turns off in the forward only
+CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
 
 
 @dataclass(slots=True)
@@ -159,6 +164,11 @@ class AlignedRow:
     recompute: str | None
     module: str | None
     marker: str | None  # None, "value", "discrete", "shape", "control", "cached", "inferred" (not measured; an input differs)
+
+
+# a region report's first divergences, by kind (what a report built from another one takes over)
+DIVERGENCE_FIELDS = ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
+                     "first_control_divergence", "first_argument_divergence")
 
 
 @dataclass(slots=True)
@@ -241,8 +251,7 @@ class RegionReport:
             "status": self.status, "silent": self.silent,
             "cause": self.cause.to_json() if self.cause else None,
         }
-        for name in ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
-                     "first_control_divergence", "first_argument_divergence"):
+        for name in DIVERGENCE_FIELDS:
             d = getattr(self, name)
             data[name] = d.to_json() if d else None
         data.update({

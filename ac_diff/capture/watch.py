@@ -545,8 +545,9 @@ class Watch:
         if _difference(region.watch_forward, wp, frozenset()):  # (each recompute: a later backward's too)
             self.keep_full(region)
             hit = self.escalated.get(region.watch_key)
-            if hit is not None and hit.get("caught") is None and (region.step or 0) >= (hit.get("from_step") or 0) \
-                    and hit.get("from_step") is not None:  # (not a region before the escalation: a later recompute)
+            # (a region of the escalation, not one before it whose later recompute differed)
+            if hit is not None and hit.get("caught") is None and hit.get("from_step") is not None \
+                    and (region.step or 0) >= hit["from_step"]:
                 hit["caught"] = region.step  # its full recording shows the divergence: watched again after it
 
     def keep_full(self, region: Any) -> None:
@@ -588,9 +589,8 @@ class Watch:
             return
         # each recompute is compared: a later backward through the region (retain_graph=True, torch.autograd.grad
         # then .backward()) recomputes it from the state of then, and its gradients come from that recompute
-        attempt = region.recomputes - 1 if region.watch_compared else 0
         region.watch_compared = True
-        self.pending.append(_Comparison(region, forward, wp, attempt))
+        self.pending.append(_Comparison(region, forward, wp, region.recomputes - 1))  # (the recorder counts them)
 
     def poll(self) -> None:
         """Judge every comparison whose digests have landed, oldest first (the copies land in order)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from pathlib import Path
 from typing import Iterator
 
 from ..errors import InputError
@@ -36,7 +37,7 @@ def output_file(path: str | None, option: str) -> str | None:
     if os.path.isdir(full):
         raise OutputError(f"{option} {path}: a directory, not a file; pass a file path to {option}")
     if not os.path.isdir(folder):
-        file = next((p for p in _parents(folder) if os.path.exists(p) and not os.path.isdir(p)), None)
+        file = next((p for p in (Path(folder), *Path(folder).parents) if p.exists() and not p.is_dir()), None)
         if file is not None:
             raise OutputError(f"{option} {path}: {file} is a file, not a folder; pick another path")
         raise OutputError(f"{option} {path}: the folder {folder} does not exist; create it or pick another path")
@@ -50,16 +51,6 @@ def output_file(path: str | None, option: str) -> str | None:
         raise OutputError(f"{option} {path}: cannot be written ({exc.strerror or exc}); pass a writable path to "
                           f"{option}") from None
     return full
-
-
-def _parents(folder: str) -> Iterator[str]:
-    """`folder` and the folders above it."""
-    while True:
-        yield folder
-        up = os.path.dirname(folder)
-        if up == folder:
-            return
-        folder = up
 
 
 def output_dir(path: str, option: str = "-o") -> str:
@@ -81,12 +72,8 @@ def hold_directory(directory: str) -> Iterator[None]:
     raises OutputError instead of replacing the traces this run writes and reports. The hold is an flock of the
     directory itself (no lock file is left behind) and ends with the block or the process; on a platform or file
     system without flock the block runs unheld."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        _lock(fd, directory)
+    with _held(directory, os.O_RDONLY):
         yield
-    finally:
-        os.close(fd)  # releases the hold
 
 
 @contextlib.contextmanager
@@ -94,9 +81,16 @@ def hold_trace(path: str | os.PathLike) -> Iterator[None]:
     """Hold a rank's own trace file for its run under a plain torchrun, where rank 0 holds the directory and the
     other ranks would otherwise replace another run's traces (`--force`) while it writes them: the same flock, of
     the file (created empty where missing: the recorder writes it from its start)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with _held(str(path), os.O_RDWR | os.O_CREAT):
+        yield
+
+
+@contextlib.contextmanager
+def _held(path: str, flags: int) -> Iterator[None]:
+    """`path` opened with `flags` and locked (`_lock`) for the block; closing it releases the hold."""
+    fd = os.open(path, flags, 0o644)
     try:
-        _lock(fd, str(path))
+        _lock(fd, path)
         yield
     finally:
         os.close(fd)

@@ -263,8 +263,7 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     never = sum(never_recomputed(r) for r in stopped_runs)
     if not (unchecked or never):
         return None
-    leading = [r for r in stopped_runs if left(r)] or stopped_runs
-    stopped = min(leading, key=lambda r: (r.end_time is None, r.end_time or 0.0, r.rank or 0))
+    stopped = _first_to_end([r for r in stopped_runs if left(r)] or stopped_runs)
     at = _where_it_stopped(stopped)
     step = (stopped.watch or {}).get("step")
     if step and not any(r.step == step for r in stopped.regions):  # watched: its regions are counted, not written
@@ -281,8 +280,7 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
     verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
     killed = killed_first(runs)
-    ranks = len({r.rank for r in runs if r.source == "trace"}) > 1
-    on = f" on rank {stopped.rank or 0}" if ranks else ""
+    on = _on_rank(stopped, runs)
     first = (f"rank {killed} was killed first (its trace ends without an end record: SIGKILL, the out-of-memory "
              f"killer?); then " if killed is not None else "")
     return (f"{first}the script {verb}{on}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
@@ -297,12 +295,22 @@ def _failed_after(runs: list[Run]) -> str | None:
         r.exit_status == "exit" and r.exit_code not in (None, 0)))]
     if not failed:
         return None
-    first = min(failed, key=lambda r: (r.end_time is None, r.end_time or 0.0, r.rank or 0))
-    on = f" on rank {first.rank or 0}" if len({r.rank for r in runs if r.source == "trace"}) > 1 else ""
+    first = _first_to_end(failed)
     verb = "was interrupted" if first.exit_status == "interrupted" else "failed"
     steps = [r.step for r in first.regions if r.step is not None] + [(first.watch or {}).get("step") or 0]
     last = f"its last region ran in step {max(steps)}; " if max(steps) else ""
-    return f"the script {verb}{on}: {_how_it_stopped(first)} ({last}what would have run after it was never recorded)"
+    return (f"the script {verb}{_on_rank(first, runs)}: {_how_it_stopped(first)} ({last}what would have run after it "
+            "was never recorded)")
+
+
+def _first_to_end(runs: list[Run]) -> Run:
+    """Of runs that stopped, the one whose trace ended first (the lowest rank among those without an end time)."""
+    return min(runs, key=lambda r: (r.end_time is None, r.end_time or 0.0, r.rank or 0))
+
+
+def _on_rank(run: Run, runs: list[Run]) -> str:
+    """" on rank 3" where the traces are of several ranks, else nothing."""
+    return f" on rank {run.rank or 0}" if len({r.rank for r in runs if r.source == "trace"}) > 1 else ""
 
 
 def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:

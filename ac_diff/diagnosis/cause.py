@@ -24,7 +24,8 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
-from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport
+from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD,
+                      UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
@@ -197,19 +198,16 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
+        ran = f"the recompute ran a different sequence of ops from {where(control.module, control.source)} before " \
+            "any value differed: "
         if _grad_mode_flipped(region):
             return Cause("control_flow", control.op,
-                         f"the recompute ran a different sequence of ops from {where(control.module, control.source)} "
-                         "before any value differed: under use_reentrant=True the forward runs with autograd off "
-                         "(torch.no_grad) and the recompute with it on, so code that branches on "
-                         "torch.is_grad_enabled() (an inference fast path) or on a tensor's requires_grad / grad_fn "
-                         "takes the other branch in the recompute",
+                         ran + "under use_reentrant=True the forward runs with autograd off (torch.no_grad) and the "
+                         "recompute with it on, so code that branches on torch.is_grad_enabled() (an inference fast "
+                         "path) or on a tensor's requires_grad / grad_fn takes the other branch in the recompute",
                          [control.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
-                         mechanism="grad_mode", source=control.source)
-        return Cause("control_flow", control.op,
-                     f"the recompute ran a different sequence of ops from {where(control.module, control.source)} "
-                     "before any value differed: Python code took another branch",
-                     [control.summary])
+                         mechanism=GRAD_MODE, source=control.source)
+        return Cause("control_flow", control.op, ran + "Python code took another branch", [control.summary])
 
     if (report.has_values and first is not None and first.kinds & ARGUMENT_KINDS
             and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
@@ -434,9 +432,6 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
 
 
-LAZY_INIT = "lazy_init"  # Cause.mechanism: the forward initialized state with random draws, the recompute did not
-
-
 def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None:
     """The forward ran random ops that wrote parameters or buffers in place (a lazy module materialized and
     initialized on its first call, inside the region), which the recompute, finding them initialized, did not run:
@@ -455,9 +450,6 @@ def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None
                  "where the forward's later random ops drew from, and they drew other numbers",
                  [f"{o.op} #{o.index} wrote {', '.join(r.name for r in written_refs(o))} in the forward only"
                   for o in init[:4]], mechanism=LAZY_INIT, source=op.source, names=names)
-
-
-REQUIRES_GRAD = "requires_grad"  # Cause.mechanism: parameters frozen or unfrozen between the passes
 
 
 def _requires_grad_changed(region: Region) -> Cause | None:
@@ -505,7 +497,7 @@ def _cache_skipped_saves(region: Region, cmp: PassComparison) -> Cause | None:
                  [f"forward: {len(cmp.read_back)} op(s) made what the recompute read back; {len(skipped)} of them "
                   "saved tensors",
                   f"recompute: read {', '.join(e.name for e in read[:3])} (made by the forward)"],
-                 mechanism="cache_hit", source=op.source)
+                 mechanism=CACHE_HIT, source=op.source)
 
 
 def _own_state_read(region: Region, cmp: PassComparison, value: Divergence) -> list[str]:
@@ -593,9 +585,6 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     return Cause("state_mutation", f"parameters ({share} {read})",
                  f"{share} parameters {read} have other values in the recompute{stopped}: " + _UPDATED,
                  [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
-
-
-REBOUND = "rebound"  # Cause.mechanism: the parameters read are other tensor objects in the recompute
 
 
 def _rebound(region: Region, names: list[str]) -> bool:

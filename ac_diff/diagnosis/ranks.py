@@ -76,10 +76,11 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
             if summary.verdict in (UNCHECKED, "no_regions"):
                 summary.verdict = CLEAN
         unwritten = sum(t[3] for t in totals)  # diverged after their module's full recording showed it: counted
-        summary.regions += unwritten + never_recomputed(run)
+        never = never_recomputed(run)
+        summary.regions += unwritten + never
         summary.diverged += unwritten
-        summary.unchecked += never_recomputed(run)
-        stopped = run.exit_status in ("exception", "interrupted") and (summary.unchecked or never_recomputed(run))
+        summary.unchecked += never
+        stopped = run.exit_status in ("exception", "interrupted") and summary.unchecked
         if summary.verdict == CLEAN and (run.truncated or stopped):  # killed, or stopped before checking it all
             summary.verdict = UNCHECKED
     return [by_rank[r] for r in sorted(by_rank)]

@@ -15,7 +15,8 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
-from ..report import KEPT_OUTPUT_WRITTEN, UPDATED_IN_FORWARD, RegionReport, Suggestion
+from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD,
+                      UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
 from .labels import backticked
 
@@ -139,6 +140,14 @@ def _names(names: list[str]) -> str:
     return backticked(sorted(set(names)))
 
 
+def _step_hook_code(name: str) -> str:
+    """An optimizer step hook that applies the update of `name` (where to move an update out of the forward)."""
+    return ("def update_after_step(optimizer, args, kwargs):\n"
+            "    with torch.no_grad():\n"
+            f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
+            "optimizer.register_step_post_hook(update_after_step)")
+
+
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:
     cause = report.cause
     out: list[Suggestion] = []
@@ -157,7 +166,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "for micro_batch in window:\n    loss = model(micro_batch).loss / len(window)\n    loss.backward()\n"
             "optimizer.step()       # after the last backward of the window\noptimizer.zero_grad()\n"
             "for p in model.parameters():\n    p.data.clamp_(-c, c)  # weight clipping: here too, not before a backward"))
-    elif kind == "rng" and mechanism == "lazy_init":
+    elif kind == "rng" and mechanism == LAZY_INIT:
         out.append(Suggestion(
             "Initialize lazy modules before training, outside activation checkpointing",
             "A lazy module (nn.LazyLinear, LazyConv...) materialized and initialized its parameters in its first "
@@ -166,7 +175,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "batch), then build the optimizer.",
             "with torch.no_grad():\n    model(sample_batch)   # materializes the lazy modules, outside AC\n"
             "optimizer = torch.optim.AdamW(model.parameters())"))
-    elif kind == "state_mutation" and mechanism == "requires_grad":
+    elif kind == "state_mutation" and mechanism == REQUIRES_GRAD:
         out.append(Suggestion(
             "Freeze or unfreeze parameters between steps, not between a forward and its backward",
             "requires_grad_() changed on parameters the region reads after its forward ran, so its recompute, in the "
@@ -176,7 +185,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n"
             "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
             "    for p in block.parameters():\n        p.requires_grad_(True)"))
-    elif kind == "state_mutation" and mechanism == "rebound":
+    elif kind == "state_mutation" and mechanism == REBOUND:
         out.append(Suggestion(
             "Pass the weights the region computes with to checkpoint as arguments",
             "The region reads its weights from Python state (a dict of weights for torch.func.functional_call, an "
@@ -236,29 +245,24 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
         elif mechanism == UPDATED_IN_FORWARD:
             out.append(Suggestion(
-                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute runs it "
-                "again",
+                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute runs "
+                "it again",
                 f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute runs that "
                 "update a second time, from the updated value, and computes with it. Compute the new value inside, "
                 "but return it from the checkpointed function and apply it outside, after the call (the recompute "
                 "then recomputes it without applying it); or apply the update after `loss.backward()`, best after "
                 "`optimizer.step()`, e.g. from an optimizer step hook.",
-                "def update_after_step(optimizer, args, kwargs):\n"
-                "    with torch.no_grad():\n"
-                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
-                "optimizer.register_step_post_hook(update_after_step)\n"
-                "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new value\n"
-                "#     with torch.no_grad(): state.copy_(new_state)                   # applied once, outside"))
+                _step_hook_code(name) + "\n"
+                "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new "
+                "value\n#     with torch.no_grad(): state.copy_(new_state)                   # applied once, outside"))
         else:
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",
                 f"`{name}` is read by the checkpointed region and changed before its recompute ran, so the "
-                "recompute sees another value. Keep in the forward what the update needs, and apply it after `loss.backward()` - best after "
-                "`optimizer.step()`, e.g. from an optimizer step hook - not in a forward hook or inside forward().",
-                "def update_after_step(optimizer, args, kwargs):\n"
-                "    with torch.no_grad():\n"
-                f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
-                "optimizer.register_step_post_hook(update_after_step)"))
+                "recompute sees another value. Keep in the forward what the update needs, and apply it after "
+                "`loss.backward()` - best after `optimizer.step()`, e.g. from an optimizer step hook - not in a "
+                "forward hook or inside forward().",
+                _step_hook_code(name)))
     elif kind == "lost_gradient" or report.unchecked_reason == "no backward: its inputs require no grad":
         out.append(Suggestion(
             "Use use_reentrant=False, or give the reentrant checkpoint an input that requires grad",
@@ -328,7 +332,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "The recompute runs under the global state active during backward. Enter the same context "
             "(autocast, deterministic algorithms, dispatch/function modes, default dtype) around both the forward "
             "and loss.backward(), or move the setting inside the checkpointed function so it is replayed."))
-    elif kind == "control_flow" and cause is not None and cause.mechanism == "cache_hit":
+    elif kind == "control_flow" and cause is not None and cause.mechanism == CACHE_HIT:
         out.append(Suggestion(
             "Fill the cache before the checkpointed forward, so that the forward and the recompute both read it",
             f"The forward filled a cache ({cause.tensor} at {cause.source or 'the region'}) that the recompute then "
@@ -342,7 +346,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "                getattr(m, name)\n"
             "    loss = model(batch)\n"
             "    loss.backward()"))
-    elif kind == "control_flow" and cause is not None and cause.mechanism == "grad_mode":
+    elif kind == "control_flow" and cause is not None and cause.mechanism == GRAD_MODE:
         out.append(Suggestion(
             "Checkpoint with use_reentrant=False, whose forward runs with autograd on as its recompute does",
             "use_reentrant=True runs the forward under torch.no_grad() and the recompute with grad enabled, so a "

@@ -16,11 +16,14 @@ run A, `recompute_index` = in run B); `Report.compared` says which trace is A an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..align import align
 from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
-from ..report import CLEAN, DIVERGED, UNCHECKED, Cause, Divergence, RegionReport, Report, Suggestion
+from ..report import (CLEAN, DIVERGED, DIVERGENCE_FIELDS, UNCHECKED, Cause, Divergence, RegionReport, Report,
+                      Suggestion)
 from .passdiff import PassComparison, compare_passes
 from .discrete import first_flip
 from .labels import where
@@ -108,16 +111,13 @@ def _reproduced_in_one(a: Region, b: Region, report: RegionReport) -> bool:
     if own.status != DIVERGED:
         return False
     report.status, report.silent = DIVERGED, own.silent
-    for name in ("first_value_divergence", "first_discrete_divergence", "first_shape_divergence",
-                 "first_control_divergence", "first_argument_divergence"):
+    for name in DIVERGENCE_FIELDS:
         setattr(report, name, getattr(own, name))
-    kind = own.cause.kind if own.cause is not None else "unknown"
-    report.cause = Cause(kind, own.cause.tensor if own.cause is not None else None, (
-        f"in run {side} this region's recompute did not reproduce its forward"
-        + (f" ({own.cause.detail})" if own.cause is not None else "")
-        + f"; in run {other} it did (its trace kept only a summary: write: diverged)"),
-        list(own.cause.evidence) if own.cause is not None else [],
-        own.cause.mechanism if own.cause is not None else None, own.cause.source if own.cause is not None else None)
+    cause = own.cause or Cause("unknown", None, "")
+    report.cause = replace(cause, detail=f"in run {side} this region's recompute did not reproduce its forward"
+                           + (f" ({cause.detail})" if cause.detail else "")
+                           + f"; in run {other} it did (its trace kept only a summary: write: diverged)",
+                           evidence=list(cause.evidence), names=[])
     report.suggestions = list(own.suggestions)
     report.notes.append(f"`ac-diff report` on run {side}'s trace details this region's divergence")
     return True

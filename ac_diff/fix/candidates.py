@@ -27,7 +27,7 @@ from ..capture.fqn import is_segment
 from ..diagnosis.attributes import hook_variable
 from ..oprules import updates_as_it_computes
 from ..remedies import RemedySpec
-from ..report import DIVERGED, UNCHECKED, UPDATED_IN_FORWARD
+from ..report import DIVERGED, GRAD_MODE, UNCHECKED, UPDATED_IN_FORWARD
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
 # a code change the restore simulates
@@ -153,7 +153,7 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
         where = f"{kind} in {r.module}"
         if kind == "rng" and r.checkpoint_options.get("preserve_rng_state") is not True:  # (not one in effect)
             add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
-        if kind == "lost_gradient" or r.cause is not None and r.cause.mechanism == "grad_mode":
+        if kind == "lost_gradient" or r.cause is not None and r.cause.mechanism == GRAD_MODE:
             add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True), where, "non_reentrant"))
         if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
             add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))

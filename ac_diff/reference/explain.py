@@ -37,7 +37,7 @@ from typing import Any
 
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import DIVERGED, Divergence, RegionReport
+from ..report import DIVERGED, GRAD_MODE, Divergence, RegionReport
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -138,7 +138,7 @@ def _grad_mode_forward(step: StepComparison, report: Any) -> Explanation | None:
     """The first loss differs because a reentrant region's forward, run without autograd, branched on grad mode
     (its cause): with AC the forward computes other values than without it, a checkpointing defect."""
     region = next((r for r in getattr(report, "regions", []) if r.status == DIVERGED and r.cause is not None
-                   and r.cause.mechanism == "grad_mode"), None)
+                   and r.cause.mechanism == GRAD_MODE), None)
     if region is None:
         return None
     return Explanation(
