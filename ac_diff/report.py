@@ -117,6 +117,7 @@ REQUIRES_GRAD = "requires_grad"  # ... parameters frozen or unfrozen between the
 LAZY_INIT = "lazy_init"  # ... the forward initialized state with random draws, the recompute did not
 GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True turns off in the forward only
 CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
+SAVED_HOOKS = "saved_hooks"  # ... the region's input came back changed from the user's saved-tensor hooks that kept it
 
 
 @dataclass(slots=True)
@@ -130,7 +131,8 @@ class Cause:
     # (parameters frozen or unfrozen before the backward), python_value (an argument), attribute (a module's Python
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under
     # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
-    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), tensor; control_flow -> grad_mode (a branch
+    # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), saved_hooks (SAVED_HOOKS), tensor; control_flow
+    # -> grad_mode (a branch
     # on grad mode under use_reentrant=True), cache_hit (the recompute read what the forward cached); None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator

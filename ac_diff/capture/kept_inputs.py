@@ -5,7 +5,7 @@ version, never the region or the input.
 
     kept = KeptInputs()
     kept.forward_ended(region, inputs)    # a region's forward ended: its tensor inputs (weakly) and their versions
-    kept.recomputed(region)               # its recompute began: nothing left to check
+    kept.recomputed(region)               # its recompute began: [0] (input 0 is as its forward left it)
     kept.written()                        # the run stopped: [(region, [[input index, meta, version then, now]])]
 
 What it holds per region awaiting its recompute is a few weak references: a forward that is never recomputed (an
@@ -43,8 +43,13 @@ class KeptInputs:
             self._awaiting = {n: e for n, e in self._awaiting.items() if any(r() is not None for _, r, _ in e[1])}
         self._awaiting[region.number] = (_weakref(region), entries)
 
-    def recomputed(self, region: Any) -> None:
-        self._awaiting.pop(region.number, None)
+    def recomputed(self, region: Any) -> list[int]:
+        """The region's recompute began: nothing left to check. Returns the indices of its inputs still alive and
+        unwritten since its forward (what the recompute reads of them, if it differs, came from elsewhere: the
+        saved-tensor hooks that kept them)."""
+        _, entries = self._awaiting.pop(region.number, (None, ()))
+        return [index for index, tensor_ref, version in entries
+                if (t := tensor_ref()) is not None and t._version == version]
 
     def written(self) -> list[tuple[Any, list[list]]]:
         """Each region still awaiting its recompute with an input written in place since its forward ended:

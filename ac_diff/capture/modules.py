@@ -77,6 +77,32 @@ def _holder_in_callers(module: nn.Module) -> nn.Module | None:
     return best
 
 
+def _root_name_in_callers(module: nn.Module, taken: bool) -> str:
+    """The name the user's calling frames hold a root `module` by: an item of a list or tuple of several modules
+    (`blocks[2]`: blocks that no module holds, each its own root); where `taken` (another root already reads as the
+    unnamed root), a variable (`teacher`, a frozen copy read beside the student). "" if none."""
+    from .sourceline import is_internal
+
+    variable = ""
+    frame = sys._getframe(2)
+    for _ in range(_CALLERS):
+        if frame is None:
+            break
+        if not is_internal(frame.f_code.co_filename):
+            for space in (frame.f_locals, frame.f_globals):
+                for key, value in list(space.items()):
+                    if key.startswith("_"):
+                        continue
+                    if type(value) in (list, tuple) and sum(isinstance(v, nn.Module) for v in value) > 1:
+                        for index, item in enumerate(value):
+                            if item is module:
+                                return f"{key}[{index}]"
+                    elif taken and not variable and value is module:
+                        variable = key
+        frame = frame.f_back
+    return variable
+
+
 class ModuleStack:
     """A per-thread stack of (module, fqn) maintained by global module hooks."""
 
@@ -85,6 +111,7 @@ class ModuleStack:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._handles: list = []
         self._provisional: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots named before `freeze()`
+        self._called_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules called from nowhere
         self._frozen = False
         self.on_enter = None  # optional callback(module, fqn, depth_before) for the recorder
         self.on_exit = None  # optional callback(module, fqn) after the module's forward (and its hooks)
@@ -110,6 +137,10 @@ class ModuleStack:
         """Names are final from now on (a checkpointed region began)."""
         if not self._frozen:
             self._frozen = True
+            running = [m for m, _ in self.stack()]
+            for module in list(self._provisional):  # (a parametrization run once while the model was built)
+                if not any(m is module for m in running):
+                    self._called_roots.discard(module)
             self._provisional = weakref.WeakSet()
 
     # -- queries ------------------------------------------------------------------------------
@@ -191,6 +222,8 @@ class ModuleStack:
         name = self._names.get(module)
         if name is None:
             name = self._discover(module)
+        if not stack:
+            self._called_roots.add(module)
         if self.on_enter is not None:
             self.on_enter(module, name, len(stack))
         stack.append((module, name))
@@ -231,10 +264,16 @@ class ModuleStack:
         return self._discover_root(module)
 
     def _discover_root(self, module: nn.Module) -> str:
+        """Name `module` a root: unnamed ("", reports show its class), unless the user's code holds it as one of a
+        list of blocks, or another root is unnamed already (a student and its teacher would share every name)."""
         if not self._frozen:
             self._adopt(module)
             self._provisional.add(module)
-        self._index(module, "")
+        taken = any(m is not module and self._names.get(m) == "" for m in self._called_roots)
+        name = _root_name_in_callers(module, taken)
+        if name and any(n == name for n in self._names.values()):
+            name = ""
+        self._index(module, name)
         return self._names[module]
 
     def _adopt(self, root: nn.Module) -> None:
@@ -243,6 +282,7 @@ class ModuleStack:
         for sub in root.modules():
             if sub is not root and sub in self._provisional:
                 self._provisional.discard(sub)
+                self._called_roots.discard(sub)
                 for inner in sub.modules():
                     self._names.pop(inner, None)
 

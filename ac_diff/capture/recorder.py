@@ -417,6 +417,7 @@ class Recorder:
             if not passes and (self._step == 0 or self._recomputed):
                 self._step, self._recomputed = self._step + 1, False
             region.step = self._step
+            intact = []
         else:
             self._recomputed = True
             region = getattr(frame, "_ac_diff_region", None)
@@ -424,7 +425,7 @@ class Recorder:
                 region = self._new_region(frame, passes, recorded=False)
             attempt = region.recomputes
             region.recomputes += 1
-            self._kept.recomputed(region)
+            intact = self._kept.recomputed(region)
         pushed, module = self._enter_function_module(frame, region, phase)
         self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
@@ -434,6 +435,8 @@ class Recorder:
                   host_rng=host_rng_states() if region.recorded else ())
         if module is not None and (region.recorded or region.watched):  # (a watched pass: its mode, to explain)
             p.state["training"] = training_mode(module)
+        if phase == RECOMPUTE and intact:
+            p.state["inputs_intact"] = intact
         fn = getattr(frame, "_ac_diff_fn", None)
         if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
             self._note_globals(p, fn)  # a checkpointed function (or `partial(layer.forward)`) reads them too
@@ -555,6 +558,9 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
         p.inputs = tuple(inputs)
+        hooks = getattr(frame, "_ac_diff_saved_hooks", None)
+        if hooks is not None and p.phase == FORWARD:  # checkpoint keeps the inputs through the user's hooks
+            p.state["saved_hooks"] = [_callable_name(h) for h in hooks]
 
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
@@ -837,7 +843,7 @@ class Recorder:
         for key, value in after.items():
             old = before.get(key, UNSET)
             if old != value and prefix + key not in updates:
-                hooks = [getattr(h, "__qualname__", type(h).__name__) for h in module._forward_pre_hooks.values()]
+                hooks = [_callable_name(h) for h in module._forward_pre_hooks.values()]
                 updates[prefix + key] = [old, value, hooks]
                 if old is UNSET:  # made by this call (`self.calls = getattr(self, "calls", 0) + 1`): unset before it
                     p.attributes.setdefault(prefix + key, UNSET)
@@ -1247,6 +1253,11 @@ class Recorder:
             **({"watched": True} if region.watched else {}),
             **({"step": region.step} if region.step is not None else {}),
         }
+
+
+def _callable_name(fn: Any) -> str:
+    """`OffloadPool.pack` for a bound method or a function, the type's name for anything else (a partial)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _mark_aliased_outputs_stale(p: _Pass, tensors: list) -> None:

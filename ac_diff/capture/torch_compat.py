@@ -227,6 +227,7 @@ class CheckpointHooks:
         def save_inputs(original):
             def wrapper(frame, *args):
                 frame._ac_diff_inputs = args
+                frame._ac_diff_saved_hooks = saved_tensors_hooks_now()
                 return original(frame, *args)
             return wrapper
 
@@ -235,6 +236,7 @@ class CheckpointHooks:
                 frame, pending.frame = getattr(pending, "frame", None), None
                 if frame is not None:
                     frame._ac_diff_inputs = args[2:]
+                    frame._ac_diff_saved_hooks = saved_tensors_hooks_now()
                 return original(*args)
             return staticmethod(apply)
 
@@ -414,6 +416,21 @@ def _as_torch_hook(wrapper: Callable, original: Callable) -> Callable:
     user's saved_tensors_hooks by `pack_hook._checkpoint_internal`, and warns about a user's hook around a
     selective-AC region (a FutureWarning the user did not cause) when the wrapper lacks it."""
     return functools.update_wrapper(wrapper, original)
+
+
+def saved_tensors_hooks_now() -> tuple[Any, Any] | None:
+    """(pack, unpack) of the innermost `torch.autograd.graph.saved_tensors_hooks` active now, or None: the hooks a
+    non-reentrant checkpoint keeps its region's inputs through (an offload pool, a compression of activations)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # (torch releases without it: the cause then names no hook)
+        return None
+    try:
+        hooks = top(False)
+    except TypeError:
+        hooks = top()
+    except RuntimeError:
+        return None
+    return hooks if isinstance(hooks, tuple) and len(hooks) == 2 and hooks[0] is not None else None
 
 
 def input_saver() -> str | None:

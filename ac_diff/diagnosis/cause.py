@@ -24,12 +24,12 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
-from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD,
+from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
                       UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
-from .labels import backticked, number_ranges, readable_arg, where
+from .labels import backticked, changed_line, fingerprint_pair, number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
 
@@ -142,8 +142,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         ranked = sorted(relevant, key=lambda c: (c["name"] not in reaching, c["kind"] not in ("buffer", "param"),
                                                  c.get("first_op") or 0))
         top = ranked[0]
-        evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['forward'])} in forward, "
-                    f"{_fp(c['recompute'])} in recompute" for c in ranked[:4]]
+        evidence = [changed_line(c, "forward", "recompute") for c in ranked[:4]]
         made = _made_from_host(region, top["name"]) if top["kind"] == "external" else None
         if made is not None:
             return _host_rng_cause(made, evidence)
@@ -157,6 +156,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      if writer and writer[1] == "forward" else
                      "the forward: it was modified between the forward and the backward"))
         if top["kind"] == "input":
+            hooked = _through_saved_hooks(region, top["name"], evidence)
+            if hooked is not None:
+                return hooked
             others = [c["name"] for c in changed if c["kind"] == "input" and c["name"] != top["name"]]
             detail = (f"the region's {top['name']}" + (f" (and {', '.join(others)})" if others else "")
                       + f" {'were' if others else 'was'} modified in place after the forward (the recompute reads the "
@@ -423,12 +425,13 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
     written = ext.versions is not None and ext.versions[1] != ext.versions[0]
     named = not name.startswith("external[")
     versions = f" (its version went from {ext.versions[0]} to {ext.versions[1]})" if written else ""
+    made, read = fingerprint_pair(fp, ext.fingerprint)
     return Cause("state_mutation", name if named else f"{op.op} #{op.index}",
                  f"the tensor the region's forward made ({op.op} at {where(op.module, op.source)}) and kept"
                  + (f" in `{name}`" if named else "") + f" was modified in place after the forward{versions}: "
                  "the recompute reads it back instead of making it again, and gets other values",
-                 [f"forward: made by {op.op} #{op.index}, fingerprint {_fp(fp)}",
-                  f"recompute: read as `{name}`, fingerprint {_fp(ext.fingerprint)}"],
+                 [f"forward: made by {op.op} #{op.index}, fingerprint {made}",
+                  f"recompute: read as `{name}`, fingerprint {read}"],
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
 
 
@@ -643,16 +646,33 @@ def explain_flags(report: RegionReport, region: Region, torch_version: str | Non
                         "forward")
 
 
+def _through_saved_hooks(region: Region, name: str, evidence: list[str]) -> Cause | None:
+    """The region's input `name` reads other values in the recompute, and checkpoint kept it through the user's
+    saved-tensor hooks (an offload pool, a compression of activations): the recompute starts from what their unpack
+    returned. Where the input itself is unwritten since the forward, the hooks changed it."""
+    hooks = region.forward.state.get("saved_hooks") if region.forward is not None else None
+    if not hooks or not name.startswith("input["):
+        return None
+    pack, unpack = hooks
+    index = name[len("input["):-1]
+    intact = region.recompute is not None and index.isdigit() \
+        and int(index) in region.recompute.state.get("inputs_intact", ())
+    return Cause("state_mutation", name,
+                 f"checkpoint kept the region's {name} through the saved-tensor hooks active around it (`{pack}`, "
+                 f"`{unpack}`), and `{unpack}` gave the recompute other values than the forward received"
+                 + (": the input itself is unchanged (its version too), so the hooks did not give back what they were "
+                    "given (a buffer a later pack reuses, a lossy compression)" if intact else
+                    ": the hooks did not give back what they were given (a buffer a later pack reuses, a lossy "
+                    "compression), or the input was modified in place after the forward"),
+                 [*evidence, f"saved-tensor hooks around the region's forward: pack `{pack}`, unpack `{unpack}`"]
+                 + (["the forward's input tensor is alive and unwritten at the recompute"] if intact else []),
+                 mechanism=SAVED_HOOKS)
+
+
 def _before(a, b) -> bool:
     """Divergence `a` comes no later than `b` in either pass."""
     return any(x is not None and y is not None and x <= y for x, y in
                ((a.forward_index, b.forward_index), (a.recompute_index, b.recompute_index)))
-
-
-def _fp(fp) -> str:
-    if not fp:
-        return "?"
-    return "(" + ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in fp) + ")"
 
 
 def _first_random_divergence(cmp: PassComparison) -> OpRecord | None:

@@ -15,7 +15,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
-from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD,
+from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
                       UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
 from .labels import backticked
@@ -238,6 +238,19 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "again, reads the changed values. Change a copy, or keep a copy in the cache.",
                 "cache[key] = cache[key] * scale  # a new tensor: the one the forward made stays as it was\n"
                 "# not: cache[key].mul_(scale)"))
+        elif mechanism == SAVED_HOOKS:
+            pack, unpack = region.forward.state["saved_hooks"]
+            out.append(Suggestion(
+                f"Make `{pack}` keep what it saves intact until `{unpack}` has returned it",
+                "A non-reentrant checkpoint keeps the region's inputs through the saved-tensor hooks active around "
+                f"it, and the recompute starts from what `{unpack}` returns. Here that differed from what the forward "
+                "received: a staging buffer that a later pack reuses before this region's backward ran, or a lossy "
+                "compression (every saved activation can be compressed, not the inputs a recompute starts from). "
+                "Give each saved tensor a buffer of its own until it is unpacked, or size the pool by the tensors "
+                "saved between a forward and its backward, not by the layers.",
+                "def pack(t):\n    buf = free.pop() if free else torch.empty_like(t)  # no buffer another saved "
+                "tensor holds\n    buf.copy_(t)\n    return buf\n"
+                "# and return each buffer to `free` only once its backward is done (after loss.backward())"))
         elif mechanism == "input":
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",

@@ -26,7 +26,7 @@ from ..report import (CLEAN, DIVERGED, DIVERGENCE_FIELDS, UNCHECKED, Cause, Dive
                       Suggestion)
 from .passdiff import PassComparison, compare_passes
 from .discrete import first_flip
-from .labels import where
+from .labels import changed_line, where
 from .region import Settings, diagnose_region, divergence_of, state_changes, window
 
 KIND = "two_runs"
@@ -242,8 +242,7 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
         top = ranked[0]
         what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         state = [c for c in changed if c["kind"] in ("param", "buffer")]
-        evidence = [f"{c['kind']} `{c['name']}` {c['meta']}: fingerprint {_fp(c['run_a'])} in run A, "
-                    f"{_fp(c['run_b'])} in run B" for c in ranked[:4]]
+        evidence = [changed_line(c, "run_a", "run_b") for c in ranked[:4]]
         if len(changed) > 4:
             evidence.append(f"... {len(changed)} tensors read by this region differ in all")
         if not state:
@@ -377,8 +376,3 @@ def _region_key(r: Region) -> tuple:
     return (r.module, r.kind, r.parent is not None)
 
 
-
-def _fp(fp) -> str:
-    if not fp:
-        return "?"
-    return "(" + ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in fp) + ")"

@@ -1,0 +1,124 @@
+"""Tensors and modules a region reads that no single model holds, each from a real mechanism: a frozen teacher read
+beside its student in one checkpointed loss (an EMA moves the teacher before the backward: both are unnamed roots
+whose parameters share every name), blocks kept in a plain list (each its own root), and region inputs that
+checkpoint keeps through the user's saved-tensor hooks (an offload pool that reuses its staging buffers hands the
+recompute another tensor's values; torch's own save_on_cpu gives them back exactly)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+
+import ac_diff
+
+
+def _distill(tmp_path, ema: bool):
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+
+    def distill_loss(x_s, x_t):
+        s = F.log_softmax(student(x_s), -1)
+        with torch.no_grad():
+            t = F.softmax(teacher(x_t) / 0.5, -1)
+        return -(t * s).sum(-1).mean()
+
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            loss = cp.checkpoint(distill_loss, x + 0.1, x - 0.1, use_reentrant=False)
+            if ema:  # the teacher's EMA update, "overlapped" with the backward
+                with torch.no_grad():
+                    for pt, ps in zip(teacher.parameters(), student.parameters()):
+                        pt.mul_(0.99).add_(ps, alpha=0.01)
+            loss.backward()
+    return ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+
+
+def test_a_teacher_read_beside_its_student_is_named_apart(tmp_path):
+    report = _distill(tmp_path, ema=True)
+    cause = report.regions[0].cause
+    assert report.verdict == "diverged" and cause.kind == "state_mutation", report.headline
+    assert cause.tensor == "teacher.0.weight", cause
+    changed = [c["name"] for c in report.regions[0].changed_inputs if c["kind"] == "param"]
+    assert changed and all(name.startswith("teacher.") for name in changed), changed
+    # a change of 1% of the difference still prints as two fingerprints that differ
+    forward, recompute = cause.evidence[0].split(" in forward, ")
+    assert forward.split("fingerprint ")[1] != recompute.removesuffix(" in recompute")
+
+
+def test_the_teacher_updated_after_the_backward_is_clean(tmp_path):
+    assert _distill(tmp_path, ema=False).verdict == "clean"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def test_blocks_in_a_plain_list_are_named_by_their_place(tmp_path):
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        h = x
+        for block in blocks:
+            h = cp.checkpoint(block, h, use_reentrant=False)
+        blocks[1].fc.weight.data.mul_(1.5)  # between the forward and the backward
+        h.sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert [r.module for r in report.regions] == ["blocks[0]", "blocks[1]", "blocks[2]"]
+    assert [r.status for r in report.regions] == ["clean", "diverged", "clean"]
+    assert report.regions[1].cause.tensor == "blocks[1].fc.weight", report.regions[1].cause
+
+
+class ReusedPool:
+    """Saved activations staged in preallocated buffers, reused round-robin: sized one per layer, too few."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.buffers, self.count = slots, {}, 0
+
+    def pack(self, t):
+        key = (tuple(t.shape), t.dtype, self.count % self.slots)
+        self.count += 1
+        buf = self.buffers.setdefault(key, torch.empty(t.shape, dtype=t.dtype))
+        buf.copy_(t)
+        return buf
+
+    def unpack(self, buf):
+        return buf
+
+
+def _offloaded(tmp_path, hooks) -> ac_diff.Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), *[Block() for _ in range(3)])
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        with hooks:
+            h = model[0](torch.randn(4, 4))
+            for block in model[1:]:
+                h = cp.checkpoint(block, h, use_reentrant=False)
+        h.pow(2).sum().backward()
+    return ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+
+
+def test_a_region_input_an_offload_pool_overwrote_names_the_hooks(tmp_path):
+    pool = ReusedPool(slots=2)
+    report = _offloaded(tmp_path, torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack))
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert report.verdict == "diverged" and lead.cause.mechanism == "saved_hooks", report.headline
+    assert lead.cause.tensor == "input[0]" and "`ReusedPool.pack`" in lead.cause.detail
+    assert "the input itself is unchanged" in lead.cause.detail
+    assert lead.suggestions[0].title == "Make `ReusedPool.pack` keep what it saves intact until `ReusedPool.unpack` " \
+        "has returned it"
+
+
+def test_inputs_kept_through_save_on_cpu_are_clean(tmp_path):
+    assert _offloaded(tmp_path, torch.autograd.graph.save_on_cpu()).verdict == "clean"
