@@ -117,6 +117,7 @@ REQUIRES_GRAD = "requires_grad"  # ... parameters frozen or unfrozen between the
 LAZY_INIT = "lazy_init"  # ... the forward initialized state with random draws, the recompute did not
 GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True turns off in the forward only
 CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
+HOOKS = "hooks"  # ... a module forward hook registered or removed between the forward and the backward
 SAVED_HOOKS = "saved_hooks"  # ... the region's input came back changed from the user's saved-tensor hooks that kept it
 
 
@@ -132,7 +133,7 @@ class Cause:
     # attribute, also under control_flow), global (a module-level global the module's code reads, also under
     # control_flow), input, input_written (the region writes its own input in place), updated_in_forward
     # (UPDATED_IN_FORWARD), kept_output_written (KEPT_OUTPUT_WRITTEN), saved_hooks (SAVED_HOOKS), tensor; control_flow
-    # -> grad_mode (a branch
+    # -> hooks (HOOKS), grad_mode (a branch
     # on grad mode under use_reentrant=True), cache_hit (the recompute read what the forward cached); None otherwise
     mechanism: str | None = None
     source: str | None = None  # where it entered: the line that drew the host value, or passed the generator
@@ -277,6 +278,7 @@ NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_
 NESTED_LABEL = "nested rerun"
 NESTED_COUNTED = "nested rerun(s) in a recompute (nothing to compare)"
 RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
+SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentrant region that handed tensors out
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
@@ -473,6 +475,8 @@ class Report:
                 return "RANKS MISSING"
             if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):
                 return "AC COMPILED, NOT RECORDED"
+            if any(r.unchecked_reason == SIDE_OUTPUT for r in self.regions):
+                return "GRADIENTS AT RISK"
             return "NOTHING CHECKED"
         if self.script_failed:
             return "CLEAN, SCRIPT " + ("INTERRUPTED" if self.exit_status == "interrupted" else "FAILED")

@@ -1,7 +1,8 @@
 """Causes of a recompute that ran other ops than its forward, each from a real mechanism: a reentrant region that
 branches on grad mode (use_reentrant=True runs its forward without autograd), a cache the forward filled that the
-recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached()), and a lazy module that
-initialized its parameters in the forward only (its random draws moved the generator the dropout after it reads)."""
+recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached()), a lazy module that
+initialized its parameters in the forward only (its random draws moved the generator the dropout after it reads), and
+an ablation probe's forward hook registered after the loss and removed after the backward (the recompute runs it)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,88 @@ def test_a_lazy_module_initialized_inside_the_region(materialized, tmp_path):
     assert (region.cause.kind, region.cause.mechanism) == ("rng", "lazy_init"), region.cause
     assert region.cause.tensor == "fc.weight" and "lazy module" in region.cause.detail
     assert region.suggestions[0].title == "Initialize lazy modules before training, outside activation checkpointing"
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("watch", [False, True])
+@pytest.mark.parametrize("removed_before_backward", [False, True])
+def test_a_probe_hook_left_on_until_after_the_backward(watch, removed_before_backward, tmp_path):
+    """A unit-ablation probe: a forward hook zeroes half the hidden units while the probe's no-grad forward scores
+    them. Removed in the step's `finally`, after the backward, the recompute runs it too."""
+    torch.manual_seed(0)
+    model, mask = Mlp(), torch.cat([torch.zeros(8), torch.ones(8)])
+    options = {"watch": True, "watch_full_steps": 1} if watch else {}
+    with ac_diff.record(tmp_path / "t.jsonl", **options):
+        for step in range(2):
+            x = torch.randn(4, 8)
+            loss = cp.checkpoint(model, x, use_reentrant=False).pow(2).mean()
+            handle = model.act.register_forward_hook(lambda m, i, o: o * mask) if step == 1 else None
+            if handle is not None:
+                with torch.no_grad():
+                    model(x)  # the probe
+                if removed_before_backward:
+                    handle.remove()
+            try:
+                loss.backward()  # the hook's multiply saves its mask: the recompute saves one tensor more
+            except cp.CheckpointError:
+                assert not removed_before_backward
+            finally:
+                if handle is not None and not removed_before_backward:
+                    handle.remove()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if removed_before_backward:
+        assert report.verdict == "clean", report.headline
+        return
+    region = report.regions[1]
+    assert region.watched is watch and region.status == "diverged", report.headline
+    assert (region.cause.kind, region.cause.mechanism) == ("control_flow", "hooks"), region.cause
+    assert "was registered between the forward and the backward (act: <lambda> (test_branch_causes.py:" \
+        in region.cause.detail
+    assert region.suggestions[0].title.startswith("Register and remove module hooks between steps")
+
+
+class RoutedBlock(nn.Module):
+    """A router whose logits a forward hook collects for a load-balancing loss (as Hugging Face's MoE models do), or
+    for logging, detached."""
+
+    def __init__(self, collected: list, detach: bool) -> None:
+        super().__init__()
+        self.router, self.expert = nn.Linear(8, 4), nn.Linear(8, 8)
+        self.router.register_forward_hook(lambda m, i, out: collected.append(out.detach() if detach else out))
+
+    def forward(self, x):
+        gate = self.router(x).softmax(-1).max(-1, keepdim=True).values
+        return x + gate * self.expert(x)
+
+
+@pytest.mark.parametrize("case", ["aux_loss", "logged_detached", "non_reentrant"])
+def test_a_reentrant_regions_side_output_is_never_clean(case, tmp_path):
+    """The router logits leave the reentrant region through the hook's list, made under no_grad: the aux loss
+    computed from them trains nothing (the router gets no gradient from it), yet the recompute reproduces the forward
+    exactly. Detached on purpose for logging, or checkpointed with use_reentrant=False: clean."""
+    torch.manual_seed(0)
+    collected: list = []
+    model = RoutedBlock(collected, detach=case == "logged_detached")
+    x = torch.randn(6, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, x, use_reentrant=case != "non_reentrant")
+        aux = sum(logits.softmax(-1).pow(2).sum() for logits in collected)
+        (y.pow(2).mean() + 0.1 * aux).backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if case != "aux_loss":
+        assert report.verdict == "clean", report.headline
+        return
+    assert not collected[0].requires_grad  # what makes the aux loss train nothing
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    region = report.regions[0]
+    assert (region.cause.kind, region.cause.mechanism) == ("lost_gradient", "side_output"), region.cause
+    assert region.cause.tensor == "aten.addmm.default" and "router" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Use use_reentrant=False")

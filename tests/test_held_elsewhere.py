@@ -1,6 +1,8 @@
 """Tensors and modules a region reads that no single model holds, each from a real mechanism: a frozen teacher read
 beside its student in one checkpointed loss (an EMA moves the teacher before the backward: both are unnamed roots
-whose parameters share every name), blocks kept in a plain list (each its own root), and region inputs that
+whose parameters share every name), blocks kept in a plain list (each its own root), torch.compile's wrappers of the
+model's blocks (the model holds the blocks, not the wrappers), a buffer of the model that a
+checkpointed layer reads by reference (the recompute runs in the backward, outside the model), and region inputs that
 checkpoint keeps through the user's saved-tensor hooks (an offload pool that reuses its staging buffers hands the
 recompute another tensor's values; torch's own save_on_cpu gives them back exactly)."""
 
@@ -78,6 +80,74 @@ def test_blocks_in_a_plain_list_are_named_by_their_place(tmp_path):
     assert [r.module for r in report.regions] == ["blocks[0]", "blocks[1]", "blocks[2]"]
     assert [r.status for r in report.regions] == ["clean", "diverged", "clean"]
     assert report.regions[1].cause.tensor == "blocks[1].fc.weight", report.regions[1].cause
+
+
+class CompiledBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.compiled = [torch.compile(b, backend="eager") for b in self.blocks]  # (wrappers the model does not hold)
+
+    def forward(self, x):
+        for block in self.compiled:
+            x = cp.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_compiled_block_the_model_holds_uncompiled_is_named_by_its_place(tmp_path):
+    torch.manual_seed(0)
+    model = CompiledBlocks()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert [(r.module, r.status) for r in report.regions] == [("blocks.0", "clean"), ("blocks.1", "clean")]
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.qk, self._owner = nn.Linear(8, 16), [owner]  # (a list: the model is no submodule of its layer)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = q @ k.transpose(1, 2) + self._owner[0].pad_mask[:, None, :]
+        return scores.softmax(-1) @ x
+
+
+class Encoder(nn.Module):
+    """A key-padding mask kept in one preallocated buffer, rewritten in place for each micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pad_mask", torch.zeros(2, 6))
+        self.layers = nn.ModuleList([MaskedAttention(self) for _ in range(2)])
+
+    def set_padding(self, lengths) -> None:
+        self.pad_mask.zero_()
+        for i, n in enumerate(lengths):
+            self.pad_mask[i, n:] = float("-inf")
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = cp.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
+def test_a_buffer_of_the_model_a_layer_reads_by_reference_is_named_in_both_passes(tmp_path):
+    """Two micro-batches forward before one backward; the second rewrites the mask the first one's regions read.
+    The forward runs inside the model, the recompute in the backward: both name the buffer `pad_mask`."""
+    torch.manual_seed(0)
+    model = Encoder()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = 0
+        for lengths in ([6, 3], [4, 5]):
+            model.set_padding(lengths)
+            loss = loss + model(torch.randn(2, 6, 8)).pow(2).mean()
+        loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert [r.status for r in report.regions] == ["diverged", "diverged", "clean", "clean"], report.headline
+    cause = report.regions[0].cause
+    assert (cause.kind, cause.tensor) == ("state_mutation", "pad_mask"), cause
 
 
 class ReusedPool:

@@ -3,7 +3,9 @@ again in the recompute (a side effect, not a divergence: the gradients are exact
 between forward and backward changes what batch norm does in the recompute (a cause with its own fix);
 a buffer changed upstream of a decision gets no "save the decision" fix when it also shifts saved
 values directly; a buffer updated then read inside the region, a Python number changed before the
-backward, a bias nudge that flips no choice (clean), and a run that stops before the recompute."""
+backward, a bias nudge that flips no choice (clean), a run that stops before the recompute, and a rotary cache that a
+longer micro-batch grows before the backward (clean: the rows the region read are the same; rescaled, as a dynamic-NTK
+rotary does, diverged)."""
 
 from __future__ import annotations
 
@@ -275,13 +277,16 @@ def test_ac_diffs_own_dispatch_modes_are_not_the_scripts_global_state():
 
 
 @pytest.mark.parametrize("between_steps", [False, True])
-def test_parameters_unfrozen_before_the_backward(between_steps, tmp_path):
+@pytest.mark.parametrize("watch", [False, True])
+def test_parameters_unfrozen_before_the_backward(between_steps, watch, tmp_path):
     """A gradual-unfreezing schedule sets requires_grad on a frozen layer after the forward: the recompute saves what
-    the layer's gradient needs, which the forward did not (torch raises). Unfrozen between steps: clean."""
+    the layer's gradient needs, which the forward did not (torch raises). Unfrozen between steps: clean. Watch mode,
+    which records no op and so no parameter read, names it from which of the region's parameters require grad."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     model[0].requires_grad_(False)
-    with ac_diff.record(tmp_path / "t.jsonl"):
+    options = {"watch": True, "watch_full_steps": 1} if watch else {}
+    with ac_diff.record(tmp_path / "t.jsonl", **options):
         for step in range(2):
             x = torch.randn(4, 8, requires_grad=True)
             if between_steps and step == 1:
@@ -298,8 +303,10 @@ def test_parameters_unfrozen_before_the_backward(between_steps, tmp_path):
         assert report.verdict == "clean", report.headline
         return
     region = next(r for r in report.regions if r.status == "diverged")
+    assert region.watched is watch
     assert (region.cause.kind, region.cause.mechanism) == ("state_mutation", "requires_grad"), region.cause
-    assert "were unfrozen between the forward and the backward" in region.cause.detail
+    assert ("(those that require grad: all except 0.weight, 0.bias in the forward, all in the recompute)" if watch
+            else "were unfrozen between the forward and the backward") in region.cause.detail
     assert region.suggestions[0].title.startswith("Freeze or unfreeze parameters between steps")
 
 
@@ -321,3 +328,52 @@ def test_a_frozen_teacher_sharing_parameter_names_with_its_student_is_not_unfroz
         loss.backward()
     region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
     assert region.status == "diverged" and region.cause.mechanism != "requires_grad", region.cause
+
+
+class Rotary(nn.Module):
+    """A rotary cache of the positions seen so far, rebuilt (a new buffer) when a longer sequence arrives; `ntk`
+    rescales its base with the length, as a dynamic-NTK rotary does, so every row changes."""
+
+    def __init__(self, dim: int, ntk: bool) -> None:
+        super().__init__()
+        self.dim, self.ntk = dim, ntk
+        self._build(8)
+
+    def _build(self, n: int) -> None:
+        self.n = n
+        base = 10000.0 * (n / 8 if self.ntk else 1.0)
+        freqs = torch.outer(torch.arange(n).float(), base ** (-torch.arange(0, self.dim, 2).float() / self.dim))
+        self.register_buffer("cos_cached", torch.cat([freqs, freqs], -1).cos(), persistent=False)
+
+    def forward(self, t: int):
+        if t > self.n:
+            self._build(t)
+        return self.cos_cached[:t]
+
+
+class RotaryLayer(nn.Module):
+    def __init__(self, ntk: bool) -> None:
+        super().__init__()
+        self.fc, self.rotary = nn.Linear(16, 16), Rotary(16, ntk)
+
+    def forward(self, x):
+        return x + self.fc(x) * self.rotary(x.shape[1])
+
+
+@pytest.mark.parametrize("ntk", [False, True])
+def test_a_rotary_cache_grown_by_a_longer_micro_batch(ntk, tmp_path):
+    """Two micro-batches forward before one backward; the second, longer, rebuilds the cache the first region read
+    part of. The saved slice `cos_cached[:6]` is what its recompute compares, not the whole (grown) cache."""
+    torch.manual_seed(0)
+    layer = RotaryLayer(ntk)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = sum(cp.checkpoint(layer, torch.randn(2, t, 16), use_reentrant=False).pow(2).mean() for t in (6, 14))
+        loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if not ntk:
+        assert report.verdict == "clean", report.headline
+        return
+    region = report.regions[0]
+    assert (region.status, region.silent) == ("diverged", True), report.headline
+    assert region.cause.tensor == "rotary.cos_cached", region.cause
+    assert report.regions[1].status == "clean"

@@ -223,7 +223,7 @@ def test_a_checkpointed_function_is_named_after_itself_when_it_does_more_than_ca
         torch.utils.checkpoint.checkpoint(route, x, use_reentrant=False).sum().backward()
         torch.utils.checkpoint.checkpoint(wrapper, x, use_reentrant=False).sum().backward()
     names = [r.module for r in read_run(tmp_path / "t.jsonl").regions]
-    assert names[0].endswith("route") and names[1] == "Linear"
+    assert names[0].endswith("route") and names[1] == "block"  # (a second root: by its variable, not "Linear")
 
 
 def test_reentrant_recompute_aligns_a_clone_the_forward_also_made(tmp_path):

@@ -26,6 +26,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     return run_all(out, {
         "side_output": Job([SCRIPT, "--reentrant"], REF),
+        "side_output_unused": Job([SCRIPT, "--reentrant", "--no-aux"], REF),  # the logits collected, never a loss
         "clean": Job([SCRIPT], REF + ["--reference-steps", "2"]),
         "frozen": Job([SCRIPT, "--reentrant", "--frozen-embedding", "--no-aux"], REF),
         "dropout": Job([SCRIPT, "--no-aux", "--dropout", "0.1", "--no-preserve-rng"], REF),
@@ -52,7 +53,8 @@ def test_side_output_under_reentrant_checkpoint_is_named_and_fails_check(runs):
     ref = _ref(r)
     assert r.returncode == 1, r.explain()  # --check: the recompute is clean, the gradients are not
     assert r.report["verdict"] == "diverged"
-    assert all(x["status"] == "clean" for x in r.report["regions"])
+    # each recompute reproduced its forward; the side output alone keeps its region from reading clean
+    assert all(x["status"] == "unchecked" and x["cause"]["mechanism"] == "side_output" for x in r.report["regions"])
     assert ref["verdict"] == "differs"
     differing = {d["name"]: d for d in ref["steps"][0]["differing"]}
     assert differing["layers.0.gate.weight"]["rel_diff"] > 0.1
@@ -63,6 +65,16 @@ def test_side_output_under_reentrant_checkpoint_is_named_and_fails_check(runs):
     assert all("use_reentrant=False" in e["fix"] for e in side)
     assert "gradients differ from the run without AC" in r.report["headline"]
     assert "side output" in r.stdout
+
+
+def test_a_side_output_no_loss_reads_is_clean_once_the_gradients_match(runs):
+    """The same router logits collected on the side, but no aux loss: alone, the recompute cannot tell (gradients at
+    risk); the run without AC has identical gradients, so the run is clean."""
+    r = runs["side_output_unused"]
+    assert r.returncode == 0 and _ref(r)["verdict"] == "identical", r.explain()
+    assert r.report["verdict"] == "clean" and "feed no loss" in r.report["headline"], r.report["headline"]
+    assert all(x["status"] == "clean" for x in r.report["regions"])
+    assert all("no loss is computed from them" in " ".join(x["notes"]) for x in r.report["regions"])
 
 
 def test_turning_ac_off_in_one_layer_confirms_where_it_breaks(runs):

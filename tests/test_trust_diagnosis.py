@@ -90,6 +90,21 @@ def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
     assert "optimizer" not in fixes and "step hook" not in fixes
 
 
+@pytest.mark.parametrize("source", ["random", "numpy"])
+def test_every_host_draw_moves_the_host_state_not_only_the_first(source):
+    """numpy's generator regenerates its key only every 624 words: a draw after the first moves its position alone
+    (a stranger's second and later numpy-drawing regions read as 'no evidence')."""
+    from ac_diff.capture.state import host_draws, host_rng_states
+
+    (random.seed if source == "random" else np.random.seed)(0)
+    draw = random.random if source == "random" else np.random.rand
+    draw()
+    before = host_rng_states()
+    assert host_draws(before, host_rng_states()) == []
+    draw()
+    assert host_draws(before, host_rng_states()) == [{"random": "random", "numpy": "numpy.random"}[source]]
+
+
 class LayerDrop(HostNoise):
     """Stochastic depth decided on the host: `random.random()` or numpy picks whether the block runs. (A loop may
     reseed it per step; this one does not: the seeding line, which draws nothing, never runs.)"""

@@ -89,9 +89,12 @@ def _root_name_in_callers(module: nn.Module, taken: bool) -> str:
         if frame is None:
             break
         if not is_internal(frame.f_code.co_filename):
+            code = frame.f_code  # (a helper's parameter, `fn` of `def ckpt(fn, *args)`, names what it is given)
+            passed = set(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]) if frame.f_locals is not \
+                frame.f_globals else set()
             for space in (frame.f_locals, frame.f_globals):
                 for key, value in list(space.items()):
-                    if key.startswith("_"):
+                    if key.startswith("_") or (key in passed and space is frame.f_locals):
                         continue
                     if type(value) in (list, tuple) and sum(isinstance(v, nn.Module) for v in value) > 1:
                         for index, item in enumerate(value):
@@ -166,11 +169,12 @@ class ModuleStack:
             name = self._discover(module)
         return name
 
-    def owner_name(self, tensor: torch.Tensor) -> tuple[str, str] | None:
-        """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack;
-        ("external", fqn) if it is a plain tensor attribute of one (`self.scale = torch.ones(64)`), or an item of a
-        dict or list one holds (`self.cache[3]`: a cache its forward fills)."""
-        stack = self.stack()
+    def owner_name(self, tensor: torch.Tensor, outer: tuple = ()) -> tuple[str, str] | None:
+        """("param"|"buffer", fqn) if `tensor` is a parameter or buffer of a module on the stack (or in `outer`: the
+        modules a recompute's forward ran inside); ("external", fqn) if it is a plain tensor attribute of one
+        (`self.scale = torch.ones(64)`), or an item of a dict or list one holds (`self.cache[3]`: a cache its forward
+        fills)."""
+        stack = [*outer, *self.stack()] if outer else self.stack()
         for module, fqn in reversed(stack):
             for kind, table in (("param", module._parameters), ("buffer", module._buffers), ("external", vars(module))):
                 for key, value in table.items():
@@ -188,13 +192,13 @@ class ModuleStack:
                 return "external", held
         return None
 
-    def global_name(self, tensor: torch.Tensor) -> str | None:
-        """A module-level global of the code of the modules on the stack that is `tensor` or holds it in a dict or
-        list (a context the code stashes there for the attention to read): "train.PACK_CTX['doc_ids']"."""
+    def global_name(self, tensor: torch.Tensor, outer: tuple = ()) -> str | None:
+        """A module-level global of the code of the modules on the stack (or in `outer`) that is `tensor` or holds it
+        in a dict or list (a context the code stashes there for the attention to read): "train.PACK_CTX['doc_ids']"."""
         from .pystate import _module_name
 
         seen = set()
-        for module, _ in reversed(self.stack()):
+        for module, _ in reversed([*outer, *self.stack()]):
             space = getattr(getattr(type(module), "forward", None), "__globals__", None)
             if not isinstance(space, dict) or id(space) in seen:
                 continue
@@ -254,6 +258,10 @@ class ModuleStack:
                 return name
         if stack and isinstance(module, torch.fx.GraphModule):
             return stack[-1][1]
+        original = getattr(module, "_orig_mod", None)  # torch.compile's wrapper of a module the model holds: its name
+        if isinstance(original, nn.Module) and self._names.get(original):
+            self._index(module, self._names[original])
+            return self._names[module]
         if not stack:  # called from a plain function (`for block in model.blocks: checkpoint(block, x)`)
             holder = _holder_in_callers(module)
             if holder is not None and holder not in self._names:

@@ -49,7 +49,7 @@ from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
-from .state import global_state, host_draws, host_rng_states, rng_digest, training_mode
+from .state import callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest, trainable, training_mode
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
@@ -147,6 +147,9 @@ class _Region:
     unwatched: bool = False  # watch mode: a nested checkpoint its parent's recompute ran (not compared, not written)
     # the tensors its forward made that outlived it (a cache its code keeps): id -> (weakref, op, output, version)
     kept: dict[int, tuple] | None = None
+    # the modules its forward ran inside ([(module, fqn)]): the recompute, which runs in the backward without them,
+    # names what it reads through them as the forward did (a buffer of the model a layer reads by reference)
+    outer: tuple = ()
 
 
 @dataclass
@@ -197,6 +200,7 @@ class _Pass:
     lost: dict[str, Any] = field(default_factory=dict)
     watch: WatchedPass | None = None  # a watched region's pass (capture/watch.py)
     watched_outputs: WatchedPass | None = None  # in watch mode, a reentrant region's pass recorded in full: its outputs
+    returned: set | None = None  # a reentrant region's recorded forward: the storages of the tensors it returned
 
 
 class Recorder:
@@ -431,10 +435,14 @@ class Recorder:
         if watch is not None and phase == FORWARD:
             self._watch_or_record(region)
         module_stack = self.modules.stack()
+        if phase == FORWARD and region.recorded:
+            region.outer = tuple(module_stack)
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
         if module is not None and (region.recorded or region.watched):  # (a watched pass: its mode, to explain)
             p.state["training"] = training_mode(module)
+            p.state["trainable"] = trainable(module)
+            p.state["hooks"] = module_hooks(module)
         if phase == RECOMPUTE and intact:
             p.state["inputs_intact"] = intact
         fn = getattr(frame, "_ac_diff_fn", None)
@@ -560,7 +568,7 @@ class Recorder:
         p.inputs = tuple(inputs)
         hooks = getattr(frame, "_ac_diff_saved_hooks", None)
         if hooks is not None and p.phase == FORWARD:  # checkpoint keeps the inputs through the user's hooks
-            p.state["saved_hooks"] = [_callable_name(h) for h in hooks]
+            p.state["saved_hooks"] = [callable_name(h) for h in hooks]
 
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)
@@ -617,6 +625,9 @@ class Recorder:
             if not passes or passes[-1].region is not getattr(frame, "_ac_diff_region", None):
                 return
             p = passes[-1]
+            if phase == FORWARD and p.region.recorded:  # what else outlives it left another way (`side_outputs`)
+                p.returned = {_storage_key(t) for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                              if isinstance(t, torch.Tensor)}
             if p.watch is None and (self._watch is None or not p.region.recorded):
                 return
             wp = p.watch
@@ -638,12 +649,14 @@ class Recorder:
     def _saved_values(self, p: _Pass, tensor: torch.Tensor, ref: tuple) -> tuple[int | None, list | None]:
         """(fingerprint slot, view) of a saved tensor's values, so that backward's inputs are compared by value whatever
         the ops before them measured. A view of a tensor the pass knows (`w.t()` of a parameter, a split piece) is
-        its base's values and which of them it reads, view = [offset from the base's, *strides]; anything else its
-        own values, view None. The same in both passes, whichever ops were fingerprinted: a slot already filled at
+        its base's values and which of them it reads, view = [offset from the base's, *strides]; anything else, and a
+        part of a tensor read from outside the pass, its own values, view None. The same in both passes, whichever ops were fingerprinted: a slot already filled at
         this version is reused, else one is added (and kept for the next reader). None where selective AC serves the
         tensor: the recompute takes the forward's own from its cache."""
         base = tensor._base if type(tensor) in _PLAIN_TENSORS else None  # (a subclass: its own values, local shard)
         base_ref = self._known_ref(p, base) if type(base) in _PLAIN_TENSORS else None
+        if base_ref is not None and base_ref[0] != "op" and tensor.numel() < base.numel():
+            base_ref = None  # a part of state (`cos_cached[:T]` of a cache that grows): its own values, not the rest's
         if base_ref is not None:
             if base_ref[0] == "op" and (_cached(p, base_ref[1]) or not _values_meaningful(p, base_ref)):
                 return None, None
@@ -843,7 +856,7 @@ class Recorder:
         for key, value in after.items():
             old = before.get(key, UNSET)
             if old != value and prefix + key not in updates:
-                hooks = [_callable_name(h) for h in module._forward_pre_hooks.values()]
+                hooks = [callable_name(h) for h in module._forward_pre_hooks.values()]
                 updates[prefix + key] = [old, value, hooks]
                 if old is UNSET:  # made by this call (`self.calls = getattr(self, "calls", 0) + 1`): unset before it
                     p.attributes.setdefault(prefix + key, UNSET)
@@ -1050,13 +1063,14 @@ class Recorder:
         if key in p.input_ids:
             kind, name = "input", f"input[{p.input_ids[key]}]"
         else:
-            owner = self.modules.owner_name(t)
+            outer = p.region.outer if p.phase == RECOMPUTE else ()
+            owner = self.modules.owner_name(t, outer)
             child = p.child_outputs.get(key)
             if owner is not None:
                 kind, name = owner
             elif child is not None and child[0]() is t:
                 kind, name = "external", child[1]
-            elif type(t) is not torch.nn.Parameter and (held := self.modules.global_name(t)) is not None:
+            elif type(t) is not torch.nn.Parameter and (held := self.modules.global_name(t, outer)) is not None:
                 kind, name = "external", held  # (a module-level context the code reads: `PACK_CTX["doc_ids"]`)
             else:
                 kind = "param" if isinstance(t, torch.nn.Parameter) else "external"
@@ -1134,6 +1148,10 @@ class Recorder:
         if p.phase == FORWARD and region.recorded:
             region.kept = _outliving(p)
             outputs = sorted([op, out] for _, op, out, _ in region.kept.values())
+            if p.returned is not None:
+                side = _side_outputs(p, region.kept)
+                if side:
+                    p.state["side_outputs"] = side
         collection = None
         if region.recorded:
             with self.quiet():
@@ -1255,11 +1273,6 @@ class Recorder:
         }
 
 
-def _callable_name(fn: Any) -> str:
-    """`OffloadPool.pack` for a bound method or a function, the type's name for anything else (a partial)."""
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
 def _mark_aliased_outputs_stale(p: _Pass, tensors: list) -> None:
     """Tensors about to be written in place that the pass made by detaching (`.data`): such an alias has a version
     counter of its own, so the output it aliases sees no new version. The outputs that share its storage are marked
@@ -1301,6 +1314,26 @@ def _outliving(p: _Pass) -> dict[int, tuple]:
         if t is not None and not (key in externals and externals[key][_E_WEAKREF]() is t):
             kept[key] = (e[_P_WEAKREF], e[_P_OP], e[_P_OUTPUT], t._version)
     return kept
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a wrapper subclass, a sparse tensor: no storage to compare
+        return None
+
+
+def _side_outputs(p: _Pass, kept: dict[int, tuple]) -> list[list[int]]:
+    """[[op, output]] of the floating-point tensors a reentrant forward made that outlived it other than through
+    what it returned (a list a hook fills, a module attribute): made under no_grad, they carry no gradient to
+    whatever the script computes from them. Not one it detached on purpose (logging)."""
+    ops, side = p.ops, []
+    for ref, op, out, _ in kept.values():
+        t = ref()
+        if t is not None and t.is_floating_point() and _storage_key(t) not in p.returned \
+                and ops[op][_OP] not in DETACHED_ALIAS_OPS:
+            side.append([op, out])
+    return sorted(side)
 
 
 def _cached(p: _Pass, index: int) -> bool:

@@ -21,6 +21,7 @@ import hashlib
 import weakref
 from typing import Any, Callable, NamedTuple
 
+from ..stateflags import PASS_NOTES
 from ..oprules import HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_outside_update, state_read, written_inputs
 from .rows import _ARGS, _HOST, _OP, _OUT, _REFS
 from .torch_compat import _SAC_MODES, FORWARD
@@ -78,7 +79,8 @@ def signature(p: Any, fps: dict[int, list]) -> tuple:
     positions = [(pos[1:2] + pos[7:8], pos[6] if len(pos) > 6 else None) for pos in p.positions]
     externals = {(e["kind"], e["name"]): e.get("fp") for e in p.externals}
     first_reads = {(e["kind"], e["name"]): e.get("first_op") for e in p.externals}  # the op that read it first
-    state = {k: v for k, v in p.state.items() if k != "rng"}  # RNG effects show in the random ops' values
+    # RNG effects show in the random ops' values
+    state = {k: v for k, v in p.state.items() if k != "rng" and k not in PASS_NOTES}
     if "dispatch_modes" in state:  # selective AC runs a caching mode in the forward, a cached one in recompute
         state["dispatch_modes"] = ["SAC" if m in _SAC_MODES else m for m in state["dispatch_modes"]]
     attributes = {**p.attributes, **{"updated " + k: v for k, v in p.attribute_updates.items()},

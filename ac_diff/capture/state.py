@@ -5,6 +5,8 @@
                            "cudnn.deterministic": True, ...}   (a backend flag only where not at its usual value:
                                                                 ac_diff/stateflags.py names them)
     training_mode(module) -> "train" | "eval" | "train except a.drop, b.bn"
+    trainable(module) -> "all" | "none" | "none except mlp.up.weight"   (its parameters that require grad)
+    module_hooks(module) -> ["act: <lambda> (train.py:34)"]             (the forward hooks on its modules)
     rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
     host_draws(host_rng_states() at a pass's start, at its end) -> ["random"]   (the host generators it drew from)
 """
@@ -76,23 +78,72 @@ def global_state(own_mode: Any) -> dict[str, Any]:
 
 
 _inner_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [(name, submodule)]
+_parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [(name, parameter)]
+
+
+def _listed(module: torch.nn.Module) -> list:
+    """[(name, submodule)] of `module` and every module inside it, listed once per module (named_modules() costs
+    ~40 us for an MoE block, per pass)."""
+    inner = _inner_modules.get(module)
+    if inner is None:
+        inner = _inner_modules[module] = [(clean_fqn(name), m) for name, m in module.named_modules()]
+    return inner
 
 
 def training_mode(module: torch.nn.Module) -> str:
     """"train", "eval", or "train except a.drop, b.bn" / "eval except ...": the modes of the region's
     modules (`model.eval()` between the forward and backward flips what batch norm and dropout do)."""
     with contextlib.suppress(Exception):
-        inner = _inner_modules.get(module)
-        if inner is None:  # (listed once per module: named_modules() costs ~40 us for an MoE block, per pass)
-            inner = _inner_modules[module] = [(clean_fqn(name), m) for name, m in module.named_modules()
-                                              if m is not module]
         root = module.training
-        others = list(dict.fromkeys(name for name, m in inner if m.training is not root))  # (a wrapper: its name)
-        text = "train" if root else "eval"
-        if others:
-            text += " except " + ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-        return text
+        # (a wrapper: its name)
+        others = list(dict.fromkeys(name for name, m in _listed(module) if m is not module and m.training is not root))
+        return ("train" if root else "eval") + _except(others)
     return "?"
+
+
+def trainable(module: torch.nn.Module) -> str:
+    """"all", "none", or "all except a.weight" / "none except b.bias": which of the region's parameters require grad
+    (frozen or unfrozen between the forward and the backward, the recompute saves other tensors)."""
+    with contextlib.suppress(Exception):
+        params = _parameters.get(module)
+        if params is None:  # (listed once per module, as `_listed`; ~1 us a pass for a decoder layer)
+            params = _parameters[module] = [(clean_fqn(name), p) for name, p in module.named_parameters()]
+        flags = [p.requires_grad for _, p in params]
+        needing = sum(flags)
+        if not flags:
+            return "-"
+        most = needing * 2 >= len(flags)
+        return ("all" if most else "none") + ("" if needing in (0, len(flags)) else
+                                              _except([name for name, p in params if p.requires_grad is not most]))
+    return "?"
+
+
+def module_hooks(module: torch.nn.Module) -> list[str]:
+    """The forward hooks and pre-hooks on the region's modules, as "act: <lambda> (train.py:34)": a hook registered
+    (or removed) between the forward and the backward runs in one pass only."""
+    with contextlib.suppress(Exception):
+        return [f"{name or '(the region)'}: {_hook_label(hook)}" for name, m in _listed(module)
+                if m._forward_pre_hooks or m._forward_hooks
+                for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    return []
+
+
+def callable_name(fn: Any) -> str:
+    """`OffloadPool.pack` for a bound method or a function (less the `<locals>` path of one defined in a function:
+    `<lambda>`), the type's name for anything else (a partial)."""
+    name = getattr(fn, "__qualname__", None)
+    return name.rsplit("<locals>.", 1)[-1] if isinstance(name, str) else type(fn).__name__
+
+
+def _hook_label(hook: Any) -> str:
+    name = callable_name(hook)
+    code = getattr(hook, "__code__", None)
+    return f"{name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code is not None else name
+
+
+def _except(names: list[str]) -> str:
+    return (" except " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            if names else "")
 
 
 def host_rng_states() -> tuple:
@@ -105,15 +156,17 @@ def host_rng_states() -> tuple:
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         with contextlib.suppress(Exception):
-            states.append(("numpy.random", hashlib.blake2b(numpy_random.get_state()[1].tobytes(),
-                                                           digest_size=8).hexdigest()))
+            # (the key, and the position in it: a draw moves the position, the key only every 624 words)
+            _, key, position, has_gauss, gauss = numpy_random.get_state()
+            states.append(("numpy.random", hashlib.blake2b(key.tobytes(), digest_size=8).hexdigest(), position,
+                           has_gauss, gauss))
     return tuple(states)
 
 
 def host_draws(before: tuple, after: tuple) -> list[str]:
     """The host generators that moved between two `host_rng_states()`: ["random"], ["numpy.random"], ..."""
-    start = dict(before)
-    return [name for name, state in after if name in start and start[name] != state]
+    start = {name: tuple(state) for name, *state in before}
+    return [name for name, *state in after if name in start and start[name] != tuple(state)]
 
 
 def rng_digest() -> str:

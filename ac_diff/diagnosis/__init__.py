@@ -18,7 +18,7 @@ import contextlib
 from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, UNCHECKED, Cause, MetadataChange, Report,
+from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, Cause, MetadataChange, Report,
                       RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, RECOMPILED, SHARDED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
@@ -92,8 +92,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         crash, exit_status = cut, exit_status or CUT_SHORT
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
+    at_risk = any(r.unchecked_reason == SIDE_OUTPUT for r in region_reports)  # (reproduced, yet never clean)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
-               UNCHECKED if crash or lost or not (any(r.status == CLEAN for r in region_reports) or watched_clean(watch))
+               UNCHECKED if crash or lost or at_risk or not (any(r.status == CLEAN for r in region_reports)
+                                                             or watched_clean(watch))
                else CLEAN)
     raised = {(e.rank, e.region) for e in errors_summary}
     # a region recorded in full leads over a watched one (which shows no ops)
@@ -409,6 +411,14 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"damaged: {damaged} region(s) could not be read intact from the trace (damaged lines) and "
                     f"were not diagnosed" + (f"; {checked} other region(s) clean" if checked else "")
                     + "; copy the trace again from where it was written, or re-record it")
+        at_risk = [r for r in regions if r.unchecked_reason == SIDE_OUTPUT]
+        if at_risk:
+            first = at_risk[0]
+            return (f"gradients at risk: {len(at_risk)} reentrant region(s) reproduced their forward but handed out "
+                    f"tensors other than through their outputs, made without grad (the first: {first.cause.tensor} at "
+                    f"{first.cause.source or first.module}, region {first.region}); a loss computed from them gives "
+                    "no gradient: `ac-diff run --reference no-ac` compares the gradients"
+                    + (f"; {checked} other region(s) clean" if checked else ""))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
                        next((r.notes[-1] for r in regions if r.notes), ""))

@@ -24,7 +24,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
-from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
+from ..report import (CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
                       UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
@@ -117,7 +117,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     cached = _cache_skipped_saves(region, cmp)
     if cached is not None:
         return cached
-    frozen = _requires_grad_changed(region)
+    frozen = _requires_grad_changed(region) or _trainable_changed(flags)
     if frozen is not None:
         return frozen
 
@@ -133,6 +133,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     initialized = _initialized_in_forward(region, cmp)  # (before "updated in place": the init wrote them)
     if initialized is not None:
         return initialized
+    if "hooks" in flags:  # (after a lazy module's init, whose hook removes itself after the forward)
+        return _hooks_changed(flags["hooks"])
     stepped = _whole_model_update(region, changed)
     if stepped is not None and relevant:
         return stepped
@@ -472,9 +474,39 @@ def _requires_grad_changed(region: Region) -> Cause | None:
                                                                       else ""),
                  f"{len(names)} parameter(s) the region reads were {now} between the forward and the backward "
                  f"(requires_grad {changed[0][1]} in the forward, {changed[0][2]} in the recompute: "
-                 f"{backticked(names)}): an op saves the tensors a gradient needs only where one is needed, so the "
-                 "recompute saved other tensors than the forward",
+                 f"{backticked(names)}){_SAVES_WHAT_GRADS_NEED}",
                  [f"{name}: requires_grad {a} -> {b}" for name, a, b in changed[:6]], mechanism=REQUIRES_GRAD)
+
+
+_SAVES_WHAT_GRADS_NEED = (": an op saves the tensors a gradient needs only where one is needed, so the recompute saved "
+                          "other tensors than the forward")
+
+
+def _trainable_changed(flags: dict[str, dict]) -> Cause | None:
+    """The region's parameters that require grad, as a watched pass notes them (`trainable`: no op recorded, so no
+    parameter read), differ between the passes."""
+    change = flags.get("trainable")
+    if change is None:
+        return None
+    was, now = change["forward"], change["recompute"]
+    return Cause("state_mutation", "requires_grad of the region's parameters",
+                 f"the region's parameters were frozen or unfrozen between the forward and the backward (those that "
+                 f"require grad: {was} in the forward, {now} in the recompute){_SAVES_WHAT_GRADS_NEED}",
+                 [f"parameters that require grad: {was} -> {now}"], mechanism=REQUIRES_GRAD)
+
+
+def _hooks_changed(change: dict[str, list | None]) -> Cause:
+    """Forward hooks on the region's modules that one pass ran and the other did not: registered (or removed)
+    between the forward and the backward, as a probe, an ablation or a logging hook is."""
+    was, now = change["forward"] or [], change["recompute"] or []
+    added, removed = [h for h in now if h not in was], [h for h in was if h not in now]
+    hook = (added or removed or now or was or ["?"])[0]
+    return Cause("control_flow", hook.split(" (")[0],
+                 f"a forward hook on the region's modules was {'registered' if added else 'removed'} between the "
+                 f"forward and the backward ({hook}): the {'recompute' if added else 'forward'} ran it, the "
+                 f"{'forward' if added else 'recompute'} did not, so the recompute computed other values",
+                 [f"hooks in the forward: {', '.join(was) or 'none'}", f"hooks in the recompute: {', '.join(now) or 'none'}"],
+                 mechanism=HOOKS)
 
 
 def _cache_skipped_saves(region: Region, cmp: PassComparison) -> Cause | None:

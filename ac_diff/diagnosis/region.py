@@ -14,9 +14,9 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
                       PositionRow, RegionReport, shared)
-from ..stateflags import flag_value
+from ..stateflags import PASS_NOTES, flag_value
 from .attributes import function_state_cause
 from .cause import explain, explain_flags
 from ..align import Pair
@@ -281,7 +281,47 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             explain_watched(report, region)
     elif report.status == CLEAN:
         explain_flags(report, region, torch_version)
+        _side_outputs(report, region, torch_version)
     return report
+
+
+def _side_outputs(report: RegionReport, region: Region, torch_version: str | None) -> None:
+    """A reentrant region whose recompute reproduced its forward, but whose forward handed out a tensor computed from
+    what requires grad other than through its outputs (a list a hook fills, as Mixtral's router logits for the
+    load-balancing loss): made under no_grad, a loss computed from it gives no gradient. Whether the script computes
+    a loss from it, the recompute cannot tell: never clean."""
+    from .dataflow import upstream
+
+    fwd = region.forward
+    side = fwd.state.get("side_outputs") if region.kind == "reentrant" and fwd is not None else None
+    if not side:
+        return
+    ops = {o.index: o for o in fwd.ops}
+    trainable = {e.name for e in fwd.externals if e.kind == "param" and e.requires_grad}
+    inputs_grad = "no_grad_inputs" not in region.options
+
+    def carries_grad(op: OpRecord) -> bool:
+        refs = [r for o in (op, *upstream(fwd.ops, op)) for r in o.input_refs]
+        return any(r.kind == "param" and r.name in trainable or r.kind == "input" and inputs_grad for r in refs)
+
+    lost = [ops[index] for index, _ in side if index in ops and carries_grad(ops[index])]
+    if not lost:
+        return
+    op = lost[0]
+    at = f"{op.op} at {where(op.module, op.source)}"
+    _unchecked(report, SIDE_OUTPUT,
+               f"its recompute reproduced its forward, but {len(lost)} tensor(s) its forward made left it other than "
+               f"through its outputs (the first: {at}); ac-diff cannot tell whether a loss is computed from them: "
+               "`ac-diff run --reference no-ac` compares the gradients")
+    report.cause = Cause(
+        "lost_gradient", op.op,
+        f"the region's forward hands out a tensor other than through its outputs ({at}, kept by the script: a list a "
+        "hook fills, a module attribute); under use_reentrant=True the forward runs under no_grad, so that tensor "
+        "requires no grad, and a loss computed from it (a router's load-balancing loss) gives no gradient to the "
+        "region's parameters or anything before it",
+        [f"{o.op} (forward op #{o.index}) at {where(o.module, o.source)}: outlived the region, not an output"
+         for o in lost[:4]], mechanism="side_output", source=op.source)
+    report.suggestions = suggestions_for(report, region, torch_version)
 
 
 def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_version: str | None) -> RegionReport:
@@ -478,8 +518,10 @@ def _substituted(f, r) -> str:
 
 def state_changes(fwd: Pass, rec: Pass, region: Region) -> dict[str, dict]:
     """Global state that differs between the passes' first ops (RNG handled by the cause), with both values."""
-    # bookkeeping of the reader, what a pass drew and where (the cause reads them), where it raised: not state
-    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws", "host_draw_sites", "lost", "raised_in"}
+    # bookkeeping of the reader, what a pass drew and where (the cause reads them), where it raised, how checkpoint
+    # kept its inputs: not state
+    ignore = {"n_ops", "error", "rng", "cut", "lost_lines", "host_draws", "host_draw_sites", "lost", "raised_in",
+              *PASS_NOTES}
     if region.kind == "reentrant":
         ignore.add("grad_enabled")  # reentrant forward runs under no_grad by design
     keys = (set(fwd.state) | set(rec.state)) - ignore

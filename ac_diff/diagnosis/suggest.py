@@ -15,7 +15,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
-from ..report import (CACHE_HIT, GRAD_MODE, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
+from ..report import (CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
                       UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
 from .labels import backticked
@@ -175,6 +175,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "batch), then build the optimizer.",
             "with torch.no_grad():\n    model(sample_batch)   # materializes the lazy modules, outside AC\n"
             "optimizer = torch.optim.AdamW(model.parameters())"))
+    elif kind == "control_flow" and mechanism == HOOKS:
+        out.append(Suggestion(
+            "Register and remove module hooks between steps, not between a forward and its backward",
+            f"The hook `{cause.tensor}` was on the region's modules in one pass only: checkpoint's recompute, in the "
+            "backward, runs every hook registered then. Remove a probe's or an ablation's hook before "
+            "`loss.backward()` (a context manager around the probe), or run the probe after the step.",
+            "handle = model.blocks[1].act.register_forward_hook(ablate)\ntry:\n    with torch.no_grad():\n"
+            "        probe_loss = loss_fn(model(x), y)\nfinally:\n    handle.remove()    # before loss.backward()\n"
+            "loss.backward()"))
     elif kind == "state_mutation" and mechanism == REQUIRES_GRAD:
         out.append(Suggestion(
             "Freeze or unfreeze parameters between steps, not between a forward and its backward",
@@ -276,6 +285,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "`loss.backward()` - best after `optimizer.step()`, e.g. from an optimizer step hook - not in a "
                 "forward hook or inside forward().",
                 _step_hook_code(name)))
+    elif kind == "lost_gradient" and mechanism == "side_output":
+        out.append(Suggestion(
+            "Use use_reentrant=False: a reentrant region's tensors reach a loss only through its outputs",
+            "With use_reentrant=True the region's forward runs under no_grad: a tensor it hands out another way (a "
+            "hook's list, as Hugging Face collects router logits for the load-balancing loss, a module attribute) "
+            "requires no grad, so an auxiliary loss computed from it trains nothing. use_reentrant=False records "
+            "the forward's graph as usual; or return the tensor from the checkpointed function.",
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})\n"
+            "# or: out = checkpoint(block, x, use_reentrant=False)"))
     elif kind == "lost_gradient" or report.unchecked_reason == "no backward: its inputs require no grad":
         out.append(Suggestion(
             "Use use_reentrant=False, or give the reentrant checkpoint an input that requires grad",

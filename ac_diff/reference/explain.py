@@ -37,7 +37,7 @@ from typing import Any
 
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import DIVERGED, GRAD_MODE, Divergence, RegionReport
+from ..report import CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, UNCHECKED, Divergence, RegionReport
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -291,9 +291,30 @@ def _num(x: float | None) -> str:
     return "?" if x is None else f"{x:.3g}"
 
 
+def _side_outputs_feed_no_loss(report: Any) -> None:
+    """Regions whose recompute reproduced their forward, held unchecked only for a side output that could have fed a
+    loss (diagnosis/region.py `_side_outputs`): the gradients match the run without AC, so none did. They are clean,
+    and so is the run where nothing else kept it unchecked."""
+    at_risk = [r for r in report.regions if r.unchecked_reason == SIDE_OUTPUT]
+    if not at_risk:
+        return
+    for r in at_risk:
+        r.status, r.unchecked_reason, r.cause, r.suggestions = CLEAN, None, None, []
+        r.notes = [n for n in r.notes if "other than through its outputs" not in n]
+        r.notes.append("its forward handed out tensors other than through its outputs, but the gradients match the run "
+                       "without AC: no loss is computed from them")
+    if report.verdict == UNCHECKED and all(r.status == CLEAN for r in report.regions) and not report.crashed:
+        report.verdict = CLEAN
+        report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
+                           f"exactly; the tensors {len(at_risk)} reentrant region(s) handed out other than through "
+                           "their outputs feed no loss (the gradients match the run without AC)")
+
+
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
+    if result.verdict == IDENTICAL:
+        _side_outputs_feed_no_loss(report)
     if not result.defect:
         return
     if report.verdict != DIVERGED:  # (AC inside compiled graphs: what they show stays in the headline)

@@ -25,7 +25,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import CLEAN, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
+from ..report import CLEAN, DIVERGED, SIDE_OUTPUT, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
 from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
@@ -104,6 +104,9 @@ def render_terminal(report: Report, console: Console) -> None:
         rest = sum(len(m) for _, m, _ in groups[MAX_DETAILED_REGIONS:])
         console.print(Text(f"... {rest} more diverged region(s) with other causes: see the region table, "
                            "or --format json / html for every detail", style="dim"))
+    at_risk = [r for r in report.regions if r.unchecked_reason == SIDE_OUTPUT]
+    if at_risk:  # reproduced, yet never clean: the first one's finding and its fix
+        _region_detail(at_risk[0], report, console, shown)
     side_effects = sorted({e for r in report.regions for e in r.side_effects})
     for effect in side_effects[:6]:
         console.print(Text("side effect: ", style="bold yellow") + _t(effect))
@@ -204,7 +207,7 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
         what = (Breakable(_short_op(first.op) + (f" in {first.module}" if first.module else "")) if first else
                 Breakable(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
         table.add_row(*row, *([what] if with_first else []))
-    notes = [] if with_first else [
+    notes = [] if with_first or not any(r.status == DIVERGED for r in shown) else [
         f"first divergences: in the region details below (here from {fixed + FIRST_DIVERGENCE_MIN} columns)"]
     if len(shown) < len(rows):
         hidden = [r for r in rows if r.status != DIVERGED] + [r for r in rows if r.status == DIVERGED][limit:]
