@@ -301,6 +301,7 @@ def fix(
     json_path: JsonOption = None,
     report_file: RunReportOption = None,
     config: ConfigOption = None,
+    force: bool = typer.Option(False, "--force", help="Accepted as by every command: fix always replaces the runs an earlier fix left in its directory."),
 ) -> None:
     """Try each remedy on the script (one process per try) and say which one works.
 

@@ -240,6 +240,10 @@ def test_audit_document_without_regions():
     auditor = Auditor(AuditSettings(parse_noise("1ulp")))
     doc = audit_document(auditor, parse_scale(None), target="x.py", wall_seconds=0.0)
     assert doc["audit"]["sites"] == [] and doc["audit"]["extrapolation"]["expected_flips_per_step"] == 0
+    assert doc["audit"]["headline"].startswith("nothing audited: no checkpointed region ran")
+    # a script that stopped before any region (a DDP script started without torchrun): no reassuring prediction
+    doc = audit_document(auditor, parse_scale(None), target="x.py", wall_seconds=0.0, exit_code=1)
+    assert doc["audit"]["headline"].startswith("nothing audited: the script stopped (exit 1) before any")
 
 
 # -- the stacks: their consequence agrees with what their real mechanism does ----------------------------

@@ -45,6 +45,13 @@ def test_command_help_has_an_example(command, capsys):
     assert example.startswith(f"ac-diff {command}"), example
 
 
+@pytest.mark.parametrize("command", ["run", "fix"])
+def test_the_common_force_option_is_taken_by_each_command_that_writes_runs(command, capsys):
+    """The README lists --force among the common options: `fix --force` is no usage error (a stranger's was)."""
+    assert main([command, "--help"]) == 0
+    assert "--force" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["run", "report", "compare", "demo"])
 def test_command_takes_config(command, capsys):
     assert main([command, "--help"]) == 0

@@ -37,6 +37,30 @@ def runs(tmp_path_factory):
     })
 
 
+def test_a_block_compiled_in_place_and_checkpointed_names_its_ops(tmp_path):
+    """checkpoint(block) of a `block.compile()`d module: its call runs the compiled code, not its module hooks, so
+    the recorder puts it on the module stack itself (a stranger's first divergence had no module)."""
+    import ac_diff
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
+    for block in blocks:
+        block.compile(backend="aot_eager")
+    try:
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            x = torch.randn(4, 8, requires_grad=True)
+            for block in blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            x.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    run = read_run(tmp_path / "t.jsonl")
+    assert [g.module for g in run.regions] == ["0", "1"]
+    for g in run.regions:
+        ops = [o for p in (g.forward, g.recompute) for o in p.ops if o.op == "aten.addmm.default"]
+        assert ops and all(o.module == g.module for o in ops), [(o.op, o.module) for o in ops]
+
+
 @pytest.mark.e2e
 def test_compiled_submodule_inside_regions_is_named_and_the_divergence_still_found(runs):
     r = runs["inner"]

@@ -75,6 +75,8 @@ def test_eval_between_forward_and_backward_is_the_module_mode(tmp_path):
     assert "'train' in the forward and 'eval' in the recompute" in region.cause.detail
     assert region.suggestions[0].title.startswith("Keep the model's train/eval mode")
     assert not region.side_effects  # the recompute ran in eval mode: it updated nothing a second time
+    # torch's error (eval-mode batch norm saves [0]-shaped statistics) is this cause, not a guess from its shapes
+    assert report.torch_error.cause.startswith("global_state: "), report.torch_error.cause
 
 
 class RunningScale(nn.Module):

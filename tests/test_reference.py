@@ -153,6 +153,7 @@ def test_torchrun_two_ranks_each_compare_with_their_own_reference(tmp_path):
     ref = json.loads(json_path.read_text())["reference"]
     assert ref["verdict"] == "differs"
     assert {s["rank"] for s in ref["steps"] if s["differing"]} == {0, 1}
+    assert ref["headline"].startswith("every rank (2), rank 0's figures: ")  # not "rank 0" alone
     assert any(e["kind"] == "side_output" for e in ref["explanations"])
     assert (out / "reference" / "grads-rank1.pt").exists()
 

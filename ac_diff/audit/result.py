@@ -84,6 +84,11 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
     settings = auditor.settings
     risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
     recompute = recompute_json(auditor.recompute, target)
+    if not auditor.regions:  # no prediction from nothing: say why nothing was audited
+        risk["headline"] = ("nothing audited: " + (
+            f"the script stopped (exit {exit_code}) before any checkpointed region ran; fix what stopped it (its "
+            "error is above), then audit again" if exit_code else
+            "no checkpointed region ran (is activation checkpointing on?)"))
     return {"format": FORMAT, "version": VERSION, "audit": {
         "headline": recompute["headline"] or risk["headline"],
         "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,

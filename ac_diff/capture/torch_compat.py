@@ -92,15 +92,15 @@ def parameters_losing_grad(fn: Any, args: Any) -> tuple[Any, list[str]] | None:
 def checkpointed_module(fn: Any) -> tuple[Any, bool]:
     """The nn.Module a checkpointed function runs, and whether its own `__call__` (hooks) runs in the region.
 
-    `checkpoint(block, x)` -> (block, True); `checkpoint(block.forward, x)` and Hugging Face's
-    `partial(forward, layer, **kwargs)` (transformers >= 4.5x checkpoints `forward`, not `__call__`) ->
+    `checkpoint(block, x)` -> (block, True), (block, False) after `block.compile()`; `checkpoint(block.forward, x)`
+    and Hugging Face's `partial(forward, layer, **kwargs)` (transformers >= 4.5x checkpoints `forward`) ->
     (module, False): its module hooks fire only outside the region, so in the recompute nothing says
     which module runs unless the recorder puts it on the module stack. (None, True) when unknown.
     """
     fn = getattr(fn, "_ac_diff_checkpointed", fn)  # a remedy's wrapper (remedies/restore.py)
     for _ in range(4):
-        if isinstance(fn, torch.nn.Module):
-            return fn, True
+        if isinstance(fn, torch.nn.Module):  # (`module.compile()`: its call runs the compiled code, not its hooks)
+            return fn, getattr(fn, "_compiled_call_impl", None) is None
         owner = getattr(fn, "__self__", None)
         if isinstance(owner, torch.nn.Module):
             return owner, getattr(fn, "__name__", "") in ("__call__", "_call_impl", "_wrapped_call_impl")

@@ -84,7 +84,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     _through_nested_regions(region_reports)
     one_optimizer_step(region_reports)
     watch = watch_summary(runs, region_reports)
-    errors_summary = [_summary(e) for e in errors]
+    errors_summary = [_summary(e, region_reports) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
     cut = None if crash else _cut_short(runs, region_reports, watch)
@@ -187,14 +187,19 @@ def link_log_ids(p: Pass) -> None:
             produced[name] = (op.index, j)
 
 
-def _summary(err: TorchError) -> TorchErrorSummary:
+def _summary(err: TorchError, reports: list[RegionReport]) -> TorchErrorSummary:
+    """The error as reports show it; its cause the diagnosis of the region it names where there is one, else what its
+    metadata alone suggests (a log without op lists)."""
     changes = [MetadataChange(p.position, str(p.saved) if p.saved else None,
                               str(p.recomputed) if p.recomputed else None) for p in err.positions]
+    region = next((r for r in reports if (r.rank, r.region) == (err.rank, err.region) and r.cause is not None
+                   and r.cause.kind != "unknown"), None)
     return TorchErrorSummary(kind=err.kind, rank=err.rank, region=err.region,
                              positions=[p.position for p in err.positions if p.position is not None],
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
-                             cause=f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else
+                             cause=f"{region.cause.kind}: {region.cause.detail}" if region is not None else
+                             f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else
                              f"compiled_graph: {RECOMPILED}" if err.compiled else
                              f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
                              else None,

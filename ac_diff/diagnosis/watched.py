@@ -28,10 +28,12 @@ def explain_watched(report: RegionReport, region: Region) -> None:
     shapes = [p for p in differ if p.matches is False]
     modules = sorted({p.module for p in differ if p.module})
     if differ:
-        what = (f"saved position{'s' if len(differ) > 1 else ''} {number_ranges([p.position for p in differ])}"
+        noun = "output" if all(p.origin == "output" for p in differ) else "saved position"  # (a reentrant one's)
+        what = (f"{noun}{'s' if len(differ) > 1 else ''} {number_ranges([p.position for p in differ])}"
                 + (f" (in {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''})" if modules else "")
                 + (" changed shape" if len(shapes) == len(differ) else
-                   f" hold other values ({len(shapes)} of them another shape)" if shapes else " hold other values"))
+                   f" hold other values ({len(shapes)} of them another shape)" if shapes else
+                   " holds other values" if len(differ) == 1 else " hold other values"))
     else:
         what = "the recompute did not save the same tensors (another count, or it raised)"
     step = f" in step {region.step}" if region.step is not None else ""

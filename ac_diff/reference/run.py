@@ -152,7 +152,11 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
     # the headline: the rank whose gradients differ for a reason of its own before one that only received them
     r0, worst = min(results, key=lambda x: (order[x[1].verdict], any(
         e.kind == "other_rank_divergence" for e in x[1].explanations), x[0]))
-    merged = ReferenceResult(mode=worst.mode, verdict=worst.verdict, headline=f"rank {r0}: {worst.headline}",
+    alike = [r for r, res in results if res.verdict == worst.verdict]  # (a stranger read "rank 0" as all it compared)
+    label = (f"rank {r0}" if len(alike) == 1 else f"every rank ({len(results)})" if len(alike) == len(results)
+             else f"ranks {', '.join(map(str, alike))}") + (f", rank {r0}'s figures" if len(alike) > 1 and
+                                                              worst.verdict != IDENTICAL else "")
+    merged = ReferenceResult(mode=worst.mode, verdict=worst.verdict, headline=f"{label}: {worst.headline}",
                              steps_requested=steps, command=command, exit_code=exit_code)
     seen = set()
     for r, res in results:

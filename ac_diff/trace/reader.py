@@ -47,6 +47,7 @@ def is_trace(path: str | os.PathLike) -> bool:
 
 
 _DAMAGED = "_damaged"
+_STREAM_CUT = "the compressed stream is damaged or cut short here"
 
 
 def _lines(f: Any) -> Iterator[bytes]:
@@ -81,7 +82,7 @@ def iter_records(path: str | os.PathLike, defer_ops: bool = False) -> Iterator[d
         end = len(first)
         for line in lines:
             if line is None:
-                yield {"type": _DAMAGED, "why": "the compressed stream is damaged or cut short here"}
+                yield {"type": _DAMAGED, "why": _STREAM_CUT}
                 return
             at, end = end, end + len(line)
             if not line.strip():
@@ -287,6 +288,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                      deferred=deferred.get((number, phase, attempt)))
             p.state["cut"] = True  # not "it raised": the trace ends before this pass was written out
             _set_pass(region, p)
+    stream_cut = bool(damage) and not ended and damage[-1][1] == _STREAM_CUT
     if damage and not ended and damage[-1][0] == line:  # the line a killed process was writing: cut, not damaged
         damage.pop()
     if damage:
@@ -306,8 +308,11 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     run.errors = recorded_errors(run, check_errors)
     if not ended:
         run.truncated = True
-        run.notes.append(f"{path} has no end record: the recorded process stopped before ac-diff could finish "
-                         "the trace (killed?); everything up to the last completed pass is shown")
+        run.notes.append(f"{path} has no end record" + (
+            ", and its compressed stream is cut short: the recorded process was killed while writing it, or the file "
+            "is an incomplete copy (copy it again)" if stream_cut else
+            ": the recorded process stopped before ac-diff could finish the trace (killed?)")
+            + "; everything up to the last completed pass is shown")
     return run
 
 
