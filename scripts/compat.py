@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 INTERNALS = ["tests/test_positions_match_torch.py", "tests/test_recorder_variants.py", "tests/test_bit_identical.py",
              "tests/test_nested_regions.py", "tests/test_torch_versions.py", "tests/test_compare_logs.py",
              "tests/test_logs_units.py", "tests/test_remedies.py", "tests/test_later_recomputes.py",
-             "tests/test_branch_causes.py"]
+             "tests/test_branch_causes.py", "tests/test_held_elsewhere.py"]
 
 # feature -> pytest node ids (substrings) whose outcome decides it
 FEATURES = {

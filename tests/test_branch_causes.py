@@ -156,6 +156,23 @@ def test_a_probe_hook_left_on_until_after_the_backward(watch, removed_before_bac
     assert region.suggestions[0].title.startswith("Register and remove module hooks between steps")
 
 
+def test_pruning_again_before_the_backward_is_the_mask_not_the_hook(tmp_path):
+    """torch.nn.utils.prune applied a second time swaps the module's pruning hook for a PruningContainer that runs
+    the same ops: what differs is the mask buffer it multiplies by, so the cause names the mask."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = Mlp()
+    prune.l1_unstructured(model.up, "weight", amount=0.2)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = cp.checkpoint(model, torch.randn(4, 8), use_reentrant=False).pow(2).mean()
+        prune.l1_unstructured(model.up, "weight", amount=0.2)  # the schedule, before the backward
+        loss.backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged" and region.state_changes["hooks"], region.state_changes
+    assert (region.cause.kind, region.cause.tensor) == ("state_mutation", "up.weight_mask"), region.cause
+
+
 class RoutedBlock(nn.Module):
     """A router whose logits a forward hook collects for a load-balancing loss (as Hugging Face's MoE models do), or
     for logging, detached."""

@@ -190,5 +190,17 @@ def test_a_region_input_an_offload_pool_overwrote_names_the_hooks(tmp_path):
         "has returned it"
 
 
+def test_without_torchs_hook_stack_the_kept_input_still_reads_as_the_hooks(tmp_path, monkeypatch):
+    """torch <= 2.7 cannot say which saved-tensor hooks were active: the input itself is alive and unwritten, so what
+    came back changed is what checkpoint kept of it, not the input."""
+    from ac_diff.capture import torch_compat
+
+    monkeypatch.setattr(torch_compat, "saved_tensors_hooks_now", lambda: None)
+    pool = ReusedPool(slots=2)
+    report = _offloaded(tmp_path, torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack))
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert lead.cause.mechanism == "saved_hooks" and "the input itself is unchanged" in lead.cause.detail, lead.cause
+
+
 def test_inputs_kept_through_save_on_cpu_are_clean(tmp_path):
     assert _offloaded(tmp_path, torch.autograd.graph.save_on_cpu()).verdict == "clean"

@@ -422,7 +422,7 @@ def saved_tensors_hooks_now() -> tuple[Any, Any] | None:
     """(pack, unpack) of the innermost `torch.autograd.graph.saved_tensors_hooks` active now, or None: the hooks a
     non-reentrant checkpoint keeps its region's inputs through (an offload pool, a compression of activations)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # (torch releases without it: the cause then names no hook)
+    if top is None:  # (torch <= 2.7: the cause then names no hook, only that the kept input came back changed)
         return None
     try:
         hooks = top(False)
@@ -430,7 +430,10 @@ def saved_tensors_hooks_now() -> tuple[Any, Any] | None:
         hooks = top()
     except RuntimeError:
         return None
-    return hooks if isinstance(hooks, tuple) and len(hooks) == 2 and hooks[0] is not None else None
+    if not (isinstance(hooks, tuple) and len(hooks) == 2 and hooks[0] is not None):
+        return None
+    # (an enclosing checkpoint's own hooks, around a nested region: not the user's)
+    return None if getattr(hooks[0], "__module__", "") == _cp.__name__ else hooks
 
 
 def input_saver() -> str | None:

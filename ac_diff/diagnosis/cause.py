@@ -133,7 +133,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     initialized = _initialized_in_forward(region, cmp)  # (before "updated in place": the init wrote them)
     if initialized is not None:
         return initialized
-    if "hooks" in flags:  # (after a lazy module's init, whose hook removes itself after the forward)
+    # (after a lazy module's init, whose hook removes itself after the forward); a hook swapped for one that runs the
+    # same ops (pruning again: a PruningContainer for the first method) only where no state read explains the values
+    if "hooks" in flags and (not changed or control is not None or shape is not None or report.watched):
         return _hooks_changed(flags["hooks"])
     stepped = _whole_model_update(region, changed)
     if stepped is not None and relevant:
@@ -681,22 +683,25 @@ def explain_flags(report: RegionReport, region: Region, torch_version: str | Non
 def _through_saved_hooks(region: Region, name: str, evidence: list[str]) -> Cause | None:
     """The region's input `name` reads other values in the recompute, and checkpoint kept it through the user's
     saved-tensor hooks (an offload pool, a compression of activations): the recompute starts from what their unpack
-    returned. Where the input itself is unwritten since the forward, the hooks changed it."""
+    returned. Where the input itself is unwritten since the forward, the hooks changed it, named or not (torch <= 2.7
+    does not say which hooks were active)."""
     hooks = region.forward.state.get("saved_hooks") if region.forward is not None else None
-    if not hooks or not name.startswith("input["):
-        return None
-    pack, unpack = hooks
-    index = name[len("input["):-1]
+    index = name[len("input["):-1] if name.startswith("input[") else ""
     intact = region.recompute is not None and index.isdigit() \
         and int(index) in region.recompute.state.get("inputs_intact", ())
+    if not hooks and not intact:
+        return None
+    through = (f"through the saved-tensor hooks active around it (`{hooks[0]}`, `{hooks[1]}`), and `{hooks[1]}` gave "
+               if hooks else "through the saved-tensor hooks active around it (an offload, a compression), which gave ")
     return Cause("state_mutation", name,
-                 f"checkpoint kept the region's {name} through the saved-tensor hooks active around it (`{pack}`, "
-                 f"`{unpack}`), and `{unpack}` gave the recompute other values than the forward received"
+                 f"checkpoint kept the region's {name} {through}the recompute other values than the forward received"
                  + (": the input itself is unchanged (its version too), so the hooks did not give back what they were "
                     "given (a buffer a later pack reuses, a lossy compression)" if intact else
                     ": the hooks did not give back what they were given (a buffer a later pack reuses, a lossy "
                     "compression), or the input was modified in place after the forward"),
-                 [*evidence, f"saved-tensor hooks around the region's forward: pack `{pack}`, unpack `{unpack}`"]
+                 [*evidence]
+                 + ([f"saved-tensor hooks around the region's forward: pack `{hooks[0]}`, unpack `{hooks[1]}`"]
+                    if hooks else [])
                  + (["the forward's input tensor is alive and unwritten at the recompute"] if intact else []),
                  mechanism=SAVED_HOOKS)
 

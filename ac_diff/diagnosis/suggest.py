@@ -248,7 +248,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "cache[key] = cache[key] * scale  # a new tensor: the one the forward made stays as it was\n"
                 "# not: cache[key].mul_(scale)"))
         elif mechanism == SAVED_HOOKS:
-            pack, unpack = region.forward.state["saved_hooks"]
+            pack, unpack = region.forward.state.get("saved_hooks") or ("pack", "unpack")
             out.append(Suggestion(
                 f"Make `{pack}` keep what it saves intact until `{unpack}` has returned it",
                 "A non-reentrant checkpoint keeps the region's inputs through the saved-tensor hooks active around "
