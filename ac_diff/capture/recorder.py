@@ -226,6 +226,9 @@ class Recorder:
         self._regions = 0
         self._step = 0  # the training step the last region forward began in (see enter())
         self._recomputed = False  # a recompute ran since that step began
+        # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
+        # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
+        self._unreached: set[int] = set()
         self._ops_seen = 0
         self.ops_recorded = 0
         self.ops_outside = 0
@@ -417,9 +420,15 @@ class Recorder:
             region = self._new_region(frame, passes)
             attempt = 0
             # steps count from 1: the first region's forward begins step 1, a top-level one that begins after a
-            # recompute ran (a backward reached a region) the next
-            if not passes and (self._step == 0 or self._recomputed):
+            # recompute ran (a backward reached a region) the next, or one no backward reaches that began already
+            unreached = not passes and ("no_grad_inputs" in region.options
+                                        or not getattr(frame, "grad_enabled", torch.is_grad_enabled()))
+            fn = id(getattr(frame, "_ac_diff_fn", None))
+            if not passes and (self._step == 0 or self._recomputed or unreached and fn in self._unreached):
                 self._step, self._recomputed = self._step + 1, False
+                self._unreached.clear()
+            if unreached:
+                self._unreached.add(fn)
             region.step = self._step
             intact = []
         else:

@@ -60,8 +60,10 @@ REDUCED_MODES = {
 class ReentrantFrame:
     """Stands in for `_CheckpointFrame` in a reentrant region (which has no frame of its own)."""
 
-    def __init__(self, preserve_rng_state: bool, fn: Any = None, lost_grad: int | None = None) -> None:
+    def __init__(self, preserve_rng_state: bool, fn: Any = None, lost_grad: int | None = None,
+                 grad_enabled: bool = True) -> None:
         self.preserve_rng_state = preserve_rng_state
+        self.grad_enabled = grad_enabled  # at the checkpoint() call (its forward then runs under no_grad)
         self.calls = 0
         self._ac_diff_fn = fn  # the checkpointed function (see checkpointed_module)
         # called with grad enabled and no input that requires grad: its output needs no backward, so the
@@ -335,7 +337,7 @@ class CheckpointHooks:
         def forward(ctx, run_function, preserve_rng_state, *args):
             grad_enabled, pending.grad_enabled = getattr(pending, "grad_enabled", None), None
             frame = ReentrantFrame(preserve_rng_state, run_function,
-                                   no_grad_inputs(run_function, args, grad_enabled is not False))
+                                   no_grad_inputs(run_function, args, grad_enabled is not False), grad_enabled is not False)
 
             def run_and_record(*inputs):
                 phase = FORWARD if frame.calls == 0 else RECOMPUTE
