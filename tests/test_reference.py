@@ -53,8 +53,10 @@ def test_side_output_under_reentrant_checkpoint_is_named_and_fails_check(runs):
     ref = _ref(r)
     assert r.returncode == 1, r.explain()  # --check: the recompute is clean, the gradients are not
     assert r.report["verdict"] == "diverged"
-    # each recompute reproduced its forward; the side output alone keeps its region from reading clean
-    assert all(x["status"] == "unchecked" and x["cause"]["mechanism"] == "side_output" for x in r.report["regions"])
+    # each recompute reproduced its forward; its side output, which the gradients show fed a loss, diverged it
+    assert all(x["status"] == "diverged" and x["silent"] and x["cause"]["mechanism"] == "side_output"
+               for x in r.report["regions"])
+    assert not any("--reference no-ac` compares" in n for x in r.report["regions"] for n in x["notes"])
     assert ref["verdict"] == "differs"
     differing = {d["name"]: d for d in ref["steps"][0]["differing"]}
     assert differing["layers.0.gate.weight"]["rel_diff"] > 0.1

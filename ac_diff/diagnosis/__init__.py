@@ -420,8 +420,9 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         if at_risk:
             first = at_risk[0]
             return (f"gradients at risk: {len(at_risk)} reentrant region(s) reproduced their forward but handed out "
-                    f"tensors other than through their outputs, made without grad (the first: {first.cause.tensor} at "
-                    f"{first.cause.source or first.module}, region {first.region}); a loss computed from them gives "
+                    f"tensors other than through their outputs, made without grad (the first: {first.module}, region "
+                    f"{first.region}: {first.cause.tensor}" + (f" at {first.cause.source}" if first.cause.source else "")
+                    + "); a loss computed from them gives "
                     "no gradient: `ac-diff run --reference no-ac` compares the gradients"
                     + (f"; {checked} other region(s) clean" if checked else ""))
         if not checked:

@@ -291,12 +291,23 @@ def _num(x: float | None) -> str:
     return "?" if x is None else f"{x:.3g}"
 
 
-def _side_outputs_feed_no_loss(report: Any) -> None:
+def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
     """Regions whose recompute reproduced their forward, held unchecked only for a side output that could have fed a
-    loss (diagnosis/region.py `_side_outputs`): the gradients match the run without AC, so none did. They are clean,
-    and so is the run where nothing else kept it unchecked."""
+    loss (diagnosis/region.py `_side_outputs`), once the gradients are compared: where they differ and the reference
+    saw the side output, the region diverged (silently); where they match, none fed a loss: they are clean, and so
+    is the run where nothing else kept it unchecked."""
     at_risk = [r for r in report.regions if r.unchecked_reason == SIDE_OUTPUT]
     if not at_risk:
+        return
+    asked = "`ac-diff run --reference no-ac` compares the gradients"
+    if result.verdict == DIFFERS:
+        seen = {e.region for e in result.explanations if e.kind == "side_output"}
+        for r in at_risk:
+            if r.module in seen:
+                r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
+                r.notes = [n.replace(asked, "the run without AC has other gradients: diverged") for n in r.notes]
+        return
+    if result.verdict != IDENTICAL:
         return
     for r in at_risk:
         r.status, r.unchecked_reason, r.cause, r.suggestions = CLEAN, None, None, []
@@ -313,8 +324,7 @@ def _side_outputs_feed_no_loss(report: Any) -> None:
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
-    if result.verdict == IDENTICAL:
-        _side_outputs_feed_no_loss(report)
+    _side_outputs_settled(report, result)
     if not result.defect:
         return
     if report.verdict != DIVERGED:  # (AC inside compiled graphs: what they show stays in the headline)

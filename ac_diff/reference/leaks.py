@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.sourceline import user_source
+from ..oprules import DETACHED_ALIAS_OPS
 from ..own_files import is_own_file
 from ..capture.torch_compat import checkpointed_module, parameters_losing_grad
 
@@ -77,8 +78,8 @@ class _Made(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if len(self.made) >= MAX_TENSORS or _from_ac_diff():
-            return out
+        if len(self.made) >= MAX_TENSORS or str(func) in DETACHED_ALIAS_OPS or _from_ac_diff():
+            return out  # (a tensor the region detached on purpose, for logging, is meant to carry no gradient)
         inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
         if not any(a.requires_grad or _storage(a) in self.grad_storages for a in inputs):
             return out
