@@ -30,9 +30,9 @@ USUAL = {key: usual for key, (_, usual) in BACKEND_FLAGS.items()}
 KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", "num_threads", *BACKEND_FLAGS})
 
 # What one pass notes about itself, not state to compare: the user's saved-tensor hooks checkpoint kept the inputs
-# through (the forward's), which inputs were still unwritten when the recompute began (the recompute's), the tensors a
-# reentrant forward handed out other than through its outputs (the forward's).
-PASS_NOTES = frozenset({"saved_hooks", "inputs_intact", "side_outputs"})
+# through (the forward's), whether the recompute got the forward's input tensors back or copies (the recompute's), the
+# tensors a reentrant forward handed out other than through its outputs (the forward's).
+PASS_NOTES = frozenset({"saved_hooks", "inputs_kept_as", "side_outputs"})
 
 _LABELS = {
     "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",

@@ -187,7 +187,7 @@ def test_a_region_input_an_offload_pool_overwrote_names_the_hooks(tmp_path):
     report = _offloaded(tmp_path, torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack))
     lead = next(r for r in report.regions if r.status == "diverged")
     assert report.verdict == "diverged" and lead.cause.mechanism == "saved_hooks", report.headline
-    assert lead.cause.tensor == "input[0]" and "the input itself is unchanged" in lead.cause.detail
+    assert lead.cause.tensor == "input[0]" and "the recompute got a copy, not the forward's tensor" in lead.cause.detail
     pack, unpack = ("ReusedPool.pack", "ReusedPool.unpack") if saved_tensors_hooks_now is not None else \
         ("pack", "unpack")  # (torch <= 2.7 cannot say which hooks were active: the next test's case)
     assert pack == "pack" or f"`{pack}`" in lead.cause.detail
@@ -195,15 +195,15 @@ def test_a_region_input_an_offload_pool_overwrote_names_the_hooks(tmp_path):
 
 
 def test_without_torchs_hook_stack_the_kept_input_still_reads_as_the_hooks(tmp_path, monkeypatch):
-    """torch <= 2.7 cannot say which saved-tensor hooks were active: the input itself is alive and unwritten, so what
-    came back changed is what checkpoint kept of it, not the input."""
+    """torch <= 2.7 cannot say which saved-tensor hooks were active: the recompute got a copy in other memory than the
+    forward's input, so what came back changed is what checkpoint kept of it, not the input."""
     from ac_diff.capture import torch_compat
 
     monkeypatch.setattr(torch_compat, "saved_tensors_hooks_now", lambda: None)
     pool = ReusedPool(slots=2)
     report = _offloaded(tmp_path, torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack))
     lead = next(r for r in report.regions if r.status == "diverged")
-    assert lead.cause.mechanism == "saved_hooks" and "the input itself is unchanged" in lead.cause.detail, lead.cause
+    assert lead.cause.mechanism == "saved_hooks" and "the recompute got a copy, not the forward's tensor" in lead.cause.detail, lead.cause
 
 
 def test_inputs_kept_through_save_on_cpu_are_clean(tmp_path):

@@ -5,7 +5,8 @@ version, never the region or the input.
 
     kept = KeptInputs()
     kept.forward_ended(region, inputs)    # a region's forward ended: its tensor inputs (weakly) and their versions
-    kept.recomputed(region)               # its recompute began: [0] (input 0 is as its forward left it)
+    kept.recomputed(region)               # its recompute began: [(0, weakref to the forward's input 0)]
+    kept_as(forward_inputs, inputs)       # the recompute's inputs: ["copy", "same", None (the forward's is gone)]
     kept.written()                        # the run stopped: [(region, [[input index, meta, version then, now]])]
 
 What it holds per region awaiting its recompute is a few weak references: a forward that is never recomputed (an
@@ -43,13 +44,11 @@ class KeptInputs:
             self._awaiting = {n: e for n, e in self._awaiting.items() if any(r() is not None for _, r, _ in e[1])}
         self._awaiting[region.number] = (_weakref(region), entries)
 
-    def recomputed(self, region: Any) -> list[int]:
-        """The region's recompute began: nothing left to check. Returns the indices of its inputs still alive and
-        unwritten since its forward (what the recompute reads of them, if it differs, came from elsewhere: the
-        saved-tensor hooks that kept them)."""
+    def recomputed(self, region: Any) -> list[tuple[int, Any]]:
+        """The region's recompute began: nothing left to check. Returns [(input index, weakref to the forward's
+        tensor)]: what `kept_as` compares the recompute's inputs with."""
         _, entries = self._awaiting.pop(region.number, (None, ()))
-        return [index for index, tensor_ref, version in entries
-                if (t := tensor_ref()) is not None and t._version == version]
+        return [(index, tensor_ref) for index, tensor_ref, _ in entries]
 
     def written(self) -> list[tuple[Any, list[list]]]:
         """Each region still awaiting its recompute with an input written in place since its forward ended:
@@ -65,3 +64,21 @@ class KeptInputs:
             if region is not None and changed:
                 out.append((region, changed))
         return out
+
+
+def kept_as(forward: list[tuple[int, Any]], inputs: tuple) -> list[str | None]:
+    """Per input of a recompute: "same" (the forward's tensor itself, or a view of its memory: what checkpoint keeps
+    without saved-tensor hooks), "copy" (other memory: what the user's hooks gave back), None (not known: the
+    forward's tensor is gone, or no tensor)."""
+    alive = {index: ref() for index, ref in forward}
+    out: list[str | None] = []
+    for i, t in enumerate(inputs):
+        f = alive.get(i)
+        if f is None or not isinstance(t, torch.Tensor):
+            out.append(None)
+            continue
+        try:
+            out.append("same" if t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() else "copy")
+        except (RuntimeError, NotImplementedError):  # (a wrapper subclass: no storage to compare)
+            out.append(None)
+    return out

@@ -38,7 +38,7 @@ import torch
 
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
-from .kept_inputs import KeptInputs
+from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack
 from .fqn import clean_fqn, segment_name
 from .pystate import UNSET, GlobalReads, host_draw_sites, module_attributes
@@ -201,6 +201,7 @@ class _Pass:
     watch: WatchedPass | None = None  # a watched region's pass (capture/watch.py)
     watched_outputs: WatchedPass | None = None  # in watch mode, a reentrant region's pass recorded in full: its outputs
     returned: set | None = None  # a reentrant region's recorded forward: the storages of the tensors it returned
+    kept_forward: list = field(default_factory=list)  # a recompute: [(input index, weakref to the forward's)]
 
 
 class Recorder:
@@ -430,7 +431,7 @@ class Recorder:
             if unreached:
                 self._unreached.add(fn)
             region.step = self._step
-            intact = []
+            kept_forward = []
         else:
             self._recomputed = True
             region = getattr(frame, "_ac_diff_region", None)
@@ -438,7 +439,7 @@ class Recorder:
                 region = self._new_region(frame, passes, recorded=False)
             attempt = region.recomputes
             region.recomputes += 1
-            intact = self._kept.recomputed(region)
+            kept_forward = self._kept.recomputed(region)
         pushed, module = self._enter_function_module(frame, region, phase)
         self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
@@ -452,8 +453,7 @@ class Recorder:
             p.state["training"] = training_mode(module)
             p.state["trainable"] = trainable(module)
             p.state["hooks"] = module_hooks(module)
-        if phase == RECOMPUTE and intact:
-            p.state["inputs_intact"] = intact
+        p.kept_forward = kept_forward
         fn = getattr(frame, "_ac_diff_fn", None)
         if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
             self._note_globals(p, fn)  # a checkpointed function (or `partial(layer.forward)`) reads them too
@@ -578,6 +578,8 @@ class Recorder:
         hooks = getattr(frame, "_ac_diff_saved_hooks", None)
         if hooks is not None and p.phase == FORWARD:  # checkpoint keeps the inputs through the user's hooks
             p.state["saved_hooks"] = [callable_name(h) for h in hooks]
+        if p.phase == RECOMPUTE and p.kept_forward:  # what it got back: the forward's tensors, or copies
+            p.state["inputs_kept_as"] = kept_as(p.kept_forward, inputs)
 
     def pack(self, frame: Any, phase: str, position: int, tensor: torch.Tensor) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per saved tensor)

@@ -683,26 +683,27 @@ def explain_flags(report: RegionReport, region: Region, torch_version: str | Non
 def _through_saved_hooks(region: Region, name: str, evidence: list[str]) -> Cause | None:
     """The region's input `name` reads other values in the recompute, and checkpoint kept it through the user's
     saved-tensor hooks (an offload pool, a compression of activations): the recompute starts from what their unpack
-    returned. Where the input itself is unwritten since the forward, the hooks changed it, named or not (torch <= 2.7
-    does not say which hooks were active)."""
+    returned. Where that is a copy, not the forward's tensor, the hooks changed it, named or not (torch <= 2.7 does
+    not say which hooks were active); where it is the forward's tensor itself, they did not (it was written)."""
     hooks = region.forward.state.get("saved_hooks") if region.forward is not None else None
     index = name[len("input["):-1] if name.startswith("input[") else ""
-    intact = region.recompute is not None and index.isdigit() \
-        and int(index) in region.recompute.state.get("inputs_intact", ())
-    if not hooks and not intact:
+    kept = region.recompute.state.get("inputs_kept_as") or [] if region.recompute is not None else []
+    how = kept[int(index)] if index.isdigit() and int(index) < len(kept) else None
+    if how == "same" or not hooks and how != "copy":
         return None
     through = (f"through the saved-tensor hooks active around it (`{hooks[0]}`, `{hooks[1]}`), and `{hooks[1]}` gave "
                if hooks else "through the saved-tensor hooks active around it (an offload, a compression), which gave ")
     return Cause("state_mutation", name,
                  f"checkpoint kept the region's {name} {through}the recompute other values than the forward received"
-                 + (": the input itself is unchanged (its version too), so the hooks did not give back what they were "
-                    "given (a buffer a later pack reuses, a lossy compression)" if intact else
+                 + (": the recompute got a copy, not the forward's tensor, so the hooks did not give back what they "
+                    "were given (a buffer a later pack reuses, a lossy compression)" if how == "copy" else
                     ": the hooks did not give back what they were given (a buffer a later pack reuses, a lossy "
                     "compression), or the input was modified in place after the forward"),
                  [*evidence]
                  + ([f"saved-tensor hooks around the region's forward: pack `{hooks[0]}`, unpack `{hooks[1]}`"]
                     if hooks else [])
-                 + (["the forward's input tensor is alive and unwritten at the recompute"] if intact else []),
+                 + (["the recompute's input is a copy in other memory than the forward's input tensor"]
+                    if how == "copy" else []),
                  mechanism=SAVED_HOOKS)
 
 
