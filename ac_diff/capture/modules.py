@@ -15,7 +15,10 @@ A module called from nowhere before the first checkpointed region (a parametriza
 `weight_norm` runs once while the model is built, a block tried on its own) is named as a root for the time being:
 the first larger root that holds it names it again, by its path in the model
 (`b2.fc1.parametrizations.weight.0`, not `0`). From `freeze()` on (a region began: its forward and its recompute
-must name modules alike) names never change.
+must name modules alike) names never change. A root the user's code holds in a plain list of blocks is named by its
+place there (`blocks[2]`); a second root called from nowhere beside a first (a frozen teacher read beside its student,
+the two sharing every parameter name) by the variable that holds it (`teacher.0.weight`); torch.compile's wrapper of a
+module the model holds by that module's name.
 """
 
 from __future__ import annotations
