@@ -23,6 +23,7 @@ from weakref import ref as _weakref
 import torch
 
 from ..trace.encode import written_meta
+from .fingerprint import _storage_of
 
 _PRUNE_AT = 4096  # regions awaiting their recompute before the entries whose inputs are gone are dropped
 
@@ -77,8 +78,6 @@ def kept_as(forward: list[tuple[int, Any]], inputs: tuple) -> list[str | None]:
         if f is None or not isinstance(t, torch.Tensor):
             out.append(None)
             continue
-        try:
-            out.append("same" if t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() else "copy")
-        except (RuntimeError, NotImplementedError):  # (a wrapper subclass: no storage to compare)
-            out.append(None)
+        mine, theirs = _storage_of(t)[0], _storage_of(f)[0]  # (a wrapper subclass has none: not known)
+        out.append(None if mine is None or theirs is None else "same" if mine == theirs else "copy")
     return out

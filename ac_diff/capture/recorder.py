@@ -49,7 +49,8 @@ from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
-from .state import callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest, trainable, training_mode
+from .state import (callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest, trainable,
+                    training_mode)
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
@@ -424,12 +425,12 @@ class Recorder:
             # recompute ran (a backward reached a region) the next, or one no backward reaches that began already
             unreached = not passes and ("no_grad_inputs" in region.options
                                         or not getattr(frame, "grad_enabled", torch.is_grad_enabled()))
-            fn = id(getattr(frame, "_ac_diff_fn", None))
-            if not passes and (self._step == 0 or self._recomputed or unreached and fn in self._unreached):
+            fn_key = id(getattr(frame, "_ac_diff_fn", None))
+            if not passes and (self._step == 0 or self._recomputed or unreached and fn_key in self._unreached):
                 self._step, self._recomputed = self._step + 1, False
                 self._unreached.clear()
             if unreached:
-                self._unreached.add(fn)
+                self._unreached.add(fn_key)
             region.step = self._step
             kept_forward = []
         else:
@@ -637,7 +638,7 @@ class Recorder:
                 return
             p = passes[-1]
             if phase == FORWARD and p.region.recorded:  # what else outlives it left another way (`side_outputs`)
-                p.returned = {_storage_key(t) for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                p.returned = {_storage_of(t)[0] for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
                               if isinstance(t, torch.Tensor)}
             if p.watch is None and (self._watch is None or not p.region.recorded):
                 return
@@ -661,8 +662,9 @@ class Recorder:
         """(fingerprint slot, view) of a saved tensor's values, so that backward's inputs are compared by value whatever
         the ops before them measured. A view of a tensor the pass knows (`w.t()` of a parameter, a split piece) is
         its base's values and which of them it reads, view = [offset from the base's, *strides]; anything else, and a
-        part of a tensor read from outside the pass, its own values, view None. The same in both passes, whichever ops were fingerprinted: a slot already filled at
-        this version is reused, else one is added (and kept for the next reader). None where selective AC serves the
+        part of a tensor read from outside the pass, its own values, view None. The same in both passes, whichever ops
+        were fingerprinted: a slot already filled at this version is reused, else one is added (and kept for the next
+        reader). None where selective AC serves the
         tensor: the recompute takes the forward's own from its cache."""
         base = tensor._base if type(tensor) in _PLAIN_TENSORS else None  # (a subclass: its own values, local shard)
         base_ref = self._known_ref(p, base) if type(base) in _PLAIN_TENSORS else None
@@ -1327,13 +1329,6 @@ def _outliving(p: _Pass) -> dict[int, tuple]:
     return kept
 
 
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - a wrapper subclass, a sparse tensor: no storage to compare
-        return None
-
-
 def _side_outputs(p: _Pass, kept: dict[int, tuple]) -> list[list[int]]:
     """[[op, output]] of the floating-point tensors a reentrant forward made that outlived it other than through
     what it returned (a list a hook fills, a module attribute): made under no_grad, they carry no gradient to
@@ -1341,7 +1336,7 @@ def _side_outputs(p: _Pass, kept: dict[int, tuple]) -> list[list[int]]:
     ops, side = p.ops, []
     for ref, op, out, _ in kept.values():
         t = ref()
-        if t is not None and t.is_floating_point() and _storage_key(t) not in p.returned \
+        if t is not None and t.is_floating_point() and _storage_of(t)[0] not in p.returned \
                 and ops[op][_OP] not in DETACHED_ALIAS_OPS:
             side.append([op, out])
     return sorted(side)

@@ -335,9 +335,9 @@ class CheckpointHooks:
         original = original_forward.__func__ if isinstance(original_forward, staticmethod) else original_forward
 
         def forward(ctx, run_function, preserve_rng_state, *args):
-            grad_enabled, pending.grad_enabled = getattr(pending, "grad_enabled", None), None
-            frame = ReentrantFrame(preserve_rng_state, run_function,
-                                   no_grad_inputs(run_function, args, grad_enabled is not False), grad_enabled is not False)
+            grad_enabled, pending.grad_enabled = getattr(pending, "grad_enabled", None) is not False, None
+            frame = ReentrantFrame(preserve_rng_state, run_function, no_grad_inputs(run_function, args, grad_enabled),
+                                   grad_enabled)
 
             def run_and_record(*inputs):
                 phase = FORWARD if frame.calls == 0 else RECOMPUTE

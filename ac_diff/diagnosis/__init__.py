@@ -18,8 +18,8 @@ import contextlib
 from ..stateflags import flag_label
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, Cause, MetadataChange, Report,
-                      RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
+from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, Cause,
+                      MetadataChange, Report, RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, RECOMPILED, SHARDED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -419,11 +419,11 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         at_risk = [r for r in regions if r.unchecked_reason == SIDE_OUTPUT]
         if at_risk:
             first = at_risk[0]
+            at = f" at {first.cause.source}" if first.cause.source else ""
             return (f"gradients at risk: {len(at_risk)} reentrant region(s) reproduced their forward but handed out "
                     f"tensors other than through their outputs, made without grad (the first: {first.module}, region "
-                    f"{first.region}: {first.cause.tensor}" + (f" at {first.cause.source}" if first.cause.source else "")
-                    + "); a loss computed from them gives "
-                    "no gradient: `ac-diff run --reference no-ac` compares the gradients"
+                    f"{first.region}: {first.cause.tensor}{at}); a loss computed from them gives no gradient: "
+                    "`ac-diff run --reference no-ac` compares the gradients"
                     + (f"; {checked} other region(s) clean" if checked else ""))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),

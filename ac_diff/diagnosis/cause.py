@@ -507,7 +507,8 @@ def _hooks_changed(change: dict[str, list | None]) -> Cause:
                  f"a forward hook on the region's modules was {'registered' if added else 'removed'} between the "
                  f"forward and the backward ({hook}): the {'recompute' if added else 'forward'} ran it, the "
                  f"{'forward' if added else 'recompute'} did not, so the recompute computed other values",
-                 [f"hooks in the forward: {', '.join(was) or 'none'}", f"hooks in the recompute: {', '.join(now) or 'none'}"],
+                 [f"hooks in the forward: {', '.join(was) or 'none'}",
+                  f"hooks in the recompute: {', '.join(now) or 'none'}"],
                  mechanism=HOOKS)
 
 
@@ -687,7 +688,7 @@ def _through_saved_hooks(region: Region, name: str, evidence: list[str]) -> Caus
     not say which hooks were active); where it is the forward's tensor itself, they did not (it was written)."""
     hooks = region.forward.state.get("saved_hooks") if region.forward is not None else None
     index = name[len("input["):-1] if name.startswith("input[") else ""
-    kept = region.recompute.state.get("inputs_kept_as") or [] if region.recompute is not None else []
+    kept = (region.recompute.state.get("inputs_kept_as") or []) if region.recompute is not None else []
     how = kept[int(index)] if index.isdigit() and int(index) < len(kept) else None
     if how == "same" or not hooks and how != "copy":
         return None

@@ -40,7 +40,8 @@ def changed_line(change: dict, a: str, b: str) -> str:
     "param `w` f32[4]: fingerprint (1, 2) in forward, (1, 3) in recompute"."""
     pa, pb = fingerprint_pair(change[a], change[b])
     name = {"run_a": "run A", "run_b": "run B"}
-    return f"{change['kind']} `{change['name']}` {change['meta']}: fingerprint {pa} in {name.get(a, a)}, {pb} in {name.get(b, b)}"
+    return (f"{change['kind']} `{change['name']}` {change['meta']}: fingerprint {pa} in {name.get(a, a)}, "
+            f"{pb} in {name.get(b, b)}")
 
 
 def _fingerprint(fp, digits: int = 6) -> str:

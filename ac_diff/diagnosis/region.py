@@ -14,8 +14,8 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence,
-                      PositionRow, RegionReport, shared)
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
+                      UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import function_state_cause
 from .cause import explain, explain_flags
