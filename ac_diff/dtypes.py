@@ -38,3 +38,13 @@ def dtype_from_short(name: str) -> torch.dtype:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+def carries_gradient(name: str) -> bool:
+    """Whether a tensor of the short dtype `name` can carry a gradient (floating point or complex); an unknown
+    spelling counts as one that can."""
+    try:
+        dtype = dtype_from_short(name)
+    except ValueError:
+        return True
+    return dtype.is_floating_point or dtype.is_complex

@@ -294,6 +294,7 @@ class Run:
     torch_version: str | None = None  # the torch that ran it ("2.13.0+cpu"); None for a log
     exc_type: str | None = None  # the uncaught exception ("CheckpointError"), None when none was raised
     exc_message: str | None = None
+    exc_in_backward: bool = False  # it unwound out of a backward (a hook's, a recompute's): the rest never recomputed
     exit_code: int | None = None  # from the end record
     end_time: float | None = None
     regions: list[Region] = field(default_factory=list)

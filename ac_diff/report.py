@@ -119,6 +119,9 @@ GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True t
 CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
 HOOKS = "hooks"  # ... a module forward hook registered or removed between the forward and the backward
 SAVED_HOOKS = "saved_hooks"  # ... the region's input came back changed from the user's saved-tensor hooks that kept it
+# ... a nested region's input, kept by the enclosing checkpoint, came back from that region's recompute changed (the
+# diagnosis then gives it the enclosing region's cause)
+ENCLOSING_RECOMPUTE = "enclosing_recompute"
 
 
 @dataclass(slots=True)
@@ -218,6 +221,7 @@ class RegionReport:
     watched: bool = False
     step: int | None = None
     recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
+    enclosing: int | None = None  # the region whose forward ran this nested one (not written: the trace has it)
 
     @property
     def has_values(self) -> bool:
@@ -271,6 +275,7 @@ class RegionReport:
 
 
 CUT_SHORT = "cut short"  # Report.exit_status of a run whose trace has no end record (its process was killed)
+PYTHON_UPDATE = "Python code"  # the "op" of a repeated update of a Python attribute or global (`counter += 1`)
 UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor> is updated in place by <op> in ..."
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
 # how counts and tables show such a region: not a gap in the check (its own forward and recompute are compared as

@@ -6,6 +6,8 @@ an ablation probe's forward hook registered after the loss and removed after the
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -177,31 +179,37 @@ class RoutedBlock(nn.Module):
     """A router whose logits a forward hook collects for a load-balancing loss (as Hugging Face's MoE models do), or
     for logging, detached."""
 
-    def __init__(self, collected: list, detach: bool) -> None:
+    def __init__(self, collected: list, detach: bool, counts: bool = False) -> None:
         super().__init__()
         self.router, self.expert = nn.Linear(8, 4), nn.Linear(8, 8)
-        self.router.register_forward_hook(lambda m, i, out: collected.append(out.detach() if detach else out))
+        self.router.register_forward_hook(lambda m, i, out: collected.append(
+            torch.bincount(out.argmax(-1), minlength=4).float() if counts else out.detach() if detach else out))
 
     def forward(self, x):
         gate = self.router(x).softmax(-1).max(-1, keepdim=True).values
         return x + gate * self.expert(x)
 
 
-@pytest.mark.parametrize("case", ["aux_loss", "logged_detached", "non_reentrant"])
+@pytest.mark.parametrize("case", ["aux_loss", "autocast_aux_loss", "logged_detached", "autocast_logged_detached",
+                                  "expert_counts", "non_reentrant"])
 def test_a_reentrant_regions_side_output_is_never_clean(case, tmp_path):
     """The router logits leave the reentrant region through the hook's list, made under no_grad: the aux loss
     computed from them trains nothing (the router gets no gradient from it), yet the recompute reproduces the forward
-    exactly. Detached on purpose for logging, or checkpointed with use_reentrant=False: clean."""
+    exactly; under autocast too. Clean: detached on purpose for logging; the per-expert counts of the chosen experts
+    (made from integer indices: no gradient could reach them in any run); checkpointed with use_reentrant=False; and
+    under autocast, its cache of the weights' and input's casts, which outlive the region until the context ends."""
     torch.manual_seed(0)
     collected: list = []
-    model = RoutedBlock(collected, detach=case == "logged_detached")
+    model = RoutedBlock(collected, detach="detached" in case, counts=case == "expert_counts")
     x = torch.randn(6, 8, requires_grad=True)
+    autocast = torch.autocast("cpu", torch.bfloat16) if "autocast" in case else contextlib.nullcontext()
     with ac_diff.record(tmp_path / "t.jsonl"):
-        y = cp.checkpoint(model, x, use_reentrant=case != "non_reentrant")
+        with autocast:
+            y = cp.checkpoint(model, x, use_reentrant=case != "non_reentrant")
         aux = sum(logits.softmax(-1).pow(2).sum() for logits in collected)
-        (y.pow(2).mean() + 0.1 * aux).backward()
+        (y.float().pow(2).mean() + 0.1 * aux).backward()
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
-    if case != "aux_loss":
+    if not case.endswith("aux_loss"):
         assert report.verdict == "clean", report.headline
         return
     assert not collected[0].requires_grad  # what makes the aux loss train nothing

@@ -192,3 +192,32 @@ def test_a_script_ending_with_os_exit_is_still_reported_and_checked(tmp_path):
     code = subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "b"), str(script)],
                           capture_output=True, text=True, env={**env, "CODE": "7"}, timeout=120)
     assert code.returncode == 7 and "SILENTLY DIVERGED" in code.stdout and "atexit ran" not in code.stdout
+
+
+@pytest.mark.parametrize("how, watch", [("sys.exit(0)", False), ("os._exit(7)", False), ("sys.exit(0)", True)])
+def test_an_exit_inside_a_backward_is_never_clean(tmp_path, how, watch):
+    """A hook that ends the script in the middle of a backward (sys.exit, os._exit): the forwards that backward had
+    yet to reach were never recomputed, so the run stopped as after a crash, whatever the exit code; the headline
+    says where it stopped. An exit after the backward (the test above) is an ordinary end."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))\n"
+        "for step in range(3):\n"
+        "    h = torch.randn(4, 8)\n"
+        "    for block in blocks:\n"
+        "        h = checkpoint(block, h, use_reentrant=False)\n"
+        "    if step == 2:\n"
+        f"        h.register_hook(lambda g: {how})\n"
+        "    h.sum().backward()\n")
+    proc = run_cli("run", "--check", *(["--watch"] if watch else []), "-o", "out", "train.py", cwd=tmp_path,
+                   timeout=120)
+    assert proc.returncode == (7 if "7" in how else 4), proc.stdout + proc.stderr
+    assert "CRASHED" in proc.stdout and "CLEAN" not in proc.stdout, proc.stdout
+    said = " ".join(proc.stdout.replace("│", " ").split())  # (the headline box wraps it)
+    assert f"exit code {7 if '7' in how else 0} from train.py:9" in said, said
+    if not watch:
+        assert "stopped in a backward, before the recompute of region 5 (blocks.1)" in said, said
+    report = run_cli("report", "--check", str(tmp_path / "out"), timeout=120)
+    assert report.returncode == 4, report.stdout + report.stderr

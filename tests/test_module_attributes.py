@@ -407,3 +407,38 @@ def test_the_attribute_passed_to_the_op_is_the_cause_not_a_monitor_the_forward_w
     diverged = [r for r in report.regions if r.status == "diverged"]
     assert len(diverged) >= 3 and all(r.cause.tensor.endswith(".logit_scale") for r in diverged), \
         [(r.region, r.cause.tensor) for r in diverged]
+
+
+class FadeIn(nn.Module):
+    """ProGAN's fade-in: a counter of the images seen, advanced by the forward, sets how much of the new layer is
+    blended in. The blend weight enters only as a number the forward's graph keeps, so every recompute reproduces
+    its saved tensors; but under AC the recompute advances the counter again, and later steps blend with another
+    weight than a run without AC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.old, self.new = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.imgs_seen = 0
+
+    def forward(self, x):
+        self.imgs_seen += x.shape[0]
+        alpha = min(1.0, self.imgs_seen / 64)
+        return (1 - alpha) * self.old(x) + alpha * torch.tanh(self.new(x))
+
+
+def test_a_counter_the_recompute_advances_again_is_a_note_on_a_clean_run(tmp_path):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"grow": FadeIn()})
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            checkpoint(model["grow"], torch.randn(4, 8), use_reentrant=False).pow(2).sum().backward()
+    assert model["grow"].imgs_seen == 16  # twice the 8 images a run without AC counts
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
+    assert "note: the recompute repeats the updates of model.grow.imgs_seen" in report.headline, report.headline
+    region = report.regions[0]
+    assert region.side_effects == ["model.grow.imgs_seen, a Python attribute, is changed by the region's code in each pass: the "
+                                   "recompute runs that code again (counted twice)"], region.side_effects
+    assert "model.grow.imgs_seen changed during each pass: 0 -> 4 in the forward, 4 -> 8 in the recompute" in region.notes
+    assert region.suggestions[0].title == "Apply the update of `model.grow.imgs_seen` once per step, outside the checkpointed " \
+                                          "forward", region.suggestions

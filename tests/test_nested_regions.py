@@ -65,3 +65,44 @@ def test_nested_forwards_inside_the_outer_recompute_are_explained(tmp_path):
     assert report.verdict == "clean"
     inside = [r for r in report.regions if r.status == "unchecked"]
     assert inside and all("inside region 0's recompute" in " ".join(r.notes) for r in inside)
+
+
+class DroppedBlock(nn.Module):
+    """Token dropout drawn from the block's own torch.Generator, which checkpoint does not restore."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        keep = (torch.rand(x.shape[:1], generator=self.gen) > 0.3).float()[:, None]
+        return x + torch.tanh(self.fc(x)) * keep
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DroppedBlock(1), DroppedBlock(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_nested_region_fed_by_the_enclosing_recompute_takes_its_cause(tmp_path):
+    """The second block's input is the first block's output, which the enclosing stage's checkpoint keeps; in the
+    backward the stage's recompute computes it again with other dropout draws, and hands that copy to the second
+    block's recompute. Its input differs because the enclosing recompute diverged, not through the user's saved-tensor
+    hooks (there are none) nor a write after the forward."""
+    torch.manual_seed(0)
+    stage = Stage()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        checkpoint(stage, torch.randn(6, 8), use_reentrant=False).pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    second = next(r for r in report.regions if r.module == "blocks.1" and r.status == "diverged")
+    assert second.enclosing == 0
+    assert (second.cause.kind, second.cause.mechanism) == ("rng", "private_generator"), second.cause
+    assert second.cause.detail.startswith("its input[0] came from the recompute of the enclosing region"), second.cause
+    assert second.suggestions[0].title.startswith("Give the recompute the state your torch.Generator had")

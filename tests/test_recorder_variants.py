@@ -174,13 +174,15 @@ def test_checkpoint_sequential_names_segments_and_modules(tmp_path):
     region = ac_diff.diagnose([run]).regions[0]
     assert region.cause.kind == "rng" and region.first_value_divergence.module == "1"
 
-    torch.manual_seed(0)  # the Sequential held by the model the loop holds: named by its place there (was "0", "1")
+    # the Sequential held by the model the loop holds: named by its place there (was "0", "1"), and that model by its
+    # variable (`model`, another model, trains beside it)
+    torch.manual_seed(0)
     held = torch.nn.ModuleDict({"net": torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5),
                                                            torch.nn.ReLU(), torch.nn.Linear(8, 1))})
     with ac_diff.record(tmp_path / "held.jsonl"):
         checkpoint_sequential(held["net"], 2, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
     ops = {o.op: o.module for o in read_run(tmp_path / "held.jsonl").regions[0].forward.ops}
-    assert ops["aten.addmm.default"] == "net.0" and ops["aten.bernoulli_.float"] == "net.1", ops
+    assert ops["aten.addmm.default"] == "held.net.0" and ops["aten.bernoulli_.float"] == "held.net.1", ops
 
 
 def test_a_rank_its_launcher_did_not_start_under_ac_diff_says_the_others_are_missing(tmp_path, monkeypatch):

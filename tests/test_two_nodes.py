@@ -158,7 +158,8 @@ def test_a_trace_over_the_cap_travels_without_its_op_lists(tmp_path, monkeypatch
     summarized = {r.region for r in run.regions if not r.ops_written}
     assert summarized and all(status[r] == CLEAN for r in summarized)
     assert status[2] == UNCHECKED
-    assert report.verdict == UNCHECKED and report.missing_ranks == [1]  # a cut copy is never clean
+    # a cut copy is never clean (and rank 0, of the same world of 2, has no trace here)
+    assert report.verdict == UNCHECKED and report.missing_ranks == [0, 1]
     whole = diagnose([read_run(full)])
     assert {r.region: r.status for r in whole.regions} == {0: CLEAN, 1: CLEAN, 2: DIVERGED}
 
@@ -407,3 +408,16 @@ def test_a_rank_killed_on_the_other_node_makes_the_report_unchecked(tmp_path):
 
     later = run_cli("report", str(zero["dir"] / "out"))
     assert later.returncode == 4, later.stdout[-2000:]  # rank 3's trace is not there: never clean
+
+
+def test_one_ranks_trace_alone_is_never_clean(tmp_path, monkeypatch):
+    """The trace of rank 0 of a world of 2, copied back alone (the node one could reach): its regions reproduced, but
+    what rank 1 ran was not compared, and DDP reduced rank 0's gradients with rank 1's: RANKS MISSING, not clean."""
+    trace = record_rank(tmp_path / "trace-rank0.jsonl", 0, monkeypatch, world=2)
+    report = diagnose([read_run(trace)])
+    assert all(r.status == CLEAN for r in report.regions)
+    assert (report.verdict, report.title, report.missing_ranks) == (UNCHECKED, "RANKS MISSING", [1]), report.headline
+    assert verdict_code(report) == 4
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    alone = record_rank(tmp_path / "alone" / "trace-rank0.jsonl", 0, monkeypatch, world=1)
+    assert diagnose([read_run(alone)]).verdict == CLEAN

@@ -17,8 +17,10 @@ the first larger root that holds it names it again, by its path in the model
 (`b2.fc1.parametrizations.weight.0`, not `0`). From `freeze()` on (a region began: its forward and its recompute
 must name modules alike) names never change. A root the user's code holds in a plain list of blocks is named by its
 place there (`blocks[2]`); a second root called from nowhere beside a first (a frozen teacher read beside its student,
-the two sharing every parameter name) by the variable that holds it (`teacher.0.weight`); torch.compile's wrapper of a
-module the model holds by that module's name.
+the two sharing every parameter name) by the variable that holds it (`teacher.0.weight`), and so is every root beside
+which another model trains (a GAN's `G` and `D.0.weight`), or that is a ModuleList the script's loop reads
+(`blocks.1`, not `1`); torch.compile's wrapper of a module the model holds by that
+module's name.
 """
 
 from __future__ import annotations
@@ -80,13 +82,26 @@ def _holder_in_callers(module: nn.Module) -> nn.Module | None:
     return best
 
 
+def _trained_apart(value: object, module: nn.Module, own: set[int]) -> bool:
+    """Whether `value` is another model that trains beside `module` (a GAN's discriminator beside its generator):
+    a module with a parameter that requires grad and none of `module`'s (`own`: their ids). A wrapper holding
+    `module` (DDP, a compiled module) shares them; a frozen teacher or EMA copy trains nothing."""
+    if not isinstance(value, nn.Module) or value is module:
+        return False
+    params = list(value.parameters())
+    return any(p.requires_grad for p in params) and not any(id(p) in own for p in params)
+
+
 def _root_name_in_callers(module: nn.Module, taken: bool) -> str:
     """The name the user's calling frames hold a root `module` by: an item of a list or tuple of several modules
     (`blocks[2]`: blocks that no module holds, each its own root); where `taken` (another root already reads as the
-    unnamed root), a variable (`teacher`, a frozen copy read beside the student). "" if none."""
+    unnamed root), where another model trains beside it (a GAN's generator and discriminator, which would
+    otherwise read `a` and `d.a`), or where it is a ModuleList or ModuleDict (its blocks would read `1`), a variable
+    (`teacher`, a frozen copy read beside the student; `blocks.1`). "" if none."""
     from .sourceline import is_internal
 
-    variable = ""
+    variable, peer = "", taken or isinstance(module, (nn.ModuleList, nn.ModuleDict))  # (never called: only a list)
+    own = {id(p) for p in module.parameters()}
     frame = sys._getframe(2)
     for _ in range(_CALLERS):
         if frame is None:
@@ -103,10 +118,12 @@ def _root_name_in_callers(module: nn.Module, taken: bool) -> str:
                         for index, item in enumerate(value):
                             if item is module:
                                 return f"{key}[{index}]"
-                    elif taken and not variable and value is module:
+                    elif not variable and value is module:
                         variable = key
+                    elif not peer and own and _trained_apart(value, module, own):
+                        peer = True
         frame = frame.f_back
-    return variable
+    return variable if peer else ""
 
 
 class ModuleStack:

@@ -55,7 +55,7 @@ from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP,
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
-                                   checkpointed_module, frame_options, sequential_segment)
+                           checkpointed_module, frame_options, left_a_backward, sequential_segment)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -311,6 +311,7 @@ class Recorder:
                       else "exit" if isinstance(exc, SystemExit) else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc),
+                                "in_backward": left_a_backward(exc),
                                 **self._inputs_written()})
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"

@@ -30,6 +30,7 @@ unchanged. What the installed torch lacks runs in a reduced mode with one warnin
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -411,6 +412,22 @@ class CheckpointHooks:
 
         self._replace(_cp._CachingTorchDispatchMode, "__torch_dispatch__", caching)
         self._replace(_cp._CachedTorchDispatchMode, "__torch_dispatch__", cached)
+
+
+_ENGINE_ENTRIES = frozenset({"_engine_run_backward", "backward", "grad"})  # torch.autograd's Python entries
+
+
+def left_a_backward(exc: BaseException) -> bool:
+    """Whether `exc` unwound out of torch's autograd engine: raised by a hook or a recompute while `loss.backward()`
+    or `torch.autograd.grad()` ran (its traceback keeps the Python frames that called into the engine)."""
+    autograd_dir = os.path.dirname(torch.autograd.__file__) + os.sep
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in _ENGINE_ENTRIES and code.co_filename.startswith(autograd_dir):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _as_torch_hook(wrapper: Callable, original: Callable) -> Callable:

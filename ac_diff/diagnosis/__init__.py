@@ -16,10 +16,11 @@ import os
 import contextlib
 
 from ..stateflags import flag_label
+from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED, Cause,
-                      MetadataChange, Report, RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
+from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED,
+                      Cause, MetadataChange, Report, RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, RECOMPILED, SHARDED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -82,6 +83,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))
     _through_nested_regions(region_reports)
+    _through_enclosing_regions(region_reports)
     one_optimizer_step(region_reports)
     watch = watch_summary(runs, region_reports)
     errors_summary = [_summary(e, region_reports) for e in errors]
@@ -228,6 +230,23 @@ def _through_nested_regions(reports: list) -> None:
         r.suggestions = list(child.suggestions)
 
 
+def _through_enclosing_regions(reports: list) -> None:
+    """A nested region whose input came back changed from the enclosing region's recompute takes that region's cause
+    and fixes: what the enclosing recompute computed differently reached it as its input."""
+    by_key = {(r.rank, r.path, r.region): r for r in reports}
+    for r in reports:
+        parent = by_key.get((r.rank, r.path, r.enclosing)) if r.enclosing is not None else None
+        if (r.cause is None or r.cause.mechanism != ENCLOSING_RECOMPUTE or parent is None or parent.cause is None
+                or parent.status != DIVERGED or parent.cause.mechanism == ENCLOSING_RECOMPUTE):
+            continue
+        r.cause = Cause(parent.cause.kind, parent.cause.tensor,
+                        f"its {r.cause.tensor} came from the recompute of the enclosing region {parent.module} (region "
+                        f"{parent.region}), which computed it otherwise: {parent.cause.detail}",
+                        [*r.cause.evidence, *parent.cause.evidence], parent.cause.mechanism, parent.cause.source,
+                        list(parent.cause.names))
+        r.suggestions = list(parent.suggestions)
+
+
 def _earlier(lead: RegionReport, diverged: list[RegionReport]) -> str:
     """Where the run first diverged, when that was a step before the lead's (the region torch raised about leads;
     a silent divergence may have come before it): "; the first, silently, in step 20: layers.0 (region 38)"."""
@@ -245,6 +264,8 @@ def _how_it_stopped(run: Run) -> str:
         return f"exit code {run.exit_code}"
     message = (run.exc_message or "").strip().splitlines()
     first = message[0] if message else ""
+    if run.exc_type == EXIT_DURING_BACKWARD and first:
+        return first
     return f"{run.exc_type or run.exit_status}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
                                                        if first else "")
 
@@ -285,7 +306,8 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
     if never:
         why["watched, not recomputed"] = never
     reasons = "; ".join(f"{n} {reason}" if len(why) > 1 else reason for reason, n in why.items())
-    verb = "was interrupted" if stopped.exit_status == "interrupted" else "crashed"
+    verb = ("was interrupted" if stopped.exit_status == "interrupted" else "stopped"
+            if stopped.exc_type == EXIT_DURING_BACKWARD else "crashed")
     killed = killed_first(runs)
     on = _on_rank(stopped, runs)
     first = (f"rank {killed} was killed first (its trace ends without an end record: SIGKILL, the out-of-memory "
@@ -353,6 +375,8 @@ def _where_it_stopped(run: Run) -> str:
         return f"in the forward of {name(last)}"
     recomputed = [r for r in run.regions if r.recompute is not None]
     if last is not None and last.recompute is None and (not recomputed or recomputed[-1].region < last.region):
+        if run.exc_in_backward:
+            return f"in a backward, before the recompute of {name(last)}"
         return (f"after the forward of {name(last)}, before its backward" if recomputed else
                 "before any region was recomputed")
     if recomputed:
@@ -431,7 +455,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"nothing compared: {len(regions)} region(s), none with a forward and a recompute to compare"
                     + (f" ({why})" if why else ""))
         repeated = repeated_updates(regions)
-        extra = (f"; note: the recompute repeats in-place updates of {', '.join(sorted(repeated)[:3])}"
+        extra = (f"; note: the recompute repeats the updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "")
                  + ", so they end each step other than a run without AC leaves them" if repeated else "")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags

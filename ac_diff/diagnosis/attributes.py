@@ -122,6 +122,14 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     return out
 
 
+def counted_twice(region: Region) -> list[tuple[AttributeChange, str]]:
+    """Attributes and globals the region's own code changes in each pass (a counter its forward increments, a
+    fade-in schedule's step), each with how it changed: under AC the recompute changes them again, so they
+    advance twice per step, and what later steps compute from them differs from a run without AC."""
+    return [(c, f"{_shown_update(c.forward_update)} in the forward, {_shown_update(c.recompute_update)} in the "
+                f"recompute") for c in changed_attributes(region) if c.counted_twice]
+
+
 def code_name(change: AttributeChange) -> str:
     """How the code names a global: "train.PhiloxState.offset" read in train.py -> `PhiloxState.offset`,
     "model.LOW_PRECISION" -> `LOW_PRECISION` (a global's name begins with the module its readers are in)."""

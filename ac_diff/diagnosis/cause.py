@@ -24,8 +24,8 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
-from ..report import (CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
-                      UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
+from ..report import (CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
+                      REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
@@ -692,6 +692,12 @@ def _through_saved_hooks(region: Region, name: str, evidence: list[str]) -> Caus
     how = kept[int(index)] if index.isdigit() and int(index) < len(kept) else None
     if how == "same" or not hooks and how != "copy":
         return None
+    if not hooks and region.parent is not None and region.parent_phase == "forward":
+        # (nested: no user hook but the enclosing checkpoint's kept it, and its recompute gave the copy)
+        return Cause("state_mutation", name, f"the region's {name} is a tensor the enclosing checkpoint (region "
+                     f"{region.parent}) kept, and that region's recompute computed it again with other values",
+                     [*evidence, "the recompute's input is a copy in other memory than the forward's input tensor"],
+                     mechanism=ENCLOSING_RECOMPUTE)
     through = (f"through the saved-tensor hooks active around it (`{hooks[0]}`, `{hooks[1]}`), and `{hooks[1]}` gave "
                if hooks else "through the saved-tensor hooks active around it (an offload, a compression), which gave ")
     return Cause("state_mutation", name,

@@ -152,7 +152,7 @@ def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = 
 def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
     """Traces of different launches mixed together; ranks of the world size that have no trace."""
     traces = [r for r in runs if r.source == "trace"]
-    if len(traces) < 2:
+    if not traces:
         return []
     out: list[CrossRankFinding] = []
     ids: dict[str, list[int]] = {}
@@ -179,7 +179,8 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
                                     "than one trace: traces of different runs are mixed", twice))
     world = max((r.world_size for r in traces), default=1)
     missing = [r for r in range(world) if r not in seen]
-    if world > 1 and missing and len(ids) <= 1 and len(traces) >= 2:  # one file alone was asked for on purpose
+    # (one rank's file alone too: its gradients were reduced with those of the ranks not here)
+    if world > 1 and missing and len(ids) <= 1:
         out.append(CrossRankFinding(
             "missing_ranks", f"{len(seen)} of {world} ranks have a trace here; no trace from rank"
             f"{'s' if len(missing) > 1 else ''} {_list(missing)} (another node's directory, or the process never "

@@ -11,13 +11,13 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from ..oprules import DETACH, HOOK_ONLY_OPS, packet
+from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
-                      UNCHECKED, UPDATED_IN_PLACE, AlignedRow, Divergence, PositionRow, RegionReport, shared)
+                      UNCHECKED, UPDATED_IN_PLACE, PYTHON_UPDATE, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
-from .attributes import function_state_cause
+from .attributes import counted_twice, function_state_cause, split_name
 from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -103,6 +103,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         report.notes.append(f"not diagnosed: {region.damaged}")
         return report
     report.watched, report.step = region.watched, region.step
+    report.enclosing = region.parent if region.parent_phase == "forward" else None
     if fwd is None and rec is None and run_stopped and region.kind != "log":
         _unchecked(report, "not recorded: the run stopped in its forward",
                    f"the run stopped as this region's forward began, before any of it was written ({run_stopped})")
@@ -212,6 +213,12 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
         report.repeated.append((name or "a tensor", op.op, op.module))
+    for change, how in counted_twice(region):  # (its values per step: the region's notes)
+        report.side_effects.append(
+            f"{change.name}, a Python {'global' if change.is_global else 'attribute'}, is changed by the region's "
+            "code in each pass: the recompute runs that code again (counted twice)")
+        report.notes.append(f"{change.name} changed during each pass: {how}")
+        report.repeated.append((change.name, PYTHON_UPDATE, split_name(change.name)[0] or region.module))
     report.host_draws = list(rec.state.get("host_draws") or ())
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
@@ -290,7 +297,7 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
     what requires grad other than through its outputs (a list a hook fills, as Mixtral's router logits for the
     load-balancing loss): made under no_grad, a loss computed from it gives no gradient. Whether the script computes
     a loss from it, the recompute cannot tell: never clean."""
-    from .dataflow import upstream
+    from .dataflow import grad_sources
 
     fwd = region.forward
     side = fwd.state.get("side_outputs") if region.kind == "reentrant" and fwd is not None else None
@@ -299,10 +306,13 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
     ops = {o.index: o for o in fwd.ops}
     trainable = {e.name for e in fwd.externals if e.kind == "param" and e.requires_grad}
     inputs_grad = "no_grad_inputs" not in region.options
+    autocast = any(key.startswith("autocast_") for key in fwd.state)
 
     def carries_grad(op: OpRecord) -> bool:
-        refs = [r for o in (op, *upstream(fwd.ops, op)) for r in o.input_refs]
-        return any(r.kind == "param" and r.name in trainable or r.kind == "input" and inputs_grad for r in refs)
+        if autocast and op.op == CAST and op.input_refs and all(r.kind != "op" for r in op.input_refs):
+            return False  # autocast's cache of the cast of a leaf that requires grad (a weight), kept until it ends
+        return any(r.kind == "param" and r.name in trainable or r.kind == "input" and inputs_grad
+                   for r in grad_sources(fwd.ops, op))
 
     lost = [ops[index] for index, _ in side if index in ops and carries_grad(ops[index])]
     if not lost:

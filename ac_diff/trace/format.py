@@ -98,6 +98,8 @@ OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", 
 # every record type a trace of this version may hold
 RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end",
                           "watch", "escalate"})
+# an "exception" record's exc_type where the script exited (sys.exit, os._exit) inside a backward: stopped, as a crash
+EXIT_DURING_BACKWARD = "ExitDuringBackward"
 
 
 def default_header(options: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
