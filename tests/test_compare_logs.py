@@ -244,12 +244,14 @@ def test_a_gzip_log_failing_its_checksum_says_it_was_read_but_is_corrupted(tmp_p
 
 @pytest.mark.parametrize("name", ["readme_glm4v.log", "huggingface_trl_5217.log", "Joluck_RWKV-PEFT_58.log"])
 def test_a_log_without_op_lists_says_what_torch_printed(name):
-    """Saved -> recomputed metadata per position, and what shape [0] means (a parameter not gathered)."""
+    """Saved -> recomputed metadata per position, and what shape [0] means (a parameter not gathered, or a batch norm
+    switched to eval mode)."""
     report = ac_diff.diagnose_paths([_real(name)])
     error = report.torch_error
     first = error.changes[0]
     assert first.saved and first.recomputed and first.recomputed.endswith("[0]")
     assert error.cause.startswith("sharded_parameter")
+    assert "or a batch norm's saved statistics" in error.cause  # (the metadata alone cannot tell them apart)
     assert f"{first.saved} -> {first.recomputed}" in report.headline and "sharded_parameter" in report.headline
     assert report.to_json()["torch_error"]["changes"][0] == {"position": first.position, "saved": first.saved,
                                                             "recomputed": first.recomputed}
@@ -517,3 +519,16 @@ def test_a_traceback_through_compiled_code_says_torch_compile_may_have_picked_an
         assert other is not None and not (other.cause or "").startswith("compiled_graph"), (name, other.cause)
     plain = ac_diff.diagnose_paths([SAMPLE_LOGS / "python_state_branch_error.log"]).torch_error
     assert plain.cause is None  # (the same hint is in this log, from an eager traceback)
+
+
+def test_a_log_torchrun_wrote_per_rank_takes_its_rank_from_its_path(tmp_path):
+    """torchrun --log-dir writes each rank's output unprefixed to <dir>/<run>/attempt_0/<rank>/stderr.log: the rank is
+    in the path (it read "rank 0"); a log named by its rank (`rank3.log`) too, a plain name names none."""
+    from ac_diff.logs.lines import rank_in_path
+
+    assert [rank_in_path(p) for p in ("d/none_x/attempt_0/1/stderr.log", "rank3.log", "train_rank_2.err",
+                                      "single.err", "/tmp/rank1/out.log")] == [1, 3, 2, None, None]
+    log = tmp_path / "none_x" / "attempt_0" / "3" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(_real("Joluck_RWKV-PEFT_58.log").read_bytes())  # (no rank prefixes)
+    assert ac_diff.diagnose_paths([log]).torch_error.rank == 3

@@ -55,7 +55,7 @@ def test_a_block_compiled_in_place_and_checkpointed_names_its_ops(tmp_path):
     finally:
         torch._dynamo.reset()
     run = read_run(tmp_path / "t.jsonl")
-    assert [g.module for g in run.regions] == ["0", "1"]
+    assert [g.module for g in run.regions] == ["blocks.0", "blocks.1"]  # (a ModuleList root: by its variable)
     for g in run.regions:
         ops = [o for p in (g.forward, g.recompute) for o in p.ops if o.op == "aten.addmm.default"]
         assert ops and all(o.module == g.module for o in ops), [(o.op, o.module) for o in ops]

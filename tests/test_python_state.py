@@ -197,6 +197,44 @@ def test_a_global_flag_set_around_the_forward_is_named_at_the_branch(tmp_path, b
     assert not [c for c in candidates(report) if c.kind == "restore"]  # a global is no module state to restore
 
 
+class PrecisionConfig:
+    upcast = True  # a default the class holds: the instance sets its own only when a callback changes it
+
+
+PRECISION = PrecisionConfig()
+
+
+class Upcast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.tanh(h.double()).float() if PRECISION.upcast else torch.tanh(h)
+
+
+def test_a_config_objects_class_default_changed_on_the_instance_is_named(tmp_path):
+    """A callback sets `PRECISION.upcast = False` between the forward and the backward: the forward read the class's
+    default (the instance had no field of its own), the recompute the instance's. It read "Python code took another
+    branch" without the flag."""
+    PRECISION.__dict__.pop("upcast", None)
+
+    def step():
+        loss = Layers(Upcast)(torch.randn(4, 8)).pow(2).sum()
+        PRECISION.upcast = False
+        loss.backward()
+
+    try:
+        report = _record(tmp_path, step)
+    finally:
+        PRECISION.__dict__.pop("upcast", None)
+    cause = _diverged(report)[0].cause
+    flag = f"{__name__}.PRECISION.upcast"
+    assert (cause.kind, cause.tensor) == ("control_flow", flag), cause
+    assert f"`{flag}` was True in the forward and False in the recompute" in cause.detail, cause.detail
+
+
 CALLS = 0
 
 

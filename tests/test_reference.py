@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
         "repeated_update_restored": Job([CENTER], REF + ["--reference-steps", "2", "--restore-in-recompute",
                                                          "layers.*.router.center"]),
         "fails_only_with_ac": Job([str(STACKS / "scan_chunk.py"), "--steps", "2"], REF + ["--reference-steps", "2"]),
+        "fails_only_without_ac": Job([str(STACKS / "step_before_backward.py")], REF + ["--reference-steps", "2"]),
         "first_backward_fails_only_with_ac": Job([str(STACKS / "scan_chunk.py"), "--steps", "2"], REF,
                                                  env={"FLIP_AT": "1"}),
     })
@@ -221,3 +222,15 @@ def test_a_backward_that_fails_only_with_ac_is_said_beside_identical_gradients(r
     first = _ref(runs["first_backward_fails_only_with_ac"])
     assert first["verdict"] == "differs" and first["headline"].startswith(
         "backward 1 failed only with AC: the run without AC finished it")
+
+
+def test_a_backward_that_fails_only_without_ac_is_said_beside_identical_gradients(runs):
+    """An optimizer step before the last micro-batch's backward: torch's version counter stops the run without AC in
+    its second backward; the run with AC recomputes from the stepped weights and finishes it (silently). The
+    reference says so (it said "identical" and advised the `--reference-steps 2` it was given)."""
+    result = runs["fails_only_without_ac"]
+    ref = _ref(result)
+    assert ref["verdict"] == "identical" and len(ref["steps"]) == 1 and ref["exit_code"] == 1, ref
+    assert "backward 2 failed only without AC: the run without AC exited with 1 there" in ref["headline"], ref
+    assert "--reference-steps" not in ref["headline"], ref["headline"]
+    assert result.report["verdict"] == "diverged"

@@ -116,6 +116,34 @@ def test_no_ac_takes_a_checkpoint_sequential_segment_by_the_name_the_report_give
     assert [(r["region"], r["what"]) for r in patch.summary()] == [("segment 0-1", "AC off")]
 
 
+class Trunk(nn.Module):
+    """A model that checkpoints one of its own methods (`checkpoint(self.trunk, x)`), run as an unnamed root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def trunk(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+    def forward(self, x):
+        return cp.checkpoint(self.trunk, x, use_reentrant=False)
+
+
+def test_no_ac_takes_a_checkpointed_method_of_an_unnamed_root_by_the_name_the_report_gives_it(patched, tmp_path):
+    """The report names the region by the model's class ("Trunk"); `fix` tried `--no-ac Trunk`, which matched nothing
+    (the patch named it by the method, "Trunk.trunk"), and reported the try as if it had run."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        grads(Trunk())
+    assert [r.module for r in ac_diff.diagnose_paths([path]).regions] == ["Trunk"]
+    patch = patched(RemedySpec(no_ac=["Trunk"]))
+    grads(Trunk())
+    assert [(r["region"], r["what"], r["calls"]) for r in patch.summary()] == [("Trunk", "AC off", 1)]
+
+
 def test_preserve_rng_makes_dropout_under_preserve_rng_state_false_match_no_ac(patched):
     reference = grads(Net("none"))
     assert not same(grads(Net("checkpoint", preserve_rng_state=False)), reference)  # the real mechanism

@@ -185,8 +185,13 @@ def _holds_fields(value: Any, space: dict) -> bool:
 def scalar_fields(value: Any) -> Iterator[tuple[str, Any]]:
     """(name, value) of an object's scalar attributes (a run config's fields, a class's counters), a private one too
     (Hugging Face keeps the attention implementation a model runs in `config._attn_implementation_internal`), not a
-    dunder."""
-    for field, v in vars(value).items():
+    dunder; of an instance, also the defaults its class holds that it has not set itself (`class Cfg: upcast = True`,
+    then `cfg.upcast = False` between the passes)."""
+    own = vars(value)
+    kind = type(value)
+    defaults = () if isinstance(value, type) or kind.__module__ in ("builtins", "types") else islice(
+        ((k, v) for k, v in vars(kind).items() if k not in own), CONFIG_FIELDS)
+    for field, v in (*own.items(), *defaults):
         v = recorded_scalar(v)
         if v is not NOT_SCALAR and not field.startswith("__"):
             yield field, v

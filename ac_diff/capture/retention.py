@@ -95,16 +95,24 @@ def compare_signatures(forward: tuple, recompute: tuple, stopped_early: bool, re
     """SAME; SIDE_EFFECTS (only in-place updates of outside state differ); DIFFERENT (anything else)."""
     f_ops, f_positions, f_externals, f_state, f_mutated, f_attributes, f_reads = forward
     r_ops, r_positions, r_externals, r_state, r_mutated, r_attributes, _ = recompute
+    if reentrant:  # (torch runs a reentrant forward without grad, its recompute with: a branch on it shows in the ops)
+        f_state, r_state = ({k: v for k, v in s.items() if k != "grad_enabled"} for s in (f_state, r_state))
     if f_state != r_state or len(f_positions) != len(r_positions) or not _same_reads(
             f_externals.keys(), r_externals.keys(), f_reads, len(r_ops) if stopped_early else None):
         return DIFFERENT
     for (meta, a), (other, b) in zip(f_positions, r_positions):  # values where both were measured
         if meta != other or a is not None and b is not None and a != b:
             return DIFFERENT
-    # module attributes both passes saw (an early-stopped recompute calls fewer modules): a counter a pre-hook bumps
-    if any(f_attributes[k] != r_attributes[k] for k in f_attributes.keys() & r_attributes.keys()):
-        return DIFFERENT
+    # module attributes both passes saw (an early-stopped recompute calls fewer modules); a counter the region's code
+    # bumps in each pass, and nothing else between them, is a side effect (the report names it: counted twice)
     side_effects = False
+    for k in f_attributes.keys() & r_attributes.keys():
+        if f_attributes[k] != r_attributes[k]:
+            name = k.removeprefix("updated ")
+            f_up, r_up = f_attributes.get("updated " + name), r_attributes.get("updated " + name)
+            if not (f_up and r_up and f_up[1] == r_attributes.get(name)):
+                return DIFFERENT
+            side_effects = True
     for key, a in f_externals.items():
         if key not in r_externals:  # (read only after where the recompute stopped: `_same_reads`)
             continue
@@ -177,7 +185,9 @@ class Retention:
         writer = self._writer
         sig = signature(p, fps)
         if p.phase == FORWARD:
-            if failed or region.hold:  # a forward that raised; a region entered twice: keep everything
+            # a forward that raised; a region entered twice; one that handed out side outputs (a reentrant region's,
+            # which its forward's ops tell whether a gradient could reach): keep everything
+            if failed or region.hold or (record.get("state") or {}).get("side_outputs"):
                 region.hold = "written"
                 if ops_record is not None:
                     writer.write(ops_record)

@@ -50,7 +50,7 @@ from ..remedies import RemedySpec
 from ..capture.runner import check_target
 from ..trace import read_run
 from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail
-from .run_extras import CAPTURE_ENV
+from .run_extras import CAPTURE_ENV, applied_remedies
 
 ORDER = {VERIFIED: 0, DID_NOT_HELP: 1, CRASHED: 2, UNTESTED: 3}
 
@@ -145,6 +145,11 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
               culprits | c.repeats)
         if c.kind == "no_ac":
             without_ac_too(t, report, c.spec.no_ac)
+            applied = applied_remedies({rank: d for rank in ranks})
+            if r is not None and not any(row.get("remedy") == "no_ac" and row.get("calls") for row in applied):
+                t.status, t.gradients = DID_NOT_HELP, "not compared"
+                t.reason = (f"not applied: --no-ac {' '.join(c.spec.no_ac)} matched no checkpoint call (the regions "
+                            "ran with AC as before)")
 
     budget = range(min(len(found), max_tries))
     if jobs == 1:  # cheapest first; a verified remedy that keeps AC ends the search (the rest stay untested)

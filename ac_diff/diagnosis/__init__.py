@@ -21,7 +21,7 @@ from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED,
                       Cause, MetadataChange, Report, RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
-from .cause import DTYPE_ONLY, RECOMPILED, SHARDED, dtype_only, one_optimizer_step, sharded_positions
+from .cause import DTYPE_ONLY, EMPTIED, RECOMPILED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from ..logs.errors import version_check
@@ -201,7 +201,7 @@ def _summary(err: TorchError, reports: list[RegionReport]) -> TorchErrorSummary:
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
                              cause=f"{region.cause.kind}: {region.cause.detail}" if region is not None else
-                             f"sharded_parameter: {SHARDED}" if sharded_positions(changes) else
+                             f"sharded_parameter: {EMPTIED}" if sharded_positions(changes) else
                              f"compiled_graph: {RECOMPILED}" if err.compiled else
                              f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
                              else None,

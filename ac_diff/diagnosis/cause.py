@@ -45,6 +45,9 @@ RECOMPILED = ("its traceback runs through torch.compile's code: the recompute ma
               "torch's hint in the log, pytorch issue 166926)")
 SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in the recompute "
            "(ZeRO-3 / FSDP frees them after the forward)")
+# what the metadata alone says (a log, a watched region): a batch norm saves the same [0] statistics in eval mode
+EMPTIED = (SHARDED + "; or a batch norm's saved statistics, where the module switched to eval mode between the forward "
+           "and the backward (eval saves them empty)")
 
 
 DTYPE_ONLY = ("every position torch named kept its shape and changed its dtype ({change}): a precision setting the "

@@ -106,6 +106,17 @@ _PREFIX_RUN = re.compile(r"(?:[ \t]*(?:\[(?:rank|default)\d+\]:|rank\d+:(?=[ \t]
 _PREFIX_NUM = re.compile(r"(rank|default)(\d+)")
 
 
+# A file torchrun wrote one rank's output to (`--log-dir D --redirects 3`: D/<run>/attempt_0/<local rank>/stderr.log),
+# or one named by its rank (`rank3.log`, `train_rank_3.err`)
+_RANK_PATH = re.compile(r"(?:[\\/]attempt_\d+[\\/](\d+)[\\/](?:stderr|stdout|error)\.log|rank[_-]?(\d+)[^\\/\d]*)$")
+
+
+def rank_in_path(path: str | None) -> int | None:
+    """The rank a log file's path names, for its lines without a rank prefix; None where it names none."""
+    m = _RANK_PATH.search(path or "")
+    return int(m.group(1) or m.group(2)) if m else None
+
+
 def strip_prefix(text: str) -> tuple[int | None, str]:
     """Remove launcher prefixes, pytest's `E   ` and indentation; return (rank, body).
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
-from ac_diff.logs.lines import ReadStats, split_segments
+from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.logs.repeats import ErrorTally
@@ -90,7 +90,7 @@ class LogParser:
         self._errors_started = 0
         self._dumps: list[D.DumpBuilder | Region] = []  # in the order they started; a Region once read to its end
         self._counts = _Counts()
-        self._last_rank: int | None = None
+        self._last_rank: int | None = rank_in_path(path)  # (unprefixed lines: the rank the file's path names)
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
         self._at_cut = False
         self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with

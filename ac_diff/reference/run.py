@@ -127,13 +127,20 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         elif turned_off:
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
         done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
+        ref_done = len(ref["steps"]) if ref else 0
+        # (the run without AC stopped first: its own error, which AC hides; more steps would not compare more)
+        failed_without = exit_code not in (None, 0) and ref_done < min(done, steps)
         later = diverged_after(rank_report.regions, len(result.steps))
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
             first = min(later, key=lambda x: x.region)
             result.headline += (f"; but the first region that diverged (region {first.region}, "
                                 f"{first.module or '?'}) ran in step {first.step}, after the compared backward "
-                                "pass(es)" + (f": `--reference-steps {first.step}` compares it" if first.step <= done
-                                              else ""))  # (else the run with AC never finished that backward)
+                                "pass(es)" + (f": `--reference-steps {first.step}` compares it"
+                                              if first.step <= done and not failed_without else ""))
+        if failed_without and result.verdict == IDENTICAL:
+            result.headline += (f"; backward {ref_done + 1} failed only without AC: the run without AC exited with "
+                                f"{exit_code} there (its error is in its output above) and the run with AC finished "
+                                "it, so checkpointing hides an error the run without it raises")
         if ref and len(ref["steps"]) > done and (result.verdict == IDENTICAL or not done):
             only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
                     "checkpointing's")

@@ -155,10 +155,13 @@ class CheckpointPatch:
                 return segment_name(start, end), names  # (the recorder's name for it, which the report shows)
         module, _ = checkpointed_module(function)
         if module is not None:
-            name = self.stack.name_of(module)
+            name = self.stack.name_of(module) or type(module).__name__  # (an unnamed root: as reports name it)
             return name, [name]
-        current = self.stack.current()
-        return current or getattr(function, "__qualname__", "<function>"), [current] if current else []
+        stack = self.stack.stack()  # (a function the module running now calls: that module's region, by its name)
+        if stack:
+            current = stack[-1][1] or type(stack[-1][0]).__name__
+            return current, [current]
+        return getattr(function, "__qualname__", "<function>"), []
 
     # -- what was done ------------------------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
