@@ -123,3 +123,26 @@ def test_stored_logs_debug_dump(release):
     expert = ["split_with_sizes", "mm", "split_with_sizes", "mm", "silu", "mul"]
     assert [(p.position, p.op.split(".")[1], p.origin) for p in region.positions if p.in_torch_error] == [
         (n, op, "recompute pack") for n, op in zip([35, 36, 38, 39, 40, 42, 44, 45, 47, 48, 49, 51], expert * 2)]
+
+
+@pytest.mark.parametrize("where", ["hook", "recompute", "after"])
+def test_an_exit_is_known_to_have_left_a_backward(where):
+    """`left_a_backward`: the Python frames through which this torch enters its autograd engine are found in the
+    traceback of an exit raised by a tensor hook or inside a recompute (never clean: it stopped a backward), not of
+    one raised after the backward."""
+    lin = torch.nn.Linear(4, 4)
+
+    def region(t):
+        if where == "recompute" and calls:  # (its second call: the recompute)
+            raise SystemExit(0)
+        calls.append(1)
+        return torch.tanh(lin(t))
+
+    calls: list = []
+    y = cp.checkpoint(region, torch.randn(2, 4), use_reentrant=False)
+    if where == "hook":
+        y.register_hook(lambda g: (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit) as info:
+        y.sum().backward()
+        raise SystemExit(0)  # (after the backward)
+    assert torch_compat.left_a_backward(info.value) is (where != "after")
