@@ -178,6 +178,7 @@ class Retention:
         self._reproduced_size = 0
         self._side_effect_modules: set[str | None] = set()
         self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
+        self._side_outputs: dict[str | None, set] = {}  # module -> the side outputs ([op, output]...) written in full
 
     def write(self, p: Any, ops_record: Any, record: dict, fps: dict[int, list], kept: list, failed: bool) -> None:
         """A finished pass: hold it (a forward), summarize it and its forward (a reproduction), or write both."""
@@ -185,9 +186,10 @@ class Retention:
         writer = self._writer
         sig = signature(p, fps)
         if p.phase == FORWARD:
-            # a forward that raised; a region entered twice; one that handed out side outputs (a reentrant region's,
-            # which its forward's ops tell whether a gradient could reach): keep everything
-            if failed or region.hold or (record.get("state") or {}).get("side_outputs"):
+            # a forward that raised; a region entered twice; the first of its module to hand out side outputs from
+            # these ops (a reentrant region's: its forward's ops tell whether a gradient could reach them; later
+            # ones, a resample's, repeat it): keep everything
+            if failed or region.hold or self._new_side_outputs(region.module, record):
                 region.hold = "written"
                 if ops_record is not None:
                     writer.write(ops_record)
@@ -230,6 +232,17 @@ class Retention:
         if ops_record is not None:
             writer.write(ops_record)
         writer.write(record)
+
+    def _new_side_outputs(self, module: str | None, record: dict) -> bool:
+        side = (record.get("state") or {}).get("side_outputs")
+        if not side:
+            return False
+        seen = self._side_outputs.setdefault(module, set())
+        key = tuple(tuple(pair) for pair in side)
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
 
     def release(self, region: Any) -> None:
         """Write a held forward in full (memory limit, a failed check, the end of the run)."""
