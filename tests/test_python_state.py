@@ -235,6 +235,41 @@ def test_a_config_objects_class_default_changed_on_the_instance_is_named(tmp_pat
     assert f"`{flag}` was True in the forward and False in the recompute" in cause.detail, cause.detail
 
 
+def test_a_setting_of_the_users_own_module_read_through_it_is_named(tmp_path, monkeypatch):
+    """A temperature kept in a settings module of the user's (`import hparams` ... `/ hparams.TEMP`) that a schedule
+    moves between the forward and the backward: named `hparams.TEMP`, with the fix in the code's own spelling (it
+    read "a Python value passed to aten.div.Tensor")."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hparams_t.py").write_text("TEMP = 1.0\n")
+    (code / "head_t.py").write_text(
+        "import torch\nimport hparams_t\n\n\n"
+        "class Head(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(8, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        return torch.log_softmax(self.fc(x) / hparams_t.TEMP, -1)\n")
+    monkeypatch.syspath_prepend(str(code))
+    import hparams_t
+    import head_t
+
+    torch.manual_seed(0)
+    head = head_t.Head()
+
+    def step():
+        loss = cp.checkpoint(head, torch.randn(4, 8), use_reentrant=False).sum()
+        hparams_t.TEMP = 1.5  # the schedule, before the backward
+        loss.backward()
+
+    report = _record(tmp_path, step)
+    cause = _diverged(report)[0].cause
+    assert (cause.mechanism, cause.tensor) == ("global", "hparams_t.TEMP"), cause
+    assert "was 1.0 in the forward and 1.5 in the recompute" in cause.detail, cause.detail
+    fix = _diverged(report)[0].suggestions[0]
+    assert fix.title == "Keep the global `hparams_t.TEMP` as the forward saw it until after the backward", fix.title
+
+
 CALLS = 0
 
 

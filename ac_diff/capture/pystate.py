@@ -255,7 +255,34 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
                 readers = found.setdefault(key, (space, name, []))[2]
                 if reader not in readers:
                     readers.append(reader)
+        for settings, attr in _settings_read(code, space, loaded):  # `hparams.TEMP`, a module of the user's
+            readers = found.setdefault(f"{settings.__name__}.{attr}", (vars(settings), attr, []))[2]
+            if reader not in readers:
+                readers.append(reader)
     return tuple((space, name, key, tuple(readers)) for key, (space, name, readers) in found.items())
+
+
+def _settings_read(code: types.CodeType, space: dict, loaded: set[str]) -> list[tuple[types.ModuleType, str]]:
+    """(module, name) of each scalar a user's own module holds that `code` reads as `module.NAME` (a settings module,
+    `import hparams` ... `x / hparams.TEMP`); not an installed package's."""
+    modules = {name for name in loaded if isinstance(space.get(name), types.ModuleType) and _users_module(space[name])}
+    if not modules:
+        return []
+    out = []
+    instructions = list(dis.get_instructions(code))
+    for i, ins in enumerate(instructions):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in modules:
+            attrs = _attributes_after(instructions, i)
+            settings = space[ins.argval]
+            if attrs and not attrs[0].startswith("__") and attrs[0] in vars(settings) and \
+                    recorded_scalar(vars(settings)[attrs[0]]) is not NOT_SCALAR and (settings, attrs[0]) not in out:
+                out.append((settings, attrs[0]))
+    return out
+
+
+def _users_module(module: types.ModuleType) -> bool:
+    path = getattr(module, "__file__", None) or ""
+    return bool(path) and not is_internal(path) and "site-packages" not in path and "dist-packages" not in path
 
 
 def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[str]:

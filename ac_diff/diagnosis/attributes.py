@@ -132,13 +132,14 @@ def counted_twice(region: Region) -> list[tuple[AttributeChange, str]]:
 
 def code_name(change: AttributeChange) -> str:
     """How the code names a global: "train.PhiloxState.offset" read in train.py -> `PhiloxState.offset`,
-    "model.LOW_PRECISION" -> `LOW_PRECISION` (a global's name begins with the module its readers are in)."""
+    "model.LOW_PRECISION" -> `LOW_PRECISION` (a global's name begins with the module its readers are in); one of
+    another module, which its readers read through it, whole: "hparams.TEMP" read in train.py -> `hparams.TEMP`."""
     for reader in change.readers:
         stem = os.path.splitext(os.path.basename(reader.split(" in ")[0]))[0]
         head, sep, rest = change.name.partition(stem + ".")
         if sep and rest and (not head or head.endswith(".")):
             return rest
-    return split_name(change.name)[1]
+    return change.name if any(r != "?" for r in change.readers) else split_name(change.name)[1]
 
 
 def shown(value: Any) -> str:
