@@ -191,26 +191,16 @@ def _stop_reason(ended: BaseException | None, exit_code: int) -> BaseException |
     """What the recorder is told ended the script: nothing for a clean exit (code 0), an ExitDuringBackward for an
     exit from inside a backward (a hook's sys.exit)."""
     if isinstance(ended, (SystemExit, _HardExit)):
+        from .sourceline import raised_at
         from .torch_compat import left_a_backward
 
         if left_a_backward(ended):
-            where = _innermost_user_line(ended)
+            where = raised_at(ended)
             return ExitDuringBackward(f"exit code {exit_code}" + (f" from {where}" if where else "")).with_traceback(
                 ended.__traceback__)
         if exit_code == 0:
             return None
     return SystemExit(exit_code) if isinstance(ended, _HardExit) else ended
-
-
-def _innermost_user_line(exc: BaseException) -> str:
-    """"train.py:40 in hook": the script's own frame nearest to where `exc` was raised, or ""."""
-    from .sourceline import is_internal, short_path
-
-    where = ""
-    for frame, line in traceback.walk_tb(exc.__traceback__):
-        if not is_internal(frame.f_code.co_filename):
-            where = f"{short_path(frame.f_code.co_filename)}:{line} in {frame.f_code.co_name}"
-    return where
 
 
 def _end_forked_child(exit_code: int, exception: BaseException | None) -> None:

@@ -223,11 +223,16 @@ def _through_nested_regions(reports: list) -> None:
         child = own.get((r.rank, module))
         if child is None:
             continue
-        r.cause = Cause(child.cause.kind, child.cause.tensor,
-                        f"through the nested region {module} (region {child.region}): {child.cause.detail}",
-                        [f"the output of {module} differs between this region's forward and recompute",
-                         *child.cause.evidence], child.cause.mechanism, child.cause.source, list(child.cause.names))
-        r.suggestions = list(child.suggestions)
+        _adopt(r, child, f"through the nested region {module} (region {child.region})",
+               [f"the output of {module} differs between this region's forward and recompute"])
+
+
+def _adopt(r: RegionReport, origin: RegionReport, how: str, evidence: list[str]) -> None:
+    """`r` takes the cause and fixes of `origin`, the region whose difference reached it (`how`: by what way)."""
+    cause = origin.cause
+    r.cause = Cause(cause.kind, cause.tensor, f"{how}: {cause.detail}", [*evidence, *cause.evidence], cause.mechanism,
+                    cause.source, list(cause.names))
+    r.suggestions = list(origin.suggestions)
 
 
 def _through_enclosing_regions(reports: list) -> None:
@@ -239,12 +244,8 @@ def _through_enclosing_regions(reports: list) -> None:
         if (r.cause is None or r.cause.mechanism != ENCLOSING_RECOMPUTE or parent is None or parent.cause is None
                 or parent.status != DIVERGED or parent.cause.mechanism == ENCLOSING_RECOMPUTE):
             continue
-        r.cause = Cause(parent.cause.kind, parent.cause.tensor,
-                        f"its {r.cause.tensor} came from the recompute of the enclosing region {parent.module} (region "
-                        f"{parent.region}), which computed it otherwise: {parent.cause.detail}",
-                        [*r.cause.evidence, *parent.cause.evidence], parent.cause.mechanism, parent.cause.source,
-                        list(parent.cause.names))
-        r.suggestions = list(parent.suggestions)
+        _adopt(r, parent, f"its {r.cause.tensor} came from the recompute of the enclosing region {parent.module} "
+               f"(region {parent.region}), which computed it otherwise", r.cause.evidence)
 
 
 def _earlier(lead: RegionReport, diverged: list[RegionReport]) -> str:
