@@ -48,3 +48,40 @@ def test_relative_difference_exact_sampled_or_from_the_norms_past_the_budget():
     assert big.norm_only and abs(big.rel_diff - 1 / 3) < 1e-6  # a pure scaling: the norms' bound is exact here
     from ac_diff.render.sections import _diff_text
     assert "values over budget: norm only" in _diff_text(big)
+
+
+def _names_of_a_step(step, tmp_path) -> list[str]:
+    from ac_diff.reference.grads import GradCapture
+
+    capture = GradCapture(tmp_path / "grads.pt").install()
+    try:
+        step()
+        return [name for name, _ in capture.named_parameters()]
+    finally:
+        capture.uninstall()
+
+
+def test_gradients_of_several_roots_are_named_as_the_report_names_them(tmp_path):
+    """A GAN's two models, and blocks a loop calls one by one, by the variables that hold them (`G.0.weight`,
+    `blocks.1.weight`), as the report names their modules; not by class and place (`Sequential[1].0.weight`)."""
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    D = torch.nn.Sequential(torch.nn.Linear(4, 1))
+
+    def gan_step():
+        fake = G(torch.randn(3, 4))
+        (D(fake).mean() + D(torch.randn(3, 4)).mean()).backward()
+
+    names = _names_of_a_step(gan_step, tmp_path)
+    assert names == ["G.0.weight", "G.0.bias", "G.2.weight", "G.2.bias", "D.0.weight", "D.0.bias"]
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def blocks_step():
+        x = torch.randn(2, 4)
+        for block in blocks:
+            x = block(x)
+        x.sum().backward()
+
+    assert _names_of_a_step(blocks_step, tmp_path) == ["blocks.0.weight", "blocks.0.bias", "blocks.1.weight",
+                                                       "blocks.1.bias"]

@@ -18,7 +18,9 @@ gradients past it keep fingerprint and norm only (`kept: "none"`). The rule depe
 so both runs keep the same values. Never the whole model on the host. `None` gradients are kept as such.
 
 Parameters are named from the root modules the script called (the modules no other called module
-contains), as `named_parameters()` names them with wrapper segments dropped: the same names in both runs.
+contains), as `named_parameters()` names them with wrapper segments dropped, after the root's name where there are
+several, as the report names modules (`G.0.weight`, `blocks.1.fc.weight`; else `Disc[1].`, by its place): the same
+names in both runs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from ..capture.compiled import skip_when_compiling
 from ..capture.fingerprint import FingerprintBatch, _local, host_copies
-from ..capture.modules import clean_fqn
+from ..capture.modules import ModuleStack, clean_fqn
 
 BUDGET_ENV = "AC_DIFF_REFERENCE_BUDGET_MB"  # host bytes for gradient values per compared step, in MB
 DEFAULT_BUDGET_MB = 64
@@ -127,6 +129,7 @@ class GradCapture:
         self.snapshots: list[dict[str, Any]] = []
         self._seen: list[weakref.ref] = []
         self._seen_ids: set[int] = set()
+        self._names = ModuleStack()  # names the roots as the report does (`D.0.weight`, `blocks[2].fc.weight`)
         self._hook = None
         self._original = None
         self._depth = 0
@@ -135,6 +138,7 @@ class GradCapture:
     def install(self) -> "GradCapture":
         # (compiled modules: Dynamo must not trace it; the compiled module itself is seen, called eagerly)
         self._hook = nn.modules.module.register_module_forward_pre_hook(skip_when_compiling(self._pre))
+        self._names.install()
         self._original = torch.autograd.backward
         original = self._original
 
@@ -156,6 +160,7 @@ class GradCapture:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            self._names.uninstall()
         if self._original is not None:
             torch.autograd.backward = self._original
             self._original = None
@@ -173,8 +178,11 @@ class GradCapture:
         roots = [m for m in modules if id(m) not in inner and any(True for _ in m.parameters())]
         out: list[tuple[str, nn.Parameter]] = []
         seen: set[int] = set()
-        for i, root in enumerate(roots):
-            prefix = "" if len(roots) == 1 else f"{type(root).__name__}[{i}]."
+        names = [self._names.name_of(root) for root in roots]
+        for i, (root, name) in enumerate(zip(roots, names)):
+            if len(roots) > 1 and (not name or names.count(name) > 1):
+                name = f"{type(root).__name__}[{i}]"  # (no variable holds it: by its place among the roots)
+            prefix = f"{name}." if name else ""
             for name, p in root.named_parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
