@@ -140,6 +140,7 @@ class Trace:
                     "recomputes": r.recomputes, "early_stop": r.options.get("early_stop"),
                     "determinism_check": r.options.get("determinism_check"),
                     "preserve_rng_state": r.options.get("preserve_rng_state"), "sac": bool(r.options.get("sac")),
+                    "watched": r.watched, "step": r.step,
                 })
         return _frame(rows, _REGION_COLUMNS)
 
@@ -187,7 +188,8 @@ class Trace:
 
 
 _REGION_COLUMNS = ["rank", "region", "module", "kind", "parent", "forward_ops", "recompute_ops", "forward_positions",
-                   "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac"]
+                   "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac",
+                   "watched", "step"]
 _OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "source", "in_shapes", "out_shapes",
                "out_dtypes", "args", "fingerprint", "host_value", "cached", "random", "discrete", "derived"]
 _POSITION_COLUMNS = ["rank", "region", "phase", "position", "op_index", "op", "module", "source", "origin", "name",

@@ -261,6 +261,8 @@ def test_a_divergence_full_recording_does_not_see_says_so(tmp_path):
     assert lead.watched and lead.step == 1
     assert any("did not recur there" in n and "behind torch's back" in n and "--full-from-step 1" in n
                for n in lead.notes), lead.notes
+    regions = ac_diff.load(tmp_path / "data.jsonl").regions  # (the table `export --what regions` writes)
+    assert regions[regions.watched].step.tolist() == [1], regions
 
 
 def test_tensors_without_plain_values_get_no_digest():
