@@ -222,6 +222,7 @@ class RegionReport:
     step: int | None = None
     recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
     enclosing: int | None = None  # the region whose forward ran this nested one (not written: the trace has it)
+    backward_raised: str | None = None  # what the backward raised after its recompute, torch's check having let it by
 
     @property
     def has_values(self) -> bool:
@@ -270,6 +271,7 @@ class RegionReport:
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
             "watched": self.watched, "step": self.step, "function": self.function, "recompute_n": self.recompute_n,
+            "backward_raised": self.backward_raised,
         })
         return data
 

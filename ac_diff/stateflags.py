@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# The backend flags that choose GPU kernels (TF32 matmuls and convolutions, cuDNN's algorithm choice, reduced-precision
-# reductions), readable on any build: key (its name under torch.backends) -> (torch's own getter in torch._C, its usual
+# The backend flags that choose kernels (TF32 matmuls and convolutions, cuDNN's algorithm choice, reduced-precision
+# reductions on a GPU; oneDNN's kernels on a CPU), readable on any build: key (its name under torch.backends) -> (torch's own getter in torch._C, its usual
 # value). A pass writes a flag only where it is not at its usual value, so a pass record stays small.
 BACKEND_FLAGS = {
     "cuda.matmul.allow_tf32": ("_get_cublas_allow_tf32", False),
@@ -22,6 +22,8 @@ BACKEND_FLAGS = {
     "cudnn.benchmark": ("_get_cudnn_benchmark", False),
     "cudnn.deterministic": ("_get_cudnn_deterministic", False),
     "cudnn.enabled": ("_get_cudnn_enabled", True),
+    "mkldnn.enabled": ("_get_mkldnn_enabled", True),  # (CPU: oneDNN's convolutions and matmuls, or ATen's own)
+    "mkldnn.deterministic": ("_get_mkldnn_deterministic", False),
 }
 USUAL = {key: usual for key, (_, usual) in BACKEND_FLAGS.items()}
 
@@ -36,7 +38,8 @@ PASS_NOTES = frozenset({"saved_hooks", "inputs_kept_as", "side_outputs"})
 
 _LABELS = {
     "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",
-    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`)",
+    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`; on a GPU, "
+                        "`torch.backends.cuda.matmul.allow_tf32` sets it too)",
     "sdp_backends": "the SDPA backend choice (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`)",
     "default_dtype": "the default dtype (`torch.set_default_dtype`)",
     "num_threads": "the number of CPU threads (`torch.set_num_threads`)",
@@ -48,6 +51,13 @@ _LABELS = {
 def flag_label(key: str) -> str:
     """A state key as reports name it: "`torch.backends.cudnn.deterministic`", "the SDPA backends enabled (...)"."""
     return f"`torch.backends.{key}`" if key in BACKEND_FLAGS else _LABELS.get(key, f"`{key}`")
+
+
+def first_flag(keys) -> str:
+    """The one of several differing state keys a report names: a setting scripts make themselves (the float32 matmul
+    precision) before a backend flag set with it (`cuda.matmul.allow_tf32` reads "high" where TF32 is allowed, and
+    the reverse), then by name."""
+    return min(keys, key=lambda k: (k in BACKEND_FLAGS, k))
 
 
 def flag_value(state: dict[str, Any], key: str) -> Any:

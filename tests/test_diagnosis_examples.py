@@ -152,7 +152,13 @@ def test_backend_flag_set_between_forward_and_backward_is_global_state(tmp_path,
     key, name = f"{owner}.{flag}", f"torch.backends.{owner}.{flag}"
     assert report.verdict == "clean" and region.status == "clean"  # the same values on a CPU
     assert region.state_changes[key] == {"forward": before, "recompute": not before}
-    assert region.cause.kind == "global_state" and region.cause.tensor == key
+    assert region.cause.kind == "global_state"
+    if key == "cuda.matmul.allow_tf32":  # (the float32 matmul precision: TF32 allowed reads "high"; named as such)
+        assert region.cause.tensor == "matmul_precision" and name in region.cause.detail
+        assert region.suggestions[0].code.startswith("torch.set_float32_matmul_precision('highest')  # once")
+        assert name in report.headline and report.headline.startswith("clean: ")
+        return
+    assert region.cause.tensor == key
     assert f"`{name}` was {before!r} in the forward and {not before!r} in the recompute" in region.cause.detail
     fix = region.suggestions[0]
     assert fix.title == f"Set `{name}` once for the whole step, not between the forward and the backward"
@@ -183,7 +189,8 @@ def test_the_cpu_thread_count_changed_before_the_backward_is_named(tmp_path):
 
 def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path):
     """The training loop turns TF32 on between the forward and loss.backward(): set_float32_matmul_precision("high")
-    sets torch.backends.cuda.matmul.allow_tf32 too; both are named, the backend flag first, in every renderer."""
+    sets torch.backends.cuda.matmul.allow_tf32 too; both are named, the precision the script set first, in every
+    renderer."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(4, 8, requires_grad=True)
     before = torch.get_float32_matmul_precision()
@@ -196,10 +203,11 @@ def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path
         torch.set_float32_matmul_precision(before)
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     region = report.regions[0]
-    assert region.status == "clean" and region.cause.tensor == "cuda.matmul.allow_tf32"
+    assert region.status == "clean" and region.cause.tensor == "matmul_precision"
     assert region.state_changes["matmul_precision"] == {"forward": "highest", "recompute": "high"}
     assert any("torch.set_float32_matmul_precision" in e and "'highest' -> 'high'" in e
                for e in region.cause.evidence)
+    assert "`torch.backends.cuda.matmul.allow_tf32`: False -> True" in region.cause.evidence
     assert any("no value differed in this run" in n for n in region.notes)
     out = io.StringIO()
     render_terminal(report, Console(file=out, width=200))

@@ -128,12 +128,34 @@ def test_a_kernel_flag_set_for_the_backward_where_values_differ_is_global_state(
     report = diagnose_region(region(f, r))
     assert report.status == "diverged" and report.first_value_divergence.detail["inputs_identical"]
     assert report.state_changes["cuda.matmul.allow_tf32"] == {"forward": False, "recompute": True}
-    assert report.cause.kind == "global_state" and report.cause.tensor == "cuda.matmul.allow_tf32"
-    assert report.cause.detail.startswith("`torch.backends.cuda.matmul.allow_tf32` was False in the forward and True "
-                                          "in the recompute")
+    # (named by the setting scripts make, not by the backend flag it sets with it)
+    assert report.cause.kind == "global_state" and report.cause.tensor == "matmul_precision"
+    assert report.cause.detail.startswith("the float32 matmul precision (`torch.set_float32_matmul_precision`")
+    assert "was 'highest' in the forward and 'high' in the recompute" in report.cause.detail
+    assert "`torch.backends.cuda.matmul.allow_tf32`: False -> True" in report.cause.evidence
     fix = report.suggestions[0]
     assert "once for the whole step" in fix.title
-    assert fix.code.startswith("torch.backends.cuda.matmul.allow_tf32 = False  # once, before the training loop")
+    assert fix.code.startswith("torch.set_float32_matmul_precision('highest')  # once, before the training loop")
+
+
+def test_a_flag_alone_is_named_and_a_precision_set_per_backend_is_set_back_per_backend():
+    """`torch.backends.cuda.matmul.allow_tf32` changed alone; the per-backend precision settings (torch >= 2.9, which
+    the legacy getter refuses to read once they are mixed) get a fix line per backend."""
+    w = InputRef("param", name="lin.weight")
+    f_ops = [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), w], fp=[[1.0, 2.0]])]
+    r_ops = [op(0, "aten.mm.default", refs=[InputRef("input", name="input[0]"), w], fp=[[1.0001, 2.0001]])]
+    same = [ext("input", "input[0]", [1.0, 1.0]), ext("param", "lin.weight", [3.0, 3.0], 1)]
+    for before, after, tensor, code in [
+            ({}, {"cuda.matmul.allow_tf32": True}, "cuda.matmul.allow_tf32",
+             "torch.backends.cuda.matmul.allow_tf32 = False  # once"),
+            ({"matmul_precision": "cuda: ieee, mkldnn: ieee"}, {"matmul_precision": "cuda: tf32, mkldnn: bf16"},
+             "matmul_precision", "torch.backends.cuda.matmul.fp32_precision = 'ieee'  # once")]:
+        f, r = _two_passes(f_ops, r_ops, positions(0), positions(0), same, same)
+        f.state, r.state = {"grad_enabled": True, **before}, {"grad_enabled": True, **after}
+        report = diagnose_region(region(f, r))
+        assert report.cause.tensor == tensor
+        assert report.suggestions[0].code.startswith(code), report.suggestions[0].code
+    assert "torch.backends.mkldnn.matmul.fp32_precision = 'ieee'" in report.suggestions[0].code
 
 
 def test_topk_flip_margin():

@@ -221,3 +221,39 @@ def test_an_exit_inside_a_backward_is_never_clean(tmp_path, how, watch):
         assert "stopped in a backward, before the recompute of region 5 (blocks.1)" in said, said
     report = run_cli("report", "--check", str(tmp_path / "out"), timeout=120)
     assert report.returncode == 4, report.stdout + report.stderr
+
+
+def test_a_shape_divergence_past_a_check_turned_off_that_the_backward_raises_about_is_not_silent(tmp_path):
+    """determinism_check="none" and a capacity lowered between the forward and the backward (a curriculum): the
+    recompute routes fewer tokens, torch compares nothing, and autograd raises about a gradient of the wrong shape.
+    The divergence is not "silent" (torch raised no CheckpointError, but the backward did): the headline says what
+    the backward raised, the chain does not claim a CheckpointError, the JSON keeps it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "class Routed(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.router, self.mlp, self.capacity = torch.nn.Linear(8, 1), torch.nn.Linear(8, 8), 0.5\n"
+        "    def forward(self, x):\n"
+        "        k = max(1, int(self.capacity * x.shape[1]))\n"
+        "        idx = self.router(x).squeeze(-1).topk(k, dim=1).indices.sort(1).values[..., None].expand(-1, -1, 8)\n"
+        "        return x.scatter_add(1, idx, self.mlp(x.gather(1, idx)))\n"
+        "torch.manual_seed(0)\n"
+        "block = Routed()\n"
+        "for step in range(2):\n"
+        "    y = checkpoint(block, torch.randn(2, 8, 8, requires_grad=True), use_reentrant=False,\n"
+        "                   determinism_check='none')\n"
+        "    if step == 1:\n"
+        "        block.capacity = 0.25\n"
+        "    y.square().mean().backward()\n")
+    proc = run_cli("run", "--json", "r.json", "-o", "out", "train.py", cwd=tmp_path, timeout=120)
+    said = " ".join(proc.stdout.replace("│", " ").split())
+    assert "invalid gradient" in proc.stderr and "SILENTLY" not in said and "torch raised no error" not in said, said
+    assert "then the backward raised RuntimeError: Function ScatterAddBackward0 returned an invalid gradient" in said
+    lead = next(r for r in json.loads((tmp_path / "r.json").read_text())["regions"] if r["status"] == "diverged")
+    assert lead["silent"] is False and lead["cause"]["tensor"].endswith("capacity"), lead["cause"]
+    assert lead["backward_raised"].startswith("RuntimeError: Function ScatterAddBackward0")
+    assert not any("torch raises CheckpointError" in step for step in lead["chain"]), lead["chain"]
+    assert any('determinism_check="none"' in step for step in lead["chain"]), lead["chain"]

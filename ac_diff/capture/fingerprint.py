@@ -69,7 +69,7 @@ import torch
 from .fused_prints import MAX_ELEMENTS, FusedPrints, combine
 from .opinfo import short_dtype
 from .segments import _weights, segment_float_pairs, segment_pairs
-from .torch_compat import flatten_dense
+from .torch_compat import EXACT_MATMULS, flatten_dense
 from ..values import decode_values  # noqa: F401 - the codec's other half, importable from here
 
 # The dtypes reduced by their own kernels; every other one through a view of its memory (see `_plan`)
@@ -173,6 +173,16 @@ def _weights_of_matrix(device: torch.device, dtype: torch.dtype, rows: int, cols
 
 # Integer views of the float dtypes' bit patterns, by element size (8-byte floats as pairs of int32)
 _BIT_VIEWS = {2: torch.int16, 4: torch.int32, 8: torch.int32}
+
+
+def _mv(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`torch.mv(m, v)` in full float32 precision on a CPU whatever precision the script set (a CPU with bf16 units
+    runs float32 matmuls in bfloat16 under "medium": a precision set between a forward and its recompute would change
+    the fingerprints of values that did not change)."""
+    if m.is_cuda:  # (a GPU's float32 matrix-vector products use no reduced-precision units)
+        return torch.mv(m, v)
+    with EXACT_MATMULS:
+        return torch.mv(m, v)
 
 
 def _bit_rows(m: torch.Tensor) -> torch.Tensor:
@@ -388,7 +398,7 @@ class FingerprintBatch:
                 address, size = _storage_of(m)
                 # its weighted row sums now; the tensor itself (`.data`: an alias no dispatch mode sees) only for the
                 # exact bit sum, wanted where its pair is not finite
-                self._large.append((len(slots) - 1, torch.mv(m, weights[0]), m.data, address, size))
+                self._large.append((len(slots) - 1, _mv(m, weights[0]), m.data, address, size))
                 self._addresses.add(address)
                 self._large_bytes += nbytes
             else:
@@ -464,12 +474,12 @@ class FingerprintBatch:
             bit = len(bits) - 1
             if dtype in _EXACT_ROW_DTYPES:  # the pair in two kernels (see `_weights_of_matrix`)
                 pairs = bucket[0]
-                pairs.append(torch.mv(row_pair, torch.mv(m, columns)))
+                pairs.append(_mv(row_pair, _mv(m, columns)))
                 self._slots.append((key, True, len(pairs) - 1, bit))
                 return len(self._slots) - 1
             # half precision: the plain sum in float32; the bilinear sum from the row sums, as float32
             first = t.sum(dtype=torch.float32)
-            second = torch.dot(torch.mv(m, columns), row_weights)
+            second = torch.dot(_mv(m, columns), row_weights)
             if second.dtype is not torch.float32:
                 second = second.float()
         elif kind == "f":

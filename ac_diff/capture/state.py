@@ -24,6 +24,7 @@ import torch
 
 from .fqn import clean_fqn
 from .opinfo import short_dtype
+from .torch_compat import matmul_precision
 from ..stateflags import BACKEND_FLAGS
 
 # torch's own getters of the backend flags, called directly (through torch.backends each read is a Python __getattr__,
@@ -40,8 +41,9 @@ def global_state(own_mode: Any) -> dict[str, Any]:
         "default_dtype": short_dtype(torch.get_default_dtype()),
         "num_threads": torch.get_num_threads(),  # (a CPU reduction splits its sum by thread)
     }
-    with contextlib.suppress(Exception):
-        state["matmul_precision"] = torch.get_float32_matmul_precision()
+    precision = matmul_precision()
+    if precision is not None:
+        state["matmul_precision"] = precision
     with contextlib.suppress(Exception):  # sdpa_kernel(...) flips these process-wide flags
         b = torch.backends.cuda
         state["sdp_backends"] = [name for name, on in (

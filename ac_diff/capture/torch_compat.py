@@ -521,3 +521,74 @@ def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:
     if _flatten_dense is not None:
         return _flatten_dense(tensors)
     return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+
+
+# The float32 matmul precision: per backend ("cuda", "mkldnn": a CPU with bf16 or AMX units runs fp32 matmuls in
+# bfloat16 under "medium") where torch has the fp32_precision settings (>= 2.9); one legacy setting before.
+_PRECISION_GET = getattr(torch._C, "_get_fp32_precision_getter", None)
+_PRECISION_SET = getattr(torch._C, "_set_fp32_precision_setter", None)
+_MATMUL_BACKENDS = ("cuda", "mkldnn")
+_EXACT = ("ieee", "none")  # (per backend: "none" takes its parent's, "ieee" unless set otherwise: then it reads so)
+
+
+def matmul_precision() -> str | None:
+    """The float32 matmul precision as the script set it: "highest" / "high" / "medium", or per backend where it
+    was set through the per-backend settings, which the legacy getter refuses to read ("cuda: tf32, mkldnn: bf16",
+    "ieee" where exact); None where this torch says nothing."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # (the legacy and the per-backend settings were mixed)
+        pass
+    if _PRECISION_GET is None:
+        return None
+    try:
+        return ", ".join(f"{b}: {_PRECISION_GET(b, 'matmul')}" for b in _MATMUL_BACKENDS)
+    except RuntimeError:
+        return None
+
+
+class ExactMatmuls:
+    """`with EXACT_MATMULS:` ac-diff's own matmuls (a fingerprint's weighted row sums) run in full float32 precision
+    whatever the script set, and its settings are back as they were after: a fingerprint must be the same function
+    of the values in a forward and in a recompute run after the script changed the precision. Costs two getter calls
+    where the precision is exact already (the usual case: nothing is set). The settings are process-wide: for the
+    microseconds of the fingerprint another thread's float32 matmul would run exact too, hence only CPU tensors'
+    fingerprints use it (a GPU's fused kernels and float32 matrix-vector products use no reduced-precision units)."""
+
+    def __init__(self) -> None:
+        self._changed: list[tuple[str, str]] = []
+        self._legacy: str | None = None
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        if _PRECISION_GET is not None and _PRECISION_SET is not None:
+            for backend in _MATMUL_BACKENDS:
+                try:
+                    value = _PRECISION_GET(backend, "matmul")
+                    if value not in _EXACT:
+                        _PRECISION_SET(backend, "matmul", "ieee")
+                        self._changed.append((backend, value))
+                except RuntimeError:  # (a backend this build lacks)
+                    continue
+            return
+        value = torch.get_float32_matmul_precision()
+        if value != "highest":
+            self._legacy = value
+            torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        for backend, value in reversed(self._changed):
+            _PRECISION_SET(backend, "matmul", value)
+        self._changed = []
+        if self._legacy is not None:
+            torch.set_float32_matmul_precision(self._legacy)
+            self._legacy = None
+
+
+EXACT_MATMULS = ExactMatmuls()

@@ -82,6 +82,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))
+    _raised_in_their_backward(runs, region_reports)
     _through_nested_regions(region_reports)
     _through_enclosing_regions(region_reports)
     one_optimizer_step(region_reports)
@@ -359,6 +360,23 @@ def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None)
             "after it was never checked")
 
 
+def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> None:
+    """A run whose exception left a backward in the step of regions that diverged where torch said nothing (their
+    recompute saved tensors of other shapes past determinism_check="none", and autograd found a gradient of the wrong
+    shape; values that anomaly mode found NaN): those divergences were not silent, the backward raised after them."""
+    for run in runs:
+        if run.source != "trace" or not run.exc_in_backward or run.errors:
+            continue
+        own = [r for r in reports if r.path == (run.path or run.source) and r.rank == run.rank and r.status == DIVERGED
+               and r.silent and not r.watched]
+        steps = [r.step for r in run.regions if r.recompute is not None and r.step is not None]
+        for report in own:
+            if report.step is None or not steps or report.step == max(steps):
+                report.silent = False
+                report.backward_raised = _how_it_stopped(run)
+                report.chain.append(f"the backward raised after its recompute: {report.backward_raised}")
+
+
 def _where_it_stopped(run: Run) -> str:
     """Where in the run an exception struck, from its regions: in a recompute, in a forward, between a forward and
     its backward, or in the backward after a recompute."""
@@ -488,4 +506,5 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             if len(diverged) + unwritten > 1 else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)
     more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
-    return f"{where} diverged{silent}{cause}{more}"
+    raised = f"; then the backward raised {lead.backward_raised}" if lead.backward_raised else ""
+    return f"{where} diverged{silent}{cause}{raised}{more}"

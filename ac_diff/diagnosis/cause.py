@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from ..stateflags import KERNEL_FLAGS, flag_label
+from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
 from ..report import (CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
@@ -197,7 +197,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return _host_draw_cause(drew, steered, region.forward.state.get("host_draw_sites") or [])
 
     if flags:
-        return _global_state_cause(flags, sorted(flags)[0])
+        return _global_state_cause(flags, first_flag(flags))
 
     # from a log (no values): only without a data-dependent decision, and before any shape divergence
     # (spliced lines can fake a sequence change)
@@ -676,7 +676,7 @@ def explain_flags(report: RegionReport, region: Region, torch_version: str | Non
     flags = {k: v for k, v in report.state_changes.items() if k in KERNEL_FLAGS}
     if not flags:
         return
-    report.cause = _global_state_cause(flags, sorted(flags)[0])
+    report.cause = _global_state_cause(flags, first_flag(flags))
     report.suggestions = suggestions_for(report, region, torch_version)
     report.notes.append(f"no value differed in this run (no kernel it ran depends on "
                         f"{flag_label(report.cause.tensor)}), but where one does (a GPU: TF32 or reduced-precision "
@@ -779,6 +779,8 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
         chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in metadata -> "
                      + (f"the recompute raised before torch's check: {raised[:160]}"
                         if raised and not any(p.in_torch_error for p in report.positions)
+                        else "torch does not compare them (determinism_check=\"none\"): the backward reads tensors "
+                        "of other shapes" if region.options.get("determinism_check") == "none"
                         else "torch raises CheckpointError"))
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")

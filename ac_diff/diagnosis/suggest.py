@@ -97,6 +97,9 @@ def _set_once(key: str, value: object) -> str:
     if key == "deterministic":
         return f"torch.use_deterministic_algorithms({value!r}){once}"
     if key == "matmul_precision":
+        if ":" in str(value):  # (set per backend, "cuda: tf32, mkldnn: bf16": matmul_precision() in torch_compat)
+            return "\n".join(f"torch.backends.{backend}.matmul.fp32_precision = {setting!r}{once}"
+                             for backend, setting in (part.split(": ") for part in str(value).split(", ")))
         return f"torch.set_float32_matmul_precision({value!r}){once}"
     if key == "num_threads":
         return f"torch.set_num_threads({value!r}){once}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..align import align
-from ..stateflags import flag_label
+from ..stateflags import first_flag, flag_label
 from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import (CLEAN, DIVERGED, DIVERGENCE_FIELDS, UNCHECKED, Cause, Divergence, RegionReport, Report,
@@ -263,7 +263,7 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
                      + (" (the RNG state at the start of the region differs: another seed?)" if rng else ""),
                      [f"{value.op} at {where(value.module, value.source)}"])
     if flags:
-        key = sorted(flags)[0]
+        key = first_flag(flags)
         return Cause("global_state", key, f"{flag_label(key)} was {flags[key]['run_a']!r} in run A and "
                      f"{flags[key]['run_b']!r} in run B",
                      [f"{flag_label(k)}: {v['run_a']!r} -> {v['run_b']!r}" for k, v in flags.items()])
