@@ -119,6 +119,7 @@ GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True t
 CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
 HOOKS = "hooks"  # ... a module forward hook registered or removed between the forward and the backward
 SAVED_HOOKS = "saved_hooks"  # ... the region's input came back changed from the user's saved-tensor hooks that kept it
+ARGUMENT_ITEMS = "argument_items"  # ... a list or dict the region was given held other items in the recompute
 # ... a nested region's input, kept by the enclosing checkpoint, came back from that region's recompute changed (the
 # diagnosis then gives it the enclosing region's cause)
 ENCLOSING_RECOMPUTE = "enclosing_recompute"

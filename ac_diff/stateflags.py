@@ -45,6 +45,7 @@ _LABELS = {
     "num_threads": "the number of CPU threads (`torch.set_num_threads`)",
     "grad_enabled": "grad mode (`torch.is_grad_enabled()`)",
     "training": "the modules' mode (`train()` / `eval()`)",
+    "arguments": "the region's list and dict arguments (what each held)",
 }
 
 

@@ -49,8 +49,8 @@ from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
-from .state import (callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest, trainable,
-                    training_mode)
+from .state import (argument_items, callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest,
+                    trainable, training_mode)
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
@@ -577,6 +577,9 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p.input_ids[id(t)] = i
         p.inputs = tuple(inputs)
+        containers = argument_items(p.inputs)
+        if containers:
+            p.state["arguments"] = containers
         hooks = getattr(frame, "_ac_diff_saved_hooks", None)
         if hooks is not None and p.phase == FORWARD:  # checkpoint keeps the inputs through the user's hooks
             p.state["saved_hooks"] = [callable_name(h) for h in hooks]

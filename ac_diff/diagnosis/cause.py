@@ -24,8 +24,8 @@ import re
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
 from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
 from ..passes import OpRecord, Region, TensorMeta
-from ..report import (CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
-                      REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
+from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
+                      REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
@@ -123,6 +123,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     frozen = _requires_grad_changed(region) or _trainable_changed(flags)
     if frozen is not None:
         return frozen
+    given = _argument_items_changed(flags.get("arguments"))
+    if given is not None:
+        return given
 
     if "default_dtype" in flags and _made_in_default_dtype(cmp):  # torch.tensor([...]) made in another dtype
         return _global_state_cause(flags, "default_dtype")
@@ -659,6 +662,33 @@ def _saved_updates(report: RegionReport, region: Region) -> set[str]:
         if is_outside_update(op):
             names.add(op.input_refs[0].name)
     return names
+
+
+def _argument_items_changed(change: dict | None) -> Cause | None:
+    """A list or dict the region was given held other items when its recompute began than when its forward did
+    (capture/state.argument_items: "list of 2 items #3fa2"): the caller changed it after the forward."""
+    if not change:
+        return None
+    before, after = change["forward"] or {}, change["recompute"] or {}
+    names = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+    if not names:
+        return None
+    name = names[0]
+    was, now = before.get(name) or "", after.get(name) or ""
+    kind = (was or now).split(" of ")[0]
+
+    def count(held: str) -> str:
+        return held.split(" of ")[1].split(" item")[0] if " of " in held else "?"
+
+    how = (f"held {count(was)} item(s) in the forward and {count(now)} in the recompute: items were added or taken "
+           "after the forward began" if count(was) != count(now) else
+           "held other items in the recompute than in the forward (as many): some were replaced after the forward "
+           "began")
+    how += " (by the caller before the backward, or by the region itself, filling a cache)"
+    return Cause("state_mutation", name, f"the region's {name}, a {kind}, {how} (checkpoint keeps the {kind} itself "
+                 "for the recompute, not a copy of it)",
+                 [f"{n}: {before.get(n) or 'none'} in the forward, {after.get(n) or 'none'} in the recompute"
+                  for n in names], mechanism=ARGUMENT_ITEMS)
 
 
 def _global_state_cause(flags: dict, key: str) -> Cause:

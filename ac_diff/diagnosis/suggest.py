@@ -15,8 +15,8 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
-from ..report import (CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND, REQUIRES_GRAD, SAVED_HOOKS,
-                      UPDATED_IN_FORWARD, RegionReport, Suggestion)
+from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
+                      REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
 from .labels import backticked
 
@@ -263,6 +263,17 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "def pack(t):\n    buf = free.pop() if free else torch.empty_like(t)  # no buffer another saved "
                 "tensor holds\n    buf.copy_(t)\n    return buf\n"
                 "# and return each buffer to `free` only once its backward is done (after loss.backward())"))
+        elif mechanism == ARGUMENT_ITEMS:
+            kind = cause.detail.split(", a ")[1].split(",")[0] if ", a " in cause.detail else "list"
+            out.append(Suggestion(
+                f"Give the region a copy of its {name} ({kind}), or change it only after the backward",
+                f"checkpoint keeps the {kind} it was given for the recompute, not a copy, and the recompute reads it "
+                "as it is when the backward runs: a caller that appends to it (a memory of past segments, a cache) "
+                "or replaces an item between the forward and loss.backward() changes what the recompute computes. "
+                f"Pass a copy of it (the caller's later changes then leave the region's alone), or change it after "
+                "the backward.",
+                f"out = checkpoint(layer, x, {kind}(mems), use_reentrant=False)  # a copy, not the {kind} itself\n"
+                "mems.append(new_memory)  # the region keeps the copy it was given"))
         elif mechanism == "input":
             out.append(Suggestion(
                 f"Do not modify the region's input in place after the forward ({report.module or 'region'})",
