@@ -664,20 +664,24 @@ class Recorder:
 
     def _saved_values(self, p: _Pass, tensor: torch.Tensor, ref: tuple) -> tuple[int | None, list | None]:
         """(fingerprint slot, view) of a saved tensor's values, so that backward's inputs are compared by value whatever
-        the ops before them measured. A view of a tensor the pass knows (`w.t()` of a parameter, a split piece) is
-        its base's values and which of them it reads, view = [offset from the base's, *strides]; anything else, and a
-        part of a tensor read from outside the pass, its own values, view None. The same in both passes, whichever ops
-        were fingerprinted: a slot already filled at this version is reused, else one is added (and kept for the next
-        reader). None where selective AC serves the
-        tensor: the recompute takes the forward's own from its cache."""
+        the ops before them measured. A view of all of a tensor the pass knows (`w.t()` of a parameter, a reshape) is
+        its base's values and how it reads them, view = [offset from the base's, *strides]; anything else, a part of
+        a tensor included (a split piece, `cos_cached[:T]`), its own values, view None: a part is saved alike in both
+        passes when the rest of its base differs (a cache the forward built, then a longer one built by a later
+        micro-batch, which the recompute slices). A slot already filled at this version is reused, else one is added
+        (and kept for the next reader). None where selective AC serves the tensor: the recompute takes the forward's
+        own from its cache."""
         base = tensor._base if type(tensor) in _PLAIN_TENSORS else None  # (a subclass: its own values, local shard)
         base_ref = self._known_ref(p, base) if type(base) in _PLAIN_TENSORS else None
-        if base_ref is not None and base_ref[0] != "op" and tensor.numel() < base.numel():
-            base_ref = None  # a part of state (`cos_cached[:T]` of a cache that grows): its own values, not the rest's
+        if base_ref is not None and tensor.numel() < base.numel():
+            base_ref = None  # (a part: its own values, not the rest's)
         if base_ref is not None:
             if base_ref[0] == "op" and (_cached(p, base_ref[1]) or not _values_meaningful(p, base_ref)):
                 return None, None
             slot = self._values_slot(p, base)
+            if tensor.shape == base.shape and tensor.stride() == base.stride() \
+                    and tensor.storage_offset() == base.storage_offset():
+                return slot, None  # (all of its base as the base lies: its own values, as where the base is bigger)
             return slot, [tensor.storage_offset() - base.storage_offset(), *tensor.stride()]
         if ref[0] == "op" and (_cached(p, ref[1]) or not _values_meaningful(p, ref)):
             return None, None
