@@ -287,6 +287,9 @@ NESTED_LABEL = "nested rerun"
 NESTED_COUNTED = "nested rerun(s) in a recompute (nothing to compare)"
 RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
 SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentrant region that handed tensors out
+# ... of a region that reproduced its forward, whose code reads Python state its recompute updates a second time
+STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
+AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN)  # reproduced, yet never clean: what the gradients of the run may lose
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
@@ -483,7 +486,7 @@ class Report:
                 return "RANKS MISSING"
             if not self.regions and self.compiled and self.compiled.get("regions") and not self.compiled.get("eager"):
                 return "AC COMPILED, NOT RECORDED"
-            if any(r.unchecked_reason == SIDE_OUTPUT for r in self.regions):
+            if any(r.unchecked_reason in AT_RISK for r in self.regions):
                 return "GRADIENTS AT RISK"
             return "NOTHING CHECKED"
         if self.script_failed:

@@ -426,7 +426,23 @@ class FadeIn(nn.Module):
         return (1 - alpha) * self.old(x) + alpha * torch.tanh(self.new(x))
 
 
-def test_a_counter_the_recompute_advances_again_is_a_note_on_a_clean_run(tmp_path):
+class CountedCalls(nn.Module):
+    """A block that counts its calls for a log line, and reads the count nowhere else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_a_counter_the_recompute_advances_again_and_the_region_reads_is_never_clean(tmp_path):
+    """The fade-in's counter advances twice per step under AC, and the blend reads it: the gradients of the next
+    steps differ from a run without AC (every recompute reproduced its own forward). Gradients at risk, with the
+    counter named and the fix; a counter only logged (below) stays a note on a clean run."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"grow": FadeIn()})
     with ac_diff.record(tmp_path / "t.jsonl"):
@@ -434,11 +450,45 @@ def test_a_counter_the_recompute_advances_again_is_a_note_on_a_clean_run(tmp_pat
             checkpoint(model["grow"], torch.randn(4, 8), use_reentrant=False).pow(2).sum().backward()
     assert model["grow"].imgs_seen == 16  # twice the 8 images a run without AC counts
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
-    assert report.verdict == "clean", report.headline
-    assert "note: the recompute repeats the updates of model.grow.imgs_seen" in report.headline, report.headline
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    assert "reads Python state their recompute updates a second time" in report.headline, report.headline
+    assert "`model.grow.imgs_seen`" in report.headline
     region = report.regions[0]
     assert region.side_effects == ["model.grow.imgs_seen, a Python attribute, is changed by the region's code in each pass: the "
                                    "recompute runs that code again (counted twice)"], region.side_effects
     assert "model.grow.imgs_seen changed during each pass: 0 -> 4 in the forward, 4 -> 8 in the recompute" in region.notes
+    assert (region.cause.kind, region.cause.tensor) == ("state_mutation", "model.grow.imgs_seen")
     assert region.suggestions[0].title == "Apply the update of `model.grow.imgs_seen` once per step, outside the checkpointed " \
                                           "forward", region.suggestions
+    assert "their gradients differ from a run without AC" in region.suggestions[0].text
+
+
+def test_a_counter_only_logged_is_a_note_on_a_clean_run(tmp_path):
+    torch.manual_seed(0)
+    block = CountedCalls()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            checkpoint(block, torch.randn(4, 8), use_reentrant=False).pow(2).sum().backward()
+    assert block.calls == 4
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
+    assert "note: the recompute repeats the updates of" in report.headline and "calls" in report.headline
+    assert "though this step's gradients are right" in report.regions[0].suggestions[0].text
+
+
+def test_a_counter_is_read_again_where_the_code_loads_it_beyond_its_update():
+    """`self.calls += 1` loads and stores it once (only counted); a branch or a blend reading it loads it again."""
+    from ac_diff.capture.pystate import read_again
+
+    class Branches(nn.Module):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return x * 2 if self.calls % 2 else x
+
+    class Lazy(nn.Module):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return x
+
+    assert read_again(FadeIn, "imgs_seen") and read_again(Branches, "calls")
+    assert not read_again(CountedCalls, "calls") and not read_again(Lazy, "calls")

@@ -6,6 +6,7 @@ globals their code reads. Compared between a region's forward and its recompute 
     globals_read = GlobalReads()
     globals_read.values(Mlp.forward)  ->  {"model.LOW_PRECISION": (True, ("model.py in forward",))}
     host_draw_sites(Block.forward, Block, ["random"])  ->  ["model.py:20 in forward"]   (`random.random() < p`)
+    read_again(Block, "calls")  ->  True   (`if self.calls % 2:` reads the counter `self.calls += 1` updates)
 
 A container attribute (list, tuple, dict, deque) is summarized by its length and the identity of its first
 items (a Transformer-XL memory that grows by one tensor per call: 1 -> 2 entries), never by its values. A
@@ -260,6 +261,30 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
             if reader not in readers:
                 readers.append(reader)
     return tuple((space, name, key, tuple(readers)) for key, (space, name, readers) in found.items())
+
+
+_read_again: dict[tuple[type, str], bool] = {}
+_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST"})  # (LOAD_CONST: the name in `getattr(self, "calls", 0)`)
+
+
+def read_again(owner: type, name: str) -> bool:
+    """Whether the forward of `owner` (with the code nested in it and the methods it calls) reads its attribute `name`
+    other than to update it: more loads of the name than stores (`self.calls += 1` loads and stores it once; a branch
+    `if self.calls % 2` or a blend `self.seen / 64` loads it again). A counter a schedule reads changes what later
+    steps compute when the recompute advances it again; one kept only to be logged does not. Once per class and
+    name; a forward that is no plain function counts as reading it."""
+    key = (owner, name)
+    hit = _read_again.get(key)
+    if hit is None:
+        forward = _function(getattr(owner, "forward", None))
+        loads = stores = 0
+        for _, code, _ in _user_codes(forward, owner) if forward is not None else ():
+            for ins in dis.get_instructions(code):
+                if ins.argval == name:
+                    loads += ins.opname in _LOADS
+                    stores += ins.opname == "STORE_ATTR"
+        hit = _read_again[key] = forward is None or loads > stores
+    return hit
 
 
 def _settings_read(code: types.CodeType, space: dict, loaded: set[str]) -> list[tuple[types.ModuleType, str]]:

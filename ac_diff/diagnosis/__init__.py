@@ -19,8 +19,9 @@ from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
-from ..report import (CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT, UNCHECKED,
-                      Cause, MetadataChange, Report, RegionReport, TorchErrorSummary, missing_ranks, repeated_updates)
+from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
+                      STATE_READ_AGAIN, UNCHECKED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
+                      missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, EMPTIED, RECOMPILED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -95,7 +96,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         crash, exit_status = cut, exit_status or CUT_SHORT
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
-    at_risk = any(r.unchecked_reason == SIDE_OUTPUT for r in region_reports)  # (reproduced, yet never clean)
+    at_risk = any(r.unchecked_reason in AT_RISK for r in region_reports)  # (reproduced, yet never clean)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
                UNCHECKED if crash or lost or at_risk or not (any(r.status == CLEAN for r in region_reports)
                                                              or watched_clean(watch))
@@ -459,6 +460,14 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"damaged: {damaged} region(s) could not be read intact from the trace (damaged lines) and "
                     f"were not diagnosed" + (f"; {checked} other region(s) clean" if checked else "")
                     + "; copy the trace again from where it was written, or re-record it")
+        read = [r for r in regions if r.unchecked_reason == STATE_READ_AGAIN]
+        if read:
+            first = read[0]
+            return (f"gradients at risk: {len(read)} region(s) reproduced their forward, but their code reads Python "
+                    f"state their recompute updates a second time (the first: {module_label(first.module)}, region "
+                    f"{first.region}: `{first.cause.tensor}`), so later steps compute with other values than a run "
+                    "without AC: `ac-diff run --reference no-ac --reference-steps 3` compares the gradients"
+                    + (f"; {checked} other region(s) clean" if checked else ""))
         at_risk = [r for r in regions if r.unchecked_reason == SIDE_OUTPUT]
         if at_risk:
             first = at_risk[0]

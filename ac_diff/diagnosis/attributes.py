@@ -46,6 +46,7 @@ class AttributeChange:
     hooks: list[str] = field(default_factory=list)  # the module's forward pre-hooks
     readers: list[str] = field(default_factory=list)  # a global: the functions reading it ("model.py in forward")
     uncalled: bool = False  # an attribute of a module that ran no op: the code around it reads it (`self.dropout.p`)
+    read_again: bool = False  # its module's code reads it beyond its update (capture.pystate.read_again)
 
     @property
     def counted_twice(self) -> bool:
@@ -113,7 +114,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
             module = split_name(name)[0]
             uncalled = bool(module) and not any(m == module or m.startswith(module + ".") for m in ran if m)
             out.append(AttributeChange(name, value, rec.attributes[name], f_up[:2] if f_up else None,
-                                       r_up[:2] if r_up else None, hooks, uncalled=uncalled))
+                                       r_up[:2] if r_up else None, hooks, uncalled=uncalled,
+                                       read_again=bool(f_up and len(f_up) > 3 and f_up[3])))
     for name, value in fwd.globals.items():
         if name in rec.globals and rec.globals[name] != value:
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))

@@ -15,9 +15,10 @@ from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
-                      UNCHECKED, UPDATED_IN_PLACE, PYTHON_UPDATE, AlignedRow, Divergence, PositionRow, RegionReport, shared)
+                      STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, AlignedRow,
+                      Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
-from .attributes import counted_twice, function_state_cause, split_name
+from .attributes import AttributeChange, counted_twice, function_state_cause, split_name
 from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -213,7 +214,8 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             f"{name or 'a tensor'}{UPDATED_IN_PLACE}{op.op} in {where(op.module, op.source)} "
             "inside the region, so the recompute applies the update a second time (counted twice)")
         report.repeated.append((name or "a tensor", op.op, op.module))
-    for change, how in counted_twice(region):  # (its values per step: the region's notes)
+    twice = counted_twice(region)
+    for change, how in twice:  # (its values per step: the region's notes)
         report.side_effects.append(
             f"{change.name}, a Python {'global' if change.is_global else 'attribute'}, is changed by the region's "
             "code in each pass: the recompute runs that code again (counted twice)")
@@ -226,8 +228,11 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     held = None if diverged else function_state_cause(region)  # (a reentrant region: every op matched)
     diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
+    read = [(change, how) for change, how in twice if change.read_again]
     if not diverged and report.repeated:
-        report.suggestions = [repeated_update_suggestion(report, torch_version)]
+        report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read))]
+    if not diverged and read:
+        _state_read_again(report, *read[0])
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "
@@ -409,6 +414,22 @@ def recorder_loss(region: Region) -> str | None:
             f"{lost[k]} {k[:-1] if lost[k] == 1 else k}" for k in ("ops", "positions") if lost.get(k)) or "data"
         parts.append(f"the {p.phase} lost {what} to an error of ac-diff's recorder ({lost.get('why', '?')})")
     return "; ".join(parts) or None
+
+
+def _state_read_again(report: RegionReport, change: AttributeChange, how: str) -> None:
+    """The region reproduced its forward, but its code reads a Python attribute it also updates (a schedule's counter,
+    a call count a branch reads), and the recompute updated it a second time: later steps' forwards read other values
+    than a run without AC. Never clean; the gradients of later steps settle it (reference/explain.py)."""
+    name = change.name
+    _unchecked(report, STATE_READ_AGAIN,
+               f"its recompute reproduced its forward, but its code reads `{name}`, which the recompute updates a second "
+               f"time ({how}): from the next step on its forward computes with other values than a run without AC; "
+               "`ac-diff run --reference no-ac --reference-steps 3` compares the gradients")
+    report.cause = Cause("state_mutation", name,
+                         f"the region's code updates the Python attribute `{name}` and reads it (a schedule, a branch on "
+                         "a call count); the recompute runs that code again, so under AC it advances twice per step and "
+                         "the forwards of later steps read other values than a run without AC",
+                         [f"{name}: {how}"], mechanism=UPDATED_IN_FORWARD, names=[name])
 
 
 def _unchecked(report: RegionReport, reason: str, note: str) -> None:

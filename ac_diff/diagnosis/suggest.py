@@ -111,7 +111,8 @@ def _set_once(key: str, value: object) -> str:
     return f"torch.backends.{key} = {value!r}{once}"
 
 
-def repeated_update_suggestion(report: RegionReport, torch_version: str | None = None) -> Suggestion:
+def repeated_update_suggestion(report: RegionReport, torch_version: str | None = None, *,
+                               read_again: bool = False) -> Suggestion:
     """A region that reproduced its forward but whose recompute updates state a second time (`report.repeated`: a
     batch norm's running statistics, a counter): the gradients are right, the state the next steps start from is
     not. An op that updates while it computes (a batch norm) is saved with selective AC, so the recompute does not
@@ -119,7 +120,10 @@ def repeated_update_suggestion(report: RegionReport, torch_version: str | None =
     saved = list(dict.fromkeys(op for _, op, _ in report.repeated if updates_as_it_computes(op)))
     shown = _names([name for name, op, _ in report.repeated if op in saved or not saved])
     in_place = [f"`{n}` ({op})" for n, op, _ in report.repeated if not updates_as_it_computes(op)]
-    after = (" Each step then leaves them other than a run without AC does (a batch norm's running statistics: "
+    after = (" Each step then leaves them other than a run without AC does, and the region's code reads them: the "
+             "forwards of later steps compute with other values, so their gradients differ from a run without AC "
+             "(this step's are right)." if read_again else
+             " Each step then leaves them other than a run without AC does (a batch norm's running statistics: "
              "evaluation reads them), though this step's gradients are right.")
     if saved:
         rest = (f" The in-place update{'s' if len(in_place) > 1 else ''} of {', '.join(in_place[:3])} still runs "

@@ -37,7 +37,7 @@ from typing import Any
 
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, UNCHECKED, Divergence, RegionReport
+from ..report import CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, Divergence, RegionReport
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -291,6 +291,21 @@ def _num(x: float | None) -> str:
     return "?" if x is None else f"{x:.3g}"
 
 
+def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
+    """Regions that reproduced their forward, held unchecked because their code reads Python state the recompute
+    updates a second time: where the gradients differ from the run without AC, they diverged (silently); where they
+    match over the compared steps, a note says so (the state may matter only in a later step: a threshold)."""
+    at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
+    for r in at_risk:
+        if result.verdict == DIFFERS:
+            r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
+            r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
+                           "AC, changed what it computed")
+        elif result.verdict == IDENTICAL:
+            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} backward pass(es); the "
+                           "state updated twice may change a later step's (compare more with --reference-steps)")
+
+
 def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
     """Regions whose recompute reproduced their forward, held unchecked only for a side output that could have fed a
     loss (diagnosis/region.py `_side_outputs`), once the gradients are compared: where they differ and the reference
@@ -325,6 +340,7 @@ def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
     _side_outputs_settled(report, result)
+    _state_read_again_settled(report, result)
     if not result.defect:
         return
     if report.verdict != DIVERGED:  # (AC inside compiled graphs: what they show stays in the headline)

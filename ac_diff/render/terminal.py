@@ -25,7 +25,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import CLEAN, DIVERGED, SIDE_OUTPUT, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
+from ..report import AT_RISK, CLEAN, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
 from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
@@ -104,7 +104,7 @@ def render_terminal(report: Report, console: Console) -> None:
         rest = sum(len(m) for _, m, _ in groups[MAX_DETAILED_REGIONS:])
         console.print(Text(f"... {rest} more diverged region(s) with other causes: see the region table, "
                            "or --format json / html for every detail", style="dim"))
-    at_risk = [r for r in report.regions if r.unchecked_reason == SIDE_OUTPUT]
+    at_risk = [r for r in report.regions if r.unchecked_reason in AT_RISK]
     if at_risk:  # reproduced, yet never clean: the first one's finding and its fix
         _region_detail(at_risk[0], report, console, shown)
     side_effects = sorted({e for r in report.regions for e in r.side_effects})
