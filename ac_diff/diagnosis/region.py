@@ -281,8 +281,11 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     if not region.has_values:
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
                             "modules and the cause")
-    if not region.has_values and report.first_discrete_divergence is None and report.first_shape_divergence is not None:
-        report.first_discrete_divergence = _log_decision(fwd, rec, report.first_shape_divergence, cmp.rec_to_fwd)
+    if not region.has_values and report.first_shape_divergence is not None:  # (a decision whose shape changed, a
+        # nonzero, may only follow one before it whose values a log cannot show: topk -> eq -> nonzero)
+        upstream = _log_decision(fwd, rec, report.first_discrete_divergence or report.first_shape_divergence,
+                                 cmp.rec_to_fwd)
+        report.first_discrete_divergence = upstream or report.first_discrete_divergence
     report.window = window(cmp, report, settings)
     if held is not None:
         report.cause, report.silent = held, True
@@ -451,6 +454,12 @@ def _log_decision(fwd: Pass, rec: Pass, shape: Divergence, rec_to_fwd: dict[int,
             break
     else:
         return None
+    for _ in range(8):  # the decision at the head of the chain (topk -> eq -> nonzero: topk), whose output, kept,
+        # makes the rest reproduce: a log shows no values to tell which one flipped
+        upstream = decision_path(p.ops, path[0])
+        if len(upstream) < 2 or not is_chooser(upstream[0]) or any(o is upstream[0] for o in path):
+            break
+        path = upstream[:-1] + path
     op = path[0]
     if p is fwd:  # the other pass's index through the alignment
         indices = (op.index, next((r for r, f in rec_to_fwd.items() if f == op.index), None))
