@@ -544,6 +544,23 @@ def test_a_restore_that_names_nothing_it_can_restore_says_so():
         "generator of a checkpointed module is restored; a parameter is not)"], rows
 
 
+def test_a_no_ac_glob_or_a_saved_op_that_names_nothing_says_so():
+    """A stranger's `--no-ac layer.*` (misspelt) and `--must-save aten.bogus.default` were taken silently (the one
+    reported "SAC policy added"): each says it matched nothing, beside what the others did."""
+    patch = CheckpointPatch(RemedySpec(no_ac=["layer.*", "layers.1"],
+                                       must_save=["aten.bogus.default", "aten.tanh.default"])).install()
+    try:
+        grads(Stack(Spectral))
+    finally:
+        patch.uninstall()
+    rows = [r["what"] for r in patch.summary()]
+    assert [w for w in rows if w.startswith("matched nothing")] == [
+        "matched nothing: layer.* (a glob over the checkpointed regions' modules, as the report names them)",
+        "matched nothing: aten.bogus.default (no op of that name ran in a checkpointed region; `ac-diff export TRACE "
+        "--what ops` lists those that did)"], rows
+    assert any(w.startswith("saved aten.tanh.default in layers.0") for w in rows), rows
+
+
 def test_restore_reaches_a_field_of_a_run_config_the_module_holds():
     """`scan.cfg.chunk`: a small config object of the user's held by the module (not a module itself) is state the
     restore reaches, field by field; its other fields and the module's own state are left alone."""

@@ -34,6 +34,14 @@ class MustSave:
         self.module_globs = list(module_globs)
         self.current_module = current_module
         self.saved: dict[str, int] = {}  # "op in module" -> times the policy said MUST_SAVE
+        self._matched: set[str] = set()
+
+    unmatched_note = ("no op of that name ran in a checkpointed region; `ac-diff export TRACE --what ops` lists those "
+                      "that did")
+
+    def unmatched(self) -> list[str]:
+        """The ops asked for that no checkpointed region ran (a misspelt overload)."""
+        return [op for op in self.ops if op not in self._matched]
 
     def apply(self, call: CheckpointCall) -> str | None:
         if call.bypass:
@@ -63,6 +71,7 @@ class MustSave:
                 if not self.module_globs or matches(module, self.module_globs):
                     key = f"{op} in {module or '?'}"
                     self.saved[key] = self.saved.get(key, 0) + 1
+                    self._matched.update(g for g in self.ops if g not in self._matched and op_matches(op, [g]))
                     return _SAVE
             return policy(ctx, op, *args, **kwargs)
         return policy_fn

@@ -172,8 +172,7 @@ class CheckpointPatch:
             for key, n in sorted(getattr(remedy, "saved", {}).items()):
                 rows.append({"remedy": "must_save", "region": None, "what": f"saved {key}", "calls": n})
             for glob in remedy.unmatched() if hasattr(remedy, "unmatched") else ():
-                rows.append({"remedy": remedy.kind, "region": None, "calls": 0, "what": (
-                    f"matched nothing: {glob} (a buffer, tensor, Python attribute, list or generator of a "
-                    "checkpointed module is restored; a parameter is not)")})
+                rows.append({"remedy": remedy.kind, "region": None, "calls": 0,
+                             "what": f"matched nothing: {glob} ({remedy.unmatched_note})"})
 
         return rows

@@ -188,6 +188,9 @@ class RestoreInRecompute:
         call.function = _Restoring(call.function, slots, self._first_forwards(slots))
         return "forward value restored in the recompute: " + ", ".join(slots)
 
+    unmatched_note = ("a buffer, tensor, Python attribute, list or generator of a checkpointed module is restored; a "
+                      "parameter is not")
+
     def unmatched(self) -> list[str]:
         """The globs that named nothing the recompute could be given (a parameter, a misspelt name)."""
         return [g for g in self.globs if g not in self._matched]
