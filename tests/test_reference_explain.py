@@ -213,3 +213,25 @@ def test_parameters_that_get_a_gradient_in_one_run_only_are_counted_both_ways():
     result = explain([step], [], _report(), steps_requested=1)
     assert result.verdict == DIFFERS
     assert ", 1 get no gradient with AC, 1 get one only with AC" in result.headline, result.headline
+
+
+def test_gradients_that_differ_where_every_recompute_reproduced_are_the_backwards_own_kernels():
+    """A GNN whose backward (index_put_ with accumulate) runs with deterministic algorithms off: every region
+    reproduced its saved tensors, yet gradients differ from the run without AC (from run to run too). Said as the
+    backward's kernels, with the regions named as such; was "unexplained ... in: convs.0, convs.1, outside any
+    checkpointed region". A region left unchecked keeps it unexplained."""
+    from ac_diff.reference.result import ParamDiff
+
+    first = StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=1, differing=[
+        ParamDiff(name="convs.0.w", status="differs", rel_diff=3e-7, region="convs.0"),
+        ParamDiff(name="convs.1.w", status="differs", rel_diff=2e-7, region="convs.1"),
+        ParamDiff(name="head.w", status="differs", rel_diff=1e-7, region=None)])
+    report = _report()
+    report.regions[0].state_changes = {"deterministic": {"forward": True, "recompute": False}}
+    why = explain([first], [], report, steps_requested=1).explanations[0]
+    assert why.kind == "backward_kernels", why
+    assert "deterministic algorithms were True in the forward and False in the backward" in why.text
+    assert why.text.endswith("the differing gradients are those of checkpointed region(s) convs.0, convs.1 and of 1 "
+                             "parameter(s) outside any checkpointed region"), why.text
+    report.regions[0].status = "unchecked"
+    assert explain([first], [], report, steps_requested=1).explanations[0].kind == "unexplained"

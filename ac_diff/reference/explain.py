@@ -28,6 +28,8 @@ Why the two runs can differ, in the order they are checked:
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
 - AC inside compiled graphs that nothing recorded: what the graphs show the regions update (`compiled_ac`);
+- every region reproduced its saved tensors exactly: the backward's own kernels (`backward_kernels`: a
+  nondeterministic one, or another order of summing gradient contributions);
 - otherwise `unexplained`, with the regions whose parameters differ.
 """
 
@@ -267,12 +269,32 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
             fix="update state outside the checkpointed region (after the backward, e.g. in an optimizer step hook)"
             if found else None))
     if not out:
-        regions = sorted({d.region or "outside any checkpointed region" for d in step.differing})
-        out.append(Explanation(
-            "unexplained",
-            "the recompute matched the forward and ac-diff saw no side output or input without grad; the differing "
-            "gradients are in: " + ", ".join(regions[:8]),
-            parameters=[d.name for d in step.differing[:20]]))
+        inside = sorted({d.region for d in step.differing if d.region})
+        outside = sum(1 for d in step.differing if not d.region)
+        where = ("the differing gradients are those of checkpointed region(s) " + ", ".join(inside[:8]) if inside else
+                 "the differing gradients") + (f"{' and of' if inside else ' are of'} {outside} parameter(s) outside "
+                                               "any checkpointed region" if outside else "")
+        regions = getattr(report, "regions", [])
+        compared = [r for r in regions if r.status in (CLEAN, DIVERGED)]
+        if compared and all(r.status == CLEAN for r in regions):
+            flag = next((r.state_changes["deterministic"] for r in regions if "deterministic" in r.state_changes), None)
+            out.append(Explanation(
+                "backward_kernels",
+                "every checkpointed region's recompute reproduced its saved tensors exactly, so the backward got the "
+                "same tensors as without AC: gradients that still differ come from the backward's own arithmetic, a "
+                "nondeterministic kernel (atomic adds in the backward of index_add_, scatter_add_, index_put_ with "
+                "accumulate: from one run to the next, with or without AC) or another order of summing a parameter's "
+                "gradient contributions in the graph AC builds (rounding only)"
+                + (f"; deterministic algorithms were {flag['forward']!r} in the forward and {flag['recompute']!r} in "
+                   "the backward" if flag else "") + f"; {where}",
+                parameters=[d.name for d in step.differing[:20]],
+                fix="torch.use_deterministic_algorithms(True) for the whole step (`ac-diff run --deterministic` runs "
+                    "both with it): differences that remain are rounding in the order of the sums"))
+        else:
+            out.append(Explanation(
+                "unexplained",
+                f"the recompute matched the forward and ac-diff saw no side output or input without grad; {where}",
+                parameters=[d.name for d in step.differing[:20]]))
     return out
 
 
