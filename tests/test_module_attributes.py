@@ -6,6 +6,7 @@ argument of aten.mul.Tensor". Recording the attributes changes nothing in the tr
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -463,9 +464,25 @@ def test_a_counter_the_recompute_advances_again_and_the_region_reads_is_never_cl
     assert "their gradients differ from a run without AC" in region.suggestions[0].text
 
 
-def test_a_counter_only_logged_is_a_note_on_a_clean_run(tmp_path):
+class LoggedStats(nn.Module):
+    """A block that appends a statistic of its activations to a list, for a log line (updated, never read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls, self.stats = 0, []
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.calls += 1
+        self.stats.append(float(h.abs().mean()))
+        return h
+
+
+@pytest.mark.parametrize("kind", [CountedCalls, LoggedStats])
+def test_a_counter_only_logged_is_a_note_on_a_clean_run(tmp_path, kind):
     torch.manual_seed(0)
-    block = CountedCalls()
+    block = kind()
     with ac_diff.record(tmp_path / "t.jsonl"):
         for _ in range(2):
             checkpoint(block, torch.randn(4, 8), use_reentrant=False).pow(2).sum().backward()
