@@ -141,6 +141,9 @@ OUTSIDE_KINDS = frozenset({"buffer", "param", "external"})
 # quantize with it, so a recompute that runs them again computes with the forward's update
 OBSERVER_OPS = frozenset({"aten._fused_moving_avg_obs_fq_helper.default", "aten.fused_moving_avg_obs_fake_quant.default",
                           "aten._fused_moving_avg_obs_fq_helper_functional.default"})
+# The attribute torch.ao gives a fake-quantize's observer (`act_fq.activation_post_process.max_val`): one that is not
+# fused updates its range with plain ops (a moving average's sub, mul, add)
+OBSERVER_MODULE = "activation_post_process"
 
 
 # Ops that hand a tensor's values to Python (`.item()`, `bool(t)`, `torch.equal`): what becomes of them there is not

@@ -536,25 +536,30 @@ class _QatBlock(nn.Module):
     """Quantization-aware training: torch.ao's fused observer + fake-quantize (fbgemm's QAT qconfig) on the block's
     activations; the observer updates its running range in place each time it runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = True) -> None:
         super().__init__()
         import torch.ao.quantization as tq
 
-        self.fc, self.fq = nn.Linear(8, 8), tq.get_default_qat_qconfig("fbgemm").activation()
+        # (not fused: a FakeQuantize whose moving-average observer updates its range with plain ops)
+        self.fc, self.fq = nn.Linear(8, 8), tq.get_default_qat_qconfig("fbgemm").activation() if fused else \
+            tq.FakeQuantize(observer=tq.MovingAverageMinMaxObserver, quant_min=0, quant_max=255)
 
     def forward(self, x):
         return x + self.fc(self.fq(x))
 
 
 @pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")
-def test_a_fake_quantize_observer_the_recompute_updates_again_is_the_cause_and_its_fix_works(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "moving_average"])
+def test_a_fake_quantize_observer_the_recompute_updates_again_is_the_cause_and_its_fix_works(tmp_path, fused):
     """A stranger's QAT script: the observer op's inputs read as identical (the region updates its range itself,
     which counted as a side effect), so the report blamed a nondeterministic kernel and suggested deterministic
-    algorithms. The observer's range is the cause; turning the observers off for the backward makes it reproduce."""
+    algorithms. The observer's range is the cause; turning the observers off for the backward makes it reproduce.
+    An observer that is not fused (its moving average in plain ops) gets the same fix (it got "move the update out
+    of the checkpointed region")."""
     import torch.ao.quantization as tq
 
     torch.manual_seed(0)
-    model, xs = _QatBlock(), [torch.randn(4, 8) * (1 + i) for i in range(2)]  # (a wider range each step)
+    model, xs = _QatBlock(fused), [torch.randn(4, 8) * (1 + i) for i in range(2)]  # (a wider range each step)
 
     def step(path, observers_off: bool):
         with ac_diff.record(path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import OBSERVER_OPS, packet, updates_as_it_computes
+from ..oprules import OBSERVER_MODULE, OBSERVER_OPS, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
@@ -224,8 +224,9 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "recompute). A value drawn at random on the host (np.random, random) inside the region: draw it "
                 "before the checkpoint call and pass it in.",
                 "out = checkpoint(block, x, scale, use_reentrant=False)  # not self.scale read inside"))
-        elif mechanism == UPDATED_IN_FORWARD and report.first_value_divergence is not None \
-                and report.first_value_divergence.op in OBSERVER_OPS:
+        elif mechanism == UPDATED_IN_FORWARD and (report.first_value_divergence is not None
+                                                  and report.first_value_divergence.op in OBSERVER_OPS
+                                                  or f".{OBSERVER_MODULE}." in f".{name}"):
             out.append(Suggestion(
                 "Turn the quantization observers off while the backward runs",
                 f"The fake-quantize op updates its observer's running range (`{name}`) in place each time it runs, "
