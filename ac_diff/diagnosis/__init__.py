@@ -382,7 +382,7 @@ def _where_it_stopped(run: Run) -> str:
     """Where in the run an exception struck, from its regions: in a recompute, in a forward, between a forward and
     its backward, or in the backward after a recompute."""
     def name(r) -> str:
-        return f"region {r.region}" + (f" ({r.module})" if r.module else "")
+        return f"region {r.region}" + (f" ({module_label(r.module)})" if r.module else "")
 
     raised = next((r for r in run.regions if r.recompute is not None and r.recompute.state.get("error")), None)
     if raised is not None:
