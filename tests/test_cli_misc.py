@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +160,18 @@ def test_a_log_from_standard_input_a_pipe_or_a_fifo_reads_like_the_file(tmp_path
                               capture_output=True, text=True, env=env, timeout=120)
     writer.join(5)
     assert via_fifo.returncode == 1 and json.loads(via_fifo.stdout)["headline"] == json.loads(plain.stdout)["headline"]
+
+
+def test_the_demo_runs_the_example_of_the_checkout_it_was_imported_from(tmp_path):
+    """A second checkout first on PYTHONPATH beside an editable install of another: its own examples/ (a stranger's
+    demo ran the installed copy's example, and its `verify` commands pointed there)."""
+    root = Path(ac_diff.__file__).resolve().parents[1]
+    other = tmp_path / "checkout"
+    shutil.copytree(root / "ac_diff", other / "ac_diff", ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "pyproject.toml").write_text((root / "pyproject.toml").read_text())
+    (other / "examples").mkdir()
+    (other / "examples" / "moe_bias_update.py").write_text("# this checkout's\n")
+    out = subprocess.run([sys.executable, "-c", "from ac_diff.commands.demo_cmd import DEMO_SCRIPT, example_path; "
+                          "print(example_path(DEMO_SCRIPT))"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(other)}, cwd=tmp_path)
+    assert out.stdout.strip() == str(other / "examples" / "moe_bias_update.py"), out.stdout + out.stderr

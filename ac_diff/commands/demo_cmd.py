@@ -22,12 +22,13 @@ DEMO_SCRIPT = "moe_bias_update.py"
 
 
 def example_path(name: str) -> Path:
-    """A bundled example: package data `ac_diff._examples`, or the repository's examples/ in a checkout."""
+    """A bundled example: the examples/ of the checkout this ac_diff was imported from, else package data
+    `ac_diff._examples` (an editable install's finder would hand out its own checkout's, not this one's)."""
+    root = Path(__file__).resolve().parents[2]
+    candidates = [root / "examples" / name] if (root / "pyproject.toml").is_file() else []
     spec = find_spec("ac_diff._examples")
-    candidates = []
     if spec is not None and spec.submodule_search_locations:
         candidates += [Path(p) / name for p in spec.submodule_search_locations]
-    candidates.append(Path(__file__).resolve().parents[2] / "examples" / name)
     for c in candidates:
         if c.is_file():
             return c
