@@ -218,3 +218,21 @@ def test_a_reentrant_regions_side_output_is_never_clean(case, tmp_path):
     assert (region.cause.kind, region.cause.mechanism) == ("lost_gradient", "side_output"), region.cause
     assert region.cause.tensor == "aten.addmm.default" and "router" in region.cause.detail
     assert region.suggestions[0].title.startswith("Use use_reentrant=False")
+
+
+def test_watched_regions_of_a_module_at_risk_are_not_called_clean(tmp_path):
+    """Watch mode records the first step in full (the side output found there) and then compares the same module's
+    reentrant regions by their outputs, which a side output does not change: the headline says they carry the risk
+    too, not "1 other region(s) clean"."""
+    torch.manual_seed(0)
+    collected: list = []
+    model = RoutedBlock(collected, detach=False, counts=False)
+    with ac_diff.record(tmp_path / "t.jsonl", watch=True, watch_full_steps=1):
+        for _ in range(3):
+            collected.clear()
+            y = cp.checkpoint(model, torch.randn(6, 8, requires_grad=True), use_reentrant=True)
+            (y.pow(2).mean() + 0.1 * sum(c.softmax(-1).pow(2).sum() for c in collected)).backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.title == "GRADIENTS AT RISK", report.headline
+    assert "other region(s) clean" not in report.headline, report.headline
+    assert "watched region(s) of those modules carry it too" in report.headline, report.headline

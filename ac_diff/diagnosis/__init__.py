@@ -426,6 +426,19 @@ def _recorder_losses(runs: list[Run], regions: list[RegionReport]) -> str | None
             + (f" [{first}]" if first else "") + "; please report it with the trace")
 
 
+def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) -> str:
+    """"; 2 other region(s) clean" beside regions at risk: not the watched regions of the same modules, which watch
+    compared by what it sees (outputs, saved tensors) and which carry the same risk ("; the 3 watched region(s) of
+    those modules carry it too")."""
+    modules = {r.module for r in at_risk}
+    same = sum(t[0] - t[1] for run in runs if run.watch for module, t in run.watch.get("modules", {}).items()
+               if module in modules)
+    other = checked - same
+    return ((f"; {other} other region(s) clean" if other > 0 else "")
+            + (f"; the {same} watched region(s) of those modules carry it too (what watch compares does not show it)"
+               if same > 0 else ""))
+
+
 def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0,
               outputs_only: int = 0) -> str:
     """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed
@@ -467,7 +480,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     f"state their recompute updates a second time (the first: {module_label(first.module)}, region "
                     f"{first.region}: `{first.cause.tensor}`), so later steps compute with other values than a run "
                     "without AC: `ac-diff run --reference no-ac --reference-steps 3` compares the gradients"
-                    + (f"; {checked} other region(s) clean" if checked else ""))
+                    + _others_clean(read, checked, runs))
         at_risk = [r for r in regions if r.unchecked_reason == SIDE_OUTPUT]
         if at_risk:
             first = at_risk[0]
@@ -475,8 +488,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"gradients at risk: {len(at_risk)} reentrant region(s) reproduced their forward but handed out "
                     f"tensors other than through their outputs, made without grad (the first: {first.module}, region "
                     f"{first.region}: {first.cause.tensor}{at}); a loss computed from them gives no gradient: "
-                    "`ac-diff run --reference no-ac` compares the gradients"
-                    + (f"; {checked} other region(s) clean" if checked else ""))
+                    "`ac-diff run --reference no-ac` compares the gradients" + _others_clean(at_risk, checked, runs))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
                        next((r.notes[-1] for r in regions if r.notes), ""))
