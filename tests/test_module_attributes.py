@@ -507,5 +507,13 @@ def test_a_counter_is_read_again_where_the_code_loads_it_beyond_its_update():
             self.calls = getattr(self, "calls", 0) + 1
             return x
 
+    class Guarded(nn.Module):  # (read only behind another condition: it may never be)
+        def forward(self, x):
+            self.calls += 1
+            if self.warmup is not None and self.calls < self.warmup:
+                return x * 0.5
+            return x
+
     assert read_again(FadeIn, "imgs_seen") and read_again(Branches, "calls")
     assert not read_again(CountedCalls, "calls") and not read_again(Lazy, "calls")
+    assert not read_again(Guarded, "calls")

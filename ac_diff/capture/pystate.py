@@ -265,22 +265,28 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
 
 _read_again: dict[tuple[type, str], bool] = {}
 _LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST"})  # (LOAD_CONST: the name in `getattr(self, "calls", 0)`)
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)  # (a forward one skips the code up to its target)
 
 
 def read_again(owner: type, name: str) -> bool:
     """Whether the forward of `owner` (with the code nested in it and the methods it calls) reads its attribute `name`
-    other than to update it: more loads of the name than stores (`self.calls += 1` loads and stores it once; a branch
-    `if self.calls % 2` or a blend `self.seen / 64` loads it again). A counter a schedule reads changes what later
-    steps compute when the recompute advances it again; one kept only to be logged does not. Once per class and
-    name; a forward that is no plain function counts as reading it."""
+    on every call other than to update it: more loads of the name than stores outside any code a jump can skip
+    (`self.calls += 1` loads and stores it once; a branch `if self.calls % 2` or a blend `self.seen / 64` loads it
+    again; a read behind another condition, `if self.warmup is not None and self.calls < self.warmup`, may never run,
+    and is not counted). A counter a schedule reads changes what later steps compute when the recompute advances it
+    again; one kept only to be logged does not. Once per class and name; a forward that is no plain function counts
+    as reading it."""
     key = (owner, name)
     hit = _read_again.get(key)
     if hit is None:
         forward = _function(getattr(owner, "forward", None))
         loads = stores = 0
         for _, code, _ in _user_codes(forward, owner) if forward is not None else ():
-            for ins in dis.get_instructions(code):
-                if ins.argval == name:
+            instructions = list(dis.get_instructions(code))
+            skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
+                         and isinstance(ins.argval, int) and ins.argval > ins.offset]
+            for ins in instructions:
+                if ins.argval == name and not any(start < ins.offset < end for start, end in skippable):
                     loads += ins.opname in _LOADS
                     stores += ins.opname == "STORE_ATTR"
         hit = _read_again[key] = forward is None or loads > stores

@@ -35,13 +35,15 @@ class MustSave:
         self.current_module = current_module
         self.saved: dict[str, int] = {}  # "op in module" -> times the policy said MUST_SAVE
         self._matched: set[str] = set()
+        self._added = False  # the policy went on some region
 
     unmatched_note = ("no op of that name ran in a checkpointed region; `ac-diff export TRACE --what ops` lists those "
                       "that did")
 
     def unmatched(self) -> list[str]:
-        """The ops asked for that no checkpointed region ran (a misspelt overload)."""
-        return [op for op in self.ops if op not in self._matched]
+        """The ops asked for that no region the policy was added to ran (a misspelt overload); none where it was added
+        to no region (each call says why)."""
+        return [op for op in self.ops if op not in self._matched] if self._added else []
 
     def apply(self, call: CheckpointCall) -> str | None:
         if call.bypass:
@@ -62,6 +64,7 @@ class MustSave:
                 return "not applied: the region's context_fn is not a selective-AC policy"
             done = "composed with the script's SAC policy"
         call.kwargs["context_fn"] = lambda: contexts
+        self._added = True
         return done
 
     def _wrap(self, policy: Callable) -> Callable:
