@@ -1233,3 +1233,37 @@ def test_a_tensor_only_the_recompute_saved_is_a_position_of_its_own(tmp_path):
     new = [r for r in region.positions if r.saved is None and r.recomputed is not None]
     assert new and all(r.matches is False for r in new), region.positions
     assert region.chain[-1].startswith("the recompute saved "), region.chain
+
+
+class _QueueHead(nn.Module):
+    """MoCo's contrastive head: logits against a queue of keys, then the batch's keys enqueued into a slice of the
+    queue inside the forward, after the last tensor it saves."""
+
+    def __init__(self, d: int = 8, size: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("queue", torch.randn(d, size))
+        self.ptr = 0
+
+    def forward(self, q, k):
+        q = self.proj(q)
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone()], 1)
+        with torch.no_grad():
+            self.queue[:, self.ptr:self.ptr + k.shape[0]] = k.T
+        self.ptr = (self.ptr + k.shape[0]) % self.queue.shape[1]
+        return logits
+
+
+def test_a_queue_the_forward_enqueues_into_through_a_slice_is_named_with_its_write(tmp_path):
+    """The write goes through a view of the buffer (`queue[:, p:p + n] = k.T`: a copy_ into a slice): named with its
+    op and line as the region's own update (it said "modified between the forward and the backward"), and the
+    recompute, which torch's early stop ends before that write, is not said to apply it again."""
+    torch.manual_seed(0)
+    head = _QueueHead()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        q, k = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        cp.checkpoint(head, q, k, use_reentrant=False).logsumexp(1).mean().backward()
+    lead = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).lead_groups()[0][0]
+    assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "queue"), lead.cause
+    assert "the region's own forward updates it in place (aten.copy_.default at" in lead.cause.detail, lead.cause
+    assert "torch's early stop ends it at the last saved tensor" in lead.cause.detail, lead.cause.detail
