@@ -212,6 +212,7 @@ def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path
     out = io.StringIO()
     render_terminal(report, Console(file=out, width=200))
     assert "torch.backends.cuda.matmul.allow_tf32" in out.getvalue() and "global_state" in out.getvalue()
+    assert "note: global_state" in out.getvalue()  # (the regions table: a clean region's cause is a note)
 
 
 def test_flags_that_stay_set_for_the_whole_step_are_not_named(tmp_path):
