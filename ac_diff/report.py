@@ -208,6 +208,14 @@ class RegionReport:
     function: str | None = None  # a checkpointed function that called no module: `module` is its caller's
 
     @property
+    def cause_label(self) -> str:
+        """The cause as a regions table shows it: its kind; on a clean region (a kernel flag that could change its
+        values elsewhere) a note ("note: global_state")."""
+        if self.cause is None:
+            return ""
+        return ("note: " if self.status == CLEAN else "") + self.cause.kind
+
+    @property
     def label(self) -> str:
         """How reports name the region: its module, and the function checkpointed in it ("blocks.0 (attention)")."""
         return f"{self.module or '?'} ({self.function})" if self.function else self.module or "?"

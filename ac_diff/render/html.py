@@ -219,7 +219,7 @@ def _regions_table(report: Report) -> Iterator[str]:
             f"<td>{e(r.rank)}</td><td class=\"num\">{e(r.region)}</td><td>{link}</td><td>{e(r.kind)}</td>"
             f"<td class=\"num\">{e(r.forward_ops)}/{e(r.recompute_ops)}</td>"
             f"<td><span class=\"badge {_status_class(r.status)}\">{e(status)}</span></td>"
-            f"<td>{e(r.cause.kind if r.cause else '')}{_group_html(report, r)}</td>"
+            f"<td>{e(r.cause_label)}{_group_html(report, r)}</td>"
             f"<td>{_first_html(first) or (e(r.unchecked_reason) if r.status == UNCHECKED else '')}</td></tr>")
     yield "</tbody></table><p id=\"none-shown\" class=\"dim\" hidden>no region matches the filter</p></section>"
 

@@ -193,8 +193,7 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
     module_width = min(28, max((len(r.label) for r in shown), default=6))
     cells = [[_t(r.rank), _t(r.region), Breakable(r.label), _t(f"{r.forward_ops}/{r.recompute_ops}"),
               Text(r.status_label, style={"diverged": "red", "clean": "green"}.get(r.status, "dim")),
-              # (a clean region's cause is a flag that could change its values elsewhere: a note, shown as such)
-              _t(("note: " if r.status == CLEAN else "") + r.cause.kind if r.cause else "")] for r in shown]
+              _t(r.cause_label)] for r in shown]
     columns = [("rank", {}), ("region", {"justify": "right"}), ("module", {"min_width": module_width}), (ops, {}),
                ("status", {"no_wrap": True}), ("cause", {"no_wrap": True})]
     fixed = sum(max([len(name)] + [c[i].cell_len for c in cells]) + 2
