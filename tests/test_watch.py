@@ -1199,3 +1199,34 @@ def test_resampled_reentrant_regions_with_side_outputs_keep_a_small_trace(tmp_pa
     assert report.watch["resampled"] > 5 and types.count("ops") <= 2 * 2 * 2, types.count("ops")
     assert path.stat().st_size < 150_000, path.stat().st_size
     assert report.title == ("GRADIENTS AT RISK" if logits else "CLEAN"), report.headline
+
+
+class AnnealedDropout(nn.Module):
+    """A dropout whose `p` a schedule lowers between each forward and its backward, to 0 in the third step (the
+    recompute then draws no mask: one tensor fewer saved, and torch raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(16, 16), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.lin(x)))
+
+
+def test_torchs_error_about_a_watched_region_is_in_the_headline(tmp_path):
+    """Watch mode leads with the first step's region (recorded in full, silently diverged); torch's error in a later
+    step is about a watched region, counted and not written: the headline says torch raised, and about which region
+    (it named only the silent divergence)."""
+    torch.manual_seed(0)
+    block = AnnealedDropout()
+    with ac_diff.record(tmp_path / "t.jsonl", watch=True, watch_full_steps=1), \
+            contextlib.suppress(torch.utils.checkpoint.CheckpointError):
+        for p in (0.3, 0.2, 0.1):
+            block.drop.p = p
+            loss = checkpoint(block, torch.randn(4, 16), use_reentrant=False).sum()
+            block.drop.p = max(0.0, p - 0.1)
+            loss.backward()
+    report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
+    assert report.verdict == "diverged" and report.torch_error is not None, report.headline
+    assert "torch raised count mismatch about region 2, a watched region (counted, not written)" in report.headline, \
+        report.headline

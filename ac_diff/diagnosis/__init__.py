@@ -527,5 +527,10 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             if len(diverged) + unwritten > 1 else "")
     damaged = sum(1 for r in regions if r.status == DAMAGED)
     more += f" [{damaged} region(s) damaged in the trace, not diagnosed]" if damaged else ""
+    reported = {(r.rank, r.region) for r in regions}
+    unwritten_error = next((e for e in errors if e.region is not None and (e.rank or 0, e.region) not in reported
+                            and not errored), None) if any(run.watch for run in runs) else None  # (counted only)
+    more += (f" [torch raised {unwritten_error.kind.replace('_', ' ')} about region {unwritten_error.region}, a "
+             "watched region (counted, not written)]" if unwritten_error is not None else "")
     raised = f"; then the backward raised {lead.backward_raised}" if lead.backward_raised else ""
     return f"{where} diverged{silent}{cause}{raised}{more}"
