@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 # The backend flags that choose kernels (TF32 matmuls and convolutions, cuDNN's algorithm choice, reduced-precision
-# reductions on a GPU; oneDNN's kernels on a CPU), readable on any build: key (its name under torch.backends) -> (torch's own getter in torch._C, its usual
-# value). A pass writes a flag only where it is not at its usual value, so a pass record stays small.
+# reductions on a GPU; oneDNN's kernels on a CPU), readable on any build: key (its name under torch.backends) ->
+# (torch's own getter in torch._C, its usual value). A pass writes a flag only where it is not at its usual value, so
+# a pass record stays small.
 BACKEND_FLAGS = {
     "cuda.matmul.allow_tf32": ("_get_cublas_allow_tf32", False),
     "cuda.matmul.allow_bf16_reduced_precision_reduction": ("_get_cublas_allow_bf16_reduced_precision_reduction", True),

@@ -9,14 +9,13 @@
     module_hooks(module) -> ["act: <lambda> (train.py:34)"]             (the forward hooks on its modules)
     rng_digest() -> "9f2c4e1a0b7d3c55"    (CPU and, once initialised, CUDA generator states)
     host_draws(host_rng_states() at a pass's start, at its end) -> ["random"]   (the host generators it drew from)
-    argument_items((x, mems)) -> {"input[1]": "list of 2 items #3fa2"}   (what a list or dict argument held)
+    argument_items((x, mems)) -> {"input[1]": {"type": "list", "len": 2, "ids": 3240967713}}   (a list argument)
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import weakref
 import hashlib
 import random
@@ -27,6 +26,7 @@ import torch
 
 from .fqn import clean_fqn
 from .opinfo import short_dtype
+from .pystate import container_summary
 from .torch_compat import matmul_precision
 from ..stateflags import BACKEND_FLAGS
 
@@ -96,29 +96,15 @@ def _listed(module: torch.nn.Module) -> list:
 
 
 _MUTABLE_ARGUMENTS = (list, dict, set, collections.deque)
-_SCALARS = (int, float, str, bool, type(None))
-_ITEMS_READ = 256  # items of one argument that make its identity
 
 
-def argument_items(args: tuple) -> dict[str, str]:
-    """What each mutable container among a region's arguments held as its pass began: {"input[1]": "list of 2 items
-    #3fa2"} (the number, then a digest of the items: tensors by identity, scalars by value). checkpoint keeps the
-    object for the recompute, not a copy, so a caller that appends to a list of memories it passed, or replaces an
-    item, after the forward, changes what the recompute reads."""
-    out: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        if type(arg) in _MUTABLE_ARGUMENTS:
-            items = list(itertools.islice(arg.items() if isinstance(arg, dict) else arg, _ITEMS_READ))
-            digest = hash(tuple(_identity(x) for x in items))
-            n = len(arg)
-            out[f"input[{i}]"] = f"{type(arg).__name__} of {n} item{'' if n == 1 else 's'} #{digest & 0xffff:04x}"
-    return out
-
-
-def _identity(item: Any) -> Any:
-    if isinstance(item, tuple):  # (a dict's (key, value))
-        return tuple(_identity(x) for x in item)
-    return item if isinstance(item, _SCALARS) else id(item)
+def argument_items(args: tuple) -> dict[str, dict]:
+    """What each mutable container among a region's arguments held as its pass began, summarized as a module's
+    container attributes are (`pystate.container_summary`: its type, length and a digest of its first items, tensors by
+    identity): {"input[1]": {"type": "list", "len": 2, "ids": 3240967713}}. checkpoint keeps the object for the
+    recompute, not a copy, so a caller that appends to a list of memories it passed, or replaces an item, after the
+    forward, changes what the recompute reads."""
+    return {f"input[{i}]": container_summary(arg) for i, arg in enumerate(args) if type(arg) in _MUTABLE_ARGUMENTS}
 
 
 def training_mode(module: torch.nn.Module) -> str:

@@ -155,7 +155,7 @@ def _entries(n: int) -> str:
     return f"{n} entr{'y' if n == 1 else 'ies'}"
 
 
-def _change_words(forward: Any, recompute: Any) -> str:
+def change_words(forward: Any, recompute: Any) -> str:
     """"0 in the forward and 1 in the recompute"; "a list of 1 entry in the forward and 2 in the recompute"; "a
     list of 2 entries in both passes, with other items in the recompute"."""
     if is_container(forward) and is_container(recompute) and forward["type"] == recompute["type"]:
@@ -220,8 +220,8 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
            "failed): " if other_compiled_graph(region) else
            "the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
-    detail = why + f"{_what(top)} was {_change_words(top.forward, top.recompute)}"
-    evidence = [f"{c.name}: {_change_words(c.forward, c.recompute)}"
+    detail = why + f"{_what(top)} was {change_words(top.forward, top.recompute)}"
+    evidence = [f"{c.name}: {change_words(c.forward, c.recompute)}"
                 + (f" (read by {', '.join(c.readers[:2])})" if c.is_global else "") for c in changes[:4]]
     if top.counted_twice and top.is_global:
         detail += (f": the region's code changes it ({_shown_update(top.forward_update)} in the forward), and the "
@@ -294,11 +294,11 @@ def function_state_cause(region: Region) -> Cause | None:
         return None
     reader = next(r for r in change.readers if r.endswith(FUNCTION_CODE))
     return Cause("state_mutation", change.name,
-                 f"{_what(change)} was {_change_words(change.forward, change.recompute)}, read by a custom "
+                 f"{_what(change)} was {change_words(change.forward, change.recompute)}, read by a custom "
                  f"autograd.Function ({reader.removesuffix(' ' + FUNCTION_CODE)}): with use_reentrant=True the "
                  "backward runs on the graph the recompute built, so a value that Function keeps on ctx for its "
                  "backward comes from the recompute. Every op matched, and the gradients may still differ",
-                 [f"{change.name}: {_change_words(change.forward, change.recompute)} (read by {reader})"],
+                 [f"{change.name}: {change_words(change.forward, change.recompute)} (read by {reader})"],
                  mechanism="global", names=[change.name])
 
 
@@ -357,7 +357,7 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
         return Suggestion(
             f"Do not change `{name}` in the checkpointed forward; update it after the backward",
             f"The recompute runs the module's forward again and reads the {change.forward['type']} as it is then "
-            f"({_change_words(change.forward, change.recompute)}). A cache kept for generation (past keys and "
+            f"({change_words(change.forward, change.recompute)}). A cache kept for generation (past keys and "
             "values): keep it off while training (`use_cache=False`, as Hugging Face sets it under gradient "
             "checkpointing). Else append (or replace) its entries after loss.backward(), or hand the forward a "
             "snapshot as an argument (checkpoint keeps its arguments for the recompute). `ac-diff fix` can simulate "

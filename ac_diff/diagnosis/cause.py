@@ -26,7 +26,7 @@ from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_n
 from ..passes import OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
-from .attributes import attribute_cause
+from .attributes import attribute_cause, change_words
 from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
 from .dataflow import data_path, decision_path, upstream
 from .labels import backticked, changed_line, fingerprint_pair, number_ranges, readable_arg, where
@@ -670,7 +670,8 @@ def _saved_updates(report: RegionReport, region: Region) -> set[str]:
 
 def _argument_items_changed(change: dict | None) -> Cause | None:
     """A list or dict the region was given held other items when its recompute began than when its forward did
-    (capture/state.argument_items: "list of 2 items #3fa2"): the caller changed it after the forward."""
+    (capture/state.argument_items: each summarized as a container attribute is): the caller changed it after the
+    forward."""
     if not change:
         return None
     before, after = change["forward"] or {}, change["recompute"] or {}
@@ -678,21 +679,17 @@ def _argument_items_changed(change: dict | None) -> Cause | None:
     if not names:
         return None
     name = names[0]
-    was, now = before.get(name) or "", after.get(name) or ""
-    kind = (was or now).split(" of ")[0]
-
-    def count(held: str) -> str:
-        return held.split(" of ")[1].split(" item")[0] if " of " in held else "?"
-
-    how = (f"held {count(was)} item(s) in the forward and {count(now)} in the recompute: items were added or taken "
-           "after the forward began" if count(was) != count(now) else
+    was, now = before.get(name) or {}, after.get(name) or {}
+    kind = (was or now).get("type", "list")
+    count_was, count_now = was.get("len", "?"), now.get("len", "?")
+    how = (f"held {count_was} item(s) in the forward and {count_now} in the recompute: items were added or taken "
+           "after the forward began" if count_was != count_now else
            "held other items in the recompute than in the forward (as many): some were replaced after the forward "
            "began")
     how += " (by the caller before the backward, or by the region itself, filling a cache)"
     return Cause("state_mutation", name, f"the region's {name}, a {kind}, {how} (checkpoint keeps the {kind} itself "
                  "for the recompute, not a copy of it)",
-                 [f"{n}: {before.get(n) or 'none'} in the forward, {after.get(n) or 'none'} in the recompute"
-                  for n in names], mechanism=ARGUMENT_ITEMS)
+                 [f"{n}: {change_words(before.get(n), after.get(n))}" for n in names], mechanism=ARGUMENT_ITEMS)
 
 
 def _global_state_cause(flags: dict, key: str) -> Cause:

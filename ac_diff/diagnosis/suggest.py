@@ -269,7 +269,8 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "tensor holds\n    buf.copy_(t)\n    return buf\n"
                 "# and return each buffer to `free` only once its backward is done (after loss.backward())"))
         elif mechanism == ARGUMENT_ITEMS:
-            kind = cause.detail.split(", a ")[1].split(",")[0] if ", a " in cause.detail else "list"
+            held = (report.state_changes.get("arguments") or {}).get("forward") or {}
+            kind = (held.get(name) or {}).get("type", "list")  # (what the argument is: capture/state.argument_items)
             out.append(Suggestion(
                 f"Give the region a copy of its {name} ({kind}), or change it only after the backward",
                 f"checkpoint keeps the {kind} it was given for the recompute, not a copy, and the recompute reads it "
