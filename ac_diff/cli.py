@@ -248,10 +248,13 @@ def run(
     _reference_budget(reference_budget)
     scope = cfg.pick("scope", scope)  # pick checks a given value like the settings key
     write = cfg.pick("write", write)
-    options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
-                                 scope=scope, write=write, keep_clean=keep_clean, watch=watch,
-                                 watch_full_steps=watch_full_steps, watch_resample=watch_resample,
-                                 full_from_step=full_from_step)
+    try:
+        options = cfg.record_options(keep_values=keep_values, max_regions=max_regions, fingerprints=fingerprints,
+                                     scope=scope, write=write, keep_clean=keep_clean, watch=watch,
+                                     watch_full_steps=watch_full_steps, watch_resample=watch_resample,
+                                     full_from_step=full_from_step)
+    except ValueError as exc:  # options that contradict each other (RecordOptions says which)
+        raise typer.BadParameter(str(exc)) from None
     from .commands.run_extras import remedy_options
 
     remedies, reference = remedy_options(reference, reference_steps, no_ac, preserve_rng, non_reentrant,

@@ -218,6 +218,7 @@ class Region:
     # the run stopped before its recompute: its inputs written in place since its forward ended (what torch's version
     # check stops a backward for), [(input index, meta, version at the forward's end, version when the run stopped)]
     inputs_written: list[tuple[int, TensorMeta, int, int]] = field(default_factory=list)
+    values_recorded: bool = True  # False: recorded with --no-fingerprints (shapes, dtypes and op order; no values)
 
     # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
     # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists
@@ -229,7 +230,7 @@ class Region:
 
     @property
     def has_values(self) -> bool:
-        return self.kind != "log"
+        return self.kind != "log" and self.values_recorded
 
     @property
     def ops_in_order(self) -> bool:

@@ -298,6 +298,7 @@ SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentr
 # ... of a region that reproduced its forward, whose code reads Python state its recompute updates a second time
 STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
 AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN)  # reproduced, yet never clean: what the gradients of the run may lose
+VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --no-fingerprints whose metadata matched
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
@@ -496,6 +497,8 @@ class Report:
                 return "AC COMPILED, NOT RECORDED"
             if any(r.unchecked_reason in AT_RISK for r in self.regions):
                 return "GRADIENTS AT RISK"
+            if any(r.unchecked_reason == VALUES_NOT_RECORDED for r in self.regions):
+                return "VALUES NOT COMPARED"
             return "NOTHING CHECKED"
         if self.script_failed:
             return "CLEAN, SCRIPT " + ("INTERRUPTED" if self.exit_status == "interrupted" else "FAILED")

@@ -153,6 +153,18 @@ def test_command_config_beats_global_config(demo, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"] == "diverged"
 
 
+@pytest.mark.parametrize("how", ["flags", "config"])
+def test_run_refuses_watch_without_fingerprints_with_one_line(tmp_path, capsys, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    if how == "config":
+        write(tmp_path, "fingerprints: false\nwatch: true\n")
+    assert main(["run", *(["--watch", "--no-fingerprints"] if how == "flags" else []), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--no-fingerprints cannot be combined with --watch" in err and "Traceback" not in err, err
+    assert not (tmp_path / "ac-diff-out").exists()
+
+
 def test_run_passes_config_and_overrides_to_the_recorder(tmp_path, monkeypatch):
     """`run` builds RecordOptions / Settings from the config, with the options given on the command line on top."""
     from ac_diff.commands import run_cmd

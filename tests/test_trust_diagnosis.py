@@ -333,6 +333,45 @@ def test_two_runs_that_differ_only_in_a_python_float_differ_by_an_argument(tmp_p
     assert report.regions[0].first_shape_divergence is None
 
 
+class _DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.tanh(self.drop(self.fc(x)))
+
+
+@pytest.mark.parametrize("preserve", [False, True])
+def test_a_trace_recorded_without_fingerprints_is_never_called_clean(tmp_path, preserve):
+    """--no-fingerprints records shapes, dtypes and ops only. Dropout without its RNG state recomputes other masks of
+    the same shapes, and the report said "clean: all 1 recomputed region(s) reproduced their saved tensors exactly";
+    a control is no more proven clean by metadata alone. Both: VALUES NOT COMPARED, unchecked (exit 4)."""
+    torch.manual_seed(0)
+    block, path = _DropBlock(), tmp_path / "t.jsonl"
+    with ac_diff.record(path, fingerprints=False):
+        x = torch.randn(4, 8, requires_grad=True)
+        cp.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert (report.verdict, report.title) == ("unchecked", "VALUES NOT COMPARED"), report.headline
+    assert report.regions[0].unchecked_reason == "values not recorded", report.regions[0]
+    assert report.headline.startswith("values not compared: 1 recomputed region(s) match their forward in shapes"), \
+        report.headline
+    with ac_diff.record(tmp_path / "v.jsonl"):  # the same with values: the control is clean, the other diverged
+        torch.manual_seed(0)
+        cp.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve).sum().backward()
+    assert ac_diff.diagnose_paths([tmp_path / "v.jsonl"]).verdict == ("clean" if preserve else "diverged")
+
+
+def test_watch_refuses_to_run_without_fingerprints():
+    """Watch confirms a divergence by recording its module in full; without values that recording found nothing, and
+    the watched divergence it was to confirm was counted clean (dropout without RNG state: 6 of 8 regions)."""
+    from ac_diff.capture.recorder import RecordOptions
+
+    with pytest.raises(ValueError, match="--no-fingerprints cannot be combined with --watch"):
+        RecordOptions(watch=True, fingerprints=False)
+
+
 # --- a captured tensor the nested recompute cannot name ------------------------------------------------------
 
 class _MaskedLayer(nn.Module):
@@ -480,13 +519,33 @@ def test_the_fix_for_a_parametrizations_own_update_is_one_that_makes_the_region_
     assert report.verdict == "clean", report.headline
 
 
-def test_the_fix_for_a_buffer_the_regions_forward_updates_says_the_recompute_runs_the_update_again(tmp_path):
+class _CenterFirst(nn.Module):
+    """Updates its EMA center first, then computes with it: the recompute updates it a second time before reading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("center", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.center.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return torch.tanh(self.proj(x) - self.center)
+
+
+@pytest.mark.parametrize("model", [_CenterFirst, _EmaHead])
+def test_the_fix_for_a_buffer_the_regions_forward_updates_says_whether_the_recompute_runs_the_update_again(
+        tmp_path, model):
+    """_CenterFirst's recompute runs the update again before it reads the buffer; _EmaHead updates after its last
+    saved tensor, where torch's early stop ends the recompute: the fix said "runs it again" for both."""
     torch.manual_seed(0)
-    lead = _record(tmp_path, _EmaHead(), torch.randn(4, 8)).lead_groups()[0][0]
+    lead = _record(tmp_path, model(), torch.randn(4, 8)).lead_groups()[0][0]
     fix = lead.suggestions[0]
+    again = model is _CenterFirst
     assert fix.title == (f"Move the update of `{lead.cause.tensor}` out of the checkpointed region, after the "
-                         "backward: its recompute runs it again"), fix
-    assert "the recompute runs that update a second time" in fix.text and "router" not in fix.code, fix
+                         "backward: its recompute " + ("runs it again" if again else "reads the updated value")), fix
+    assert ("the recompute runs that update a second time" in fix.text) == again and "router" not in fix.code, fix
+    assert ("applies it a second time" in lead.cause.detail) == again, lead.cause.detail
 
 
 class _CachedEmbedding(nn.Module):
@@ -1267,3 +1326,7 @@ def test_a_queue_the_forward_enqueues_into_through_a_slice_is_named_with_its_wri
     assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "queue"), lead.cause
     assert "the region's own forward updates it in place (aten.copy_.default at" in lead.cause.detail, lead.cause
     assert "torch's early stop ends it at the last saved tensor" in lead.cause.detail, lead.cause.detail
+    fix = lead.suggestions[0]  # its fix says the same: the recompute reads the update, it does not run it again
+    assert fix.title == ("Move the update of `queue` out of the checkpointed region, after the backward: its "
+                         "recompute reads the updated value"), fix.title
+    assert "a second time" not in fix.text, fix.text

@@ -117,6 +117,12 @@ class RecordOptions:
     watch_resample: int = 20
     full_from_step: int | None = None  # record every region in full from this step on (1: the first); watch before
 
+    def __post_init__(self) -> None:
+        if self.watch and not self.fingerprints:  # (its full recordings confirm and explain what it finds)
+            raise ValueError("--no-fingerprints cannot be combined with --watch: watch records a module that diverged "
+                             "in full, with values, to confirm and explain it (watch is the cheap mode already); drop "
+                             "--no-fingerprints (or `fingerprints: false` in ac-diff.yaml)")
+
 
 @dataclass
 class _Region:

@@ -20,8 +20,8 @@ from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
-                      STATE_READ_AGAIN, UNCHECKED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
-                      missing_ranks, repeated_updates)
+                      STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
+                      TorchErrorSummary, missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, EMPTIED, RECOMPILED, dtype_only, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -96,7 +96,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         crash, exit_status = cut, exit_status or CUT_SHORT
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
-    at_risk = any(r.unchecked_reason in AT_RISK for r in region_reports)  # (reproduced, yet never clean)
+    # reproduced, yet never clean; or compared without values (--no-fingerprints)
+    at_risk = any(r.unchecked_reason in (*AT_RISK, VALUES_NOT_RECORDED) for r in region_reports)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
                UNCHECKED if crash or lost or at_risk or not (any(r.status == CLEAN for r in region_reports)
                                                              or watched_clean(watch))
@@ -489,6 +490,13 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     f"tensors other than through their outputs, made without grad (the first: {first.module}, region "
                     f"{first.region}: {first.cause.tensor}{at}); a loss computed from them gives no gradient: "
                     "`ac-diff run --reference no-ac` compares the gradients" + _others_clean(at_risk, checked, runs))
+        unvalued = sum(1 for r in regions if r.unchecked_reason == VALUES_NOT_RECORDED)
+        if unvalued:
+            return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "
+                    "ops, but they were recorded with --no-fingerprints, which records no values (a recompute with "
+                    "other values keeps its shapes): record without it to compare them"
+                    + (f"; {checked} other region(s) reproduced their saved tensors exactly"
+                       + (f" ({watched} of them watched)" if watched else "") if checked else ""))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
                        next((r.notes[-1] for r in regions if r.notes), ""))

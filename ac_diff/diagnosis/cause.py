@@ -22,12 +22,13 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op, written_inputs
-from ..passes import OpRecord, Pass, Region, TensorMeta
+from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
+from ..passes import OpRecord, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause, change_words
-from .passdiff import ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, written_refs
+from .passdiff import (ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, writer_in,
+                       written_refs)
 from .dataflow import data_path, decision_path, upstream
 from .labels import backticked, changed_line, fingerprint_pair, number_ranges, readable_arg, where
 from .suggest import suggestions_for
@@ -163,7 +164,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         detail = (f"the {what.get(top['kind'], 'tensor')} `{top['name']}` has other values in the recompute than in "
                   + ("the forward: the region's own forward updates it in place "
                      f"({writer[0]}), so the recompute reads it after that update"
-                     + (" and applies it a second time" if _writer_in(region.recompute, top["name"]) else
+                     + (" and applies it a second time" if writer_in(region.recompute, top["name"]) else
                         " (the recompute stops before its own update: torch's early stop ends it at the last "
                         "saved tensor)" if region.recompute is not None and region.recompute.stopped_early else
                         " (the recompute does not update it again)")
@@ -771,22 +772,9 @@ def _in_place_writer(region: Region, name: str) -> tuple[str, str] | None:
     mutation itself, when it is visible), or a view of it (`queue[ptr:ptr + n] = keys`, a copy_ into a slice):
     ("aten.mul_.Tensor at blk (train.py:9 in forward)", the pass it ran in)."""
     for p in (region.forward, region.recompute):
-        found = _writer_in(p, name)
+        found = writer_in(p, name)
         if found is not None:
             return found, p.phase
-    return None
-
-
-def _writer_in(p: Pass | None, name: str) -> str | None:
-    """The first op of pass `p` that writes `name` or a view of it (see `_in_place_writer`), as where it ran."""
-    if p is None:
-        return None
-    ops = {o.index: o for o in p.ops}
-    for op in p.ops:
-        written = ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + list(
-            written_inputs(op.op, op.args, op.input_refs))
-        if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in written):
-            return f"{op.op} at {where(op.module, op.source)}"
     return None
 
 

@@ -24,7 +24,7 @@ from ..passes import External, InputRef, OpRecord, Pass
 from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
                        packet, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
-from .labels import readable_arg
+from .labels import readable_arg, where
 
 
 
@@ -302,6 +302,20 @@ def viewed_source(ops: dict[int, OpRecord], ref: InputRef) -> InputRef:
 def written_refs(op: OpRecord) -> list[InputRef]:
     """The inputs `op` writes in place (see `oprules.written_inputs`)."""
     return written_inputs(op.op, op.args, op.input_refs)
+
+
+def writer_in(p: Pass | None, name: str) -> str | None:
+    """The first op of pass `p` that writes `name` (an in-place method, a foreach update, an `out=`) or a view of it
+    (`queue[ptr:ptr + n] = keys`, a copy_ into a slice), as where it ran: "aten.mul_.Tensor at blk (train.py:9 in
+    forward)"."""
+    if p is None:
+        return None
+    ops = {o.index: o for o in p.ops}
+    for op in p.ops:
+        written = ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + written_refs(op)
+        if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in written):
+            return f"{op.op} at {where(op.module, op.source)}"
+    return None
 
 
 def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict[tuple, bool]

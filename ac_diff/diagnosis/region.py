@@ -15,8 +15,8 @@ from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
-                      STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, AlignedRow,
-                      Divergence, PositionRow, RegionReport, shared)
+                      STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
+                      VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import AttributeChange, counted_twice, function_state_cause, split_name
 from .cause import explain, explain_flags
@@ -123,7 +123,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         inside = region.parent_phase == "recompute" and region.parent is not None
         if fwd is None:
             _unchecked(report, "forward not recorded", "the original forward was not recorded")
-        elif fwd.complete and not fwd.positions and region.kind != "reentrant" and region.has_values:
+        elif fwd.complete and not fwd.positions and region.kind not in ("reentrant", "log"):
             _unchecked(report, "saved no tensor: nothing to recompute",
                        "its forward saved no tensor for the backward (it returned its input, or ran under no_grad): "
                        "torch never recomputes it, and nothing can differ")
@@ -138,7 +138,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             _unchecked(report, "not recomputed: no backward",
                        "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
-        written = input_written(fwd) if run_stopped and region.has_values else None
+        written = input_written(fwd) if run_stopped and region.source != "log" else None
         after = input_written_after(region, version_check) if run_stopped else None
         if written is not None:  # what stopped the run: the backward found the kept input changed
             name_input_write(report, *written)
@@ -278,9 +278,13 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
                             if region.source == "log" else
                             f"{cmp.not_recomputed} forward op(s) after the last saved tensor were not recomputed "
                             "(torch's early stop); they are not compared")
-    if not region.has_values:
+    if region.source == "log":
         report.notes.append("from a log: shapes and arguments only; `ac-diff run` on the script would add values, "
                             "modules and the cause")
+    elif not region.has_values and report.status == CLEAN:
+        _unchecked(report, VALUES_NOT_RECORDED, "recorded with --no-fingerprints: its shapes, dtypes and ops match, "
+                   "but no values were recorded to compare (a recompute with other values keeps its shapes); record "
+                   "without --no-fingerprints, or with --watch, to compare them")
     if not region.has_values and report.first_shape_divergence is not None:  # (a decision whose shape changed, a
         # nonzero, may only follow one before it whose values a log cannot show: topk -> eq -> nonzero)
         upstream = _log_decision(fwd, rec, report.first_discrete_divergence or report.first_shape_divergence,

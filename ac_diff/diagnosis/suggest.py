@@ -18,6 +18,7 @@ from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
+from .passdiff import writer_in
 from .labels import backticked
 
 
@@ -286,11 +287,14 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
         elif mechanism == UPDATED_IN_FORWARD:
+            again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
             out.append(Suggestion(
-                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute runs "
-                "it again",
-                f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute runs that "
-                "update a second time, from the updated value, and computes with it. Compute the new value inside, "
+                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute "
+                + ("runs it again" if again else "reads the updated value"),
+                f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute "
+                + ("runs that update a second time, from the updated value, and computes with it. " if again else
+                   "computes with the updated value, not the one the forward read. ")
+                + "Compute the new value inside, "
                 "but return it from the checkpointed function and apply it outside, after the call (the recompute "
                 "then recomputes it without applying it); or apply the update after `loss.backward()`, best after "
                 "`optimizer.step()`, e.g. from an optimizer step hook.",

@@ -301,6 +301,9 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
         for number in range(started):  # begun as the run stopped, before anything of them was written
             if number not in regions:
                 regions[number] = Region(rank=rank, region=number, module=None)
+    if (header.get("options") or {}).get("fingerprints") is False:  # watch compares saved tensors without them
+        for region in regions.values():
+            region.values_recorded = region.watched
     run.regions = sorted(regions.values(), key=lambda r: r.region)
     if lazy:
         run.ops_loader = lambda region: _ops_loaded(path, metas, region)
