@@ -208,7 +208,8 @@ def _regions_table(report: Report, width: int, limit: int = 40) -> Table:
                 Breakable(r.unchecked_reason, "dim") if r.status == UNCHECKED else _t(""))  # why it was not checked
         table.add_row(*row, *([what] if with_first else []))
     notes = [] if with_first or not any(r.status == DIVERGED for r in shown) else [
-        f"first divergences: in the region details below (here from {fixed + FIRST_DIVERGENCE_MIN} columns)"]
+        f"first divergences: in the region details below (this table shows them in a terminal of "
+        f"{fixed + FIRST_DIVERGENCE_MIN} columns or more)"]
     if len(shown) < len(rows):
         hidden = [r for r in rows if r.status != DIVERGED] + [r for r in rows if r.status == DIVERGED][limit:]
         notes.insert(0, f"{len(hidden)} region(s) not shown ({count_by_status(hidden)})")  # what it hides, by status
