@@ -124,6 +124,10 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     if preserve_rng_state:
         assert check["diverged_count"] == 0 and a["headline"] == a["extrapolation"]["headline"]
         assert first.startswith("ac-diff audit:")
+        out = StringIO()  # a narrow terminal: rich cut the module names to "l…" (a site per line now)
+        render_audit({"audit": a}, Console(file=out, width=60, color_system=None))
+        sites = [s["module"] for s in a["sites"] if s["kind"]]
+        assert sites and all(f"{m}  topk" in out.getvalue() for m in sites), out.getvalue()
         return
     assert check["diverged_count"] == 4 and [r["region"] for r in check["diverged"]] == [1, 2, 3, 4]
     assert {r["how"] for r in check["diverged"]} == {"values"}  # same shapes: torch raises nothing

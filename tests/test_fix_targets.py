@@ -142,6 +142,31 @@ def test_a_scripts_own_sac_policy_is_added_to_not_replaced():
     assert "SAVE = {" not in code  # (no policy of its own that would drop the script's saves)
 
 
+@pytest.mark.parametrize("fix", [None, "code"])
+def test_a_restores_code_change_is_the_diagnosiss_fix_for_that_state(fix):
+    """A verified restore printed one template for every state: "update it after the backward, in an optimizer step
+    hook", which trains another schedule for a counter the forward reads after counting, and cannot be done for an
+    adapter switched between two forwards of a step. It now prints the diagnosis's own fix for that state; without
+    one, to change it after the backward or pass it in as an argument."""
+    from ac_diff.fix.candidates import candidates
+    from ac_diff.fix.forms import code_for
+    from ac_diff.report import Cause, Suggestion
+
+    own = Suggestion("Update `blocks.0.seen` before the forward that reads it, outside the checkpointed region", "",
+                     "model.blocks[0].seen += 8  # before the forward") if fix else Suggestion("Turn it loud", "", "x")
+    region = SimpleNamespace(status="diverged", module="blocks.0", kind="checkpoint", repeated=[], changed_inputs=[],
+                             cause=Cause("state_mutation", "blocks.0.seen", "", mechanism="attribute"),
+                             checkpoint_options={}, first_discrete_divergence=None, suggestions=[own])
+    restore = next(c for c in candidates(SimpleNamespace(regions=[region], reference=None)) if c.kind == "restore")
+    code = code_for(restore)
+    assert "register_step_post_hook" not in code, code
+    if fix:
+        assert code.endswith("# Update `blocks.0.seen` before the forward that reads it, outside the checkpointed "
+                             "region\nmodel.blocks[0].seen += 8  # before the forward"), code
+    else:
+        assert "pass the value" in code and "checkpoint(block, x, value" in code, code
+
+
 def test_turning_ac_off_in_a_reentrant_region_costs_what_its_recompute_saved(tmp_path):
     """A reentrant region's forward runs without grad and saves nothing; without AC it would keep what its recompute
     saved (it said +0 B/region)."""

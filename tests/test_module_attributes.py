@@ -459,9 +459,31 @@ def test_a_counter_the_recompute_advances_again_and_the_region_reads_is_never_cl
                                    "recompute runs that code again (counted twice)"], region.side_effects
     assert "model.grow.imgs_seen changed during each pass: 0 -> 4 in the forward, 4 -> 8 in the recompute" in region.notes
     assert (region.cause.kind, region.cause.tensor) == ("state_mutation", "model.grow.imgs_seen")
-    assert region.suggestions[0].title == "Apply the update of `model.grow.imgs_seen` once per step, outside the checkpointed " \
-                                          "forward", region.suggestions
-    assert "their gradients differ from a run without AC" in region.suggestions[0].text
+    fix = region.suggestions[0]  # the blend reads the counted value: the count moves before the forward, not after
+    # the backward (a step late: 18c's fade-in trained another schedule than without AC, from step 1)
+    assert fix.title == "Update `model.grow.imgs_seen` before the forward that reads it, outside the checkpointed " \
+                        "region", fix.title
+    assert "their gradients differ from a run without AC" in fix.text
+    assert '.imgs_seen += 4  # before the forward that reads it' in fix.code, fix.code
+    grads = []
+    for fixed in (False, True):  # what the fix's code does, against a run without AC
+        torch.manual_seed(0)
+        block, steps = FadeIn(), [torch.randn(4, 8) for _ in range(3)]
+        if fixed:
+            counted = block.forward.__func__
+
+            def reads_only(self, x):  # forward() with its `+=` taken out: the loop counts before the forward
+                self.imgs_seen -= x.shape[0]
+                return counted(self, x)
+            block.forward = reads_only.__get__(block)
+        for x in steps:
+            if fixed:
+                block.imgs_seen += 4
+                checkpoint(block, x, use_reentrant=False).pow(2).sum().backward()
+            else:
+                block(x).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()] + [torch.tensor(block.imgs_seen)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 class LoggedStats(nn.Module):

@@ -5,6 +5,7 @@ whose expert loop and token counts read the same top-k, and six layers that dive
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import random
@@ -534,18 +535,37 @@ class _CenterFirst(nn.Module):
 
 
 @pytest.mark.parametrize("model", [_CenterFirst, _EmaHead])
-def test_the_fix_for_a_buffer_the_regions_forward_updates_says_whether_the_recompute_runs_the_update_again(
-        tmp_path, model):
-    """_CenterFirst's recompute runs the update again before it reads the buffer; _EmaHead updates after its last
-    saved tensor, where torch's early stop ends the recompute: the fix said "runs it again" for both."""
+def test_the_fix_for_a_buffer_the_regions_forward_updates_keeps_the_training_of_a_run_without_ac(tmp_path, model):
+    """_CenterFirst updates its center, then computes with it: the fix said to move the update after the backward
+    (then every forward reads the value one step late: other gradients than without AC). It now says to make the
+    update right before the checkpoint call, and doing so gives the gradients of a run without AC bit for bit.
+    _EmaHead reads, then updates (after its last saved tensor: torch's early stop ends the recompute before it): the
+    update moves after the backward. Each fix also says whether the recompute runs the update again."""
     torch.manual_seed(0)
-    lead = _record(tmp_path, model(), torch.randn(4, 8)).lead_groups()[0][0]
+    block, x = model(), torch.randn(4, 8)
+    lead = _record(tmp_path, copy.deepcopy(block), x).lead_groups()[0][0]
     fix = lead.suggestions[0]
-    again = model is _CenterFirst
-    assert fix.title == (f"Move the update of `{lead.cause.tensor}` out of the checkpointed region, after the "
-                         "backward: its recompute " + ("runs it again" if again else "reads the updated value")), fix
-    assert ("the recompute runs that update a second time" in fix.text) == again and "router" not in fix.code, fix
-    assert ("applies it a second time" in lead.cause.detail) == again, lead.cause.detail
+    first = model is _CenterFirst
+    assert fix.title == ("Update `center` before the checkpoint call, not inside the checkpointed region" if first
+                         else "Apply the update of `center` after the backward, not inside the checkpointed region: "
+                         "its recompute reads the updated value"), fix.title
+    assert ("the recompute runs that update a second time" in fix.text) == first, fix.text
+    assert ("applies it a second time" in lead.cause.detail) == first, lead.cause.detail
+    if not first:
+        assert "loss.backward()" in fix.code and "register_step_post_hook" in fix.code, fix.code
+        return
+    grads = []
+    for fixed in (False, True):  # without AC, then with AC and the update made before the checkpoint call
+        b = copy.deepcopy(block)
+        if fixed:
+            with torch.no_grad():
+                b.center.mul_(0.9).add_(x.mean(0), alpha=0.1)
+            y = cp.checkpoint(lambda t: torch.tanh(b.proj(t) - b.center), x, use_reentrant=False)
+        else:
+            y = b(x)
+        y.pow(2).sum().backward()
+        grads.append([p.grad for p in b.parameters()] + [b.center])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 class _CachedEmbedding(nn.Module):
@@ -1327,6 +1347,6 @@ def test_a_queue_the_forward_enqueues_into_through_a_slice_is_named_with_its_wri
     assert "the region's own forward updates it in place (aten.copy_.default at" in lead.cause.detail, lead.cause
     assert "torch's early stop ends it at the last saved tensor" in lead.cause.detail, lead.cause.detail
     fix = lead.suggestions[0]  # its fix says the same: the recompute reads the update, it does not run it again
-    assert fix.title == ("Move the update of `queue` out of the checkpointed region, after the backward: its "
+    assert fix.title == ("Apply the update of `queue` after the backward, not inside the checkpointed region: its "
                          "recompute reads the updated value"), fix.title
     assert "a second time" not in fix.text, fix.text

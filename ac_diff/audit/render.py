@@ -42,24 +42,41 @@ def _rate(x) -> str:
 _CONSEQUENCE = {"CheckpointError": "error", "silent": "silent", "unknown": "?"}
 
 
+def _table(columns: tuple, rows: list[tuple], width: int) -> Table:
+    """One row per site; narrower than the table (a narrow terminal), each site on a line of its own with its
+    numbers under it: rich would cut the module names first."""
+    needed = sum(max(len(c), *(len(r[i]) for r in rows)) + 1 for i, (c, _) in enumerate(columns)) if rows else 0
+    if needed <= width:
+        table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+        for col, just in columns:
+            table.add_column(col, justify=just, no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        return table
+    table = Table.grid(padding=(0, 0))
+    for row in rows:
+        table.add_row(Text(f"{row[0]}  {row[1]}", style="bold"))
+        table.add_row(Text("  " + ", ".join(f"{c}: {v}" for (c, _), v in zip(columns[2:], row[2:]))))
+    return table
+
+
 def render_audit(doc: dict, console: Console) -> None:
     a = doc["audit"]
     sites = a["sites"]
     scored = [s for s in sites if s["kind"]]
     title = (f"ac-diff audit: {len(scored)} decision sites with margins, {a['regions_audited']} of "
              f"{a['regions_seen']} regions replayed, noise {a['noise']} x {a['seeds']} seeds")
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for col, just in (("site", "left"), ("op", "left"), ("rows", "right"), ("% ≤1/4/16ulp", "right"),
-                      ("min ulp", "right"), ("margins", "left"), ("P(flip) seen", "right"), ("predicted", "right"),
-                      ("a flip", "left")):
-        table.add_column(col, justify=just, no_wrap=True)
+    columns = (("site", "left"), ("op", "left"), ("rows", "right"), ("% ≤1/4/16ulp", "right"), ("min ulp", "right"),
+               ("margins", "left"), ("P(flip) seen", "right"), ("predicted", "right"), ("a flip", "left"))
+    rows = []
     for s in scored:
         m = s["margins"] or {}
         shares = "/".join(_pct(m.get(k)).rstrip("%") for k in ("within_1ulp", "within_4ulp", "within_16ulp"))
-        table.add_row(s["module"], packet(s["op"]), str(s["rows"]), shares,
-                      "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
-                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
-                      _CONSEQUENCE.get(s["consequence"], s["consequence"]))
+        rows.append((s["module"], packet(s["op"]), str(s["rows"]), shares,
+                     "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
+                     sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
+                     _CONSEQUENCE.get(s["consequence"], s["consequence"])))
+    table = _table(columns, rows, console.width)
     follow = [s for s in sites if not s["kind"] and any(s["flips_per_seed"])]
     lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; predicted: P(flip) per row from "
                   "the flips seen, the margins and their density near zero; a flip: what it does to the saved tensors "

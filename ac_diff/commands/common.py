@@ -43,7 +43,10 @@ def print_next(output_dir: str | Path, json_path: str | None, more: str = "") ->
 
 
 def console() -> Console:
-    return Console(soft_wrap=False)
+    """stdout's console; piped into a file or a CI log, 120 columns (rich's fallback, 80, cuts the tables) unless
+    COLUMNS says otherwise, as a report written to a file is."""
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(soft_wrap=False, width=120 if piped else None)
 
 
 def format_of(path: str) -> str:

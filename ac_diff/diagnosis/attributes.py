@@ -309,15 +309,20 @@ def _shown_update(update: list) -> str:
     return " -> ".join(_distinct(before, after))
 
 
-def _once_per_step(change: AttributeChange, name: str, attr: str) -> str:
-    """The code of the fix: the update made once per step after the backward, on the module that holds it."""
-    owner = split_name(name)[0]
+def update_code(change: AttributeChange) -> str:
+    """The code of the fix for an attribute the region's code updates, made once per forward outside the region, as
+    a run without AC makes it: before the forward where its code reads the updated value (a schedule that counts
+    the batch first), else after the backward."""
+    owner, attr = split_name(change.name)
     where = f"its pre-hook ({', '.join(change.hooks[:2])})" if change.hooks else "its forward"
     module = f'model.get_submodule("{owner}")' if owner else "model"
     before, after = change.forward_update
     numbers = all(type(v) in (int, float) for v in (before, after))
     update = (f"{module}.{attr} += {after - before!r}" if numbers
               else f"{module}.{attr} = ...  # what {where} set it to ({shown(before)} -> {shown(after)})")
+    if change.read_again:
+        return (f"# {where}: read self.{attr}, do not change it\n{update}  # before the forward that reads it, "
+                "outside the checkpointed region\nloss = model(batch)\nloss.backward()")
     return f"# {where}: read self.{attr}, do not change it\nloss.backward()\noptimizer.step()\n{update}  # once per step"
 
 
@@ -389,13 +394,20 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
         return Suggestion(
             f"Do not update `{name}` in the checkpointed module's forward or pre-hook",
             "The recompute runs the module (and its forward pre-hooks) again, so an update made there is applied a "
-            "second time and the recompute computes with the new value. Update it once per step outside the region "
-            "(in the training loop, or an optimizer step hook), or pass the value in as an argument.",
-            _once_per_step(change, name, attr))
+            "second time and the recompute computes with the new value. "
+            + ("Its code reads the updated value: make the update in the training loop, right before the forward "
+               "(it then reads what it read without AC), or pass the value in as an argument."
+               if change.read_again else "Update it once per step outside the region (in the training loop, or an "
+               "optimizer step hook), or pass the value in as an argument."),
+            update_code(change))
     also = [c.name for c in changes if c is not change and not c.is_global and not c.counted_twice
             and not _set_by_forward(c)]
     names = backticked([name, *also])
     return Suggestion(
         f"Change {names} after the backward, not between forward and backward",
         "The recompute reads the attribute as it is during backward. Change it after loss.backward(), or pass the "
-        "value to the checkpointed function as an argument (checkpoint keeps its arguments for the recompute).")
+        "value to the checkpointed function as an argument (checkpoint keeps its arguments for the recompute): where "
+        "another forward needs the new value before this backward (an adapter switched for another task), only the "
+        "argument, or a backward per forward, keeps what each forward computed.",
+        f"out = checkpoint(block, x, value, use_reentrant=False)  # forward(x, value) uses `value`, not self.{attr}\n"
+        "# or: loss.backward() for this forward before changing it for the next")

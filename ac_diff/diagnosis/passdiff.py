@@ -318,6 +318,27 @@ def writer_in(p: Pass | None, name: str) -> str | None:
     return None
 
 
+def read_after_write(p: Pass | None, name: str) -> bool:
+    """Whether pass `p` computes with `name` after its first in-place write of it (an update, then a read of the
+    updated value: a normalizer's statistics) rather than only before (a read, then the update: an EMA)."""
+    if p is None:
+        return False
+    ops = {o.index: o for o in p.ops}
+    writers: set[int] = set()  # ops whose output is `name` itself (an in-place method returns its input)
+
+    def names_it(r: InputRef) -> bool:
+        source = viewed_source(ops, r) if r.kind == "op" else r
+        return source.name == name or source.kind == "op" and source.op_index in writers
+
+    for op in p.ops:
+        written = ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + written_refs(op)
+        if any(names_it(r) for r in written):
+            writers.add(op.index)
+        elif writers and not is_view_op(op.op) and any(names_it(r) for r in op.input_refs):
+            return True
+    return False
+
+
 def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict[tuple, bool]
                   ) -> tuple[dict[tuple, OpRecord], set[int]]:
     """Externals the region updates in place, from both passes:

@@ -18,7 +18,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_R
                       STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
-from .attributes import AttributeChange, counted_twice, function_state_cause, split_name
+from .attributes import AttributeChange, counted_twice, function_state_cause, split_name, update_code
 from .cause import explain, explain_flags
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -230,7 +230,8 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     report.status = DIVERGED if diverged else CLEAN
     read = [(change, how) for change, how in twice if change.read_again]
     if not diverged and report.repeated:
-        report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read))]
+        report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read),
+                                                         code=update_code(read[0][0]) if read else None)]
     if not diverged and read:
         _state_read_again(report, *read[0])
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran

@@ -18,7 +18,7 @@ from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion
-from .passdiff import writer_in
+from .passdiff import read_after_write, writer_in
 from .labels import backticked
 
 
@@ -113,7 +113,7 @@ def _set_once(key: str, value: object) -> str:
 
 
 def repeated_update_suggestion(report: RegionReport, torch_version: str | None = None, *,
-                               read_again: bool = False) -> Suggestion:
+                               read_again: bool = False, code: str | None = None) -> Suggestion:
     """A region that reproduced its forward but whose recompute updates state a second time (`report.repeated`: a
     batch norm's running statistics, a counter): the gradients are right, the state the next steps start from is
     not. An op that updates while it computes (a batch norm) is saved with selective AC, so the recompute does not
@@ -138,10 +138,13 @@ def repeated_update_suggestion(report: RegionReport, torch_version: str | None =
             "that module outside the checkpointed region." + rest,
             sac_policy(saved, torch_version))
     return Suggestion(
+        f"Update {shown} before the forward that reads it, outside the checkpointed region" if read_again else
         f"Apply the update of {shown} once per step, outside the checkpointed forward",
         f"The region's code updates {shown} in place, and the recompute runs that code again." + after
-        + " Move the update after the backward (or into an optimizer step hook), or skip it while the recompute "
-        "runs (a flag the training loop sets around loss.backward()).")
+        + (" Its code reads the updated value: make the update in the training loop right before the forward (which "
+           "then reads what it read without AC; after the backward would be a step late)" if read_again else
+           " Move the update after the backward (or into an optimizer step hook)")
+        + ", or skip it while the recompute runs (a flag the training loop sets around loss.backward()).", code)
 
 
 def _names(names: list[str]) -> str:
@@ -154,6 +157,41 @@ def _step_hook_code(name: str) -> str:
             "    with torch.no_grad():\n"
             f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
             "optimizer.register_step_post_hook(update_after_step)")
+
+
+def _updated_in_forward(region: Region, name: str) -> Suggestion:
+    """The fix for state the region's own forward updates in place, as a run without AC computes: an update the
+    forward then reads (a normalizer's statistics) moves before the checkpoint call, or is skipped in the recompute;
+    one made after the forward read the state (an EMA, a load-balancing bias) moves after the backward (after the
+    checkpoint call is too early: the recompute runs in the backward)."""
+    again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
+    recompute = ("runs that update a second time, from the updated value, and computes with it" if again else
+                 "computes with the updated value, not the one the forward read")
+    owner, leaf = (name.rsplit(".", 1) if "." in name else ("", name))
+    module = f'model.get_submodule("{owner}")' if owner else "block"
+    if read_after_write(region.forward, name):
+        return Suggestion(
+            f"Update `{name}` before the checkpoint call, not inside the checkpointed region",
+            f"The region's forward updates `{name}` in place and then computes with the updated value; the recompute "
+            f"{recompute}. Make the update in the caller, right before the checkpoint call: the forward computes "
+            "with the updated value as it did, the recompute reads that same value and updates nothing, and the "
+            "training is that of a run without AC. Where the update needs what the region computes first, skip it "
+            "while the recompute runs instead (a flag the training loop sets around loss.backward()).",
+            f"with torch.no_grad():\n    ...  # the update of {leaf} that forward() made first, moved here\n"
+            "out = checkpoint(block, x, use_reentrant=False)  # forward() only reads it now\n"
+            "# or, in forward(): `if not self.in_backward: <the update>`, and around the backward:\n"
+            f"#   {module}.in_backward = True; loss.backward(); {module}.in_backward = False")
+    return Suggestion(
+        f"Apply the update of `{name}` after the backward, not inside the checkpointed region: its recompute "
+        + ("runs it again" if again else "reads the updated value"),
+        f"The region's own forward (or a hook inside it) computes with `{name}` and then updates it in place, so the "
+        f"recompute {recompute}. Keep what the update needs (return it from the checkpointed function), and apply "
+        "it after `loss.backward()`, e.g. from an optimizer step hook: the recompute then reads the value the forward "
+        "read (right after the checkpoint call is too early: the recompute runs inside the backward).",
+        _step_hook_code(name) + "\n"
+        "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new value\n"
+        "#     loss.backward()\n"
+        "#     with torch.no_grad(): state.copy_(new_state)  # applied once, after the backward")
 
 
 def suggestions_for(report: RegionReport, region: Region, torch_version: str | None = None) -> list[Suggestion]:
@@ -287,28 +325,19 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "The recompute re-reads the region's inputs. Clone the tensor before the in-place update, or make "
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
         elif mechanism == UPDATED_IN_FORWARD:
-            again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
-            out.append(Suggestion(
-                f"Move the update of `{name}` out of the checkpointed region, after the backward: its recompute "
-                + ("runs it again" if again else "reads the updated value"),
-                f"The region's own forward (or a hook inside it) updates `{name}` in place, so the recompute "
-                + ("runs that update a second time, from the updated value, and computes with it. " if again else
-                   "computes with the updated value, not the one the forward read. ")
-                + "Compute the new value inside, "
-                "but return it from the checkpointed function and apply it outside, after the call (the recompute "
-                "then recomputes it without applying it); or apply the update after `loss.backward()`, best after "
-                "`optimizer.step()`, e.g. from an optimizer step hook.",
-                _step_hook_code(name) + "\n"
-                "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new "
-                "value\n#     with torch.no_grad(): state.copy_(new_state)                   # applied once, outside"))
+            out.append(_updated_in_forward(region, name))
         else:
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",
                 f"`{name}` is read by the checkpointed region and changed before its recompute ran, so the "
                 "recompute sees another value. Keep in the forward what the update needs, and apply it after "
                 "`loss.backward()` - best after `optimizer.step()`, e.g. from an optimizer step hook - not in a "
-                "forward hook or inside forward().",
-                _step_hook_code(name)))
+                "forward hook or inside forward(). Where another forward needs the new value before this backward "
+                "(a cache rebuilt for a longer sequence, an adapter switched for another task), pass the value to the "
+                "checkpointed function as an argument instead (checkpoint keeps its arguments for the recompute), or "
+                "run this forward's backward before changing it.",
+                _step_hook_code(name) + "\n# or: out = checkpoint(block, x, value, use_reentrant=False)  # forward(x, "
+                f"value) computes with `value`, not self.{name.rsplit('.', 1)[-1]}"))
     elif kind == "lost_gradient" and mechanism == "side_output":
         out.append(Suggestion(
             "Use use_reentrant=False: a reentrant region's tensors reach a loss only through its outputs",

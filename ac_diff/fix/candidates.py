@@ -54,6 +54,8 @@ class Candidate:
     # of them updated twice is not verified)
     repeats: frozenset = frozenset()
     own_policy: bool = False  # a must-save candidate where the script's regions already run a selective-AC policy
+    # a restore candidate: the code change it simulates, as the diagnosis wrote it for that state (title, code)
+    change: tuple[str, str] | None = None
 
 
 def combined(found: list[Candidate], did_not_help: list[bool], revealed: list[Any]) -> Candidate | None:
@@ -107,8 +109,11 @@ def _restores(regions: list[Any]) -> list[Candidate]:
         modules = ", ".join(dict.fromkeys(r.module for r, _ in found))
         names = ", ".join(globs)
         what = f"torch.Generator state of {names}" if state == "generator" else names
+        change = next(((f.title, f.code) for r, _ in found for f in r.suggestions
+                       if f.code and r.cause.tensor and f"`{r.cause.tensor}`" in f.title), None)
         out.append(Candidate(f"restore the forward's {what} in the recompute", RemedySpec(restore=globs),
-                             f"{kinds} in {modules}", "restore", state="generator" if state == "generator" else names))
+                             f"{kinds} in {modules}", "restore", state="generator" if state == "generator" else names,
+                             change=change))
     return out
 
 

@@ -54,14 +54,14 @@ def code_for(c: Candidate) -> str:
                 + PARAMETRIZED_ONCE)
     if c.kind == "restore":
         names = ", ".join(f"`{name}`" for name in c.spec.restore)
-        leaves = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in c.spec.restore))
-        return (f"# ac-diff restored the forward's {names} in every recompute (a simulation of the change): "
-                "make the change -\n"
-                f"# update {names} after the backward (best after optimizer.step()), not in forward() or a "
-                "forward hook:\n"
-                "def update_after_step(optimizer, args, kwargs):\n    with torch.no_grad():\n"
-                f"        ...  # the update of {leaves} moves here\n"
-                "optimizer.register_step_post_hook(update_after_step)")
+        head = (f"# ac-diff restored the forward's {names} in every recompute (a simulation of the change): "
+                "make the change -\n")
+        if c.change is not None:  # the diagnosis's fix for that state (where the update goes, read before or after)
+            return head + f"# {c.change[0]}\n" + c.change[1]
+        return (head + f"# keep {names} as the forward saw it until its backward: change it only after "
+                "loss.backward(), or pass the value\n# to the checkpointed function as an argument (checkpoint keeps "
+                "its arguments for the recompute)\n"
+                "out = checkpoint(block, x, value, use_reentrant=False)  # forward(x, value) uses `value`")
     if c.kind == "no_ac":
         module = ", ".join(c.spec.no_ac)
         return (f"# leave {module} out of activation checkpointing (it keeps its activations):\n"
