@@ -129,7 +129,7 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
         sites = [s["module"] for s in a["sites"] if s["kind"]]
         assert sites and all(f"{m}  topk" in out.getvalue() for m in sites), out.getvalue()
         return
-    assert check["diverged_count"] == 4 and [r["region"] for r in check["diverged"]] == [1, 2, 3, 4]
+    assert check["diverged_count"] == 4 and [r["region"] for r in check["diverged"]] == [0, 1, 2, 3]
     assert {r["how"] for r in check["diverged"]} == {"values"}  # same shapes: torch raises nothing
     assert a["headline"] == check["headline"] and first == a["headline"]
     assert first.startswith("the run already diverges: 4 of 4 recomputed region(s)") and "gradients are wrong" in first
@@ -316,3 +316,57 @@ def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path):
         assert {s["module"] for s in a["sites"] if s["kind"] == "chooser"} == {"layers.0.moe.router", "layers.1.moe.router"}
     # the router is replicated and both ranks read the same batch: the same margins on both
     assert [s["margins"] for s in docs[0]["sites"] if s["kind"]] == [s["margins"] for s in docs[1]["sites"] if s["kind"]]
+
+
+class _MaxPool(torch.nn.Module):
+    """A head that keeps each row's largest score (`max(dim)`: the chooser reduces its dim away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x).max(-1)[0]
+
+
+def test_a_chooser_that_reduces_its_dim_is_audited_by_row():
+    """max(dim) without keepdim returns one index per row: the audit indexed the reduced dim of that output, raised
+    IndexError in every region ("not audited"), then said "no checkpointed region ran"."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block, x = _MaxPool(), torch.randn(32, 16, requires_grad=True)
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2, max_regions=2)).start()
+    try:
+        for _ in range(2):
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+    finally:
+        auditor.stop()
+    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    assert a["regions_audited"] == 2 and not a["notes"], a["notes"]
+    (site,) = [s for s in a["sites"] if s["kind"]]
+    assert site["op"] == "aten.max.dim" and site["rows"] == 64, site
+
+
+def test_an_audit_of_a_run_that_stopped_before_any_recompute_is_no_all_clear():
+    """The script's backward raised (the region's input was modified in place after its forward, torch's version
+    check), so no region was recomputed: the audit led with "CheckpointError unlikely"."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = _MaxPool()
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=1)).start()
+    try:
+        memory = torch.randn(32, 16, requires_grad=True) * 1.0
+        out = checkpoint(block, memory, use_reentrant=False)
+        with torch.no_grad():
+            memory.add_(1.0)  # a memory updated in place before the backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    finally:
+        auditor.stop()
+    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0, exit_code=1)["audit"]
+    assert a["regions_audited"] == 1 and a["recompute"]["checked"] == 0
+    assert a["headline"].startswith("the script stopped (exit 1): no region was recomputed, so none was checked"), \
+        a["headline"]
+    assert a["extrapolation"]["unchecked"]

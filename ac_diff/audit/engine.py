@@ -176,12 +176,13 @@ class Auditor:
         if self._busy or phase != FORWARD:
             return
         self.modules.freeze()
+        index = self.seen  # numbered from 0, as `ac-diff run` numbers the regions
         self.seen += 1
-        self.recompute.forward(frame, self.seen, self._name(getattr(frame, "_ac_diff_fn", None)))
+        self.recompute.forward(frame, index, self._name(getattr(frame, "_ac_diff_fn", None)))
         if self.seen > self.settings.max_regions:
             return
         inputs = getattr(frame, "_ac_diff_inputs", None) or ()
-        self._pending[id(frame)] = (self.seen, RngState.capture(inputs), inputs)
+        self._pending[id(frame)] = (index, RngState.capture(inputs), inputs)
 
     def pass_inputs(self, frame: Any, inputs: tuple, p: Any = None) -> None:
         hit = self._pending.get(id(frame))
@@ -447,7 +448,9 @@ def _flipped_rows(clean, noisy) -> tuple[int, int]:
     packet = packet_of(clean.key[0])
     slot = min(DECISION_OUTPUT.get(packet, 0), len(clean.outputs) - 1)
     a = clean.outputs[slot]
-    by_row = m is not None and m.kind == "chooser"
+    # a chooser keeps its row's choices along `dim` (topk, sort), unless it reduced that dim away (max.dim,
+    # argmax without keepdim: one choice per row, each an element of the output)
+    by_row = m is not None and m.kind == "chooser" and not (clean.scores is not None and clean.scores.dim() > a.dim())
     rows = _rows_view(a, m.dim) if by_row else a.reshape(-1, 1)
     total = rows.shape[0] if by_row else max(a.numel(), 1)
     if noisy is None:  # not reached: the noisy pass failed or took another path first (its saved shapes say so)

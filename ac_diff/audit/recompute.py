@@ -6,7 +6,7 @@ its forward: shape, dtype and a value fingerprint of every tensor autograd saved
     check.exit(frame, "forward", None)       # the forward's fingerprints are read back (one sync per pass)
     ...                                      # the backward recomputes the region
     check.exit(frame, "recompute", None)     # compared, and the forward's figures dropped
-    check.result()  ->  {"checked": 8, "diverged": [{"region": 1, "module": "layers.0", "how": "values",
+    check.result()  ->  {"checked": 8, "diverged": [{"region": 0, "module": "layers.0", "how": "values",
                          "positions": [3, 7], "detail": "other values at 2 of 12 saved positions"}, ...]}
 
 The replays of the audit start from the forward's own state, so they cannot see what changed before the real

@@ -84,11 +84,21 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
     settings = auditor.settings
     risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
     recompute = recompute_json(auditor.recompute, target)
+    fix_it = (f"fix what stopped it (its error is above; `ac-diff run {shlex.quote(target)}` explains a stop in the "
+              "backward), then audit again")
+    stopped = f"the script stopped (exit {exit_code})"
     if not auditor.regions:  # no prediction from nothing: say why nothing was audited
-        risk["headline"] = ("nothing audited: " + (
-            f"the script stopped (exit {exit_code}) before any checkpointed region ran; fix what stopped it (its "
-            "error is above), then audit again" if exit_code else
-            "no checkpointed region ran (is activation checkpointing on?)"))
+        risk["headline"] = "nothing audited: " + (
+            f"{auditor.seen} checkpointed region(s) ran, and none could be replayed (the notes say why)"
+            + (f"; {stopped}: {fix_it}" if exit_code else "") if auditor.seen else
+            f"{stopped} before any checkpointed region ran; {fix_it}" if exit_code else
+            "no checkpointed region ran (is activation checkpointing on?)")
+    elif exit_code and not recompute["headline"]:  # a prediction for a run that did not finish is no all-clear
+        risk["headline"] = (f"{stopped}: " + (
+            "no region was recomputed, so none was checked against its forward" if not recompute["checked"] else
+            f"only the {recompute['checked']} region(s) recomputed before that were checked")
+            + f"; {fix_it}; the prediction covers what ran until then: " + risk["headline"])
+    risk["unchecked"] = not auditor.regions or bool(exit_code and not recompute["checked"])
     return {"format": FORMAT, "version": VERSION, "audit": {
         "headline": recompute["headline"] or risk["headline"],
         "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,

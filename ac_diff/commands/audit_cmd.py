@@ -4,7 +4,8 @@ Runs the target as python would (and under torchrun, on every rank) with the aud
 the fragility table, the risk at the target scale and the verified save list (rank 0), and writes
 the JSON `audit` section with --json, and the audit in --format to --report FILE (html: OUT/audit.html by
 default). Exit code: the script's own; with --check, 1 when the script succeeded but a region's recompute already
-differs from its forward, or a shape-changing flip (a CheckpointError) is predicted at --scale.
+differs from its forward, or a shape-changing flip (a CheckpointError) is predicted at --scale; 4 when nothing was
+audited.
 
     ac-diff audit --scale tokens=8192,layers=48 --json audit.json train.py --steps 2
     ac-diff audit --format html -o out train.py        # out/audit.html
@@ -29,7 +30,7 @@ from ..audit.render import render_audit
 from ..audit.result import audit_document
 from ..capture.runner import check_target, run_target
 from . import launch_cmd as launch
-from .common import EXIT_DIVERGED, console, format_of
+from .common import EXIT_DIVERGED, EXIT_UNCHECKED, console, format_of
 
 
 def _terminal_text(doc: dict) -> str:
@@ -77,5 +78,7 @@ def audit_command(target: str, args: list[str], *, module: bool, noise: str, see
     diverges_now = bool((audit.get("recompute") or {}).get("diverged_count"))
     if check and outcome.exit_code == 0 and (diverges_now or audit["extrapolation"]["check_failed"]):
         return EXIT_DIVERGED
+    if check and outcome.exit_code == 0 and audit["extrapolation"]["unchecked"]:
+        return EXIT_UNCHECKED  # nothing audited: never a pass
     return outcome.exit_code
 
