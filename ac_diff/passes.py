@@ -147,8 +147,10 @@ class External:
     # (op index, output) in the forward, and its version as the forward ended and as the recompute read it
     made_by: tuple[int, int] | None = None
     versions: tuple[int, int] | None = None
-    # a parameter's: the tensor object's id in its process (format 1.5: the same one in both passes, updated in place,
-    # or another bound in its place: functional_call with a dict of weights updated since); no part of its equality
+    made_in: int | None = None  # a recompute's external another region's forward made (the region number)
+    # the tensor object's id in its process (format 1.5, parameters; any but an input since: the same one in both
+    # passes, updated in place, or another bound in its place: functional_call with a dict of weights updated
+    # since, an attribute a later call rebound); no part of its equality
     obj: int | None = field(default=None, compare=False)
     requires_grad: bool | None = None  # a parameter's, as the pass read it (frozen or not: what its ops save)
 

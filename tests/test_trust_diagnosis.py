@@ -1350,3 +1350,67 @@ def test_a_queue_the_forward_enqueues_into_through_a_slice_is_named_with_its_wri
     assert fix.title == ("Apply the update of `queue` after the backward, not inside the checkpointed region: its "
                          "recompute reads the updated value"), fix.title
     assert "a second time" not in fix.text, fix.text
+
+
+class _ChunkedRNN(nn.Module):
+    """A long sequence in chunks, one checkpoint per chunk; the running (h, c) lives on the module (`self.state`,
+    rebound by each chunk), or goes in and out of the checkpointed function (the control)."""
+
+    def __init__(self, carry: str) -> None:
+        super().__init__()
+        self.cell, self.carry, self.state = nn.LSTMCell(8, 8), carry, None
+
+    def chunk_from_attribute(self, x):
+        h, c = self.state
+        outs = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            outs.append(h)
+        self.state = (h, c)
+        return torch.stack(outs, 1)
+
+    def chunk_from_arguments(self, x, h, c):
+        outs = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            outs.append(h)
+        return torch.stack(outs, 1), h, c
+
+    def forward(self, x):
+        h = c = x.new_zeros(x.shape[0], 8)
+        self.state, outs = (h, c), []
+        for s in range(0, x.shape[1], 3):
+            if self.carry == "attribute":
+                outs.append(cp.checkpoint(self.chunk_from_attribute, x[:, s:s + 3], use_reentrant=False))
+            else:
+                o, h, c = cp.checkpoint(self.chunk_from_arguments, x[:, s:s + 3], h, c, use_reentrant=False)
+                outs.append(o)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("carry", ["attribute", "arguments"])
+def test_state_a_chunk_rebinds_on_its_module_is_named_as_rebound_with_the_fix_that_passes_it(tmp_path, carry):
+    """Each chunk reads `self.state` and rebinds it to its (h, c): every recompute reads the last chunk's state. It
+    said "the captured tensor `state[0]` ... was modified between the forward and the backward" (fix: update it
+    after the backward) and, for the last chunk, "a cache the forward filled" (fix: parametrize.cached())."""
+    torch.manual_seed(0)
+    model, path = _ChunkedRNN(carry), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        loss = model(torch.randn(2, 9, 8)).pow(2).sum()
+        if carry == "arguments":
+            loss.backward()
+        else:  # the first chunk's recompute starts from the last chunk's (h, c)
+            with pytest.raises(cp.CheckpointError):
+                loss.backward()
+    report = ac_diff.diagnose_paths([path])
+    if carry == "arguments":
+        assert report.verdict == "clean", report.headline
+        return
+    assert report.verdict == "diverged" and len(report.regions) == 3
+    for r in report.regions:
+        assert (r.status, r.cause.kind, r.cause.mechanism, r.cause.tensor) == (
+            "diverged", "state_mutation", "rebound", "state[0]"), (r.region, r.cause)
+        made = ("what this region's own forward made" if r.region == 2 else "the output of region 2's forward")
+        assert made in r.cause.detail, r.cause.detail
+        assert r.suggestions[0].title == ("Pass `state` into the checkpointed function and return its new value, "
+                                          "instead of keeping it on the module"), r.suggestions[0]

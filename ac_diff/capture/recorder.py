@@ -232,6 +232,8 @@ class Recorder:
         self._unguarded_mode = UnguardedRecordingMode(self)
         self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
+        self._outputs: dict[int, tuple] = {}  # what forwards made that outlived them (`_note_outputs`)
+        self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
@@ -1071,6 +1073,17 @@ class Recorder:
             return compiled_graph_label(a)
         return str(a)
 
+    def _note_outputs(self, region: _Region) -> None:
+        """What a forward made that outlived it, by id -> (weakref, region): a recompute that reads one of another
+        region's names it (`made_in`). Dead entries are dropped as the map grows."""
+        outputs = self._outputs
+        for key, made in region.kept.items():
+            outputs[key] = (made[0], region.number)
+        if len(outputs) > self._outputs_pruned_at * 2:
+            for key in [k for k, (ref, _) in outputs.items() if ref() is None]:
+                del outputs[key]
+            self._outputs_pruned_at = max(len(outputs), 1024)
+
     @staticmethod
     def _known_ref(p: _Pass, t: torch.Tensor) -> tuple | None:
         """Where `t` came from if the pass has seen it, without tensor work: ("op", op index, output index)
@@ -1108,11 +1121,17 @@ class Recorder:
                 p.externals_per_kind[kind] = n + 1
                 name = f"{kind}[{n}]"
         ext = {"i": len(p.externals), "kind": kind, "name": name, "meta": _meta(t), "first_op": len(p.ops)}
-        if kind == "param":  # which tensor object: the same one updated in place, or another bound in its place;
-            ext["obj"], ext["rg"] = key, t.requires_grad  # whether it was frozen: it decides what its ops save
+        if kind != "input":  # which tensor object: the same one updated in place, or another bound in its place
+            ext["obj"] = key
+        if kind == "param":  # whether it was frozen: it decides what its ops save
+            ext["rg"] = t.requires_grad
         made = p.region.kept.get(key) if p.phase == RECOMPUTE and p.region.kept else None
         if made is not None and made[0]() is t:  # the forward made it and kept it (a cache): read back, not remade
             ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], t._version]
+        elif p.phase == RECOMPUTE and kind != "param":  # another region's forward made it (state carried in an
+            made = self._outputs.get(key)  # attribute from call to call: the latest call's)
+            if made is not None and made[0]() is t:
+                ext["made_in"] = made[1]
         slot = p.batch.add(t, borrowed=True) if self.options.fingerprints else None
         if slot is not None:
             p.ext_slots.append((ext, slot))
@@ -1177,6 +1196,7 @@ class Recorder:
         outputs = None
         if p.phase == FORWARD and region.recorded:
             region.kept = _outliving(p)
+            self._note_outputs(region)
             outputs = sorted([op, out] for _, op, out, _ in region.kept.values())
             if p.returned is not None:
                 side = _side_outputs(p, region.kept)

@@ -118,6 +118,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     kept = _kept_output_changed(region, cmp)  # before any branch the cache made: it reproduces where unchanged
     if kept is not None:
         return kept
+    rebound = _rebound_state(region, changed)  # (before the cache: the recompute may read its own forward's output)
+    if rebound is not None:
+        return rebound
     cached = _cache_skipped_saves(region, cmp)
     if cached is not None:
         return cached
@@ -634,6 +637,33 @@ def _whole_model_update(region: Region, changed: list[dict]) -> Cause | None:
     return Cause("state_mutation", f"parameters ({share} {read})",
                  f"{share} parameters {read} have other values in the recompute{stopped}: " + _UPDATED,
                  [f"changed parameters: {shown}"], mechanism=OPTIMIZER_STEP)
+
+
+def _rebound_state(region: Region, changed: list[dict]) -> Cause | None:
+    """A tensor the region reads from an attribute (not a parameter) is another object in the recompute, with other
+    values: the attribute was bound to another tensor before the backward, most often by the region's own code,
+    which carries state from call to call (`self.state = (h, c)` in a chunked RNN): the recompute reads the state
+    the latest call left, another region's output or its own."""
+    fwd = {e.name: e for e in region.forward.externals if e.kind in ("external", "buffer")}
+    rec = {e.name: e for e in region.recompute.externals if e.kind in ("external", "buffer")}
+    moved = [c["name"] for c in changed if c["kind"] in ("external", "buffer")
+             and not re.fullmatch(r"external\[\d+\]", c["name"])  # (unnamed: made in the region, from_numpy)
+             and fwd.get(c["name"]) is not None and rec.get(c["name"]) is not None
+             and None not in (fwd[c["name"]].obj, rec[c["name"]].obj) and fwd[c["name"]].obj != rec[c["name"]].obj]
+    if not moved:
+        return None
+    name, read = moved[0], rec[moved[0]]
+    made = (f"the output of region {read.made_in}'s forward (a later call of the same code rebound it)"
+            if read.made_in is not None else
+            "what this region's own forward made (its code rebinds the attribute to its output)"
+            if read.made_by is not None else "another tensor bound in its place")
+    return Cause("state_mutation", name,
+                 f"`{name}` is another tensor in the recompute than in the forward: the attribute holding it was bound "
+                 f"to another tensor between this forward and its backward, so the recompute read {made}, not what "
+                 "the forward read",
+                 [f"rebound: {backticked(moved[:4])}",
+                  changed_line(next(c for c in changed if c["name"] == name), "forward", "recompute")],
+                 mechanism=REBOUND, names=moved)
 
 
 def _rebound(region: Region, names: list[str]) -> bool:

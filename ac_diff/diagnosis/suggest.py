@@ -240,6 +240,18 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n"
             "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
             "    for p in block.parameters():\n        p.requires_grad_(True)"))
+    elif kind == "state_mutation" and mechanism == REBOUND and cause.tensor and not cause.tensor.startswith("param"):
+        attr = re.sub(r"\[\d+\]$", "", cause.tensor.rsplit(".", 1)[-1])
+        out.append(Suggestion(
+            f"Pass `{attr}` into the checkpointed function and return its new value, instead of keeping it on the "
+            "module",
+            f"The region reads `{cause.tensor}` from an attribute that code rebinds between its forward and its "
+            "backward (state carried from call to call: the region's own code, or a later call of it). checkpoint "
+            "keeps its arguments for the recompute, an attribute is read as it is when the backward runs: hand the "
+            "state in as arguments, return the new state, and rebind the attribute outside the checkpointed function.",
+            f"out, *{attr} = checkpoint(self.run_chunk, x, *self.{attr}, use_reentrant=False)  # run_chunk(x, *{attr}) "
+            f"returns (out, *new_{attr})\nself.{attr} = tuple({attr})  # rebound outside: the recompute uses its "
+            "arguments"))
     elif kind == "state_mutation" and mechanism == REBOUND:
         out.append(Suggestion(
             "Pass the weights the region computes with to checkpoint as arguments",

@@ -520,6 +520,7 @@ def _external_from_json(x: dict) -> External:
                     meta=_meta(x["meta"]) if x.get("meta") else TensorMeta((), "?"), fingerprint=x.get("fp"),
                     first_op=x.get("first_op"), made_by=_pair(x.get("made_by")), versions=_pair(x.get("versions")),
                     obj=x.get("obj") if isinstance(x.get("obj"), int) else None,
+                    made_in=x.get("made_in") if isinstance(x.get("made_in"), int) else None,
                     requires_grad=x.get("rg") if isinstance(x.get("rg"), bool) else None)
 
 
