@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import site
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 RUN_ID_ENV = "AC_DIFF_RUN_ID"
 LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by ac-diff's torchrun launches: the launcher reports, ranks don't
@@ -36,18 +39,50 @@ class Child:
     env: dict[str, str]
     run_id: str | None = None  # a torchrun launch's run id
     interrupted: bool = False  # after run(): Ctrl-C arrived meanwhile
+    terminated: bool = False  # after run(): SIGTERM arrived meanwhile (passed on to the child)
 
     def run(self, **popen: object) -> int:
         """Run it to the end, its exit code; on Ctrl-C (the child got it too: same process group) wait for it to
-        wind down and note `interrupted`."""
+        wind down and note `interrupted`; SIGTERM (a scheduler's, sent to this process alone) is passed on to the
+        child (torchrun stops its ranks, which finish their traces), waited for, and noted as `terminated`."""
         proc = subprocess.Popen(self.argv, env=self.env, **popen)  # type: ignore[call-overload]
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            self.interrupted = True
-            with contextlib.suppress(KeyboardInterrupt):
+
+        def pass_on(signum, frame):
+            self.terminated = True
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGTERM)
+
+        with on_sigterm(pass_on):
+            try:
                 return proc.wait()
-            return proc.poll() or 130
+            except KeyboardInterrupt:
+                self.interrupted = True
+                with contextlib.suppress(KeyboardInterrupt):
+                    return proc.wait()
+                return proc.poll() or 130
+
+
+@contextlib.contextmanager
+def on_sigterm(handler) -> Iterator[None]:
+    """Install `handler` for SIGTERM if nobody else handles it (main thread only); restore afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        yield
+        return
+    if previous not in (signal.SIG_DFL, None):
+        yield  # the script or its framework handles SIGTERM itself
+        return
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(signal.SIGTERM) is handler:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def child_command(args: list[str], *, nproc: int = 0, extra: dict[str, str] | None = None) -> Child:

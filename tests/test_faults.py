@@ -70,6 +70,35 @@ def test_sigterm_finishes_a_single_process_trace(tmp_path):
     assert exc["exc_type"] == "Terminated" and "SIGTERM" in exc["message"]
 
 
+def test_sigterm_to_the_launcher_stops_the_ranks_and_reports(tmp_path):
+    """SIGTERM to `ac-diff run --nproc-per-node 2` (a scheduler preempting the job) killed the launcher alone: no
+    report, exit -15, and the ranks trained on as orphans. It is passed on to torchrun now, which stops the ranks;
+    they finish their traces, the launcher reports them and exits 143."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time, torch, torch.distributed as dist\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "dist.init_process_group('gloo')\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "checkpoint(lin, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()\n"
+        "dist.barrier()\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('ready', flush=True)\n"
+        "time.sleep(120)\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "--nproc-per-node", "2", "-o", str(out),
+                             str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "AC_DIFF_RANK_WAIT": "20"})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "ac-diff: CLEAN, SCRIPT INTERRUPTED" in stdout.replace("─", "").replace("╭", ""), stdout
+    for rank in (0, 1):  # both stopped, traces finished (not orphans still sleeping)
+        end = json.loads((out / f"trace-rank{rank}.jsonl").read_text().splitlines()[-1])
+        assert end["type"] == "end" and end["status"] == "interrupted", end
+
+
 def test_sigterm_while_the_trace_is_finished_lets_it_complete(monkeypatch):
     """Once the script has ended, the runner's `finishing` flag says ac-diff is writing the end of the trace:
     a SIGTERM then only stops the waiting; while the script runs it ends the script with 143."""

@@ -42,7 +42,8 @@ from .common import EXIT_BAD_INPUT, command_line, emit, fail, print_next, verdic
 from ..errors import Terminated
 
 from .trace_peek import read_end, read_header  # noqa: F401 - also read by rank_exchange
-from ..children import LAUNCHED_ENV, RUN_ID_ENV, child_command  # noqa: F401 - the launch's environment (children.py)
+from ..children import (LAUNCHED_ENV, RUN_ID_ENV, child_command,  # noqa: F401 - the launch's environment
+                        on_sigterm)
 WAIT_ENV = "AC_DIFF_RANK_WAIT"  # seconds rank 0 waits for the other ranks' traces (default 60)
 DEFAULT_WAIT_S = 60.0
 POLL_S = 0.2
@@ -176,6 +177,8 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     sys.stderr.flush()
     code = child.run()
     interrupted = child.interrupted  # the ranks got the Ctrl-C too; torchrun has wound down
+    if child.terminated:  # passed on to torchrun, which stopped the ranks: they finished their traces
+        print("ac-diff: SIGTERM: torchrun stopped the ranks; reporting what they recorded", file=sys.stderr)
     runs_found = collect_traces(out, rid, nproc)
     if not runs_found.paths:
         fail(f"no trace with run id {rid} in {out}: the ranks did not get to start the recorder (see torchrun's "
@@ -189,6 +192,8 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
     if interrupted and script_code == 0:
         script_code = 130
+    if child.terminated:  # the job was ended by the signal, whatever torchrun's own code (1, its SignalException)
+        script_code = EXIT_TERMINATED
     if check and script_code == 0 and report.verdict != "clean":
         return verdict_code(report)
     return script_code
@@ -519,7 +524,7 @@ def sigterm_as_exit() -> Iterator[None]:
         if not finishing.is_set():  # else ac-diff is already finishing the trace (the script has ended)
             raise Terminated()
 
-    with _sigterm_handler(handler):
+    with on_sigterm(handler):
         yield
 
 
@@ -530,31 +535,8 @@ def sigterm_stops_waiting() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _terminated.set()
 
-    with _sigterm_handler(handler):
+    with on_sigterm(handler):
         yield
-
-
-@contextlib.contextmanager
-def _sigterm_handler(handler) -> Iterator[None]:
-    """Install `handler` for SIGTERM if nobody else handles it (main thread only); restore afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.getsignal(signal.SIGTERM)
-    except (ValueError, OSError):
-        yield
-        return
-    if previous not in (signal.SIG_DFL, None):
-        yield  # the script or its framework handles SIGTERM itself
-        return
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(signal.SIGTERM) is handler:
-                signal.signal(signal.SIGTERM, previous)
 
 
 def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: bool, fmt: str,
