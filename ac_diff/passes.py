@@ -305,6 +305,9 @@ class Run:
     notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...
     unreadable_ranks: list[int] = field(default_factory=list)  # ranks whose trace beside this one could not be read
     truncated: bool = False
+    # a truncated trace's process, by the pid and host its header names: True alive on this host (still running: a
+    # slow rank, a live run), False gone, None unknown (another host, this process)
+    running: bool | None = None
     exit_status: str | None = None  # "ok", "exception", "interrupted", "exit N"; None if unknown
     damaged: int = 0  # trace lines that failed their checksum or did not parse (see trace.py)
     # what the recorder's own errors cost (the end record's "lost"): {"passes": n, "ops": m, "positions": k,

@@ -377,7 +377,7 @@ class RankSummary:
     """One rank at a glance: its verdict, and where and why it diverged first (in forward order)."""
 
     rank: int
-    verdict: str  # clean, diverged, unchecked (nothing recomputed), no_regions
+    verdict: str  # clean, diverged, unchecked (not everything compared), no_regions
     regions: int
     diverged: int
     cause: str | None
@@ -393,7 +393,8 @@ class RankSummary:
     torch_error: str | None = None  # "metadata_mismatch at positions 35, 36" when torch raised on this rank
     exit_status: str | None = None  # ok, exception, interrupted, exit (from the trace's end record); CUT_SHORT
     exit_code: int | None = None
-    truncated: bool = False  # the trace has no end record (the process was killed)
+    truncated: bool = False  # the trace has no end record (the process was killed, or still runs: `running`)
+    running: bool = False  # its process is alive on this host (a slow rank, a run still going)
     trace: str | None = None
 
     @property
@@ -403,9 +404,10 @@ class RankSummary:
 
     @property
     def ending(self) -> str:
-        """How the rank's script ended, in a word: killed (no end record), stopped (SIGTERM), raised, exit N."""
+        """How the rank's script ended, in a word: running or killed (no end record), stopped (SIGTERM), raised,
+        exit N."""
         if self.truncated:
-            return "killed"
+            return "running" if self.running else "killed"
         if self.exit_code == 143:
             return "stopped"
         if self.exit_status == "exception":

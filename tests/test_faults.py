@@ -99,6 +99,36 @@ def test_sigterm_to_the_launcher_stops_the_ranks_and_reports(tmp_path):
         assert end["type"] == "end" and end["status"] == "interrupted", end
 
 
+def test_a_trace_whose_process_still_runs_is_told_from_a_killed_one(tmp_path):
+    """A rank slower than AC_DIFF_RANK_WAIT (or `report` on a run still writing) was reported as killed: "SIGKILL,
+    the out-of-memory killer?". The header's pid, alive on this host, says it is still running; once killed, it
+    is not."""
+    from ac_diff.trace import read_run
+
+    trace = tmp_path / "trace-rank0.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import time, torch, ac_diff\n"
+                             "from torch.utils.checkpoint import checkpoint\n"
+                             f"with ac_diff.record({str(trace)!r}):\n"
+                             "    lin = torch.nn.Linear(4, 4)\n"
+                             "    checkpoint(lin, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum()"
+                             ".backward()\n"
+                             "    print('ready', flush=True)\n"
+                             "    time.sleep(120)\n"], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        run = read_run(trace)
+        assert run.truncated and run.running is True
+        assert any("is still running" in note for note in run.notes), run.notes
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    run = read_run(trace)
+    assert run.truncated and run.running is False
+    assert any("(killed?)" in note for note in run.notes), run.notes
+
+
 def test_sigterm_while_the_trace_is_finished_lets_it_complete(monkeypatch):
     """Once the script has ended, the runner's `finishing` flag says ac-diff is writing the end of the trace:
     a SIGTERM then only stops the waiting; while the script runs it ends the script with 143."""

@@ -357,9 +357,10 @@ def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None)
     checked = sum(1 for r in regions if r.status in (CLEAN, DIVERGED)) + watched_clean(watch)
     if not checked:  # (nothing compared at all: said as such, with the trace's note)
         return None
-    return (f"{cut.path} ends without its end record: the process was killed (SIGKILL, the out-of-memory killer, a "
-            f"lost node) or is still running; {checked} region(s) checked clean before its last record, and what ran "
-            "after it was never checked")
+    how = ("its process is still running on this host (the report reads what it has written so far)" if cut.running
+           else "the process was killed (SIGKILL, the out-of-memory killer, a lost node) or is still running")
+    return (f"{cut.path} ends without its end record: {how}; {checked} region(s) checked clean before its last "
+            "record, and what ran after it was never checked")
 
 
 def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> None:

@@ -66,7 +66,7 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
         summary = by_rank.get(rank) or by_rank.setdefault(rank, _summary(report, rank))
         summary.exit_status = run.exit_status
         summary.exit_code = run.exit_code
-        summary.truncated = run.truncated
+        summary.truncated, summary.running = run.truncated, bool(run.running)
         summary.trace = run.path
         totals = run.watch["modules"].values() if run.watch else ()
         watched = sum(t[0] - t[1] for t in totals)
@@ -198,7 +198,7 @@ def _overview(report: Report) -> list[CrossRankFinding]:
     parts = []
     if diverged:
         parts.append(f"diverged: rank{'s' if len(diverged) > 1 else ''} {_list(diverged)} ({len(diverged)} of {total} ranks)")
-    for verdict, label in ((CLEAN, "clean"), (UNCHECKED, "nothing recomputed"), ("no_regions", "no regions")):
+    for verdict, label in ((CLEAN, "clean"), (UNCHECKED, "not all checked"), ("no_regions", "no regions")):
         if groups.get(verdict):
             parts.append(f"{label}: rank{'s' if len(groups[verdict]) > 1 else ''} {_list(groups[verdict])}")
     out = [CrossRankFinding("ranks", "; ".join(parts), diverged, detail={k: v for k, v in groups.items()})]
@@ -279,12 +279,14 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
     """How each rank's script ended; a failure that followed another rank's (a collective whose peer died)
     is told apart from the first one by the time the traces were finished."""
     ends: dict[int, tuple] = {}
+    alive: dict[int, bool] = {}
     for run in runs:
         if run.source != "trace":
             continue
         rank = run.rank or 0
         ends[rank] = (run.exit_status, run.exit_code, run.truncated, run.end_time,
                       run.exc_type, (run.exc_message or "").strip().splitlines()[:1])
+        alive[rank] = bool(run.running)
     if len(ends) < 2:
         return []
     failed = [r for r, e in ends.items() if e[0] not in (None, "ok") and e[1] != 143 and not e[2]]
@@ -309,6 +311,13 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         text = f"{exc_type}: {first_line}" if first_line else exc_type
         return text if len(text) <= 100 else text[:97] + "..."
 
+    running = [r for r in stopped if ends[r][2] and alive.get(r)]  # not killed: still running (a slow rank)
+    if running:
+        stopped = [s for s in stopped if s not in running]
+        parts.append(f"rank{'s' if len(running) > 1 else ''} {_list(running)}: the trace has no end record yet, and "
+                     f"{'their processes are' if len(running) > 1 else 'its process is'} still running on this host "
+                     "(slower than AC_DIFF_RANK_WAIT, or the run goes on); what "
+                     f"{'they' if len(running) > 1 else 'it'} recorded until then is compared")
     # no rank failed: torchrun stopped nobody, so a trace without its end record is a process killed outright
     outright = [r for r in stopped if ends[r][2]] if not failed and killed is None else []
     if outright:
@@ -343,7 +352,7 @@ def killed_first(runs: list[Run]) -> int | None:
                 and run.exit_code != 143 and run.end_time is not None]
     if len(traces) < 2 or not failures:
         return None
-    killed = sorted((written, run.rank or 0) for run in traces if run.truncated
+    killed = sorted((written, run.rank or 0) for run in traces if run.truncated and not run.running
                     for written in [_last_write(run)] if written is not None and written < min(failures))
     return killed[0][1] if killed else None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import platform
 import re
 import sys
 from pathlib import Path
@@ -312,12 +313,31 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     run.errors = recorded_errors(run, check_errors)
     if not ended:
         run.truncated = True
+        run.running = _still_running(header)
         run.notes.append(f"{path} has no end record" + (
             ", and its compressed stream is cut short: the recorded process was killed while writing it, or the file "
             "is an incomplete copy (copy it again)" if stream_cut else
+            f" yet: its process (pid {header.get('pid')} on this host) is still running" if run.running else
             ": the recorded process stopped before ac-diff could finish the trace (killed?)")
             + "; everything up to the last completed pass is shown")
     return run
+
+
+def _still_running(header: dict) -> bool | None:
+    """Whether the process that writes this trace is alive: its pid on this host (the header's), running Python."""
+    pid = header.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid() or header.get("host") != platform.node():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return None
+    try:
+        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()  # (not a later process given the same pid)
+    except OSError:
+        return None
 
 
 def _decode_deferred(path: Any, p: Pass, metas: dict) -> None:
