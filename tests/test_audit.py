@@ -316,6 +316,7 @@ def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path):
         assert {s["module"] for s in a["sites"] if s["kind"] == "chooser"} == {"layers.0.moe.router", "layers.1.moe.router"}
     # the router is replicated and both ranks read the same batch: the same margins on both
     assert [s["margins"] for s in docs[0]["sites"] if s["kind"]] == [s["margins"] for s in docs[1]["sites"] if s["kind"]]
+    assert f"[rank1] ac-diff audit: {docs[1]['headline']}" in proc.stderr  # rank 1's finding, not only in its JSON
 
 
 class _MaxPool(torch.nn.Module):

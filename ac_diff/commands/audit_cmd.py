@@ -74,6 +74,8 @@ def audit_command(target: str, args: list[str], *, module: bool, noise: str, see
             render_audit(doc, console())
         else:
             print(_TEXT[fmt](doc))
+    elif multi:  # rank 0 prints its table; every other rank its headline, which may differ (a rank's own data path)
+        print(f"[rank{rank}] ac-diff audit: {doc['audit']['headline']}", file=sys.stderr)
     audit = doc["audit"]
     diverges_now = bool((audit.get("recompute") or {}).get("diverged_count"))
     if check and outcome.exit_code == 0 and (diverges_now or audit["extrapolation"]["check_failed"]):
