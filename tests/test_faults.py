@@ -316,3 +316,14 @@ def test_a_shape_divergence_past_a_check_turned_off_that_the_backward_raises_abo
     assert lead["backward_raised"].startswith("RuntimeError: Function ScatterAddBackward0")
     assert not any("torch raises CheckpointError" in step for step in lead["chain"]), lead["chain"]
     assert any('determinism_check="none"' in step for step in lead["chain"]), lead["chain"]
+
+
+@pytest.mark.parametrize("given", ["abc", "-1", "inf"])
+def test_a_bad_rank_wait_is_named_not_ignored(monkeypatch, capsys, given):
+    from ac_diff.commands.launch_cmd import DEFAULT_WAIT_S, rank_wait_seconds
+
+    monkeypatch.setenv("AC_DIFF_RANK_WAIT", given)
+    assert rank_wait_seconds() == DEFAULT_WAIT_S
+    assert f"AC_DIFF_RANK_WAIT={given!r} is not a number of seconds >= 0" in capsys.readouterr().err
+    monkeypatch.setenv("AC_DIFF_RANK_WAIT", "2.5")
+    assert rank_wait_seconds() == 2.5 and not capsys.readouterr().err

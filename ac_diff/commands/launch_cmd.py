@@ -351,10 +351,16 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def rank_wait_seconds() -> float:
+    given = os.environ.get(WAIT_ENV)
     try:
-        return float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
+        wait = float(given if given is not None else DEFAULT_WAIT_S)
     except ValueError:
+        wait = -1.0
+    if not (0 <= wait < float("inf")):
+        print(f"ac-diff: warning: {WAIT_ENV}={given!r} is not a number of seconds >= 0; waiting the default "
+              f"{DEFAULT_WAIT_S:g} s", file=sys.stderr)
         return DEFAULT_WAIT_S
+    return wait
 
 
 # -- reporting --------------------------------------------------------------------------------
