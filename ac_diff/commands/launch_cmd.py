@@ -398,7 +398,8 @@ def report_ranks(found: RankTraces, settings: Any, fmt: str, json_path: str | No
         decorate(report, ranks)
     emit(report, fmt, json_path, output)
     print_next(output_dir, json_path,
-               f"   (one rank: {command_line('ac-diff', 'report', found.paths[ranks[-1]])}; two ranks side by side: "
+               f"   (one rank: {command_line('ac-diff', 'report', found.paths[ranks[-1]])}; two ranks that compute the "
+               "same, as tensor parallelism does (data-parallel ranks read other batches), side by side: "
                f"{command_line('ac-diff', 'compare', found.paths[ranks[0]], found.paths[ranks[-1]])})"
                if len(ranks) > 1 else "")
     return report
