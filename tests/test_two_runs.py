@@ -189,3 +189,28 @@ def test_a_region_one_run_summarized_and_the_other_diverged_in_differs(tmp_path)
     assert "in run B this region's recompute did not reproduce its forward" in region["cause"]["detail"]
     code, report = _compare_cli(paths["a"], paths["a"], tmp_path)
     assert code == 0 and report["title"] == "RUNS MATCH"
+
+
+def test_two_runs_that_checkpoint_with_other_rng_options_say_so(tmp_path):
+    """The same dropout block, checkpointed with preserve_rng_state=True in run A and False in run B: the recompute
+    of B draws other masks. It said "another seed?" and "seed both runs alike", though both traces hold the option."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+
+    paths = []
+    for preserve in (True, False):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Tanh())
+        paths.append(tmp_path / f"{preserve}.jsonl")
+        with ac_diff.record(paths[-1], write="all"):
+            x = torch.randn(4, 8, requires_grad=True)
+            cp.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve).sum().backward()
+    report = compare_runs(read_run(paths[0]), read_run(paths[1]))
+    (region,) = report.regions
+    assert region.status == "diverged" and region.cause.kind == "rng", region.cause
+    assert "preserve_rng_state=True in run A and False in run B" in region.cause.detail, region.cause.detail
+    assert "another seed" not in region.cause.detail
+    assert "preserve_rng_state=True in run A, False in run B" in " ".join(region.notes)
+    assert region.suggestions[0].title == "Checkpoint with preserve_rng_state=True (torch's default)"

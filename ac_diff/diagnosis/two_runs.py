@@ -167,11 +167,16 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     pa, pb = (a.forward, b.forward) if phase == "forward" else (a.recompute, b.recompute)
     report.state_changes = {k: {"run_a": v["forward"], "run_b": v["recompute"]}
                             for k, v in state_changes(pa, pb, a).items()}
+    options = {k: (a.options.get(k), b.options.get(k)) for k in _CHECKPOINT_OPTIONS
+               if a.options.get(k) != b.options.get(k)}
+    if options:
+        report.notes.append("the runs checkpoint this region with other options: " + ", ".join(
+            f"{k}={va!r} in run A, {vb!r} in run B" for k, (va, vb) in options.items()))
     differs = bool(report.divergences() or report.changed_inputs)
     report.status = DIVERGED if differs else CLEAN
     if differs:
         report.window = window(cmp, report, settings)
-        report.cause = _cause(report, cmp, phase)
+        report.cause = _cause(report, cmp, phase, options)
         report.chain = _chain(report)
         report.suggestions = _suggestions(report)
     elif report.state_changes:
@@ -231,7 +236,10 @@ def _is_unmatched(r: RegionReport) -> bool:
 
 
 # -- cause, chain, suggestions for two runs -----------------------------------------------------
-def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
+_CHECKPOINT_OPTIONS = ("preserve_rng_state", "use_reentrant", "determinism_check", "early_stop")  # (Region.options)
+
+
+def _cause(report: RegionReport, cmp: PassComparison, phase: str, options: dict | None = None) -> Cause:
     value, control = report.first_value_divergence, report.first_control_divergence
     changed = report.changed_inputs
     if changed:
@@ -259,8 +267,12 @@ def _cause(report: RegionReport, cmp: PassComparison, phase: str) -> Cause:
     random_first = value is not None and value.detail.get("inputs_identical") and _is_random(cmp, value)
     if random_first:
         rng = report.state_changes.get("rng")
+        preserve = (options or {}).get("preserve_rng_state")
         return Cause("rng", value.op, f"{value.op} drew other random numbers in run B from identical inputs"
-                     + (" (the RNG state at the start of the region differs: another seed?)" if rng else ""),
+                     + (f" (checkpoint ran with preserve_rng_state={preserve[0]!r} in run A and {preserve[1]!r} in "
+                        "run B: without it, a recompute draws from wherever the generator is)" if preserve and
+                        phase == "recompute" else
+                        " (the RNG state at the start of the region differs: another seed?)" if rng else ""),
                      [f"{value.op} at {where(value.module, value.source)}"])
     if flags:
         key = first_flag(flags)
@@ -308,6 +320,11 @@ def _suggestions(report: RegionReport) -> list[Suggestion]:
                            "torch.use_deterministic_algorithms(True) makes torch pick deterministic kernels (or raise "
                            "where none exists); on GPU also set CUBLAS_WORKSPACE_CONFIG=:4096:8.",
                            "torch.use_deterministic_algorithms(True)")]
+    if cause.kind == "rng" and "preserve_rng_state=" in cause.detail:  # (the runs' checkpoint options differ)
+        return [Suggestion("Checkpoint with preserve_rng_state=True (torch's default)",
+                           "The run that checkpoints without it recomputes its random ops from another generator state "
+                           "than its forward drew from: its recompute diverges (`ac-diff report` on its trace).",
+                           "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)")]
     if cause.kind == "rng":
         return [Suggestion("Seed both runs alike", "seed every RNG the same way in both runs (torch.manual_seed, "
                            "and the device generators) to compare them value for value")]
