@@ -532,3 +532,23 @@ def test_a_log_torchrun_wrote_per_rank_takes_its_rank_from_its_path(tmp_path):
     log.parent.mkdir(parents=True)
     log.write_bytes(_real("Joluck_RWKV-PEFT_58.log").read_bytes())  # (no rank prefixes)
     assert ac_diff.diagnose_paths([log]).torch_error.rank == 3
+
+
+def test_a_log_of_batch_norms_switched_to_eval_leads_with_the_batch_norm(tmp_path):
+    """A conv block whose batch norms are switched to eval between the forward and the backward: torch's error lists
+    pairs of f32[C] -> f32[0] (each norm's saved mean and inverse std). It led with ZeRO-3 / FSDP."""
+    import torch
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+    out = cp.checkpoint(block, torch.randn(2, 3, 12, 12, requires_grad=True), use_reentrant=False)
+    block.eval()  # e.g. a validation pass between the forward and the backward
+    with pytest.raises(cp.CheckpointError) as raised:
+        out.sum().backward()
+    log = tmp_path / "train.log"
+    log.write_text(f"torch.utils.checkpoint.CheckpointError: {raised.value}\n")
+    error = ac_diff.diagnose_paths([log]).torch_error
+    assert [c.saved for c in error.changes] == ["f32[8]"] * 4 and all(c.recomputed == "f32[0]" for c in error.changes)
+    assert "in pairs of one size: a batch norm's saved mean and inverse std" in error.cause, error.cause

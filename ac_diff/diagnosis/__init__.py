@@ -22,7 +22,7 @@ from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, missing_ranks, repeated_updates)
-from .cause import DTYPE_ONLY, EMPTIED, RECOMPILED, dtype_only, one_optimizer_step, sharded_positions
+from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
 from ..logs.errors import version_check
@@ -204,7 +204,7 @@ def _summary(err: TorchError, reports: list[RegionReport]) -> TorchErrorSummary:
                              message=err.message[:4000], saved_count=err.saved_count,
                              recomputed_count=err.recomputed_count, changes=changes,
                              cause=f"{region.cause.kind}: {region.cause.detail}" if region is not None else
-                             f"sharded_parameter: {EMPTIED}" if sharded_positions(changes) else
+                             f"sharded_parameter: {emptied(changes)}" if sharded_positions(changes) else
                              f"compiled_graph: {RECOMPILED}" if err.compiled else
                              f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
                              else None,

@@ -50,6 +50,20 @@ SHARDED = ("tensors recomputed with shape [0]: parameters were not gathered in t
 EMPTIED = (SHARDED + "; or a batch norm's saved statistics, where the module switched to eval mode between the forward "
            "and the backward (eval saves them empty)")
 
+# ... where the emptied tensors look like a batch norm's saved statistics (consecutive pairs of one 1-D size)
+EMPTIED_NORM = ("tensors recomputed with shape [0], in pairs of one size: a batch norm's saved mean and inverse std, "
+                "where the module switched to eval mode between the forward and the backward (eval saves them empty); "
+                "or parameters not gathered in the recompute (ZeRO-3 / FSDP frees them after the forward)")
+
+
+def emptied(rows: list) -> str:
+    """What tensors recomputed empty suggest (`rows` as for sharded_positions): a batch norm's statistics first
+    where they come as consecutive pairs of 1-D tensors of one size, as its mean and inverse std are saved."""
+    hit = sorted((p.position, p.saved) for p in sharded_positions(rows) if p.position is not None)
+    one_dim = all("," not in saved.split("[", 1)[-1] for _, saved in hit)
+    paired = len(hit) % 2 == 0 and all(a[0] + 1 == b[0] and a[1] == b[1] for a, b in zip(hit[::2], hit[1::2]))
+    return EMPTIED_NORM if hit and one_dim and paired else EMPTIED
+
 
 DTYPE_ONLY = ("every position torch named kept its shape and changed its dtype ({change}): a precision setting the "
               "region reads differs between the forward and the recompute (an autocast region's `enabled` or dtype, "
