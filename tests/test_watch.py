@@ -770,7 +770,9 @@ def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(t
     assert {r.step for r in report.regions} == {1}  # written: the step whose full recording showed it
     later = report.watch["compared"]
     assert later == report.watch["diverged"] == report.watch["unwritten"] > 0  # after it: counted
-    assert "saved other tensors than its forward, so it was recorded in full in step 1" in report.watch["text"]
+    # (not "..., so it was recorded in full in step 1": it was, as the first step is)
+    assert "(recorded in full) saved other tensors than its forward: 1 of 1 diverged" in report.watch["text"], \
+        report.watch["text"]
     assert "watched again from step 2" in report.watch["text"]
     assert f"{later} diverged (watched, counted)" in report.status_counts()
     rank = report.ranks[0]  # the ranks table counts them too

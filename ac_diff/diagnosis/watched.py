@@ -133,8 +133,9 @@ def _text(s: dict[str, Any]) -> str:
                     f"recorded in full in step {e['from_step']}" if until - 1 <= e["from_step"] else
                     f"recorded in full in steps {e['from_step']}-{until - 1}")
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
+                later = until is None or until - 1 > e["diverged_step"] or e["from_step"] != e["diverged_step"]
                 text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
-                         f"tensors than its forward, so it was {span}: {found}")
+                         "tensors than its forward" + (f", so it was {span}: {found}" if later else f": {found}"))
             else:
                 text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
             if until is not None:
