@@ -190,6 +190,11 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
                        module)  # each rank applied / ran the remedies and references
     report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out, extras.decorate)
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
+    if code != 0 and not interrupted and not child.terminated and runs_found.exit_codes and all(
+            c == 0 for c in runs_found.exit_codes.values()) and len(runs_found.exit_codes) == nproc:
+        print(f"ac-diff: torchrun exited {code} although every rank's script finished and its trace is complete: a "
+              "process failed after that, as it shut down (torchrun's output above names the rank and signal)",
+              file=sys.stderr)
     if interrupted and script_code == 0:
         script_code = 130
     if child.terminated:  # the job was ended by the signal, whatever torchrun's own code (1, its SignalException)
