@@ -129,6 +129,26 @@ def test_a_trace_whose_process_still_runs_is_told_from_a_killed_one(tmp_path):
     assert any("(killed?)" in note for note in run.notes), run.notes
 
 
+def test_a_rank_that_aborts_after_its_trace_is_complete_is_named(tmp_path):
+    """Rank 1 aborts as its interpreter shuts down (gloo's "terminate called without an active exception"), after its
+    script finished and its trace was complete: the ranks table says ok, torchrun says 1, and nothing said why."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, os, torch, torch.distributed as dist\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "dist.init_process_group('gloo')\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "checkpoint(lin, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()\n"
+        "dist.barrier()\n"
+        "if dist.get_rank() == 1:\n"
+        "    atexit.register(os.abort)\n")
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "run", "--nproc-per-node", "2", "-o", str(tmp_path / "out"),
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "AC_DIFF_RANK_WAIT": "20"})
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "although every rank's script finished and its trace is complete" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_sigterm_while_the_trace_is_finished_lets_it_complete(monkeypatch):
     """Once the script has ended, the runner's `finishing` flag says ac-diff is writing the end of the trace:
     a SIGTERM then only stops the waiting; while the script runs it ends the script with 143."""
