@@ -186,8 +186,9 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
         + ("runs it again" if again else "reads the updated value"),
         f"The region's own forward (or a hook inside it) computes with `{name}` and then updates it in place, so the "
         f"recompute {recompute}. Keep what the update needs (return it from the checkpointed function), and apply "
-        "it after `loss.backward()`, e.g. from an optimizer step hook: the recompute then reads the value the forward "
-        "read (right after the checkpoint call is too early: the recompute runs inside the backward).",
+        "it after `loss.backward()`, best after `optimizer.step()` from an optimizer step hook: the recompute then "
+        "reads the value the forward read (right after the checkpoint call is too early: the recompute runs inside "
+        "the backward).",
         _step_hook_code(name) + "\n"
         "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new value\n"
         "#     loss.backward()\n"
