@@ -122,6 +122,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
             headline = lost + (f"; {crash}" if crash else "")
         else:
             notes.append(lost)
+    if verdict == CLEAN and any(r.kind == "reentrant" and r.status == CLEAN for r in region_reports):
+        notes.append(REENTRANT_BACKWARD)
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups,
@@ -439,6 +441,13 @@ def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) ->
     return ((f"; {other} other region(s) clean" if other > 0 else "")
             + (f"; the {same} watched region(s) of those modules carry it too (what watch compares does not show it)"
                if same > 0 else ""))
+
+
+# a clean run's reentrant regions: their recompute reproduced the forward, but their backward runs as a backward of
+# its own, which can add gradients in another order than one backward through the whole graph
+REENTRANT_BACKWARD = ("reentrant regions (use_reentrant=True) reproduced their forward, but each runs its backward as "
+                      "a backward of its own, which can sum gradients in another order than a run without AC: the "
+                      "last bits of some gradients may differ; `ac-diff run --reference no-ac` compares them")
 
 
 def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0,
