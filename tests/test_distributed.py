@@ -406,9 +406,13 @@ def test_rank_summaries_first_divergence_and_mixed_runs():
     assert first.ranks == [2] and first.region == 0  # earliest region in forward order wins over rank order
     assert any(line.startswith("diverged: ranks 1, 2 (2 of 3 ranks); clean: rank 0") for line in lines)
     assert any(f.kind == "same_cause" and "different causes" in f.text for f in report.cross_rank_findings)
-    local = [f for f in report.cross_rank_findings if f.kind == "rank_local"]
-    assert [(f.region, f.ranks, f.detail["clean_ranks"]) for f in local] == [(0, [2], [0, 1]), (1, [1, 2], [0])]
     assert report.to_json()["cross_rank_findings"][0]["kind"] == "mixed_runs"
+    # ranks of different runs say nothing together: no rank-local finding (a stranger's merged directory) ...
+    assert not any(f.kind == "rank_local" for f in report.cross_rank_findings)
+    runs = [Run(source="trace", path=f"r{r}", rank=r, world_size=3, run_id="a", exit_status="ok") for r in range(3)]
+    report.ranks = rank_summaries(report, runs)  # ... where the ranks of one run do
+    local = [f for f in cross_rank_findings(runs, report).findings if f.kind == "rank_local"]
+    assert [(f.region, f.ranks, f.detail["clean_ranks"]) for f in local] == [(0, [2], [0, 1]), (1, [1, 2], [0])]
 
 
 @pytest.mark.parametrize("preserve_rng_state", [True, False])

@@ -135,11 +135,13 @@ def cross_rank_findings(runs: list[Run], report: Report, tolerance: Tolerance = 
     findings: list[CrossRankFinding] = []
     notes: list[str] = []
     findings += _provenance(runs)
+    mixed = any(f.kind == "mixed_runs" for f in findings)  # (what the ranks of different runs say together: nothing)
     if len(report.ranks) >= 2:
         findings += _overview(report)
-        findings += _rank_local(report)
+        if not mixed:
+            findings += _rank_local(report)
         findings += _exits(report, runs)
-        replicated, skipped = _replicated(runs, tolerance)
+        replicated, skipped = _replicated(runs, tolerance) if not mixed else ([], 0)
         findings += replicated
         if skipped:
             notes.append(f"cross-rank comparison stopped after {OPS_BUDGET:,} ops; {skipped} region(s) "
