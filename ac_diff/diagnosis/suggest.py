@@ -377,8 +377,8 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "(checkpoint keeps its arguments for the recompute), use a torch random op instead (its state is "
             "preserved), or save that generator's state when the forward starts and restore it in the recompute.",
             # (a draw that steers Python, a LayerDrop's branch; else a tensor made from host numbers)
-            "drop = random.random() < p  # drawn outside the region: the forward and the recompute agree\n"
-            "out = x if drop else checkpoint(block, x, use_reentrant=False)"
+            "r = random.random()  # the draw, moved out of the region: the forward and the recompute agree\n"
+            "out = checkpoint(block, x, r, use_reentrant=False)  # block(x, r) uses r (a skip, a mask offset)"
             if (cause.tensor or "").startswith("host random numbers") else
             "noise = torch.from_numpy(np.random.randn(*shape).astype(np.float32))  # outside the region\n"
             "out = checkpoint(block, x, noise, use_reentrant=False)                # block(x, noise) uses it"))
