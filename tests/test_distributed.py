@@ -506,3 +506,17 @@ def test_a_rank_killed_outright_before_the_others_failed_is_named_first(tmp_path
     assert killed_first([peer_lost, cut]) == 1
     os.utime(killed, (200.0, 200.0))  # written after rank 0 failed: torchrun stopped it
     assert killed_first([peer_lost, cut]) is None
+
+
+def test_a_rank_killed_before_any_region_leads_over_the_stop_it_caused():
+    """Rank 1 was killed (SIGKILL: no end record) before any region ran; torchrun then stopped rank 0 (SIGTERM). The
+    headline named rank 0's SIGTERM, the consequence."""
+    from ac_diff.diagnosis import diagnose
+
+    runs = [Run(source="trace", path="r0", rank=0, world_size=2, run_id="a", exit_status="interrupted", exit_code=143,
+                exc_type="Terminated", exc_message="the process received SIGTERM"),
+            Run(source="trace", path="r1", rank=1, world_size=2, run_id="a", truncated=True, running=False)]
+    report = diagnose(runs)
+    assert report.headline.startswith("no checkpointed region ran: rank 1's process was killed before any did"), \
+        report.headline
+    assert report.verdict == "unchecked"

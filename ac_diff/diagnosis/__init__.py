@@ -468,6 +468,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     + "; no region's op lists were available to explain it (checkpoint(..., debug=True) puts "
                       "them in the log; `ac-diff run` on the script records values, modules and the cause)")
         if not regions and not watched and all(r.source == "trace" for r in runs):
+            killed = next((r for r in runs if r.truncated and not r.running), None)
+            if killed is not None and len(runs) > 1 and all(  # (the others' stop, torchrun's SIGTERM, followed it)
+                    r.exit_status in ("exception", "interrupted") or r.truncated for r in runs):
+                return (f"no checkpointed region ran: rank {killed.rank or 0}'s process was killed before any did "
+                        "(its trace ends without an end record: SIGKILL, the out-of-memory killer?), and the other "
+                        "ranks were stopped after it")
             stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
             if stopped is not None:
                 return f"no checkpointed region ran: the script stopped before any did ({_how_it_stopped(stopped)})"
