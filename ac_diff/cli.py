@@ -349,6 +349,7 @@ def audit(
     report_file: ReportOption = None,
     html_path: Optional[str] = typer.Option(None, "--html", hidden=True, callback=_output_file),  # before --format html
     config: ConfigOption = None,
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N", help="Launch N processes with torchrun (each rank audits its regions)."),
 ) -> None:
     """Run a training script and measure how close each checkpointed discrete decision is to flipping.
 
@@ -370,6 +371,17 @@ def audit(
     if fmt == "html" and not report_file:
         report_file = output_file(os.path.join(checked_dir(output_dir or os.path.join(cfg.output_dir, "audit")),
                                                "audit.html"), "--report")
+    if nproc_per_node is not None:
+        from .commands.audit_cmd import launch_audit
+
+        if nproc_per_node < 1:
+            raise typer.BadParameter(f"--nproc-per-node must be an integer >= 1 (got {nproc_per_node})")
+        argv = ["--noise", noise, "--seeds", str(seeds), "--max-regions", str(max_regions), "--format", fmt,
+                *(["--scale", scale] if scale else []), *(["--check"] if check else []),
+                *(["--json", json_path] if json_path else []), *(["--report", report_file] if report_file else []),
+                *(["--config", str(cfg.path.resolve())] if cfg.path is not None else []), *(["-m"] if module else []),
+                target, *(args or [])]
+        raise typer.Exit(launch_audit(nproc_per_node, argv))
     raise typer.Exit(audit_command(target, list(args or []), module=module, noise=noise, seeds=seeds,
                                    max_regions=max_regions, scale=scale, check=check, fmt=fmt, json_path=json_path,
                                    html_path=html_path, report_path=report_file,

@@ -299,13 +299,16 @@ def test_audit_on_the_torchtitan_like_stack_with_selective_ac(tmp_path):
 
 
 @pytest.mark.e2e
-def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path):
-    """Each rank replays its regions (which all_reduce inside) the same number of times: no rank waits forever."""
+@pytest.mark.parametrize("launcher", ["torchrun", "ac-diff"])
+def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path, launcher):
+    """Each rank replays its regions (which all_reduce inside) the same number of times: no rank waits forever.
+    `ac-diff audit --nproc-per-node 2` launches the same (it took no such option, unlike run and fix)."""
     import os
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ac_diff",
-           "audit", "--noise", "abs:1e-3", "--seeds", "2", "--max-regions", "2", "--json", str(tmp_path / "tp.json"),
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ac_diff",
+               "audit"] if launcher == "torchrun" else [sys.executable, "-m", "ac_diff", "audit", "--nproc-per-node", "2"])
+    cmd = [*launch, "--noise", "abs:1e-3", "--seeds", "2", "--max-regions", "2", "--json", str(tmp_path / "tp.json"),
            str(EXAMPLES / "distributed_tp.py"), "--steps", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -30,6 +30,7 @@ from ..audit.render import render_audit
 from ..audit.result import audit_document
 from ..capture.runner import check_target, run_target
 from . import launch_cmd as launch
+from .launch_cmd import EXIT_TERMINATED
 from .common import EXIT_DIVERGED, EXIT_UNCHECKED, console, format_of
 
 
@@ -84,3 +85,14 @@ def audit_command(target: str, args: list[str], *, module: bool, noise: str, see
         return EXIT_UNCHECKED  # nothing audited: never a pass
     return outcome.exit_code
 
+
+def launch_audit(nproc: int, argv: list[str]) -> int:
+    """`ac-diff audit --nproc-per-node N ...`: the audit under torchrun, N local ranks (rank 0 prints its table, the
+    others their headlines; each writes its own JSON); torchrun's exit code."""
+    from ..children import child_command
+
+    child = child_command(["-m", "ac_diff", "audit", *argv], nproc=nproc)
+    print(f"ac-diff: launching {nproc} processes with torchrun: {' '.join(child.argv[1:])}", file=sys.stderr)
+    sys.stderr.flush()
+    code = child.run()
+    return EXIT_TERMINATED if child.terminated else 130 if child.interrupted and code == 0 else code
