@@ -216,6 +216,7 @@ class Region:
     # watch mode (capture/watch.py): the passes hold saved positions only (their digests), no ops; the step it ran in
     watched: bool = False
     step: int | None = None
+    optimizer_steps: int = 0  # optimizer.step() calls before its forward (the recorder's count)
     function: str | None = None  # a checkpointed function that called no module (named by its caller, `module`)
     # the run stopped before its recompute: its inputs written in place since its forward ended (what torch's version
     # check stops a backward for), [(input index, meta, version at the forward's end, version when the run stopped)]
@@ -305,6 +306,7 @@ class Run:
     notes: list[str] = field(default_factory=list)  # what the reader could not use, truncation, ...
     unreadable_ranks: list[int] = field(default_factory=list)  # ranks whose trace beside this one could not be read
     truncated: bool = False
+    optimizer_steps: int | None = None  # optimizer.step() calls in the run (the end record's)
     # a truncated trace's process, by the pid and host its header names: True alive on this host (still running: a
     # slow rank, a live run), False gone, None unknown (another host, this process)
     running: bool | None = None

@@ -229,6 +229,7 @@ class RegionReport:
     # watch mode compared this region by its saved tensors only (no ops); the step it ran in
     watched: bool = False
     step: int | None = None
+    optimizer_step: int | None = None  # the optimizer step it ran in (from 1), where the run's steps are not those
     recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
     enclosing: int | None = None  # the region whose forward ran this nested one (not written: the trace has it)
     backward_raised: str | None = None  # what the backward raised after its recompute, torch's check having let it by

@@ -1428,3 +1428,39 @@ def test_a_clean_run_with_reentrant_regions_says_their_gradients_can_differ_in_t
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert report.verdict == "clean", report.headline
     assert any("the last bits of some gradients may differ" in n for n in report.notes) == reentrant, report.notes
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * self.scale)
+
+
+@pytest.mark.parametrize("accumulate", [4, 1])
+def test_under_gradient_accumulation_the_headline_names_the_optimizer_step(tmp_path, accumulate):
+    """Four micro-batches per optimizer step; from optimizer step 3 a buffer is updated between a micro-batch's
+    forward and its backward. A step counts forward-backward cycles, so the headline said "step 9" where the training
+    loop printed optimizer step 3; it names both now (one micro-batch per step: the step alone)."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for step in range(1, 4):
+            for _ in range(accumulate):
+                out = cp.checkpoint(model, torch.randn(4, 8), use_reentrant=False)
+                if step == 3:
+                    with torch.no_grad():
+                        model.scale.mul_(1.01)
+                out.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    lead = report.lead_groups()[0][0]
+    assert lead.step == 2 * accumulate + 1, lead.step
+    assert lead.optimizer_step == (3 if accumulate > 1 else None)
+    at = f"step {lead.step} (optimizer step 3)" if accumulate > 1 else f"step {lead.step})"
+    assert at in report.headline, report.headline

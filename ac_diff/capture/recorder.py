@@ -147,6 +147,7 @@ class _Region:
     # watch mode (capture/watch.py): compared by its saved tensors only; its step; the module escalation goes by
     watched: bool = False
     step: int | None = None
+    optimizer_steps: int = 0  # optimizer.step() calls before its forward began
     watch_key: str | None = None
     watch_forward: Any = None  # the forward's WatchedPass
     watch_compared: bool = False
@@ -232,6 +233,8 @@ class Recorder:
         self._unguarded_mode = UnguardedRecordingMode(self)
         self._mode = self._guarded_mode  # the one on the dispatch stack (or to push)
         self._regions = 0
+        self.optimizer_steps = 0  # optimizer.step() calls so far (torch.optim's global post hook)
+        self._optimizer_hook: Any = None
         self._outputs: dict[int, tuple] = {}  # what forwards made that outlived them (`_note_outputs`)
         self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
@@ -272,6 +275,7 @@ class Recorder:
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
+        self._optimizer_hook = _count_optimizer_steps(self)
         self.modules.install()
         self.compile_watch.start()
         route_compiled_code(RecordingMode, UnguardedRecordingMode)
@@ -305,6 +309,8 @@ class Recorder:
         self._gc_hold.pop(all_=True)
         self.hooks.uninstall()
         self.modules.uninstall()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
         self.compile_watch.stop()
         for message in self.compile_watch.messages(self._regions, self.options.scope == "all"):
             self._writer.write({"type": "warning", "message": message})
@@ -327,7 +333,7 @@ class Recorder:
             "type": "end", "status": status, "exit_code": exit_code, "regions": self._regions,
             "ops_recorded": self.ops_recorded,
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
-            "end_time": time.time(),
+            "end_time": time.time(), "optimizer_steps": self.optimizer_steps,
             **({"compiled": compiled} if compiled else {}),
             **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })
@@ -440,7 +446,7 @@ class Recorder:
                 self._unreached.clear()
             if unreached:
                 self._unreached.add(fn_key)
-            region.step = self._step
+            region.step, region.optimizer_steps = self._step, self.optimizer_steps
             kept_forward = []
         else:
             self._recomputed = True
@@ -1320,7 +1326,22 @@ class Recorder:
                if region.number in self.compile_watch.inside else {}),
             **({"watched": True} if region.watched else {}),
             **({"step": region.step} if region.step is not None else {}),
+            **({"optimizer_steps": region.optimizer_steps} if region.optimizer_steps else {}),
         }
+
+
+def _count_optimizer_steps(recorder: Recorder) -> Any:
+    """Count optimizer.step() calls (every torch.optim optimizer): a region's step counts forward-backward cycles
+    (micro-batches under gradient accumulation), the report also names the optimizer step. The hook's handle."""
+    def counted(optimizer: Any, args: Any, kwargs: Any) -> None:
+        recorder.optimizer_steps += 1
+
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        return register_optimizer_step_post_hook(counted)
+    except Exception:  # noqa: BLE001 - a torch without it: steps are counted as before
+        return None
 
 
 def _mark_aliased_outputs_stale(p: _Pass, tensors: list) -> None:

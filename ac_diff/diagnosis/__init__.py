@@ -42,6 +42,11 @@ def diagnose(runs: list[Run], settings: Settings = Settings()) -> Report:
         return _diagnose(runs, settings, kept if len(runs) > 1 else None)
 
 
+def _counts_optimizer_steps(run: Run) -> bool:
+    """The run stepped a torch.optim optimizer (its end record's count; a cut trace: a region's count)."""
+    return bool(run.optimizer_steps) or run.optimizer_steps is None and any(r.optimizer_steps for r in run.regions)
+
+
 def _ops_of(run: Run, region, kept: contextlib.ExitStack | None):
     if kept is not None:  # several runs: cross-rank findings read every region's ops at the end
         kept.enter_context(run.loaded(region))
@@ -79,6 +84,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                 report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version,
                                          version_check=check)
             report.path = run.path or run.source
+            if region.step is not None and _counts_optimizer_steps(run) and region.optimizer_steps + 1 != region.step:
+                report.optimizer_step = region.optimizer_steps + 1  # (several forward-backward cycles a step)
             region_reports.append(report)
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
@@ -540,6 +547,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
     errored = [r for r in diverged if any(e.region == r.region and e.rank == r.rank for e in errors)]
     lead = min(errored or diverged, key=lambda r: (r.rank, r.region))
     step = (f", step {lead.step}" if lead.step is not None else "") + (
+        f" (optimizer step {lead.optimizer_step})" if lead.optimizer_step is not None else "") + (
         f", recompute {lead.recompute_n} (a later backward's)" if lead.recompute_n > 1 else "")
     where = f"{module_label(lead.module)} (rank {lead.rank}, region {lead.region}{step})" if lead.module else \
         f"region {lead.region} (rank {lead.rank}{step})"

@@ -243,6 +243,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                     compiled=list(rec.get("compiled", [])), watched=rec.get("watched") is True,
                     step=rec.get("step") if isinstance(rec.get("step"), int) else None,
                     function=rec.get("function") if isinstance(rec.get("function"), str) else None,
+                    optimizer_steps=rec.get("optimizer_steps") if isinstance(rec.get("optimizer_steps"), int) else 0,
                 )
                 opened[number] = line
             elif kind == "watch":
@@ -274,6 +275,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 run.exit_status = rec.get("status")
                 started = rec.get("regions")
                 run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
+                run.optimizer_steps = rec.get("optimizer_steps") if isinstance(rec.get("optimizer_steps"), int) else None
                 run.recorder_lost = rec.get("lost")
                 run.compiled = rec.get("compiled") if isinstance(rec.get("compiled"), dict) else None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
