@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 from ac_diff.passes import Pass, Region
 from ac_diff.reference.explain import explain
 from ac_diff.reference.forwards import first_difference
@@ -171,7 +174,6 @@ def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_
     """Full recording numbers steps as watch does (a top-level forward after a recompute begins the next); a
     region that diverged in a step after the compared backward passes is not covered by "the gradients match"
     (a stranger's accumulation loop diverged in step 4 and the report said the gradients matched, comparing 1)."""
-    import torch
     import torch.nn as nn
     import torch.utils.checkpoint as cp
 
@@ -235,3 +237,45 @@ def test_gradients_that_differ_where_every_recompute_reproduced_are_the_backward
                              "parameter(s) outside any checkpointed region"), why.text
     report.regions[0].status = "unchecked"
     assert explain([first], [], report, steps_requested=1).explanations[0].kind == "unexplained"
+
+
+@pytest.mark.parametrize("compared", [1, 3])
+def test_a_counter_read_only_for_logging_is_clean_once_the_gradients_match(tmp_path, compared):
+    """Blocks count their calls and read the count only to decide whether to log: gradients at risk, and the headline
+    sends the user to `--reference no-ac --reference-steps 3`. That said "gradients identical" and the run stayed
+    GRADIENTS AT RISK (exit 4). Identical over 2 or more backward passes (the second reads what the first left) now
+    settles it: clean; over 1 it cannot."""
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import ReferenceResult
+
+    class Logged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.calls, self.log = nn.Linear(4, 4), 0, []
+
+        def forward(self, x):
+            self.calls += 1
+            h = torch.tanh(self.fc(x))
+            if self.calls % 3 == 0:  # periodic activation logging only
+                self.log.append(h.detach().abs().mean().item())
+            return h
+
+    torch.manual_seed(0)
+    block, path = Logged(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for _ in range(3):
+            cp.checkpoint(block, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", compared,
+                                   steps=[StepComparison(i, True, 0.0, 2, 2) for i in range(compared)]))
+    if compared == 1:
+        assert report.title == "GRADIENTS AT RISK"
+        assert any("compare 2 or more" in n for r in report.regions for n in r.notes)
+        return
+    assert (report.verdict, report.title) == ("clean", "CLEAN"), report.headline
+    assert "did not change the gradients over 3 backward passes" in report.headline, report.headline

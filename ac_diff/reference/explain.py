@@ -323,9 +323,20 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
             r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
             r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
                            "AC, changed what it computed")
+        elif result.verdict == IDENTICAL and len(result.steps) >= 2:  # (the second step reads what the first left)
+            r.status, r.unchecked_reason, r.suggestions = CLEAN, None, []
+            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} backward passes: the "
+                           "state its code reads, updated twice under AC, did not change what it computed (a later "
+                           "step's could, past a threshold: compare more with --reference-steps)")
         elif result.verdict == IDENTICAL:
-            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} backward pass(es); the "
-                           "state updated twice may change a later step's (compare more with --reference-steps)")
+            r.notes.append("the gradients match the run without AC over 1 backward pass, before the state updated "
+                           "twice is read again: compare 2 or more (--reference-steps 3)")
+    if at_risk and report.verdict == UNCHECKED and all(r.status == CLEAN for r in report.regions) \
+            and not report.crashed:
+        report.verdict = CLEAN
+        report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
+                           f"exactly; the Python state {len(at_risk)} of them update twice under AC did not change "
+                           f"the gradients over {len(result.steps)} backward passes (they match the run without AC)")
 
 
 def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
