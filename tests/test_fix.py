@@ -182,7 +182,8 @@ def test_two_causes_in_one_block_get_their_remedies_together(fixes):
     assert by["restore the forward's layers.*.calls in the recompute"]["status"] == "did not help"
     assert fx["verified"] == both["remedy"] and "preserve_rng_state=True" in fx["verified_code"]
     # the counter is read after its update: counted before the forward (after the step would blend a step late)
-    assert ".calls += 1  # before the forward that reads it" in fx["verified_code"], fx["verified_code"]
+    code = fx["verified_code"]
+    assert "before the forward that reads it" in code and "m.calls += 1" in code, code
 
 
 def test_where_only_turning_ac_off_works_fix_exits_1_and_gives_the_code_change(fixes):

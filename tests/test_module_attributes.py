@@ -464,7 +464,7 @@ def test_a_counter_the_recompute_advances_again_and_the_region_reads_is_never_cl
     assert fix.title == "Update `model.grow.imgs_seen` before the forward that reads it, outside the checkpointed " \
                         "region", fix.title
     assert "their gradients differ from a run without AC" in fix.text
-    assert '.imgs_seen += 4  # before the forward that reads it' in fix.code, fix.code
+    assert "before the forward that reads it" in fix.code and '("model.grow").imgs_seen += 4' in fix.code, fix.code
     grads = []
     for fixed in (False, True):  # what the fix's code does, against a run without AC
         torch.manual_seed(0)
@@ -539,3 +539,16 @@ def test_a_counter_is_read_again_where_the_code_loads_it_beyond_its_update():
     assert read_again(FadeIn, "imgs_seen") and read_again(Branches, "calls")
     assert not read_again(CountedCalls, "calls") and not read_again(Lazy, "calls")
     assert not read_again(Guarded, "calls")
+
+
+@pytest.mark.parametrize("before, after, read_again", [(3, 4, True), (0.5, 0.4147, False)])
+def test_the_fix_code_for_an_attribute_moves_each_layers_update_as_the_value_it_is(before, after, read_again):
+    """A counter of every layer advances by its own step; a float (an EMA kept in Python) by what its update computes:
+    the code said `blocks.0.ema += -0.0853`, one observed change as a constant, for the first layer only."""
+    from ac_diff.diagnosis.attributes import AttributeChange, update_code
+
+    code = update_code(AttributeChange("blocks.0.ema", after, after, forward_update=[before, after],
+                                       recompute_update=[after, after], read_again=read_again))
+    assert 'for m in model.get_submodule("blocks"):  # every layer' in code, code
+    assert ("    m.ema += 1" in code) if type(before) is int else ("    m.ema = ...  # the update its forward made" in code)
+    assert ("before the forward that reads it" in code) == read_again and "-0.08" not in code, code

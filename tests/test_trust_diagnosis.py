@@ -1464,3 +1464,37 @@ def test_under_gradient_accumulation_the_headline_names_the_optimizer_step(tmp_p
     assert lead.optimizer_step == (3 if accumulate > 1 else None)
     at = f"step {lead.step} (optimizer step 3)" if accumulate > 1 else f"step {lead.step})"
     assert at in report.headline, report.headline
+
+
+class _Rotary(nn.Module):
+    """A rotary cache rebuilt (rebound to new cos and sin tensors) when a longer input arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.cos, self.sin, self.base = nn.Linear(8, 8), None, None, 10000.0
+
+    def forward(self, x):
+        if self.cos is None or self.cos.shape[0] < x.shape[1]:  # (dynamic scaling: the angles depend on the length)
+            t = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * (self.base * x.shape[1]) ** -0.5
+            self.cos, self.sin = t.cos(), t.sin()
+        h = self.fc(x)
+        n = x.shape[1]
+        return torch.tanh(h * self.cos[:n] + h.flip(-1) * self.sin[:n])
+
+
+def test_every_rebound_attribute_is_passed_in_by_the_fix(tmp_path):
+    """A longer micro-batch rebuilds the rotary cos and sin before the first one's backward: the fix named `cos`
+    only (passing it alone leaves the gradients wrong)."""
+    torch.manual_seed(0)
+    model, path = _Rotary(), tmp_path / "t.jsonl"
+    with torch.no_grad():
+        model(torch.randn(1, 6, 8))  # the cache built for 6 positions (an earlier step)
+    with ac_diff.record(path):
+        first = cp.checkpoint(model, torch.randn(2, 6, 8), use_reentrant=False)
+        second = cp.checkpoint(model, torch.randn(2, 8, 8), use_reentrant=False)
+        (first.sum() + second.sum()).backward()
+    lead = ac_diff.diagnose_paths([path]).lead_groups()[0][0]
+    assert (lead.cause.mechanism, sorted(lead.cause.names)) == ("rebound", ["cos", "sin"]), lead.cause
+    fix = lead.suggestions[0]
+    assert fix.title == "Pass `cos`, `sin` into the checkpointed function, instead of reading them from the module", fix
+    assert "self.cos, self.sin" in fix.code, fix.code

@@ -24,6 +24,7 @@ changed (a dropout's `p` annealed between forward and backward changes bernoulli
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,15 +316,19 @@ def update_code(change: AttributeChange) -> str:
     the batch first), else after the backward."""
     owner, attr = split_name(change.name)
     where = f"its pre-hook ({', '.join(change.hooks[:2])})" if change.hooks else "its forward"
-    module = f'model.get_submodule("{owner}")' if owner else "model"
+    layer = re.fullmatch(r"(.+)\.(\d+)", owner or "")  # one of a ModuleList's layers: each updates its own
+    module = "m" if layer else f'model.get_submodule("{owner}")' if owner else "model"
     before, after = change.forward_update
-    numbers = all(type(v) in (int, float) for v in (before, after))
-    update = (f"{module}.{attr} += {after - before!r}" if numbers
-              else f"{module}.{attr} = ...  # what {where} set it to ({shown(before)} -> {shown(after)})")
+    # a counter advances by a step of its own; any other value (a float EMA) by what its update computes
+    update = (f"{module}.{attr} += {after - before!r}" if all(type(v) is int for v in (before, after))
+              else f"{module}.{attr} = ...  # the update {where} made ({shown(before)} -> {shown(after)} once), here")
+    if layer:
+        update = f'for m in model.get_submodule("{layer.group(1)}"):  # every layer\n    {update}'
     if change.read_again:
-        return (f"# {where}: read self.{attr}, do not change it\n{update}  # before the forward that reads it, "
-                "outside the checkpointed region\nloss = model(batch)\nloss.backward()")
-    return f"# {where}: read self.{attr}, do not change it\nloss.backward()\noptimizer.step()\n{update}  # once per step"
+        return (f"# {where}: read self.{attr}, do not change it\n# before the forward that reads it, outside the "
+                f"checkpointed region:\n{update}\nloss = model(batch)\nloss.backward()")
+    return (f"# {where}: read self.{attr}, do not change it\nloss.backward()\noptimizer.step()\n# once per step:\n"
+            f"{update}")
 
 
 def attribute_suggestion(region: Region, name: str) -> Suggestion | None:

@@ -242,17 +242,25 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
             "    for p in block.parameters():\n        p.requires_grad_(True)"))
     elif kind == "state_mutation" and mechanism == REBOUND and cause.tensor and not cause.tensor.startswith("param"):
-        attr = re.sub(r"\[\d+\]$", "", cause.tensor.rsplit(".", 1)[-1])
-        out.append(Suggestion(
-            f"Pass `{attr}` into the checkpointed function and return its new value, instead of keeping it on the "
-            "module",
-            f"The region reads `{cause.tensor}` from an attribute that code rebinds between its forward and its "
-            "backward (state carried from call to call: the region's own code, or a later call of it). checkpoint "
-            "keeps its arguments for the recompute, an attribute is read as it is when the backward runs: hand the "
-            "state in as arguments, return the new state, and rebind the attribute outside the checkpointed function.",
-            f"out, *{attr} = checkpoint(self.run_chunk, x, *self.{attr}, use_reentrant=False)  # run_chunk(x, *{attr}) "
-            f"returns (out, *new_{attr})\nself.{attr} = tuple({attr})  # rebound outside: the recompute uses its "
-            "arguments"))
+        attrs = list(dict.fromkeys(re.sub(r"\[\d+\]$", "", n.rsplit(".", 1)[-1]) for n in cause.names or [cause.tensor]))
+        text = (f"The region reads {backticked(cause.names or [cause.tensor])} from attributes that code rebinds between "
+                "its forward and its backward (state carried from call to call, a cache rebuilt for a longer input: the "
+                "region's own code, or a later call of it). checkpoint keeps its arguments for the recompute, an "
+                "attribute is read as it is when the backward runs: hand them in as arguments")
+        if len(attrs) == 1:
+            attr = attrs[0]
+            out.append(Suggestion(
+                f"Pass `{attr}` into the checkpointed function and return its new value, instead of keeping it on the "
+                "module", text + ", return the new state, and rebind the attribute outside the checkpointed function.",
+                f"out, *{attr} = checkpoint(self.run_chunk, x, *self.{attr}, use_reentrant=False)  # run_chunk(x, "
+                f"*{attr}) returns (out, *new_{attr})\nself.{attr} = tuple({attr})  # rebound outside: the recompute "
+                "uses its arguments"))
+        else:
+            out.append(Suggestion(
+                f"Pass {backticked(attrs)} into the checkpointed function, instead of reading them from the module",
+                text + " (all of them: each was rebound).",
+                f"out = checkpoint(block, x, {', '.join('self.' + a for a in attrs)}, use_reentrant=False)  # block(x, "
+                f"{', '.join(attrs)}) uses them, not the attributes"))
     elif kind == "state_mutation" and mechanism == REBOUND:
         out.append(Suggestion(
             "Pass the weights the region computes with to checkpoint as arguments",
