@@ -242,11 +242,12 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
             "    for p in block.parameters():\n        p.requires_grad_(True)"))
     elif kind == "state_mutation" and mechanism == REBOUND and cause.tensor and not cause.tensor.startswith("param"):
-        attrs = list(dict.fromkeys(re.sub(r"\[\d+\]$", "", n.rsplit(".", 1)[-1]) for n in cause.names or [cause.tensor]))
-        text = (f"The region reads {backticked(cause.names or [cause.tensor])} from attributes that code rebinds between "
-                "its forward and its backward (state carried from call to call, a cache rebuilt for a longer input: the "
-                "region's own code, or a later call of it). checkpoint keeps its arguments for the recompute, an "
-                "attribute is read as it is when the backward runs: hand them in as arguments")
+        names = cause.names or [cause.tensor]
+        attrs = list(dict.fromkeys(re.sub(r"\[\d+\]$", "", n.rsplit(".", 1)[-1]) for n in names))
+        text = (f"The region reads {backticked(names)} from attributes that code rebinds between its forward and its "
+                "backward (state carried from call to call, a cache rebuilt for a longer input: the region's own code, "
+                "or a later call of it). checkpoint keeps its arguments for the recompute, an attribute is read as it "
+                "is when the backward runs: hand them in as arguments")
         if len(attrs) == 1:
             attr = attrs[0]
             out.append(Suggestion(

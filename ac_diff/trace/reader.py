@@ -275,7 +275,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 run.exit_status = rec.get("status")
                 started = rec.get("regions")
                 run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
-                run.optimizer_steps = rec.get("optimizer_steps") if isinstance(rec.get("optimizer_steps"), int) else None
+                steps = rec.get("optimizer_steps")
+                run.optimizer_steps = steps if isinstance(steps, int) else None
                 run.recorder_lost = rec.get("lost")
                 run.compiled = rec.get("compiled") if isinstance(rec.get("compiled"), dict) else None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
