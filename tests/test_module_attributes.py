@@ -72,7 +72,7 @@ def test_a_pre_hook_counter_is_named_as_the_cause_counted_twice(tmp_path):
     assert first["status"] == "diverged"
     cause = first["cause"]
     assert cause["kind"] == "state_mutation" and cause["tensor"] == "blocks.0.step"
-    assert "counts twice" in cause["detail"] and "Block.bump_step" in cause["detail"]
+    assert "counts twice" in cause["detail"] and "(by its forward pre-hook `Block.bump_step` or" in cause["detail"]
     assert any("0 -> 1 in the forward, 1 -> 2 in the recompute" in e for e in cause["evidence"])
     assert first["suggestions"][0]["title"].startswith("Do not update `blocks.0.step`")
 

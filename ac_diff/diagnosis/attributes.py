@@ -231,7 +231,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         evidence.append(f"{top.name} changed during each pass: {_shown_update(top.forward_update)} in the forward, "
                         f"{_shown_update(top.recompute_update)} in the recompute")
     elif top.counted_twice:
-        by = (f"its forward pre-hook {', '.join(top.hooks)} or its forward" if top.hooks else "its forward")
+        by = f"its forward pre-hook {backticked(top.hooks)} or its forward" if top.hooks else "its forward"
         detail += (f": each call of {module} changes it (by {by}), and the recompute calls {module} again, so the "
                    "update counts twice")
         evidence.append(f"each call of {module} changes {top.name}: {_shown_update(top.forward_update)} in the "
