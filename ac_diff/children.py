@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # ... by Ctrl-C
 RUN_ID_ENV = "AC_DIFF_RUN_ID"
 LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by ac-diff's torchrun launches: the launcher reports, ranks don't
 _ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding this ac_diff package
@@ -59,7 +61,12 @@ class Child:
                 self.interrupted = True
                 with contextlib.suppress(KeyboardInterrupt):
                     return proc.wait()
-                return proc.poll() or 130
+                return proc.poll() or EXIT_INTERRUPTED
+
+    def signalled(self, code: int) -> int:
+        """`code` as the job ended: 143 after SIGTERM, whatever the child said (torchrun's own is 1); 130 after
+        Ctrl-C where the child said 0."""
+        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED if self.interrupted and code == 0 else code
 
 
 @contextlib.contextmanager

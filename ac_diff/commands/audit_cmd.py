@@ -30,7 +30,6 @@ from ..audit.render import render_audit
 from ..audit.result import audit_document
 from ..capture.runner import check_target, run_target
 from . import launch_cmd as launch
-from .launch_cmd import EXIT_TERMINATED
 from .common import EXIT_DIVERGED, EXIT_UNCHECKED, console, format_of
 
 
@@ -94,5 +93,4 @@ def launch_audit(nproc: int, argv: list[str]) -> int:
     child = child_command(["-m", "ac_diff", "audit", *argv], nproc=nproc)
     print(f"ac-diff: launching {nproc} processes with torchrun: {' '.join(child.argv[1:])}", file=sys.stderr)
     sys.stderr.flush()
-    code = child.run()
-    return EXIT_TERMINATED if child.terminated else 130 if child.interrupted and code == 0 else code
+    return child.signalled(child.run())

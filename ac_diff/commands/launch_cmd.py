@@ -42,12 +42,11 @@ from .common import EXIT_BAD_INPUT, command_line, emit, fail, print_next, verdic
 from ..errors import Terminated
 
 from .trace_peek import read_end, read_header  # noqa: F401 - also read by rank_exchange
-from ..children import (LAUNCHED_ENV, RUN_ID_ENV, child_command,  # noqa: F401 - the launch's environment
-                        on_sigterm)
+from ..children import (EXIT_TERMINATED, LAUNCHED_ENV, RUN_ID_ENV,  # noqa: F401 - the launch's environment
+                        child_command, on_sigterm)
 WAIT_ENV = "AC_DIFF_RANK_WAIT"  # seconds rank 0 waits for the other ranks' traces (default 60)
 DEFAULT_WAIT_S = 60.0
 POLL_S = 0.2
-EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 
 
 # -- where this process stands ----------------------------------------------------------------
@@ -175,8 +174,7 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
     print(f"ac-diff: launching {nproc} processes with torchrun (run {rid}): {' '.join(child.argv[1:])}",
           file=sys.stderr)
     sys.stderr.flush()
-    code = child.run()
-    interrupted = child.interrupted  # the ranks got the Ctrl-C too; torchrun has wound down
+    code = child.run()  # (Ctrl-C: the ranks got it too, and torchrun has wound down)
     if child.terminated:  # passed on to torchrun, which stopped the ranks: they finished their traces
         print("ac-diff: SIGTERM: torchrun stopped the ranks; reporting what they recorded", file=sys.stderr)
     runs_found = collect_traces(out, rid, nproc)
@@ -190,15 +188,12 @@ def launch_command(nproc: int, argv: list[str], *, output_dir: str = "ac-diff-ou
                        module)  # each rank applied / ran the remedies and references
     report = report_ranks(runs_found, settings or Settings(), fmt, json_path, output, out, extras.decorate)
     script_code = _script_exit_code(runs_found.exit_codes, code, runs_found.end_times)
-    if code != 0 and not interrupted and not child.terminated and runs_found.exit_codes and all(
+    if code != 0 and not child.interrupted and not child.terminated and runs_found.exit_codes and all(
             c == 0 for c in runs_found.exit_codes.values()) and len(runs_found.exit_codes) == nproc:
         print(f"ac-diff: torchrun exited {code} although every rank's script finished and its trace is complete: a "
               "process failed after that, as it shut down (torchrun's output above names the rank and signal)",
               file=sys.stderr)
-    if interrupted and script_code == 0:
-        script_code = 130
-    if child.terminated:  # the job was ended by the signal, whatever torchrun's own code (1, its SignalException)
-        script_code = EXIT_TERMINATED
+    script_code = child.signalled(script_code)
     if check and script_code == 0 and report.verdict != "clean":
         return verdict_code(report)
     return script_code

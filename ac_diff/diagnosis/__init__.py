@@ -76,6 +76,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         endings.append(run.exit_status)
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         check = version_check(run.exc_message) if stopped else None
+        stepped = _counts_optimizer_steps(run)
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             # one region's ops are decoded and compared with the collector paused: it would rescan every live object
@@ -84,7 +85,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                 report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version,
                                          version_check=check)
             report.path = run.path or run.source
-            if region.step is not None and _counts_optimizer_steps(run) and region.optimizer_steps + 1 != region.step:
+            if region.step is not None and stepped and region.optimizer_steps + 1 != region.step:
                 report.optimizer_step = region.optimizer_steps + 1  # (several forward-backward cycles a step)
             region_reports.append(report)
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
@@ -518,8 +519,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "
                     "ops, but they were recorded with --no-fingerprints, which records no values (a recompute with "
                     "other values keeps its shapes): record without it to compare them"
-                    + (f"; {checked} other region(s) reproduced their saved tensors exactly"
-                       + (f" ({watched} of them watched)" if watched else "") if checked else ""))
+                    + (f"; {checked} other region(s) reproduced their saved tensors exactly" if checked else ""))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
                        next((r.notes[-1] for r in regions if r.notes), ""))

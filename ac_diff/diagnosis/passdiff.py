@@ -304,6 +304,11 @@ def written_refs(op: OpRecord) -> list[InputRef]:
     return written_inputs(op.op, op.args, op.input_refs)
 
 
+def _writes(op: OpRecord) -> list[InputRef]:
+    """Every input `op` writes in place: an in-place method's own tensor, and what `written_refs` names."""
+    return ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + written_refs(op)
+
+
 def writer_in(p: Pass | None, name: str) -> str | None:
     """The first op of pass `p` that writes `name` (an in-place method, a foreach update, an `out=`) or a view of it
     (`queue[ptr:ptr + n] = keys`, a copy_ into a slice), as where it ran: "aten.mul_.Tensor at blk (train.py:9 in
@@ -312,8 +317,7 @@ def writer_in(p: Pass | None, name: str) -> str | None:
         return None
     ops = {o.index: o for o in p.ops}
     for op in p.ops:
-        written = ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + written_refs(op)
-        if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in written):
+        if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in _writes(op)):
             return f"{op.op} at {where(op.module, op.source)}"
     return None
 
@@ -331,8 +335,7 @@ def read_after_write(p: Pass | None, name: str) -> bool:
         return source.name == name or source.kind == "op" and source.op_index in writers
 
     for op in p.ops:
-        written = ([op.input_refs[0]] if is_in_place_method(op.op) and op.input_refs else []) + written_refs(op)
-        if any(names_it(r) for r in written):
+        if any(names_it(r) for r in _writes(op)):
             writers.add(op.index)
         elif writers and not is_view_op(op.op) and any(names_it(r) for r in op.input_refs):
             return True

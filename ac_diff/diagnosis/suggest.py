@@ -17,7 +17,7 @@ from ..oprules import OBSERVER_MODULE, OBSERVER_OPS, packet, updates_as_it_compu
 from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
-from .attributes import attribute_suggestion
+from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
 from .labels import backticked
 
@@ -167,7 +167,7 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
     again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
     recompute = ("runs that update a second time, from the updated value, and computes with it" if again else
                  "computes with the updated value, not the one the forward read")
-    owner, leaf = (name.rsplit(".", 1) if "." in name else ("", name))
+    owner, leaf = split_name(name)
     module = f'model.get_submodule("{owner}")' if owner else "block"
     if read_after_write(region.forward, name):
         return Suggestion(
