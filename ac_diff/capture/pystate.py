@@ -19,8 +19,10 @@ function; the values are read per call of `values()` (the recorder: once per fun
 from __future__ import annotations
 
 import dis
+import itertools
 import os
 import types
+import weakref
 from collections import OrderedDict, defaultdict, deque
 from itertools import islice
 from typing import Any, Iterator
@@ -46,16 +48,37 @@ _IDENTITY_ITEMS = 64  # items of a container whose identity is summarized (its l
 
 def container_summary(value: Any) -> dict[str, Any]:
     """`[t1, t2]` -> {"type": "list", "len": 2, "ids": 3240967713}: `ids` digests the first items, a scalar by value,
-    a tensor by identity (its hash), so a tensor replaced or appended gives other ids, equal numbers rebuilt do not."""
-    try:  # (C-level hashing: a tuple of sizes costs ~0.3 us)
-        digest = hash(value if type(value) is tuple else tuple(islice(
-            value.items() if isinstance(value, dict) else value, _IDENTITY_ITEMS)))
+    a tensor by identity (`_serial`), so a tensor replaced or appended gives other ids, equal numbers rebuilt do not."""
+    items = value if type(value) is tuple else tuple(islice(
+        value.items() if isinstance(value, dict) else value, _IDENTITY_ITEMS))
+    try:
+        digest = hash(tuple(_keyed(x) for x in items))
     except Exception:  # an unhashable item (a list in a list): by identity
-        if isinstance(value, dict):
-            digest = hash(tuple((_identity(k), _identity(v)) for k, v in islice(value.items(), _IDENTITY_ITEMS)))
-        else:
-            digest = hash(tuple(_identity(x) for x in islice(value, _IDENTITY_ITEMS)))
+        digest = hash(tuple((_identity(x[0]), _identity(x[1])) if isinstance(value, dict) else _identity(x)
+                            for x in items))
     return {"type": type(value).__name__, "len": len(value), "ids": digest & 0xFFFFFFFF}
+
+
+def _keyed(x: Any) -> Any:
+    """An item as the digest takes it: a tensor by its serial, in a tuple too (a dict's (key, value), an (h, c))."""
+    if isinstance(x, torch.Tensor):
+        return _serial(x)
+    return tuple(_keyed(y) for y in x) if type(x) is tuple else x
+
+
+_SERIALS: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the tensor, its serial), while it lives
+_COUNTER = itertools.count(1)
+
+
+def _serial(t: torch.Tensor) -> tuple[str, int]:
+    """A tensor's identity that outlives its address: CPython hands a freed tensor's address (its id) to a later
+    object, so a memory whose item was replaced by a tensor allocated there looked unchanged; a serial does not
+    repeat."""
+    key = id(t)
+    entry = _SERIALS.get(key)
+    if entry is None or entry[0]() is not t:
+        entry = _SERIALS[key] = (weakref.ref(t, lambda _, key=key: _SERIALS.pop(key, None)), next(_COUNTER))
+    return "tensor", entry[1]
 
 
 def recorded_scalar(value: Any) -> Any:
@@ -69,7 +92,7 @@ def recorded_scalar(value: Any) -> Any:
 
 
 def _identity(x: Any) -> Any:
-    return x if type(x) in SCALAR_TYPES else id(x)
+    return x if type(x) in SCALAR_TYPES else _serial(x) if isinstance(x, torch.Tensor) else id(x)
 
 
 def module_attributes(module: nn.Module) -> dict[str, Any]:
