@@ -213,10 +213,54 @@ def test_a_counter_a_hook_keeps_in_its_closure_is_named_with_its_hook(tmp_path):
     cause = region.cause
     assert "`calls`, which the forward pre-hook `warmup` of 0 keeps in its closure" in cause.detail, cause.detail
     assert "counts twice" in cause.detail
-    assert region.suggestions[0].title.startswith("Do not count in the forward pre-hook `warmup`")
+    assert region.suggestions[0].title.startswith("Do not count `calls` in the forward pre-hook `warmup` of 0")
     from ac_diff.fix.candidates import candidates
 
-    assert "restore" not in {c.kind for c in candidates(report)}  # (a closure has no attribute to restore)
+    restore = next(c for c in candidates(report) if c.kind == "restore")  # (the closure's cell is restored)
+    assert restore.spec.restore == ["*.<forward pre-hook warmup>.calls"], restore.spec
+    assert restore.change[0] == region.suggestions[0].title  # (the code it simulates: the diagnosis's own)
+
+
+class Gated(nn.Module):
+    """A residual gate `alpha` that a warmup pre-hook sets at each call from the calls it counts in its closure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.alpha = nn.Linear(8, 8), 0.0
+
+    def forward(self, x):
+        return x + torch.tanh(self.alpha * self.fc(x))
+
+
+def _gate_warmup():
+    calls = 0
+
+    def warmup(module, args):
+        nonlocal calls
+        calls += 1
+        module.alpha = min(1.0, calls / 10)
+    return warmup
+
+
+def test_an_attribute_a_counting_pre_hook_sets_is_explained_by_the_count(tmp_path):
+    """The pre-hook sets `alpha` from its closure's count: the cause is the count the recompute advances again, and
+    `alpha` holds the values each pass computed with (0.1, 0.2; it said 0.0 and 0.1, the values before each pass,
+    and named `alpha` only: its fix moved `alpha += 0.1` out of the region, which the hook undoes)."""
+    torch.manual_seed(0)
+    block = Gated()
+    block.register_forward_pre_hook(_gate_warmup())
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    region = ac_diff.diagnose_paths([path]).regions[0]
+    assert region.status == "diverged"
+    cause = region.cause
+    assert cause.tensor == "Gated.<forward pre-hook warmup>.calls", cause
+    assert cause.names == ["Gated.<forward pre-hook warmup>.calls", "Gated.alpha"], cause.names
+    assert "`Gated.alpha` was 0.1 in the forward and 0.2 in the recompute: Gated's forward pre-hook `warmup` " \
+        "sets it at each call from `calls`" in cause.detail, cause.detail
+    assert region.suggestions[0].title.startswith("Do not count `calls` in the forward pre-hook `warmup`")
+    assert "if IN_BACKWARD:\n        return" in region.suggestions[0].code
 
 
 class LazyRotary(nn.Module):

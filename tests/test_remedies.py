@@ -577,3 +577,36 @@ def test_restore_reaches_a_field_of_a_run_config_the_module_holds():
     slot = found["0.cfg.chunk"]
     before = slot.swap(8)
     assert (before, model[0].cfg.chunk, model[0].cfg.name) == (4, 8, "scan")
+
+
+class _WarmedUp(nn.Module):
+    """Scales its output by `alpha`, which a warmup pre-hook sets at each call from the calls it counts in its
+    closure: the recompute calls the hook again."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc, self.alpha = nn.Linear(dim, dim), 0.0
+
+        def warmup(module, args):
+            nonlocal calls
+            calls += 1
+            module.alpha = min(1.0, calls / 4)
+        calls = 0
+        self.register_forward_pre_hook(warmup)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * self.alpha)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_restore_reaches_a_count_a_pre_hook_keeps_in_its_closure(patched, reentrant):
+    """`layers.*.<forward pre-hook warmup>.calls`: the hook's closure cell is given the forward's count in the
+    recompute, and the forward's count is back after it; the gradients are those of a run without AC."""
+    reference = grads(Stack(_WarmedUp, checkpointed=False))
+    assert not same(grads(Stack(_WarmedUp, reentrant)), reference)  # the real mechanism: the hook counts again
+    patched(RemedySpec(restore=["layers.*.<forward pre-hook warmup>.calls", "layers.*.alpha"]))
+    net = Stack(_WarmedUp, reentrant)
+    assert same(grads(net), reference)
+    from ac_diff.capture.pystate import hook_state
+
+    assert [hook_state(layer) for layer in net.layers] == [{"<forward pre-hook warmup>.calls": 1}] * 2

@@ -1087,9 +1087,9 @@ def test_a_watched_divergence_that_did_not_recur_points_at_random_draws_seen_els
                               cause=Cause("unknown", None, "watch mode in step 5"), suggestions=[], path="t")
     drawn = SimpleNamespace(rank=0, region=68, module="blocks.2", watched=False, status="diverged", step=6, notes=[],
                             cause=Cause("rng", "random", "the region draws from `random`", [], "host_rng",
-                                        "train.py:42 in forward"), suggestions=[], path="t")
+                                        "train.py:42 in forward"), suggestions=[], path="t", unchecked_reason=None)
     full = [SimpleNamespace(rank=0, region=60 + i, module="blocks.0", watched=False, status="clean", step=6 + i,
-                            notes=[], cause=None, suggestions=[], path="t") for i in range(4)]  # its full recording
+                            notes=[], cause=None, suggestions=[], path="t", unchecked_reason=None) for i in range(4)]  # its full recording
     escalated = [{"rank": 0, "module": "blocks.0", "lead": None, "full_diverged": 0, "full_clean": 4,
                   "full_regions": 4, "from_step": 6, "diverged_steps": [5]}]
     _link_escalations([watched, drawn, *full], escalated)
@@ -1232,3 +1232,35 @@ def test_torchs_error_about_a_watched_region_is_in_the_headline(tmp_path):
     assert report.verdict == "diverged" and report.torch_error is not None, report.headline
     assert "torch raised count mismatch about region 2, a watched region (counted, not written)" in report.headline, \
         report.headline
+
+
+class _Warmup(nn.Module):
+    """A warmup whose counter the forward advances and reads: full strength from its 6th call on. Under AC the
+    recompute counts again, so it switches to full strength in a recompute whose forward ran at half, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.fc(x) * (0.5 if self.calls < 6 else 1.0))
+
+
+def test_a_watched_divergence_at_a_counters_threshold_is_explained_by_the_state_full_recording_saw_read_twice(tmp_path):
+    """The first step, recorded in full, saw `calls` updated twice and read; the watched step whose recompute crossed
+    the threshold diverged, and the steps recorded in full after it reproduced. The cause is that counter and its fix
+    (it was 'unknown: ... a rare event: a near-tie, a nondeterministic kernel')."""
+    torch.manual_seed(0)
+    block, path = _Warmup(), tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True):
+        for _ in range(8):
+            checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert lead.watched and lead.step == 3, [(r.step, r.status) for r in report.regions]
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "_Warmup.calls", lead.cause
+    assert "rare event" not in lead.cause.detail and "region 0, recorded in full in step 1" in lead.cause.detail
+    assert any("updates `_Warmup.calls` in place" in s.text for s in lead.suggestions), [s.text for s in lead.suggestions]
+    assert any("threshold on `_Warmup.calls` is crossed once" in n for n in lead.notes), lead.notes

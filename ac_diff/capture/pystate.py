@@ -135,7 +135,12 @@ HOOK_STATE = "<{kind} {name}>.{var}"  # how a hook's own variable is named among
 def hook_state(module: nn.Module) -> dict[str, Any]:
     """The scalar variables the module's forward (pre-)hooks keep in their closures (a call counter a monitoring hook
     bumps): `<forward pre-hook count>.calls` -> 3. The recompute calls the module, and its hooks, again."""
-    out: dict[str, Any] = {}
+    return {label: value for label, _, value in hook_cells(module)}
+
+
+def hook_cells(module: nn.Module) -> Iterator[tuple[str, types.CellType, Any]]:
+    """(label, closure cell, recorded value) of each scalar variable the module's forward (pre-)hooks keep in their
+    closures: `("<forward pre-hook count>.calls", cell, 3)`; the cell is where a restore puts another value."""
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         for hook in hooks.values():
             fn = _function(hook)
@@ -148,8 +153,7 @@ def hook_state(module: nn.Module) -> dict[str, Any]:
                     continue
                 value = recorded_scalar(value)
                 if value is not NOT_SCALAR:
-                    out[HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)] = value
-    return out
+                    yield HOOK_STATE.format(kind=kind, name=fn.__name__, var=var), cell, value
 
 
 # The recorded value of an attribute a module call created (it did not exist when the call began)

@@ -221,10 +221,22 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
            "failed): " if other_compiled_graph(region) else
            "the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
+    root = _counting_pre_hook(top, changes)
     detail = why + f"{_what(top)} was {change_words(top.forward, top.recompute)}"
     evidence = [f"{c.name}: {change_words(c.forward, c.recompute)}"
                 + (f" (read by {', '.join(c.readers[:2])})" if c.is_global else "") for c in changes[:4]]
-    if top.counted_twice and top.is_global:
+    if root is not None:  # (the body reads what the pre-hook set: the values after each pass's update)
+        kind, function, var = hook_variable(root.name)
+        detail = (why + f"{_what(top)} was {change_words(top.forward_update[1], top.recompute_update[1])}: "
+                  f"{module}'s {kind} `{function}` sets it at each call from `{var}`, a count it keeps in its closure "
+                  f"({_shown_update(root.forward_update)} in the forward, {_shown_update(root.recompute_update)} in "
+                  f"the recompute), and the recompute calls {module}, and its hooks, again, so the count advances "
+                  "twice")
+        evidence.append(f"each call of {module} changes {root.name} and {top.name}: "
+                        f"{_shown_update(root.forward_update)} and {_shown_update(top.forward_update)} in the forward, "
+                        f"{_shown_update(root.recompute_update)} and {_shown_update(top.recompute_update)} in the "
+                        "recompute")
+    elif top.counted_twice and top.is_global:
         detail += (f": the region's code changes it ({_shown_update(top.forward_update)} in the forward), and the "
                    f"recompute runs that code again ({_shown_update(top.recompute_update)}), so the update counts "
                    "twice")
@@ -255,8 +267,21 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     # (not one the region's own forward set, a statistic it writes: nothing changed it between the passes)
     names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global
                                                           and not _set_by_forward(c))]
+    if root is not None:  # (the count is what to fix: the fix for the hook, the restore of both)
+        top, names = root, [root.name, *(n for n in names if n != root.name)]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _counting_pre_hook(top: AttributeChange, changes: list[AttributeChange]) -> AttributeChange | None:
+    """The variable a forward pre-hook of `top`'s module keeps in its closure and advances at each call, where that
+    hook also sets `top` at each call (a warmup hook that counts its calls and sets the block's `alpha`): the count is
+    the state the recompute advances a second time, `top` follows from it."""
+    owner = split_name(top.name)[0]
+    if not (top.counted_twice and top.hooks and not top.is_global) or hook_variable(top.name) is not None:
+        return None
+    return next((c for c in changes if c.counted_twice and split_name(c.name)[0] == owner
+                 and (hook_variable(c.name) or ("",))[0] == "forward pre-hook"), None)
 
 
 def _numbers(change: AttributeChange) -> bool:
@@ -379,13 +404,18 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     if hook is not None:
         kind, function, var = hook
         return Suggestion(
-            f"Do not count in the {kind} `{function}` of {split_name(name)[0]}: the recompute calls it again",
+            f"Do not count `{var}` in the {kind} `{function}` of {split_name(name)[0]}: the recompute calls it again",
             f"The {kind} keeps `{var}` in its closure and changes it at each call of the module; the recompute calls "
             "the module, and its hooks, a second time, so the hook sees another value and the recompute computes "
-            f"with it. Keep `{var}` outside the hook (the training loop's step, passed to the model), or let the "
-            "hook skip its update in the recompute (a flag the loop sets around loss.backward()).",
-            "step = 0\nfor batch in loader:\n    model.warmup_step = step  # what the hook reads, set once per step\n"
-            "    loss = model(batch)\n    loss.backward()\n    step += 1")
+            f"with it. Let the hook skip the recompute (a flag the loop sets around loss.backward(): what its call in "
+            f"the forward set stays), or keep `{var}` outside the hook (the training loop's step, passed to the "
+            "model).",
+            "IN_BACKWARD = False  # at module level, beside the hook\n"
+            f"def {function}(mod, *args):  # the {kind}: the recompute keeps what the forward's call set\n"
+            "    if IN_BACKWARD:\n        return\n"
+            f"    ...  # as before: advance {var}, set what it sets\n"
+            "# in the training loop (inside a function: `global IN_BACKWARD` first):\n"
+            "IN_BACKWARD = True\nloss.backward()\nIN_BACKWARD = False")
     if _rebuilt_later(change):
         return Suggestion(
             f"Build what sets `{name}` once, outside the checkpointed forward",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..passes import Region, Run
-from ..report import CLEAN, DIVERGED, Cause, RegionReport
+from ..report import CLEAN, DIVERGED, STATE_READ_AGAIN, Cause, RegionReport
 from .labels import module_label, number_ranges
 
 WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
@@ -205,6 +205,7 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
             continue
         window, later = _window_after(r, reports, e["diverged_steps"])
         bad = [w for w in window if w.status == DIVERGED]
+        read = _state_read_twice(r, reports) if not bad else None
         lead = bad[0] if bad else None
         if lead is not None and lead.cause is not None and lead.cause.kind != "unknown" and r.cause is not None \
                 and r.cause.kind == "unknown":  # the ops of its module's full recording explain it
@@ -233,6 +234,10 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         elif window and later:  # it recurs, less often than the full recording lasts: a schedule's period
             where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved "
                      f"tensors{recurs}, each time after its full recording ended: {again}")
+        elif window and read is not None:
+            where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved tensors: "
+                     f"the divergence did not recur there, as a schedule's threshold on `{read.cause.tensor}` is "
+                     f"crossed once; {again}")
         elif window:
             chance = (f"; elsewhere in this run random draws made a region diverge ({drawn.module or '?'}, region "
                       f"{drawn.region}: {'a host draw' if drawn.cause.mechanism == 'host_rng' else 'a random op'}"
@@ -245,6 +250,23 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         else:
             where = f"{e['module']} was not recorded in full after step {r.step}{recurs}: {again}"
         r.notes.append(where)
-        if r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
+        if read is not None and r.cause is not None and r.cause.kind == "unknown":
+            seen = r.cause.detail
+            r.cause = Cause(read.cause.kind, read.cause.tensor,
+                            f"as {module_label(read.module)}'s region {read.region}, recorded in full in step "
+                            f"{read.step}, shows, its code reads `{read.cause.tensor}`, which its recompute updates a "
+                            "second time: a recompute that reads the second value computes otherwise where a schedule "
+                            f"or branch on it changes (at a threshold, then not again) ({seen})",
+                            [*read.cause.evidence], read.cause.mechanism, read.cause.source, list(read.cause.names))
+            r.suggestions = list(read.suggestions)
+        elif r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
+
+
+def _state_read_twice(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
+    """A region of `r`'s module recorded in full whose code reads Python state its recompute updates a second time
+    (region.py's STATE_READ_AGAIN): what explains a watched divergence its full recording did not see again (the
+    second update crossed a schedule's threshold once)."""
+    return next((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
+                 and x.module == r.module and x.unchecked_reason == STATE_READ_AGAIN and x.cause is not None), None)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..capture.fqn import is_segment
-from ..diagnosis.attributes import hook_variable
+from ..diagnosis.attributes import hook_variable, split_name
 from ..oprules import updates_as_it_computes
 from ..remedies import RemedySpec
 from ..report import DIVERGED, GRAD_MODE, UNCHECKED, UPDATED_IN_FORWARD
@@ -89,8 +89,7 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]
     if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD) \
             and c.tensor:
-        names = [n for n in dict.fromkeys([c.tensor, *c.names]) if hook_variable(n) is None]  # (a closure: none)
-        return ("state", [layer_glob(name) for name in names]) if names else None
+        return "state", [layer_glob(name) for name in dict.fromkeys([c.tensor, *c.names])]
     return None
 
 
@@ -110,11 +109,20 @@ def _restores(regions: list[Any]) -> list[Candidate]:
         names = ", ".join(globs)
         what = f"torch.Generator state of {names}" if state == "generator" else names
         change = next(((f.title, f.code) for r, _ in found for f in r.suggestions
-                       if f.code and r.cause.tensor and f"`{r.cause.tensor}`" in f.title), None)
+                       if f.code and r.cause.tensor and _fixes(f.title, r.cause.tensor)), None)
         out.append(Candidate(f"restore the forward's {what} in the recompute", RemedySpec(restore=globs),
                              f"{kinds} in {modules}", "restore", state="generator" if state == "generator" else names,
                              change=change))
     return out
+
+
+def _fixes(title: str, name: str) -> bool:
+    """Whether a suggestion's title names the state `name` as the diagnosis names it: `blocks.0.step`, or a hook's
+    closure variable by the variable and its hook (`calls` in the forward pre-hook `warmup` of blocks.0)."""
+    hook = hook_variable(name)
+    if hook is None:
+        return f"`{name}`" in title
+    return f"`{hook[2]}`" in title and f"`{hook[1]}`" in title and split_name(name)[0] in title
 
 
 def _repeating(regions: list[Any]) -> dict[str, tuple[list[str], set[str]]]:

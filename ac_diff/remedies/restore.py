@@ -9,7 +9,8 @@ torch.Generator), so `ac-diff fix` can prove such a code change before the user 
 
 NAME is a glob over fully qualified names, matched dot by dot (`layers.*.bias`): a buffer, tensor attribute,
 Python scalar attribute (`layers.1.moe.router.calls`, or a field of a small run config the module holds,
-`layers.1.scan.cfg.chunk`; not a parameter), list/tuple/dict/deque attribute (a
+`layers.1.scan.cfg.chunk`, or a scalar a forward hook keeps in its closure, `layers.1.<forward pre-hook warmup>.calls`;
+not a parameter), list/tuple/dict/deque attribute (a
 memory the forward appends to, `layers.1.attn.mems`: the recompute gets a copy of the forward's), or a
 torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every
 torch.Generator held by that module or its submodules (a LoRA dropout's own, `layers.1.q_proj.lora_dropout.default
@@ -33,7 +34,7 @@ import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, run_config, scalar_fields
+from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, hook_cells, run_config, scalar_fields
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -46,28 +47,35 @@ class _Slot:
 
     def __init__(self, owner: Any, attr: str) -> None:
         self.owner, self.attr = owner, attr
+        self.label = attr  # what its FQN ends with, after its owner's
+
+    def get(self) -> Any:
+        return getattr(self.owner, self.attr)
+
+    def put(self, value: Any) -> None:
+        if self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
+            self.owner._buffers[self.attr] = value
+        else:
+            object.__setattr__(self.owner, self.attr, value)
 
     def snapshot(self) -> Any:
-        value = getattr(self.owner, self.attr)
+        value = self.get()
         if isinstance(value, torch.Generator):
             return value.get_state()
         return _copy(value)
 
     def swap(self, value: Any) -> Any:
-        current = getattr(self.owner, self.attr)
+        current = self.get()
         if isinstance(current, torch.Generator):
             before = current.get_state()
             current.set_state(value)
             return before
-        if self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
-            self.owner._buffers[self.attr] = value
-        else:
-            object.__setattr__(self.owner, self.attr, value)
+        self.put(value)
         return current
 
     def holds(self, snapshot: Any) -> bool:
         """Whether the state still equals `snapshot` (a container of tensors counts as changed)."""
-        value = getattr(self.owner, self.attr)
+        value = self.get()
         if isinstance(value, torch.Generator):
             value = value.get_state()
         if isinstance(value, torch.Tensor) or isinstance(snapshot, torch.Tensor):
@@ -80,6 +88,21 @@ class _Slot:
             return type(value) is type(snapshot) and bool(value == snapshot)
         except Exception:  # (tensors inside a container: not compared)
             return False
+
+
+class _ClosureSlot(_Slot):
+    """A scalar a forward (pre-)hook of `owner` keeps in its closure (a warmup hook's call count): swapped in its
+    cell, which the hook reads and writes."""
+
+    def __init__(self, owner: torch.nn.Module, label: str, cell: Any) -> None:
+        super().__init__(owner, label)
+        self.cell = cell
+
+    def get(self) -> Any:
+        return self.cell.cell_contents
+
+    def put(self, value: Any) -> None:
+        self.cell.cell_contents = value
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
@@ -102,6 +125,10 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
             fqn = f"{name}.{attr}" if name else attr
             if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and under):
                 found[fqn] = _Slot(sub, attr)
+        for label, cell, _ in hook_cells(sub):  # `layers.0.<forward pre-hook warmup>.calls`
+            fqn = f"{name}.{label}" if name else label
+            if fqn_matches(fqn, globs):
+                found[fqn] = _ClosureSlot(sub, label, cell)
         for attr, value in vars(sub).items():  # a run config the module holds: its fields (`scan.cfg.chunk`)
             if run_config(value):
                 for field, _ in scalar_fields(value):
@@ -202,7 +229,7 @@ class RestoreInRecompute:
         for fqn, slot in slots.items():
             if slot.owner in self._started:
                 continue
-            prefix = fqn.rsplit(".", 1)[0] + "." if "." in fqn else ""
+            prefix = fqn[:len(fqn) - len(slot.label)]
             state = _state_of(slot.owner) if isinstance(slot.owner, torch.nn.Module) else scalar_fields(slot.owner)
             out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in state})
         self._started.update(slot.owner for slot in slots.values())
