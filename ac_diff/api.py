@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -127,12 +128,21 @@ class Trace:
     runs: list[Run]
     header: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
+    def report(self) -> Report:
+        """The diagnosis of these runs (what `ac-diff report` prints)."""
+        return diagnose(self.runs)
+
     @property
     def regions(self) -> "pd.DataFrame":
         rows = []
+        diagnosed = {(r.rank, r.region): r for r in self.report.regions}
         for run in self.runs:
             for r in run.regions:
+                found = diagnosed.get((r.rank, r.region))
                 rows.append({
+                    "status": found.status if found else None, "silent": found.silent if found else None,
+                    "cause": found.cause.kind if found and found.cause else None,
                     "rank": r.rank, "region": r.region, "module": r.module, "kind": r.kind, "parent": r.parent,
                     "forward_ops": op_count(r.forward), "recompute_ops": op_count(r.recompute),
                     "forward_positions": len(r.forward.positions) if r.forward else 0,
@@ -187,7 +197,7 @@ class Trace:
                     yield run, r, p
 
 
-_REGION_COLUMNS = ["rank", "region", "module", "kind", "parent", "forward_ops", "recompute_ops", "forward_positions",
+_REGION_COLUMNS = ["rank", "region", "module", "kind", "status", "silent", "cause", "parent", "forward_ops", "recompute_ops", "forward_positions",
                    "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac",
                    "watched", "step"]
 _OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "source", "in_shapes", "out_shapes",

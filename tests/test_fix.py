@@ -217,3 +217,19 @@ def test_turning_ac_off_is_no_fix_where_the_parameters_changed_in_place_before_t
     without_ac_too(other, base(PARAMETER), ["down"])  # (one parameter, maybe reassigned: the old one is saved)
     without_ac_too(other, base(OPTIMIZER_STEP), ["up"])  # another module's
     assert other.status == VERIFIED
+
+
+def test_each_try_compares_the_backward_passes_that_reach_the_first_divergence():
+    """A schedule crossing its threshold in backward 10: a try compares 10 backward passes with the run without AC,
+    not the 2 of --steps (a try was called verified on gradients compared before the step it was to fix), up to
+    REACH_MAX; an earlier divergence keeps --steps."""
+    from types import SimpleNamespace
+
+    from ac_diff.fix.tries import REACH_MAX, reach
+
+    def report(*steps):
+        return SimpleNamespace(regions=[SimpleNamespace(status="diverged" if s else "clean", step=abs(s) or 3)
+                                        for s in steps])
+    assert reach(report(0, 10, 12), 2) == 10
+    assert reach(report(1, 10), 2) == 2 and reach(report(0), 2) == 2 and reach(report(), 3) == 3
+    assert reach(report(500), 2) == REACH_MAX

@@ -198,3 +198,21 @@ def test_header_read_in_one_place(trace, tmp_path):
     other = tmp_path / "trace-rank1.jsonl"
     other.write_text('{"hello": 1}\n')
     assert read_header(other) is None
+
+
+def test_the_regions_table_says_which_regions_diverged(tmp_path):
+    """`export --what regions` is the regions table: each region's status, whether it was silent, and its cause's
+    kind, as the report gives them (the table had none: an export could not show which regions diverged)."""
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block, path = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for preserve in (True, False):  # (dropout without its RNG state: another mask in the recompute)
+            checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False,
+                       preserve_rng_state=preserve).sum().backward()
+    table = ac_diff.load(path).regions
+    rows = table[["region", "status", "silent"]].values.tolist()
+    assert rows == [[0, "clean", False], [1, "diverged", True]], rows
+    assert table.cause.isna().tolist() == [True, False] and table.cause[1] == "rng", table.cause

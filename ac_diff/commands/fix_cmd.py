@@ -42,7 +42,7 @@ from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
 from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
-from ..fix.tries import Measured, diverged, judge, run_measured, without_ac_too
+from ..fix.tries import Measured, diverged, judge, reach, run_measured, without_ac_too
 from ..reference.explain import attach
 from ..reference.result import DIFFERS
 from ..reference.run import reference_command, reference_result
@@ -94,7 +94,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
             if deterministic not in references:
                 directory = out / ("reference-deterministic" if deterministic else "reference")
                 # the reference's ranks: a torchrun of their own, started like the launcher's (children.py)
-                child, text = reference_command(target, args, module=module, directory=directory, steps=steps,
+                child, text = reference_command(target, args, module=module, directory=directory, steps=try_steps,
                                                 spec=RemedySpec(deterministic=deterministic),
                                                 nproc=nproc if nproc > 1 else 0)
                 references[deterministic] = directory, run_measured(child, out / f"{directory.name}.log"), text
@@ -103,11 +103,15 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     compiled_run = None
     while True:
         base_m = run_measured(child_command([*run, "-o", str(out / "base"), *tail], extra=capture), out / "base.log")
-        ref_dir, ref_m, ref_text = reference(False)
         report, base_run = _report_of(out / "base", settings)
         if report is None:
             return fail(f"the script did not start the recorder (exit {base_m.code}): {base_m.last_line()} "
                         f"(see {out / 'base.log'})")
+        try_steps = reach(report, steps)
+        if try_steps > steps:
+            print(f"ac-diff fix: the first divergence is in backward {try_steps}: each try compares {try_steps} "
+                  "backward passes with the run without AC", file=sys.stderr)
+        ref_dir, ref_m, ref_text = reference(False)
         ranks = sorted({r.rank for r in report.regions}) or [0]
         attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text,
                                          reference_dir=ref_dir))
@@ -134,11 +138,12 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         c, t = found[i], tries[i]
         print(f"ac-diff fix: try {i + 1}/{min(len(found), max_tries)}: {c.name}", file=sys.stderr)
         d = out / f"try-{i + 1}"
-        m = run_measured(child_command([*run, "-o", str(d), *t.args, *tail], extra=capture), out / f"try-{i + 1}.log")
+        m = run_measured(child_command([*run, "-o", str(d), *t.args, *tail], extra={CAPTURE_ENV: str(try_steps)}),
+                         out / f"try-{i + 1}.log")
         r, rank0 = _report_of(d, settings)
         reports[i] = r
         try_dir, try_m, try_text = reference(c.spec.deterministic)
-        ref = reference_result(r, d, ranks, steps, try_m.code, try_text, reference_dir=try_dir) \
+        ref = reference_result(r, d, ranks, try_steps, try_m.code, try_text, reference_dir=try_dir) \
             if r is not None else None
         judge(t, r, ref, m, base_m, c.op,
               extra_bytes_per_region(rank0, base_run, c.spec.no_ac) if rank0 is not None else None,

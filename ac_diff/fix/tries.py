@@ -67,6 +67,17 @@ def diverged(report: Any) -> int:
     return sum(1 for r in report.regions if r.status == DIVERGED)
 
 
+REACH_MAX = 32  # backward passes a try compares at most: each one's gradients are kept, in every run
+
+
+def reach(report: Any, steps: int) -> int:
+    """The backward passes each try compares with the run without AC: `steps`, or as many as reach the base run's
+    first divergent step (a schedule that crosses its threshold in backward 10), up to REACH_MAX; a try verified over
+    fewer would leave the step it is to fix uncompared."""
+    first = min((r.step for r in report.regions if r.status == DIVERGED and r.step is not None), default=0)
+    return max(steps, min(first, REACH_MAX))
+
+
 def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None,
           extra_bytes: float | None = None, culprits: frozenset[str] = frozenset()) -> None:
     """Fill in the try's outcome: status, regions after, gradients, memory, wall time, reason. `culprits`: the
