@@ -374,3 +374,38 @@ def test_an_audit_of_a_run_that_stopped_before_any_recompute_is_no_all_clear():
     assert a["headline"].startswith("the script stopped (exit 1): no region was recomputed, so none was checked"), \
         a["headline"]
     assert a["extrapolation"]["unchecked"]
+
+
+class _Switch(torch.nn.Module):
+    """A top-1 router that takes its gate with `max(dim)` and its expert with `argmax` of the same probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.experts = torch.nn.Linear(16, 4), torch.nn.Linear(16, 64)
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        gate, expert = probs.max(-1)[0], probs.argmax(-1)
+        chosen = self.experts(x).view(-1, 4, 16) * torch.nn.functional.one_hot(expert, 4)[..., None]
+        return chosen.sum(1) * gate[:, None]
+
+
+def test_two_ops_that_make_one_decision_on_the_same_scores_are_counted_once():
+    """`argmax` and `max(dim)` of one router's probabilities flip together: the prediction counts that decision once
+    (it summed both, doubling the flips to expect), and the second site says which one it repeats."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block, x = _Switch(), torch.randn(64, 16, requires_grad=True)
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2, max_regions=2)).start()
+    try:
+        for _ in range(2):
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+    finally:
+        auditor.stop()
+    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    sites = {s["op"]: s for s in a["sites"] if s["kind"]}
+    assert set(sites) == {"aten.max.dim", "aten.argmax.default"}, list(sites)
+    assert sites["aten.argmax.default"]["same_as"] == "aten.max.dim" and sites["aten.max.dim"]["same_as"] is None
+    (kind,) = a["extrapolation"]["kinds"]
+    assert kind["site"].endswith(" max") and kind["rows_per_call"] == 64, kind

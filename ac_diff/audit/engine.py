@@ -66,6 +66,7 @@ class SiteStats:
     value_events: int = 0  # ... flipped and only values changed
     probe: str | None = None  # "shape" | "values" | "no flip" from the probe at a larger noise
     score_noise: list = field(default_factory=list)  # rms change of the scores per seed and call
+    same_as: tuple | None = None  # the label of a site making this decision on the same scores (argmax, max(dim))
 
     @property
     def layer_kind(self) -> str:
@@ -290,6 +291,9 @@ class Auditor:
         stats = {key: self._site(clean, key, targets.get(key)) for key in clean.decisions}
         for s in stats.values():
             s.calls += 1
+        for key, earlier in _same_decisions(clean, targets).items():
+            if stats[key] is not stats[earlier]:
+                stats[key].same_as = stats[earlier].label
         flipped_keys: set = set()
         reached: set = set()  # decisions whose scores the noise moved (not behind a saved op)
         for seed in range(seeds):
@@ -421,6 +425,19 @@ class Auditor:
             if at is not None and margins.numel():
                 plans.append(({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(margins.median()))))
         return plans
+
+
+def _same_decisions(clean: PassResult, targets: dict) -> dict:
+    """key -> the key of an earlier decision on the same scores, with the same choice and margins (`argmax` and
+    `max(dim)` of one router's probabilities): one decision, which flips in both or neither, counted once."""
+    out, seen = {}, {}
+    for key, target in targets.items():
+        m = clean.decisions[key].margins
+        shape = (target, m.kind, m.k, m.dim, m.candidates)
+        first = seen.setdefault(shape, key)
+        if first is not key and torch.equal(clean.decisions[first].margins.margins, m.margins):
+            out[key] = first
+    return out
 
 
 def _saved_changed(clean: PassResult, other: PassResult) -> bool:

@@ -70,7 +70,7 @@ def extrapolate(sites, regions, scale: Scale, noise: str | None = None) -> dict:
     audited_tokens = median([r.tokens for r in regions if r.tokens]) if any(r.tokens for r in regions) else None
     groups: dict[str, list] = {}
     for s in sites:
-        if s.kind is not None and s.rows:
+        if s.kind is not None and s.rows and s.same_as is None:  # (a decision another site makes: counted there)
             groups.setdefault(s.layer_kind, []).append(s)
     kinds, total, shape_total = [], 0.0, 0.0
     for name, members in sorted(groups.items()):

@@ -81,8 +81,9 @@ def render_audit(doc: dict, console: Console) -> None:
     lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; predicted: P(flip) per row from "
                   "the flips seen, the margins and their density near zero; a flip: what it does to the saved tensors "
                   "(error: their shapes change, torch raises CheckpointError; silent: values only)", style="dim")]
-    lines += [Text(f"  {s['module']} {s['op']} at {s['source']} (noise into {s['noise_into']})", style="dim")
-              for s in scored]
+    lines += [Text(f"  {s['module']} {s['op']} at {s['source']} (noise into {s['noise_into']})"
+                   + (f"; the decision {s['same_as']} makes, on the same scores: counted once" if s.get("same_as")
+                      else ""), style="dim") for s in scored]
     lines.append(Text(a["extrapolation"]["headline"], style="bold"))
     for k in a["extrapolation"]["kinds"]:
         lines.append(Text(f"  {k['site']}: P(flip)/row {k['p_flip_per_row']:.2g} x {k['rows_per_call']:.0f} rows"

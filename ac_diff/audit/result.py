@@ -43,6 +43,7 @@ def site_json(s) -> dict:
         "density_at_zero": s.density_at_zero(), "rate": s.rate() if s.kind else obs,
         "score_noise_rms": (sum(s.score_noise) / len(s.score_noise)) if s.score_noise else None,
         "shape_share": s.shape_share(), "probe": s.probe, "consequence": _consequence(s),
+        "same_as": " ".join(p for p in s.same_as[:2] if p) if s.same_as else None,
     }
 
 
