@@ -214,3 +214,32 @@ def test_two_runs_that_checkpoint_with_other_rng_options_say_so(tmp_path):
     assert "another seed" not in region.cause.detail
     assert "preserve_rng_state=True in run A, False in run B" in " ".join(region.notes)
     assert region.suggestions[0].title == "Checkpoint with preserve_rng_state=True (torch's default)"
+
+
+def test_a_watched_run_compared_with_a_full_run_pairs_regions_by_step(tmp_path):
+    """One training recorded in full and watched: the watched trace writes its first step and the step that diverged
+    (and the steps recorded in full after it) only. Regions pair by step, the watched ones are not comparable, and
+    the regions watch counted without writing are not "ran in run A only" (the trace's 4th region, of step 6, was
+    compared with run A's of step 3: the runs "differed from region 4")."""
+    import torch
+    import torch.utils.checkpoint as cp
+    from models import Scaled
+
+    import ac_diff
+
+    paths = {}
+    for name, watch in (("full", False), ("watch", True)):
+        torch.manual_seed(0)
+        model, paths[name] = Scaled(), tmp_path / name / "trace-rank0.jsonl"
+        with ac_diff.record(paths[name], watch=watch):
+            for step in range(8):
+                y = cp.checkpoint(model, torch.randn(4, 8), use_reentrant=False)
+                if step == 3:
+                    with torch.no_grad():
+                        model.scale.mul_(1.5)  # between the forward and the backward
+                y.sum().backward()
+    code, report = _compare_cli(paths["full"], paths["watch"], tmp_path)
+    statuses = [(r["region"], r["status"]) for r in report["regions"]]
+    assert report["verdict"] != "diverged" and "diverged" not in {s for _, s in statuses}, statuses
+    assert statuses[0] == (0, "clean") and all(s == "clean" for region, s in statuses if region > 4), statuses
+    assert not any("only" in " ".join(r["notes"]) and "watched" not in " ".join(r["notes"]) for r in report["regions"])

@@ -34,8 +34,10 @@ KIND = "two_runs"
 
 def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Report:
     label_a, label_b = _label(run_a), _label(run_b)
-    keys_a = [_region_key(r) for r in run_a.regions]
-    keys_b = [_region_key(r) for r in run_b.regions]
+    # (by step where both runs count them: a watched run writes only the regions that diverged, or were escalated)
+    stepped = all(r.step is not None for run in (run_a, run_b) for r in run.regions)
+    keys_a = [_region_key(r, stepped) for r in run_a.regions]
+    keys_b = [_region_key(r, stepped) for r in run_b.regions]
     regions: list[RegionReport] = []
     only_a: list[Region] = []
     only_b: list[Region] = []
@@ -48,10 +50,10 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
                 continue
             if a is not None:
                 only_a.append(a)
-                regions.append(_unmatched(a, "A", "B"))
+                regions.append(_unmatched(a, "A", "B", run_b))
             if b is not None:
                 only_b.append(b)
-                regions.append(_unmatched(b, "B", "A"))
+                regions.append(_unmatched(b, "B", "A", run_a))
     differ = [r for r in regions if r.status == DIVERGED]
     compared = sum(1 for r in regions if r.status in (CLEAN, DIVERGED) and r.kind == KIND and not _is_unmatched(r))
     notes = [f"run A: {label_a}", f"run B: {label_b}"]
@@ -132,6 +134,12 @@ def _compare_region(a: Region, b: Region, settings: Settings) -> RegionReport:
     )
     if b.region != a.region or b.rank != a.rank:
         report.notes.append(f"run A rank {a.rank} region {a.region} | run B rank {b.rank} region {b.region}")
+    if a.watched or b.watched:  # (watch's digests of saved tensors are not the full recording's fingerprints)
+        report.status = UNCHECKED
+        report.notes.append(" and ".join(x for x, r in (("run A", a), ("run B", b)) if r.watched)
+                            + " watched this region (its recompute compared with its forward, no op written): record "
+                            "both runs in full to compare them")
+        return report
     if a.forward is None or b.forward is None or not a.recorded or not b.recorded:
         report.status = UNCHECKED
         report.notes.append("the forward of this region was not recorded in "
@@ -218,7 +226,15 @@ def _counts(cmp: PassComparison) -> dict[str, int]:
     return counts
 
 
-def _unmatched(r: Region, present: str, absent: str) -> RegionReport:
+def _unmatched(r: Region, present: str, absent: str, other: Run) -> RegionReport:
+    if other.watch is not None:  # (a region watch saw reproduce is counted, not written)
+        report = RegionReport(
+            rank=r.rank, region=r.region, module=r.module, kind=KIND, status=UNCHECKED, silent=False, cause=None,
+            first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
+            first_control_divergence=None, positions=[], suggestions=[], chain=[])
+        report.notes.append(f"run {absent} was watched (--watch), which writes only the regions that diverged or were "
+                            f"recorded in full: this one is not in its trace; record both runs in full to compare them")
+        return report
     report = RegionReport(
         rank=r.rank, region=r.region, module=r.module, kind=KIND, status=DIVERGED, silent=False,
         cause=Cause("control_flow", r.module, f"region {r.region} ({r.module or '?'}) ran in run {present} only"),
@@ -389,7 +405,7 @@ def _exit_notes(run: Run, letter: str) -> list[str]:
     return []
 
 
-def _region_key(r: Region) -> tuple:
-    return (r.module, r.kind, r.parent is not None)
+def _region_key(r: Region, stepped: bool) -> tuple:
+    return (r.module, r.kind, r.parent is not None, r.step if stepped else None)
 
 
