@@ -409,3 +409,42 @@ def test_two_ops_that_make_one_decision_on_the_same_scores_are_counted_once():
     assert sites["aten.argmax.default"]["same_as"] == "aten.max.dim" and sites["aten.max.dim"]["same_as"] is None
     (kind,) = a["extrapolation"]["kinds"]
     assert kind["site"].endswith(" max") and kind["rows_per_call"] == 64, kind
+
+
+class _FadeIn(torch.nn.Module):
+    """A ProGAN fade-in: counts the images it has seen in its forward and blends by alpha = min(1, seen / ramp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.old, self.new, self.imgs_seen = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.imgs_seen += x.shape[0]
+        alpha = min(1.0, self.imgs_seen / 64)
+        return (1 - alpha) * self.old(x) + alpha * torch.tanh(self.new(x))
+
+
+@pytest.mark.parametrize("counting", [True, False])
+def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counting):
+    """The recompute counts the images again: its saved tensors match the forward's (the scalar blend saves none), so
+    the margins' prediction read as an all-clear while the gradients differ from a run without AC from step 2 on.
+    The headline adds what the replays cannot see; a block whose forward updates nothing gets no such line."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = _FadeIn() if counting else torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=2)).start()
+    try:
+        for _ in range(3):
+            checkpoint(block, torch.randn(8, 16, requires_grad=True), use_reentrant=False).sum().backward()
+    finally:
+        auditor.stop()
+    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    assert a["recompute"]["diverged_count"] == 0
+    if counting:
+        assert a["recompute"]["state_twice_count"] == 3, a["recompute"]
+        assert a["recompute"]["state_twice"][0]["names"] == ["imgs_seen"]
+        assert "; but 3 recompute(s) updated Python state of their module a second time" in a["headline"], a["headline"]
+        assert block.imgs_seen == 8 * 6  # (the replays left it as the training made it: forward and recompute)
+    else:
+        assert a["recompute"]["state_twice_count"] == 0 and "Python state" not in a["headline"]

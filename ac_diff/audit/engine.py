@@ -174,12 +174,16 @@ class Auditor:
 
     # -- the listener interface of torch_hooks.CheckpointHooks --------------------------------
     def enter(self, frame: Any, phase: str) -> None:
-        if self._busy or phase != FORWARD:
+        if self._busy:
+            return
+        if phase != FORWARD:
+            self.recompute.recompute_begins(frame)
             return
         self.modules.freeze()
         index = self.seen  # numbered from 0, as `ac-diff run` numbers the regions
         self.seen += 1
-        self.recompute.forward(frame, index, self._name(getattr(frame, "_ac_diff_fn", None)))
+        fn = getattr(frame, "_ac_diff_fn", None)
+        self.recompute.forward(frame, index, self._name(fn), checkpointed_module(fn)[0] if fn is not None else None)
         if self.seen > self.settings.max_regions:
             return
         inputs = getattr(frame, "_ac_diff_inputs", None) or ()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..capture.fingerprint import FingerprintBatch
+from ..capture.pystate import module_attributes
 from ..capture.torch_compat import FORWARD, RECOMPUTE
 
 
@@ -40,6 +41,9 @@ class _Region:
     module: str
     forward: _Pass = field(default_factory=_Pass)
     recompute: _Pass | None = None
+    root: Any = None  # the checkpointed nn.Module (its Python state is compared), None for a function
+    state: dict | None = None  # its Python state as the pass now running began
+    updated: dict | None = None  # what the forward changed: name -> (before, after)
 
 
 class RecomputeCheck:
@@ -53,12 +57,21 @@ class RecomputeCheck:
         self.checked = 0
         self.diverged: list[dict] = []
         self.diverged_count = 0
+        # regions whose recompute updated Python state of the module a second time (a counter a schedule reads)
+        self.state_twice: list[dict] = []
+        self.state_twice_count = 0
 
-    def forward(self, frame: Any, index: int, module: str) -> None:
-        """A region's forward begins (`index`: its number in the run)."""
+    def forward(self, frame: Any, index: int, module: str, root: Any = None) -> None:
+        """A region's forward begins (`index`: its number in the run; `root`: the checkpointed module)."""
         if len(self._open) >= self.MAX_OPEN:
             del self._open[next(iter(self._open))]
-        self._open[id(frame)] = _Region(index, module)
+        self._open[id(frame)] = region = _Region(index, module, root=root)
+        region.state = _python_state(root)
+
+    def recompute_begins(self, frame: Any) -> None:
+        region = self._open.get(id(frame))
+        if region is not None:
+            region.state = _python_state(region.root)
 
     def pack(self, frame: Any, phase: str, position: int, x: Any) -> None:
         region = self._open.get(id(frame))
@@ -82,10 +95,16 @@ class RecomputeCheck:
                 self._open.pop(id(frame))
             else:
                 _read(region.forward)
+                region.updated = _changed(region.state, _python_state(region.root))
             return
         if phase != RECOMPUTE:
             return
         self._open.pop(id(frame))
+        twice = _changed(region.state, _python_state(region.root)).keys() & (region.updated or {}).keys()
+        if twice:
+            self.state_twice_count += 1
+            if len(self.state_twice) < self.MAX_LISTED:
+                self.state_twice.append({"region": region.index, "module": region.module, "names": sorted(twice)})
         if region.recompute is None:  # nothing saved again (a reentrant region: its packs are not seen)
             return
         _read(region.recompute)
@@ -112,7 +131,24 @@ class RecomputeCheck:
         """{"checked", "diverged_count", "diverged": [{"region", "module", "how", "positions", "detail"}]} in region
         order."""
         return {"checked": self.checked, "diverged_count": self.diverged_count,
-                "diverged": sorted(self.diverged, key=lambda r: r["region"])}  # (the backward runs them last first)
+                "diverged": sorted(self.diverged, key=lambda r: r["region"]),  # (the backward runs them last first)
+                "state_twice_count": self.state_twice_count,
+                "state_twice": sorted(self.state_twice, key=lambda r: r["region"])}
+
+
+def _python_state(root: Any) -> dict | None:
+    """The Python state of the checkpointed module and its submodules (capture.pystate.module_attributes), by FQN
+    under it; None for a checkpointed function."""
+    if not isinstance(root, torch.nn.Module):
+        return None
+    return {f"{name}.{key}" if name else key: value for name, sub in root.named_modules()
+            for key, value in module_attributes(sub).items()}
+
+
+def _changed(before: dict | None, after: dict | None) -> dict:
+    if before is None or after is None:
+        return {}
+    return {k: (before.get(k), v) for k, v in after.items() if before.get(k, v) != v}
 
 
 def _read(p: _Pass) -> None:

@@ -85,6 +85,8 @@ def render_audit(doc: dict, console: Console) -> None:
                    + (f"; the decision {s['same_as']} makes, on the same scores: counted once" if s.get("same_as")
                       else ""), style="dim") for s in scored]
     lines.append(Text(a["extrapolation"]["headline"], style="bold"))
+    if a["recompute"].get("state_note") and not a["recompute"]["headline"]:
+        lines.append(Text(f"but {a['recompute']['state_note']}", style="bold yellow"))
     for k in a["extrapolation"]["kinds"]:
         lines.append(Text(f"  {k['site']}: P(flip)/row {k['p_flip_per_row']:.2g} x {k['rows_per_call']:.0f} rows"
                           f"{'' if k['tokens_factor'] == 1 else ' x %.3g (tokens)' % k['tokens_factor']} x "

@@ -16,7 +16,8 @@ Each pass starts from the forward's RNG state and runs under its own `torch.rand
 training's RNG is untouched; tensors from outside the replay that an op writes in place (buffers,
 counters, running statistics) are copied before the first write and restored by `close()`. The inputs
 are detached: nothing a replay builds reaches the training's graph, and no backward ever runs on it.
-Python state a region changes (a counter `self.calls += 1`) is not restored: ac-diff cannot see it.
+Python state the checkpointed module's code changes (a counter `self.calls += 1`, a list it appends to, a count a
+hook keeps in its closure, a private generator) is put back after each pass (remedies/restore.KeptState).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.opinfo import op_info
+from ..capture.torch_compat import checkpointed_module
+from ..remedies.restore import KeptState
 from ..oprules import written_arguments
 from ..capture.sourceline import user_source
 from .margins import Margins, decision_margins
@@ -224,6 +227,7 @@ class RegionReplay:
         self.inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
                             and (a.is_floating_point() or a.is_complex()) else a for a in inputs)
         self.guard = _Guard()
+        self.kept = KeptState(checkpointed_module(fn)[0] or module)  # Python state a replay's forward changes
         self.baseline: PassResult | None = None
 
     def run(self, noise: dict | None = None, spec: NoiseSpec | None = None, seed: int = 0,
@@ -256,6 +260,7 @@ class RegionReplay:
                     if stack and stack[-1][0] is self.module:
                         stack.pop()
                 random.setstate(py)
+                self.kept.restore()
         if self.baseline is None:
             self.baseline = result
         return result

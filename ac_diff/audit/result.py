@@ -77,6 +77,12 @@ def recompute_json(check, target: str) -> dict:
         + ("torch raises CheckpointError" if first["how"] in ("shapes", "count") else
            "torch raises nothing and the gradients are wrong")
         + f" now, whatever the margins below predict; `ac-diff run {shlex.quote(target)}` names the cause")
+    twice = doc["state_twice"][0] if doc["state_twice"] else None
+    doc["state_note"] = None if twice is None else (
+        f"{doc['state_twice_count']} recompute(s) updated Python state of their module a second time (first: "
+        f"{twice['module']}, region {twice['region']}: {', '.join(f'`{n}`' for n in twice['names'][:3])}), which the "
+        "replays cannot see: where the code reads it (a schedule, a branch), later steps compute otherwise than "
+        f"without AC; `ac-diff run --reference no-ac --reference-steps 3 {shlex.quote(target)}` compares the gradients")
     return doc
 
 
@@ -100,8 +106,11 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
             f"only the {recompute['checked']} region(s) recomputed before that were checked")
             + f"; {fix_it}; the prediction covers what ran until then: " + risk["headline"])
     risk["unchecked"] = not auditor.regions or bool(exit_code and not recompute["checked"])
+    headline = recompute["headline"] or risk["headline"]
+    if recompute["state_note"] and not recompute["headline"]:  # (the margins' prediction is no all-clear then)
+        headline += f"; but {recompute['state_note']}"
     return {"format": FORMAT, "version": VERSION, "audit": {
-        "headline": recompute["headline"] or risk["headline"],
+        "headline": headline,
         "target": target, "noise": settings.noise.text, "seeds": settings.seeds, "max_regions": settings.max_regions,
         "regions_seen": auditor.seen, "regions_audited": len(auditor.regions),
         "wall_seconds": round(wall_seconds, 3), "audit_seconds": round(auditor.audit_seconds, 3),

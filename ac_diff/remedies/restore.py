@@ -105,6 +105,25 @@ class _ClosureSlot(_Slot):
         self.cell.cell_contents = value
 
 
+class KeptState:
+    """The state of `root`'s modules that their code changes outside autograd's view, as it is now, put back by
+    `restore()`: Python attributes (scalars, containers, names), the counts their hooks keep in their closures, and
+    their private generators; not tensors (the audit's replays undo their in-place writes op by op)."""
+
+    def __init__(self, root: Any) -> None:
+        modules = list(root.modules()) if isinstance(root, torch.nn.Module) else []
+        self.slots: list[_Slot] = [
+            *(_Slot(sub, attr) for sub in modules for attr, value in _state_of(sub)
+              if not isinstance(value, torch.Tensor)),
+            *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub))]
+        self.saved = [slot.snapshot() for slot in self.slots]
+
+    def restore(self) -> None:
+        for slot, value in zip(self.slots, self.saved):
+            if not slot.holds(value):
+                slot.swap(_copy(value))
+
+
 def fqn_matches(name: str, globs: list[str]) -> bool:
     """Dot by dot: `layers.*.bias` matches `layers.0.bias`, not `layers.0.fc.bias`."""
     parts = name.split(".")
