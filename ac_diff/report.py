@@ -87,6 +87,11 @@ class Divergence:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def label(self) -> str:
+        """The kind as a report names it: "dtype" for a metadata divergence where only dtypes changed."""
+        return "dtype" if self.kind == "shape" and "dtype" in self.detail.get("differs", ()) else self.kind
+
 
 @dataclass(slots=True, frozen=True)
 class PositionRow:

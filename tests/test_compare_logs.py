@@ -552,3 +552,32 @@ def test_a_log_of_batch_norms_switched_to_eval_leads_with_the_batch_norm(tmp_pat
     error = ac_diff.diagnose_paths([log]).torch_error
     assert [c.saved for c in error.changes] == ["f32[8]"] * 4 and all(c.recomputed == "f32[0]" for c in error.changes)
     assert "in pairs of one size: a batch norm's saved mean and inverse std" in error.cause, error.cause
+
+
+def test_autocast_on_in_the_recompute_only_is_a_dtype_change_in_a_log(tmp_path):
+    """An AMP warmup that switches autocast on between the forward and the backward: the recompute casts the weights
+    and saves bf16 where the forward saved f32, same shapes. From the debug log it read "saved positions differ in
+    shape" and "Python code took another branch" (the casts only the recompute ran); it is a dtype change, and the
+    cause is autocast's state, as the plain error text already said."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    block, amp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)), [False]
+
+    def fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp[0]):
+            return block(x)
+
+    with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+        y = cp.checkpoint(fn, torch.randn(8, 16, requires_grad=True), use_reentrant=False, debug=True).float().sum()
+        amp[0] = True  # (the warmup ends before the backward: the recompute runs under autocast)
+        y.backward()
+    log = tmp_path / "amp.log"
+    log.write_text("".join(traceback.format_exception(caught.value)))
+    (region,) = ac_diff.diagnose_paths([log]).regions
+    assert region.cause.kind == "global_state" and "changed its dtype (f32 -> bf16)" in region.cause.detail, \
+        region.cause
+    assert region.first_shape_divergence.label == "dtype" and region.chain[-1].endswith(
+        "differ in dtype -> CheckpointError"), region.chain
+    assert {row.marker for row in region.window if row.marker in ("shape", "dtype")} == {"dtype"}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
+from ..oprules import CAST, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
 from ..passes import OpRecord, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
@@ -241,6 +241,12 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                          "path) or on a tensor's requires_grad / grad_fn takes the other branch in the recompute",
                          [control.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
                          mechanism=GRAD_MODE, source=control.source)
+        casts = dtype_only(report.positions) if control.op == CAST else None
+        if casts:  # (autocast on in one pass: it casts the weights before each matmul, the other pass does not)
+            return Cause("global_state", "autocast",
+                         f"the {'recompute' if control.forward_index is None else 'forward'} ran dtype casts the other "
+                         f"pass did not, and {DTYPE_ONLY.format(change=casts)}", [control.summary],
+                         source=control.source)
         return Cause("control_flow", control.op, ran + "Python code took another branch", [control.summary])
 
     if (report.has_values and first is not None and first.kinds & ARGUMENT_KINDS
@@ -881,7 +887,8 @@ def _log_chain(report: RegionReport, region: Region) -> list[str]:
         chain.append(f"{shape.op}{_at(shape.module, shape.source)}: {shape.summary}")
     bad = [p.position for p in report.positions if p.matches is False]
     if bad:
-        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in shape -> CheckpointError")
+        what = "dtype" if dtype_only(report.positions) else "shape"
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in {what} -> CheckpointError")
     return chain
 
 

@@ -535,6 +535,8 @@ def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Diverge
         detail["args_diff"] = changed
     elif kind == "shape":
         parts = []
+        if f is not None and r is not None and _dtype_only(f, r):  # (autocast on in one pass: same shapes)
+            detail["differs"] = sorted(set(detail["differs"]) - {"shape"} | {"dtype"})
         if f is not None and r is not None:
             outs = outputs_diff(f, r) if not (f.damaged or r.damaged) else None
             if outs:
@@ -550,6 +552,14 @@ def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Diverge
                    "substituted": _substituted(f, r)}.get(d.pair.how, "the op sequence differs here")
     return Divergence(kind=kind, op=op.op, module=op.module, source=op.source, forward_index=d.pair.forward,
                       recompute_index=d.pair.recompute, summary=summary, detail=detail)
+
+
+def _dtype_only(f, r) -> bool:
+    """The outputs of a pair whose metadata differ kept their shapes and changed their dtypes."""
+    pairs = [(a, b) for a, b in zip(f.out, r.out) if str(a) != str(b)]
+    return len(f.out) == len(r.out) and bool(pairs) and all(
+        isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and a.shape == b.shape and a.dtype != b.dtype
+        for a, b in pairs)
 
 
 def _substituted(f, r) -> str:
@@ -795,7 +805,8 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
     for k, d in enumerate(cmp.diffs):
         op = d.forward or d.recompute
         if d.kinds & {"shape", "args"}:
-            marks[k] = "shape"
+            marks[k] = "dtype" if "args" not in d.kinds and d.forward is not None and d.recompute is not None \
+                and _dtype_only(d.forward, d.recompute) else "shape"
         elif "argument" in d.kinds:
             marks[k] = "argument"
         elif "value" in d.kinds:
@@ -807,7 +818,7 @@ def window(cmp: PassComparison, report: RegionReport, settings: Settings) -> lis
         return []
     first = min(marks)
     centres = [first]
-    shape_rows = [k for k, m in marks.items() if m == "shape"]
+    shape_rows = [k for k, m in marks.items() if m in ("shape", "dtype")]
     if shape_rows and shape_rows[0] - first > settings.window_after:
         centres.append(shape_rows[0])
     rows: list[AlignedRow] = []

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..passes import Region, Run
 from ..report import CLEAN, DIVERGED, STATE_READ_AGAIN, Cause, RegionReport
+from .cause import dtype_only
 from .labels import module_label, number_ranges
 
 WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
@@ -31,7 +32,7 @@ def explain_watched(report: RegionReport, region: Region) -> None:
         noun = "output" if all(p.origin == "output" for p in differ) else "saved position"  # (a reentrant one's)
         what = (f"{noun}{'s' if len(differ) > 1 else ''} {number_ranges([p.position for p in differ])}"
                 + (f" (in {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''})" if modules else "")
-                + (" changed shape" if len(shapes) == len(differ) else
+                + (f" changed {'dtype' if dtype_only(shapes) else 'shape'}" if len(shapes) == len(differ) else
                    f" hold other values ({len(shapes)} of them another shape)" if shapes else
                    " holds other values" if len(differ) == 1 else " hold other values"))
     else:

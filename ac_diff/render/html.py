@@ -35,7 +35,8 @@ _ASSETS = resources.files(__package__).joinpath("assets")
 _CSS = _ASSETS.joinpath("report.css").read_text(encoding="utf-8")  # the page's style and its filter script
 _JS = _ASSETS.joinpath("report.js").read_text(encoding="utf-8")
 MAX_OTHER_SECTIONS = 200  # clean/unchecked regions that get a section of their own (all are in the table)
-_KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "control": "sequence", "cached": "cached",
+_KIND_LABEL = {"value": "value", "discrete": "decision", "shape": "shape", "dtype": "dtype", "control": "sequence",
+               "cached": "cached",
                "argument": "argument"}
 _LANES = (("control", "sequence"), ("value", "value"), ("argument", "argument"), ("discrete", "decision"),
           ("shape", "shape"),
@@ -310,7 +311,7 @@ def _first_divergences(r: RegionReport) -> str:
             items = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in d.detail.items())
             detail = f"<details class=\"detail\"><summary>detail</summary><table class=\"kv\">{items}</table></details>"
         rows.append(f"<tr class=\"div-{e(d.kind)}\" data-kind=\"{e(d.kind)}\">"
-                    f"<td><span class=\"mk mk-{e(d.kind)}\">{e(_KIND_LABEL.get(d.kind, d.kind))}</span></td>"
+                    f"<td><span class=\"mk mk-{e(d.kind)}\">{e(_KIND_LABEL.get(d.label, d.label))}</span></td>"
                     f"<td class=\"divergent-op\"><code>{e(d.op)}</code></td>"
                     f"<td class=\"num\">{_idx(d.forward_index)}</td><td class=\"num\">{_idx(d.recompute_index)}</td>"
                     f"<td>{e(d.module)}</td><td class=\"dim src\">{e(d.source)}</td>"
@@ -366,14 +367,15 @@ def _plot(r: RegionReport) -> str:
     marks: dict[str, list[tuple[float, str, str | None]]] = {k: [] for k, _ in _LANES}
     unplaced: list[str] = []
     for row in r.window:
-        if row.marker in ("value", "argument", "discrete", "shape", "control"):
+        if row.marker in ("value", "argument", "discrete", "shape", "dtype", "control"):
             x = _forward_x(r, row.forward_index, row.recompute_index)
             where = f"fwd #{row.forward_index}" if row.forward_index is not None else f"rec #{row.recompute_index}"
             label = f"{where} {_short_label(row.forward or row.recompute)} ≠ {_KIND_LABEL[row.marker]}"
             if x is None:
                 unplaced.append(label)
-            else:
-                marks[row.marker].append((x, label, _row_id(r, row.forward_index, row.recompute_index)))
+            else:  # (a dtype-only metadata change is on the shape lane)
+                lane = "shape" if row.marker == "dtype" else row.marker
+                marks[lane].append((x, label, _row_id(r, row.forward_index, row.recompute_index)))
     inputs = 0
     for p in r.positions:
         lane = "pos_meta" if p.matches is False else ("pos_values" if p.values_differ else None)
@@ -389,7 +391,7 @@ def _plot(r: RegionReport) -> str:
     for d in _divergences(r):
         x = _forward_x(r, d.forward_index, d.recompute_index)
         at = f"#{d.forward_index}" if d.forward_index is not None else f"rec #{d.recompute_index}"
-        label = f"{_KIND_LABEL.get(d.kind, d.kind)}: {_short_op(d.op)} {at}"
+        label = f"{_KIND_LABEL.get(d.label, d.label)}: {_short_op(d.op)} {at}"
         if x is None:
             unplaced.append(label)
         else:
@@ -480,7 +482,7 @@ def _window(r: RegionReport) -> str:
         else:
             rec = None
         marker = row.marker or ""
-        divergent = marker in ("value", "argument", "discrete", "shape", "control")
+        divergent = marker in ("value", "argument", "discrete", "shape", "dtype", "control")
         if fwd is not None and rec is not None and divergent and fwd != rec:
             fwd_html, rec_html = _diff_cells(fwd, rec)
         else:

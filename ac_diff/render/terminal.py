@@ -33,10 +33,11 @@ from .sections import terminal_items
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
 MAX_ERROR_ROWS = 12
-_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "control": "cyan", "cached": "dim",
+_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "dtype": "red", "control": "cyan", "cached": "dim",
                  "inferred": "dim yellow", "argument": "blue"}
 # "inferred": not fingerprinted (a view, a derived elementwise op), fed by an input that differs
-_MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "control": "≠ sequence",
+_MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "dtype": "≠ dtype",
+                "control": "≠ sequence",
                 "cached": "cached", "inferred": "≠ (input)", "argument": "≠ argument"}
 
 
@@ -234,7 +235,7 @@ def _region_detail(r: RegionReport, report: Report, console: Console, shown: set
     if divergences:
         console.print(Text("first divergences", style="bold"))
     for d in divergences:
-        label = _MARKER_TEXT.get(d.kind, d.kind).replace("≠ ", "")
+        label = _MARKER_TEXT.get(d.label, d.label).replace("≠ ", "")
         a, b = ("A", "B") if r.kind == "two_runs" else ("fwd", "rec")  # two traces compared: run A | run B
         console.print(Text.assemble(
             ("  " + label.ljust(9), _MARKER_STYLE.get(d.kind, "")), (d.op, "bold"),
