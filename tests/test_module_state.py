@@ -9,6 +9,8 @@ rotary does, diverged)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -310,6 +312,46 @@ def test_parameters_unfrozen_before_the_backward(between_steps, watch, tmp_path)
     assert ("(those that require grad: all except 0.weight, 0.bias in the forward, all in the recompute)" if watch
             else "were unfrozen between the forward and the backward") in region.cause.detail
     assert region.suggestions[0].title.startswith("Freeze or unfreeze parameters between steps")
+
+
+def _toggled_grads(unfreeze: bool, checkpointed: bool, path=None, watch: bool = False) -> list:
+    """Two steps of a model whose first layer a schedule freezes (or unfreezes) after step 2's forward, before its
+    backward, with reentrant AC; the first layer's gradient per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[0].requires_grad_(not unfreeze)
+    grads = []
+    with ac_diff.record(path, watch=watch) if path is not None else contextlib.nullcontext():
+        for step in range(2):
+            x = torch.randn(4, 8, requires_grad=True)
+            y = cp.checkpoint(model, x, use_reentrant=True) if checkpointed else model(x)
+            if step == 1:
+                model[0].requires_grad_(unfreeze)
+            y.sum().backward()
+            grads.append(None if model[0].weight.grad is None else model[0].weight.grad.clone())
+            model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("watch", [False, True])
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_a_reentrant_region_whose_parameters_are_unfrozen_before_the_backward_diverged(unfreeze, watch, tmp_path):
+    """use_reentrant=True builds the backward's graph in the recompute: a layer unfrozen after the forward gets a
+    gradient there that a run without AC does not give it, though every op and value matched (it was CLEAN). Frozen
+    after the forward, both runs drop its gradient (autograd accumulates none into a leaf that no longer requires
+    grad): clean."""
+    path = tmp_path / "t.jsonl"
+    with_ac, without = _toggled_grads(unfreeze, True, path, watch), _toggled_grads(unfreeze, False)
+    same = all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(with_ac, without))
+    assert same is not unfreeze  # the ground truth
+    report = ac_diff.diagnose_paths([path])
+    if not unfreeze:
+        assert report.verdict == "clean", report.headline
+        return
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert region.silent and region.step == 2
+    assert (region.cause.kind, region.cause.mechanism) == ("state_mutation", "requires_grad"), region.cause
+    assert "the backward runs on the graph the recompute builds" in region.cause.detail or watch, region.cause.detail
 
 
 def test_a_frozen_teacher_sharing_parameter_names_with_its_student_is_not_unfrozen(tmp_path):

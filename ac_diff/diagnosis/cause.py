@@ -493,15 +493,29 @@ def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None
                   for o in init[:4]], mechanism=LAZY_INIT, source=op.source, names=names)
 
 
-def _requires_grad_changed(region: Region) -> Cause | None:
+def reentrant_graph_cause(region: Region) -> Cause | None:
+    """A reentrant region whose recompute matched its forward op by op, where parameters it reads were frozen or
+    unfrozen between the passes: the backward runs on the graph the recompute built, so they get gradients a run
+    without AC does not give them. None otherwise; also for parameters frozen in between, whose gradient both runs
+    drop (autograd accumulates none into a leaf that no longer requires grad)."""
+    if region.kind != "reentrant" or region.forward is None or region.recompute is None:
+        return None
+    return _requires_grad_changed(region, _GRAPH_OF_THE_RECOMPUTE)
+
+
+_GRAPH_OF_THE_RECOMPUTE = (": with use_reentrant=True the backward runs on the graph the recompute builds, so they get "
+                           "gradients a run without AC does not give them, though every op and value matched")
+
+
+def _requires_grad_changed(region: Region, why: str | None = None) -> Cause | None:
     """Parameters the region reads whose requires_grad differs between the forward and the recompute (frozen or
     unfrozen before the backward): an op saves what only a gradient needs where one is needed, so the recompute saves
-    other tensors."""
+    other tensors (`why`: what it does otherwise)."""
     # (by tensor object: two models' parameters can share names, a frozen teacher's `0.weight` and its student's)
     before = {e.obj: e.requires_grad for e in region.forward.externals if e.kind == "param" and e.obj is not None}
     changed = [(e.name, before[e.obj], e.requires_grad) for e in region.recompute.externals if e.kind == "param"
                and e.requires_grad is not None and before.get(e.obj) is not None
-               and before[e.obj] != e.requires_grad]
+               and before[e.obj] != e.requires_grad and (why is None or e.requires_grad)]
     if not changed:
         return None
     names = [name for name, _, _ in changed]
@@ -510,7 +524,8 @@ def _requires_grad_changed(region: Region) -> Cause | None:
                                                                       else ""),
                  f"{len(names)} parameter(s) the region reads were {now} between the forward and the backward "
                  f"(requires_grad {changed[0][1]} in the forward, {changed[0][2]} in the recompute: "
-                 f"{backticked(names)}){_SAVES_WHAT_GRADS_NEED}",
+                 f"{backticked(names)})"
+                 + (why or _SAVES_WHAT_GRADS_NEED),
                  [f"{name}: requires_grad {a} -> {b}" for name, a, b in changed[:6]], mechanism=REQUIRES_GRAD)
 
 

@@ -19,7 +19,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_R
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import AttributeChange, counted_twice, function_state_cause, split_name, update_code
-from .cause import explain, explain_flags
+from .cause import explain, explain_flags, reentrant_graph_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
@@ -225,7 +225,8 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     if not diverged:
         report.first_value_divergence = report.first_discrete_divergence = None
         report.first_shape_divergence = report.first_control_divergence = report.first_argument_divergence = None
-    held = None if diverged else function_state_cause(region)  # (a reentrant region: every op matched)
+    # (a reentrant region whose every op matched: its backward runs on the recompute's graph)
+    held = None if diverged else function_state_cause(region) or reentrant_graph_cause(region)
     diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
     read = [(change, how) for change, how in twice if change.read_again]

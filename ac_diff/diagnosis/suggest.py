@@ -235,9 +235,12 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
         out.append(Suggestion(
             "Freeze or unfreeze parameters between steps, not between a forward and its backward",
             "requires_grad_() changed on parameters the region reads after its forward ran, so its recompute, in the "
-            "backward, saved the tensors the new setting needs, not those the forward saved: torch raises, or that "
-            "backward's gradients are wrong. Apply a freezing schedule after optimizer.step(), before the next "
-            "forward.",
+            + ("backward, built the graph that backward runs on with the new setting: those parameters get gradients "
+               "the forward's setting would not give them. "
+               if report.kind == "reentrant" else
+               "backward, saved the tensors the new setting needs, not those the forward saved: torch raises, or that "
+               "backward's gradients are wrong. ")
+            + "Apply a freezing schedule after optimizer.step(), before the next forward.",
             "loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n"
             "if step == unfreeze_step:  # between steps: every forward and its recompute see the same setting\n"
             "    for p in block.parameters():\n        p.requires_grad_(True)"))
