@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ac_diff.capture import fingerprint
@@ -85,3 +86,35 @@ def test_gradients_of_several_roots_are_named_as_the_report_names_them(tmp_path)
 
     assert _names_of_a_step(blocks_step, tmp_path) == ["blocks.0.weight", "blocks.0.bias", "blocks.1.weight",
                                                        "blocks.1.bias"]
+
+
+@pytest.mark.parametrize("old_kept", [False, True])
+def test_a_model_re_created_mid_training_keeps_its_name_whether_the_old_one_lives_or_not(tmp_path, old_kept):
+    """Resuming from a checkpoint: `m = Net(); m.load_state_dict(...)` between steps, beside an EMA copy. Each
+    backward's gradients are those of the models that ran since the last one, named by their variables: the old
+    model, alive in one run (something still holds it) and collected in the other, shifted the new one to
+    `Net[1]` in one run and `m` in the other, and 32 of 48 gradients "differed" (missing on one side)."""
+    import copy
+
+    from ac_diff.reference.grads import GradCapture
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ema = copy.deepcopy(m)
+    capture, kept = GradCapture(tmp_path / "grads.pt", steps=3).install(), []
+    try:
+        for step in range(2):
+            m(torch.randn(3, 4)).sum().backward()
+            with torch.no_grad():
+                ema(torch.randn(3, 4))
+            if step == 0:  # resume: a new model from the old one's state
+                if old_kept:
+                    kept.append(m)
+                state, m = m.state_dict(), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                                                torch.nn.Linear(8, 2))
+                m.load_state_dict(state)
+    finally:
+        capture.uninstall()
+    names = list(capture.snapshots[1]["grads"])  # (the second backward's: after the re-creation)
+    assert sorted(names) == sorted(f"{model}.{i}.{p}" for model in ("m", "ema") for i in (0, 2)
+                                   for p in ("weight", "bias")), names

@@ -299,7 +299,9 @@ class ModuleStack:
             self._provisional.add(module)
         taken = any(m is not module and self._names.get(m) == "" for m in self._called_roots)
         name = _root_name_in_callers(module, taken)
-        if name and any(n == name for n in self._names.values()):
+        # (a root of that name before: the variable now holds this one, a model re-created from a checkpoint)
+        if name and any(n == name and not (other in self._called_roots and other is not module)
+                        for other, n in self._names.items()):
             name = ""
         self._index(module, name)
         return self._names[module]

@@ -129,6 +129,7 @@ class GradCapture:
         self.snapshots: list[dict[str, Any]] = []
         self._seen: list[weakref.ref] = []
         self._seen_ids: set[int] = set()
+        self._ran: set[int] = set()  # the modules that ran a forward since the last backward
         self._names = ModuleStack()  # names the roots as the report does (`D.0.weight`, `blocks[2].fc.weight`)
         self._hook = None
         self._original = None
@@ -166,12 +167,17 @@ class GradCapture:
             self._original = None
 
     def _pre(self, module: nn.Module, args) -> None:
+        self._ran.add(id(module))
         if id(module) not in self._seen_ids:
             self._seen_ids.add(id(module))
             self._seen.append(weakref.ref(module))
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        modules = [m for m in (r() for r in self._seen) if m is not None]
+        """The parameters of the models that ran since the last backward (a model re-created from a checkpoint
+        leaves the old one behind, alive in one run and collected in the other: it would shift every name), by the
+        report's names; of every model seen where none ran (a backward without a forward through a module)."""
+        alive = [m for m in (r() for r in self._seen) if m is not None]
+        modules = [m for m in alive if id(m) in self._ran] or alive
         inner: set[int] = set()
         for m in modules:
             inner.update(id(sub) for sub in m.modules() if sub is not m)
@@ -196,6 +202,7 @@ class GradCapture:
             "loss": summarize_all({"loss": roots[0]}, budget_bytes())["loss"] if len(roots) == 1 else None,
             "grads": summarize_all({name: p.grad for name, p in self.named_parameters()}, budget_bytes()),
         })
+        self._ran = set()
         if len(self.snapshots) >= self.steps:
             self.finish()
             if self.on_done is not None:
