@@ -279,3 +279,19 @@ def test_a_counter_read_only_for_logging_is_clean_once_the_gradients_match(tmp_p
         return
     assert (report.verdict, report.title) == ("clean", "CLEAN"), report.headline
     assert "did not change the gradients over 3 backward passes" in report.headline, report.headline
+
+
+def test_gradients_one_run_has_and_the_other_lacks_are_no_rounding():
+    """Every region clean, and parameters that get a gradient in one run only (a layer unfrozen after the forward,
+    or a model re-created): it said "backward kernels ... rounding only" and offered deterministic algorithms."""
+    from ac_diff.reference.result import ParamDiff
+
+    steps = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=2, differing=[
+        ParamDiff("enc.0.weight", "missing_in_reference"), ParamDiff("enc.0.bias", "missing_in_reference")])]
+    result = explain(steps, [], _report(), steps_requested=1)
+    assert result.verdict == DIFFERS and result.explanations[0].kind == "other_parameters", result.explanations
+    assert "2 parameter(s) get a gradient in one run only (2 only with AC, 0 only without it" in \
+        result.explanations[0].text and "deterministic" not in result.explanations[0].fix
+    rounding = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=3,
+                               differing=[ParamDiff("enc.0.weight", "differs", 1e-7)])]
+    assert explain(rounding, [], _report(), steps_requested=1).explanations[0].kind == "backward_kernels"

@@ -28,6 +28,8 @@ Why the two runs can differ, in the order they are checked:
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
 - AC inside compiled graphs that nothing recorded: what the graphs show the regions update (`compiled_ac`);
+- parameters that get a gradient in one run only: the graphs reached other parameters (`other_parameters`:
+  requires_grad changed between a forward and its backward, or the runs trained other parameters);
 - every region reproduced its saved tensors exactly: the backward's own kernels (`backward_kernels`: a
   nondeterministic one, or another order of summing gradient contributions);
 - otherwise `unexplained`, with the regions whose parameters differ.
@@ -276,7 +278,20 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                                                "any checkpointed region" if outside else "")
         regions = getattr(report, "regions", [])
         compared = [r for r in regions if r.status in (CLEAN, DIVERGED)]
-        if compared and all(r.status == CLEAN for r in regions):
+        one_sided = [d for d in step.differing if d.status in ("missing_in_run", "missing_in_reference")]
+        if one_sided:  # (no arithmetic makes a gradient appear or vanish)
+            only = sum(d.status == "missing_in_reference" for d in one_sided)
+            out.append(Explanation(
+                "other_parameters",
+                f"{len(one_sided)} parameter(s) get a gradient in one run only ({only} only with AC, "
+                f"{len(one_sided) - only} only without it: {', '.join(d.name for d in one_sided[:4])}"
+                f"{' ...' if len(one_sided) > 4 else ''}): no rounding does that; the graphs the backward ran on reached "
+                "other parameters: requires_grad changed between a forward and its backward (a freezing schedule; "
+                "with use_reentrant=True the recompute builds the graph with the setting of the backward's time), or "
+                f"the two runs trained other parameters (a model re-created, a parameter replaced); {where}",
+                parameters=[d.name for d in one_sided[:20]],
+                fix="change requires_grad between steps (after optimizer.step(), before the next forward)"))
+        elif compared and all(r.status == CLEAN for r in regions):
             flag = next((r.state_changes["deterministic"] for r in regions if "deterministic" in r.state_changes), None)
             out.append(Explanation(
                 "backward_kernels",

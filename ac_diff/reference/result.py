@@ -48,7 +48,7 @@ class StepComparison:
 class Explanation:
     # side_output, no_grad_inputs, recompute_divergence, other_rank_divergence, reference_randomness,
     # nondeterministic_kernel, grad_mode_forward, rng_draws, repeated_update, state_drift, compiled_ac,
-    # backward_kernels, unexplained
+    # other_parameters, backward_kernels, unexplained
     kind: str
     text: str
     region: str | None = None
