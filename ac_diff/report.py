@@ -235,6 +235,7 @@ class RegionReport:
     watched: bool = False
     step: int | None = None
     optimizer_step: int | None = None  # the optimizer step it ran in (from 1), where the run's steps are not those
+    backward: int | None = None  # the backward pass (from 1) that ran the compared recompute, where torch tells it
     recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
     enclosing: int | None = None  # the region whose forward ran this nested one (not written: the trace has it)
     backward_raised: str | None = None  # what the backward raised after its recompute, torch's check having let it by
@@ -285,7 +286,8 @@ class RegionReport:
             "window": [_scalar_fields(r) for r in self.window], "notes": list(self.notes),
             "side_effects": list(self.side_effects), "source": self.source, "path": self.path,
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
-            "watched": self.watched, "step": self.step, "function": self.function, "recompute_n": self.recompute_n,
+            "watched": self.watched, "step": self.step, "optimizer_step": self.optimizer_step,
+            "backward": self.backward, "function": self.function, "recompute_n": self.recompute_n,
             "backward_raised": self.backward_raised,
         })
         return data

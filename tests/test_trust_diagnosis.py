@@ -1498,3 +1498,30 @@ def test_every_rebound_attribute_is_passed_in_by_the_fix(tmp_path):
     fix = lead.suggestions[0]
     assert fix.title == "Pass `cos`, `sin` into the checkpointed function, instead of reading them from the module", fix
     assert "self.cos, self.sin" in fix.code, fix.code
+
+
+def test_each_recompute_says_which_backward_pass_ran_it_and_the_reference_counts_by_it(tmp_path):
+    """Two micro-batches forwarded, then backpropagated one by one, the optimizer stepping between them (the bug):
+    both forwards are step 1, the second region is recomputed in backward 2. The reference, having compared backward
+    1 only, names that region as recomputed after what it compared (it named a region of step 2: by step, region 1
+    looked compared)."""
+    from types import SimpleNamespace
+
+    from ac_diff.reference.result import diverged_after
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            losses = [cp.checkpoint(model, torch.randn(4, 8), use_reentrant=False).pow(2).mean() for _ in range(2)]
+            for i, loss in enumerate(losses):
+                loss.backward()
+                if i == 0:
+                    opt.step()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert [(r.region, r.step, r.backward) for r in report.regions] == [(0, 1, 1), (1, 1, 2), (2, 2, 3), (3, 2, 4)]
+    assert report.regions[1].status == "diverged"
+    assert [r.region for r in diverged_after(report.regions, 1)] == [1, 3]
+    legacy = SimpleNamespace(status="diverged", step=2, region=7)  # (a trace without backward numbers: by step)
+    assert diverged_after([legacy], 1) == [legacy] and diverged_after([legacy], 2) == []

@@ -55,7 +55,7 @@ from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP,
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
-                           checkpointed_module, frame_options, left_a_backward, sequential_segment)
+                           checkpointed_module, frame_options, graph_task_id, left_a_backward, sequential_segment)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -238,6 +238,7 @@ class Recorder:
         self._outputs: dict[int, tuple] = {}  # what forwards made that outlived them (`_note_outputs`)
         self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
+        self._backwards: dict[int, int] = {}  # autograd graph task -> the backward pass it is, from 1
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
         # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
@@ -465,6 +466,8 @@ class Recorder:
             region.outer = tuple(module_stack)
         p = _Pass(region, phase, attempt, len(module_stack), {}, module_stack=module_stack,
                   host_rng=host_rng_states() if region.recorded else ())
+        if phase != FORWARD and (task := graph_task_id()) is not None:  # which backward pass recomputes it
+            p.state["backward"] = self._backwards.setdefault(task, len(self._backwards) + 1)
         if module is not None and (region.recorded or region.watched):  # (a watched pass: its mode, to explain)
             p.state["training"] = training_mode(module)
             p.state["trainable"] = trainable(module)

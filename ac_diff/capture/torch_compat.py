@@ -417,6 +417,19 @@ class CheckpointHooks:
 _ENGINE_ENTRIES = frozenset({"_engine_run_backward", "backward", "grad"})  # torch.autograd's Python entries
 
 
+def graph_task_id() -> int | None:
+    """The backward pass running now (autograd's graph task: one per backward() or autograd.grad() call, the same for
+    every node it runs, a reentrant recompute's too), None outside one or where torch has no such getter."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    if get is None:
+        return None
+    try:
+        task = get()
+    except Exception:  # noqa: BLE001 - a build whose getter fails: the backward is not told
+        return None
+    return task if task >= 0 else None
+
+
 def left_a_backward(exc: BaseException) -> bool:
     """Whether `exc` unwound out of torch's autograd engine: raised by a hook or a recompute while `loss.backward()`
     or `torch.autograd.grad()` ran (its traceback keeps the Python frames that called into the engine)."""

@@ -104,6 +104,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         report.notes.append(f"not diagnosed: {region.damaged}")
         return report
     report.watched, report.step = region.watched, region.step
+    report.backward = region.recompute.state.get("backward") if region.recompute is not None else None
     report.enclosing = region.parent if region.parent_phase == "forward" else None
     if fwd is None and rec is None and run_stopped and region.kind != "log":
         _unchecked(report, "not recorded: the run stopped in its forward",

@@ -82,6 +82,8 @@ class ReferenceResult:
 
 
 def diverged_after(regions: Any, compared: int) -> list:
-    """The diverged regions that ran in a step after the `compared` backward passes (their gradients were not in
-    the comparison)."""
-    return [r for r in regions if r.status == "diverged" and (r.step or 0) > compared]
+    """The diverged regions recomputed in a backward pass after the `compared` ones (their gradients were not in the
+    comparison): by the backward that ran the recompute where the trace tells it (several per step under gradient
+    accumulation), else by the step."""
+    return [r for r in regions if r.status == "diverged"
+            and ((r.backward if getattr(r, "backward", None) is not None else r.step) or 0) > compared]

@@ -133,10 +133,13 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         later = diverged_after(rank_report.regions, len(result.steps))
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
             first = min(later, key=lambda x: x.region)
+            when = first.backward if first.backward is not None else first.step
             result.headline += (f"; but the first region that diverged (region {first.region}, "
-                                f"{first.module or '?'}) ran in step {first.step}, after the compared backward "
-                                "pass(es)" + (f": `--reference-steps {first.step}` compares it"
-                                              if first.step <= done and not failed_without else ""))
+                                f"{first.module or '?'}) was recomputed in "
+                                + (f"backward {first.backward} (step {first.step})" if first.backward is not None
+                                   else f"step {first.step}") + ", after the compared backward pass(es)"
+                                + (f": `--reference-steps {when}` compares it"
+                                   if when <= done and not failed_without else ""))
         if failed_without and result.verdict == IDENTICAL:
             result.headline += (f"; backward {ref_done + 1} failed only without AC: the run without AC exited with "
                                 f"{exit_code} there (its error is in its output above) and the run with AC finished "
