@@ -347,3 +347,26 @@ def test_a_bad_rank_wait_is_named_not_ignored(monkeypatch, capsys, given):
     assert f"AC_DIFF_RANK_WAIT={given!r} is not a number of seconds >= 0" in capsys.readouterr().err
     monkeypatch.setenv("AC_DIFF_RANK_WAIT", "2.5")
     assert rank_wait_seconds() == 2.5 and not capsys.readouterr().err
+
+
+def test_a_trace_cut_before_any_region_was_compared_is_cut_short(tmp_path):
+    """A copy cut inside the first region's records: CUT SHORT, exit 4 with --check (it read NOTHING CHECKED, "the
+    original forward was not recorded": the cut went through that record)."""
+    import torch
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+
+    torch.manual_seed(0)
+    block, path = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), tmp_path / "t.jsonl"
+    with ac_diff.record(path, write="all"):
+        for _ in range(2):
+            cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    report = ac_diff.diagnose_paths([cut])
+    assert report.title == "CUT SHORT" and "nothing was checked" in report.headline, (report.title, report.headline)
+    proc = run_cli("report", "--check", str(cut))
+    assert proc.returncode == 4, proc.stderr

@@ -274,13 +274,14 @@ def test_nothing_compared_is_unchecked_and_fails_check(tmp_path):
 
 
 def test_truncated_trace_is_unchecked(script_runs, tmp_path):
-    """A trace cut after the first region's forward (a killed writer): nothing compared, never "clean"."""
+    """A trace cut after the first region's forward (a killed writer): nothing compared, never "clean", and said to
+    be cut short (as the README says of a trace without its end record)."""
     lines = (script_runs["crash_in_backward"]["dir"] / "trace-rank0.jsonl").read_text().splitlines()
     cut = next(i for i, line in enumerate(lines) if '"type": "pass"' in line or '"type":"pass"' in line)
     (tmp_path / "trace-rank0.jsonl").write_text("\n".join(lines[:cut + 1]) + "\n")
     report = ac_diff.diagnose_paths([tmp_path / "trace-rank0.jsonl"])
-    assert report.verdict == "unchecked" and report.title == "NOTHING CHECKED"
-    assert "NOTHING CHECKED" in _terminal(report) and "NOTHING CHECKED" in render_html(report)
+    assert report.verdict == "unchecked" and report.title == "CUT SHORT"
+    assert "CUT SHORT" in _terminal(report) and "CUT SHORT" in render_html(report)
 
 
 # --- 10. chains follow the data ----------------------------------------------------------------------------------

@@ -365,10 +365,12 @@ def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None)
     if cut is None or not (cut.regions or cut.watch):
         return None
     checked = sum(1 for r in regions if r.status in (CLEAN, DIVERGED)) + watched_clean(watch)
-    if not checked:  # (nothing compared at all: said as such, with the trace's note)
-        return None
     how = ("its process is still running on this host (the report reads what it has written so far)" if cut.running
-           else "the process was killed (SIGKILL, the out-of-memory killer, a lost node) or is still running")
+           else "the process was killed (SIGKILL, the out-of-memory killer, a lost node) or is still running, or the "
+           "copy is cut")
+    if not checked:  # (a record the cut went through reads as never written: the region's forward "not recorded")
+        return (f"{cut.path} ends without its end record: {how}; it ends before any region's forward and recompute "
+                "were both written, so nothing was checked: copy the trace again, or re-run")
     return (f"{cut.path} ends without its end record: {how}; {checked} region(s) checked clean before its last "
             "record, and what ran after it was never checked")
 
