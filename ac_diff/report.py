@@ -247,12 +247,19 @@ class RegionReport:
 
     def first_divergence(self) -> Divergence | None:
         """The divergence to name for the region: the earliest of value / control (in forward order), else
-        the discrete decision, else the shape divergence."""
+        the discrete decision, else the shape divergence; a shape divergence at an earlier op than all of them
+        comes first (a memory that grew: `cat` changed shape before any value differed)."""
         found = [d for d in (self.first_value_divergence, self.first_control_divergence,
                              self.first_argument_divergence) if d is not None]
-        if found:
-            return min(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
-        return self.first_discrete_divergence or self.first_shape_divergence
+        lead = min(found, key=lambda d: (d.forward_index is None, d.forward_index or 0)) if found else \
+            self.first_discrete_divergence or self.first_shape_divergence
+        shape = self.first_shape_divergence
+        if lead is not None and shape is not None and shape.forward_index is not None and (
+                lead.forward_index is None or shape.forward_index < lead.forward_index) and \
+                (self.first_discrete_divergence is None or self.first_discrete_divergence.forward_index is None
+                 or shape.forward_index < self.first_discrete_divergence.forward_index):
+            return shape
+        return lead
 
     @property
     def status_label(self) -> str:

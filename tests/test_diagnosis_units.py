@@ -253,3 +253,23 @@ def test_written_inputs_are_the_references_an_op_writes_its_out_and_each_of_a_fo
     assert written_inputs("aten.div.out", ["$", "$", {"out": "$"}], refs[:3]) == ["c"]
     assert written_inputs("aten.div.Tensor", ["$", "$"], refs[:2]) == []
     assert written_inputs("aten.max.dim_max", ["$", 1, False, {"max": "$"}, {"max_values": "$"}], refs[:3]) == ["b", "c"]
+
+
+def test_the_regions_first_divergence_is_a_shape_change_before_any_value_differed():
+    """A memory that grew between the passes: `cat` changed shape at op 1, the attention after it computed other
+    values at op 17. The regions table named the attention (value divergences came first whatever their place); a
+    decision before the shape change still leads, and a value before it too."""
+    from ac_diff.report import Divergence, RegionReport
+
+    def d(kind, index):
+        return Divergence(kind, f"aten.{kind}", "blocks.1", None, index, index, kind)
+
+    def lead(**divergences):
+        fields = {f"first_{k}_divergence": None for k in ("value", "discrete", "shape", "control")}
+        r = RegionReport(rank=0, region=0, module="blocks.1", kind="checkpoint", status="diverged", silent=True,
+                         cause=None, positions=[], suggestions=[], chain=[], **{**fields, **divergences})
+        return r.first_divergence().kind, r.first_divergence().forward_index
+
+    assert lead(first_shape_divergence=d("shape", 1), first_value_divergence=d("value", 17)) == ("shape", 1)
+    assert lead(first_shape_divergence=d("shape", 9), first_value_divergence=d("value", 3)) == ("value", 3)
+    assert lead(first_shape_divergence=d("shape", 9), first_discrete_divergence=d("discrete", 4)) == ("discrete", 4)
