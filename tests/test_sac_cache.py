@@ -130,3 +130,53 @@ def test_a_recompute_that_takes_a_branch_selective_ac_refuses_diverged_there(tmp
     line = Branching.forward.__code__.co_firstlineno + 3
     assert "aten.add.Tensor" in branch["summary"] and f"test_sac_cache.py:{line} in forward" in branch["summary"]
     assert "selective AC refused" in branch["summary"]
+
+
+class _DroppedFFN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.25)
+
+    def forward(self, x):
+        return torch.tanh(self.drop(self.fc(x)))
+
+
+def _dropout_grads(save: set, preserve: bool, path=None, checkpointed: bool = True) -> list:
+    """Two steps of a dropout block under a selective-AC policy that MUST_SAVEs `save`; the weight's gradients."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block, grads = _DroppedFFN(), []
+    with ac_diff.record(path) if path is not None else contextlib.nullcontext():
+        for _ in range(2):
+            x = torch.randn(8, 16, requires_grad=True)
+            y = checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, policy)) \
+                if checkpointed else block(x)
+            try:
+                y.sum().backward()
+            except RuntimeError:
+                return grads
+            grads.append(block.fc.weight.grad.clone())
+            block.zero_grad()
+    return grads
+
+
+def test_a_policy_that_saves_a_tensor_the_forward_changes_in_place_is_named_with_the_fix(tmp_path):
+    """Saving dropout's `bernoulli_` and `div_` (CPU dropout makes its mask in place): torch raises "Tensor cached
+    during selective activation checkpoint has been mutated". The cause names the saved op and the one that changed
+    its tensor (it was "unknown: no recorded evidence"), and the policy the fix prints, applied, gives the gradients
+    of a run without AC."""
+    bernoulli, div = torch.ops.aten.bernoulli_.float, torch.ops.aten.div_.Scalar
+    assert _dropout_grads({bernoulli, div}, False, tmp_path / "t.jsonl") == []  # (torch raised in the first backward)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert region.cause.kind == "sac_policy" and region.cause.names == ["aten.bernoulli_.float", "aten.div_.Scalar"], \
+        region.cause
+    fix = region.suggestions[0]
+    assert "torch.ops.aten.bernoulli_.float, torch.ops.aten.div_.Scalar" in fix.code and "preserve_rng_state=True" \
+        in fix.code
+    fixed = _dropout_grads({torch.ops.aten.mm.default, torch.ops.aten.addmm.default}, True)  # (what the fix leaves)
+    assert len(fixed) == 2 and all(torch.equal(a, b) for a, b in zip(fixed, _dropout_grads(set(), True,
+                                                                                             checkpointed=False)))

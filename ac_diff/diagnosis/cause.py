@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import CAST, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
-from ..passes import OpRecord, Region, TensorMeta
+from ..oprules import CAST, written_inputs, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
+from ..passes import OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
 from .attributes import attribute_cause, change_words
@@ -491,6 +491,25 @@ def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None
                  "where the forward's later random ops drew from, and they drew other numbers",
                  [f"{o.op} #{o.index} wrote {', '.join(r.name for r in written_refs(o))} in the forward only"
                   for o in init[:4]], mechanism=LAZY_INIT, source=op.source, names=names)
+
+
+def sac_mutated_cause(fwd: Pass) -> Cause | None:
+    """torch refused the recompute a tensor selective AC cached ("has been mutated"): the forward op whose output the
+    policy saved, and the later op of the forward that changed that output in place (dropout's `bernoulli_` then its
+    `div_`); None where the trace shows no such pair."""
+    ops = {o.index: o for o in fwd.ops}
+    for writer in fwd.ops:
+        for ref in written_inputs(writer.op, writer.args, writer.input_refs or ()):
+            saved = ops.get(ref.op_index) if getattr(ref, "kind", None) == "op" else None
+            if saved is not None and saved.cached and saved.index < writer.index:
+                return Cause(
+                    "sac_policy", saved.op,
+                    f"the selective-AC policy saves the output of {saved.op} ({where(saved.module, saved.source)}), "
+                    f"and the forward then changes that tensor in place ({writer.op}, {where(writer.module, writer.source)}"
+                    "): torch refuses to hand the recompute a cached tensor that changed after it was saved",
+                    [f"saved by the policy: {saved.op} #{saved.index}", f"changed in place: {writer.op} #{writer.index}"],
+                    source=saved.source, names=list(dict.fromkeys([saved.op, writer.op])))
+    return None
 
 
 def reentrant_graph_cause(region: Region) -> Cause | None:

@@ -12,14 +12,14 @@ from dataclasses import dataclass, replace
 from itertools import groupby
 
 from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
-from ..logs.errors import SAC_NOT_FOUND, refused_op
+from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import AttributeChange, counted_twice, function_state_cause, split_name, update_code
-from .cause import explain, explain_flags, reentrant_graph_cause
+from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
@@ -301,6 +301,10 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         explain(report, region, cmp, torch_version)
         if region.watched:
             explain_watched(report, region)
+        mutated = sac_mutated_cause(fwd) if torch_error is not None and torch_error.kind == SAC_MUTATED else None
+        if mutated is not None and (report.cause is None or report.cause.kind == "unknown"):
+            report.cause, report.chain = mutated, []
+            report.suggestions = suggestions_for(report, region, torch_version)
     elif report.status == CLEAN:
         explain_flags(report, region, torch_version)
         _side_outputs(report, region, torch_version)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import OBSERVER_MODULE, OBSERVER_OPS, packet, updates_as_it_computes
+from ..oprules import OBSERVER_MODULE, OBSERVER_OPS, is_random_name, packet, updates_as_it_computes
 from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
@@ -231,6 +231,21 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "handle = model.blocks[1].act.register_forward_hook(ablate)\ntry:\n    with torch.no_grad():\n"
             "        probe_loss = loss_fn(model(x), y)\nfinally:\n    handle.remove()    # before loss.backward()\n"
             "loss.backward()"))
+    elif kind == "sac_policy" and cause is not None:
+        ops = cause.names or [cause.tensor]
+        random = any(is_random_name(op or "") for op in ops)
+        out.append(Suggestion(
+            f"Do not save {' or '.join(ops)} in the selective-AC policy: the forward changes that tensor in place",
+            f"The policy's MUST_SAVE of {ops[0]} keeps a tensor that a later op of the forward modifies in place, and "
+            "torch refuses a cached tensor that changed. Return PREFER_RECOMPUTE for it and for the op that changes it "
+            "(an in-place op is never safe to save); save an out-of-place op after them instead, if memory matters."
+            + (" One draws random numbers: recomputed, it must draw what the forward drew, so checkpoint with "
+               "preserve_rng_state=True (the default)." if random else ""),
+            "from torch.utils.checkpoint import CheckpointPolicy\n\ndef policy(ctx, op, *args, **kwargs):\n"
+            f"    if op in ({', '.join(f'torch.ops.{op}' for op in ops)},):  # a tensor changed in place after it is made\n"
+            "        return CheckpointPolicy.PREFER_RECOMPUTE\n    ...  # the rest of the policy as before\n"
+            + ("checkpoint(block, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, "
+               "policy), preserve_rng_state=True)" if random else "")))
     elif kind == "state_mutation" and mechanism == REQUIRES_GRAD:
         out.append(Suggestion(
             "Freeze or unfreeze parameters between steps, not between a forward and its backward",
