@@ -421,3 +421,54 @@ def test_a_rotary_cache_grown_by_a_longer_micro_batch(ntk, tmp_path):
     assert (region.status, region.silent) == ("diverged", True), report.headline
     assert region.cause.tensor == "rotary.cos_cached", region.cause
     assert report.regions[1].status == "clean"
+
+
+class _Feat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Student(nn.Module):
+    """Gates its features with a mean teacher's, in a checkpointed closure (the teacher is an argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat = _Feat()
+
+    def forward(self, x, teacher):
+        def gated(h):
+            with torch.no_grad():
+                gate = torch.sigmoid(teacher.feat(h))
+            return self.feat(h) * gate
+        return cp.checkpoint(gated, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_teachers_module_a_checkpointed_closure_calls_is_named_by_the_teacher(watch, tmp_path):
+    """A mean teacher whose EMA update runs before the backward: the changed parameter is the teacher's. It was
+    `fc1.weight` (the teacher's `feat` read as a root, as the student's own modules do), the region named `Feat` when
+    recorded in full and `Student.forward.<locals>.gated` when watched, so watch's escalation never found its full
+    recording ("unknown")."""
+    import copy
+
+    torch.manual_seed(0)
+    student = _Student()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with ac_diff.record(tmp_path / "t.jsonl", watch=watch):
+        for _ in range(3):
+            loss = student(torch.randn(4, 8), teacher).pow(2).mean()
+            with torch.no_grad():  # the EMA, placed before the backward
+                for t, s in zip(teacher.parameters(), student.parameters()):
+                    t.lerp_(s, 0.1)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert {r.module for r in report.regions} == {"_Student.forward.<locals>.gated"}, [r.module for r in report.regions]
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "teacher.feat.fc1.weight", lead.cause

@@ -282,13 +282,14 @@ class ModuleStack:
         if isinstance(original, nn.Module) and self._names.get(original):
             self._index(module, self._names[original])
             return self._names[module]
-        if not stack:  # called from a plain function (`for block in model.blocks: checkpoint(block, x)`)
-            holder = _holder_in_callers(module)
-            if holder is not None and holder not in self._names:
-                self._discover_root(holder)
-                name = self._names.get(module)
-                if name is not None:
-                    return name
+        # called from a plain function (`for block in model.blocks: checkpoint(block, x)`), or a module of another
+        # model the running one reads (a teacher's `feat` that a student's checkpointed closure calls)
+        holder = _holder_in_callers(module)
+        if holder is not None and holder not in self._names:
+            self._discover_root(holder)
+            name = self._names.get(module)
+            if name is not None:
+                return name
         return self._discover_root(module)
 
     def _discover_root(self, module: nn.Module) -> str:
