@@ -236,3 +236,23 @@ def test_watched_regions_of_a_module_at_risk_are_not_called_clean(tmp_path):
     assert report.title == "GRADIENTS AT RISK", report.headline
     assert "other region(s) clean" not in report.headline, report.headline
     assert "watched region(s) of those modules carry it too" in report.headline, report.headline
+
+
+def test_every_region_of_a_module_that_hands_out_a_side_output_is_at_risk_written_in_full_or_not(tmp_path):
+    """The recorder writes a module's first region with a given side output in full and summarizes the later ones
+    that reproduced (write="diverged"): those read clean, while the same script written with write="all" read at
+    risk in every region."""
+    torch.manual_seed(0)
+    collected: list = []
+    model = RoutedBlock(collected, detach=False)
+    statuses = {}
+    for write in ("diverged", "all"):
+        with ac_diff.record(tmp_path / f"{write}.jsonl", write=write):
+            for _ in range(4):
+                collected.clear()
+                y = cp.checkpoint(model, torch.randn(6, 8, requires_grad=True), use_reentrant=True)
+                (y.pow(2).mean() + 0.1 * sum(c.softmax(-1).pow(2).sum() for c in collected)).backward()
+        report = ac_diff.diagnose_paths([tmp_path / f"{write}.jsonl"])
+        statuses[write] = [(r.status, r.unchecked_reason) for r in report.regions]
+    assert statuses["diverged"] == statuses["all"] == [("unchecked", "reproduced; a side output carries no gradient")] \
+        * 4, statuses

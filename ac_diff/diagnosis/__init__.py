@@ -59,6 +59,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     errors: list[TorchError] = []
     notes: list[str] = []
     endings: list[str | None] = []  # how each run ended
+    summarized_side: list[RegionReport] = []  # reentrant regions summarized, whose forward handed out side outputs
     log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
     notes.extend(_merge_log_fragments(runs))
     for run in runs:
@@ -85,9 +86,13 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                 report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version,
                                          version_check=check)
             report.path = run.path or run.source
+            if region.kind == "reentrant" and region.forward is not None and not region.ops_written \
+                    and region.forward.state.get("side_outputs") and report.status == CLEAN:
+                summarized_side.append(report)
             if region.step is not None and stepped and region.optimizer_steps + 1 != region.step:
                 report.optimizer_step = region.optimizer_steps + 1  # (several forward-backward cycles a step)
             region_reports.append(report)
+    _like_their_first(summarized_side, region_reports)
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))
@@ -354,6 +359,23 @@ def _first_to_end(runs: list[Run]) -> Run:
 def _on_rank(run: Run, runs: list[Run]) -> str:
     """" on rank 3" where the traces are of several ranks, else nothing."""
     return f" on rank {run.rank or 0}" if len({r.rank for r in runs if r.source == "trace"}) > 1 else ""
+
+
+def _like_their_first(summarized: list[RegionReport], reports: list[RegionReport]) -> None:
+    """A reentrant region summarized (write="diverged": its recompute reproduced) whose forward handed out side outputs
+    that its module's first region written in full handed out too (the recorder writes the first of each in full): its
+    ops are not in the trace to tell whether a gradient reaches them, so it shares that region's finding (it read
+    clean, and the same script written in full read at risk)."""
+    for report in summarized:
+        first = next((r for r in reports if (r.path, r.rank, r.module) == (report.path, report.rank, report.module)
+                      and r.unchecked_reason == SIDE_OUTPUT and r.region < report.region), None)
+        if first is None:
+            continue
+        report.status, report.unchecked_reason, report.silent = first.status, first.unchecked_reason, first.silent
+        report.cause, report.suggestions = first.cause, list(first.suggestions)
+        report.notes.append(f"its forward handed out the tensors region {first.region}'s did, other than through its "
+                            f"outputs: that region, written in full, shows the finding (this one's ops were not "
+                            "written: its recompute reproduced its forward)")
 
 
 def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None) -> str | None:
