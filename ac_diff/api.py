@@ -61,6 +61,11 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
     if p.is_dir():
         files = trace_files(p)
         if not files:
+            inside = sorted(d.name for d in p.iterdir() if d.is_dir() and trace_files(d))
+            if inside:  # (`ac-diff fix`'s output: base/, try-1/, ...; per-rank directories copied from nodes)
+                raise InputError(f"{name}: no trace files in this directory itself, but in its subdirectories "
+                                 f"{', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}: pass one of them "
+                                 f"(`ac-diff report {os.path.join(name, inside[0])}`)")
             raise InputError(f"{name}: no trace files (trace-rank*.jsonl) in this directory; run "
                              f"`ac-diff run SCRIPT` first, or pass a log file")
         return _read_directory(files, name, lazy)

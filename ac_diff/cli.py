@@ -530,6 +530,8 @@ def _usage_line(exc: Exception) -> str:
     """A click usage error as one line, with where to read the usage."""
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
     message = " ".join(message.split())
+    if getattr(exc, "param", True) is None and getattr(exc, "param_hint", True) is None:  # (our own check's words)
+        message = message.removeprefix("Invalid value: ")
     ctx = getattr(exc, "ctx", None)
     command = getattr(ctx, "command_path", None) or "ac-diff"
     return f"{message} (see `{command} --help`)"

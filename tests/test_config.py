@@ -162,6 +162,7 @@ def test_run_refuses_watch_without_fingerprints_with_one_line(tmp_path, capsys, 
     assert main(["run", *(["--watch", "--no-fingerprints"] if how == "flags" else []), "train.py"]) == 2
     err = capsys.readouterr().err
     assert "--no-fingerprints cannot be combined with --watch" in err and "Traceback" not in err, err
+    assert "ac-diff: error: --no-fingerprints" in err, err  # (not click's "Invalid value: " before ac-diff's words)
     assert not (tmp_path / "ac-diff-out").exists()
 
 

@@ -517,3 +517,13 @@ def test_a_trace_cut_after_its_header_is_called_cut(trace, tmp_path):
     assert result.returncode == 4, result.stderr
     said = " ".join(result.stdout.replace("│", " ").split())  # (the headline box wraps a long path anywhere)
     assert "ends before any region was written" in said and "is activation checkpointing on" not in said
+
+
+def test_report_of_a_directory_whose_traces_are_in_subdirectories_names_them(tmp_path):
+    """`ac-diff fix -o out` writes out/base, out/try-1, ...: `report out` said "run `ac-diff run SCRIPT` first"."""
+    for sub in ("base", "try-1"):
+        (tmp_path / "out" / sub).mkdir(parents=True)
+        (tmp_path / "out" / sub / "trace-rank0.jsonl").write_text("{}\n")
+    proc = run_cli("report", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "in its subdirectories base, try-1: pass one of them" in proc.stderr, proc.stderr
