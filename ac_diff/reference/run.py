@@ -140,6 +140,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                                    else f"step {first.step}") + ", after the compared backward pass(es)"
                                 + (f": `--reference-steps {when}` compares it"
                                    if when <= done and not failed_without else ""))
+        # (not a difference by itself: the run without AC may fail for want of the memory AC saves)
         if failed_without and result.verdict == IDENTICAL:
             result.headline += (f"; backward {ref_done + 1} failed only without AC: the run without AC exited with "
                                 f"{exit_code} there (its error is in its output above) and the run with AC finished "
@@ -148,8 +149,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
             only = (f"backward {done + 1} failed only with AC: the run without AC finished it, so the failure is the "
                     "checkpointing's")
             result.headline = f"{result.headline}; {only}" if done else only
-            if not done:  # (nothing compared: the failure itself is the difference)
-                result.verdict = DIFFERS
+            result.verdict = DIFFERS  # (checkpointing changes the training, whatever the gradients before it say)
         if run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
         compiled = reference_note(rank_report.compiled)
