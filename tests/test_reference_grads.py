@@ -118,3 +118,32 @@ def test_a_model_re_created_mid_training_keeps_its_name_whether_the_old_one_live
     names = list(capture.snapshots[1]["grads"])  # (the second backward's: after the re-creation)
     assert sorted(names) == sorted(f"{model}.{i}.{p}" for model in ("m", "ema") for i in (0, 2)
                                    for p in ("weight", "bias")), names
+
+
+def test_a_reference_that_ran_more_backward_passes_than_this_run_was_asked_for_is_no_failure(tmp_path):
+    """`fix` runs its reference for as many backward passes as reach the base run's divergence, more than the base
+    run captured: the base's comparison said "backward 3 failed only with AC" (and, since, 'differs') although
+    nothing failed. A run that stopped short of what it was asked for still says so."""
+    from types import SimpleNamespace
+
+    from ac_diff.reference.grads import GradCapture
+    from ac_diff.reference.run import reference_result
+    from ac_diff.reference.session import grads_path
+
+    def captured(directory, steps: int, backwards: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        capture = GradCapture(grads_path(directory, 0), steps=steps).install()
+        try:
+            for _ in range(backwards):
+                model(torch.randn(3, 4)).sum().backward()
+        finally:
+            capture.finish()
+
+    captured(tmp_path / "run", 2, 4)
+    captured(tmp_path / "ref", 3, 4)
+    report = SimpleNamespace(regions=[], compiled=None)
+    asked = reference_result(report, tmp_path / "run", [0], 2, 0, None, reference_dir=tmp_path / "ref")
+    assert asked.verdict == "identical" and "failed only" not in asked.headline, asked.headline
+    short = reference_result(report, tmp_path / "run", [0], 3, 1, None, reference_dir=tmp_path / "ref")
+    assert short.verdict == "differs" and "backward 3 failed only with AC" in short.headline, short.headline
