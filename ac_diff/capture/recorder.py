@@ -50,7 +50,7 @@ from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
 from .state import (argument_items, callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest,
-                    trainable, training_mode)
+                    requiring_grad, trainable, training_mode)
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
@@ -471,6 +471,8 @@ class Recorder:
         if module is not None and (region.recorded or region.watched):  # (a watched pass: its mode, to explain)
             p.state["training"] = training_mode(module)
             p.state["trainable"] = trainable(module)
+            if region.kind == "reentrant":
+                p.state["trainable_n"] = requiring_grad(module)
             p.state["hooks"] = module_hooks(module)
         p.kept_forward = kept_forward
         fn = getattr(frame, "_ac_diff_fn", None)

@@ -118,6 +118,17 @@ def training_mode(module: torch.nn.Module) -> str:
     return "?"
 
 
+def requiring_grad(module: torch.nn.Module) -> int:
+    """How many of the module's parameters require grad (more in a reentrant recompute than in its forward: unfrozen
+    in between, and the backward runs on the recompute's graph)."""
+    with contextlib.suppress(Exception):
+        params = _parameters.get(module)
+        if params is None:
+            params = _parameters[module] = [(clean_fqn(name), p) for name, p in module.named_parameters()]
+        return sum(p.requires_grad for _, p in params)
+    return 0
+
+
 def trainable(module: torch.nn.Module) -> str:
     """"all", "none", or "all except a.weight" / "none except b.bias": which of the region's parameters require grad
     (frozen or unfrozen between the forward and the backward, the recompute saves other tensors)."""

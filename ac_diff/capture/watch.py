@@ -705,6 +705,10 @@ def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -
     origin; or it raised), "values" (only values differ, outside `mask`), or None."""
     if recompute.error or not recompute.complete:
         return "saved"
+    # (a reentrant region's parameters unfrozen between its passes: the backward runs on the recompute's graph, so they
+    # get gradients, whatever the outputs compared say)
+    if (recompute.state or {}).get("trainable_n", 0) > (forward.state or {}).get("trainable_n", 0):
+        return "saved"
     n, m = len(recompute.metas), len(forward.metas)
     if n != m and not (recompute.stopped_early and n < m):
         return "saved"

@@ -519,6 +519,14 @@ def reentrant_graph_cause(region: Region) -> Cause | None:
     drop (autograd accumulates none into a leaf that no longer requires grad)."""
     if region.kind != "reentrant" or region.forward is None or region.recompute is None:
         return None
+    before, after = (p.state.get("trainable_n") for p in (region.forward, region.recompute))
+    if region.watched and before is not None and after is not None and after > before:  # (watch reads no parameter)
+        was, now = region.forward.state.get("trainable"), region.recompute.state.get("trainable")
+        return Cause("state_mutation", "requires_grad of the region's parameters",
+                     f"{after - before} of the region's parameters were unfrozen between the forward and the backward "
+                     f"(those that require grad: {was} in the forward, {now} in the recompute)"
+                     + _GRAPH_OF_THE_RECOMPUTE, [f"parameters that require grad: {was} -> {now}"],
+                     mechanism=REQUIRES_GRAD)
     return _requires_grad_changed(region, _GRAPH_OF_THE_RECOMPUTE)
 
 
