@@ -293,6 +293,15 @@ def _tensor_count(a) -> int:
 _views: dict[str, bool] = {}
 
 
+_SHARES_STORAGE = frozenset({"aten._unsafe_view.default"})  # not declared a view, yet its output is its input's memory
+
+
+def aliases_its_input(name: str) -> bool:
+    """Whether op `name`'s output is its first input's memory: a view, `_unsafe_view` (matmul's reshape of its
+    result), an in-place method (`mul_`)."""
+    return is_view_op(name) or name in _SHARES_STORAGE or is_in_place_method(name)
+
+
 def is_view_op(name: str) -> bool:
     """Whether the op named "aten.view.default" returns a view of its input (False for unknown ops)."""
     hit = _views.get(name)

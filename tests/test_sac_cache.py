@@ -180,3 +180,51 @@ def test_a_policy_that_saves_a_tensor_the_forward_changes_in_place_is_named_with
     fixed = _dropout_grads({torch.ops.aten.mm.default, torch.ops.aten.addmm.default}, True)  # (what the fix leaves)
     assert len(fixed) == 2 and all(torch.equal(a, b) for a, b in zip(fixed, _dropout_grads(set(), True,
                                                                                              checkpointed=False)))
+
+
+class _ScaledScores(nn.Module):
+    """Attention scores from a matmul, scaled in place (`mul_`, to save memory) or out of place."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.qk, self.in_place = nn.Linear(16, 32, bias=False), in_place
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = q @ k.transpose(-1, -2)
+        scores = scores.mul_(0.25) if self.in_place else scores * 0.25
+        return scores.softmax(-1) @ x
+
+
+def _scores_grads(in_place: bool, checkpointed: bool, path=None) -> list:
+    save = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block, grads = _ScaledScores(in_place), []
+    with ac_diff.record(path) if path is not None else contextlib.nullcontext():
+        for _ in range(2):
+            x = torch.randn(2, 6, 16, requires_grad=True)
+            y = checkpoint(block, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, policy)) \
+                if checkpointed else block(x)
+            y.pow(2).sum().backward()
+            grads.append(block.qk.weight.grad.clone())
+            block.zero_grad()
+    return grads
+
+
+def test_a_saved_matmul_scaled_in_place_through_its_view_is_the_policy_not_a_nondeterministic_kernel(tmp_path):
+    """`scores.mul_(scale)` on a saved bmm's output (through matmul's `_unsafe_view`): torch raises nothing, the
+    recompute scales the cached tensor a second time, and the gradients are wrong. It read "nondeterministic_op:
+    mul_ returned other values from identical inputs"; the fix that keeps the policy makes the scaling out of place,
+    which gives the gradients of a run without AC."""
+    with_ac = _scores_grads(True, True, tmp_path / "t.jsonl")
+    assert not all(torch.equal(a, b) for a, b in zip(with_ac, _scores_grads(True, False)))  # the ground truth
+    region = next(r for r in ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions if r.status == "diverged")
+    assert region.cause.kind == "sac_policy" and region.cause.names == ["aten.bmm.default", "aten.mul_.Tensor"], \
+        region.cause
+    assert region.suggestions[0].title.startswith("Make mul_ out of place") and "x.mul(" in region.suggestions[0].code
+    assert all(torch.equal(a, b) for a, b in zip(_scores_grads(False, True), _scores_grads(False, False)))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import CAST, written_inputs, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
+from ..oprules import CAST, aliases_its_input, written_inputs, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
 from ..passes import OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
@@ -498,15 +498,24 @@ def sac_mutated_cause(fwd: Pass) -> Cause | None:
     policy saved, and the later op of the forward that changed that output in place (dropout's `bernoulli_` then its
     `div_`); None where the trace shows no such pair."""
     ops = {o.index: o for o in fwd.ops}
+
+    def base(index: int | None) -> OpRecord | None:  # (through the views and in-place ops of its output)
+        op = ops.get(index)
+        while op is not None and aliases_its_input(op.op) and op.input_refs and op.input_refs[0].kind == "op":
+            op = ops.get(op.input_refs[0].op_index)
+        return op
+
     for writer in fwd.ops:
         for ref in written_inputs(writer.op, writer.args, writer.input_refs or ()):
-            saved = ops.get(ref.op_index) if getattr(ref, "kind", None) == "op" else None
+            saved = base(ref.op_index) if getattr(ref, "kind", None) == "op" else None
             if saved is not None and saved.cached and saved.index < writer.index:
                 return Cause(
                     "sac_policy", saved.op,
                     f"the selective-AC policy saves the output of {saved.op} ({where(saved.module, saved.source)}), "
                     f"and the forward then changes that tensor in place ({writer.op}, {where(writer.module, writer.source)}"
-                    "): torch refuses to hand the recompute a cached tensor that changed after it was saved",
+                    "): torch refuses to hand the recompute a cached tensor that changed after it was saved, or, "
+                    "where its check does not see the change, the recompute reads the changed tensor and changes it "
+                    "again",
                     [f"saved by the policy: {saved.op} #{saved.index}", f"changed in place: {writer.op} #{writer.index}"],
                     source=saved.source, names=list(dict.fromkeys([saved.op, writer.op])))
     return None

@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, flag_label
-from ..oprules import OBSERVER_MODULE, OBSERVER_OPS, is_random_name, packet, updates_as_it_computes
+from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_random_name, packet,
+                       updates_as_it_computes)
 from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
@@ -234,6 +235,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
     elif kind == "sac_policy" and cause is not None:
         ops = cause.names or [cause.tensor]
         random = any(is_random_name(op or "") for op in ops)
+        writer = ops[-1]
+        if len(ops) == 2 and not is_in_place_method(ops[0]):  # (the saved op is the policy's point: keep it saved)
+            method = packet(writer)
+            out.append(Suggestion(
+                f"Make {method} out of place: it changes a tensor the selective-AC policy saves ({ops[0]})",
+                f"The policy saves the output of {ops[0]}, and the forward then changes that tensor in place with "
+                f"{method}; the cached tensor is no longer what was saved, and the recompute changes it again. "
+                f"Compute the new value into a new tensor instead: the policy keeps saving {ops[0]}.",
+                f"x = x.{method.rstrip('_')}(...)  # was: x.{method}(...), on the output of {packet(ops[0])}"))
         out.append(Suggestion(
             f"Do not save {' or '.join(ops)} in the selective-AC policy: the forward changes that tensor in place",
             f"The policy's MUST_SAVE of {ops[0]} keeps a tensor that a later op of the forward modifies in place, and "
