@@ -260,7 +260,8 @@ def test_an_attribute_a_counting_pre_hook_sets_is_explained_by_the_count(tmp_pat
     assert "`Gated.alpha` was 0.1 in the forward and 0.2 in the recompute: Gated's forward pre-hook `warmup` " \
         "sets it at each call from `calls`" in cause.detail, cause.detail
     assert region.suggestions[0].title.startswith("Do not count `calls` in the forward pre-hook `warmup`")
-    assert "if IN_BACKWARD:\n        return" in region.suggestions[0].code
+    assert "    if not IN_BACKWARD:  # the recompute reuses the count its forward reached\n        calls += 1" in \
+        region.suggestions[0].code, region.suggestions[0].code
 
 
 class LazyRotary(nn.Module):
@@ -596,3 +597,44 @@ def test_the_fix_code_for_an_attribute_moves_each_layers_update_as_the_value_it_
     assert 'for m in model.get_submodule("blocks"):  # every layer' in code, code
     assert ("    m.ema += 1" in code) if type(before) is int else ("    m.ema = ...  # the update its forward made" in code)
     assert ("before the forward that reads it" in code) == read_again and "-0.08" not in code, code
+
+
+def _gain_hook(flag: dict, guard: str):
+    """A pre-hook that rescales its module's input by a gain that jumps after 2 calls, counting calls in its closure;
+    `guard`: "count" leaves the count alone while flag["in_backward"] (the fix ac-diff prints), "hook" skips the hook
+    (the fix it printed before), "" neither."""
+    calls = 0
+
+    def warmup(module, args):
+        nonlocal calls
+        if guard == "hook" and flag["in_backward"]:
+            return None
+        if not (guard == "count" and flag["in_backward"]):
+            calls += 1
+        return (args[0] * (0.5 if calls <= 2 else 1.0),)
+    return warmup
+
+
+@pytest.mark.parametrize("guard", ["count", "hook"])
+def test_the_printed_fix_for_a_counting_pre_hook_keeps_what_the_hook_does(guard):
+    """The fix for a count a pre-hook keeps: the recompute reuses the count its forward reached, and the hook still
+    rescales the input. Skipping the whole hook in the recompute (the fix printed before) drops the rescaling there:
+    its gradients differ from a run without AC from the first step."""
+    def grads(checkpointed: bool, guard: str) -> list:
+        torch.manual_seed(0)
+        block, flag = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), {"in_backward": False}
+        block.register_forward_pre_hook(_gain_hook(flag, guard))
+        out = []
+        for _ in range(4):
+            x = torch.randn(2, 8, requires_grad=True)
+            y = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+            flag["in_backward"] = True
+            y.sum().backward()
+            flag["in_backward"] = False
+            out.append(block[0].weight.grad.clone())
+            block.zero_grad()
+        return out
+
+    same = all(torch.equal(a, b) for a, b in zip(grads(True, guard), grads(False, "")))
+    assert same is (guard == "count")
+    assert not all(torch.equal(a, b) for a, b in zip(grads(True, ""), grads(False, "")))  # (the bug it fixes)

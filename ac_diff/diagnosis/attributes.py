@@ -356,6 +356,14 @@ def update_code(change: AttributeChange) -> str:
             f"{update}")
 
 
+def _advance(change: AttributeChange) -> str:
+    """The update a pass made, as code: "+= 1" for a counter, "= ...  # its update" otherwise."""
+    before, after = change.forward_update or (None, None)
+    if all(type(v) is int for v in (before, after)):
+        return f"+= {after - before!r}"
+    return f"= ...  # its update ({shown(before)} -> {shown(after)} once)"
+
+
 def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     """The fix for a changed attribute or global (None if `name` is neither, in the region)."""
     changes = changed_attributes(region)
@@ -407,13 +415,14 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             f"Do not count `{var}` in the {kind} `{function}` of {split_name(name)[0]}: the recompute calls it again",
             f"The {kind} keeps `{var}` in its closure and changes it at each call of the module; the recompute calls "
             "the module, and its hooks, a second time, so the hook sees another value and the recompute computes "
-            f"with it. Let the hook skip the recompute (a flag the loop sets around loss.backward(): what its call in "
-            f"the forward set stays), or keep `{var}` outside the hook (the training loop's step, passed to the "
-            "model).",
+            f"with it. Let the hook leave `{var}` alone in the recompute (a flag the loop sets around loss.backward(): "
+            f"the recompute then reads the count its forward reached, and the hook does the rest as before), or keep "
+            f"`{var}` outside the hook (the training loop's step, passed to the model).",
             "IN_BACKWARD = False  # at module level, beside the hook\n"
-            f"def {function}(mod, *args):  # the {kind}: the recompute keeps what the forward's call set\n"
-            "    if IN_BACKWARD:\n        return\n"
-            f"    ...  # as before: advance {var}, set what it sets\n"
+            f"def {function}(mod, *args):  # the {kind}\n    nonlocal {var}\n"
+            f"    if not IN_BACKWARD:  # the recompute reuses the count its forward reached\n"
+            f"        {var} {_advance(change)}\n"
+            f"    ...  # the rest as before: what it computes from {var}\n"
             "# in the training loop (inside a function: `global IN_BACKWARD` first):\n"
             "IN_BACKWARD = True\nloss.backward()\nIN_BACKWARD = False")
     if _rebuilt_later(change):
