@@ -1264,3 +1264,29 @@ def test_a_watched_divergence_at_a_counters_threshold_is_explained_by_the_state_
     assert "rare event" not in lead.cause.detail and "region 0, recorded in full in step 1" in lead.cause.detail
     assert any("updates `_Warmup.calls` in place" in s.text for s in lead.suggestions), [s.text for s in lead.suggestions]
     assert any("threshold on `_Warmup.calls` is crossed once" in n for n in lead.notes), lead.notes
+
+
+def test_a_watched_divergence_shares_the_global_a_region_recorded_in_full_in_its_step_diverged_on():
+    """A logging callback bumps a global step between the forward and the backward; both blocks read a schedule from
+    it. moe.0's region, watched, diverged; moe.1's, recorded in full in the same step (resampled), names the global.
+    The watched one said "unknown ... a rare event"."""
+    from types import SimpleNamespace
+
+    from ac_diff.diagnosis.watched import _link_escalations
+    from ac_diff.report import Cause
+
+    watched = SimpleNamespace(rank=0, region=4, module="moe.0", watched=True, status="diverged", step=3, notes=[],
+                              cause=Cause("unknown", None, "watch mode in step 3"), suggestions=[], path="t",
+                              unchecked_reason=None)
+    full = SimpleNamespace(rank=0, region=5, module="moe.1", watched=False, status="diverged", step=3, notes=[],
+                           cause=Cause("state_mutation", "train.GLOBAL_STEP", "the module-level global "
+                                       "`train.GLOBAL_STEP` was 2 in the forward and 3 in the recompute", [], "global"),
+                           suggestions=["keep it"], path="t", unchecked_reason=None)
+    later = [SimpleNamespace(rank=0, region=6 + i, module="moe.0", watched=False, status="clean", step=4 + i,
+                             notes=[], cause=None, suggestions=[], path="t", unchecked_reason=None) for i in range(3)]
+    escalated = [{"rank": 0, "module": "moe.0", "lead": None, "full_diverged": 0, "full_clean": 3,
+                  "full_regions": 3, "from_step": 4, "diverged_steps": [3]}]
+    _link_escalations([watched, full, *later], escalated)
+    assert watched.cause.kind == "state_mutation" and watched.cause.tensor == "train.GLOBAL_STEP", watched.cause
+    assert watched.cause.detail.startswith("likely as moe.1's region 5, recorded in full in the same step, shows")
+    assert watched.suggestions == ["keep it"]

@@ -188,7 +188,8 @@ def _window_after(r: RegionReport, reports: list[RegionReport], diverged_steps: 
     until = later[0] if later else None
     window = sorted((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
                      and (x.module == r.module or (x.module or "").startswith(f"{r.module}."))
-                     and x.step is not None and r.step is not None and x.step > r.step
+                     and x.step is not None and r.step is not None
+                     and (x.step > r.step or x.step == r.step and x.region > r.region)  # (escalated within its step)
                      and (until is None or x.step < until)), key=lambda x: (x.step, x.region))
     return window, later
 
@@ -260,8 +261,26 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                             f"or branch on it changes (at a threshold, then not again) ({seen})",
                             [*read.cause.evidence], read.cause.mechanism, read.cause.source, list(read.cause.names))
             r.suggestions = list(read.suggestions)
+        elif (shared := _same_step_setting(r, reports)) is not None and r.cause is not None \
+                and r.cause.kind == "unknown":
+            seen = r.cause.detail
+            r.cause = Cause(shared.cause.kind, shared.cause.tensor,
+                            f"likely as {module_label(shared.module)}'s region {shared.region}, recorded in full in the "
+                            f"same step, shows: {shared.cause.detail} (process-wide: {module_label(r.module)} may read "
+                            f"it too; {seen})", [*shared.cause.evidence], shared.cause.mechanism,
+                            shared.cause.source, list(shared.cause.names))
+            r.suggestions = list(shared.suggestions)
         elif r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
+
+
+def _same_step_setting(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
+    """A region recorded in full in `r`'s step that diverged on a process-wide setting changed between its forward
+    and its backward (a module-level global, a global flag): what a watched region of another module diverging in
+    that step likely shares."""
+    return next((x for x in reports if not x.watched and x.status == DIVERGED and x.rank == r.rank
+                 and x.path == r.path and x.step == r.step and x.cause is not None
+                 and (x.cause.kind == "global_state" or x.cause.mechanism == "global")), None)
 
 
 def _state_read_twice(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
