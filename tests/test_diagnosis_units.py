@@ -273,3 +273,17 @@ def test_the_regions_first_divergence_is_a_shape_change_before_any_value_differe
     assert lead(first_shape_divergence=d("shape", 1), first_value_divergence=d("value", 17)) == ("shape", 1)
     assert lead(first_shape_divergence=d("shape", 9), first_value_divergence=d("value", 3)) == ("value", 3)
     assert lead(first_shape_divergence=d("shape", 9), first_discrete_divergence=d("discrete", 4)) == ("discrete", 4)
+
+
+def test_a_source_outside_the_working_directory_is_named_so_that_it_opens():
+    """A script in /tmp/job/scripts run from another directory read `job/scripts/train.py:15` (the last three parts:
+    neither absolute nor relative to where the user is); an installed package's file keeps its tail."""
+    import os
+
+    from ac_diff.capture.sourceline import short_path
+
+    outside = os.path.join(os.path.dirname(os.getcwd()) or "/", "elsewhere", "job", "scripts", "train.py")
+    assert short_path(outside) == outside
+    package = "/usr/lib/python3/site-packages/transformers/models/llama/modeling_llama.py"
+    assert short_path(package) == "models/llama/modeling_llama.py"
+    assert short_path(os.path.join(os.getcwd(), "train.py")) == "train.py"

@@ -37,7 +37,8 @@ def is_internal(filename: str) -> bool:
 
 
 def short_path(filename: str) -> str:
-    """A path a reader recognises: relative to the working directory when inside it, else the tail."""
+    """A path a reader recognises: relative to the working directory when inside it; an installed package's by its
+    tail (`models/llama/modeling_llama.py`); else whole, so that it opens from anywhere."""
     try:
         rel = os.path.relpath(filename)
     except ValueError:
@@ -45,7 +46,9 @@ def short_path(filename: str) -> str:
     if not rel.startswith(".."):
         return rel
     parts = filename.replace("\\", "/").split("/")
-    return "/".join(parts[-3:])
+    if "site-packages" in parts or "dist-packages" in parts or not os.path.isabs(filename):
+        return "/".join(parts[-3:])
+    return filename
 
 
 _internal_code: dict = {}  # code object -> internal? (one dict hit per frame on the per-op walk)
