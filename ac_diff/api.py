@@ -202,7 +202,8 @@ class Trace:
                     yield run, r, p
 
 
-_REGION_COLUMNS = ["rank", "region", "module", "kind", "status", "silent", "cause", "parent", "forward_ops", "recompute_ops", "forward_positions",
+_REGION_COLUMNS = ["rank", "region", "module", "kind", "status", "silent", "cause", "parent", "forward_ops",
+                   "recompute_ops", "forward_positions",
                    "recompute_positions", "recomputes", "early_stop", "determinism_check", "preserve_rng_state", "sac",
                    "watched", "step"]
 _OP_COLUMNS = ["rank", "region", "phase", "attempt", "index", "op", "module", "source", "in_shapes", "out_shapes",

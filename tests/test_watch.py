@@ -1089,7 +1089,8 @@ def test_a_watched_divergence_that_did_not_recur_points_at_random_draws_seen_els
                             cause=Cause("rng", "random", "the region draws from `random`", [], "host_rng",
                                         "train.py:42 in forward"), suggestions=[], path="t", unchecked_reason=None)
     full = [SimpleNamespace(rank=0, region=60 + i, module="blocks.0", watched=False, status="clean", step=6 + i,
-                            notes=[], cause=None, suggestions=[], path="t", unchecked_reason=None) for i in range(4)]  # its full recording
+                            notes=[], cause=None, suggestions=[], path="t", unchecked_reason=None)
+            for i in range(4)]  # its full recording
     escalated = [{"rank": 0, "module": "blocks.0", "lead": None, "full_diverged": 0, "full_clean": 4,
                   "full_regions": 4, "from_step": 6, "diverged_steps": [5]}]
     _link_escalations([watched, drawn, *full], escalated)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import CAST, aliases_its_input, written_inputs, is_decision, is_host_read, is_in_place_method, is_random_name, is_view_op
+from ..oprules import (CAST, aliases_its_input, is_decision, is_host_read, is_in_place_method, is_random_name,
+                       is_view_op, written_inputs)
 from ..passes import OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
@@ -512,11 +513,13 @@ def sac_mutated_cause(fwd: Pass) -> Cause | None:
                 return Cause(
                     "sac_policy", saved.op,
                     f"the selective-AC policy saves the output of {saved.op} ({where(saved.module, saved.source)}), "
-                    f"and the forward then changes that tensor in place ({writer.op}, {where(writer.module, writer.source)}"
+                    f"and the forward then changes that tensor in place ({writer.op}, "
+                    f"{where(writer.module, writer.source)}"
                     "): torch refuses to hand the recompute a cached tensor that changed after it was saved, or, "
                     "where its check does not see the change, the recompute reads the changed tensor and changes it "
                     "again",
-                    [f"saved by the policy: {saved.op} #{saved.index}", f"changed in place: {writer.op} #{writer.index}"],
+                    [f"saved by the policy: {saved.op} #{saved.index}",
+                     f"changed in place: {writer.op} #{writer.index}"],
                     source=saved.source, names=list(dict.fromkeys([saved.op, writer.op])))
     return None
 
@@ -939,7 +942,8 @@ def _log_chain(report: RegionReport, region: Region) -> list[str]:
     bad = [p.position for p in report.positions if p.matches is False]
     if bad:
         what = "dtype" if dtype_only(report.positions) else "shape"
-        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in {what} -> CheckpointError")
+        chain.append(f"saved position{'s' if len(bad) > 1 else ''} {number_ranges(bad)} differ in {what} "
+                     "-> CheckpointError")
     return chain
 
 

@@ -252,7 +252,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             + (" One draws random numbers: recomputed, it must draw what the forward drew, so checkpoint with "
                "preserve_rng_state=True (the default)." if random else ""),
             "from torch.utils.checkpoint import CheckpointPolicy\n\ndef policy(ctx, op, *args, **kwargs):\n"
-            f"    if op in ({', '.join(f'torch.ops.{op}' for op in ops)},):  # a tensor changed in place after it is made\n"
+            f"    if op in ({', '.join(f'torch.ops.{op}' for op in ops)},):  # changed in place after it is made\n"
             "        return CheckpointPolicy.PREFER_RECOMPUTE\n    ...  # the rest of the policy as before\n"
             + ("checkpoint(block, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, "
                "policy), preserve_rng_state=True)" if random else "")))

@@ -265,7 +265,8 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                 and r.cause.kind == "unknown":
             seen = r.cause.detail
             r.cause = Cause(shared.cause.kind, shared.cause.tensor,
-                            f"likely as {module_label(shared.module)}'s region {shared.region}, recorded in full in the "
+                            f"likely as {module_label(shared.module)}'s region {shared.region}, recorded in full in "
+                            "the "
                             f"same step, shows: {shared.cause.detail} (process-wide: {module_label(r.module)} may read "
                             f"it too; {seen})", [*shared.cause.evidence], shared.cause.mechanism,
                             shared.cause.source, list(shared.cause.names))

@@ -285,7 +285,8 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                 "other_parameters",
                 f"{len(one_sided)} parameter(s) get a gradient in one run only ({only} only with AC, "
                 f"{len(one_sided) - only} only without it: {', '.join(d.name for d in one_sided[:4])}"
-                f"{' ...' if len(one_sided) > 4 else ''}): no rounding does that; the graphs the backward ran on reached "
+                f"{' ...' if len(one_sided) > 4 else ''}): no rounding does that; the graphs the backward ran on "
+                "reached "
                 "other parameters: requires_grad changed between a forward and its backward (a freezing schedule; "
                 "with use_reentrant=True the recompute builds the graph with the setting of the backward's time), or "
                 f"the two runs trained other parameters (a model re-created, a parameter replaced); {where}",

@@ -33,8 +33,8 @@ from .sections import terminal_items
 MAX_DETAILED_REGIONS = 3
 MAX_POSITION_ROWS = 24
 MAX_ERROR_ROWS = 12
-_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "dtype": "red", "control": "cyan", "cached": "dim",
-                 "inferred": "dim yellow", "argument": "blue"}
+_MARKER_STYLE = {"value": "yellow", "discrete": "magenta", "shape": "red", "dtype": "red", "control": "cyan",
+                 "cached": "dim", "inferred": "dim yellow", "argument": "blue"}
 # "inferred": not fingerprinted (a view, a derived elementwise op), fed by an input that differs
 _MARKER_TEXT = {"value": "≠ value", "discrete": "≠ decision", "shape": "≠ shape", "dtype": "≠ dtype",
                 "control": "≠ sequence",
