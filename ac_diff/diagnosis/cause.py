@@ -502,7 +502,8 @@ def sac_mutated_cause(fwd: Pass) -> Cause | None:
 
     def base(index: int | None) -> OpRecord | None:  # (through the views and in-place ops of its output)
         op = ops.get(index)
-        while op is not None and aliases_its_input(op.op) and op.input_refs and op.input_refs[0].kind == "op":
+        while op is not None and not op.cached and aliases_its_input(op.op) and op.input_refs \
+                and op.input_refs[0].kind == "op":
             op = ops.get(op.input_refs[0].op_index)
         return op
 
