@@ -118,14 +118,19 @@ def training_mode(module: torch.nn.Module) -> str:
     return "?"
 
 
+def _named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The module's parameters by name, listed once per module (as `_listed`; ~1 us a pass for a decoder layer)."""
+    params = _parameters.get(module)
+    if params is None:
+        params = _parameters[module] = [(clean_fqn(name), p) for name, p in module.named_parameters()]
+    return params
+
+
 def requiring_grad(module: torch.nn.Module) -> int:
     """How many of the module's parameters require grad (more in a reentrant recompute than in its forward: unfrozen
     in between, and the backward runs on the recompute's graph)."""
     with contextlib.suppress(Exception):
-        params = _parameters.get(module)
-        if params is None:
-            params = _parameters[module] = [(clean_fqn(name), p) for name, p in module.named_parameters()]
-        return sum(p.requires_grad for _, p in params)
+        return sum(p.requires_grad for _, p in _named_parameters(module))
     return 0
 
 
@@ -133,9 +138,7 @@ def trainable(module: torch.nn.Module) -> str:
     """"all", "none", or "all except a.weight" / "none except b.bias": which of the region's parameters require grad
     (frozen or unfrozen between the forward and the backward, the recompute saves other tensors)."""
     with contextlib.suppress(Exception):
-        params = _parameters.get(module)
-        if params is None:  # (listed once per module, as `_listed`; ~1 us a pass for a decoder layer)
-            params = _parameters[module] = [(clean_fqn(name), p) for name, p in module.named_parameters()]
+        params = _named_parameters(module)
         flags = [p.requires_grad for _, p in params]
         needing = sum(flags)
         if not flags:

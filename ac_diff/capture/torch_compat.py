@@ -417,14 +417,16 @@ class CheckpointHooks:
 _ENGINE_ENTRIES = frozenset({"_engine_run_backward", "backward", "grad"})  # torch.autograd's Python entries
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # (looked up once: read at every recompute)
+
+
 def graph_task_id() -> int | None:
     """The backward pass running now (autograd's graph task: one per backward() or autograd.grad() call, the same for
     every node it runs, a reentrant recompute's too), None outside one or where torch has no such getter."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    if get is None:
+    if _GRAPH_TASK_ID is None:
         return None
     try:
-        task = get()
+        task = _GRAPH_TASK_ID()
     except Exception:  # noqa: BLE001 - a build whose getter fails: the backward is not told
         return None
     return task if task >= 0 else None

@@ -366,10 +366,17 @@ def _like_their_first(summarized: list[RegionReport], reports: list[RegionReport
     that its module's first region written in full handed out too (the recorder writes the first of each in full): its
     ops are not in the trace to tell whether a gradient reaches them, so it shares that region's finding (it read
     clean, and the same script written in full read at risk)."""
+    if not summarized:
+        return
+    firsts: dict[tuple, RegionReport] = {}  # (path, rank, module) -> its first region at risk (one pass, not one each)
+    for r in reports:
+        if r.unchecked_reason == SIDE_OUTPUT:
+            key = (r.path, r.rank, r.module)
+            if key not in firsts or r.region < firsts[key].region:
+                firsts[key] = r
     for report in summarized:
-        first = next((r for r in reports if (r.path, r.rank, r.module) == (report.path, report.rank, report.module)
-                      and r.unchecked_reason == SIDE_OUTPUT and r.region < report.region), None)
-        if first is None:
+        first = firsts.get((report.path, report.rank, report.module))
+        if first is None or first.region > report.region:
             continue
         report.status, report.unchecked_reason, report.silent = first.status, first.unchecked_reason, first.silent
         report.cause, report.suggestions = first.cause, list(first.suggestions)

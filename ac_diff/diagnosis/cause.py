@@ -534,28 +534,27 @@ def reentrant_graph_cause(region: Region) -> Cause | None:
         return None
     before, after = (p.state.get("trainable_n") for p in (region.forward, region.recompute))
     if region.watched and before is not None and after is not None and after > before:  # (watch reads no parameter)
-        was, now = region.forward.state.get("trainable"), region.recompute.state.get("trainable")
-        return Cause("state_mutation", "requires_grad of the region's parameters",
-                     f"{after - before} of the region's parameters were unfrozen between the forward and the backward "
-                     f"(those that require grad: {was} in the forward, {now} in the recompute)"
-                     + _GRAPH_OF_THE_RECOMPUTE, [f"parameters that require grad: {was} -> {now}"],
-                     mechanism=REQUIRES_GRAD)
-    return _requires_grad_changed(region, _GRAPH_OF_THE_RECOMPUTE)
+        flags = {"trainable": {"forward": region.forward.state.get("trainable"),
+                               "recompute": region.recompute.state.get("trainable")}}
+        return _trainable_changed(flags, f"{after - before} of the region's parameters were unfrozen",
+                                  _GRAPH_OF_THE_RECOMPUTE)
+    return _requires_grad_changed(region, _GRAPH_OF_THE_RECOMPUTE, unfrozen_only=True)
 
 
 _GRAPH_OF_THE_RECOMPUTE = (": with use_reentrant=True the backward runs on the graph the recompute builds, so they get "
                            "gradients a run without AC does not give them, though every op and value matched")
 
 
-def _requires_grad_changed(region: Region, why: str | None = None) -> Cause | None:
+def _requires_grad_changed(region: Region, why: str | None = None, unfrozen_only: bool = False) -> Cause | None:
     """Parameters the region reads whose requires_grad differs between the forward and the recompute (frozen or
-    unfrozen before the backward): an op saves what only a gradient needs where one is needed, so the recompute saves
-    other tensors (`why`: what it does otherwise)."""
+    unfrozen before the backward; `unfrozen_only`: those that require grad in the recompute only): an op saves what
+    only a gradient needs where one is needed, so the recompute saves other tensors (`why`: what it does
+    otherwise)."""
     # (by tensor object: two models' parameters can share names, a frozen teacher's `0.weight` and its student's)
     before = {e.obj: e.requires_grad for e in region.forward.externals if e.kind == "param" and e.obj is not None}
     changed = [(e.name, before[e.obj], e.requires_grad) for e in region.recompute.externals if e.kind == "param"
                and e.requires_grad is not None and before.get(e.obj) is not None
-               and before[e.obj] != e.requires_grad and (why is None or e.requires_grad)]
+               and before[e.obj] != e.requires_grad and (e.requires_grad or not unfrozen_only)]
     if not changed:
         return None
     names = [name for name, _, _ in changed]
@@ -573,7 +572,8 @@ _SAVES_WHAT_GRADS_NEED = (": an op saves the tensors a gradient needs only where
                           "other tensors than the forward")
 
 
-def _trainable_changed(flags: dict[str, dict]) -> Cause | None:
+def _trainable_changed(flags: dict[str, dict], what: str = "the region's parameters were frozen or unfrozen",
+                       why: str = _SAVES_WHAT_GRADS_NEED) -> Cause | None:
     """The region's parameters that require grad, as a watched pass notes them (`trainable`: no op recorded, so no
     parameter read), differ between the passes."""
     change = flags.get("trainable")
@@ -581,9 +581,8 @@ def _trainable_changed(flags: dict[str, dict]) -> Cause | None:
         return None
     was, now = change["forward"], change["recompute"]
     return Cause("state_mutation", "requires_grad of the region's parameters",
-                 f"the region's parameters were frozen or unfrozen between the forward and the backward (those that "
-                 f"require grad: {was} in the forward, {now} in the recompute){_SAVES_WHAT_GRADS_NEED}",
-                 [f"parameters that require grad: {was} -> {now}"], mechanism=REQUIRES_GRAD)
+                 f"{what} between the forward and the backward (those that require grad: {was} in the forward, {now} "
+                 f"in the recompute){why}", [f"parameters that require grad: {was} -> {now}"], mechanism=REQUIRES_GRAD)
 
 
 def _hooks_changed(change: dict[str, list | None]) -> Cause:

@@ -301,12 +301,13 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         explain(report, region, cmp, torch_version)
         if region.watched:
             explain_watched(report, region)
-        # (torch's own check misses a cached output changed through a view of it: the recompute then changes the
-        # forward's tensor again, and an op reads "other values from identical inputs")
-        mutated = sac_mutated_cause(fwd) if torch_error is not None and torch_error.kind == SAC_MUTATED or \
-            region.options.get("sac") and report.cause is not None and report.cause.kind == "nondeterministic_op" \
-            else None
-        if mutated is not None and (report.cause is None or report.cause.kind in ("unknown", "nondeterministic_op")):
+        kind = report.cause.kind if report.cause is not None else "unknown"
+        refused = torch_error is not None and torch_error.kind == SAC_MUTATED  # torch saw the cached tensor change
+        # (its check misses a cached output changed through a view of it: the recompute then changes the forward's
+        # tensor again, and an op reads "other values from identical inputs")
+        misread = region.options.get("sac") and kind == "nondeterministic_op"
+        mutated = sac_mutated_cause(fwd) if refused and kind in ("unknown", "nondeterministic_op") or misread else None
+        if mutated is not None:
             report.cause, report.chain = mutated, []
             report.suggestions = suggestions_for(report, region, torch_version)
     elif report.status == CLEAN:

@@ -279,15 +279,18 @@ def _same_step_setting(r: RegionReport, reports: list[RegionReport]) -> RegionRe
     """A region recorded in full in `r`'s step that diverged on a process-wide setting changed between its forward
     and its backward (a module-level global, a global flag): what a watched region of another module diverging in
     that step likely shares."""
-    return next((x for x in reports if not x.watched and x.status == DIVERGED and x.rank == r.rank
-                 and x.path == r.path and x.step == r.step and x.cause is not None
-                 and (x.cause.kind == "global_state" or x.cause.mechanism == "global")), None)
+    return _recorded_beside(r, reports, lambda x: x.status == DIVERGED and x.step == r.step and (
+        x.cause.kind == "global_state" or x.cause.mechanism == "global"))
 
 
 def _state_read_twice(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
     """A region of `r`'s module recorded in full whose code reads Python state its recompute updates a second time
     (region.py's STATE_READ_AGAIN): what explains a watched divergence its full recording did not see again (the
     second update crossed a schedule's threshold once)."""
-    return next((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
-                 and x.module == r.module and x.unchecked_reason == STATE_READ_AGAIN and x.cause is not None), None)
+    return _recorded_beside(r, reports, lambda x: x.module == r.module and x.unchecked_reason == STATE_READ_AGAIN)
 
+
+def _recorded_beside(r: RegionReport, reports: list[RegionReport], matches) -> RegionReport | None:
+    """The first region of `r`'s trace and rank recorded in full, with a cause, that `matches`."""
+    return next((x for x in reports if not x.watched and x.rank == r.rank and x.path == r.path
+                 and x.cause is not None and matches(x)), None)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..children import Child
+from ..reference.result import recomputed_in
 from ..report import DIVERGED
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
@@ -71,10 +72,11 @@ REACH_MAX = 32  # backward passes a try compares at most: each one's gradients a
 
 
 def reach(report: Any, steps: int) -> int:
-    """The backward passes each try compares with the run without AC: `steps`, or as many as reach the base run's
-    first divergent step (a schedule that crosses its threshold in backward 10), up to REACH_MAX; a try verified over
-    fewer would leave the step it is to fix uncompared."""
-    first = min((r.step for r in report.regions if r.status == DIVERGED and r.step is not None), default=0)
+    """The backward passes each try compares with the run without AC: `steps`, or as many as reach the backward pass
+    that recomputed the base run's first divergence (a schedule that crosses its threshold in backward 10), up to
+    REACH_MAX; a try verified over fewer would leave the backward it is to fix uncompared."""
+    first = min((n for r in report.regions if r.status == DIVERGED and (n := recomputed_in(r)) is not None),
+                default=0)
     return max(steps, min(first, REACH_MAX))
 
 

@@ -81,9 +81,14 @@ class ReferenceResult:
         return out
 
 
+def recomputed_in(r: Any) -> int | None:
+    """The backward pass (from 1) that recomputed region report `r`, where the trace tells it (several per step under
+    gradient accumulation), else its step."""
+    backward = getattr(r, "backward", None)
+    return backward if backward is not None else r.step
+
+
 def diverged_after(regions: Any, compared: int) -> list:
     """The diverged regions recomputed in a backward pass after the `compared` ones (their gradients were not in the
-    comparison): by the backward that ran the recompute where the trace tells it (several per step under gradient
-    accumulation), else by the step."""
-    return [r for r in regions if r.status == "diverged"
-            and ((r.backward if getattr(r, "backward", None) is not None else r.step) or 0) > compared]
+    comparison)."""
+    return [r for r in regions if r.status == "diverged" and (recomputed_in(r) or 0) > compared]

@@ -30,7 +30,7 @@ from .graddiff import compare_captures
 from .explain import explain
 from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
-from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult, diverged_after
+from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult, diverged_after, recomputed_in
 from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
 
 PORT_WAIT_S = 120.0
@@ -133,7 +133,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         later = diverged_after(rank_report.regions, len(result.steps))
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
             first = min(later, key=lambda x: x.region)
-            when = first.backward if first.backward is not None else first.step
+            when = recomputed_in(first)
             result.headline += (f"; but the first region that diverged (region {first.region}, "
                                 f"{first.module or '?'}) was recomputed in "
                                 + (f"backward {first.backward} (step {first.step})" if first.backward is not None
