@@ -322,6 +322,19 @@ def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path, launche
     assert f"[rank1] ac-diff audit: {docs[1]['headline']}" in proc.stderr  # rank 1's finding, not only in its JSON
 
 
+def _audited(block, inputs: list, seeds: int, max_regions: int) -> dict:
+    """The audit of `block` checkpointed once per input, each backpropagated from its output's sum."""
+    from torch.utils.checkpoint import checkpoint
+
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=seeds, max_regions=max_regions)).start()
+    try:
+        for x in inputs:
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+    finally:
+        auditor.stop()
+    return audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+
+
 class _MaxPool(torch.nn.Module):
     """A head that keeps each row's largest score (`max(dim)`: the chooser reduces its dim away)."""
 
@@ -336,17 +349,9 @@ class _MaxPool(torch.nn.Module):
 def test_a_chooser_that_reduces_its_dim_is_audited_by_row():
     """max(dim) without keepdim returns one index per row: the audit indexed the reduced dim of that output, raised
     IndexError in every region ("not audited"), then said "no checkpointed region ran"."""
-    from torch.utils.checkpoint import checkpoint
-
     torch.manual_seed(0)
     block, x = _MaxPool(), torch.randn(32, 16, requires_grad=True)
-    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2, max_regions=2)).start()
-    try:
-        for _ in range(2):
-            checkpoint(block, x, use_reentrant=False).sum().backward()
-    finally:
-        auditor.stop()
-    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    a = _audited(block, [x, x], seeds=2, max_regions=2)
     assert a["regions_audited"] == 2 and not a["notes"], a["notes"]
     (site,) = [s for s in a["sites"] if s["kind"]]
     assert site["op"] == "aten.max.dim" and site["rows"] == 64, site
@@ -393,17 +398,9 @@ class _Switch(torch.nn.Module):
 def test_two_ops_that_make_one_decision_on_the_same_scores_are_counted_once():
     """`argmax` and `max(dim)` of one router's probabilities flip together: the prediction counts that decision once
     (it summed both, doubling the flips to expect), and the second site says which one it repeats."""
-    from torch.utils.checkpoint import checkpoint
-
     torch.manual_seed(0)
     block, x = _Switch(), torch.randn(64, 16, requires_grad=True)
-    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2, max_regions=2)).start()
-    try:
-        for _ in range(2):
-            checkpoint(block, x, use_reentrant=False).sum().backward()
-    finally:
-        auditor.stop()
-    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    a = _audited(block, [x, x], seeds=2, max_regions=2)
     sites = {s["op"]: s for s in a["sites"] if s["kind"]}
     assert set(sites) == {"aten.max.dim", "aten.argmax.default"}, list(sites)
     assert sites["aten.argmax.default"]["same_as"] == "aten.max.dim" and sites["aten.max.dim"]["same_as"] is None
@@ -429,17 +426,9 @@ def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counti
     """The recompute counts the images again: its saved tensors match the forward's (the scalar blend saves none), so
     the margins' prediction read as an all-clear while the gradients differ from a run without AC from step 2 on.
     The headline adds what the replays cannot see; a block whose forward updates nothing gets no such line."""
-    from torch.utils.checkpoint import checkpoint
-
     torch.manual_seed(0)
     block = _FadeIn() if counting else torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
-    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=2)).start()
-    try:
-        for _ in range(3):
-            checkpoint(block, torch.randn(8, 16, requires_grad=True), use_reentrant=False).sum().backward()
-    finally:
-        auditor.stop()
-    a = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    a = _audited(block, [torch.randn(8, 16, requires_grad=True) for _ in range(3)], seeds=1, max_regions=2)
     assert a["recompute"]["diverged_count"] == 0
     if counting:
         assert a["recompute"]["state_twice_count"] == 3, a["recompute"]
