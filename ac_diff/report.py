@@ -27,6 +27,17 @@ DAMAGED = "damaged"  # the trace lines of the region failed their checksum: noth
 UNCHECKED = "unchecked"  # the region was never recomputed (no backward ran), so nothing to compare
 # Report verdict `unchecked`: no region diverged, but nothing was compared (a truncated trace, a log without op
 # lists) or the run crashed and left regions unchecked: nothing shows the run clean
+TWO_RUNS = "two_runs"  # a region's kind in `ac-diff compare A B`: run A's pass against run B's
+TWO_RUNS_WORDS = {CLEAN: "match", DIVERGED: "differ"}  # what its statuses mean there
+# Every `Report.title`, by verdict (the README lists them: a CI gate can match them all)
+TITLES = {
+    "diverged": ("DIVERGED", "SILENTLY DIVERGED"),
+    "clean": ("CLEAN", "CLEAN, SCRIPT FAILED", "CLEAN, SCRIPT INTERRUPTED"),
+    "unchecked": ("CRASHED", "INTERRUPTED", "CUT SHORT", "RANKS MISSING", "AC COMPILED, NOT RECORDED",
+                  "GRADIENTS AT RISK", "VALUES NOT COMPARED", "NOTHING CHECKED"),
+    "damaged": ("TRACE DAMAGED",),
+    "compared": ("RUNS DIFFER", "RUNS MATCH", "NOT ALL COMPARED"),  # `ac-diff compare A B` of two traces
+}
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -267,6 +278,8 @@ class RegionReport:
         a nested checkpoint its parent's recompute ran again."""
         if self.unchecked_reason == NESTED_RERUN:
             return NESTED_LABEL
+        if self.kind == TWO_RUNS:  # run A's region against run B's
+            return TWO_RUNS_WORDS.get(self.status, self.status)
         return self.status + (" (silent)" if self.silent else "")
 
     def divergences(self) -> list[Divergence]:
@@ -317,13 +330,16 @@ VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --n
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
-def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None = None) -> str:
+def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None = None,
+                    words: dict[str, str] | None = None) -> str:
     """"1 diverged, 3 clean": how many of `regions` have each status (empty for none); `counted`: more by status,
-    of regions without a report (watch mode's)."""
+    of regions without a report (watch mode's); `words`: a status's word where it means something else (two
+    runs compared: "match", "differ")."""
     by: dict[str, int] = {k: v for k, v in (counted or {}).items() if v}
     for r in regions:
         # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
         status = NESTED_COUNTED if r.unchecked_reason == NESTED_RERUN else r.status
+        status = (words or {}).get(status, status)
         by[status] = by.get(status, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
@@ -373,15 +389,18 @@ class TorchErrorSummary:
     count: int = 1  # times torch raised (a log printed) this same error
     first_line: int | None = None  # the log line where its first / last repetition starts; None: not from a log
     last_line: int | None = None
+    log: str | None = None  # the log's file name, where a report explains several
 
     @property
     def occurrences(self) -> str:
-        """Where and how often, as every renderer shows it: "4,513 times, lines 7-198,535", "line 7", or ""."""
+        """Where and how often, as every renderer shows it: "4,513 times, lines 7-198,535", "line 7",
+        "rank3.log line 7" (several logs), or ""."""
         if self.first_line is None:
             return f"{self.count:,} times" if self.count > 1 else ""
+        where = f"{self.log} " if self.log else ""
         if self.count == 1 or self.last_line == self.first_line:
-            return (f"{self.count:,} times, " if self.count > 1 else "") + f"line {self.first_line:,}"
-        return f"{self.count:,} times, lines {self.first_line:,}-{self.last_line:,}"
+            return (f"{self.count:,} times, " if self.count > 1 else "") + f"{where}line {self.first_line:,}"
+        return f"{self.count:,} times, {where}lines {self.first_line:,}-{self.last_line:,}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -503,6 +522,8 @@ class Report:
             return {DIVERGED: "RUNS DIFFER", CLEAN: "RUNS MATCH"}.get(self.verdict, "NOT ALL COMPARED")
         if self.verdict == DIVERGED:
             return "SILENTLY DIVERGED" if self.silent else "DIVERGED"
+        if self.verdict == DAMAGED:
+            return "TRACE DAMAGED"
         if self.verdict == UNCHECKED:
             if self.crashed:
                 return "INTERRUPTED" if self.exit_status == "interrupted" else "CRASHED"
@@ -518,7 +539,7 @@ class Report:
                 return "VALUES NOT COMPARED"
             return "NOTHING CHECKED"
         if self.script_failed:
-            return "CLEAN, SCRIPT " + ("INTERRUPTED" if self.exit_status == "interrupted" else "FAILED")
+            return "CLEAN, SCRIPT INTERRUPTED" if self.exit_status == "interrupted" else "CLEAN, SCRIPT FAILED"
         return "CLEAN"
 
     @property
@@ -563,7 +584,7 @@ class Report:
         counted = {"clean (watched)": w.get("clean", 0), "diverged (watched, counted)": w.get("unwritten", 0),
                    "unchecked (watched, never recomputed)": w.get("never_compared", 0),
                    NESTED_COUNTED: w.get("nested", 0)}
-        counts = count_by_status(self.regions, counted)
+        counts = count_by_status(self.regions, counted, TWO_RUNS_WORDS if self.compared else None)
         n = len(self.regions) + sum(counted.values())
         return f"{n} region(s): {counts}" if n else ""
 

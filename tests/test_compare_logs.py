@@ -379,6 +379,10 @@ def test_compare_takes_several_logs_one_per_rank(tmp_path):
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     assert sorted(e["rank"] for e in report["torch_errors"]) == [0, 1, 2]
+    # which file raised each: the line numbers alone do not say (every file's error is on the same line)
+    assert sorted((e["rank"], e["log"]) for e in report["torch_errors"]) == [(r, f"rank{r}.log") for r in range(3)]
+    text = run_cli("compare", *map(str, paths)).stdout
+    assert all(f"rank{r}.log line" in text for r in range(3)), text
 
 
 def test_with_two_logs_a_note_names_the_log_it_is_about(tmp_path):

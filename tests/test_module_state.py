@@ -472,3 +472,66 @@ def test_a_teachers_module_a_checkpointed_closure_calls_is_named_by_the_teacher(
     lead = next(r for r in report.regions if r.status == "diverged")
     assert {r.module for r in report.regions} == {"_Student.forward.<locals>.gated"}, [r.module for r in report.regions]
     assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "teacher.feat.fc1.weight", lead.cause
+
+
+class DelayedScaleLinear(nn.Linear):
+    """fp8-style delayed scaling: the input's scale comes from an amax history the forward rolls (from step
+    `start` on), or from the current amax while the history is empty. Read through a detached copy: no gradient."""
+
+    def __init__(self, d: int, start: int) -> None:
+        super().__init__(d, d, bias=False)
+        self.start, self.step = start, 0
+        self.register_buffer("amax_history", torch.zeros(4))
+
+    def forward(self, x):
+        current = x.detach().abs().max()
+        amax = torch.maximum(self.amax_history[1:].max(),
+                             self.amax_history[0] if self.amax_history[0] > 0 else current)
+        scale = 448.0 / amax
+        if self.step >= self.start:
+            with torch.no_grad():
+                self.amax_history.copy_(torch.roll(self.amax_history, 1))
+                self.amax_history[0] = current
+        q = (x * scale).to(torch.float8_e4m3fn).to(x.dtype) / scale
+        return torch.relu(nn.functional.linear(q, self.weight))
+
+
+def _delayed_scale_grads(checkpointed: bool, path=None) -> list:
+    torch.manual_seed(0)
+    inp = nn.Linear(16, 16)
+    blocks = nn.ModuleList(DelayedScaleLinear(16, start=2) for _ in range(2))
+    opt = torch.optim.SGD([*inp.parameters(), *blocks.parameters()], lr=0.1)
+    grads = []
+    with ac_diff.record(path) if path else contextlib.nullcontext():
+        for step in range(4):
+            x = inp(torch.randn(8, 16) * (1 + step))
+            for b in blocks:
+                b.step = step
+                x = cp.checkpoint(b, x, use_reentrant=True) if checkpointed else b(x)
+            x.pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in (*inp.parameters(), *blocks.parameters())])
+            opt.step()
+            opt.zero_grad()
+    return grads
+
+
+def test_a_reentrant_recompute_that_differs_off_the_gradients_path_is_not_a_divergence(tmp_path):
+    # The first step that rolls the history: the recompute finds it filled and takes the other branch to the same
+    # scale (a detached value), so its graph is the forward's; it rolls the history a second time, and the next
+    # step's forward reads that. Only the next step's gradients differ from a run without AC, and only it diverged.
+    path = tmp_path / "t.jsonl"
+    with_ac, without = _delayed_scale_grads(True, path), _delayed_scale_grads(False)
+    differ = [step for step, (a, b) in enumerate(zip(with_ac, without))
+              if not all(torch.equal(x, y) for x, y in zip(a, b))]
+    assert differ and differ[0] == 3
+    report = ac_diff.diagnose([read_run(path)])
+    by_step = {}
+    for r in report.regions:
+        by_step.setdefault(r.step, set()).add(r.status)
+    # (the report counts steps from 1)
+    assert by_step[1] == by_step[2] == by_step[3] == {"clean"} and "diverged" in by_step[4]
+    update_step = [r for r in report.regions if r.step == 3]
+    assert all(any("amax_history" in e for e in r.side_effects) for r in update_step)
+    assert any("gradient's path" in n for r in update_step for n in r.notes)
+    lead = report.lead_groups()[0][0]
+    assert lead.step == 4 and lead.cause.kind == "state_mutation"

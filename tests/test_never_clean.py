@@ -68,15 +68,32 @@ checkpoint(lambda t: torch.sin(t).cos() * t, x, use_reentrant=False).sum().backw
                                        ("sys.exit(3)", "CLEAN, SCRIPT FAILED"), ("sys.exit(0)", "CLEAN")],
                          ids=["raise", "exit-3", "exit-0"])
 def test_a_script_that_fails_after_its_regions_were_compared_says_so(end, title, tmp_path):
-    """Every region that ran reproduced itself, then the script failed: the verdict stays clean (the check's exit
-    code 0), but the title and headline say that the run stopped there, not that training was checked to its end."""
+    """Every region that ran reproduced itself, then the script failed: the verdict stays clean, but the title and
+    headline say that the run stopped there, not that training was checked to its end, and a CI gate does not pass
+    it (exit 4, as for a run with nothing compared)."""
     script = tmp_path / "train.py"
     script.write_text(_FAILS_AFTER_ITS_REGIONS.replace("{end}", end))
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], capture_output=True)
     report = subprocess.run([sys.executable, "-m", "ac_diff", "report", "--check", "--format", "json", str(out)],
                             capture_output=True, text=True)
-    assert report.returncode == 0, report.stdout + report.stderr
+    assert report.returncode == (0 if title == "CLEAN" else 4), report.stdout + report.stderr
     data = json.loads(report.stdout)
     assert data["verdict"] == "clean" and data["title"] == title, data["headline"]
     assert ("but the script failed" in data["headline"]) == (title != "CLEAN"), data["headline"]
+
+
+def test_every_title_belongs_to_one_verdict_and_the_readme_lists_them_all():
+    """A CI gate matches titles: the README's list is closed, and it is the one the report draws from."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from ac_diff.report import TITLES, Report
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = readme[readme.index("one of these and\nno other"):]
+    listed = listed[:listed.index(".\n")]
+    assert set(re.findall(r"`([A-Z][A-Z ,]+)`", listed)) == {t for titles in TITLES.values() for t in titles}
+    returned = set(re.findall(r'"([A-Z][A-Z ,]{3,})"', inspect.getsource(Report.title.fget)))
+    assert returned == {t for titles in TITLES.values() for t in titles}

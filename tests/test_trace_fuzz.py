@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import ac_diff
 from ac_diff.api import InputError
 from ac_diff.cli import main
-from ac_diff.report import DAMAGED, DIVERGED
+from ac_diff.report import DAMAGED, DIVERGED, TITLES
 from ac_diff.trace import TraceFormatError
 
 FUZZ = settings(max_examples=60, derandomize=True, deadline=None,
@@ -113,6 +113,8 @@ def test_bit_flips_are_reported_as_damage(intact, tmp_path, draw):
     _no_damage_becomes_a_finding(report, base)
     if report is not None and bytes(damaged) != data:
         assert report.verdict != "clean"
+    if report is not None:  # (a damaged trace's banner said CLEAN)
+        assert report.title in TITLES[report.verdict], (report.verdict, report.title)
 
 
 HEADER_VALUES = ["abc", -1, 0, 2**70, 1.5, None, True, [], {}, [1, "x"], {"a": 1}, "", "1.0"]

@@ -189,6 +189,13 @@ def test_a_region_one_run_summarized_and_the_other_diverged_in_differs(tmp_path)
     assert "in run B this region's recompute did not reproduce its forward" in region["cause"]["detail"]
     code, report = _compare_cli(paths["a"], paths["a"], tmp_path)
     assert code == 0 and report["title"] == "RUNS MATCH"
+    # run A's own regions diverged: matching each other, they are counted as matching, not as clean
+    from ac_diff.cli import main
+
+    assert main(["compare", str(paths["a"]), str(paths["a"]), "-o", str(tmp_path / "r.txt")]) == 0
+    text = (tmp_path / "r.txt").read_text()
+    assert f"{len(report['regions'])} region(s): {len(report['regions'])} match" in text and " clean" not in text
+    assert [r["status"] for r in report["regions"]] == ["clean"] * len(report["regions"])  # (the JSON's word)
 
 
 def test_two_runs_that_checkpoint_with_other_rng_options_say_so(tmp_path):

@@ -14,14 +14,17 @@ from pathlib import Path
 from rich.console import Console
 
 from ..render import RENDERERS, render
-from ..report import DAMAGED, DIVERGED, UNCHECKED, Report
+from ..report import CLEAN, DAMAGED, DIVERGED, UNCHECKED, Report
 
 from ..errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_UNCHECKED  # noqa: F401 (the commands import them from here)
 
 
 def verdict_code(report: Report) -> int:
     """0 clean, 1 diverged, 4 unchecked, 2 damaged (the trace is partly unreadable): a run where nothing
-    was compared never passes as clean."""
+    was compared never passes as clean, nor does one whose script failed or was stopped after its regions (what ran
+    was clean, but not the training the script meant to run: 4)."""
+    if report.verdict == CLEAN and report.script_failed:
+        return EXIT_UNCHECKED
     return {DIVERGED: EXIT_DIVERGED, UNCHECKED: EXIT_UNCHECKED, DAMAGED: EXIT_BAD_INPUT}.get(report.verdict,
                                                                                            EXIT_CLEAN)
 

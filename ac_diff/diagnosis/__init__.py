@@ -57,6 +57,7 @@ def _ops_of(run: Run, region, kept: contextlib.ExitStack | None):
 def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | None) -> Report:
     region_reports = []
     errors: list[TorchError] = []
+    error_logs: dict[int, str] = {}  # id(error) -> the log it is from, where several were read
     notes: list[str] = []
     endings: list[str | None] = []  # how each run ended
     summarized_side: list[RegionReport] = []  # reentrant regions summarized, whose forward handed out side outputs
@@ -71,6 +72,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         run_errors = list(run.errors)
         errors.extend(run_errors)
         several = len({r.path for r in runs}) > 1
+        if several and run.source == "log" and run.path:  # several logs: which one raised each error
+            error_logs.update({id(e): os.path.basename(run.path) for e in run_errors})
         # several logs: which one each note is about (a trace's notes name their file themselves)
         notes.extend(f"{os.path.basename(run.path)}: {n}" if several and run.source == "log" and run.path
                      and run.path not in n else n for n in run.notes)
@@ -101,7 +104,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     _through_enclosing_regions(region_reports)
     one_optimizer_step(region_reports)
     watch = watch_summary(runs, region_reports)
-    errors_summary = [_summary(e, region_reports) for e in errors]
+    errors_summary = [_summary(e, region_reports, error_logs.get(id(e))) for e in errors]
     diverged = [r for r in region_reports if r.status == DIVERGED]
     crash = _crash(runs, region_reports)
     cut = None if crash else _cut_short(runs, region_reports, watch)
@@ -207,7 +210,7 @@ def link_log_ids(p: Pass) -> None:
             produced[name] = (op.index, j)
 
 
-def _summary(err: TorchError, reports: list[RegionReport]) -> TorchErrorSummary:
+def _summary(err: TorchError, reports: list[RegionReport], log: str | None = None) -> TorchErrorSummary:
     """The error as reports show it; its cause the diagnosis of the region it names where there is one, else what its
     metadata alone suggests (a log without op lists)."""
     changes = [MetadataChange(p.position, str(p.saved) if p.saved else None,
@@ -223,7 +226,7 @@ def _summary(err: TorchError, reports: list[RegionReport]) -> TorchErrorSummary:
                              f"compiled_graph: {RECOMPILED}" if err.compiled else
                              f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
                              else None,
-                             count=err.count, first_line=err.first_line, last_line=err.last_line)
+                             count=err.count, first_line=err.first_line, last_line=err.last_line, log=log)
 
 
 def _through_nested_regions(reports: list) -> None:

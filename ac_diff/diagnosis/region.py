@@ -23,6 +23,7 @@ from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_ca
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
+from .gradpath import gradient_path
 from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
                            saved_by_its_ops)
@@ -208,6 +209,15 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         elif escaped and not (position_mismatch or position_values or count_mismatch or torch_error):
             report.notes.append(f"every saved tensor matched, but what {escaped} made in the recompute differs from "
                                 "the forward's and outlived the region (its output, or a tensor its code kept)")
+    elif region.kind == "reentrant" and (reaches := gradient_path(fwd, rec)) is not None:
+        # its backward runs on the graph the recompute builds: what differs off that graph (a scale read from a
+        # buffer its own forward updated, then detached) leaves the gradients as they were
+        diverged = bool(any(reaches(d) for d in cmp.diffs) or torch_error or position_mismatch or count_mismatch)
+        if first is not None and not diverged:
+            op = first.forward or first.recompute
+            report.notes.append(f"{op.op} and later ops differ in the recompute, but none on the gradient's path "
+                                "(they read no input or trainable parameter, or a detached copy): harmless for the "
+                                "gradients")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
     for name, op in cmp.region_updates():

@@ -23,13 +23,13 @@ from ..stateflags import first_flag, flag_label
 from ..gc_hold import collector_paused
 from ..passes import Region, Run, op_count
 from ..report import (CLEAN, DIVERGED, DIVERGENCE_FIELDS, UNCHECKED, Cause, Divergence, RegionReport, Report,
-                      Suggestion)
+                      Suggestion, TWO_RUNS)
 from .passdiff import PassComparison, compare_passes
 from .discrete import first_flip
 from .labels import changed_line, where
 from .region import Settings, diagnose_region, divergence_of, state_changes, window
 
-KIND = "two_runs"
+KIND = TWO_RUNS
 
 
 def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Report:

@@ -25,7 +25,7 @@ from importlib import resources
 from typing import Any, Iterable, Iterator
 
 from .._version import __version__
-from ..report import CLEAN, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
+from ..report import CLEAN, DAMAGED, DIVERGED, UNCHECKED, Divergence, PositionRow, RegionReport, Report
 from . import positions
 from .fixes import fixes_html
 from .sections import html_sections
@@ -100,7 +100,8 @@ def _page_parts(report: Report) -> Iterator[str | Iterable[str]]:
 # --- verdict, toolbar, top tables -----------------------------------------------------------------------------
 
 def _verdict(report: Report, title: str, silent: bool) -> str:
-    cls = "silent" if silent else {DIVERGED: "diverged", UNCHECKED: "silent"}.get(report.verdict, "clean")
+    cls = "silent" if silent else {DIVERGED: "diverged", UNCHECKED: "silent", DAMAGED: "silent"}.get(report.verdict,
+                                                                                                     "clean")
     out = [f"<header id=\"verdict\" class=\"verdict {cls}\" data-verdict=\"{e(report.verdict)}\">",
            f"<div class=\"verdict-title\">ac-diff: <span id=\"verdict-word\">{e(title)}</span></div>",
            f"<p class=\"headline\" id=\"headline\">{e(report.headline)}</p>"]

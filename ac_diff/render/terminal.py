@@ -25,7 +25,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import AT_RISK, CLEAN, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
+from ..report import AT_RISK, CLEAN, DAMAGED, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
 from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
@@ -127,7 +127,7 @@ def render_terminal(report: Report, console: Console) -> None:
 
 
 def _verdict_panel(report: Report) -> Panel:
-    style = {DIVERGED: "bold red", UNCHECKED: "bold yellow"}.get(report.verdict, "bold green")
+    style = {DIVERGED: "bold red", UNCHECKED: "bold yellow", DAMAGED: "bold yellow"}.get(report.verdict, "bold green")
     body = [Text(report.headline, style="bold")]
     if report.silent:
         body.append(Text(report.silent_warning, style="red"))

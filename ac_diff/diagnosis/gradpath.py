@@ -1,0 +1,76 @@
+"""The ops of a pass that a gradient flows through, for a reentrant region's backward.
+
+    on_path = gradient_path(forward, recompute)
+    on_path(pair_diff) -> True for `x * scale` (x: the region's input), False for `scale = 448 / amax_hist.max()`
+    (a buffer read) or anything after `x.detach()`
+
+A reentrant region's backward runs on the graph its recompute builds: a difference counts for the gradients only
+where it reaches that graph. An op is on the path when a floating-point input is: the region's inputs, parameters
+that require grad and captured tensors start it; a detach and integer or boolean outputs end it. Where a path value
+is written in place into outside state (a buffer, a captured tensor), later reads of that state cannot be followed:
+gradient_path answers None and every difference counts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..dtypes import carries_gradient
+from ..oprules import DETACHED_ALIAS_OPS, OUTSIDE_KINDS, is_in_place_method
+from ..passes import InputRef, OpRecord, Pass
+from .passdiff import PairDiff
+
+_NO_GRADIENT_KINDS = frozenset({"buffer"})
+
+
+def _sources(p: Pass) -> set[tuple[str, str | None]]:
+    """(kind, name) of the pass's outside tensors a gradient can reach: inputs, parameters not frozen, captures."""
+    return {(e.kind, e.name) for e in p.externals
+            if e.kind not in _NO_GRADIENT_KINDS and e.requires_grad is not False and carries_gradient(e.meta.dtype)}
+
+
+def _path_ops(p: Pass) -> set[int] | None:
+    sources = _sources(p)
+    on: set[int] = set()
+
+    def carries(ref: InputRef, dtype: str) -> bool:
+        if not carries_gradient(dtype):
+            return False
+        return ref.op_index in on if ref.kind == "op" else (ref.kind, ref.name) in sources
+
+    for op in p.ops:
+        if op.op in DETACHED_ALIAS_OPS or not any(carries(r, m.dtype) for r, m in zip(op.input_refs, op.inputs)):
+            continue
+        on.add(op.index)
+        if is_in_place_method(op.op) and op.input_refs:
+            written = op.input_refs[0]
+            if written.kind in OUTSIDE_KINDS and (written.kind, written.name) not in sources:
+                return None  # a gradient-carrying value stored in state later ops read by name
+            if written.kind == "op":
+                on.add(written.op_index)
+    return on
+
+
+def _reads_other_index(d: PairDiff, op: OpRecord) -> bool:
+    """An op on the path whose integer or boolean inputs differ (a gather with other indices, equal values picked):
+    the gradient lands elsewhere even where its outputs match."""
+    return d.inputs_same is False and any(not carries_gradient(m.dtype) for m in op.inputs)
+
+
+def gradient_path(forward: Pass, recompute: Pass) -> Callable[[PairDiff], bool] | None:
+    """A test of whether a pair's difference reaches the gradient's path (in either pass), or None where the path
+    cannot be followed (a trace without parameters' requires_grad, a path value written into outside state)."""
+    if any(e.kind == "param" and e.requires_grad is None for e in recompute.externals):
+        return None
+    fwd_on, rec_on = _path_ops(forward), _path_ops(recompute)
+    if fwd_on is None or rec_on is None:
+        return None
+
+    def reaches(d: PairDiff) -> bool:
+        on_f = d.forward is not None and d.forward.index in fwd_on
+        on_r = d.recompute is not None and d.recompute.index in rec_on
+        if not (on_f or on_r):
+            return False
+        return d.differs or _reads_other_index(d, d.recompute or d.forward)
+
+    return reaches
