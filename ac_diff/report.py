@@ -344,6 +344,18 @@ def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None 
     return ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
 
 
+def recomputed_in(r: Any) -> int | None:
+    """The backward pass (from 1) that recomputed region report `r`, where the trace tells it (several per step under
+    gradient accumulation), else its step."""
+    backward = getattr(r, "backward", None)
+    return backward if backward is not None else r.step
+
+
+def backwards_recorded(regions: list[RegionReport]) -> int:
+    """How many backward passes the run made, as far as its regions tell (the last that recomputed one), else 0."""
+    return max((n for r in regions if (n := recomputed_in(r)) is not None), default=0)
+
+
 def repeated_updates(regions: list[RegionReport]) -> set[str]:
     """The tensors some region's recompute updates in place a second time (its side effects, "counted twice")."""
     return {name for r in regions for name, _, _ in r.repeated}

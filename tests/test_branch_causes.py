@@ -179,11 +179,12 @@ class RoutedBlock(nn.Module):
     """A router whose logits a forward hook collects for a load-balancing loss (as Hugging Face's MoE models do), or
     for logging, detached."""
 
-    def __init__(self, collected: list, detach: bool, counts: bool = False) -> None:
+    def __init__(self, collected: list, detach: bool, counts: bool = False, amax: bool = False) -> None:
         super().__init__()
         self.router, self.expert = nn.Linear(8, 4), nn.Linear(8, 8)
         self.router.register_forward_hook(lambda m, i, out: collected.append(
-            torch.bincount(out.argmax(-1), minlength=4).float() if counts else out.detach() if detach else out))
+            torch.bincount(out.argmax(-1), minlength=4).float() if counts else out.detach().abs().max() if amax
+            else out.detach() if detach else out))
 
     def forward(self, x):
         gate = self.router(x).softmax(-1).max(-1, keepdim=True).values
@@ -191,16 +192,17 @@ class RoutedBlock(nn.Module):
 
 
 @pytest.mark.parametrize("case", ["aux_loss", "autocast_aux_loss", "logged_detached", "autocast_logged_detached",
-                                  "expert_counts", "non_reentrant"])
+                                  "expert_counts", "amax_of_detached", "non_reentrant"])
 def test_a_reentrant_regions_side_output_is_never_clean(case, tmp_path):
     """The router logits leave the reentrant region through the hook's list, made under no_grad: the aux loss
     computed from them trains nothing (the router gets no gradient from it), yet the recompute reproduces the forward
     exactly; under autocast too. Clean: detached on purpose for logging; the per-expert counts of the chosen experts
-    (made from integer indices: no gradient could reach them in any run); checkpointed with use_reentrant=False; and
-    under autocast, its cache of the weights' and input's casts, which outlive the region until the context ends."""
+    (made from integer indices: no gradient could reach them in any run); a statistic computed from a detached copy
+    (fp8's amax, `out.detach().abs().max()`: it was held at risk); checkpointed with use_reentrant=False; and under
+    autocast, its cache of the weights' and input's casts, which outlive the region until the context ends."""
     torch.manual_seed(0)
     collected: list = []
-    model = RoutedBlock(collected, detach="detached" in case, counts=case == "expert_counts")
+    model = RoutedBlock(collected, detach="detached" in case, counts=case == "expert_counts", amax="amax" in case)
     x = torch.randn(6, 8, requires_grad=True)
     autocast = torch.autocast("cpu", torch.bfloat16) if "autocast" in case else contextlib.nullcontext()
     with ac_diff.record(tmp_path / "t.jsonl"):

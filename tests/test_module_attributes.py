@@ -6,6 +6,8 @@ argument of aten.mul.Tensor". Recording the attributes changes nothing in the tr
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -219,6 +221,62 @@ def test_a_counter_a_hook_keeps_in_its_closure_is_named_with_its_hook(tmp_path):
     restore = next(c for c in candidates(report) if c.kind == "restore")  # (the closure's cell is restored)
     assert restore.spec.restore == ["*.<forward pre-hook warmup>.calls"], restore.spec
     assert restore.change[0] == region.suggestions[0].title  # (the code it simulates: the diagnosis's own)
+
+
+def _halving_until(limit: int):
+    """A warmup pre-hook that halves its module's input for its first `limit` calls, counted in its closure."""
+    calls = 0
+
+    def warmup(module, args):
+        nonlocal calls
+        calls += 1
+        return (args[0] * (0.5 if calls <= limit else 1.0),)
+    return warmup
+
+
+def _halved_grads(checkpointed: bool, path=None) -> list:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    block[0].register_forward_pre_hook(_halving_until(4))
+    grads = []
+    with ac_diff.record(path) if path else contextlib.nullcontext():
+        for _ in range(3):
+            x = torch.randn(2, 8, requires_grad=True)
+            (checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)).sum().backward()
+            grads.append([p.grad.clone() for p in block.parameters()])
+            block.zero_grad()
+    return grads
+
+
+def test_a_closure_counter_its_hook_reads_crossing_its_threshold_between_steps_puts_gradients_at_risk(tmp_path):
+    """Under AC the hook runs twice a step: calls 1, 2 | 3, 4 | 5, 6 against 1 | 2 | 3 without AC. Each step's two
+    passes agree (both halve, then both do not), so every region reproduces its forward; step 3's gradients differ
+    all the same. The hook reads its count beyond counting it: never clean (it said CLEAN, `fix` "nothing to fix")."""
+    from ac_diff.capture.pystate import hook_reads_again
+
+    path = tmp_path / "t.jsonl"
+    with_ac, without = _halved_grads(True, path), _halved_grads(False)
+    assert [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(with_ac, without)] == [True, True, False]
+    report = ac_diff.diagnose_paths([path])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    assert "<forward pre-hook warmup>.calls" in report.headline and "--reference-steps 3`" in report.headline
+    block = nn.Linear(2, 2)
+    block.register_forward_pre_hook(_halving_until(4))
+    block.register_forward_pre_hook(_warmup_hook(4))
+    counting = nn.Linear(2, 2)
+    counting.register_forward_pre_hook(_counting_hook())
+    assert hook_reads_again(block, "<forward pre-hook warmup>.calls")
+    assert not hook_reads_again(counting, "<forward pre-hook count>.calls")
+
+
+def _counting_hook():
+    """A hook that only counts (for a log line elsewhere): its count is never read by the hook itself."""
+    calls = 0
+
+    def count(module, args):
+        nonlocal calls
+        calls += 1
+    return count
 
 
 class Gated(nn.Module):

@@ -307,17 +307,40 @@ def read_again(owner: type, name: str) -> bool:
     hit = _read_again.get(key)
     if hit is None:
         forward = _function(getattr(owner, "forward", None))
-        loads = stores = 0
-        for _, code, _ in _user_codes(forward, owner) if forward is not None else ():
-            instructions = list(dis.get_instructions(code))
-            skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
-                         and isinstance(ins.argval, int) and ins.argval > ins.offset]
-            for ins in instructions:
-                if ins.argval == name and not any(start < ins.offset < end for start, end in skippable):
-                    loads += ins.opname in _LOADS
-                    stores += ins.opname == "STORE_ATTR"
-        hit = _read_again[key] = forward is None or loads > stores
+        codes = [code for _, code, _ in _user_codes(forward, owner)] if forward is not None else []
+        hit = _read_again[key] = forward is None or _loaded_beyond_stores(codes, name, _LOADS, "STORE_ATTR")
     return hit
+
+
+def hook_reads_again(module: nn.Module, label: str) -> bool:
+    """read_again for a variable a hook of `module` keeps in its closure (`label` as hook_cells names it): whether
+    the hook reads it beyond updating it (`nonlocal calls; calls += 1; scale = 0.5 if calls <= warmup else 1.0`)."""
+    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+        for hook in hooks.values():
+            fn = _function(hook)
+            if fn is None:
+                continue
+            for var in fn.__code__.co_freevars:
+                if HOOK_STATE.format(kind=kind, name=fn.__name__, var=var) == label:
+                    return _loaded_beyond_stores(list(_codes(fn.__code__)), var, _DEREF_LOADS, "STORE_DEREF")
+    return False
+
+
+_DEREF_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CLASSDEREF"})
+
+
+def _loaded_beyond_stores(codes: list[types.CodeType], name: str, loads_by: frozenset, store_by: str) -> bool:
+    """More loads of `name` than stores in `codes`, outside any code a forward jump can skip (see read_again)."""
+    loads = stores = 0
+    for code in codes:
+        instructions = list(dis.get_instructions(code))
+        skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
+                     and isinstance(ins.argval, int) and ins.argval > ins.offset]
+        for ins in instructions:
+            if ins.argval == name and not any(start < ins.offset < end for start, end in skippable):
+                loads += ins.opname in loads_by
+                stores += ins.opname == store_by
+    return loads > stores
 
 
 def _settings_read(code: types.CodeType, space: dict, loaded: set[str]) -> list[tuple[types.ModuleType, str]]:

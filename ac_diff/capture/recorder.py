@@ -41,7 +41,8 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
 from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack
 from .fqn import clean_fqn, segment_name
-from .pystate import UNSET, GlobalReads, host_draw_sites, is_container, module_attributes, read_again
+from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_container, module_attributes,
+                      read_again)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from ..errors import Terminated
@@ -899,8 +900,9 @@ class Recorder:
                 hooks = [callable_name(h) for h in module._forward_pre_hooks.values()]
                 # (and whether its code reads it beyond the update: a schedule's counter, not a logged one; a
                 # container's updates are method calls, `stats.append(...)`, that read it as they update it)
-                updates[prefix + key] = [old, value, hooks, not key.startswith("<") and not is_container(value)
-                                         and read_again(type(module), key.rsplit(".", 1)[-1])]
+                updates[prefix + key] = [old, value, hooks, not is_container(value) and (
+                    hook_reads_again(module, key) if key.startswith("<") else
+                    read_again(type(module), key.rsplit(".", 1)[-1]))]
                 if old is UNSET:  # made by this call (`self.calls = getattr(self, "calls", 0) + 1`): unset before it
                     p.attributes.setdefault(prefix + key, UNSET)
 

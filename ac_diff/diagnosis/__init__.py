@@ -21,7 +21,7 @@ from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
-                      TorchErrorSummary, missing_ranks, repeated_updates)
+                      TorchErrorSummary, backwards_recorded, missing_ranks, repeated_updates)
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -535,10 +535,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         read = [r for r in regions if r.unchecked_reason == STATE_READ_AGAIN]
         if read:
             first = read[0]
+            steps = max(3, backwards_recorded(regions))
             return (f"gradients at risk: {len(read)} region(s) reproduced their forward, but their code reads Python "
                     f"state their recompute updates a second time (the first: {module_label(first.module)}, region "
                     f"{first.region}: `{first.cause.tensor}`), so later steps compute with other values than a run "
-                    "without AC: `ac-diff run --reference no-ac --reference-steps 3` compares the gradients"
+                    f"without AC: `ac-diff run --reference no-ac --reference-steps {steps}` compares the gradients of "
+                    "every backward this run made (past a threshold only a late one's may differ)"
                     + _others_clean(read, checked, runs))
         at_risk = [r for r in regions if r.unchecked_reason == SIDE_OUTPUT]
         if at_risk:

@@ -13,8 +13,7 @@ elements as the list (and, when fingerprints exist, the same sum).
 
 from __future__ import annotations
 
-from ..dtypes import carries_gradient
-from ..passes import InputRef, OpRecord
+from ..passes import OpRecord
 from ..oprules import CHOOSER_OPS, packet
 from .passdiff import is_discrete
 
@@ -80,25 +79,6 @@ def decision_path(ops: list[OpRecord], target: OpRecord) -> list[OpRecord]:
             break
     path.reverse()
     return path
-
-
-def grad_sources(ops: list[OpRecord], target: OpRecord) -> list[InputRef]:
-    """The parameters, inputs and outside tensors `target`'s outputs are computed from through floating-point tensors
-    only: the sources a gradient could reach them from. An integer or boolean tensor on the way carries none (topk's
-    indices, a bincount of them)."""
-    by_index = {o.index: o for o in ops}
-    seen, queue, found = {target.index}, [target], []
-    while queue:
-        current = queue.pop()
-        for meta, ref in zip(current.inputs, current.input_refs):
-            if not carries_gradient(meta.dtype):
-                continue
-            if ref.kind != "op":
-                found.append(ref)
-            elif ref.op_index in by_index and ref.op_index not in seen:
-                seen.add(ref.op_index)
-                queue.append(by_index[ref.op_index])
-    return found
 
 
 def _producers(ops: list[OpRecord], op: OpRecord, by_index: dict, position: dict) -> list[OpRecord]:

@@ -29,8 +29,10 @@ def _sources(p: Pass) -> set[tuple[str, str | None]]:
             if e.kind not in _NO_GRADIENT_KINDS and e.requires_grad is not False and carries_gradient(e.meta.dtype)}
 
 
-def _path_ops(p: Pass) -> set[int] | None:
-    sources = _sources(p)
+def path_ops(p: Pass, sources: set[tuple[str, str | None]] | None = None) -> set[int] | None:
+    """The indices of `p`'s ops a gradient flows through from `sources` ((kind, name) of outside tensors; default:
+    the pass's inputs, parameters not frozen and captures), or None where it cannot be followed."""
+    sources = _sources(p) if sources is None else sources
     on: set[int] = set()
 
     def carries(ref: InputRef, dtype: str) -> bool:
@@ -62,7 +64,7 @@ def gradient_path(forward: Pass, recompute: Pass) -> Callable[[PairDiff], bool] 
     cannot be followed (a trace without parameters' requires_grad, a path value written into outside state)."""
     if any(e.kind == "param" and e.requires_grad is None for e in recompute.externals):
         return None
-    fwd_on, rec_on = _path_ops(forward), _path_ops(recompute)
+    fwd_on, rec_on = path_ops(forward), path_ops(recompute)
     if fwd_on is None or rec_on is None:
         return None
 

@@ -23,7 +23,7 @@ from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_ca
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete)
-from .gradpath import gradient_path
+from .gradpath import gradient_path, path_ops
 from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
                            saved_by_its_ops)
@@ -331,22 +331,21 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
     what requires grad other than through its outputs (a list a hook fills, as Mixtral's router logits for the
     load-balancing loss): made under no_grad, a loss computed from it gives no gradient. Whether the script computes
     a loss from it, the recompute cannot tell: never clean."""
-    from .dataflow import grad_sources
-
     fwd = region.forward
     side = fwd.state.get("side_outputs") if region.kind == "reentrant" and fwd is not None else None
     if not side:
         return
     ops = {o.index: o for o in fwd.ops}
-    trainable = {e.name for e in fwd.externals if e.kind == "param" and e.requires_grad}
-    inputs_grad = "no_grad_inputs" not in region.options
+    sources = {("param", e.name) for e in fwd.externals if e.kind == "param" and e.requires_grad}
+    if "no_grad_inputs" not in region.options:
+        sources |= {("input", e.name) for e in fwd.externals if e.kind == "input"}
+    on_path = path_ops(fwd, sources)  # (None: a path value went into outside state: each may carry one)
     autocast = any(key.startswith("autocast_") for key in fwd.state)
 
     def carries_grad(op: OpRecord) -> bool:
         if autocast and op.op == CAST and op.input_refs and all(r.kind != "op" for r in op.input_refs):
             return False  # autocast's cache of the cast of a leaf that requires grad (a weight), kept until it ends
-        return any(r.kind == "param" and r.name in trainable or r.kind == "input" and inputs_grad
-                   for r in grad_sources(fwd.ops, op))
+        return on_path is None or op.index in on_path
 
     lost = [ops[index] for index, _ in side if index in ops and carries_grad(ops[index])]
     if not lost:
@@ -453,7 +452,8 @@ def _state_read_again(report: RegionReport, change: AttributeChange, how: str) -
     _unchecked(report, STATE_READ_AGAIN,
                f"its recompute reproduced its forward, but its code reads `{name}`, which the recompute updates a second "
                f"time ({how}): from the next step on its forward computes with other values than a run without AC; "
-               "`ac-diff run --reference no-ac --reference-steps 3` compares the gradients")
+               "`ac-diff run --reference no-ac --reference-steps N` compares the gradients (N: every backward the "
+               "run makes; past a threshold only a late one's may differ)")
     report.cause = Cause("state_mutation", name,
                          f"the region's code updates the Python attribute `{name}` and reads it (a schedule, a branch on "
                          "a call count); the recompute runs that code again, so under AC it advances twice per step and "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..children import Child
-from ..reference.result import recomputed_in
+from ..report import recomputed_in
 from ..report import DIVERGED
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try

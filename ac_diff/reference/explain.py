@@ -41,7 +41,8 @@ from typing import Any
 
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, Divergence, RegionReport
+from ..report import (CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, Divergence, RegionReport,
+                      backwards_recorded)
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -334,25 +335,30 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
     updates a second time: where the gradients differ from the run without AC, they diverged (silently); where they
     match over the compared steps, a note says so (the state may matter only in a later step: a threshold)."""
     at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
+    made = backwards_recorded(report.regions)
     for r in at_risk:
         if result.verdict == DIFFERS:
             r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
             r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
                            "AC, changed what it computed")
-        elif result.verdict == IDENTICAL and len(result.steps) >= 2:  # (the second step reads what the first left)
+        elif result.verdict == IDENTICAL and len(result.steps) >= max(2, made):  # (step 2 reads what step 1 left)
             r.status, r.unchecked_reason, r.suggestions = CLEAN, None, []
-            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} backward passes: the "
-                           "state its code reads, updated twice under AC, did not change what it computed (a later "
-                           "step's could, past a threshold: compare more with --reference-steps)")
+            r.notes.append(f"the gradients match the run without AC over all {len(result.steps)} backward passes: the "
+                           "state its code reads, updated twice under AC, did not change what it computed")
+        elif result.verdict == IDENTICAL and len(result.steps) >= 2:  # (a counter may cross its threshold later)
+            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} of the {made} backward "
+                           "passes this run made: the state its code reads, updated twice under AC, may change what a "
+                           f"later one computes (past a threshold): compare them all (--reference-steps {made})")
         elif result.verdict == IDENTICAL:
             r.notes.append("the gradients match the run without AC over 1 backward pass, before the state updated "
-                           "twice is read again: compare 2 or more (--reference-steps 3)")
+                           f"twice is read again: compare 2 or more (--reference-steps {max(3, made)})")
     if at_risk and report.verdict == UNCHECKED and all(r.status == CLEAN for r in report.regions) \
             and not report.crashed:
         report.verdict = CLEAN
         report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
                            f"exactly; the Python state {len(at_risk)} of them update twice under AC did not change "
-                           f"the gradients over {len(result.steps)} backward passes (they match the run without AC)")
+                           f"the gradients over all {len(result.steps)} backward passes (they match the run without "
+                           "AC)")
 
 
 def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..report import recomputed_in
+
 IDENTICAL = "identical"
 DIFFERS = "differs"
 NOT_COMPARABLE = "not_comparable"
@@ -79,13 +81,6 @@ class ReferenceResult:
         for step in out["steps"]:  # `step` is the index; `backward` counts from 1, as the text and the steps do
             step["backward"] = step["step"] + 1
         return out
-
-
-def recomputed_in(r: Any) -> int | None:
-    """The backward pass (from 1) that recomputed region report `r`, where the trace tells it (several per step under
-    gradient accumulation), else its step."""
-    backward = getattr(r, "backward", None)
-    return backward if backward is not None else r.step
 
 
 def diverged_after(regions: Any, compared: int) -> list:
