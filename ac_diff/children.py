@@ -35,6 +35,20 @@ LAUNCHED_ENV = "AC_DIFF_LAUNCHED"  # set by ac-diff's torchrun launches: the lau
 _ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding this ac_diff package
 
 
+_start_dir: str | None = None  # where the command started (`remember_start_dir`)
+
+
+def remember_start_dir() -> None:
+    """Take the working directory now, as the command starts: every child starts there, whatever directory the script
+    (run in this process before them: `--reference`) moved to with os.chdir(): `python -m pkg.train` and the script's
+    relative arguments then mean what they meant to the run."""
+    global _start_dir
+    try:
+        _start_dir = os.getcwd()
+    except OSError:  # (removed under it: children start where this process is then)
+        _start_dir = None
+
+
 @dataclass
 class Child:
     argv: list[str]
@@ -47,6 +61,7 @@ class Child:
         """Run it to the end, its exit code; on Ctrl-C (the child got it too: same process group) wait for it to
         wind down and note `interrupted`; SIGTERM (a scheduler's, sent to this process alone) is passed on to the
         child (torchrun stops its ranks, which finish their traces), waited for, and noted as `terminated`."""
+        popen.setdefault("cwd", _start_dir)
         proc = subprocess.Popen(self.argv, env=self.env, **popen)  # type: ignore[call-overload]
 
         def pass_on(signum, frame):

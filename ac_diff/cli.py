@@ -495,6 +495,9 @@ def export(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: never lets a traceback of ac-diff's own escape; one line on stderr instead."""
+    from .children import remember_start_dir
+
+    remember_start_dir()  # (before a script this process runs can chdir)
     try:
         # without standalone mode click hands typer.Exit's code back as the return value
         code = app(args=argv, prog_name="ac-diff", standalone_mode=False)

@@ -135,3 +135,34 @@ def test_killed_process_leaves_readable_trace(tmp_path):
     headline = json.loads((tmp_path / "r.json").read_text())["headline"]
     assert "CUT SHORT" in report.stdout and "ends without its end record: the process was killed" in headline
     assert "3 region(s) checked clean before its last record" in headline, headline
+
+
+_CHDIR_TRAIN = """
+import os, sys, torch
+from torch.utils.checkpoint import checkpoint
+
+run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
+os.makedirs(run_dir, exist_ok=True)
+os.chdir(run_dir)  # as Hydra and many trainers do
+torch.manual_seed(0)
+lin = torch.nn.Linear(4, 4)
+for _ in range(2):
+    x = torch.randn(2, 4, requires_grad=True)
+    (checkpoint(lin, x, use_reentrant=False) if os.environ.get("NOAC") is None else lin(x)).sum().backward()
+"""
+
+
+def test_the_reference_starts_where_the_run_started_not_where_the_script_moved(tmp_path):
+    """`-m pkg.train --run-dir runs/a` chdirs into runs/a: the reference without AC (a child started after the script
+    ran in this process) started there, could not import pkg, and the report said the script "fails without AC
+    too"."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(_CHDIR_TRAIN)
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--reference", "no-ac", "--format", "json", "-m", "pkg.train",
+                   "--run-dir", "runs/a", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    reference = json.loads(proc.stdout)["reference"]
+    assert reference["verdict"] == "identical", reference
+    assert (tmp_path / "runs" / "a").is_dir() and not (tmp_path / "runs" / "a" / "runs").exists()
