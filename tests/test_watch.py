@@ -697,6 +697,23 @@ def test_watched_counts_are_written_every_few_seconds_too(tmp_path, monkeypatch)
     assert f"{report.watch['compared']} region(s) checked clean before its last record" in report.headline
 
 
+def test_watched_counts_reach_the_disk_while_the_run_goes_on(tmp_path, monkeypatch):
+    """Each "watch" totals record is on disk as it is written, not when some later write fills the buffer: a clean
+    watched run writes nothing else, and `ac-diff report` mid-run (or after SIGKILL) read only step 1's 2 regions of
+    a 1,100-step run."""
+    monkeypatch.setattr(watch, "SUMMARY_EVERY", 3)
+    monkeypatch.setattr(watch, "SUMMARY_SECONDS", 1e9)
+    torch.manual_seed(0)
+    model, path = Net(), tmp_path / "live.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for step in range(1, 8):
+            model(torch.randn(1, 2, 16)).sum().backward()
+        mid = [json.loads(line) for line in path.read_text().splitlines()]  # (read as the run goes on)
+    totals = [r for r in mid if r["type"] == "watch"]
+    assert [t["step"] for t in totals] == [3, 6], [r["type"] for r in mid]
+    assert sum(t[0] for t in totals[-1]["modules"].values()) >= 2 * 4
+
+
 # -- the batched CUDA digest (byte_sums.py), run on CPU by Triton's interpreter ---------------------------------
 def _interpreter_loads_through_addresses() -> bool:
     """Triton's interpreter before 3.1 cannot load through a pointer made from an integer address (the kernel's
@@ -774,6 +791,11 @@ def test_a_divergence_in_the_full_first_step_keeps_its_module_recorded_in_full(t
     assert "(recorded in full) saved other tensors than its forward: 1 of 1 diverged" in report.watch["text"], \
         report.watch["text"]
     assert "watched again from step 2" in report.watch["text"]
+    # which steps they were, in a few numbers: a divergence that persists from one that stopped (it kept only the
+    # first step's)
+    last = run.watch["step"]
+    assert all(e["counted_steps"] == [[2, last]] for e in report.watch["escalated"]), report.watch["escalated"]
+    assert f"more diverged (counted, not written; in step(s) 2-{last})" in report.watch["text"], report.watch["text"]
     assert f"{later} diverged (watched, counted)" in report.status_counts()
     rank = report.ranks[0]  # the ranks table counts them too
     assert rank.diverged == len(report.regions) + later and rank.regions == rank.diverged + rank.clean + rank.unchecked
@@ -1291,3 +1313,14 @@ def test_a_watched_divergence_shares_the_global_a_region_recorded_in_full_in_its
     assert watched.cause.kind == "state_mutation" and watched.cause.tensor == "train.GLOBAL_STEP", watched.cause
     assert watched.cause.detail.startswith("likely as moe.1's region 5, recorded in full in the same step, shows")
     assert watched.suggestions == ["keep it"]
+
+
+def test_steps_counted_after_an_escalation_are_kept_as_ranges():
+    """A divergence every 10th step reads as such ("21-23, 30, 40-41"), and a run of thousands keeps a bounded list."""
+    ranges: list = []
+    for step in (21, 22, 22, 23, 30, 40, 41):  # (several regions a step)
+        watch._add_step(ranges, step)
+    assert ranges == [[21, 23], [30, 30], [40, 41]]
+    for step in range(100, 10_000, 2):
+        watch._add_step(ranges, step)
+    assert len(ranges) == watch._MAX_STEP_RANGES

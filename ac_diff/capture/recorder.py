@@ -273,7 +273,8 @@ class Recorder:
         if self.options.watch or self.options.full_from_step is not None:
             self._watch = Watch(self._writer.write, self._region_record, self.options.full_from_step,
                                 self.options.escalate, self.options.watch_full_steps if self.options.watch else 0,
-                                resample_every=self.options.watch_resample if self.options.watch else 0)
+                                resample_every=self.options.watch_resample if self.options.watch else 0,
+                                flush=self._writer.flush)
         warnings_ = self.hooks.install()
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})

@@ -432,6 +432,7 @@ class Watch:
     # a module watch compares by its outputs only (a reentrant checkpoint's forward saves nothing) is recorded in full
     # once every `resample_every` steps, one such module a step (`_resample`; 0: never)
     resample_every: int = 0
+    flush: Any = None  # pushes what was written to disk: the totals are read while the run goes on, or after a kill
     resampled: dict[str, int] = field(default_factory=dict)  # module -> its steps recorded in full for that
     _last_full: dict[str, int] = field(default_factory=dict)  # such a module -> the step it was last recorded in full
     _resampling: tuple = (0, None)  # (step, the module recorded in full in it for that)
@@ -615,6 +616,8 @@ class Watch:
                     "resampled": dict(self.resampled),
                     "modules": {key: t.to_json() for key, t in self.totals.items()},
                     "escalated": {key: dict(v) for key, v in self.escalated.items()}})
+        if self.flush is not None:  # (a clean watched run writes nothing else that would flush it)
+            self.flush()
 
     # -- judging -----------------------------------------------------------------------------
     def _judge(self, cmp: _Comparison, final: bool = False) -> None:
@@ -654,6 +657,7 @@ class Watch:
         if hit is not None and hit.get("until_step") is not None and (region.step or 0) >= hit["until_step"]:
             if hit.get("caught") is not None:
                 totals.unwritten += 1  # its module's full recording already shows this divergence
+                _add_step(hit.setdefault("counted_steps", []), region.step)
                 return
             # full recording never saw it (it recurs less often than the window): record the module again
             self.escalated[key] = hit = {"diverged_step": region.step, "region": region.number, "from_step": None}
@@ -694,6 +698,20 @@ class Watch:
         if t is None:
             t = self.totals[name] = _Totals()
         return t
+
+
+_MAX_STEP_RANGES = 64  # counted steps kept per module, as ranges: a divergence every other step fills them first
+
+
+def _add_step(ranges: list[list[int]], step: int | None) -> None:
+    """Count `step` into `ranges` ([[first, last], ...], ascending): the steps a divergence recurred in, which a
+    report names ("steps 21-29"), in a few numbers however long the run."""
+    if step is None:
+        return
+    if ranges and ranges[-1][0] <= step <= ranges[-1][1] + 1:
+        ranges[-1][1] = max(ranges[-1][1], step)
+    elif len(ranges) < _MAX_STEP_RANGES:
+        ranges.append([step, step])
 
 
 def _landed(cmp: _Comparison) -> bool:

@@ -70,6 +70,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                                                         and r.path == run.path and r.module == module
                                                         and r.step is not None}),
                               "unwritten": (w["modules"].get(module) or [0] * 6)[3],
+                              "counted_steps": [list(x) for x in e.get("counted_steps") or ()],
                               "full_regions": len(mine), "full_diverged": len(bad),
                               "full_clean": sum(r.status == CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
@@ -140,8 +141,10 @@ def _text(s: dict[str, Any]) -> str:
             else:
                 text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
             if until is not None:
+                counted = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in e.get("counted_steps") or ())
                 text += f"; watched again from step {until}" + (
-                    f": {e['unwritten']} more diverged (counted, not written)" if e.get("unwritten") else "")
+                    f": {e['unwritten']} more diverged (counted, not written"
+                    + (f"; in step(s) {counted}" if counted else "") + ")" if e.get("unwritten") else "")
     if s["full_from_step"] is not None and s["full_from_step"] > s["steps"]:
         text += f"; --full-from-step {s['full_from_step']}: the run ended in step {s['steps']}, before it"
     elif s["full_from_step"] is not None:
