@@ -696,3 +696,35 @@ def test_the_printed_fix_for_a_counting_pre_hook_keeps_what_the_hook_does(guard)
     same = all(torch.equal(a, b) for a, b in zip(grads(True, guard), grads(False, "")))
     assert same is (guard == "count")
     assert not all(torch.equal(a, b) for a, b in zip(grads(True, ""), grads(False, "")))  # (the bug it fixes)
+
+
+class Stashing(nn.Module):
+    """fp8's amax or a VQ codebook's statistics stashed in the forward for an update after the step: the forward only
+    binds the attribute, from its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.pending = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            self.pending = (y.detach().abs().max(), y.shape[0])
+        return torch.tanh(y)
+
+
+def test_an_attribute_the_forward_only_rebinds_is_not_counted_twice(tmp_path):
+    """The recompute binds `pending` again, to the same values: nothing advances twice (it said "the recompute repeats
+    the updates of pending ... other than a run without AC" and offered to move the update out of the forward)."""
+    from ac_diff.capture.pystate import only_rebinds
+
+    torch.manual_seed(0)
+    block, path = Stashing(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for _ in range(2):
+            checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean" and "repeats the updates" not in report.headline, report.headline
+    assert not any(r.side_effects or r.suggestions for r in report.regions)
+    assert only_rebinds(Stashing, "pending") and not only_rebinds(Stashing, "fc")
+    assert not only_rebinds(FadeIn, "imgs_seen") and not only_rebinds(CountedCalls, "calls")

@@ -312,6 +312,27 @@ def read_again(owner: type, name: str) -> bool:
     return hit
 
 
+def only_rebinds(owner: type, name: str) -> bool:
+    """Whether the forward of `owner` (and the code it calls) only binds its attribute `name`, never reads it
+    (`self.pending = (x.detach(), idx)` for after the step): its new value comes from the forward's inputs alone, so a
+    recompute that reproduced the forward binds it to the same values again, not twice over."""
+    key = (owner, name)
+    hit = _only_rebinds.get(key)
+    if hit is None:
+        forward = _function(getattr(owner, "forward", None))
+        loads = stores = 0
+        for _, code, _ in _user_codes(forward, owner) if forward is not None else ():
+            for ins in dis.get_instructions(code):
+                if ins.argval == name:
+                    loads += ins.opname in _LOADS
+                    stores += ins.opname == "STORE_ATTR"
+        hit = _only_rebinds[key] = forward is not None and stores > 0 and not loads
+    return hit
+
+
+_only_rebinds: dict[tuple[type, str], bool] = {}
+
+
 def hook_reads_again(module: nn.Module, label: str) -> bool:
     """read_again for a variable a hook of `module` keeps in its closure (`label` as hook_cells names it): whether
     the hook reads it beyond updating it (`nonlocal calls; calls += 1; scale = 0.5 if calls <= warmup else 1.0`)."""

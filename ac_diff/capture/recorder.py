@@ -42,7 +42,7 @@ from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack
 from .fqn import clean_fqn, segment_name
 from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_container, module_attributes,
-                      read_again)
+                      only_rebinds, read_again)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from ..errors import Terminated
@@ -901,9 +901,10 @@ class Recorder:
                 hooks = [callable_name(h) for h in module._forward_pre_hooks.values()]
                 # (and whether its code reads it beyond the update: a schedule's counter, not a logged one; a
                 # container's updates are method calls, `stats.append(...)`, that read it as they update it)
+                attr = key.rsplit(".", 1)[-1]
                 updates[prefix + key] = [old, value, hooks, not is_container(value) and (
-                    hook_reads_again(module, key) if key.startswith("<") else
-                    read_again(type(module), key.rsplit(".", 1)[-1]))]
+                    hook_reads_again(module, key) if key.startswith("<") else read_again(type(module), attr)),
+                    not key.startswith("<") and only_rebinds(type(module), attr)]
                 if old is UNSET:  # made by this call (`self.calls = getattr(self, "calls", 0) + 1`): unset before it
                     p.attributes.setdefault(prefix + key, UNSET)
 

@@ -48,10 +48,13 @@ class AttributeChange:
     readers: list[str] = field(default_factory=list)  # a global: the functions reading it ("model.py in forward")
     uncalled: bool = False  # an attribute of a module that ran no op: the code around it reads it (`self.dropout.p`)
     read_again: bool = False  # its module's code reads it beyond its update (capture.pystate.read_again)
+    rebound: bool = False  # its module's code only binds it, never reads it (capture.pystate.only_rebinds)
 
     @property
     def counted_twice(self) -> bool:
-        return self.forward_update is not None and self.recompute_update is not None
+        """Updated by each pass, from what the previous pass left (a rebinding from the inputs alone repeats the same
+        value where the recompute reproduced the forward)."""
+        return self.forward_update is not None and self.recompute_update is not None and not self.rebound
 
     @property
     def is_global(self) -> bool:
@@ -116,7 +119,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
             uncalled = bool(module) and not any(m == module or m.startswith(module + ".") for m in ran if m)
             out.append(AttributeChange(name, value, rec.attributes[name], f_up[:2] if f_up else None,
                                        r_up[:2] if r_up else None, hooks, uncalled=uncalled,
-                                       read_again=bool(f_up and len(f_up) > 3 and f_up[3])))
+                                       read_again=bool(f_up and len(f_up) > 3 and f_up[3]),
+                                       rebound=bool(f_up and len(f_up) > 4 and f_up[4])))
     for name, value in fwd.globals.items():
         if name in rec.globals and rec.globals[name] != value:
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
