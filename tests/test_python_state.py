@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import deque
 
@@ -298,6 +299,51 @@ def test_a_global_counter_the_forward_advances_counts_twice(tmp_path):
     fix = region.suggestions[0]
     assert fix.title == "Do not change the global `CALLS` in the checkpointed forward: the recompute changes it again"
     assert "value = CALLS" in fix.code and "CALLS += 1" in fix.code, fix.code
+
+
+WARM_CALLS = 0
+
+
+def _temperature() -> float:
+    return 2.0 if WARM_CALLS <= 2 else 1.0
+
+
+class GlobalWarmup(nn.Module):
+    """The forward counts its calls in a global, and a helper of its own reads the count (a temperature schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        global WARM_CALLS
+        WARM_CALLS += 1
+        return torch.tanh(self.fc(x) / _temperature())
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_global_counter_a_helper_reads_crossing_its_threshold_between_steps(tmp_path, watch):
+    """Under AC the count runs twice as fast: 1, 2 | 3, 4 against 1 | 2 without AC, so step 2's forward reads another
+    temperature while each step's passes agree. Read beyond its update (by `_temperature`): GRADIENTS AT RISK, not
+    clean; watched, the first step's full recording names it (it said "unknown: a rare event")."""
+    global WARM_CALLS
+    grads = {}
+    for ac in (True, False):
+        WARM_CALLS = 0
+        torch.manual_seed(0)
+        block, path = GlobalWarmup(), tmp_path / f"t{ac}.jsonl"
+        steps = []
+        with ac_diff.record(path, watch=watch) if ac else contextlib.nullcontext():
+            for _ in range(2):
+                x = torch.randn(4, 8, requires_grad=True)
+                (cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)).sum().backward()
+                steps.append(block.fc.weight.grad.clone())
+                block.zero_grad()
+        grads[ac] = steps
+    assert torch.equal(grads[True][0], grads[False][0]) and not torch.equal(grads[True][1], grads[False][1])
+    report = ac_diff.diagnose_paths([tmp_path / "tTrue.jsonl"])
+    assert report.verdict != "clean", report.headline
+    assert f"{__name__}.WARM_CALLS" in report.headline, report.headline
 
 
 def test_a_global_flag_kept_for_the_backward_is_no_cause(tmp_path):

@@ -125,7 +125,9 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
         if name in rec.globals and rec.globals[name] != value:
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
             f_up, r_up = fwd.global_updates.get(name), rec.global_updates.get(name)
-            out.append(AttributeChange(name, value, rec.globals[name], f_up, r_up, readers=readers or ["?"]))
+            # (read by a function of its own, `temperature()` beside the forward's `STEP += 1`: beyond its update)
+            out.append(AttributeChange(name, value, rec.globals[name], f_up, r_up, readers=readers or ["?"],
+                                       read_again=len({r.split(" (")[0] for r in readers}) > 1))
     return out
 
 
