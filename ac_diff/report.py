@@ -588,6 +588,15 @@ class Report:
     def repeated_updates(self) -> set[str]:
         return repeated_updates(self.regions)
 
+    def repeating(self) -> list[RegionReport]:
+        """Clean regions whose recompute repeats an update, with its fix ("though this step's gradients are right"),
+        but not an update a diverged region's cause names: its own fix says what to do there, and a later step's
+        divergence shows the gradients were not right."""
+        causes = {n for r in self.regions if r.status == DIVERGED and r.cause is not None
+                  for n in (r.cause.tensor, *r.cause.names) if n}
+        return [r for r in self.regions if r.status == CLEAN and r.repeated and r.suggestions
+                and not {name for name, _, _ in r.repeated} & causes]
+
     def status_counts(self) -> str:
         """How many regions have each status, e.g. "4 region(s): 1 diverged, 3 clean" (empty without regions); watch
         mode's clean and never recomputed regions, which have no report of their own, counted in ("30 region(s): 24

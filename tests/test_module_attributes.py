@@ -728,3 +728,35 @@ def test_an_attribute_the_forward_only_rebinds_is_not_counted_twice(tmp_path):
     assert not any(r.side_effects or r.suggestions for r in report.regions)
     assert only_rebinds(Stashing, "pending") and not only_rebinds(Stashing, "fc")
     assert not only_rebinds(FadeIn, "imgs_seen") and not only_rebinds(CountedCalls, "calls")
+
+
+class GuardedWarmup(nn.Module):
+    """Halves its input for its first `warmup` calls; the count is read behind another condition (read_again cannot
+    count on that read: a step that reproduces is clean, its update only repeated)."""
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__()
+        self.fc, self.calls, self.warmup = nn.Linear(8, 8), 0, warmup
+
+    def forward(self, x):
+        self.calls += 1
+        if self.warmup is not None and self.calls <= self.warmup:
+            x = x * 0.5
+        return torch.tanh(self.fc(x))
+
+
+def test_a_divergence_of_a_counted_state_keeps_its_clean_steps_fix_out_of_the_report(tmp_path):
+    """Step 1 reproduces (calls 1, 2: both halve), step 2 does not (3 halves, 4 does not): the report leads with step
+    2's cause and fix, and no longer also prints step 1's "though this step's gradients are right" fix."""
+    from ac_diff.render import render
+
+    torch.manual_seed(0)
+    block, path = GuardedWarmup(3), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        for _ in range(2):
+            checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert [r.status for r in report.regions] == ["clean", "diverged"], report.headline
+    assert report.regions[0].repeated and report.regions[0].suggestions and report.repeating() == []
+    render(report, "terminal", path=tmp_path / "r.txt")
+    assert "though this step's gradients are right" not in (tmp_path / "r.txt").read_text()

@@ -113,7 +113,7 @@ def render_terminal(report: Report, console: Console) -> None:
         console.print(Text("side effect: ", style="bold yellow") + _t(effect))
     if len(side_effects) > 6:
         console.print(_t(f"... {len(side_effects) - 6} more side effects in the JSON report", "dim"))
-    repeating = [r for r in report.regions if r.status == CLEAN and r.repeated and r.suggestions]
+    repeating = report.repeating()
     if repeating:  # regions that reproduced their forward: the fix for the update they repeat, once
         fix = repeating[0].suggestions[0]
         if fix.title not in shown:
