@@ -84,7 +84,9 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
             raise InputError(f"{name}: the compressed file is damaged ({damage}); copy it again from where it "
                              "was written (or decompress what is readable: zcat FILE > FILE.log)")
         raise InputError(f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
-                         "debug dump in it; pass the log that contains the CheckpointError")
+                         "debug dump in it (torch prints those only when a recompute differs: a run that raised none "
+                         "leaves nothing to explain); pass the log that contains the CheckpointError, or record the "
+                         "script with `ac-diff run`")
     return [parse_log(p, progress=progress, lazy=lazy)]
 
 

@@ -126,6 +126,8 @@ class PositionRow:
         return _scalar_fields(self)
 
 
+# the setting a dtype change names where nothing recorded which one it was (autocast, a dtype attribute, a global)
+PRECISION = "the precision"
 UPDATED_IN_FORWARD = "updated_in_forward"  # Cause.mechanism: state the region's own forward updates in place
 KEPT_OUTPUT_WRITTEN = "kept_output_written"  # ... a tensor the forward made and kept (a cache), changed in place since
 REBOUND = "rebound"  # ... the parameters read are other tensor objects in the recompute

@@ -582,6 +582,10 @@ def test_autocast_on_in_the_recompute_only_is_a_dtype_change_in_a_log(tmp_path):
     (region,) = ac_diff.diagnose_paths([log]).regions
     assert region.cause.kind == "global_state" and "changed its dtype (f32 -> bf16)" in region.cause.detail, \
         region.cause
+    # (which setting, the log does not show: a dtype attribute a schedule changes reads the same; it said "Make
+    # `autocast` the same" to a script without autocast)
+    assert region.suggestions[0].title == "Make the precision the same in the forward and in the backward"
+    assert "a dtype attribute or global" in region.suggestions[0].text
     assert region.first_shape_divergence.label == "dtype" and region.chain[-1].endswith(
         "differ in dtype -> CheckpointError"), region.chain
     assert {row.marker for row in region.window if row.marker in ("shape", "dtype")} == {"dtype"}

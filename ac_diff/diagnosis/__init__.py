@@ -349,9 +349,9 @@ def _failed_after(runs: list[Run]) -> str | None:
     first = _first_to_end(failed)
     verb = "was interrupted" if first.exit_status == "interrupted" else "failed"
     steps = [r.step for r in first.regions if r.step is not None] + [(first.watch or {}).get("step") or 0]
-    last = f"its last region ran in step {max(steps)}; " if max(steps) else ""
-    return (f"the script {verb}{_on_rank(first, runs)}: {_how_it_stopped(first)} ({last}what would have run after it "
-            "was never recorded)")
+    last = f"its last region ran in step {max(steps)}: " if max(steps) else ""
+    return (f"the script {verb}{_on_rank(first, runs)}: {_how_it_stopped(first)} ({last}the trace covers what it ran "
+            "until it stopped)")
 
 
 def _first_to_end(runs: list[Run]) -> Run:

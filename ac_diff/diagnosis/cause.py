@@ -26,7 +26,8 @@ from ..oprules import (CAST, aliases_its_input, is_decision, is_host_read, is_in
                        is_view_op, written_inputs)
 from ..passes import OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
-                      REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence, RegionReport)
+                      PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence,
+                      RegionReport)
 from .attributes import attribute_cause, change_words
 from .passdiff import (ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, writer_in,
                        written_refs)
@@ -244,7 +245,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                          mechanism=GRAD_MODE, source=control.source)
         casts = dtype_only(report.positions) if control.op == CAST else None
         if casts:  # (autocast on in one pass: it casts the weights before each matmul, the other pass does not)
-            return Cause("global_state", "autocast",
+            return Cause("global_state", PRECISION,
                          f"the {'recompute' if control.forward_index is None else 'forward'} ran dtype casts the other "
                          f"pass did not, and {DTYPE_ONLY.format(change=casts)}", [control.summary],
                          source=control.source)

@@ -537,7 +537,7 @@ def divergence_of(kind: str, d: PairDiff | None, cmp: PassComparison) -> Diverge
             detail["changed_inputs"] = d.changed_inputs
     if kind == "value":
         changed = args_diff(f, r) if f is not None and r is not None and "argument" in d.kinds else None
-        summary = (f"values differ: argument {changed}, the tensors in identical" if changed and d.inputs_same
+        summary = (f"values differ: argument {changed}, its tensor inputs identical" if changed and d.inputs_same
                    else "values differ although every input is identical" if d.inputs_same
                    else "values differ (an input already differed)" if d.inputs_same is False
                    else "values differ")

@@ -16,7 +16,7 @@ from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_random_name, packet,
                        updates_as_it_computes)
 from ..passes import OpRecord, Region
-from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, REBOUND,
+from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, PRECISION, REBOUND,
                       REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
@@ -460,6 +460,14 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "than the forward did (TF32 or reduced-precision matmuls, another cuDNN or attention algorithm). Set it "
             "once, before the training loop, and leave it for the whole step; or set it back before loss.backward().",
             _set_once(cause.tensor, change.get("forward"))))
+    elif kind == "global_state" and cause is not None and cause.tensor == PRECISION:
+        out.append(Suggestion(
+            "Make the precision the same in the forward and in the backward",
+            "The recompute ran in another dtype than the forward, and nothing recorded says which setting chose it: "
+            "an autocast entered around the forward only (or around loss.backward() only), its `enabled` or dtype "
+            "switched between them, or a dtype attribute or global the region's code reads (a precision schedule) "
+            "changed before the backward. Enter the same autocast around both, or inside the checkpointed function; "
+            "change a dtype setting after the backward. `ac-diff run` on the script names the setting."))
     elif kind == "global_state" and cause is not None:
         out.append(Suggestion(
             f"Make `{cause.tensor}` the same in the forward and in the backward",
