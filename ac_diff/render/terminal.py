@@ -25,7 +25,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import AT_RISK, CLEAN, DAMAGED, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
+from ..report import AT_RISK, DAMAGED, DIVERGED, UNCHECKED, Report, RegionReport, Suggestion, count_by_status
 from . import positions
 from .fixes import fixes_terminal
 from .sections import terminal_items
