@@ -610,3 +610,46 @@ def test_restore_reaches_a_count_a_pre_hook_keeps_in_its_closure(patched, reentr
     from ac_diff.capture.pystate import hook_state
 
     assert [hook_state(layer) for layer in net.layers] == [{"<forward pre-hook warmup>.calls": 1}] * 2
+
+
+class _ListCounted(nn.Module):
+    """Scales its input by a warmup factor a pre-hook computes from the calls it counts in a list bound as a default
+    argument (`calls=[0]`, a common idiom): no `nonlocal`, and the list keeps its item from call to call."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+        def warm(module, args, calls=[0]):
+            calls[0] += 1
+            return (args[0] * min(1.0, calls[0] / 4),)
+        self.register_forward_pre_hook(warm)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_count_a_pre_hook_keeps_in_a_default_list_is_named_and_restored(patched, reentrant, tmp_path):
+    """The item is the hook's state (`<forward pre-hook warm>.calls[0]`): the cause names it and the hook, the fix
+    code changes the item (no `nonlocal`), and the restore `fix` would try reaches it (the glob escapes the bracket):
+    the gradients are those of a run without AC. It said "a Python value passed to aten.mul.Tensor changed between
+    the forward and the recompute", and `fix` found only AC off."""
+    import ac_diff
+    from ac_diff.fix.candidates import candidates
+
+    reference = grads(Stack(_ListCounted, checkpointed=False))
+    assert not same(grads(Stack(_ListCounted, reentrant)), reference)  # the real mechanism: the hook counts again
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        grads(Stack(_ListCounted, reentrant))
+    report = ac_diff.diagnose_paths([path])
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert region.cause.tensor.endswith("<forward pre-hook warm>.calls[0]"), region.cause
+    assert "keeps in `calls`, a list or dict its closure or a default argument holds" in region.cause.detail
+    fix = region.suggestions[0]
+    assert "calls[0] += 1" in fix.code and "nonlocal" not in fix.code, fix.code
+    restore = next(c for c in candidates(report) if c.kind == "restore")
+    assert restore.spec.restore == ["layers.*.<forward pre-hook warm>.calls[0]"], restore.spec
+    patched(restore.spec)
+    assert same(grads(Stack(_ListCounted, reentrant)), reference)

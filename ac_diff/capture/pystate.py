@@ -138,9 +138,32 @@ def hook_state(module: nn.Module) -> dict[str, Any]:
     return {label: value for label, _, value in hook_cells(module)}
 
 
-def hook_cells(module: nn.Module) -> Iterator[tuple[str, types.CellType, Any]]:
-    """(label, closure cell, recorded value) of each scalar variable the module's forward (pre-)hooks keep in their
-    closures: `("<forward pre-hook count>.calls", cell, 3)`; the cell is where a restore puts another value."""
+class ItemCell:
+    """An item of a list or dict a hook keeps (`calls = [0]` in its closure or as a default argument, `calls[0] += 1`),
+    read and written as a closure cell is (`cell_contents`)."""
+
+    __slots__ = ("container", "key")
+
+    def __init__(self, container: Any, key: Any) -> None:
+        self.container, self.key = container, key
+
+    @property
+    def cell_contents(self) -> Any:
+        return self.container[self.key]
+
+    @cell_contents.setter
+    def cell_contents(self, value: Any) -> None:
+        self.container[self.key] = value
+
+
+_HOOK_ITEMS = 8  # items of a container a hook keeps that are recorded (a counter is one or two)
+
+
+def hook_cells(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
+    """(label, cell, recorded value) of each scalar variable the module's forward (pre-)hooks keep in their closures,
+    and of each scalar item of a small list or dict they keep there or as a default argument: `("<forward pre-hook
+    count>.calls", cell, 3)`, `("<forward pre-hook warm>.calls[0]", ItemCell, 3)`; the cell is where a restore puts
+    another value."""
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         for hook in hooks.values():
             fn = _function(hook)
@@ -151,9 +174,35 @@ def hook_cells(module: nn.Module) -> Iterator[tuple[str, types.CellType, Any]]:
                     value = cell.cell_contents
                 except ValueError:  # (a cell not yet filled)
                     continue
-                value = recorded_scalar(value)
-                if value is not NOT_SCALAR:
-                    yield HOOK_STATE.format(kind=kind, name=fn.__name__, var=var), cell, value
+                label = HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)
+                scalar = recorded_scalar(value)
+                if scalar is not NOT_SCALAR:
+                    yield label, cell, scalar
+                else:
+                    yield from _container_items(label, value)
+            for var, value in _defaults(fn):  # (a mutable default argument keeps its items from call to call)
+                yield from _container_items(HOOK_STATE.format(kind=kind, name=fn.__name__, var=var), value)
+
+
+def _defaults(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:
+    """(parameter, default value) of `fn`'s parameters with defaults."""
+    code = fn.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    yield from zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ())
+    yield from (fn.__kwdefaults__ or {}).items()
+
+
+def _container_items(label: str, value: Any) -> Iterator[tuple[str, ItemCell, Any]]:
+    if type(value) is list and len(value) <= _HOOK_ITEMS:
+        items: Any = enumerate(value)
+    elif type(value) is dict and len(value) <= _HOOK_ITEMS:
+        items = value.items()
+    else:
+        return
+    for key, item in list(items):
+        scalar = recorded_scalar(item)
+        if scalar is not NOT_SCALAR and isinstance(key, (int, str)):
+            yield f"{label}[{key!r}]", ItemCell(value, key), scalar
 
 
 # The recorded value of an attribute a module call created (it did not exist when the call began)
@@ -334,20 +383,49 @@ _only_rebinds: dict[tuple[type, str], bool] = {}
 
 
 def hook_reads_again(module: nn.Module, label: str) -> bool:
-    """read_again for a variable a hook of `module` keeps in its closure (`label` as hook_cells names it): whether
-    the hook reads it beyond updating it (`nonlocal calls; calls += 1; scale = 0.5 if calls <= warmup else 1.0`)."""
+    """read_again for a variable a hook of `module` keeps in its closure (`label` as hook_cells names it), or an item
+    of a list it keeps: whether the hook reads it beyond updating it (`nonlocal calls; calls += 1; scale = 0.5 if
+    calls <= warmup else 1.0`; `calls[0] += 1; s = min(1.0, calls[0] / warmup)`)."""
+    head, item, _ = label.partition("[")
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         for hook in hooks.values():
             fn = _function(hook)
             if fn is None:
                 continue
-            for var in fn.__code__.co_freevars:
-                if HOOK_STATE.format(kind=kind, name=fn.__name__, var=var) == label:
-                    return _loaded_beyond_stores(list(_codes(fn.__code__)), var, _DEREF_LOADS, "STORE_DEREF")
+            for var in (*fn.__code__.co_freevars, *fn.__code__.co_varnames[:fn.__code__.co_argcount]):
+                if HOOK_STATE.format(kind=kind, name=fn.__name__, var=var) != head:
+                    continue
+                codes = list(_codes(fn.__code__))
+                if item:
+                    return _read_on_other_lines(codes, var)
+                return _loaded_beyond_stores(codes, var, _DEREF_LOADS, "STORE_DEREF")
     return False
 
 
 _DEREF_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CLASSDEREF"})
+_VARIABLE_LOADS = _DEREF_LOADS | {"LOAD_FAST"}
+
+
+def _read_on_other_lines(codes: list[types.CodeType], var: str) -> bool:
+    """Whether a container `var` is read on a line that does not write an item of it (`calls[0] += 1` reads and writes
+    it on one line; `if calls[0] < warmup` reads it), outside code a forward jump can skip (see read_again)."""
+    for code in codes:
+        instructions = list(dis.get_instructions(code))
+        skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
+                     and isinstance(ins.argval, int) and ins.argval > ins.offset]
+        line, lines, writes = None, {}, set()
+        for ins in instructions:
+            positions = getattr(ins, "positions", None)  # (Python >= 3.11; before, starts_line)
+            start = positions.lineno if positions is not None else getattr(ins, "starts_line", None)
+            line = start if isinstance(start, int) and not isinstance(start, bool) and start else line
+            if ins.opname in _VARIABLE_LOADS and ins.argval == var:
+                lines.setdefault(line, ins.offset)
+            elif ins.opname == "STORE_SUBSCR":
+                writes.add(line)
+        if any(not any(start < offset < end for start, end in skippable)
+               for line, offset in lines.items() if line not in writes):
+            return True
+    return False
 
 
 def _loaded_beyond_stores(codes: list[types.CodeType], name: str, loads_by: frozenset, store_by: str) -> bool:

@@ -193,7 +193,8 @@ def _float_text(x: float, digits: int) -> str:
 def _what(change: AttributeChange) -> str:
     hook = hook_variable(change.name)
     if hook is not None:
-        return f"`{hook[2]}`, which the {hook[0]} `{hook[1]}` of {split_name(change.name)[0]} keeps in its closure,"
+        module = split_name(change.name)[0]
+        return f"`{hook[2]}`, which the {hook[0]} `{hook[1]}` of {module} keeps {_kept_in(hook[2])},"
     return (f"the module-level global `{change.name}`" if change.is_global else
             f"the Python attribute `{change.name}`")
 
@@ -234,7 +235,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     if root is not None:  # (the body reads what the pre-hook set: the values after each pass's update)
         kind, function, var = hook_variable(root.name)
         detail = (why + f"{_what(top)} was {change_words(top.forward_update[1], top.recompute_update[1])}: "
-                  f"{module}'s {kind} `{function}` sets it at each call from `{var}`, a count it keeps in its closure "
+                  f"{module}'s {kind} `{function}` sets it at each call from `{var}`, a count it keeps {_kept_in(var)} "
                   f"({_shown_update(root.forward_update)} in the forward, {_shown_update(root.recompute_update)} in "
                   f"the recompute), and the recompute calls {module}, and its hooks, again, so the count advances "
                   "twice")
@@ -277,6 +278,13 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         top, names = root, [root.name, *(n for n in names if n != root.name)]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def _kept_in(var: str) -> str:
+    """Where a hook keeps `var`: "in its closure", or for an item (`calls[0]`) "in `calls`, a list or dict its closure
+    or a default argument holds"."""
+    head, item, _ = var.partition("[")
+    return f"in `{head}`, a list or dict its closure or a default argument holds" if item else "in its closure"
 
 
 def _counting_pre_hook(top: AttributeChange, changes: list[AttributeChange]) -> AttributeChange | None:
@@ -417,15 +425,17 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
     hook = hook_variable(name)
     if hook is not None:
         kind, function, var = hook
+        item = "[" in var  # (an item of a list or dict it keeps: no `nonlocal` needed to change it)
         return Suggestion(
             f"Do not count `{var}` in the {kind} `{function}` of {split_name(name)[0]}: the recompute calls it again",
-            f"The {kind} keeps `{var}` in its closure and changes it at each call of the module; the recompute calls "
+            f"The {kind} keeps `{var}` {_kept_in(var)}{',' if item else ''} and changes it at each call of the module; "
+            "the recompute calls "
             "the module, and its hooks, a second time, so the hook sees another value and the recompute computes "
             f"with it. Let the hook leave `{var}` alone in the recompute (a flag the loop sets around loss.backward(): "
             f"the recompute then reads the count its forward reached, and the hook does the rest as before), or keep "
             f"`{var}` outside the hook (the training loop's step, passed to the model).",
             "IN_BACKWARD = False  # at module level, beside the hook\n"
-            f"def {function}(mod, *args):  # the {kind}\n    nonlocal {var}\n"
+            f"def {function}(mod, *args):  # the {kind}\n" + ("" if item else f"    nonlocal {var}\n") +
             f"    if not IN_BACKWARD:  # the recompute reuses the count its forward reached\n"
             f"        {var} {_advance(change)}\n"
             f"    ...  # the rest as before: what it computes from {var}\n"

@@ -125,10 +125,12 @@ class KeptState:
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
-    """Dot by dot: `layers.*.bias` matches `layers.0.bias`, not `layers.0.fc.bias`."""
+    """Dot by dot: `layers.*.bias` matches `layers.0.bias`, not `layers.0.fc.bias`; `*` and `?` are the wildcards, a
+    bracket is itself (an item a hook keeps: `layers.*.<forward pre-hook warm>.calls[0]`)."""
     parts = name.split(".")
-    return any(len(g.split(".")) == len(parts) and all(map(fnmatch.fnmatchcase, parts, g.split(".")))
-               for g in globs)
+    return any(len(g.split(".")) == len(parts) and all(
+        fnmatch.fnmatchcase(part, pattern.replace("[", "[[]")) for part, pattern in zip(parts, g.split(".")))
+        for g in globs)
 
 
 def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slot]:
