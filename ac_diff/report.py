@@ -129,6 +129,7 @@ class PositionRow:
 # the setting a dtype change names where nothing recorded which one it was (autocast, a dtype attribute, a global)
 PRECISION = "the precision"
 UPDATED_IN_FORWARD = "updated_in_forward"  # Cause.mechanism: state the region's own forward updates in place
+LATER_FORWARD = "later_forward"  # ... state changed at or in a later forward of the module before this recompute
 KEPT_OUTPUT_WRITTEN = "kept_output_written"  # ... a tensor the forward made and kept (a cache), changed in place since
 REBOUND = "rebound"  # ... the parameters read are other tensor objects in the recompute
 REQUIRES_GRAD = "requires_grad"  # ... parameters frozen or unfrozen between the passes

@@ -535,3 +535,42 @@ def test_a_reentrant_recompute_that_differs_off_the_gradients_path_is_not_a_dive
     assert any("gradient's path" in n for r in update_step for n in r.notes)
     lead = report.lead_groups()[0][0]
     assert lead.step == 4 and lead.cause.kind == "state_mutation"
+
+
+class OffsetRotary(nn.Module):
+    """Attention-free stand-in of a rotary layer whose table a long sequence's chunks rewrite in place, each for its
+    own position offset (set around each chunk's checkpoint call, as a chunked long-context trainer does)."""
+
+    def __init__(self, length: int = 4, dim: int = 8) -> None:
+        super().__init__()
+        self.fc, self.dim = nn.Linear(dim, dim), dim
+        self.register_buffer("table", torch.zeros(length, dim))
+
+    def set_offset(self, offset: int) -> None:
+        pos = torch.arange(offset, offset + self.table.shape[0], dtype=torch.float32)[:, None]
+        self.table.copy_(torch.cos(pos / 10 ** (torch.arange(self.dim) / self.dim)))
+
+    def forward(self, x):
+        return x + self.fc(x * self.table)
+
+
+def test_state_each_chunks_forward_sets_before_the_backwards_is_named_with_a_fix_that_serves_every_chunk(tmp_path):
+    """Three chunks forwarded, then their backwards: each chunk's recompute reads the table the last chunk set. The
+    cause names the later forwards (it said only "modified between the forward and the backward") and the fix passes
+    the table as an argument (it led with an update after the backward, which cannot serve each chunk)."""
+    torch.manual_seed(0)
+    layer = OffsetRotary()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        losses = []
+        for chunk in range(3):
+            layer.set_offset(4 * chunk)
+            losses.append(cp.checkpoint(layer, torch.randn(2, 4, 8, requires_grad=True), use_reentrant=False).sum())
+        for loss in losses:
+            loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    first, second, last = report.regions
+    assert (first.status, second.status, last.status) == ("diverged", "diverged", "clean"), report.headline
+    assert (first.cause.tensor, first.cause.mechanism) == ("table", "later_forward"), first.cause
+    assert "regions 1-2, later forwards of" in first.cause.detail and "region 2, later forward of" in \
+        second.cause.detail
+    assert first.suggestions[0].title == "Pass what `table` holds to the checkpointed function as an argument"

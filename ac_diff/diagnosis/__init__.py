@@ -18,10 +18,11 @@ import contextlib
 from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
-from ..passes import NESTED_OUTPUT, InputRef, Pass, Run, TorchError
+from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, backwards_recorded, missing_ranks, repeated_updates)
+from .microbatches import later_forward
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -61,6 +62,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     notes: list[str] = []
     endings: list[str | None] = []  # how each run ended
     summarized_side: list[RegionReport] = []  # reentrant regions summarized, whose forward handed out side outputs
+    regions: dict[tuple, Region] = {}  # (path, rank, region) -> what it was diagnosed from
+    versions: dict[str, str | None] = {}  # path -> the torch that wrote it
     log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
     notes.extend(_merge_log_fragments(runs))
     for run in runs:
@@ -95,7 +98,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
             if region.step is not None and stepped and region.optimizer_steps + 1 != region.step:
                 report.optimizer_step = region.optimizer_steps + 1  # (several forward-backward cycles a step)
             region_reports.append(report)
+            regions[report.path, report.rank, report.region] = region
+        versions[run.path or run.source] = run.torch_version
     _like_their_first(summarized_side, region_reports)
+    later_forward(region_reports, regions, versions)
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))

@@ -16,8 +16,8 @@ from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_random_name, packet,
                        updates_as_it_computes)
 from ..passes import OpRecord, Region
-from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT, PRECISION, REBOUND,
-                      REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
+from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LATER_FORWARD, LAZY_INIT,
+                      PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
 from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
 from .labels import backticked
@@ -376,6 +376,19 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "the update out of place (`x = x + ...` instead of `x += ...`)."))
         elif mechanism == UPDATED_IN_FORWARD:
             out.append(_updated_in_forward(region, name))
+        elif mechanism == LATER_FORWARD:
+            attr = name.rsplit('.', 1)[-1]
+            out.append(Suggestion(
+                f"Pass what `{name}` holds to the checkpointed function as an argument",
+                f"`{name}` is set for each forward of {report.module} (by the code around it, or in it), and later "
+                "forwards (other micro-batches or chunks) ran before this region's recompute, which reads what the "
+                "last one left. An update after "
+                "the backward cannot serve each forward: hand the value to the checkpointed function instead "
+                "(checkpoint keeps its arguments for the recompute), or run each forward's backward before the next "
+                "forward.",
+                f"table = make_{attr}(offset, length)  # what the forward set `{attr}` to, made outside the region\n"
+                f"out = checkpoint(block, x, table, use_reentrant=False)  # forward(x, table) computes with `table`, "
+                f"not self.{attr}"))
         else:
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",

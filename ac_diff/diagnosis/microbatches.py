@@ -1,0 +1,50 @@
+"""State a later forward of the same module changed before a region's recompute: micro-batches (or a long sequence's
+chunks) forwarded before their backwards, each setting state for its own forward.
+
+    later_forward(reports, regions, versions)
+    region 0 (layers.0, backward 1): the buffer `layers.0.rope` has other values in the recompute ... modified between
+    the forward and the backward; regions 2, 4 and 6, later forwards of layers.0, ran before this recompute (in the
+    same step) -> mechanism later_forward, and the fix passes the value as an argument (an update after the
+    backward cannot serve each micro-batch's forward)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..passes import Region
+from ..report import DIVERGED, LATER_FORWARD, RegionReport
+from .labels import number_ranges
+from .suggest import suggestions_for
+
+_CHANGED_BETWEEN = ("tensor",)  # mechanisms of state changed between a forward and its recompute, by no op of its own
+
+
+def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], versions: dict[Any, str | None]) -> None:
+    """Each diverged region whose buffer (or captured tensor) changed between its forward and its recompute, where
+    later forwards of the same module ran in between: its cause says so, and its fix passes the value to the
+    checkpointed function. `regions`: (path, rank, region) -> Region; `versions`: path -> its torch version."""
+    by_module: dict[tuple, list[RegionReport]] = {}
+    for r in reports:
+        by_module.setdefault((r.path, r.rank, r.module), []).append(r)
+    for r in reports:
+        c = r.cause
+        if r.status != DIVERGED or c is None or c.kind != "state_mutation" or c.mechanism not in _CHANGED_BETWEEN \
+                or r.step is None or r.watched:
+            continue
+        # (a step begins at the first forward after a recompute: a later region of the same step ran its forward
+        # after this one's and before any recompute, this one's included)
+        later = [x.region for x in by_module[(r.path, r.rank, r.module)] if x.region > r.region and x.step == r.step]
+        region = regions.get((r.path, r.rank, r.region))
+        if not later or region is None:
+            continue
+        many = len(later) > 1
+        r.cause = replace(c, mechanism=LATER_FORWARD, detail=(
+            f"{c.detail}: region{'s' if many else ''} {number_ranges(later)}, later forward{'s' if many else ''} of "
+            f"{r.module} (micro-batches or chunks forwarded before their backwards), ran before this recompute: what "
+            "is set at or in each forward (a position offset, a cache for its length) reaches this recompute as the "
+            "last forward left it"), evidence=[*c.evidence, (
+                f"region{'s' if many else ''} {number_ranges(later)} ({r.module}) ran {'their' if many else 'its'} "
+                f"forward after this region's and before its recompute (step {r.step})")])
+        r.suggestions = suggestions_for(r, region, versions.get(r.path))
