@@ -57,7 +57,9 @@ def code_for(c: Candidate) -> str:
         head = (f"# ac-diff restored the forward's {names} in every recompute (a simulation of the change): "
                 "make the change -\n")
         if c.change is not None:  # the diagnosis's fix for that state (where the update goes, read before or after)
-            return head + f"# {c.change[0]}\n" + c.change[1]
+            every = [name for name in c.spec.restore if "*" in name]  # (the change names the first module's state)
+            also = f"# the same for every module {', '.join(every)} names, not only the one shown\n" if every else ""
+            return head + f"# {c.change[0]}\n" + also + c.change[1]
         return (head + f"# keep {names} as the forward saw it until its backward: change it only after "
                 "loss.backward(), or pass the value\n# to the checkpointed function as an argument (checkpoint keeps "
                 "its arguments for the recompute)\n"
