@@ -281,6 +281,8 @@ class RegionReport:
         a nested checkpoint its parent's recompute ran again."""
         if self.unchecked_reason == NESTED_RERUN:
             return NESTED_LABEL
+        if self.unchecked_reason == NO_GRAD_CALL:
+            return "no backward (no_grad)"
         if self.kind == TWO_RUNS:  # run A's region against run B's
             return TWO_RUNS_WORDS.get(self.status, self.status)
         return self.status + (" (silent)" if self.silent else "")
@@ -322,6 +324,8 @@ UPDATED_IN_PLACE = " is updated in place by "  # a side effect's text: "<tensor>
 NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_reason of such a region
 # how counts and tables show such a region: not a gap in the check (its own forward and recompute are compared as
 # the nested region it re-runs), so not "unchecked"
+NO_GRAD_CALL = "called under no_grad: no backward"  # RegionReport.unchecked_reason of an evaluation pass's region
+NO_GRAD_COUNTED = "called under no_grad (evaluation: nothing to recompute)"
 NESTED_LABEL = "nested rerun"
 NESTED_COUNTED = "nested rerun(s) in a recompute (nothing to compare)"
 RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region whose passes ac-diff failed to record
@@ -341,7 +345,7 @@ def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None 
     by: dict[str, int] = {k: v for k, v in (counted or {}).items() if v}
     for r in regions:
         # a nested region re-run by its parent's recompute has nothing to compare: counted apart, not as a gap
-        status = NESTED_COUNTED if r.unchecked_reason == NESTED_RERUN else r.status
+        status = {NESTED_RERUN: NESTED_COUNTED, NO_GRAD_CALL: NO_GRAD_COUNTED}.get(r.unchecked_reason, r.status)
         status = (words or {}).get(status, status)
         by[status] = by.get(status, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in sorted(by.items()))

@@ -97,3 +97,32 @@ def test_every_title_belongs_to_one_verdict_and_the_readme_lists_them_all():
     assert set(re.findall(r"`([A-Z][A-Z ,]+)`", listed)) == {t for titles in TITLES.values() for t in titles}
     returned = set(re.findall(r'"([A-Z][A-Z ,]{3,})"', inspect.getsource(Report.title.fget)))
     assert returned == {t for titles in TITLES.values() for t in titles}
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_an_evaluation_pass_through_reentrant_regions_is_no_gap(watch, tmp_path):
+    """Validation under torch.no_grad() through reentrant checkpoints: no backward runs through those calls. They
+    were counted "unchecked" ("never recomputed: no backward reached them") on a clean control; they are evaluation
+    calls, counted as such, and the run is clean. A script that only evaluates still checks nothing."""
+    import torch
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=watch):
+        for _ in range(3):
+            cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum().backward()
+            with torch.no_grad():
+                cp.checkpoint(block, torch.randn(4, 8), use_reentrant=True)
+    report = ac_diff.diagnose_paths([path])
+    assert (report.verdict, report.title) == ("clean", "CLEAN"), report.headline
+    assert "unchecked" not in report.status_counts(), report.status_counts()
+    assert "called under no_grad (evaluation: nothing to recompute)" in report.status_counts()
+    only = tmp_path / "eval.jsonl"
+    with ac_diff.record(only, watch=watch), torch.no_grad():
+        cp.checkpoint(block, torch.randn(4, 8), use_reentrant=True)
+    assert ac_diff.diagnose_paths([only]).verdict == "unchecked"

@@ -513,6 +513,9 @@ class Recorder:
                 region.unwatched = True  # recomputes it again, so there is nothing to compare or write
                 self._watch.nested_rerun(key)
                 return
+            if region.options.get("no_grad_call") and region.parent is None:  # an evaluation pass: no backward
+                region.unwatched = True
+                return
             region.watched = True
             self._watch.started(key)
 

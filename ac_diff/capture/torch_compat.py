@@ -132,7 +132,8 @@ def frame_options(frame: Any) -> dict[str, Any]:
     """What checkpoint() was called with, as far as the frame tells (None where it does not)."""
     if isinstance(frame, ReentrantFrame):
         return {"use_reentrant": True, "preserve_rng_state": frame.preserve_rng_state,
-                **({"no_grad_inputs": frame.lost_grad} if frame.lost_grad is not None else {})}
+                **({"no_grad_inputs": frame.lost_grad} if frame.lost_grad is not None else {}),
+                **({} if frame.grad_enabled else {"no_grad_call": True})}  # (an evaluation pass: no backward)
     meta_fn = getattr(frame, "metadata_fn", None)
     default_fn = getattr(_cp, "_default_meta_extractor", None)
     return {

@@ -14,8 +14,8 @@ from itertools import groupby
 from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT,
-                      STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, RECOMPUTE_RAISED, RECORDER_ERROR,
+                      SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import AttributeChange, counted_twice, function_state_cause, split_name, update_code
@@ -129,6 +129,10 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             _unchecked(report, "saved no tensor: nothing to recompute",
                        "its forward saved no tensor for the backward (it returned its input, or ran under no_grad): "
                        "torch never recomputes it, and nothing can differ")
+        elif region.options.get("no_grad_call") and region.parent is None:
+            _unchecked(report, NO_GRAD_CALL,
+                       "checkpoint() was called under torch.no_grad() (an evaluation pass): no backward runs through "
+                       "it, so there is nothing to recompute or compare")
         elif inside:
             _unchecked(report, NESTED_RERUN,
                        f"a nested checkpoint that ran inside region {region.parent}'s recompute; torch did not "
