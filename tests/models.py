@@ -102,3 +102,27 @@ def record_step(model: nn.Module, path, **options):
     with ac_diff.record(path, **options):
         result = train_step(model)
     return result, read_run(path)
+
+
+def steps_with_and_without_ac(make, path, steps: int, batch=(2, 8), **record) -> tuple[list, list]:
+    """Train a block `make()` builds for `steps` steps with checkpoint (recorded to `path`) and without: the
+    gradients of its parameters at each step, for each run (the ground truth a state-drift test compares)."""
+    import contextlib
+
+    runs = []
+    for ac in (True, False):
+        torch.manual_seed(0)
+        block, grads = make(), []
+        with ac_diff.record(path, **record) if ac else contextlib.nullcontext():
+            for _ in range(steps):
+                x = torch.randn(*batch, requires_grad=True)
+                (cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)).sum().backward()
+                grads.append([p.grad.clone() for p in block.parameters()])
+                block.zero_grad()
+        runs.append(grads)
+    return runs[0], runs[1]
+
+
+def same_steps(a: list, b: list) -> list[bool]:
+    """Per step: whether every gradient of run `a` equals run `b`'s, bit for bit."""
+    return [all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b)]

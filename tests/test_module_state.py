@@ -528,9 +528,11 @@ def test_a_reentrant_recompute_that_differs_off_the_gradients_path_is_not_a_dive
     by_step = {}
     for r in report.regions:
         by_step.setdefault(r.step, set()).add(r.status)
-    # (the report counts steps from 1)
-    assert by_step[1] == by_step[2] == by_step[3] == {"clean"} and "diverged" in by_step[4]
+    # (the report counts steps from 1; the first update's step reproduced, its scale read from the history it updates:
+    # at risk, not diverged)
+    assert by_step[1] == by_step[2] == {"clean"} and by_step[3] == {"unchecked"} and "diverged" in by_step[4]
     update_step = [r for r in report.regions if r.step == 3]
+    assert {r.unchecked_reason for r in update_step} == {"reproduced; state it reads is updated twice"}
     assert all(any("amax_history" in e for e in r.side_effects) for r in update_step)
     assert any("gradient's path" in n for r in update_step for n in r.notes)
     lead = report.lead_groups()[0][0]
@@ -574,3 +576,30 @@ def test_state_each_chunks_forward_sets_before_the_backwards_is_named_with_a_fix
     assert "regions 1-2, later forwards of" in first.cause.detail and "region 2, later forward of" in \
         second.cause.detail
     assert first.suggestions[0].title == "Pass what `table` holds to the checkpointed function as an argument"
+
+
+class BufferWarmup(nn.Module):
+    """Halves its input while a call count it keeps in a buffer (and reads as a tensor) is at most `warmup`."""
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__()
+        self.fc, self.warmup = nn.Linear(8, 8), warmup
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.tanh(self.fc(x * torch.where(self.calls <= self.warmup, 0.5, 1.0)))
+
+
+def test_a_buffer_the_forward_updates_and_computes_with_puts_gradients_at_risk(tmp_path):
+    """Under AC the count runs twice a step (1, 2 | 3, 4 | 5, 6 against 1 | 2 | 3): each step's passes agree, and
+    step 3's gradients differ all the same. A tensor the region updates and computes with is state read again, as a
+    Python counter is: at risk, not clean (it was a note on a clean run)."""
+    from models import same_steps, steps_with_and_without_ac
+
+    with_ac, without = steps_with_and_without_ac(lambda: BufferWarmup(4), tmp_path / "t.jsonl", steps=3)
+    assert same_steps(with_ac, without) == [True, True, False]
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    region = report.regions[0]
+    assert region.cause.tensor == "calls" and "updates the buffer `calls` and reads it" in region.cause.detail

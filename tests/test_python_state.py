@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import deque
 
@@ -326,22 +325,16 @@ def test_a_global_counter_a_helper_reads_crossing_its_threshold_between_steps(tm
     """Under AC the count runs twice as fast: 1, 2 | 3, 4 against 1 | 2 without AC, so step 2's forward reads another
     temperature while each step's passes agree. Read beyond its update (by `_temperature`): GRADIENTS AT RISK, not
     clean; watched, the first step's full recording names it (it said "unknown: a rare event")."""
-    global WARM_CALLS
-    grads = {}
-    for ac in (True, False):
+    from models import same_steps, steps_with_and_without_ac
+
+    def fresh():
+        global WARM_CALLS
         WARM_CALLS = 0
-        torch.manual_seed(0)
-        block, path = GlobalWarmup(), tmp_path / f"t{ac}.jsonl"
-        steps = []
-        with ac_diff.record(path, watch=watch) if ac else contextlib.nullcontext():
-            for _ in range(2):
-                x = torch.randn(4, 8, requires_grad=True)
-                (cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)).sum().backward()
-                steps.append(block.fc.weight.grad.clone())
-                block.zero_grad()
-        grads[ac] = steps
-    assert torch.equal(grads[True][0], grads[False][0]) and not torch.equal(grads[True][1], grads[False][1])
-    report = ac_diff.diagnose_paths([tmp_path / "tTrue.jsonl"])
+        return GlobalWarmup()
+
+    with_ac, without = steps_with_and_without_ac(fresh, tmp_path / "t.jsonl", steps=2, batch=(4, 8), watch=watch)
+    assert same_steps(with_ac, without) == [True, False]
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert report.verdict != "clean", report.headline
     assert f"{__name__}.WARM_CALLS" in report.headline, report.headline
 

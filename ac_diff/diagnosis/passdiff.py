@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
 from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
-                       packet, written_inputs)
+                       packet, updates_as_it_computes, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg, where
 
@@ -336,9 +336,54 @@ def read_after_write(p: Pass | None, name: str) -> bool:
 
     for op in p.ops:
         if any(names_it(r) for r in _writes(op)):
-            writers.add(op.index)
+            if _returns_written(op):
+                writers.add(op.index)
         elif writers and not is_view_op(op.op) and any(names_it(r) for r in op.input_refs):
             return True
+    return False
+
+
+def _returns_written(op: OpRecord) -> bool:
+    """Whether `op`'s output is the tensor it writes (an in-place method, an `out=` variant), not another one (a batch
+    norm returns the normalized input and writes its running statistics)."""
+    return is_in_place_method(op.op) or op.op.endswith(".out")
+
+
+def reads_beyond_update(p: Pass | None, name: str) -> bool:
+    """Whether pass `p` computes with the outside tensor `name` other than to update it: what an op reads of it (or
+    of a view of it) reaches a tensor other than a write of `name` (`x * 448 / amax_history.max()`), not only that
+    write (`history.copy_(history.roll(1))`, `history[0] = amax`), nor only Python (`.item()` for a log line, which
+    the ops cannot tell from a branch), nor an op that updates it as it computes (a batch norm's statistics)."""
+    if p is None:
+        return False
+    ops = {o.index: o for o in p.ops}
+    users: dict[int, list[OpRecord]] = {}
+    for o in p.ops:
+        for r in o.input_refs:
+            if r.kind == "op":
+                users.setdefault(r.op_index, []).append(o)
+
+    writers: set[int] = set()  # ops whose output is `name` itself (an in-place method returns its input)
+
+    def names_it(r: InputRef) -> bool:
+        source = viewed_source(ops, r) if r.kind == "op" else r
+        return source.name == name or source.kind == "op" and source.op_index in writers
+
+    for o in p.ops:
+        if _returns_written(o) and any(names_it(w) for w in _writes(o)):
+            writers.add(o.index)
+    seen: set[int] = set()
+    todo = [op for op in p.ops if not updates_as_it_computes(op.op) and not is_view_op(op.op)
+            and any(names_it(r) for r in op.input_refs)]
+    while todo:
+        op = todo.pop()
+        if op.index in seen or any(names_it(w) for w in _writes(op)):
+            continue  # (the update itself: what was read went back into `name`)
+        seen.add(op.index)
+        after = users.get(op.index)
+        if not after and not is_host_read(op.op):
+            return True  # used: an output, a value computed with (not a number handed to Python: a log line's?)
+        todo.extend(after or ())
     return False
 
 

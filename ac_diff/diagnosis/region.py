@@ -18,11 +18,11 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CAL
                       SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
-from .attributes import AttributeChange, counted_twice, function_state_cause, split_name, update_code
+from .attributes import counted_twice, function_state_cause, split_name, update_code
 from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
-                      is_discrete)
+                      is_discrete, reads_beyond_update)
 from .gradpath import gradient_path, path_ops
 from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
@@ -245,11 +245,20 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
     read = [(change, how) for change, how in twice if change.read_again]
+    # (a tensor it updates in place and computes with: an amax history its scale comes from, a count a branch reads)
+    tensors = [(name, op) for name, op in cmp.region_updates() if name and not diverged and not read
+               and reads_beyond_update(fwd, name)]
     if not diverged and report.repeated:
-        report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read),
+        report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read or tensors),
                                                          code=update_code(read[0][0]) if read else None)]
     if not diverged and read:
-        _state_read_again(report, *read[0])
+        change, how = read[0]
+        _state_read_again(report, change.name, f"the Python {'global' if change.is_global else 'attribute'}", how)
+    elif tensors:
+        name, op = tensors[0]
+        kind = next((e.kind for e in fwd.externals if e.name == name), "external")
+        _state_read_again(report, name, {"buffer": "the buffer", "param": "the parameter"}.get(kind, "the tensor"),
+                          f"{op.op} at {where(op.module, op.source)} in each pass")
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "
@@ -448,20 +457,20 @@ def recorder_loss(region: Region) -> str | None:
     return "; ".join(parts) or None
 
 
-def _state_read_again(report: RegionReport, change: AttributeChange, how: str) -> None:
-    """The region reproduced its forward, but its code reads a Python attribute it also updates (a schedule's counter,
-    a call count a branch reads), and the recompute updated it a second time: later steps' forwards read other values
-    than a run without AC. Never clean; the gradients of later steps settle it (reference/explain.py)."""
-    name = change.name
+def _state_read_again(report: RegionReport, name: str, what: str, how: str) -> None:
+    """The region reproduced its forward, but its code reads state it also updates (`what`: a Python attribute, a
+    schedule's counter, a call count a branch reads; a buffer, fp8's amax history its scale comes from), and the
+    recompute updated it a second time: later steps' forwards read other values than a run without AC. Never clean;
+    the gradients of later steps settle it (reference/explain.py)."""
     _unchecked(report, STATE_READ_AGAIN,
                f"its recompute reproduced its forward, but its code reads `{name}`, which the recompute updates a second "
                f"time ({how}): from the next step on its forward computes with other values than a run without AC; "
                "`ac-diff run --reference no-ac --reference-steps N` compares the gradients (N: every backward the "
                "run makes; past a threshold only a late one's may differ)")
     report.cause = Cause("state_mutation", name,
-                         f"the region's code updates the Python attribute `{name}` and reads it (a schedule, a branch on "
-                         "a call count); the recompute runs that code again, so under AC it advances twice per step and "
-                         "the forwards of later steps read other values than a run without AC",
+                         f"the region's code updates {what} `{name}` and reads it (a schedule, a branch on a count, a "
+                         "scale from a history); the recompute runs that code again, so under AC it advances twice per "
+                         "step and the forwards of later steps read other values than a run without AC",
                          [f"{name}: {how}"], mechanism=UPDATED_IN_FORWARD, names=[name])
 
 
