@@ -151,6 +151,11 @@ OBSERVER_MODULE = "activation_post_process"
 HOST_READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
 
 
+# Ops whose gradient is the identity wherever they leave their input as it was (clamp's backward passes the gradient
+# where min <= x <= max, bounds included; not hardtanh's, which drops it at the bounds)
+IDENTITY_WHERE_UNCHANGED = frozenset({"clamp", "clamp_min", "clamp_max", "clip"})
+
+
 def is_host_read(name: str) -> bool:
     return packet(name) in HOST_READ_OPS
 

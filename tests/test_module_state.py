@@ -603,3 +603,44 @@ def test_a_buffer_the_forward_updates_and_computes_with_puts_gradients_at_risk(t
     assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
     region = report.regions[0]
     assert region.cause.tensor == "calls" and "updates the buffer `calls` and reads it" in region.cause.detail
+
+
+class OverflowGuard(nn.Module):
+    """An EMA of the input's amax, updated in the forward, switches on a clamp of the hidden activations once past a
+    threshold: between the forward and the recompute of the step that crosses it, the guard flips."""
+
+    def __init__(self, bound: float) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.bound, self.threshold = nn.Linear(8, 16), nn.Linear(16, 8), bound, 2.5
+        self.register_buffer("amax_ema", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.amax_ema.mul_(0.5).add_(0.5 * x.detach().abs().amax())
+        h = nn.functional.gelu(self.fc1(x))
+        if float(self.amax_ema) > self.threshold:
+            h = h.clamp(-self.bound, self.bound)
+        return x + self.fc2(h)
+
+
+@pytest.mark.parametrize("bound", [1e4, 0.05])
+def test_a_reentrant_recompute_that_adds_a_clamp_no_value_reaches_is_no_divergence(bound, tmp_path):
+    """The recompute runs the clamp the forward did not. Far above every activation it changes no value and its
+    gradient is the identity: the gradients match a run without AC, and the region is no divergence (it was SILENTLY
+    DIVERGED, "branches on grad mode"). A bound the activations cross changes the values: diverged."""
+    def make():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(8, 8), OverflowGuard(bound))
+
+    grads = {}
+    for ac in (True, False):
+        model = make()
+        with ac_diff.record(tmp_path / "t.jsonl") if ac else contextlib.nullcontext():
+            h = model[0](torch.randn(8, 8))
+            model[1].threshold = 0.6 * float(h.abs().amax())  # (the EMA: 0.5 amax after the forward, 0.75 after the
+            (cp.checkpoint(model[1], h, use_reentrant=True) if ac else model[1](h)).sum().backward()  # recompute)
+        grads[ac] = [p.grad.clone() for p in model.parameters()]
+    identical = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    assert identical == (bound > 1)
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == ("clean" if identical else "diverged"), (region.cause, region.notes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..dtypes import carries_gradient
-from ..oprules import DETACHED_ALIAS_OPS, OUTSIDE_KINDS, is_in_place_method
+from ..oprules import DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, is_in_place_method, packet
 from ..passes import InputRef, OpRecord, Pass
 from .passdiff import PairDiff
 
@@ -59,20 +59,43 @@ def _reads_other_index(d: PairDiff, op: OpRecord) -> bool:
     return d.inputs_same is False and any(not carries_gradient(m.dtype) for m in op.inputs)
 
 
-def gradient_path(forward: Pass, recompute: Pass) -> Callable[[PairDiff], bool] | None:
+def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) -> Callable[[PairDiff], bool] | None:
     """A test of whether a pair's difference reaches the gradient's path (in either pass), or None where the path
-    cannot be followed (a trace without parameters' requires_grad, a path value written into outside state)."""
+    cannot be followed (a trace without parameters' requires_grad, a path value written into outside state).
+    `diffs`: every pair compared (what tells that an op one pass ran alone left its input as it was)."""
     if any(e.kind == "param" and e.requires_grad is None for e in recompute.externals):
         return None
     fwd_on, rec_on = path_ops(forward), path_ops(recompute)
     if fwd_on is None or rec_on is None:
         return None
+    by_forward = {d.forward.index: d for d in diffs if d.forward is not None}
+    by_recompute = {d.recompute.index: d for d in diffs if d.recompute is not None}
 
     def reaches(d: PairDiff) -> bool:
         on_f = d.forward is not None and d.forward.index in fwd_on
         on_r = d.recompute is not None and d.recompute.index in rec_on
         if not (on_f or on_r):
             return False
+        if d.kinds == {"control"} and (d.forward is None) != (d.recompute is None):  # ran in one pass only
+            alone, p, pairs = ((d.recompute, recompute, by_recompute) if d.forward is None else
+                               (d.forward, forward, by_forward))
+            if _left_as_it_was(p, alone, pairs):
+                return False
         return d.differs or _reads_other_index(d, d.recompute or d.forward)
 
     return reaches
+
+
+def _left_as_it_was(p: Pass, op: OpRecord, pairs: dict[int, PairDiff]) -> bool:
+    """A clamp no element reached, run in one pass only (an overflow guard a buffer switched on between the passes):
+    every op that read it matched its twin in the other pass value for value (both measured), so it left its input as
+    it was, and its gradient is the identity there: no gradient changes."""
+    if packet(op.op) not in IDENTITY_WHERE_UNCHANGED or not op.input_refs or op.input_refs[0].kind != "op":
+        return False
+    readers = [o for o in p.ops if any(r.kind == "op" and r.op_index == op.index for r in o.input_refs)]
+    for reader in readers:
+        d = pairs.get(reader.index)
+        twin = None if d is None else d.forward if d.recompute is reader else d.recompute
+        if twin is None or d.kinds & {"value", "shape", "args"} or not (twin.fingerprint and reader.fingerprint):
+            return False
+    return bool(readers)
