@@ -760,3 +760,35 @@ def test_a_divergence_of_a_counted_state_keeps_its_clean_steps_fix_out_of_the_re
     assert report.regions[0].repeated and report.regions[0].suggestions and report.repeating() == []
     render(report, "terminal", path=tmp_path / "r.txt")
     assert "though this step's gradients are right" not in (tmp_path / "r.txt").read_text()
+
+
+def _curriculum_block(threshold: int):
+    """A block class made by a factory whose forward reads and advances a count kept in the factory's dict (a
+    closure, no attribute of the module): the count read first, then advanced by two micro-batches' worth."""
+    state = {"seen": 0}
+
+    class CurriculumBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            hard = state["seen"] >= threshold
+            state["seen"] += 2
+            return x + (0.5 if hard else 1.0) * torch.tanh(self.fc(x))
+    return CurriculumBlock()
+
+
+def test_a_count_a_forward_keeps_in_its_factorys_closure_puts_gradients_at_risk(tmp_path):
+    """Under AC the count advances twice a step (reads 0, 2 | 4, 6 against 0 | 2): each step's passes agree, step 2's
+    gradients differ. The forward's closure is state like a hook's: at risk, named, with code that guards the count
+    (it said CLEAN)."""
+    from models import same_steps, steps_with_and_without_ac
+
+    with_ac, without = steps_with_and_without_ac(lambda: _curriculum_block(4), tmp_path / "t.jsonl", steps=3)
+    assert same_steps(with_ac, without) == [True, False, True]
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
+    assert "<closure of forward>.state['seen']" in report.headline, report.headline
+    fix = report.regions[0].suggestions[0]
+    assert "state['seen'] += 2" in fix.code and "if not IN_BACKWARD" in fix.code and ".<" not in fix.code, fix.code

@@ -112,7 +112,7 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
         elif run_config(value):
             for name, field in scalar_fields(value):
                 out[f"{key}.{name}"] = field
-    if module._forward_pre_hooks or module._forward_hooks:
+    if module._forward_pre_hooks or module._forward_hooks or getattr(type(module).forward, "__closure__", None):
         out.update(hook_state(module))
     return out
 
@@ -164,24 +164,37 @@ def hook_cells(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
     and of each scalar item of a small list or dict they keep there or as a default argument: `("<forward pre-hook
     count>.calls", cell, 3)`, `("<forward pre-hook warm>.calls[0]", ItemCell, 3)`; the cell is where a restore puts
     another value."""
+    for kind, fn in stateful_functions(module):
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # (a cell not yet filled)
+                continue
+            label = HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)
+            scalar = recorded_scalar(value)
+            if scalar is not NOT_SCALAR:
+                yield label, cell, scalar
+            else:
+                yield from _container_items(label, value)
+        for var, value in _defaults(fn):  # (a mutable default argument keeps its items from call to call)
+            yield from _container_items(HOOK_STATE.format(kind=kind, name=fn.__name__, var=var), value)
+
+
+FORWARD_CLOSURE = "closure of"  # the kind of a module's own forward among the functions keeping state
+
+
+def stateful_functions(module: nn.Module) -> Iterator[tuple[str, types.FunctionType]]:
+    """(kind, function) of each function that keeps state for `module` from call to call: its forward (pre-)hooks,
+    and its own forward where that is a closure (a class defined inside a factory, reading the factory's `state`
+    dict); a callable object or a builtin keeps none here (an object's own state is read as its attributes)."""
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         for hook in hooks.values():
             fn = _function(hook)
-            if fn is None:  # (a callable object, a builtin: no closure; an object's own state is not read here)
-                continue
-            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # (a cell not yet filled)
-                    continue
-                label = HOOK_STATE.format(kind=kind, name=fn.__name__, var=var)
-                scalar = recorded_scalar(value)
-                if scalar is not NOT_SCALAR:
-                    yield label, cell, scalar
-                else:
-                    yield from _container_items(label, value)
-            for var, value in _defaults(fn):  # (a mutable default argument keeps its items from call to call)
-                yield from _container_items(HOOK_STATE.format(kind=kind, name=fn.__name__, var=var), value)
+            if fn is not None:
+                yield kind, fn
+    forward = _function(getattr(type(module), "forward", None))
+    if forward is not None and forward.__closure__:
+        yield FORWARD_CLOSURE, forward
 
 
 def _defaults(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:
@@ -387,18 +400,14 @@ def hook_reads_again(module: nn.Module, label: str) -> bool:
     of a list it keeps: whether the hook reads it beyond updating it (`nonlocal calls; calls += 1; scale = 0.5 if
     calls <= warmup else 1.0`; `calls[0] += 1; s = min(1.0, calls[0] / warmup)`)."""
     head, item, _ = label.partition("[")
-    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
-        for hook in hooks.values():
-            fn = _function(hook)
-            if fn is None:
+    for kind, fn in stateful_functions(module):
+        for var in (*fn.__code__.co_freevars, *fn.__code__.co_varnames[:fn.__code__.co_argcount]):
+            if HOOK_STATE.format(kind=kind, name=fn.__name__, var=var) != head:
                 continue
-            for var in (*fn.__code__.co_freevars, *fn.__code__.co_varnames[:fn.__code__.co_argcount]):
-                if HOOK_STATE.format(kind=kind, name=fn.__name__, var=var) != head:
-                    continue
-                codes = list(_codes(fn.__code__))
-                if item:
-                    return _read_on_other_lines(codes, var)
-                return _loaded_beyond_stores(codes, var, _DEREF_LOADS, "STORE_DEREF")
+            codes = list(_codes(fn.__code__))
+            if item:
+                return _read_on_other_lines(codes, var)
+            return _loaded_beyond_stores(codes, var, _DEREF_LOADS, "STORE_DEREF")
     return False
 
 

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture.pystate import FUNCTION_CODE, UNSET, is_container
+from ..capture.pystate import FORWARD_CLOSURE, FUNCTION_CODE, UNSET, is_container
 from ..oprules import COMPILED_GRAPH_OP
 from ..passes import OpRecord, Region
 from ..report import Cause, Suggestion
@@ -353,6 +353,9 @@ def update_code(change: AttributeChange) -> str:
     """The code of the fix for an attribute the region's code updates, made once per forward outside the region, as
     a run without AC makes it: before the forward where its code reads the updated value (a schedule that counts
     the batch first), else after the backward."""
+    hook = hook_variable(change.name)
+    if hook is not None:  # (kept by a function: a hook's closure, a forward's factory; no attribute to set outside)
+        return guarded_count_code(change, *hook)
     owner, attr = split_name(change.name)
     where = f"its pre-hook ({', '.join(change.hooks[:2])})" if change.hooks else "its forward"
     layer = re.fullmatch(r"(.+)\.(\d+)", owner or "")  # one of a ModuleList's layers: each updates its own
@@ -368,6 +371,20 @@ def update_code(change: AttributeChange) -> str:
                 f"checkpointed region:\n{update}\nloss = model(batch)\nloss.backward()")
     return (f"# {where}: read self.{attr}, do not change it\nloss.backward()\noptimizer.step()\n# once per step:\n"
             f"{update}")
+
+
+def guarded_count_code(change: AttributeChange, kind: str, function: str, var: str) -> str:
+    """The fix's code for a count a function keeps (a hook's closure variable, an item of a list it holds, a forward's
+    factory state): it advances only outside the recompute, which then reads what its forward read."""
+    nonlocal_line = "" if "[" in var else f"    nonlocal {var}\n"  # (an item changes without rebinding the name)
+    head = (f"def {function}(self, *args):  # its forward, which reads `{var.partition('[')[0]}` from the code that "
+            "made its class\n" if kind == FORWARD_CLOSURE else f"def {function}(mod, *args):  # the {kind}\n")
+    return ("IN_BACKWARD = False  # at module level, beside it\n" + head + nonlocal_line +
+            f"    if not IN_BACKWARD:  # the recompute reuses the count its forward reached\n"
+            f"        {var} {_advance(change)}\n"
+            f"    ...  # the rest as before: what it computes from {var}\n"
+            "# in the training loop (inside a function: `global IN_BACKWARD` first):\n"
+            "IN_BACKWARD = True\nloss.backward()\nIN_BACKWARD = False")
 
 
 def _advance(change: AttributeChange) -> str:
@@ -434,13 +451,7 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             f"with it. Let the hook leave `{var}` alone in the recompute (a flag the loop sets around loss.backward(): "
             f"the recompute then reads the count its forward reached, and the hook does the rest as before), or keep "
             f"`{var}` outside the hook (the training loop's step, passed to the model).",
-            "IN_BACKWARD = False  # at module level, beside the hook\n"
-            f"def {function}(mod, *args):  # the {kind}\n" + ("" if item else f"    nonlocal {var}\n") +
-            f"    if not IN_BACKWARD:  # the recompute reuses the count its forward reached\n"
-            f"        {var} {_advance(change)}\n"
-            f"    ...  # the rest as before: what it computes from {var}\n"
-            "# in the training loop (inside a function: `global IN_BACKWARD` first):\n"
-            "IN_BACKWARD = True\nloss.backward()\nIN_BACKWARD = False")
+            guarded_count_code(change, kind, function, var))
     if _rebuilt_later(change):
         return Suggestion(
             f"Build what sets `{name}` once, outside the checkpointed forward",
