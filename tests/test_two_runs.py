@@ -250,3 +250,21 @@ def test_a_watched_run_compared_with_a_full_run_pairs_regions_by_step(tmp_path):
     assert report["verdict"] != "diverged" and "diverged" not in {s for _, s in statuses}, statuses
     assert statuses[0] == (0, "clean") and all(s == "clean" for region, s in statuses if region > 4), statuses
     assert not any("only" in " ".join(r["notes"]) and "watched" not in " ".join(r["notes"]) for r in report["regions"])
+
+
+def test_a_watched_run_compared_with_another_is_not_said_to_match(traces, tmp_path):
+    """A watched run's trace holds op lists of its first step only (the rest compared as they ran, counted): two such
+    runs "matched" over those few regions (RUNS MATCH, exit 0, a CI gate passed). Not all compared: exit 4."""
+    import ac_diff
+    import tiny_moe
+
+    paths = []
+    for name in ("a", "b"):
+        paths.append(tmp_path / name / "trace-rank0.jsonl")
+        with ac_diff.record(paths[-1], watch=True):
+            tiny_moe.train(steps=3, seq_len=32, log=lambda s: None)
+    code, report = _compare_cli(*paths, tmp_path)
+    assert (code, report["title"]) == (4, "NOT ALL COMPARED"), report["headline"]
+    assert "not all compared" in report["headline"]
+    code, report = _compare_cli(traces["a"], traces["b"], tmp_path)
+    assert (code, report["title"]) == (0, "RUNS MATCH")  # (recorded in full: every region compared)

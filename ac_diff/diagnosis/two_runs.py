@@ -63,9 +63,17 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
                      "different modules or ran a different number of steps")
     notes += [f"run A: {n}" for n in run_a.notes] + [f"run B: {n}" for n in run_b.notes]
     unchecked = any(r.status == UNCHECKED for r in regions)
+    # (a killed run's trace ends early, a watched one's summarized regions carry no ops: what they ran beyond the
+    # regions compared was never compared, so the runs cannot be said to match)
+    partial = [letter for run, letter in ((run_a, "A"), (run_b, "B")) if run.truncated or watch_counted(run)]
+    if partial and not differ:
+        notes.append(f"run {' and '.join(partial)} ran regions no op list of which is in the trace (killed before "
+                     "they were written, or watched: compared as they ran, not written): not compared here")
     report = Report(
-        verdict=DIVERGED if differ else UNCHECKED if unchecked or not compared else CLEAN,
-        headline=_headline(regions, compared, label_a, label_b),
+        verdict=DIVERGED if differ else UNCHECKED if unchecked or partial or not compared else CLEAN,
+        headline=_headline(regions, compared, label_a, label_b) + (
+            f"; but run {' and '.join(partial)} ran more than its trace holds op lists of (killed, or watched): not "
+            "all compared" if partial and not differ else ""),
         regions=regions, sources=[run_a.path or "run A", run_b.path or "run B"], notes=notes,
         exit_status=None,
     )
@@ -394,6 +402,11 @@ def _label(run: Run) -> str:
 def _describe(run: Run) -> dict:
     return {"path": run.path, "rank": run.rank, "argv": run.argv, "run_id": run.run_id,
             "start_time": run.start_time, "exit_status": run.exit_status, "regions": len(run.regions)}
+
+
+def watch_counted(run: Run) -> int:
+    """Regions a watched run compared as they ran and only counted (no op list in its trace)."""
+    return sum(t[0] for t in (run.watch or {}).get("modules", {}).values()) if run.watch else 0
 
 
 def _exit_notes(run: Run, letter: str) -> list[str]:
