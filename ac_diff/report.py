@@ -358,6 +358,12 @@ def recomputed_in(r: Any) -> int | None:
     return backward if backward is not None else r.step
 
 
+def diverged_after(regions: list[RegionReport], compared: int) -> list[RegionReport]:
+    """The diverged regions recomputed in a backward pass after the `compared` ones (their gradients were not in a
+    comparison with the run without AC over `compared` backward passes)."""
+    return [r for r in regions if r.status == DIVERGED and (recomputed_in(r) or 0) > compared]
+
+
 def backwards_recorded(regions: list[RegionReport]) -> int:
     """How many backward passes the run made, as far as its regions tell (the last that recomputed one), else 0."""
     return max((n for r in regions if (n := recomputed_in(r)) is not None), default=0)
@@ -525,7 +531,7 @@ class Report:
     def silent_warning(self) -> str:
         """What a silent divergence means for the gradients, as every renderer says it: wrong, unless the run without
         AC was compared and they matched (a decision that only swapped the order of the same experts)."""
-        from .reference.result import IDENTICAL, diverged_after  # (the reference section is attached after diagnosis)
+        from .reference.result import IDENTICAL  # (the reference section is attached after diagnosis)
 
         ref = self.reference
         if ref is not None and getattr(ref, "verdict", None) == IDENTICAL and not diverged_after(

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..passes import Region
-from ..report import DIVERGED, LATER_FORWARD, RegionReport
+from ..report import DIVERGED, LATER_FORWARD, NESTED_RERUN, RegionReport
 from .labels import number_ranges
 from .suggest import suggestions_for
 
@@ -35,7 +35,8 @@ def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], ver
             continue
         # (a step begins at the first forward after a recompute: a later region of the same step ran its forward
         # after this one's and before any recompute, this one's included)
-        later = [x.region for x in by_module[(r.path, r.rank, r.module)] if x.region > r.region and x.step == r.step]
+        later = [x.region for x in by_module[(r.path, r.rank, r.module)] if x.region > r.region and x.step == r.step
+                 and x.unchecked_reason != NESTED_RERUN]  # (not a nested one its parent's recompute ran again)
         region = regions.get((r.path, r.rank, r.region))
         if not later or region is None:
             continue

@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..report import recomputed_in
-
 IDENTICAL = "identical"
 DIFFERS = "differs"
 NOT_COMPARABLE = "not_comparable"
@@ -81,9 +79,3 @@ class ReferenceResult:
         for step in out["steps"]:  # `step` is the index; `backward` counts from 1, as the text and the steps do
             step["backward"] = step["step"] + 1
         return out
-
-
-def diverged_after(regions: Any, compared: int) -> list:
-    """The diverged regions recomputed in a backward pass after the `compared` ones (their gradients were not in the
-    comparison)."""
-    return [r for r in regions if r.status == "diverged" and (recomputed_in(r) or 0) > compared]

@@ -24,13 +24,13 @@ from typing import Any
 
 from ..children import Child, child_command
 from ..diagnosis.compiled import reference_note
-from ..report import DIVERGED, recomputed_in
+from ..report import DIVERGED, diverged_after, recomputed_in
 from ..remedies import ENV, RemedySpec
 from .graddiff import compare_captures
 from .explain import explain
 from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
-from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult, diverged_after
+from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
 from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
 
 PORT_WAIT_S = 120.0
