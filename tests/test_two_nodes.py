@@ -421,3 +421,23 @@ def test_one_ranks_trace_alone_is_never_clean(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     alone = record_rank(tmp_path / "alone" / "trace-rank0.jsonl", 0, monkeypatch, world=1)
     assert diagnose([read_run(alone)]).verdict == CLEAN
+
+
+def test_report_of_node_directories_a_relaunch_did_not_clear_reports_the_latest_launch():
+    """A relaunch with c10d gave node 0 ranks 2-3 this time: its directory still holds ranks 0-1 of the earlier launch
+    (its new ranks overwrite nothing), and `report node0 node1` reported that earlier launch's divergence for a clean
+    relaunch. The latest launch is reported; the earlier traces are named as left out."""
+    from ac_diff.commands.report_cmd import latest_run
+    from ac_diff.passes import Run
+
+    def trace(rank: int, rid: str, start: float, node: int) -> Run:
+        return Run(source="trace", path=f"node{node}/out/trace-rank{rank}.jsonl", rank=rank, regions=[],
+                   exit_status="ok", run_id=rid, start_time=start)
+
+    old = [trace(0, "first", 100.0, 0), trace(1, "first", 100.0, 0)]
+    new = [trace(2, "second", 200.0, 0), trace(3, "second", 200.0, 0), trace(0, "second", 200.1, 1),
+           trace(1, "second", 200.1, 1)]
+    kept, notes = latest_run([*old, *new])
+    assert kept == new and len(notes) == 2 and all("earlier launch, run first" in n for n in notes), notes
+    other = [trace(0, "third", 300.0, 2)]  # (no rank twice: left to the mixed-runs finding)
+    assert latest_run([*new[:2], *other]) == ([*new[:2], *other], [])

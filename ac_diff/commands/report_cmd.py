@@ -24,13 +24,36 @@ from .run_extras import decorate_from_outputs
 
 
 def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
-    runs, notes = one_trace_per_rank(read_runs(paths, lazy=True))
+    runs, stale = latest_run(read_runs(paths, lazy=True))
+    runs, notes = one_trace_per_rank(runs)
+    notes = stale + notes
     report = diagnose(runs, settings)
     report.notes += notes
     mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
     decorate_from_outputs(report, {run.rank or 0: Path(run.path).parent for run in runs
                                    if run.source == "trace" and run.path})  # remedies applied, the reference
     return emit(report, fmt, json_path, output)
+
+
+def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
+    """The traces of the latest launch where the paths hold the same ranks from several launches (a directory a
+    relaunch did not clear: with torchrun's c10d rendezvous a node's ranks change from launch to launch, so this
+    node's new ranks do not overwrite its old ones), and a line for each trace left out."""
+    launches: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.source == "trace" and run.run_id:
+            launches.setdefault(str(run.run_id), []).append(run)
+    if len(launches) < 2:
+        return runs, []
+    ranks = [{r.rank or 0 for r in group} for group in launches.values()]
+    if not any(a & b for i, a in enumerate(ranks) for b in ranks[i + 1:]):
+        return runs, []  # (no rank twice: what they are, the mixed-runs finding says)
+    latest = max(launches, key=lambda rid: max(r.start_time or 0.0 for r in launches[rid]))
+    left = [r for rid, group in launches.items() if rid != latest for r in group]
+    out = {id(r) for r in left}
+    return [r for r in runs if id(r) not in out], [
+        f"left out {r.path} (rank {r.rank or 0} of an earlier launch, run {r.run_id}): the paths hold ranks of "
+        f"{len(launches)} launches, and the latest, run {latest}, is reported" for r in left]
 
 
 def one_trace_per_rank(runs: list[Run]) -> tuple[list[Run], list[str]]:
