@@ -484,3 +484,29 @@ def test_a_tensor_in_a_module_level_context_is_named_by_it(tmp_path):
     region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
     assert region.status == "diverged" and region.cause.tensor == "test_python_state.PACK_CTX['doc_ids']", \
         region.cause
+
+
+def _scale_now(calls=[0]):  # noqa: B006 (the state under test: a mutable default that lasts from call to call)
+    calls[0] += 1
+    return 1.0 if calls[0] <= 3 else 0.5
+
+
+class HelperCounted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * _scale_now())
+
+
+def test_a_count_a_helpers_mutable_default_keeps_is_named(tmp_path):
+    """`_scale_now(calls=[0])`, called by the forward: the recompute advances the count again, and in step 2 it
+    crosses the threshold between the passes. The cause names the default's item (it said "a Python value passed to
+    aten.mul changed ... updated before the backward, or drawn on the host")."""
+    _scale_now.__defaults__[0][0] = 0
+    report = _record(tmp_path, lambda: [cp.checkpoint(HelperCounted(), torch.randn(2, 8, requires_grad=True),
+                                                      use_reentrant=False).sum().backward() for _ in range(2)])
+    region = _diverged(report)[0]
+    assert region.cause.tensor == f"{__name__}._scale_now.calls[0]", region.cause
+    assert "counts twice" in region.cause.detail

@@ -255,6 +255,10 @@ class GlobalReads:
             elif isinstance(value, dict):  # a config dict (`GRL["lambda"]`): its scalar items
                 for item, v in _dict_scalars(value):
                     out[f"{key}[{item!r}]"] = (v, readers)
+            elif type(value) is list:  # a helper's mutable default (`calls=[0]`): its scalar items
+                for item, v in enumerate(value[:_HOOK_ITEMS]):
+                    if (v := recorded_scalar(v)) is not NOT_SCALAR:
+                        out[f"{key}[{item}]"] = (v, readers)
             else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
@@ -304,15 +308,15 @@ def _function(fn: Any) -> types.FunctionType | None:
     return None
 
 
-def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
-    """(globals, code object, the names it loads as globals) of `root`, the code nested in it, and the user's
-    functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS of them."""
+def _user_functions(root: types.FunctionType, owner: type | None) -> Iterator[types.FunctionType]:
+    """`root` and the user's functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS."""
     todo, seen = [root], set()
     while todo and len(seen) < _MAX_FUNCTIONS:
         fn = todo.pop()
         if fn.__code__ in seen or is_internal(fn.__code__.co_filename):
             continue
         seen.add(fn.__code__)
+        yield fn
         space = fn.__globals__
         for code in _codes(fn.__code__):
             loaded = _global_names(code)
@@ -327,11 +331,23 @@ def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[
                     forward = _method(space[name], "forward")  # `MyFn.apply(...)`: its forward runs in the pass
                     if isinstance(forward, types.FunctionType):
                         todo.append(forward)
-            yield space, code, loaded
+
+
+def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
+    """(globals, code object, the names it loads as globals) of `root`, the code nested in it, and the user's
+    functions and methods it calls (`_user_functions`)."""
+    for fn in _user_functions(root, owner):
+        for code in _codes(fn.__code__):
+            yield fn.__globals__, code, _global_names(code)
 
 
 def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
     found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
+    for fn in _user_functions(root, owner):  # (a helper's mutable default, `def temp(calls=[0])`, lasts as a global)
+        for param, value in _defaults(fn):
+            if type(value) in (list, dict) and value and len(value) <= _HOOK_ITEMS:
+                found.setdefault(f"{_module_name(fn.__globals__)}.{fn.__qualname__}.{param}", (
+                    {param: value}, param, [f"{short_path(fn.__code__.co_filename)} in {fn.__name__}"]))
     for space, code, loaded in _user_codes(root, owner):
         module = _module_name(space)
         reader = f"{short_path(code.co_filename)} in {code.co_name}" + (
