@@ -653,3 +653,35 @@ def test_a_count_a_pre_hook_keeps_in_a_default_list_is_named_and_restored(patche
     assert restore.spec.restore == ["layers.*.<forward pre-hook warm>.calls[0]"], restore.spec
     patched(restore.spec)
     assert same(grads(Stack(_ListCounted, reentrant)), reference)
+
+
+class _SegmentMemory(nn.Module):
+    """A running sum carried from segment to segment in an attribute, unset (None) before the first segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.memory = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        h = self.fc(x)
+        past = self.memory if self.memory is not None else torch.zeros_like(h)
+        self.memory = (past + h).detach()
+        return torch.tanh(h + past)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_restore_puts_back_an_attribute_the_forward_found_unset(patched, reentrant):
+    """Two segments forwarded, then one backward: the first segment's recompute found the memory the second left,
+    where its forward found it unset (None). The restore left None out ("nothing to restore"), so that region stayed
+    diverged and `fix` found only AC off; None is restored like any value: the gradients of a run without AC."""
+    def segments(checkpointed: bool) -> list:
+        torch.manual_seed(3)
+        block = _SegmentMemory()
+        run = (lambda x: cp.checkpoint(block, x, use_reentrant=reentrant)) if checkpointed else block
+        sum(run(torch.randn(2, 8, requires_grad=True)).sum() for _ in range(2)).backward()
+        return {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    reference = segments(False)
+    assert not same(segments(True), reference)  # the real mechanism
+    patched(RemedySpec(restore=["memory"]))
+    assert same(segments(True), reference)

@@ -160,14 +160,16 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
 
 
 def _state_of(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
-    """(attribute, value) of the state a module holds itself: buffers, public tensor / scalar / container
-    attributes, and private generators (`self._gen = torch.Generator()`); not parameters: a stand-in would take
-    their gradients."""
+    """(attribute, value) of the state a module holds itself: buffers, public tensor / scalar / container / unset
+    (None) attributes, and private generators (`self._gen = torch.Generator()`); not parameters: a stand-in would
+    take their gradients."""
     attrs = [*module._buffers,
              *(k for k, v in vars(module).items() if not k.startswith("_") or isinstance(v, torch.Generator))]
     for attr in dict.fromkeys(attrs):
         value = getattr(module, attr, None)
-        if isinstance(value, (torch.Tensor, torch.Generator, *SCALAR_TYPES, *NAMED_TYPES, *CONTAINER_TYPES)):
+        # (None too: a memory the first segment's forward finds unset, and sets before the recompute reads it)
+        if value is None or isinstance(value, (torch.Tensor, torch.Generator, *SCALAR_TYPES, *NAMED_TYPES,
+                                               *CONTAINER_TYPES)):
             yield attr, value
 
 
