@@ -177,10 +177,13 @@ def test_remedies_reach_every_rank_under_the_launcher(tmp_path):
 
 def test_a_state_the_recompute_updates_twice_is_a_defect_from_the_next_step(runs):
     """Every recompute reproduced its forward and the first backward's gradients are identical, but the hook ran
-    twice: the second loss differs. That is the recompute's repeated update, not random draws, and not a pass."""
+    twice: the second loss differs. That is the recompute's repeated update, not random draws, and not a pass. The
+    regions read the centre they update (state read again): settled by the reference, they diverged (they were
+    clean beside gradients that differ)."""
     r = runs["repeated_update"]
     ref = _ref(r)
-    assert r.report["regions"] and all(x["status"] == "clean" for x in r.report["regions"])
+    assert r.report["regions"] and all(x["status"] == "diverged" and x["cause"]["tensor"].endswith("router.center")
+                                       for x in r.report["regions"]), r.report["regions"]
     assert ref["verdict"] == "differs" and r.returncode == 1, r.explain()
     assert [s["loss_identical"] for s in ref["steps"]] == [True, False] and not ref["steps"][0]["differing"]
     why = ref["explanations"][0]

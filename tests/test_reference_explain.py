@@ -178,7 +178,8 @@ def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_
     import torch.utils.checkpoint as cp
 
     import ac_diff
-    from ac_diff.reference.result import ReferenceResult, diverged_after
+    from ac_diff.reference.result import ReferenceResult
+    from ac_diff.report import diverged_after
 
     torch.manual_seed(0)
     block, path = nn.Linear(4, 4), tmp_path / "t.jsonl"

@@ -1508,7 +1508,7 @@ def test_each_recompute_says_which_backward_pass_ran_it_and_the_reference_counts
     looked compared)."""
     from types import SimpleNamespace
 
-    from ac_diff.reference.result import diverged_after
+    from ac_diff.report import diverged_after
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
