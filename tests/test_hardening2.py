@@ -385,9 +385,11 @@ def test_a_newer_minor_version_loads_with_a_warning(trace, tmp_path, capsys):
     header["version"] = f"{MAJOR}.{MINOR + 5}"
     newer = tmp_path / "newer.jsonl"
     newer.write_bytes(b"\n".join([with_crc(json.dumps(header, separators=(",", ":")).encode()), *lines[1:]]) + b"\n")
-    assert main(["report", str(newer)]) == 0
+    assert main(["report", str(newer), "--json", str(tmp_path / "r.json")]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and f"{MAJOR}.{MINOR + 5}" in err and "upgrade ac-diff" in err, err
+    notes = json.loads((tmp_path / "r.json").read_text())["notes"]  # (a CI job reads the JSON, not stderr)
+    assert any(f"format {MAJOR}.{MINOR + 5}" in n and "upgrade ac-diff" in n for n in notes), notes
 
 
 @pytest.fixture(scope="module")

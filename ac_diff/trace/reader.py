@@ -284,8 +284,10 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     if newer:  # read as far as this reader knows the format: say so even when nothing was skipped
         what = (f"skipped {sum(skipped.values())} records of types it does not know ({', '.join(sorted(skipped))})"
                 if skipped else "what the newer format added may be missing from the report")
-        print(f"ac-diff: warning: {path} is a trace of format {header.get('version')}, this ac-diff ({__version__}) "
-              f"reads {VERSION}: {what}; upgrade ac-diff (pip install -U ac-diff)", file=sys.stderr)
+        newer_note = (f"{path} is a trace of format {header.get('version')}, this ac-diff ({__version__}) reads "
+                      f"{VERSION}: {what}; upgrade ac-diff (pip install -U ac-diff)")
+        print(f"ac-diff: warning: {newer_note}", file=sys.stderr)
+        run.notes.append(newer_note)  # (the JSON report says it too: a CI job reads no stderr)
     for (number, phase, attempt), pending in ops.items():  # ops whose pass record never came: a crash
         region = regions.get(number)
         if region is not None and phase in PHASES:
