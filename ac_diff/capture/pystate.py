@@ -256,9 +256,7 @@ class GlobalReads:
                 for item, v in _dict_scalars(value):
                     out[f"{key}[{item!r}]"] = (v, readers)
             elif type(value) is list:  # a helper's mutable default (`calls=[0]`): its scalar items
-                for item, v in enumerate(value[:_HOOK_ITEMS]):
-                    if (v := recorded_scalar(v)) is not NOT_SCALAR:
-                        out[f"{key}[{item}]"] = (v, readers)
+                out.update((label, (v, readers)) for label, _, v in _container_items(key, value))
             else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
@@ -308,18 +306,20 @@ def _function(fn: Any) -> types.FunctionType | None:
     return None
 
 
-def _user_functions(root: types.FunctionType, owner: type | None) -> Iterator[types.FunctionType]:
-    """`root` and the user's functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS."""
+def _user_functions(root: types.FunctionType, owner: type | None
+                    ) -> Iterator[tuple[types.FunctionType, list[tuple[types.CodeType, set[str]]]]]:
+    """`root` and the user's functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS, each with
+    its code objects (its own and those nested in it) and the names each loads as globals."""
     todo, seen = [root], set()
     while todo and len(seen) < _MAX_FUNCTIONS:
         fn = todo.pop()
         if fn.__code__ in seen or is_internal(fn.__code__.co_filename):
             continue
         seen.add(fn.__code__)
-        yield fn
         space = fn.__globals__
-        for code in _codes(fn.__code__):
-            loaded = _global_names(code)
+        codes = [(code, _global_names(code)) for code in _codes(fn.__code__)]
+        yield fn, codes
+        for code, loaded in codes:
             for name in code.co_names:
                 if name not in loaded:  # an attribute's name (`self.helper()`, `self.fc`): a method is followed
                     method = _method(owner, name)
@@ -336,35 +336,36 @@ def _user_functions(root: types.FunctionType, owner: type | None) -> Iterator[ty
 def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
     """(globals, code object, the names it loads as globals) of `root`, the code nested in it, and the user's
     functions and methods it calls (`_user_functions`)."""
-    for fn in _user_functions(root, owner):
-        for code in _codes(fn.__code__):
-            yield fn.__globals__, code, _global_names(code)
+    for fn, codes in _user_functions(root, owner):
+        for code, loaded in codes:
+            yield fn.__globals__, code, loaded
 
 
 def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
     found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
-    for fn in _user_functions(root, owner):  # (a helper's mutable default, `def temp(calls=[0])`, lasts as a global)
-        for param, value in _defaults(fn):
-            if type(value) in (list, dict) and value and len(value) <= _HOOK_ITEMS:
-                found.setdefault(f"{_module_name(fn.__globals__)}.{fn.__qualname__}.{param}", (
-                    {param: value}, param, [f"{short_path(fn.__code__.co_filename)} in {fn.__name__}"]))
-    for space, code, loaded in _user_codes(root, owner):
+    for fn, codes in _user_functions(root, owner):
+        space = fn.__globals__
         module = _module_name(space)
-        reader = f"{short_path(code.co_filename)} in {code.co_name}" + (
-            f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
-        for name in code.co_names:
-            value = space.get(name)
-            if name in loaded and (value is None or recorded_scalar(value) is not NOT_SCALAR
-                                   or _holds_fields(value, space)) and name in space \
-                    and not name.startswith("__"):
-                key = f"{module}.{name}"
-                readers = found.setdefault(key, (space, name, []))[2]
+        for param, value in _defaults(fn):  # (a helper's mutable default, `def temp(calls=[0])`, lasts as a global)
+            if type(value) in (list, dict) and value and len(value) <= _HOOK_ITEMS:
+                found.setdefault(f"{module}.{fn.__qualname__}.{param}", (
+                    {param: value}, param, [f"{short_path(fn.__code__.co_filename)} in {fn.__name__}"]))
+        for code, loaded in codes:
+            reader = f"{short_path(code.co_filename)} in {code.co_name}" + (
+                f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
+            for name in code.co_names:
+                value = space.get(name)
+                if name in loaded and (value is None or recorded_scalar(value) is not NOT_SCALAR
+                                       or _holds_fields(value, space)) and name in space \
+                        and not name.startswith("__"):
+                    key = f"{module}.{name}"
+                    readers = found.setdefault(key, (space, name, []))[2]
+                    if reader not in readers:
+                        readers.append(reader)
+            for settings, attr in _settings_read(code, space, loaded):  # `hparams.TEMP`, a module of the user's
+                readers = found.setdefault(f"{settings.__name__}.{attr}", (vars(settings), attr, []))[2]
                 if reader not in readers:
                     readers.append(reader)
-        for settings, attr in _settings_read(code, space, loaded):  # `hparams.TEMP`, a module of the user's
-            readers = found.setdefault(f"{settings.__name__}.{attr}", (vars(settings), attr, []))[2]
-            if reader not in readers:
-                readers.append(reader)
     return tuple((space, name, key, tuple(readers)) for key, (space, name, readers) in found.items())
 
 
@@ -398,12 +399,8 @@ def only_rebinds(owner: type, name: str) -> bool:
     hit = _only_rebinds.get(key)
     if hit is None:
         forward = _function(getattr(owner, "forward", None))
-        loads = stores = 0
-        for _, code, _ in _user_codes(forward, owner) if forward is not None else ():
-            for ins in dis.get_instructions(code):
-                if ins.argval == name:
-                    loads += ins.opname in _LOADS
-                    stores += ins.opname == "STORE_ATTR"
+        codes = [code for _, code, _ in _user_codes(forward, owner)] if forward is not None else []
+        loads, stores = _loads_and_stores(codes, name, _LOADS, "STORE_ATTR")
         hit = _only_rebinds[key] = forward is not None and stores > 0 and not loads
     return hit
 
@@ -436,35 +433,51 @@ def _read_on_other_lines(codes: list[types.CodeType], var: str) -> bool:
     it on one line; `if calls[0] < warmup` reads it), outside code a forward jump can skip (see read_again)."""
     for code in codes:
         instructions = list(dis.get_instructions(code))
-        skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
-                     and isinstance(ins.argval, int) and ins.argval > ins.offset]
+        skipped = _skipped(instructions)
         line, lines, writes = None, {}, set()
         for ins in instructions:
-            positions = getattr(ins, "positions", None)  # (Python >= 3.11; before, starts_line)
-            start = positions.lineno if positions is not None else getattr(ins, "starts_line", None)
-            line = start if isinstance(start, int) and not isinstance(start, bool) and start else line
+            line = _line_of(ins, line)
             if ins.opname in _VARIABLE_LOADS and ins.argval == var:
                 lines.setdefault(line, ins.offset)
             elif ins.opname == "STORE_SUBSCR":
                 writes.add(line)
-        if any(not any(start < offset < end for start, end in skippable)
-               for line, offset in lines.items() if line not in writes):
+        if any(not skipped(offset) for line, offset in lines.items() if line not in writes):
             return True
     return False
 
 
 def _loaded_beyond_stores(codes: list[types.CodeType], name: str, loads_by: frozenset, store_by: str) -> bool:
     """More loads of `name` than stores in `codes`, outside any code a forward jump can skip (see read_again)."""
+    loads, stores = _loads_and_stores(codes, name, loads_by, store_by, unconditional=True)
+    return loads > stores
+
+
+def _loads_and_stores(codes: list[types.CodeType], name: str, loads_by: frozenset, store_by: str,
+                      unconditional: bool = False) -> tuple[int, int]:
+    """How many times `codes` load and store `name`; `unconditional`: outside code a forward jump can skip only."""
     loads = stores = 0
     for code in codes:
         instructions = list(dis.get_instructions(code))
-        skippable = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
-                     and isinstance(ins.argval, int) and ins.argval > ins.offset]
+        skipped = _skipped(instructions) if unconditional else None
         for ins in instructions:
-            if ins.argval == name and not any(start < ins.offset < end for start, end in skippable):
+            if ins.argval == name and not (skipped and skipped(ins.offset)):
                 loads += ins.opname in loads_by
                 stores += ins.opname == store_by
-    return loads > stores
+    return loads, stores
+
+
+def _skipped(instructions: list[dis.Instruction]):
+    """A test of whether an offset lies in code a forward jump of `instructions` can skip (a branch's body)."""
+    spans = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
+             and isinstance(ins.argval, int) and ins.argval > ins.offset]
+    return lambda offset: any(start < offset < end for start, end in spans)
+
+
+def _line_of(ins: dis.Instruction, line: int | None) -> int | None:
+    """The source line `ins` belongs to, given the line of the instruction before it (Python >= 3.11 tells each
+    instruction's; before, only the first of a line's, and 3.13's `starts_line` is a flag)."""
+    start = getattr(getattr(ins, "positions", None), "lineno", None) or getattr(ins, "starts_line", None)
+    return start if isinstance(start, int) and not isinstance(start, bool) and start else line
 
 
 def _settings_read(code: types.CodeType, space: dict, loaded: set[str]) -> list[tuple[types.ModuleType, str]]:
@@ -500,7 +513,7 @@ def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[
         line = code.co_firstlineno
         instructions = list(dis.get_instructions(code))
         for i, ins in enumerate(instructions):
-            line = getattr(getattr(ins, "positions", None), "lineno", None) or ins.starts_line or line
+            line = _line_of(ins, line)
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code) \
                     and not _SEEDING & set(_attributes_after(instructions, i)):
                 site = code_site(code, line)
