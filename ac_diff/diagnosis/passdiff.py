@@ -17,7 +17,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
@@ -327,20 +327,30 @@ def read_after_write(p: Pass | None, name: str) -> bool:
     updated value: a normalizer's statistics) rather than only before (a read, then the update: an EMA)."""
     if p is None:
         return False
+    names_it, writers = _naming(p, name)
+    written = False
+    for op in p.ops:
+        if any(names_it(r) for r in _writes(op)):
+            written = written or op.index in writers
+        elif written and not is_view_op(op.op) and any(names_it(r) for r in op.input_refs):
+            return True
+    return False
+
+
+def _naming(p: Pass, name: str) -> tuple[Callable[[InputRef], bool], set[int]]:
+    """A test of whether a tensor reference of pass `p` is the outside tensor `name` (itself, a view of it, or what an
+    in-place write of it returned), and the ops whose output is `name` itself (that write)."""
     ops = {o.index: o for o in p.ops}
-    writers: set[int] = set()  # ops whose output is `name` itself (an in-place method returns its input)
+    writers: set[int] = set()
 
     def names_it(r: InputRef) -> bool:
         source = viewed_source(ops, r) if r.kind == "op" else r
         return source.name == name or source.kind == "op" and source.op_index in writers
 
-    for op in p.ops:
-        if any(names_it(r) for r in _writes(op)):
-            if _returns_written(op):
-                writers.add(op.index)
-        elif writers and not is_view_op(op.op) and any(names_it(r) for r in op.input_refs):
-            return True
-    return False
+    for o in p.ops:  # (in order: a reference names an earlier op)
+        if _returns_written(o) and any(names_it(w) for w in _writes(o)):
+            writers.add(o.index)
+    return names_it, writers
 
 
 def _returns_written(op: OpRecord) -> bool:
@@ -356,22 +366,12 @@ def reads_beyond_update(p: Pass | None, name: str) -> bool:
     the ops cannot tell from a branch), nor an op that updates it as it computes (a batch norm's statistics)."""
     if p is None:
         return False
-    ops = {o.index: o for o in p.ops}
     users: dict[int, list[OpRecord]] = {}
     for o in p.ops:
         for r in o.input_refs:
             if r.kind == "op":
                 users.setdefault(r.op_index, []).append(o)
-
-    writers: set[int] = set()  # ops whose output is `name` itself (an in-place method returns its input)
-
-    def names_it(r: InputRef) -> bool:
-        source = viewed_source(ops, r) if r.kind == "op" else r
-        return source.name == name or source.kind == "op" and source.op_index in writers
-
-    for o in p.ops:
-        if _returns_written(o) and any(names_it(w) for w in _writes(o)):
-            writers.add(o.index)
+    names_it, _ = _naming(p, name)
     seen: set[int] = set()
     todo = [op for op in p.ops if not updates_as_it_computes(op.op) and not is_view_op(op.op)
             and any(names_it(r) for r in op.input_refs)]

@@ -28,6 +28,7 @@ from .passdiff import PassComparison, compare_passes
 from .discrete import first_flip
 from .labels import changed_line, where
 from .region import Settings, diagnose_region, divergence_of, state_changes, window
+from .watched import watch_counted
 
 KIND = TWO_RUNS
 
@@ -402,11 +403,6 @@ def _label(run: Run) -> str:
 def _describe(run: Run) -> dict:
     return {"path": run.path, "rank": run.rank, "argv": run.argv, "run_id": run.run_id,
             "start_time": run.start_time, "exit_status": run.exit_status, "regions": len(run.regions)}
-
-
-def watch_counted(run: Run) -> int:
-    """Regions a watched run compared as they ran and only counted (no op list in its trace)."""
-    return sum(t[0] for t in (run.watch or {}).get("modules", {}).values()) if run.watch else 0
 
 
 def _exit_notes(run: Run, letter: str) -> list[str]:

@@ -90,6 +90,12 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
     return summary
 
 
+def watch_counted(run: Run) -> int:
+    """Regions a watched run compared as they ran and only counted (its totals per module: [compared, ...]; no op list
+    in its trace)."""
+    return sum(t[0] for t in run.watch["modules"].values()) if run.watch else 0
+
+
 def never_recomputed(run: Run) -> int:
     """Forwards `run` watched that were never recomputed (its totals per module: [compared, diverged, never compared,
     ...])."""
