@@ -1417,6 +1417,55 @@ def test_state_a_chunk_rebinds_on_its_module_is_named_as_rebound_with_the_fix_th
                                           "instead of keeping it on the module"), r.suggestions[0]
 
 
+class _SegmentMemory(nn.Module):
+    """Transformer-XL-like segments: a running key-value sum kept on the module, None until the first segment binds
+    it (`carry="attribute"`), or handed in and out of the checkpointed function (the control)."""
+
+    def __init__(self, carry: str) -> None:
+        super().__init__()
+        self.kv, self.carry, self.memory = nn.Linear(8, 8), carry, None
+
+    def segment(self, x, memory=None):
+        if self.carry == "attribute":
+            memory = self.memory
+        start = memory if memory is not None else x.new_zeros(x.shape[-1])
+        running = torch.cumsum(torch.tanh(self.kv(x) + start), 0)
+        if self.carry == "attribute":
+            self.memory = running[-1].detach()
+        return running, running[-1].detach()
+
+    def forward(self, x):
+        self.memory, memory, outs = None, None, []
+        for segment in x.split(4):
+            args = (segment,) if self.carry == "attribute" else (segment, memory)
+            out, memory = cp.checkpoint(self.segment, *args, use_reentrant=False)
+            outs.append(out)
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("carry", ["attribute", "arguments"])
+def test_an_attribute_that_held_none_in_the_forward_is_named_as_rebound(tmp_path, carry):
+    """The first segment's forward found `self.memory` None and made zeros; its recompute found the last segment's
+    memory and read it. That region was "control_flow: Python code took another branch", naming nothing, while the
+    later segments' regions named `memory` rebound: both are the same attribute, with the fix that passes it in."""
+    torch.manual_seed(0)
+    model, path = _SegmentMemory(carry), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        model(torch.randn(12, 8)).pow(2).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    if carry == "arguments":
+        assert report.verdict == "clean", report.headline
+        return
+    first = report.regions[0]
+    assert (first.status, first.cause.kind, first.cause.mechanism, first.cause.names) == (
+        "diverged", "state_mutation", "rebound", ["memory"]), first.cause
+    assert "held no tensor when the forward ran" in first.cause.detail, first.cause.detail
+    assert first.suggestions[0].title == ("Pass `memory` into the checkpointed function and return its new value, "
+                                          "instead of keeping it on the module"), first.suggestions[0]
+    assert {(r.cause.kind, r.cause.tensor) for r in report.regions if r.status == "diverged"} == {
+        ("state_mutation", "memory")}, [r.cause for r in report.regions]
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_clean_run_with_reentrant_regions_says_their_gradients_can_differ_in_the_last_bits(tmp_path, reentrant):
     """A ConvNeXt-like block with layer scale, checkpointed reentrantly: every recompute reproduced its forward (clean)

@@ -24,7 +24,7 @@ import re
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
 from ..oprules import (CAST, aliases_its_input, is_decision, is_host_read, is_in_place_method, is_random_name,
                        is_view_op, written_inputs)
-from ..passes import OpRecord, Pass, Region, TensorMeta
+from ..passes import External, OpRecord, Pass, Region, TensorMeta
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence,
                       RegionReport)
@@ -249,7 +249,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                          f"the {'recompute' if control.forward_index is None else 'forward'} ran dtype casts the other "
                          f"pass did not, and {DTYPE_ONLY.format(change=casts)}", [control.summary],
                          source=control.source)
-        return Cause("control_flow", control.op, ran + "Python code took another branch", [control.summary])
+        return _bound_since(region, control) or Cause("control_flow", control.op,
+                                                      ran + "Python code took another branch", [control.summary])
 
     if (report.has_values and first is not None and first.kinds & ARGUMENT_KINDS
             and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
@@ -721,24 +722,51 @@ def _rebound_state(region: Region, changed: list[dict]) -> Cause | None:
     the latest call left, another region's output or its own."""
     fwd = {e.name: e for e in region.forward.externals if e.kind in ("external", "buffer")}
     rec = {e.name: e for e in region.recompute.externals if e.kind in ("external", "buffer")}
-    moved = [c["name"] for c in changed if c["kind"] in ("external", "buffer")
-             and not re.fullmatch(r"external\[\d+\]", c["name"])  # (unnamed: made in the region, from_numpy)
+    moved = [c["name"] for c in changed if c["kind"] in ("external", "buffer") and _attribute_named(c["name"])
              and fwd.get(c["name"]) is not None and rec.get(c["name"]) is not None
              and None not in (fwd[c["name"]].obj, rec[c["name"]].obj) and fwd[c["name"]].obj != rec[c["name"]].obj]
     if not moved:
         return None
-    name, read = moved[0], rec[moved[0]]
-    made = (f"the output of region {read.made_in}'s forward (a later call of the same code rebound it)"
-            if read.made_in is not None else
-            "what this region's own forward made (its code rebinds the attribute to its output)"
-            if read.made_by is not None else "another tensor bound in its place")
+    name = moved[0]
     return Cause("state_mutation", name,
                  f"`{name}` is another tensor in the recompute than in the forward: the attribute holding it was bound "
-                 f"to another tensor between this forward and its backward, so the recompute read {made}, not what "
-                 "the forward read",
+                 f"to another tensor between this forward and its backward, so the recompute read "
+                 f"{_made(rec[name]) or 'another tensor bound in its place'}, not what the forward read",
                  [f"rebound: {backticked(moved[:4])}",
                   changed_line(next(c for c in changed if c["name"] == name), "forward", "recompute")],
                  mechanism=REBOUND, names=moved)
+
+
+def _bound_since(region: Region, control: Divergence) -> Cause | None:
+    """The recompute took another branch to read a tensor attribute the forward did not read, and no recorded
+    state explains the branch: the attribute held no tensor when the forward ran (`self.S = None` until the first
+    segment binds it: `S = self.S if self.S is not None else zeros`) and holds one in the recompute."""
+    fwd = {e.name for e in region.forward.externals}
+    bound = [e.name for e in region.recompute.externals if e.kind in ("external", "buffer") and e.name not in fwd
+             and _attribute_named(e.name)]
+    if not bound:
+        return None
+    made = _made(next(e for e in region.recompute.externals if e.name == bound[0]))
+    return Cause("state_mutation", bound[0],
+                 f"the recompute read `{bound[0]}`, which the forward did not: the attribute held no tensor when the "
+                 "forward ran (None, or not set yet) and was bound to one before its backward, so the recompute's "
+                 f"code took another branch at {where(control.module, control.source)}" + (f" and read {made}"
+                                                                                           if made else ""),
+                 [f"read by the recompute only: {backticked(bound[:4])}", f"{control.op}: {control.summary}"],
+                 mechanism=REBOUND, names=bound, source=control.source)
+
+
+def _made(read: External) -> str | None:
+    """Where a tensor the recompute read from an attribute was made, where the trace knows."""
+    return (f"the output of region {read.made_in}'s forward (a later call of the same code rebound it)"
+            if read.made_in is not None else
+            "what this region's own forward made (its code rebinds the attribute to its output)"
+            if read.made_by is not None else None)
+
+
+def _attribute_named(name: str) -> bool:
+    """A tensor read from a named attribute (unnamed ones, `external[3]`, were made in the region, by from_numpy)."""
+    return not re.fullmatch(r"external\[\d+\]", name)
 
 
 def _rebound(region: Region, names: list[str]) -> bool:
