@@ -242,6 +242,20 @@ def test_a_gzip_log_failing_its_checksum_says_it_was_read_but_is_corrupted(tmp_p
     assert "fails its checksum" in note and "read to its end" in note and "read only the first" not in note
 
 
+def test_a_gzip_log_cut_before_its_first_mib_is_read_as_far_as_it_goes(tmp_path):
+    """A gzip copy cut at a third (the error at its start, over 1 MiB of training output after it): the sniff for
+    torch's text read its first MiB in one call, which a cut stream fails as a whole, so the log was rejected as
+    damaged though most of it reads."""
+    import gzip
+
+    after = b"".join(b"step %d loss 1.0\n" % i for i in range(120_000))
+    packed = gzip.compress((SAMPLE_LOGS / "moe_bias_update_error.log").read_bytes() + after)
+    (tmp_path / "log.gz").write_bytes(packed[: len(packed) // 3])
+    report = ac_diff.diagnose_paths([tmp_path / "log.gz"])
+    assert report.torch_error is not None and report.verdict == "diverged", report.headline
+    assert any("read only the first" in n for n in report.notes), report.notes
+
+
 @pytest.mark.parametrize("name", ["readme_glm4v.log", "huggingface_trl_5217.log", "Joluck_RWKV-PEFT_58.log"])
 def test_a_log_without_op_lists_says_what_torch_printed(name):
     """Saved -> recomputed metadata per position, and what shape [0] means (a parameter not gathered, or a batch norm

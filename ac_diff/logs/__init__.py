@@ -154,6 +154,18 @@ def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Pro
         return parser.finish()
 
 
+def _readable_start(f) -> bytes:
+    """A compressed log's first SNIFF_BYTES, or as much of them as a cut stream holds (one read of them all would
+    lose every byte where the stream ends before them)."""
+    blocks: list[bytes] = []
+    with contextlib.suppress(*STREAM_DAMAGE):
+        for block in iter(lambda: f.read(SNIFF_BYTES // 16), b""):
+            blocks.append(block)
+            if sum(map(len, blocks)) >= SNIFF_BYTES:
+                break
+    return b"".join(blocks)
+
+
 def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """Does this file hold checkpoint error text or a debug dump (in its first or last MiB)?
 
@@ -162,7 +174,7 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """
     try:
         with _open_log(os.fspath(path)) as (f, size):
-            head = f.read(SNIFF_BYTES)
+            head = f.read(SNIFF_BYTES) if size is not None else _readable_start(f)
             tail = b""
             if size is None or size > SNIFF_BYTES:
                 if size is None:  # compressed: read through (as far as the stream can be read)
