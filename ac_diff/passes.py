@@ -255,6 +255,21 @@ class PositionMismatch:
     recomputed: TensorMeta | None
 
 
+def error_words(kind: str) -> str:
+    """What torch raised, by the kind of its TorchError, in words for a sentence ("torch raised ...")."""
+    return _ERROR_WORDS.get(kind, kind.replace("_", " "))
+
+
+_ERROR_WORDS = {
+    "metadata_mismatch": "a metadata mismatch (CheckpointError)",
+    "count_mismatch": "a count mismatch (CheckpointError: another number of tensors saved)",
+    "more_saved_in_recompute": "CheckpointError: more tensors saved in the recompute than in the forward",
+    "sac_not_found": "selective AC's \"not found in storage\" (the recompute ran an op the forward did not save)",
+    "sac_mutated": "selective AC's \"cached tensor has been mutated\"",
+    "other": "an error",
+}
+
+
 @dataclass(slots=True)
 class TorchError:
     """An error torch.utils.checkpoint raised (recorded at the crash, or parsed from a log).

@@ -520,3 +520,63 @@ def test_a_rank_killed_before_any_region_leads_over_the_stop_it_caused():
     assert report.headline.startswith("no checkpointed region ran: rank 1's process was killed before any did"), \
         report.headline
     assert report.verdict == "unchecked"
+
+
+def test_ranks_stopped_by_a_sigterm_when_none_failed_are_not_said_to_be_ended_by_torchrun():
+    """The user sent SIGTERM to the launcher: every rank stopped (143), none failed. The cross-rank line said
+    "stopped before finishing (torchrun ends every rank when one fails)", a failure there was not."""
+    from ac_diff.diagnosis import diagnose
+    from ac_diff.diagnosis.ranks import cross_rank_findings
+
+    def stopped(rank: int) -> Run:
+        return Run(source="trace", path=f"r{rank}", rank=rank, world_size=2, run_id="a", exit_status="interrupted",
+                   exit_code=143, exc_type="Terminated", exc_message="the process received SIGTERM")
+
+    runs = [stopped(0), stopped(1)]
+    exits = next(f for f in cross_rank_findings(runs, diagnose(runs)).findings if f.kind == "exits")
+    assert "ranks 0, 1 were stopped before finishing (by SIGTERM" in exits.text, exits.text
+    assert "torchrun ends every rank" not in exits.text, exits.text
+
+
+def test_a_rank_still_running_after_rank_0_failed_is_said_to_wait_for_it():
+    """Plain torchrun, rank 0's script raised: rank 0 reports after 3 s (the others are blocked in a collective
+    waiting for it), and said rank 1 was "slower than AC_DIFF_RANK_WAIT", a wait it never made."""
+    from ac_diff.diagnosis import diagnose
+    from ac_diff.diagnosis.ranks import cross_rank_findings
+
+    runs = [Run(source="trace", path="r0", rank=0, world_size=2, run_id="a", exit_status="exception", exit_code=1,
+                end_time=10.0, exc_type="RuntimeError", exc_message="boom"),
+            Run(source="trace", path="r1", rank=1, world_size=2, run_id="a", truncated=True, running=True)]
+    exits = next(f for f in cross_rank_findings(runs, diagnose(runs)).findings if f.kind == "exits")
+    assert "blocked in a collective, waiting for rank 0, which failed" in exits.text, exits.text
+    assert "AC_DIFF_RANK_WAIT" not in exits.text, exits.text
+
+
+@pytest.mark.parametrize("peer", ["killed", "failed_earlier", "none"])
+def test_a_backward_that_raised_after_a_peer_stopped_leaves_the_divergence_silent(tmp_path, peer):
+    """Rank 0's region diverged silently; rank 1 was then killed, and rank 0's next backward raised gloo's
+    "Connection reset by peer". Under --watch (only that step written) the headline said "DIVERGED ...; then the
+    backward raised RuntimeError: ... Connection reset by peer", dropping SILENTLY for an error the divergence did not
+    cause. Without a peer that stopped first, a backward raising after a silent divergence still counts (the
+    control)."""
+    from ac_diff.diagnosis import _raised_in_their_backward
+    from ac_diff.report import DIVERGED, RegionReport
+
+    r0, r1 = tmp_path / "trace-rank0.jsonl", tmp_path / "trace-rank1.jsonl"
+    r0.write_text("{}\n")
+    r1.write_text("{}\n")
+    os.utime(r1, (100.0, 100.0))
+    lost = Run(source="trace", path=str(r0), rank=0, world_size=2, exit_status="exception", exit_code=1,
+               end_time=130.0, exc_type="RuntimeError", exc_message="Read error: Connection reset by peer",
+               exc_in_backward=True)
+    other = {"killed": Run(source="trace", path=str(r1), rank=1, world_size=2, truncated=True),
+             "failed_earlier": Run(source="trace", path=str(r1), rank=1, world_size=2, exit_status="exception",
+                                   exit_code=1, end_time=120.0, exc_type="ValueError", exc_message="bad batch"),
+             "none": Run(source="trace", path=str(r1), rank=1, world_size=2, exit_status="ok", exit_code=0,
+                         end_time=140.0)}[peer]
+    region = RegionReport(rank=0, region=3, module="blocks.0", kind="checkpoint", status=DIVERGED, silent=True,
+                          cause=None, first_value_divergence=None, first_discrete_divergence=None,
+                          first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[],
+                          chain=[], path=str(r0))
+    _raised_in_their_backward([lost, other], [region])
+    assert region.silent == (peer != "none") and (region.backward_raised is None) == (peer != "none"), region

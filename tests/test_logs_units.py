@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import platform
@@ -207,6 +208,9 @@ def test_args_general_reader_and_fast_path_agree():
     ("[2025-12-04 08:00:00,123] [rank1]: tensor at position 4:", 1, "tensor at position 4:"),
     ("2025-12-04 08:00:00+01:00 saved metadata: {}", None, "saved metadata: {}"),
     ("2025-12-04 is not a timestamp", None, "2025-12-04 is not a timestamp"),
+    # mpirun --tag-output: [job,rank]<stream>:
+    ("[1,3]<stderr>: tensor at position 4:", 3, "tensor at position 4:"),
+    ("[1,0]<stdout>:[rank2]: hi", 2, "hi"),
 ])
 def test_strip_prefix(text, rank, body):
     assert strip_prefix(text) == (rank, body)
@@ -435,6 +439,48 @@ def test_looks_like_log(tmp_path):
     with open(big, "wb") as f:
         f.write(b"x" * (3 << 20) + b"\nOperations executed during the original forward:\n")
     assert looks_like_log(big)
+
+
+def _labelled(text: str, how: str) -> str:
+    """One rank's log as a launcher or a log collector hands it on."""
+    lines = text.splitlines()
+    if how == "docker":
+        return "".join(json.dumps({"log": line + "\n", "stream": "stderr", "time": "2026-12-06T17:55:00Z"}) + "\n"
+                       for line in lines)
+    if how == "fluent":
+        return "".join(json.dumps({"@timestamp": "2026-12-06T17:55:00Z", "message": line, "rank": 1}) + "\n"
+                       for line in lines)
+    if how == "srun":
+        return "".join(f"1: {line}\n" for line in lines)
+    return "".join(f"[7,1]<stderr>:{line}\n" for line in lines)  # mpirun --tag-output
+
+
+@pytest.mark.parametrize("how", ["docker", "fluent", "srun", "mpirun"])
+def test_a_log_as_collectors_and_launchers_store_it_reads_like_the_plain_one(tmp_path, how):
+    """Docker's json-file and fluent-bit keep each line as a JSON record ({"log": ...}, {"message": ...}): such a
+    log was rejected ("neither ... a log with a torch.utils.checkpoint error"). srun --label's `1: ` and mpirun
+    --tag-output's `[7,1]<stderr>:` were not read as ranks: every stack trace was lost, and two ranks' dumps merged."""
+    plain = gzip.decompress((Path(__file__).parent / "data" / "logs" / "torch-2.14.1" / "moe_bias_update_debug.log.gz")
+                            .read_bytes())
+    expected = parse_text(plain.decode())
+    path = tmp_path / f"{how}.log"
+    path.write_text(_labelled(plain.decode(), how))
+    assert looks_like_log(path)
+    run = parse_log(path)
+    assert [(e.kind, [p.position for p in e.positions]) for e in run.errors] == [
+        (e.kind, [p.position for p in e.positions]) for e in expected.errors]
+    assert {e.rank for e in run.errors} == ({None} if how == "docker" else {1}), [e.rank for e in run.errors]
+    assert [(len(r.forward.ops), len(r.recompute.ops)) for r in run.regions] == [
+        (len(r.forward.ops), len(r.recompute.ops)) for r in expected.regions]
+    sources = [op.source for r in run.regions for op in r.forward.ops]
+    assert sources == [op.source for r in expected.regions for op in r.forward.ops] and any(sources)
+
+
+def test_srun_labels_are_read_only_in_a_file_that_starts_with_one():
+    """Any line may start with a number and a colon ("3: loss 1.2"): where the first line has no label, none is a
+    rank."""
+    run = parse_text("epoch start\n3: loss 1.2\n[rank0]: tensor at position 4:\n")
+    assert all(e.rank != 3 for e in run.errors)
 
 
 @pytest.mark.parametrize("data", [b"", b"\n\n", b"\x00\xff" * 1000, b"[rank", b"tensor at position",

@@ -106,3 +106,37 @@ def test_a_nested_region_fed_by_the_enclosing_recompute_takes_its_cause(tmp_path
     assert (second.cause.kind, second.cause.mechanism) == ("rng", "private_generator"), second.cause
     assert second.cause.detail.startswith("its input[0] came from the recompute of the enclosing region"), second.cause
     assert second.suggestions[0].title.startswith("Give the recompute the state your torch.Generator had")
+
+
+class _KeepsFirst(Inner):
+    """Keeps its first call's hidden state for a later look (a debugging stash): one more of its tensors is alive
+    when the forward's nested pass ends than when the recompute's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_hidden = None
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        if self.first_hidden is None:
+            self.first_hidden = hidden.detach()
+        return torch.tanh(hidden / self.temp)
+
+
+def test_the_nested_output_has_one_name_in_both_passes_whatever_else_stays_alive(tmp_path):
+    """Nested outputs were numbered by their order among the nested pass's tensors still alive (`#0`, `#1`), or left
+    unnumbered where one was: a stash (or selective AC's cache) that kept one more alive in the forward named the same
+    output `... inner #1` there and `... inner` in the recompute (now: in the order the enclosing pass reads them),
+    so the outer region did not see it change and its cause was "unknown" (a nested selective-AC block with a buffer
+    updated in its forward)."""
+    torch.manual_seed(0)
+    block = Outer()
+    block.inner = _KeepsFirst()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).pow(2).sum()
+        with torch.no_grad():
+            block.inner.temp.mul_(1.5)
+        loss.backward()
+    lead = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert lead.module == "Outer" and (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "inner.temp"), \
+        lead.cause

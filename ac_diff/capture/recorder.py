@@ -582,13 +582,15 @@ class Recorder:
     @staticmethod
     def _hand_outputs_to_parent(p: _Pass, parent: _Pass) -> None:
         """A nested region's outputs reach the enclosing pass as tensors it did not make: name them after
-        the region that did ("output of nested region blocks.0.inner"), not "external[0]"; by module, not
-        number, so the forward and the recompute (which re-runs the nested region as a new one) agree."""
+        the region that did ("output of nested region blocks.0.inner"), not "external[0]"; by module, not number, so
+        the forward and the recompute (which re-runs the nested region as a new one) agree. Several are told apart
+        as the enclosing pass reads them (`_ref`), not by their order among the nested pass's tensors still alive:
+        selective AC's cache, or a stash, keeps more of them alive in one pass than in the other."""
         region = p.region
         label = NESTED_OUTPUT + (region.module or region.caller or "?")
-        alive = [(key, entry[0]) for key, entry in p.producers.items() if entry[0]() is not None]
-        for k, (key, ref) in enumerate(alive):
-            parent.child_outputs[key] = (ref, label if len(alive) == 1 else f"{label} #{k}")
+        for key, entry in p.producers.items():
+            if entry[0]() is not None:
+                parent.child_outputs[key] = (entry[0], label)
 
     @_never_raise
     def pass_inputs(self, frame: Any, inputs: tuple, p: _Pass | None = None) -> None:
@@ -1130,7 +1132,9 @@ class Recorder:
             if owner is not None:
                 kind, name = owner
             elif child is not None and child[0]() is t:
-                kind, name = "external", child[1]
+                n = p.externals_per_kind.get(child[1], 0)  # (the nth output of that region this pass read)
+                p.externals_per_kind[child[1]] = n + 1
+                kind, name = "external", child[1] + (f" #{n}" if n else "")
             elif type(t) is not torch.nn.Parameter and (held := self.modules.global_name(t, outer)) is not None:
                 kind, name = "external", held  # (a module-level context the code reads: `PACK_CTX["doc_ids"]`)
             else:

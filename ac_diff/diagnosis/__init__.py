@@ -18,7 +18,7 @@ import contextlib
 from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
-from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError
+from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
                       TorchErrorSummary, backwards_recorded, missing_ranks, repeated_updates)
@@ -416,9 +416,13 @@ def _cut_short(runs: list[Run], regions: list[RegionReport], watch: dict | None)
 def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> None:
     """A run whose exception left a backward in the step of regions that diverged where torch said nothing (their
     recompute saved tensors of other shapes past determinism_check="none", and autograd found a gradient of the wrong
-    shape; values that anomaly mode found NaN): those divergences were not silent, the backward raised after them."""
+    shape; values that anomaly mode found NaN): those divergences were not silent, the backward raised after them.
+    Not where another rank stopped first (killed, or failed earlier): a collective lost its peer, the backward raised
+    that."""
+    killed = killed_first(runs)
     for run in runs:
-        if run.source != "trace" or not run.exc_in_backward or run.errors:
+        if run.source != "trace" or not run.exc_in_backward or run.errors or killed not in (None, run.rank) \
+                or _failed_before(run, runs):
             continue
         own = [r for r in reports if r.path == (run.path or run.source) and r.rank == run.rank and r.status == DIVERGED
                and r.silent and not r.watched]
@@ -428,6 +432,13 @@ def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> N
                 report.silent = False
                 report.backward_raised = _how_it_stopped(run)
                 report.chain.append(f"the backward raised after its recompute: {report.backward_raised}")
+
+
+def _failed_before(run: Run, runs: list[Run]) -> bool:
+    """Another rank's script failed before this one's did (both traces ended with their exceptions)."""
+    return run.end_time is not None and any(
+        other is not run and other.rank != run.rank and other.source == "trace" and other.end_time is not None
+        and other.exit_status not in (None, "ok") and other.end_time < run.end_time for other in runs)
 
 
 def _where_it_stopped(run: Run) -> str:
@@ -508,7 +519,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         if errors:
             e = errors[0]
             changed = [c for c in e.changes if c.saved and c.recomputed]
-            return (f"torch raised {e.kind.replace('_', ' ')}"
+            return (f"torch raised {error_words(e.kind)}"
                     + (f" on rank {e.rank}" if e.rank is not None else "")
                     + (f" at positions {_listed(e.positions)}" if e.positions else "")
                     + (": " + _listed([f"{c.saved} -> {c.recomputed}" for c in changed], 3) if changed else "")
@@ -604,7 +615,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
     reported = {(r.rank, r.region) for r in regions}
     unwritten_error = next((e for e in errors if e.region is not None and (e.rank or 0, e.region) not in reported
                             and not errored), None) if any(run.watch for run in runs) else None  # (counted only)
-    more += (f" [torch raised {unwritten_error.kind.replace('_', ' ')} about region {unwritten_error.region}, a "
+    more += (f" [torch raised {error_words(unwritten_error.kind)} about region {unwritten_error.region}, a "
              "watched region (counted, not written)]" if unwritten_error is not None else "")
     raised = f"; then the backward raised {lead.backward_raised}" if lead.backward_raised else ""
     return f"{where} diverged{silent}{cause}{raised}{more}"

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, packet, state_read
-from ..passes import Pass, Region, Run, TensorMeta
+from ..passes import Pass, Region, Run, TensorMeta, error_words
 from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
 from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
@@ -238,7 +238,7 @@ def _overview(report: Report) -> list[CrossRankFinding]:
     raised = sorted({e.rank for e in report.torch_errors if e.rank is not None})
     if raised and len(raised) < len(report.ranks):
         kinds = sorted({e.kind for e in report.torch_errors})
-        out.append(CrossRankFinding("torch_errors", f"torch raised {', '.join(kinds)} on rank"
+        out.append(CrossRankFinding("torch_errors", f"torch raised {', '.join(map(error_words, kinds))} on rank"
                                     f"{'s' if len(raised) > 1 else ''} {_list(raised)} only", raised))
     return out
 
@@ -318,7 +318,9 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
         stopped = [s for s in stopped if s not in running]
         parts.append(f"rank{'s' if len(running) > 1 else ''} {_list(running)}: the trace has no end record yet, and "
                      f"{'their processes are' if len(running) > 1 else 'its process is'} still running on this host "
-                     "(slower than AC_DIFF_RANK_WAIT, or the run goes on); what "
+                     + (f"(most likely blocked in a collective, waiting for rank {_list(failed)}, which failed: "
+                        "torchrun stops it next)" if failed else "(slower than AC_DIFF_RANK_WAIT, or the run goes on)")
+                     + "; what "
                      f"{'they' if len(running) > 1 else 'it'} recorded until then is compared")
     # no rank failed: torchrun stopped nobody, so a trace without its end record is a process killed outright
     outright = [r for r in stopped if ends[r][2]] if not failed and killed is None else []
@@ -337,8 +339,10 @@ def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:
             parts.append("then on " + ", ".join(f"rank {r}" + (f" ({why(r)})" if why(r) else "") for r in failed[1:]))
     if stopped:
         parts.append(f"rank{'s' if len(stopped) > 1 else ''} {_list(stopped)} {'were' if len(stopped) > 1 else 'was'} "
-                     "stopped before finishing (torchrun ends every rank when one fails); what they recorded until "
-                     "then is compared")
+                     "stopped before finishing " + ("(torchrun ends every rank when one fails)" if failed else
+                                                    "(by SIGTERM: sent to the launcher, or by a job scheduler; no "
+                                                    "rank failed)")
+                     + "; what they recorded until then is compared")
     if ok:
         parts.append(f"rank{'s' if len(ok) > 1 else ''} {_list(ok)} finished normally")
     return [CrossRankFinding("exits", "; ".join(parts), failed + stopped,

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import IO, Union
 
 from ac_diff.gc_hold import collector_paused
-from ac_diff.logs.lines import MAX_LINE, iter_lines
+from ac_diff.logs.lines import MAX_LINE, collected_lines, collected_message, iter_lines
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
 from ac_diff.logs.repeats import fold_errors
@@ -148,8 +148,8 @@ def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Pro
     # loaded it would rescan ~200k old objects again and again while the ops pile up (5-10x slower).
     with collector_paused():
         parser = LogParser(path, spill)
-        for line, ended in iter_lines(stream, parser.read_stats, total=total, progress=progress,
-                                      max_line=MAX_LINE):
+        for line, ended in collected_lines(iter_lines(stream, parser.read_stats, total=total, progress=progress,
+                                                      max_line=MAX_LINE)):
             parser.feed(line, ended)
         return parser.finish()
 
@@ -189,7 +189,7 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     first = head.lstrip()[:1]
     if first == b"{":
         line = head.lstrip().split(b"\n", 1)[0].rstrip()
-        if line.endswith(b"}"):
-            return False
+        if line.endswith(b"}") and (b'"format"' in line or collected_message(line.decode("utf-8", "replace")) is None):
+            return False  # (a trace, which names its format; a log collector's record holds a line of text)
     return any(m in head or m in tail for m in _MARKERS)
 

@@ -20,6 +20,7 @@ does not start the line. Lines longer than `max_line` bytes are returned in piec
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -101,9 +102,57 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # The run of launcher prefixes at the start of a line: `[rank1]:`, `[default1]:` (torchrun --tee),
 # a bare `rank11: `, pytest's `E   `, a timestamp a log collector put first (`2025-12-04T08:00:00.123Z`,
 # `[2025-12-04 08:00:00,123]`), in any order and number, with indentation around them.
+# mpirun --tag-output's `[1,3]<stderr>:` (job, rank) counts as a rank prefix too.
 _PREFIX_RUN = re.compile(r"(?:[ \t]*(?:\[(?:rank|default)\d+\]:|rank\d+:(?=[ \t]|\Z)|E(?=[ \t]{2,}|[ \t]*\Z)"
+                         r"|\[\d+,\d+\]<std(?:out|err|diag)>:"
                          r"|\[?\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?:?(?=[ \t])))+")
-_PREFIX_NUM = re.compile(r"(rank|default)(\d+)")
+_PREFIX_NUM = re.compile(r"(rank|default)(\d+)|\[\d+,(\d+)\]<")
+# srun --label's ` 3: ` before every line: a rank prefix only in a file whose first line has one (`srun_label`), as
+# any line may start with a number and a colon
+_SRUN_LABEL = re.compile(r"[ \t]*(\d{1,6}): ")
+
+
+def srun_label(text: str) -> tuple[int, str] | None:
+    """(rank, the rest) of a line srun --label prefixed; None where it has no such label."""
+    m = _SRUN_LABEL.match(text)
+    return (int(m.group(1)), text[m.end():]) if m else None
+
+
+# The keys a log collector keeps a line's text under (Docker's json-file `log`, fluent-bit / Loki / Vector
+# `message`, journald `MESSAGE`), and a rank it may have kept beside it
+_MESSAGE_KEYS = ("log", "message", "msg", "MESSAGE", "text", "line")
+
+
+def collected_message(line: str) -> str | None:
+    """The text of a log collector's JSON line (`{"log": "tensor at position 3:\\n", "stream": "stderr"}`), with a
+    `[rankN]:` prefix where the record names its rank; None for any other line."""
+    body = line.strip()
+    if body[:1] != "{" or body[-1:] != "}":
+        return None
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    text = next((record[k] for k in _MESSAGE_KEYS if isinstance(record.get(k), str)), None)
+    if text is not None and text.endswith("\n"):
+        text = text[:-1]  # (Docker keeps each line's own newline)
+    rank = record.get("rank")
+    if text is not None and type(rank) is int:
+        text = "\n".join(f"[rank{rank}]: {part}" for part in text.split("\n"))
+    return text
+
+
+def collected_lines(lines: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
+    """Lines as iter_lines yields them, each log collector's JSON record replaced by the lines of its text."""
+    for text, ended in lines:
+        message = collected_message(text) if ended and text[-1:] == "}" else None
+        if message is None:
+            yield text, ended
+            continue
+        for part in message.split("\n"):
+            yield part.rstrip("\r"), True
 
 
 # A file torchrun wrote one rank's output to (`--log-dir D --redirects 3`: D/<run>/attempt_0/<local rank>/stderr.log),
@@ -128,9 +177,9 @@ def strip_prefix(text: str) -> tuple[int | None, str]:
     if m is None:
         return None, text.strip()
     rank = default = None
-    for kind, num in _PREFIX_NUM.findall(m.group()):
-        if kind == "rank":
-            rank = int(num)
+    for kind, num, tagged in _PREFIX_NUM.findall(m.group()):
+        if kind == "rank" or tagged:
+            rank = int(num or tagged)
         else:
             default = int(num)
     return (rank if rank is not None else default), text[m.end():].strip()
@@ -146,7 +195,7 @@ _LITERAL_MARKERS = (
     "+--------",  # the rule that ends the recompute op list
 )
 _BOXED_MARKERS = ("Stack traces of the operators", "Log of operators")  # cut before "| 1. "
-_RANK_MID = re.compile(r"\[(?:rank|default)\d+\]:|(?<=\s)rank\d+:(?=\s)")
+_RANK_MID = re.compile(r"\[(?:rank|default)\d+\]:|(?<=\s)rank\d+:(?=\s)|\[\d+,\d+\]<std(?:out|err|diag)>:")
 _OP_MID = re.compile(r"\$(?<!['\w$]\$)\d+: [a-z][a-z0-9]*\[")  # `$N: dtype[` not inside quotes
 _OP_LIST_MID = re.compile(r"'\$\d+: ")  # `['$N: ` / `('$N: ` (checked for the bracket before it)
 _BOX_PREFIX = re.compile(r"(?:\|\s*)?[123]\.\s*\Z")
@@ -170,7 +219,7 @@ def _cuts(body: str) -> list[int]:
                 if j > 0:
                     cuts.append(j)
                 i = body.find(marker, i + 1)
-    if "rank" in body or "[default" in body:
+    if "rank" in body or "[default" in body or "]<std" in body:
         cuts.extend(m.start() for m in _RANK_MID.finditer(body, 1))
     if "$" in body:
         cuts.extend(m.start() for m in _OP_MID.finditer(body, 1))

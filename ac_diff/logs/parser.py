@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
-from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments
+from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments, srun_label
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.logs.repeats import ErrorTally
@@ -37,8 +37,11 @@ from ac_diff.passes import Region, Run
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
 _TRACEBACK = "Traceback (most recent call last)"
 _CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
-# where a traceback passes through code torch.compile made or runs (AOTAutograd's compiled backward, Dynamo, inductor)
-_COMPILED_FRAMES = re.compile(r"torch[/\\]_(?:functorch[/\\]_aot_autograd|dynamo|inductor)[/\\]|compiled_function_backward")
+# where a traceback passes through code torch.compile made or runs (AOTAutograd's compiled backward, Dynamo, inductor);
+# not Dynamo's eval_frame.py alone, whose wrapper also runs what torch._disable_dynamo keeps from it (checkpoint's
+# recompute, its selective-AC dispatch mode: eager code)
+_COMPILED_FRAMES = re.compile(r"torch[/\\]_(?:functorch[/\\]_aot_autograd|dynamo[/\\](?!eval_frame\.py)|inductor)[/\\]?"
+                              r"|compiled_function_backward")
 _segments_of = short_text_memo(split_segments)  # a log repeats its lines: each distinct one is split once
 
 
@@ -95,6 +98,7 @@ class LogParser:
         self._at_cut = False
         self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with
         self._line = ""  # the physical line being read
+        self._labelled: bool | None = None  # every line starts with srun --label's `N: ` (its first line says)
 
     # ------------------------------------------------------------------ input
 
@@ -102,6 +106,11 @@ class LogParser:
         """One physical line (without its newline); `ended` is False if no newline followed it."""
         try:
             self._line = text
+            if self._labelled is None and text.strip():
+                self._labelled = srun_label(text) is not None
+            labelled = srun_label(text) if self._labelled else None
+            if labelled is not None:
+                self._last_rank, text = labelled
             segments, self._last_rank = _segments_of(text, self._last_rank)
             complete = True
             last = len(segments) - 1
