@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import ac_diff
+from ac_diff.logs import parse_text
 from conftest import REAL_LOGS, REPO, run_cli, torch_debug_logging
 
 SAMPLE_LOGS = REPO / "sample_logs"
@@ -537,6 +538,50 @@ def test_a_traceback_through_compiled_code_says_torch_compile_may_have_picked_an
         assert other is not None and not (other.cause or "").startswith("compiled_graph"), (name, other.cause)
     plain = ac_diff.diagnose_paths([SAMPLE_LOGS / "python_state_branch_error.log"]).torch_error
     assert plain.cause is None  # (the same hint is in this log, from an eager traceback)
+
+
+def test_selective_acs_error_from_eager_code_is_not_said_to_come_from_torch_compile():
+    """LayerDrop with Python's `random` under selective AC: the recompute skips a layer the forward ran, and selective
+    AC raises "... encountered during backward but not found in storage". Its traceback passes through Dynamo's
+    eval_frame.py (checkpoint runs the recompute and its dispatch mode under torch._disable_dynamo), which made the
+    error "compiled_graph: ... torch.compile", though nothing was compiled."""
+    import functools
+    import random
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class LayerDrop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x)) if random.random() < 0.5 else x * 1.0
+
+    random.seed(1)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(LayerDrop() for _ in range(4))
+    text = None
+    for _ in range(20):  # (until a recompute draws another branch than its forward)
+        x = torch.randn(4, 8, requires_grad=True)
+        for layer in layers:
+            x = checkpoint(layer, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        try:
+            x.sum().backward()
+        except RuntimeError:
+            text = traceback.format_exc()
+            break
+    assert text is not None and "not found in storage" in text and "_dynamo" in text, text
+    report = ac_diff.diagnose([parse_text(text)])
+    error = report.torch_error
+    assert error is not None and error.kind == "sac_not_found", report.headline
+    assert not (error.cause or "").startswith("compiled_graph"), error.cause
+    assert "torch.compile" not in report.headline and "not found in storage" in report.headline, report.headline
 
 
 def test_a_log_torchrun_wrote_per_rank_takes_its_rank_from_its_path(tmp_path):
