@@ -96,6 +96,12 @@ UNINITIALISED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_stride
 DATA, RNG_BOOKKEEPING, UNUSED = "data", "rng", "unused"
 _RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "seed", "offset"})
 _UNUSED_RETURNS = frozenset({"unused", "debug_attn_mask"})
+# Outputs, by position, whose bytes are not values: a kernel's workspace or reserve space, kept for its own backward
+# in its own layout with uninitialised padding (oneDNN's RNN workspace, cuDNN's and MIOpen's RNN reserve, cuDNN batch
+# norm's reserve), and CTC's `log_alpha`, at::empty filled only up to each sample's input length. A real difference
+# shows in the op's other outputs (the RNN's output and states, the loss).
+_NOT_VALUES = {"_ctc_loss": frozenset({1}), "mkldnn_rnn_layer": frozenset({3}), "_cudnn_rnn": frozenset({3}),
+               "miopen_rnn": frozenset({3}), "cudnn_batch_norm": frozenset({3})}
 _roles: dict[str, tuple[str, ...]] = {}
 
 
@@ -103,9 +109,10 @@ def output_roles(name: str) -> tuple[str, ...]:
     """The role of each of op `name`'s returns (DATA, RNG_BOOKKEEPING, UNUSED), by position; every output of
     an op that allocates uninitialised memory is UNUSED; () for an op whose schema is unknown (all data)."""
     uninitialised = packet(name) in UNINITIALISED_OPS
+    opaque = _NOT_VALUES.get(packet(name), frozenset())
     return _from_schema(_roles, name, lambda schema: tuple(
-        UNUSED if uninitialised or r.name in _UNUSED_RETURNS else RNG_BOOKKEEPING if r.name in _RNG_RETURNS
-        else DATA for r in schema.returns))
+        UNUSED if uninitialised or r.name in _UNUSED_RETURNS or k in opaque else RNG_BOOKKEEPING
+        if r.name in _RNG_RETURNS else DATA for k, r in enumerate(schema.returns)))
 
 
 def output_role(name: str, output: int) -> str:

@@ -332,7 +332,10 @@ RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region w
 SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentrant region that handed tensors out
 # ... of a region that reproduced its forward, whose code reads Python state its recompute updates a second time
 STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
-AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN)  # reproduced, yet never clean: what the gradients of the run may lose
+# ... of a reentrant region called with no input that requires grad, where which parameters it uses is not known (a
+# function, not a module; a log's warning): those that require grad get no gradient from it
+NO_GRAD_INPUTS = "no backward: its inputs require no grad"
+AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN, NO_GRAD_INPUTS)  # never clean: what the gradients of the run may lose
 VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --no-fingerprints whose metadata matched
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 

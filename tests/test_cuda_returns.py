@@ -304,3 +304,28 @@ def test_an_op_the_recorder_failed_on_leaves_its_region_unchecked(tmp_path, monk
     assert report.verdict == "unchecked"
     assert [r.status for r in report.regions] == ["clean", "unchecked"]
     assert "the recompute lost 1 op" in report.regions[1].notes[-1] and "KeyError" in report.regions[1].notes[-1]
+
+
+def test_workspaces_and_partly_written_outputs_are_not_compared_and_an_lstm_ctc_region_is_clean(tmp_path):
+    """CTC's log_alpha (saved for its backward) is at::empty, filled only up to each sample's input length: the rest
+    held other garbage in the recompute, and a BiLSTM + CTC region was SILENTLY DIVERGED, "a nondeterministic kernel",
+    with gradients bit-identical to a run without AC; so was an LSTM by oneDNN's workspace (cuDNN's and MIOpen's RNN
+    reserve on a GPU alike). The loss and the RNN's outputs still show any real difference."""
+    assert output_roles("aten._ctc_loss.default") == (DATA, UNUSED)
+    assert output_roles("aten._ctc_loss.Tensor") == (DATA, UNUSED)
+    assert output_roles("aten.mkldnn_rnn_layer.default") == (DATA, DATA, DATA, UNUSED)
+    assert output_roles("aten._cudnn_rnn.default") == (DATA, DATA, DATA, UNUSED, DATA)
+    torch.manual_seed(0)
+    encoder, head = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 6)
+
+    def region(x, targets, input_lengths, target_lengths):
+        log_probs = head(encoder(x)[0]).log_softmax(-1).transpose(0, 1)
+        return nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+    x, targets = torch.randn(3, 12, 8), torch.randint(1, 6, (3, 4))
+    lengths, target_lengths = torch.tensor([12, 7, 5]), torch.tensor([4, 3, 2])
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            checkpoint(region, x, targets, lengths, target_lengths, use_reentrant=False).backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline

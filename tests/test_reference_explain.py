@@ -101,6 +101,26 @@ def test_fix_does_not_verify_a_try_whose_recompute_still_updates_the_culprit_twi
     assert harmless.status == VERIFIED
 
 
+def test_fix_says_a_try_whose_remedy_matched_nothing_was_not_applied(tmp_path):
+    """A restore of a name the run never held ran as the base run did: the table said "did not help", as if the change
+    had been simulated and failed, and `fix` concluded only AC off works."""
+    from ac_diff.fix.result import DID_NOT_HELP, Try
+    from ac_diff.fix.tries import Measured, judge
+    from ac_diff.report import Report, RegionReport
+
+    region = RegionReport(rank=0, region=0, module="layers.0", kind="checkpoint", status="diverged", silent=True,
+                          cause=None, first_value_divergence=None, first_discrete_divergence=None,
+                          first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[],
+                          chain=[])
+    report = Report(verdict="diverged", headline="", regions=[region], remedies=[
+        {"remedy": "restore", "region": None, "calls": 0, "what": "matched nothing: layers.*.attn.mem (...)"}])
+    ok = Measured(1.0, 0, tmp_path / "log")
+    tried = Try("restore the forward's layers.*.attn.mem in the recompute", [], "state_mutation")
+    judge(tried, report, SimpleNamespace(steps=_steps(False), defect=True), ok, ok, None)
+    assert tried.status == DID_NOT_HELP and tried.reason.startswith("not applied: the remedy matched nothing"), \
+        tried.reason
+
+
 def test_a_rank_that_only_received_another_ranks_error_says_so():
     """DDP averages gradients: rank 0's regions are clean but its gradients differ because rank 1 diverged."""
     step = StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=2, identical=0)

@@ -685,3 +685,37 @@ def test_restore_puts_back_an_attribute_the_forward_found_unset(patched, reentra
     assert not same(segments(True), reference)  # the real mechanism
     patched(RemedySpec(restore=["memory"]))
     assert same(segments(True), reference)
+
+
+class _CreatedMemory(nn.Module):
+    """A Transformer-XL memory the first segment's forward creates (`self.memory` does not exist before it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        past = getattr(self, "memory", None)
+        past = torch.zeros_like(h) if past is None else past
+        self.memory = (past + h).detach()
+        return torch.tanh(h + past)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_restore_gives_the_recompute_an_attribute_unset_as_its_forward_found_it(patched, reentrant):
+    """The attribute did not exist when the first segment's forward began: the restore matched nothing, `fix`
+    reported it as "did not help" and concluded only AC off works. It is now taken away for that recompute."""
+    def segments(checkpointed: bool) -> list:
+        torch.manual_seed(3)
+        block = _CreatedMemory()
+        run = (lambda x: cp.checkpoint(block, x, use_reentrant=reentrant)) if checkpointed else block
+        sum(run(torch.randn(2, 8, requires_grad=True)).sum() for _ in range(2)).backward()
+        return {n: p.grad.clone() for n, p in block.named_parameters()}, block
+
+    (reference, _), (diverged, _) = segments(False), segments(True)
+    assert not same(diverged, reference)  # the real mechanism
+    patch = patched(RemedySpec(restore=["memory"]))
+    restored, block = segments(True)
+    assert same(restored, reference) and block.memory.shape == (2, 8)  # (the last forward's memory stands)
+    assert not any(r["what"].startswith("matched nothing") for r in patch.summary()), patch.summary()

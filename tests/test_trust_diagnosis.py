@@ -714,6 +714,47 @@ def test_a_reentrant_region_no_input_of_which_requires_grad_loses_its_gradients(
     assert lead.suggestions[0].title.startswith("Use use_reentrant=False")
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_checkpointed_function_no_input_of_which_requires_grad_counts_the_parameters_it_read(tmp_path, trainable):
+    """A function, not a module, checkpointed reentrantly on a frozen embedding's output: which parameters it uses
+    was unknown (NOTHING CHECKED, "a parameter it uses ... gets no gradient"); its recorded forward read them."""
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(16, 8).requires_grad_(False), nn.Linear(8, 8).requires_grad_(trainable)
+    head = nn.Linear(8, 2)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        x = cp.checkpoint(lambda h: torch.tanh(lin(h)), emb(torch.randint(0, 16, (4, 5))), use_reentrant=True)
+        head(x).pow(2).mean().backward()
+    assert lin.weight.grad is None
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    (region,) = report.regions
+    if trainable:
+        assert (report.verdict, region.status, region.cause.kind) == ("diverged", "diverged", "lost_gradient"), \
+            report.headline
+        assert "its 2 parameter(s) that require grad get no gradient" in region.cause.detail, region.cause.detail
+    else:
+        assert (report.verdict, region.unchecked_reason) == ("unchecked", "needs no backward"), report.headline
+
+
+def test_torchs_warning_in_a_log_that_no_input_requires_grad_puts_the_gradients_at_risk():
+    """The warning is all torch prints for a reentrant region that gets no backward: `compare` on such a log said
+    NOTHING CHECKED (exit 4, as for a log with nothing in it), though the region's parameters lost their gradients."""
+    import warnings
+
+    from ac_diff.logs import parse_text
+
+    emb, lin = nn.Embedding(16, 8).requires_grad_(False), nn.Linear(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cp.checkpoint(lin, emb(torch.randint(0, 16, (4, 5))), use_reentrant=True).sum()
+    text = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    assert "None of the inputs have requires_grad=True" in text, text
+    report = ac_diff.diagnose([parse_text("step 0 loss 1.0\n" + text + "step 1 loss 0.9\n")])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), (report.title, report.headline)
+    assert report.headline.startswith("gradients at risk: 1 reentrant region(s) got no input that requires grad")
+    assert report.regions[0].suggestions[0].title.startswith("Use use_reentrant=False"), report.regions[0].suggestions
+
+
 class _TemperedRouter(nn.Module):
     """A router whose softmax temperature a schedule anneals: the top-2 weights change with it, the choice does not."""
 

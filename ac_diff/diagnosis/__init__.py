@@ -19,9 +19,10 @@ from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
-from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, RECORDER_ERROR, SIDE_OUTPUT,
-                      STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport,
-                      TorchErrorSummary, backwards_recorded, missing_ranks, repeated_updates)
+from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, NO_GRAD_INPUTS,
+                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause,
+                      MetadataChange, Report, RegionReport, TorchErrorSummary, backwards_recorded, missing_ranks,
+                      repeated_updates)
 from .microbatches import later_forward
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
@@ -567,6 +568,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     f"tensors other than through their outputs, made without grad (the first: {first.module}, region "
                     f"{first.region}: {first.cause.tensor}{at}); a loss computed from them gives no gradient: "
                     "`ac-diff run --reference no-ac` compares the gradients" + _others_clean(at_risk, checked, runs))
+        unreached = [r for r in regions if r.unchecked_reason == NO_GRAD_INPUTS]
+        if unreached:
+            return (f"gradients at risk: {len(unreached)} reentrant region(s) got no input that requires grad, so no "
+                    "backward reaches them (torch only warns: None of the inputs have requires_grad=True): a parameter "
+                    "they use that requires grad gets no gradient from them; `ac-diff run` on the script names the "
+                    "region and counts those parameters" + _others_clean(unreached, checked, runs))
         unvalued = sum(1 for r in regions if r.unchecked_reason == VALUES_NOT_RECORDED)
         if unvalued:
             return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "

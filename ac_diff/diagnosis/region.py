@@ -14,8 +14,8 @@ from itertools import groupby
 from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, RECOMPUTE_RAISED, RECORDER_ERROR,
-                      SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, RECOMPUTE_RAISED,
+                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
                       VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import counted_twice, function_state_cause, split_name, update_code
@@ -384,6 +384,9 @@ def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_
     """A reentrant region called with grad enabled and no input that requires grad (`no_grad_inputs`: how many of its
     module's parameters require grad, -1 not a module): its output requires no grad, so no backward reaches it."""
     report.positions = position_rows(region.forward, None, None, None)
+    read = [e for e in region.forward.externals if e.kind == "param"]
+    if trainable < 0 and read:  # (a function, not a module: the parameters its forward read, as recorded)
+        trainable = sum(1 for e in read if e.requires_grad)
     why = ("checkpoint(use_reentrant=True) got no input that requires grad, so its output does not require grad "
            "either: no backward reaches this region")
     if trainable == 0:
@@ -391,9 +394,10 @@ def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_
                    "is lost, and there is no recompute to compare")
         return report
     if trainable < 0:
-        _unchecked(report, "no backward: its inputs require no grad",
+        _unchecked(report, NO_GRAD_INPUTS,
                    f"{why}; a parameter it uses that requires grad gets no gradient from it (torch only warns: None of "
-                   "the inputs have requires_grad=True)")
+                   "the inputs have requires_grad=True" + ("; which parameters it uses is not in a log)"
+                                                           if region.kind == "log" else ")"))
         report.suggestions = suggestions_for(report, region, torch_version)
         return report
     report.status, report.silent = DIVERGED, True

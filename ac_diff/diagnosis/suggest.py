@@ -17,7 +17,8 @@ from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_ran
                        updates_as_it_computes)
 from ..passes import OpRecord, Region
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LATER_FORWARD, LAZY_INIT,
-                      PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport, Suggestion)
+                      NO_GRAD_INPUTS, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport,
+                      Suggestion)
 from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
 from .labels import backticked
@@ -410,7 +411,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "the forward's graph as usual; or return the tensor from the checkpointed function.",
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})\n"
             "# or: out = checkpoint(block, x, use_reentrant=False)"))
-    elif kind == "lost_gradient" or report.unchecked_reason == "no backward: its inputs require no grad":
+    elif kind == "lost_gradient" or report.unchecked_reason == NO_GRAD_INPUTS:
         out.append(Suggestion(
             "Use use_reentrant=False, or give the reentrant checkpoint an input that requires grad",
             "With use_reentrant=True, checkpoint's output requires grad only if one of its inputs does: a first "

@@ -92,6 +92,12 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         t.status, t.reason = CRASHED, f"no trace (exit {m.code}): {m.last_line()}"
         return
     t.regions_after = diverged(report)
+    rows = report.remedies or []
+    unmatched = [row["what"] for row in rows if str(row.get("what", "")).startswith("matched nothing")]
+    if unmatched and not any(row.get("calls") for row in rows):  # (the run went as the base run did)
+        t.status, t.gradients = DID_NOT_HELP, "not compared (not applied)"
+        t.reason = f"not applied: the remedy {unmatched[0]}"
+        return
     if reference is not None and reference.steps:
         step = next((s for s in reference.steps if s.differing), reference.steps[0])
         rels = [d.rel_diff for d in step.differing if d.rel_diff is not None]

@@ -32,7 +32,7 @@ from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.logs.repeats import ErrorTally
 from ac_diff.logs.spill import RegionSpill
-from ac_diff.passes import Region, Run
+from ac_diff.passes import Pass, Region, Run
 
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
 _TRACEBACK = "Traceback (most recent call last)"
@@ -42,6 +42,9 @@ _CHAINED = ("The above exception was the direct cause", "During handling of the 
 # recompute, its selective-AC dispatch mode: eager code)
 _COMPILED_FRAMES = re.compile(r"torch[/\\]_(?:functorch[/\\]_aot_autograd|dynamo[/\\](?!eval_frame\.py)|inductor)[/\\]?"
                               r"|compiled_function_backward")
+# torch's UserWarning where checkpoint(use_reentrant=True) got no input that requires grad (printed once per process)
+_NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"
+_NO_GRAD_WARNING = re.compile(r"\.py:\d+: UserWarning: " + re.escape(_NO_GRAD_INPUTS))  # (as warnings prints it)
 _segments_of = short_text_memo(split_segments)  # a log repeats its lines: each distinct one is split once
 
 
@@ -135,6 +138,9 @@ class LogParser:
         """Handle one logical line; returns True if it was a whole structural element."""
         st = self._state(rank)
         c = body[0]
+        if _NO_GRAD_INPUTS in body and _NO_GRAD_WARNING.search(body):  # (its line starts with torch's path)
+            self._no_grad_inputs(st)
+            return True
         if c == "/" or c == "?":  # stack frames: by far the most lines of a dump
             if st.dump is not None and st.dump.wants_frames:
                 st.dump.frame(body)
@@ -241,6 +247,15 @@ class LogParser:
             return True
         self._counts.garbled += 1  # "garbled": an entry line whose number could not be read
         return False
+
+    def _no_grad_inputs(self, st: _RankState) -> None:
+        """torch's warning that a reentrant checkpoint got no input requiring grad: a region of its own, its forward
+        marked as the recorder marks one (region.options["no_grad_inputs"], -1: which parameters it read is not in
+        the log), for diagnosis to say its parameters may get no gradient."""
+        self._dumps.append(Region(rank=st.rank, region=st.dumps, module=None, kind="log",  # type: ignore[arg-type]
+                                  options={"no_grad_inputs": -1}, forward=Pass("forward")))
+        st.dumps += 1
+        st.seen = True
 
     # ------------------------------------------------------------------ dumps
 

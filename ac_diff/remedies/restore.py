@@ -50,10 +50,12 @@ class _Slot:
         self.label = attr  # what its FQN ends with, after its owner's
 
     def get(self) -> Any:
-        return getattr(self.owner, self.attr)
+        return getattr(self.owner, self.attr, UNSET)
 
     def put(self, value: Any) -> None:
-        if self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
+        if value is UNSET:  # (not set yet when the forward began: the recompute finds it unset too)
+            vars(self.owner).pop(self.attr, None)
+        elif self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
             self.owner._buffers[self.attr] = value
         else:
             object.__setattr__(self.owner, self.attr, value)
@@ -88,6 +90,16 @@ class _Slot:
             return type(value) is type(snapshot) and bool(value == snapshot)
         except Exception:  # (tensors inside a container: not compared)
             return False
+
+
+class _Unset:
+    """An attribute a module does not have yet (a memory its first forward creates)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET = _Unset()
 
 
 class _ClosureSlot(_Slot):
@@ -156,6 +168,11 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
                     fqn = ".".join(p for p in (name, attr, field) if p)
                     if fqn_matches(fqn, globs):
                         found[fqn] = _Slot(value, field)
+        for glob in globs:  # an attribute named outright that the module does not have yet: restored as unset
+            owner, _, attr = glob.rpartition(".")
+            fqn = f"{name}.{attr}" if name else attr
+            if attr.isidentifier() and fqn not in found and fqn_matches(name, [owner]) and not hasattr(sub, attr):
+                found[fqn] = _Slot(sub, attr)
     return found
 
 
