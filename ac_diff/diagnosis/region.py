@@ -15,8 +15,8 @@ from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, RECOMPUTE_RAISED,
-                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE,
-                      VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
+                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
+                      PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import counted_twice, function_state_cause, split_name, update_code
 from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_cause
