@@ -136,6 +136,39 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     assert "`ac-diff run 'my train.py'`" in first
 
 
+@pytest.mark.parametrize("segments", [True, False])
+def test_batch_norms_running_statistics_do_not_make_the_audit_say_the_run_diverges(segments):
+    """A ResNet-like stack with batch norm in training, checkpoint_sequential or a checkpoint per block: each pass
+    updates the running statistics the norm saves (and its backward does not read), so the recompute saved other
+    values there; `audit --check` said "the run already diverges ... the gradients are wrong now" (exit 1) where
+    `run` was clean and the gradients bit-identical."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                                       torch.nn.ReLU()) for _ in range(4)))
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=1)).start()
+    try:
+        for _ in range(2):
+            x = torch.randn(2, 4, 6, 6, requires_grad=True)
+            out = (checkpoint_sequential(blocks, 2, x, use_reentrant=False) if segments else
+                   torch.nn.Sequential(*(_Checkpointed(b, checkpoint) for b in blocks))(x))
+            out.square().mean().backward()
+    finally:
+        auditor.stop()
+    check = audit_document(auditor, parse_scale(None), target="train.py", wall_seconds=1.0)["audit"]["recompute"]
+    assert check["checked"] > 0 and check["diverged_count"] == 0, check
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block, checkpoint) -> None:
+        super().__init__()
+        self.block, self.checkpoint = block, checkpoint
+
+    def forward(self, x):
+        return self.checkpoint(self.block, x, use_reentrant=False)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gradients_bit_identical_for_every_checkpoint_variant(variant):
     torch.manual_seed(1)

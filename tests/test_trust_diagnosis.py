@@ -755,6 +755,45 @@ def test_torchs_warning_in_a_log_that_no_input_requires_grad_puts_the_gradients_
     assert report.regions[0].suggestions[0].title.startswith("Use use_reentrant=False"), report.regions[0].suggestions
 
 
+class _AnnealedMatcher(nn.Module):
+    """A DETR-like matcher: the class cost's weight ramps with a call counter, and the assignment is made on the host
+    (numpy), handed back with torch.as_tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    @torch.no_grad()
+    def forward(self, logits, box_cost):
+        self.calls += 1
+        cost = -(1.0 + 4.0 * self.calls) * logits.softmax(-1) + box_cost
+        return torch.as_tensor(cost.numpy().argmin(1))
+
+
+class _MatchedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.matcher = nn.Linear(8, 6), _AnnealedMatcher()
+
+    def forward(self, h, box_cost):
+        logits = self.fc(h)
+        return logits.log_softmax(-1).gather(1, self.matcher(logits, box_cost)[:, None]).mean()
+
+
+def test_a_counter_that_steers_host_code_is_named_not_taken_for_a_host_draw(tmp_path):
+    """The matcher's weight changed (-5 -> -9, `calls` counted again by the recompute) before the numpy assignment
+    that turned it into another index: it said "rng: ... the host code drew other numbers", fix "draw the host random
+    values outside the region", though nothing was drawn."""
+    torch.manual_seed(0)
+    head = _MatchedHead()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        h, box = torch.randn(16, 8, requires_grad=True), torch.rand(16, 6) * 3
+        cp.checkpoint(head, h, box, use_reentrant=False).backward()
+    (region,) = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions
+    assert (region.status, region.cause.kind, region.cause.tensor) == ("diverged", "state_mutation", "matcher.calls"), \
+        region.cause
+
+
 class _TemperedRouter(nn.Module):
     """A router whose softmax temperature a schedule anneals: the top-2 weights change with it, the choice does not."""
 

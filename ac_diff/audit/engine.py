@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..oprules import DECISION_OUTPUT
-from ..capture.modules import ModuleStack
+from ..capture.modules import ModuleStack, unread_statistics
 from ..oprules import is_collective
 from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
 from .margins import packet_of, summarize
@@ -225,7 +225,9 @@ class Auditor:
 
     def pack(self, frame: Any, phase: str, position: int, x: Any) -> None:
         if not self._busy:
-            self.recompute.pack(frame, phase, position, x)
+            stack = self.modules.stack()
+            self.recompute.pack(frame, phase, position, x,
+                                values=not (stack and any(x is s for s in unread_statistics(stack[-1][0]))))
 
     def check_failed(self, frame: Any, exc: BaseException) -> None:
         self.recompute.failed(frame, exc)

@@ -73,7 +73,9 @@ class RecomputeCheck:
         if region is not None:
             region.state = _python_state(region.root)
 
-    def pack(self, frame: Any, phase: str, position: int, x: Any) -> None:
+    def pack(self, frame: Any, phase: str, position: int, x: Any, values: bool = True) -> None:
+        """A tensor autograd saved; `values`: compare its values (not: a batch norm's running statistics in training,
+        which its backward does not read and each pass updates: capture.modules.unread_statistics)."""
         region = self._open.get(id(frame))
         if region is None or not isinstance(x, torch.Tensor):
             return
@@ -84,7 +86,7 @@ class RecomputeCheck:
             p.meta.append(None)
             p.slots.append(None)
         p.meta[position] = (tuple(x.shape), x.dtype)
-        p.slots[position] = p.batch.add(x.detach())
+        p.slots[position] = p.batch.add(x.detach()) if values else None
 
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         region = self._open.get(id(frame))

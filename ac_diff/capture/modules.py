@@ -126,6 +126,14 @@ def _root_name_in_callers(module: nn.Module, taken: bool) -> str:
     return variable if peer else ""
 
 
+def unread_statistics(module: nn.Module) -> tuple:
+    """The running statistics a batch norm (any of torch's, `_NormBase`) updates in training and saves for a backward
+    that does not read them: each pass updates them, so the recompute saves other values, harmlessly."""
+    if isinstance(module, nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats:
+        return tuple(t for t in (module.running_mean, module.running_var) if t is not None)
+    return ()
+
+
 class ModuleStack:
     """A per-thread stack of (module, fqn) maintained by global module hooks."""
 

@@ -175,7 +175,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         evidence = [changed_line(c, "forward", "recompute") for c in ranked[:4]]
         made = _made_from_host(region, top["name"]) if top["kind"] == "external" else None
         if made is not None:
-            return _host_rng_cause(made, evidence)
+            # (a Python value that changed before the host code ran steers what it computes: a matcher's cost weight
+            # annealed by a counter the recompute advances again, handed to scipy; not a draw)
+            earlier = first is not None and first.forward is not None and first.forward.index < made.index
+            return (earlier and attribute_cause(region, first)) or _host_rng_cause(made, evidence)
         what = {"buffer": "buffer", "param": "parameter", "input": "region input", "external": "captured tensor"}
         writer = _in_place_writer(region, top["name"])
         if writer:
