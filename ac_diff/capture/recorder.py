@@ -135,6 +135,8 @@ class _Region:
     module: str | None = None
     caller: str | None = None
     caller_module: Any = None  # weakref to the module that called checkpoint() (`_enter_function_module`)
+    # weakref to torch's checkpoint frame: alive while a backward can still recompute the region (its graph holds it)
+    frame: Any = None
     fn_site: str | None = None  # the function checkpoint() was given, by name and source line (a lambda's)
     recorded: bool = True
     written: bool = False
@@ -1191,6 +1193,7 @@ class Recorder:
             recorded=recorded and (limit is None or number < limit),
         )
         frame._ac_diff_region = region
+        region.frame = _weakref(frame)
         return region
 
     def _finish_pass(self, p: _Pass, complete: bool, stopped_early: bool, exc: BaseException | None) -> None:

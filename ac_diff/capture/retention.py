@@ -219,7 +219,7 @@ class Retention:
             return
         if region.hold == "clean":
             kept = self._reproduced.pop(region.number, None)
-            if kept is not None and kept[0]() is region:  # the forward again, in full: diagnosis compares this one
+            if kept is not None and kept[0]() is not None:  # the forward again, in full: diagnosis compares this one
                 self._reproduced_size -= kept[1].size
                 region.hold = "written"
                 if kept[1].ops_record is not None:
@@ -255,11 +255,13 @@ class Retention:
 
     def _keep_reproduced(self, region: Any, held: HeldForward) -> None:
         """Keep a reproduced region's forward for a later recompute while the region lives, the oldest dropped past
-        a quarter of `hold_bytes`; those of regions gone (their graph freed) are dropped first."""
+        a quarter of `hold_bytes`; those of regions gone (their graph freed) are dropped first. The region lives as
+        long as torch's checkpoint frame does (the held forward itself refers to the region: a weak reference to the
+        region would never die, and every step's forwards piled up to the bound)."""
         kept = self._reproduced
         for number in [n for n, (ref, _) in kept.items() if ref() is None]:
             self._reproduced_size -= kept.pop(number)[1].size
-        kept[region.number] = (weakref.ref(region), held)
+        kept[region.number] = (getattr(region, "frame", None) or weakref.ref(region), held)
         self._reproduced_size += held.size
         while self._reproduced_size > self._hold_bytes // 4 and kept:
             self._reproduced_size -= kept.pop(next(iter(kept)))[1].size
