@@ -1325,3 +1325,36 @@ def test_steps_counted_after_an_escalation_are_kept_as_ranges():
     for step in range(100, 10_000, 2):
         watch._add_step(ranges, step)
     assert len(ranges) == watch._MAX_STEP_RANGES
+
+
+class _StoppedInItsRecompute(nn.Module):
+    """Ctrl-C lands as the fourth call runs: the recompute of step 2 (forward, recompute, forward, recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.calls = nn.Linear(8, 8), nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        import os
+        import signal
+
+        self.calls += 1
+        h = torch.tanh(self.fc1(x))
+        if self.calls == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # (Python raises KeyboardInterrupt at its next instruction)
+        return torch.tanh(self.fc2(h))
+
+
+def test_a_recompute_the_run_was_interrupted_in_is_not_counted_as_diverged(tmp_path):
+    """A watched control stopped by Ctrl-C in a recompute: its watch totals said "1 diverged ... run again with
+    --full-from-step 2", a divergence there was not; what it saved until then matches: never compared."""
+    torch.manual_seed(0)
+    block = _StoppedInItsRecompute()
+    with pytest.raises(KeyboardInterrupt):
+        with ac_diff.record(tmp_path / "t.jsonl", watch=True, watch_full_steps=0):
+            for _ in range(3):
+                checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.watch is not None and report.watch["diverged"] == 0, report.watch
+    assert not any(r.status == "diverged" for r in report.regions), report.headline
+    assert "--full-from-step" not in report.headline, report.headline

@@ -1203,7 +1203,8 @@ class Recorder:
             else None
         if p.watch is not None:
             with self.quiet():
-                self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error)
+                self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error,
+                                  interrupted=isinstance(exc, (KeyboardInterrupt, Terminated)))
             return
         if region.unwatched:
             return

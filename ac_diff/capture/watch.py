@@ -219,6 +219,7 @@ class WatchedPass:
         self.error: str | None = None
         self.complete = True
         self.stopped_early = False
+        self.interrupted = False  # the run was stopped in it (Ctrl-C, SIGTERM): its saved tensors are a prefix
 
     @classmethod
     def of_rows(cls, rows: list[list]) -> "WatchedPass":
@@ -578,8 +579,8 @@ class Watch:
 
     # -- passes ------------------------------------------------------------------------------
     def ended(self, region: Any, wp: WatchedPass, phase: str, complete: bool, stopped_early: bool,
-              error: str | None) -> None:
-        wp.complete, wp.stopped_early, wp.error = complete, stopped_early, error
+              error: str | None, interrupted: bool = False) -> None:
+        wp.complete, wp.stopped_early, wp.error, wp.interrupted = complete, stopped_early, error, interrupted
         wp.launch()
         if phase == "forward":
             if region.watch_forward is None:
@@ -635,6 +636,8 @@ class Watch:
         ) if learned else frozenset()
         raised = id(region) in self.raised
         how = _difference(cmp.forward, cmp.recompute, mask or frozenset())
+        if cmp.recompute.interrupted and not how and not raised:
+            return  # (stopped in it, what it saved until then the same: never compared, as full recording says)
         if how == "values" and mask is None and not raised and not final and self.escalate and key is not None:
             # values differ only where full recording may not compare them (uninitialised outputs): record this
             # module's next region in full to learn which positions those are, then judge
@@ -721,14 +724,15 @@ def _landed(cmp: _Comparison) -> bool:
 def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -> str | None:
     """How the recompute saved other tensors: "saved" (another count, not an early stop's prefix; other metadata or
     origin; or it raised), "values" (only values differ, outside `mask`), or None."""
-    if recompute.error or not recompute.complete:
+    cut = recompute.stopped_early or recompute.interrupted  # (a prefix of the forward's saved tensors)
+    if (recompute.error or not recompute.complete) and not recompute.interrupted:
         return "saved"
     # (a reentrant region's parameters unfrozen between its passes: the backward runs on the recompute's graph, so they
     # get gradients, whatever the outputs compared say)
     if (recompute.state or {}).get("trainable_n", 0) > (forward.state or {}).get("trainable_n", 0):
         return "saved"
     n, m = len(recompute.metas), len(forward.metas)
-    if n != m and not (recompute.stopped_early and n < m):
+    if n != m and not (cut and n < m):
         return "saved"
     # column by column (list comparisons in C): an early stop's recompute is a prefix of the forward
     for column in ("metas", "origins", "names"):
