@@ -121,6 +121,19 @@ def test_fix_says_a_try_whose_remedy_matched_nothing_was_not_applied(tmp_path):
         tried.reason
 
 
+def test_fix_reaches_the_first_divergence_up_to_its_cap_and_knows_where_it_is():
+    """A divergence in backward 200: `fix` said "the first divergence is in backward 32" (its cap on the backward
+    passes a try compares), then that region was "recomputed in backward 200"."""
+    from ac_diff.fix.tries import REACH_MAX, first_recomputed_in, reach
+
+    report = SimpleNamespace(regions=[SimpleNamespace(status="clean", backward=3, step=3),
+                                      SimpleNamespace(status="diverged", backward=200, step=200),
+                                      SimpleNamespace(status="diverged", backward=250, step=250)])
+    assert first_recomputed_in(report) == 200 and reach(report, 2) == REACH_MAX
+    near = SimpleNamespace(regions=[SimpleNamespace(status="diverged", backward=None, step=10)])
+    assert first_recomputed_in(near) == 10 and reach(near, 2) == 10 and reach(near, 12) == 12
+
+
 def test_a_rank_that_only_received_another_ranks_error_says_so():
     """DDP averages gradients: rank 0's regions are clean but its gradients differ because rank 1 diverged."""
     step = StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=2, identical=0)

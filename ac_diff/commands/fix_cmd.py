@@ -42,7 +42,7 @@ from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
 from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
-from ..fix.tries import Measured, diverged, judge, reach, run_measured, without_ac_too
+from ..fix.tries import REACH_MAX, Measured, diverged, first_recomputed_in, judge, reach, run_measured, without_ac_too
 from ..reference.explain import attach
 from ..reference.result import DIFFERS
 from ..reference.run import reference_command, reference_result
@@ -109,8 +109,11 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                         f"(see {out / 'base.log'})")
         try_steps = reach(report, steps)
         if try_steps > steps:
-            print(f"ac-diff fix: the first divergence is in backward {try_steps}: each try compares {try_steps} "
-                  "backward passes with the run without AC", file=sys.stderr)
+            first = first_recomputed_in(report)
+            print(f"ac-diff fix: the first divergence is in backward {first}: each try compares "
+                  + (f"{try_steps} backward passes with the run without AC" if try_steps >= first else
+                     f"the first {try_steps} backward passes (at most {REACH_MAX}) with the run without AC, before it: "
+                     "a try's regions show whether it matched, its gradients do not reach that far"), file=sys.stderr)
         ref_dir, ref_m, ref_text = reference(False)
         ranks = sorted({r.rank for r in report.regions}) or [0]
         attach(report, reference_result(report, out / "base", ranks, steps, ref_m.code, ref_text,

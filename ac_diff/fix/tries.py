@@ -75,9 +75,12 @@ def reach(report: Any, steps: int) -> int:
     """The backward passes each try compares with the run without AC: `steps`, or as many as reach the backward pass
     that recomputed the base run's first divergence (a schedule that crosses its threshold in backward 10), up to
     REACH_MAX; a try verified over fewer would leave the backward it is to fix uncompared."""
-    first = min((n for r in report.regions if r.status == DIVERGED and (n := recomputed_in(r)) is not None),
-                default=0)
-    return max(steps, min(first, REACH_MAX))
+    return max(steps, min(first_recomputed_in(report), REACH_MAX))
+
+
+def first_recomputed_in(report: Any) -> int:
+    """The backward pass that recomputed the first diverged region (0: none)."""
+    return min((n for r in report.regions if r.status == DIVERGED and (n := recomputed_in(r)) is not None), default=0)
 
 
 def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: Measured, op: str | None,
