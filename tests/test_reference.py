@@ -178,12 +178,17 @@ def test_remedies_reach_every_rank_under_the_launcher(tmp_path):
 def test_a_state_the_recompute_updates_twice_is_a_defect_from_the_next_step(runs):
     """Every recompute reproduced its forward and the first backward's gradients are identical, but the hook ran
     twice: the second loss differs. That is the recompute's repeated update, not random draws, and not a pass. The
-    regions read the centre they update (state read again): settled by the reference, they diverged (they were
-    clean beside gradients that differ)."""
+    regions read the centre they update (state read again): settled by the reference, those of the second backward
+    diverged (they were clean beside gradients that differ); those of the first computed right (a stranger's step 1
+    said "silently wrong" for gradients bit-identical to a run without AC), and say what they left changed."""
     r = runs["repeated_update"]
     ref = _ref(r)
-    assert r.report["regions"] and all(x["status"] == "diverged" and x["cause"]["tensor"].endswith("router.center")
-                                       for x in r.report["regions"]), r.report["regions"]
+    regions = r.report["regions"]
+    assert regions and all(x["cause"]["tensor"].endswith("router.center") for x in regions), regions
+    assert {x["status"] for x in regions if x["backward"] == 2} == {"diverged"}, regions
+    first = [x for x in regions if x["backward"] == 1]
+    assert first and all(x["status"] == "unchecked" and any("its own gradients match the run without AC (backward 1)"
+                                                            in n for n in x["notes"]) for x in first), first
     assert ref["verdict"] == "differs" and r.returncode == 1, r.explain()
     assert [s["loss_identical"] for s in ref["steps"]] == [True, False] and not ref["steps"][0]["differing"]
     why = ref["explanations"][0]

@@ -42,7 +42,7 @@ from typing import Any
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, Divergence, RegionReport,
-                      backwards_recorded)
+                      backwards_recorded, recomputed_in)
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -336,8 +336,17 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
     match over the compared steps, a note says so (the state may matter only in a later step: a threshold)."""
     at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
     made = backwards_recorded(report.regions)
+    first = min((s.step + 1 for s in result.steps if s.differing), default=None)
+    # those recomputed before the first backward whose gradients differ computed right: the state they left twice
+    # updated changed a later one (a threshold), which diverged, unless no region says so (never clean)
+    later = [r for r in at_risk if first is None or (recomputed_in(r) or 0) >= first]
+    if result.verdict == DIFFERS and not later and not any(r.status == DIVERGED for r in report.regions):
+        later = at_risk
     for r in at_risk:
-        if result.verdict == DIFFERS:
+        if result.verdict == DIFFERS and r not in later:
+            r.notes.append(f"its own gradients match the run without AC (backward {recomputed_in(r)}); the state its "
+                           f"code reads, updated twice under AC, changed what backward {first} computed")
+        elif result.verdict == DIFFERS:
             r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
             r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
                            "AC, changed what it computed")
