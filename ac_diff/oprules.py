@@ -130,6 +130,12 @@ def holds_values(role: str, drew: bool) -> bool:
 # saved outputs without hooks, selective AC's cache all detach). A detach never changes values.
 DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for each saved tensor
 CAST = "aten._to_copy.default"  # a dtype or device cast (`x.to(torch.bfloat16)`, autocast's casts of the weights)
+
+
+def is_autocast_weight_cast(name: str, autocast: bool, of_leaves: bool) -> bool:
+    """Autocast's cast of a leaf (a weight that requires grad): autocast caches it until its context ends, so it
+    outlives the region by that cache, not by anything the script keeps (never a side output)."""
+    return autocast and of_leaves and name == CAST
 HOOK_ONLY_OPS = frozenset({DETACH})
 # Aliases with a version counter of their own: what `.data` dispatches (a write through one leaves the aliased
 # tensor's version as it was).

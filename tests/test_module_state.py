@@ -644,3 +644,35 @@ def test_a_reentrant_recompute_that_adds_a_clamp_no_value_reaches_is_no_divergen
     assert identical == (bound > 1)
     region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
     assert region.status == ("clean" if identical else "diverged"), (region.cause, region.notes)
+
+
+def test_the_reference_does_not_take_autocasts_weight_casts_for_side_outputs():
+    """A reentrant block under CPU bf16 autocast hands out its z-loss through a list: the reference's explanation
+    listed autocast's casts of the weights (aten._to_copy in every projection) as side outputs beside it, which
+    autocast's cache keeps alive, not the script; the diagnosis already left them out (one rule now, in oprules)."""
+    from ac_diff.capture.modules import ModuleStack
+    from ac_diff.reference.leaks import ReentrantWatch
+    from ac_diff.remedies.call import CheckpointCall
+
+    class ZLossBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.losses = nn.Linear(8, 8), []
+
+        def forward(self, x):
+            logits = self.fc(x)
+            self.losses.append(logits.float().logsumexp(-1).square().mean())
+            return torch.tanh(logits)
+
+    torch.manual_seed(0)
+    block, x = ZLossBlock(), torch.randn(4, 8, requires_grad=True)
+    watch = ReentrantWatch(ModuleStack())
+
+    def forward():
+        with torch.no_grad():  # (as checkpoint(use_reentrant=True) runs it)
+            return block(x)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        watch(CheckpointCall(block, (x,), {}, "block", True), forward)
+    ops = {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
+    assert ops and "aten._to_copy.default" not in ops, ops

@@ -36,6 +36,18 @@ _GETTERS = [(key, getattr(torch._C, getter), usual) for key, (getter, usual) in 
             if hasattr(torch._C, getter)]
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_on() -> bool:
+    """Whether autocast is on now, on the CPU or a GPU."""
+    for device in _AUTOCAST_DEVICES:
+        with contextlib.suppress(Exception):
+            if torch.is_autocast_enabled(device):
+                return True
+    return False
+
+
 def global_state(own_mode: Any) -> dict[str, Any]:
     """Process-wide settings that change what ops compute (the recorder's own dispatch mode left out)."""
     state: dict[str, Any] = {
@@ -61,7 +73,7 @@ def global_state(own_mode: Any) -> dict[str, Any]:
             value = value[0]
         if value != usual:
             state[key] = value
-    for device in ("cpu", "cuda"):
+    for device in _AUTOCAST_DEVICES:
         with contextlib.suppress(Exception):
             if torch.is_autocast_enabled(device):
                 state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))

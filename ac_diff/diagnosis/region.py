@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from ..oprules import CAST, DETACH, HOOK_ONLY_OPS, packet
+from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, RECOMPUTE_RAISED,
@@ -356,8 +356,8 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
     autocast = any(key.startswith("autocast_") for key in fwd.state)
 
     def carries_grad(op: OpRecord) -> bool:
-        if autocast and op.op == CAST and op.input_refs and all(r.kind != "op" for r in op.input_refs):
-            return False  # autocast's cache of the cast of a leaf that requires grad (a weight), kept until it ends
+        if is_autocast_weight_cast(op.op, autocast, bool(op.input_refs) and all(r.kind != "op" for r in op.input_refs)):
+            return False
         return on_path is None or op.index in on_path
 
     lost = [ops[index] for index, _ in side if index in ops and carries_grad(ops[index])]

@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.sourceline import user_source
-from ..oprules import DETACHED_ALIAS_OPS
+from ..capture.state import autocast_on
+from ..oprules import DETACHED_ALIAS_OPS, is_autocast_weight_cast
 from ..own_files import is_own_file
 from ..capture.torch_compat import checkpointed_module, parameters_losing_grad
 
@@ -69,9 +70,11 @@ def _from_ac_diff() -> bool:
 class _Made(TorchDispatchMode):
     """Weak references to the float tensors ops make inside one region forward that would require grad."""
 
-    def __init__(self, current_module: Callable[[], str | None], grad_storages: set[int]) -> None:
+    def __init__(self, current_module: Callable[[], str | None], grad_storages: set[int],
+                 autocast: bool = False) -> None:
         super().__init__()
         self.current_module = current_module
+        self.autocast = autocast  # on as the region began (within an op's dispatch autocast reads as off)
         self.grad_storages = grad_storages  # storages that carry a gradient without no_grad
         self.new_storages: set[int] = set()
         self.made: list[tuple[weakref.ref, int, str, str | None, str | None, list[int]]] = []
@@ -82,6 +85,8 @@ class _Made(TorchDispatchMode):
             return out  # (a tensor the region detached on purpose, for logging, is meant to carry no gradient)
         inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
         if not any(a.requires_grad or _storage(a) in self.grad_storages for a in inputs):
+            return out
+        if is_autocast_weight_cast(str(func), self.autocast, not {_storage(a) for a in inputs} & self.new_storages):
             return out
         in_storages = {_storage(a) for a in inputs} - self.new_storages
         for t in tree_leaves(out):
@@ -113,7 +118,7 @@ class ReentrantWatch:
         grad = {_storage(t) for t in inputs if t.requires_grad}
         if module is not None:
             grad |= {_storage(p) for p in module.parameters() if p.requires_grad}
-        mode = _Made(self.stack.current, grad)
+        mode = _Made(self.stack.current, grad, autocast_on())
         with mode:
             out = run()
         self._escaped(call, module, mode, out)
