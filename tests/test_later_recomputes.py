@@ -81,8 +81,12 @@ def test_the_forwards_kept_for_a_later_recompute_go_with_their_graph(tmp_path):
     the steps). It follows torch's checkpoint frame now: one step's regions at most are kept."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+    import gc
+
     with ac_diff.record(tmp_path / "t.jsonl") as recorder:
-        for _ in range(30):
+        for step in range(31):
+            if step == 30:
+                gc.collect()  # (a frame caught in a reference cycle goes at a collection; the next step prunes it)
             x = torch.randn(4, 8, requires_grad=True)
             for block in blocks:
                 x = checkpoint(block, x, use_reentrant=False)
@@ -90,4 +94,4 @@ def test_the_forwards_kept_for_a_later_recompute_go_with_their_graph(tmp_path):
         kept = len(recorder._retention._reproduced)
     assert kept <= 2, kept
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
-    assert report.verdict == "clean" and len(report.regions) == 60, report.headline
+    assert report.verdict == "clean" and len(report.regions) == 62, report.headline
