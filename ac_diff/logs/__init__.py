@@ -15,7 +15,7 @@ a cut anywhere, lines spliced by concurrent writers, a whole log flattened onto 
 line by line with a cap on line length, and keeps only what it extracts.
 
 Modules, one job each:
-    lines    bytes -> lines -> (rank, segment): prefixes, pytest `E`, splitting spliced lines
+    lines    bytes -> lines -> (rank, segment): collectors' JSON records, prefixes, pytest `E`, spliced lines
     meta     dtype / shape / device / metadata dicts -> TensorMeta
     args     the arguments of an op call -> JSON values
     errors   CheckpointError texts -> TorchError

@@ -1,8 +1,12 @@
-"""Physical lines in, logical segments out: reading, launcher prefixes, and splitting spliced lines.
+"""Physical lines in, logical segments out: reading, log collectors' records, launcher prefixes, and splitting
+spliced lines.
 
     iter_lines(open("rank1.log", "rb"))        -> ("[rank1]: tensor at position 48:", True), ...
+    collected_lines(...)   # a Docker / fluent-bit JSON record -> its text's lines: ('{"log": "x\\n"}', True) -> ("x", True)
+    srun_label(" 3: tensor at position 4:")   -> (3, "tensor at position 4:")   (a file whose first line has one)
     strip_prefix("[default1]:[rank1]: Traceback (most recent call last):")
         -> (1, "Traceback (most recent call last):")
+    strip_prefix("[7,1]<stderr>: hi")         -> (1, "hi")   (mpirun --tag-output)
     strip_prefix("E           tensor at position 0:")   -> (None, "tensor at position 0:")
     split_segments("[rank11]: recomputed metadata: {'shape': torch.Size([964, 5120]),"
                    "[rank13]: Traceback (most recent call last):", None)
