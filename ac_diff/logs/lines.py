@@ -2,7 +2,7 @@
 spliced lines.
 
     iter_lines(open("rank1.log", "rb"))        -> ("[rank1]: tensor at position 48:", True), ...
-    collected_lines(...)   # a Docker / fluent-bit JSON record -> its text's lines: ('{"log": "x\\n"}', True) -> ("x", True)
+    collected_lines(...)   # a Docker / fluent-bit JSON record -> its text's lines: '{"log": "x\\n"}' -> "x"
     srun_label(" 3: tensor at position 4:")   -> (3, "tensor at position 4:")   (a file whose first line has one)
     strip_prefix("[default1]:[rank1]: Traceback (most recent call last):")
         -> (1, "Traceback (most recent call last):")
