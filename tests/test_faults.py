@@ -70,6 +70,38 @@ def test_sigterm_finishes_a_single_process_trace(tmp_path):
     assert exc["exc_type"] == "Terminated" and "SIGTERM" in exc["message"]
 
 
+def test_sigterm_in_a_backward_is_an_interruption_not_an_exit(tmp_path):
+    """SIGTERM landing in a backward (a preemption mid-step) read as the script exiting there: CRASHED, "exit code 143
+    from train.py:N", the signal never named. It is an interruption, as Ctrl-C's."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time, torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "class Slow(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin, self.calls = torch.nn.Linear(4, 4), 0\n"
+        "    def forward(self, x):\n"
+        "        self.calls += 1\n"
+        "        if self.calls == 2:  # its recompute, in the backward\n"
+        "            print('ready', flush=True)\n"
+        "            time.sleep(120)\n"
+        "        return self.lin(x)\n"
+        "checkpoint(Slow(), torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    end = json.loads((out / "trace-rank0.jsonl").read_text().splitlines()[-1])
+    assert end["status"] == "interrupted", end
+    said = " ".join(stdout.replace("│", " ").split())
+    assert "INTERRUPTED" in said and "SIGTERM" in said and "exit code 143" not in said, said
+
+
 def test_sigterm_to_the_launcher_stops_the_ranks_and_reports(tmp_path):
     """SIGTERM to `ac-diff run --nproc-per-node 2` (a scheduler preempting the job) killed the launcher alone: no
     report, exit -15, and the ranks trained on as orphans. It is passed on to torchrun now, which stops the ranks;

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
 
-from ..errors import AcDiffError
+from ..errors import AcDiffError, Terminated
 from ..own_files import is_own_file
 
 
@@ -189,8 +189,8 @@ class ExitDuringBackward(Exception):
 
 def _stop_reason(ended: BaseException | None, exit_code: int) -> BaseException | None:
     """What the recorder is told ended the script: nothing for a clean exit (code 0), an ExitDuringBackward for an
-    exit from inside a backward (a hook's sys.exit)."""
-    if isinstance(ended, (SystemExit, _HardExit)):
+    exit from inside a backward (a hook's sys.exit); a SIGTERM there is an interruption (Ctrl-C's), not an exit."""
+    if isinstance(ended, (SystemExit, _HardExit)) and not isinstance(ended, Terminated):
         from .sourceline import raised_at
         from .torch_compat import left_a_backward
 
