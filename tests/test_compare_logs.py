@@ -13,6 +13,7 @@ import pytest
 import ac_diff
 from ac_diff.logs import parse_text
 from conftest import REAL_LOGS, REPO, run_cli, torch_debug_logging
+from models import NEEDS_SAC
 
 SAMPLE_LOGS = REPO / "sample_logs"
 
@@ -540,6 +541,7 @@ def test_a_traceback_through_compiled_code_says_torch_compile_may_have_picked_an
     assert plain.cause is None  # (the same hint is in this log, from an eager traceback)
 
 
+@NEEDS_SAC
 def test_selective_acs_error_from_eager_code_is_not_said_to_come_from_torch_compile():
     """LayerDrop with Python's `random` under selective AC: the recompute skips a layer the forward ran, and selective
     AC raises "... encountered during backward but not found in storage". Its traceback passes through Dynamo's
