@@ -294,6 +294,10 @@ class RegionReport:
                              self.first_discrete_divergence, self.first_shape_divergence) if d is not None]
         return sorted(found, key=lambda d: (d.forward_index is None, d.forward_index or 0))
 
+    def module_of(self, d: Divergence) -> str:
+        """Where divergence `d` ran, as a report names it: the root module (FQN "") by the name the region has."""
+        return d.module or (self.module if d.module == "" else None) or ""
+
     def to_json(self) -> dict[str, Any]:
         data = {
             "rank": self.rank, "region": self.region, "module": self.module, "kind": self.kind,

@@ -348,3 +348,37 @@ def test_browser_filters_from_url_and_escapes(tmp_path):
     clean, diverged = dom.find("tr", cls="region-row")
     assert "hidden" not in clean["attrs"] and "hidden" in diverged["attrs"]
     assert dom.by_id("shown-count")["text"] == "1 of 2 region(s) shown"
+
+
+def test_a_divergence_in_the_checkpointed_root_module_names_it(tmp_path):
+    """checkpoint(model, x): the root's FQN is "", and the "first divergences" line showed no module where the regions
+    table named the region `Net`; both renderers name it now."""
+    from io import StringIO
+
+    import torch
+    from rich.console import Console
+    from torch.utils.checkpoint import checkpoint
+
+    from ac_diff.render.terminal import render_terminal
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x) * self.scale)
+
+    net = Net()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = checkpoint(net, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        with torch.no_grad():
+            net.scale.mul_(2)  # (a buffer changed between the forward and the backward)
+        y.sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    out = StringIO()
+    render_terminal(report, Console(file=out, width=200, color_system=None))
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("  value "))
+    assert "  Net  " in line, line
+    assert "<td>Net</td>" in render_html(report)

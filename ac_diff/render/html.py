@@ -315,7 +315,7 @@ def _first_divergences(r: RegionReport) -> str:
                     f"<td><span class=\"mk mk-{e(d.kind)}\">{e(_KIND_LABEL.get(d.label, d.label))}</span></td>"
                     f"<td class=\"divergent-op\"><code>{e(d.op)}</code></td>"
                     f"<td class=\"num\">{_idx(d.forward_index)}</td><td class=\"num\">{_idx(d.recompute_index)}</td>"
-                    f"<td>{e(d.module)}</td><td class=\"dim src\">{e(d.source)}</td>"
+                    f"<td>{e(r.module_of(d))}</td><td class=\"dim src\">{e(d.source)}</td>"
                     f"<td class=\"wrap\">{e(d.summary)}{detail}</td></tr>")
     return ("<h3>first divergences</h3><table class=\"divergences\"><thead><tr><th>kind</th><th>op</th>"
             "<th>fwd#</th><th>rec#</th><th>module</th><th>source</th><th>what differs</th></tr></thead>"

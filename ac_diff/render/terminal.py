@@ -239,7 +239,7 @@ def _region_detail(r: RegionReport, report: Report, console: Console, shown: set
         a, b = ("A", "B") if r.kind == "two_runs" else ("fwd", "rec")  # two traces compared: run A | run B
         console.print(Text.assemble(
             ("  " + label.ljust(9), _MARKER_STYLE.get(d.kind, "")), (d.op, "bold"),
-            f"  {a} #{_idx(d.forward_index)} / {b} #{_idx(d.recompute_index)}  ", (d.module or "", "cyan"),
+            f"  {a} #{_idx(d.forward_index)} / {b} #{_idx(d.recompute_index)}  ", (r.module_of(d), "cyan"),
             (f"  {d.source}" if d.source else "", "dim")))
         console.print(Text("           " + d.summary))
 
