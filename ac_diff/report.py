@@ -253,6 +253,9 @@ class RegionReport:
     recompute_n: int = 1  # the recompute compared, from 1: a later one where a later backward's diverged
     enclosing: int | None = None  # the region whose forward ran this nested one (not written: the trace has it)
     backward_raised: str | None = None  # what the backward raised after its recompute, torch's check having let it by
+    # a clean region's Python value that changed between its passes and reached no saved tensor (its cause and fixes
+    # as if it had): what a watched divergence of the same module that did not recur here is named by
+    absorbed: tuple | None = None
 
     @property
     def has_values(self) -> bool:

@@ -1358,3 +1358,39 @@ def test_a_recompute_the_run_was_interrupted_in_is_not_counted_as_diverged(tmp_p
     assert report.watch is not None and report.watch["diverged"] == 0, report.watch
     assert not any(r.status == "diverged" for r in report.regions), report.headline
     assert "--full-from-step" not in report.headline, report.headline
+
+
+class _Tempered(nn.Module):
+    """A temperature the loop anneals between each forward and its backward; in the first step it scales what the
+    block returns (saved), later only a range check nothing saved depends on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.temperature, self.scaled = nn.Linear(8, 8), 1.0, True
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.scaled:
+            return torch.tanh(h / self.temperature)
+        with torch.no_grad():  # (a range check: the same answer whatever the temperature, nothing saved for it)
+            in_range = (h / self.temperature).amax() > -1e9
+        return torch.tanh(h) * in_range
+
+
+def test_a_watched_divergence_is_named_by_the_change_its_full_recording_saw_absorbed(tmp_path):
+    """Watch saw step 1 diverge (no ops: cause unknown); step 2, recorded in full, reproduced its saved tensors though
+    the temperature changed between its passes there too. It said "did not recur there (a rare event ...)"; the
+    change the full recording saw names the watched divergence now, with its fix."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Tempered()])
+    with ac_diff.record(tmp_path / "t.jsonl", watch=True, watch_full_steps=0):
+        for step in range(3):
+            blocks[0].scaled = step == 0
+            y = checkpoint(blocks[0], torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+            blocks[0].temperature *= 0.9  # (annealed before the backward: the bug)
+            y.sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    lead = report.lead_groups()[0][0]
+    assert lead.watched and lead.step == 1 and lead.cause.tensor == "blocks.0.temperature", lead.cause
+    assert "there it reached no saved tensor" in lead.cause.detail, lead.cause.detail
+    assert "did not recur" not in " ".join(lead.notes), lead.notes

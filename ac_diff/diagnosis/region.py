@@ -18,7 +18,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CAL
                       RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
                       PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
-from .attributes import counted_twice, function_state_cause, split_name, update_code
+from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
 from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
@@ -210,6 +210,12 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             report.notes.append(f"{first.forward.op if first.forward else first.recompute.op} and later ops computed "
                                 "other values in the recompute, but no saved tensor depends on them: harmless "
                                 "for the gradients")
+            absorbed = attribute_cause(region, first)  # (a Python value changed between the passes: named)
+            if absorbed is not None:
+                report.notes[-1] += f"; what changed: {absorbed.evidence[0]}" if absorbed.evidence else ""
+                held, report.cause = report.cause, absorbed  # (its fixes as if it had diverged on it)
+                report.absorbed = (absorbed, suggestions_for(report, region, torch_version))
+                report.cause = held
         elif escaped and not (position_mismatch or position_values or count_mismatch or torch_error):
             report.notes.append(f"every saved tensor matched, but what {escaped} made in the recompute differs from "
                                 "the forward's and outlived the region (its output, or a tensor its code kept)")

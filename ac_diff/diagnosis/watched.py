@@ -249,6 +249,20 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
             where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved tensors: "
                      f"the divergence did not recur there, as a schedule's threshold on `{read.cause.tensor}` is "
                      f"crossed once; {again}")
+        elif window and (absorbed := next((w for w in window if getattr(w, "absorbed", None)), None)) is not None:
+            seen_there = (absorbed.absorbed[0].evidence or [absorbed.absorbed[0].tensor])[0]
+            where = (f"{e['module']} was recorded in full in {span}: all {len(window)} reproduced their saved tensors, "
+                     f"but region {absorbed.region} shows a Python value that changed between its passes there too "
+                     f"({seen_there}), which reached no saved tensor there: it recurs, and changes what is saved only "
+                     f"at times (rounding absorbs it){recurs}; {again}")
+            if r.cause is not None and r.cause.kind == "unknown":
+                cause, fixes = absorbed.absorbed
+                r.cause = Cause(cause.kind, cause.tensor,
+                                f"as {module_label(absorbed.module)}'s region {absorbed.region}, recorded in full in "
+                                f"step {absorbed.step}, shows: {cause.detail} (there it reached no saved tensor; here "
+                                f"it did: {r.cause.detail})", [*cause.evidence], cause.mechanism, cause.source,
+                                list(cause.names))
+                r.suggestions = list(fixes)
         elif window:
             chance = (f"; elsewhere in this run random draws made a region diverge ({drawn.module or '?'}, region "
                       f"{drawn.region}: {'a host draw' if drawn.cause.mechanism == 'host_rng' else 'a random op'}"
