@@ -35,3 +35,6 @@ class Terminated(SystemExit):
 
     def __str__(self) -> str:
         return "the process received SIGTERM"
+
+
+INTERRUPTIONS = (KeyboardInterrupt, Terminated)  # what stops a script from outside it: Ctrl-C, SIGTERM

@@ -44,6 +44,18 @@ def test_a_full_disk_keeps_the_scripts_exit_code_and_says_what_was_lost(tmp_path
     assert "ac-diff:" in proc.stdout  # the report on what was written
 
 
+def _sigterm_when_ready(script: Path, out: Path) -> tuple[str, str]:
+    """`ac-diff run -o OUT SCRIPT`, sent SIGTERM once the script prints "ready": (stdout, stderr) after it exits 143."""
+    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    return stdout, stderr
+
+
 def test_sigterm_finishes_a_single_process_trace(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
@@ -54,13 +66,7 @@ def test_sigterm_finishes_a_single_process_trace(tmp_path):
         "print('ready', flush=True)\n"
         "time.sleep(120)\n")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stderr
+    _, stderr = _sigterm_when_ready(script, out)
     assert "trace written" in stderr and "Traceback" not in stderr
     end = json.loads((out / "trace-rank0.jsonl").read_text().splitlines()[-1])
     assert end["type"] == "end" and end["exit_code"] == 143
@@ -89,13 +95,7 @@ def test_sigterm_in_a_backward_is_an_interruption_not_an_exit(tmp_path):
         "        return self.lin(x)\n"
         "checkpoint(Slow(), torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()\n")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "ac_diff", "run", "-o", str(out), str(script)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stderr
+    stdout, _ = _sigterm_when_ready(script, out)
     end = json.loads((out / "trace-rank0.jsonl").read_text().splitlines()[-1])
     assert end["status"] == "interrupted", end
     said = " ".join(stdout.replace("│", " ").split())

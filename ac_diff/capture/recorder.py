@@ -45,7 +45,7 @@ from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_
                       only_rebinds, read_again)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
-from ..errors import Terminated
+from ..errors import INTERRUPTIONS
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
@@ -326,7 +326,7 @@ class Recorder:
         self._retention.release_all()  # forwards never recomputed (or the run stopped first): keep them
         status = "ok"
         if exc is not None:
-            status = ("interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated))
+            status = ("interrupted" if isinstance(exc, INTERRUPTIONS)
                       else "exit" if isinstance(exc, SystemExit) else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc),
@@ -1204,7 +1204,7 @@ class Recorder:
         if p.watch is not None:
             with self.quiet():
                 self._watch.ended(region, p.watch, p.phase, complete, stopped_early, error,
-                                  interrupted=isinstance(exc, (KeyboardInterrupt, Terminated)))
+                                  interrupted=isinstance(exc, INTERRUPTIONS))
             return
         if region.unwatched:
             return

@@ -36,16 +36,19 @@ _GETTERS = [(key, getattr(torch._C, getter), usual) for key, (getter, usual) in 
             if hasattr(torch._C, getter)]
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+def autocast_dtypes() -> dict[str, torch.dtype]:
+    """The devices autocast is on for now (the CPU, a GPU), with the dtype it casts to."""
+    on = {}
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):  # (a build or torch without that device's autocast)
+            if torch.is_autocast_enabled(device):
+                on[device] = torch.get_autocast_dtype(device)
+    return on
 
 
 def autocast_on() -> bool:
     """Whether autocast is on now, on the CPU or a GPU."""
-    for device in _AUTOCAST_DEVICES:
-        with contextlib.suppress(Exception):
-            if torch.is_autocast_enabled(device):
-                return True
-    return False
+    return bool(autocast_dtypes())
 
 
 def global_state(own_mode: Any) -> dict[str, Any]:
@@ -73,10 +76,8 @@ def global_state(own_mode: Any) -> dict[str, Any]:
             value = value[0]
         if value != usual:
             state[key] = value
-    for device in _AUTOCAST_DEVICES:
-        with contextlib.suppress(Exception):
-            if torch.is_autocast_enabled(device):
-                state[f"autocast_{device}"] = short_dtype(torch.get_autocast_dtype(device))
+    for device, dtype in autocast_dtypes().items():
+        state[f"autocast_{device}"] = short_dtype(dtype)
     with contextlib.suppress(Exception):
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 

@@ -30,7 +30,7 @@ from .passdiff import Tolerance
 from ..logs.errors import version_check
 from .groups import group_regions
 from .labels import module_label
-from .ranks import cross_rank_findings, killed_first, rank_summaries
+from .ranks import cross_rank_findings, failed_at, killed_first, rank_summaries
 from .region import Settings, diagnose_region
 from .watched import never_recomputed, watch_summary, watched_clean
 
@@ -438,8 +438,8 @@ def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> N
 def _failed_before(run: Run, runs: list[Run]) -> bool:
     """Another rank's script failed before this one's did (both traces ended with their exceptions)."""
     return run.end_time is not None and any(
-        other is not run and other.rank != run.rank and other.source == "trace" and other.end_time is not None
-        and other.exit_status not in (None, "ok") and other.end_time < run.end_time for other in runs)
+        other is not run and other.rank != run.rank and (t := failed_at(other)) is not None and t < run.end_time
+        for other in runs)
 
 
 def _where_it_stopped(run: Run) -> str:

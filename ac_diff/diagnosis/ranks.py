@@ -354,13 +354,19 @@ def killed_first(runs: list[Run]) -> int | None:
     out-of-memory killer) writes no end record, where torchrun's own stop (SIGTERM) lets the recorder finish; its
     trace was last written (the file's time) before the first failure another rank recorded."""
     traces = [run for run in runs if run.source == "trace"]
-    failures = [run.end_time for run in traces if not run.truncated and run.exit_status not in (None, "ok")
-                and run.exit_code != 143 and run.end_time is not None]
+    failures = [t for run in traces if (t := failed_at(run)) is not None]
     if len(traces) < 2 or not failures:
         return None
     killed = sorted((written, run.rank or 0) for run in traces if run.truncated and not run.running
                     for written in [_last_write(run)] if written is not None and written < min(failures))
     return killed[0][1] if killed else None
+
+
+def failed_at(run: Run) -> float | None:
+    """When a rank's script failed: its trace's end, where it ended on an error (not torchrun's SIGTERM stop)."""
+    failed = (run.source == "trace" and not run.truncated and run.exit_status not in (None, "ok")
+              and run.exit_code != 143)
+    return run.end_time if failed else None
 
 
 def _last_write(run: Run) -> float | None:

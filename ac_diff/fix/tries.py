@@ -20,6 +20,7 @@ from ..children import Child
 from ..report import recomputed_in
 from ..report import DIVERGED
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
+from ..remedies.patch import MATCHED_NOTHING
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
 
 _ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
@@ -96,7 +97,7 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         return
     t.regions_after = diverged(report)
     rows = report.remedies or []
-    unmatched = [row["what"] for row in rows if str(row.get("what", "")).startswith("matched nothing")]
+    unmatched = [row["what"] for row in rows if str(row.get("what", "")).startswith(MATCHED_NOTHING)]
     if unmatched and not any(row.get("calls") for row in rows):  # (the run went as the base run did)
         t.status, t.gradients = DID_NOT_HELP, "not compared (not applied)"
         t.reason = f"not applied: the remedy {unmatched[0]}"

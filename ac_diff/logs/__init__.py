@@ -33,7 +33,8 @@ import contextlib
 import gzip
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import IO, Union
 
 from ac_diff.gc_hold import collector_paused
@@ -154,16 +155,11 @@ def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Pro
         return parser.finish()
 
 
-def _readable_start(f) -> bytes:
-    """A compressed log's first SNIFF_BYTES, or as much of them as a cut stream holds (one read of them all would
-    lose every byte where the stream ends before them)."""
-    blocks: list[bytes] = []
+def _readable_blocks(f, size: int) -> Iterator[bytes]:
+    """A compressed log's blocks of `size` bytes, as far as the stream can be read (one that is cut or damaged ends
+    them; a single read past that point would lose every byte it had decompressed)."""
     with contextlib.suppress(*STREAM_DAMAGE):
-        for block in iter(lambda: f.read(SNIFF_BYTES // 16), b""):
-            blocks.append(block)
-            if sum(map(len, blocks)) >= SNIFF_BYTES:
-                break
-    return b"".join(blocks)
+        yield from iter(lambda: f.read(size), b"")
 
 
 def looks_like_log(path: Union[str, os.PathLike]) -> bool:
@@ -174,13 +170,13 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """
     try:
         with _open_log(os.fspath(path)) as (f, size):
-            head = f.read(SNIFF_BYTES) if size is not None else _readable_start(f)
+            head = f.read(SNIFF_BYTES) if size is not None else b"".join(
+                islice(_readable_blocks(f, SNIFF_BYTES // 16), 16))
             tail = b""
             if size is None or size > SNIFF_BYTES:
-                if size is None:  # compressed: read through (as far as the stream can be read)
-                    with contextlib.suppress(*STREAM_DAMAGE):
-                        for block in iter(lambda: f.read(SNIFF_BYTES), b""):
-                            tail = block
+                if size is None:  # compressed: read through
+                    for tail in _readable_blocks(f, SNIFF_BYTES):
+                        pass
                 else:
                     f.seek(max(SNIFF_BYTES, size - SNIFF_BYTES))
                     tail = f.read(SNIFF_BYTES)

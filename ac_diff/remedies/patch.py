@@ -38,6 +38,7 @@ from .rng import PreserveRng
 from .spec import RemedySpec
 
 _MARK = "_ac_diff_remedies_original"
+MATCHED_NOTHING = "matched nothing"  # how a summary row of a remedy that named nothing begins (fix: not applied)
 
 
 def traced_call(original: Callable, own: set[str], everywhere: bool, function: Any, args: tuple, kwargs: dict) -> Any:
@@ -173,6 +174,6 @@ class CheckpointPatch:
                 rows.append({"remedy": "must_save", "region": None, "what": f"saved {key}", "calls": n})
             for glob in remedy.unmatched() if hasattr(remedy, "unmatched") else ():
                 rows.append({"remedy": remedy.kind, "region": None, "calls": 0,
-                             "what": f"matched nothing: {glob} ({remedy.unmatched_note})"})
+                             "what": f"{MATCHED_NOTHING}: {glob} ({remedy.unmatched_note})"})
 
         return rows

@@ -50,10 +50,10 @@ class _Slot:
         self.label = attr  # what its FQN ends with, after its owner's
 
     def get(self) -> Any:
-        return getattr(self.owner, self.attr, UNSET)
+        return getattr(self.owner, self.attr, ABSENT)
 
     def put(self, value: Any) -> None:
-        if value is UNSET:  # (not set yet when the forward began: the recompute finds it unset too)
+        if value is ABSENT:  # (not set yet when the forward began: the recompute finds it unset too)
             vars(self.owner).pop(self.attr, None)
         elif self.attr in getattr(self.owner, "_buffers", ()):  # (a run config the module holds has none)
             self.owner._buffers[self.attr] = value
@@ -92,14 +92,15 @@ class _Slot:
             return False
 
 
-class _Unset:
-    """An attribute a module does not have yet (a memory its first forward creates)."""
+class _Absent:
+    """An attribute a module does not have yet (a memory its first forward creates); not capture.pystate.UNSET, the
+    recorded form of one, which is a dict and would be copied as a container."""
 
     def __repr__(self) -> str:
         return "<unset>"
 
 
-UNSET = _Unset()
+ABSENT = _Absent()
 
 
 class _ClosureSlot(_Slot):
