@@ -4,7 +4,8 @@ Builds two logs from the real llama4 rank-1 log in tests/data/real_logs (or --lo
 
     errors  the CheckpointError of its head (traceback, 12 positions, `[rank1]:` prefixes), repeated:
             200 MB = 45,000 identical errors, the log a job that raised every step leaves behind
-    dumps   head + tail (the error, then a `debug=True` dump of both passes' ops), repeated: one region each
+    dumps   head + tail (the error, then a `debug=True` dump of both passes' ops), repeated on as many ranks (a
+            dump printed again on one rank is one region): one region each
 
 and runs `python -m ac_diff compare LOG` on each in a fresh process (the CLI as a user runs it: interpreter start
 and imports included; the `startup` row is `--version` alone), this checkout and, with --baseline REV, the same command on that git revision
@@ -49,16 +50,17 @@ def error_unit(logs: Path) -> bytes:
 
 
 def dump_unit(logs: Path) -> bytes:
-    """The error and a debug=True dump (head + tail of the llama4 log): one region per repetition."""
+    """The error and a debug=True dump (head + tail of the llama4 log): one region per repetition (on its rank)."""
     return (logs / HEAD_LOG).read_bytes() + b"\n" + (logs / TAIL_LOG).read_bytes() + b"\n"
 
 
-def build(unit: bytes, target_mb: float, out: Path) -> int:
-    """Write `unit` repeated to about `target_mb` MB; returns the repetitions."""
+def build(unit: bytes, target_mb: float, out: Path, per_rank: bool = False) -> int:
+    """Write `unit` repeated to about `target_mb` MB (`per_rank`: the i-th repetition as rank i prints it, where the
+    unit has rank 1's prefixes); returns the repetitions."""
     n = max(1, round(target_mb * 1e6 / len(unit)))
     with open(out, "wb") as f:
-        for _ in range(n):
-            f.write(unit)
+        for i in range(n):
+            f.write(unit.replace(b"[rank1]:", b"[rank%d]:" % i) if per_rank else unit)
     return n
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("dumps", dump_unit(args.logs), args.dumps_mb)):
             if mb > 0:
                 path = tmp_dir / f"{name}.log"
-                reps = build(unit, mb, path)
+                reps = build(unit, mb, path, per_rank=name == "dumps")
                 logs.append((name, path, reps))
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
         print(f"{'log':<8}{'MB':>7} {'reps':>7}  {'code':<10}{'wall s':>8}{'MB/s':>7}{'CPU s':>8}{'MB/s CPU':>9}"

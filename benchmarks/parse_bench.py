@@ -1,7 +1,7 @@
 """Throughput and memory of the log parser on a ~14 MB debug=True log (not a test).
 
 Builds the log by repeating the two real llama4 excerpts (head, then tail: each repetition is a
-metadata error followed by a debug dump whose middle is missing, rank prefixes as in the original)
+metadata error followed by a debug dump whose middle is missing, each repetition on a rank of its own)
 into a temporary file, parses it, and reports MB/s, tracemalloc peak and the ru_maxrss growth.
 
     PYTHONPATH=. python benchmarks/parse_bench.py [--mb 14] [--logs DIR] [--repeat 3]
@@ -19,19 +19,13 @@ import tracemalloc
 from pathlib import Path
 
 from ac_diff.logs import parse_log
+from compare_bench import build, dump_unit  # (benchmarks/, the script's folder)
 
 DEFAULT_LOGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "real_logs"
 
 
 def build_log(logs: Path, target_mb: float, out: Path) -> int:
-    head = (logs / "torchtitan_llama4_rank1_head.log").read_bytes()
-    tail = (logs / "torchtitan_llama4_rank1_tail.log").read_bytes()
-    unit = head + b"\n" + tail + b"\n"
-    n = max(1, round(target_mb * 1e6 / len(unit)))
-    with open(out, "wb") as f:
-        for _ in range(n):
-            f.write(unit)
-    return n
+    return build(dump_unit(logs), target_mb, out, per_rank=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Logs of any size: a CheckpointError printed again and again is one error with its count and first / last line,
 the report of N repetitions has as many lines as that of one, a log's regions wait on disk while it is diagnosed,
 and the region table's footer counts what it hides by status. Inputs are the real llama4 rank-1 log
-(tests/data/real_logs), repeated as a job that raised every step would print it; timing is in
-benchmarks/compare_bench.py, never here."""
+(tests/data/real_logs), repeated as a job that raised every step would print it (or as its ranks would, where the
+regions must stay apart: a dump printed again on one rank is one region); timing is in benchmarks/compare_bench.py,
+never here."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def test_errors_that_differ_stay_apart_in_the_order_they_first_came(tmp_path):
     assert str(run.errors[2].positions[0].recomputed) == "bf16[97, 5120]"
 
 
+def _on_ranks(text: str, n: int) -> str:
+    """`text` (rank 1's lines) as `n` ranks print it, one after the other."""
+    return "".join(text.replace("[rank1]:", f"[rank{r}]:") for r in range(n))
+
+
 def _terminal(path: Path) -> str:
     return RENDERERS["terminal"].render(diagnose([parse_log(path, lazy=True)]))
 
@@ -68,7 +74,7 @@ def test_the_report_of_n_repetitions_is_as_long_as_that_of_one(tmp_path):
 def test_a_logs_regions_wait_on_disk_and_give_the_same_report(tmp_path):
     """parse_log(lazy=True), as `compare` reads: each finished region's ops go to a temporary file and come back for
     the time its diagnosis runs, so memory holds one region, not the log; the report is the eager one."""
-    path = _log(tmp_path, (HEAD + "\n" + TAIL + "\n") * 3)
+    path = _log(tmp_path, _on_ranks(HEAD + "\n" + TAIL + "\n", 3))
     lazy, eager = parse_log(path, lazy=True), parse_log(path)
     assert len(lazy.regions) == len(eager.regions) == 3
     for region, whole in zip(lazy.regions, eager.regions):
@@ -85,6 +91,6 @@ def test_a_logs_regions_wait_on_disk_and_give_the_same_report(tmp_path):
 def test_the_region_tables_footer_counts_what_it_hides_by_status(tmp_path):
     """The table lists the first 40 diverged regions of a long run; the footer called the rest "clean/unchecked" even
     when they were diverged (102,117 of them after a signal). 45 diverged dumps of the real llama4 log's tail."""
-    text = _terminal(_log(tmp_path, (TAIL + "\n") * 45))
+    text = _terminal(_log(tmp_path, _on_ranks(TAIL + "\n", 45)))
     assert "5 region(s) not shown (5 diverged)" in text
     assert "clean/unchecked region(s) not shown" not in text

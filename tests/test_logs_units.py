@@ -10,6 +10,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from ac_diff.logs import UNKNOWN_DEVICE, looks_like_log, parse_log, parse_text
 from ac_diff.logs.dump import classify_dump_line, frame_source, S_FOOTER, S_TRACES_FWD
@@ -688,3 +689,47 @@ def test_a_dumps_entry_skips_a_decorators_wrapper():
                   "/venv/lib/python3.11/site-packages/torch/utils/checkpoint.py:496:checkpoint"):
         d.frame(frame)
     assert d.entry == "forward at models/llama/modeling_llama.py:297"
+
+
+class _Narrows(torch.nn.Module):
+    """A layer whose every second call keeps half its features (a Python counter steers the branch): its recompute
+    runs the other branch than its forward, so torch raises a metadata mismatch."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.width, self.calls = width, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        return (h[:, :self.width] if self.calls % 2 == 0 else h).relu().sum()
+
+
+def _debug_error_text(width: int) -> str:
+    """The text a training script prints for the CheckpointError its step raises under checkpoint(debug=True)."""
+    import traceback
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    layer = _Narrows(width)
+    with torch_debug_logging():
+        try:
+            checkpoint(layer, torch.randn(4, 8, requires_grad=True), use_reentrant=False, debug=True).backward()
+        except Exception as exc:  # noqa: BLE001 - the text is the subject
+            return "".join(traceback.format_exception(exc))
+    raise AssertionError("the recompute took the same branch as the forward")
+
+
+def test_a_dump_printed_again_is_one_region_raised_twice():
+    """logger.exception("step failed") and then the re-raise print the same error and dump twice: one region, its
+    error raised 2 times (it was two regions, "2 of 2 regions diverged"); a dump of other content stays a region of
+    its own, numbered after the first."""
+    once = _debug_error_text(width=4)
+    run = parse_text("ERROR train: step failed\n" + once + "\n" + once)
+    assert [r.region for r in run.regions] == [0]
+    assert [(e.region, e.count) for e in run.errors] == [(0, 2)]
+    other = _debug_error_text(width=2)
+    run = parse_text(once + "\n" + other + "\n" + once)
+    assert [r.region for r in run.regions] == [0, 1]
+    assert sorted((e.region, e.count, e.positions[0].recomputed.shape) for e in run.errors) == [
+        (0, 2, (4, 4)), (1, 1, (4, 2))]

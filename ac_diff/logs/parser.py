@@ -30,8 +30,8 @@ from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder,
 from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments, srun_label
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
-from ac_diff.logs.repeats import ErrorTally
-from ac_diff.logs.spill import RegionSpill
+from ac_diff.logs.repeats import ErrorTally, dump_key, fold_errors, fold_repeated_dumps
+from ac_diff.logs.spill import RegionSpill, ops_bytes
 from ac_diff.passes import Pass, Region, Run
 
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
@@ -95,6 +95,7 @@ class LogParser:
         self._errors = ErrorTally()  # the errors read to their end, repetitions folded
         self._errors_started = 0
         self._dumps: list[D.DumpBuilder | Region] = []  # in the order they started; a Region once read to its end
+        self._dump_keys: dict[int, tuple] = {}  # index in _dumps -> (rank as its lines carry it, dump_key)
         self._counts = _Counts()
         self._last_rank: int | None = rank_in_path(path)  # (unprefixed lines: the rank the file's path names)
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
@@ -252,8 +253,10 @@ class LogParser:
         """torch's warning that a reentrant checkpoint got no input requiring grad: a region of its own, its forward
         marked as the recorder marks one (region.options["no_grad_inputs"], -1: which parameters it read is not in
         the log), for diagnosis to say its parameters may get no gradient."""
-        self._dumps.append(Region(rank=st.rank, region=st.dumps, module=None, kind="log",  # type: ignore[arg-type]
-                                  options={"no_grad_inputs": -1}, forward=Pass("forward")))
+        region = Region(rank=st.rank, region=st.dumps, module=None, kind="log",  # type: ignore[arg-type]
+                        options={"no_grad_inputs": -1}, forward=Pass("forward"))
+        self._dump_keys[len(self._dumps)] = (st.rank, dump_key(region, b""))
+        self._dumps.append(region)
         st.dumps += 1
         st.seen = True
 
@@ -282,7 +285,9 @@ class LogParser:
             st.dump = None
             self._counts.unplaced_ops += d.unplaced_ops
             region = d.finish()
-            self._dumps[st.dump_at] = self._spill.put(region) if self._spill is not None else region
+            ops = ops_bytes(region)
+            self._dump_keys[st.dump_at] = (st.rank, dump_key(region, ops))
+            self._dumps[st.dump_at] = self._spill.put(region, ops) if self._spill is not None else region
 
     def _dump_marker(self, st: _RankState, section: int) -> None:
         d = st.dump
@@ -355,8 +360,14 @@ class LogParser:
         for st in self._ranks.values():
             self._retire_error(st)
             self._retire_dump(st)
-        run.errors = self._errors.errors()
-        run.regions = self._dumps  # type: ignore[assignment]  (every dump retired: all Regions)
+        # every dump retired: all Regions
+        run.regions, renumbered = fold_repeated_dumps(self._dumps, [self._dump_keys[i]  # type: ignore[arg-type]
+                                                                    for i in range(len(self._dumps))])
+        errors = self._errors.errors()
+        for err in errors:
+            if err.region is not None:
+                err.region = renumbered.get((err.rank, err.region), err.region)
+        run.errors = fold_errors(errors)
         if self._spill is not None:
             run.ops_loader = self._spill.loaded
         run.truncated = bool(stopped)

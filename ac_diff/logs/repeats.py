@@ -9,11 +9,20 @@ Errors are the same when `TorchError.same_as()` is (kind, rank, region, counts, 
 whatever text another writer spliced into one of them. The tally holds one TorchError per distinct error,
 so reading a log of any number of repetitions takes the memory of its distinct errors; `errors()` lists
 them in the order their first repetition started (`seq`).
+
+A `debug=True` dump printed again (an error logged with `logger.exception` and then re-raised, the same failing
+step retried) is the same region: `fold_repeated_dumps` keeps its first printing, and its errors fold with it.
+
+    regions, renumbered = fold_repeated_dumps(regions, keys)   # keys: (rank, dump_key()) per region
+    # 2 regions of identical text on rank 0 -> 1 region; renumbered {(0, 0): 0, (0, 1): 0}: region 1's errors are
+    # region 0's
 """
 
 from __future__ import annotations
 
-from ac_diff.passes import TorchError
+import hashlib
+
+from ac_diff.passes import Region, TorchError
 
 
 class ErrorTally:
@@ -61,3 +70,30 @@ def _span(a: TorchError, b: TorchError) -> tuple[int | None, int | None]:
     firsts = [x for x in (a.first_line, b.first_line) if x is not None]
     lasts = [x for x in (a.last_line, b.last_line) if x is not None]
     return (min(firsts) if firsts else None), (max(lasts) if lasts else None)
+
+
+def dump_key(region: Region, ops: bytes) -> bytes:
+    """What makes two printings of a dump the same: a digest of its module, options, passes and `ops` (its ops as
+    spill.ops_bytes() pickles them)."""
+    passes = [(p.phase, p.complete) if p is not None else None for p in (region.forward, region.recompute)]
+    return hashlib.blake2b(repr((region.module, region.options, passes)).encode() + ops, digest_size=16).digest()
+
+
+def fold_repeated_dumps(regions: list[Region], keys: list[tuple]) -> tuple[list[Region], dict[tuple, int]]:
+    """`regions` (in log order; `keys[i]` = (the rank its lines carried, None for unprefixed lines; region i's
+    dump_key)) with each rank's repeated dumps left out and the others numbered again from 0 per rank; and
+    {(rank as its lines carried it, old region number): new number} for every region."""
+    kept: list[Region] = []
+    renumbered: dict[tuple, int] = {}
+    first_of: dict[tuple, int] = {}  # key -> new number
+    per_rank: dict[int | None, int] = {}
+    for region, key in zip(regions, keys):
+        owner = key[0]
+        same = first_of.get(key)
+        if same is None:
+            same = first_of[key] = per_rank.get(owner, 0)
+            per_rank[owner] = same + 1
+            kept.append(region)
+        renumbered[(owner, region.region)] = same
+        region.region = same
+    return kept, renumbered

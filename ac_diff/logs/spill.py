@@ -36,12 +36,14 @@ class RegionSpill:
         # id(region) -> (offset, length) of its passes' ops, and the region (held: its id is not reused)
         self._at: dict[int, tuple[int, int, Region]] = {}
 
-    def put(self, region: Region) -> Region:
-        """Move the region's ops to the file (a region without ops stays as it is); returns the region."""
+    def put(self, region: Region, data: bytes | None = None) -> Region:
+        """Move the region's ops to the file (a region without ops stays as it is); returns the region. `data`: its
+        ops_bytes(), where the caller has them already."""
         passes = _passes(region)
         if not any(p.ops for p in passes):
             return region
-        data = pickle.dumps([[_ROW(op) for op in p.ops] for p in passes], protocol=pickle.HIGHEST_PROTOCOL)
+        if data is None:
+            data = ops_bytes(region)
         offset = self._file.seek(0, 2)
         self._file.write(data)
         self._at[id(region)] = (offset, len(data), region)
@@ -76,3 +78,8 @@ class RegionSpill:
 
 def _passes(region: Region) -> list[Pass]:
     return [p for p in (region.forward, region.recompute) if p is not None]
+
+
+def ops_bytes(region: Region) -> bytes:
+    """The ops of the region's passes, pickled as the spill keeps them."""
+    return pickle.dumps([[_ROW(op) for op in p.ops] for p in _passes(region)], protocol=pickle.HIGHEST_PROTOCOL)
