@@ -187,6 +187,12 @@ class Pass:
     deferred: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
 
+def is_log_id(name: object) -> bool:
+    """Whether `name` is a tensor's number in a debug=True dump ("$49": all a log calls a tensor from outside the
+    region), not a name a recording gives it ("layers.0.moe.expert_bias")."""
+    return isinstance(name, str) and name.startswith("$")
+
+
 def op_count(p: Pass | None) -> int:
     """Ops a pass ran: the recorder's count, or the ops listed (0 for no pass, or where neither was measured)."""
     return 0 if p is None else int(p.state.get("n_ops") or len(p.ops))

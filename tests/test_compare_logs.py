@@ -332,6 +332,13 @@ def test_a_log_names_the_in_place_update_the_routing_depends_on(log):
     # named by the code checkpoint() ran, the user frame under checkpoint's in the dump's stacks (it read "region
     # 0 · ?"), not by the innermost frame of an op (the rms_norm call)
     assert region.module == "forward at wt-compat/examples/tiny_moe.py:172", region.module
+    # all the dump calls the bias is `$N`: the fix names it by the update's op and line, and its code names no `$N`
+    # attribute (it read "Update `$49` after the backward, not between forward and backward", "self.$49")
+    fix = region.suggestions[0]
+    assert fix.title.startswith("Apply the update of `$") and "aten.add_.Tensor at " in fix.title, fix.title
+    assert "update_expert_bias" in fix.title and "between forward and backward" not in fix.title
+    assert "$" not in (fix.code or ""), fix.code
+    assert "f32[2], torch's dump calls it $" in cause.detail
 
 
 def test_autocasts_cached_weight_casts_are_not_a_divergence_in_a_log(tmp_path):

@@ -364,10 +364,12 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
         ref = op.input_refs[0] if op.input_refs else None
         if is_in_place_method(op.op) and ref is not None and ref.kind != "op" and ref.name in read:
             at = where(op.module, op.source)
+            meta = next((m for m in op.out if isinstance(m, TensorMeta)), None)
             return Cause("state_mutation", ref.name,
-                         f"the region updates the tensor {ref.name} (made outside it) in place, by {op.op} at {at}, and "
-                         f"{shape.op} depends on it: the recompute reads it after the forward's update (and updates it "
-                         "again)", [f"{op.op} at {at} writes {ref.name}", shape.summary], mechanism="tensor",
+                         f"the region updates a tensor made outside it ({f'{meta}, ' if meta else ''}torch's dump calls "
+                         f"it {ref.name}) in place, by {op.op} at {at}, and {shape.op} depends on it: the recompute "
+                         "reads it after the forward's update (and updates it again)",
+                         [f"{op.op} at {at} writes {ref.name}", shape.summary], mechanism=UPDATED_IN_FORWARD,
                          source=op.source)
     drawn = next((op for op in reversed(feeding) if is_random_name(op.op)), None)
     if drawn is not None:

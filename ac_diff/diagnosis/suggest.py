@@ -15,13 +15,13 @@ import re
 from ..stateflags import KERNEL_FLAGS, flag_label
 from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_random_name, packet,
                        updates_as_it_computes)
-from ..passes import OpRecord, Region
+from ..passes import OpRecord, Region, is_log_id
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LATER_FORWARD, LAZY_INIT,
                       NO_GRAD_INPUTS, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport,
                       Suggestion)
 from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
-from .labels import backticked
+from .labels import backticked, where
 
 
 def _torch_op(op: str) -> str:
@@ -165,16 +165,23 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
     """The fix for state the region's own forward updates in place, as a run without AC computes: an update the
     forward then reads (a normalizer's statistics) moves before the checkpoint call, or is skipped in the recompute;
     one made after the forward read the state (an EMA, a load-balancing bias) moves after the backward (after the
-    checkpoint call is too early: the recompute runs in the backward)."""
-    again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
+    checkpoint call is too early: the recompute runs in the backward). A log names the tensor by its number in the
+    dump only (`$49`, another in the recompute's list): it is named by the op that updates it."""
+    writer = writer_in(region.forward, name)
+    if is_log_id(name):
+        shown, leaf, owner = f"`{name}` (torch's number for the tensor {writer or 'an in-place op'} writes)", "it", ""
+        again = writer is not None and any(f"{o.op} at {where(o.module, o.source)}" == writer
+                                           for o in (region.recompute.ops if region.recompute is not None else []))
+    else:
+        shown, (owner, leaf) = f"`{name}`", split_name(name)
+        again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
     recompute = ("runs that update a second time, from the updated value, and computes with it" if again else
                  "computes with the updated value, not the one the forward read")
-    owner, leaf = split_name(name)
     module = f'model.get_submodule("{owner}")' if owner else "block"
     if read_after_write(region.forward, name):
         return Suggestion(
-            f"Update `{name}` before the checkpoint call, not inside the checkpointed region",
-            f"The region's forward updates `{name}` in place and then computes with the updated value; the recompute "
+            f"Update {shown} before the checkpoint call, not inside the checkpointed region",
+            f"The region's forward updates {shown} in place and then computes with the updated value; the recompute "
             f"{recompute}. Make the update in the caller, right before the checkpoint call: the forward computes "
             "with the updated value as it did, the recompute reads that same value and updates nothing, and the "
             "training is that of a run without AC. Where the update needs what the region computes first, skip it "
@@ -184,14 +191,14 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
             "# or, in forward(): `if not self.in_backward: <the update>`, and around the backward:\n"
             f"#   {module}.in_backward = True; loss.backward(); {module}.in_backward = False")
     return Suggestion(
-        f"Apply the update of `{name}` after the backward, not inside the checkpointed region: its recompute "
+        f"Apply the update of {shown} after the backward, not inside the checkpointed region: its recompute "
         + ("runs it again" if again else "reads the updated value"),
-        f"The region's own forward (or a hook inside it) computes with `{name}` and then updates it in place, so the "
+        f"The region's own forward (or a hook inside it) computes with {shown} and then updates it in place, so the "
         f"recompute {recompute}. Keep what the update needs (return it from the checkpointed function), and apply "
         "it after `loss.backward()`, best after `optimizer.step()` from an optimizer step hook: the recompute then "
         "reads the value the forward read (right after the checkpoint call is too early: the recompute runs inside "
         "the backward).",
-        _step_hook_code(name) + "\n"
+        _step_hook_code(leaf) + "\n"
         "# or: out, new_state = checkpoint(block_fn, x, use_reentrant=False)  # block_fn returns the new value\n"
         "#     loss.backward()\n"
         "#     with torch.no_grad(): state.copy_(new_state)  # applied once, after the backward")
