@@ -9,10 +9,11 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 import ac_diff
 from ac_diff.logs import parse_text
-from conftest import REAL_LOGS, REPO, run_cli, torch_debug_logging
+from conftest import REAL_LOGS, REPO, checkpoint_error_text, run_cli, torch_debug_logging
 from models import NEEDS_SAC
 
 SAMPLE_LOGS = REPO / "sample_logs"
@@ -657,3 +658,36 @@ def test_autocast_on_in_the_recompute_only_is_a_dtype_change_in_a_log(tmp_path):
     assert region.first_shape_divergence.label == "dtype" and region.chain[-1].endswith(
         "differ in dtype -> CheckpointError"), region.chain
     assert {row.marker for row in region.window if row.marker in ("shape", "dtype")} == {"dtype"}
+
+
+class _Pruner(torch.nn.Module):
+    """Token pruning against a threshold the forward updates in place (an EMA of the norms' median) and then compares
+    with: the recompute updates it again, keeps other tokens, and torch raises a metadata mismatch. Dropout before it
+    draws the same numbers in both passes (preserve_rng_state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("thresh", torch.tensor(1.0))
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        flat = torch.nn.functional.dropout(x, 0.1).reshape(-1, 16)
+        norms = flat.norm(dim=-1)
+        with torch.no_grad():
+            self.thresh.mul_(0.5).add_(0.5 * norms.median())
+        idx = (norms > self.thresh).nonzero().squeeze(1)
+        return flat.index_add(0, idx, torch.relu(self.fc(flat.index_select(0, idx))))
+
+
+def test_a_log_names_a_buffer_the_region_updates_and_then_reads():
+    """The region updates a buffer in place and then computes with it (the update feeds the diverged op through the
+    in-place ops, not from outside): the cause was "rng: nonzero depends on the random op bernoulli_", whose fix
+    (preserve_rng_state=True, already on) changes nothing."""
+    torch.manual_seed(0)
+    text = checkpoint_error_text(_Pruner(), torch.randn(4, 8, 16, requires_grad=True))
+    report = ac_diff.diagnose([parse_text(text)])
+    (region,) = report.regions
+    assert region.cause.kind == "state_mutation", region.cause
+    assert "aten.mul_.Tensor" in region.cause.detail and "test_compare_logs.py" in region.cause.source
+    assert region.suggestions[0].title.startswith("Update `$"), region.suggestions[0].title
+    assert not any("preserve_rng_state" in s.title for s in region.suggestions)

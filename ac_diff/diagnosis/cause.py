@@ -360,6 +360,10 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     # (a tokens-per-expert counter's add_ feeds nothing)
     read = {r.name for op in [target, *feeding] for k, r in enumerate(op.input_refs)
             if r.kind != "op" and r.name and not (k == 0 and is_in_place_method(op.op))}
+    # ...or updated by an op of the chain: the target computes with the updated value (a threshold's EMA, updated and
+    # then compared with), which the recompute updates again
+    read |= {op.input_refs[0].name for op in feeding
+             if is_in_place_method(op.op) and op.input_refs and op.input_refs[0].kind != "op" and op.input_refs[0].name}
     for op in ops:
         ref = op.input_refs[0] if op.input_refs else None
         if is_in_place_method(op.op) and ref is not None and ref.kind != "op" and ref.name in read:

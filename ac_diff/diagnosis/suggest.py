@@ -169,7 +169,8 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
     dump only (`$49`, another in the recompute's list): it is named by the op that updates it."""
     writer = writer_in(region.forward, name)
     if is_log_id(name):
-        shown, leaf, owner = f"`{name}` (torch's number for the tensor {writer or 'an in-place op'} writes)", "it", ""
+        shown = f"`{name}` (torch's number for the tensor {writer or 'an in-place op'} writes)"
+        leaf, owner = "that tensor", ""
         again = writer is not None and any(f"{o.op} at {where(o.module, o.source)}" == writer
                                            for o in (region.recompute.ops if region.recompute is not None else []))
     else:
