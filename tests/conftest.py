@@ -48,15 +48,19 @@ def torch_debug_logging():
                 logger.addHandler(handler)
 
 
-def checkpoint_error_text(fn, *inputs) -> str:
+def checkpoint_error_text(fn, *inputs, between=None) -> str:
     """What a training script prints for the CheckpointError that the backward of `checkpoint(fn, *inputs,
-    debug=True)` raises (the traceback, the error, the dump); fails when the backward raised nothing."""
+    debug=True)` raises (the traceback, the error, the dump); `between()` runs after the forward, before the
+    backward. Fails when the backward raised nothing."""
     import traceback
 
     from torch.utils.checkpoint import checkpoint
     with torch_debug_logging():
         try:
-            checkpoint(fn, *inputs, use_reentrant=False, debug=True).sum().backward()
+            loss = checkpoint(fn, *inputs, use_reentrant=False, debug=True).sum()
+            if between is not None:
+                between()
+            loss.backward()
         except Exception as exc:  # noqa: BLE001 - the text is the subject
             return "".join(traceback.format_exception(exc))
     raise AssertionError("the recompute reproduced the forward")

@@ -691,3 +691,22 @@ def test_a_log_names_a_buffer_the_region_updates_and_then_reads():
     assert "aten.mul_.Tensor" in region.cause.detail and "test_compare_logs.py" in region.cause.source
     assert region.suggestions[0].title.startswith("Update `$"), region.suggestions[0].title
     assert not any("preserve_rng_state" in s.title for s in region.suggestions)
+
+
+def test_a_dtype_a_schedule_switched_before_the_backward_is_a_precision_change_in_a_dump_too():
+    """`.to(CFG["gate_dtype"])`: a no-op in the forward (float32), a cast in the recompute (bfloat16 since). The plain
+    error's positions (f32 -> bf16, same shapes) read as a precision change; the dump of the same run was "control_flow:
+    Python code took another branch" (its sequences differ where the recompute ran the cast)."""
+    cfg = {"gate_dtype": torch.float32}
+    gate = torch.nn.Linear(8, 8)
+
+    def region(x):
+        return torch.sigmoid(gate(x)).to(cfg["gate_dtype"]) * x.to(cfg["gate_dtype"])
+
+    text = checkpoint_error_text(region, torch.randn(4, 8, requires_grad=True),
+                                 between=lambda: cfg.update(gate_dtype=torch.bfloat16))
+    (region_report,) = ac_diff.diagnose([parse_text(text)]).regions
+    cause = region_report.cause
+    assert cause.kind == "global_state" and "the recompute ran dtype casts" in cause.detail, cause
+    assert "f32 -> bf16" in cause.detail
+    assert region_report.suggestions[0].title == "Make the precision the same in the forward and in the backward"

@@ -246,11 +246,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                          "path) or on a tensor's requires_grad / grad_fn takes the other branch in the recompute",
                          [control.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
                          mechanism=GRAD_MODE, source=control.source)
-        casts = dtype_only(report.positions) if control.op == CAST else None
-        if casts:  # (autocast on in one pass: it casts the weights before each matmul, the other pass does not)
+        paired = (_forward_op(region, control.forward_index)[1], _op_at(region.recompute, control.recompute_index))
+        casts = dtype_only(report.positions) if any(op is not None and op.op == CAST for op in paired) else None
+        if casts:  # (autocast on in one pass: it casts the weights before each matmul, the other pass does not; a
+            # `.to(dtype)` whose dtype a schedule changed: a no-op in one pass, a cast in the other)
             return Cause("global_state", PRECISION,
-                         f"the {'recompute' if control.forward_index is None else 'forward'} ran dtype casts the other "
-                         f"pass did not, and {DTYPE_ONLY.format(change=casts)}", [control.summary],
+                         f"the {'recompute' if paired[1] is not None and paired[1].op == CAST else 'forward'} ran "
+                         f"dtype casts the other pass did not, and {DTYPE_ONLY.format(change=casts)}", [control.summary],
                          source=control.source)
         return _bound_since(region, control) or Cause("control_flow", control.op,
                                                       ran + "Python code took another branch", [control.summary])
@@ -388,7 +390,12 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
 def _forward_op(region: Region, index: int | None) -> tuple[list[OpRecord], OpRecord | None]:
     """The forward's ops, and the one at `index` (None if it is not there)."""
     ops = region.forward.ops if region.forward is not None else []
-    return ops, next((o for o in ops if o.index == index), None)
+    return ops, _op_at(region.forward, index)
+
+
+def _op_at(p: Pass | None, index: int | None) -> OpRecord | None:
+    """The op of pass `p` at `index` (None if it is not there)."""
+    return None if p is None or index is None else next((o for o in p.ops if o.index == index), None)
 
 
 def _log_python_argument(region: Region, shape: Divergence) -> Cause | None:
