@@ -501,8 +501,10 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "Fill the cache before the checkpointed forward, so that the forward and the recompute both read it",
             f"The forward filled a cache ({cause.tensor} at {cause.source or 'the region'}) that the recompute then "
             "read, so the two passes ran different ops. Compute the cached value before the checkpointed blocks run "
-            "(inside `torch.nn.utils.parametrize.cached()`, read each parametrized weight once first), or clear the "
-            "cache before the backward, or leave this module out of activation checkpointing.",
+            "(inside `torch.nn.utils.parametrize.cached()`, read each parametrized weight once first), or leave this "
+            "module out of activation checkpointing. Clearing the cache before the backward instead makes the "
+            "recompute fill it again: that reproduces the forward only where filling it changes nothing else (not "
+            "spectral_norm's, whose power iteration updates its vectors each time it runs: silently other weights).",
             "with torch.nn.utils.parametrize.cached():\n"
             "    for m in model.modules():          # fill the cache first: forward and recompute hit it alike\n"
             "        if torch.nn.utils.parametrize.is_parametrized(m):\n"
