@@ -84,9 +84,10 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
             raise InputError(f"{name}: the compressed file is damaged ({damage}); copy it again from where it "
                              "was written (or decompress what is readable: zcat FILE > FILE.log)")
         raise InputError(f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
-                         "debug dump in it (torch prints those only when a recompute differs: a run that raised none "
-                         "leaves nothing to explain); pass the log that contains the CheckpointError, or record the "
-                         "script with `ac-diff run`")
+                         "debug dump in it, so there is nothing in it to explain; a log without one does not show the "
+                         "recomputes matched (use_reentrant=True and determinism_check=\"none\" raise nothing when "
+                         "they differ): pass the log that holds the CheckpointError, or check the script with `ac-diff "
+                         "run --check` (`--reference no-ac` compares its gradients)")
     return [parse_log(p, progress=progress, lazy=lazy)]
 
 

@@ -217,6 +217,8 @@ def written_arguments(name: str, args: list | tuple = ()) -> tuple[int, ...]:
     () for unknown ops and ops that write nothing."""
     if name.count(".") == 2 and packet(name) in _UNANNOTATED_STATS_UPDATES:
         return (3, 4) if len(args) > 5 and args[5] is True else ()
+    if namespace(name) == "c10d" and packet(name).endswith("_"):
+        return (0,)  # c10d's in-place collectives (allreduce_, alltoall_base_...) write their first argument, unsaid
     return _from_schema(_written, name, lambda schema: tuple(
         i for i, a in enumerate(schema.arguments)
         if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write))

@@ -193,6 +193,11 @@ def is_log_id(name: object) -> bool:
     return isinstance(name, str) and name.startswith("$")
 
 
+def op_at(p: Pass | None, index: int | None) -> OpRecord | None:
+    """The op of pass `p` at `index` (None if it is not there)."""
+    return None if p is None or index is None else next((o for o in p.ops if o.index == index), None)
+
+
 def op_count(p: Pass | None) -> int:
     """Ops a pass ran: the recorder's count, or the ops listed (0 for no pass, or where neither was measured)."""
     return 0 if p is None else int(p.state.get("n_ops") or len(p.ops))

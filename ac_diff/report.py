@@ -134,6 +134,8 @@ KEPT_OUTPUT_WRITTEN = "kept_output_written"  # ... a tensor the forward made and
 REBOUND = "rebound"  # ... the parameters read are other tensor objects in the recompute
 REQUIRES_GRAD = "requires_grad"  # ... parameters frozen or unfrozen between the passes
 LAZY_INIT = "lazy_init"  # ... the forward initialized state with random draws, the recompute did not
+RECEIVED = "received"  # ... the first op to differ computes with what a collective received from other ranks
+ONE_PASS_DRAW = "one_pass_draw"  # ... one pass ran a random op the other did not (a cache filled by a draw)
 GRAD_MODE = "grad_mode"  # ... a branch on grad mode, which use_reentrant=True turns off in the forward only
 CACHE_HIT = "cache_hit"  # ... the recompute read back what the forward cached and skipped the ops that made it
 HOOKS = "hooks"  # ... a module forward hook registered or removed between the forward and the backward

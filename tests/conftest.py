@@ -48,16 +48,16 @@ def torch_debug_logging():
                 logger.addHandler(handler)
 
 
-def checkpoint_error_text(fn, *inputs, between=None) -> str:
+def checkpoint_error_text(fn, *inputs, between=None, **options) -> str:
     """What a training script prints for the CheckpointError that the backward of `checkpoint(fn, *inputs,
-    debug=True)` raises (the traceback, the error, the dump); `between()` runs after the forward, before the
-    backward. Fails when the backward raised nothing."""
+    debug=True, **options)` raises (the traceback, the error, the dump); `between()` runs after the forward, before
+    the backward. Fails when the backward raised nothing."""
     import traceback
 
     from torch.utils.checkpoint import checkpoint
     with torch_debug_logging():
         try:
-            loss = checkpoint(fn, *inputs, use_reentrant=False, debug=True).sum()
+            loss = checkpoint(fn, *inputs, **{"use_reentrant": False, "debug": True, **options}).sum()
             if between is not None:
                 between()
             loss.backward()

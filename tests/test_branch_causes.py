@@ -1,8 +1,9 @@
 """Causes of a recompute that ran other ops than its forward, each from a real mechanism: a reentrant region that
 branches on grad mode (use_reentrant=True runs its forward without autograd), a cache the forward filled that the
 recompute read back (spectral norm's weight under torch.nn.utils.parametrize.cached()), a lazy module that
-initialized its parameters in the forward only (its random draws moved the generator the dropout after it reads), and
-an ablation probe's forward hook registered after the loss and removed after the backward (the recompute runs it)."""
+initialized its parameters in the forward only (its random draws moved the generator the dropout after it reads), a
+noise table a cached helper drew in the forward only (the same, from a cache miss), and an ablation probe's forward
+hook registered after the loss and removed after the backward (the recompute runs it)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,18 @@ class LazyBlock(nn.Module):
         return self.drop(torch.tanh(self.fc(x)))
 
 
+def _one_region(model, x, tmp_path, clean: bool):
+    """Record one checkpoint of `model` on `x` and its backward: None where the run must be (and is) clean, else the
+    diagnosed region."""
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        cp.checkpoint(model, x, use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if clean:
+        assert report.verdict == "clean", report.headline
+        return None
+    return report.regions[0]
+
+
 @pytest.mark.parametrize("materialized", [False, True])
 def test_a_lazy_module_initialized_inside_the_region(materialized, tmp_path):
     """nn.LazyLinear initializes its weight (uniform_, from the default generator) in its first forward, inside the
@@ -104,16 +117,50 @@ def test_a_lazy_module_initialized_inside_the_region(materialized, tmp_path):
     if materialized:
         with torch.no_grad():
             model(x)
-    with ac_diff.record(tmp_path / "t.jsonl"):
-        cp.checkpoint(model, x, use_reentrant=False).sum().backward()
-    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
-    if materialized:
-        assert report.verdict == "clean", report.headline
+    region = _one_region(model, x, tmp_path, clean=materialized)
+    if region is None:
         return
-    region = report.regions[0]
     assert (region.cause.kind, region.cause.mechanism) == ("rng", "lazy_init"), region.cause
     assert region.cause.tensor == "fc.weight" and "lazy module" in region.cause.detail
     assert region.suggestions[0].title == "Initialize lazy modules before training, outside activation checkpointing"
+
+
+class CachedNoise(nn.Module):
+    """A block that adds a noise table a cached helper draws on its first call (a cache miss in the forward, a hit in
+    the recompute), then dropout."""
+
+    def __init__(self, table) -> None:
+        super().__init__()
+        self.fc, self.drop, self.table = nn.Linear(16, 16), nn.Dropout(0.2), table
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.fc(x + self.table(x.shape[0], x.shape[1]))))
+
+
+@pytest.mark.parametrize("warmed", [False, True])
+def test_a_draw_the_forward_made_on_a_cache_miss_moves_the_dropout_of_the_recompute(warmed, tmp_path):
+    """functools.lru_cache's table is drawn (randn) in the forward and found cached by the recompute, whose dropout then
+    draws from another offset of the restored generator: the cause was "the generator it draws from is not one
+    checkpoint restores ... a region that draws on a GPU", on a CPU. The table drawn before the step: clean."""
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def noise_table(n, d):
+        return torch.randn(n, d) * 0.02
+
+    torch.manual_seed(0)
+    model, x = CachedNoise(noise_table), torch.randn(8, 16)
+    if warmed:
+        noise_table(8, 16)
+    region = _one_region(model, x, tmp_path, clean=warmed)
+    if region is None:
+        return
+    assert (region.cause.kind, region.cause.mechanism) == ("rng", "one_pass_draw"), region.cause
+    assert region.cause.tensor.startswith("aten.randn.default at ") and "in noise_table" in region.cause.tensor
+    assert "which the recompute did not run" in region.cause.detail and "aten.bernoulli_" in region.cause.detail
+    fix = region.suggestions[0]
+    assert fix.title.startswith("Make the value aten.randn.default") and "noise_table(...)" in fix.code
+    assert not any("drawing device" in s.text for s in region.suggestions)
 
 
 class Mlp(nn.Module):

@@ -107,9 +107,19 @@ def test_garbage_is_bad_input(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("ac-diff: error:")
 
 
+def test_a_training_log_without_a_checkpoint_error_proves_nothing(tmp_path):
+    """A log whose run raised nothing is nothing to explain, but not a sign that the recomputes matched: a reentrant
+    region that diverges raises nothing. The message said "torch prints those only when a recompute differs"."""
+    quiet = tmp_path / "train.log"
+    quiet.write_text("".join(f"step {i} loss {1 / (i + 1):.4f}\n" for i in range(50)))
+    proc = run_cli("compare", str(quiet))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "only when a recompute differs" not in proc.stderr
+    assert "does not show the recomputes matched" in proc.stderr and "--reference no-ac" in proc.stderr
+
+
 def _debug_log(tmp_path, name: str, fn, x) -> Path:
     """The text torch raises with debug=True for a recompute that diverges, written as a log file."""
-    import torch
     import torch.utils.checkpoint as cp
 
     with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
@@ -710,3 +720,49 @@ def test_a_dtype_a_schedule_switched_before_the_backward_is_a_precision_change_i
     assert cause.kind == "global_state" and "the recompute ran dtype casts" in cause.detail, cause
     assert "f32 -> bf16" in cause.detail
     assert region_report.suggestions[0].title == "Make the precision the same in the forward and in the backward"
+
+
+def test_a_backward_that_fails_on_a_gradients_shape_where_checkpoint_compared_nothing():
+    """determinism_check="none": the pruner's recompute keeps other tokens, torch compares nothing, and the backward
+    fails in autograd's shape check ("IndexAddBackward0 returned an invalid gradient ... got [29, 16] but expected
+    shape compatible with [32, 16]"). Nothing is checked from such a log, and the note says what the error means."""
+    torch.manual_seed(0)
+    text = checkpoint_error_text(_Pruner(), torch.randn(4, 8, 16, requires_grad=True), debug=False,
+                                 determinism_check="none")
+    assert "returned an invalid gradient" in text
+    report = ac_diff.diagnose([parse_text(text)])
+    assert report.verdict == "unchecked", report.headline
+    assert any("that is how a recompute that computed other shapes than its forward ends" in n
+               and 'determinism_check="none"' in n for n in report.notes), report.notes
+
+
+class _OddCallBranch(torch.nn.Module):
+    """A pre-layer that adds a tanh projection on even calls (a call counter): the recompute (call 2) runs it where the
+    forward (call 1) went on to the block's layer norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.calls = torch.nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            x = x + 0.1 * self.proj(torch.tanh(x))  # the branch
+        return x
+
+
+def test_a_branch_in_a_dump_is_named_by_the_line_of_each_pass():
+    """The forward ran the block's layer norm where the recompute ran the extra branch's tanh: the cause and the fix
+    named only the forward's line (the layer norm's call), where no branch is; now the recompute's line too."""
+    import inspect
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(_OddCallBranch(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 32))
+    # the forward (call 1) skips the branch, the recompute (call 2) runs it
+    text = checkpoint_error_text(block, torch.randn(4, 16, requires_grad=True))
+    (region,) = ac_diff.diagnose([parse_text(text)]).regions
+    lines, first = inspect.getsourcelines(_OddCallBranch.forward)
+    branch = first + next(i for i, line in enumerate(lines) if "# the branch" in line)
+    assert region.cause.kind == "control_flow", region.cause
+    assert f"test_compare_logs.py:{branch} in forward (the recompute's)" in region.cause.detail, region.cause.detail
+    assert f"test_compare_logs.py:{branch}" in region.suggestions[0].text

@@ -120,6 +120,25 @@ def test_launcher_reports_across_ranks(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_rank_that_diverged_through_an_all_reduce_takes_the_cause_of_the_rank_it_came_from(tmp_path):
+    """Tensor-parallel blocks all-reduce their partial sums inside the region; rank 1's warmup raises its blocks'
+    `gain` between the forward and the backward. Rank 0 changed nothing: its recompute received rank 1's other
+    partial sums through the all_reduce (written in place, not measured). Rank 0's cause was "nondeterministic_op:
+    aten.add.Tensor returned other values from identical inputs", with use_deterministic_algorithms as the fix."""
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    stack = Path(__file__).parent / "stacks" / "tp_rank_gain.py"
+    proc = torchrun("-o", str(out), "--json", str(json_path), str(stack), "--warm-rank", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    regions = [r for r in report_json(json_path)["regions"] if r["status"] == DIVERGED]
+    assert {r["rank"] for r in regions} == {0, 1}
+    assert not [r for r in regions if r["cause"]["kind"] != "state_mutation"], [r["cause"] for r in regions]
+    received = [r for r in regions if r["rank"] == 0]
+    assert all(r["cause"]["detail"].startswith("through c10d.allreduce_.default, from rank 1, whose region")
+               and "`blocks." in r["cause"]["detail"] and ".gain`" in r["cause"]["detail"] for r in received)
+    assert not any("use_deterministic_algorithms" in (s["code"] or "") for r in received for s in r["suggestions"])
+
+
+@pytest.mark.e2e
 def test_tensor_parallel_dtensor_replicated_router_disagrees(tmp_path):
     """DTensor tensor parallelism with checkpointed blocks; per-rank seeds make the replicated router's
     jitter differ: activation checkpointing is clean on every rank, the ranks disagree with each other."""
@@ -334,6 +353,18 @@ def test_rank_specific_collective_output_is_not_a_disagreement():
                 op(3, "aten.relu.default", refs=[ref(2)], fp=[received])]
 
     _, found = _findings(_runs(_region_on(0, ops([1.0, 1.0]), INPUT), _region_on(1, ops([4.0, 4.0]), INPUT)))
+    assert "replicated_disagreement" not in found
+
+
+def test_a_compiled_graphs_call_reads_what_is_not_recorded():
+    """A torch.compile'd function inside the region is one op that records no inputs: data-parallel ranks feed it
+    other batches, so its outputs differ by design; "read identical inputs ... replicated computation disagrees"
+    was reported on a clean control."""
+    def ops(out_fp):
+        return [op(0, "inductor_compiled_code", module="layers.0", fp=[out_fp]),
+                op(1, "aten.relu.default", module="layers.0", refs=[ref(0)], fp=[out_fp])]
+
+    _, found = _findings(_runs(_region_on(0, ops([1.0, 2.0]), INPUT), _region_on(1, ops([3.0, 4.0]), INPUT)))
     assert "replicated_disagreement" not in found
 
 

@@ -243,3 +243,47 @@ def test_a_backward_that_fails_only_without_ac_is_said_beside_identical_gradient
     assert "backward 2 failed only without AC: the run without AC exited with 1 there" in ref["headline"], ref
     assert "--reference-steps" not in ref["headline"], ref["headline"]
     assert result.report["verdict"] == "diverged"
+
+
+PARITY_SCALE = """
+import torch, torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+class Block(nn.Module):  # a call counter picks the residual scale: the recompute counts a second time
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + (1.0 if self.calls % 2 else 0.5) * torch.tanh(self.fc(x))
+
+torch.manual_seed(0)
+model = nn.Sequential(Block(), Block())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    h = torch.randn(8, 16)
+    for block in model:
+        h = checkpoint(block, h, use_reentrant=False)
+    h.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_later_steps_that_read_a_python_counter_counted_twice_are_the_diverged_ones(tmp_path):
+    """A call counter the region reads (a residual scale on its parity): each recompute reproduces its forward (the
+    scale multiplies what is not saved), but counts again, so from backward 2 the forwards use other scales than a run
+    without AC. The reference's table said step 1's regions "diverged (silent)" (their gradients are the identical
+    ones) and the later steps' regions clean (theirs differ)."""
+    script = tmp_path / "parity_scale.py"
+    script.write_text(PARITY_SCALE)
+    json_path = tmp_path / "r.json"
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(json_path), "--reference", "no-ac",
+                   "--reference-steps", "3", str(script))
+    report = json.loads(json_path.read_text())
+    assert report["verdict"] == "diverged", proc.stderr[-2000:]
+    first = min(s["step"] for s in report["reference"]["steps"] if s["differing"]) + 1
+    status = {(x["backward"], x["module"]): x["status"] for x in report["regions"]}
+    assert first == 2 and {s for (b, _), s in status.items() if b >= first} == {"diverged"}, status
+    assert {s for (b, _), s in status.items() if b < first} == {"unchecked"}, status

@@ -20,7 +20,7 @@ from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, NO_GRAD_INPUTS,
-                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause,
+                      RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause,
                       MetadataChange, Report, RegionReport, TorchErrorSummary, backwards_recorded, missing_ranks,
                       repeated_updates)
 from .microbatches import later_forward
@@ -107,6 +107,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))
     _raised_in_their_backward(runs, region_reports)
+    _through_collectives(region_reports)
     _through_nested_regions(region_reports)
     _through_enclosing_regions(region_reports)
     one_optimizer_step(region_reports)
@@ -234,6 +235,22 @@ def _summary(err: TorchError, reports: list[RegionReport], log: str | None = Non
                              f"dtype_changed: {DTYPE_ONLY.format(change=dtypes)}" if (dtypes := dtype_only(changes))
                              else None,
                              count=err.count, first_line=err.first_line, last_line=err.last_line, log=log)
+
+
+def _through_collectives(reports: list) -> None:
+    """A region whose divergence came in through a collective (what an all_reduce received) takes the cause and fixes
+    of the same region on a rank that explains its own divergence: that rank's difference reached this one."""
+    own = {}
+    for r in reports:
+        if r.status == DIVERGED and r.cause is not None and r.cause.kind != "unknown":
+            own.setdefault((r.region, r.module), r)  # (ranks number the same layer-step alike)
+    for r in reports:
+        origin = own.get((r.region, r.module))
+        if (r.status != DIVERGED or r.cause is None or r.cause.mechanism != RECEIVED or origin is None
+                or origin.rank == r.rank):
+            continue
+        _adopt(r, origin, f"through {r.cause.tensor}, from rank {origin.rank}, whose region {origin.region} "
+               f"({origin.module}) diverged", [r.cause.detail])
 
 
 def _through_nested_regions(reports: list) -> None:

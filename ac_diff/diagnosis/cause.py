@@ -22,17 +22,17 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import (CAST, aliases_its_input, is_decision, is_host_read, is_in_place_method, is_random_name,
-                       is_view_op, written_inputs)
-from ..passes import External, OpRecord, Pass, Region, TensorMeta
+from ..oprules import (CAST, aliases_its_input, is_collective, is_decision, is_host_read, is_in_place_method,
+                       is_random_name, is_view_op, written_inputs)
+from ..passes import External, OpRecord, Pass, Region, TensorMeta, op_at
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
-                      PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause, Divergence,
-                      RegionReport)
+                      ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause,
+                      Divergence, RECEIVED, RegionReport)
 from .attributes import attribute_cause, change_words
 from .passdiff import (ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, writer_in,
                        written_refs)
 from .dataflow import data_path, decision_path, upstream
-from .labels import backticked, changed_line, fingerprint_pair, number_ranges, readable_arg, where
+from .labels import backticked, branch_sites, changed_line, fingerprint_pair, number_ranges, readable_arg, where
 from .suggest import suggestions_for
 
 
@@ -215,7 +215,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     rng = report.state_changes.get("rng")
     random_op = _first_random_divergence(cmp)
     if random_op is not None:
-        return _rng_cause(random_op, region, rng)
+        return _drawn_in_one_pass(region, cmp, random_op) or _rng_cause(random_op, region, rng)
 
     drew = region.forward.state.get("host_draws") if region.forward is not None else None
     # the first op to differ read other tensors than its twin though none it read had diverged: Python handed it
@@ -237,8 +237,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
             value is None or (control.forward_index or 0) <= (value.forward_index or 0)
                                 or control.recompute_index is not None and value.recompute_index is not None
                                 and control.recompute_index <= value.recompute_index):
-        ran = f"the recompute ran a different sequence of ops from {where(control.module, control.source)} before " \
-            "any value differed: "
+        ran = f"the recompute ran a different sequence of ops from {branch_sites(region, control)} before any " \
+            "value differed: "
         if _grad_mode_flipped(region):
             return Cause("control_flow", control.op,
                          ran + "under use_reentrant=True the forward runs with autograd off (torch.no_grad) and the "
@@ -246,7 +246,7 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                          "path) or on a tensor's requires_grad / grad_fn takes the other branch in the recompute",
                          [control.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
                          mechanism=GRAD_MODE, source=control.source)
-        paired = (_forward_op(region, control.forward_index)[1], _op_at(region.recompute, control.recompute_index))
+        paired = (op_at(region.forward, control.forward_index), op_at(region.recompute, control.recompute_index))
         casts = dtype_only(report.positions) if any(op is not None and op.op == CAST for op in paired) else None
         if casts:  # (autocast on in one pass: it casts the weights before each matmul, the other pass does not; a
             # `.to(dtype)` whose dtype a schedule changed: a no-op in one pass, a cast in the other)
@@ -301,8 +301,29 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         detail = ("a log shows where the shapes diverged, not why: the values that led there are not in it"
                   + (f"; the sizes come from the data-dependent decision {decision.op}" if decision else ""))
         return Cause("unknown", decision.op if decision else shape.op, detail, [shape.summary])
+    lead = value or shape
+    received = _received_through(region, lead) if lead is not None else None
+    if received is not None:  # (diagnosis gives it the cause of a rank that explains the region: _through_collectives)
+        return Cause("unknown", received.op,
+                     f"{lead.op} at {where(lead.module, lead.source)} computes with what {received.op} at "
+                     f"{where(received.module, received.source)} received from the other ranks, whose values this "
+                     "rank's trace does not measure: a divergence on another rank reaches this one through it",
+                     [d.summary for d in (value, shape, control) if d is not None], mechanism=RECEIVED,
+                     source=received.source)
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
+
+
+def _received_through(region: Region, lead: Divergence) -> OpRecord | None:
+    """The collective (an all_reduce, an all_to_all) the forward op `lead` depends on, if any: one it reads, or one that
+    wrote in place, before it, a tensor it reads (`allreduce_` fills the tensor the next op reads)."""
+    ops, target = _forward_op(region, lead.forward_index)
+    if target is None:
+        return None
+    feeding = {target.index, *(o.index for o in upstream(ops, target))}
+    return next((o for o in ops if o.index < target.index and is_collective(o.op) and (
+        o.index in feeding or any(w.kind == "op" and w.op_index in feeding
+                                  for w in written_inputs(o.op, o.args, o.input_refs)))), None)
 
 
 # Where host data becomes a tensor inside the region: torch.tensor / torch.as_tensor / torch.from_numpy
@@ -364,8 +385,9 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
             if r.kind != "op" and r.name and not (k == 0 and is_in_place_method(op.op))}
     # ...or updated by an op of the chain: the target computes with the updated value (a threshold's EMA, updated and
     # then compared with), which the recompute updates again
-    read |= {op.input_refs[0].name for op in feeding
-             if is_in_place_method(op.op) and op.input_refs and op.input_refs[0].kind != "op" and op.input_refs[0].name}
+    linked = {r.op_index for op in [target, *feeding] for r in op.input_refs if r.kind == "op"}  # (read, not guessed)
+    read |= {op.input_refs[0].name for op in feeding if op.index in linked and is_in_place_method(op.op)
+             and op.input_refs and op.input_refs[0].kind != "op" and op.input_refs[0].name}
     for op in ops:
         ref = op.input_refs[0] if op.input_refs else None
         if is_in_place_method(op.op) and ref is not None and ref.kind != "op" and ref.name in read:
@@ -390,12 +412,7 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
 def _forward_op(region: Region, index: int | None) -> tuple[list[OpRecord], OpRecord | None]:
     """The forward's ops, and the one at `index` (None if it is not there)."""
     ops = region.forward.ops if region.forward is not None else []
-    return ops, _op_at(region.forward, index)
-
-
-def _op_at(p: Pass | None, index: int | None) -> OpRecord | None:
-    """The op of pass `p` at `index` (None if it is not there)."""
-    return None if p is None or index is None else next((o for o in p.ops if o.index == index), None)
+    return ops, op_at(region.forward, index)
 
 
 def _log_python_argument(region: Region, shape: Divergence) -> Cause | None:
@@ -490,6 +507,33 @@ def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:
                  [f"forward: made by {op.op} #{op.index}, fingerprint {made}",
                   f"recompute: read as `{name}`, fingerprint {read}"],
                  mechanism=KEPT_OUTPUT_WRITTEN, source=op.source)
+
+
+def _drawn_in_one_pass(region: Region, cmp: PassComparison, random_op: OpRecord) -> Cause | None:
+    """Before `random_op` drew other numbers, one pass ran a random op the other did not (a table drawn on a cache
+    miss, `functools.lru_cache`, in the forward, which the recompute found cached): both started from the same
+    generator state, so every later draw of the region stood at another offset."""
+    both = [p for p in cmp.pairs if p.forward is not None and p.recompute is not None]
+    twin = next((p.recompute for p in both if p.forward == random_op.index), None)
+    fwd, rec = {p.forward for p in both}, {p.recompute for p in both}
+    unpaired = [("forward", o) for o in region.forward.ops if o.random and o.index < random_op.index
+                and o.index not in fwd]
+    if twin is not None and region.recompute is not None:
+        unpaired += [("recompute", o) for o in region.recompute.ops
+                     if o.random and o.index < twin and o.index not in rec]
+    if not unpaired:
+        return None
+    side, op = unpaired[0]
+    other = "recompute" if side == "forward" else "forward"
+    at = where(op.module, op.source)
+    return Cause("rng", f"{op.op} at {op.source or at}",
+                 f"the {side} drew random numbers with {op.op} at {at}, which the {other} did not run (a value made on "
+                 f"a cache miss, which the {other} found cached; or a branch): both passes start from the same "
+                 f"generator state, so {random_op.op} at {where(random_op.module, random_op.source)} drew from "
+                 "another offset of it, and other numbers",
+                 [f"{o.op} #{o.index} at {where(o.module, o.source)}: in the {s} only" for s, o in unpaired[:3]]
+                 + [f"{random_op.op} at {where(random_op.module, random_op.source)}: identical inputs, other values"],
+                 mechanism=ONE_PASS_DRAW, source=op.source)
 
 
 def _initialized_in_forward(region: Region, cmp: PassComparison) -> Cause | None:

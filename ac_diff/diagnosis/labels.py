@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..passes import OpRecord, TensorMeta
+from ..passes import OpRecord, Region, TensorMeta, op_at
+from ..report import Divergence
 
 # a Python object the recorder could only write as its repr: "<torch._C.Generator object at 0x7f..>"
 _OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
@@ -175,3 +176,12 @@ def number_ranges(numbers: list[int], sep: str = ", ") -> str:
         if n is not None:
             start = prev = n
     return sep.join(parts)
+
+
+def branch_sites(region: Region, control: Divergence) -> str:
+    """Where the passes' op sequences part: the line of the op that differs, or of each pass's where they ran other
+    ops from other lines (the forward's layer norm, the recompute's extra branch)."""
+    fwd, rec = op_at(region.forward, control.forward_index), op_at(region.recompute, control.recompute_index)
+    if fwd is None or rec is None or (fwd.module, fwd.source) == (rec.module, rec.source):
+        return where(control.module, control.source)
+    return f"{where(fwd.module, fwd.source)} (the forward's op) and {where(rec.module, rec.source)} (the recompute's)"

@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
-from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_decision, is_host_read, is_in_place_method, is_view_op,
-                       packet, updates_as_it_computes, written_inputs)
+from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_collective, is_decision, is_host_read,
+                       is_in_place_method, is_view_op, packet, updates_as_it_computes, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg, where
 
@@ -238,6 +238,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     damaged_ops = {o.op for o in (*f_ops, *r_ops) if o.damaged}
     tainted: dict[int, bool] = {}
     tainted_outputs: dict[tuple[int, int], bool] = {}
+    received: set[int] = set()  # collectives whose results neither pass measured: what the other ranks sent
     diffs: list[PairDiff] = []
     for k, p in enumerate(pairs):
         f = f_by_index.get(p.forward) if p.forward is not None else None
@@ -251,8 +252,12 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
             d.kinds.add("control")
         if f is not None and r is not None and p.how == "match":  # a substituted pair is already "control"
             _compare_pair(d, f, r, tolerance)
-            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs, kept)
+            same, changed = _inputs_same(f, r, tainted, rec_to_fwd, ext_status, f_source, tainted_outputs, kept,
+                                         received)
             d.inputs_same, d.changed_inputs = same, changed
+            if is_collective(f.op) and not _measured(f, r):  # (the tensors an in-place one wrote: what it received)
+                received.update([f.index, *(w.op_index for w in written_inputs(f.op, f.args, f.input_refs)
+                                            if w.kind == "op")])
             # a side effect taints what reads its result (`avg.lerp_(x)` then `y / avg`), nothing else
             if r.cached:  # served from selective AC's cache: the forward's own tensors, whatever fed it
                 tainted[f.index] = False
@@ -649,16 +654,20 @@ def kept_read_back(forward: Pass, recompute: Pass, tolerance: Tolerance) -> dict
 def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd: dict[int, int],
                  ext_status: dict[tuple, bool], f_source: dict[int, int],
                  tainted_outputs: dict[tuple[int, int], bool] | None = None,
-                 kept: dict[str, tuple[tuple[int, int], bool]] | None = None) -> tuple[bool | None, list[str]]:
+                 kept: dict[str, tuple[tuple[int, int], bool]] | None = None,
+                 received: set[int] = frozenset()) -> tuple[bool | None, list[str]]:  # type: ignore[assignment]
     """Were all inputs of this pair identical? Uses the producers' comparison and the externals' (`kept`: the
-    forward's own tensors the recompute read back, `kept_read_back`)."""
+    forward's own tensors the recompute read back, `kept_read_back`). None where one is what a collective received
+    (`received`: its values unmeasured; another rank's divergence reaches this one through it)."""
     if not f.input_refs or not r.input_refs or len(f.input_refs) != len(r.input_refs):
         return None, []
-    same = True
+    same: bool | None = True
     changed: list[str] = []
     for fr, rr in zip(f.input_refs, r.input_refs):
         if fr.kind == "op":
             source = f_source.get(fr.op_index, fr.op_index)
+            if source in received and same:
+                same = None
             if rr.kind != "op":
                 back = (kept or {}).get(rr.name)
                 if back is None or back[0] != (fr.op_index, fr.output) or not back[1]:
@@ -668,7 +677,7 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
             elif source == fr.op_index and rr.output != fr.output:
                 same = False  # another output of the same op (a split's chunks concatenated in another order)
             elif source != fr.op_index:  # a skipped copy (a detach) of that op's output: as that op
-                same = same and not tainted.get(source, False)
+                same = same and not tainted.get(source, False) if same is not None else same
             elif (tainted_outputs or {}).get((fr.op_index, fr.output), tainted.get(fr.op_index, False)):
                 same = False
         else:

@@ -607,10 +607,10 @@ def _dtype_only(f, r) -> bool:
 
 
 def _substituted(f, r) -> str:
-    """"the forward ran X where the recompute ran Y": with where each ran when the ops read alike (the same op of
-    another module: another branch of the Python code)."""
+    """"the forward ran X where the recompute ran Y": with where each ran where that differs (the same op of another
+    module, or another op from another line: another branch of the Python code, whose line is the recompute's)."""
     a, b = op_label(f), op_label(r)
-    if a == b and f is not None and r is not None and (f.module, f.source) != (r.module, r.source):
+    if f is not None and r is not None and (f.module, f.source) != (r.module, r.source):
         a, b = f"{a} in {where(f.module, f.source)}", f"{b} in {where(r.module, r.source)}"
     return f"the forward ran {a} where the recompute ran {b}"
 

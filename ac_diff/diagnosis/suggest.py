@@ -17,11 +17,11 @@ from ..oprules import (OBSERVER_MODULE, OBSERVER_OPS, is_in_place_method, is_ran
                        updates_as_it_computes)
 from ..passes import OpRecord, Region, is_log_id
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LATER_FORWARD, LAZY_INIT,
-                      NO_GRAD_INPUTS, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, RegionReport,
-                      Suggestion)
+                      NO_GRAD_INPUTS, ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD,
+                      RegionReport, Suggestion)
 from .attributes import attribute_suggestion, split_name
 from .passdiff import read_after_write, writer_in
-from .labels import backticked, where
+from .labels import backticked, branch_sites, where
 
 
 def _torch_op(op: str) -> str:
@@ -232,6 +232,18 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "batch), then build the optimizer.",
             "with torch.no_grad():\n    model(sample_batch)   # materializes the lazy modules, outside AC\n"
             "optimizer = torch.optim.AdamW(model.parameters())"))
+    elif kind == "rng" and mechanism == ONE_PASS_DRAW and cause is not None:
+        maker = (cause.source or "").rpartition(" in ")[2] or "make_value"  # the function that drew it
+        out.append(Suggestion(
+            f"Make the value {cause.tensor} draws before the checkpoint call, and pass it in",
+            f"{cause.tensor} draws from torch's generator in one pass of the region only (a table a cached helper, "
+            "`functools.lru_cache` or a dict, makes on its first call: the forward misses the cache, the recompute "
+            "finds it filled). checkpoint restores the generator's state for the recompute, but the draws after it "
+            "then stand at another offset, so the region's later random ops draw other numbers. Make the value once "
+            "outside the region (at model init, or before the checkpoint call) and hand it to the checkpointed "
+            "function, or draw it from a torch.Generator of its own.",
+            f"value = {maker}(...)   # the draw, made outside the checkpointed region\n"
+            "out = checkpoint(block, x, value, use_reentrant=False)   # forward(x, value) reads it"))
     elif kind == "control_flow" and mechanism == HOOKS:
         out.append(Suggestion(
             "Register and remove module hooks between steps, not between a forward and its backward",
@@ -520,9 +532,10 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "both with autograd on. Else branch on `self.training` or an argument, not on grad mode.",
             "out = checkpoint(block, x, use_reentrant=False)"))
     elif kind == "control_flow":
+        control = report.first_control_divergence
         out.append(Suggestion(
             "Make the region's control flow depend only on its inputs",
-            f"Python code in {report.first_control_divergence.source if report.first_control_divergence else 'the region'} "
+            f"Python code at {branch_sites(region, control) if control else 'the region'} "
             "took another branch in the recompute (a call counter, a cache, a flag flipped by the forward). Compute the "
             "condition outside the checkpointed function and pass it in, or reset the state before backward, or "
             "leave this module out of activation checkpointing."))

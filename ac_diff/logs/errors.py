@@ -86,6 +86,19 @@ def version_check(message: str | None) -> tuple[tuple[int, ...], int, int] | Non
     return shape, int(hit.group(2)), int(hit.group(3))
 
 
+# autograd's check of a node's gradient against its input's metadata (torch/csrc/autograd/engine.cpp validate_outputs):
+# "Function IndexAddBackward0 returned an invalid gradient at index 1 - got [31, 64] but expected shape compatible with
+# [12, 64]": what a recompute that computed other shapes ends in when checkpoint compared nothing
+_WRONG_GRADIENT_SHAPE = re.compile(r"Function (\w+) returned an invalid gradient at index \d+ - got (\[[\d, ]*\]) but "
+                                   r"expected shape compatible with (\[[\d, ]*\])")
+
+
+def wrong_gradient_shape(message: str | None) -> tuple[str, str, str] | None:
+    """(node, shape got, shape expected) where `message` is autograd's gradient shape check, else None."""
+    hit = _WRONG_GRADIENT_SHAPE.search(message or "")
+    return (hit.group(1), hit.group(2), hit.group(3)) if hit else None
+
+
 _REFUSED_OP = re.compile(r"([A-Za-z_][\w.]*)(?: invocation index \d+)? encountered during backward,? but not found in storage")
 
 

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass, field
 
 from ac_diff.logs import dump as D
-from ac_diff.logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line
+from ac_diff.logs.errors import (COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line,
+                                 wrong_gradient_shape)
 from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments, srun_label
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
@@ -421,6 +422,13 @@ class LogParser:
             notes.append("found no CheckpointError text and no debug=True dump" + ("" if raised is None else (
                 f"; it ends with {'rank ' + str(raised[0]) + ' raising ' if raised[0] is not None else ''}"
                 f"{raised[1][:160]}" + ("..." if len(raised[1]) > 160 else ""))))
+            shapes = wrong_gradient_shape(raised[1] if raised is not None else None)
+            if shapes is not None:
+                notes.append(f"{shapes[0]} returned a gradient of shape {shapes[1]} for an input of shape {shapes[2]}: "
+                             "that is how a recompute that computed other shapes than its forward ends where "
+                             "checkpoint compared nothing (determinism_check=\"none\"); with torch's check on, the "
+                             "backward raises a CheckpointError naming the positions, and `ac-diff run` on the script "
+                             "names the op and the cause")
         return notes
 
 

@@ -337,6 +337,18 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
     at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
     made = backwards_recorded(report.regions)
     first = min((s.step + 1 for s in result.steps if s.differing), default=None)
+    # the same modules' regions of later steps, held clean (their recompute reproduced the forward, which read the
+    # state the earlier ones left twice updated): from the first backward that differs, they computed other gradients
+    reading = {r.module: r for r in reversed(at_risk)}
+    if result.verdict == DIFFERS and first is not None:
+        for r in report.regions:
+            origin = reading.get(r.module)
+            if r.status == CLEAN and origin is not None and (recomputed_in(r) or 0) >= first:
+                r.status, r.silent = DIVERGED, True
+                r.cause, r.suggestions = origin.cause, list(origin.suggestions)
+                r.notes.append(f"its recompute reproduced its forward, but the forward read `{origin.cause.tensor}` "
+                               "as the earlier steps' recomputes left it, updated twice: the run without AC has other "
+                               f"gradients from backward {first}")
     # those recomputed before the first backward whose gradients differ computed right: the state they left twice
     # updated changed a later one (a threshold), which diverged, unless no region says so (never clean)
     later = [r for r in at_risk if first is None or (recomputed_in(r) or 0) >= first]
