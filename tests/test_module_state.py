@@ -578,6 +578,38 @@ def test_state_each_chunks_forward_sets_before_the_backwards_is_named_with_a_fix
     assert first.suggestions[0].title == "Pass what `table` holds to the checkpointed function as an argument"
 
 
+class ScaledResidual(nn.Module):
+    """A residual branch scaled by a Python attribute the training loop sets before each micro-batch's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.res_scale = nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return x + torch.tanh(self.res_scale * self.fc(x)) ** 2
+
+
+def test_an_attribute_each_micro_batchs_forward_sets_is_a_later_forwards_state(tmp_path):
+    """Gradient accumulation with every micro-batch forwarded before one backward, `res_scale` set to 1 / (mb + 1)
+    before each forward: each recompute reads the last. The cause was "changed between the forward and the backward",
+    its fix "change it after the backward", which the next micro-batch's forward cannot wait for."""
+    torch.manual_seed(0)
+    layer = ScaledResidual()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        losses = []
+        for mb in range(3):
+            layer.res_scale = 1.0 / (mb + 1)
+            losses.append(cp.checkpoint(layer, torch.randn(4, 8), use_reentrant=False).square().mean())
+        sum(losses).backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    diverged = [r for r in report.regions if r.status == "diverged"]
+    assert [r.region for r in diverged] == [0, 1], report.headline
+    assert all(r.cause.tensor.endswith("res_scale") and r.cause.mechanism == "later_forward" for r in diverged), diverged
+    assert diverged[0].suggestions[0].title.startswith("Pass what `") and "res_scale` holds to the checkpointed" \
+        in diverged[0].suggestions[0].title
+    assert "after the backward" not in diverged[0].suggestions[0].title
+
+
 class BufferWarmup(nn.Module):
     """Halves its input while a call count it keeps in a buffer (and reads as a tensor) is at most `warmup`."""
 

@@ -18,11 +18,14 @@ from ..report import DIVERGED, LATER_FORWARD, NESTED_RERUN, RegionReport
 from .labels import number_ranges
 from .suggest import suggestions_for
 
-_CHANGED_BETWEEN = ("tensor",)  # mechanisms of state changed between a forward and its recompute, by no op of its own
+# mechanisms of state changed between a forward and its recompute, by no op of its own: a tensor, a Python attribute
+# (a scale the training loop sets before each micro-batch's forward)
+_CHANGED_BETWEEN = ("tensor", "attribute")
 
 
 def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], versions: dict[Any, str | None]) -> None:
-    """Each diverged region whose buffer (or captured tensor) changed between its forward and its recompute, where
+    """Each diverged region whose buffer (or captured tensor, or Python attribute) changed between its forward and its
+    recompute, where
     later forwards of the same module ran in between: its cause says so, and its fix passes the value to the
     checkpointed function. `regions`: (path, rank, region) -> Region; `versions`: path -> its torch version."""
     by_module: dict[tuple, list[RegionReport]] = {}

@@ -210,8 +210,9 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
     out: list[Suggestion] = []
     kind = cause.kind if cause else "unknown"
     mechanism = cause.mechanism if cause else None
-    attribute = (attribute_suggestion(region, cause.tensor)
-                 if kind in ("state_mutation", "control_flow") and cause and cause.tensor else None)
+    attribute = (attribute_suggestion(region, cause.tensor)  # (not set for each forward: that fix is an argument)
+                 if kind in ("state_mutation", "control_flow") and cause and cause.tensor
+                 and mechanism != LATER_FORWARD else None)
     if kind == "state_mutation" and mechanism == "optimizer_step":
         out.append(Suggestion(
             "Update the parameters only after the backward of every forward that read them",
@@ -407,9 +408,9 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "the backward cannot serve each forward: hand the value to the checkpointed function instead "
                 "(checkpoint keeps its arguments for the recompute), or run each forward's backward before the next "
                 "forward.",
-                f"table = make_{attr}(offset, length)  # what the forward set `{attr}` to, made outside the region\n"
-                f"out = checkpoint(block, x, table, use_reentrant=False)  # forward(x, table) computes with `table`, "
-                f"not self.{attr}"))
+                f"{attr} = ...  # what this forward sets `{attr}` to (a scale, a table for its length), outside the "
+                f"region\nout = checkpoint(block, x, {attr}, use_reentrant=False)  # forward(x, {attr}) computes with "
+                f"it, not self.{attr}"))
         else:
             out.append(Suggestion(
                 f"Update `{name}` after the backward, not between forward and backward",

@@ -27,7 +27,7 @@ from ..capture.fqn import is_segment
 from ..diagnosis.attributes import hook_variable, split_name
 from ..oprules import updates_as_it_computes
 from ..remedies import RemedySpec
-from ..report import DIVERGED, GRAD_MODE, UNCHECKED, UPDATED_IN_FORWARD
+from ..report import DIVERGED, GRAD_MODE, LATER_FORWARD, UNCHECKED, UPDATED_IN_FORWARD
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
 # a code change the restore simulates
@@ -87,7 +87,8 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
         return None
     if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]
-    if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD) \
+    if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD,
+                                                                        LATER_FORWARD) \
             and c.tensor:
         return "state", [layer_glob(name) for name in dict.fromkeys([c.tensor, *c.names])]
     return None
