@@ -467,6 +467,7 @@ class RankSummary:
     truncated: bool = False  # the trace has no end record (the process was killed, or still runs: `running`)
     running: bool = False  # its process is alive on this host (a slow rank, a run still going)
     trace: str | None = None
+    raised: str | None = None  # from a log: the exception the rank's traceback ended with ("RuntimeError: ...")
 
     @property
     def first_diverged(self) -> str:

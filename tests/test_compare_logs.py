@@ -766,3 +766,25 @@ def test_a_branch_in_a_dump_is_named_by_the_line_of_each_pass():
     assert region.cause.kind == "control_flow", region.cause
     assert f"test_compare_logs.py:{branch} in forward (the recompute's)" in region.cause.detail, region.cause.detail
     assert f"test_compare_logs.py:{branch}" in region.suggestions[0].text
+
+
+def test_a_torchrun_log_names_every_rank_it_has_lines_of():
+    """Four ranks: 1 and 3 raise the CheckpointError (a real one, printed with their prefixes), 0 and 2 die on the
+    collective their peers left (gloo's "Connection closed by peer"). The report said "diverged: ranks 1, 3 (2 of 2
+    ranks)": ranks 0 and 2 were in no row."""
+    torch.manual_seed(0)
+    error = checkpoint_error_text(_Pruner(), torch.randn(4, 8, 16, requires_grad=True), debug=False)
+    peer = ("Traceback (most recent call last):\n  File \"train.py\", line 21, in <module>\n    loss.backward()\n"
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:33458\n")
+
+    def prefixed(text: str, rank: int) -> str:
+        return "".join(f"[rank{rank}]: {line}\n" for line in text.splitlines())
+
+    log = prefixed(error, 3) + prefixed(error, 1) + prefixed(peer, 2) + prefixed(peer, 0)
+    report = ac_diff.diagnose([parse_text(log)])
+    assert [(s.rank, s.verdict) for s in report.ranks] == [(0, "no_regions"), (1, "diverged"), (2, "no_regions"),
+                                                           (3, "diverged")]
+    assert all("Connection closed by peer" in s.raised for s in report.ranks if s.rank in (0, 2))
+    overview = report.cross_rank_findings[0].text
+    assert "(2 of 4 ranks)" in overview and "no checkpoint error, raised: rank 0: RuntimeError" in overview, overview

@@ -60,6 +60,14 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
     by_rank = {rank: _summary(report, rank) for rank in
                {r.rank for r in report.regions} | {e.rank for e in report.torch_errors if e.rank is not None}}
     for run in runs:
+        if run.source == "log":  # every rank the log has lines of, with what its traceback ended with
+            raised = run.header.get("raised") or {}
+            for rank in run.header.get("ranks") or ():
+                summary = by_rank.get(rank) or by_rank.setdefault(rank, _summary(report, rank))
+                summary.raised = summary.raised or raised.get(str(rank))
+                if summary.raised:
+                    summary.exit_status = "exception"
+            continue
         if run.source != "trace":
             continue
         rank = run.rank or 0
@@ -194,7 +202,7 @@ def _provenance(runs: list[Run]) -> list[CrossRankFinding]:
 def _overview(report: Report) -> list[CrossRankFinding]:
     groups: dict[str, list[int]] = {}
     for s in report.ranks:
-        groups.setdefault(s.verdict, []).append(s.rank)
+        groups.setdefault(s.verdict if not (s.verdict == "no_regions" and s.raised) else "raised", []).append(s.rank)
     total = len(report.ranks)
     diverged = groups.get(DIVERGED, [])
     parts = []
@@ -203,6 +211,10 @@ def _overview(report: Report) -> list[CrossRankFinding]:
     for verdict, label in ((CLEAN, "clean"), (UNCHECKED, "not all checked"), ("no_regions", "no regions")):
         if groups.get(verdict):
             parts.append(f"{label}: rank{'s' if len(groups[verdict]) > 1 else ''} {_list(groups[verdict])}")
+    raised = [s for s in report.ranks if s.rank in groups.get("raised", ())]
+    if raised:  # (a log's ranks with no checkpoint error: what stopped them, a peer's failure as often as not)
+        parts.append("no checkpoint error, raised: " + "; ".join(
+            f"rank {s.rank}: {s.raised[:120]}" for s in raised[:4]) + ("; ..." if len(raised) > 4 else ""))
     out = [CrossRankFinding("ranks", "; ".join(parts), diverged, detail={k: v for k, v in groups.items()})]
     lead = _first_diverged_region(report)
     if lead is not None:

@@ -102,6 +102,7 @@ class LogParser:
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
         self._at_cut = False
         self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with
+        self._raised_by: dict[int, str] = {}  # rank -> the first exception a traceback of its ended with
         self._line = ""  # the physical line being read
         self._labelled: bool | None = None  # every line starts with srun --label's `N: ` (its first line says)
 
@@ -177,6 +178,8 @@ class LogParser:
             st.traceback_open = False
             whole = self._line[self._line.find(body):] if body in self._line else body  # (a "[file:line]" in the
             self._raised = (rank, whole.strip())  # message reads as a prefix: the physical line keeps it)
+            if rank is not None:  # (its first: torchrun's own traceback follows, unprefixed, after the last rank's)
+                self._raised_by.setdefault(rank, whole.strip()[:300])
             return True
         if st.dump is not None and st.dump.wants_frames:
             st.dump.frame(body)  # a frame with a relative path
@@ -374,7 +377,8 @@ class LogParser:
         run.truncated = bool(stopped)
         ranks = sorted(r for r in self._ranks if r is not None)
         rs = self.read_stats
-        run.header = {"parser": "ac_diff.logs", "bytes": rs.bytes_read, "lines": rs.lines, "ranks": ranks}
+        run.header = {"parser": "ac_diff.logs", "bytes": rs.bytes_read, "lines": rs.lines, "ranks": ranks,
+                      "raised": {str(r): text for r, text in sorted(self._raised_by.items())}}
         run.exit_status = "exception" if run.errors else None
         run.notes = self._notes(stopped)
 
