@@ -521,7 +521,8 @@ class Report:
     compared: dict[str, Any] | None = None  # `ac-diff compare A B` of two traces: which is A, which is B
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    exit_status: str | None = None
+    exit_status: str | None = None  # ok, exception, interrupted, exit, CUT_SHORT: how the script ended
+    exit_code: int | None = None  # the script's exit code (the first rank's that is not 0), where a trace says
     groups: list[RegionGroup] = field(default_factory=list)  # diverged regions that share a cause, lead first
     reference: Any = None  # reference.result.ReferenceResult: gradients vs a run without AC (--reference)
     remedies: list[dict[str, Any]] | None = None  # remedies applied in the run, and where (ac_diff.remedies)
@@ -647,6 +648,7 @@ class Report:
             "ranks": [r.to_json() for r in self.ranks], "cross_rank": list(self.cross_rank),
             "cross_rank_findings": [f.to_json() for f in self.cross_rank_findings], "compared": self.compared,
             "sources": list(self.sources), "notes": list(self.notes), "exit_status": self.exit_status,
+            "exit_code": self.exit_code,
             "script_failed": self.script_failed,
             "groups": [g.to_json() for g in self.groups],
             "reference": self.reference.to_json() if self.reference is not None else None,

@@ -686,7 +686,7 @@ class _Pruner(torch.nn.Module):
         with torch.no_grad():
             self.thresh.mul_(0.5).add_(0.5 * norms.median())
         idx = (norms > self.thresh).nonzero().squeeze(1)
-        return flat.index_add(0, idx, torch.relu(self.fc(flat.index_select(0, idx))))
+        return flat.index_add(0, idx, torch.relu(self.fc(flat.index_select(0, idx)))).view(x.shape)
 
 
 def test_a_log_names_a_buffer_the_region_updates_and_then_reads():
@@ -788,3 +788,17 @@ def test_a_torchrun_log_names_every_rank_it_has_lines_of():
     assert all("Connection closed by peer" in s.raised for s in report.ranks if s.rank in (0, 2))
     overview = report.cross_rank_findings[0].text
     assert "(2 of 4 ranks)" in overview and "no checkpoint error, raised: rank 0: RuntimeError" in overview, overview
+
+
+def test_a_log_that_keeps_one_op_of_the_forwards_list_places_it_nowhere():
+    """A log collector kept the last kilobytes: the dump's forward list has its last op only (a `view`), which matched
+    the recompute's first `view` by name and read as "a Python value passed to aten.view.default changed" (a made-up
+    state mutation). Too little of the forward is left to place: nothing is compared, and no cause is claimed."""
+    torch.manual_seed(0)
+    lines = checkpoint_error_text(_Pruner(), torch.randn(4, 8, 16, requires_grad=True)).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("Operations executed during recomputation"))
+    last_forward_op = max(i for i in range(at) if lines[i].startswith("$"))
+    tail = lines[last_forward_op - 1][-30:] + "\n" + "\n".join(lines[last_forward_op:])  # (cut inside the op before)
+    report = ac_diff.diagnose([parse_text(tail)])
+    assert report.verdict == "unchecked", report.headline
+    assert not any(r.cause is not None and r.cause.kind == "state_mutation" for r in report.regions)

@@ -792,3 +792,40 @@ def test_a_count_a_forward_keeps_in_its_factorys_closure_puts_gradients_at_risk(
     assert "<closure of forward>.state['seen']" in report.headline, report.headline
     fix = report.regions[0].suggestions[0]
     assert "state['seen'] += 2" in fix.code and "if not IN_BACKWARD" in fix.code and ".<" not in fix.code, fix.code
+
+
+class DelayedScaleLinear(nn.Linear):
+    """fp8-style delayed scaling kept in a Python float: the forward quantizes with the scale the last call left, then
+    sets it from this input's amax (so the recompute quantizes with another)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.x_scale = 448.0
+
+    def forward(self, x):
+        scale = self.x_scale
+        xq = x + ((x * scale).to(torch.float8_e4m3fn).to(x.dtype) / scale - x).detach()
+        self.x_scale = 448.0 / max(x.detach().abs().max().item(), 1e-12)
+        return nn.functional.linear(xq, self.weight, self.bias)
+
+
+class DelayedScaleBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = DelayedScaleLinear(8, 16), DelayedScaleLinear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_the_same_state_of_each_linear_is_named_for_the_restore(tmp_path):
+    """Both linears of the block set their scale in the forward: the cause named fc1's only (the other was taken for a
+    statistic the forward writes), so `fix`'s restore of it did not help, and its "verified" fix was a combination
+    that led with a selective-AC save of `.item()` that does nothing."""
+    torch.manual_seed(0)
+    block = DelayedScaleBlock()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).square().mean().backward()
+    (region,) = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions
+    assert region.status == "diverged", region
+    assert {n.rsplit(".", 2)[-2:][0] for n in region.cause.names} == {"fc1", "fc2"}, region.cause.names

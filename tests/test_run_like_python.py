@@ -166,3 +166,30 @@ def test_the_reference_starts_where_the_run_started_not_where_the_script_moved(t
     reference = json.loads(proc.stdout)["reference"]
     assert reference["verdict"] == "identical", reference
     assert (tmp_path / "runs" / "a").is_dir() and not (tmp_path / "runs" / "a" / "runs").exists()
+
+
+DIVERGES_THEN_EXITS = """
+import sys, torch
+from torch.utils.checkpoint import checkpoint
+
+torch.manual_seed(0)
+layer = torch.nn.Linear(8, 8)
+x = torch.randn(4, 8, requires_grad=True)
+# dropout without its RNG state: the recompute draws another mask (silently)
+y = checkpoint(lambda t: torch.nn.functional.dropout(layer(t), 0.5), x, use_reentrant=False, preserve_rng_state=False)
+y.sum().backward()
+sys.exit(3)   # the script's own failure code (a failed validation, say)
+"""
+
+
+def test_a_diverged_run_the_script_then_ended_with_an_exit_code_says_so(tmp_path):
+    """The report of a diverged run said nothing of how the script ended afterwards (only `exit_status`: "exit"); the
+    JSON now carries the exit code and the report a note."""
+    script = tmp_path / "diverges_then_exits.py"
+    script.write_text(DIVERGES_THEN_EXITS)
+    json_path = tmp_path / "r.json"
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(json_path), str(script))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    report = json.loads(json_path.read_text())
+    assert report["verdict"] == "diverged" and (report["exit_status"], report["exit_code"]) == ("exit", 3)
+    assert any(n.startswith("the script failed") and "exit code 3" in n for n in report["notes"]), report["notes"]

@@ -137,6 +137,11 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     failed = _failed_after(runs) if verdict == CLEAN else None
     if failed:
         headline += f"; but {failed}"
+    elif verdict == DIVERGED and not any(r.backward_raised for r in region_reports):
+        # (a diverged run the script then stopped in another way: an OOM, Ctrl-C, sys.exit(3); not torch's own error)
+        after = _failed_after([run for run in runs if run.exc_type != "CheckpointError"])
+        if after:
+            notes.append(after)
     compiled = compiled_summary(runs)  # torch.compile around the regions (diagnosis/compiled.py)
     if unrecorded(compiled) and not region_reports and not errors:
         headline = unrecorded_headline(compiled)
@@ -150,7 +155,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         notes.append(REENTRANT_BACKWARD)
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
-                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status, groups=groups,
+                    sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status,
+                    exit_code=next((run.exit_code for run in runs if run.source == "trace" and run.exit_code), next(
+                        (run.exit_code for run in runs if run.source == "trace" and run.exit_code is not None), None)),
+                    groups=groups,
                     compiled=compiled, watch=watch, script_failed=failed)
     report.ranks = rank_summaries(report, runs)
     cross = cross_rank_findings(runs, report)

@@ -271,9 +271,12 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     if op is not None:
         evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}), its input tensors identical")
     # what a restore must cover: every module attribute that changed (a scheduler moved each dropout's `p`)
-    # (not one the region's own forward set, a statistic it writes: nothing changed it between the passes)
-    names = [top.name] if top.is_global else [top.name, *(c.name for c in changes if c is not top and not c.is_global
-                                                          and not _set_by_forward(c))]
+    # (not one the region's own forward set, a statistic it writes: nothing changed it between the passes; unless it
+    # is the same state as the cause's in another module: each linear's delayed fp8 scale)
+    leaf = split_name(top.name)[1]
+    names = [top.name] if top.is_global else [top.name, *(
+        c.name for c in changes
+        if c is not top and not c.is_global and (not _set_by_forward(c) or split_name(c.name)[1] == leaf))]
     if root is not None:  # (the count is what to fix: the fix for the hook, the restore of both)
         top, names = root, [root.name, *(n for n in names if n != root.name)]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,

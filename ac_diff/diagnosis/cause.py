@@ -376,7 +376,9 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
     it. A tensor from outside the region that the region itself updates in place (a router bias a forward hook
     moves): the recompute reads it updated. Else a random op: the recompute drew other numbers."""
     ops, target = _forward_op(region, shape.forward_index)
-    if target is None:
+    # (a forward list the log has from some op on: a tensor whose maker is cut off reads as made outside, and what
+    # the chain depends on may be cut off too)
+    if target is None or (region.forward.state.get("log_starts_at") or 1) > 1:
         return None
     feeding = upstream(ops, target)
     # tensors from outside whose values the target depends on: read by an op of its chain, not only updated there

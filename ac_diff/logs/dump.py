@@ -279,6 +279,9 @@ def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None
     return None
 
 
+_TAIL_ANCHOR = 3  # ops a forward's tail must share with the recompute to be placed (one `view` matches any view)
+
+
 def _from_the_tail(forward: Pass | None, recompute: Pass | None) -> None:
     """A forward list the log has only from some op on (`head_cut`): the recompute's ops before the first one that
     tail shares have no counterpart in the log; they are dropped, and both passes start there."""
@@ -290,7 +293,7 @@ def _from_the_tail(forward: Pass | None, recompute: Pass | None) -> None:
     pairs = align([o.key for o in reversed(forward.ops)], [o.key for o in reversed(recompute.ops)])
     matched = [(n - 1 - p.forward, m - 1 - p.recompute) for p in pairs
                if p.forward is not None and p.recompute is not None]
-    if not matched:  # nothing in common: nothing to compare
+    if len(matched) < min(_TAIL_ANCHOR, m):  # too little in common to tell where the tail sits: nothing compared
         forward.ops, recompute.ops = [], []
         return
     f0, r0 = min(matched)
