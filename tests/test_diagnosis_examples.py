@@ -187,6 +187,47 @@ def test_the_cpu_thread_count_changed_before_the_backward_is_named(tmp_path):
     assert region.suggestions[0].code.startswith("torch.set_num_threads(2)  # once")
 
 
+PHASE = "forward"  # a training harness's label, which the layer below reads (for its own bookkeeping only)
+SEEN: list = []
+
+
+class CenteredByWholeMean(nn.Module):
+    """Subtracts the mean of the whole activation (a reduction CPU threads split) and notes the harness's phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        SEEN.append(PHASE)
+        h = self.fc(x)
+        return torch.tanh(h - h.mean())
+
+
+def test_a_thread_count_changed_with_a_global_the_region_reads_is_the_cause(tmp_path):
+    """The thread count and a harness's phase label both change before the backward; the first op to differ (the
+    whole-tensor mean) read identical tensors and arguments, which no Python value reaches: the threads are the
+    cause. The cause was "state_mutation: the module-level global PHASE", whose fix changes nothing."""
+    global PHASE
+    torch.manual_seed(0)
+    model, x = CenteredByWholeMean(), torch.randn(65536, 16, requires_grad=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            PHASE = "forward"
+            loss = cp.checkpoint(model, x, use_reentrant=False).square().mean()
+            torch.set_num_threads(1)
+            PHASE = "backward"
+            loss.backward()
+    finally:
+        torch.set_num_threads(before)
+        PHASE = "forward"
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged", region  # (the mean of 1M floats sums otherwise on 1 thread than on 2)
+    assert region.cause.kind == "global_state" and region.cause.tensor == "num_threads", region.cause
+
+
 def test_tf32_switched_on_for_the_backward_names_the_flag_in_the_report(tmp_path):
     """The training loop turns TF32 on between the forward and loss.backward(): set_float32_matmul_precision("high")
     sets torch.backends.cuda.matmul.allow_tf32 too; both are named, the precision the script set first, in every

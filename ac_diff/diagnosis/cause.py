@@ -208,6 +208,12 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      mechanism=UPDATED_IN_FORWARD if in_forward else
                      {"input": "input", "param": PARAMETER}.get(top["kind"], "tensor"), names=names)
 
+    # a kernel setting changed (the CPU threads a reduction splits over) and the first op to differ read identical
+    # tensors and arguments: no Python value reached it, whatever Python state also changed (a harness's phase flag)
+    kernel = [k for k in flags if k in KERNEL_FLAGS]
+    if kernel and value is not None and value.detail.get("inputs_identical") and not (
+            control or report.first_argument_divergence or set(value.detail.get("differs") or ()) - {"value"}):
+        return _global_state_cause(flags, first_flag(kernel))
     attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
     if attribute is not None:
         return attribute
