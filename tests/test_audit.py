@@ -470,3 +470,38 @@ def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counti
         assert block.imgs_seen == 8 * 6  # (the replays left it as the training made it: forward and recompute)
     else:
         assert a["recompute"]["state_twice_count"] == 0 and "Python state" not in a["headline"]
+
+
+class _QuarterScores(torch.nn.Module):
+    """Keeps the tokens whose score, a sum of four quarters (exact in any order), is at least 0: many scores are 0,
+    exactly on the threshold, and no reduction order can move them."""
+
+    def forward(self, x):
+        score = (torch.round(x * 4) / 4).sum(-1)
+        return x * (score >= 0).unsqueeze(-1)
+
+
+def test_exact_scores_on_their_threshold_are_no_near_ties():
+    """A control whose recompute cannot differ: 1-ulp noise moved the exact zeros across `>= 0`, and `audit --check`
+    said "CheckpointError almost certain" (exit 1) on a run whose gradients are bit-identical. Rounding noise leaves
+    exact values alone; a drift the user names (abs) still moves them."""
+    from ac_diff.audit.noise import exact_values
+    from torch.utils.checkpoint import checkpoint
+
+    assert exact_values(torch.tensor([0.0, 0.25, -3.5, 100.75]))
+    assert not exact_values(torch.randn(64)) and not exact_values(torch.tensor([0.0, 0.5], dtype=torch.bfloat16))
+
+    def audit(noise: str) -> dict:
+        torch.manual_seed(0)
+        auditor = Auditor(AuditSettings(parse_noise(noise), seeds=2, max_regions=1)).start()
+        try:
+            checkpoint(_QuarterScores(), torch.randn(256, 4, requires_grad=True), use_reentrant=False).sum().backward()
+        finally:
+            auditor.stop()
+        (site,) = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]["sites"]
+        return site
+
+    site = audit("1ulp")
+    assert site["margins"]["exact"] and site["margins"]["min_ulps"] is None, site["margins"]
+    assert site["flips_per_seed"] == [0, 0] and site["rate"] == 0, site
+    assert any(audit("abs:1e-3")["flips_per_seed"])  # (the zeros on the threshold do move under a named drift)

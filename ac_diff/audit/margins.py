@@ -16,13 +16,14 @@ flip only when a decision upstream does. `summarize` turns a site's margins into
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..oprules import DECISION_OUTPUT
 from ..oprules import packet as packet_of
-from .noise import ulp
+from .noise import exact_values, ulp
 
 COMPARISONS = frozenset({"eq", "ne", "gt", "lt", "ge", "le"})
 # histogram of margins in ulps: [0], (0, 1], (1, 4], (4, 16], (16, 64], (64, 256], (256, 1024], > 1024
@@ -60,18 +61,22 @@ def decision_margins(name: str, func, args: tuple, kwargs: dict) -> Margins | No
     b = bind(func, args, kwargs)
     try:
         if packet in DECISION_OUTPUT:
-            return _chooser(packet, b)
-        if packet in COMPARISONS:
-            return _comparison(b)
-        if packet == "histc":
-            return _histc(b)
-        if packet == "bucketize":
-            return _bucketize(b.get("self"), b.get("boundaries"), 0)
-        if packet == "searchsorted":
-            return _bucketize(b.get("self"), b.get("sorted_sequence"), 1)
+            m = _chooser(packet, b)
+        elif packet in COMPARISONS:
+            m = _comparison(b)
+        elif packet == "histc":
+            m = _histc(b)
+        elif packet == "bucketize":
+            m = _bucketize(b.get("self"), b.get("boundaries"), 0)
+        elif packet == "searchsorted":
+            m = _bucketize(b.get("self"), b.get("sorted_sequence"), 1)
+        else:
+            return None
     except (RuntimeError, TypeError, ValueError, IndexError):  # an odd overload: no margin, still flip-counted
         return None
-    return None
+    if m is not None and all(exact_values(t) or not _floating(t) for t in (b.get("self"), b.get("other"))):
+        m.ulps = torch.full_like(m.ulps, float("inf"))  # exact scores: no rounding moves them, ties included
+    return m
 
 
 def _floating(t) -> bool:
@@ -165,6 +170,9 @@ def summarize(ulps: torch.Tensor) -> dict:
         return {"rows": 0, "within_1ulp": None, "within_4ulp": None, "within_16ulp": None,
                 "density_near_zero": None, "min_ulps": None, "median_ulps": None, "histogram": histogram(ulps)}
     share = {n: float((ulps <= n).sum()) / rows for n in (1, 4, 16)}
+    least, median = float(ulps.min()), float(ulps.median())
     return {"rows": rows, "within_1ulp": share[1], "within_4ulp": share[4], "within_16ulp": share[16],
-            "density_near_zero": share[4] / 4.0, "min_ulps": float(ulps.min()),
-            "median_ulps": float(ulps.median()), "histogram": histogram(ulps)}
+            "density_near_zero": share[4] / 4.0,  # (exact scores: no margin in ulps, null: JSON has no infinity)
+            "min_ulps": least if math.isfinite(least) else None,
+            "median_ulps": median if math.isfinite(median) else None,
+            "exact": not math.isfinite(least), "histogram": histogram(ulps)}

@@ -75,9 +75,31 @@ def ulp(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return spacing.clamp_min(info.tiny * info.eps)
 
 
+ROUNDING_HEADROOM = 12  # bits a value leaves free in its dtype's mantissa for it to count as exact (exact_values)
+
+
+def exact_values(t: torch.Tensor) -> bool:
+    """Every element of floating `t` has at most (its dtype's significant bits - ROUNDING_HEADROOM) significant bits,
+    as float32 scores that are sums of quarters or of int8-quantized products: a sum of thousands of such values is
+    exact in any order, so no reduction order (the rounding an ulp of noise stands for) moves them. Never true of
+    bf16 or fp16 (8 and 11 bits), nor of values with rounding in them."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return False
+    bits = round(-math.log2(torch.finfo(t.dtype).eps)) + 1 - ROUNDING_HEADROOM  # (float32: 24 - 12)
+    x = t.detach().to(torch.float64)
+    if bits <= 0 or not bool(torch.isfinite(x).all()):
+        return False
+    mantissa, _ = torch.frexp(x)  # x = m * 2**e, |m| in [0.5, 1): `bits` bits hold m where m * 2**bits is whole
+    scaled = torch.ldexp(mantissa, torch.full_like(mantissa, bits, dtype=torch.int32))
+    return bool((scaled == scaled.round()).all())
+
+
 def perturb(out: torch.Tensor, spec: NoiseSpec, generator: torch.Generator,
             sigma: torch.Tensor | None = None) -> torch.Tensor:
-    """Seeded noise for `out` (same shape and dtype). `sigma`: the realistic per-element scale."""
+    """Seeded noise for `out` (same shape and dtype). `sigma`: the realistic per-element scale. Rounding noise (ulps,
+    realistic) leaves exact values alone (exact_values); a drift the user names (rel, abs) moves them too."""
+    if spec.kind in ("ulp", "realistic") and exact_values(out):
+        return torch.zeros_like(out)
     if spec.kind == "ulp":
         sign = torch.randint(0, 2, out.shape, generator=generator, device=out.device).to(torch.float64) * 2 - 1
         delta = sign * spec.size * ulp(out)

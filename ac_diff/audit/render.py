@@ -73,7 +73,7 @@ def render_audit(doc: dict, console: Console) -> None:
         m = s["margins"] or {}
         shares = "/".join(_pct(m.get(k)).rstrip("%") for k in ("within_1ulp", "within_4ulp", "within_16ulp"))
         rows.append((s["module"], packet(s["op"]), str(s["rows"]), shares,
-                     "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
+                     "exact" if m.get("exact") else "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
                      _CONSEQUENCE.get(s["consequence"], s["consequence"])))
     table = _table(columns, rows, console.width)
