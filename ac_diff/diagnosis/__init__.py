@@ -156,9 +156,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     report = Report(verdict=verdict, headline=headline, regions=region_reports,
                     torch_error=errors_summary[0] if errors_summary else None, torch_errors=errors_summary,
                     sources=[r.path or r.source for r in runs], notes=notes, exit_status=exit_status,
-                    exit_code=next((run.exit_code for run in runs if run.source == "trace" and run.exit_code), next(
-                        (run.exit_code for run in runs if run.source == "trace" and run.exit_code is not None), None)),
-                    groups=groups,
+                    exit_code=_exit_code(runs), groups=groups,
                     compiled=compiled, watch=watch, script_failed=failed)
     report.ranks = rank_summaries(report, runs)
     cross = cross_rank_findings(runs, report)
@@ -368,6 +366,12 @@ def _crash(runs: list[Run], regions: list[RegionReport]) -> str | None:
              f"killer?); then " if killed is not None else "")
     return (f"{first}the script {verb}{on}{(' ' + at) if at else ''}: {_how_it_stopped(stopped)}; "
             f"{checked} region(s) checked clean, {len(unchecked) + never} never checked ({reasons})")
+
+
+def _exit_code(runs: list[Run]) -> int | None:
+    """The script's exit code as the traces say: the first rank's that is not 0, else 0 (None: none says)."""
+    codes = [run.exit_code for run in runs if run.source == "trace" and run.exit_code is not None]
+    return next((c for c in codes if c), codes[0] if codes else None)
 
 
 def _failed_after(runs: list[Run]) -> str | None:

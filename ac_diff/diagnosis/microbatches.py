@@ -25,9 +25,9 @@ _CHANGED_BETWEEN = ("tensor", "attribute")
 
 def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], versions: dict[Any, str | None]) -> None:
     """Each diverged region whose buffer (or captured tensor, or Python attribute) changed between its forward and its
-    recompute, where
-    later forwards of the same module ran in between: its cause says so, and its fix passes the value to the
-    checkpointed function. `regions`: (path, rank, region) -> Region; `versions`: path -> its torch version."""
+    recompute, where later forwards of the same module ran in between: its cause says so, and its fix passes the
+    value to the checkpointed function. `regions`: (path, rank, region) -> Region; `versions`: path -> its torch
+    version."""
     by_module: dict[tuple, list[RegionReport]] = {}
     for r in reports:
         by_module.setdefault((r.path, r.rank, r.module), []).append(r)

@@ -17,7 +17,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 from ..align import Pair, align
 from ..passes import External, InputRef, OpRecord, Pass
@@ -318,13 +318,18 @@ def writer_in(p: Pass | None, name: str) -> str | None:
     """The first op of pass `p` that writes `name` (an in-place method, a foreach update, an `out=`) or a view of it
     (`queue[ptr:ptr + n] = keys`, a copy_ into a slice), as where it ran: "aten.mul_.Tensor at blk (train.py:9 in
     forward)"."""
+    op = writer_op_in(p, name)
+    return f"{op.op} at {where(op.module, op.source)}" if op is not None else None
+
+
+def writer_op_in(p: Pass | None, name: str) -> OpRecord | None:
+    """The op writer_in names."""
     if p is None:
         return None
     ops = {o.index: o for o in p.ops}
-    for op in p.ops:
-        if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in _writes(op)):
-            return f"{op.op} at {where(op.module, op.source)}"
-    return None
+    return next((op for op in p.ops
+                 if any(r.name == name or r.kind == "op" and viewed_source(ops, r).name == name for r in _writes(op))),
+                None)
 
 
 def read_after_write(p: Pass | None, name: str) -> bool:
@@ -655,7 +660,7 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
                  ext_status: dict[tuple, bool], f_source: dict[int, int],
                  tainted_outputs: dict[tuple[int, int], bool] | None = None,
                  kept: dict[str, tuple[tuple[int, int], bool]] | None = None,
-                 received: set[int] = frozenset()) -> tuple[bool | None, list[str]]:  # type: ignore[assignment]
+                 received: Collection[int] = ()) -> tuple[bool | None, list[str]]:
     """Were all inputs of this pair identical? Uses the producers' comparison and the externals' (`kept`: the
     forward's own tensors the recompute read back, `kept_read_back`). None where one is what a collective received
     (`received`: its values unmeasured; another rank's divergence reaches this one through it)."""

@@ -20,7 +20,7 @@ from ..report import (ARGUMENT_ITEMS, CACHE_HIT, GRAD_MODE, HOOKS, KEPT_OUTPUT_W
                       NO_GRAD_INPUTS, ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD,
                       RegionReport, Suggestion)
 from .attributes import attribute_suggestion, split_name
-from .passdiff import read_after_write, writer_in
+from .passdiff import read_after_write, writer_in, writer_op_in
 from .labels import backticked, branch_sites, where
 
 
@@ -167,12 +167,13 @@ def _updated_in_forward(region: Region, name: str) -> Suggestion:
     one made after the forward read the state (an EMA, a load-balancing bias) moves after the backward (after the
     checkpoint call is too early: the recompute runs in the backward). A log names the tensor by its number in the
     dump only (`$49`, another in the recompute's list): it is named by the op that updates it."""
-    writer = writer_in(region.forward, name)
-    if is_log_id(name):
-        shown = f"`{name}` (torch's number for the tensor {writer or 'an in-place op'} writes)"
+    if is_log_id(name):  # (the recompute's list numbers its tensors anew: its update is the same op at that line)
+        writer = writer_op_in(region.forward, name)
+        shown = (f"`{name}` (torch's number for the tensor "
+                 f"{f'{writer.op} at {where(writer.module, writer.source)}' if writer else 'an in-place op'} writes)")
         leaf, owner = "that tensor", ""
-        again = writer is not None and any(f"{o.op} at {where(o.module, o.source)}" == writer
-                                           for o in (region.recompute.ops if region.recompute is not None else []))
+        again = writer is not None and region.recompute is not None and any(
+            (o.op, o.module, o.source) == (writer.op, writer.module, writer.source) for o in region.recompute.ops)
     else:
         shown, (owner, leaf) = f"`{name}`", split_name(name)
         again = writer_in(region.recompute, name) is not None  # (torch's early stop can end it before the update)
