@@ -309,3 +309,43 @@ def test_every_region_of_a_module_that_hands_out_a_side_output_is_at_risk_writte
         statuses[write] = [(r.status, r.unchecked_reason) for r in report.regions]
     assert statuses["diverged"] == statuses["all"] == [("unchecked", "reproduced; a side output carries no gradient")] \
         * 4, statuses
+
+
+ROUTER_LOGITS: list = []  # a module-level list a router fills for the load-balancing loss
+
+
+class GlobalRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.expert = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x):
+        logits = self.router(x)
+        ROUTER_LOGITS.append(logits)
+        return x + logits.softmax(-1).max(-1, keepdim=True).values * self.expert(x)
+
+
+@pytest.mark.parametrize("holder", ["prune", "global_list"])
+def test_a_side_output_names_the_attribute_or_global_that_keeps_it(holder, tmp_path):
+    """torch.nn.utils.prune's forward pre-hook sets `fc.weight = weight_orig * weight_mask` at every call: under
+    use_reentrant=True that tensor, made under no_grad, outlives the region as a module attribute; router logits kept
+    in a module-level list the same way. The report names where it is kept, not "a list a hook fills, a module
+    attribute"."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    if holder == "prune":
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        prune.l1_unstructured(model[0], "weight", amount=0.3)
+        expected = "0.weight"
+    else:
+        model, expected = GlobalRouter(), "test_branch_causes.ROUTER_LOGITS[0]"
+        ROUTER_LOGITS.clear()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, torch.randn(6, 8, requires_grad=True), use_reentrant=True)
+        y.pow(2).mean().backward()
+    ROUTER_LOGITS.clear()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert (region.cause.kind, region.cause.mechanism) == ("lost_gradient", "side_output"), region.cause
+    assert f"kept as `{expected}`" in region.cause.detail, region.cause.detail
+    assert f"kept as `{expected}`" in region.cause.evidence[0], region.cause.evidence

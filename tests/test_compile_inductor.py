@@ -32,6 +32,7 @@ def runs(tmp_path_factory):
         "no_rng": Job(ARGS[:-2] + ["--steps", "1", "--no-preserve-rng"]),
         "anneal": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "static", "--steps", "3"]),
         "anneal_dynamic": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "dynamic"]),
+        "rebind": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--rebind"]),
     }, timeout=900)
 
 
@@ -95,3 +96,19 @@ def test_a_recompile_that_makes_torch_raise_is_another_compiled_graph_not_anothe
     assert diverged and all(g["cause"]["tensor"] == f"{g['module']}.ff.act_scale" for g in diverged)
     detail = diverged[0]["cause"]["detail"]
     assert "another compiled graph than the forward" in detail and "took another branch" not in detail, detail
+
+
+def test_a_buffer_rebound_before_the_backward_is_named_through_the_compiled_calls_inputs(runs):
+    """The compiled feed-forward reads its `gain` buffer, which a schedule binds to a new tensor before the
+    backward. Inductor's graph takes its inputs as one list it empties as it runs (the boxed calling convention): the
+    call was recorded with no inputs, and the cause read "unknown". The recorder keeps a copy of that list, so the
+    call's inputs are measured and the rebound buffer is the cause."""
+    r = runs["rebind"]
+    assert r.returncode == 0, r.explain()
+    regions = r.report["regions"]
+    assert regions and all(g["status"] == "diverged" and g["silent"] for g in regions)
+    for g in regions:
+        assert (g["cause"]["kind"], g["cause"]["tensor"]) == ("state_mutation", f"{g['module']}.ff.gain"), g["cause"]
+    run = read_run(r.trace_dir / "trace-rank0.jsonl")
+    call = next(o for o in run.regions[0].forward.ops if o.op == "inductor_compiled_code")
+    assert any(ref.kind == "buffer" and ref.name == "layers.0.ff.gain" for ref in call.input_refs), call.input_refs

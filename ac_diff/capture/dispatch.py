@@ -21,10 +21,11 @@ def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     """Run the op, then hand it to the recorder. Before an op that writes in place, the recorder fingerprints the
     tensors it holds there (fingerprint.FingerprintBatch): the op is about to change them (OpInfo.before)."""
     before = op_info(func).before
+    recorded = args
     if before is not None:
-        self.recorder.before_write(before, args, kwargs)
+        recorded = self.recorder.before_write(before, args, kwargs)
     out = func(*args, **(kwargs or {}))
-    self._on_op(func, args, kwargs, out)
+    self._on_op(func, recorded, kwargs, out)
     return out
 
 

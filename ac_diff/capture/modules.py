@@ -59,6 +59,28 @@ def _held_in(space: dict, tensor: torch.Tensor, prefix: str, plain: bool) -> str
     return None
 
 
+def held_by(tensor: torch.Tensor, modules: list[tuple[nn.Module, str]]) -> str | None:
+    """Where the script keeps `tensor`, a tensor a region made that outlived it: an attribute of one of `modules`
+    (those the region called, [(module, fqn)]) or an item of a list or dict it holds ("blocks.0.fc.weight", which
+    torch.nn.utils.prune's forward pre-hook sets at every call), else a module-level global of their code or an
+    item of one ("model.ROUTER_LOGITS[0]"). None where it is kept out of reach (a hook's closure)."""
+    from .pystate import _module_name
+
+    for module, fqn in modules:
+        held = _held_in(vars(module), tensor, fqn + "." if fqn else "", plain=True)
+        if held is not None:
+            return clean_fqn(held)
+    seen = set()
+    for module, _ in modules:
+        space = getattr(getattr(type(module), "forward", None), "__globals__", None)
+        if isinstance(space, dict) and id(space) not in seen:
+            seen.add(id(space))
+            held = _held_in(space, tensor, _module_name(space) + ".", plain=True)
+            if held is not None:
+                return held
+    return None
+
+
 _CALLERS = 24  # frames searched above a module called from nowhere, for the model that holds it
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..dtypes import dtype_from_short, short_dtype  # noqa: F401 - their importers import them from here
-from ..oprules import COLLECTIVE_RESULT_OPS, UNINITIALISED_OPS, is_collective, is_decision, output_roles, split_op
+from ..oprules import (COLLECTIVE_RESULT_OPS, COMPILED_GRAPH_OP, UNINITIALISED_OPS, is_collective, is_decision,
+                       output_roles, split_op)
 
 
 # Not views to autograd, but their output is their input's memory reshaped.
@@ -39,11 +40,15 @@ class OpInfo:
     output_roles: tuple[str, ...] = ()
     # what must be fingerprinted before the op runs (fingerprint.FingerprintBatch holds CPU tensors until a flush):
     # None, nothing; ((position, name), ...), the tensors of those arguments it writes in place; FLUSH_ALL, everything
-    # held (a framework hook's scope begins: FSDP frees an all-gathered parameter's storage in its post-forward hook)
+    # held (a framework hook's scope begins: FSDP frees an all-gathered parameter's storage in its post-forward hook);
+    # BOXED_INPUTS, everything held, and the op's input list is copied for the record (a compiled graph call)
     before: tuple | None = None
 
 
 FLUSH_ALL = ("all",)
+# FLUSH_ALL for a compiled graph call, whose graph takes its inputs as one list it empties as it frees them
+# (inductor's boxed calling convention): the recorder keeps a copy of that list to record what the call read
+BOXED_INPUTS = ("all", "boxed")
 
 
 # id(op) -> (op, OpInfo): keyed by id because an OpOverload's __hash__ is a Python function and this
@@ -77,7 +82,9 @@ def _compute(func) -> OpInfo:
     if random and schema is not None:
         switches = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.name in _RANDOM_SWITCHES)
     before = None
-    if packet.startswith("_record_function_enter"):
+    if name == COMPILED_GRAPH_OP:
+        before = BOXED_INPUTS
+    elif packet.startswith("_record_function_enter"):
         before = FLUSH_ALL
     elif mutates:
         written = tuple((i, a.name) for i, a in enumerate(getattr(schema, "arguments", ()))

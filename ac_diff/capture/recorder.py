@@ -39,7 +39,7 @@ import torch
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
                        eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
 from .kept_inputs import KeptInputs, kept_as
-from .modules import ModuleStack
+from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
 from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_container, module_attributes,
                       only_rebinds, read_again)
@@ -53,7 +53,7 @@ from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, Unguarded
 from .state import (argument_items, callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest,
                     requiring_grad, trainable, training_mode)
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
-from .opinfo import FLUSH_ALL, OpInfo, draws, op_info, short_dtype
+from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                            checkpointed_module, frame_options, graph_task_id, left_a_backward, sequential_segment)
@@ -917,27 +917,32 @@ class Recorder:
 
     # -- ops ----------------------------------------------------------------------------------
     @_never_raise
-    def before_write(self, written: tuple, args: tuple, kwargs: dict | None) -> None:
-        """An op is about to write the arguments `written` ((position, name), ... or FLUSH_ALL) in place (dispatch.py):
-        the passes' held tensors that share their memory are fingerprinted first, as they are now
-        (FingerprintBatch.flush)."""
+    def before_write(self, written: tuple, args: tuple, kwargs: dict | None) -> tuple:
+        """An op is about to write the arguments `written` ((position, name), ..., FLUSH_ALL or BOXED_INPUTS) in place
+        (dispatch.py): the passes' held tensors that share their memory are fingerprinted first, as they are now
+        (FingerprintBatch.flush). Returns the arguments to record: `args`, or for a compiled graph call, its input
+        list copied (the graph empties the one it is given)."""
+        recorded = args
+        if written is BOXED_INPUTS:
+            written = FLUSH_ALL
+            if len(args) > 1 and type(args[1]) is list:
+                recorded = (args[0], list(args[1]), *args[2:])
         local = self._local
         passes = getattr(local, "passes", None)
         if not passes or local.internal:
-            return
+            return recorded
         tensors = None if written is FLUSH_ALL else _written_tensors(written, args, kwargs)
         if tensors:
             for p in passes:
                 if p.region.recorded and p.producers:
                     _mark_aliased_outputs_stale(p, tensors)
         batches = [p.batch for p in passes if p.batch.holding]
-        if not batches:
-            return
         if tensors is not None:
             batches = [b for b in batches if any(map(b.holds_memory_of, tensors))]
         for batch in batches:
             with self.quiet():
                 batch.flush()
+        return recorded
 
     def _on_op(self, func, args, kwargs, out) -> None:
         # never raises into the training, like the @_never_raise methods (inlined: this runs per op)
@@ -1214,6 +1219,7 @@ class Recorder:
                    for row in p.ops):  # (a root module's FQN is "": every module is inside it)
                 region.module = region.fn_name  # the function does more than call that module
         # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
+        called = list(p.called.values())  # (the modules it ran: where a side output is kept)
         if p.called:
             self._note_uncalled_children(p)
         if p.global_functions:
@@ -1225,7 +1231,7 @@ class Recorder:
             self._note_outputs(region)
             outputs = sorted([op, out] for _, op, out, _ in region.kept.values())
             if p.returned is not None:
-                side = _side_outputs(p, region.kept)
+                side = _side_outputs(p, region.kept, called)
                 if side:
                     p.state["side_outputs"] = side
         collection = None
@@ -1407,17 +1413,18 @@ def _outliving(p: _Pass) -> dict[int, tuple]:
     return kept
 
 
-def _side_outputs(p: _Pass, kept: dict[int, tuple]) -> list[list[int]]:
-    """[[op, output]] of the floating-point tensors a reentrant forward made that outlived it other than through
-    what it returned (a list a hook fills, a module attribute): made under no_grad, they carry no gradient to
-    whatever the script computes from them. Not one it detached on purpose (logging)."""
+def _side_outputs(p: _Pass, kept: dict[int, tuple], called: list[tuple]) -> list[list]:
+    """[[op, output, holder]] of the floating-point tensors a reentrant forward made that outlived it other than
+    through what it returned (a list a hook fills, a module attribute): made under no_grad, they carry no gradient to
+    whatever the script computes from them. Not one it detached on purpose (logging). `holder` names the attribute or
+    global that keeps it (modules.py `held_by`; None: out of reach, a hook's closure)."""
     ops, side = p.ops, []
     for ref, op, out, _ in kept.values():
         t = ref()
         if t is not None and t.is_floating_point() and _storage_of(t)[0] not in p.returned \
                 and ops[op][_OP] not in DETACHED_ALIAS_OPS:
-            side.append([op, out])
-    return sorted(side)
+            side.append([op, out, held_by(t, called)])
+    return sorted(side, key=lambda s: s[:2])
 
 
 def _cached(p: _Pass, index: int) -> bool:

@@ -178,7 +178,8 @@ class Retention:
         self._reproduced_size = 0
         self._side_effect_modules: set[str | None] = set()
         self._clean_samples: dict[str | None, int] = {}  # module -> its clean regions written in full
-        self._side_outputs: dict[str | None, set] = {}  # module -> the side outputs ([op, output]...) written in full
+        # module -> the side outputs ([op, output, holder]...) written in full
+        self._side_outputs: dict[str | None, set] = {}
 
     def write(self, p: Any, ops_record: Any, record: dict, fps: dict[int, list], kept: list, failed: bool) -> None:
         """A finished pass: hold it (a forward), summarize it and its forward (a reproduction), or write both."""

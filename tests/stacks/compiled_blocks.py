@@ -13,7 +13,9 @@ blocks' feed-forward. `--buffer-update` another: each block normalises its input
 a buffer it updates in place in its forward, so the recompute updates it again and sees another value. `--anneal static`
 another: the feed-forward scales its activation by a Python float that a schedule lowers between the forward and the
 backward, so the compiled code's guard on it fails in the recompute, which runs a graph compiled again (static shapes:
-each value its own graph; `--anneal dynamic`: the value becomes the graph's input, and torch raises). Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
+each value its own graph; `--anneal dynamic`: the value becomes the graph's input, and torch raises). `--rebind`
+another: a schedule binds the feed-forward's `gain` buffer to a new tensor between the forward and the backward, and
+the compiled code reads it as an input. Default backend "aot_eager" (through Dynamo and AOTAutograd, no C++ compiler);
 `--backend inductor` compiles C++ kernels (gcc), whose dropout draws other numbers than eager dropout.
 """
 
@@ -40,11 +42,12 @@ class FeedForward(nn.Module):
         self.drop = nn.Dropout(p)
         self.use_function = use_function
         self.act_scale = 1.0  # (--anneal: a schedule lowers it between the forward and the backward)
+        self.register_buffer("gain", torch.ones(2 * dim))  # (--rebind: a schedule binds it to a new tensor)
 
     def forward(self, x):
         h = self.w1(x)
         h = gelu_tanh(h) if self.use_function else F.gelu(h, approximate="tanh")
-        return self.drop(self.w2(h * self.act_scale))
+        return self.drop(self.w2(h * self.act_scale * self.gain))
 
 
 class Block(nn.Module):
@@ -89,6 +92,8 @@ def main(argv=None):
                    "backward; static: each value compiled as a constant; dynamic: after the first recompile the value "
                    "becomes a graph input (automatic dynamic shapes), a tensor the recompute saves that the forward "
                    "did not, and torch raises")
+    p.add_argument("--rebind", action="store_true", help="bind each feed-forward's `gain` buffer to a new tensor "
+                   "between the forward and the backward")
     args = p.parse_args(argv)
     if args.anneal == "static":
         torch._dynamo.config.automatic_dynamic_shapes = False
@@ -113,10 +118,12 @@ def main(argv=None):
     for step in range(args.steps):
         x = torch.randn(4, 16, 32, generator=g)
         loss = net(x).pow(2).mean()
-        if args.anneal:  # a schedule hook that runs before the backward
+        if args.anneal or args.rebind:  # a schedule hook that runs before the backward
             for module in net.modules():
-                if isinstance(module, FeedForward):
+                if isinstance(module, FeedForward) and args.anneal:
                     module.act_scale = 1.0 - 0.1 * (step + 1)
+                elif isinstance(module, FeedForward):
+                    module.gain = module.gain * 0.9
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
