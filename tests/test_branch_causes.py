@@ -8,6 +8,7 @@ hook registered after the loss and removed after the backward (the recompute run
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -349,3 +350,61 @@ def test_a_side_output_names_the_attribute_or_global_that_keeps_it(holder, tmp_p
     assert (region.cause.kind, region.cause.mechanism) == ("lost_gradient", "side_output"), region.cause
     assert f"kept as `{expected}`" in region.cause.detail, region.cause.detail
     assert f"kept as `{expected}`" in region.cause.evidence[0], region.cause.evidence
+
+
+class OptionalNorm(nn.Module):
+    """A curriculum flag that turns on a LayerNorm in front of the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ln, self.use_norm = nn.Linear(8, 8), nn.LayerNorm(8), False
+
+    def forward(self, x):
+        if self.use_norm:
+            x = self.ln(x)
+        return x + torch.relu(self.fc(x))
+
+
+def test_a_branch_whose_first_op_ends_the_recompute_names_the_attribute(tmp_path):
+    """The flag is switched on between the forward and the backward. The forward saved three tensors; the recompute's
+    first op, the LayerNorm it takes now, saves its input, weight and bias before its kernel runs (autograd saves an
+    op's inputs first), so torch's early stop ends the recompute there and raises: no op of the recompute reached the
+    recorder, and the cause read "unknown". Its saved tensors tell the branch (the forward saved the block's input
+    first, the recompute the norm's bias), and the attribute that changed is named."""
+    torch.manual_seed(0)
+    model = OptionalNorm()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        model.use_norm = True
+        with pytest.raises(cp.CheckpointError):
+            y.sum().backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged"
+    assert (region.cause.kind, region.cause.mechanism) == ("control_flow", "attribute"), region.cause
+    assert region.cause.tensor.endswith("use_norm"), region.cause
+    assert "position 0: input[0] in the forward" in region.cause.detail and "ln.bias" in region.cause.detail
+    assert region.suggestions[0].title.startswith("Change `") and "use_norm" in region.suggestions[0].title
+
+
+class EnvNorm(OptionalNorm):
+    def forward(self, x):
+        if os.environ.get("AC_DIFF_TEST_NORM") == "1":  # a switch no recorded Python state shows
+            x = self.ln(x)
+        return x + torch.relu(self.fc(x))
+
+
+def test_a_branch_on_state_nothing_records_whose_first_op_ends_the_recompute_is_control_flow(tmp_path, monkeypatch):
+    """The same branch, switched by an environment variable: nothing recorded names the switch, but the saved
+    tensors show that Python took another branch (it read "unknown: no recorded evidence")."""
+    torch.manual_seed(0)
+    model = EnvNorm()
+    monkeypatch.setenv("AC_DIFF_TEST_NORM", "0")
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        monkeypatch.setenv("AC_DIFF_TEST_NORM", "1")
+        with pytest.raises(cp.CheckpointError):
+            y.sum().backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.cause.kind == "control_flow", region.cause
+    assert "before it ran any op (position 0: input[0] in the forward, ln.bias in the recompute)" \
+        in region.cause.detail, region.cause.detail

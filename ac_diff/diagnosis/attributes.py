@@ -210,9 +210,10 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     identical tensors (a Python number argument changed, or another branch was taken). A random op's other
     values are its own (RNG) unless its arguments changed too, and a change read where it ran explains them."""
     changes = changed_attributes(region)
-    if not changes or first is None or first.inputs_same is False:
+    saved_other = saved_before_any_op(region) if changes and first is None else None
+    if not changes or (first is None and saved_other is None) or first is not None and first.inputs_same is False:
         return None
-    op = first.forward or first.recompute
+    op = (first.forward or first.recompute) if first is not None else None
     if op is not None and op.random and "value" in first.kinds:
         if not first.kinds & (ARGUMENT_KINDS | {"control"}):
             return None
@@ -220,13 +221,15 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
             return None
     # (an attribute changed between the passes before one the region's own forward sets: a statistic it writes;
     # one both passes read alike, whose update only came out otherwise, a monitor's maximum, follows from the other)
-    passed = _changed_arguments(first)  # (the values it had in each pass, where they are an op's argument)
+    passed = _changed_arguments(first) if first is not None else set()  # (what it was, where an op's argument)
     top = min(changes, key=lambda c: (not c.read_by(op), not _numbers(c) or (c.forward, c.recompute) not in passed,
                                       c.forward == c.recompute, _set_by_forward(c), not c.counted_twice))
     module = module_label(split_name(top.name)[0]) if split_name(top.name)[0] else "the module"
-    branch = "control" in first.kinds  # Python code took another branch on it
+    branch = first is None or "control" in first.kinds  # Python code took another branch on it
     why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
            "failed): " if other_compiled_graph(region) else
+           f"the recompute saved other tensors than the forward before it ran any op ({saved_other}: Python code "
+           "took another branch): " if saved_other else
            "the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
     root = _counting_pre_hook(top, changes)
     detail = why + f"{_what(top)} was {change_words(top.forward, top.recompute)}"
@@ -270,6 +273,8 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         detail += ": it was changed between the forward and the backward"
     if op is not None:
         evidence.append(f"first divergence: {op.op} ({', '.join(sorted(first.kinds))}), its input tensors identical")
+    elif saved_other:
+        evidence.append(saved_other)
     # what a restore must cover: every module attribute that changed (a scheduler moved each dropout's `p`)
     # (not one the region's own forward set, a statistic it writes: nothing changed it between the passes; unless it
     # is the same state as the cause's in another module: each linear's delayed fp8 scale)
@@ -281,6 +286,28 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
         top, names = root, [root.name, *(n for n in names if n != root.name)]
     return Cause("control_flow" if branch else "state_mutation", top.name, detail, evidence,
                  mechanism="global" if top.is_global else "attribute", names=names)
+
+
+def saved_before_any_op(region: Region) -> str | None:
+    """A recompute that ended before any op of it reached the recorder, having saved other tensors than the forward:
+    autograd saves an op's inputs before its kernel runs, so torch's early stop (or its check) can end the recompute
+    inside its first op, a LayerNorm the forward never ran saving its weight where the forward saved the block's
+    input. Says which position differs and how ("position 0: input[0] in the forward, ln.bias in the recompute")."""
+    fwd, rec = region.forward, region.recompute
+    if fwd is None or rec is None or rec.ops or not rec.positions:
+        return None
+    for a, b in zip(fwd.positions, rec.positions):
+        label_a, label_b = _saved_label(fwd, a), _saved_label(rec, b)
+        if label_a != label_b:
+            return f"position {a.position}: {label_a} in the forward, {label_b} in the recompute"
+    return None
+
+
+def _saved_label(p: Any, position: Any) -> str:
+    if position.origin == "op":
+        op = next((o for o in p.ops if o.index == position.op_index), None)
+        return f"the output of {op.op}" if op is not None else "an op's output"
+    return position.name or position.origin
 
 
 def _kept_in(var: str) -> str:

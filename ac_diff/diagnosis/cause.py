@@ -28,7 +28,7 @@ from ..passes import External, OpRecord, Pass, Region, TensorMeta, op_at
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause,
                       Divergence, RECEIVED, RegionReport)
-from .attributes import attribute_cause, change_words
+from .attributes import attribute_cause, change_words, saved_before_any_op
 from .passdiff import (ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, writer_in,
                        written_refs)
 from .dataflow import data_path, decision_path, upstream
@@ -316,6 +316,11 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      "rank's trace does not measure: a divergence on another rank reaches this one through it",
                      [d.summary for d in (value, shape, control) if d is not None], mechanism=RECEIVED,
                      source=received.source)
+    saved_other = saved_before_any_op(region) if report.has_values else None
+    if saved_other is not None:  # (no Python state recorded explains it: a branch on what no recorder sees)
+        return Cause("control_flow", None, f"the recompute saved other tensors than the forward before it ran any op "
+                     f"({saved_other}): Python code took another branch, on state no recorded value shows",
+                     [saved_other])
     return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
                  [d.summary for d in (value, shape, control) if d is not None])
 
