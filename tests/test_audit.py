@@ -505,3 +505,48 @@ def test_exact_scores_on_their_threshold_are_no_near_ties():
     assert site["margins"]["exact"] and site["margins"]["min_ulps"] is None, site["margins"]
     assert site["flips_per_seed"] == [0, 0] and site["rate"] == 0, site
     assert any(audit("abs:1e-3")["flips_per_seed"])  # (the zeros on the threshold do move under a named drift)
+
+
+class _BiasInForward(torch.nn.Module):
+    """A router whose load-balancing bias is updated in place inside its own forward (the recompute updates it again):
+    each replay of the region writes it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 8, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(8))
+
+    def forward(self, x):
+        scores = self.gate(x) + self.expert_bias
+        idx = scores.topk(2, dim=-1).indices
+        counts = torch.bincount(idx.flatten(), minlength=8).float()
+        with torch.no_grad():
+            self.expert_bias.add_(0.05 * torch.sign(counts.mean() - counts))
+        return x * scores.gather(-1, idx).sum(-1, keepdim=True)
+
+
+def test_each_replay_starts_from_the_state_the_forward_left():
+    """The replays wrote the region's buffer in place one after the other, so each noisy replay read the bias the one
+    before it left and 'flipped' decisions no noise could move (abs:1e-12, hundreds of ulps from any tie). Each
+    replay now starts from the state the forward left (what the recompute reads): no flip, and the training's bias
+    ends where it does without the audit."""
+    from torch.utils.checkpoint import checkpoint
+
+    def train(audited: bool):
+        torch.manual_seed(0)
+        model, x = _BiasInForward(), torch.randn(64, 16, requires_grad=True)
+        auditor = Auditor(AuditSettings(parse_noise("abs:1e-12"), seeds=2, max_regions=1)).start() if audited else None
+        try:
+            checkpoint(model, x, use_reentrant=False).sum().backward()
+        finally:
+            if auditor is not None:
+                auditor.stop()
+        return model, auditor
+
+    plain, _ = train(False)
+    model, auditor = train(True)
+    assert torch.equal(model.expert_bias, plain.expert_bias)
+    sites = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]["sites"]
+    topk = next(s for s in sites if s["op"] == "aten.topk.default")
+    assert topk["margins"]["min_ulps"] > 100, topk["margins"]
+    assert all(s["flips_per_seed"] == [0, 0] for s in sites), sites  # (topk, and the counts that follow it)

@@ -14,7 +14,8 @@
 
 Each pass starts from the forward's RNG state and runs under its own `torch.random.fork_rng`, so the
 training's RNG is untouched; tensors from outside the replay that an op writes in place (buffers,
-counters, running statistics) are copied before the first write and restored by `close()`. The inputs
+counters, running statistics) are copied before a pass first writes them and restored as it ends, so every pass
+starts from the state the forward left (what the real recompute reads). The inputs
 are detached: nothing a replay builds reaches the training's graph, and no backward ever runs on it.
 Python state the checkpointed module's code changes (a counter `self.calls += 1`, a list it appends to, a count a
 hook keeps in its closure, a private generator) is put back after each pass (remedies/restore.KeptState).
@@ -261,6 +262,7 @@ class RegionReplay:
                         stack.pop()
                 random.setstate(py)
                 self.kept.restore()
+                self.guard.restore()  # (each pass starts from the state the forward left, as the recompute does)
         if self.baseline is None:
             self.baseline = result
         return result
