@@ -108,7 +108,9 @@ def _plan(t: torch.Tensor) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor to reduce: a DTensor's local shard (reducing the DTensor itself would run a
     collective, and `.tolist()` refuses subclasses); an in-flight collective's result once it arrived
-    (AsyncCollectiveTensor); None for other wrapper subclasses."""
+    (AsyncCollectiveTensor); for another wrapper subclass, the plain tensor of its shape it wraps (its
+    `__tensor_flatten__` attributes, else its own: a float8 tensor's data, a simulated-precision wrapper's `elem`);
+    a subclass that holds its own data (`_make_subclass`) as it is; else None (not measured)."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t
     local = getattr(t, "_local_tensor", None)  # DTensor (also as a Parameter)
@@ -118,7 +120,19 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
     if callable(wait) and hasattr(t, "elem"):
         waited = wait()
         return waited if type(waited) is torch.Tensor else None
-    return t if not hasattr(t, "__tensor_flatten__") else None
+    if _storage_of(t)[0] is not None and not hasattr(t, "__tensor_flatten__"):
+        return t  # (its own data: reductions run on it as on a plain tensor)
+    return _wrapped(t)
+
+
+def _wrapped(t: torch.Tensor) -> torch.Tensor | None:
+    try:
+        flatten = getattr(t, "__tensor_flatten__", None)
+        names = flatten()[0] if callable(flatten) else list(vars(t))
+        inner = [getattr(t, name, None) for name in names]
+    except Exception:  # noqa: BLE001 - a subclass's own protocol failing: not measured
+        return None
+    return next((x for x in inner if type(x) is torch.Tensor and x.shape == t.shape), None)
 
 
 # Float dtypes whose row sums keep float32 precision: one weighted pass gives both numbers of the pair.
@@ -206,9 +220,9 @@ def _storage_of(t: torch.Tensor) -> tuple[int | None, int]:
     torch's dispatch); (None, 0) for a tensor without one (sparse, a wrapper subclass)."""
     try:
         storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()  # (a wrapper subclass has a storage whose data_ptr raises)
     except (RuntimeError, NotImplementedError, TypeError):
         return None, 0
-    return storage.data_ptr(), storage.nbytes()
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +357,7 @@ class FingerprintBatch:
         self._kept: list[torch.Tensor] = []
         self._streams = StreamFence()
         self.finite = True  # after collect(): no fingerprint is NaN or infinite
+        self.subclasses: set[type] = set()  # the tensor subclasses added (their Python code runs each op they see)
 
     @property
     def holding(self) -> bool:
@@ -361,6 +376,8 @@ class FingerprintBatch:
         tensor the pass did not make (a parameter, an input), which its code does not write behind torch's back: a
         small one is read at the flush, not copied now."""
         if type(t) is not torch.Tensor:
+            if type(t) is not torch.nn.Parameter:
+                self.subclasses.add(type(t))
             t = _local(t)
             if t is None:
                 return None

@@ -117,6 +117,20 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+def subclass_attributes(kind: type) -> dict[str, Any]:
+    """The scalar class attributes of a tensor subclass (and of its bases up to torch.Tensor), by qualified name:
+    what its `__torch_dispatch__` may read as it runs each op ("SimLowPrec.bits": 16, a simulated precision)."""
+    out: dict[str, Any] = {}
+    for klass in kind.__mro__:
+        if klass is torch.Tensor or klass is torch.nn.Parameter:
+            break
+        for key, value in vars(klass).items():
+            scalar = recorded_scalar(value) if not key.startswith("_") else NOT_SCALAR
+            if scalar is not NOT_SCALAR:
+                out.setdefault(f"{kind.__qualname__}.{key}", scalar)
+    return out
+
+
 CONFIG_FIELDS = 64  # an object a module holds with at most this many attributes is read as a run config
 
 

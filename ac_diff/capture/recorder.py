@@ -42,7 +42,7 @@ from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
 from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_container, module_attributes,
-                      only_rebinds, read_again)
+                      only_rebinds, read_again, subclass_attributes)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from ..errors import INTERRUPTIONS
@@ -1220,6 +1220,9 @@ class Recorder:
                 region.module = region.fn_name  # the function does more than call that module
         # what only the live state says, now: the Python generators moved, the tensors that outlived the pass
         called = list(p.called.values())  # (the modules it ran: where a side output is kept)
+        for kind in p.batch.subclasses:  # (Python state a tensor subclass's ops read: its class attributes)
+            for key, value in subclass_attributes(kind).items():
+                p.attributes.setdefault(key, value)
         if p.called:
             self._note_uncalled_children(p)
         if p.global_functions:

@@ -1,0 +1,124 @@
+"""Wrapper tensor subclasses (`_make_wrapper_subclass`: no storage of their own) flowing through checkpointed
+regions: a simulated-precision wrapper whose `__torch_dispatch__` rounds each op's output to `bits` bits, as a
+precision sweep does. The recorder failed on them ("Attempted to access the data pointer on an invalid python
+storage", then ".tolist() is not supported for tensor subclasses") and every region read NOTHING CHECKED. Now
+their values are measured through the plain tensor they wrap, the training is unchanged, a control is clean, and the
+class attribute their dispatch reads, changed between the forward and the backward, is the cause."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from torch.utils._pytree import tree_map
+
+import ac_diff
+
+
+class SimLowPrec(torch.Tensor):
+    bits = 16
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device,
+                                                   strides=elem.stride(), requires_grad=elem.requires_grad)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map(lambda t: t.elem if isinstance(t, SimLowPrec) else t, args),
+                   **tree_map(lambda t: t.elem if isinstance(t, SimLowPrec) else t, kwargs or {}))
+
+        def wrap(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, SimLowPrec):
+                if t.is_floating_point():
+                    t = torch.round(t * 2.0 ** cls.bits) / 2.0 ** cls.bits
+                return SimLowPrec(t)
+            return t
+        return tree_map(wrap, out)
+
+
+class Scaled(torch.Tensor):
+    """A traceable wrapper (float8-style: data and a scale, `__tensor_flatten__`) that computes in plain tensors."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device,
+                                                   requires_grad=data.requires_grad)
+
+    def __init__(self, data, scale):
+        self._data, self._scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map(lambda t: t._data * t._scale if isinstance(t, Scaled) else t, args),
+                   **(kwargs or {}))
+        return tree_map(lambda t: Scaled(t, torch.ones(())) if isinstance(t, torch.Tensor)
+                        and t.is_floating_point() else t, out)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def _train(wrap, sweep: bool, path=None):
+    torch.manual_seed(0)
+    SimLowPrec.bits = 16
+    blocks = nn.ModuleList(Block() for _ in range(2))
+    recording = ac_diff.record(path) if path is not None else None
+    grads = []
+    try:
+        if recording is not None:
+            recording.__enter__()
+        for _ in range(2):
+            x = wrap(torch.randn(8, 16))
+            for b in blocks:
+                x = cp.checkpoint(b, x, use_reentrant=False)
+            loss = (x * x).mean()
+            if sweep:
+                SimLowPrec.bits = 12  # the sweep moves on before the backward
+            loss.backward()
+            grads.append([p.grad.clone() for p in blocks.parameters()])
+            SimLowPrec.bits = 16
+    finally:
+        if recording is not None:
+            recording.__exit__(None, None, None)
+    return grads
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_wrapper_subclass_is_measured_and_its_class_attribute_named(sweep, tmp_path):
+    plain = _train(SimLowPrec, sweep)
+    recorded = _train(SimLowPrec, sweep, tmp_path / "t.jsonl")
+    assert all(torch.equal(a, b) for step_a, step_b in zip(plain, recorded) for a, b in zip(step_a, step_b))
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    if not sweep:
+        assert report.verdict == "clean", report.headline
+        return
+    assert report.verdict == "diverged" and report.silent, report.headline
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "SimLowPrec.bits"), lead.cause
+    assert "was 16 in the forward and 12 in the recompute" in lead.cause.detail
+
+
+def test_a_traceable_wrapper_subclass_is_measured_through_its_data(tmp_path):
+    """Reducing the wrapper itself returns another wrapper (`.tolist()` refuses it): its data is what is measured."""
+    _train(lambda x: Scaled(x, torch.ones(())), False, tmp_path / "t.jsonl")
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
+    from ac_diff.trace import read_run
+
+    ops = read_run(tmp_path / "t.jsonl").regions[0].forward.ops
+    measured = {o.op for o in ops if o.fingerprint and all(fp is not None for fp in o.fingerprint)}
+    assert {"aten.addmm.default", "aten.add.Tensor"} <= measured, [(o.op, o.fingerprint) for o in ops]
