@@ -700,17 +700,24 @@ class _GreedyWalker:
 # --------------------------------------------------------------------------
 
 
-def _match_runs(A: list, B: list, max_edit: int) -> list[tuple[int, int, int]]:
+def _match_runs(A: list, B: list, max_edit: int, early_stop: bool = False) -> list[tuple[int, int, int]]:
     N, M = len(A), len(B)
     lim = min(N, M)
     p = _prefix_len(A, 0, B, 0, lim) if lim else 0
-    s = _suffix_len(A, N, B, M, lim - p) if lim - p else 0
+    # (an early-stopped B ends where the forward made its last save, not where A ends: no common suffix)
+    s = _suffix_len(A, N, B, M, lim - p) if lim - p and not early_stop else 0
     runs: list[tuple[int, int, int]] = []
     if p:
         runs.append((0, 0, p))
     ahi, bhi = N - s, M - s
     if p < ahi and p < bhi:
-        runs.extend(_diff_middle(A[p:ahi], B[p:bhi], p, max_edit))
+        middle = _diff_middle(A[p:ahi], B[p:bhi], p, max_edit)
+        if early_stop:  # as many matches, against the shortest prefix of A: the free end's, where it has as many
+            # (exact up to _FREE_END_CAP edits: no band prunes a free end, each try costs ~cap**2 steps)
+            free_end = _myers_deepening(A, p, ahi, B, p, bhi, 0, min(max_edit, _FREE_END_CAP), end="a")
+            if free_end is not None and sum(r[2] for r in free_end) >= sum(r[2] for r in middle):
+                middle = free_end
+        runs.extend(middle)
     if s:
         runs.append((ahi, bhi, s))
     return runs
@@ -774,15 +781,17 @@ def _diff_middle(a: list, b: list, offset: int, max_edit: int) -> list[tuple[int
 
 
 _SLIDE_MAX = 16
+_FREE_END_CAP = 256  # edits an early-stopped recompute is aligned with exactly against a free forward tail
 
 
-def _tidy(runs: list, A: list, B: list, N: int, M: int) -> list[tuple[int, int, int]]:
+def _tidy(runs: list, A: list, B: list, N: int, M: int, early_stop: bool = False) -> list[tuple[int, int, int]]:
     """Merge touching runs and slide indels across short runs of repeated keys.
 
     With repeated keys an optimal script may come out as "insert x, match y,
     delete z" where y == x; sliding the insertion across the run joins it with
     the deletion into one changed block (shown as a substitution).  The number
-    of matches never changes, only their placement among equal keys.
+    of matches never changes, only their placement among equal keys.  After an
+    early stop the forward's tail is no gap: the last run never slides into it.
     """
     out: list[tuple[int, int, int]] = []
     nruns = len(runs)
@@ -794,7 +803,7 @@ def _tidy(runs: list, A: list, B: list, N: int, M: int) -> list[tuple[int, int, 
         else:
             pa = pb = 0
         if L <= _SLIDE_MAX:
-            na, nb = (runs[idx + 1][0], runs[idx + 1][1]) if idx + 1 < nruns else (N, M)
+            na, nb = (runs[idx + 1][0], runs[idx + 1][1]) if idx + 1 < nruns else (i + L if early_stop else N, M)
             ga1, gb1 = i - pa, j - pb  # gap before the run
             ga2, gb2 = na - i - L, nb - j - L  # gap after the run
             if ga1 == 0 and gb1 and ga2 and B[pb : pb + L] == B[j : j + L]:
@@ -816,7 +825,8 @@ def _near_equal(na: int, nb: int) -> bool:
     return abs(na - nb) <= max(1, max(na, nb) // 4)
 
 
-def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000) -> list[Pair]:
+def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000,
+          early_stop: bool = False) -> list[Pair]:
     """Align recompute ops ``b`` to forward ops ``a``; see the module docstring.
 
     ``max_edit`` bounds the exact search: if ``a`` and ``b`` differ by at most
@@ -824,13 +834,21 @@ def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000)
     ``"match"`` pairs is a longest common subsequence.  Beyond it a bounded
     heuristic is used.  The exact search costs up to ~``max_edit**2 / 2``
     Python steps, so very large values trade speed for optimality.
+
+    ``early_stop``: ``b`` stopped before its end (torch's early stop ends a
+    recompute at its last saved tensor), so ``a``'s end is not ``b``'s: no
+    common suffix is paired, and where aligning ``b`` against the prefix of
+    ``a`` that costs the fewest edits (the rest of ``a`` free) keeps as many
+    matches, that alignment is taken (a trailing op of ``b`` pairs with the
+    earliest op of ``a`` that fits, not with ``a``'s last one only because both
+    sequences end with that key).
     """
     if not isinstance(max_edit, int) or max_edit < 0:
         raise ValueError(f"max_edit must be a non-negative int, got {max_edit!r}")
     A = a if type(a) is list else list(a)
     B = b if type(b) is list else list(b)
     N, M = len(A), len(B)
-    runs = _tidy(_match_runs(A, B, max_edit), A, B, N, M)
+    runs = _tidy(_match_runs(A, B, max_edit, early_stop), A, B, N, M, early_stop)
 
     F: list = []
     R: list = []

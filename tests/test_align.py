@@ -96,6 +96,25 @@ def test_prefix_early_stop():
     assert first_mismatch(pairs) == Pair(n, None, "forward_only")
 
 
+def test_an_early_stopped_recompute_ends_at_the_earliest_fitting_forward_op():
+    """The recompute took another path for its scores (einsum's permutes, not a transpose) and stopped at its last
+    saved tensor, `1 + |z|` (an add), before the division and the residual add that end the forward (also an add):
+    trimming the common suffix paired it with that residual add, a shape divergence no pass had. With `early_stop`
+    the forward's tail after it is left unmatched."""
+    MM, T, P, DIV, ABS = (("aten.mm.default", "l"), ("aten.transpose.int", "l"), ("aten.permute.default", "l"),
+                          ("aten.div.Tensor", "l"), ("aten.abs.default", "l"))
+    add = ("aten.add.Tensor", "l")
+    a = [MM, T, MM, ABS, add, DIV, add]
+    b = [MM, P, P, MM, ABS, add]
+    suffix = align(a, b)
+    assert (6, 5, "match") in triples(suffix)  # (what the default, a whole recompute, pairs)
+    pairs = align(a, b, early_stop=True)
+    check_valid(a, b, pairs)
+    assert (4, 5, "match") in triples(pairs) and triples(pairs)[-2:] == [(5, None, "forward_only"),
+                                                                        (6, None, "forward_only")]
+    assert align(a, a[:5], early_stop=True) == align(a, a[:5])  # a plain early stop: unchanged
+
+
 def test_prefix_with_edits_beyond_max_edit():
     # early stop + a substitution: the tail must still come out as forward_only
     a = model_ops(n_layers=20)
@@ -299,9 +318,9 @@ small_seq = st.lists(st.integers(0, 3), max_size=25)
 
 
 @settings(max_examples=100, deadline=None)
-@given(a=small_seq, b=small_seq, max_edit=st.sampled_from([0, 1, 3, 8, 2000]))
-def test_prop_monotone_complete(a, b, max_edit):
-    pairs = align(a, b, max_edit=max_edit)
+@given(a=small_seq, b=small_seq, max_edit=st.sampled_from([0, 1, 3, 8, 2000]), early_stop=st.booleans())
+def test_prop_monotone_complete(a, b, max_edit, early_stop):
+    pairs = align(a, b, max_edit=max_edit, early_stop=early_stop)
     check_valid(a, b, pairs)
     # strict monotonicity over the non-None entries
     last_f = last_r = -1
@@ -351,3 +370,13 @@ def test_prop_edited_copies(base, edits, max_edit):
     fm = first_mismatch(pairs)
     assert fm is None or fm.how != "match"
     assert (fm is None) == (base == b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(a=small_seq, b=small_seq)
+def test_prop_an_early_stop_keeps_the_most_matches(a, b):
+    """With `early_stop` the alignment keeps a longest common subsequence (as many matches as without it): only
+    which of the equally many it pairs changes."""
+    pairs = align(a, b, early_stop=True)
+    check_valid(a, b, pairs)
+    assert summarize(pairs)["match"] == lcs_len(a, b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -90,13 +91,18 @@ def test_integers_are_exact_and_order_sensitive():
     assert a_w != b_w
 
 
-def test_a_dense_non_contiguous_tensor_is_reduced_in_memory_order_without_a_copy():
+def test_a_tensor_whose_layout_alone_changed_keeps_its_fingerprint():
+    """Values are reduced in their logical order, whatever their layout: weights converted to channels_last between
+    the forward and the backward (`model.to(memory_format=...)`, values untouched) kept their values, but reduced in
+    memory order their fingerprint changed, and ac-diff said SILENTLY DIVERGED over bit-identical gradients."""
     base = torch.randn(2, 8, 16, 4)
     t = base.permute(0, 2, 1, 3)  # an attention output (batch, heads, seq, dim) seen as (batch, seq, ...)
     assert not t.is_contiguous()
-    rows = _rows(t)
-    assert rows.data_ptr() == base.data_ptr()  # a view: no copy of the activation
-    assert fp(t) == fp(base.permute(0, 2, 1, 3))  # same layout, same numbers
+    assert fp(t) == fp(t.contiguous())  # its values in order: the layout does not count
+    w = torch.randn(8, 8, 3, 3)
+    assert fp(w) == fp(w.contiguous(memory_format=torch.channels_last))
+    assert fp(w) != fp(w.permute(0, 1, 3, 2).contiguous())  # (other values in order: another fingerprint)
+    assert _rows(base).data_ptr() == base.data_ptr()  # a contiguous tensor: no copy
     expanded = torch.randn(4, 1).expand(4, 6)  # not dense: reduced through a copy, still deterministic
     assert fp(expanded) == fp(expanded.contiguous())
 
@@ -389,3 +395,26 @@ def test_a_write_through_data_after_the_op_does_not_reach_its_fingerprint(tmp_pa
     torch.manual_seed(0)
     _, run = record_step(_Wrapped(_WriteAfterLastSave("data")), tmp_path / "t.jsonl")
     assert ac_diff.diagnose([run]).verdict == "clean"
+
+
+def test_weights_converted_to_channels_last_before_the_backward_are_no_divergence(tmp_path):
+    """An export helper converts the model to channels_last between the forward and the backward: the recompute
+    reads the same values in another layout, its convolution computes the same values, and the gradients are
+    bit-identical (torch checks no strides). Clean, as the gradients say."""
+    def train(convert: bool, path=None):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        x = torch.randn(2, 8, 10, 10).contiguous(memory_format=torch.channels_last).requires_grad_()
+        recording = ac_diff.record(path) if path is not None else contextlib.nullcontext()
+        with recording:
+            y = cp.checkpoint(block, x, use_reentrant=False)
+            if convert:
+                block.to(memory_format=torch.channels_last)
+            y.pow(2).mean().backward()
+        return [p.grad for p in block.parameters()]
+
+    expected = train(False)
+    got = train(True, tmp_path / "t.jsonl")
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))  # (the truth)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline

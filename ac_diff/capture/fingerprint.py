@@ -153,13 +153,13 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a matrix of rows of its last dimension, without copying where its memory allows
-    (`in_memory_order`). A vector is one column (so its pair is its plain sum and its weighted sum, not one number
-    twice)."""
+    """`t` as a matrix of rows of its last dimension, its values in their logical order: a view where `t` is
+    contiguous, else a copy. Never its memory as it lies: a tensor whose layout alone changed between the passes
+    (weights converted to channels_last before the backward, values untouched) must keep its fingerprint. A vector
+    is one column (so its pair is its plain sum and its weighted sum, not one number twice)."""
     dim = t.dim()
     if dim == 2 and t.is_contiguous():
         return t  # its own row view: reshaping would only add a dispatch
-    t = in_memory_order(t)
     return t.reshape(-1, t.shape[-1]) if dim > 1 else t.reshape(-1, 1)
 
 
@@ -424,15 +424,14 @@ class FingerprintBatch:
             return len(slots) - 1
         prints = _fused(t)
         if prints is not None and FusedPrints.takes(t.dtype) and 0 < t.numel() < MAX_ELEMENTS:
-            # floats: their memory as it lies (`_rows`); integers in order (exact: the per-tensor path's numbers); not
-            # dense (an expanded tensor): its values in order, the copy a reduction of its own would make
-            m = in_memory_order(t) if kind == "f" else t
+            # its values in their logical order, as `_rows`: a copy where it is not contiguous (a channels_last or
+            # expanded tensor), the copy a reduction of its own would make
             self._prints = prints
-            return self._hold_fused(m if m.is_contiguous() else t.contiguous(), kind)
+            return self._hold_fused(t if t.is_contiguous() else t.contiguous(), kind)
         return self._add_alone(t, kind)
 
     def _hold_fused(self, m: torch.Tensor, kind: str) -> int:
-        """Hold a dense tensor (`m`: in memory order) for the fused kernels' launch at the flush; its slot."""
+        """Hold a contiguous tensor for the fused kernels' launch at the flush; its slot."""
         slots = self._slots
         slots.append(None)
         # (`.data`: an alias of its memory that keeps the tensor itself, which the recorder follows by weak

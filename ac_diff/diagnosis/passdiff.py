@@ -198,7 +198,8 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     if read_back:  # the recompute read what they made (a cache kept it: autocast's casts, a memoized table)
         f_ops = [o for o in f_ops if o.index not in read_back]
     r_ops = usable_ops(recompute)
-    raw = align([o.key for o in f_ops], [o.key for o in r_ops])
+    stopped = recompute.stopped_early or not recompute.complete or not whole
+    raw = align([o.key for o in f_ops], [o.key for o in r_ops], early_stop=stopped)
     # back to the ops' own indices
     pairs = [Pair(f_ops[p.forward].index if p.forward is not None else None,
                   r_ops[p.recompute].index if p.recompute is not None else None, p.how) for p in raw]
@@ -229,7 +230,6 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
 
     # Trailing forward ops after the last op the recompute reached were never recomputed (early stop).
     last_rec = max((k for k, p in enumerate(pairs) if p.recompute is not None), default=-1)
-    stopped = recompute.stopped_early or not recompute.complete or not whole
     not_recomputed = 0
     if stopped:
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
