@@ -153,6 +153,9 @@ class External:
     # since, an attribute a later call rebound); no part of its equality
     obj: int | None = field(default=None, compare=False)
     requires_grad: bool | None = None  # a parameter's, as the pass read it (frozen or not: what its ops save)
+    # a tensor from outside the region that requires grad and has a graph of its own (`holder.temb = embed(t)`, read
+    # by the region, not passed to it): what a reentrant region's own backward runs on into
+    graph: bool = field(default=False, compare=False)
 
 
 @dataclass(slots=True)

@@ -408,3 +408,75 @@ def test_a_branch_on_state_nothing_records_whose_first_op_ends_the_recompute_is_
     assert region.cause.kind == "control_flow", region.cause
     assert "before it ran any op (position 0: input[0] in the forward, ln.bias in the recompute)" \
         in region.cause.detail, region.cause.detail
+
+
+class TwoKernels(nn.Module):
+    """Attention scores by matmul or by einsum (a profiling switch), normalized by `1 + |sum|`: the two paths give
+    bit-identical values here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(24, 24), nn.Linear(24, 24), nn.Linear(24, 24)
+        self.use_einsum = False
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        a = torch.einsum("btd,bsd->bts", q, k) if self.use_einsum else q @ k.transpose(1, 2)
+        o = a.softmax(-1) @ v
+        return x + o / (1 + o.sum().abs())
+
+
+def test_another_path_to_the_same_saved_tensors_is_clean_not_a_tail_mismatch(tmp_path):
+    """The switch flips between the forward and the backward: the recompute runs einsum's permutes, saves the same
+    tensors bit for bit, and stops (torch's early stop) at its last saved tensor, `1 + |sum|`, an add. Aligned with
+    the forward's last op, the residual add (another add) it never reached, it read as a shape divergence of the
+    region's output and SILENTLY DIVERGED, with gradients bit-identical. Now the forward's tail is left unmatched."""
+    torch.manual_seed(0)
+    model, x = TwoKernels(), torch.randn(4, 9, 24, requires_grad=True)
+    plain = cp.checkpoint(model, x, use_reentrant=False)
+    plain.pow(2).mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        y = cp.checkpoint(model, x, use_reentrant=False)
+        model.use_einsum = True
+        y.pow(2).mean().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))  # (the truth: identical)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline
+    assert any("ran in the forward only" in n and "every saved tensor matched" in n for n in report.regions[0].notes)
+
+
+class _Holder:
+    emb = None  # the time embedding the blocks share (a diffusion UNet's stages reach it through a holder)
+
+
+class _EmbBlock(nn.Module):
+    def __init__(self, holder: _Holder) -> None:
+        super().__init__()
+        self.fc, self.proj, self.holder = nn.Linear(8, 8), nn.Linear(4, 8), holder
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x) + self.proj(self.holder.emb))
+
+
+def test_reentrant_regions_that_read_a_shared_tensor_with_a_graph_explain_the_backward_that_raises(tmp_path):
+    """Each block reads the time embedding from a holder, not as an argument of checkpoint: under use_reentrant=True
+    the first block's own backward runs on into the embedding's graph and frees it, and the next one raises "Trying to
+    backward through the graph a second time". The crash said only that; it now names the tensor (`holder.emb`, not
+    "the captured tensor external[0]") and the fix."""
+    torch.manual_seed(0)
+    holder = _Holder()
+    embed, blocks = nn.Sequential(nn.Linear(1, 4), nn.SiLU()), nn.ModuleList(_EmbBlock(holder) for _ in range(2))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with ac_diff.record(tmp_path / "t.jsonl"):
+            holder.emb = embed(torch.rand(6, 1))
+            x = torch.randn(6, 8, requires_grad=True)
+            for block in blocks:
+                x = cp.checkpoint(block, x, use_reentrant=True)
+            x.sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert "why: reentrant regions read `holder.emb`" in report.headline, report.headline
+    note = report.notes[0]
+    assert note.startswith("the backward raised because reentrant regions (blocks.0, blocks.1) read `holder.emb`"), note
+    assert "`checkpoint(fn, x, emb)`" in note and "use_reentrant=False" in note, note

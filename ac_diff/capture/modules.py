@@ -45,7 +45,8 @@ _SEARCHED_ITEMS = 64  # items of one container searched for a tensor the region 
 
 def _held_in(space: dict, tensor: torch.Tensor, prefix: str, plain: bool) -> str | None:
     """The name in `space` (a module's attributes, a module's globals) of `tensor` (where `plain`: as a value of its
-    own) or of the dict or list item that is `tensor` ("cache[3]"), after `prefix`."""
+    own), of the dict or list item that is `tensor` ("cache[3]"), or of the attribute of a plain object of the user's
+    held there that is `tensor` (a holder the blocks share: "holder.temb"), after `prefix`."""
     for key, value in list(space.items()):
         if key.startswith("_"):
             continue
@@ -56,7 +57,18 @@ def _held_in(space: dict, tensor: torch.Tensor, prefix: str, plain: bool) -> str
             for index, item in islice(items, _SEARCHED_ITEMS):
                 if item is tensor:
                     return f"{prefix}{key}[{index!r}]"
+        elif _plain_object(value):
+            for name, item in islice(vars(value).items(), _SEARCHED_ITEMS):
+                if item is tensor and not name.startswith("_"):
+                    return f"{prefix}{key}.{name}"
     return None
+
+
+def _plain_object(value: object) -> bool:
+    """An object of the user's own class with attributes (not a module, tensor, class, function or module)."""
+    return (type(getattr(value, "__dict__", None)) is dict and not isinstance(value, (nn.Module, torch.Tensor, type))
+            and not callable(value) and type(value).__module__ not in ("builtins",)
+            and not type(value).__module__.startswith("torch"))
 
 
 def held_by(tensor: torch.Tensor, modules: list[tuple[nn.Module, str]]) -> str | None:

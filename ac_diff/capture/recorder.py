@@ -1154,6 +1154,8 @@ class Recorder:
             ext["obj"] = key
         if kind == "param":  # whether it was frozen: it decides what its ops save
             ext["rg"] = t.requires_grad
+        elif kind == "external" and t.grad_fn is not None:  # (a graph outside the region: a reentrant backward's
+            ext["graph"] = True  # runs on into it)
         made = p.region.kept.get(key) if p.phase == RECOMPUTE and p.region.kept else None
         if made is not None and made[0]() is t:  # the forward made it and kept it (a cache): read back, not remade
             ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], t._version]

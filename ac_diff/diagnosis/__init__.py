@@ -61,6 +61,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     errors: list[TorchError] = []
     error_logs: dict[int, str] = {}  # id(error) -> the log it is from, where several were read
     notes: list[str] = []
+    graph_readers: dict[int, dict[str, list[Region]]] = {}  # (`_note_graph_readers`)
     endings: list[str | None] = []  # how each run ended
     summarized_side: list[RegionReport] = []  # reentrant regions summarized, whose forward handed out side outputs
     regions: dict[tuple, Region] = {}  # (path, rank, region) -> what it was diagnosed from
@@ -92,6 +93,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
             with collector_paused(), _ops_of(run, region, kept):
                 report = diagnose_region(region, err, settings, run_stopped=stopped, torch_version=run.torch_version,
                                          version_check=check)
+                _note_graph_readers(run, region, graph_readers)
             report.path = run.path or run.source
             if region.kind == "reentrant" and region.forward is not None and not region.ops_written \
                     and region.forward.state.get("side_outputs") and report.status == CLEAN:
@@ -134,6 +136,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                          watch["outputs_only"] if watch else 0)
     if crash and not diverged and not errors:
         headline = crash
+    freed = _graph_freed_by_reentrant(runs, graph_readers)
+    if freed is not None:
+        headline += f"; why: {freed[0]}"
+        notes.insert(0, freed[1])
     failed = _failed_after(runs) if verdict == CLEAN else None
     if failed:
         headline += f"; but {failed}"
@@ -320,6 +326,42 @@ def _how_it_stopped(run: Run) -> str:
         return first
     return f"{run.exc_type or run.exit_status}" + (f": {first[:160]}" + ("..." if len(first) > 160 else "")
                                                        if first else "")
+
+
+_GRAPH_FREED = "backward through the graph a second time"
+
+
+def _note_graph_readers(run: Run, region: Region, readers: dict) -> None:
+    """While its passes are decoded: the tensors with a graph of their own made outside a reentrant region that it
+    read, by run and name (`_graph_freed_by_reentrant`)."""
+    if region.kind == "reentrant" and region.forward is not None and _GRAPH_FREED in (run.exc_message or ""):
+        prefix = f"{region.module}." if region.module else ""
+        for e in region.forward.externals:
+            if e.kind == "external" and e.graph:  # (by its name in the module: one holder its blocks share)
+                name = e.name.removeprefix(prefix)
+                readers.setdefault(id(run), {}).setdefault(name, []).append(region)
+
+
+def _graph_freed_by_reentrant(runs: list[Run], graph_readers: dict) -> tuple[str, str] | None:
+    """(a short reason, the note) where a run's backward raised "Trying to backward through the graph a second time"
+    and reentrant regions read a tensor that requires grad, made by ops outside them and not passed to checkpoint (a
+    holder's embedding the blocks share): each reentrant region's backward is a backward of its own, through its
+    recompute and on into that tensor's graph, which it frees; the next backward to reach it raises."""
+    for run in runs:
+        readers = graph_readers.get(id(run))
+        if not readers:
+            continue
+        name, regions = max(readers.items(), key=lambda item: len(item[1]))
+        modules = _listed(list(dict.fromkeys(module_label(r.module) for r in regions if r.module)))
+        leaf = name.rsplit(".", 1)[-1]
+        return (f"reentrant regions read `{name}`, a tensor with a graph of its own that they are not given",
+                f"the backward raised because reentrant regions ({modules}) read `{name}`, a tensor that requires "
+                "grad, made by ops outside them and not passed to checkpoint: use_reentrant=True runs each region's "
+                "backward as a backward of its own (torch.autograd.backward through its recompute), which goes on "
+                f"into `{name}`'s graph and frees it, so the next backward to reach that graph raises. Pass it to "
+                f"checkpoint as an argument (`checkpoint(fn, x, {leaf})`: its gradient then leaves the region through "
+                "checkpoint's own node), or use use_reentrant=False")
+    return None
 
 
 def _listed(items: list, limit: int = 6) -> str:

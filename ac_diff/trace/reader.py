@@ -546,7 +546,7 @@ def _external_from_json(x: dict) -> External:
                     first_op=x.get("first_op"), made_by=_pair(x.get("made_by")), versions=_pair(x.get("versions")),
                     obj=x.get("obj") if isinstance(x.get("obj"), int) else None,
                     made_in=x.get("made_in") if isinstance(x.get("made_in"), int) else None,
-                    requires_grad=x.get("rg") if isinstance(x.get("rg"), bool) else None)
+                    requires_grad=x.get("rg") if isinstance(x.get("rg"), bool) else None, graph=x.get("graph") is True)
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
