@@ -708,3 +708,51 @@ def test_the_reference_does_not_take_autocasts_weight_casts_for_side_outputs():
         watch(CheckpointCall(block, (x,), {}, "block", True), forward)
     ops = {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
     assert ops and "aten._to_copy.default" not in ops, ops
+
+
+class _DelayedScaling(nn.Linear):
+    """fp8-style delayed scaling: the scale comes from an amax history the forward rolls in place (the recompute
+    rolls it again); activations and weights are fake-quantized through a straight-through estimator,
+    `x + (q(x) - x).detach()`."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__(i, o)
+        self.register_buffer("amax_hist", torch.full((8,), 0.5))
+
+    @staticmethod
+    def _fake8(t, scale, dtype):
+        top = torch.finfo(dtype).max
+        return (t * scale).clamp(-top, top).to(dtype).to(t.dtype) / scale
+
+    def forward(self, x):
+        scale = torch.finfo(torch.float8_e4m3fn).max / self.amax_hist.max()
+        amax = x.detach().abs().max()
+        self.amax_hist.copy_(torch.roll(self.amax_hist, 1))
+        self.amax_hist[0] = amax
+        xq = x + (self._fake8(x, scale, torch.float8_e4m3fn) - x).detach()
+        w_scale = torch.finfo(torch.float8_e5m2).max / self.weight.detach().abs().max()
+        wq = self.weight + (self._fake8(self.weight, w_scale, torch.float8_e5m2) - self.weight).detach()
+        return torch.nn.functional.linear(xq, wq, self.bias)
+
+
+class _Fp8Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = _DelayedScaling(32, 64), _DelayedScaling(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_the_buffer_named_is_the_one_the_first_divergent_op_reads_through_a_straight_through_estimator(tmp_path):
+    """Both linears of the block roll their own history. The first op to differ reads `up.amax_hist`, and what it
+    feeds reaches the saved tensors only through `.detach()` (a copy the alignment skips), so only `down.amax_hist`
+    counted as reaching them and the cause named the second buffer; `.detach()` passes values on."""
+    torch.manual_seed(0)
+    block = _Fp8Block()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        # (the data: no grad, so `x * scale` saves nothing; only the `.detach()` path reaches what the linear saves)
+        cp.checkpoint(block, torch.randn(16, 32) * 3, use_reentrant=False).sum().backward()
+    region = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
+    assert region.status == "diverged" and region.first_value_divergence.module == "up", region.first_value_divergence
+    assert region.cause.tensor == "up.amax_hist", region.cause

@@ -234,7 +234,7 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
     if stopped:
         not_recomputed = sum(1 for p in pairs[last_rec + 1:] if p.forward is not None)
 
-    sources = _changed_sources(r_ops, ext_status, renamed)
+    sources = _changed_sources(r_ops, ext_status, renamed, through)
     damaged_ops = {o.op for o in (*f_ops, *r_ops) if o.damaged}
     tainted: dict[int, bool] = {}
     tainted_outputs: dict[tuple[int, int], bool] = {}
@@ -457,16 +457,16 @@ def is_outside_update(op: OpRecord | None) -> bool:
     return op is not None and bool(op.input_refs) and _is_outside_update(op.op, op.input_refs[0].kind)
 
 
-def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool], renamed: dict[tuple, str | None]
-                     ) -> dict[int, frozenset[str]]:
-    """For each recompute op, the changed externals that reach it through its inputs (transitively), by their
-    forward names."""
+def _changed_sources(r_ops: list[OpRecord], ext_status: dict[tuple, bool], renamed: dict[tuple, str | None],
+                     through: dict[int, int]) -> dict[int, frozenset[str]]:
+    """For each recompute op, the changed externals that reach it through its inputs (transitively, and through the
+    skipped copies `through` maps to what they copy: `(q - x).detach()`), by their forward names."""
     reach: dict[int, frozenset[str]] = {}
     for op in r_ops:
         found: set[str] = set()
         for ref in op.input_refs:
             if ref.kind == "op":
-                found |= reach.get(ref.op_index, frozenset())
+                found |= reach.get(through.get(ref.op_index, ref.op_index), frozenset())
                 continue
             key = _external_key(ref.kind, ref.name)
             name = renamed.get(key, ref.name)
