@@ -121,6 +121,33 @@ def test_fix_says_a_try_whose_remedy_matched_nothing_was_not_applied(tmp_path):
         tried.reason
 
 
+def test_fix_judges_a_script_that_always_ends_with_its_own_exit_code_by_its_tries(tmp_path):
+    """A pipeline gate ends every run with `sys.exit(3)`, the base run's too: every try was called crashed, quoting
+    ac-diff's own "next:" line as the script's error, and the remedy that works was not verified. A try that exits as
+    the base run did, by the script's own exit, is judged by its regions and gradients; one that exits otherwise still
+    crashed, and its quoted line is the script's."""
+    from ac_diff.fix.result import CRASHED, VERIFIED, Try
+    from ac_diff.fix.tries import Measured, judge
+    from ac_diff.report import Report, RegionReport
+
+    region = RegionReport(rank=0, region=0, module="layers.0", kind="checkpoint", status="clean", silent=False,
+                          cause=None, first_value_divergence=None, first_discrete_divergence=None,
+                          first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[],
+                          chain=[])
+    log = tmp_path / "log"
+    log.write_text("step 2 0.5\nval loss too high\nac-diff: next: ac-diff report out\n")
+    identical = SimpleNamespace(steps=_steps(True), defect=False)
+    gate, failed = Measured(1.0, 3, log), Measured(1.0, 1, log)
+    kept = Try("use_reentrant=False", [], "lost_gradient")
+    judge(kept, Report(verdict="clean", headline="", regions=[region], exit_status="exit", exit_code=3), identical,
+          gate, gate, None)
+    assert kept.status == VERIFIED, (kept.status, kept.reason)
+    other = Try("use_reentrant=False", [], "lost_gradient")
+    judge(other, Report(verdict="clean", headline="", regions=[region], exit_status="exit", exit_code=1), identical,
+          failed, gate, None)
+    assert other.status == CRASHED and other.reason.endswith("val loss too high"), other.reason
+
+
 def test_fix_reaches_the_first_divergence_up_to_its_cap_and_knows_where_it_is():
     """A divergence in backward 200: `fix` said "the first divergence is in backward 32" (its cap on the backward
     passes a try compares), then that region was "recomputed in backward 200"."""

@@ -45,6 +45,7 @@ class Measured:
             lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
+        lines = [line for line in lines if not line.startswith("ac-diff:")]  # (ac-diff's own, "next: ...")
         errors = [line for line in lines if _ERROR.match(line)]
         return (errors or lines or [""])[-1]
 
@@ -118,12 +119,14 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
         t.reason = (f"the recompute still differs, and torch now raises ({report.torch_error.kind}, exit {m.code}): "
                     + _reason(report, reference, op, m))
         return
-    if m.code != 0 and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
+    # (the script's own `sys.exit(n)`, as it ended without the remedy: how it ends, not a failure the remedy caused)
+    own_exit = m.code != 0 and m.code == base.code and report.exit_status == "exit"
+    if m.code != 0 and not own_exit and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
         t.regions_after, t.gradients = None, "not compared (it crashed)"  # (what ran before the crash proves nothing)
         return
     t.status = DID_NOT_HELP
-    if t.regions_after == 0 and t.gradients == "bit-identical" and m.code == 0:
+    if t.regions_after == 0 and t.gradients == "bit-identical" and (m.code == 0 or own_exit):
         twice = sorted(report.repeated_updates() & culprits)
         if not twice:
             t.status = VERIFIED
