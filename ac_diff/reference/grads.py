@@ -26,6 +26,7 @@ names in both runs.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,7 @@ class GradCapture:
         self._original = None
         self._depth = 0
         self.written = False
+        self.threads: set[int] = set()  # the threads that ran forwards or backwards (two models trained side by side)
 
     def install(self) -> "GradCapture":
         # (compiled modules: Dynamo must not trace it; the compiled module itself is seen, called eagerly)
@@ -168,6 +170,7 @@ class GradCapture:
 
     def _pre(self, module: nn.Module, args) -> None:
         self._ran.add(id(module))
+        self.threads.add(threading.get_ident())
         if id(module) not in self._seen_ids:
             self._seen_ids.add(id(module))
             self._seen.append(weakref.ref(module))
@@ -214,7 +217,8 @@ class GradCapture:
         self.written = True
         self.uninstall()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"format": "ac-diff-grads", "version": FORMAT_VERSION, "steps": self.snapshots}, self.path)
+        torch.save({"format": "ac-diff-grads", "version": FORMAT_VERSION, "steps": self.snapshots,
+                    "threads": len(self.threads)}, self.path)
         for step in self.snapshots:  # written: the values are read back from the file, not kept in this process
             for summary in [step.get("loss"), *step["grads"].values()]:
                 if summary is not None:

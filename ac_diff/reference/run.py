@@ -126,6 +126,13 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                                "checkpoint bound before ac-diff started?), so the comparison shows nothing")
         elif turned_off:
             result.notes.append(f"the reference ran {turned_off} checkpoint call(s) without AC")
+        threads = max((g.get("threads") or 1) if g else 1 for g in (run, ref))
+        if threads > 1:  # (which model's backward comes n-th, and what the other holds then, differs from run to run)
+            result.verdict, result.explanations = NOT_COMPARABLE, []
+            result.headline = (f"gradients not compared: models trained on {threads} threads at once, so which "
+                               "backward finishes n-th, and what the other thread has accumulated when its gradients "
+                               "are read, differs from run to run; run each model's training on its own to compare it "
+                               "with the run without AC")
         done = len(run["steps"]) if run else 0  # (the run with AC stopped before its next backward finished)
         ref_done = len(ref["steps"]) if ref else 0
         # (the run without AC stopped first: its own error, which AC hides; more steps would not compare more)
