@@ -42,15 +42,36 @@ _NULLABLE_INTS = frozenset({"op_index", "position", "index", "rank", "region", "
 
 
 def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = False) -> list[Run]:
-    """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run)."""
+    """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run). Among several,
+    a log with nothing to explain (a rank torchrun stopped before it raised) is left out with a note."""
+    paths = list(paths)
     runs: list[Run] = []
+    nothing: list[NothingToExplain] = []
     for path in paths:
         p = readable_file(path)
         first = len(runs)
-        runs.extend(_read_path(p, source_name(p), progress, lazy))
+        try:
+            runs.extend(_read_path(p, source_name(p), progress, lazy))
+        except NothingToExplain as exc:
+            if len(paths) == 1:
+                raise
+            nothing.append(exc)
         for run in runs[first:]:  # standard input is called <stdin>, not by the temporary copy read
             _rename(run, str(p), source_name(p))
+    if nothing and not runs:
+        raise nothing[0]
+    runs[0].notes.extend(f"{exc.name}: left out, no torch.utils.checkpoint error or debug dump in it (a rank that "
+                         "stopped before it raised, or one whose recomputes raised nothing: that does not show they "
+                         "matched)" for exc in nothing)
     return runs
+
+
+class NothingToExplain(InputError):
+    """A file that is neither a trace nor a log with checkpoint error text or a debug dump."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
@@ -83,11 +104,11 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
         if damage:
             raise InputError(f"{name}: the compressed file is damaged ({damage}); copy it again from where it "
                              "was written (or decompress what is readable: zcat FILE > FILE.log)")
-        raise InputError(f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint error or "
-                         "debug dump in it, so there is nothing in it to explain; a log without one does not show the "
-                         "recomputes matched (use_reentrant=True and determinism_check=\"none\" raise nothing when "
-                         "they differ): pass the log that holds the CheckpointError, or check the script with `ac-diff "
-                         "run --check` (`--reference no-ac` compares its gradients)")
+        raise NothingToExplain(name, f"{name}: neither an ac-diff trace nor a log with a torch.utils.checkpoint "
+                               "error or debug dump in it, so there is nothing in it to explain; a log without one "
+                               "does not show the recomputes matched (use_reentrant=True and determinism_check=\"none\" "
+                               "raise nothing when they differ): pass the log that holds the CheckpointError, or check "
+                               "the script with `ac-diff run --check` (`--reference no-ac` compares its gradients)")
     return [parse_log(p, progress=progress, lazy=lazy)]
 
 

@@ -193,13 +193,19 @@ def diagnosis_signature(report: dict) -> dict:
 
 def write_logs(python: Path, version: str) -> list[str]:
     """This release's own CheckpointError text and debug=True dump of the bundled MoE example (real mechanism:
-    the router's bias updated between forward and backward), as tests/data/logs/torch-VERSION/*."""
+    the router's bias updated between forward and backward), and what the dropout example, whose divergence torch
+    does not see, prints to stderr, as tests/data/logs/torch-VERSION/*."""
     out = REPO / "tests" / "data" / "logs" / f"torch-{version.split('+')[0]}"
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, extra in [("moe_bias_update_error.log", []),
-                        ("moe_bias_update_debug.log", ["--debug", "--layers", "1", "--experts", "2", "--top-k", "1"])]:
-        proc = _run([python, "examples/moe_bias_update.py", *extra], cwd=REPO, env=_env())
+    for name, script, extra in [
+            ("moe_bias_update_error.log", "moe_bias_update.py", []),
+            ("moe_bias_update_debug.log", "moe_bias_update.py", ["--debug", "--layers", "1", "--experts", "2",
+                                                                 "--top-k", "1"]),
+            ("dropout_no_rng_silent.log", "dropout_no_rng.py", [])]:  # (a silent divergence: no error to read)
+        proc = _run([python, f"examples/{script}", *extra], cwd=REPO, env=_env())
+        if not proc.stderr.strip():  # (a release that prints nothing about it: no log to keep)
+            continue
         path = out / name
         if name.endswith("debug.log"):  # ~2.5 MB of stack frames: kept gzipped (the parser reads .gz)
             import gzip

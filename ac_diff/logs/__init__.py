@@ -66,7 +66,9 @@ _MARKERS = (
     b"but not found in storage",
     b"cached during selective activation checkpoint",
     b"set_checkpoint_debug_enabled",  # the Tip block
-    b"torch/utils/checkpoint.py",  # a traceback through checkpoint (the error line may be cut off)
+    # a traceback through checkpoint (the error line may be cut off); not a warning torch printed from there (2.4's
+    # FutureWarning on torch.cpu.amp.autocast at every recompute, in a log that holds no error)
+    b'torch/utils/checkpoint.py", line',
     b"Traceback (most recent call last)",  # a traceback-only paste: read like the others, it says what is missing
 )
 
