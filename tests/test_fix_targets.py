@@ -168,6 +168,20 @@ def test_a_restores_code_change_is_the_diagnosiss_fix_for_that_state(fix):
         assert "pass the value" in code and "checkpoint(block, x, value" in code, code
 
 
+def test_an_attribute_bound_to_another_tensor_before_the_backward_is_restored_in_the_recompute():
+    """An annealed temperature kept as a tensor attribute, `self.tau = self.tau * 0.9` before the backward (cause:
+    rebound): `fix` tried only turning AC off and said no remedy that keeps AC works, where restoring the forward's
+    `tau` in the recompute is bit-identical to the run without AC."""
+    from ac_diff.fix.candidates import candidates
+    from ac_diff.report import REBOUND, Cause
+
+    region = SimpleNamespace(status="diverged", module="blocks.0", kind="checkpoint", repeated=[], changed_inputs=[],
+                             cause=Cause("state_mutation", "blocks.0.tau", "", mechanism=REBOUND),
+                             checkpoint_options={}, first_discrete_divergence=None, suggestions=[])
+    restore = next(c for c in candidates(SimpleNamespace(regions=[region], reference=None)) if c.kind == "restore")
+    assert restore.state == "blocks.*.tau", restore
+
+
 def test_turning_ac_off_in_a_reentrant_region_costs_what_its_recompute_saved(tmp_path):
     """A reentrant region's forward runs without grad and saves nothing; without AC it would keep what its recompute
     saved (it said +0 B/region)."""

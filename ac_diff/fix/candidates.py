@@ -27,7 +27,7 @@ from ..capture.fqn import is_segment
 from ..diagnosis.attributes import hook_variable, split_name
 from ..oprules import updates_as_it_computes
 from ..remedies import RemedySpec
-from ..report import DIVERGED, GRAD_MODE, LATER_FORWARD, UNCHECKED, UPDATED_IN_FORWARD
+from ..report import DIVERGED, GRAD_MODE, LATER_FORWARD, REBOUND, UNCHECKED, UPDATED_IN_FORWARD
 
 # cost order: a flag, a process setting, the reentrant variant, extra saved tensors, a region's activations
 # a code change the restore simulates
@@ -81,14 +81,15 @@ def _restore(r: Any) -> tuple[str, list[str]] | None:
     """("generator" | "state", globs) for a cause the restore simulates, at the modules that own what it names (in
     every layer): a private generator, where it lives (the module that draws from it: `layers.*.q_proj.lora_dropout
     .default`, not the block), or a buffer / tensor / Python attribute updated between forward and backward (every
-    one the cause names: both linears' running buffers, each dropout's `p` a scheduler moved)."""
+    one the cause names: both linears' running buffers, each dropout's `p` a scheduler moved), or bound to another
+    tensor (an annealed temperature `self.tau = self.tau * 0.9`: the forward's is put back)."""
     c = r.cause
     if c is None or is_segment(r.module):  # (a checkpoint_sequential segment: no module to restore state into)
         return None
     if c.kind == "rng" and c.mechanism == "private_generator" and r.module:
         return "generator", [layer_glob(name) for name in c.names or [r.module]]
     if c.kind in ("state_mutation", "control_flow") and c.mechanism in ("tensor", "attribute", UPDATED_IN_FORWARD,
-                                                                        LATER_FORWARD) \
+                                                                        LATER_FORWARD, REBOUND) \
             and c.tensor:
         return "state", [layer_glob(name) for name in dict.fromkeys([c.tensor, *c.names])]
     return None
