@@ -802,3 +802,26 @@ def test_a_log_that_keeps_one_op_of_the_forwards_list_places_it_nowhere():
     report = ac_diff.diagnose([parse_text(tail)])
     assert report.verdict == "unchecked", report.headline
     assert not any(r.cause is not None and r.cause.kind == "state_mutation" for r in report.regions)
+
+
+def test_a_nested_checkpoints_dump_lists_each_forward_op_once():
+    """An outer checkpoint around the pruner's inner one, both with debug=True: torch logs every op of the forward
+    twice in a row (once per capture mode it passed through), and the alignment read the second copies as ops "ran in
+    the forward but not in the recompute" (a first divergence `native_layer_norm`, where the recompute ran every one).
+    Each op is read once: the first divergence is the decision that changed the shapes."""
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    inner, norm = _Pruner(), torch.nn.LayerNorm(16)
+
+    def outer(x):
+        return cp.checkpoint(inner, norm(x), use_reentrant=False, debug=True)
+
+    text = checkpoint_error_text(outer, torch.randn(4, 8, 16, requires_grad=True))
+    forward = text[text.index("Operations executed during the original forward"):]
+    first = next(line for line in forward.splitlines() if "= torch._ops." in line)
+    assert forward.count(first + "\n" + first) == 1  # (torch's own doubling: what this test is about)
+    report = ac_diff.diagnose([parse_text(text)])
+    region = next(r for r in report.regions if r.status == "diverged")
+    assert region.first_control_divergence is None, region.first_control_divergence
+    assert region.first_shape_divergence is not None, region

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 
 from ac_diff.align import align
-from ac_diff.logs.oplines import ParsedOp
+from ac_diff.logs.oplines import OK, ParsedOp
 from ac_diff.passes import FORWARD, RECOMPUTE, OpRecord, Pass, Region
 
 # Section markers, checked on segments that reached the dump parser.
@@ -251,6 +251,19 @@ class DumpBuilder:
                       options={"debug": True}, forward=forward, recompute=recompute)
 
 
+def _logged_once(ops: list[tuple[ParsedOp, str | None]]) -> list[tuple[ParsedOp, str | None]]:
+    """(op, source) without an op logged twice in a row: the same op making the same `$N` ids from the same inputs
+    (an id is made once). Nested checkpoints with debug=True log each op of the forward twice, once per capture mode
+    it passed through."""
+    out: list[tuple[ParsedOp, str | None]] = []
+    for p, source in ops:
+        last = out[-1][0] if out else None
+        if last is None or not p.out_ids or p.status != OK or last.status != OK \
+                or (last.op, last.out_ids, last.in_ids, last.args) != (p.op, p.out_ids, p.in_ids, p.args):
+            out.append((p, source))
+    return out
+
+
 def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
     return OpRecord(index=index, op=p.op, source=source, out=p.out, args=p.args,
                     host_value=p.host_value, log_ids=(p.out_ids, p.in_ids), damaged=p.status != "ok")
@@ -259,14 +272,16 @@ def _record(index: int, p: ParsedOp, source: str | None) -> OpRecord:
 def _build_pass(phase: str, parts: _PassParts, footer_read: bool) -> Pass | None:
     traced = parts.traced
     if parts.total and len(traced) == parts.total and all(i in traced for i in range(1, parts.total + 1)):
-        ops = [_record(k, traced[k + 1].op, traced[k + 1].source) for k in range(parts.total)]
+        ops = [_record(k, p, source) for k, (p, source) in enumerate(
+            _logged_once([(traced[i].op, traced[i].source) for i in range(1, parts.total + 1)]))]
         return Pass(phase, ops=ops, complete=True)
     if parts.listed_seen:
         sources: dict[tuple, str] = {}
         for t in traced.values():
             if t.source is not None:
                 sources.setdefault(t.op.key, t.source)
-        ops = [_record(k, p, sources.get(p.key)) for k, p in enumerate(parts.listed)]
+        ops = [_record(k, p, source) for k, (p, source) in enumerate(
+            _logged_once([(p, sources.get(p.key)) for p in parts.listed]))]
         p = Pass(phase, ops=ops, complete=parts.listed_done or footer_read)
         if parts.lost:
             p.state["lost_lines"] = parts.lost
