@@ -48,6 +48,9 @@ def test_a_branch_on_grad_mode_under_reentrant_checkpoint(reentrant, tmp_path):
     assert region.status == "diverged" and region.cause.kind == "control_flow", report.headline
     assert region.cause.mechanism == "grad_mode" and "torch.is_grad_enabled()" in region.cause.detail
     assert region.suggestions[0].title.startswith("Checkpoint with use_reentrant=False")
+    # (torch checks nothing of a reentrant recompute: not "every saved tensor keeps its shape")
+    assert region.chain[-1] == ("torch compares nothing of it (use_reentrant=True: torch checks no recompute's saved "
+                                "tensors against its forward's): the gradients are silently wrong"), region.chain
 
 
 class SpectralBlock(nn.Module):

@@ -342,6 +342,10 @@ def _received_through(region: Region, lead: Divergence) -> OpRecord | None:
 _HOST_ENTRY_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default")
 
 
+# why torch says nothing of a reentrant region's recompute, whatever it saved
+_REENTRANT_UNCHECKED = "use_reentrant=True: torch checks no recompute's saved tensors against its forward's"
+
+
 def _reaching_saved(report: RegionReport, cmp: PassComparison) -> set[str]:
     """The changed outside tensors that reach a saved position that differs (through the ops that made it)."""
     bad = {p.forward_index for p in report.positions
@@ -1017,7 +1021,11 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
                         if raised and not any(p.in_torch_error for p in report.positions)
                         else "torch does not compare them (determinism_check=\"none\"): the backward reads tensors "
                         "of other shapes" if region.options.get("determinism_check") == "none"
+                        else f"torch does not compare them ({_REENTRANT_UNCHECKED}): the backward reads tensors of "
+                        "other shapes" if region.kind == "reentrant"
                         else "torch raises CheckpointError"))
+    elif report.silent and region.kind == "reentrant":
+        chain.append(f"torch compares nothing of it ({_REENTRANT_UNCHECKED}): the gradients are silently wrong")
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
     return chain
