@@ -560,6 +560,24 @@ def test_a_watched_divergence_the_run_never_saw_again_says_so(tmp_path):
     assert "--full-from-step 3" in report.watch["text"]
     lead = report.lead_groups()[0][0]
     assert lead.watched and lead.step == 3 and "watch mode in step 3" in lead.cause.detail
+    # the command to paste names the script the run ran (here, the library: no script)
+    assert "`ac-diff run --full-from-step 3 SCRIPT ...`" in " ".join([lead.cause.detail, *lead.notes]), lead.notes
+
+
+def test_the_full_from_step_command_names_the_script_and_its_arguments():
+    """It said "`ac-diff run --full-from-step 6`", which runs nothing: the script and its arguments, as the trace's
+    header has them, complete it."""
+    from types import SimpleNamespace
+
+    from ac_diff.diagnosis.watched import _script_words
+
+    def run(**header):
+        return SimpleNamespace(source="trace", header=header)
+
+    assert _script_words([run(target="train.py", target_args=["--lr", "3e-4", "--name", "a b"])]) == \
+        "train.py --lr 3e-4 --name 'a b'"
+    assert _script_words([run(target="pkg.train", target_args=[], module=True)]) == "-m pkg.train"
+    assert _script_words([run()]) == "SCRIPT ..."
 
 
 def test_full_from_step_records_from_that_step(tmp_path):

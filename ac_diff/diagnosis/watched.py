@@ -86,7 +86,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                "resampled": sum(sum((run.watch.get("resampled") or {}).values()) for run in watched),
                "stopped": any(run.exit_status in ("exception", "interrupted") for run in watched)}
     summary["text"] = _text(summary)
-    _link_escalations(reports, escalated)
+    _link_escalations(reports, escalated, _script_words(runs))
     return summary
 
 
@@ -203,9 +203,26 @@ def _window_after(r: RegionReport, reports: list[RegionReport], diverged_steps: 
     return window, later
 
 
-def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]]) -> None:
+_NO_SCRIPT = "SCRIPT ..."  # (a run the library recorded: its header names no script)
+
+
+def _script_words(runs: list[Run]) -> str:
+    """The script and its arguments as the traces' header names them ("train.py --lr 3e-4", "-m pkg.train"), for a
+    command to paste; "SCRIPT ..." where no header names one."""
+    import shlex
+
+    header = next((run.header for run in runs if run.source == "trace" and run.header.get("target")), None)
+    if header is None:
+        return _NO_SCRIPT
+    return shlex.join([*(["-m"] if header.get("module") else []), header["target"],
+                       *(header.get("target_args") or [])])
+
+
+def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any]],
+                      script: str = _NO_SCRIPT) -> None:
     """Each watched region that diverged says where its module's full recording is, or why there is none and the
-    command that makes one; its cause says it too (the headline shows the cause)."""
+    command that makes one (`script`: what the run ran, `_script_words`); its cause says it too (the headline shows
+    the cause)."""
     by_module = {(e["rank"], e["module"]): e for e in escalated}
     # a region recorded in full that random draws made diverge (what a watched one that did not recur may share)
     drawn = next((x for x in reports if x.status == DIVERGED and x.cause is not None and x.cause.kind == "rng"
@@ -227,8 +244,8 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                             [*lead.cause.evidence],
                             lead.cause.mechanism, lead.cause.source, list(lead.cause.names))
             r.suggestions = list(lead.suggestions)
-        again = f"`ac-diff run --full-from-step {r.step}` records step {r.step} in full (first divergent op, decision " \
-                "and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
+        again = f"`ac-diff run --full-from-step {r.step} {script}` records step {r.step} in full (first divergent " \
+                "op, decision and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
         if len({x.rank for x in reports}) > 1:  # (run as a single process, rank 1's data path never runs)
             again += f", launched as before (--nproc-per-node or torchrun: it diverged on rank {r.rank})"
         recurs = f"; it diverged again in step{'s' if len(later) > 1 else ''} {number_ranges(later)}" if later else ""
