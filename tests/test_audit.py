@@ -133,6 +133,9 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     assert {r["how"] for r in check["diverged"]} == {"values"}  # same shapes: torch raises nothing
     assert a["headline"] == check["headline"] and first == a["headline"]
     assert first.startswith("the run already diverges: 4 of 4 recomputed region(s)") and "gradients are wrong" in first
+    # a save list only guards the decisions against rounding noise: never offered as the fix of that divergence
+    assert a["remedy"]["save_list"] and "fix: save" not in out.getvalue(), out.getvalue()
+    assert "fix: against rounding noise only, not the divergence above" in out.getvalue(), out.getvalue()
     assert "`ac-diff run 'my train.py'`" in first
 
 

@@ -99,8 +99,13 @@ def render_audit(doc: dict, console: Console) -> None:
         state = (f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "
                  f"{r['stress_flips_without_save_list']} rows)" if r["verified"]
                  else f"still {r['flips_with_save_list']} flips with it")
-        lines.append(Text(f"fix: save {', '.join(r['save_list'])} with selective AC "
-                          f"({byte_size(r['bytes_per_region'])} per region): {state}", style="green" if r["verified"] else "yellow"))
+        # (the run diverges already: a save list guards the decisions against rounding, not against what the
+        # recompute reads otherwise)
+        ahead = ("against rounding noise only, not the divergence above (`ac-diff run` explains that one): "
+                 if a["recompute"].get("headline") else "")
+        lines.append(Text(f"fix: {ahead}save {', '.join(r['save_list'])} with selective AC "
+                          f"({byte_size(r['bytes_per_region'])} per region): {state}",
+                          style="green" if r["verified"] and not ahead else "yellow"))
     lines.append(Text(f"cost: {a['audit_seconds']:.2f} s of replays in a {a['wall_seconds']:.2f} s run "
                       f"(--max-regions {a['max_regions']}, --seeds {a['seeds']})", style="dim"))
     for note in a["notes"]:
