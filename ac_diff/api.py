@@ -60,9 +60,10 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = Fa
             _rename(run, str(p), source_name(p))
     if nothing and not runs:
         raise nothing[0]
-    runs[0].notes.extend(f"{exc.name}: left out, no torch.utils.checkpoint error or debug dump in it (a rank that "
-                         "stopped before it raised, or one whose recomputes raised nothing: that does not show they "
-                         "matched)" for exc in nothing)
+    if nothing:
+        runs[0].notes.extend(f"{exc.name}: left out, no torch.utils.checkpoint error or debug dump in it (a rank that "
+                             "stopped before it raised, or one whose recomputes raised nothing: that does not show "
+                             "they matched)" for exc in nothing)
     return runs
 
 

@@ -131,7 +131,9 @@ def test_a_silent_divergences_log_is_nothing_to_explain_whatever_release_wrote_i
     was refused with the documented exit 2 and its warning (a log without an error does not show the recomputes
     matched). Both are refused alike; among several logs such a one is left out, with a note, and the others
     explained."""
-    from ac_diff.api import NothingToExplain
+    from ac_diff.api import NothingToExplain, read_runs
+
+    assert read_runs([]) == []  # (nothing given: nothing read, no note to hang anywhere)
 
     silent = LOGS / "torch-2.4.1" / "dropout_no_rng_silent.log"
     assert "torch/utils/checkpoint.py" in silent.read_text()  # (the warning line)
