@@ -76,12 +76,18 @@ def held_by(tensor: torch.Tensor, modules: list[tuple[nn.Module, str]]) -> str |
     (those the region called, [(module, fqn)]) or an item of a list or dict it holds ("blocks.0.fc.weight", which
     torch.nn.utils.prune's forward pre-hook sets at every call), else a module-level global of their code or an
     item of one ("model.ROUTER_LOGITS[0]"). None where it is kept out of reach (a hook's closure)."""
-    from .pystate import _module_name
-
     for module, fqn in modules:
         held = _held_in(vars(module), tensor, fqn + "." if fqn else "", plain=True)
         if held is not None:
             return clean_fqn(held)
+    return _global_holding(tensor, modules)
+
+
+def _global_holding(tensor: torch.Tensor, modules: list[tuple[nn.Module, str]]) -> str | None:
+    """A module-level global of the code of `modules` ([(module, fqn)], searched in that order) that is `tensor` or
+    holds it ("train.PACK_CTX['doc_ids']")."""
+    from .pystate import _module_name
+
     seen = set()
     for module, _ in modules:
         space = getattr(getattr(type(module), "forward", None), "__globals__", None)
@@ -257,18 +263,7 @@ class ModuleStack:
     def global_name(self, tensor: torch.Tensor, outer: tuple = ()) -> str | None:
         """A module-level global of the code of the modules on the stack (or in `outer`) that is `tensor` or holds it
         in a dict or list (a context the code stashes there for the attention to read): "train.PACK_CTX['doc_ids']"."""
-        from .pystate import _module_name
-
-        seen = set()
-        for module, _ in reversed([*outer, *self.stack()]):
-            space = getattr(getattr(type(module), "forward", None), "__globals__", None)
-            if not isinstance(space, dict) or id(space) in seen:
-                continue
-            seen.add(id(space))
-            held = _held_in(space, tensor, _module_name(space) + ".", plain=True)
-            if held is not None:
-                return held
-        return None
+        return _global_holding(tensor, list(reversed([*outer, *self.stack()])))
 
     def name_by_index(self, modules: list) -> None:
         """Name modules that have no name yet (checkpoint_sequential's list of a Sequential's children, whose parent

@@ -366,14 +366,14 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
             return False
         return on_path is None or op.index in on_path
 
-    holders = {entry[0]: entry[2] if len(entry) > 2 else None for entry in side}  # (older traces: [op, output])
-    lost = [ops[index] for index in holders if index in ops and carries_grad(ops[index])]
+    # ([op, output, holder]; older traces: [op, output])
+    lost = [(ops[entry[0]], entry[2] if len(entry) > 2 else None) for entry in side
+            if entry[0] in ops and carries_grad(ops[entry[0]])]
     if not lost:
         return
-    op = lost[0]
+    op, holder = lost[0]
     at = f"{op.op} at {where(op.module, op.source)}"
-    kept = (f"kept as `{holders[op.index]}`" if holders[op.index]
-            else "kept by the script: a list a hook fills, a module attribute")
+    kept = f"kept as `{holder}`" if holder else "kept by the script: a list a hook fills, a module attribute"
     _unchecked(report, SIDE_OUTPUT,
                f"its recompute reproduced its forward, but {len(lost)} tensor(s) its forward made left it other than "
                f"through its outputs (the first: {at}, {kept}); ac-diff cannot tell whether a loss is computed from "
@@ -384,7 +384,7 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
         "use_reentrant=True the forward runs under no_grad, so that tensor requires no grad, and a loss computed "
         "from it (a router's load-balancing loss) gives no gradient to the region's parameters or anything before it",
         [f"{o.op} (forward op #{o.index}) at {where(o.module, o.source)}: outlived the region, not an output"
-         + (f", kept as `{holders[o.index]}`" if holders[o.index] else "") for o in lost[:4]],
+         + (f", kept as `{h}`" if h else "") for o, h in lost[:4]],
         mechanism="side_output", source=op.source)
     report.suggestions = suggestions_for(report, region, torch_version)
 
