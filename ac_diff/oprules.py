@@ -137,6 +137,15 @@ def is_autocast_weight_cast(name: str, autocast: bool, of_leaves: bool) -> bool:
     outlives the region by that cache, not by anything the script keeps (never a side output)."""
     return autocast and of_leaves and name == CAST
 HOOK_ONLY_OPS = frozenset({DETACH})
+# Ops whose output is a fixed function of their input that keeps the order of a row, ties included (a cast, a softmax):
+# a recompute's rounding noise enters before them, where the values were computed (audit.replay.origin_of).
+_ORDER_KEEPING = frozenset({"_to_copy", "_softmax", "_log_softmax", "softmax", "log_softmax"})
+
+
+def keeps_order(name: str) -> bool:
+    return packet(name) in _ORDER_KEEPING
+
+
 # Aliases with a version counter of their own: what `.data` dispatches (a write through one leaves the aliased
 # tensor's version as it was).
 DETACHED_ALIAS_OPS = frozenset({DETACH, "aten.alias.default"})

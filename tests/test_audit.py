@@ -510,6 +510,63 @@ def test_exact_scores_on_their_threshold_are_no_near_ties():
     assert any(audit("abs:1e-3")["flips_per_seed"])  # (the zeros on the threshold do move under a named drift)
 
 
+class _Bf16Router(torch.nn.Module):
+    """A router whose logits are bf16 (autocast) and whose top-2 is taken of `.float().softmax()`: about one row in a
+    hundred holds an exact tie of two bf16 logits, which float32 rounding noise added after the cast always breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 8, bias=False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.gate(x)
+        return x * logits.float().softmax(-1).topk(2, dim=-1).values.sum(-1, keepdim=True)
+
+
+def _reordered_flips(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(top-2 rows that change, rows) when the bf16 logits are summed in another order (two halves of K, each in
+    float32, as another kernel would): what a recompute that rounds otherwise really does."""
+    xb, wb = x.bfloat16(), weight.bfloat16()
+    kernel = (xb @ wb.T).float().softmax(-1).topk(2, dim=-1).indices
+    xf, wf = xb.float(), wb.float()
+    halves = (xf[:, :32] @ wf[:, :32].T + xf[:, 32:] @ wf[:, 32:].T).bfloat16()
+    other = halves.float().softmax(-1).topk(2, dim=-1).indices
+    return int((kernel != other).any(-1).sum()), x.shape[0]
+
+
+def test_rounding_noise_enters_bf16_scores_before_their_rounding():
+    """A clean bf16 router (24f): 1-ulp float32 noise went into the softmax after the cast, broke the exact ties of
+    bf16 logits, and `audit --check` said "CheckpointError likely" (0.26% of rows) where summing in another order flips
+    no row. The noise now goes into the matmul that made the bf16 logits, as a float32 ulp before their rounding."""
+    from ac_diff.audit.noise import perturb
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    router, x = _Bf16Router(), torch.randn(1024, 64)
+    scores = router.gate(x).detach().bfloat16().float().softmax(-1)
+    ties = int((scores.topk(3, dim=-1).values.diff(dim=-1) == 0).any(-1).sum())
+    assert ties >= 5, ties  # (the case: exact ties among the first three scores)
+    flips, rows = _reordered_flips(x, router.gate.weight.detach())
+    assert flips <= 2, (flips, rows)
+
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=3, max_regions=1)).start()
+    try:
+        checkpoint(router, x.requires_grad_(), use_reentrant=False).sum().backward()
+    finally:
+        auditor.stop()
+    doc = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    (site,) = [s for s in doc["sites"] if s["op"] == "aten.topk.default"]
+    assert site["noise_into"] == "aten.mm.default", site
+    assert site["margins"]["within_1ulp"] > 0, site["margins"]  # (the ties are there, and counted)
+    assert sum(site["flips_per_seed"]) <= 2 and site["rate"] * rows <= 2, site
+
+    out = torch.randn(4096).bfloat16()
+    moved = perturb(out, parse_noise("1ulp"), torch.Generator().manual_seed(0))
+    assert moved.dtype == torch.bfloat16 and int((moved != 0).sum()) <= 8  # (2**-16 of the elements, at 1 ulp of f32)
+    assert int((perturb(out, parse_noise("256ulp"), torch.Generator().manual_seed(0)) != 0).sum()) > 8
+
+
 class _BiasInForward(torch.nn.Module):
     """A router whose load-balancing bias is updated in place inside its own forward (the recompute updates it again):
     each replay of the region writes it too."""

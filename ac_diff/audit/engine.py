@@ -33,7 +33,7 @@ from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _cl
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
 from .recompute import RecomputeCheck
-from .replay import PassResult, RegionReplay, RngState, origin_of, producer_of, reachable
+from .replay import PassResult, RegionReplay, RngState, origin_of, producer_of, reachable, rounded_at
 
 _SQRT2 = math.sqrt(2.0)
 
@@ -284,7 +284,7 @@ class Auditor:
             hit = producer_of(clean, d.index, d.margins.score_arg)
             if not reachable(clean, hit):
                 continue
-            out[key] = origin_of(clean, hit) if spec.at_origin else hit
+            out[key] = origin_of(clean, hit) if spec.at_origin else rounded_at(clean, hit) if spec.rounding else hit
         return out
 
     def _perturb(self, region: RegionAudit, replay: RegionReplay, clean: PassResult) -> None:

@@ -39,6 +39,11 @@ class NoiseSpec:
         return "realistic" if self.kind == "realistic" else f"{self.kind}:{self.size:g}"
 
     @property
+    def rounding(self) -> bool:
+        """The noise of another summation order (ulps, realistic), not a drift the user names (rel, abs)."""
+        return self.kind in ("ulp", "realistic")
+
+    @property
     def at_origin(self) -> bool:
         """Injected at the op that computed the scores (a matmul), not at the decision's own input."""
         return self.kind == "realistic"
@@ -94,24 +99,51 @@ def exact_values(t: torch.Tensor) -> bool:
     return bool((scaled == scaled.round()).all())
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a kernel computes a narrow output in before rounding it (bf16, fp16 and fp8 accumulate in
+    float32)."""
+    return torch.float32 if dtype.is_floating_point and torch.finfo(dtype).bits < 32 else dtype
+
+
 def perturb(out: torch.Tensor, spec: NoiseSpec, generator: torch.Generator,
             sigma: torch.Tensor | None = None) -> torch.Tensor:
     """Seeded noise for `out` (same shape and dtype). `sigma`: the realistic per-element scale. Rounding noise (ulps,
-    realistic) leaves exact values alone (exact_values); a drift the user names (rel, abs) moves them too."""
-    if spec.kind in ("ulp", "realistic") and exact_values(out):
+    realistic) leaves exact values alone (exact_values); a drift the user names (rel, abs) moves them too.
+
+    Rounding noise into a narrow output (bf16) is an ulp of the precision it was computed in (float32), added before
+    its rounding: where in its rounding interval the value was is not known, so it is drawn (a dither); the output
+    moves by a whole bf16 ulp only where that pushes it across the interval's edge, as another summation order does."""
+    rounding = spec.rounding
+    if rounding and exact_values(out):
         return torch.zeros_like(out)
+    acc = accumulation_dtype(out.dtype)
+    x = out.detach().to(torch.float64)
+    if rounding and acc != out.dtype:
+        x = _dithered(out, generator)
     if spec.kind == "ulp":
         sign = torch.randint(0, 2, out.shape, generator=generator, device=out.device).to(torch.float64) * 2 - 1
-        delta = sign * spec.size * ulp(out)
+        delta = sign * spec.size * ulp(x, acc)
     else:
         g = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float64)
         if spec.kind == "rel":
-            delta = g * spec.size * out.detach().to(torch.float64).abs()
+            delta = g * spec.size * x.abs()
         elif spec.kind == "abs":
             delta = g * spec.size
         else:
-            delta = g * spec.size * (sigma if sigma is not None else ulp(out))
-    return delta.to(out.dtype)
+            delta = g * spec.size * (sigma if sigma is not None else ulp(x, acc))
+    if acc == out.dtype or not rounding:
+        return delta.to(out.dtype)
+    return ((x + delta).to(out.dtype).to(torch.float64) - out.detach().to(torch.float64)).to(out.dtype)
+
+
+def _dithered(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A value (float64) drawn uniformly from the interval that rounds to each element of `out` in its dtype."""
+    up = torch.nextafter(out.detach(), torch.full_like(out.detach(), math.inf)).to(torch.float64)
+    down = torch.nextafter(out.detach(), torch.full_like(out.detach(), -math.inf)).to(torch.float64)
+    x = out.detach().to(torch.float64)
+    u = torch.rand(out.shape, generator=generator, device=out.device, dtype=torch.float64) * 0.998 + 0.001
+    lo, hi = (x + down) / 2, (x + up) / 2  # strictly inside: the midpoints themselves may round either way
+    return torch.where(torch.isfinite(lo) & torch.isfinite(hi), lo + u * (hi - lo), x)
 
 
 def reduction_sigma(name: str, args: tuple, out: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -127,6 +159,7 @@ def reduction_sigma(name: str, args: tuple, out: torch.Tensor) -> tuple[torch.Te
             with torch.no_grad():
                 terms = torch.matmul(a.detach().double().square(), b.detach().double().square()).sqrt()
             if terms.shape == out.shape:
-                u = torch.finfo(out.dtype).eps / 2
-                return (u * math.sqrt(k) * terms).clamp_min(0.0), f"{packet} over K={k} in {str(out.dtype)[6:]}"
-    return ulp(out), "1 ulp of its output"
+                acc = accumulation_dtype(out.dtype)
+                u = torch.finfo(acc).eps / 2
+                return (u * math.sqrt(k) * terms).clamp_min(0.0), f"{packet(name)} over K={k} in {str(acc)[6:]}"
+    return ulp(out, accumulation_dtype(out.dtype)), "1 ulp of the precision it computes in"

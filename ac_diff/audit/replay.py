@@ -23,6 +23,7 @@ hook keeps in its closure, a private generator) is put back after each pass (rem
 
 from __future__ import annotations
 
+import math
 import random
 import weakref
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.opinfo import op_info
 from ..capture.torch_compat import checkpointed_module
 from ..remedies.restore import KeptState
-from ..oprules import written_arguments
+from ..oprules import keeps_order, written_arguments
 from ..capture.sourceline import user_source
 from .margins import Margins, decision_margins
 from .noise import NoiseSpec, perturb, reduction_sigma
@@ -283,14 +284,34 @@ def producer_of(result: PassResult, index: int, arg: int) -> tuple[int, int] | N
 
 
 def origin_of(result: PassResult, hit: tuple[int, int] | None) -> tuple[int, int] | None:
-    """Back from a producer through elementwise ops and views to the op whose reduction made the values
-    (a matmul): where a recompute's own rounding noise comes from."""
+    """Back from a producer through elementwise ops, views, casts and softmaxes to the op whose reduction made the
+    values (a matmul): where a recompute's own rounding noise comes from."""
+    return _walk_back(result, hit, stop=lambda row, slot: False)
+
+
+def rounded_at(result: PassResult, hit: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Where the values at `hit` were last rounded to a narrower dtype than their own, on the way back to their
+    origin (bf16 router logits that `.float().softmax()` turns into float32 scores): rounding noise belongs there,
+    before that rounding, since float32 noise added after it breaks ties that no recompute order can break.
+    `hit` itself when no narrower dtype lies on the way."""
+    if hit is None:
+        return None
+    bits = _mantissa_bits(result.rows[hit[0]].out_meta[hit[1]][1])
+    at = _walk_back(result, hit, stop=lambda row, slot: _mantissa_bits(row.out_meta[slot][1]) < bits)
+    return at if at is not None and _mantissa_bits(result.rows[at[0]].out_meta[at[1]][1]) < bits else hit
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    return round(-math.log2(torch.finfo(dtype).eps)) if dtype.is_floating_point else 0
+
+
+def _walk_back(result: PassResult, hit: tuple[int, int] | None, stop) -> tuple[int, int] | None:
     while hit is not None:
         row = result.rows[hit[0]]
-        if not (row.views or row.pointwise):
+        if stop(row, hit[1]) or not (row.views or row.pointwise or keeps_order(row.key[0])):
             return hit
         nxt = None
-        for j, p in enumerate(row.producers):
+        for p in row.producers:
             if p is not None and result.rows[p[0]].out_meta[p[1]][1].is_floating_point:
                 nxt = p
                 break
