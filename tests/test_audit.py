@@ -469,10 +469,31 @@ def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counti
     if counting:
         assert a["recompute"]["state_twice_count"] == 3, a["recompute"]
         assert a["recompute"]["state_twice"][0]["names"] == ["imgs_seen"]
-        assert "; but 3 recompute(s) updated Python state of their module a second time" in a["headline"], a["headline"]
+        assert "; but 3 recompute(s) updated state of their module (Python attributes, buffers) a second time" \
+            in a["headline"], a["headline"]
         assert block.imgs_seen == 8 * 6  # (the replays left it as the training made it: forward and recompute)
     else:
-        assert a["recompute"]["state_twice_count"] == 0 and "Python state" not in a["headline"]
+        assert a["recompute"]["state_twice_count"] == 0 and "a second time" not in a["headline"]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_audit_counts_buffers_its_recompute_updates_a_second_time(training):
+    """A batch norm in training inside the region: the recompute applies its running-statistics update a second time
+    (momentum twice per step: the statistics an evaluation reads differ from a run without AC). The audit counted
+    Python attributes only and said nothing (24f). In eval mode nothing is written: no such line."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()).train(training)
+    plain = torch.nn.BatchNorm1d(16).train(training)
+    a = _audited(block, [torch.randn(8, 16, requires_grad=True) for _ in range(2)], seeds=1, max_regions=2)
+    assert block[1].num_batches_tracked.item() == (4 if training else 0)  # (forward and recompute, per call)
+    assert plain.num_batches_tracked.item() == 0
+    if training:
+        assert a["recompute"]["state_twice_count"] == 2, a["recompute"]
+        assert a["recompute"]["state_twice"][0]["names"] == ["1.num_batches_tracked", "1.running_mean",
+                                                             "1.running_var"], a["recompute"]["state_twice"]
+        assert "`1.num_batches_tracked`, `1.running_mean`" in a["headline"], a["headline"]
+    else:
+        assert a["recompute"]["state_twice_count"] == 0 and "a second time" not in a["headline"]
 
 
 class _QuarterScores(torch.nn.Module):

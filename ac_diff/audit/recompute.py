@@ -57,7 +57,7 @@ class RecomputeCheck:
         self.checked = 0
         self.diverged: list[dict] = []
         self.diverged_count = 0
-        # regions whose recompute updated Python state of the module a second time (a counter a schedule reads)
+        # regions whose recompute updated state of the module a second time (a counter a schedule reads, a buffer)
         self.state_twice: list[dict] = []
         self.state_twice_count = 0
 
@@ -139,12 +139,28 @@ class RecomputeCheck:
 
 
 def _python_state(root: Any) -> dict | None:
-    """The Python state of the checkpointed module and its submodules (capture.pystate.module_attributes), by FQN
-    under it; None for a checkpointed function."""
+    """The state of the checkpointed module and its submodules, by FQN under it: Python attributes
+    (capture.pystate.module_attributes) and each buffer (a batch norm's running statistics, a router's load-balancing
+    bias: _buffer_states); None for a checkpointed function."""
     if not isinstance(root, torch.nn.Module):
         return None
-    return {f"{name}.{key}" if name else key: value for name, sub in root.named_modules()
-            for key, value in module_attributes(sub).items()}
+    state = {f"{name}.{key}" if name else key: value for name, sub in root.named_modules()
+             for key, value in module_attributes(sub).items()}
+    state.update(_buffer_states(root))
+    return state
+
+
+def _buffer_states(root: torch.nn.Module) -> dict:
+    """name -> (version, sum) of each buffer: the version counts writes in place, the sum catches kernels that write
+    without bumping it (a batch norm's running statistics: native_batch_norm does not declare them written). One
+    read back of all the sums per call."""
+    buffers = [(name, b) for name, b in root.named_buffers() if b is not None and b.numel()]
+    if not buffers:
+        return {}
+    with torch.no_grad():
+        sums = [b.detach().to(torch.float64).sum() for _, b in buffers]
+        sums = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+    return {name: ("buffer", b._version, s if s == s else "nan") for (name, b), s in zip(buffers, sums)}
 
 
 def _changed(before: dict | None, after: dict | None) -> dict:
