@@ -529,3 +529,39 @@ def test_report_of_a_directory_whose_traces_are_in_subdirectories_names_them(tmp
     proc = run_cli("report", str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "in its subdirectories base, try-1: pass one of them" in proc.stderr, proc.stderr
+
+
+_RECORDS_ITSELF = """
+import sys, torch, ac_diff
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+scale = torch.ones(16)
+with ac_diff.record(sys.argv[1]):
+    for step in range(2):
+        h = torch.randn(8, 16, requires_grad=True)
+        for b in blocks:
+            h = checkpoint(lambda x, b=b: torch.relu(b(x)) * scale, h, use_reentrant=False)
+        scale.mul_(1.5)  # the recompute reads the scale the step's backward finds: every region diverges silently
+        h.sum().backward()
+"""
+
+
+def test_a_script_that_records_itself_under_ac_diff_run_is_recorded_once(tmp_path):
+    """A script using the library's `record` run under `ac-diff run` (24c): two recorders on one process, each seeing
+    the other's work, and the run read NOTHING CHECKED (every region "unchecked", forward op counts doubled). The
+    block now goes into the run's trace, and one line on stderr says so; its own path is not written."""
+    script = tmp_path / "records_itself.py"
+    script.write_text(_RECORDS_ITSELF)
+    own, out = tmp_path / "own" / "trace-rank0.jsonl", tmp_path / "out"
+    alone = subprocess.run([sys.executable, str(script), str(own)], capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and own.exists(), alone.stderr
+    assert run_cli("report", "--json", str(tmp_path / "alone.json"), str(own)).returncode == 1
+    assert json.loads((tmp_path / "alone.json").read_text())["verdict"] == "diverged"
+    own.unlink()
+    r = run_cli("run", "--check", "-o", str(out), "--json", str(tmp_path / "run.json"), str(script), str(own))
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["verdict"] == "diverged" and [r["status"] for r in doc["regions"]] == ["diverged"] * 4, doc["regions"]
+    assert f"recorded into that run's trace ({out / 'trace-rank0.jsonl'}), and nothing is written to {own}" in r.stderr
+    assert not own.exists()

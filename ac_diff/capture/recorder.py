@@ -294,12 +294,15 @@ class Recorder:
             self._mode.__enter__()
         self._started = True
         self._launched_as_rank = "RANK" in os.environ  # torchrun / ac-diff's launcher started this process
+        _ACTIVE.append(self)
         return self
 
     def stop(self, exc: BaseException | None = None, exit_code: int | None = None) -> None:
         """Uninstall everything and finish the trace (always safe to call, also after a crash)."""
         if not self._started:
             return
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self._close_open_passes(exc)
         self._started = False
         self._write_landed(wait=True)
@@ -1504,6 +1507,7 @@ def _ops_record(p: _Pass, ops: list[tuple], fps: dict[int, list], kept: list) ->
     return encode_ops(p.region.number, p.phase, p.attempt, ops, fps, vals, p.cached, p.nonfinite)
 
 
+_ACTIVE: list[Recorder] = []  # recorders started in this process and not stopped yet (record() inside `ac-diff run`)
 _PLAIN_ARGS = frozenset({int, float, bool, str, type(None)})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})  # memory of their own: offsets and strides say it all
 _SEQUENCES = frozenset({list, tuple})
@@ -1554,6 +1558,14 @@ def record(path: str | os.PathLike = "ac-diff-out/trace-rank0.jsonl", options: R
 
     The trace is finished even if the block raises; the exception then propagates unchanged.
     """
+    if _ACTIVE:  # inside `ac-diff run`: a second recorder would see the first's hooks and modes, and both go wrong
+        outer = _ACTIVE[-1]
+        message = (f"ac_diff.record({os.fspath(path)!r}) runs inside a run ac-diff records already: the block is "
+                   f"recorded into that run's trace ({outer.path}), and nothing is written to {os.fspath(path)}")
+        print(f"ac-diff: {message}", file=sys.stderr)
+        outer._writer.write({"type": "warning", "message": message})
+        yield outer
+        return
     if option_overrides:
         base = options or RecordOptions()
         options = RecordOptions(**{**base.__dict__, **option_overrides})
