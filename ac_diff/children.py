@@ -16,12 +16,15 @@ OMP_NUM_THREADS=1 unless set (torchrun's own default, without its warning).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import site
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -49,6 +52,42 @@ def remember_start_dir() -> None:
         _start_dir = None
 
 
+_stdin_copy: str | None = None  # a copy of standard input that every run of the script reads (`share_stdin`)
+
+
+def share_stdin() -> None:
+    """Let every run of the script read the same standard input (`run --reference`, `fix`: the script runs again in a
+    child, which would find it consumed): what is left of it is copied to a temporary file, which each child reads
+    from its start (`stdin_for_child`); a pipe, which this process's own run would consume, is replaced by the copy
+    as descriptor 0. A terminal is left alone."""
+    global _stdin_copy
+    try:
+        if _stdin_copy is not None or os.isatty(0):
+            return
+        start = os.lseek(0, 0, os.SEEK_CUR)
+    except OSError:  # not seekable (a pipe), or closed
+        start = None
+    try:
+        fd, path = tempfile.mkstemp(prefix="ac-diff-stdin-")
+        with os.fdopen(os.dup(0), "rb") as given, os.fdopen(fd, "wb") as copy:
+            shutil.copyfileobj(given, copy)
+        if start is None:
+            replacement = os.open(path, os.O_RDONLY)
+            os.dup2(replacement, 0)
+            os.close(replacement)
+        else:
+            os.lseek(0, start, os.SEEK_SET)
+    except OSError:
+        return
+    _stdin_copy = path
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+
+
+def stdin_for_child():
+    """What a child's standard input is: the copy `share_stdin` made, opened afresh (None: inherited)."""
+    return open(_stdin_copy, "rb") if _stdin_copy is not None else None
+
+
 @dataclass
 class Child:
     argv: list[str]
@@ -62,8 +101,11 @@ class Child:
         wind down and note `interrupted`; SIGTERM (a scheduler's, sent to this process alone) is passed on to the
         child (torchrun stops its ranks, which finish their traces), waited for, and noted as `terminated`."""
         popen.setdefault("cwd", _start_dir)
-        proc = subprocess.Popen(self.argv, env=self.env, **popen)  # type: ignore[call-overload]
+        with stdin_for_child() or contextlib.nullcontext() as stdin:
+            popen.setdefault("stdin", stdin)
+            return self._wait(subprocess.Popen(self.argv, env=self.env, **popen))  # type: ignore[call-overload]
 
+    def _wait(self, proc: subprocess.Popen) -> int:
         def pass_on(signum, frame):
             self.terminated = True
             with contextlib.suppress(OSError):

@@ -287,3 +287,49 @@ def test_later_steps_that_read_a_python_counter_counted_twice_are_the_diverged_o
     status = {(x["backward"], x["module"]): x["status"] for x in report["regions"]}
     assert first == 2 and {s for (b, _), s in status.items() if b >= first} == {"diverged"}, status
     assert {s for (b, _), s in status.items() if b < first} == {"unchecked"}, status
+
+
+_READS_STDIN = """
+import sys, torch
+from torch.utils.checkpoint import checkpoint
+steps = int(sys.stdin.read().split()[0])  # (its configuration, piped in)
+torch.manual_seed(0)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.temperature = torch.nn.Linear(16, 16), 1.0
+    def forward(self, x):
+        return torch.tanh(self.lin(x) / self.temperature)
+blocks = torch.nn.ModuleList(Block() for _ in range(2))
+for step in range(steps):
+    h = torch.randn(8, 16, requires_grad=True)
+    for b in blocks:
+        h = checkpoint(b, h, use_reentrant=False)
+    for b in blocks:
+        b.temperature *= 0.9  # annealed before the backward: the recompute divides by another temperature
+    h.sum().backward()
+"""
+
+
+@pytest.mark.parametrize("given", ["pipe", "file"])
+def test_the_reference_reads_the_standard_input_the_run_read(tmp_path, given):
+    """A script reading its configuration from standard input (24c): the run consumed it, the reference found it
+    empty, crashed, and the comparison said "the run without AC exited with 1". Both runs read the same input now,
+    piped or redirected from a file."""
+    import os
+    import subprocess
+    import sys
+
+    script, json_path = tmp_path / "reads_stdin.py", tmp_path / "r.json"
+    script.write_text(_READS_STDIN)
+    (tmp_path / "in.txt").write_text("2\n")
+    argv = [sys.executable, "-m", "ac_diff", "run", "-o", str(tmp_path / "out"), "--json", str(json_path),
+            "--reference", "no-ac", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "in.txt") as f:
+        proc = subprocess.run(argv, input="2\n" if given == "pipe" else None, stdin=None if given == "pipe" else f,
+                              capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    reference = json.loads(json_path.read_text())["reference"]
+    assert reference["verdict"] == "differs", reference
+    assert reference["headline"].startswith("4 of 4 gradients differ from the run without AC at backward 1")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.compiled import COMPILED_ENV, eager_requested
-from ..children import child_command
+from ..children import child_command, share_stdin
 from ..diagnosis import Settings, diagnose
 from ..diagnosis.suggest import LOUDER
 from ..report import DIVERGED
@@ -70,6 +70,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                 max_regions: int | None, steps: int, jobs: int, fmt: str, json_path: str | None,
                 output: str | None, settings: Settings, nproc: int = 1) -> int:
     check_target(target, module)
+    share_stdin()  # (every try runs the script again)
     if max_tries < 0 or steps < 1 or jobs < 1 or nproc < 1:
         return fail("--max-tries must be >= 0, --steps, --jobs and --nproc-per-node >= 1")
     out = Path(output_dir)

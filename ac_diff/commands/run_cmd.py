@@ -20,6 +20,7 @@ from ..capture.recorder import Recorder, RecordOptions
 from ..remedies import RemedySpec
 from .run_extras import RunExtras
 from ..capture.runner import check_target, run_target
+from ..children import share_stdin
 from ..trace import read_run
 from . import launch_cmd as launch
 from .common import emit, fail, print_next, verdict_code
@@ -56,6 +57,8 @@ def run_command(target: str, args: list[str], *, module: bool, output_dir: str, 
         recorder = Recorder(trace_path, options, header_extra={"target": target, "module": module,
                                                                "target_args": args, **launch.header_fields()})
         extras = RunExtras(remedies, reference, reference_steps, output_dir, target, args, module)
+        if reference:
+            share_stdin()  # (the reference runs the script again)
         with launch.sigterm_as_exit(), extras:  # SIGTERM (a scheduler, torchrun's agent) still finishes the trace
             outcome = run_target(target, args, module=module, recorder=recorder, example=example)
         extras.after(target, args, module, outcome.exit_code)

@@ -8,6 +8,7 @@ A process is timed by a small wrapper process, so tries can run side by side wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..children import Child
+from ..children import Child, stdin_for_child
 from ..report import recomputed_in
 from ..report import DIVERGED
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
@@ -57,8 +58,9 @@ LOUD = frozenset({METADATA_MISMATCH, COUNT_MISMATCH, MORE_SAVED})
 def run_measured(child: Child, log: Path, cwd: str | None = None) -> Measured:
     """Run `child` (children.py: its command and environment) timed, its output into `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, str(log), *child.argv], env=child.env, cwd=cwd,
-                          capture_output=True, text=True, check=False)
+    with stdin_for_child() or contextlib.nullcontext() as stdin:
+        proc = subprocess.run([sys.executable, "-c", _WRAPPER, str(log), *child.argv], env=child.env, cwd=cwd,
+                              stdin=stdin, capture_output=True, text=True, check=False)
     try:
         data = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
