@@ -611,3 +611,30 @@ def test_a_backward_that_raised_after_a_peer_stopped_leaves_the_divergence_silen
                           chain=[], path=str(r0))
     _raised_in_their_backward([lost, other], [region])
     assert region.silent == (peer != "none") and (region.backward_raised is None) == (peer != "none"), region
+
+
+@pytest.mark.e2e
+def test_a_rank_whose_gradients_differ_only_through_the_all_reduce_keeps_its_regions(tmp_path):
+    """DDP fade-in blocks (tests/stacks/ddp_fade_in.py): both ranks count their tokens twice under AC; only rank 1's
+    alpha still ramps, so only rank 1 diverges, and the all-reduce hands its error to rank 0's gradients (25b).
+    `--reference` marked every region of rank 0 diverged (its gradients differ from the run without AC) and the
+    summary read "16 diverged"; the rank-local line sent the user looking for code that runs on rank 1 alone. Rank 0's
+    regions stay as their recomputes were (clean, or at risk with a note that the gradients say nothing of them),
+    and the rank-local line says that the same code runs on both ranks."""
+    out, json_path = tmp_path / "out", tmp_path / "r.json"
+    proc = run_cli("run", "--nproc-per-node", "2", "-o", str(out), "--json", str(json_path), "--reference", "no-ac",
+                   "--reference-steps", "2", str(Path(__file__).parent / "stacks" / "ddp_fade_in.py"), cwd=tmp_path,
+                   timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = report_json(json_path)
+    assert report["verdict"] == DIVERGED and report["reference"]["verdict"] == "differs"
+    statuses = {(r["rank"], r["region"]): r["status"] for r in report["regions"]}
+    assert all(statuses[1, n] == DIVERGED for n in range(6)), statuses
+    assert not any(statuses[0, n] == DIVERGED for n in range(6)), statuses
+    at_risk = [r for r in report["regions"] if r["rank"] == 0 and r["status"] == "unchecked"]
+    assert at_risk and all(any("only as another rank's do (reduced across ranks)" in n for n in r["notes"])
+                           for r in at_risk), at_risk
+    local = next(f for f in report["cross_rank_findings"] if f["kind"] == "rank_local")
+    assert "the same code runs on every rank: `module.blocks" in local["text"], local["text"]
+    assert "tokens_seen` changes between the passes on rank 0 too" in local["text"], local["text"]
+    assert "alone" not in local["text"]

@@ -278,15 +278,38 @@ def _rank_local(report: Report) -> list[CrossRankFinding]:
         if lead.cause is not None and lead.cause.tensor:
             why = f" ({lead.cause.kind} of `{lead.cause.tensor}`)" if lead.cause.kind == "state_mutation" else \
                 f" ({lead.cause.kind}: {lead.cause.tensor})"
+        these = "those ranks" if len(bad) > 1 else f"rank {bad[0]}"
         out.append(CrossRankFinding(
             "rank_local", f"rank-local: region {number} ({lead.module or '?'}) diverged on rank"
             f"{'s' if len(bad) > 1 else ''} {_list(bad)} only{why} and reproduced exactly on rank"
-            f"{'s' if len(good) > 1 else ''} {_list(good)}: look for state, hooks or branches that run on "
-            f"{'those ranks' if len(bad) > 1 else f'rank {bad[0]}'} alone", bad, region=number, module=lead.module,
-            detail={"clean_ranks": good}))
+            f"{'s' if len(good) > 1 else ''} {_list(good)}: " + _where_to_look(report, lead, good, these),
+            bad, region=number, module=lead.module, detail={"clean_ranks": good}))
         if len(out) >= 3:
             break  # later regions repeat the pattern; the region table has them all
     return out
+
+
+def _where_to_look(report: Report, lead: RegionReport, good: list[int], these: str) -> str:
+    """Where a divergence seen on some ranks only comes from: code or state of those ranks alone, unless the same
+    state changes between the passes on the clean ranks too (a region of theirs names it): then the same code ran
+    everywhere, and each rank's data decided whether it mattered (the margins of a decision that flipped)."""
+    culprit = lead.cause.tensor if lead.cause is not None else None
+    same = culprit is not None and any(r.rank in good and _changes(r, culprit) for r in report.regions)
+    if not same:
+        return f"look for state, hooks or branches that run on {these} alone"
+    text = (f"the same code runs on every rank: `{culprit}` changes between the passes on rank {_list(good)} too, "
+            "where it changed nothing the backward reads")
+    decision = lead.first_discrete_divergence
+    if decision is not None:
+        text += (f"; the data of {these} put {decision.op} within reach of it (a decision that flipped), that of rank "
+                 f"{_list(good)} did not")
+    return text + "; the fix above applies to every rank"
+
+
+def _changes(region: RegionReport, name: str) -> bool:
+    """Whether `name` (a buffer, an attribute) differs between the region's passes, diverged or not."""
+    return (region.cause is not None and region.cause.tensor == name) or \
+        any(c.get("name") == name for c in region.changed_inputs)
 
 
 def _exits(report: Report, runs: list[Run]) -> list[CrossRankFinding]:

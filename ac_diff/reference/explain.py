@@ -333,17 +333,18 @@ def _num(x: float | None) -> str:
 def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
     """Regions that reproduced their forward, held unchecked because their code reads Python state the recompute
     updates a second time: where the gradients differ from the run without AC, they diverged (silently); where they
-    match over the compared steps, a note says so (the state may matter only in a later step: a threshold)."""
+    match over the compared steps, a note says so (the state may matter only in a later step: a threshold). Per rank:
+    gradients that are another rank's figures (reduced across ranks) and that rank diverged say nothing of this one."""
     at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
     made = backwards_recorded(report.regions)
-    first = min((s.step + 1 for s in result.steps if s.differing), default=None)
+    own = _own_differences(report, result)
     # the same modules' regions of later steps, held clean (their recompute reproduced the forward, which read the
     # state the earlier ones left twice updated): from the first backward that differs, they computed other gradients
-    reading = {r.module: r for r in reversed(at_risk)}
-    if result.verdict == DIFFERS and first is not None:
+    reading = {(r.rank, r.module): r for r in reversed(at_risk)}
+    if result.verdict == DIFFERS:
         for r in report.regions:
-            origin = reading.get(r.module)
-            if r.status == CLEAN and origin is not None and (recomputed_in(r) or 0) >= first:
+            origin, first = reading.get((r.rank, r.module)), own.get(r.rank)
+            if r.status == CLEAN and origin is not None and first is not None and (recomputed_in(r) or 0) >= first:
                 r.status, r.silent = DIVERGED, True
                 r.cause, r.suggestions = origin.cause, list(origin.suggestions)
                 r.notes.append(f"its recompute reproduced its forward, but the forward read `{origin.cause.tensor}` "
@@ -351,13 +352,17 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
                                f"gradients from backward {first}")
     # those recomputed before the first backward whose gradients differ computed right: the state they left twice
     # updated changed a later one (a threshold), which diverged, unless no region says so (never clean)
-    later = [r for r in at_risk if first is None or (recomputed_in(r) or 0) >= first]
-    if result.verdict == DIFFERS and not later and not any(r.status == DIVERGED for r in report.regions):
-        later = at_risk
+    later = [r for r in at_risk if r.rank in own and (recomputed_in(r) or 0) >= own[r.rank]]
+    if result.verdict == DIFFERS and own and not later and not any(r.status == DIVERGED for r in report.regions):
+        later = [r for r in at_risk if r.rank in own]
     for r in at_risk:
-        if result.verdict == DIFFERS and r not in later:
+        if result.verdict == DIFFERS and r.rank not in own:
+            r.notes.append(f"the gradients on rank {r.rank} differ from the run without AC only as another rank's do "
+                           "(reduced across ranks), whose diverged regions explain them: they say nothing of this "
+                           "region, whose code reads state updated twice under AC")
+        elif result.verdict == DIFFERS and r not in later:
             r.notes.append(f"its own gradients match the run without AC (backward {recomputed_in(r)}); the state its "
-                           f"code reads, updated twice under AC, changed what backward {first} computed")
+                           f"code reads, updated twice under AC, changed what backward {own[r.rank]} computed")
         elif result.verdict == DIFFERS:
             r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
             r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
@@ -380,6 +385,31 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
                            f"exactly; the Python state {len(at_risk)} of them update twice under AC did not change "
                            f"the gradients over all {len(result.steps)} backward passes (they match the run without "
                            "AC)")
+
+
+def _own_differences(report: Any, result: ReferenceResult) -> dict[int, int]:
+    """rank -> the first backward (from 1) whose gradients differ from the run without AC on that rank for a reason
+    of its own: not where they are another rank's figures exactly (reduced across ranks: DDP's all-reduce) and that
+    rank has a region that diverged by then."""
+    diverged: dict[int, int] = {}
+    for r in report.regions:
+        if r.status == DIVERGED:
+            backward = recomputed_in(r) or 1
+            diverged[r.rank] = min(diverged.get(r.rank, backward), backward)
+    figures = {(s.rank, s.step): _figures(s) for s in result.steps}
+    own: dict[int, int] = {}
+    for s in sorted(result.steps, key=lambda s: s.step):
+        if not s.differing or s.rank in own:
+            continue
+        carried = any(rank != s.rank and first <= s.step + 1 and figures.get((rank, s.step)) == figures[s.rank, s.step]
+                      for rank, first in diverged.items())
+        if not carried:
+            own[s.rank] = s.step + 1
+    return own
+
+
+def _figures(step: StepComparison) -> tuple:
+    return tuple(sorted((d.name, d.status, d.rel_diff) for d in step.differing))
 
 
 def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
