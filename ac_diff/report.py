@@ -549,7 +549,7 @@ class Report:
 
         ref = self.reference
         if ref is not None and getattr(ref, "verdict", None) == IDENTICAL and not diverged_after(
-                self.regions, len(ref.steps)):
+                self.regions, ref.backwards):
             return ("torch raised no error; the diverged region(s) saved other tensors, yet the gradients match the run "
                     "without AC over the compared backward passes.")
         return "torch raised no error: the gradients of the diverged region(s) are silently wrong."

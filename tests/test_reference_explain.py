@@ -5,6 +5,8 @@ e2e cases are in test_reference.py and test_reference_kernel.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from types import SimpleNamespace
 
 import pytest
@@ -256,6 +258,11 @@ def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_
     report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 1,
                                        steps=_steps(True)[:1])
     assert "silently wrong" in report.silent_warning  # (not "yet the gradients match")
+    # two ranks, two backward passes each: four comparisons, but backward 3 is still not among them (25b: `fix` said
+    # "yet the gradients match" counting each rank's comparisons as backward passes)
+    two_ranks = _steps(True) + [replace(s, rank=1) for s in _steps(True)]
+    report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 2, steps=two_ranks)
+    assert report.reference.backwards == 2 and "silently wrong" in report.silent_warning
 
 
 def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_too():

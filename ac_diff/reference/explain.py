@@ -367,12 +367,12 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
             r.status, r.silent, r.unchecked_reason = DIVERGED, True, None
             r.notes.append("the run without AC has other gradients: the state its code reads, updated twice under "
                            "AC, changed what it computed")
-        elif result.verdict == IDENTICAL and len(result.steps) >= max(2, made):  # (step 2 reads what step 1 left)
+        elif result.verdict == IDENTICAL and result.backwards >= max(2, made):  # (step 2 reads what step 1 left)
             r.status, r.unchecked_reason, r.suggestions = CLEAN, None, []
-            r.notes.append(f"the gradients match the run without AC over all {len(result.steps)} backward passes: the "
+            r.notes.append(f"the gradients match the run without AC over all {result.backwards} backward passes: the "
                            "state its code reads, updated twice under AC, did not change what it computed")
-        elif result.verdict == IDENTICAL and len(result.steps) >= 2:  # (a counter may cross its threshold later)
-            r.notes.append(f"the gradients match the run without AC over {len(result.steps)} of the {made} backward "
+        elif result.verdict == IDENTICAL and result.backwards >= 2:  # (a counter may cross its threshold later)
+            r.notes.append(f"the gradients match the run without AC over {result.backwards} of the {made} backward "
                            "passes this run made: the state its code reads, updated twice under AC, may change what a "
                            f"later one computes (past a threshold): compare them all (--reference-steps {made})")
         elif result.verdict == IDENTICAL:
@@ -383,7 +383,7 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
         report.verdict = CLEAN
         report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
                            f"exactly; the Python state {len(at_risk)} of them update twice under AC did not change "
-                           f"the gradients over all {len(result.steps)} backward passes (they match the run without "
+                           f"the gradients over all {result.backwards} backward passes (they match the run without "
                            "AC)")
 
 

@@ -74,6 +74,11 @@ class ReferenceResult:
     def defect(self) -> bool:
         return self.verdict == DIFFERS
 
+    @property
+    def backwards(self) -> int:
+        """The backward passes compared (each rank's comparison of one is one of `steps`)."""
+        return len({s.step for s in self.steps})
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         for step in out["steps"]:  # `step` is the index; `backward` counts from 1, as the text and the steps do

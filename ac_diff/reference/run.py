@@ -99,6 +99,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
     dirs = output_dir if isinstance(output_dir, dict) else {r: Path(output_dir) for r in ranks}
     given = reference_dir
     results = []
+    unreached: set[int] = set()  # ranks with a region that diverged after the backward passes compared
     for r in ranks:
         output_dir = dirs[r]
         reference_dir = Path(given) if given is not None else Path(output_dir) / REFERENCE_DIR
@@ -137,8 +138,9 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         ref_done = len(ref["steps"]) if ref else 0
         # (the run without AC stopped first: its own error, which AC hides; more steps would not compare more)
         failed_without = exit_code not in (None, 0) and ref_done < min(done, steps)
-        later = diverged_after(rank_report.regions, len(result.steps))
+        later = diverged_after(rank_report.regions, result.backwards)
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
+            unreached.add(r)
             first = min(later, key=lambda x: x.region)
             when = recomputed_in(first)
             result.headline += (f"; but the first region that diverged (region {first.region}, "
@@ -168,9 +170,10 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
     if len(results) == 1:
         return results[0][1]
     order = {DIFFERS: 0, NOT_COMPARABLE: 1, FAILED: 2, IDENTICAL: 3}
-    # the headline: the rank whose gradients differ for a reason of its own before one that only received them
+    # the headline: the rank whose gradients differ for a reason of its own before one that only received them; of
+    # ranks whose gradients match, one whose divergence came after the compared passes (which the headline says)
     r0, worst = min(results, key=lambda x: (order[x[1].verdict], any(
-        e.kind == "other_rank_divergence" for e in x[1].explanations), x[0]))
+        e.kind == "other_rank_divergence" for e in x[1].explanations), x[0] not in unreached, x[0]))
     alike = [r for r, res in results if res.verdict == worst.verdict]  # (a stranger read "rank 0" as all it compared)
     label = (f"rank {r0}" if len(alike) == 1 else f"every rank ({len(results)})" if len(alike) == len(results)
              else f"ranks {', '.join(map(str, alike))}") + (f", rank {r0}'s figures" if len(alike) > 1 and
