@@ -334,6 +334,7 @@ NESTED_RERUN = "nested checkpoint inside a recompute"  # RegionReport.unchecked_
 # how counts and tables show such a region: not a gap in the check (its own forward and recompute are compared as
 # the nested region it re-runs), so not "unchecked"
 NO_GRAD_CALL = "called under no_grad: no backward"  # RegionReport.unchecked_reason of an evaluation pass's region
+NOT_REACHED = "not recomputed: no backward"  # ... of a region no backward reached (its output fed no loss)
 NO_GRAD_COUNTED = "called under no_grad (evaluation: nothing to recompute)"
 NESTED_LABEL = "nested rerun"
 NESTED_COUNTED = "nested rerun(s) in a recompute (nothing to compare)"

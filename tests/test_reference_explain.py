@@ -366,3 +366,22 @@ def test_gradients_one_run_has_and_the_other_lacks_are_no_rounding():
     rounding = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=3,
                                differing=[ParamDiff("enc.0.weight", "differs", 1e-7)])]
     assert explain(rounding, [], _report(), steps_requested=1).explanations[0].kind == "backward_kernels"
+
+
+def test_a_region_no_backward_reached_does_not_leave_rounding_unexplained():
+    """Whisper's LayerDrop under reentrant AC (25a): two regions whose output fed no loss were never recomputed, and
+    gradients that differ by rounding (1.8e-7) were "unexplained" because not every region was clean. A region no
+    backward reached gives no gradient: the explanation is the backward's arithmetic, as with every region clean."""
+    from ac_diff.reference.result import ParamDiff
+    from ac_diff.report import NOT_REACHED
+
+    report = _report()
+    report.regions.append(SimpleNamespace(side_effects=[], state_changes={}, cause=None, status="unchecked", rank=0,
+                                          module="l1", host_draws=[], unchecked_reason=NOT_REACHED))
+    for r in report.regions[:1]:
+        r.unchecked_reason = None
+    rounding = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=3,
+                               differing=[ParamDiff("enc.0.weight", "differs", 1.8e-7)])]
+    assert explain(rounding, [], report, steps_requested=1).explanations[0].kind == "backward_kernels"
+    report.regions[1].unchecked_reason = "recorder error"  # (a region that was not compared still leaves it open)
+    assert explain(rounding, [], report, steps_requested=1).explanations[0].kind == "unexplained"

@@ -14,7 +14,8 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, RECOMPUTE_RAISED,
+from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
+                      RECOMPUTE_RAISED,
                       RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
                       PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
@@ -141,7 +142,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             _unchecked(report, "not recomputed: the run stopped",
                        f"never recomputed: the run stopped first ({run_stopped})")
         else:
-            _unchecked(report, "not recomputed: no backward",
+            _unchecked(report, NOT_REACHED,
                        "never recomputed: no backward reached this region before the run ended")
         report.positions = position_rows(fwd, None, None, torch_error) if fwd else []
         written = input_written(fwd) if run_stopped and region.source != "log" else None

@@ -41,8 +41,8 @@ from typing import Any
 
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import (CLEAN, DIVERGED, GRAD_MODE, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, Divergence, RegionReport,
-                      backwards_recorded, recomputed_in)
+from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
+                      UNCHECKED, Divergence, RegionReport, backwards_recorded, recomputed_in)
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -293,7 +293,7 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                 f"the two runs trained other parameters (a model re-created, a parameter replaced); {where}",
                 parameters=[d.name for d in one_sided[:20]],
                 fix="change requires_grad between steps (after optimizer.step(), before the next forward)"))
-        elif compared and all(r.status == CLEAN for r in regions):
+        elif compared and all(r.status == CLEAN for r in regions if r.unchecked_reason not in _NO_GRADIENT_THROUGH):
             flag = next((r.state_changes["deterministic"] for r in regions if "deterministic" in r.state_changes), None)
             out.append(Explanation(
                 "backward_kernels",
@@ -313,6 +313,11 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                 f"the recompute matched the forward and ac-diff saw no side output or input without grad; {where}",
                 parameters=[d.name for d in step.differing[:20]]))
     return out
+
+
+# regions that give no gradient, so none of the gradients compared: never reached by a backward, evaluation passes,
+# nested reruns compared as the region they re-run
+_NO_GRADIENT_THROUGH = (NOT_REACHED, NO_GRAD_CALL, NESTED_RERUN)
 
 
 def _finding_text(f: dict[str, Any]) -> str:
