@@ -323,6 +323,46 @@ def test_restore_in_recompute_gives_the_recompute_the_forwards_state(patched, re
         (f"layers.{i}", f"forward value restored in the recompute: layers.{i}.{held}") for i in (0, 1)]
 
 
+_AUG_GEN = torch.Generator()  # a generator of this Python module, as a data-augmentation one is kept
+
+
+class NoisyGlobal(nn.Module):
+    """A block drawing from a generator its forward reads as a global (DropEdge's augmentation generator, 25a)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x * torch.rand(x.shape, generator=_AUG_GEN)))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_restore_reaches_a_generator_the_forward_reads_as_a_global(patched, reentrant):
+    """`fix` tried "restore the forward's torch.Generator state of convs.*" on a GNN whose edge dropout draws from a
+    module-level generator, reached nothing, and called the remedy that the hand-made change proves right "did not
+    help". The generators a module's forward names as globals are restored with its own; and the audit's replays
+    put them back (KeptState), so they no longer advance the training's augmentation generator."""
+    from ac_diff.remedies.restore import KeptState
+
+    _AUG_GEN.manual_seed(3)
+    reference = grads(Stack(NoisyGlobal, checkpointed=False))
+    after_forward = _AUG_GEN.get_state()
+    _AUG_GEN.manual_seed(3)
+    assert not same(grads(Stack(NoisyGlobal, reentrant)), reference)  # the real mechanism: the recompute draws anew
+    patch = patched(RemedySpec(restore=["layers.*"]))
+    _AUG_GEN.manual_seed(3)
+    assert same(grads(Stack(NoisyGlobal, reentrant)), reference)
+    assert torch.equal(_AUG_GEN.get_state(), after_forward)  # (the recompute's draws undone)
+    rows = [r for r in patch.summary() if r["remedy"] == "restore"]
+    assert [(r["region"], r["what"]) for r in rows] == [
+        (f"layers.{i}", f"forward value restored in the recompute: layers.{i}.<global _AUG_GEN>") for i in (0, 1)]
+    kept = KeptState(Stack(NoisyGlobal))
+    torch.rand(4, generator=_AUG_GEN)
+    kept.restore()
+    assert torch.equal(_AUG_GEN.get_state(), after_forward)
+
+
 class Spectral(nn.Module):
     """spectral_norm: each training forward updates the parametrization's `_u` and `_v` buffers in place."""
 

@@ -14,7 +14,8 @@ not a parameter), list/tuple/dict/deque attribute (a
 memory the forward appends to, `layers.1.attn.mems`: the recompute gets a copy of the forward's), or a
 torch.Generator attribute (`layers.1.attn.gen`). A NAME that matches a module instead (`layers.1`) means every
 torch.Generator held by that module or its submodules (a LoRA dropout's own, `layers.1.q_proj.lora_dropout.default
-.gen`). Only what the checkpointed module reaches is restored; a region that is a bare function or a
+.gen`), or read as a global by their forward (`aug_gen = torch.Generator()` beside the class:
+`convs.0.<global aug_gen>`). Only what the checkpointed module reaches is restored; a region that is a bare function or a
 checkpoint_sequential segment has nothing to restore.
 
 The forward's own updates stand after the recompute, and a module's first forward is never undone: where that
@@ -118,17 +119,46 @@ class _ClosureSlot(_Slot):
         self.cell.cell_contents = value
 
 
+class _GlobalSlot(_Slot):
+    """A torch.Generator the module's forward reads as a module-level global (`aug_gen = torch.Generator()` beside
+    the class): its state is swapped, the generator itself stays in its module's namespace."""
+
+    def __init__(self, namespace: dict, name: str) -> None:
+        super().__init__(None, name)
+        self.namespace = namespace
+        self.label = f"<global {name}>"
+
+    def get(self) -> Any:
+        return self.namespace.get(self.attr, ABSENT)
+
+    def put(self, value: Any) -> None:
+        self.namespace[self.attr] = value
+
+
+def _global_generators(module: torch.nn.Module) -> Iterator[_GlobalSlot]:
+    """The torch.Generators the module's forward names as globals of its own Python module."""
+    forward = getattr(type(module), "forward", None)
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", None)
+    if code is None or not isinstance(namespace, dict):
+        return
+    for name in code.co_names:
+        if isinstance(namespace.get(name), torch.Generator):
+            yield _GlobalSlot(namespace, name)
+
+
 class KeptState:
     """The state of `root`'s modules that their code changes outside autograd's view, as it is now, put back by
     `restore()`: Python attributes (scalars, containers, names), the counts their hooks keep in their closures, and
-    their private generators; not tensors (the audit's replays undo their in-place writes op by op)."""
+    their private generators and those their forward reads as globals; not tensors (the audit's replays undo their
+    in-place writes op by op)."""
 
     def __init__(self, root: Any) -> None:
         modules = list(root.modules()) if isinstance(root, torch.nn.Module) else []
         self.slots: list[_Slot] = [
             *(_Slot(sub, attr) for sub in modules for attr, value in _state_of(sub)
               if not isinstance(value, torch.Tensor)),
-            *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub))]
+            *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub)),
+            *{(id(g.namespace), g.attr): g for sub in modules for g in _global_generators(sub)}.values()]
         self.saved = [slot.snapshot() for slot in self.slots]
 
     def restore(self) -> None:
@@ -159,6 +189,8 @@ def find(root: torch.nn.Module, prefix: str, globs: list[str]) -> dict[str, _Slo
             fqn = f"{name}.{attr}" if name else attr
             if fqn_matches(fqn, globs) or (isinstance(value, torch.Generator) and under):
                 found[fqn] = _Slot(sub, attr)
+        for slot in _global_generators(sub) if under else ():  # (one its code reads: `rand(n, generator=aug_gen)`)
+            found[f"{name}.{slot.label}" if name else slot.label] = slot
         for label, cell, _ in hook_cells(sub):  # `layers.0.<forward pre-hook warmup>.calls`
             fqn = f"{name}.{label}" if name else label
             if fqn_matches(fqn, globs):
@@ -268,10 +300,10 @@ class RestoreInRecompute:
         initialises there with it (a flag) is replayed, never left set over the restored buffer."""
         out: dict[str, _Slot] = {}
         for fqn, slot in slots.items():
-            if slot.owner in self._started:
+            if isinstance(slot, _GlobalSlot) or slot.owner in self._started:  # (a global has no module to replay)
                 continue
             prefix = fqn[:len(fqn) - len(slot.label)]
             state = _state_of(slot.owner) if isinstance(slot.owner, torch.nn.Module) else scalar_fields(slot.owner)
             out.update({prefix + attr: _Slot(slot.owner, attr) for attr, _ in state})
-        self._started.update(slot.owner for slot in slots.values())
+        self._started.update(slot.owner for slot in slots.values() if not isinstance(slot, _GlobalSlot))
         return out
