@@ -331,3 +331,60 @@ def test_compile_watch_messages():
     inside, outside = watch.messages(regions_seen=1)
     assert "layers.0.ff ran inside checkpointed region(s) 3" in inside
     assert "Linear ran outside any recorded region" in outside
+
+
+class _CountingBlock(nn.Module):
+    """Counts its calls in a buffer and divides by the count: the compiled recompute (functional) reads the count the
+    forward read, eager AC does not; either way compiled AC and compiled no-AC give other gradients."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.norm, self.w1, self.w2 = nn.LayerNorm(dim), nn.Linear(dim, 64), nn.Linear(64, dim)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.w2(torch.nn.functional.gelu(self.w1(self.norm(x))))
+        self.calls.add_(1)
+        return x + h / self.calls
+
+
+class _CountingNet(nn.Module):
+    def __init__(self, ac: bool):
+        super().__init__()
+        self.ac, self.blocks, self.head = ac, nn.ModuleList(_CountingBlock() for _ in range(2)), nn.Linear(32, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.ac else b(x)
+        return self.head(x)
+
+
+def _compiled_grads(ac: bool) -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _CountingNet(ac)
+    torch.compile(net, backend="aot_eager")(torch.randn(16, 32)).square().mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_the_reference_turns_off_ac_that_dynamo_traces(tmp_path):
+    """torch.compile(model) around checkpointed blocks (25c): Dynamo tells torch's checkpoint by identity with
+    `torch.utils.checkpoint.checkpoint`, which is ac-diff's replacement in the reference, so the reference's "AC off
+    everywhere" was traced as AC on: its gradients were the AC run's, and `--reference no-ac` said "identical" where
+    compiled AC changes them. With `compiled` (set for the reference of a run that imported Dynamo) the replacement
+    is traced as Python, and the reference's gradients are those of the compiled model without AC."""
+    from ac_diff.reference.run import reference_command
+    from ac_diff.reference.session import COMPILED_ENV
+    from ac_diff.remedies import CheckpointPatch, RemedySpec
+
+    with_ac, without = _compiled_grads(True), _compiled_grads(False)
+    assert not all(torch.equal(a, b) for a, b in zip(with_ac, without))  # (the ground truth: AC changes them)
+    patch = CheckpointPatch(RemedySpec(no_ac=["*"]), compiled=True).install()
+    try:
+        reference = _compiled_grads(True)
+    finally:
+        patch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(reference, without))
+    assert _compiled_grads(True)[0].equal(with_ac[0])  # (uninstalled: Dynamo takes checkpoint for AC again)
+    child, _ = reference_command("t.py", [], module=False, directory=tmp_path, steps=1, spec=RemedySpec())
+    assert child.env.get(COMPILED_ENV) == "1"  # (this process imported Dynamo, as a run that compiled does)

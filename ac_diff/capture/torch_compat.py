@@ -479,6 +479,34 @@ def input_saver() -> str | None:
     return "noop" if hasattr(getattr(_cp, "_NoopSaveInputs", None), "apply") else None
 
 
+def dynamo_traces_through(replacement: Callable) -> Callable[[], None] | str:
+    """Have Dynamo trace `replacement` (ac-diff's checkpoint(), installed as torch.utils.checkpoint.checkpoint) as
+    Python code instead of taking it for torch's checkpoint operator, which it tells by identity with that attribute
+    (torch._dynamo.utils.is_utils_checkpoint): the reference's "AC off" then reaches code torch.compile traces, where
+    it was traced as AC on. Returns what undoes it, or one warning where this torch has no such test."""
+    try:
+        import torch._dynamo.utils as dynamo_utils
+        from torch._dynamo.variables import builder
+    except Exception as exc:  # (a torch whose Dynamo fails to import: nothing compiles either)
+        return f"Dynamo could not be prepared for the run without AC ({type(exc).__name__}: {exc})"
+    original = getattr(dynamo_utils, "is_utils_checkpoint", None)
+    if original is None:
+        return ("this torch's Dynamo has no is_utils_checkpoint: torch.compile'd code may keep AC in the run without "
+                "AC")
+
+    def is_utils_checkpoint(obj: Any) -> bool:
+        return obj is not replacement and original(obj)
+
+    owners = [m for m in (dynamo_utils, builder) if getattr(m, "is_utils_checkpoint", None) is original]
+    for m in owners:
+        m.is_utils_checkpoint = is_utils_checkpoint
+
+    def undo() -> None:
+        for m in owners:
+            m.is_utils_checkpoint = original
+    return undo
+
+
 def _has_sac_api() -> bool:
     return hasattr(_cp, "create_selective_checkpoint_contexts") or hasattr(_cp, "_pt2_selective_checkpoint_context_fn_gen")
 

@@ -16,7 +16,7 @@ import sys
 from ..capture.compiled import EagerStance, eager_requested, force_eager
 from ..remedies import CheckpointPatch, RemedySpec
 from ..capture.runner import run_target
-from .session import DIR_ENV, STEPS_ENV, CaptureSession
+from .session import COMPILED_ENV, DIR_ENV, STEPS_ENV, CaptureSession
 
 
 class _NoRecorder:
@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
         print("ac-diff: error: the reference child is started by `ac-diff run --reference no-ac SCRIPT`",
               file=sys.stderr)
         return 2
-    patch = CheckpointPatch(RemedySpec.from_env())
+    compiled = bool(os.environ.get(COMPILED_ENV)) and not eager_requested()
+    patch = CheckpointPatch(RemedySpec.from_env(), compiled=compiled)
     session = CaptureSession(os.environ[DIR_ENV], int(os.environ.get(STEPS_ENV, "1")), patch, watch=False,
                              exit_after=True, forwards=True)
     if eager_requested():  # --compiled eager: the reference runs compiled code eagerly too, for all its steps

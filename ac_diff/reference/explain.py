@@ -265,12 +265,16 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
         out.append(Explanation(
             "compiled_ac",
             f"AC runs inside compiled graphs ({compiled['regions']} checkpointed region(s)), recomputed by the compiler "
-            "(AOTAutograd) where ac-diff records nothing; " + (f"from the graphs: {found}" if found else
-                                                                "the graphs show no state updated inside the regions")
-            + f"; record them eagerly to place the divergence: {EAGER_RUN} ...",
+            "(AOTAutograd) where ac-diff records nothing; " + (
+                f"from the graphs: {found}; record them eagerly to place the divergence: {EAGER_RUN} ..." if found else
+                "the graphs show no state updated inside the regions, so the difference may be rounding: the compiled "
+                "backward recomputes and fuses the regions' ops otherwise than the run without AC, or a kernel is "
+                "nondeterministic (then two runs without AC differ too; `--deterministic` runs both with "
+                f"deterministic algorithms); record them eagerly to compare the regions: {EAGER_RUN} ..."),
             parameters=[d.name for d in step.differing[:20]],
             fix="update state outside the checkpointed region (after the backward, e.g. in an optimizer step hook)"
-            if found else None))
+            if found else "ac-diff run --deterministic --reference no-ac ... (what differs then is not a kernel's "
+            "nondeterminism)"))
     if not out:
         inside = sorted({d.region for d in step.differing if d.region})
         outside = sum(1 for d in step.differing if not d.region)
@@ -341,7 +345,7 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
     match over the compared steps, a note says so (the state may matter only in a later step: a threshold). Per rank:
     gradients that are another rank's figures (reduced across ranks) and that rank diverged say nothing of this one."""
     at_risk = [r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN]
-    made = backwards_recorded(report.regions)
+    made = backwards_recorded(report.regions, getattr(report, "watch", None))
     own = _own_differences(report, result)
     # the same modules' regions of later steps, held clean (their recompute reproduced the forward, which read the
     # state the earlier ones left twice updated): from the first backward that differs, they computed other gradients

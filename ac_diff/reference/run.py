@@ -31,7 +31,7 @@ from .explain import explain
 from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
 from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
-from .session import DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
+from .session import COMPILED_ENV, DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank
 
 PORT_WAIT_S = 120.0
 
@@ -51,6 +51,8 @@ def reference_command(target: str, args: list[str], *, module: bool, directory: 
         if stale.exists():
             stale.unlink()
     extra = {ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
+    if "torch._dynamo" in sys.modules:  # (the run compiled something: its reference must turn off AC Dynamo traces)
+        extra[COMPILED_ENV] = "1"
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         extra.update(_fresh_group(directory, since))
     child = child_command(["-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args], nproc=nproc,

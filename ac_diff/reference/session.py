@@ -24,6 +24,7 @@ from .leaks import ReentrantWatch
 REFERENCE_DIR = "reference"
 DIR_ENV = "AC_DIFF_GRADS_DIR"  # set for a child: capture gradients into this directory
 STEPS_ENV = "AC_DIFF_GRADS_STEPS"
+COMPILED_ENV = "AC_DIFF_REFERENCE_COMPILED"  # set for the reference of a run that used torch.compile (child.py)
 
 
 def grads_path(directory: str | os.PathLike, r: int | None = None) -> Path:

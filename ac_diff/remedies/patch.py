@@ -27,7 +27,7 @@ import torch.utils.checkpoint as _cp
 from ..capture.compiled import is_compiling
 from ..capture.fqn import segment_name
 from ..capture.modules import ModuleStack
-from ..capture.torch_compat import checkpointed_module, sequential_segment
+from ..capture.torch_compat import checkpointed_module, dynamo_traces_through, sequential_segment
 from . import deterministic
 from .call import CheckpointCall
 from .must_save import MustSave
@@ -52,8 +52,13 @@ def traced_call(original: Callable, own: set[str], everywhere: bool, function: A
 
 
 class CheckpointPatch:
-    def __init__(self, spec: RemedySpec, watchers: list[Callable] | None = None, *, names: bool | None = None) -> None:
+    def __init__(self, spec: RemedySpec, watchers: list[Callable] | None = None, *, names: bool | None = None,
+                 compiled: bool = False) -> None:
+        """`compiled`: the script uses torch.compile (the reference of a run that did): AC off everywhere also reaches
+        the checkpoint() calls Dynamo traces."""
         self.spec = spec
+        self.compiled = compiled
+        self._undo_dynamo: Callable | None = None
         self.watchers = list(watchers or [])
         self.bypass_watchers: list[Callable] = []  # `watch(call, run)` around each call run without checkpointing
         self.stack = ModuleStack()
@@ -111,6 +116,12 @@ class CheckpointPatch:
                 if value is original:
                     self._restore.append((table, key, value))
                     table[key] = checkpoint
+        if everywhere and self.compiled:
+            undo = dynamo_traces_through(checkpoint)
+            if isinstance(undo, str):
+                print(f"ac-diff: warning: {undo}", file=sys.stderr)
+            else:
+                self._undo_dynamo = undo
         if self._names:
             self.stack.install()
         return self
@@ -119,6 +130,9 @@ class CheckpointPatch:
         for table, key, value in reversed(self._restore):
             table[key] = value
         self._restore = []
+        if self._undo_dynamo is not None:
+            self._undo_dynamo()
+            self._undo_dynamo = None
         self.stack.uninstall()
 
     # -- one checkpoint call ------------------------------------------------------------------
