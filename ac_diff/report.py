@@ -377,9 +377,11 @@ def diverged_after(regions: list[RegionReport], compared: int) -> list[RegionRep
     return [r for r in regions if r.status == DIVERGED and (recomputed_in(r) or 0) > compared]
 
 
-def backwards_recorded(regions: list[RegionReport]) -> int:
-    """How many backward passes the run made, as far as its regions tell (the last that recomputed one), else 0."""
-    return max((n for r in regions if (n := recomputed_in(r)) is not None), default=0)
+def backwards_recorded(regions: list[RegionReport], watch: dict[str, Any] | None = None) -> int:
+    """How many backward passes the run made, as far as its regions tell (the last that recomputed one) and, under
+    watch mode, the steps it watched (whose clean regions have no report), else 0."""
+    return max(max((n for r in regions if (n := recomputed_in(r)) is not None), default=0),
+               (watch or {}).get("steps") or 0)
 
 
 def repeated_updates(regions: list[RegionReport]) -> set[str]:

@@ -1412,3 +1412,52 @@ def test_a_watched_divergence_is_named_by_the_change_its_full_recording_saw_abso
     assert lead.watched and lead.step == 1 and lead.cause.tensor == "blocks.0.temperature", lead.cause
     assert "there it reached no saved tensor" in lead.cause.detail, lead.cause.detail
     assert "did not recur" not in " ".join(lead.notes), lead.notes
+
+
+_LATE_THRESHOLD = """
+import torch
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = torch.nn.Linear(16, 16), 0
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.fc(x))
+        if self.calls > 9:  # a warm-up ends: with AC the recompute counts too, so it ends at step 6, not 10
+            h = h * 0.5
+        return x + h
+blocks = torch.nn.ModuleList(Block() for _ in range(2))
+opt = torch.optim.SGD(blocks.parameters(), lr=0.01)
+for step in range(8):
+    h = torch.randn(4, 16)
+    for b in blocks:
+        h = checkpoint(b, h, use_reentrant=False)
+    h.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_watch_counts_every_step_it_watched_as_a_backward_the_reference_must_reach(tmp_path):
+    """A counter read past a threshold (25f): the regions watch summarizes have no report, so "every backward this
+    run made" read 1 (the first step's regions), the headline advised `--reference-steps 3`, and that reference
+    (identical over 3 of 8 backwards; they differ from backward 6) turned the run CLEAN. The watched steps count."""
+    script = tmp_path / "late_threshold.py"
+    script.write_text(_LATE_THRESHOLD)
+    plain = run_cli("run", "--watch", "-o", str(tmp_path / "w"), "--json", str(tmp_path / "w.json"), str(script))
+    assert plain.returncode == 0, plain.stderr
+    doc = json.loads((tmp_path / "w.json").read_text())
+    assert doc["verdict"] == "unchecked" and "--reference-steps 8`" in doc["headline"], doc["headline"]
+    short = run_cli("run", "--watch", "--reference", "no-ac", "--reference-steps", "3", "-o", str(tmp_path / "r"),
+                    "--json", str(tmp_path / "r.json"), str(script))
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["reference"]["verdict"] == "identical" and doc["verdict"] != "clean", doc["headline"]
+    notes = [n for r in doc["regions"] for n in r["notes"]]
+    assert any("over 3 of the 8 backward passes" in n and "--reference-steps 8" in n for n in notes), notes
+    full = run_cli("run", "--watch", "--reference", "no-ac", "--reference-steps", "8", "-o", str(tmp_path / "f"),
+                   "--json", str(tmp_path / "f.json"), str(script))
+    doc = json.loads((tmp_path / "f.json").read_text())
+    assert doc["reference"]["verdict"] == "differs" and doc["verdict"] == "diverged", doc["reference"]["headline"]
+    assert short.returncode == full.returncode == 0

@@ -133,7 +133,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
     headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch),
                          watch["never_compared"] + watch["nested"] if watch else 0, watch["unwritten"] if watch else 0,
-                         watch["outputs_only"] if watch else 0)
+                         watch["outputs_only"] if watch else 0, backwards_recorded(region_reports, watch))
     if crash and not diverged and not errors:
         headline = crash
     freed = _graph_freed_by_reentrant(runs, graph_readers)
@@ -582,10 +582,11 @@ REENTRANT_BACKWARD = ("reentrant regions (use_reentrant=True) reproduced their f
 
 
 def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0,
-              outputs_only: int = 0) -> str:
+              outputs_only: int = 0, backwards: int = 0) -> str:
     """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed
     (or ran nested in a recompute), `unwritten`: those that diverged after their module's full recording ended (none
-    has a report of its own), `outputs_only`: reentrant ones among the compared, by their outputs only."""
+    has a report of its own), `outputs_only`: reentrant ones among the compared, by their outputs only; `backwards`:
+    the backward passes the run made."""
     diverged = [r for r in regions if r.status == DIVERGED]
     if not diverged:
         if errors:
@@ -624,7 +625,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         read = [r for r in regions if r.unchecked_reason == STATE_READ_AGAIN]
         if read:
             first = read[0]
-            steps = max(3, backwards_recorded(regions))
+            steps = max(3, backwards)
             return (f"gradients at risk: {len(read)} region(s) reproduced their forward, but their code reads Python "
                     f"state their recompute updates a second time (the first: {module_label(first.module)}, region "
                     f"{first.region}: `{first.cause.tensor}`), so later steps compute with other values than a run "
