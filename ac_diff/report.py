@@ -82,6 +82,9 @@ def shared(row: "PositionRow | AlignedRow") -> Any:
     return hit
 
 
+REORDERED_ONLY = "reordered_only"  # a discrete Divergence's detail: the same entries chosen, in another order
+
+
 @dataclass(slots=True)
 class Divergence:
     """One op where the two passes differ, located in both."""
@@ -97,6 +100,11 @@ class Divergence:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def reordered_only(self) -> bool:
+        """A top-k whose rows chose the same entries, some in another order (diagnosis/discrete.py)."""
+        return bool((self.detail or {}).get(REORDERED_ONLY))
 
     @property
     def label(self) -> str:
@@ -555,6 +563,10 @@ class Report:
                 self.regions, ref.backwards):
             return ("torch raised no error; the diverged region(s) saved other tensors, yet the gradients match the run "
                     "without AC over the compared backward passes.")
+        if all(r.first_discrete_divergence is not None and r.first_discrete_divergence.reordered_only
+               for r in self.regions if r.status == DIVERGED):
+            return ("torch raised no error: the diverged region(s) chose the same entries in another order, so their "
+                    "gradients are silently wrong only where the code uses that order (`--reference no-ac` tells).")
         return "torch raised no error: the gradients of the diverged region(s) are silently wrong."
 
     @property

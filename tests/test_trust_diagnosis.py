@@ -1655,3 +1655,52 @@ def test_each_recompute_says_which_backward_pass_ran_it_and_the_reference_counts
     assert [r.region for r in diverged_after(report.regions, 1)] == [1, 3]
     legacy = SimpleNamespace(status="diverged", step=2, region=7)  # (a trace without backward numbers: by step)
     assert diverged_after([legacy], 1) == [legacy] and diverged_after([legacy], 2) == []
+
+
+class _SelectionBiasRouter(nn.Module):
+    """DeepSeek-style routing: a bias steers which experts are chosen, the weights come from the unbiased scores, and
+    the weighted outputs of the k choices are summed (their order does not matter to the result)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Linear(8, 4 * 8)
+        self.register_buffer("bias", torch.zeros(4))
+
+    def forward(self, x, scores):
+        idx = (scores + self.bias).topk(2, dim=-1).indices
+        weights = scores.softmax(-1).gather(-1, idx)
+        outs = self.experts(x).view(-1, 4, 8).gather(1, idx[..., None].expand(-1, -1, 8))
+        return (weights[..., None] * outs).sum(1)
+
+
+def test_a_top_k_that_chose_the_same_entries_in_another_order_says_so(tmp_path):
+    """A load-balancing bias moved between forward and backward swaps the two experts one token chose (25f): the
+    report said "1 of 64 rows chose other entries" and "the gradients ... are silently wrong", where they are
+    bit-identical to a run without AC (the k choices are summed). It says the same entries were chosen in another
+    order, and that the gradients are wrong only where the code uses that order."""
+    scores = torch.zeros(6, 4)
+    scores[:, 0], scores[:, 1] = 1.0, 0.9  # experts 0 and 1 chosen, 0 first ...
+    scores[3, 1] = 0.999  # ... and in one row nearly tied: a bias of 0.01 on expert 1 puts it first there
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+
+    def grads(ac: bool):
+        torch.manual_seed(0)
+        router = _SelectionBiasRouter()
+        xs = x.clone().requires_grad_()
+        out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
+        router.bias[1] += 0.01  # (the balancing update, before the backward)
+        out.square().sum().backward()
+        return [p.grad for p in router.parameters()] + [xs.grad]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))  # (the ground truth)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        grads(True)
+    report = ac_diff.diagnose_paths([path])
+    (region,) = report.regions
+    assert region.status == "diverged"
+    flip = region.first_discrete_divergence
+    assert flip.reordered_only and flip.summary.startswith("1 of 6 rows chose the same entries in another order"), \
+        flip.summary
+    assert "only where the code uses that order" in report.silent_warning
+    assert "silently wrong where the backward uses the order of the choices" in region.chain[-1], region.chain

@@ -1026,6 +1026,10 @@ def _chain(report: RegionReport, region: Region, cmp: PassComparison) -> list[st
                         else "torch raises CheckpointError"))
     elif report.silent and region.kind == "reentrant":
         chain.append(f"torch compares nothing of it ({_REENTRANT_UNCHECKED}): the gradients are silently wrong")
+    elif report.silent and report.first_discrete_divergence is not None and \
+            report.first_discrete_divergence.reordered_only:
+        chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong "
+                     "where the backward uses the order of the choices")
     elif report.silent:
         chain.append("every saved tensor keeps its shape, so torch raises nothing: the gradients are silently wrong")
     return chain

@@ -17,6 +17,7 @@ import torch
 
 from ..oprules import DECISION_OUTPUT, packet
 from ..passes import OpRecord, TensorMeta
+from ..report import REORDERED_ONLY
 
 # Ops that choose the k largest/smallest entries along a dim, and which output holds the choice.
 @dataclass
@@ -78,6 +79,9 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
     count = f"{flip.rows_changed} of {flip.rows} {unit}" if unit == "rows" else f"{changed} of {total} elements"
     what = {"topk": "chose other entries", "argmax": "picked another index", "argmin": "picked another index",
             "sort": "ordered differently", "argsort": "ordered differently"}.get(name, "changed")
+    if name == "topk" and flip.rows_changed and _reordered_only(a, b):
+        what = "chose the same entries in another order"
+        flip.detail[REORDERED_ONLY] = True
     parts = [f"{count} {what}"]
     k = _k_of(f, name)
     if name == "topk" and k is not None and f.inputs:
@@ -87,11 +91,21 @@ def describe_flip(f: OpRecord, r: OpRecord) -> Flip:
                      + (f"..{flip.margin_max:.2g}" if flip.margin_max and flip.margin_max != flip.margin_min else ""))
     if flip.score_shift is not None:
         parts.append(f"the scores moved by up to {flip.score_shift:.2g} between passes")
+    if flip.detail.get(REORDERED_ONLY):
+        parts.append(f"the gradients change only where the code uses the order of the {k or 'k'} choices (a sum "
+                     "weighted by their scores does not): `--reference no-ac` tells")
     flip.summary = "; ".join(parts)
     if unit != "rows":
         idx = diff.reshape(-1).nonzero().reshape(-1)[:8].tolist()
         flip.detail["first_changed_at"] = idx
     return flip
+
+
+def _reordered_only(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every row of two top-k index tensors holds the same entries, some in another order (a tie among the chosen)."""
+    if a.dim() == 0 or a.shape[-1] < 2:
+        return False
+    return bool((a.sort(dim=-1).values == b.sort(dim=-1).values).all())
 
 
 def decision_kept(f: OpRecord | None, r: OpRecord | None) -> bool:
