@@ -1704,3 +1704,37 @@ def test_a_top_k_that_chose_the_same_entries_in_another_order_says_so(tmp_path):
         flip.summary
     assert "only where the code uses that order" in report.silent_warning
     assert "silently wrong where the backward uses the order of the choices" in region.chain[-1], region.chain
+
+
+class _TemperedTopK(nn.Module):
+    """Scores divided by a temperature buffer, top-4 of 64 kept: a temperature nudged before the backward moves every
+    score, and keeps every choice (the margins are far larger than the move)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+        self.register_buffer("temperature", torch.ones(()))
+
+    def forward(self, x):
+        values, idx = (self.proj(x) / self.temperature).topk(4, dim=-1)
+        return values.sum(-1, keepdim=True) * x + idx.float().mean()
+
+
+def test_a_decision_whose_values_were_not_kept_is_not_named_a_flip_when_its_fingerprint_held(tmp_path):
+    """Past --keep-values the decision's outputs are not kept (25e): the report named "decision aten.topk.default ...
+    its output values changed" and `fix` tried saving topk, where every row kept its indices (only the scores moved).
+    The indices' fingerprint is exact: where it held, no decision flipped."""
+    torch.manual_seed(0)
+    block, x = _TemperedTopK(), torch.randn(256, 16, requires_grad=True)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, keep_values=64):
+        out = cp.checkpoint(block, x, use_reentrant=False)
+        truth = (block.proj(x) / block.temperature).topk(4, dim=-1).indices
+        block.temperature.mul_(1.0001)  # (a schedule's step, before the backward)
+        assert torch.equal((block.proj(x) / block.temperature).topk(4, dim=-1).indices, truth)  # (no flip)
+        out.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    (region,) = report.regions
+    assert region.status == "diverged" and region.cause.tensor == "temperature", region.cause
+    assert region.first_discrete_divergence is None, region.first_discrete_divergence
+    assert not any("topk" in step and "values changed" in step for step in region.chain), region.chain

@@ -109,13 +109,17 @@ def _reordered_only(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def decision_kept(f: OpRecord | None, r: OpRecord | None) -> bool:
-    """The decision output of a discrete op (topk's indices) is measured identical in both passes: only its scores
-    differ, so no decision flipped."""
+    """The decision output of a discrete op (topk's indices) is measured identical in both passes (its kept values,
+    else its fingerprint): only its scores differ, so no decision flipped."""
     if f is None or r is None or f.host_value is not None or r.host_value is not None:
         return False
-    key = f"out{DECISION_OUTPUT.get(packet(f.op), 0)}"
-    a, b = _tensor((f.values or {}).get(key)), _tensor((r.values or {}).get(key))
-    return a is not None and b is not None and a.shape == b.shape and bool((a == b).all())
+    slot = DECISION_OUTPUT.get(packet(f.op), 0)
+    a, b = _tensor((f.values or {}).get(f"out{slot}")), _tensor((r.values or {}).get(f"out{slot}"))
+    if a is not None and b is not None:
+        return a.shape == b.shape and bool((a == b).all())
+    # values past --keep-values: the decision output's fingerprint (exact sums of its bits) tells it
+    fa, fb = (op.fingerprint[slot] if op.fingerprint and slot < len(op.fingerprint) else None for op in (f, r))
+    return fa is not None and fa == fb and f.out_signature() == r.out_signature()
 
 
 def first_flip(cmp: Any) -> Any:
