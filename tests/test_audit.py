@@ -122,7 +122,10 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     check = a["recompute"]
     assert check["checked"] == 4  # 2 blocks x 2 steps, every one compared (not only the replayed one)
     if preserve_rng_state:
-        assert check["diverged_count"] == 0 and a["headline"] == a["extrapolation"]["headline"]
+        assert check["diverged_count"] == 0
+        # (tiny_moe counts tokens per expert in a buffer its forward updates: the recompute counts them again)
+        assert a["headline"] == a["extrapolation"]["headline"] + "; but " + check["state_note"], a["headline"]
+        assert "(first: layers.0, region 0: `moe.tokens_per_expert`)" in check["state_note"], check["state_note"]
         assert first.startswith("ac-diff audit:")
         out = StringIO()  # a narrow terminal: rich cut the module names to "l…" (a site per line now)
         render_audit({"audit": a}, Console(file=out, width=60, color_system=None))
@@ -243,8 +246,12 @@ def test_audit_of_the_fixed_example(fixed_audit):
     assert r["bytes_per_region"] == 256 * 2 * (4 + 8)  # topk's values (f32) and indices (i64)
     risk = a["extrapolation"]
     assert risk["expected_flips_per_step"] > 100 and risk["p_checkpoint_error"] > 0.99
-    # the fixed example's recomputes reproduce their forwards: the prediction is the headline
-    assert a["recompute"]["checked"] > 0 and a["recompute"]["diverged_count"] == 0 and a["headline"] == risk["headline"]
+    # the fixed example's recomputes reproduce their forwards: the prediction is the headline, with the buffer its
+    # recompute updates a second time (the tokens counted per expert, as `ac-diff run` notes too)
+    check = a["recompute"]
+    assert check["checked"] > 0 and check["diverged_count"] == 0
+    assert a["headline"] == risk["headline"] + "; but " + check["state_note"], a["headline"]
+    assert "`moe.tokens_per_expert`" in check["state_note"]
     assert proc.returncode == 1, proc.stderr[-2000:]  # --check: a CheckpointError is predicted at that scale
     assert "CheckpointError almost certain" in proc.stdout and "fix: save aten.topk.default" in proc.stdout
     # the HTML page: one margin plot per site with margins, the headline, the policy
