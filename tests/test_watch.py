@@ -1461,3 +1461,35 @@ def test_watch_counts_every_step_it_watched_as_a_backward_the_reference_must_rea
     doc = json.loads((tmp_path / "f.json").read_text())
     assert doc["reference"]["verdict"] == "differs" and doc["verdict"] == "diverged", doc["reference"]["headline"]
     assert short.returncode == full.returncode == 0
+
+
+class _Centered(nn.Module):
+    """Subtracts a running center, a buffer a schedule refreshes at some steps between the forward and the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("center", torch.zeros(16))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x - self.center))
+
+
+def test_a_watched_divergence_its_window_missed_takes_the_cause_a_later_full_recording_found(tmp_path):
+    """The buffer is refreshed before the backward in steps 2, 25 and 26 (25f's router warm-up): step 2 diverges
+    watched, its module's 20 steps recorded in full see nothing, step 25 diverges watched and step 26 in full, which
+    names `center`. The lead (step 2) read "unknown" while the same report named the cause for its module."""
+    torch.manual_seed(0)
+    block, path = _Centered(), tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True):
+        for step in range(1, 30):
+            out = checkpoint(block, torch.randn(4, 16), use_reentrant=False)
+            if step in (2, 25, 26):
+                block.center += 0.1  # (the refresh, before the backward)
+            out.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    lead = min((r for r in report.regions if r.status == "diverged"), key=lambda r: r.step)
+    assert lead.watched and lead.step == 2
+    assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "center", lead.cause
+    assert lead.cause.detail.startswith("likely as _Centered's region"), lead.cause.detail
+    assert "recorded in full in step 26 when it diverged again" in lead.cause.detail

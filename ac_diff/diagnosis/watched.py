@@ -311,8 +311,26 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                             f"it too; {seen})", [*shared.cause.evidence], shared.cause.mechanism,
                             shared.cause.source, list(shared.cause.names))
             r.suggestions = list(shared.suggestions)
+        elif (later_full := _later_full_divergence(r, reports)) is not None and r.cause is not None \
+                and r.cause.kind == "unknown":
+            seen = r.cause.detail
+            r.cause = Cause(later_full.cause.kind, later_full.cause.tensor,
+                            f"likely as {module_label(later_full.module)}'s region {later_full.region} shows, recorded "
+                            f"in full in step {later_full.step} when it diverged again: {later_full.cause.detail} "
+                            f"({seen}; {where})", [*later_full.cause.evidence], later_full.cause.mechanism,
+                            later_full.cause.source, list(later_full.cause.names))
+            r.suggestions = list(later_full.suggestions)
         elif r.cause is not None and r.cause.kind == "unknown":  # (explain_watched's: the ops come from that recording)
             r.cause.detail += f"; {where}"
+
+
+def _later_full_divergence(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
+    """The first region of `r`'s module (and rank) recorded in full in a later step that diverged with a named
+    cause: a watched divergence its own window did not catch again likely has that cause."""
+    later = [x for x in reports if x.rank == r.rank and x.module == r.module and not x.watched
+             and x.status == DIVERGED and x.cause is not None and x.cause.kind != "unknown"
+             and x.step is not None and r.step is not None and x.step > r.step]
+    return min(later, key=lambda x: (x.step, x.region)) if later else None
 
 
 def _same_step_setting(r: RegionReport, reports: list[RegionReport]) -> RegionReport | None:
