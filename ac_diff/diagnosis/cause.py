@@ -286,7 +286,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      mechanism=UPDATED_IN_FORWARD, source=op.source,  # (a restore covers every such state)
                      names=list(dict.fromkeys([*own, *_updated_state(cmp)])))
 
-    if value is not None and value.detail.get("inputs_identical"):
+    if value is not None and value.detail.get("inputs_identical") and _inputs_measured(region.forward,
+                                                                                       value.forward_index):
         return Cause("nondeterministic_op", value.op,
                      f"{value.op} returned other values from identical inputs (a nondeterministic kernel"
                      + (_HELD_NOTE if _on_gpu(region, value) else "") + ")",
@@ -321,7 +322,10 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("control_flow", None, f"the recompute saved other tensors than the forward before it ran any op "
                      f"({saved_other}): Python code took another branch, on state no recorded value shows",
                      [saved_other])
-    return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence",
+    unmeasured = report.has_values and not any(o.fingerprint for o in region.forward.ops)
+    return Cause("unknown", value.op if value else None, "no recorded evidence explains the divergence" + (
+                     ": the run was recorded without values (--no-fingerprints), so which inputs changed between the "
+                     "passes is not measured; record it again without that option" if unmeasured else ""),
                  [d.summary for d in (value, shape, control) if d is not None])
 
 
@@ -501,6 +505,28 @@ def _drawing_modules(region: Region) -> list[str]:
 
 
 _STATE_NAME = re.compile(r"[\w.]+")  # a module's buffer or tensor attribute (not `input[0]`, `external[3]`)
+
+
+def _inputs_measured(p: Pass, index: int | None, depth: int = 0) -> bool:
+    """Whether every input of op `index` of pass `p` had its values measured (a fingerprint, kept values, or a view or
+    elementwise op of measured inputs): "identical inputs" needs that, which a run with --no-fingerprints lacks."""
+    if index is None or index >= len(p.ops) or depth > 64:
+        return False
+    for ref in p.ops[index].input_refs:
+        if ref.kind != "op":
+            ext = p.externals[ref.external] if ref.external is not None and ref.external < len(p.externals) else None
+            if ext is None or ext.fingerprint is None:
+                return False
+            continue
+        src = p.ops[ref.op_index] if ref.op_index is not None and ref.op_index < len(p.ops) else None
+        if src is None:
+            return False
+        measured = (src.fingerprint and ref.output < len(src.fingerprint) and src.fingerprint[ref.output] is not None) \
+            or f"out{ref.output}" in (src.values or {})
+        carried = src.derived or is_view_op(src.op) or aliases_its_input(src.op)  # (values from its inputs)
+        if not measured and not (carried and _inputs_measured(p, src.index, depth + 1)):
+            return False
+    return True
 
 
 def _kept_output_changed(region: Region, cmp: PassComparison) -> Cause | None:

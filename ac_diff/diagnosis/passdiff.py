@@ -693,6 +693,8 @@ def _inputs_same(f: OpRecord, r: OpRecord, tainted: dict[int, bool], rec_to_fwd:
             elif status is True:
                 same = False
                 changed.append(fr.name or fr.kind)
+            elif status is None and key in ext_status and same:
+                same = None  # (its values were not measured)
     return same, changed
 
 
@@ -727,18 +729,21 @@ def _unnamed(e: External) -> bool:
 
 
 def compare_externals(forward: Pass, recompute: Pass, tol: Tolerance
-                      ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool], dict[tuple, str | None]]:
+                      ) -> tuple[list[tuple[External, External | None]], dict[tuple, bool | None],
+                                 dict[tuple, str | None]]:
     """Externals (inputs, parameters, buffers, captured tensors) whose values differ between passes: (the changed
-    ones, differs per forward external's key, the forward name of each recompute external named otherwise)."""
+    ones, differs per forward external's key (None: its values were not measured), the forward name of each recompute
+    external named otherwise)."""
     rec = {_external_key(e.kind, e.name): e for e in recompute.externals}
     changed: list[tuple[External, External | None]] = []
-    status: dict[tuple, bool] = {}
+    status: dict[tuple, bool | None] = {}
     renamed: dict[tuple, str | None] = {}
     for e, other in _paired_externals(forward.externals, recompute.externals, rec):
         key = _external_key(e.kind, e.name)
         differs = (e.meta.shape != other.meta.shape or e.meta.dtype != other.meta.dtype
                    or not tol.equal(e.fingerprint, other.fingerprint))
-        status[key] = differs
+        # (values not measured, --no-fingerprints: whether they differ is not known, not "no")
+        status[key] = None if not differs and (e.fingerprint is None or other.fingerprint is None) else differs
         if other.name != e.name:
             renamed[_external_key(other.kind, other.name)] = e.name
         if differs:
