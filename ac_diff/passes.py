@@ -336,6 +336,7 @@ class Run:
     unreadable_ranks: list[int] = field(default_factory=list)  # ranks whose trace beside this one could not be read
     truncated: bool = False
     optimizer_steps: int | None = None  # optimizer.step() calls in the run (the end record's)
+    spawned: int = 0  # processes the script started with spawn / forkserver, which ac-diff did not record
     # a truncated trace's process, by the pid and host its header names: True alive on this host (still running: a
     # slow rank, a live run), False gone, None unknown (another host, this process)
     running: bool | None = None

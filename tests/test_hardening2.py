@@ -565,3 +565,34 @@ def test_a_script_that_records_itself_under_ac_diff_run_is_recorded_once(tmp_pat
     assert doc["verdict"] == "diverged" and [r["status"] for r in doc["regions"]] == ["diverged"] * 4, doc["regions"]
     assert f"recorded into that run's trace ({out / 'trace-rank0.jsonl'}), and nothing is written to {own}" in r.stderr
     assert not own.exists()
+
+
+_TRAINS_IN_SPAWNED = """
+import torch, torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
+def worker(rank):
+    torch.manual_seed(rank)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3))
+    checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False,
+               preserve_rng_state=False).sum().backward()
+if __name__ == "__main__":
+    for _ in DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn"):
+        pass  # (a spawned DataLoader worker is no training process)
+    mp.spawn(worker, nprocs=2)
+"""
+
+
+def test_a_script_that_trains_in_spawned_processes_is_told_how_to_record_them(tmp_path):
+    """mp.spawn (25d): the ranks ran AC in fresh interpreters ac-diff does not record, and the report asked "is
+    activation checkpointing on?". It says the script spawned them, and how to record them; a spawned DataLoader
+    worker is not counted."""
+    script = tmp_path / "spawns.py"
+    script.write_text(_TRAINS_IN_SPAWNED)
+    r = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"), str(script), timeout=400)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["verdict"] == "unchecked"
+    assert doc["headline"].startswith("no checkpointed region ran in the process ac-diff recorded: the script started "
+                                      "2 process(es) with multiprocessing's spawn"), doc["headline"]
+    assert "--nproc-per-node N" in doc["headline"] and "is activation checkpointing on" not in doc["headline"]

@@ -45,6 +45,7 @@ from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_
                       only_rebinds, read_again, subclass_attributes)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
+from .spawned import SpawnWatch
 from ..errors import INTERRUPTIONS
 from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
@@ -256,6 +257,7 @@ class Recorder:
         self._writer: TraceWriter | None = None
         self._retention: Retention | None = None  # write="diverged": what is written of each pass (start())
         self._lock = threading.Lock()
+        self._spawned = SpawnWatch()  # processes the script starts fresh (mp.spawn): not recorded
         self._started = False
         self._plans: dict[int, tuple] = {}  # id(func) -> `_plan(func)`
         self._global_reads = GlobalReads()  # which globals each forward function reads, worked out once
@@ -281,6 +283,7 @@ class Recorder:
         for w in warnings_:
             self._writer.write({"type": "warning", "message": w})
         self._optimizer_hook = _count_optimizer_steps(self)
+        self._spawned.install()
         self.modules.install()
         self.compile_watch.start()
         route_compiled_code(RecordingMode, UnguardedRecordingMode)
@@ -319,6 +322,7 @@ class Recorder:
         self.modules.uninstall()
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
+        self._spawned.uninstall()
         self.compile_watch.stop()
         for message in self.compile_watch.messages(self._regions, self.options.scope == "all"):
             self._writer.write({"type": "warning", "message": message})
@@ -342,6 +346,7 @@ class Recorder:
             "ops_recorded": self.ops_recorded,
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
             "end_time": time.time(), "optimizer_steps": self.optimizer_steps,
+            **({"spawned": self._spawned.count} if self._spawned.count else {}),
             **({"compiled": compiled} if compiled else {}),
             **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })

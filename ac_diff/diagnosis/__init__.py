@@ -613,6 +613,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             if cut is not None:
                 return (f"nothing to check: {cut.path} ends before any region was written, without its end record "
                         "(the process was killed early, or the copy is cut): copy it again, or re-run")
+            spawned = sum(r.spawned for r in runs)
+            if spawned:
+                return (f"no checkpointed region ran in the process ac-diff recorded: the script started {spawned} "
+                        "process(es) with multiprocessing's spawn (mp.spawn, torch.multiprocessing.spawn), fresh "
+                        "interpreters ac-diff does not record: start one process per rank with `ac-diff run "
+                        "--nproc-per-node N` (torchrun) instead, or record inside each with ac_diff.record()")
             return ("no checkpointed region ran: is activation checkpointing on? (torch.utils.checkpoint.checkpoint, "
                     "checkpoint_wrapper, model.gradient_checkpointing_enable(); regions under torch.no_grad() are "
                     "not checkpointed)")

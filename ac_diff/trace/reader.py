@@ -277,6 +277,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 run.exit_code, run.end_time = rec.get("exit_code"), rec.get("end_time")
                 steps = rec.get("optimizer_steps")
                 run.optimizer_steps = steps if isinstance(steps, int) else None
+                run.spawned = rec.get("spawned") if isinstance(rec.get("spawned"), int) else 0
                 run.recorder_lost = rec.get("lost")
                 run.compiled = rec.get("compiled") if isinstance(rec.get("compiled"), dict) else None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError):
