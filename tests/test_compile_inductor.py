@@ -33,6 +33,8 @@ def runs(tmp_path_factory):
         "anneal": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "static", "--steps", "3"]),
         "anneal_dynamic": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--anneal", "dynamic"]),
         "rebind": Job([SCRIPT, "--compile", "inner", "--backend", "inductor", "--rebind"]),
+        "guard": Job([str(STACKS / "compiled_guard.py")]),
+        "guard_fixed": Job([str(STACKS / "compiled_guard.py"), "--fixed"]),
     }, timeout=900)
 
 
@@ -112,3 +114,19 @@ def test_a_buffer_rebound_before_the_backward_is_named_through_the_compiled_call
     run = read_run(r.trace_dir / "trace-rank0.jsonl")
     call = next(o for o in run.regions[0].forward.ops if o.op == "inductor_compiled_code")
     assert any(ref.kind == "buffer" and ref.name == "layers.0.ff.gain" for ref in call.input_refs), call.input_refs
+
+
+def test_a_guard_that_fails_in_the_recompute_of_a_block_compiled_in_place_names_the_attribute(runs):
+    """`block.compile()` on the checkpointed block itself (25c): its module hooks run inside the compiled call, where
+    they record nothing, so the int attribute Dynamo guards on (`keep`, raised before the backward) was never
+    recorded and the cause read "a Python value passed to inductor_compiled_code changed ..., or drawn on the host".
+    The attributes of a block compiled in place are noted as each pass begins: the attribute is named."""
+    r, fixed = runs["guard"], runs["guard_fixed"]
+    assert r.returncode == 0 and fixed.returncode == 0, r.explain() + fixed.explain()
+    assert fixed.report["verdict"] == "clean", fixed.report["headline"]
+    diverged = [g for g in r.report["regions"] if g["status"] == "diverged"]
+    assert diverged and all(g["silent"] for g in diverged)
+    cause = diverged[0]["cause"]
+    assert cause["kind"] == "state_mutation" and cause["tensor"] == f"{diverged[0]['module']}.keep", cause
+    assert "another compiled graph than the forward" in cause["detail"] and "was 4 in the forward and 6" in \
+        cause["detail"], cause["detail"]

@@ -487,6 +487,10 @@ class Recorder:
                 p.state["trainable_n"] = requiring_grad(module)
             p.state["hooks"] = module_hooks(module)
         p.kept_forward = kept_forward
+        if module is not None and region.recorded and getattr(module, "_compiled_call_impl", None) is not None:
+            # (`module.compile()`: its hooks run inside the compiled call, where they do not record: its attributes,
+            # which Dynamo guards on, as the pass begins)
+            self._note_attributes(p, module, self.modules.name_of(module) or "")
         fn = getattr(frame, "_ac_diff_fn", None)
         if region.recorded and fn is not None and not isinstance(fn, torch.nn.Module):
             self._note_globals(p, fn)  # a checkpointed function (or `partial(layer.forward)`) reads them too

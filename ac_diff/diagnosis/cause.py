@@ -22,13 +22,14 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
-from ..oprules import (CAST, aliases_its_input, is_collective, is_decision, is_host_read, is_in_place_method,
-                       is_random_name, is_view_op, written_inputs)
+from ..oprules import (CAST, COMPILED_GRAPH_OP, aliases_its_input, is_collective, is_decision, is_host_read,
+                       is_in_place_method, is_random_name, is_view_op, written_inputs)
 from ..passes import External, OpRecord, Pass, Region, TensorMeta, op_at
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause,
                       Divergence, RECEIVED, RegionReport)
 from .attributes import attribute_cause, change_words, saved_before_any_op
+from .compiled import EAGER_RUN
 from .passdiff import (ARGUMENT_KINDS, PassComparison, is_discrete, is_outside_update, viewed_source, writer_in,
                        written_refs)
 from .dataflow import data_path, decision_path, upstream
@@ -266,6 +267,15 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     if (report.has_values and first is not None and first.kinds & ARGUMENT_KINDS
             and "shape" not in first.kinds and first.inputs_same and first.forward is not None):
         op = first.forward
+        if op.op == COMPILED_GRAPH_OP and first.recompute is not None and op.args[:1] != first.recompute.args[:1]:
+            return Cause("control_flow", op.op,
+                         f"the recompute ran another compiled graph ({op.args[0]} in the forward, "
+                         f"{first.recompute.args[0]} in the recompute) at {where(op.module, op.source)}: Dynamo "
+                         "compiled the code again between the passes because a guard failed, on Python state the "
+                         "code reads (a module attribute, a global, a flag) that changed before the backward; "
+                         f"`{EAGER_RUN} ...` runs it eagerly and names that value",
+                         [d.summary for d in (report.first_argument_divergence,) if d is not None],
+                         source=op.source)
         return Cause("state_mutation", f"an argument of {op.op}",
                      f"a Python value passed to {op.op} at {where(op.module, op.source)} changed between the forward "
                      "and the recompute (identical tensors in): Python state the region reads, a schedule or a float "
