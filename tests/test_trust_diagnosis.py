@@ -1765,3 +1765,33 @@ def test_without_fingerprints_a_flip_is_not_blamed_on_a_nondeterministic_kernel(
     assert region.status == "diverged" and region.first_discrete_divergence is not None
     assert region.cause.kind != "nondeterministic_op", region.cause
     assert "--no-fingerprints" in region.cause.detail, region.cause
+
+
+class _DocMasked(nn.Module):
+    """Sequence packing: the block masks attention-like mixing by the document ids of its batch, an attribute the
+    loop rebinds for the next micro-batch before the first one's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.doc_ids = torch.zeros(6, dtype=torch.long)
+
+    def forward(self, x):
+        same = (self.doc_ids[:, None] == self.doc_ids[None, :]).float()
+        return torch.tanh(self.fc(same @ x))
+
+
+def test_the_fix_for_one_rebound_tensor_passes_it_whole(tmp_path):
+    """The fix for a single tensor attribute rebound before the backward (25a, 25b) read
+    `checkpoint(self.run_chunk, x, *self.doc_ids, ...)`: `*` splits one tensor into its rows."""
+    torch.manual_seed(0)
+    block, path = _DocMasked(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        out = cp.checkpoint(block, torch.randn(6, 8, requires_grad=True), use_reentrant=False)
+        block.doc_ids = torch.tensor([0, 0, 1, 1, 1, 2])  # (the next micro-batch's, bound before this backward)
+        out.sum().backward()
+    (region,) = ac_diff.diagnose_paths([path]).regions
+    assert region.cause.mechanism == "rebound", region.cause
+    fix = next(s for s in region.suggestions if "doc_ids" in s.title)
+    assert "checkpoint(self.run_chunk, x, self.doc_ids, use_reentrant=False)" in fix.code and "*" not in fix.code, \
+        fix.code

@@ -301,12 +301,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "is when the backward runs: hand them in as arguments")
         if len(attrs) == 1:
             attr = attrs[0]
+            several = any(re.search(r"\[\d+\]$", n) for n in names)  # (a list or tuple of tensors: `mems[0]`)
+            star = "*" if several else ""
             out.append(Suggestion(
                 f"Pass `{attr}` into the checkpointed function and return its new value, instead of keeping it on the "
                 "module", text + ", return the new state, and rebind the attribute outside the checkpointed function.",
-                f"out, *{attr} = checkpoint(self.run_chunk, x, *self.{attr}, use_reentrant=False)  # run_chunk(x, "
-                f"*{attr}) returns (out, *new_{attr})\nself.{attr} = tuple({attr})  # rebound outside: the recompute "
-                "uses its arguments"))
+                f"out, {star}{attr} = checkpoint(self.run_chunk, x, {star}self.{attr}, use_reentrant=False)  # "
+                f"run_chunk(x, {star}{attr}) returns (out, {star}new_{attr})\n"
+                f"self.{attr} = {f'tuple({attr})' if several else attr}  # rebound outside: the recompute uses its "
+                f"argument{'s' if several else ''}"))
         else:
             out.append(Suggestion(
                 f"Pass {backticked(attrs)} into the checkpointed function, instead of reading them from the module",
