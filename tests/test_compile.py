@@ -277,6 +277,9 @@ def test_source_name_reads_dynamo_sources():
     assert source_name("L['self']._modules['w']._parameters['weight']", "layers.1") == ("layers.1.w.weight",
                                                                                         "parameter")
     assert source_name("L['self'].cache", "attn") == ("attn.cache", "attribute")
+    # (a forward whose first parameter is not called `self`: `def forward(s, x)`, 25c)
+    assert source_name("L['s']._modules['blocks']._modules['0']._buffers['calls']", "") == ("blocks.0.calls", "buffer")
+    assert source_name("L['s']._modules['inner']._buffers['calls']", "blocks.0") == ("blocks.0.inner.calls", "buffer")
     assert source_name("L['x']", "layers.0") == ("x", "input")
     assert source_name("G['STATS']", None) == ("STATS", "global")
 

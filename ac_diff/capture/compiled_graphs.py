@@ -71,6 +71,9 @@ def _root(node: Any) -> Any:
     return node
 
 
+_MODULE_TABLES = ("._modules", "._buffers", "._parameters")
+
+
 def source_name(source: str, module: str | None) -> tuple[str, str]:
     """(fqn, kind) of a Dynamo input source: `L['self']._modules['0']._buffers['scale']` inside `layers` ->
     ("layers.0.scale", "buffer"); a plain input `L['x']` -> ("x", "input"); a global -> (its name, "global")."""
@@ -80,7 +83,9 @@ def source_name(source: str, module: str | None) -> tuple[str, str]:
     head, rest = (tokens[0], tokens[1:]) if tokens else (source, [])
     parts: list[str] = []
     kind = "input" if source.startswith("L[") else "global" if source.startswith("G[") else "input"
-    if head == "self":
+    # the compiled method's own module: `self`, or whatever its first parameter is called (`def forward(s, x)`),
+    # told by what follows it (a module's children, buffers or parameters)
+    if head == "self" or (module is not None and kind == "input" and rest and rest[0] in _MODULE_TABLES):
         parts += [module] if module else []
         kind = "attribute"
     else:
