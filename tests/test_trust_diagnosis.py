@@ -1795,3 +1795,42 @@ def test_the_fix_for_one_rebound_tensor_passes_it_whole(tmp_path):
     fix = next(s for s in region.suggestions if "doc_ids" in s.title)
     assert "checkpoint(self.run_chunk, x, self.doc_ids, use_reentrant=False)" in fix.code and "*" not in fix.code, \
         fix.code
+
+
+class _ModeSwitchedAttention(nn.Module):
+    """Attention whose path depends on the training flag (dropout on the weights in training, the fused kernel in
+    evaluation), as Hugging Face's attention does: eval() between forward and backward makes the recompute save
+    other tensors, fewer of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 8).unbind(2)
+        if self.training:
+            weights = torch.nn.functional.dropout((q @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1), 0.1)
+            return weights @ v
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_positions_the_recompute_alone_saved_are_numbered_apart(tmp_path):
+    """BART with eval() between forward and backward (25a): the table listed positions 6-10 twice (the forward's
+    tensors and the other ones the recompute saved there) and counted "62 in all" where torch counted 52 and 46.
+    Rows of tensors only the recompute saved read r<position>, and the title counts each pass's."""
+    from ac_diff.render import positions
+
+    torch.manual_seed(0)
+    block, path = _ModeSwitchedAttention(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        out = cp.checkpoint(block, torch.randn(12, 8, requires_grad=True), use_reentrant=False)
+        block.eval()  # (a validation pass between forward and backward that forgets train())
+        with pytest.raises(Exception):  # (torch's own check: another number of tensors, or other metadata)
+            out.sum().backward()
+    (region,) = ac_diff.diagnose_paths([path]).regions
+    extra = [p for p in region.positions if positions.recompute_only(p)]
+    forward = [p for p in region.positions if not positions.recompute_only(p)]
+    assert extra and [p.position for p in forward] == list(range(len(forward))), region.positions
+    assert all(positions.label(p) == f"r{p.position}" for p in extra)
+    assert positions.title(region).endswith(f"({len(forward)} saved by the forward, {len(extra)} more by the "
+                                            "recompute only, shown as r<its position>)"), positions.title(region)

@@ -551,9 +551,9 @@ def _position_row(r: RegionReport, p: PositionRow) -> str:
         saved, recomputed = e(p.saved or "?"), e(p.recomputed or "-")
     differing = "1" if (p.matches is False or p.values_differ or p.in_torch_error) else "0"
     search = " ".join(x for x in (p.op, p.module, p.name, p.origin, p.source) if x).lower()
-    return (f"<tr id=\"p-{_region_id(r)}-{int(p.position)}\" class=\"pos {cls}\" "
+    return (f"<tr id=\"p-{_region_id(r)}-{positions.label(p)}\" class=\"pos {cls}\" "
             f"data-differing=\"{differing}\" data-search=\"{e(search)}\">"
-            f"<td class=\"num\">{e(p.position)}</td><td>{what}</td><td>{e(p.module)}</td>"
+            f"<td class=\"num\">{e(positions.label(p))}</td><td>{what}</td><td>{e(p.module)}</td>"
             f"<td class=\"num\">{_idx(p.forward_index)}</td><td class=\"meta\">{saved}</td>"
             f"<td class=\"meta\">{recomputed}</td><td class=\"verdict-cell\">{e(verdict)}</td>"
             f"<td class=\"dim src\" title=\"{e(p.source)}\">{e(_short_source(p.source))}</td></tr>")

@@ -326,7 +326,7 @@ def _positions_table(r: RegionReport) -> Table | None:
         change = f"{p.saved or '?'} -> {p.recomputed or '-'}"
         if p in value_only:
             change += ", other values"
-        table.add_row(_t(p.position), Breakable(what), Breakable(p.module),
+        table.add_row(_t(positions.label(p)), Breakable(what), Breakable(p.module),
                       Breakable(change, "red" if p.matches is False else "yellow"), Breakable(_short_source(p.source), "dim"))
     if len(rows) > MAX_POSITION_ROWS:
         table.caption = f"{len(rows) - MAX_POSITION_ROWS} more; every position is in the JSON/HTML report"
