@@ -638,3 +638,15 @@ def test_each_replay_starts_from_the_state_the_forward_left():
     topk = next(s for s in sites if s["op"] == "aten.topk.default")
     assert topk["margins"]["min_ulps"] > 100, topk["margins"]
     assert all(s["flips_per_seed"] == [0, 0] for s in sites), sites  # (topk, and the counts that follow it)
+
+
+def test_the_commands_an_audit_under_torchrun_suggests_launch_the_ranks_again(monkeypatch):
+    """`audit --nproc-per-node 2` (25b): "`ac-diff run train.py` names the cause", pasted as printed, ran one process
+    and the script failed in init_process_group. The commands carry the launch."""
+    from ac_diff.audit.result import _run
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _run("my train.py") == "ac-diff run --nproc-per-node 2 'my train.py'"
+    assert _run("t.py", "--reference no-ac") == "ac-diff run --nproc-per-node 2 --reference no-ac t.py"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _run("t.py") == "ac-diff run t.py"

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import torch
@@ -76,14 +77,14 @@ def recompute_json(check, target: str) -> dict:
         f"(first: {first['module']}, region {first['region']}: {first['detail']}); "
         + ("torch raises CheckpointError" if first["how"] in ("shapes", "count") else
            "torch raises nothing and the gradients are wrong")
-        + f" now, whatever the margins below predict; `ac-diff run {shlex.quote(target)}` names the cause")
+        + f" now, whatever the margins below predict; `{_run(target)}` names the cause")
     twice = doc["state_twice"][0] if doc["state_twice"] else None
     doc["state_note"] = None if twice is None else (
         f"{doc['state_twice_count']} recompute(s) updated state of their module (Python attributes, buffers) a second "
         f"time (first: "
         f"{twice['module']}, region {twice['region']}: {', '.join(f'`{n}`' for n in twice['names'][:3])}), which the "
         "replays cannot see: where the code reads it (a schedule, a branch), later steps compute otherwise than "
-        f"without AC; `ac-diff run --reference no-ac --reference-steps 3 {shlex.quote(target)}` compares the gradients")
+        f"without AC; `{_run(target, '--reference no-ac --reference-steps 3')}` compares the gradients")
     return doc
 
 
@@ -92,7 +93,7 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
     settings = auditor.settings
     risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
     recompute = recompute_json(auditor.recompute, target)
-    fix_it = (f"fix what stopped it (its error is above; `ac-diff run {shlex.quote(target)}` explains a stop in the "
+    fix_it = (f"fix what stopped it (its error is above; `{_run(target)}` explains a stop in the "
               "backward), then audit again")
     stopped = f"the script stopped (exit {exit_code})"
     if not auditor.regions:  # no prediction from nothing: say why nothing was audited
@@ -123,3 +124,10 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
         "recompute": recompute,
         "notes": auditor.all_notes(),
     }}
+
+
+def _run(target: str, options: str = "") -> str:
+    """The `ac-diff run` command for the audited script, launched as the audit was (its ranks on this node)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    launch = f"--nproc-per-node {ranks} " if ranks > 1 else ""
+    return f"ac-diff run {launch}{options + ' ' if options else ''}{shlex.quote(target)}"
