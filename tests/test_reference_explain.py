@@ -385,3 +385,24 @@ def test_a_region_no_backward_reached_does_not_leave_rounding_unexplained():
     assert explain(rounding, [], report, steps_requested=1).explanations[0].kind == "backward_kernels"
     report.regions[1].unchecked_reason = "recorder error"  # (a region that was not compared still leaves it open)
     assert explain(rounding, [], report, steps_requested=1).explanations[0].kind == "unexplained"
+
+
+def test_the_reentrant_note_stops_asking_for_the_comparison_once_it_ran(tmp_path):
+    """A clean reentrant run notes that its backward may sum in another order and that `--reference no-ac` compares
+    the gradients (25b): the note still asked for it after the comparison ran and found them identical."""
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+    from ac_diff.diagnosis import REENTRANT_BACKWARD
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import ReferenceResult
+
+    torch.manual_seed(0)
+    block, path = torch.nn.Linear(4, 4), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        cp.checkpoint(block, torch.randn(2, 4, requires_grad=True), use_reentrant=True).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert REENTRANT_BACKWARD in report.notes
+    attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", 1, steps=_steps(True)[:1]))
+    assert REENTRANT_BACKWARD not in report.notes
+    assert any(n.endswith("the comparison with the run without AC below says whether they do") for n in report.notes)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..diagnosis import REENTRANT_BACKWARD
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
@@ -454,6 +455,9 @@ def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
+    if result.verdict in (IDENTICAL, DIFFERS) and REENTRANT_BACKWARD in report.notes:  # (the comparison it asks for ran)
+        report.notes[report.notes.index(REENTRANT_BACKWARD)] = REENTRANT_BACKWARD.split("; `ac-diff run")[0] + (
+            "; the comparison with the run without AC below says whether they do")
     _side_outputs_settled(report, result)
     _state_read_again_settled(report, result)
     if not result.defect:
