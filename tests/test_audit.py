@@ -650,3 +650,13 @@ def test_the_commands_an_audit_under_torchrun_suggests_launch_the_ranks_again(mo
     assert _run("t.py", "--reference no-ac") == "ac-diff run --nproc-per-node 2 --reference no-ac t.py"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert _run("t.py") == "ac-diff run t.py"
+
+
+def test_a_site_whose_flips_change_shapes_only_sometimes_says_how_often():
+    """A site whose flips changed a saved shape in 40% of the seeds read "a flip: silent" (25e), beside a headline
+    predicting CheckpointError: the table gives the share."""
+    from ac_diff.audit.render import _consequence
+
+    assert _consequence({"consequence": "silent", "shape_share": 0.4}) == "silent (40% error)"
+    assert _consequence({"consequence": "CheckpointError", "shape_share": 1.0}) == "error"
+    assert _consequence({"consequence": "unknown", "shape_share": None}) == "?"

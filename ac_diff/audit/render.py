@@ -42,6 +42,14 @@ def _rate(x) -> str:
 _CONSEQUENCE = {"CheckpointError": "error", "silent": "silent", "unknown": "?"}
 
 
+def _consequence(site: dict) -> str:
+    """What a flip does, as the table says it: "error" / "silent", with the share of flips that changed a saved shape
+    where some did and some did not ("silent (40% error)")."""
+    label = _CONSEQUENCE.get(site["consequence"], site["consequence"])
+    share = site.get("shape_share")
+    return f"{label} ({share:.0%} error)" if share is not None and 0 < share < 1 else label
+
+
 def _table(columns: tuple, rows: list[tuple], width: int) -> Table:
     """One row per site; narrower than the table (a narrow terminal), each site on a line of its own with its
     numbers under it: rich would cut the module names first."""
@@ -75,7 +83,7 @@ def render_audit(doc: dict, console: Console) -> None:
         rows.append((s["module"], packet(s["op"]), str(s["rows"]), shares,
                      "exact" if m.get("exact") else "-" if m.get("min_ulps") is None else f"{m['min_ulps']:.3g}",
                      sparkline(m.get("histogram") or []), _rate(s["observed_rate"]), _rate(s["rate"]),
-                     _CONSEQUENCE.get(s["consequence"], s["consequence"])))
+                     _consequence(s)))
     table = _table(columns, rows, console.width)
     follow = [s for s in sites if not s["kind"] and any(s["flips_per_seed"])]
     lines = [Text("margins: a histogram over 0, ≤1, ≤4, ≤16, ≤64, ≤256, ≤1k, >1k ulps; predicted: P(flip) per row from "
