@@ -28,7 +28,7 @@ def _steps(second_loss_identical: bool, no_grad: int = 0) -> list[StepComparison
 def _report(side_effects=(), rng=False, cause=None, mechanism=None, source=None, host_draws=()):
     region = SimpleNamespace(side_effects=list(side_effects), state_changes={"rng": {}} if rng else {},
                              cause=SimpleNamespace(kind=cause, mechanism=mechanism, source=source) if cause else None,
-                             status="clean", rank=0, module="l0", host_draws=list(host_draws))
+                             status="clean", rank=0, module="l0", host_draws=list(host_draws), unchecked_reason=None)
     return SimpleNamespace(regions=[region])
 
 
