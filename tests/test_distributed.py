@@ -136,6 +136,10 @@ def test_a_rank_that_diverged_through_an_all_reduce_takes_the_cause_of_the_rank_
     assert all(r["cause"]["detail"].startswith("through c10d.allreduce_.default, from rank 1, whose region")
                and "`blocks." in r["cause"]["detail"] and ".gain`" in r["cause"]["detail"] for r in received)
     assert not any("use_deterministic_algorithms" in (s["code"] or "") for r in received for s in r["suggestions"])
+    # (the evidence rank 1's region gave is labelled as rank 1's: rank 0's own values stayed as they were, 25b)
+    evidence = received[0]["cause"]["evidence"]
+    assert any(e.startswith("rank 1: blocks.") and ".gain: 1.0 in the forward" in e for e in evidence), evidence
+    assert not any(e.startswith("blocks.") for e in evidence), evidence
 
 
 @pytest.mark.e2e

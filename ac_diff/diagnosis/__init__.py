@@ -287,7 +287,8 @@ def _through_nested_regions(reports: list) -> None:
 def _adopt(r: RegionReport, origin: RegionReport, how: str, evidence: list[str]) -> None:
     """`r` takes the cause and fixes of `origin`, the region whose difference reached it (`how`: by what way)."""
     cause = origin.cause
-    r.cause = Cause(cause.kind, cause.tensor, f"{how}: {cause.detail}", [*evidence, *cause.evidence], cause.mechanism,
+    theirs = [f"rank {origin.rank}: {e}" for e in cause.evidence] if origin.rank != r.rank else list(cause.evidence)
+    r.cause = Cause(cause.kind, cause.tensor, f"{how}: {cause.detail}", [*evidence, *theirs], cause.mechanism,
                     cause.source, list(cause.names))
     r.suggestions = list(origin.suggestions)
 
