@@ -660,3 +660,15 @@ def test_a_site_whose_flips_change_shapes_only_sometimes_says_how_often():
     assert _consequence({"consequence": "silent", "shape_share": 0.4}) == "silent (40% error)"
     assert _consequence({"consequence": "CheckpointError", "shape_share": 1.0}) == "error"
     assert _consequence({"consequence": "unknown", "shape_share": None}) == "?"
+
+
+def test_the_audited_tokens_are_a_count_of_tokens():
+    """Regions of two sizes (ranks with other batches, 25b) made the headline read "at 15.5 tokens": the median of an
+    even number of counts. It is one of the counts audited."""
+    from types import SimpleNamespace
+
+    from ac_diff.audit.extrapolate import extrapolate
+
+    regions = [SimpleNamespace(tokens=t) for t in (15, 16)]
+    risk = extrapolate([], regions, parse_scale(None), "1ulp")
+    assert risk["audited_tokens"] == 15, risk

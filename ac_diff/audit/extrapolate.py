@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import median
+from statistics import median_low
 
 from ..errors import AcDiffError
 
@@ -67,7 +67,7 @@ def likelihood(p: float) -> str:
 
 
 def extrapolate(sites, regions, scale: Scale, noise: str | None = None) -> dict:
-    audited_tokens = median([r.tokens for r in regions if r.tokens]) if any(r.tokens for r in regions) else None
+    audited_tokens = median_low([r.tokens for r in regions if r.tokens]) if any(r.tokens for r in regions) else None
     groups: dict[str, list] = {}
     for s in sites:
         if s.kind is not None and s.rows and s.same_as is None:  # (a decision another site makes: counted there)
