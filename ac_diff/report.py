@@ -676,11 +676,11 @@ class Report:
 _MISSING_LEAD = "results missing from rank"  # how missing_ranks leads the headline of a run it made unchecked
 
 
-def missing_ranks(report: Report, ranks: list[int], notes: list[str] = ()) -> None:
+def missing_ranks(report: Report, ranks: list[int], notes: list[str] = (), killed: list[int] = ()) -> None:
     """The one rule for ranks of the run whose results are not all in the report (no trace, one never finished, a
     copy cut on its way to rank 0): a missing rank is never clean. `notes` (which ranks, and why) join the report's;
-    a clean verdict becomes unchecked, its headline led by the ranks missing, since what they ran was not all
-    compared; diverged and damaged stay. Applied again (the diagnosis, then the launch that knows more), it adds to
+    a clean verdict becomes unchecked, its headline led by the ranks missing (`killed`: those whose process was
+    killed, which the headline says), since what they ran was not all compared; diverged and damaged stay. Applied again (the diagnosis, then the launch that knows more), it adds to
     what it said."""
     report.notes.extend(notes)
     new = sorted(set(ranks) - set(report.missing_ranks))
@@ -689,8 +689,12 @@ def missing_ranks(report: Report, ranks: list[int], notes: list[str] = ()) -> No
     had = bool(report.missing_ranks)
     report.missing_ranks = sorted(set(report.missing_ranks) | set(new))
     n = len(report.missing_ranks)
-    lead = (f"{_MISSING_LEAD}{'s' if n > 1 else ''} {', '.join(map(str, report.missing_ranks))}: what "
-            f"{'they' if n > 1 else 'it'} ran was not all compared")
+    dead = [r for r in report.missing_ranks if r in killed]
+    lead = (f"{_MISSING_LEAD}{'s' if n > 1 else ''} {', '.join(map(str, report.missing_ranks))}"
+            + (f" (killed: the trace of rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} has no end "
+               "record, as after SIGKILL or the out-of-memory killer; what the other ranks raised after it may be "
+               "their peer's loss)" if dead else "")
+            + f": what {'they' if n > 1 else 'it'} ran was not all compared")
     if report.verdict == CLEAN:
         report.verdict = UNCHECKED
         report.headline = f"{lead}; {report.headline}"

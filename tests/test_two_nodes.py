@@ -295,6 +295,12 @@ def test_a_missing_rank_is_never_clean():
     untouched = report(CLEAN)
     missing_ranks(untouched, [])
     assert untouched.verdict == CLEAN
+    # a rank whose process was killed (its trace has no end record): the headline says so, before what the other
+    # ranks raised on losing their peer (25b: it led with rank 0's "Connection reset by peer")
+    killed = report(CLEAN)
+    missing_ranks(killed, [1], killed=[1])
+    assert killed.headline.startswith("results missing from rank 1 (killed: the trace of rank 1 has no end record, "
+                                      "as after SIGKILL or the out-of-memory killer;"), killed.headline
 
 
 # -- two nodes, end to end ----------------------------------------------------------------------------
