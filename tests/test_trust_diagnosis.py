@@ -755,6 +755,22 @@ def test_torchs_warning_in_a_log_that_no_input_requires_grad_puts_the_gradients_
     assert report.regions[0].suggestions[0].title.startswith("Use use_reentrant=False"), report.regions[0].suggestions
 
 
+def test_a_log_file_holding_only_that_warning_is_read(tmp_path):
+    """A run that finished, its log holding torch's warning and no error (25g): `compare LOG` refused it ("neither an
+    ac-diff trace nor a log with a torch.utils.checkpoint error", exit 2), the silent case the warning is for."""
+    import warnings
+
+    emb, lin = nn.Embedding(16, 8).requires_grad_(False), nn.Linear(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cp.checkpoint(lin, emb(torch.randint(0, 16, (4, 5))), use_reentrant=True).sum()
+    log = tmp_path / "train.log"
+    log.write_text("step 0 loss 1.0\n" + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                                                 for w in caught) + "step 1 loss 0.9\n")
+    report = ac_diff.diagnose_paths([log])
+    assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), (report.title, report.headline)
+
+
 class _AnnealedMatcher(nn.Module):
     """A DETR-like matcher: the class cost's weight ramps with a call counter, and the assignment is made on the host
     (numpy), handed back with torch.as_tensor."""

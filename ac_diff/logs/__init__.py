@@ -70,6 +70,7 @@ _MARKERS = (
     # FutureWarning on torch.cpu.amp.autocast at every recompute, in a log that holds no error)
     b'torch/utils/checkpoint.py", line',
     b"Traceback (most recent call last)",  # a traceback-only paste: read like the others, it says what is missing
+    b"None of the inputs have requires_grad=True",  # torch's warning: a reentrant region whose parameters get no grad
 )
 
 
