@@ -725,3 +725,18 @@ def test_a_dump_printed_again_is_one_region_raised_twice():
     assert [r.region for r in run.regions] == [0, 1]
     assert sorted((e.region, e.count, e.positions[0].recomputed.shape) for e in run.errors) == [
         (0, 2, (4, 4)), (1, 1, (4, 2))]
+
+
+def test_a_small_compressed_error_log_cut_short_is_read_as_far_as_it_goes(tmp_path):
+    """An error log of a few KB gzips to about 1 KB (25g): cut anywhere, the sniff read one 64 KiB block, lost all it
+    had decompressed to the cut, and refused the file as damaged, though the whole CheckpointError was readable."""
+    import ac_diff
+
+    text = (Path(__file__).parent / "data" / "logs" / "torch-2.4.1" / "moe_bias_update_error.log").read_bytes()
+    packed = gzip.compress(text)
+    cut = tmp_path / "error.log.gz"
+    cut.write_bytes(packed[: int(len(packed) * 0.9)])
+    with pytest.raises(EOFError):
+        gzip.decompress(cut.read_bytes())  # (the case: it is cut)
+    report = ac_diff.diagnose_paths([cut])
+    assert report.verdict == "diverged" and report.torch_error is not None, report.headline

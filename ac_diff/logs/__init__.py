@@ -50,6 +50,7 @@ __all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogPa
 
 Progress = Callable[[int, Union[int, None]], None]
 SNIFF_BYTES = 1 << 20
+_SNIFF_BLOCK = 1 << 10
 
 # Any of these in the first or last MiB makes a file a torch checkpoint log.
 _MARKERS = (
@@ -173,8 +174,9 @@ def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """
     try:
         with _open_log(os.fspath(path)) as (f, size):
+            # (compressed: small blocks, since a stream cut short loses the whole block being read)
             head = f.read(SNIFF_BYTES) if size is not None else b"".join(
-                islice(_readable_blocks(f, SNIFF_BYTES // 16), 16))
+                islice(_readable_blocks(f, _SNIFF_BLOCK), SNIFF_BYTES // _SNIFF_BLOCK))
             tail = b""
             if size is None or size > SNIFF_BYTES:
                 if size is None:  # compressed: read through
