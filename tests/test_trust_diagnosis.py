@@ -1850,3 +1850,51 @@ def test_positions_the_recompute_alone_saved_are_numbered_apart(tmp_path):
     assert all(positions.label(p) == f"r{p.position}" for p in extra)
     assert positions.title(region).endswith(f"({len(forward)} saved by the forward, {len(extra)} more by the "
                                             "recompute only, shown as r<its position>)"), positions.title(region)
+
+
+_FUNCTION_IN_A_BRANCH = """
+import torch
+from torch.utils.checkpoint import checkpoint
+LAMBDA = 0.1
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.lam = LAMBDA
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g
+class Block(torch.nn.Module):
+    def __init__(self, reverse):
+        super().__init__()
+        self.fc, self.reverse = torch.nn.Linear(8, 8), reverse
+    def forward(self, x):
+        x = torch.tanh(self.fc(x))
+        if self.reverse:  # (only the last block takes it)
+            x = GradReverse.apply(x)
+        return x
+torch.manual_seed(0)
+blocks = torch.nn.ModuleList([Block(False), Block(True)])
+for step in range(2):
+    h = torch.randn(4, 8, requires_grad=True)
+    for b in blocks:
+        h = checkpoint(b, h, use_reentrant=True)
+    LAMBDA = 0.1 * (step + 2)  # the schedule, before the backward
+    h.sum().backward()
+"""
+
+
+def test_a_function_in_a_branch_the_region_never_takes_is_not_its_cause(tmp_path):
+    """DANN (25h): a gradient-reversal Function reads an annealed global; every block's code names it, only the last
+    block runs it. The first blocks read "SILENTLY DIVERGED: ... read by a custom autograd.Function" over bit-identical
+    gradients (with the Function applied outside every region, the whole run did). The Function must have run in the
+    region: an op recorded at one of its forward's lines."""
+    script, json_path = tmp_path / "dann.py", tmp_path / "r.json"
+    script.write_text(_FUNCTION_IN_A_BRANCH)
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(json_path), str(script))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    regions = json.loads(json_path.read_text())["regions"]
+    status = {(r["module"], r["status"]) for r in regions}
+    assert status == {("blocks.0", "clean"), ("blocks.1", "diverged")}, status
+    cause = next(r["cause"] for r in regions if r["status"] == "diverged")
+    assert "dann.py:6-9 in GradReverse.forward)" in cause["detail"], cause["detail"]

@@ -365,8 +365,8 @@ def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
                 found.setdefault(f"{module}.{fn.__qualname__}.{param}", (
                     {param: value}, param, [f"{short_path(fn.__code__.co_filename)} in {fn.__name__}"]))
         for code, loaded in codes:
-            reader = f"{short_path(code.co_filename)} in {code.co_name}" + (
-                f" {FUNCTION_CODE}" if _is_function_code(code, space) else "")
+            reader = (f"{short_path(code.co_filename)}:{_line_span(code)} in {code.co_qualname} {FUNCTION_CODE}"
+                      if _is_function_code(code, space) else f"{short_path(code.co_filename)} in {code.co_name}")
             for name in code.co_names:
                 value = space.get(name)
                 if name in loaded and (value is None or recorded_scalar(value) is not NOT_SCALAR
@@ -573,6 +573,13 @@ def _is_function_code(code: types.CodeType, space: dict) -> bool:
     owner = space.get(getattr(code, "co_qualname", "").rsplit(".", 1)[0]) if "." in getattr(
         code, "co_qualname", "") else None
     return code.co_name == "forward" and isinstance(owner, type) and issubclass(owner, torch.autograd.Function)
+
+
+def _line_span(code: types.CodeType) -> str:
+    """"24-28": the lines of `code` (a Function's forward: whether it ran in a pass is told by the lines its ops were
+    recorded at)."""
+    lines = [line for *_, line in code.co_lines() if line]
+    return f"{min(lines, default=code.co_firstlineno)}-{max(lines, default=code.co_firstlineno)}"
 
 
 def _global_names(code: types.CodeType) -> set[str]:

@@ -359,10 +359,10 @@ def function_state_cause(region: Region) -> Cause | None:
     if region.kind != "reentrant":
         return None
     change = next((c for c in changed_attributes(region) if c.is_global
-                   and any(r.endswith(FUNCTION_CODE) for r in c.readers)), None)
+                   and any(r.endswith(FUNCTION_CODE) and _ran(r, region) for r in c.readers)), None)
     if change is None:
         return None
-    reader = next(r for r in change.readers if r.endswith(FUNCTION_CODE))
+    reader = next(r for r in change.readers if r.endswith(FUNCTION_CODE) and _ran(r, region))
     return Cause("state_mutation", change.name,
                  f"{_what(change)} was {change_words(change.forward, change.recompute)}, read by a custom "
                  f"autograd.Function ({reader.removesuffix(' ' + FUNCTION_CODE)}): with use_reentrant=True the "
@@ -370,6 +370,26 @@ def function_state_cause(region: Region) -> Cause | None:
                  "backward comes from the recompute. Every op matched, and the gradients may still differ",
                  [f"{change.name}: {change_words(change.forward, change.recompute)} (read by {reader})"],
                  mechanism="global", names=[change.name])
+
+
+_SPAN = re.compile(r"^(?P<file>.+):(?P<first>\d+)-(?P<last>\d+) in ")
+
+
+def _ran(reader: str, region: Region) -> bool:
+    """Whether the autograd.Function forward `reader` names ran in the region: an op of either pass was recorded at
+    one of its lines ("dann_grl.py:24-28 in GradReverse.forward"); static reading alone also follows calls in a
+    branch the region never takes. A reader without its lines (an older trace) counts as run."""
+    span = _SPAN.match(reader)
+    if span is None:
+        return True
+    first, last = int(span["first"]), int(span["last"])
+    for p in (region.forward, region.recompute):
+        for op in p.ops if p is not None else ():
+            where_ = (op.source or "").split(" in ", 1)[0]
+            file, _, line = where_.rpartition(":")
+            if file == span["file"] and line.isdigit() and first <= int(line) <= last:
+                return True
+    return False
 
 
 def _shown_update(update: list) -> str:
