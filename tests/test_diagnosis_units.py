@@ -287,3 +287,17 @@ def test_a_source_outside_the_working_directory_is_named_so_that_it_opens():
     package = "/usr/lib/python3/site-packages/transformers/models/llama/modeling_llama.py"
     assert short_path(package) == "models/llama/modeling_llama.py"
     assert short_path(os.path.join(os.getcwd(), "train.py")) == "train.py"
+
+
+def test_a_logged_sdpa_left_at_its_default_dropout_draws_nothing():
+    """A `debug=True` log of a ViT whose token-merge count changed before the backward (25h): the log's SDPA call
+    lists three tensors (dropout_p left at its default, 0), yet the cause read "rng: ... depends on the random op
+    aten._scaled_dot_product_flash_attention_for_cpu". An op that can draw, drew only where its arguments say so."""
+    from ac_diff.diagnosis.cause import _drew
+    from ac_diff.passes import OpRecord
+
+    sdpa = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert not _drew(OpRecord(index=0, op=sdpa, args=["$", "$", "$"]))
+    assert _drew(OpRecord(index=0, op=sdpa, args=["$", "$", "$", 0.1]))
+    assert _drew(OpRecord(index=0, op="aten.bernoulli_.float", args=["$", 0.5]))
+    assert not _drew(OpRecord(index=0, op="aten.mm.default", args=["$", "$"]))

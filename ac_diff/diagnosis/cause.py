@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
+from ..capture.opinfo import draws, op_info
 from ..oprules import (CAST, COMPILED_GRAPH_OP, aliases_its_input, is_collective, is_decision, is_host_read,
-                       is_in_place_method, is_random_name, is_view_op, written_inputs)
+                       is_in_place_method, is_random_name, is_view_op, op_by_name, written_inputs)
 from ..passes import External, OpRecord, Pass, Region, TensorMeta, op_at
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause,
@@ -430,7 +431,7 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
                          "reads it after the forward's update (and updates it again)",
                          [f"{op.op} at {at} writes {ref.name}", shape.summary], mechanism=UPDATED_IN_FORWARD,
                          source=op.source)
-    drawn = next((op for op in reversed(feeding) if is_random_name(op.op)), None)
+    drawn = next((op for op in reversed(feeding) if _drew(op)), None)
     if drawn is not None:
         at = where(drawn.module, drawn.source)
         return Cause("rng", drawn.op,
@@ -438,6 +439,15 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
                      "checkpoint with preserve_rng_state=False, or a generator it does not restore)",
                      [f"{drawn.op} at {at} feeds {shape.op}", shape.summary], source=drawn.source)
     return None
+
+
+def _drew(op: OpRecord) -> bool:
+    """A log's op that drew from a generator: a random op whose arguments do not switch its randomness off (an SDPA
+    whose dropout_p the log leaves at its default, 0)."""
+    if not is_random_name(op.op):
+        return False
+    func = op_by_name(op.op)
+    return func is None or draws(op_info(func), op.args, {})
 
 
 def _forward_op(region: Region, index: int | None) -> tuple[list[OpRecord], OpRecord | None]:
