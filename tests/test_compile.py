@@ -391,3 +391,26 @@ def test_the_reference_turns_off_ac_that_dynamo_traces(tmp_path):
     assert _compiled_grads(True)[0].equal(with_ac[0])  # (uninstalled: Dynamo takes checkpoint for AC again)
     child, _ = reference_command("t.py", [], module=False, directory=tmp_path, steps=1, spec=RemedySpec())
     assert child.env.get(COMPILED_ENV) == "1"  # (this process imported Dynamo, as a run that compiled does)
+
+
+@pytest.mark.e2e
+def test_fix_leaves_a_compiled_model_whose_gradients_match_the_run_without_ac(tmp_path):
+    """The whole model compiled around checkpointed blocks, a float attribute lowered before the backward (25i): the
+    compiled recompute reads the graph's constant, so its gradients match the run without AC; `fix` switched to the
+    eager program, which diverges, and called the gradients "silently wrong". The compiled run's comparison stands."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    json_path = tmp_path / "fix.json"
+    proc = subprocess.run([sys.executable, "-m", "ac_diff", "fix", "-o", str(tmp_path / "fix"), "--json",
+                           str(json_path), SCRIPT, "--compile", "around", "--fullgraph", "--anneal", "static",
+                           "--steps", "2"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recording again with compiled code run eagerly" not in proc.stderr
+    report = json.loads(json_path.read_text())
+    assert report["reference"]["verdict"] == "identical", report["reference"]["headline"]
+    assert report["fixes"]["headline"].startswith("nothing to fix: the compiled run's gradients match the run without "
+                                                  "AC"), report["fixes"]["headline"]

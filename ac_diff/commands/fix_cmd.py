@@ -44,7 +44,7 @@ from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, T
 from ..fix.statuses import mark, run_command
 from ..fix.tries import REACH_MAX, Measured, diverged, first_recomputed_in, judge, reach, run_measured, without_ac_too
 from ..reference.explain import attach
-from ..reference.result import DIFFERS
+from ..reference.result import DIFFERS, IDENTICAL
 from ..reference.run import reference_command, reference_result
 from ..remedies import RemedySpec
 from ..capture.runner import check_target
@@ -121,6 +121,8 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                                          reference_dir=ref_dir))
         if eager_requested() or not unrecorded(report.compiled):
             break
+        if report.reference is not None and report.reference.verdict == IDENTICAL:
+            break  # (the compiled run's gradients match: what the eager program would do is not what it trains)
         # AC inside compiled graphs: remedies need regions, so from here on every run runs compiled code eagerly
         print("ac-diff fix: AC runs inside compiled graphs; recording again with compiled code run eagerly "
               "(--compiled eager), as the run without AC and every try will", file=sys.stderr)
@@ -211,6 +213,10 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
             result.headline = "no mechanical remedy applies to what was diagnosed" + (
                 "; make the code change below" if change else ", and ac-diff knows no code change for it")
             result.code_change = change
+        elif unrecorded(report.compiled) and ref is not None and ref.verdict == IDENTICAL:
+            result.headline = (f"nothing to fix: the compiled run's gradients match the run without AC over "
+                               f"{ref.backwards} backward pass(es) (AC runs inside compiled graphs, where ac-diff "
+                               "records no region; `ac-diff run --compiled eager` shows what the eager program does)")
         else:
             result.headline = ("nothing to fix: every region reproduced its forward"
                                + (" and the gradients match the run without AC" if ref is not None and not ref.defect
