@@ -301,3 +301,14 @@ def test_a_logged_sdpa_left_at_its_default_dropout_draws_nothing():
     assert _drew(OpRecord(index=0, op=sdpa, args=["$", "$", "$", 0.1]))
     assert _drew(OpRecord(index=0, op="aten.bernoulli_.float", args=["$", 0.5]))
     assert not _drew(OpRecord(index=0, op="aten.mm.default", args=["$", "$"]))
+
+
+def test_the_step_hook_fix_warns_about_gradient_accumulation():
+    """An observation normalizer updated between forward and backward, 4 micro-batches per step (25i): the step-hook
+    code, applied as given, updated once per optimizer step where the run without AC updated once per micro-batch,
+    and the gradients differed from backward 2 on. The code says where the update goes with accumulation."""
+    from ac_diff.diagnosis.suggest import _step_hook_code
+
+    code = _step_hook_code("norm.mean")
+    assert "optimizer.register_step_post_hook(update_after_step)" in code
+    assert "with gradient accumulation" in code and "each\n# micro-batch's loss.backward()" in code

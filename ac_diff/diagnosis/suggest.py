@@ -158,7 +158,9 @@ def _step_hook_code(name: str) -> str:
     return ("def update_after_step(optimizer, args, kwargs):\n"
             "    with torch.no_grad():\n"
             f"        ...  # the update of {name.rsplit('.', 1)[-1]} goes here, from what the forward kept\n\n"
-            "optimizer.register_step_post_hook(update_after_step)")
+            "optimizer.register_step_post_hook(update_after_step)\n"
+            "# with gradient accumulation the hook runs once per optimizer step: make the update right after each\n"
+            "# micro-batch's loss.backward() instead, where the run without AC made it once per forward")
 
 
 def _updated_in_forward(region: Region, name: str) -> Suggestion:
