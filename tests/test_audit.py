@@ -117,7 +117,7 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
         auditor.stop()
     a = audit_document(auditor, parse_scale(None), target="my train.py", wall_seconds=1.0)["audit"]
     out = StringIO()
-    render_audit({"audit": a}, Console(file=out, width=400, color_system=None))
+    render_audit({"audit": a}, Console(file=out, width=800, color_system=None))
     first = out.getvalue().splitlines()[0]
     check = a["recompute"]
     assert check["checked"] == 4  # 2 blocks x 2 steps, every one compared (not only the replayed one)
@@ -136,6 +136,9 @@ def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     assert {r["how"] for r in check["diverged"]} == {"values"}  # same shapes: torch raises nothing
     assert a["headline"] == check["headline"] and first == a["headline"]
     assert first.startswith("the run already diverges: 4 of 4 recomputed region(s)") and "gradients are wrong" in first
+    # (a top-k whose same choices came in another order differs too, and reaches no gradient when they are summed:
+    # 25j's order-only router read "the gradients are wrong now" over bit-identical ones)
+    assert "unless what differs reaches none of them (the same top-k choices in another order" in first
     # a save list only guards the decisions against rounding noise: never offered as the fix of that divergence
     assert a["remedy"]["save_list"] and "fix: save" not in out.getvalue(), out.getvalue()
     assert "fix: against rounding noise only, not the divergence above" in out.getvalue(), out.getvalue()

@@ -75,9 +75,10 @@ def recompute_json(check, target: str) -> dict:
     doc["headline"] = None if not n else (
         f"the run already diverges: {n} of {checked} recomputed region(s) saved other tensors than their forward "
         f"(first: {first['module']}, region {first['region']}: {first['detail']}); "
-        + ("torch raises CheckpointError" if first["how"] in ("shapes", "count") else
-           "torch raises nothing and the gradients are wrong")
-        + f" now, whatever the margins below predict; `{_run(target)}` names the cause")
+        + ("torch raises CheckpointError now" if first["how"] in ("shapes", "count") else
+           "torch raises nothing and the gradients are wrong now, unless what differs reaches none of them (the same "
+           "top-k choices in another order, summed: `--reference no-ac` tells)")
+        + f", whatever the margins below predict; `{_run(target)}` names the cause")
     twice = doc["state_twice"][0] if doc["state_twice"] else None
     doc["state_note"] = None if twice is None else (
         f"{doc['state_twice_count']} recompute(s) updated state of their module (Python attributes, buffers) a second "
