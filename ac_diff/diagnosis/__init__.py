@@ -170,11 +170,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     report.notes += cross.notes
     # ranks of the run without a trace here, whose trace is a copy cut on its way to rank 0, or whose process was
     # killed before its trace was finished: never clean
-    killed = [run.rank or 0 for run in runs if run.source == "trace" and run.truncated and run.world_size > 1
-              and not run.header.get("cut") and run.running is not True]
+    unfinished = [run for run in runs if run.source == "trace" and run.truncated and run.world_size > 1]
+    killed = [run.rank or 0 for run in unfinished if not run.header.get("cut") and run.running is not True]
     missing_ranks(report, [r for f in cross.findings if f.kind == "missing_ranks" for r in f.ranks]
-                  + [run.rank or 0 for run in runs if run.header.get("cut")
-                     or run.source == "trace" and run.truncated and run.world_size > 1]
+                  + [run.rank or 0 for run in runs if run.header.get("cut") or any(run is u for u in unfinished)]
                   + [r for run in runs for r in run.unreadable_ranks], killed=killed)
     return report
 
