@@ -5,7 +5,7 @@
   `cells.1.memory.seen` 0 -> 1 entries, with its restore (which works) and its fix;
 - a module-level flag of the model's own Python module set around the forward only: the branch that reads it
   is named by the flag and its value in each pass, wherever the branch reads it (the forward, a helper
-  function, a method);
+  function, a method, a child module's method called by name);
 - a scheduler that anneals every dropout's `p` between forward and backward: the changed attributes that feed
   bernoulli_'s argument outrank the random op, and `fix` restores them all, never trying preserve_rng_state
   (already on).
@@ -156,6 +156,22 @@ class InMethod(InForward):
         return h
 
 
+class _Rounder(nn.Module):
+    def round(self, h):  # a child's helper method, not its forward: no module call runs it
+        if ROUNDED:
+            return h.to(torch.bfloat16).float()
+        return h
+
+
+class InChildMethod(InForward):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounder = _Rounder()
+
+    def forward(self, x):
+        return torch.tanh(self.rounder.round(self.fc(x)))
+
+
 class Layers(nn.Module):
     def __init__(self, block: type) -> None:
         super().__init__()
@@ -180,7 +196,7 @@ def _rounded_step(net, through_backward: bool):
         ROUNDED = False
 
 
-@pytest.mark.parametrize("block", [InForward, InHelper, InMethod])
+@pytest.mark.parametrize("block", [InForward, InHelper, InMethod, InChildMethod])
 def test_a_global_flag_set_around_the_forward_is_named_at_the_branch(tmp_path, block):
     report = _record(tmp_path, lambda: _rounded_step(Layers(block), through_backward=False))
     regions = _diverged(report)

@@ -12,7 +12,7 @@ A container attribute (list, tuple, dict, deque) is summarized by its length and
 items (a Transformer-XL memory that grows by one tensor per call: 1 -> 2 entries), never by its values. A
 global is one a function's code loads by name (`co_names` read by LOAD_GLOBAL) whose value is a plain scalar:
 the flag a branch reads (`if LOW_PRECISION:`), in the function itself, the code nested in it, and the user's
-functions and methods (`self.helper()`) it calls by name. Which globals a function reads is worked out once per
+functions and methods it calls by name (`self.helper()`, a child's `self.router.logits(x)`). Which globals a function reads is worked out once per
 function; the values are read per call of `values()` (the recorder: once per function and pass).
 """
 
@@ -43,6 +43,7 @@ NOT_SCALAR = object()  # `recorded_scalar` of a value that is neither a scalar n
 # torch's own bookkeeping on every module (hook dicts, `_parameters`, ...); the mode is the pass's "training"
 _NOT_STATE = frozenset({"training", "_is_full_backward_hook", *vars(nn.Module())})
 _GraphModule = torch.fx.GraphModule
+Owner = type | tuple[type, ...] | None  # the class(es) whose methods `self.x()` (`self.child.x()`) calls
 _IDENTITY_ITEMS = 64  # items of a container whose identity is summarized (its length is always exact)
 
 
@@ -251,9 +252,10 @@ class GlobalReads:
         # (code object, owner) -> ((globals dict, name, key, the functions reading it), ...)
         self._reads: dict[tuple, tuple] = {}
 
-    def values(self, fn: Any, owner: type | None = None) -> dict[str, tuple[Any, tuple[str, ...]]]:
+    def values(self, fn: Any, owner: Owner = None) -> dict[str, tuple[Any, tuple[str, ...]]]:
         """{"model.LOW_PRECISION": (True, ("model.py in forward",))}: each global `fn` (or what it calls) reads,
-        with its value now and the functions reading it; `owner`: the class whose methods `self.x()` calls."""
+        with its value now and the functions reading it; `owner`: the class whose methods `self.x()` calls (and
+        its children's, `method_owners`)."""
         fn = _function(fn)
         if fn is None:
             return {}
@@ -275,6 +277,14 @@ class GlobalReads:
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
         return out
+
+
+def method_owners(module: nn.Module) -> tuple[type, ...]:
+    """The classes whose methods a module's forward may call by name: its own, then its children's of the user's
+    (`self.router.logits(x)`), each once."""
+    children = (type(c) for c in module._modules.values() if c is not None)
+    return (type(module), *dict.fromkeys(k for k in children if not k.__module__.startswith("torch.")
+                                         and k is not type(module)))
 
 
 def _holds_fields(value: Any, space: dict) -> bool:
@@ -320,7 +330,7 @@ def _function(fn: Any) -> types.FunctionType | None:
     return None
 
 
-def _user_functions(root: types.FunctionType, owner: type | None
+def _user_functions(root: types.FunctionType, owner: Owner
                     ) -> Iterator[tuple[types.FunctionType, list[tuple[types.CodeType, set[str]]]]]:
     """`root` and the user's functions and methods (`self.helper()`) it calls by name, up to _MAX_FUNCTIONS, each with
     its code objects (its own and those nested in it) and the names each loads as globals."""
@@ -347,7 +357,7 @@ def _user_functions(root: types.FunctionType, owner: type | None
                         todo.append(forward)
 
 
-def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
+def _user_codes(root: types.FunctionType, owner: Owner) -> Iterator[tuple[dict, types.CodeType, set[str]]]:
     """(globals, code object, the names it loads as globals) of `root`, the code nested in it, and the user's
     functions and methods it calls (`_user_functions`)."""
     for fn, codes in _user_functions(root, owner):
@@ -355,7 +365,7 @@ def _user_codes(root: types.FunctionType, owner: type | None) -> Iterator[tuple[
             yield fn.__globals__, code, loaded
 
 
-def _reads_of(root: types.FunctionType, owner: type | None) -> tuple:
+def _reads_of(root: types.FunctionType, owner: Owner) -> tuple:
     found: dict[str, tuple] = {}  # key -> (globals dict, name, readers)
     for fn, codes in _user_functions(root, owner):
         space = fn.__globals__
@@ -517,7 +527,7 @@ def _users_module(module: types.ModuleType) -> bool:
     return bool(path) and not is_internal(path) and "site-packages" not in path and "dist-packages" not in path
 
 
-def host_draw_sites(fn: Any, owner: type | None, generators: list[str]) -> list[str]:
+def host_draw_sites(fn: Any, owner: Owner, generators: list[str]) -> list[str]:
     """Where `fn` (or what it calls) reads one of the host `generators` that moved ("random", "numpy.random"):
     ["model.py:20 in forward"], the lines that load the `random` or `numpy` module, or a function bound to their
     generator (`from random import random`)."""
@@ -597,12 +607,15 @@ def _codes(code: types.CodeType) -> list[types.CodeType]:
     return out
 
 
-def _method(owner: type | None, name: str) -> Any:
-    """The function `owner.name` (a method `self.name()` calls), without running descriptors."""
-    for klass in owner.__mro__ if owner is not None else ():
-        if name in vars(klass):
-            value = vars(klass)[name]
-            return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+def _method(owner: Owner, name: str) -> Any:
+    """The function `owner.name` (a method `self.name()` calls), without running descriptors. `owner` may be a
+    module's class followed by its children's (`self.router.logits(x)` calls a child's method, not its forward, so
+    no module call records it): the first class that defines `name` wins."""
+    for kind in owner if type(owner) is tuple else (owner,) if owner is not None else ():
+        for klass in kind.__mro__:
+            if name in vars(klass):
+                value = vars(klass)[name]
+                return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
     return None
 
 

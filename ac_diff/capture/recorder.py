@@ -41,8 +41,8 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
 from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
-from .pystate import (UNSET, GlobalReads, hook_reads_again, host_draw_sites, is_container, module_attributes,
-                      only_rebinds, read_again, subclass_attributes)
+from .pystate import (UNSET, GlobalReads, Owner, hook_reads_again, host_draw_sites, is_container, method_owners,
+                      module_attributes, only_rebinds, read_again, subclass_attributes)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from .spawned import SpawnWatch
@@ -204,7 +204,7 @@ class _Pass:
     global_readers: dict[str, list] = field(default_factory=dict)
     global_updates: dict[str, list] = field(default_factory=dict)  # those the pass changed: name -> [first, at its end]
     global_functions: list[tuple] = field(default_factory=list)  # (function, owner) whose globals were read
-    codes_seen: set = field(default_factory=set)  # (forward function, module class) whose globals were read
+    codes_seen: set = field(default_factory=set)  # (forward function, its module's classes) whose globals were read
     called: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, fqn): the modules it called
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
     # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
@@ -845,7 +845,7 @@ class Recorder:
     def _note_attributes(self, p: _Pass, module, fqn: str) -> None:
         """The module's attributes as this call begins (before its own forward pre-hooks run), and the globals its
         forward reads (once per forward function and pass)."""
-        seen = (vars(module).get("forward") or type(module).forward, type(module))
+        seen = (vars(module).get("forward") or type(module).forward, method_owners(module))
         if seen not in p.codes_seen:
             p.codes_seen.add(seen)
             self._note_globals(p, *seen)
@@ -879,7 +879,7 @@ class Recorder:
                         p.attributes.setdefault(prefix + name, value)
         p.called = {}
 
-    def _note_globals(self, p: _Pass, function: Any, owner: type | None = None) -> None:
+    def _note_globals(self, p: _Pass, function: Any, owner: Owner = None) -> None:
         """The scalar globals `function` reads, as they are now: the first reading in the pass counts."""
         p.global_functions.append((function, owner))
         for key, (value, readers) in self._global_reads.values(function, owner).items():
