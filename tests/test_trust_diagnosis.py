@@ -1722,6 +1722,57 @@ def test_a_top_k_that_chose_the_same_entries_in_another_order_says_so(tmp_path):
     assert "silently wrong where the backward uses the order of the choices" in region.chain[-1], region.chain
 
 
+@pytest.mark.parametrize("compared", [1, 2])
+def test_choices_made_in_another_order_settle_clean_once_every_backwards_gradients_match(tmp_path, compared):
+    """25j: the same experts chosen in another order, summed, the gradients bit-identical to the run without AC: the
+    run stayed SILENTLY DIVERGED with `--check` exit 1 after its own `--reference no-ac` compared every backward pass
+    and found them identical. Over every backward pass the run made, that settles it: clean, the regions noted, the
+    cause and its fix kept (a larger bias step flips a choice). Over fewer it cannot: a later one may flip a set."""
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import IDENTICAL, ReferenceResult, StepComparison
+    from ac_diff.reference.run import diverged_later
+    from ac_diff.report import diverged_after
+
+    scores = torch.zeros(6, 4)
+    scores[:, 0], scores[:, 1] = 1.0, 0.9
+    scores[3, 1] = 0.999
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+
+    def train(ac: bool):
+        torch.manual_seed(0)
+        router, grads = _SelectionBiasRouter(), []
+        for _ in range(2):
+            xs = x.clone().requires_grad_()
+            out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
+            router.bias[1] += 0.01  # (the balancing update, before the backward: row 3 swaps its two experts)
+            out.square().sum().backward()
+            grads += [p.grad.clone() for p in router.parameters()] + [xs.grad]
+            router.bias[1] -= 0.01
+        return grads
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))  # (the ground truth, both steps)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        train(True)
+    report = ac_diff.diagnose_paths([path])
+    assert [r.status for r in report.regions] == ["diverged"] * 2
+    attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", compared,
+                                   steps=[StepComparison(i, True, 0.0, 2, 2) for i in range(compared)]))
+    if compared < 2:
+        assert (report.verdict, report.title) == ("diverged", "SILENTLY DIVERGED"), report.headline
+        # the reference's headline: region 0 diverged in the compared backward, region 1 after it (it named region 1
+        # "the first region that diverged")
+        said = diverged_later(report.regions, diverged_after(report.regions, 1), captured=2)
+        assert said.startswith("; 1 region(s) diverged in the compared backward pass(es) without changing the "
+                               "gradients, but region 1 (") and "`--reference-steps 2` compares it" in said, said
+        return
+    assert (report.verdict, report.title) == ("clean", "CLEAN"), report.headline
+    assert "chose the same top-k entries in another order" in report.headline, report.headline
+    for region in report.regions:
+        assert region.cause.tensor == "bias" and region.suggestions, region.cause
+        assert any("match the run without AC over all 2 backward passes" in n for n in region.notes), region.notes
+
+
 class _TemperedTopK(nn.Module):
     """Scores divided by a temperature buffer, top-4 of 64 kept: a temperature nudged before the backward moves every
     score, and keeps every choice (the margins are far larger than the move)."""

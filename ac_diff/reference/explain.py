@@ -452,6 +452,33 @@ def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
                            "their outputs feed no loss (the gradients match the run without AC)")
 
 
+def _reordered_settled(report: Any, result: ReferenceResult) -> None:
+    """A run whose only divergences are top-k choices made again in another order (the same entries: a sum weighted
+    by their scores does not see the order) and whose gradients match the run without AC over every backward pass it
+    made: those regions' recomputes saved other tensors that reach no gradient. They are clean, with a note, their
+    cause and its fix kept (what moved the scores may flip a choice in another step); so is the run."""
+    diverged = [r for r in report.regions if r.status == DIVERGED]
+    made = backwards_recorded(report.regions, getattr(report, "watch", None))
+    if not diverged or result.verdict != IDENTICAL or result.backwards < made or report.torch_errors \
+            or report.verdict != DIVERGED or report.crashed or (report.watch or {}).get("never_compared") \
+            or any(r.status == UNCHECKED for r in report.regions) or not all(
+                r.first_discrete_divergence is not None and r.first_discrete_divergence.reordered_only
+                for r in diverged):
+        return
+    for r in diverged:
+        r.status, r.silent = CLEAN, False
+        flip = r.first_discrete_divergence
+        r.notes.append(f"its recompute chose the same top-k entries in another order ({flip.summary}): the gradients "
+                       f"match the run without AC over all {result.backwards} backward passes, so nothing this run "
+                       "computes uses that order")
+    report.verdict = CLEAN
+    report.headline = (f"clean: the gradients match the run without AC over all {result.backwards} backward "
+                       f"passes; the recompute of {len(diverged)} region(s) chose the same top-k entries in "
+                       "another order (other saved tensors, which torch does not check), and nothing uses that "
+                       "order" + (f"; what moved the scores ({diverged[0].cause.kind}) may flip a choice in "
+                                  "another step: see its fix" if diverged[0].cause is not None else ""))
+
+
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
@@ -460,6 +487,7 @@ def attach(report: Any, result: ReferenceResult) -> None:
             "; the comparison with the run without AC below says whether they do")
     _side_outputs_settled(report, result)
     _state_read_again_settled(report, result)
+    _reordered_settled(report, result)
     if not result.defect:
         return
     if report.verdict != DIVERGED:  # (AC inside compiled graphs: what they show stays in the headline)

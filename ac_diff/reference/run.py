@@ -143,14 +143,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         later = diverged_after(rank_report.regions, result.backwards)
         if result.verdict == IDENTICAL and result.steps and later:  # what diverged was not in what was compared
             unreached.add(r)
-            first = min(later, key=lambda x: x.region)
-            when = recomputed_in(first)
-            result.headline += (f"; but the first region that diverged (region {first.region}, "
-                                f"{first.module or '?'}) was recomputed in "
-                                + (f"backward {first.backward} (step {first.step})" if first.backward is not None
-                                   else f"step {first.step}") + ", after the compared backward pass(es)"
-                                + (f": `--reference-steps {when}` compares it"
-                                   if when <= done and not failed_without else ""))
+            result.headline += diverged_later(rank_report.regions, later, done if not failed_without else 0)
         # (not a difference by itself: the run without AC may fail for want of the memory AC saves)
         if failed_without and result.verdict == IDENTICAL:
             result.headline += (f"; backward {ref_done + 1} failed only without AC: the run without AC exited with "
@@ -200,3 +193,20 @@ class _RankView:
         self.regions = [x for x in getattr(report, "regions", []) if x.rank == r]
         self.compiled = getattr(report, "compiled", None)  # torch.compile in the run (diagnosis/compiled.py)
         self.other_ranks_diverged = [x for x in getattr(report, "regions", []) if x.rank != r and x.status == DIVERGED]
+
+
+def diverged_later(regions: list, later: list, captured: int) -> str:
+    """What the headline of identical gradients adds where regions diverged after the compared backward passes
+    (`later`): the first of them, with `--reference-steps N` where this run captured backward N (`captured`); regions
+    that diverged within the compared passes did not change the gradients, and it says so (it named the first later
+    one "the first region that diverged")."""
+    first = min(later, key=lambda x: x.region)
+    when = recomputed_in(first)
+    within = sum(1 for x in regions if x.status == DIVERGED) - len(later)
+    at = f"backward {first.backward} (step {first.step})" if first.backward is not None else f"step {first.step}"
+    said = (f"; {within} region(s) diverged in the compared backward pass(es) without changing the gradients, but "
+            f"region {first.region} ({first.module or '?'}) diverged in {at}" if within else
+            f"; but the first region that diverged (region {first.region}, {first.module or '?'}) was recomputed "
+            f"in {at}")
+    return said + ", after the compared backward pass(es)" + (
+        f": `--reference-steps {when}` compares it" if when <= captured else "")
