@@ -825,3 +825,16 @@ def test_a_nested_checkpoints_dump_lists_each_forward_op_once():
     region = next(r for r in report.regions if r.status == "diverged")
     assert region.first_control_divergence is None, region.first_control_divergence
     assert region.first_shape_divergence is not None, region
+
+
+def test_a_loggers_copy_of_an_error_is_the_rank_its_record_names(tmp_path):
+    """25g: under torchrun, a trainer's `log.exception` prints each rank's error unprefixed after its own record
+    (`[ERROR] [rank1] trainer: training failed`), then torchrun prints it again `[rank1]:`-prefixed. The unprefixed
+    copy took the rank of the `[rank0]:` block before it: rank 1's error under rank 0, 4 errors for 2. The logger's
+    record names the rank; a traceback starting unprefixed after another rank's prefixed lines is not theirs."""
+    log = REPO / "tests" / "data" / "logs" / "torchrun-logger" / "torchrun_2r.log"
+    r = run_cli("compare", str(log), "--json", str(tmp_path / "r.json"))
+    assert r.returncode == 1, r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    shapes = {e["rank"]: e["changes"][0]["saved"] for e in report["torch_errors"]}
+    assert len(report["torch_errors"]) == 2 and shapes == {0: "f32[27, 32]", 1: "f32[30, 32]"}, report["torch_errors"]

@@ -218,11 +218,11 @@ def test_strip_prefix(text, rank, body):
 
 
 def test_split_interleaved_ranks_on_one_line():
-    segs, last = split_segments("[rank11]: recomputed metadata: {'shape': torch.Size([964, 5120]),"
-                                "[rank13]: Traceback (most recent call last):", None)
+    segs, last, by_prefix = split_segments("[rank11]: recomputed metadata: {'shape': torch.Size([964, 5120]),"
+                                           "[rank13]: Traceback (most recent call last):", None)
     assert segs == [(11, "recomputed metadata: {'shape': torch.Size([964, 5120]),"),
                     (13, "Traceback (most recent call last):")]
-    assert last == 13
+    assert (last, by_prefix) == (13, True)
 
 
 def test_split_flattened_bare_rank_form_of_the_origin_thread():
@@ -240,8 +240,8 @@ def test_split_flattened_bare_rank_form_of_the_origin_thread():
 
 
 def test_split_op_start_inside_a_line():
-    segs, _ = split_segments("[rank1]: ['$13: bf16[1, 128, 5120]', '$17: bf1 $72: bf16[1, 5, 1024, 128] = "
-                             "torch._ops.aten.transpose.int($69, 1, 2)", None)
+    segs, _, _ = split_segments("[rank1]: ['$13: bf16[1, 128, 5120]', '$17: bf1 $72: bf16[1, 5, 1024, 128] = "
+                                "torch._ops.aten.transpose.int($69, 1, 2)", None)
     assert [s for _, s in segs] == ["['$13: bf16[1, 128, 5120]', '$17: bf1",
                                     "$72: bf16[1, 5, 1024, 128] = torch._ops.aten.transpose.int($69, 1, 2)"]
 

@@ -10,8 +10,8 @@ spliced lines.
     strip_prefix("E           tensor at position 0:")   -> (None, "tensor at position 0:")
     split_segments("[rank11]: recomputed metadata: {'shape': torch.Size([964, 5120]),"
                    "[rank13]: Traceback (most recent call last):", None)
-        -> [(11, "recomputed metadata: {'shape': torch.Size([964, 5120]),"),
-            (13, "Traceback (most recent call last):")]
+        -> ([(11, "recomputed metadata: {'shape': torch.Size([964, 5120]),"),
+             (13, "Traceback (most recent call last):")], 13, True)
 
 A segment is one logical line: its launcher prefixes removed, leading/trailing whitespace removed,
 and a rank (or None when no prefix said which). A whole log flattened onto one line comes back as
@@ -234,21 +234,37 @@ def _cuts(body: str) -> list[int]:
     return cuts
 
 
-def split_segments(text: str, rank: int | None) -> tuple[list[tuple[int | None, str]], int | None]:
+# a logger's own rank tag in its record (`2026-12-07 04:47:00,108 [ERROR] [rank1] trainer: training failed`): no
+# colon after it (that is a launcher's prefix), near the record's start
+_LOGGER_RANK = re.compile(r"\[rank(\d+)\](?!:)")
+_LOGGER_TAG_WITHIN = 80  # characters of a record's start its rank tag may be in
+
+
+def split_segments(text: str, rank: int | None, home: int | None = None, mixed: bool = False,
+                   by_prefix: bool = False) -> tuple[list[tuple[int | None, str]], int | None, bool]:
     """Strip prefixes from one physical line and cut it into logical segments.
 
     `rank` is the rank to assume when the line has no prefix of its own (the caller passes the last
-    rank it saw). Returns the non-empty segments and the rank that the next line inherits (a
-    prefix with nothing after it still changes that rank).
+    rank it saw, and `by_prefix`: whether a launcher's prefix named it). Returns the non-empty segments,
+    the rank that the next line inherits (a prefix with nothing after it still changes that rank) and
+    whether a prefix named it. A line without a prefix whose logger record names its rank
+    (`[ERROR] [rank1] trainer: ...`) sets it: a `logger.exception` copy of an error that follows is that
+    rank's. In a log where several ranks were seen (`mixed`), a traceback that starts without a prefix
+    after prefixed lines is written by another hand than theirs: it takes the file's own rank (`home`,
+    the one its path names, else unknown), not the last prefix's.
     """
     line_rank, body = strip_prefix(text)
     if line_rank is not None:
-        rank = line_rank
+        rank, by_prefix = line_rank, True
+    elif "[rank" in body and (tag := _LOGGER_RANK.search(body, 0, _LOGGER_TAG_WITHIN)):
+        rank, by_prefix = int(tag.group(1)), False
+    elif mixed and by_prefix and body.startswith("Traceback (most recent call last)"):
+        rank, by_prefix = home, False
     if not body:
-        return [], rank
+        return [], rank, by_prefix
     cuts = _cuts(body)
     if not cuts:
-        return [(rank, body)], rank
+        return [(rank, body)], rank, by_prefix
     out: list[tuple[int | None, str]] = []
     bounds = [0, *cuts, len(body)]
     for a, b in zip(bounds, bounds[1:]):
@@ -256,9 +272,9 @@ def split_segments(text: str, rank: int | None) -> tuple[list[tuple[int | None, 
         if a > 0:
             piece_rank, piece = strip_prefix(piece)
             if piece_rank is not None:
-                rank = piece_rank
+                rank, by_prefix = piece_rank, True
         else:
             piece = piece.strip()
         if piece:
             out.append((rank, piece))
-    return out, rank
+    return out, rank, by_prefix

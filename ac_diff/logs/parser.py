@@ -98,7 +98,10 @@ class LogParser:
         self._dumps: list[D.DumpBuilder | Region] = []  # in the order they started; a Region once read to its end
         self._dump_keys: dict[int, tuple] = {}  # index in _dumps -> (rank as its lines carry it, dump_key)
         self._counts = _Counts()
-        self._last_rank: int | None = rank_in_path(path)  # (unprefixed lines: the rank the file's path names)
+        self._home = rank_in_path(path)  # (unprefixed lines: the rank the file's path names)
+        self._last_rank: int | None = self._home
+        self._seen: set[int] = set()  # ranks the lines named, up to two (a log of several ranks' lines)
+        self._by_prefix = False  # a launcher's prefix named _last_rank (not a logger's tag, not the path)
         self._tail: tuple[int | None, str, bool] | None = None  # last line if it had no newline
         self._at_cut = False
         self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with
@@ -117,7 +120,10 @@ class LogParser:
             labelled = srun_label(text) if self._labelled else None
             if labelled is not None:
                 self._last_rank, text = labelled
-            segments, self._last_rank = _segments_of(text, self._last_rank)
+            segments, self._last_rank, self._by_prefix = _segments_of(text, self._last_rank, self._home,
+                                                                      len(self._seen) > 1, self._by_prefix)
+            if self._last_rank is not None and len(self._seen) < 2:
+                self._seen.add(self._last_rank)
             complete = True
             last = len(segments) - 1
             for i, (rank, body) in enumerate(segments):
