@@ -303,6 +303,13 @@ def test_gradients_that_differ_where_every_recompute_reproduced_are_the_backward
     assert "deterministic algorithms were True in the forward and False in the backward" in why.text
     assert why.text.endswith("the differing gradients are those of checkpointed region(s) convs.0, convs.1 and of 1 "
                              "parameter(s) outside any checkpointed region"), why.text
+    # `fix` tries deterministic algorithms for them, as the explanation's own fix says (25i: "no mechanical remedy
+    # applies to what was diagnosed")
+    from ac_diff.fix.candidates import candidates
+
+    result = explain([first], [], report, steps_requested=1)
+    found = candidates(SimpleNamespace(regions=[], reference=result))
+    assert [(c.kind, c.spec.cli_args()) for c in found] == [("deterministic", ["--deterministic"])], found
     report.regions[0].status = "unchecked"
     assert explain([first], [], report, steps_requested=1).explanations[0].kind == "unexplained"
 

@@ -6,8 +6,9 @@
                              Candidate("no AC in layers.1", RemedySpec(no_ac=["layers.1"]), ...)]
 
 Per diverged region's cause: rng -> preserve_rng_state (not where the region already ran with it);
-nondeterministic op / deterministic flag, or a first loss that differs from the run without AC through a
-nondeterministic kernel (the reference's explanation) -> deterministic algorithms; a flipped discrete decision ->
+nondeterministic op / deterministic flag, or gradients that differ from the run without AC through a
+nondeterministic kernel (the reference's explanation: a first loss that differs, or every region reproduced its
+forward and the backward's own kernels differ) -> deterministic algorithms; a flipped discrete decision ->
 save that op in its module (selective AC, non-reentrant regions only; in every layer: `layers.*.moe.router`);
 gradients that differ through a reentrant region's side output or inputs without grad -> use_reentrant=False; a
 buffer, tensor or Python attribute updated between forward and backward (every one the causes name, in one
@@ -191,11 +192,13 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
     for op, (where_, names) in _repeating(report.regions).items():  # its outputs saved, the recompute skips it
         add(save(op, where_, f"the recompute updates {', '.join(sorted(names)[:3])} a second time", frozenset(names)))
     ref = getattr(report, "reference", None)
-    kernel = next((e for e in getattr(ref, "explanations", None) or [] if e.kind == "nondeterministic_kernel"), None)
+    kernel = next((e for e in getattr(ref, "explanations", None) or []
+                   if e.kind in ("nondeterministic_kernel", "backward_kernels")), None)
     if kernel is not None:  # the gradients can be compared once both runs use deterministic kernels
         add(Candidate("deterministic algorithms", RemedySpec(deterministic=True),
-                      f"nondeterministic kernel in {kernel.module or kernel.region or '?'}"
-                      + (f" ({kernel.source})" if kernel.source else ""), "deterministic"))
+                      (f"nondeterministic kernel in {kernel.module or kernel.region or '?'}"
+                       + (f" ({kernel.source})" if kernel.source else "")) if kernel.kind == "nondeterministic_kernel"
+                      else "every region reproduced its forward, the backward's own kernels differ", "deterministic"))
     if ref is not None and ref.defect and any(e.kind in ("side_output", "no_grad_inputs") for e in ref.explanations):
         add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True),
                       "gradients differ through reentrant regions (" + ", ".join(
