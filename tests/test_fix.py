@@ -5,7 +5,8 @@ give the weights (saving topk does not help: its input already differed and feed
 script: SAC's cached tensor is mutated), router logits lost through reentrant checkpoint, and torchtitan's
 own op-level SAC policy composed with --must-save; a block drawing from its own torch.Generator (preserve_rng_state
 does not help, restoring the generator's forward state does); a batch norm whose recompute updates its running
-statistics again (saving its op does); and the distributed bias update under torchrun (2 ranks, gloo).
+statistics again (saving its op does); and the distributed bias update under torchrun (2 ranks, gloo); a clean run whose run without AC fails (padding
+zeroed in place on a block's output: AC hides torch's version-check error).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def fixes(tmp_path_factory):
         "two_causes": [str(STACKS / "two_causes.py")],
         "scaled_cache": [str(STACKS / "scaled_cache.py")],
         "batch_norm": [str(STACKS / "batch_norm_block.py")],
+        "hidden_error": [str(STACKS / "padding_zeroed_in_place.py")],
     }
     with ThreadPoolExecutor(2) as pool:
         done = dict(zip(jobs, pool.map(lambda kv: _fix(out / kv[0], *kv[1]), jobs.items())))
@@ -195,6 +197,20 @@ def test_where_only_turning_ac_off_works_fix_exits_1_and_gives_the_code_change(f
     assert fx["headline"].startswith("only turning AC off works") and not fx["keeps_ac"]
     assert fx["code_change"].startswith("Do not modify `blocks.0.temb_cache[3]` in place"), fx["code_change"]
     assert proc.returncode == 1, proc.stderr[-2000:]
+
+
+def test_a_clean_run_whose_run_without_ac_fails_says_no_gradients_were_compared(fixes):
+    """Padding zeroed in place on a block's output: without AC torch's version check fails the first backward, with AC
+    the run finishes (its gradients are those of the out-of-place model). `fix` said "nothing to fix: every region
+    reproduced its forward and the gradients match the run without AC", compared over none; the reference said "it
+    fails without AC too", where only the run without AC fails."""
+    proc, report = fixes["hidden_error"]
+    assert proc.returncode == 0 and report["verdict"] == "clean", proc.stderr[-2000:]
+    headline = report["fixes"]["headline"]
+    assert headline.startswith("nothing to fix: every region reproduced its forward (the gradients were not compared"), \
+        headline
+    assert re.search(r"where the run with AC finished [12]: checkpointing hides an error the run without it raises",
+                     headline), headline
 
 
 def test_turning_ac_off_is_no_fix_where_the_parameters_changed_in_place_before_the_backward():

@@ -271,6 +271,11 @@ def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_
     failed = explain([], [], _report(), steps_requested=1, exit_code=1)
     assert failed.verdict == FAILED
     assert "exited with 1 before its first backward finished (it fails without AC too" in failed.headline
+    # where the run with AC finished its backward passes, only the run without AC fails: AC hides its error (25i: it
+    # said "it fails without AC too", and `fix` "the gradients match the run without AC", compared over none)
+    hidden = explain([], [], _report(), steps_requested=1, exit_code=1, captured=3)
+    assert hidden.verdict == FAILED and "where the run with AC finished 3: checkpointing hides an error the run " \
+        "without it raises" in hidden.headline, hidden.headline
 
 
 def test_parameters_that_get_a_gradient_in_one_run_only_are_counted_both_ways():

@@ -219,8 +219,10 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
                                "records no region; `ac-diff run --compiled eager` shows what the eager program does)")
         else:
             result.headline = ("nothing to fix: every region reproduced its forward"
-                               + (" and the gradients match the run without AC" if ref is not None and not ref.defect
-                                  else ""))
+                               + (f" and the gradients match the run without AC over {ref.backwards} backward "
+                                  "pass(es)" if ref is not None and ref.verdict == IDENTICAL else
+                                  f" (the gradients were not compared: {ref.headline})" if ref is not None
+                                  and not ref.defect else ""))
         return result
     if keeps_ac:
         c, t = keeps_ac[0]

@@ -52,15 +52,18 @@ REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwar
 
 def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report: Any, *, steps_requested: int,
             mode: str = "no-ac", exit_code: int | None = None, command: str | None = None,
-            first_forward: RegionReport | None = None) -> ReferenceResult:
-    """`first_forward`: forwards.first_difference of the run and the reference (read where the first loss differs)."""
+            first_forward: RegionReport | None = None, captured: int = 0) -> ReferenceResult:
+    """`first_forward`: forwards.first_difference of the run and the reference (read where the first loss differs);
+    `captured`: the backward passes whose gradients the run with AC captured."""
     result = ReferenceResult(mode=mode, verdict=FAILED, headline="", steps_requested=steps_requested,
                              command=command, exit_code=exit_code)
     if not steps:
-        result.headline = ("no gradients to compare with the run without AC: " +
-                           (f"the run without AC exited with {exit_code} before its first backward finished (it "
-                            "fails without AC too: see its output)"
-                            if exit_code else "no backward pass ran (or no parameter was seen)"))
+        result.headline = ("no gradients to compare with the run without AC: " + (
+            (f"the run without AC exited with {exit_code} before its first backward finished, where the run with AC "
+             f"finished {captured}: checkpointing hides an error the run without it raises (its output is above)")
+            if exit_code and captured else
+            f"the run without AC exited with {exit_code} before its first backward finished (it fails without AC "
+            "too: see its output)" if exit_code else "no backward pass ran (or no parameter was seen)"))
         return result
     if steps[0].parameters and steps[0].no_grad == steps[0].parameters:
         result.steps = steps[:1]

@@ -120,7 +120,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         first = compare_first_forwards(output_dir, reference_dir, r) \
             if compared and compared[0].loss_identical is False else None  # why the runs differ from the start
         result = explain(compared, findings, rank_report, steps_requested=steps, exit_code=exit_code, command=command,
-                         first_forward=first)
+                         first_forward=first, captured=len(run["steps"]) if run else 0)
         turned_off = sum(row.get("calls") or 0 for row in load_side(reference_dir, r).get("applied", [])
                          if row.get("remedy") == "no_ac")
         if turned_off == 0 and rank_report.regions and result.verdict != FAILED:
