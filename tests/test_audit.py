@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils.checkpoint as cp
 
 from ac_diff.audit import Auditor, AuditSettings, audit_document, parse_noise, parse_scale
 from ac_diff.audit.extrapolate import ScaleError
@@ -675,3 +676,53 @@ def test_the_audited_tokens_are_a_count_of_tokens():
     regions = [SimpleNamespace(tokens=t) for t in (15, 16)]
     risk = extrapolate([], regions, parse_scale(None), "1ulp")
     assert risk["audited_tokens"] == 15, risk
+
+
+class _DelayedScaling(torch.nn.Module):
+    """fp8 delayed scaling, emulated: the scale comes from an amax history the forward rolls and then writes its
+    current amax into, through a view (`hist[0] = amax`): a buffer written whole, then through a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.register_buffer("amax_history", torch.zeros(4))
+
+    def forward(self, x):
+        amax = x.detach().abs().max()
+        scale = 448.0 / torch.where(self.amax_history.max() > 0, self.amax_history.max(), amax)
+        with torch.no_grad():
+            self.amax_history.copy_(torch.roll(self.amax_history, 1))
+            self.amax_history[0] = amax
+        q = (x * scale).to(torch.float8_e4m3fn).to(x.dtype) / scale
+        return torch.relu(self.fc(q))
+
+
+def test_an_audit_replay_puts_back_a_buffer_written_whole_and_then_through_a_view():
+    """26e: the audit's replays put back what they wrote in the order they first wrote it, the base before its view:
+    the view's copy (taken after the roll) overwrote the base's, and the training changed (another loss in step 2)."""
+    def train(audit: bool):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(_DelayedScaling() for _ in range(2))
+        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+        auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1)).start() if audit else None
+        losses = []
+        try:
+            for _ in range(3):
+                h = torch.randn(8, 16)
+                for block in blocks:
+                    h = cp.checkpoint(block, h, use_reentrant=False)
+                loss = h.square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            if auditor:
+                auditor.stop()
+        return losses, [b.amax_history.clone() for b in blocks], auditor
+
+    plain, plain_history, _ = train(False)
+    audited, history, auditor = train(True)
+    assert auditor.regions, "the audit replayed nothing"
+    assert audited == plain
+    assert all(torch.equal(a, b) for a, b in zip(history, plain_history))

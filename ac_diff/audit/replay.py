@@ -88,8 +88,10 @@ class _Guard:
         self.copies[id(t)] = (t, t.detach().clone())
 
     def restore(self) -> None:
+        """Last copied first: a view written after its base (`hist.copy_(hist.roll(1)); hist[0] = amax`) was copied
+        holding the base's first write, which the base's own, older copy then undoes."""
         with torch.no_grad():
-            for t, copy in self.copies.values():
+            for t, copy in reversed(self.copies.values()):
                 t.copy_(copy)
         self.copies.clear()
 
