@@ -726,3 +726,57 @@ def test_an_audit_replay_puts_back_a_buffer_written_whole_and_then_through_a_vie
     assert auditor.regions, "the audit replayed nothing"
     assert audited == plain
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
+
+
+class _CountingRouter(torch.nn.Module):
+    """Top-1 routing whose forward keeps the tokens per expert for a balancing update after the step
+    (`self.last_counts = counts`: another tensor bound each call, not written in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.experts = torch.nn.Linear(16, 4), torch.nn.Linear(16, 64)
+        self.register_buffer("bias", torch.zeros(4))
+        self.last_counts = None
+
+    def forward(self, x):
+        idx = (self.gate(x) + self.bias).argmax(-1)
+        out = self.experts(x).view(-1, 4, 16)
+        y = x + out[torch.arange(x.shape[0]), idx]
+        self.last_counts = torch.bincount(idx, minlength=4)  # (after the last op that saves: early stop skips it)
+        return y
+
+
+def test_an_audit_replay_binds_back_a_tensor_the_forward_kept_for_after_the_step():
+    """26d: the replays left their own `last_counts` (from perturbed scores) on the module; the recompute, stopped
+    early, never bound it again, so the balancing update after the step read the audit's counts and the training
+    changed (another loss in step 2)."""
+    def train(audit: bool):
+        torch.manual_seed(0)
+        routers = torch.nn.ModuleList(_CountingRouter() for _ in range(2))
+        opt = torch.optim.SGD(routers.parameters(), lr=0.1)
+        auditor = Auditor(AuditSettings(parse_noise("abs:0.05"), seeds=2)).start() if audit else None
+        losses = []
+        try:
+            for _ in range(3):
+                h = torch.randn(32, 16)
+                for router in routers:
+                    h = cp.checkpoint(router, h, use_reentrant=False)
+                loss = h.square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    for router in routers:
+                        counts = router.last_counts.float()
+                        router.bias += 0.05 * torch.sign(counts.mean() - counts)
+                losses.append(loss.item())
+        finally:
+            if auditor:
+                auditor.stop()
+        return losses, [r.bias.clone() for r in routers], auditor
+
+    plain, plain_bias, _ = train(False)
+    audited, bias, auditor = train(True)
+    assert any(sum(s.flips) for s in auditor.sites.values()), "no replay flipped a choice"  # (else nothing to leave)
+    assert audited == plain
+    assert all(torch.equal(a, b) for a, b in zip(bias, plain_bias))

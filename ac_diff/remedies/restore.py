@@ -76,6 +76,10 @@ class _Slot:
         self.put(value)
         return current
 
+    def put_back(self, snapshot: Any) -> None:
+        """Put the state `snapshot` holds back (a copy: the snapshot stays as it is)."""
+        self.swap(_copy(snapshot))
+
     def holds(self, snapshot: Any) -> bool:
         """Whether the state still equals `snapshot` (a container of tensors counts as changed)."""
         value = self.get()
@@ -91,6 +95,20 @@ class _Slot:
             return type(value) is type(snapshot) and bool(value == snapshot)
         except Exception:  # (tensors inside a container: not compared)
             return False
+
+
+class _BoundSlot(_Slot):
+    """A tensor a module holds (a buffer, `self.last_counts = counts`), kept by identity: a forward that binds another
+    tensor to it is undone by binding the original again (its in-place writes are undone elsewhere, op by op)."""
+
+    def snapshot(self) -> Any:
+        return self.get()
+
+    def holds(self, snapshot: Any) -> bool:
+        return self.get() is snapshot
+
+    def put_back(self, snapshot: Any) -> None:
+        self.put(snapshot)
 
 
 class _Absent:
@@ -148,15 +166,16 @@ def _global_generators(module: torch.nn.Module) -> Iterator[_GlobalSlot]:
 
 class KeptState:
     """The state of `root`'s modules that their code changes outside autograd's view, as it is now, put back by
-    `restore()`: Python attributes (scalars, containers, names), the counts their hooks keep in their closures, and
-    their private generators and those their forward reads as globals; not tensors (the audit's replays undo their
-    in-place writes op by op)."""
+    `restore()`: Python attributes (scalars, containers, names), the tensors they hold by identity (a forward that
+    keeps its counts for an update after the step, `self.last_counts = counts`; the audit's replays undo in-place
+    writes op by op), the counts their hooks keep in their closures, and their private generators and those their
+    forward reads as globals."""
 
     def __init__(self, root: Any) -> None:
         modules = list(root.modules()) if isinstance(root, torch.nn.Module) else []
         self.slots: list[_Slot] = [
-            *(_Slot(sub, attr) for sub in modules for attr, value in _state_of(sub)
-              if not isinstance(value, torch.Tensor)),
+            *((_BoundSlot if isinstance(value, torch.Tensor) else _Slot)(sub, attr) for sub in modules
+              for attr, value in _state_of(sub)),
             *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub)),
             *{(id(g.namespace), g.attr): g for sub in modules for g in _global_generators(sub)}.values()]
         self.saved = [slot.snapshot() for slot in self.slots]
@@ -164,7 +183,7 @@ class KeptState:
     def restore(self) -> None:
         for slot, value in zip(self.slots, self.saved):
             if not slot.holds(value):
-                slot.swap(_copy(value))
+                slot.put_back(value)
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
