@@ -278,6 +278,15 @@ def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_
         "without it raises" in hidden.headline, hidden.headline
 
 
+def test_a_comparison_of_no_parameter_is_no_identical_gradients():
+    """26d: a global nn.Parameter a checkpointed function reads, in no module the script calls: 0 parameters compared
+    were "gradients identical to the run without AC (0 parameter(s), 2 backward pass(es))"; nothing is compared."""
+    steps = [StepComparison(step=i, loss_identical=True, loss_rel_diff=None, parameters=0, identical=0)
+             for i in range(2)]
+    result = explain(steps, [], _report(), steps_requested=2)
+    assert result.verdict == FAILED and "no parameter of a module the script called was seen" in result.headline
+
+
 def test_parameters_that_get_a_gradient_in_one_run_only_are_counted_both_ways():
     """Stochastic depth drawn on the host: some blocks run only with AC, others only without. The headline counts
     both (it said "6 get no gradient with AC" and not that 6 others got one only with AC)."""

@@ -65,6 +65,13 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
             f"the run without AC exited with {exit_code} before its first backward finished (it fails without AC "
             "too: see its output)" if exit_code else "no backward pass ran (or no parameter was seen)"))
         return result
+    if not any(s.parameters for s in steps):  # (nothing compared is never "identical")
+        result.steps = steps[:1]
+        result.headline = ("no gradients to compare with the run without AC: no parameter of a module the script "
+                           "called was seen (parameters held outside any called nn.Module, a global nn.Parameter "
+                           "a checkpointed function reads, are not captured); compare the losses instead, or hold "
+                           "them in a module the script calls")
+        return result
     if steps[0].parameters and steps[0].no_grad == steps[0].parameters:
         result.steps = steps[:1]
         result.headline = ("no gradients to compare with the run without AC: every parameter's .grad was None after "
