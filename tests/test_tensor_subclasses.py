@@ -122,3 +122,37 @@ def test_a_traceable_wrapper_subclass_is_measured_through_its_data(tmp_path):
     ops = read_run(tmp_path / "t.jsonl").regions[0].forward.ops
     measured = {o.op for o in ops if o.fingerprint and all(fp is not None for fp in o.fingerprint)}
     assert {"aten.addmm.default", "aten.add.Tensor"} <= measured, [(o.op, o.fingerprint) for o in ops]
+
+
+class _JaggedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.dropout(nn.functional.gelu(self.fc1(x)), 0.2, training=True))
+
+
+def _jagged_step(preserve_rng_state: bool):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_JaggedBlock() for _ in range(2))
+    h = torch.nested.nested_tensor([torch.randn(n, 8) for n in (3, 5, 4)], layout=torch.jagged)
+    for block in blocks:
+        h = cp.checkpoint(block, h, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    torch.stack([t.mean(0) for t in h.unbind()]).square().sum().backward()
+    return [p.grad for p in blocks.parameters()]
+
+
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_a_jagged_nested_tensor_is_measured_through_its_packed_values(tmp_path, preserve_rng_state):
+    """26e: variable-length sequences as a jagged nested tensor, dropout in the checkpointed blocks without their RNG
+    state: the gradients differ from the run without AC, and every region read CLEAN, none of its values measured
+    (the wrapper holds no plain tensor of its ragged shape; its packed `_values` are the values)."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _jagged_step(preserve_rng_state)
+    report = ac_diff.diagnose_paths([path])
+    if preserve_rng_state:
+        assert report.verdict == "clean", report.headline
+        return
+    assert report.verdict == "diverged" and all(r.cause.kind == "rng" for r in report.regions), report.headline

@@ -109,7 +109,8 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor to reduce: a DTensor's local shard (reducing the DTensor itself would run a
     collective, and `.tolist()` refuses subclasses); an in-flight collective's result once it arrived
     (AsyncCollectiveTensor); for another wrapper subclass, the plain tensor of its shape it wraps (its
-    `__tensor_flatten__` attributes, else its own: a float8 tensor's data, a simulated-precision wrapper's `elem`);
+    `__tensor_flatten__` attributes, else its own: a float8 tensor's data, a simulated-precision wrapper's `elem`),
+    else the only one of its dtype (a jagged nested tensor's packed `_values`);
     a subclass that holds its own data (`_make_subclass`) as it is; else None (not measured)."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t
@@ -132,7 +133,14 @@ def _wrapped(t: torch.Tensor) -> torch.Tensor | None:
         inner = [getattr(t, name, None) for name in names]
     except Exception:  # noqa: BLE001 - a subclass's own protocol failing: not measured
         return None
-    return next((x for x in inner if type(x) is torch.Tensor and x.shape == t.shape), None)
+    plain = [x for x in inner if type(x) is torch.Tensor]
+    # the one of its shape; else (a jagged nested tensor's `_values`, packed rows of its ragged shape) the one of its
+    # dtype, where only one is
+    same = next((x for x in plain if x.shape == t.shape), None)
+    if same is not None:
+        return same
+    of_dtype = [x for x in plain if x.dtype == t.dtype]
+    return of_dtype[0] if len(of_dtype) == 1 else None
 
 
 # Float dtypes whose row sums keep float32 precision: one weighted pass gives both numbers of the pair.
