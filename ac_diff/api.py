@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
 import re
 import warnings
@@ -41,6 +43,10 @@ _NULLABLE_INTS = frozenset({"op_index", "position", "index", "rank", "region", "
                             "forward_ops", "recompute_ops", "forward_positions", "recompute_positions", "recomputes"})
 
 
+_NO_ERROR = ("no torch.utils.checkpoint error or debug dump in it (a rank that stopped before it raised, or one whose "
+             "recomputes raised nothing: that does not show they matched)")
+
+
 def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = False) -> list[Run]:
     """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run). Among several,
     a log with nothing to explain (a rank torchrun stopped before it raised) is left out with a note."""
@@ -61,18 +67,33 @@ def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = Fa
     if nothing and not runs:
         raise nothing[0]
     if nothing:
-        runs[0].notes.extend(f"{exc.name}: left out, no torch.utils.checkpoint error or debug dump in it (a rank that "
-                             "stopped before it raised, or one whose recomputes raised nothing: that does not show "
-                             "they matched)" for exc in nothing)
+        runs[0].notes.extend(f"{exc.name}: left out, {exc.why}" for exc in nothing)
     return runs
 
 
 class NothingToExplain(InputError):
-    """A file that is neither a trace nor a log with checkpoint error text or a debug dump."""
+    """A file that is neither a trace nor a log with checkpoint error text or a debug dump (or an empty one)."""
 
-    def __init__(self, name: str, message: str) -> None:
+    def __init__(self, name: str, message: str, why: str = _NO_ERROR) -> None:
         super().__init__(message)
-        self.name = name
+        self.name, self.why = name, why
+
+
+_LOG_SUFFIXES = (".log", ".txt", ".err", ".out", ".gz", ".zst", ".bz2", ".xz")
+_LOGS_SEARCHED = 512  # files below a directory looked at for logs, at most
+
+
+def _logs_below(directory: Path) -> list[Path]:
+    """The logs with checkpoint error text or a debug dump in the files below `directory` (a torchrun --log-dir
+    tree: <run>/attempt_0/<local rank>/stderr.log), in path order; empty files and other text are not logs."""
+    from .logs import looks_like_log
+
+    found = []
+    for f in itertools.islice((f for f in sorted(directory.rglob("*")) if f.suffix in _LOG_SUFFIXES), _LOGS_SEARCHED):
+        with contextlib.suppress(OSError):
+            if f.is_file() and f.stat().st_size and looks_like_log(f):
+                found.append(f)
+    return found
 
 
 def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
@@ -88,12 +109,17 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
                 raise InputError(f"{name}: no trace files in this directory itself, but in its subdirectories "
                                  f"{', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}: pass one of them "
                                  f"(`ac-diff report {os.path.join(name, inside[0])}`)")
-            raise InputError(f"{name}: no trace files (trace-rank*.jsonl) in this directory; run "
-                             f"`ac-diff run SCRIPT` first, or pass a log file")
+            logs = _logs_below(p)
+            if logs:  # (torchrun --log-dir: <dir>/<run>/attempt_0/<rank>/stderr.log)
+                from .logs import parse_log
+
+                return [parse_log(f, progress=progress, lazy=lazy) for f in logs]
+            raise InputError(f"{name}: no trace files (trace-rank*.jsonl) and no log with a torch.utils.checkpoint "
+                             "error in this directory; run `ac-diff run SCRIPT` first, or pass a log file")
         return _read_directory(files, name, lazy)
     if p.stat().st_size == 0:
-        raise InputError(f"{name}: {'nothing came in' if name == STDIN else 'the file is empty'}; pass a trace written "
-                         "by `ac-diff run` or a log torch printed")
+        raise NothingToExplain(name, f"{name}: {'nothing came in' if name == STDIN else 'the file is empty'}; pass a "
+                               "trace written by `ac-diff run` or a log torch printed", why="it is empty")
     if is_trace(p):
         return [read_run(p, lazy)]
     from .logs import looks_like_log, parse_log

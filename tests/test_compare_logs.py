@@ -617,6 +617,26 @@ def test_a_log_torchrun_wrote_per_rank_takes_its_rank_from_its_path(tmp_path):
     assert ac_diff.diagnose_paths([log]).torch_error.rank == 3
 
 
+def test_a_torchrun_log_directory_is_read_as_its_logs_and_an_empty_one_among_several_is_left_out(tmp_path):
+    """26c: `compare DIR` on a torchrun --log-dir tree said "no trace files"; its glob (`attempt_0/*/*.log`) was refused
+    whole for torchrun's empty stdout.log. The directory's logs are read (the rank from each path), an empty file
+    among several is left out with a note."""
+    attempt = tmp_path / "logs" / "none_x" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+        (attempt / str(rank) / "stdout.log").write_bytes(b"")
+    (attempt / "1" / "stderr.log").write_bytes(_real("Joluck_RWKV-PEFT_58.log").read_bytes())  # (no rank prefixes)
+    (attempt / "0" / "stderr.log").write_text("step 1 loss 0.5\n")  # (rank 0 raised nothing)
+    report = ac_diff.diagnose_paths([tmp_path / "logs"])
+    assert report.verdict == "diverged" and report.torch_error.rank == 1, report.headline
+    files = sorted(attempt.glob("*/*.log"))
+    report = ac_diff.diagnose_paths(files)
+    assert report.verdict == "diverged" and report.torch_error.rank == 1, report.headline
+    assert any(n.endswith("stdout.log: left out, it is empty") for n in report.notes), report.notes
+    r = run_cli("compare", str(tmp_path / "logs" / "none_x" / "attempt_0" / "0"))
+    assert r.returncode == 2 and "no log with a torch.utils.checkpoint error in this directory" in r.stderr, r.stderr
+
+
 def test_a_log_of_batch_norms_switched_to_eval_leads_with_the_batch_norm(tmp_path):
     """A conv block whose batch norms are switched to eval between the forward and the backward: torch's error lists
     pairs of f32[C] -> f32[0] (each norm's saved mean and inverse std). It led with ZeRO-3 / FSDP."""
