@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import deque
 
 import pytest
@@ -456,7 +457,6 @@ def test_tensors_python_hands_an_op_in_another_order_are_not_a_nondeterministic_
     """A stranger's channel-group shuffle: the recompute's cat reads the same chunks in another order, none of which
     differed. It read as "cat returned other values from identical inputs (a nondeterministic kernel)", fixed by
     deterministic algorithms; it is Python's choice: the host draw where there is one, else Python state."""
-    import random
 
     random.seed(0)
     torch.manual_seed(0)
@@ -526,3 +526,45 @@ def test_a_count_a_helpers_mutable_default_keeps_is_named(tmp_path):
     region = _diverged(report)[0]
     assert region.cause.tensor == f"{__name__}._scale_now.calls[0]", region.cause
     assert "counts twice" in region.cause.detail
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop drawn with Python's `random` inside the block (26a), or handed the draw (`skip`) from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, skip=None):
+        if skip is None:
+            skip = random.random() < 0.1
+        return x if skip else x + torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_host_draw_the_recompute_repeats_is_never_clean(tmp_path, inside):
+    """A LayerDrop drawn with `random.random()` inside checkpointed blocks: each recompute draws again (this time on
+    the same side of p), so Python's generator advances twice per step and a later step's draws differ from a run
+    without AC (torch raised a CheckpointError at step 5, the gradients differed from step 4). It read CLEAN with
+    `--check` exit 0 until a redraw flipped a branch; now at risk, the host draw named. Drawn outside and passed
+    in: clean."""
+
+    torch.manual_seed(0)
+    random.seed(0)
+    blocks = nn.ModuleList(_LayerDrop() for _ in range(3))
+
+    def step():
+        h = torch.randn(4, 8)
+        for block in blocks:
+            h = (cp.checkpoint(block, h, use_reentrant=False) if inside else
+                 cp.checkpoint(block, h, random.random() < 0.1, use_reentrant=False))
+        h.square().sum().backward()
+
+    report = _record(tmp_path, step)
+    if not inside:
+        assert report.verdict == "clean", report.headline
+        return
+    assert report.title == "GRADIENTS AT RISK", report.headline
+    for region in report.regions:
+        assert (region.cause.kind, region.cause.mechanism) == ("rng", "host_rng"), region.cause
+        assert region.suggestions[0].title.startswith("Draw the host random values outside the checkpointed region")

@@ -266,6 +266,9 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         kind = next((e.kind for e in fwd.externals if e.name == name), "external")
         _state_read_again(report, name, {"buffer": "the buffer", "param": "the parameter"}.get(kind, "the tensor"),
                           f"{op.op} at {where(op.module, op.source)} in each pass")
+    if not diverged and report.status == CLEAN and report.host_draws:
+        _drew_again(report, region, fwd.state.get("host_draw_sites") or rec.state.get("host_draw_sites") or [],
+                    torch_version)
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "
@@ -486,6 +489,30 @@ def _state_read_again(report: RegionReport, name: str, what: str, how: str) -> N
                          "scale from a history); the recompute runs that code again, so under AC it advances twice per "
                          "step and the forwards of later steps read other values than a run without AC",
                          [f"{name}: {how}"], mechanism=UPDATED_IN_FORWARD, names=[name])
+
+
+def _drew_again(report: RegionReport, region: Region, sites: list[str], torch_version: str | None) -> None:
+    """The region reproduced its forward, but its recompute drew from a host generator (Python's `random`, numpy's)
+    again, which preserve_rng_state does not restore: the draw happened to steer nothing this time (a LayerDrop's
+    `random.random() < p` on the same side), yet the generator advanced twice per step, so every later draw (the next
+    step's LayerDrop, the data order) differs from a run without AC. Never clean; the gradients of later steps settle
+    it (reference/explain.py), as for state a recompute updates a second time."""
+    drew = report.host_draws
+    names = " and ".join(f"`{n}`" for n in drew)
+    at = f" at {', '.join(sites[:2])}" if sites else ""
+    _unchecked(report, STATE_READ_AGAIN,
+               f"its recompute reproduced its forward, but drew from {names}{at} again, which preserve_rng_state does "
+               "not restore: the generator advances twice per step under AC, so later draws (the next step's, the "
+               "data order) differ from a run without AC; `ac-diff run --reference no-ac --reference-steps N` "
+               "compares the gradients (N: every backward the run makes)")
+    report.cause = Cause("rng", f"host random numbers ({', '.join(drew)})",
+                         f"the region draws from {names}{at}, which preserve_rng_state does not restore: the recompute "
+                         "drew again (this time steering nothing), so the generator advances twice per step and later "
+                         "draws differ from a run without AC",
+                         [f"{', '.join(drew)}: drawn in the forward and again in the recompute",
+                          *(f"drawn at {site}" for site in sites)],
+                         mechanism="host_rng", source=sites[0] if sites else None)
+    report.suggestions = suggestions_for(report, region, torch_version)
 
 
 def _unchecked(report: RegionReport, reason: str, note: str) -> None:
