@@ -678,6 +678,31 @@ def test_the_audited_tokens_are_a_count_of_tokens():
     assert risk["audited_tokens"] == 15, risk
 
 
+def _train_blocks(make, rows: int, noise: str | None, after_step=lambda blocks: None):
+    """Three steps of two checkpointed blocks `make()` builds, under an audit with `noise` (None: none): the losses,
+    the blocks' buffers after them, and the auditor."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(make() for _ in range(2))
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    auditor = Auditor(AuditSettings(parse_noise(noise), seeds=2)).start() if noise else None
+    losses = []
+    try:
+        for _ in range(3):
+            h = torch.randn(rows, 16)
+            for block in blocks:
+                h = cp.checkpoint(block, h, use_reentrant=False)
+            loss = h.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            after_step(blocks)
+            losses.append(loss.item())
+    finally:
+        if auditor:
+            auditor.stop()
+    return losses, [b.clone() for b in blocks.buffers()], auditor
+
+
 class _DelayedScaling(torch.nn.Module):
     """fp8 delayed scaling, emulated: the scale comes from an amax history the forward rolls and then writes its
     current amax into, through a view (`hist[0] = amax`): a buffer written whole, then through a view of it."""
@@ -700,29 +725,8 @@ class _DelayedScaling(torch.nn.Module):
 def test_an_audit_replay_puts_back_a_buffer_written_whole_and_then_through_a_view():
     """26e: the audit's replays put back what they wrote in the order they first wrote it, the base before its view:
     the view's copy (taken after the roll) overwrote the base's, and the training changed (another loss in step 2)."""
-    def train(audit: bool):
-        torch.manual_seed(0)
-        blocks = torch.nn.ModuleList(_DelayedScaling() for _ in range(2))
-        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
-        auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1)).start() if audit else None
-        losses = []
-        try:
-            for _ in range(3):
-                h = torch.randn(8, 16)
-                for block in blocks:
-                    h = cp.checkpoint(block, h, use_reentrant=False)
-                loss = h.square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        finally:
-            if auditor:
-                auditor.stop()
-        return losses, [b.amax_history.clone() for b in blocks], auditor
-
-    plain, plain_history, _ = train(False)
-    audited, history, auditor = train(True)
+    plain, plain_history, _ = _train_blocks(_DelayedScaling, 8, None)
+    audited, history, auditor = _train_blocks(_DelayedScaling, 8, "1ulp")
     assert auditor.regions, "the audit replayed nothing"
     assert audited == plain
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
@@ -746,37 +750,19 @@ class _CountingRouter(torch.nn.Module):
         return y
 
 
+def _balance(routers) -> None:
+    with torch.no_grad():
+        for router in routers:
+            counts = router.last_counts.float()
+            router.bias += 0.05 * torch.sign(counts.mean() - counts)
+
+
 def test_an_audit_replay_binds_back_a_tensor_the_forward_kept_for_after_the_step():
     """26d: the replays left their own `last_counts` (from perturbed scores) on the module; the recompute, stopped
     early, never bound it again, so the balancing update after the step read the audit's counts and the training
     changed (another loss in step 2)."""
-    def train(audit: bool):
-        torch.manual_seed(0)
-        routers = torch.nn.ModuleList(_CountingRouter() for _ in range(2))
-        opt = torch.optim.SGD(routers.parameters(), lr=0.1)
-        auditor = Auditor(AuditSettings(parse_noise("abs:0.05"), seeds=2)).start() if audit else None
-        losses = []
-        try:
-            for _ in range(3):
-                h = torch.randn(32, 16)
-                for router in routers:
-                    h = cp.checkpoint(router, h, use_reentrant=False)
-                loss = h.square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                with torch.no_grad():
-                    for router in routers:
-                        counts = router.last_counts.float()
-                        router.bias += 0.05 * torch.sign(counts.mean() - counts)
-                losses.append(loss.item())
-        finally:
-            if auditor:
-                auditor.stop()
-        return losses, [r.bias.clone() for r in routers], auditor
-
-    plain, plain_bias, _ = train(False)
-    audited, bias, auditor = train(True)
+    plain, plain_bias, _ = _train_blocks(_CountingRouter, 32, None, _balance)
+    audited, bias, auditor = _train_blocks(_CountingRouter, 32, "abs:0.05", _balance)
     assert any(sum(s.flips) for s in auditor.sites.values()), "no replay flipped a choice"  # (else nothing to leave)
     assert audited == plain
     assert all(torch.equal(a, b) for a, b in zip(bias, plain_bias))
