@@ -12,8 +12,9 @@ A container attribute (list, tuple, dict, deque) is summarized by its length and
 items (a Transformer-XL memory that grows by one tensor per call: 1 -> 2 entries), never by its values. A
 global is one a function's code loads by name (`co_names` read by LOAD_GLOBAL) whose value is a plain scalar:
 the flag a branch reads (`if LOW_PRECISION:`), in the function itself, the code nested in it, and the user's
-functions and methods it calls by name (`self.helper()`, a child's `self.router.logits(x)`). Which globals a function reads is worked out once per
-function; the values are read per call of `values()` (the recorder: once per function and pass).
+functions and methods it calls by name (`self.helper()`, a child's `self.router.logits(x)`). Which globals a
+function reads is worked out once per function; the values are read per call of `values()` (the recorder: once
+per function and pass).
 """
 
 from __future__ import annotations
