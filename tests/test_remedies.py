@@ -759,3 +759,44 @@ def test_restore_gives_the_recompute_an_attribute_unset_as_its_forward_found_it(
     restored, block = segments(True)
     assert same(restored, reference) and block.memory.shape == (2, 8)  # (the last forward's memory stands)
     assert not any(r["what"].startswith("matched nothing") for r in patch.summary()), patch.summary()
+
+
+class CarriedState(nn.Module):
+    """A state-space block carrying its state to the next chunk as `self.h = h[:, -1].detach()`: the last time step of
+    a (batch, time, dim) tensor, strided with gaps (26a's Mamba)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.h = None
+
+    def forward(self, x):
+        h0 = self.h if self.h is not None else x.new_zeros(x.shape[0], x.shape[-1])
+        h = torch.tanh(self.fc(x).cumsum(1) * (1 + h0[:, None]) + h0[:, None] * x)  # (mul saves the view of h0)
+        self.h = h[:, -1].detach()
+        return h
+
+
+def test_a_restored_state_keeps_its_layout_so_the_recompute_saves_it_alike(patched, tmp_path):
+    """26a: `--restore-in-recompute 'blocks.*.h'` made the gradients bit-identical to the run without AC, and the
+    report said "SILENTLY DIVERGED: unknown" at the saved view of h0: the restored copy was contiguous, so the
+    recompute's `h0[:, None]` read the same values with other strides than the forward's. `fix` then rejected the
+    right remedy. The copy keeps the forward's layout: clean."""
+    def train(net):
+        torch.manual_seed(1)
+        out = []
+        for _ in range(2):
+            net(torch.randn(4, 5, 16)).pow(2).sum().backward()
+            out += [p.grad.clone() for p in net.parameters()]
+            net.zero_grad()
+        return out
+
+    reference = train(Stack(CarriedState, checkpointed=False))
+    assert not all(torch.equal(a, b) for a, b in zip(train(Stack(CarriedState)), reference))  # (the mechanism)
+    patched(RemedySpec(restore=["layers.*.h"]))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        restored = train(Stack(CarriedState))
+    assert all(torch.equal(a, b) for a, b in zip(restored, reference))
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline

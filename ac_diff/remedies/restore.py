@@ -243,10 +243,19 @@ def _state_of(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
 
 
 def _copy(value: Any) -> Any:
-    """A copy the forward's later updates do not reach: a tensor's values, a container's entries (shallow)."""
+    """A copy the forward's later updates do not reach: a tensor's values laid out as they are (a recurrent state
+    kept as `h[:, -1]`, strided with gaps: the recompute's views of a contiguous copy would read its values with
+    other strides than the forward's), a container's entries (shallow)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        copied = value.detach().clone()
+        if copied.stride() != value.stride() and value.layout == torch.strided \
+                and type(value) in (torch.Tensor, torch.nn.Parameter):
+            copied = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+            with torch.no_grad():
+                copied.copy_(value)
+        return copied
     return copy.copy(value) if isinstance(value, CONTAINER_TYPES) else value
+
 
 
 class _Restoring:
