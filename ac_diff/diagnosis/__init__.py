@@ -31,7 +31,7 @@ from ..logs.errors import version_check
 from .groups import group_regions
 from .labels import module_label
 from .ranks import cross_rank_findings, failed_at, killed_first, rank_summaries
-from .region import Settings, diagnose_region
+from .region import NO_GRAD_PASS, Settings, diagnose_region
 from .watched import never_recomputed, watch_summary, watched_clean
 
 __all__ = ["diagnose", "Settings", "Tolerance"]
@@ -653,7 +653,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"gradients at risk: {len(unreached)} reentrant region(s) got no input that requires grad, so no "
                     "backward reaches them (torch only warns: None of the inputs have requires_grad=True): a parameter "
                     "they use that requires grad gets no gradient from them; `ac-diff run` on the script names the "
-                    "region and counts those parameters" + _others_clean(unreached, checked, runs))
+                    "region and counts those parameters" + (f" ({NO_GRAD_PASS})" if all(
+                        r.source == "log" for r in unreached) else "") + _others_clean(unreached, checked, runs))
         unvalued = sum(1 for r in regions if r.unchecked_reason == VALUES_NOT_RECORDED)
         if unvalued:
             return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "

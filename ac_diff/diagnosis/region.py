@@ -393,6 +393,11 @@ def _side_outputs(report: RegionReport, region: Region, torch_version: str | Non
     report.suggestions = suggestions_for(report, region, torch_version)
 
 
+# torch's warning read from a log alone: it is printed for a checkpointed call under no_grad as well
+NO_GRAD_PASS = ("torch prints the same warning for a checkpointed call under torch.no_grad() (a validation or "
+                "inference pass), where no gradient is wanted: if it came from such a pass, nothing is at risk")
+
+
 def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_version: str | None) -> RegionReport:
     """A reentrant region called with grad enabled and no input that requires grad (`no_grad_inputs`: how many of its
     module's parameters require grad, -1 not a module): its output requires no grad, so no backward reaches it."""
@@ -409,7 +414,7 @@ def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_
     if trainable < 0:
         _unchecked(report, NO_GRAD_INPUTS,
                    f"{why}; a parameter it uses that requires grad gets no gradient from it (torch only warns: None of "
-                   "the inputs have requires_grad=True" + ("; which parameters it uses is not in a log)"
+                   "the inputs have requires_grad=True" + (f"; which parameters it uses is not in a log); {NO_GRAD_PASS}"
                                                            if region.kind == "log" else ")"))
         report.suggestions = suggestions_for(report, region, torch_version)
         return report
