@@ -340,6 +340,17 @@ def test_report_accepts_check_and_report(trace, tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "clean"
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device every write to fails with ENOSPC")
+def test_a_report_file_that_cannot_be_written_loses_nothing_the_terminal_shows(trace, capsys):
+    """26d: `--json` on a full disk printed no report at all, and its line named `-o`: the terminal report comes first,
+    then one line naming the option and the file."""
+    assert main(["report", str(trace), "--json", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert "CLEAN" in captured.out, captured.out
+    line = _one_error_line(captured.err)
+    assert line.startswith("ac-diff: error: --json /dev/full: No space left on device") and "(--json)" in line, line
+
+
 # -- 11. the smaller ones ---------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_the_next_command_is_shell_quoted(tmp_path, tiny):

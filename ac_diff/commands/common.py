@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from ..render import RENDERERS, render
 from ..report import CLEAN, DAMAGED, DIVERGED, UNCHECKED, Report
+from ..streams import describe_os_error
 
 from ..errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_UNCHECKED  # noqa: F401 (the commands import them from here)
 
@@ -66,18 +68,33 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
     printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
     if output and fmt == "terminal":
         fmt = format_of(output)
-    if json_path:
-        render(report, "json", path=json_path)
-    if output:
-        render(report, fmt, path=output)
-    if output or fmt == "terminal":
+    if output or fmt == "terminal":  # (first: a file that cannot be written loses nothing the terminal shows)
         render(report, "terminal", console=console())
     else:
         render(report, fmt, path=None)
-    if json_path and json_path != "-":
+    unwritten = [f for f in (_written(report, "json", json_path, "--json"), _written(report, fmt, output, "--report"))
+                 if f]
+    if json_path and json_path != "-" and not any(f.startswith("--json") for f in unwritten):
         print(f"ac-diff: JSON report written to {json_path}", file=sys.stderr)
-    if output:
+    if output and not any(f.startswith("--report") for f in unwritten):
         print(f"ac-diff: {fmt} report written to {output}", file=sys.stderr)
+    if unwritten:
+        return fail("; ".join(unwritten))
     if report.verdict == DAMAGED:  # neither clean nor diverged: the input is (partly) unreadable
         fail(report.headline)
     return verdict_code(report)
+
+
+def _written(report: Report, fmt: str, path: str | None, option: str) -> str | None:
+    """Write the report to `path` in `fmt`; None once written (or with no path), else what went wrong, one line
+    naming the option and the file (a partial file is removed)."""
+    if not path:
+        return None
+    try:
+        render(report, fmt, path=path)
+        return None
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            if path != "-" and os.path.isfile(path):
+                os.remove(path)
+        return f"{option} {path}: {describe_os_error(exc).replace('(-o)', f'({option})')}"
