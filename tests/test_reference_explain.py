@@ -427,3 +427,29 @@ def test_the_reentrant_note_stops_asking_for_the_comparison_once_it_ran(tmp_path
     attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", 1, steps=_steps(True)[:1]))
     assert REENTRANT_BACKWARD not in report.notes
     assert any(n.endswith("the comparison with the run without AC below says whether they do") for n in report.notes)
+
+
+def test_a_rank_whose_sharded_gradients_receive_another_ranks_error_keeps_its_regions():
+    """26f: FSDP2 warmup blocks counting tokens twice; only rank 0's ramp still moves, so only rank 0 diverged. The
+    reduce-scatter brings its error into rank 1's shard, whose figures differ from rank 0's (another shard): rank 1's
+    clean regions of the same module were marked diverged, against its own ranks table. Another rank that diverged by
+    then speaks for the difference, whatever the figures."""
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import ParamDiff, ReferenceResult
+
+    def region(rank, n, status, reason=None):
+        return SimpleNamespace(rank=rank, region=n, module="blocks.0", status=status, silent=status == "diverged",
+                               unchecked_reason=reason, backward=1, step=1, notes=[], suggestions=[],
+                               cause=SimpleNamespace(kind="state_mutation", tensor="blocks.0.tokens_seen"),
+                               first_discrete_divergence=None)
+
+    regions = [region(0, 0, "diverged"), region(1, 0, "unchecked", "reproduced; state it reads is updated twice"),
+               region(1, 1, "clean")]
+    report = SimpleNamespace(regions=regions, notes=[], verdict="diverged", headline="h", torch_errors=[],
+                             watch=None, crashed=False)
+    steps = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=2, identical=0, rank=rank,
+                            differing=[ParamDiff("blocks.0.w", "differs", rel, region="blocks.0")])
+             for rank, rel in ((0, 0.25), (1, 0.03))]  # (each rank its own shard: other figures)
+    attach(report, ReferenceResult("no-ac", DIFFERS, "gradients differ", 1, steps=steps))
+    assert [r.status for r in regions] == ["diverged", "unchecked", "clean"], [r.status for r in regions]
+    assert any("reduced across ranks" in n for n in regions[1].notes), regions[1].notes

@@ -409,27 +409,22 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
 
 def _own_differences(report: Any, result: ReferenceResult) -> dict[int, int]:
     """rank -> the first backward (from 1) whose gradients differ from the run without AC on that rank for a reason
-    of its own: not where they are another rank's figures exactly (reduced across ranks: DDP's all-reduce) and that
-    rank has a region that diverged by then."""
+    of its own: not where another rank has a region that diverged by then, whose error the reduction across ranks
+    brings in (DDP's all-reduce hands every rank the same figures; FSDP's reduce-scatter each rank its shard of them,
+    so the figures differ and say nothing either way)."""
     diverged: dict[int, int] = {}
     for r in report.regions:
         if r.status == DIVERGED:
             backward = recomputed_in(r) or 1
             diverged[r.rank] = min(diverged.get(r.rank, backward), backward)
-    figures = {(s.rank, s.step): _figures(s) for s in result.steps}
     own: dict[int, int] = {}
     for s in sorted(result.steps, key=lambda s: s.step):
         if not s.differing or s.rank in own:
             continue
-        carried = any(rank != s.rank and first <= s.step + 1 and figures.get((rank, s.step)) == figures[s.rank, s.step]
-                      for rank, first in diverged.items())
+        carried = any(rank != s.rank and first <= s.step + 1 for rank, first in diverged.items())
         if not carried:
             own[s.rank] = s.step + 1
     return own
-
-
-def _figures(step: StepComparison) -> tuple:
-    return tuple(sorted((d.name, d.status, d.rel_diff) for d in step.differing))
 
 
 def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
