@@ -858,3 +858,32 @@ def test_a_loggers_copy_of_an_error_is_the_rank_its_record_names(tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     shapes = {e["rank"]: e["changes"][0]["saved"] for e in report["torch_errors"]}
     assert len(report["torch_errors"]) == 2 and shapes == {0: "f32[27, 32]", 1: "f32[30, 32]"}, report["torch_errors"]
+
+
+def test_a_reentrant_recompute_of_another_shape_is_named_from_its_traceback():
+    """26c: a use_reentrant=True region whose recompute kept fewer tokens (a keep count changed before the backward)
+    fails in checkpoint's backward with autograd's "Mismatch in shape: grad_output[0] ... and output[0] ...": the log
+    read only "found no CheckpointError text". The traceback through checkpoint.py's backward names it."""
+    import torch.nn as nn
+    import torch.utils.checkpoint as cp
+
+    class Keep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.keep = nn.Linear(8, 8), 6
+
+        def forward(self, x):
+            return self.fc(x)[: self.keep]
+
+    block = Keep()
+    out = cp.checkpoint(block, torch.randn(8, 8, requires_grad=True), use_reentrant=True)
+    block.keep = 4  # (a schedule's step, before the backward)
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        text = traceback.format_exc()
+    assert "Mismatch in shape" in text and "checkpoint.py" in text, text
+    report = ac_diff.diagnose([parse_text("step 0 loss 1.0\n" + text)])
+    assert any(n.startswith("the backward of a use_reentrant=True checkpoint got a gradient of shape [6, 8] (its "
+                            "forward's output) for its recompute's output of shape [4, 8]") for n in report.notes), \
+        report.notes

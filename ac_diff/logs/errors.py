@@ -99,6 +99,20 @@ def wrong_gradient_shape(message: str | None) -> tuple[str, str, str] | None:
     return (hit.group(1), hit.group(2), hit.group(3)) if hit else None
 
 
+# autograd's check of a gradient handed to backward (torch/autograd/__init__.py _make_grads): "Mismatch in shape:
+# grad_output[0] has a shape of torch.Size([21, 32]) and output[0] has a shape of torch.Size([16, 32])."; raised in
+# reentrant checkpoint's backward, the forward output's gradient against the recompute's output
+_OUTPUT_SHAPE_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[\d+\] has a shape of torch\.Size\((\[[\d, ]*\])\) "
+                                    r"and output\[\d+\] has a shape of torch\.Size\((\[[\d, ]*\])\)")
+
+
+def reentrant_output_shapes(message: str | None) -> tuple[str, str] | None:
+    """(the gradient's shape, the output's) where `message` is autograd's shape check of a gradient handed to
+    backward, else None."""
+    hit = _OUTPUT_SHAPE_MISMATCH.search(message or "")
+    return (hit.group(1), hit.group(2)) if hit else None
+
+
 _REFUSED_OP = re.compile(r"([A-Za-z_][\w.]*)(?: invocation index \d+)? encountered during backward,? but not found in storage")
 
 

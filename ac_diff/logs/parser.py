@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import (COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line,
-                                 wrong_gradient_shape)
+                                 reentrant_output_shapes, wrong_gradient_shape)
 from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments, srun_label
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
@@ -43,6 +43,8 @@ _CHAINED = ("The above exception was the direct cause", "During handling of the 
 # recompute, its selective-AC dispatch mode: eager code)
 _COMPILED_FRAMES = re.compile(r"torch[/\\]_(?:functorch[/\\]_aot_autograd|dynamo[/\\](?!eval_frame\.py)|inductor)[/\\]?"
                               r"|compiled_function_backward")
+# the frame of reentrant checkpoint's backward (CheckpointFunction.backward), where it runs the recompute's backward
+_REENTRANT_BACKWARD_FRAME = re.compile(r"torch[/\\]utils[/\\]checkpoint\.py\", line \d+, in backward$")
 # torch's UserWarning where checkpoint(use_reentrant=True) got no input that requires grad (printed once per process)
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"
 _NO_GRAD_WARNING = re.compile(r"\.py:\d+: UserWarning: " + re.escape(_NO_GRAD_INPUTS))  # (as warnings prints it)
@@ -106,6 +108,7 @@ class LogParser:
         self._at_cut = False
         self._raised: tuple[int | None, str] | None = None  # the last exception a traceback in the log ended with
         self._raised_by: dict[int, str] = {}  # rank -> the first exception a traceback of its ended with
+        self._reentrant_backward = False  # a traceback ran through reentrant checkpoint's backward
         self._line = ""  # the physical line being read
         self._labelled: bool | None = None  # every line starts with srun --label's `N: ` (its first line says)
 
@@ -175,6 +178,9 @@ class LogParser:
             return True
         if st.traceback_open and c == "F" and _COMPILED_FRAMES.search(body):
             st.compiled_frames = True
+            return True
+        if st.traceback_open and c == "F" and _REENTRANT_BACKWARD_FRAME.search(body):
+            self._reentrant_backward = True
             return True
         if c in "TD" and body.startswith(_CHAINED):
             self._close_error(st)
@@ -432,6 +438,12 @@ class LogParser:
             notes.append("found no CheckpointError text and no debug=True dump" + ("" if raised is None else (
                 f"; it ends with {'rank ' + str(raised[0]) + ' raising ' if raised[0] is not None else ''}"
                 f"{raised[1][:160]}" + ("..." if len(raised[1]) > 160 else ""))))
+            mismatch = reentrant_output_shapes(raised[1] if raised is not None else None)
+            if mismatch is not None and self._reentrant_backward:
+                notes.append(f"the backward of a use_reentrant=True checkpoint got a gradient of shape {mismatch[0]} "
+                             f"(its forward's output) for its recompute's output of shape {mismatch[1]}: the "
+                             "recompute computed other shapes than the forward (reentrant checkpoint compares nothing "
+                             "else); `ac-diff run` on the script names the op and the cause")
             shapes = wrong_gradient_shape(raised[1] if raised is not None else None)
             if shapes is not None:
                 notes.append(f"{shapes[0]} returned a gradient of shape {shapes[1]} for an input of shape {shapes[2]}: "
