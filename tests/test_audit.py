@@ -766,3 +766,32 @@ def test_an_audit_replay_binds_back_a_tensor_the_forward_kept_for_after_the_step
     assert any(sum(s.flips) for s in auditor.sites.values()), "no replay flipped a choice"  # (else nothing to leave)
     assert audited == plain
     assert all(torch.equal(a, b) for a, b in zip(bias, plain_bias))
+
+
+class _Bf16BiasedRouter(torch.nn.Module):
+    """A router kept in bf16 whose scores get a balancing bias added (a bf16 add, computed exactly and rounded once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 8, bias=False)
+        self.register_buffer("bias", torch.zeros(8))
+
+    def forward(self, x):
+        idx = (torch.sigmoid(self.gate(x)) + self.bias).topk(2, dim=-1).indices
+        return x * idx.sum(-1, keepdim=True).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rounding_noise_that_moves_no_score_is_said(dtype):
+    """26e: on a model kept in bf16 the ulp noise went into a bf16 add, where a float32 ulp does not survive the
+    rounding: no score moved (score_noise_rms 0.0), and the audit said "CheckpointError unlikely" with no word of it."""
+    torch.manual_seed(0)
+    router = _Bf16BiasedRouter().to(dtype)
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2)).start()
+    try:
+        x = torch.randn(64, 16, dtype=dtype, requires_grad=True)
+        cp.checkpoint(router, x, use_reentrant=False).float().sum().backward()
+    finally:
+        auditor.stop()
+    said = [n for n in auditor.all_notes() if n.startswith("the noise moved no score at 1 site(s)")]
+    assert bool(said) == (dtype == torch.bfloat16), auditor.all_notes()

@@ -165,12 +165,20 @@ class Auditor:
         self.modules.uninstall()
 
     def all_notes(self) -> list[str]:
+        notes = list(self.notes)
+        still = [s for s in self.sites.values() if s.kind and s.score_noise and not any(s.score_noise)]
+        if still and self.settings.noise.rounding:  # (rounding noise into an op a recompute rounds alike)
+            where = ", ".join(sorted({f"{s.label[0]} {s.label[1].split('.')[1]} (into {s.target})" for s in still})[:4])
+            notes.append(f"the noise moved no score at {len(still)} site(s): {where}: a rounding error of where the "
+                         "scores were computed does not survive their rounding to their own dtype there, so those "
+                         "decisions flip only where the recompute's inputs differ; `--noise rel:X` moves the scores by "
+                         "a drift you name")
         together = [r.index for r in self.regions if r.collectives]
         if not together:
-            return list(self.notes)
+            return notes
         listed = ", ".join(map(str, together[:8])) + (", ..." if len(together) > 8 else "")
-        return [*self.notes, f"regions {listed} run collectives: every rank replays them alike (clean and --seeds "
-                             "noisy replays), without the probes and the save-list check, whose count depends on the data"]
+        return [*notes, f"regions {listed} run collectives: every rank replays them alike (clean and --seeds "
+                        "noisy replays), without the probes and the save-list check, whose count depends on the data"]
 
     # -- the listener interface of torch_hooks.CheckpointHooks --------------------------------
     def enter(self, frame: Any, phase: str) -> None:
