@@ -568,3 +568,29 @@ def test_a_host_draw_the_recompute_repeats_is_never_clean(tmp_path, inside):
     for region in report.regions:
         assert (region.cause.kind, region.cause.mechanism) == ("rng", "host_rng"), region.cause
         assert region.suggestions[0].title.startswith("Draw the host random values outside the checkpointed region")
+
+
+HOOK_STATE = {"batches": 0}  # a global dict of the script's own, which a forward pre-hook counts in
+
+
+def _annealing_pre_hook(module, inputs):
+    HOOK_STATE["batches"] += 1
+    return (inputs[0] / max(1.0, 2.0 - HOOK_STATE["batches"] / 4),)
+
+
+def test_a_pre_hook_counting_in_a_global_dict_is_named_as_counted_twice(tmp_path):
+    """26b: a router's pre-hook anneals a temperature from a count it keeps in a global dict; the recompute runs the
+    hook again and counts twice. The cause read "a Python value passed to aten.div.Tensor changed between the forward
+    and the recompute ... updated before the backward", the fix "change it after loss.backward()". The globals a
+    module's hooks read are recorded as its forward's are: the dict's count, counted twice."""
+    HOOK_STATE["batches"] = 0
+    torch.manual_seed(0)
+    net = Layers(InForward)
+    for layer in net.layers:
+        layer.fc.register_forward_pre_hook(_annealing_pre_hook)
+    report = _record(tmp_path, lambda: net(torch.randn(4, 8)).pow(2).sum().backward())
+    regions = _diverged(report)
+    assert regions, report.headline
+    flag = f"{__name__}.HOOK_STATE['batches']"
+    assert all(r.cause.tensor == flag and "counts twice" in r.cause.detail for r in regions), \
+        [r.cause for r in regions]

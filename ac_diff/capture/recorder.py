@@ -849,6 +849,11 @@ class Recorder:
         if seen not in p.codes_seen:
             p.codes_seen.add(seen)
             self._note_globals(p, *seen)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):  # (a pre-hook counting in a global dict)
+            for hook in hooks.values() if hooks else ():
+                if (hook, None) not in p.codes_seen:
+                    p.codes_seen.add((hook, None))
+                    self._note_globals(p, hook)
         attrs = module_attributes(module)
         prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
         for key, value in attrs.items():
