@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint as cp
@@ -795,3 +796,87 @@ def test_rounding_noise_that_moves_no_score_is_said(dtype):
         auditor.stop()
     said = [n for n in auditor.all_notes() if n.startswith("the noise moved no score at 1 site(s)")]
     assert bool(said) == (dtype == torch.bfloat16), auditor.all_notes()
+
+
+class _CollectingMoE(torch.nn.Module):
+    """A soft MoE appending its router logits to a list its parent holds and clears each forward, for the
+    load-balancing loss (Hugging Face's pattern)."""
+
+    def __init__(self, sink: list) -> None:
+        super().__init__()
+        self.gate, self.expert, self.sink = torch.nn.Linear(16, 4), torch.nn.Linear(16, 16), sink
+
+    def forward(self, x):
+        logits = self.gate(x)
+        self.sink.append(logits)
+        return x + logits.softmax(-1)[:, :1] * self.expert(x)
+
+
+def test_an_audit_replay_puts_a_collected_list_back_in_place():
+    """26g: the replays appended their logits to the list; putting it back bound a copy to the router and left the
+    parent's list (the same object, which the aux loss reads) holding the replays' entries: the loss changed, then
+    `torch.stack` of an emptied list crashed the script."""
+    def train(audit: bool):
+        torch.manual_seed(0)
+        collected: list = []
+        layers = torch.nn.ModuleList(_CollectingMoE(collected) for _ in range(2))
+        opt = torch.optim.SGD(layers.parameters(), lr=0.1)
+        auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=2)).start() if audit else None
+        out = []
+        try:
+            for _ in range(3):
+                collected.clear()
+                h = torch.randn(8, 16)
+                for layer in layers:
+                    h = cp.checkpoint(layer, h, use_reentrant=False)
+                aux = torch.stack([(x.softmax(-1).mean(0) ** 2).sum() for x in collected]).mean()
+                loss = h.square().mean() + 0.1 * aux
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append((loss.item(), len(collected)))
+        finally:
+            if auditor:
+                auditor.stop()
+        return out, auditor
+
+    plain, _ = train(False)
+    audited, auditor = train(True)
+    assert auditor.regions, "the audit replayed nothing"
+    assert audited == plain
+
+
+_CALLS = 0  # a module-level count the block keeps
+_SEEN: dict = {}  # a module-level cache it fills
+
+
+class _GlobalStateBlock(torch.nn.Module):
+    """A block counting its calls in a module-level global, caching in a module-level dict and drawing from numpy's
+    global generator: state the audit's replays advanced and left advanced (26g)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1
+        _SEEN[_CALLS] = x.shape[0]
+        scale = 1.0 + 0.01 * (_CALLS % 3) + 0.01 * float(np.random.rand()) + 0.001 * len(_SEEN)
+        return torch.tanh(self.fc(x) * scale)
+
+
+def test_an_audit_replay_puts_back_module_level_state_and_numpys_generator():
+    """26g: a module-level counter, a module-level dict cache and numpy's global generator were left advanced by the
+    replays (12 calls counted where 4 were made, numpy's state moved): the losses differed from step 1."""
+    def run(audit: bool):
+        global _CALLS
+        _CALLS = 0
+        _SEEN.clear()
+        np.random.seed(0)
+        return _train_blocks(_GlobalStateBlock, 8, "1ulp" if audit else None)
+
+    plain, _, _ = run(False)
+    audited, _, auditor = run(True)
+    assert auditor.regions, "the audit replayed nothing"
+    assert audited == plain

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,6 +251,8 @@ class RegionReplay:
             for d, s in zip(self.rng.devices, self.rng.device_states):
                 torch.cuda.set_rng_state(s, d)
             py = random.getstate()
+            numpy_random = getattr(sys.modules.get("numpy"), "random", None)  # (its global generator, if loaded)
+            np_state = numpy_random.get_state() if numpy_random is not None else None
             try:
                 if self.module is not None and self.modules is not None:
                     self.modules.stack().append((self.module, self.modules.name_of(self.module)))
@@ -264,6 +267,8 @@ class RegionReplay:
                     if stack and stack[-1][0] is self.module:
                         stack.pop()
                 random.setstate(py)
+                if np_state is not None:
+                    numpy_random.set_state(np_state)
                 self.kept.restore()
                 self.guard.restore()  # (each pass starts from the state the forward left, as the recompute does)
         if self.baseline is None:

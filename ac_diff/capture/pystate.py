@@ -528,6 +528,20 @@ def _users_module(module: types.ModuleType) -> bool:
     return bool(path) and not is_internal(path) and "site-packages" not in path and "dist-packages" not in path
 
 
+def global_state_read(fn: Any, owner: Owner) -> list[tuple[dict, str]]:
+    """(namespace, name) of the module-level state `fn` (and the user's code it calls) loads by name: scalars and
+    containers (a counter `global calls`, a dict cache, a list collected into), not modules, functions or classes."""
+    fn = _function(fn)
+    found: dict[tuple[int, str], tuple[dict, str]] = {}
+    for space, code, loaded in _user_codes(fn, owner) if fn is not None else ():
+        for name in loaded:
+            value = space.get(name)
+            if name in space and not name.startswith("__") and (
+                    recorded_scalar(value) is not NOT_SCALAR or isinstance(value, (list, dict, deque))):
+                found.setdefault((id(space), name), (space, name))
+    return list(found.values())
+
+
 def host_draw_sites(fn: Any, owner: Owner, generators: list[str]) -> list[str]:
     """Where `fn` (or what it calls) reads one of the host `generators` that moved ("random", "numpy.random"):
     ["model.py:20 in forward"], the lines that load the `random` or `numpy` module, or a function bound to their

@@ -29,13 +29,15 @@ from __future__ import annotations
 import copy
 import fnmatch
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, hook_cells, run_config, scalar_fields
+from ..capture.pystate import (CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, global_state_read, hook_cells, method_owners,
+                               run_config, scalar_fields)
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -111,6 +113,42 @@ class _BoundSlot(_Slot):
         self.put(snapshot)
 
 
+class _HeldContainer(_Slot):
+    """A list or dict a module holds (router logits collected for an aux loss, a memory), kept as the object and its
+    items: put back in place, so whoever else holds the same object (the parent that collects into it, a module-level
+    list) sees it restored too; rebinding a copy left them the replay's items."""
+
+    def snapshot(self) -> Any:
+        value = self.get()
+        return value, (list(value.items()) if isinstance(value, dict) else list(value))
+
+    def holds(self, snapshot: Any) -> bool:
+        held, items = snapshot
+        value = self.get()
+        now = list(value.items()) if isinstance(value, dict) else list(value)
+        return value is held and len(now) == len(items) and all(
+            _same_item(a, b) for a, b in zip(now, items))
+
+    def put_back(self, snapshot: Any) -> None:
+        held, items = snapshot
+        if self.get() is not held:
+            self.put(held)
+        held.clear()
+        (held.update if isinstance(held, dict) else held.extend)(items)
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    if type(a) is tuple and type(b) is tuple:  # (a dict's items)
+        return len(a) == len(b) and all(_same_item(x, y) for x, y in zip(a, b))
+    if a is b:
+        return True
+    try:
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and type(a) is type(b) and \
+            bool(a == b)
+    except Exception:  # noqa: BLE001 - an item whose == is not a plain bool
+        return False
+
+
 class _Absent:
     """An attribute a module does not have yet (a memory its first forward creates); not capture.pystate.UNSET, the
     recorded form of one, which is a dict and would be copied as a container."""
@@ -174,16 +212,53 @@ class KeptState:
     def __init__(self, root: Any) -> None:
         modules = list(root.modules()) if isinstance(root, torch.nn.Module) else []
         self.slots: list[_Slot] = [
-            *((_BoundSlot if isinstance(value, torch.Tensor) else _Slot)(sub, attr) for sub in modules
-              for attr, value in _state_of(sub)),
+            *(_kept_slot(value)(sub, attr) for sub in modules for attr, value in _state_of(sub)),
             *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub)),
-            *{(id(g.namespace), g.attr): g for sub in modules for g in _global_generators(sub)}.values()]
+            *{(id(g.namespace), g.attr): g for sub in modules for g in _global_generators(sub)}.values(),
+            *_global_state(modules)]
         self.saved = [slot.snapshot() for slot in self.slots]
 
     def restore(self) -> None:
         for slot, value in zip(self.slots, self.saved):
             if not slot.holds(value):
                 slot.put_back(value)
+
+
+def _global_state(modules: list) -> list[_Slot]:
+    """Slots for the module-level state the modules' forwards and hooks read (a global counter, a dict cache, a list
+    collected into): scalars by value, containers in place."""
+    seen: dict[tuple[int, str], _Slot] = {}
+    for sub in modules:
+        functions = [(type(sub).forward, method_owners(sub)), *((h, None) for hooks in (
+            sub._forward_pre_hooks, sub._forward_hooks) for h in hooks.values())]
+        for fn, owner in functions:
+            for space, name in global_state_read(fn, owner):
+                if (id(space), name) not in seen:
+                    value = space.get(name)
+                    kind = _GlobalHeld if isinstance(value, (list, dict, deque)) else _GlobalSlot
+                    seen[id(space), name] = kind(space, name)
+    return list(seen.values())
+
+
+class _GlobalHeld(_HeldContainer):
+    """A module-level list or dict (a cache, logits collected for a loss): put back in place."""
+
+    def __init__(self, namespace: dict, name: str) -> None:
+        super().__init__(None, name)
+        self.namespace, self.label = namespace, f"<global {name}>"
+
+    def get(self) -> Any:
+        return self.namespace.get(self.attr, ABSENT)
+
+    def put(self, value: Any) -> None:
+        self.namespace[self.attr] = value
+
+
+def _kept_slot(value: Any) -> type:
+    """How KeptState keeps an attribute's value: a tensor by identity, a list or dict in place, else by value."""
+    if isinstance(value, torch.Tensor):
+        return _BoundSlot
+    return _HeldContainer if isinstance(value, (list, dict, deque)) else _Slot
 
 
 def fqn_matches(name: str, globs: list[str]) -> bool:
