@@ -47,9 +47,11 @@ def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():
     same = explain(_steps(True), [], _report(), steps_requested=2)
     assert same.verdict == IDENTICAL and not same.explanations
     # clean regions whose recompute drew from Python's `random` again (LayerDrop decided on the host, the same
-    # decisions as their forwards): the runs go on from other draws (it said "state drift ... no random draws")
+    # decisions as their forwards): the run goes on from other draws than without AC, which preserve_rng_state
+    # cannot prevent: checkpointing changes the training (26a/26g: "identical" over 1 of 4, then at risk, where the
+    # gradients differ from backward 2)
     host = explain(_steps(False), [], _report(host_draws=["random"]), steps_requested=2)
-    assert host.verdict == IDENTICAL and [e.kind for e in host.explanations] == ["rng_draws"]
+    assert host.verdict == DIFFERS and [e.kind for e in host.explanations] == ["host_draws"]
     assert "drew from a host generator (Python's random, NumPy) again" in host.explanations[0].text
 
 
@@ -59,7 +61,7 @@ def test_host_draws_are_not_answered_with_preserve_rng_state():
     host = explain(_steps(False), [], _report(cause="rng", mechanism="host_rng", source="m.py:23 in forward"),
                    steps_requested=2)
     why = host.explanations[0]
-    assert why.kind == "rng_draws" and "m.py:23 in forward" in why.text
+    assert why.kind == "host_draws" and "m.py:23 in forward" in why.text
     assert "--preserve-rng" not in why.fix and "outside the checkpointed region" in why.fix
     torch_rng = explain(_steps(False), [], _report(cause="rng", mechanism="preserve_rng_state"), steps_requested=2)
     assert "--preserve-rng" in torch_rng.explanations[0].fix

@@ -23,7 +23,9 @@ Why the two runs can differ, in the order they are checked:
   starts from differs. Where the recompute repeated an in-place update inside a region (the report's side
   effects, "counted twice"), that is a defect (`repeated_update`): the training departs from the run without
   AC. Where a recompute drew random numbers again instead (a region whose cause is rng, or whose RNG state
-  differed between its passes), the comparison stops there, not a gradient defect (`rng_draws`). With
+  differed between its passes), the comparison stops there, not a gradient defect (`rng_draws`); a recompute that
+  drew from a host generator again (Python's `random`, numpy's), which preserve_rng_state never restores, is one
+  (`host_draws`): under AC the run goes on from other draws. With
   neither, the loss difference is a defect left unexplained (`state_drift`);
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
@@ -218,9 +220,10 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
     if any(c.mechanism == "host_rng" for c in rng) or redrew:
         source = next((c.source for c in rng if c.mechanism == "host_rng" and c.source), None)
         return Explanation(
-            "rng_draws", f"{start}: the recompute drew from a host generator (Python's random, NumPy) again"
-            + (f" at {source}" if source else "") + ", so the two runs go on from other random numbers (preserve_rng_"
-            "state restores torch's generators only). Later backwards are not compared.",
+            "host_draws", f"{start}: the recompute drew from a host generator (Python's random, NumPy) again"
+            + (f" at {source}" if source else "") + ", so under AC the generator advances twice per step and the run "
+            "goes on from other random numbers than without AC (preserve_rng_state restores torch's generators "
+            "only): checkpointing changes the training from here",
             fix="draw the host random values outside the checkpointed region and pass them in")
     if rng or any("rng" in r.state_changes for r in regions):
         return Explanation(
