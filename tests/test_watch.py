@@ -562,6 +562,14 @@ def test_a_watched_divergence_the_run_never_saw_again_says_so(tmp_path):
     assert lead.watched and lead.step == 3 and "watch mode in step 3" in lead.cause.detail
     # the command to paste names the script the run ran (here, the library: no script)
     assert "`ac-diff run --full-from-step 3 SCRIPT ...`" in " ".join([lead.cause.detail, *lead.notes]), lead.notes
+    # run under torchrun (two ranks' traces): the command keeps the launch (26f: it dropped --nproc-per-node)
+    runs = [read_run(path), read_run(path)]
+    runs[1].rank = 1
+    for region in runs[1].regions:
+        region.rank = 1
+    lead = ac_diff.diagnose(runs).lead_groups()[0][0]
+    assert "`ac-diff run --nproc-per-node 2 --full-from-step 3 SCRIPT ...`" in " ".join(
+        [lead.cause.detail, *lead.notes]), lead.notes
 
 
 def test_the_full_from_step_command_names_the_script_and_its_arguments():

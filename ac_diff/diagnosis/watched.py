@@ -244,10 +244,13 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                             [*lead.cause.evidence],
                             lead.cause.mechanism, lead.cause.source, list(lead.cause.names))
             r.suggestions = list(lead.suggestions)
-        again = f"`ac-diff run --full-from-step {r.step} {script}` records step {r.step} in full (first divergent " \
-                "op, decision and cause)" if r.step is not None else "`--full-from-step N` records a step in full"
-        if len({x.rank for x in reports}) > 1:  # (run as a single process, rank 1's data path never runs)
-            again += f", launched as before (--nproc-per-node or torchrun: it diverged on rank {r.rank})"
+        ranks = len({x.rank for x in reports})
+        launch = f"--nproc-per-node {ranks} " if ranks > 1 else ""  # (as one process, rank 1's data path never runs)
+        again = (f"`ac-diff run {launch}--full-from-step {r.step} {script}` records step {r.step} in full (first "
+                 "divergent op, decision and cause)" if r.step is not None else
+                 "`--full-from-step N` records a step in full")
+        if ranks > 1:
+            again += f", launched as before (on several nodes, each node's torchrun: it diverged on rank {r.rank})"
         recurs = f"; it diverged again in step{'s' if len(later) > 1 else ''} {number_ranges(later)}" if later else ""
         span = f"step {window[0].step}" if len({w.step for w in window}) == 1 else \
             f"steps {window[0].step}-{window[-1].step}" if window else ""
