@@ -414,8 +414,8 @@ def _no_grad_inputs(report: RegionReport, region: Region, trainable: int, torch_
     if trainable < 0:
         _unchecked(report, NO_GRAD_INPUTS,
                    f"{why}; a parameter it uses that requires grad gets no gradient from it (torch only warns: None of "
-                   "the inputs have requires_grad=True" + (f"; which parameters it uses is not in a log); {NO_GRAD_PASS}"
-                                                           if region.kind == "log" else ")"))
+                   "the inputs have requires_grad=True"
+                   + (f"; which parameters it uses is not in a log); {NO_GRAD_PASS}" if region.kind == "log" else ")"))
         report.suggestions = suggestions_for(report, region, torch_version)
         return report
     report.status, report.silent = DIVERGED, True

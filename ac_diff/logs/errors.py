@@ -102,8 +102,9 @@ def wrong_gradient_shape(message: str | None) -> tuple[str, str, str] | None:
 # autograd's check of a gradient handed to backward (torch/autograd/__init__.py _make_grads): "Mismatch in shape:
 # grad_output[0] has a shape of torch.Size([21, 32]) and output[0] has a shape of torch.Size([16, 32])."; raised in
 # reentrant checkpoint's backward, the forward output's gradient against the recompute's output
-_OUTPUT_SHAPE_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[\d+\] has a shape of torch\.Size\((\[[\d, ]*\])\) "
-                                    r"and output\[\d+\] has a shape of torch\.Size\((\[[\d, ]*\])\)")
+_OUTPUT_SHAPE_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[\d+\] has a shape of "
+                                    r"torch\.Size\((\[[\d, ]*\])\) and output\[\d+\] has a shape of "
+                                    r"torch\.Size\((\[[\d, ]*\])\)")
 
 
 def reentrant_output_shapes(message: str | None) -> tuple[str, str] | None:
