@@ -594,3 +594,40 @@ def test_a_pre_hook_counting_in_a_global_dict_is_named_as_counted_twice(tmp_path
     flag = f"{__name__}.HOOK_STATE['batches']"
     assert all(r.cause.tensor == flag and "counts twice" in r.cause.detail for r in regions), \
         [r.cause for r in regions]
+
+
+WARMUP_COUNTS: dict = {}  # empty until a pre-hook counts each block's calls in it
+
+
+class _WarmedUp(InForward):
+    def __init__(self, name: str = "b") -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        alpha = min(1.0, WARMUP_COUNTS[self.name] / 10.0)
+        return x + alpha * torch.tanh(self.fc(x))
+
+
+def _count_calls(module, inputs):
+    WARMUP_COUNTS[module.name] = WARMUP_COUNTS.get(module.name, 0) + 1
+
+
+def test_a_count_a_pre_hook_keeps_in_a_global_dict_empty_at_first_is_never_clean(tmp_path):
+    """26i: a pre-hook counts each block's calls in a module-level dict that starts empty, the block's forward reads
+    the count for a warmup scale: the recompute counts again (the gradients differ from step 2). It read CLEAN: the
+    dict was empty when its reads were first worked out, so it was never recorded."""
+    WARMUP_COUNTS.clear()
+    torch.manual_seed(0)
+    net = Layers(_WarmedUp)
+    for i, layer in enumerate(net.layers):
+        layer.name = f"b{i}"
+        layer.register_forward_pre_hook(_count_calls)
+
+    def steps():
+        for _ in range(2):
+            net(torch.randn(4, 8)).pow(2).sum().backward()
+
+    report = _record(tmp_path, steps)
+    assert report.title == "GRADIENTS AT RISK", report.headline
+    assert f"{__name__}.WARMUP_COUNTS['b0']" in report.headline, report.headline

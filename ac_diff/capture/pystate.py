@@ -291,9 +291,9 @@ def method_owners(module: nn.Module) -> tuple[type, ...]:
 def _holds_fields(value: Any, space: dict) -> bool:
     """A global whose scalar fields are state: a class defined in the module that reads it (a counter kept on the
     class, `PhiloxState.offset`), a small run config object, or a small dict of settings (`GRL = {"lambda": 0.0}`, a
-    schedule writes it)."""
+    schedule writes it), or one still empty when first read (`COUNTS = {}`, which a hook fills with counts)."""
     if type(value) is dict:
-        return 0 < len(value) <= CONFIG_FIELDS and any(True for _ in _dict_scalars(value))
+        return not value or len(value) <= CONFIG_FIELDS and any(True for _ in _dict_scalars(value))
     if isinstance(value, type):
         return value.__module__ == space.get("__name__") and len(vars(value)) <= CONFIG_FIELDS
     return run_config(value)
