@@ -168,7 +168,7 @@ class Auditor:
         notes = list(self.notes)
         still = [s for s in self.sites.values() if s.kind and s.score_noise and not any(s.score_noise)]
         if still and self.settings.noise.rounding:  # (rounding noise into an op a recompute rounds alike)
-            where = ", ".join(sorted({f"{s.label[0]} {s.label[1].split('.')[1]} (into {s.target})" for s in still})[:4])
+            where = ", ".join(sorted({f"{s.label[0]} {packet_of(s.label[1])} (into {s.target})" for s in still})[:4])
             notes.append(f"the noise moved no score at {len(still)} site(s): {where}: a rounding error of where the "
                          "scores were computed does not survive their rounding to their own dtype there, so those "
                          "decisions flip only where the recompute's inputs differ; `--noise rel:X` moves the scores by "
