@@ -4,6 +4,7 @@ observes stays bit-identical; its predicted flip rate matches the flips a real m
 from __future__ import annotations
 
 import json
+import random
 import sys
 
 import numpy as np
@@ -481,8 +482,8 @@ def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counti
     if counting:
         assert a["recompute"]["state_twice_count"] == 3, a["recompute"]
         assert a["recompute"]["state_twice"][0]["names"] == ["imgs_seen"]
-        assert "; but 3 recompute(s) updated state of their module (Python attributes, buffers) a second time" \
-            in a["headline"], a["headline"]
+        assert "; but 3 recompute(s) updated state of their module (Python attributes, buffers) or a host generator " \
+            "a second time" in a["headline"], a["headline"]
         assert block.imgs_seen == 8 * 6  # (the replays left it as the training made it: forward and recompute)
     else:
         assert a["recompute"]["state_twice_count"] == 0 and "a second time" not in a["headline"]
@@ -880,3 +881,24 @@ def test_an_audit_replay_puts_back_module_level_state_and_numpys_generator():
     audited, _, auditor = run(True)
     assert auditor.regions, "the audit replayed nothing"
     assert audited == plain
+
+
+class _HostScaled(torch.nn.Module):
+    """A residual scaled by a draw from Python's `random` inside the block (26i)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + random.uniform(0.9, 1.0) * torch.tanh(self.fc(x))
+
+
+def test_an_audit_says_a_recompute_drew_from_a_host_generator_again():
+    """26i: the recompute draws from `random` again (preserve_rng_state restores torch's generators only), so the
+    training goes on from other draws than without AC; `run` put it at risk, the audit said "CheckpointError unlikely"
+    alone."""
+    random.seed(0)
+    a = _audited(_HostScaled(), [torch.randn(8, 16, requires_grad=True) for _ in range(2)], seeds=1, max_regions=2)
+    assert a["recompute"]["state_twice"] and a["recompute"]["state_twice"][0]["names"] == ["<host generator random>"]
+    assert "or a host generator a second time" in a["headline"], a["headline"]

@@ -81,8 +81,8 @@ def recompute_json(check, target: str) -> dict:
         + f", whatever the margins below predict; `{_run(target)}` names the cause")
     twice = doc["state_twice"][0] if doc["state_twice"] else None
     doc["state_note"] = None if twice is None else (
-        f"{doc['state_twice_count']} recompute(s) updated state of their module (Python attributes, buffers) a second "
-        f"time (first: "
+        f"{doc['state_twice_count']} recompute(s) updated state of their module (Python attributes, buffers) or a "
+        f"host generator a second time (first: "
         f"{twice['module']}, region {twice['region']}: {', '.join(f'`{n}`' for n in twice['names'][:3])}), which the "
         "replays cannot see: where the code reads it (a schedule, a branch), later steps compute otherwise than "
         f"without AC; `{_run(target, '--reference no-ac --reference-steps 3')}` compares the gradients")
