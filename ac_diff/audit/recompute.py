@@ -17,8 +17,6 @@ are held from its forward until its recompute only; what torch's own check raise
 from __future__ import annotations
 
 import math
-import random
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 from ..capture.fingerprint import FingerprintBatch
 from ..capture.pystate import module_attributes
+from ..capture.state import host_rng_states
 from ..capture.torch_compat import FORWARD, RECOMPUTE
 
 
@@ -149,20 +148,10 @@ def _python_state(root: Any) -> dict | None:
     state = {f"{name}.{key}" if name else key: value for name, sub in root.named_modules()
              for key, value in module_attributes(sub).items()}
     state.update(_buffer_states(root))
-    state.update(_host_generators())
+    # (a recompute that draws from Python's `random` or numpy's generator again, which preserve_rng_state does not
+    # restore, advances it a second time)
+    state.update((f"<host generator {name}>", tuple(rest)) for name, *rest in host_rng_states())
     return state
-
-
-def _host_generators() -> dict:
-    """A digest of each host generator's state (Python's `random`, numpy's global one): a recompute that draws from
-    one again (a LayerDrop's `random.random()`), which preserve_rng_state does not restore, advances it a second
-    time."""
-    states = {"<host generator random>": hash(random.getstate())}
-    numpy_random = getattr(sys.modules.get("numpy"), "random", None)
-    if numpy_random is not None:
-        kind, keys, pos, *_ = numpy_random.get_state()
-        states["<host generator numpy.random>"] = (pos, hash(keys[:8].tobytes()))
-    return states
 
 
 def _buffer_states(root: torch.nn.Module) -> dict:

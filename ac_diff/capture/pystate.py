@@ -199,15 +199,20 @@ def hook_cells(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
 FORWARD_CLOSURE = "closure of"  # the kind of a module's own forward among the functions keeping state
 
 
+def forward_hooks(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(kind, hook) of each forward pre-hook and forward hook registered on `module`, as it holds them."""
+    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+        yield from ((kind, hook) for hook in hooks.values())
+
+
 def stateful_functions(module: nn.Module) -> Iterator[tuple[str, types.FunctionType]]:
     """(kind, function) of each function that keeps state for `module` from call to call: its forward (pre-)hooks,
     and its own forward where that is a closure (a class defined inside a factory, reading the factory's `state`
     dict); a callable object or a builtin keeps none here (an object's own state is read as its attributes)."""
-    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
-        for hook in hooks.values():
-            fn = _function(hook)
-            if fn is not None:
-                yield kind, fn
+    for kind, hook in forward_hooks(module):
+        fn = _function(hook)
+        if fn is not None:
+            yield kind, fn
     forward = _function(getattr(type(module), "forward", None))
     if forward is not None and forward.__closure__:
         yield FORWARD_CLOSURE, forward

@@ -41,8 +41,8 @@ from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_gr
 from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
-from .pystate import (UNSET, GlobalReads, Owner, hook_reads_again, host_draw_sites, is_container, method_owners,
-                      module_attributes, only_rebinds, read_again, subclass_attributes)
+from .pystate import (UNSET, GlobalReads, Owner, forward_hooks, hook_reads_again, host_draw_sites, is_container,
+                      method_owners, module_attributes, only_rebinds, read_again, subclass_attributes)
 from .fingerprint import FingerprintBatch, _storage_of
 from .watch import Watch, WatchedPass
 from .spawned import SpawnWatch
@@ -849,11 +849,10 @@ class Recorder:
         if seen not in p.codes_seen:
             p.codes_seen.add(seen)
             self._note_globals(p, *seen)
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):  # (a pre-hook counting in a global dict)
-            for hook in hooks.values() if hooks else ():
-                if (hook, None) not in p.codes_seen:
-                    p.codes_seen.add((hook, None))
-                    self._note_globals(p, hook)
+        for _, hook in forward_hooks(module):  # (a pre-hook counting in a global dict)
+            if (hook, None) not in p.codes_seen:
+                p.codes_seen.add((hook, None))
+                self._note_globals(p, hook)
         attrs = module_attributes(module)
         prefix = f"{fqn or type(module).__name__}."  # (a root module: named as its region is)
         for key, value in attrs.items():

@@ -26,7 +26,7 @@ import torch
 
 from .fqn import clean_fqn
 from .opinfo import short_dtype
-from .pystate import container_summary
+from .pystate import container_summary, forward_hooks
 from .torch_compat import matmul_precision
 from ..stateflags import BACKEND_FLAGS
 
@@ -167,8 +167,7 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
     (or removed) between the forward and the backward runs in one pass only."""
     with contextlib.suppress(Exception):
         return [f"{name or '(the region)'}: {_hook_label(hook)}" for name, m in _listed(module)
-                if m._forward_pre_hooks or m._forward_hooks
-                for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+                for _, hook in forward_hooks(m)]
     return []
 
 

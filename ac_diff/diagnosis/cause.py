@@ -476,15 +476,27 @@ def _log_python_argument(region: Region, shape: Divergence) -> Cause | None:
 
 def _host_draw_cause(drew: list[str], first: Divergence, sites: list[str]) -> Cause:
     """`sites`: the lines of the region's code that read those generators (the recorder's `host_draw_sites`)."""
+    return host_draw_cause(drew, sites, " (its generator moved during the forward), which preserve_rng_state does "
+                           "not restore: the recompute drew other numbers, and Python ran another sequence of ops or "
+                           f"passed other values from {where(first.module, first.source)}",
+                           "the generator's state changed between the start and the end of the forward",
+                           [first.summary], first.source)
+
+
+def drawn_at(drew: list[str], sites: list[str]) -> str:
+    """"`random` at model.py:14 in forward": the host generators a region draws from, and where."""
     names = " and ".join(f"`{n}`" for n in drew)
-    at = f" at {', '.join(sites[:2])}" if sites else ""
+    return names + (f" at {', '.join(sites[:2])}" if sites else "")
+
+
+def host_draw_cause(drew: list[str], sites: list[str], how: str, moved: str, also: list[str] = (),
+                    source: str | None = None) -> Cause:
+    """The cause of a region that draws from host generators (`drew`: "random", "numpy.random") at `sites`: "the
+    region draws from `random` at <site>" + `how`; its evidence says how they `moved`, where they were drawn, `also`."""
     return Cause("rng", f"host random numbers ({', '.join(drew)})",
-                 f"the region draws from {names}{at} (its generator moved during the forward), which "
-                 "preserve_rng_state does not restore: the recompute drew other numbers, and Python ran another "
-                 f"sequence of ops or passed other values from {where(first.module, first.source)}",
-                 [f"{', '.join(drew)}: the generator's state changed between the start and the end of the forward",
-                  *(f"drawn at {site}" for site in sites), first.summary],
-                 mechanism="host_rng", source=sites[0] if sites else first.source)
+                 f"the region draws from {drawn_at(drew, sites)}{how}",
+                 [f"{', '.join(drew)}: {moved}", *(f"drawn at {site}" for site in sites), *also],
+                 mechanism="host_rng", source=sites[0] if sites else source)
 
 
 def _generator_arg(op: OpRecord) -> str | None:

@@ -20,7 +20,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CAL
                       PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
-from .cause import explain, explain_flags, reentrant_graph_cause, sac_mutated_cause
+from .cause import drawn_at, explain, explain_flags, host_draw_cause, reentrant_graph_cause, sac_mutated_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete, reads_beyond_update)
@@ -502,21 +502,15 @@ def _drew_again(report: RegionReport, region: Region, sites: list[str], torch_ve
     `random.random() < p` on the same side), yet the generator advanced twice per step, so every later draw (the next
     step's LayerDrop, the data order) differs from a run without AC. Never clean; the gradients of later steps settle
     it (reference/explain.py), as for state a recompute updates a second time."""
-    drew = report.host_draws
-    names = " and ".join(f"`{n}`" for n in drew)
-    at = f" at {', '.join(sites[:2])}" if sites else ""
+    report.cause = host_draw_cause(report.host_draws, sites, ", which preserve_rng_state does not restore: the "
+                                   "recompute drew again (this time steering nothing), so the generator advances "
+                                   "twice per step and later draws differ from a run without AC",
+                                   "drawn in the forward and again in the recompute")
     _unchecked(report, STATE_READ_AGAIN,
-               f"its recompute reproduced its forward, but drew from {names}{at} again, which preserve_rng_state does "
-               "not restore: the generator advances twice per step under AC, so later draws (the next step's, the "
-               "data order) differ from a run without AC; `ac-diff run --reference no-ac --reference-steps N` "
-               "compares the gradients (N: every backward the run makes)")
-    report.cause = Cause("rng", f"host random numbers ({', '.join(drew)})",
-                         f"the region draws from {names}{at}, which preserve_rng_state does not restore: the recompute "
-                         "drew again (this time steering nothing), so the generator advances twice per step and later "
-                         "draws differ from a run without AC",
-                         [f"{', '.join(drew)}: drawn in the forward and again in the recompute",
-                          *(f"drawn at {site}" for site in sites)],
-                         mechanism="host_rng", source=sites[0] if sites else None)
+               f"its recompute reproduced its forward, but drew from {drawn_at(report.host_draws, sites)} again, "
+               "which preserve_rng_state does not restore: the generator advances twice per step under AC, so later "
+               "draws (the next step's, the data order) differ from a run without AC; `ac-diff run --reference no-ac "
+               "--reference-steps N` compares the gradients (N: every backward the run makes)")
     report.suggestions = suggestions_for(report, region, torch_version)
 
 

@@ -36,8 +36,8 @@ import torch
 
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
-from ..capture.pystate import (CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, global_state_read, hook_cells, method_owners,
-                               run_config, scalar_fields)
+from ..capture.pystate import (CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, forward_hooks, global_state_read, hook_cells,
+                               method_owners, run_config, scalar_fields)
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -229,8 +229,7 @@ def _global_state(modules: list) -> list[_Slot]:
     collected into): scalars by value, containers in place."""
     seen: dict[tuple[int, str], _Slot] = {}
     for sub in modules:
-        functions = [(type(sub).forward, method_owners(sub)), *((h, None) for hooks in (
-            sub._forward_pre_hooks, sub._forward_hooks) for h in hooks.values())]
+        functions = [(type(sub).forward, method_owners(sub)), *((hook, None) for _, hook in forward_hooks(sub))]
         for fn, owner in functions:
             for space, name in global_state_read(fn, owner):
                 if (id(space), name) not in seen:
@@ -240,18 +239,9 @@ def _global_state(modules: list) -> list[_Slot]:
     return list(seen.values())
 
 
-class _GlobalHeld(_HeldContainer):
-    """A module-level list or dict (a cache, logits collected for a loss): put back in place."""
-
-    def __init__(self, namespace: dict, name: str) -> None:
-        super().__init__(None, name)
-        self.namespace, self.label = namespace, f"<global {name}>"
-
-    def get(self) -> Any:
-        return self.namespace.get(self.attr, ABSENT)
-
-    def put(self, value: Any) -> None:
-        self.namespace[self.attr] = value
+class _GlobalHeld(_HeldContainer, _GlobalSlot):
+    """A module-level list or dict (a cache, logits collected for a loss): put back in place (_HeldContainer), held in
+    its module's namespace (_GlobalSlot)."""
 
 
 def _kept_slot(value: Any) -> type:
@@ -330,7 +320,6 @@ def _copy(value: Any) -> Any:
                 copied.copy_(value)
         return copied
     return copy.copy(value) if isinstance(value, CONTAINER_TYPES) else value
-
 
 
 class _Restoring:
