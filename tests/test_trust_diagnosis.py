@@ -1780,6 +1780,49 @@ def test_choices_made_in_another_order_settle_clean_once_every_backwards_gradien
         assert any("match the run without AC over all 2 backward passes" in n for n in region.notes), region.notes
 
 
+def test_a_watched_region_whose_module_chose_the_same_entries_in_another_order_settles_with_it(tmp_path):
+    """26h: under watch the first divergent step is compared by its saved tensors only (no ops, no decision), its
+    module recorded in full from the next step on, where the top-k choice shows as the same entries in another order.
+    The gradients matched the run without AC over every backward pass, yet the watched region stayed SILENTLY
+    DIVERGED: it had no decision of its own to show. Its module's recording in full shows it, for both."""
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import IDENTICAL, ReferenceResult, StepComparison
+
+    scores = torch.zeros(6, 4)
+    scores[:, 0], scores[:, 1] = 1.0, 0.9
+    scores[3, 1] = 0.999
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+
+    def train(ac: bool):
+        torch.manual_seed(0)
+        router, grads = _SelectionBiasRouter(), []
+        opt = torch.optim.SGD(router.parameters(), lr=0.0)
+        for _ in range(3):
+            xs = x.clone().requires_grad_()
+            out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
+            router.bias[1] += 0.01
+            out.square().sum().backward()
+            grads += [p.grad.clone() for p in router.parameters()] + [xs.grad]
+            router.bias[1] -= 0.01
+            opt.step()
+            opt.zero_grad()
+        return grads
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True, watch_full_steps=0):
+        train(True)
+    report = ac_diff.diagnose_paths([path])
+    watched, full = report.regions[0], report.regions[1]
+    assert (watched.watched, full.watched, watched.status, full.status) == (True, False, "diverged", "diverged")
+    assert watched.first_discrete_divergence is None and full.first_discrete_divergence.reordered_only
+    attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", 3,
+                                   steps=[StepComparison(i, True, 0.0, 2, 2) for i in range(3)]))
+    assert (report.verdict, report.title) == ("clean", "CLEAN"), report.headline
+    assert watched.status == "clean" and any("as its module's recording in full shows" in n for n in watched.notes), \
+        watched.notes
+
+
 class _TemperedTopK(nn.Module):
     """Scores divided by a temperature buffer, top-4 of 64 kept: a temperature nudged before the backward moves every
     score, and keeps every choice (the margins are far larger than the move)."""

@@ -470,21 +470,33 @@ def _reordered_settled(report: Any, result: ReferenceResult) -> None:
     if not diverged or result.verdict != IDENTICAL or result.backwards < made or report.torch_errors \
             or report.verdict != DIVERGED or report.crashed or (report.watch or {}).get("never_compared") \
             or any(r.status == UNCHECKED for r in report.regions) or not all(
-                r.first_discrete_divergence is not None and r.first_discrete_divergence.reordered_only
-                for r in diverged):
+                _reordered_flip(r, report.regions) is not None for r in diverged):
         return
     for r in diverged:
+        flip = _reordered_flip(r, report.regions)
         r.status, r.silent = CLEAN, False
-        flip = r.first_discrete_divergence
-        r.notes.append(f"its recompute chose the same top-k entries in another order ({flip.summary}): the gradients "
-                       f"match the run without AC over all {result.backwards} backward passes, so nothing this run "
-                       "computes uses that order")
+        r.notes.append(f"its recompute chose the same top-k entries in another order ({flip.summary}"
+                       + (", as its module's recording in full shows" if flip is not r.first_discrete_divergence
+                          else "") + f"): the gradients match the run without AC over all {result.backwards} backward "
+                       "passes, so nothing this run computes uses that order")
     report.verdict = CLEAN
     report.headline = (f"clean: the gradients match the run without AC over all {result.backwards} backward "
                        f"passes; the recompute of {len(diverged)} region(s) chose the same top-k entries in "
                        "another order (other saved tensors, which torch does not check), and nothing uses that "
                        "order" + (f"; what moved the scores ({diverged[0].cause.kind}) may flip a choice in "
                                   "another step: see its fix" if diverged[0].cause is not None else ""))
+
+
+def _reordered_flip(r: RegionReport, regions: list[RegionReport]) -> Divergence | None:
+    """The top-k choice `r`'s recompute made in another order (the same entries); for a watched region (saved tensors
+    only, no ops), the one its module's recording in full shows (the escalation after it, or a step recorded in
+    full), if that recording diverged only so."""
+    flip = r.first_discrete_divergence
+    if flip is not None or not r.watched:
+        return flip if flip is not None and flip.reordered_only else None
+    full = [x.first_discrete_divergence for x in regions if not x.watched and x.status == DIVERGED
+            and (x.rank, x.module, x.path) == (r.rank, r.module, r.path)]
+    return full[0] if full and all(f is not None and f.reordered_only for f in full) else None
 
 
 def attach(report: Any, result: ReferenceResult) -> None:
