@@ -59,6 +59,17 @@ def test_batch_norm_statistics_updated_again_in_the_recompute_are_a_side_effect(
     # what that costs and the fix: the statistics end each step other than without AC; saving the batch norm op
     # keeps the recompute from running it again (a clean report said nothing more, and `fix` "nothing to fix")
     assert "so they end each step other than a run without AC leaves them" in report.headline, report.headline
+    # whether the training reads them (a balancing update from counts does) is for a comparison over two steps to tell
+    # (26g: a clean headline left it at the note); one that found every gradient identical says so instead
+    from ac_diff.diagnosis import REPEATED_ASK
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import IDENTICAL, ReferenceResult, StepComparison
+
+    assert REPEATED_ASK in report.headline and "--reference-steps 2" in REPEATED_ASK, report.headline
+    attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", 2,
+                                   steps=[StepComparison(i, True, 0.0, 2, 2) for i in range(2)]))
+    assert report.headline.endswith("(the gradients match the run without AC over 2 backward passes)"), \
+        report.headline
     (fix,) = region.suggestions
     assert fix.title.startswith("Save aten.native_batch_norm.default with selective activation checkpointing, so "
                                 "the recompute does not update `bn.running_mean`, `bn.running_var` again"), fix.title

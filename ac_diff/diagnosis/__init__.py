@@ -576,6 +576,10 @@ def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) ->
                if same > 0 else ""))
 
 
+# a clean run whose recomputes repeated in-place updates of state: whether anything the training computes reads the
+# twice-updated values (a balancing update from counts, a loss) is for a comparison over more than one step to tell
+REPEATED_ASK = " (`ac-diff run --reference no-ac --reference-steps 2` tells whether the training reads them)"
+
 # a clean run's reentrant regions: their recompute reproduced the forward, but their backward runs as a backward of
 # its own, which can add gradients in another order than one backward through the whole graph
 REENTRANT_BACKWARD = ("reentrant regions (use_reentrant=True) reproduced their forward, but each runs its backward as "
@@ -669,7 +673,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         repeated = repeated_updates(regions)
         extra = (f"; note: the recompute repeats the updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "")
-                 + ", so they end each step other than a run without AC leaves them" if repeated else "")
+                 + ", so they end each step other than a run without AC leaves them" + REPEATED_ASK if repeated else "")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..diagnosis import REENTRANT_BACKWARD
+from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
@@ -502,6 +502,9 @@ def _reordered_flip(r: RegionReport, regions: list[RegionReport]) -> Divergence 
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
+    if result.verdict == IDENTICAL and result.backwards > 1 and REPEATED_ASK in report.headline:
+        report.headline = report.headline.replace(REPEATED_ASK, f" (the gradients match the run without AC over "
+                                                                f"{result.backwards} backward passes)")
     if result.verdict in (IDENTICAL, DIFFERS) and REENTRANT_BACKWARD in report.notes:  # (the comparison it asks for ran)
         report.notes[report.notes.index(REENTRANT_BACKWARD)] = REENTRANT_BACKWARD.split("; `ac-diff run")[0] + (
             "; the comparison with the run without AC below says whether they do")
