@@ -190,3 +190,31 @@ def test_models_trained_on_two_threads_at_once_are_not_compared(tmp_path):
                                   reference_dir=tmp_path / f"ref{threads}")
         assert result.verdict == verdict, result.headline
     assert "models trained on 2 threads at once" in result.headline, result.headline
+
+
+def test_a_step_that_takes_its_gradients_with_autograd_grad_is_captured_and_a_penalty_is_not(tmp_path):
+    """Training that calls torch.autograd.grad(loss, params) and sets `.grad` itself (26d): `--reference no-ac` said
+    the run finished no backward pass and compared nothing. Its gradients are those of the parameters among the
+    inputs, by the report's names; a gradient penalty's call (create_graph=True, for an input) is no step."""
+    from ac_diff.reference.grads import GradCapture, load_grads
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    capture = GradCapture(tmp_path / "g.pt", steps=2).install()
+    try:
+        taken = []
+        for _ in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            out = net(x).sum()
+            (penalty,) = torch.autograd.grad(out, x, create_graph=True)
+            loss = out + penalty.square().sum()
+            taken.append(torch.autograd.grad(loss, list(net.parameters())))
+    finally:
+        capture.finish()
+    data = load_grads(tmp_path / "g.pt")
+    assert len(data["steps"]) == 2
+    for step, grads in zip(data["steps"], taken):
+        assert list(step["grads"]) == ["0.weight", "0.bias", "2.weight", "2.bias"], list(step["grads"])
+        for summary, g in zip(step["grads"].values(), grads):
+            assert torch.equal(torch.as_tensor(summary["values"]).reshape(g.shape), g)
+    assert torch.autograd.grad.__module__ == "torch.autograd"  # (put back)

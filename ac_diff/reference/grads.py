@@ -134,6 +134,7 @@ class GradCapture:
         self._names = ModuleStack()  # names the roots as the report does (`D.0.weight`, `blocks[2].fc.weight`)
         self._hook = None
         self._original = None
+        self._original_grad = None
         self._depth = 0
         self.written = False
         self.threads: set[int] = set()  # the threads that ran forwards or backwards (two models trained side by side)
@@ -157,6 +158,22 @@ class GradCapture:
             return result
 
         torch.autograd.backward = backward
+        self._original_grad = torch.autograd.grad
+        original_grad = self._original_grad
+
+        def grad(outputs, inputs, *args, **kwargs):
+            self._depth += 1
+            try:
+                result = original_grad(outputs, inputs, *args, **kwargs)
+            finally:
+                self._depth -= 1
+            # (the gradients a training step takes: not a penalty's, whose graph a backward goes on through)
+            create_graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+            if self._depth == 0 and len(self.snapshots) < self.steps and not create_graph:
+                self._snapshot_of_grad(outputs, inputs, result)
+            return result
+
+        torch.autograd.grad = grad
         return self
 
     def uninstall(self) -> None:
@@ -166,6 +183,7 @@ class GradCapture:
             self._names.uninstall()
         if self._original is not None:
             torch.autograd.backward = self._original
+            torch.autograd.grad = self._original_grad
             self._original = None
 
     def _pre(self, module: nn.Module, args) -> None:
@@ -198,18 +216,29 @@ class GradCapture:
                     out.append((prefix + clean_fqn(name), p))
         return out
 
-    def _snapshot(self, tensors: Any) -> None:
+    def _snapshot(self, tensors: Any, grads: dict[str, torch.Tensor | None] | None = None) -> None:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ())
                                                                       if isinstance(t, torch.Tensor)]
         self.snapshots.append({
             "loss": summarize_all({"loss": roots[0]}, budget_bytes())["loss"] if len(roots) == 1 else None,
-            "grads": summarize_all({name: p.grad for name, p in self.named_parameters()}, budget_bytes()),
+            "grads": summarize_all(grads if grads is not None else {name: p.grad for name, p in
+                                                                    self.named_parameters()}, budget_bytes()),
         })
         self._ran = set()
         if len(self.snapshots) >= self.steps:
             self.finish()
             if self.on_done is not None:
                 self.on_done()
+
+    def _snapshot_of_grad(self, outputs: Any, inputs: Any, result: Any) -> None:
+        """A step that takes its gradients with torch.autograd.grad (then sets `.grad` itself, or hands them to a
+        functional optimizer): those of the parameters among `inputs`, by the report's names; a call for no parameter
+        (the gradient of an input) is no training step."""
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        named = {id(p): name for name, p in self.named_parameters()}
+        grads = {named[id(t)]: g for t, g in zip(inputs, result) if id(t) in named}
+        if grads:
+            self._snapshot(outputs, grads)
 
     def finish(self) -> None:
         if self.written:
