@@ -1729,6 +1729,28 @@ def test_a_top_k_that_chose_the_same_entries_in_another_order_says_so(tmp_path):
     assert "silently wrong where the backward uses the order of the choices" in region.chain[-1], region.chain
 
 
+def _swapping_steps(ac: bool, steps: int) -> list[torch.Tensor]:
+    """Optimizer steps (lr 0) of a _SelectionBiasRouter whose balancing bias moves before each backward: row 3 swaps
+    its two experts in the recompute (the same two, in another order); the gradients of every step."""
+    scores = torch.zeros(6, 4)
+    scores[:, 0], scores[:, 1] = 1.0, 0.9
+    scores[3, 1] = 0.999  # (nearly tied: a bias of 0.01 on expert 1 puts it first there)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    router, grads = _SelectionBiasRouter(), []
+    opt = torch.optim.SGD(router.parameters(), lr=0.0)
+    for _ in range(steps):
+        xs = x.clone().requires_grad_()
+        out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
+        router.bias[1] += 0.01  # (the balancing update, before the backward)
+        out.square().sum().backward()
+        grads += [p.grad.clone() for p in router.parameters()] + [xs.grad]
+        router.bias[1] -= 0.01
+        opt.step()
+        opt.zero_grad()
+    return grads
+
+
 @pytest.mark.parametrize("compared", [1, 2])
 def test_choices_made_in_another_order_settle_clean_once_every_backwards_gradients_match(tmp_path, compared):
     """25j: the same experts chosen in another order, summed, the gradients bit-identical to the run without AC: the
@@ -1740,27 +1762,10 @@ def test_choices_made_in_another_order_settle_clean_once_every_backwards_gradien
     from ac_diff.reference.run import diverged_later
     from ac_diff.report import diverged_after
 
-    scores = torch.zeros(6, 4)
-    scores[:, 0], scores[:, 1] = 1.0, 0.9
-    scores[3, 1] = 0.999
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-
-    def train(ac: bool):
-        torch.manual_seed(0)
-        router, grads = _SelectionBiasRouter(), []
-        for _ in range(2):
-            xs = x.clone().requires_grad_()
-            out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
-            router.bias[1] += 0.01  # (the balancing update, before the backward: row 3 swaps its two experts)
-            out.square().sum().backward()
-            grads += [p.grad.clone() for p in router.parameters()] + [xs.grad]
-            router.bias[1] -= 0.01
-        return grads
-
-    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))  # (the ground truth, both steps)
+    assert all(torch.equal(a, b) for a, b in zip(_swapping_steps(True, 2), _swapping_steps(False, 2)))  # (truth)
     path = tmp_path / "t.jsonl"
     with ac_diff.record(path):
-        train(True)
+        _swapping_steps(True, 2)
     report = ac_diff.diagnose_paths([path])
     assert [r.status for r in report.regions] == ["diverged"] * 2
     attach(report, ReferenceResult("no-ac", IDENTICAL, "gradients identical", compared,
@@ -1788,30 +1793,10 @@ def test_a_watched_region_whose_module_chose_the_same_entries_in_another_order_s
     from ac_diff.reference.explain import attach
     from ac_diff.reference.result import IDENTICAL, ReferenceResult, StepComparison
 
-    scores = torch.zeros(6, 4)
-    scores[:, 0], scores[:, 1] = 1.0, 0.9
-    scores[3, 1] = 0.999
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-
-    def train(ac: bool):
-        torch.manual_seed(0)
-        router, grads = _SelectionBiasRouter(), []
-        opt = torch.optim.SGD(router.parameters(), lr=0.0)
-        for _ in range(3):
-            xs = x.clone().requires_grad_()
-            out = cp.checkpoint(router, xs, scores, use_reentrant=False) if ac else router(xs, scores)
-            router.bias[1] += 0.01
-            out.square().sum().backward()
-            grads += [p.grad.clone() for p in router.parameters()] + [xs.grad]
-            router.bias[1] -= 0.01
-            opt.step()
-            opt.zero_grad()
-        return grads
-
-    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+    assert all(torch.equal(a, b) for a, b in zip(_swapping_steps(True, 3), _swapping_steps(False, 3)))
     path = tmp_path / "t.jsonl"
     with ac_diff.record(path, watch=True, watch_full_steps=0):
-        train(True)
+        _swapping_steps(True, 3)
     report = ac_diff.diagnose_paths([path])
     watched, full = report.regions[0], report.regions[1]
     assert (watched.watched, full.watched, watched.status, full.status) == (True, False, "diverged", "diverged")
