@@ -555,7 +555,7 @@ def test_a_counter_the_recompute_advances_again_and_the_region_reads_is_never_cl
     assert model["grow"].imgs_seen == 16  # twice the 8 images a run without AC counts
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert (report.verdict, report.title) == ("unchecked", "GRADIENTS AT RISK"), report.headline
-    assert "reads Python state their recompute updates a second time" in report.headline, report.headline
+    assert "reads state their recompute updates a second time" in report.headline, report.headline
     assert "`model.grow.imgs_seen`" in report.headline
     region = report.regions[0]
     assert region.side_effects == ["model.grow.imgs_seen, a Python attribute, is changed by the region's code in each pass: the "

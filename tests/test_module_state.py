@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import ac_diff
+from ac_diff.report import STATE_READ_AGAIN
 from ac_diff.trace import read_run
 
 
@@ -79,6 +80,36 @@ def test_batch_norm_statistics_updated_again_in_the_recompute_are_a_side_effect(
     (save,) = candidates(report)
     assert save.spec.must_save == ["aten.native_batch_norm.default"] and save.spec.must_save_modules == ["bn"]
     assert save.repeats == {"bn.running_mean", "bn.running_var"}  # (the counter's add_ cannot be saved)
+
+
+def test_a_cumulative_batch_norm_reads_the_counter_its_recompute_advances_again(tmp_path):
+    """BatchNorm(momentum=None) averages its statistics with the factor 1 / num_batches_tracked, a Python float read
+    from the counter the recompute advances a second time (26a, 26h): the statistics end each step other than without
+    AC even where the batch norm op is saved, and `fix` called saving it "verified". Its code reads the counter (the
+    batch norm got another momentum in the recompute): at risk, the counter its cause (what `fix` checks)."""
+
+    def train(ac: bool, path=None):
+        torch.manual_seed(0)
+        block = BNBlock()
+        block.bn.momentum = None
+        grads = []
+        with ac_diff.record(path) if path else contextlib.nullcontext():
+            for _ in range(3):
+                x = torch.randn(8, 16, requires_grad=True)
+                (cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)).pow(2).mean().backward()
+                grads.append(block.lin.weight.grad.clone())
+                block.zero_grad()
+        return grads, block.bn.running_mean.clone()
+
+    (with_ac, mean_ac), (without, mean) = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_ac, without)) and not torch.equal(mean_ac, mean)  # (the truth)
+    train(True, tmp_path / "t.jsonl")
+    report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
+    assert report.verdict == "unchecked" and report.headline.startswith("gradients at risk"), report.headline
+    region = report.regions[1]
+    assert region.unchecked_reason == STATE_READ_AGAIN, region.unchecked_reason
+    assert region.cause.tensor == "bn.num_batches_tracked", region.cause
+    assert "read as a number that aten.native_batch_norm.default" in region.cause.evidence[0], region.cause.evidence
 
 
 def test_eval_between_forward_and_backward_is_the_module_mode(tmp_path):

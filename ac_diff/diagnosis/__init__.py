@@ -638,7 +638,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         if read:
             first = read[0]
             steps = max(3, backwards)
-            return (f"gradients at risk: {len(read)} region(s) reproduced their forward, but their code reads Python "
+            return (f"gradients at risk: {len(read)} region(s) reproduced their forward, but their code reads "
                     f"state their recompute updates a second time (the first: {module_label(first.module)}, region "
                     f"{first.region}: `{first.cause.tensor}`), so later steps compute with other values than a run "
                     f"without AC: `ac-diff run --reference no-ac --reference-steps {steps}` compares the gradients of "

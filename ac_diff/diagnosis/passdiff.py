@@ -397,6 +397,20 @@ def reads_beyond_update(p: Pass | None, name: str) -> bool:
     return False
 
 
+def read_into_arguments(cmp: PassComparison, p: Pass, name: str) -> OpRecord | None:
+    """The first op of pass `p` (the forward) called with another non-tensor argument in the recompute, after a host
+    read of the outside tensor `name` (`float(t)`, `.item()`) that gave the recompute another number: the Python value
+    read from state the recompute updated again reached an op (a batch norm's momentum=None factor, `1 /
+    num_batches_tracked`), not only a log line (which changes no argument)."""
+    names_it, _ = _naming(p, name)
+    read_at = next((d.forward.index for d in cmp.diffs if d.forward is not None and "host" in d.kinds
+                    and is_host_read(d.forward.op) and any(names_it(r) for r in d.forward.input_refs)), None)
+    if read_at is None:
+        return None
+    return next((d.forward for d in cmp.diffs if d.forward is not None and d.forward.index > read_at
+                 and d.kinds & ARGUMENT_KINDS), None)
+
+
 def _self_updated(f_ops: list[OpRecord], r_ops: list[OpRecord], ext_status: dict[tuple, bool]
                   ) -> tuple[dict[tuple, OpRecord], set[int]]:
     """Externals the region updates in place, from both passes:

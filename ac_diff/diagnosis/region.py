@@ -23,7 +23,7 @@ from .attributes import attribute_cause, counted_twice, function_state_cause, sp
 from .cause import drawn_at, explain, explain_flags, host_draw_cause, reentrant_graph_cause, sac_mutated_cause
 from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
-                      is_discrete, reads_beyond_update)
+                      is_discrete, read_into_arguments, reads_beyond_update)
 from .gradpath import gradient_path, path_ops
 from .discrete import decision_kept, describe_flip, first_flip
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
@@ -254,7 +254,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     read = [(change, how) for change, how in twice if change.read_again]
     # (a tensor it updates in place and computes with: an amax history its scale comes from, a count a branch reads)
     tensors = [(name, op) for name, op in cmp.region_updates() if name and not diverged and not read
-               and reads_beyond_update(fwd, name)]
+               and (reads_beyond_update(fwd, name) or read_into_arguments(cmp, fwd, name) is not None)]
     if not diverged and report.repeated:
         report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read or tensors),
                                                          code=update_code(read[0][0]) if read else None)]
@@ -264,8 +264,12 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     elif tensors:
         name, op = tensors[0]
         kind = next((e.kind for e in fwd.externals if e.name == name), "external")
+        into = read_into_arguments(cmp, fwd, name)
         _state_read_again(report, name, {"buffer": "the buffer", "param": "the parameter"}.get(kind, "the tensor"),
-                          f"{op.op} at {where(op.module, op.source)} in each pass")
+                          f"{op.op} at {where(op.module, op.source)} in each pass"
+                          + (f"; read as a number that {into.op} at {where(into.module, into.source)} got as an "
+                             "argument, another one in the recompute" if into is not None
+                             and not reads_beyond_update(fwd, name) else ""))
     if not diverged and report.status == CLEAN and report.host_draws:
         _drew_again(report, region, fwd.state.get("host_draw_sites") or rec.state.get("host_draw_sites") or [],
                     torch_version)

@@ -405,7 +405,7 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
             and not report.crashed:
         report.verdict = CLEAN
         report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
-                           f"exactly; the Python state {len(at_risk)} of them update twice under AC did not change "
+                           f"exactly; the state {len(at_risk)} of them update twice under AC did not change "
                            f"the gradients over all {result.backwards} backward passes (they match the run without "
                            "AC)")
 
