@@ -247,3 +247,38 @@ def test_reentrant_recompute_aligns_a_clone_the_forward_also_made(tmp_path):
     assert region.cause.kind == "rng"
     assert region.first_divergence().op.startswith("aten.bernoulli") or \
         region.first_divergence().op.startswith("aten.native_dropout")
+
+
+class _InferenceConstants(torch.nn.Module):
+    """A block that builds a constant under torch.inference_mode (a mask, a position table) and computes with it, with
+    dropout: inference tensors keep no version counter (reading `_version` raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            table = torch.arange(8.0) / 8
+        return self.drop(self.lin(x) + table.clone()) * table.clone()
+
+
+@pytest.mark.parametrize("watch", [False, True])
+@pytest.mark.parametrize("preserve", [True, False])
+def test_a_region_that_makes_inference_tensors_is_recorded(tmp_path, preserve, watch):
+    """27c: a block with an inference_mode constant failed the recorder on every op after it ("Inference tensors do
+    not track version counter"): NOTHING CHECKED. Recorded, it is clean with its RNG state preserved, and diverged
+    (rng) without it: the dropout mask drawn again."""
+    torch.manual_seed(0)
+    block = _InferenceConstants()
+    options = {"watch": True, "watch_full_steps": 0} if watch else {}
+    with ac_diff.record(tmp_path / "t.jsonl", **options):
+        for _ in range(2):
+            x = torch.randn(4, 8, requires_grad=True)
+            torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve).sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert not any("recorder error" in n for n in report.notes), report.notes
+    assert report.verdict == ("clean" if preserve else "diverged"), report.headline
+    if not preserve and not watch:
+        assert report.regions[0].cause.kind == "rng", report.regions[0].cause

@@ -25,7 +25,7 @@ import torch
 from ..capture.fingerprint import FingerprintBatch
 from ..capture.pystate import module_attributes
 from ..capture.state import host_rng_states
-from ..capture.torch_compat import FORWARD, RECOMPUTE
+from ..capture.torch_compat import FORWARD, RECOMPUTE, version_of
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _buffer_states(root: torch.nn.Module) -> dict:
     with torch.no_grad():
         sums = [b.detach().to(torch.float64).sum() for _, b in buffers]
         sums = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
-    return {name: ("buffer", b._version, s if s == s else "nan") for (name, b), s in zip(buffers, sums)}
+    return {name: ("buffer", version_of(b), s if s == s else "nan") for (name, b), s in zip(buffers, sums)}
 
 
 def _changed(before: dict | None, after: dict | None) -> dict:

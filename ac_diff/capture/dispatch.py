@@ -21,11 +21,29 @@ def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     """Run the op, then hand it to the recorder. Before an op that writes in place, the recorder fingerprints the
     tensors it holds there (fingerprint.FingerprintBatch): the op is about to change them (OpInfo.before)."""
     before = op_info(func).before
+    if _inference_mode_on():
+        return _in_inference_mode(self, func, before, args, kwargs)
     recorded = args
     if before is not None:
         recorded = self.recorder.before_write(before, args, kwargs)
     out = func(*args, **(kwargs or {}))
     self._on_op(func, recorded, kwargs, out)
+    return out
+
+
+_inference_mode_on = torch.is_inference_mode_enabled
+
+
+def _in_inference_mode(mode, func, before, args, kwargs):
+    """An op under torch.inference_mode runs so; the recorder's own work runs outside it: tensors made there (its
+    fingerprint buffers) would be inference tensors, which nothing may write once the mode is left."""
+    recorded = args
+    if before is not None:
+        with torch.inference_mode(False):
+            recorded = mode.recorder.before_write(before, args, kwargs)
+    out = func(*args, **(kwargs or {}))
+    with torch.inference_mode(False):
+        mode._on_op(func, recorded, kwargs, out)
     return out
 
 

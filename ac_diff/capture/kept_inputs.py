@@ -24,6 +24,7 @@ import torch
 
 from ..trace.encode import written_meta
 from .fingerprint import _storage_of
+from .torch_compat import version_of
 
 _PRUNE_AT = 4096  # regions awaiting their recompute before the entries whose inputs are gone are dropped
 
@@ -38,7 +39,7 @@ class KeptInputs:
         for i, t in enumerate(inputs or ()):
             if isinstance(t, torch.Tensor):
                 with contextlib.suppress(RuntimeError, TypeError):  # (an inference tensor has no version counter)
-                    entries.append((i, _weakref(t), t._version))
+                    entries.append((i, _weakref(t), version_of(t)))
         if not entries:
             return
         if len(self._awaiting) >= _PRUNE_AT:
@@ -60,8 +61,8 @@ class KeptInputs:
             changed = []
             for index, tensor_ref, version in entries:
                 t = tensor_ref()
-                if t is not None and t._version != version:
-                    changed.append([index, written_meta((t.size(), t.dtype, t.device)), version, t._version])
+                if t is not None and version_of(t) != version:
+                    changed.append([index, written_meta((t.size(), t.dtype, t.device)), version, version_of(t)])
             if region is not None and changed:
                 out.append((region, changed))
         return out

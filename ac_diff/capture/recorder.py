@@ -57,7 +57,8 @@ from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP,
 from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
-                           checkpointed_module, frame_options, graph_task_id, left_a_backward, sequential_segment)
+                           checkpointed_module, frame_options, graph_task_id, left_a_backward, sequential_segment,
+                           version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -733,14 +734,14 @@ class Recorder:
         key = id(t)
         hit = p.producers.get(key)
         if hit is not None and hit[_P_WEAKREF]() is t:
-            if hit[_P_SLOT] is not None and hit[_P_VERSION] == t._version:
+            if hit[_P_SLOT] is not None and hit[_P_VERSION] == version_of(t):
                 return hit[_P_SLOT]
             with self.quiet():
                 slot = p.batch.add(t)
-            p.producers[key] = (*hit[:_P_SLOT], slot, t._version, *hit[_P_VERSION + 1:])
+            p.producers[key] = (*hit[:_P_SLOT], slot, version_of(t), *hit[_P_VERSION + 1:])
             return slot
         hit = p.external_ids.get(key)
-        if hit is not None and hit[_E_WEAKREF]() is t and hit[_E_SLOT] is not None and hit[_E_VERSION] == t._version:
+        if hit is not None and hit[_E_WEAKREF]() is t and hit[_E_SLOT] is not None and hit[_E_VERSION] == version_of(t):
             return hit[_E_SLOT]
         with self.quiet():
             return p.batch.add(t)
@@ -1068,7 +1069,7 @@ class Recorder:
                         p.fp_slots.append((index, j, slot))
                 # (weakref, op index, output index, fingerprint slot, version when fingerprinted, its ref,
                 #  values measured or following from measured ones)
-                producers[id(o)] = (_weakref(o), index, j, slot, o._version if slot is not None else None,
+                producers[id(o)] = (_weakref(o), index, j, slot, version_of(o) if slot is not None else None,
                                     ("op", index, j), slot is not None or flows)
                 if tensor_inputs and o is tensor_inputs[0] and o._base is not None:
                     # written in place through a view (`buf[i] = x`): the base's later readers read this op's write
@@ -1174,7 +1175,7 @@ class Recorder:
             ext["graph"] = True  # runs on into it)
         made = p.region.kept.get(key) if p.phase == RECOMPUTE and p.region.kept else None
         if made is not None and made[0]() is t:  # the forward made it and kept it (a cache): read back, not remade
-            ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], t._version]
+            ext["made_by"], ext["versions"] = [made[1], made[2]], [made[3], version_of(t)]
         elif p.phase == RECOMPUTE and kind != "param":  # another region's forward made it (state carried in an
             made = self._outputs.get(key)  # attribute from call to call: the latest call's)
             if made is not None and made[0]() is t:
@@ -1183,7 +1184,7 @@ class Recorder:
         if slot is not None:
             p.ext_slots.append((ext, slot))
         ref = (kind, name, ext["i"])
-        p.external_ids[key] = (weakref.ref(t), ext["i"], ref, slot, t._version if slot is not None else None)
+        p.external_ids[key] = (weakref.ref(t), ext["i"], ref, slot, version_of(t) if slot is not None else None)
         p.externals.append(ext)
         return ref
 
@@ -1430,7 +1431,7 @@ def _outliving(p: _Pass) -> dict[int, tuple]:
     for key, e in p.producers.items():
         t = e[_P_WEAKREF]()
         if t is not None and not (key in externals and externals[key][_E_WEAKREF]() is t):
-            kept[key] = (e[_P_WEAKREF], e[_P_OP], e[_P_OUTPUT], t._version)
+            kept[key] = (e[_P_WEAKREF], e[_P_OP], e[_P_OUTPUT], version_of(t))
     return kept
 
 
@@ -1461,7 +1462,7 @@ def _same_memory_slot(producers: dict, source: torch.Tensor, out: torch.Tensor, 
     be reduced again (mm -> _unsafe_view in every linear and matmul of a 3-D input)."""
     hit = producers.get(id(source))
     if (hit is None or hit[_P_SLOT] is None or hit[_P_OP] != index - 1 or hit[_P_WEAKREF]() is not source
-            or source._version != hit[_P_VERSION]):
+            or version_of(source) != hit[_P_VERSION]):
         return None
     if (out.dtype is not source.dtype or out.dim() < 2 or source.dim() < 2 or out.shape[-1] != source.shape[-1]
             or out.numel() != source.numel() or not out.numel() or out.data_ptr() != source.data_ptr()

@@ -559,6 +559,16 @@ def wrap_sac_policies(contexts: Any, wrap: Callable[[Any], Any]) -> bool:
 _flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """A tensor's version counter (`t._version`: how many in-place writes it has had), or -1 for an inference tensor
+    (made under torch.inference_mode, which keeps none: reading it raises); such a tensor is never written outside
+    inference mode, so one constant is its version."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Contiguous tensors of one dtype as one flat tensor (one C++ call, one copy; one tensor: a view of it), as
     torch's own `_flatten_dense_tensors` (DDP's buckets) does."""

@@ -49,6 +49,7 @@ import torch
 
 from .byte_sums import ByteSums
 from .host_hash import hash_bytes
+from .torch_compat import version_of
 from .fingerprint import (HOLD, _SAME_SIZE_INTS, _Packed, _as_real, _local, _rows, current_stream_raw, in_memory_order,
                           wait_for_raw)
 from .segments import segment_pairs
@@ -249,7 +250,7 @@ class WatchedPass:
                 self.entries.append((position, meta, "input", f"input[{index}]", NO_DIGEST))
                 return False
             origin = "saved"
-        version = tensor._version
+        version = version_of(tensor)
         hit = self._seen.get(id(tensor))
         if hit is not None and hit[1] == version and hit[0]() is tensor:
             self.entries.append((position, meta, origin, name, hit[2]))
@@ -292,7 +293,7 @@ class WatchedPass:
         except RuntimeError:  # no storage (sparse): reduced by rows, or not at all, at the flush
             address = None
         takes = address is not None and t.layout is _strided and not t.is_quantized and _fits(t)  # (the kernel)
-        span = (address, size, t._version) if takes and size > SPAN_MIN else None
+        span = (address, size, version_of(t)) if takes and size > SPAN_MIN else None
         if span is not None:
             hit = self._spans.get(span)
             if hit is not None and hit[0]() is not None:  # (alive: its memory is not another tensor's since)
@@ -322,7 +323,7 @@ class WatchedPass:
         held, self._held, self._held_bytes = self._held, [], 0
         batches: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for slot, t, version, address, takes in held:
-            if t._version != version or address is not None and t.data_ptr() != address:
+            if version_of(t) != version or address is not None and t.data_ptr() != address:
                 self.unmeasured.add(slot)  # (written, or its storage resized outside dispatch: FSDP frees so)
             elif takes:  # (its layout cannot change without a new version or address)
                 batches.setdefault(t.device, []).append((slot, t))
