@@ -506,7 +506,12 @@ def _row_noise(clean, noisy) -> torch.Tensor | None:
     m = clean.margins
     if m.kind == "chooser":
         rows = _rows_view(delta, m.dim)
-        return rows.pow(2).mean(dim=-1).sqrt()
+        sigma = rows.pow(2).mean(dim=-1).sqrt()
+        if m.pair is None or m.pair.shape[0] != rows.shape[0]:
+            return sigma
+        # (a tie the noise did not move, two exact zeros a mask put there: no summation order parts them)
+        still = rows.gather(1, m.pair.to(rows.device)).eq(0).all(dim=-1)
+        return torch.where(still, torch.zeros_like(sigma), sigma)
     return delta.reshape(-1).abs() if delta.numel() == m.margins.numel() else None
 
 

@@ -41,6 +41,8 @@ class Margins:
     k: int | None = None
     candidates: int | None = None  # entries a row chooses among (experts, vocabulary)
     dim: int | None = None  # a chooser's dimension (None: the whole tensor is one row); None elsewhere
+    # a chooser's: per row, the positions (along dim) of the two scores whose gap is the margin
+    pair: torch.Tensor | None = None
 
 
 def bind(func, args: tuple, kwargs: dict) -> dict:
@@ -102,24 +104,44 @@ def _chooser(packet: str, b: dict) -> Margins | None:
         k = min(int(b.get("k", 1)), n - 1)
     # the first k+1 ranked, in the scores' own dtype (the order is the same), then float64: never a copy of a
     # whole vocabulary's logits in float64
-    ranked = rows.topk(k + 1, dim=-1, largest=largest).values if k + 1 < n else rows.sort(dim=-1, descending=largest).values
+    ranked, where = rows.topk(k + 1, dim=-1, largest=largest) if k + 1 < n else rows.sort(dim=-1, descending=largest)
     ordered = ranked.to(torch.float64)
     gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs()
-    m = gaps.min(dim=-1).values
+    m, j = gaps.min(dim=-1)
     at = ordered[:, k - 1:k].reshape(-1) if k >= 1 else ordered[:, 0]
+    pair = torch.stack([where.gather(1, j[:, None]), where.gather(1, j[:, None] + 1)], dim=-1).reshape(-1, 2)
     return Margins("chooser", m, m / ulp(at, scores.dtype), 0, scores.dtype, k, n,
-                   None if dim is None or scores.dim() == 0 else dim % scores.dim())
+                   None if dim is None or scores.dim() == 0 else dim % scores.dim(), pair)
 
 
-def _comparison(b: dict) -> Margins | None:
-    a, other = b.get("self"), b.get("other")
-    if not _floating(a) and not _floating(other):
+def comparison_gap(name: str, func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A comparison's signed distance to its threshold per element (`self - other`, float64, flat), what its noise is
+    measured on: a threshold computed from the same scores (`z < z.kthvalue(5).values`, `x >= x.max()`) moves with
+    them, so the element it was taken from stays at distance 0 however rounding moves both. None for other ops."""
+    if packet_of(name) not in COMPARISONS:
         return None
-    if not isinstance(a, torch.Tensor):
+    b = bind(func, args, kwargs)
+    operands = _operands(b)
+    return None if operands is None else (operands[0] - operands[1]).reshape(-1)
+
+
+def _operands(b: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A comparison's two operands in float64, broadcast; None where neither is floating."""
+    a, other = b.get("self"), b.get("other")
+    if not isinstance(a, torch.Tensor) or not _floating(a) and not _floating(other):
         return None
     av = a.detach().to(torch.float64)
     ov = other.detach().to(torch.float64) if isinstance(other, torch.Tensor) else torch.tensor(float(other), dtype=torch.float64)
     av, ov = torch.broadcast_tensors(av, ov.to(av.device))
+    return av, ov
+
+
+def _comparison(b: dict) -> Margins | None:
+    operands = _operands(b)
+    if operands is None:
+        return None
+    av, ov = operands
+    a, other = b.get("self"), b.get("other")
     dtype = a.dtype if a.is_floating_point() else other.dtype
     m = (av - ov).abs().reshape(-1)
     return Margins("comparison", m, m / ulp(torch.maximum(av.abs(), ov.abs()).reshape(-1), dtype), 0, dtype)

@@ -1,6 +1,7 @@
 """The perturbations an audit injects, and the unit they are measured in (ulps of a dtype).
 
     spec = parse_noise("1ulp")        # NoiseSpec(kind="ulp", size=1.0): every element moved by 1 ulp, random sign
+                                      # (rounding noise: exact zeros stay)
     spec = parse_noise("rel:1e-6")    # x * (1 + 1e-6 * N(0, 1))
     spec = parse_noise("abs:1e-3")    # x + 1e-3 * N(0, 1)   (e.g. the per-step change of a bias)
     spec = parse_noise("realistic")   # at the op that produced the scores: the rounding of its reduction
@@ -131,9 +132,13 @@ def perturb(out: torch.Tensor, spec: NoiseSpec, generator: torch.Generator,
             delta = g * spec.size
         else:
             delta = g * spec.size * (sigma if sigma is not None else ulp(x, acc))
-    if acc == out.dtype or not rounding:
+    if not rounding:
         return delta.to(out.dtype)
-    return ((x + delta).to(out.dtype).to(torch.float64) - out.detach().to(torch.float64)).to(out.dtype)
+    if acc != out.dtype:
+        delta = (x + delta).to(out.dtype).to(torch.float64) - out.detach().to(torch.float64)
+    # (an exact zero is a mask's or a constant's, `torch.where(m, 0, z)`, relu's: no summation order moves it, and
+    # noise there breaks ties between zeros that every recompute keeps)
+    return torch.where(out.detach() == 0, torch.zeros((), dtype=torch.float64, device=out.device), delta).to(out.dtype)
 
 
 def _dithered(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

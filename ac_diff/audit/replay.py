@@ -38,7 +38,7 @@ from ..capture.torch_compat import checkpointed_module
 from ..remedies.restore import KeptState
 from ..oprules import keeps_order, written_arguments
 from ..capture.sourceline import user_source
-from .margins import Margins, decision_margins
+from .margins import Margins, comparison_gap, decision_margins
 from .noise import NoiseSpec, perturb, reduction_sigma
 
 Key = tuple[str, int]  # (op name, call index of that op in the pass): how two passes of a region line up
@@ -182,7 +182,9 @@ class _Mode(TorchDispatchMode):
             margins = decision_margins(name, func, args, kwargs) if self.keep else None
             ts = _tensors(args, kwargs)
             arg = margins.score_arg if margins is not None else 0
-            score = ts[arg] if arg < len(ts) and ts[arg].is_floating_point() else None
+            score = comparison_gap(name, func, args, kwargs)  # (a comparison: the noise of its gap)
+            if score is None:
+                score = ts[arg] if arg < len(ts) and ts[arg].is_floating_point() else None
             self.result.decisions[key] = Decision(
                 index, key, module or "", user_source(2) if self.keep else None, margins,
                 tuple(t.detach().clone() for t in outs),
