@@ -752,6 +752,39 @@ def test_the_reference_does_not_take_autocasts_weight_casts_for_side_outputs():
     assert ops and "aten._to_copy.default" not in ops, ops
 
 
+def test_the_reference_does_not_take_what_a_region_computes_from_a_detached_copy_for_side_outputs():
+    """27d: a reentrant block keeps `h.detach().abs().amax(0)` on itself for a scale update (fp8's amax): the reference
+    named aten.amax "a side output ... adds no gradient" and suggested use_reentrant=False, where the README exempts
+    it: the detached copy shares its source's storage, and what was computed from it alone was taken as made with
+    grad. A z-loss handed out the same way is one."""
+    from ac_diff.capture.modules import ModuleStack
+    from ac_diff.reference.leaks import ReentrantWatch
+    from ac_diff.remedies.call import CheckpointCall
+
+    class AmaxBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.last_amax, self.losses = nn.Linear(8, 8), None, []
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.last_amax = h.detach().abs().amax(0)
+            self.losses.append(h.logsumexp(-1).square().mean())
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    block, x = AmaxBlock(), torch.randn(4, 8, requires_grad=True)
+    watch = ReentrantWatch(ModuleStack())
+
+    def forward():
+        with torch.no_grad():  # (as checkpoint(use_reentrant=True) runs it)
+            return block(x)
+
+    watch(CheckpointCall(block, (x,), {}, "block", True), forward)
+    ops = {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
+    assert "aten.mean.default" in ops and not ops & {"aten.abs.default", "aten.amax.default"}, ops
+
+
 class _DelayedScaling(nn.Linear):
     """fp8-style delayed scaling: the scale comes from an amax history the forward rolls in place (the recompute
     rolls it again); activations and weights are fake-quantized through a straight-through estimator,
