@@ -133,19 +133,23 @@ class CachedNoise(nn.Module):
     """A block that adds a noise table a cached helper draws on its first call (a cache miss in the forward, a hit in
     the recompute), then dropout."""
 
-    def __init__(self, table) -> None:
+    def __init__(self, table, saved: bool = False) -> None:
         super().__init__()
-        self.fc, self.drop, self.table = nn.Linear(16, 16), nn.Dropout(0.2), table
+        self.fc, self.drop, self.table, self.saved = nn.Linear(16, 16), nn.Dropout(0.2), table, saved
 
     def forward(self, x):
-        return self.drop(torch.relu(self.fc(x + self.table(x.shape[0], x.shape[1]))))
+        table = self.table(x.shape[0], x.shape[1])
+        # (a product saves the table for its backward: the recompute reads the cached one back instead of drawing it)
+        return self.drop(torch.relu(self.fc(x) * table if self.saved else self.fc(x + table)))
 
 
-@pytest.mark.parametrize("warmed", [False, True])
-def test_a_draw_the_forward_made_on_a_cache_miss_moves_the_dropout_of_the_recompute(warmed, tmp_path):
+@pytest.mark.parametrize("warmed,saved", [(False, False), (True, False), (False, True)])
+def test_a_draw_the_forward_made_on_a_cache_miss_moves_the_dropout_of_the_recompute(warmed, saved, tmp_path):
     """functools.lru_cache's table is drawn (randn) in the forward and found cached by the recompute, whose dropout then
     draws from another offset of the restored generator: the cause was "the generator it draws from is not one
-    checkpoint restores ... a region that draws on a GPU", on a CPU. The table drawn before the step: clean."""
+    checkpoint restores ... a region that draws on a GPU", on a CPU. The table drawn before the step: clean. A table
+    the forward saved for its backward (a product, random features' `q @ W`, 27b) was named a cache that skipped saved
+    tensors (control_flow), pointing away from the draw."""
     import functools
 
     @functools.lru_cache(maxsize=None)
@@ -153,7 +157,7 @@ def test_a_draw_the_forward_made_on_a_cache_miss_moves_the_dropout_of_the_recomp
         return torch.randn(n, d) * 0.02
 
     torch.manual_seed(0)
-    model, x = CachedNoise(noise_table), torch.randn(8, 16)
+    model, x = CachedNoise(noise_table, saved), torch.randn(8, 16)
     if warmed:
         noise_table(8, 16)
     region = _one_region(model, x, tmp_path, clean=warmed)

@@ -140,8 +140,9 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     if rebound is not None:
         return rebound
     cached = _cache_skipped_saves(region, cmp)
-    if cached is not None:
-        return cached
+    if cached is not None:  # (a skipped op that drew: what made a later draw differ is the generator's offset)
+        random_op = _first_random_divergence(cmp)
+        return (_drawn_in_one_pass(region, cmp, random_op) if random_op is not None else None) or cached
     frozen = _requires_grad_changed(region) or _trainable_changed(flags)
     if frozen is not None:
         return frozen
