@@ -103,6 +103,19 @@ def test_fix_does_not_verify_a_try_whose_recompute_still_updates_the_culprit_twi
     judge(harmless, report("layers.0.bn.running_mean"), identical, ok, ok, None,
           culprits=frozenset({"aten.native_dropout.default"}))
     assert harmless.status == VERIFIED
+    # a counter the region's code reads (a balancing update in a forward hook from the counts the recompute adds
+    # again, 27e): the recompute still computes with it a second time, the drift shows after the compared passes
+    from ac_diff.diagnosis.cause import Cause
+    from ac_diff.report import STATE_READ_AGAIN
+
+    reads = report("layers.0.moe.tokens_per_expert")
+    reads.regions[0].status, reads.regions[0].unchecked_reason = "unchecked", STATE_READ_AGAIN
+    reads.regions[0].cause = Cause("state_mutation", "layers.0.moe.tokens_per_expert", "reads it", [])
+    saved = Try("save aten.topk.default in layers.*.moe", [], "state_mutation")
+    judge(saved, reads, SimpleNamespace(steps=_steps(True), defect=False, backwards=2), ok, ok, "aten.topk.default",
+          culprits=frozenset({"layers.0.moe.expert_bias"}))
+    assert saved.status == DID_NOT_HELP and "reads a second time (`layers.0.moe.tokens_per_expert`)" in saved.reason, \
+        saved.reason
 
 
 def test_fix_says_a_try_whose_remedy_matched_nothing_was_not_applied(tmp_path):

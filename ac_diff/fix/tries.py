@@ -19,7 +19,7 @@ from typing import Any
 
 from ..children import Child, stdin_for_child
 from ..report import recomputed_in
-from ..report import DIVERGED
+from ..report import DIVERGED, STATE_READ_AGAIN
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
 from ..remedies.patch import MATCHED_NOTHING
 from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
@@ -130,12 +130,16 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
     t.status = DID_NOT_HELP
     if t.regions_after == 0 and t.gradients == "bit-identical" and (m.code == 0 or own_exit):
         twice = sorted(report.repeated_updates() & culprits)
-        if not twice:
+        read = next((r for r in report.regions if r.unchecked_reason == STATE_READ_AGAIN), None)
+        if not twice and read is None:
             t.status = VERIFIED
             return
-        t.reason = (f"every recompute matches and the compared gradients too, but the recompute still updates "
-                    f"{', '.join(twice[:3])} in place a second time (counted twice): the steps after start from another "
-                    "state than without AC")
+        t.reason = ("every recompute matches and the compared gradients too, but the recompute still updates "
+                    + (f"{', '.join(twice[:3])} in place a second time (counted twice): the steps after start from "
+                       "another state than without AC" if twice else
+                       f"state that region {read.region} ({read.module}) reads a second time (`{read.cause.tensor}`): "
+                       f"the steps after the {reference.backwards} compared compute with other values than without "
+                       "AC"))
         return
     t.reason = _reason(report, reference, op, m)
 
