@@ -582,6 +582,17 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "Call `torch.use_deterministic_algorithms(True)` (and set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA) to "
             "find or replace the nondeterministic kernel; for scatter/index_add style ops, a sort-based or "
             "deterministic variant avoids atomics."))
+    if region.kind == "reentrant" and not region.watched and report.first_divergence() is None \
+            and not any("use_reentrant=False" in s.title for s in out):  # (every op matched: the graph it runs on)
+        out.append(Suggestion(
+            "Use use_reentrant=False: the backward then runs on the forward's own graph",
+            "Every op of the recompute matched the forward, yet with use_reentrant=True the backward runs on the "
+            "graph the recompute built: what the recompute saw there (a value a custom autograd.Function kept on "
+            "ctx, which parameters require grad) is what the backward uses. With use_reentrant=False the backward "
+            "runs on the forward's graph; the recompute only refills the tensors it saved.",
+            "out = checkpoint(block, x, use_reentrant=False)\n"
+            "# Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": "
+            "False})"))
     if report.silent:
         out.append(Suggestion(
             LOUDER,

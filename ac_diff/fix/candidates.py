@@ -169,7 +169,10 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
         where = f"{kind} in {r.module}"
         if kind == "rng" and r.checkpoint_options.get("preserve_rng_state") is not True:  # (not one in effect)
             add(Candidate("preserve_rng_state=True", RemedySpec(preserve_rng=True), where, "preserve_rng"))
-        if kind == "lost_gradient" or r.cause is not None and r.cause.mechanism == GRAD_MODE:
+        # (or every op matched and still it diverged: a reentrant backward runs on the graph its recompute built, with
+        # what a custom Function kept on ctx there; without reentrancy it runs on the forward's own)
+        if kind == "lost_gradient" or r.cause is not None and r.cause.mechanism == GRAD_MODE or (
+                r.kind == "reentrant" and r.first_divergence() is None):
             add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True), where, "non_reentrant"))
         if kind == "nondeterministic_op" or (kind == "global_state" and "determinis" in (r.cause.tensor or "")):
             add(Candidate("deterministic algorithms", RemedySpec(deterministic=True), where, "deterministic"))

@@ -45,7 +45,7 @@ from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
-                      UNCHECKED, Divergence, RegionReport, backwards_recorded, recomputed_in)
+                      UNCHECKED, Divergence, RegionReport, backwards_recorded, diverged_after, recomputed_in)
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -467,24 +467,31 @@ def _reordered_settled(report: Any, result: ReferenceResult) -> None:
     cause and its fix kept (what moved the scores may flip a choice in another step); so is the run."""
     diverged = [r for r in report.regions if r.status == DIVERGED]
     made = backwards_recorded(report.regions, getattr(report, "watch", None))
-    if not diverged or result.verdict != IDENTICAL or result.backwards < made or report.torch_errors \
+    # (fewer compared than made: enough where every diverged region was recomputed in a compared one, the later ones
+    # all reproduced their saved tensors)
+    uncompared = result.backwards < made and (diverged_after(report.regions, result.backwards)
+                                              or (report.watch or {}).get("unwritten"))
+    if not diverged or result.verdict != IDENTICAL or uncompared or report.torch_errors \
             or report.verdict != DIVERGED or report.crashed or (report.watch or {}).get("never_compared") \
             or any(r.status == UNCHECKED for r in report.regions) or not all(
                 _reordered_flip(r, report.regions) is not None for r in diverged):
         return
+    over = f"all {result.backwards}" if result.backwards >= made else f"the {result.backwards} compared"
     for r in diverged:
         flip = _reordered_flip(r, report.regions)
         r.status, r.silent = CLEAN, False
         r.notes.append(f"its recompute chose the same top-k entries in another order ({flip.summary}"
                        + (", as its module's recording in full shows" if flip is not r.first_discrete_divergence
-                          else "") + f"): the gradients match the run without AC over all {result.backwards} backward "
-                       "passes, so nothing this run computes uses that order")
+                          else "") + f"): the gradients match the run without AC over {over} backward passes, so "
+                       "nothing this run computes uses that order")
     report.verdict = CLEAN
-    report.headline = (f"clean: the gradients match the run without AC over all {result.backwards} backward "
-                       f"passes; the recompute of {len(diverged)} region(s) chose the same top-k entries in "
+    report.headline = (f"clean: the gradients match the run without AC over {over} backward passes; the "
+                       f"recompute of {len(diverged)} region(s) chose the same top-k entries in "
                        "another order (other saved tensors, which torch does not check), and nothing uses that "
-                       "order" + (f"; what moved the scores ({diverged[0].cause.kind}) may flip a choice in "
-                                  "another step: see its fix" if diverged[0].cause is not None else ""))
+                       "order" + (f"; the regions of the {made - result.backwards} later backward pass(es) reproduced "
+                                  "their saved tensors exactly" if result.backwards < made else "")
+                       + (f"; what moved the scores ({diverged[0].cause.kind}) may flip a choice in "
+                          "another step: see its fix" if diverged[0].cause is not None else ""))
 
 
 def _reordered_flip(r: RegionReport, regions: list[RegionReport]) -> Divergence | None:
