@@ -15,14 +15,18 @@ import torch
 from ac_diff.passes import Pass, Region
 from ac_diff.reference.explain import explain
 from ac_diff.reference.forwards import first_difference
-from ac_diff.reference.result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, StepComparison
+from ac_diff.reference.result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ParamDiff, StepComparison
 from factories import ext, op, param_ref, ref, run
 
 
-def _steps(second_loss_identical: bool, no_grad: int = 0) -> list[StepComparison]:
+def _steps(second_loss_identical: bool, no_grad: int = 0, grads_follow: bool = True) -> list[StepComparison]:
+    """Two backward passes; the second's loss differs where asked, and its gradients with it (a state that differs
+    as the step starts reaches both), unless `grads_follow` is False."""
+    follow = not second_loss_identical and grads_follow
     return [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=4, no_grad=no_grad),
             StepComparison(step=1, loss_identical=second_loss_identical, loss_rel_diff=1e-4, parameters=4,
-                           identical=4, no_grad=no_grad)]
+                           identical=3 if follow else 4, no_grad=no_grad,
+                           differing=[ParamDiff("l0.w", "differs", 1e-3)] if follow else [])]
 
 
 def _report(side_effects=(), rng=False, cause=None, mechanism=None, source=None, host_draws=()):
@@ -37,6 +41,18 @@ def test_a_later_loss_after_identical_gradients_is_the_repeated_update_when_ther
     result = explain(_steps(False), [], _report([effect]), steps_requested=2)
     assert result.verdict == DIFFERS and result.explanations[0].kind == "repeated_update"
     assert "l0.center" in result.explanations[0].text and "repeated update" in result.headline
+
+
+def test_a_later_loss_that_differs_while_every_gradient_matches_is_the_forwards_values_only():
+    """27e: an aux loss normalised by a counter the recompute advances again (f = counts / counts.sum()): the
+    forward's loss differs from the run without AC from backward 2, the recompute's saved tensors, hence every
+    gradient, match it. The reference said "differs: repeated update" over 34 identical gradients, and the report
+    "the gradients ... are silently wrong"."""
+    effect = "l0.counts is updated in place by aten.add_.Tensor in l0 (x.py:3) inside the region, so ... (counted twice)"
+    result = explain(_steps(False, grads_follow=False), [], _report([effect]), steps_requested=2)
+    assert result.verdict == IDENTICAL and not result.defect, result.headline
+    assert "the loss of backward 2 differs (rel. diff 0.0001)" in result.headline, result.headline
+    assert any("l0.counts" in n and "the training is the same" in n for n in result.notes), result.notes
 
 
 def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():
