@@ -447,3 +447,10 @@ def test_report_of_node_directories_a_relaunch_did_not_clear_reports_the_latest_
     assert kept == new and len(notes) == 2 and all("earlier launch, run first" in n for n in notes), notes
     other = [trace(0, "third", 300.0, 2)]  # (no rank twice: left to the mixed-runs finding)
     assert latest_run([*new[:2], *other]) == ([*new[:2], *other], [])
+    # single processes have no run id (27d: `report killed/ finished/` mixed a killed run's 428 regions with a finished
+    # run's into NOTHING CHECKED, "traces of different runs are mixed"): each process is a launch of its own
+    single = [Run(source="trace", path=f"{name}/trace-rank0.jsonl", rank=0, regions=[], exit_status=status,
+                  start_time=start, header={"pid": pid, "host": "vm"}) for name, status, start, pid in
+              [("killed", "ok", 100.0, 11), ("finished", "ok", 200.0, 12)]]
+    kept, notes = latest_run(single)
+    assert kept == single[1:] and len(notes) == 1 and "left out killed/trace-rank0.jsonl" in notes[0], notes

@@ -41,8 +41,8 @@ def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
     node's new ranks do not overwrite its old ones), and a line for each trace left out."""
     launches: dict[str, list[Run]] = {}
     for run in runs:
-        if run.source == "trace" and run.run_id:
-            launches.setdefault(str(run.run_id), []).append(run)
+        if run.source == "trace" and launch_of(run):
+            launches.setdefault(launch_of(run), []).append(run)
     if len(launches) < 2:
         return runs, []
     ranks = [{r.rank or 0 for r in group} for group in launches.values()]
@@ -52,8 +52,19 @@ def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
     left = [r for rid, group in launches.items() if rid != latest for r in group]
     out = {id(r) for r in left}
     return [r for r in runs if id(r) not in out], [
-        f"left out {r.path} (rank {r.rank or 0} of an earlier launch, run {r.run_id}): the paths hold ranks of "
+        f"left out {r.path} (rank {r.rank or 0} of an earlier launch, run {launch_of(r)}): the paths hold ranks of "
         f"{len(launches)} launches, and the latest, run {latest}, is reported" for r in left]
+
+
+def launch_of(run: Run) -> str | None:
+    """The launch a trace belongs to: its run id (torchrun); a single process's, which has none, its process (pid on
+    host, started at); None for a rank of another launcher (its ranks cannot be told apart from another launch's)."""
+    if run.run_id:
+        return str(run.run_id)
+    header = run.header or {}
+    if run.world_size == 1 and header.get("pid") is not None:
+        return f"pid {header['pid']} on {header.get('host', '?')} at {run.start_time or 0:.0f}"
+    return None
 
 
 def one_trace_per_rank(runs: list[Run]) -> tuple[list[Run], list[str]]:
@@ -62,14 +73,14 @@ def one_trace_per_rank(runs: list[Run]) -> tuple[list[Run], list[str]]:
     for being less complete than another copy, one line each."""
     best: dict[tuple, Run] = {}
     for run in runs:
-        key = (run.run_id, run.rank or 0)
-        if run.source != "trace" or not run.run_id:
+        key = (launch_of(run), run.rank or 0)
+        if run.source != "trace" or not key[0]:
             continue
         if key not in best or _completeness(run) > _completeness(best[key]):
             best[key] = run
     kept, notes = [], []
     for run in runs:
-        chosen = best.get((run.run_id, run.rank or 0)) if run.source == "trace" and run.run_id else run
+        chosen = best.get((launch_of(run), run.rank or 0)) if run.source == "trace" and launch_of(run) else run
         if chosen is run:
             kept.append(run)
         elif _completeness(run) < _completeness(chosen):
