@@ -800,3 +800,31 @@ def test_a_restored_state_keeps_its_layout_so_the_recompute_saves_it_alike(patch
     assert all(torch.equal(a, b) for a, b in zip(restored, reference))
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == "clean", report.headline
+
+
+def test_a_checkpointed_partial_is_named_by_its_function_in_the_report_and_by_no_ac(tmp_path):
+    """`checkpoint(functools.partial(layer_fn, hp), x)` (hyper-parameters bound in): the report named the region after
+    the module its ops ran first (`lin`), `--no-ac lin` matched nothing ("<function>" at the call), and `fix` spent its
+    only try on it (27b). Both name it `layer_fn`, as a plain function's region is named."""
+    import functools
+
+    from ac_diff.trace import read_run
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def layer_fn(hp, x):
+        return x * torch.sigmoid(lin(x) + hp["bias"])
+
+    fn = functools.partial(layer_fn, {"bias": 0.5})
+    x = torch.randn(4, 8, requires_grad=True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        cp.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    (region,) = read_run(tmp_path / "t.jsonl").regions
+    assert region.module.endswith("layer_fn"), region.module
+    patch = CheckpointPatch(RemedySpec(no_ac=[region.module])).install()
+    try:
+        cp.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    finally:
+        patch.uninstall()
+    assert [(r["remedy"], r["what"], r["calls"]) for r in patch.summary()] == [("no_ac", "AC off", 1)]

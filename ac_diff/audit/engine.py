@@ -29,7 +29,8 @@ import torch
 from ..oprules import DECISION_OUTPUT
 from ..capture.modules import ModuleStack, unread_statistics
 from ..oprules import is_collective
-from ..capture.torch_compat import FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module
+from ..capture.torch_compat import (FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module,
+                                   function_name)
 from .margins import packet_of, summarize
 from .noise import NoiseSpec
 from .recompute import RecomputeCheck
@@ -280,7 +281,7 @@ class Auditor:
     def _name(self, fn: Any) -> str:
         """The checkpointed module's name ("layers.0"), else the function's ("?" when unknown)."""
         module, _ = checkpointed_module(fn)
-        return self.modules.name_of(module) if module is not None else getattr(fn, "__qualname__", "?")
+        return self.modules.name_of(module) if module is not None else function_name(fn) or "?"
 
     def _targets(self, clean: PassResult) -> dict:
         """site key -> (the op row the noise goes into, its slot), for decisions that noise can reach."""

@@ -116,6 +116,18 @@ def checkpointed_module(fn: Any) -> tuple[Any, bool]:
     return None, True
 
 
+def function_name(fn: Any) -> str | None:
+    """The name a checkpointed function is known by (its `__qualname__`), through `functools.partial` wrappers
+    (`partial(layer_fn, hparams)` -> "layer_fn"); None for a lambda and for what has no name."""
+    fn = getattr(fn, "_ac_diff_checkpointed", fn)
+    for _ in range(4):
+        if not isinstance(fn, functools.partial):
+            break
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and "<lambda>" not in name else None
+
+
 def sequential_segment(fn: Any) -> tuple[list, int, int] | None:
     """(the modules, first, last) when `fn` is the function `checkpoint_sequential` checkpoints for one
     segment (a closure over them), else None."""

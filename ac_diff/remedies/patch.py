@@ -27,7 +27,7 @@ import torch.utils.checkpoint as _cp
 from ..capture.compiled import is_compiling
 from ..capture.fqn import segment_name
 from ..capture.modules import ModuleStack
-from ..capture.torch_compat import checkpointed_module, dynamo_traces_through, sequential_segment
+from ..capture.torch_compat import checkpointed_module, dynamo_traces_through, function_name, sequential_segment
 from . import deterministic
 from .call import CheckpointCall
 from .must_save import MustSave
@@ -176,7 +176,7 @@ class CheckpointPatch:
         if stack:
             current = stack[-1][1] or type(stack[-1][0]).__name__
             return current, [current]
-        return getattr(function, "__qualname__", "<function>"), []
+        return function_name(function) or "<function>", []
 
     # -- what was done ------------------------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
