@@ -266,6 +266,9 @@ class RegionReport:
     # a clean region's Python value that changed between its passes and reached no saved tensor (its cause and fixes
     # as if it had): what a watched divergence of the same module that did not recur here is named by
     absorbed: tuple | None = None
+    # a clean region's chooser whose scores moved between the passes without flipping a choice: what a larger batch,
+    # with rows nearer a tie, flips ("topk at moe.py:49: the scores moved by up to 0.001, closest margin 0.03")
+    held_choice: str | None = None
 
     @property
     def has_values(self) -> bool:
@@ -330,7 +333,7 @@ class RegionReport:
             "unchecked_reason": self.unchecked_reason, "checkpoint_options": self.checkpoint_options,
             "watched": self.watched, "step": self.step, "optimizer_step": self.optimizer_step,
             "backward": self.backward, "function": self.function, "recompute_n": self.recompute_n,
-            "backward_raised": self.backward_raised,
+            "backward_raised": self.backward_raised, "held_choice": self.held_choice,
         })
         return data
 

@@ -1836,6 +1836,35 @@ def test_a_watched_region_whose_module_chose_the_same_entries_in_another_order_s
         watched.notes
 
 
+def test_a_choice_whose_scores_moved_without_flipping_is_noted_on_a_clean_run(tmp_path):
+    """The origin thread's MoE at a small size (27e): the balancing bias moved between forward and backward, the
+    recompute's top-k scores moved with it, and no row was near enough a tie to flip: CLEAN, with the router input's
+    change called "harmless for the gradients". The same script raises at 256 tokens. The clean headline says the
+    choice held by a margin, what moved it and by how much; a run whose scores did not move says nothing of it."""
+    scores = torch.zeros(6, 4)
+    scores[:, 0], scores[:, 1] = 1.0, 0.5  # (every row far from a tie: 0.5)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+
+    def step(nudge: float, path):
+        torch.manual_seed(0)
+        router = _SelectionBiasRouter()
+        with ac_diff.record(path):
+            out = cp.checkpoint(router, x.clone().requires_grad_(), scores, use_reentrant=False)
+            router.bias[1] += nudge  # (the balancing update, before the backward)
+            out.square().sum().backward()
+        return ac_diff.diagnose_paths([path])
+
+    report = step(0.001, tmp_path / "moved.jsonl")
+    assert report.verdict == "clean", report.headline
+    (region,) = report.regions
+    assert region.held_choice.startswith("aten.topk.default at ") and "moved by up to 0.001" in region.held_choice
+    assert "buffer `bias` changed" in region.held_choice and "0.5 from a tie" in region.held_choice, region.held_choice
+    assert "the scores of a choice moved between the forward and the recompute without flipping it" in \
+        report.headline, report.headline
+    still = step(0.0, tmp_path / "still.jsonl")
+    assert still.verdict == "clean" and still.regions[0].held_choice is None and "choice" not in still.headline
+
+
 class _TemperedTopK(nn.Module):
     """Scores divided by a temperature buffer, top-4 of 64 kept: a temperature nudged before the backward moves every
     score, and keeps every choice (the margins are far larger than the move)."""

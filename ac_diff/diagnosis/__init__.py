@@ -580,6 +580,17 @@ def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) ->
 # twice-updated values (a balancing update from counts, a loss) is for a comparison over more than one step to tell
 REPEATED_ASK = " (`ac-diff run --reference no-ac --reference-steps 2` tells whether the training reads them)"
 
+def held_choice_note(regions: list[RegionReport]) -> str:
+    """A clean headline's note on the clean regions whose chooser's scores moved between the passes without a flip
+    (RegionReport.held_choice): the origin thread's MoE, clean at a small size, raising at a larger one."""
+    held = [r for r in regions if r.status == CLEAN and r.held_choice]
+    if not held:
+        return ""
+    return (f"; but in {len(held)} of them the scores of a choice moved between the forward and the recompute without "
+            f"flipping it (region {held[0].region}, {held[0].held_choice}): with more tokens a choice near a tie "
+            "flips (`ac-diff audit` estimates when)")
+
+
 # a clean run's reentrant regions: their recompute reproduced the forward, but their backward runs as a backward of
 # its own, which can add gradients in another order than one backward through the whole graph
 REENTRANT_BACKWARD = ("reentrant regions (use_reentrant=True) reproduced their forward, but each runs its backward as "
@@ -674,6 +685,7 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         extra = (f"; note: the recompute repeats the updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "")
                  + ", so they end each step other than a run without AC leaves them" + REPEATED_ASK if repeated else "")
+        extra += held_choice_note(regions)
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor

@@ -157,6 +157,39 @@ def _margins(flip: Flip, f: OpRecord, r: OpRecord, name: str, rows: torch.Tensor
         flip.score_shift = float(shift.max())
 
 
+@dataclass
+class HeldChoice:
+    """A chooser (top-k, argmax) whose scores moved between the passes while every choice held: how far they moved,
+    and how close the nearest choice came (the smallest gap between the k-th and the next score)."""
+    op: OpRecord
+    moved: float
+    margin: float
+    rows: int
+
+
+def held_choice(cmp: Any) -> HeldChoice | None:
+    """The first chooser of a PassComparison whose scores moved (kept values of both passes) and whose choice held,
+    where its margin is known: what a larger batch, with more rows near a tie, flips."""
+    for d in cmp.discrete_diffs():
+        f, r = d.forward, d.recompute
+        name = packet(f.op) if f is not None else None
+        if name not in ("topk", "argmax", "argmin", "max", "min") or not decision_kept(f, r):
+            continue
+        fs = _tensor((f.values or {}).get("in0"), torch.float64)
+        rs = _tensor((r.values or {}).get("in0"), torch.float64)
+        k = _k_of(f, name)
+        if fs is None or rs is None or fs.shape != rs.shape or fs.dim() == 0 or k is None or k >= fs.shape[-1]:
+            continue
+        moved = float((rs - fs).abs().max())
+        if not moved > 0:
+            continue
+        largest = not (name in ("argmin", "min") or (name == "topk" and False in f.args[3:4]))
+        ordered = fs.reshape(-1, fs.shape[-1]).sort(dim=-1, descending=largest).values
+        gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs().min(dim=-1).values
+        return HeldChoice(f, moved, float(gaps.min()), int(ordered.shape[0]))
+    return None
+
+
 def _short(values: Any, n: int = 12) -> Any:
     if isinstance(values, list) and len(values) > n:
         return values[:n] + ["..."]

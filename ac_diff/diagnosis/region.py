@@ -25,7 +25,7 @@ from ..align import Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete, read_into_arguments, reads_beyond_update)
 from .gradpath import gradient_path, path_ops
-from .discrete import decision_kept, describe_flip, first_flip
+from .discrete import decision_kept, describe_flip, first_flip, held_choice
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
                            saved_by_its_ops)
 from .suggest import repeated_update_suggestion, suggestions_for
@@ -211,6 +211,17 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             report.notes.append(f"{first.forward.op if first.forward else first.recompute.op} and later ops computed "
                                 "other values in the recompute, but no saved tensor depends on them: harmless "
                                 "for the gradients")
+            held = held_choice(cmp)
+            if held is not None:
+                what = next((f"{c['kind']} `{c['name']}`" for c in report.changed_inputs if c.get("name")), None)
+                report.held_choice = (f"{held.op.op} at {where(held.op.module, held.op.source)}: its scores moved by "
+                                      f"up to {held.moved:.3g} between the forward and the recompute"
+                                      + (f" ({what} changed)" if what else "") + f", and no choice flipped: the "
+                                      f"closest of its {held.rows} row(s) was {held.margin:.3g} from a tie")
+                report.notes.append(f"{report.held_choice}; with more rows (tokens) some fall within {held.moved:.3g} "
+                                    "of a tie and flip in the recompute: a CheckpointError where the shapes follow it, "
+                                    "else silently other gradients (`ac-diff audit --noise "
+                                    f"abs:{held.moved:.3g} --scale tokens=N` estimates how many)")
             absorbed = attribute_cause(region, first)  # (a Python value changed between the passes: named)
             if absorbed is not None:
                 report.notes[-1] += f"; what changed: {absorbed.evidence[0]}" if absorbed.evidence else ""

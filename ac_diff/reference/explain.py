@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK
+from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK, held_choice_note
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
@@ -417,7 +417,7 @@ def _state_read_again_settled(report: Any, result: ReferenceResult) -> None:
         report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
                            f"exactly; the state {len(at_risk)} of them update twice under AC did not change "
                            f"the gradients over all {result.backwards} backward passes (they match the run without "
-                           "AC)")
+                           "AC)" + held_choice_note(report.regions))
 
 
 def _own_differences(report: Any, result: ReferenceResult) -> dict[int, int]:
@@ -467,7 +467,8 @@ def _side_outputs_settled(report: Any, result: ReferenceResult) -> None:
         report.verdict = CLEAN
         report.headline = (f"clean: all {len(report.regions)} recomputed region(s) reproduced their saved tensors "
                            f"exactly; the tensors {len(at_risk)} reentrant region(s) handed out other than through "
-                           "their outputs feed no loss (the gradients match the run without AC)")
+                           "their outputs feed no loss (the gradients match the run without AC)"
+                           + held_choice_note(report.regions))
 
 
 def _reordered_settled(report: Any, result: ReferenceResult) -> None:
