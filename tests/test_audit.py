@@ -933,3 +933,56 @@ def test_a_threshold_taken_from_the_scores_and_ties_of_exact_zeros_are_no_near_f
     assert lt["margins"]["min_ulps"] == 0 and sort["margins"]["min_ulps"] == 0  # (the zero margins are there)
     assert lt["rate"] < 1e-3 and sort["rate"] < 1e-3, (lt["rate"], sort["rate"])
     assert "CheckpointError unlikely" in a["headline"], a["headline"]
+
+
+class _AboveMean(torch.nn.Module):
+    """Keeps the inputs above their own mean (`x > x.mean()` on the region's input): the threshold is the one value
+    the region computes, and quantized inputs put many elements exactly on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x * (x > x.mean()).float() + 0.1 * x)
+
+
+def test_a_comparison_of_the_regions_input_with_a_threshold_it_computes_is_audited():
+    """27c: `img > img.mean()` on 8-bit pixels, thousands on the mean: a thread count that changes the mean's rounding
+    flips them, yet the audit found "0 decision sites with margins" (its scores, the input, are nothing the recompute
+    computes). The noise goes into the threshold the region computes."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.randint(0, 8, (256 * 8,), generator=g)
+    x = (torch.cat([128 + d, 128 - d])[torch.randperm(256 * 16, generator=g)].view(256, 16).float() / 255.0)
+    a = _audited(_AboveMean(), [x.requires_grad_()], seeds=3, max_regions=1)
+    (site,) = [s for s in a["sites"] if s["op"] == "aten.gt.Tensor"]
+    assert site["kind"] == "comparison" and site["margins"]["min_ulps"] <= 1, site
+    assert sum(site["flips_per_seed"]) > 0 and site["rate"] > 0, site
+
+
+class _BankTopK(torch.nn.Module):
+    """Hard negatives: the top-4 of a memory bank by similarity, where the bank holds every item twice (enqueued
+    again before it was dequeued)."""
+
+    def __init__(self, bank: torch.Tensor) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(16, 16)
+        self.register_buffer("bank", bank)
+
+    def forward(self, x):
+        q = self.q(x)
+        idx = (q @ self.bank.T).topk(4, dim=-1).indices
+        return q * self.bank[idx].mean(1)
+
+
+def test_a_tie_between_duplicated_candidates_is_no_near_flip():
+    """27a, 27f: a memory bank holding items twice ties each pair exactly in every row: the audit's independent noise
+    per score broke those ties ("85 silent flips per step", save topk), where any recompute scores both copies alike,
+    from the same inputs, and a swap of copies gathers the same values. Candidates whose scores are equal in every
+    row are one candidate to it."""
+    torch.manual_seed(0)
+    items = torch.randn(32, 16)
+    block = _BankTopK(torch.cat([items, items]))
+    a = _audited(block, [torch.randn(64, 16, requires_grad=True) for _ in range(2)], seeds=3, max_regions=2)
+    (site,) = [s for s in a["sites"] if s["op"] == "aten.topk.default"]
+    assert site["margins"]["min_ulps"] == 0 and site["flips_per_seed"] == [0, 0, 0] and site["rate"] == 0, site

@@ -290,7 +290,7 @@ class Auditor:
         for key, d in clean.decisions.items():
             if d.margins is None:
                 continue
-            hit = producer_of(clean, d.index, d.margins.score_arg)
+            hit = scores_producer(clean, d)
             if not reachable(clean, hit):
                 continue
             out[key] = origin_of(clean, hit) if spec.at_origin else rounded_at(clean, hit) if spec.rounding else hit
@@ -383,7 +383,7 @@ class Auditor:
             self._probed.add(s.label)
             s.probe = "no flip"
             d = clean.decisions[key]
-            at = producer_of(clean, d.index, d.margins.score_arg)
+            at = scores_producer(clean, d)
             margins = d.margins.margins[d.margins.margins > 0]
             for size in (margins.min(), margins.median()) if margins.numel() else ():
                 noisy = replay.run({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(size)), 10_000, keep=False)
@@ -435,7 +435,7 @@ class Auditor:
         plans = []
         for key in targets:
             d = clean.decisions[key]
-            at = producer_of(clean, d.index, d.margins.score_arg)
+            at = scores_producer(clean, d)
             margins = d.margins.margins[d.margins.margins > 0]
             if at is not None and margins.numel():
                 plans.append(({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(margins.median()))))
@@ -460,6 +460,16 @@ def _saved_changed(clean: PassResult, other: PassResult) -> bool:
     if other.error is not None:
         return True
     return len(clean.saved) != len(other.saved) or any(a != b for a, b in zip(clean.saved, other.saved))
+
+
+def scores_producer(clean: PassResult, d) -> tuple[int, int] | None:
+    """The op (row, slot) whose output decision `d` decides on, where recompute noise can reach it: its scores; for a
+    comparison whose scores are the region's input (`x > x.mean()`), its threshold, which the region computes."""
+    hit = producer_of(clean, d.index, d.margins.score_arg)
+    if not reachable(clean, hit) and d.margins.kind == "comparison":
+        other = producer_of(clean, d.index, 1)
+        return other if reachable(clean, other) else hit
+    return hit
 
 
 def _rows_view(t: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -493,10 +503,34 @@ def _flipped_rows(clean, noisy) -> tuple[int, int]:
         return 0, total
     b = noisy.outputs[slot]
     rb = _rows_view(b, m.dim) if by_row else b.reshape(-1, 1)
+    same = same_candidates(clean) if by_row and not a.is_floating_point() else None
+    if same is not None:  # (one duplicate for another: the same scores, the same values gathered, in any recompute)
+        rows, rb = same[rows], same[rb]
     differs = rows != rb
     if a.is_floating_point():
         differs &= ~(rows.isnan() & rb.isnan())
     return int(differs.any(dim=-1).sum()), total
+
+
+_SAME_CANDIDATES_MAX = 1 << 24  # score elements past which duplicated candidates are not looked for
+
+
+def same_candidates(clean) -> torch.Tensor | None:
+    """Per candidate of a chooser (along its dim), a number it shares with every candidate whose scores equal its own in
+    every row (a memory bank that holds the same item twice, in-batch negatives repeated): such candidates tie
+    exactly in any recompute, from the same inputs; None where none repeats (or past the size bound)."""
+    if clean.candidates is not None:
+        return clean.candidates if clean.candidates.numel() else None
+    m, scores = clean.margins, clean.scores
+    clean.candidates = torch.empty(0, dtype=torch.long)
+    if m is None or m.kind != "chooser" or scores is None or scores.numel() > _SAME_CANDIDATES_MAX:
+        return None
+    columns = _rows_view(scores, m.dim).T.contiguous()
+    _, ids = torch.unique(columns, dim=0, return_inverse=True)
+    if int(ids.max()) + 1 == columns.shape[0]:
+        return None
+    clean.candidates = ids
+    return ids
 
 
 def _row_noise(clean, noisy) -> torch.Tensor | None:
@@ -510,8 +544,14 @@ def _row_noise(clean, noisy) -> torch.Tensor | None:
         sigma = rows.pow(2).mean(dim=-1).sqrt()
         if m.pair is None or m.pair.shape[0] != rows.shape[0]:
             return sigma
-        # (a tie the noise did not move, two exact zeros a mask put there: no summation order parts them)
-        still = rows.gather(1, m.pair.to(rows.device)).eq(0).all(dim=-1)
+        # (a tie the noise did not move, two exact zeros a mask put there, or one between duplicated candidates:
+        # no summation order parts them)
+        pair = m.pair.to(rows.device)
+        still = rows.gather(1, pair).eq(0).all(dim=-1)
+        same = same_candidates(clean)
+        if same is not None:
+            ids = same.to(rows.device)[pair]
+            still |= ids[:, 0] == ids[:, 1]
         return torch.where(still, torch.zeros_like(sigma), sigma)
     return delta.reshape(-1).abs() if delta.numel() == m.margins.numel() else None
 

@@ -65,6 +65,9 @@ class Decision:
     margins: Margins | None
     outputs: tuple  # clones of the tensor outputs
     scores: torch.Tensor | None  # clone of the score input
+    # a chooser's candidates by what they score: the same number for candidates whose scores are identical in every
+    # row (a memory bank's duplicated rows), engine.same_candidates; computed once, for the clean pass
+    candidates: torch.Tensor | None = None
 
 
 @dataclass
