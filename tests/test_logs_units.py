@@ -484,6 +484,24 @@ def test_srun_labels_are_read_only_in_a_file_that_starts_with_one():
     assert all(e.rank != 3 for e in run.errors)
 
 
+def test_torchrun_local_ranks_under_srun_labels_are_global_ranks_by_node():
+    """torchrun --tee 3 under `srun -l`, one task per node: `1: [default0]: ...` is node 1's local rank 0, global
+    rank 2 of a job with 2 per node. The local rank was read as the global one (27h: the clean global rank 0 named
+    diverged, ranks 2 and 3 lost, "2 of 2 ranks" for a 4-rank job); a `[rankN]` torch printed still wins."""
+    plain = gzip.decompress((Path(__file__).parent / "data" / "logs" / "torch-2.14.1" / "moe_bias_update_debug.log.gz")
+                            .read_bytes()).decode().splitlines()
+    error = [line for line in plain if line.strip()]
+    lines = ["0: [default0]: step 0 ok", "0: [default1]: step 0 ok", "1: [default0]: step 0 ok"]
+    lines += [f"1: [default1]: {line}" for line in error]  # (node 1's local rank 1: global rank 3)
+    run = parse_text("\n".join(lines) + "\n")
+    assert {e.rank for e in run.errors} == {3}, [e.rank for e in run.errors]
+    assert run.header["ranks"] == [0, 1, 2, 3] and {r.rank for r in run.regions} == {3}
+    assert any("global rank = node x that + local rank" in n and "2 per node" in n for n in run.notes), run.notes
+    tagged = parse_text("\n".join(["0: [default0]: step 0 ok", "1: [default0]: step 0 ok"]
+                                  + [f"1: [default1]:[rank7]: {line}" for line in error]) + "\n")
+    assert {e.rank for e in tagged.errors} == {7}
+
+
 @pytest.mark.parametrize("data", [b"", b"\n\n", b"\x00\xff" * 1000, b"[rank", b"tensor at position",
                                   b"$1: f32[", b"Operations executed during recomputation:"])
 def test_degenerate_inputs(data):

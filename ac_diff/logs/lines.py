@@ -175,18 +175,46 @@ def strip_prefix(text: str) -> tuple[int | None, str]:
 
     `[rankN]` wins over `[defaultN]` (torchrun's local-rank tag) when both are present.
     """
+    rank, body, _ = _stripped(text)
+    return rank, body
+
+
+def _stripped(text: str) -> tuple[int | None, str, bool]:
+    """strip_prefix's (rank, body), and whether the rank is only torchrun's local `[defaultN]`."""
     if "\x1b" in text:
         text = _ANSI.sub("", text)
     m = _PREFIX_RUN.match(text)
     if m is None:
-        return None, text.strip()
+        return None, text.strip(), False
     rank = default = None
     for kind, num, tagged in _PREFIX_NUM.findall(m.group()):
         if kind == "rank" or tagged:
             rank = int(num or tagged)
         else:
             default = int(num)
-    return (rank if rank is not None else default), text[m.end():].strip()
+    return (rank if rank is not None else default), text[m.end():].strip(), rank is None and default is not None
+
+
+# A local rank on a node an srun label named (`1: [default0]: ...`: torchrun under `srun -l`, one task per node) is
+# kept as a negative number until the log is read: its global rank needs the ranks per node, the most local ranks
+# any node showed (`global_ranks`).
+_NODE_STRIDE = 1 << 20
+
+
+def node_local(node: int, local: int) -> int:
+    return -(1 + node * _NODE_STRIDE + local)
+
+
+def global_ranks(ranks: list[int | None]) -> dict[int, int]:
+    """{node-local rank as node_local made it: its global rank, node x ranks per node + local}."""
+    pairs = {r: divmod(-r - 1, _NODE_STRIDE) for r in ranks if r is not None and r < 0}
+    n = per_node(pairs)
+    return {r: node * n + local for r, (node, local) in pairs.items()}
+
+
+def per_node(ranks: dict[int, object]) -> int:
+    """The ranks per node: the most local ranks a node showed (highest local rank + 1), over node_local's keys."""
+    return max((divmod(-r - 1, _NODE_STRIDE)[1] for r in ranks if r < 0), default=-1) + 1
 
 
 # Markers that start a new logical line when they appear inside a line (see module docstring).
@@ -241,7 +269,8 @@ _LOGGER_TAG_WITHIN = 80  # characters of a record's start its rank tag may be in
 
 
 def split_segments(text: str, rank: int | None, home: int | None = None, mixed: bool = False,
-                   by_prefix: bool = False) -> tuple[list[tuple[int | None, str]], int | None, bool]:
+                   by_prefix: bool = False, node: int | None = None
+                   ) -> tuple[list[tuple[int | None, str]], int | None, bool]:
     """Strip prefixes from one physical line and cut it into logical segments.
 
     `rank` is the rank to assume when the line has no prefix of its own (the caller passes the last
@@ -251,9 +280,12 @@ def split_segments(text: str, rank: int | None, home: int | None = None, mixed: 
     (`[ERROR] [rank1] trainer: ...`) sets it: a `logger.exception` copy of an error that follows is that
     rank's. In a log where several ranks were seen (`mixed`), a traceback that starts without a prefix
     after prefixed lines is written by another hand than theirs: it takes the file's own rank (`home`,
-    the one its path names, else unknown), not the last prefix's.
+    the one its path names, else unknown), not the last prefix's. `node`: the srun label the line had: a local
+    `[defaultN]` then is that node's (node_local).
     """
-    line_rank, body = strip_prefix(text)
+    line_rank, body, local = _stripped(text)
+    if local and node is not None:
+        line_rank = node_local(node, line_rank)
     if line_rank is not None:
         rank, by_prefix = line_rank, True
     elif "[rank" in body and (tag := _LOGGER_RANK.search(body, 0, _LOGGER_TAG_WITHIN)):
@@ -270,7 +302,9 @@ def split_segments(text: str, rank: int | None, home: int | None = None, mixed: 
     for a, b in zip(bounds, bounds[1:]):
         piece = body[a:b]
         if a > 0:
-            piece_rank, piece = strip_prefix(piece)
+            piece_rank, piece, local = _stripped(piece)
+            if local and node is not None:
+                piece_rank = node_local(node, piece_rank)
             if piece_rank is not None:
                 rank, by_prefix = piece_rank, True
         else:

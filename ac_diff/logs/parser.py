@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import (COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line,
                                  reentrant_output_shapes, wrong_gradient_shape)
-from ac_diff.logs.lines import ReadStats, rank_in_path, split_segments, srun_label
+from ac_diff.logs.lines import ReadStats, global_ranks, per_node, rank_in_path, split_segments, srun_label
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.logs.repeats import ErrorTally, dump_key, fold_errors, fold_repeated_dumps
@@ -83,6 +83,9 @@ class _Counts:
 
 
 def _who(rank: int | None) -> str:
+    if rank is not None and rank < 0:  # (lines.node_local: read before the ranks per node are known)
+        node, local = divmod(-rank - 1, 1 << 20)
+        return f"node {node}'s local rank {local}"
     return f"rank {rank}" if rank is not None else "the unprefixed output"
 
 
@@ -124,7 +127,8 @@ class LogParser:
             if labelled is not None:
                 self._last_rank, text = labelled
             segments, self._last_rank, self._by_prefix = _segments_of(text, self._last_rank, self._home,
-                                                                      len(self._seen) > 1, self._by_prefix)
+                                                                      len(self._seen) > 1, self._by_prefix,
+                                                                      labelled[0] if labelled else None)
             if self._last_rank is not None and len(self._seen) < 2:
                 self._seen.add(self._last_rank)
             complete = True
@@ -387,12 +391,20 @@ class LogParser:
         if self._spill is not None:
             run.ops_loader = self._spill.loaded
         run.truncated = bool(stopped)
-        ranks = sorted(r for r in self._ranks if r is not None)
+        to_global = global_ranks(list(self._ranks))  # (local ranks srun labels placed on their nodes)
+        if to_global:
+            for item in [*run.regions, *run.errors]:
+                item.rank = to_global.get(item.rank, item.rank)
+        ranks = sorted(to_global.get(r, r) for r in self._ranks if r is not None)
         rs = self.read_stats
         run.header = {"parser": "ac_diff.logs", "bytes": rs.bytes_read, "lines": rs.lines, "ranks": ranks,
-                      "raised": {str(r): text for r, text in sorted(self._raised_by.items())}}
+                      "raised": {str(to_global.get(r, r)): text for r, text in sorted(self._raised_by.items())}}
         run.exit_status = "exception" if run.errors else None
         run.notes = self._notes(stopped)
+        if to_global:
+            run.notes.append(f"ranks: each line's srun label is its node and torchrun's [defaultN] its local rank, "
+                             f"{per_node(to_global)} per node (the most any "
+                             "node showed): global rank = node x that + local rank")
 
     def _notes(self, stopped: list[str]) -> list[str]:
         c = self._counts
