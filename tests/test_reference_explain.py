@@ -55,6 +55,29 @@ def test_a_later_loss_that_differs_while_every_gradient_matches_is_the_forwards_
     assert any("l0.counts" in n and "the training is the same" in n for n in result.notes), result.notes
 
 
+def test_a_first_loss_after_a_recompute_that_updated_state_again_is_acs_doing():
+    """27f: a WGAN-GP step takes its penalty with torch.autograd.grad(create_graph=True) before the loss's backward:
+    the critic's regions are recomputed there, and spectral norm's `_u` is updated a second time before the next
+    forward reads it. The first loss differed and the reference said "the script's own randomness: seed it", on a
+    seeded script. An earlier region that repeated an update, before the first region to differ, is AC's doing."""
+    first = [StepComparison(step=0, loss_identical=False, loss_rel_diff=5e-5, parameters=4, identical=4)]
+    penalty = SimpleNamespace(rank=0, region=0, module="D.blocks.0", status="diverged", silent=True,
+                              repeated=[("D.blocks.0.fc1._u", "aten.mv.default", "D.blocks.0.fc1")],
+                              cause=SimpleNamespace(kind="state_mutation", mechanism="updated_in_forward",
+                                                    tensor="D.blocks.0.fc1._v", source="sn.py:14 in forward"))
+    later = SimpleNamespace(rank=0, region=2, module="D.blocks.0")
+    result = explain(first, [], SimpleNamespace(regions=[penalty]), steps_requested=1, first_forward=later)
+    assert result.verdict == DIFFERS and result.explanations[0].kind == "repeated_update", result.headline
+    assert "`D.blocks.0.fc1._u` a second time" in result.explanations[0].text
+    assert "as AC changed the forward itself" in result.headline and "randomness" not in result.headline
+    # the first region differing with nothing recomputed before it: the script's own randomness, as before
+    alone = explain(first, [], SimpleNamespace(regions=[penalty]), steps_requested=1,
+                    first_forward=SimpleNamespace(rank=0, region=0, module="D.blocks.0", changed_inputs=[],
+                                                  cause=None, first_value_divergence=None,
+                                                  first_control_divergence=None, first_divergence=lambda: None))
+    assert alone.verdict == NOT_COMPARABLE, alone.headline
+
+
 def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():
     drew = explain(_steps(False), [], _report(rng=True), steps_requested=2)
     assert drew.verdict == IDENTICAL and [e.kind for e in drew.explanations] == ["rng_draws"]

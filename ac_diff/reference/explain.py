@@ -18,7 +18,9 @@ Why the two runs can differ, in the order they are checked:
   to the next (`nondeterministic_kernel`: float atomics in index_add_ / scatter_add_ on a GPU; fixed by
   deterministic algorithms); inputs, parameters or random draws that already differed are the script's own
   randomness (`reference_randomness`: seed it); but where a reentrant region branches on grad mode (its cause),
-  AC changed the forward itself: use_reentrant=True runs it without autograd (`grad_mode_forward`, differs);
+  AC changed the forward itself: use_reentrant=True runs it without autograd (`grad_mode_forward`, differs); and
+  where an earlier region was recomputed before that loss (a gradient penalty's torch.autograd.grad inside the step)
+  and updated state a second time, the first region to differ runs after it (`repeated_update`, differs);
 - a later backward's loss differs while the gradients before it were identical: the state that backward
   starts from differs. Where the recompute repeated an in-place update inside a region (the report's side
   effects, "counted twice"), that is a defect (`repeated_update`): the training departs from the run without
@@ -44,8 +46,9 @@ from typing import Any
 from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK, held_choice_note
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
-from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT, STATE_READ_AGAIN,
-                      UNCHECKED, Divergence, RegionReport, backwards_recorded, diverged_after, recomputed_in)
+from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT,
+                      STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, Divergence, RegionReport, backwards_recorded,
+                      diverged_after, recomputed_in)
 from .result import (DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, Explanation, ReferenceResult, StepComparison)
 
 REENTRANT_FIX = ("use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={\"use_reentrant\": False}; "
@@ -82,15 +85,19 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
         return result
     if steps[0].loss_identical is False:
         result.steps = steps[:1]
-        grad_mode = _grad_mode_forward(steps[0], report)
-        result.verdict = DIFFERS if grad_mode is not None else NOT_COMPARABLE
-        result.explanations.append(grad_mode or _first_loss(steps[0], first_forward))
+        ac_made = _grad_mode_forward(steps[0], report) or _recomputed_before_loss(steps[0], report, first_forward)
+        result.verdict = DIFFERS if ac_made is not None else NOT_COMPARABLE
+        result.explanations.append(ac_made or _first_loss(steps[0], first_forward))
+        kind = result.explanations[0].kind
         result.headline = ("gradients not compared: the loss of the first backward already differs from the run "
-                           "without AC, before any recompute ran (" + {
+                           "without AC, " + ("as AC changed the forward itself: a region recomputed before it (a "
+                                             "backward inside the step) updated state a second time, which a later "
+                                             "forward read" if kind == "repeated_update" else
+                                             "before any recompute ran (" + {
                                "nondeterministic_kernel": "a nondeterministic kernel",
                                "grad_mode_forward": "AC changed the forward itself: use_reentrant=True runs it "
                                                     "without autograd, and the region branches on grad mode",
-                           }.get(result.explanations[0].kind, "the script's own randomness") + ")")
+                           }.get(kind, "the script's own randomness") + ")"))
         return result
     compared = [steps[0]]
     drift: Explanation | None = None  # why a later loss differs after identical gradients
@@ -176,6 +183,29 @@ def _grad_mode_forward(step: StepComparison, report: Any) -> Explanation | None:
         f"({region.cause.source or region.cause.tensor}): with AC the forward itself takes the other branch, so the "
         "training differs from the run without AC from its first step.",
         region=region.module, source=region.cause.source, fix=REENTRANT_FIX)
+
+
+def _recomputed_before_loss(step: StepComparison, report: Any, first: RegionReport | None) -> Explanation | None:
+    """The first loss differs because a region recomputed before it (a backward inside the step: a gradient penalty's
+    torch.autograd.grad) updated state a second time (spectral norm's `_u`, counted twice), which a later region's
+    forward then read: with AC the forward itself computed otherwise, a checkpointing defect. `first`: the two
+    runs' first region that differs (forwards.first_difference), after such a region."""
+    if first is None or not first.region:
+        return None
+    earlier = next((r for r in getattr(report, "regions", []) if r.rank == first.rank and r.region < first.region
+                    and (r.repeated or r.cause is not None and r.cause.mechanism == UPDATED_IN_FORWARD)), None)
+    if earlier is None:
+        return None
+    state = earlier.repeated[0][0] if earlier.repeated else earlier.cause.tensor
+    return Explanation(
+        "repeated_update",
+        f"the first loss differs (rel. diff {_num(step.loss_rel_diff)}): region {earlier.region} ({earlier.module}) "
+        f"was recomputed before it (a backward inside the step, as a gradient penalty's torch.autograd.grad runs) and "
+        f"updated `{state}` a second time; region {first.region} ({first.module}), run after it, is the first to "
+        "compute otherwise than without AC: with AC the forward itself differs.",
+        region=earlier.module, source=earlier.cause.source if earlier.cause is not None else None,
+        fix="apply the update once per step, outside the checkpointed region, or not in the recompute (spectral "
+            "norm: compute the weight once per step with torch.nn.utils.parametrize.cached())")
 
 
 def _first_loss(step: StepComparison, first: RegionReport | None) -> Explanation:
