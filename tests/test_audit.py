@@ -371,7 +371,7 @@ def test_audit_under_torchrun_with_tensor_parallel_collectives(tmp_path, launche
     assert f"[rank1] ac-diff audit: {docs[1]['headline']}" in proc.stderr  # rank 1's finding, not only in its JSON
 
 
-def _audited(block, inputs: list, seeds: int, max_regions: int) -> dict:
+def _audited(block, inputs: list, seeds: int, max_regions: int, script: list[str] | None = None) -> dict:
     """The audit of `block` checkpointed once per input, each backpropagated from its output's sum."""
     from torch.utils.checkpoint import checkpoint
 
@@ -381,7 +381,7 @@ def _audited(block, inputs: list, seeds: int, max_regions: int) -> dict:
             checkpoint(block, x, use_reentrant=False).sum().backward()
     finally:
         auditor.stop()
-    return audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]
+    return audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0, script=script)["audit"]
 
 
 class _MaxPool(torch.nn.Module):
@@ -477,9 +477,11 @@ def test_an_audit_says_which_recomputes_update_python_state_a_second_time(counti
     The headline adds what the replays cannot see; a block whose forward updates nothing gets no such line."""
     torch.manual_seed(0)
     block = _FadeIn() if counting else torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
-    a = _audited(block, [torch.randn(8, 16, requires_grad=True) for _ in range(3)], seeds=1, max_regions=2)
+    a = _audited(block, [torch.randn(8, 16, requires_grad=True) for _ in range(3)], seeds=1, max_regions=2,
+                 script=["-m", "pkg.train", "--lr", "3"])
     assert a["recompute"]["diverged_count"] == 0
-    if counting:
+    if counting:  # (the command it suggests runs the script as the audit did, 27g: `-m` and its arguments dropped)
+        assert "`ac-diff run --reference no-ac --reference-steps 3 -m pkg.train --lr 3`" in a["headline"], a["headline"]
         assert a["recompute"]["state_twice_count"] == 3, a["recompute"]
         assert a["recompute"]["state_twice"][0]["names"] == ["imgs_seen"]
         assert "; but 3 recompute(s) updated state of their module (Python attributes, buffers) or a host generator " \

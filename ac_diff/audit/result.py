@@ -67,7 +67,7 @@ def remedy_json(regions) -> dict:
             "policy": sac_policy(save, torch.__version__) if save else None}
 
 
-def recompute_json(check, target: str) -> dict:
+def recompute_json(check, script: list[str]) -> dict:
     """Every region's real recompute against its forward (recompute.py), with the headline it calls for."""
     doc = check.result()
     n, checked = doc["diverged_count"], doc["checked"]
@@ -78,23 +78,27 @@ def recompute_json(check, target: str) -> dict:
         + ("torch raises CheckpointError now" if first["how"] in ("shapes", "count") else
            "torch raises nothing and the gradients are wrong now, unless what differs reaches none of them (the same "
            "top-k choices in another order, summed: `--reference no-ac` tells)")
-        + f", whatever the margins below predict; `{_run(target)}` names the cause")
+        + f", whatever the margins below predict; `{_run(script)}` names the cause")
     twice = doc["state_twice"][0] if doc["state_twice"] else None
     doc["state_note"] = None if twice is None else (
         f"{doc['state_twice_count']} recompute(s) updated state of their module (Python attributes, buffers) or a "
         f"host generator a second time (first: "
         f"{twice['module']}, region {twice['region']}: {', '.join(f'`{n}`' for n in twice['names'][:3])}), which the "
         "replays cannot see: where the code reads it (a schedule, a branch), later steps compute otherwise than "
-        f"without AC; `{_run(target, '--reference no-ac --reference-steps 3')}` compares the gradients")
+        f"without AC; `{_run(script, '--reference no-ac --reference-steps 3')}` compares the gradients")
     return doc
 
 
-def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0) -> dict:
+def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, exit_code: int = 0,
+                   script: list[str] | None = None) -> dict:
+    """`script`: the words that ran the script, as the commands it suggests run it (`-m pkg.train --lr 3`; default:
+    `target` alone)."""
     sites = sorted(auditor.sites.values(), key=lambda s: (s.label[0], s.label[1]))
     settings = auditor.settings
     risk = extrapolate(sites, auditor.regions, scale, settings.noise.text)
-    recompute = recompute_json(auditor.recompute, target)
-    fix_it = (f"fix what stopped it (its error is above; `{_run(target)}` explains a stop in the "
+    script = script or [target]
+    recompute = recompute_json(auditor.recompute, script)
+    fix_it = (f"fix what stopped it (its error is above; `{_run(script)}` explains a stop in the "
               "backward), then audit again")
     stopped = f"the script stopped (exit {exit_code})"
     if not auditor.regions:  # no prediction from nothing: say why nothing was audited
@@ -127,8 +131,8 @@ def audit_document(auditor, scale: Scale, *, target: str, wall_seconds: float, e
     }}
 
 
-def _run(target: str, options: str = "") -> str:
+def _run(script: list[str], options: str = "") -> str:
     """The `ac-diff run` command for the audited script, launched as the audit was (its ranks on this node)."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     launch = f"--nproc-per-node {ranks} " if ranks > 1 else ""
-    return f"ac-diff run {launch}{options + ' ' if options else ''}{shlex.quote(target)}"
+    return f"ac-diff run {launch}{options + ' ' if options else ''}{shlex.join(script)}"

@@ -57,7 +57,7 @@ def audit_command(target: str, args: list[str], *, module: bool, noise: str, see
     with launch.sigterm_as_exit() if multi else contextlib.nullcontext():
         outcome = run_target(target, args, module=module, recorder=auditor)
     doc = audit_document(auditor, target_scale, target=target, wall_seconds=time.perf_counter() - start,
-                         exit_code=outcome.exit_code)
+                         exit_code=outcome.exit_code, script=[*(["-m"] if module else []), target, *args])
     rank = launch.rank()
     if report_path and fmt == "terminal":
         fmt = format_of(report_path)
