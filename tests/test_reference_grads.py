@@ -218,3 +218,15 @@ def test_a_step_that_takes_its_gradients_with_autograd_grad_is_captured_and_a_pe
         for summary, g in zip(step["grads"].values(), grads):
             assert torch.equal(torch.as_tensor(summary["values"]).reshape(g.shape), g)
     assert torch.autograd.grad.__module__ == "torch.autograd"  # (put back)
+    # a functional loop's own leaves (torch.func.functional_call over detached copies, 27f: "this run finished no
+    # backward pass"): by their place
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    capture = GradCapture(tmp_path / "f.pt", steps=1).install()
+    try:
+        out = torch.func.functional_call(net, params, (torch.randn(3, 4),)).sum()
+        (g0, *_) = torch.autograd.grad(out, list(params.values()))
+    finally:
+        capture.finish()
+    (step,) = load_grads(tmp_path / "f.pt")["steps"]
+    assert list(step["grads"]) == [f"autograd.grad input[{i}]" for i in range(4)], list(step["grads"])
+    assert torch.equal(torch.as_tensor(step["grads"]["autograd.grad input[0]"]["values"]).reshape(g0.shape), g0)

@@ -232,11 +232,15 @@ class GradCapture:
 
     def _snapshot_of_grad(self, outputs: Any, inputs: Any, result: Any) -> None:
         """A step that takes its gradients with torch.autograd.grad (then sets `.grad` itself, or hands them to a
-        functional optimizer): those of the parameters among `inputs`, by the report's names; a call for no parameter
-        (the gradient of an input) is no training step."""
+        functional optimizer): those of the parameters among `inputs`, by the report's names; where none is a module's
+        parameter, several leaves (a functional loop's, torch.func.functional_call's dict) by their place; the gradient
+        of one input alone (a saliency map) is no training step."""
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         named = {id(p): name for name, p in self.named_parameters()}
         grads = {named[id(t)]: g for t, g in zip(inputs, result) if id(t) in named}
+        if not grads and len(inputs) > 1:  # (a functional loop's own leaves, torch.func.functional_call's: by place)
+            grads = {f"autograd.grad input[{i}]": g for i, (t, g) in enumerate(zip(inputs, result))
+                     if isinstance(t, torch.Tensor) and t.is_leaf and t.is_floating_point()}
         if grads:
             self._snapshot(outputs, grads)
 
