@@ -269,6 +269,9 @@ class RegionReport:
     # a clean region's chooser whose scores moved between the passes without flipping a choice: what a larger batch,
     # with rows nearer a tie, flips ("topk at moe.py:49: the scores moved by up to 0.001, closest margin 0.03")
     held_choice: str | None = None
+    # tensors its recompute updates again that its code reads only as a number an op that updates state takes (a
+    # batch norm's momentum=None factor): no gradient changes, that op's state does (what `fix` must leave once)
+    read_into: list[str] = field(default_factory=list)
 
     @property
     def has_values(self) -> bool:

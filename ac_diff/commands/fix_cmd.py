@@ -134,7 +134,8 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     ac_only = fails_only_with_ac(base_m, out / "base", ref_m, ref_dir)  # a checkpointing defect, named or not
     found = candidates(report, max_regions, failed_with_ac=ac_only)
     before = diverged(report)
-    culprits = frozenset(r.cause.tensor for r in report.regions if r.cause is not None and r.cause.tensor)
+    culprits = frozenset([*(r.cause.tensor for r in report.regions if r.cause is not None and r.cause.tensor),
+                          *(name for r in report.regions for name in r.read_into)])
     tries = [Try(c.name, c.spec.cli_args(), c.why, regions_before=before,
                  command=run_command(c.spec.cli_args(), target, args, module, nproc)) for c in found]
 

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet
+from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet, updates_as_it_computes
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
@@ -264,8 +264,17 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     report.status = DIVERGED if diverged else CLEAN
     read = [(change, how) for change, how in twice if change.read_again]
     # (a tensor it updates in place and computes with: an amax history its scale comes from, a count a branch reads)
-    tensors = [(name, op) for name, op in cmp.region_updates() if name and not diverged and not read
-               and (reads_beyond_update(fwd, name) or read_into_arguments(cmp, fwd, name) is not None)]
+    tensors, report.read_into = [], []
+    for name, op in cmp.region_updates() if not diverged and not read else ():
+        into = read_into_arguments(cmp, fwd, name) if name else None
+        if name and reads_beyond_update(fwd, name) or into is not None and not updates_as_it_computes(into.op):
+            tensors.append((name, op))
+        elif into is not None:  # (BatchNorm(momentum=None)'s 1 / num_batches_tracked: only its statistics differ)
+            report.read_into.append(name)
+            report.side_effects.append(
+                f"{name} is read as a number that {into.op} at {where(into.module, into.source)} gets as an argument, "
+                "another one in the recompute: the state that op updates (running statistics) ends each step other "
+                "than without AC, though its outputs, and the gradients, do not change")
     if not diverged and report.repeated:
         report.suggestions = [repeated_update_suggestion(report, torch_version, read_again=bool(read or tensors),
                                                          code=update_code(read[0][0]) if read else None)]
