@@ -1501,3 +1501,19 @@ def test_a_watched_divergence_its_window_missed_takes_the_cause_a_later_full_rec
     assert lead.cause.kind == "state_mutation" and lead.cause.tensor == "center", lead.cause
     assert lead.cause.detail.startswith("likely as _Centered's region"), lead.cause.detail
     assert "recorded in full in step 26 when it diverged again" in lead.cause.detail
+
+
+def test_an_escalation_made_to_learn_a_modules_mask_and_confirmed_ends_as_any_other():
+    """A model rebuilt mid-run (a resume from a checkpoint): its modules were never recorded in full, so the first
+    watched divergence escalated them provisionally, to learn which saved positions carry no values, and the next
+    full recording confirmed it. The escalation then never ended (27i: every step to the end recorded in full, a 32
+    MB trace for a 0.4 MB one), and no escalate record said so."""
+    from ac_diff.capture import watch
+
+    written = []
+    w = watch.Watch(write=written.append, region_record=None)
+    w.escalated["blocks.0"] = {"diverged_step": 1000, "region": 7, "from_step": None, "provisional": True}
+    assert w.full("blocks.0", 1001)  # (recorded in full to learn the mask)
+    w.escalated["blocks.0"]["confirmed"] = True  # (as _judge confirms it once its held comparison diverged)
+    full = [w.full("blocks.0", step) for step in range(1002, 1040)]
+    assert all(full[:watch.ESCALATION_STEPS - 1]) and not any(full[watch.ESCALATION_STEPS:]), full

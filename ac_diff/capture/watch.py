@@ -503,8 +503,8 @@ class Watch:
         if hit.get("until_step") is not None:
             return False
         caught = hit.get("caught")
-        if caught is not None and self.step > caught or \
-                not hit.get("provisional") and self.step >= hit["from_step"] + ESCALATION_STEPS:
+        settled = not hit.get("provisional") or hit.get("confirmed")  # (a provisional one confirmed: an escalation)
+        if caught is not None and self.step > caught or settled and self.step >= hit["from_step"] + ESCALATION_STEPS:
             hit["until_step"] = self.step  # watched again from this step
             return False
         return True
@@ -673,6 +673,9 @@ class Watch:
                 self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": None}
             elif hit.get("provisional") and not hit.get("confirmed"):
                 hit.update(confirmed=True, diverged_step=region.step, region=region.number)
+                if hit["from_step"] is not None:  # (recorded in full already, to learn its mask: say so now)
+                    self.write({"type": "escalate", "module": key, "diverged_step": region.step,
+                                "region": region.number, "from_step": hit["from_step"]})
 
     def unfinished(self, region: Any) -> None:
         """A watched region the run stopped before recomputing, which the diagnosis needs (torch's version check
