@@ -724,9 +724,6 @@ def test_the_reference_does_not_take_autocasts_weight_casts_for_side_outputs():
     """A reentrant block under CPU bf16 autocast hands out its z-loss through a list: the reference's explanation
     listed autocast's casts of the weights (aten._to_copy in every projection) as side outputs beside it, which
     autocast's cache keeps alive, not the script; the diagnosis already left them out (one rule now, in oprules)."""
-    from ac_diff.capture.modules import ModuleStack
-    from ac_diff.reference.leaks import ReentrantWatch
-    from ac_diff.remedies.call import CheckpointCall
 
     class ZLossBlock(nn.Module):
         def __init__(self) -> None:
@@ -738,18 +735,28 @@ def test_the_reference_does_not_take_autocasts_weight_casts_for_side_outputs():
             self.losses.append(logits.float().logsumexp(-1).square().mean())
             return torch.tanh(logits)
 
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ops = _side_output_ops(ZLossBlock())
+    assert ops and "aten._to_copy.default" not in ops, ops
+
+
+def _side_output_ops(block: nn.Module) -> set[str]:
+    """The ops whose tensors the reference's ReentrantWatch finds handed out of `block`'s reentrant forward other than
+    through its outputs."""
+    from ac_diff.capture.modules import ModuleStack
+    from ac_diff.reference.leaks import ReentrantWatch
+    from ac_diff.remedies.call import CheckpointCall
+
     torch.manual_seed(0)
-    block, x = ZLossBlock(), torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
     watch = ReentrantWatch(ModuleStack())
 
     def forward():
         with torch.no_grad():  # (as checkpoint(use_reentrant=True) runs it)
             return block(x)
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        watch(CheckpointCall(block, (x,), {}, "block", True), forward)
-    ops = {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
-    assert ops and "aten._to_copy.default" not in ops, ops
+    watch(CheckpointCall(block, (x,), {}, "block", True), forward)
+    return {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
 
 
 def test_the_reference_does_not_take_what_a_region_computes_from_a_detached_copy_for_side_outputs():
@@ -757,9 +764,6 @@ def test_the_reference_does_not_take_what_a_region_computes_from_a_detached_copy
     named aten.amax "a side output ... adds no gradient" and suggested use_reentrant=False, where the README exempts
     it: the detached copy shares its source's storage, and what was computed from it alone was taken as made with
     grad. A z-loss handed out the same way is one."""
-    from ac_diff.capture.modules import ModuleStack
-    from ac_diff.reference.leaks import ReentrantWatch
-    from ac_diff.remedies.call import CheckpointCall
 
     class AmaxBlock(nn.Module):
         def __init__(self) -> None:
@@ -772,16 +776,7 @@ def test_the_reference_does_not_take_what_a_region_computes_from_a_detached_copy
             self.losses.append(h.logsumexp(-1).square().mean())
             return torch.tanh(h)
 
-    torch.manual_seed(0)
-    block, x = AmaxBlock(), torch.randn(4, 8, requires_grad=True)
-    watch = ReentrantWatch(ModuleStack())
-
-    def forward():
-        with torch.no_grad():  # (as checkpoint(use_reentrant=True) runs it)
-            return block(x)
-
-    watch(CheckpointCall(block, (x,), {}, "block", True), forward)
-    ops = {f["op"] for f in watch.findings() if f["kind"] == "side_output"}
+    ops = _side_output_ops(AmaxBlock())
     assert "aten.mean.default" in ops and not ops & {"aten.abs.default", "aten.amax.default"}, ops
 
 

@@ -276,7 +276,8 @@ def test_a_region_that_makes_inference_tensors_is_recorded(tmp_path, preserve, w
     with ac_diff.record(tmp_path / "t.jsonl", **options):
         for _ in range(2):
             x = torch.randn(4, 8, requires_grad=True)
-            torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve).sum().backward()
+            out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve)
+            out.sum().backward()
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert not any("recorder error" in n for n in report.notes), report.notes
     assert report.verdict == ("clean" if preserve else "diverged"), report.headline

@@ -48,7 +48,8 @@ def test_a_later_loss_that_differs_while_every_gradient_matches_is_the_forwards_
     forward's loss differs from the run without AC from backward 2, the recompute's saved tensors, hence every
     gradient, match it. The reference said "differs: repeated update" over 34 identical gradients, and the report
     "the gradients ... are silently wrong"."""
-    effect = "l0.counts is updated in place by aten.add_.Tensor in l0 (x.py:3) inside the region, so ... (counted twice)"
+    effect = ("l0.counts is updated in place by aten.add_.Tensor in l0 (x.py:3) inside the region, so ... "
+              "(counted twice)")
     result = explain(_steps(False, grads_follow=False), [], _report([effect]), steps_requested=2)
     assert result.verdict == IDENTICAL and not result.defect, result.headline
     assert "the loss of backward 2 differs (rel. diff 0.0001)" in result.headline, result.headline

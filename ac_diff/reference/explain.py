@@ -113,10 +113,11 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
     differing = [s for s in compared if s.differing]
     if drift is not None and drift.kind != "rng_draws" and not differing:  # (the forward's values only)
         result.verdict = IDENTICAL
+        rel = next(c for c in compared if c.step == drift_step).loss_rel_diff
         result.headline = (f"gradients identical to the run without AC ({compared[0].parameters} parameter(s), "
                            f"{len(compared)} backward pass(es)); the loss of backward {drift_step + 1} differs (rel. "
-                           f"diff {_num(next(c for c in compared if c.step == drift_step).loss_rel_diff)}): the forward computed other values than "
-                           "without AC, the backward the same ones")
+                           f"diff {_num(rel)}): the forward computed other values than without AC, the backward the "
+                           "same ones")
         result.notes.append(f"the loss differs from backward {drift_step + 1} on, every gradient does not: "
                             f"{drift.text} The recompute computed what the run without AC computes, so the training "
                             "is the same; the loss the script reads (a log line) is not")
