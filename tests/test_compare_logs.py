@@ -330,6 +330,30 @@ def test_a_log_names_the_random_op_a_changed_shape_depends_on(tmp_path):
     assert any("preserve_rng_state=True" in s.title for s in region.suggestions)
 
 
+def test_a_log_names_the_private_generator_a_random_op_was_handed(tmp_path):
+    """The same mask drawn from a torch.Generator of the script's own (router jitter): preserve_rng_state restores
+    only the default generators, and the dump prints `generator=<torch._C.Generator ...>`. `compare` said "Keep the RNG
+    state for the recompute: preserve_rng_state=True" (27h), which the script already had; `run` names the generator."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    w, gen = torch.randn(16, 16, requires_grad=True), torch.Generator().manual_seed(1)
+
+    def fn(x):
+        keep = torch.rand(x.shape[0], generator=gen) > 0.3  # (the generator kept advancing: other numbers)
+        return torch.relu(x[keep] @ w)
+
+    x = torch.randn(64, 16, requires_grad=True)
+    with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+        cp.checkpoint(fn, x, use_reentrant=False, debug=True).sum().backward()
+    path = tmp_path / "gen.log"
+    path.write_text("".join(traceback.format_exception(caught.value)))
+    (region,) = ac_diff.diagnose_paths([path]).regions
+    assert (region.cause.kind, region.cause.mechanism) == ("rng", "private_generator"), region.cause
+    assert not any("preserve_rng_state=True" in s.title for s in region.suggestions), region.suggestions
+
+
 @pytest.mark.parametrize("log", sorted((REPO / "tests" / "data" / "logs").glob("torch-*/moe_bias_update_debug.log.gz")),
                          ids=lambda p: p.parent.name)
 def test_a_log_names_the_in_place_update_the_routing_depends_on(log):

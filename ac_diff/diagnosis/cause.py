@@ -433,6 +433,8 @@ def _log_cause(region: Region, shape: Divergence) -> Cause | None:
                          [f"{op.op} at {at} writes {ref.name}", shape.summary], mechanism=UPDATED_IN_FORWARD,
                          source=op.source)
     drawn = next((op for op in reversed(feeding) if _drew(op)), None)
+    if drawn is not None and _generator_arg(drawn) is not None:  # (the dump names the generator it was handed)
+        return _rng_cause(drawn, region, None)
     if drawn is not None:
         at = where(drawn.module, drawn.source)
         return Cause("rng", drawn.op,
