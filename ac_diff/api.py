@@ -47,10 +47,11 @@ _NO_ERROR = ("no torch.utils.checkpoint error or debug dump in it (a rank that s
              "recomputes raised nothing: that does not show they matched)")
 
 
-def read_runs(paths: Iterable[str | os.PathLike], progress=None, lazy: bool = False) -> list[Run]:
-    """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run). Among several,
-    a log with nothing to explain (a rank torchrun stopped before it raised) is left out with a note."""
-    paths = list(paths)
+def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=None, lazy: bool = False) -> list[Run]:
+    """Read every path: a trace, a directory of traces, or a log torch printed (lazy: see read_run); one path alone
+    is one path, not its characters. Among several, a log with nothing to explain (a rank torchrun stopped before it
+    raised) is left out with a note."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     runs: list[Run] = []
     nothing: list[NothingToExplain] = []
     for path in paths:
@@ -173,7 +174,8 @@ def _rename(run: Run, read_as: str, name: str) -> None:
         run.notes = [note.replace(read_as, name) for note in run.notes]
 
 
-def diagnose_paths(paths: Iterable[str | os.PathLike], settings: Settings = Settings(), progress=None) -> Report:
+def diagnose_paths(paths: Iterable[str | os.PathLike] | str | os.PathLike, settings: Settings = Settings(),
+                   progress=None) -> Report:
     return diagnose(read_runs(paths, progress=progress, lazy=True), settings)
 
 

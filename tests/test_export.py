@@ -118,3 +118,13 @@ def test_a_damaged_line_is_said_not_silently_dropped(demo, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "1 damaged line(s) skipped" in err and "are incomplete" in err, err
     assert len(read_table(tmp_path / "ops.csv")) < len(ac_diff.load(demo / "out").ops)
+
+
+def test_the_library_reads_one_path_given_alone(demo):
+    """`ac_diff.diagnose_paths("out")` iterated the string's characters ("t: no such file or directory", 27d): one
+    path alone, a string or a Path, is one path."""
+    import ac_diff
+
+    out = demo / "out"
+    for given in (str(out), out):
+        assert ac_diff.diagnose_paths(given).verdict == ac_diff.diagnose_paths([out]).verdict == "diverged"
