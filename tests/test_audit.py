@@ -654,10 +654,11 @@ def test_the_commands_an_audit_under_torchrun_suggests_launch_the_ranks_again(mo
     from ac_diff.audit.result import _run
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _run("my train.py") == "ac-diff run --nproc-per-node 2 'my train.py'"
-    assert _run("t.py", "--reference no-ac") == "ac-diff run --nproc-per-node 2 --reference no-ac t.py"
+    assert _run(["my train.py"]) == "ac-diff run --nproc-per-node 2 'my train.py'"
+    assert _run(["t.py"], "--reference no-ac") == "ac-diff run --nproc-per-node 2 --reference no-ac t.py"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert _run("t.py") == "ac-diff run t.py"
+    assert _run(["t.py"]) == "ac-diff run t.py"
+    assert _run(["-m", "pkg.train", "--lr", "3"]) == "ac-diff run -m pkg.train --lr 3"
 
 
 def test_a_site_whose_flips_change_shapes_only_sometimes_says_how_often():
