@@ -13,6 +13,7 @@ each node's directory the full traces) is read once, from its most complete trac
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ..api import read_runs
@@ -63,7 +64,8 @@ def launch_of(run: Run) -> str | None:
         return str(run.run_id)
     header = run.header or {}
     if run.world_size == 1 and header.get("pid") is not None:
-        return f"pid {header['pid']} on {header.get('host', '?')} at {run.start_time or 0:.0f}"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.start_time or 0))
+        return f"pid {header['pid']} on {header.get('host', '?')}, started {started}"
     return None
 
 
