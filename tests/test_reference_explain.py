@@ -62,21 +62,30 @@ def test_a_first_loss_after_a_recompute_that_updated_state_again_is_acs_doing():
     forward reads it. The first loss differed and the reference said "the script's own randomness: seed it", on a
     seeded script. An earlier region that repeated an update, before the first region to differ, is AC's doing."""
     first = [StepComparison(step=0, loss_identical=False, loss_rel_diff=5e-5, parameters=4, identical=4)]
-    penalty = SimpleNamespace(rank=0, region=0, module="D.blocks.0", status="diverged", silent=True,
-                              repeated=[("D.blocks.0.fc1._u", "aten.mv.default", "D.blocks.0.fc1")],
-                              cause=SimpleNamespace(kind="state_mutation", mechanism="updated_in_forward",
-                                                    tensor="D.blocks.0.fc1._v", source="sn.py:14 in forward"))
-    later = SimpleNamespace(rank=0, region=2, module="D.blocks.0")
-    result = explain(first, [], SimpleNamespace(regions=[penalty]), steps_requested=1, first_forward=later)
+    def region(number: int, backward: int, repeats: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=0, region=number, module="D.blocks.0", status="diverged", silent=True, backward=backward, step=1,
+            repeated=[("D.blocks.0.fc1._u", "aten.mv.default", "D.blocks.0.fc1")] if repeats else [],
+            cause=SimpleNamespace(kind="state_mutation", mechanism="updated_in_forward", tensor="D.blocks.0.fc1._v",
+                                  source="sn.py:14 in forward"))
+
+    def first_differing(number: int) -> SimpleNamespace:  # (forwards.first_difference's region)
+        return SimpleNamespace(rank=0, region=number, module="D.blocks.0", changed_inputs=[], cause=None,
+                               first_value_divergence=None, first_control_divergence=None,
+                               first_divergence=lambda: None)
+
+    penalty = [region(0, 1, True), region(2, 2, True)]  # (region 0 recomputed by the penalty, region 2 after it)
+    result = explain(first, [], SimpleNamespace(regions=penalty), steps_requested=1, first_forward=first_differing(2))
     assert result.verdict == DIFFERS and result.explanations[0].kind == "repeated_update", result.headline
     assert "`D.blocks.0.fc1._u` a second time" in result.explanations[0].text
     assert "as AC changed the forward itself" in result.headline and "randomness" not in result.headline
-    # the first region differing with nothing recomputed before it: the script's own randomness, as before
-    alone = explain(first, [], SimpleNamespace(regions=[penalty]), steps_requested=1,
-                    first_forward=SimpleNamespace(rank=0, region=0, module="D.blocks.0", changed_inputs=[],
-                                                  cause=None, first_value_divergence=None,
-                                                  first_control_divergence=None, first_divergence=lambda: None))
-    assert alone.verdict == NOT_COMPARABLE, alone.headline
+    # a plain step, every region recomputed in the one backward after all the forwards (a batch norm's statistics
+    # counted twice in region 0): a first loss that differs at region 2 is the script's own randomness, as before
+    plain = [region(0, 1, True), region(2, 1, False)]
+    for number in (0, 2):
+        alone = explain(first, [], SimpleNamespace(regions=plain), steps_requested=1,
+                        first_forward=first_differing(number))
+        assert alone.verdict == NOT_COMPARABLE, alone.headline
 
 
 def test_random_draws_excuse_a_later_loss_only_with_evidence_of_draws():

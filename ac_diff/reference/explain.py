@@ -193,7 +193,13 @@ def _recomputed_before_loss(step: StepComparison, report: Any, first: RegionRepo
     runs' first region that differs (forwards.first_difference), after such a region."""
     if first is None or not first.region:
         return None
-    earlier = next((r for r in getattr(report, "regions", []) if r.rank == first.rank and r.region < first.region
+    regions = getattr(report, "regions", [])
+    # (recomputed in an earlier backward than the first region to differ: inside the step, before its forward ran;
+    # in a plain step every region is recomputed in the one backward after all the forwards)
+    later = next((r for r in regions if (r.rank, r.region) == (first.rank, first.region)), None)
+    after = recomputed_in(later) if later is not None else None
+    earlier = next((r for r in regions if r.rank == first.rank and r.region < first.region
+                    and after is not None and (recomputed_in(r) or after) < after
                     and (r.repeated or r.cause is not None and r.cause.mechanism == UPDATED_IN_FORWARD)), None)
     if earlier is None:
         return None
