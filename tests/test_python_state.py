@@ -631,3 +631,46 @@ def test_a_count_a_pre_hook_keeps_in_a_global_dict_empty_at_first_is_never_clean
     report = _record(tmp_path, steps)
     assert report.title == "GRADIENTS AT RISK", report.headline
     assert f"{__name__}.WARMUP_COUNTS['b0']" in report.headline, report.headline
+
+
+class _Staged(nn.Module):
+    """A curriculum block: its activation follows the stage a config dict it holds names (relu saves its output, gelu
+    its input: torch's early stop ends the recompute before gelu runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.cfg = nn.Linear(8, 8), {"stage": 1}
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.relu(h) if self.cfg["stage"] == 1 else torch.nn.functional.gelu(h)
+
+
+def test_a_config_dict_changed_between_forward_and_backward_is_named_and_changed_after_the_backward(tmp_path):
+    """27i: a curriculum callback moves `cfg["stage"]` between the forward and the backward. With every recorded op
+    matching (the recompute's branch saved the addmm's output for gelu where the forward saved relu's, and stopped),
+    the cause was "unknown"; where named, the fix said "Do not change `blocks.0.cfg` in the checkpointed forward" with
+    a generation cache's `.append(...)`: the forward never changes it. The position saved from another op is the
+    branch, and a container changed outside the forward is changed after the backward, as any attribute."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_Staged()])
+
+        def forward(self, x):
+            return cp.checkpoint(self.blocks[0], x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    net = Net()
+
+    def step():
+        out = net(torch.randn(4, 8, requires_grad=True))
+        net.blocks[0].cfg["stage"] = 2  # (the callback, before the backward)
+        out.sum().backward()
+
+    (region,) = _diverged(_record(tmp_path, step))
+    assert (region.cause.kind, region.cause.tensor) == ("control_flow", "blocks.0.cfg"), region.cause
+    assert "position 2: the output of aten.relu.default in the forward" in region.cause.detail, region.cause.detail
+    fix = region.suggestions[0]
+    assert fix.title == "Change `blocks.0.cfg` after the backward, not between forward and backward", fix.title

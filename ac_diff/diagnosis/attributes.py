@@ -210,7 +210,7 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     identical tensors (a Python number argument changed, or another branch was taken). A random op's other
     values are its own (RNG) unless its arguments changed too, and a change read where it ran explains them."""
     changes = changed_attributes(region)
-    saved_other = saved_before_any_op(region) if changes and first is None else None
+    saved_other = saved_by_other_ops(region) if changes and first is None else None
     if not changes or (first is None and saved_other is None) or first is not None and first.inputs_same is False:
         return None
     op = (first.forward or first.recompute) if first is not None else None
@@ -228,8 +228,9 @@ def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
     branch = first is None or "control" in first.kinds  # Python code took another branch on it
     why = ("the recompute ran another compiled graph than the forward (a guard torch.compile put on what changed "
            "failed): " if other_compiled_graph(region) else
-           f"the recompute saved other tensors than the forward before it ran any op ({saved_other}: Python code "
-           "took another branch): " if saved_other else
+           f"the recompute saved other tensors than the forward ({saved_other}: Python code took another branch"
+           + (", before the recompute ran any op" if not region.recompute.ops else
+              ", whose own ops torch's early stop cut off") + "): " if saved_other else
            "the recompute ran another sequence of ops (Python code took another branch): " if branch else "")
     root = _counting_pre_hook(top, changes)
     detail = why + f"{_what(top)} was {change_words(top.forward, top.recompute)}"
@@ -294,7 +295,16 @@ def saved_before_any_op(region: Region) -> str | None:
     inside its first op, a LayerNorm the forward never ran saving its weight where the forward saved the block's
     input. Says which position differs and how ("position 0: input[0] in the forward, ln.bias in the recompute")."""
     fwd, rec = region.forward, region.recompute
-    if fwd is None or rec is None or rec.ops or not rec.positions:
+    if fwd is None or rec is None or rec.ops:
+        return None
+    return saved_by_other_ops(region)
+
+
+def saved_by_other_ops(region: Region) -> str | None:
+    """The first saved position the two passes filled from other ops (the output of relu in the forward, of the
+    addmm feeding gelu in the recompute: another branch, whose own ops torch's early stop cut off before they ran)."""
+    fwd, rec = region.forward, region.recompute
+    if fwd is None or rec is None or not rec.positions:
         return None
     for a, b in zip(fwd.positions, rec.positions):
         label_a, label_b = _saved_label(fwd, a), _saved_label(rec, b)
@@ -477,7 +487,9 @@ def attribute_suggestion(region: Region, name: str) -> Suggestion | None:
             "its arguments for the recompute).",
             f"{var} = {change.forward!r}\nloss = model(batch)\nloss.backward()  # the recompute reads {var} here\n"
             f"{var} = {change.recompute!r}")
-    if is_container(change.forward):
+    # (a container the forward itself changes, a cache it appends to; one changed between forward and backward, a
+    # config dict a callback updates, is changed after the backward as any attribute)
+    if is_container(change.forward) and (change.counted_twice or change.forward_update is not None):
         return Suggestion(
             f"Do not change `{name}` in the checkpointed forward; update it after the backward",
             f"The recompute runs the module's forward again and reads the {change.forward['type']} as it is then "
