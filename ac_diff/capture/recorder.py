@@ -57,8 +57,8 @@ from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP,
 from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
-                           checkpointed_module, frame_options, function_name, graph_task_id, left_a_backward,
-                           sequential_segment, version_of)
+                           checkpointed_module, frame_options, function_name, graph_task_id, innermost_function,
+                           left_a_backward, sequential_segment, version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -797,7 +797,7 @@ class Recorder:
                     region.module = segment_name(start, end)
             elif phase == FORWARD:
                 region.fn_name = function_name(fn)
-                inner = fn.func if isinstance(fn, functools.partial) else fn
+                inner = innermost_function(fn)
                 name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
                 code = getattr(inner, "__code__", None)
                 if code is not None:  # (a lambda's: the same every step; watch keys its module by it)

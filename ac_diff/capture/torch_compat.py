@@ -116,14 +116,21 @@ def checkpointed_module(fn: Any) -> tuple[Any, bool]:
     return None, True
 
 
-def function_name(fn: Any) -> str | None:
-    """The name a checkpointed function is known by (its `__qualname__`), through `functools.partial` wrappers
-    (`partial(layer_fn, hparams)` -> "layer_fn"); None for a lambda and for what has no name."""
+def innermost_function(fn: Any) -> Any:
+    """The function a checkpointed callable runs, through a remedy's wrapper and `functools.partial` wrappers
+    (`partial(layer_fn, hparams)` -> layer_fn)."""
     fn = getattr(fn, "_ac_diff_checkpointed", fn)
     for _ in range(4):
         if not isinstance(fn, functools.partial):
             break
         fn = fn.func
+    return fn
+
+
+def function_name(fn: Any) -> str | None:
+    """The name a checkpointed function is known by (innermost_function's `__qualname__`: "layer_fn"); None for a
+    lambda and for what has no name."""
+    fn = innermost_function(fn)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     return name if isinstance(name, str) and "<lambda>" not in name else None
 

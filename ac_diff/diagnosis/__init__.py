@@ -580,6 +580,7 @@ def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) ->
 # twice-updated values (a balancing update from counts, a loss) is for a comparison over more than one step to tell
 REPEATED_ASK = " (`ac-diff run --reference no-ac --reference-steps 2` tells whether the training reads them)"
 
+
 def held_choice_note(regions: list[RegionReport]) -> str:
     """A clean headline's note on the clean regions whose chooser's scores moved between the passes without a flip
     (RegionReport.held_choice): the origin thread's MoE, clean at a small size, raising at a larger one."""

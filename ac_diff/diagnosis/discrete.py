@@ -147,10 +147,7 @@ def _margins(flip: Flip, f: OpRecord, r: OpRecord, name: str, rows: torch.Tensor
     picked = scores[rows]
     if picked.numel() == 0:
         return
-    largest = not (name in ("argmin", "min") or (name == "topk" and False in f.args[3:4]))
-    ordered = picked.sort(dim=-1, descending=largest).values
-    # the closest pair among the first k+1 ranked scores: the near-tie that could reorder the choice
-    gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs().min(dim=-1).values
+    gaps = _closest_gaps(picked, f, name, k)
     flip.margin_min, flip.margin_max = float(gaps.min()), float(gaps.max())
     if rs is not None and rs.shape == fs.shape:
         shift = (rs.reshape(-1, fs.shape[-1])[rows] - picked).abs()
@@ -183,11 +180,17 @@ def held_choice(cmp: Any) -> HeldChoice | None:
         moved = float((rs - fs).abs().max())
         if not moved > 0:
             continue
-        largest = not (name in ("argmin", "min") or (name == "topk" and False in f.args[3:4]))
-        ordered = fs.reshape(-1, fs.shape[-1]).sort(dim=-1, descending=largest).values
-        gaps = (ordered[:, :k] - ordered[:, 1:k + 1]).abs().min(dim=-1).values
-        return HeldChoice(f, moved, float(gaps.min()), int(ordered.shape[0]))
+        rows = fs.reshape(-1, fs.shape[-1])
+        return HeldChoice(f, moved, float(_closest_gaps(rows, f, name, k).min()), int(rows.shape[0]))
     return None
+
+
+def _closest_gaps(rows: torch.Tensor, f: OpRecord, name: str, k: int) -> torch.Tensor:
+    """Per row of scores, the closest pair among the first k+1 ranked (in the chooser's own order): the near-tie that
+    could reorder the choice."""
+    largest = not (name in ("argmin", "min") or (name == "topk" and False in f.args[3:4]))
+    ordered = rows.sort(dim=-1, descending=largest).values
+    return (ordered[:, :k] - ordered[:, 1:k + 1]).abs().min(dim=-1).values
 
 
 def _short(values: Any, n: int = 12) -> Any:

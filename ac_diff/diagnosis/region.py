@@ -263,12 +263,17 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     diverged = diverged or held is not None
     report.status = DIVERGED if diverged else CLEAN
     read = [(change, how) for change, how in twice if change.read_again]
-    # (a tensor it updates in place and computes with: an amax history its scale comes from, a count a branch reads)
-    tensors, report.read_into = [], []
+    # (a tensor it updates in place and computes with: an amax history its scale comes from, a count a branch reads;
+    # (name, its update, the op it reaches as a number where that is how the code reads it))
+    tensors: list[tuple[str, OpRecord, OpRecord | None]] = []
+    report.read_into = []
     for name, op in cmp.region_updates() if not diverged and not read else ():
+        if name and reads_beyond_update(fwd, name):
+            tensors.append((name, op, None))
+            continue
         into = read_into_arguments(cmp, fwd, name) if name else None
-        if name and reads_beyond_update(fwd, name) or into is not None and not updates_as_it_computes(into.op):
-            tensors.append((name, op))
+        if into is not None and not updates_as_it_computes(into.op):
+            tensors.append((name, op, into))
         elif into is not None:  # (BatchNorm(momentum=None)'s 1 / num_batches_tracked: only its statistics differ)
             report.read_into.append(name)
             report.side_effects.append(
@@ -282,14 +287,12 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         change, how = read[0]
         _state_read_again(report, change.name, f"the Python {'global' if change.is_global else 'attribute'}", how)
     elif tensors:
-        name, op = tensors[0]
+        name, op, into = tensors[0]
         kind = next((e.kind for e in fwd.externals if e.name == name), "external")
-        into = read_into_arguments(cmp, fwd, name)
         _state_read_again(report, name, {"buffer": "the buffer", "param": "the parameter"}.get(kind, "the tensor"),
                           f"{op.op} at {where(op.module, op.source)} in each pass"
                           + (f"; read as a number that {into.op} at {where(into.module, into.source)} got as an "
-                             "argument, another one in the recompute" if into is not None
-                             and not reads_beyond_update(fwd, name) else ""))
+                             "argument, another one in the recompute" if into is not None else ""))
     if not diverged and report.status == CLEAN and report.host_draws:
         _drew_again(report, region, fwd.state.get("host_draw_sites") or rec.state.get("host_draw_sites") or [],
                     torch_version)

@@ -205,16 +205,21 @@ def node_local(node: int, local: int) -> int:
     return -(1 + node * _NODE_STRIDE + local)
 
 
+def node_and_local(rank: int | None) -> tuple[int, int] | None:
+    """(node, local rank) of a rank node_local made; None for any other rank."""
+    return divmod(-rank - 1, _NODE_STRIDE) if rank is not None and rank < 0 else None
+
+
 def global_ranks(ranks: list[int | None]) -> dict[int, int]:
     """{node-local rank as node_local made it: its global rank, node x ranks per node + local}."""
-    pairs = {r: divmod(-r - 1, _NODE_STRIDE) for r in ranks if r is not None and r < 0}
+    pairs = {r: pair for r in ranks if (pair := node_and_local(r)) is not None}
     n = per_node(pairs)
     return {r: node * n + local for r, (node, local) in pairs.items()}
 
 
 def per_node(ranks: dict[int, object]) -> int:
     """The ranks per node: the most local ranks a node showed (highest local rank + 1), over node_local's keys."""
-    return max((divmod(-r - 1, _NODE_STRIDE)[1] for r in ranks if r < 0), default=-1) + 1
+    return max((pair[1] for r in ranks if (pair := node_and_local(r)) is not None), default=-1) + 1
 
 
 # Markers that start a new logical line when they appear inside a line (see module docstring).

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from ac_diff.logs import dump as D
 from ac_diff.logs.errors import (COUNT_MISMATCH, METADATA_MISMATCH, ErrorBuilder, classify_error_line,
                                  reentrant_output_shapes, wrong_gradient_shape)
-from ac_diff.logs.lines import ReadStats, global_ranks, per_node, rank_in_path, split_segments, srun_label
+from ac_diff.logs.lines import (ReadStats, global_ranks, node_and_local, per_node, rank_in_path, split_segments,
+                               srun_label)
 from ac_diff.logs.memo import short_text_memo
 from ac_diff.logs.oplines import GARBLED, OK, SALVAGED, looks_like_op, parse_op_line
 from ac_diff.logs.repeats import ErrorTally, dump_key, fold_errors, fold_repeated_dumps
@@ -83,9 +84,9 @@ class _Counts:
 
 
 def _who(rank: int | None) -> str:
-    if rank is not None and rank < 0:  # (lines.node_local: read before the ranks per node are known)
-        node, local = divmod(-rank - 1, 1 << 20)
-        return f"node {node}'s local rank {local}"
+    placed = node_and_local(rank)  # (read before the ranks per node are known)
+    if placed is not None:
+        return f"node {placed[0]}'s local rank {placed[1]}"
     return f"rank {rank}" if rank is not None else "the unprefixed output"
 
 

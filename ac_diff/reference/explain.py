@@ -88,16 +88,8 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
         ac_made = _grad_mode_forward(steps[0], report) or _recomputed_before_loss(steps[0], report, first_forward)
         result.verdict = DIFFERS if ac_made is not None else NOT_COMPARABLE
         result.explanations.append(ac_made or _first_loss(steps[0], first_forward))
-        kind = result.explanations[0].kind
         result.headline = ("gradients not compared: the loss of the first backward already differs from the run "
-                           "without AC, " + ("as AC changed the forward itself: a region recomputed before it (a "
-                                             "backward inside the step) updated state a second time, which a later "
-                                             "forward read" if kind == "repeated_update" else
-                                             "before any recompute ran (" + {
-                               "nondeterministic_kernel": "a nondeterministic kernel",
-                               "grad_mode_forward": "AC changed the forward itself: use_reentrant=True runs it "
-                                                    "without autograd, and the region branches on grad mode",
-                           }.get(kind, "the script's own randomness") + ")"))
+                           "without AC, " + _FIRST_LOSS_WHY.get(result.explanations[0].kind, _FIRST_LOSS_RANDOM))
         return result
     compared = [steps[0]]
     drift: Explanation | None = None  # why a later loss differs after identical gradients
@@ -184,6 +176,17 @@ def _grad_mode_forward(step: StepComparison, report: Any) -> Explanation | None:
         f"({region.cause.source or region.cause.tensor}): with AC the forward itself takes the other branch, so the "
         "training differs from the run without AC from its first step.",
         region=region.module, source=region.cause.source, fix=REENTRANT_FIX)
+
+
+# why the first loss differs, as the reference's headline says it, by the explanation's kind
+_FIRST_LOSS_RANDOM = "before any recompute ran (the script's own randomness)"
+_FIRST_LOSS_WHY = {
+    "nondeterministic_kernel": "before any recompute ran (a nondeterministic kernel)",
+    "grad_mode_forward": "before any recompute ran (AC changed the forward itself: use_reentrant=True runs it without "
+                         "autograd, and the region branches on grad mode)",
+    "repeated_update": "as AC changed the forward itself: a region recomputed before it (a backward inside the step) "
+                       "updated state a second time, which a later forward read",
+}
 
 
 def _recomputed_before_loss(step: StepComparison, report: Any, first: RegionReport | None) -> Explanation | None:
@@ -521,12 +524,13 @@ def _reordered_settled(report: Any, result: ReferenceResult) -> None:
                                               or (report.watch or {}).get("unwritten"))
     if not diverged or result.verdict != IDENTICAL or uncompared or report.torch_errors \
             or report.verdict != DIVERGED or report.crashed or (report.watch or {}).get("never_compared") \
-            or any(r.status == UNCHECKED for r in report.regions) or not all(
-                _reordered_flip(r, report.regions) is not None for r in diverged):
+            or any(r.status == UNCHECKED for r in report.regions):
+        return
+    flips = [_reordered_flip(r, report.regions) for r in diverged]
+    if any(flip is None for flip in flips):
         return
     over = f"all {result.backwards}" if result.backwards >= made else f"the {result.backwards} compared"
-    for r in diverged:
-        flip = _reordered_flip(r, report.regions)
+    for r, flip in zip(diverged, flips):
         r.status, r.silent = CLEAN, False
         r.notes.append(f"its recompute chose the same top-k entries in another order ({flip.summary}"
                        + (", as its module's recording in full shows" if flip is not r.first_discrete_divergence

@@ -143,38 +143,34 @@ class GradCapture:
         # (compiled modules: Dynamo must not trace it; the compiled module itself is seen, called eagerly)
         self._hook = nn.modules.module.register_module_forward_pre_hook(skip_when_compiling(self._pre))
         self._names.install()
-        self._original = torch.autograd.backward
-        original = self._original
+        self._original, self._original_grad = torch.autograd.backward, torch.autograd.grad
 
-        def backward(*args, **kwargs):
-            # reentrant checkpoint's recompute calls torch.autograd.backward inside the outer backward
+        def after_backward(result, *args, **kwargs):
+            self._snapshot(args[0] if args else kwargs.get("tensors"))
+
+        def after_grad(result, outputs, inputs, *args, **kwargs):
+            # (the gradients a training step takes: not a penalty's, whose graph a backward goes on through)
+            if not kwargs.get("create_graph", args[2] if len(args) > 2 else False):
+                self._snapshot_of_grad(outputs, inputs, result)
+
+        torch.autograd.backward = self._outermost(self._original, after_backward)
+        torch.autograd.grad = self._outermost(self._original_grad, after_grad)
+        return self
+
+    def _outermost(self, original: Any, then: Any) -> Any:
+        """`original`, calling `then(result, *args)` after an outermost call while steps are still to be captured
+        (reentrant checkpoint's recompute calls torch.autograd.backward inside the outer backward)."""
+        def call(*args, **kwargs):
             self._depth += 1
             try:
                 result = original(*args, **kwargs)
             finally:
                 self._depth -= 1
             if self._depth == 0 and len(self.snapshots) < self.steps:
-                self._snapshot(args[0] if args else kwargs.get("tensors"))
+                then(result, *args, **kwargs)
             return result
 
-        torch.autograd.backward = backward
-        self._original_grad = torch.autograd.grad
-        original_grad = self._original_grad
-
-        def grad(outputs, inputs, *args, **kwargs):
-            self._depth += 1
-            try:
-                result = original_grad(outputs, inputs, *args, **kwargs)
-            finally:
-                self._depth -= 1
-            # (the gradients a training step takes: not a penalty's, whose graph a backward goes on through)
-            create_graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
-            if self._depth == 0 and len(self.snapshots) < self.steps and not create_graph:
-                self._snapshot_of_grad(outputs, inputs, result)
-            return result
-
-        torch.autograd.grad = grad
-        return self
+        return call
 
     def uninstall(self) -> None:
         if self._hook is not None:

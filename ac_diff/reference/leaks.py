@@ -105,7 +105,6 @@ class _Made(TorchDispatchMode):
                 self.made.append((weakref.ref(t), key, str(func), self.current_module(), user_source(), list(t.shape)))
         return out
 
-
     def _detached(self, t: torch.Tensor) -> bool:
         held = self.detached.get(id(t))
         return held is not None and held() is t
