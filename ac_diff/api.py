@@ -54,6 +54,7 @@ def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=N
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     runs: list[Run] = []
     nothing: list[NothingToExplain] = []
+    seen: list[str] = []  # every file read or below a directory read (the nodes of torchrun --log-dir files)
     for path in paths:
         p = readable_file(path)
         first = len(runs)
@@ -65,10 +66,15 @@ def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=N
             nothing.append(exc)
         for run in runs[first:]:  # standard input is called <stdin>, not by the temporary copy read
             _rename(run, str(p), source_name(p))
+        logs_in_dir = p.is_dir() and any(run.source == "log" for run in runs[first:])
+        seen.extend(map(str, _below(p)) if logs_in_dir else [str(p)])
     if nothing and not runs:
         raise nothing[0]
     if nothing:
         runs[0].notes.extend(f"{exc.name}: left out, {exc.why}" for exc in nothing)
+    from .logs import place_log_dir_ranks
+
+    place_log_dir_ranks(runs, seen)
     return runs
 
 
@@ -84,13 +90,19 @@ _LOG_SUFFIXES = (".log", ".txt", ".err", ".out", ".gz", ".zst", ".bz2", ".xz")
 _LOGS_SEARCHED = 512  # files below a directory looked at for logs, at most
 
 
+def _below(directory: Path) -> list[Path]:
+    """The files below `directory` that may be logs, in path order (at most _LOGS_SEARCHED)."""
+    return list(itertools.islice((f for f in sorted(directory.rglob("*")) if f.suffix in _LOG_SUFFIXES),
+                                 _LOGS_SEARCHED))
+
+
 def _logs_below(directory: Path) -> list[Path]:
     """The logs with checkpoint error text or a debug dump in the files below `directory` (a torchrun --log-dir
     tree: <run>/attempt_0/<local rank>/stderr.log), in path order; empty files and other text are not logs."""
     from .logs import looks_like_log
 
     found = []
-    for f in itertools.islice((f for f in sorted(directory.rglob("*")) if f.suffix in _LOG_SUFFIXES), _LOGS_SEARCHED):
+    for f in _below(directory):
         with contextlib.suppress(OSError):
             if f.is_file() and f.stat().st_size and looks_like_log(f):
                 found.append(f)

@@ -661,6 +661,31 @@ def test_a_torchrun_log_directory_is_read_as_its_logs_and_an_empty_one_among_sev
     assert r.returncode == 2 and "no log with a torch.utils.checkpoint error in this directory" in r.stderr, r.stderr
 
 
+def test_torchrun_log_dirs_of_two_nodes_give_global_ranks_and_say_how(tmp_path):
+    """27h: two nodes' torchrun --log-dir trees (<node dir>/<run>/attempt_0/<local rank>/stderr.log) read as ranks 0
+    and 1 twice, node 1's errors under node 0's ranks. Node i's local rank L is rank i x ranks per node + L, the nodes
+    in their directories' path order (said in a note); the nodes and ranks per node count the files without an error.
+    A log whose lines name their rank (torch's `[rankN]:`) keeps it."""
+    error_text = _real("Joluck_RWKV-PEFT_58.log").read_bytes()  # (no rank prefixes)
+    for node, run in (("node0", "none_ab"), ("node1", "none_cd")):
+        for local in (0, 1):
+            (tmp_path / node / run / "attempt_0" / str(local)).mkdir(parents=True)
+            (tmp_path / node / run / "attempt_0" / str(local) / "stderr.log").write_text("step 1 loss 0.5\n")
+    (tmp_path / "node1" / "none_cd" / "attempt_0" / "1" / "stderr.log").write_bytes(error_text)
+    (tmp_path / "node0" / "none_ab" / "attempt_0" / "1" / "stderr.log").write_bytes(error_text)
+    report = ac_diff.diagnose_paths(tmp_path)
+    assert sorted(e.rank for e in report.torch_errors) == [1, 3], report.torch_errors
+    assert any("taken as nodes 0-1 in path order (node0/none_ab = ranks 0-1, node1/none_cd = ranks 2-3)" in n
+               for n in report.notes), report.notes
+    files = sorted(tmp_path.rglob("stderr.log"))
+    assert sorted(e.rank for e in ac_diff.diagnose_paths(files).torch_errors) == [1, 3]
+    (tmp_path / "node1" / "none_cd" / "attempt_0" / "1" / "stderr.log").write_bytes(
+        b"".join(b"[rank3]: " + line for line in error_text.splitlines(True)))
+    report = ac_diff.diagnose_paths(tmp_path)
+    assert sorted(e.rank for e in report.torch_errors) == [1, 3], report.torch_errors
+    assert not any("in path order" in n for n in report.notes), report.notes
+
+
 def test_a_log_of_batch_norms_switched_to_eval_leads_with_the_batch_norm(tmp_path):
     """A conv block whose batch norms are switched to eval between the forward and the backward: torch's error lists
     pairs of f32[C] -> f32[0] (each norm's saved mean and inverse std). It led with ZeRO-3 / FSDP."""

@@ -33,12 +33,12 @@ import contextlib
 import gzip
 import io
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import IO, Union
 
 from ac_diff.gc_hold import collector_paused
-from ac_diff.logs.lines import MAX_LINE, collected_lines, collected_message, iter_lines
+from ac_diff.logs.lines import MAX_LINE, collected_lines, collected_message, iter_lines, log_dir_place
 from ac_diff.logs.meta import UNKNOWN_DEVICE
 from ac_diff.logs.parser import LogParser
 from ac_diff.logs.repeats import fold_errors
@@ -46,7 +46,7 @@ from ac_diff.logs.spill import RegionSpill
 from ac_diff.passes import Run, TorchError
 from ac_diff.streams import STREAM_DAMAGE, open_binary
 
-__all__ = ["parse_log", "parse_text", "looks_like_log", "UNKNOWN_DEVICE", "LogParser"]
+__all__ = ["parse_log", "parse_text", "looks_like_log", "place_log_dir_ranks", "UNKNOWN_DEVICE", "LogParser"]
 
 Progress = Callable[[int, Union[int, None]], None]
 SNIFF_BYTES = 1 << 20
@@ -145,6 +145,39 @@ def recorded_errors(run: Run, check_errors: list[dict]) -> list[TorchError]:
             err.first_line = err.last_line = None  # lines of the message, not of a log
             found.append(err)
     return fold_errors(found)
+
+
+def place_log_dir_ranks(runs: list[Run], seen: Iterable[str]) -> None:
+    """Give the logs torchrun --log-dir wrote on several nodes their global ranks, in place.
+
+    Such a file's path names only its local rank (<node's dir>/<run>/attempt_0/<local rank>/stderr.log), so two
+    nodes' rank 0 would be one rank. `seen`: every such file's path known (the ones without an error included), for
+    the nodes and the ranks per node. The nodes are taken in their directories' path order, which the files cannot
+    confirm: a note says so. Nothing changes where a log's lines named their own ranks (torch's `[rankN]:`)."""
+    placed = {path: where for path in {*seen, *(run.path for run in runs if run.path)}
+              if (where := log_dir_place(path)) is not None}
+    nodes = sorted({node for node, _ in placed.values()})
+    logs = [(run, placed[run.path]) for run in runs if run.source == "log" and run.path in placed]
+    if len(nodes) < 2 or not logs or any(set(run.header.get("ranks") or ()) - {local} for run, (_, local) in logs):
+        return
+    per_node = max(local for _, local in placed.values()) + 1
+    offset = {node: i * per_node for i, node in enumerate(nodes)}
+    for run, (node, local) in logs:
+        rank = offset[node] + local
+        for item in [*run.regions, *run.errors]:
+            item.rank = rank if item.rank == local else item.rank
+        run.header["ranks"] = [rank] if run.header.get("ranks") else []
+        run.header["raised"] = {str(rank): text for text in (run.header.get("raised") or {}).values()}
+    try:
+        common = os.path.commonpath(nodes)
+    except ValueError:  # (absolute and relative paths)
+        common = ""
+    spans = ", ".join(f"{os.path.relpath(node, common) if common else node} = ranks {offset[node]}-"
+                      f"{offset[node] + per_node - 1}" for node in nodes)
+    runs[0].notes.append(f"ranks: the files torchrun --log-dir wrote name local ranks only; {len(nodes)} nodes' "
+                         f"directories, {per_node} ranks each, taken as nodes 0-{len(nodes) - 1} in path order "
+                         f"({spans}): if that is not their node order, so are the ranks (torch's `[rankN]:` "
+                         "prefix, on a traceback that reaches the top, names global ranks)")
 
 
 def _parse_stream(stream: IO, path: str | None, total: int | None, progress: Progress | None,

@@ -161,13 +161,24 @@ def collected_lines(lines: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bo
 
 # A file torchrun wrote one rank's output to (`--log-dir D --redirects 3`: D/<run>/attempt_0/<local rank>/stderr.log),
 # or one named by its rank (`rank3.log`, `train_rank_3.err`)
-_RANK_PATH = re.compile(r"(?:[\\/]attempt_\d+[\\/](\d+)[\\/](?:stderr|stdout|error)\.log|rank[_-]?(\d+)[^\\/\d]*)$")
+_LOG_DIR_PATH = re.compile(r"^(.*)[\\/]attempt_\d+[\\/](\d+)[\\/](?:stderr|stdout|error)\.log$")
+_RANK_NAME = re.compile(r"rank[_-]?(\d+)[^\\/\d]*$")
 
 
 def rank_in_path(path: str | None) -> int | None:
-    """The rank a log file's path names, for its lines without a rank prefix; None where it names none."""
-    m = _RANK_PATH.search(path or "")
-    return int(m.group(1) or m.group(2)) if m else None
+    """The rank a log file's path names, for its lines without a rank prefix; None where it names none (a torchrun
+    --log-dir file's is its local rank: log_dir_place)."""
+    placed = log_dir_place(path)
+    if placed is not None:
+        return placed[1]
+    m = _RANK_NAME.search(path or "")
+    return int(m.group(1)) if m else None
+
+
+def log_dir_place(path: str | None) -> tuple[str, int] | None:
+    """(the node's run directory, local rank) of a file torchrun --log-dir wrote; None for any other path."""
+    m = _LOG_DIR_PATH.match(path or "")
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def strip_prefix(text: str) -> tuple[int | None, str]:
