@@ -651,7 +651,8 @@ def test_a_config_dict_changed_between_forward_and_backward_is_named_and_changed
     matching (the recompute's branch saved the addmm's output for gelu where the forward saved relu's, and stopped),
     the cause was "unknown"; where named, the fix said "Do not change `blocks.0.cfg` in the checkpointed forward" with
     a generation cache's `.append(...)`: the forward never changes it. The position saved from another op is the
-    branch, and a container changed outside the forward is changed after the backward, as any attribute."""
+    branch, and a dict's setting changed outside the forward is named by its key and changed after the backward, as any
+    attribute."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -670,7 +671,10 @@ def test_a_config_dict_changed_between_forward_and_backward_is_named_and_changed
         out.sum().backward()
 
     (region,) = _diverged(_record(tmp_path, step))
-    assert (region.cause.kind, region.cause.tensor) == ("control_flow", "blocks.0.cfg"), region.cause
+    name = "blocks.0.cfg['stage']"  # (a dict's scalar items are recorded by key: "a dict of 1 entry ... other items")
+    assert (region.cause.kind, region.cause.tensor) == ("control_flow", name), region.cause
     assert "position 2: the output of aten.relu.default in the forward" in region.cause.detail, region.cause.detail
+    assert f"`{name}` was 1 in the forward and 2 in the recompute" in region.cause.detail, region.cause.detail
     fix = region.suggestions[0]
-    assert fix.title == "Change `blocks.0.cfg` after the backward, not between forward and backward", fix.title
+    assert fix.title == f"Change `{name}` after the backward, not between forward and backward", fix.title
+    assert "past keys" not in fix.text, fix.text

@@ -98,8 +98,8 @@ def _identity(x: Any) -> Any:
 
 
 def module_attributes(module: nn.Module) -> dict[str, Any]:
-    """The module's own scalar attributes, and its containers summarized (`container_summary`), by name in sorted
-    order. Runs at every module call in a region: torch's ~20 keys of every module are left out at C speed."""
+    """The module's own scalar attributes, and its containers summarized (`container_summary`; a dict's scalar items
+    by key as well, `cfg['stage']`), by name in sorted order. Runs at every module call in a region: torch's ~20 keys of every module are left out at C speed."""
     out: dict[str, Any] = {}
     if isinstance(module, _GraphModule):  # (a graph a compiler made: its attributes are the compiler's, `_lineno_map`)
         return out
@@ -111,6 +111,8 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
             out[key] = scalar
         elif type(value) in CONTAINER_TYPES:
             out[key] = container_summary(value)
+            if isinstance(value, dict):  # a dict of settings (`self.cfg["stage"]`): its scalar items by key too
+                out.update((f"{key}[{item!r}]", v) for item, v in _dict_scalars(value))
         elif run_config(value):
             for name, field in scalar_fields(value):
                 out[f"{key}.{name}"] = field

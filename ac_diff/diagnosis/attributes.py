@@ -84,8 +84,9 @@ def split_name(name: str) -> tuple[str, str]:
         return head, "<" + hook
     if name.startswith("<"):
         return "", name
-    module, _, attr = name.rpartition(".")
-    return module, attr
+    head, bracket, key = name.partition("[")  # (a dict's item, "layers.0.cfg['lr.decay']")
+    module, _, attr = head.rpartition(".")
+    return module, attr + bracket + key
 
 
 def hook_variable(name: str) -> tuple[str, str, str] | None:
@@ -112,7 +113,7 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     out = []
     ran = {op.module for op in fwd.ops}
     for name, value in fwd.attributes.items():
-        if name in rec.attributes and rec.attributes[name] != value:
+        if name in rec.attributes and rec.attributes[name] != value and not _items_tell(name, value, region):
             f_up, r_up = fwd.attribute_updates.get(name), rec.attribute_updates.get(name)
             hooks = list((f_up or r_up or [None, None, []])[2] or [])
             module = split_name(name)[0]
@@ -129,6 +130,15 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
             out.append(AttributeChange(name, value, rec.globals[name], f_up, r_up, readers=readers or ["?"],
                                        read_again=len({r.split(" (")[0] for r in readers}) > 1))
     return out
+
+
+def _items_tell(name: str, value: Any, region: Region) -> bool:
+    """A dict whose scalar items are recorded by key, one of which changed, its length the same: the item says it."""
+    rec = region.recompute.attributes
+    other = rec[name]
+    if not (is_container(value) and is_container(other) and value["len"] == other["len"]):
+        return False
+    return any(key.startswith(name + "[") and rec.get(key, v) != v for key, v in region.forward.attributes.items())
 
 
 def counted_twice(region: Region) -> list[tuple[AttributeChange, str]]:
