@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ac_diff
+from ac_diff.report import STATE_READ_AGAIN
 from ac_diff.trace import read_run
 
 
@@ -829,3 +830,34 @@ def test_the_same_state_of_each_linear_is_named_for_the_restore(tmp_path):
     (region,) = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions
     assert region.status == "diverged", region
     assert {n.rsplit(".", 2)[-2:][0] for n in region.cause.names} == {"fc1", "fc2"}, region.cause.names
+
+
+class CountNormalized(nn.Module):
+    """An auxiliary loss divided by the tokens the module has counted (a load-balancing loss normalised per optimizer
+    step): the division comes after the last tensor the backward saves, so the recompute stops before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        h = torch.tanh(self.lin(x))
+        return h, h.sum() / self.seen
+
+
+def test_every_region_of_a_counter_read_beyond_its_recompute_is_at_risk_not_only_the_first(tmp_path):
+    """27f: a counter-normalised aux loss under accumulation: the first region was GRADIENTS AT RISK, the next ten,
+    summarized as reproductions (their ops not kept), were listed clean, though each reads the count the previous
+    recompute bumped again. A summary keeps the state its pass updated."""
+    torch.manual_seed(0)
+    block = CountNormalized()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(5):
+            h, aux = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+            (h.pow(2).sum() + aux).backward()
+    run = read_run(tmp_path / "t.jsonl")
+    assert [r.ops_written for r in run.regions][-1] is False  # (summarized)
+    report = ac_diff.diagnose_paths(tmp_path / "t.jsonl")
+    assert [r.unchecked_reason for r in report.regions] == [STATE_READ_AGAIN] * 5, report.regions
+    assert all(r.cause.tensor == "CountNormalized.seen" for r in report.regions), report.regions[-1].cause

@@ -33,8 +33,8 @@ def pass_summary(record: dict, verdict: str, fps: dict[int, list], rows: list[tu
     the pass measured (its ops' fingerprints, then its inputs', in order), so two runs' summaries can still be
     compared. With `ranks` (a distributed run), the forward keeps the parameters and buffers it reads, with
     their fingerprints: what ranks compare to find replicated state that drifted apart (+~100 bytes each).
-    Positions, module attributes and every other input go (the signature found them equal; a counter bumped
-    twice would look like a changed input)."""
+    Positions, module attributes and every other input go (the signature found them equal), but the state a pass
+    of a side-effect verdict updated (`_updated_state`)."""
     kept = {k: v for k, v in record.items()
             if k not in ("positions", "externals", "attributes", "attribute_updates", "globals", "global_readers",
                          "outputs")}
@@ -42,9 +42,25 @@ def pass_summary(record: dict, verdict: str, fps: dict[int, list], rows: list[tu
         key for row in rows for key in state_read(row[_OP], [ref[:2] for ref in row[_REFS]])}
     externals = [{k: v for k, v in e.items() if k not in ("i", "first_op", "obj", "rg")}
                  for e in record.get("externals", ()) if (e["kind"], e["name"]) in read]
-    return {**kept, "ops_written": False, "verdict": verdict, "positions": [], "externals": externals,
+    return {**kept, **(_updated_state(record) if verdict == SIDE_EFFECTS else {}), "ops_written": False,
+            "verdict": verdict, "positions": [], "externals": externals,
             "n_positions": len(record.get("positions", ())), "n_externals": len(record.get("externals", ())),
             "values_digest": values_digest(fps, record.get("externals", ()))}
+
+
+def _updated_state(record: dict) -> dict:
+    """The module attributes and globals a pass updated, with their values and updates: a counter each pass bumps
+    and the code reads is what every later region's gradients depend on (diagnosis: read again), not only the
+    first one's written in full. A few entries."""
+    updated, changed = record.get("attribute_updates") or {}, record.get("global_updates") or {}
+    out: dict = {}
+    if updated:
+        out["attribute_updates"] = updated
+        out["attributes"] = {k: v for k, v in (record.get("attributes") or {}).items() if k in updated}
+    if changed:
+        out["globals"] = {k: v for k, v in (record.get("globals") or {}).items() if k in changed}
+        out["global_readers"] = {k: v for k, v in (record.get("global_readers") or {}).items() if k in changed}
+    return out
 
 
 def values_digest(fps: dict[int, list], externals: Any) -> str:
