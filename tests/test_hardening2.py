@@ -561,7 +561,7 @@ with ac_diff.record(sys.argv[1]):
 def test_a_script_that_records_itself_under_ac_diff_run_is_recorded_once(tmp_path):
     """A script using the library's `record` run under `ac-diff run` (24c): two recorders on one process, each seeing
     the other's work, and the run read NOTHING CHECKED (every region "unchecked", forward op counts doubled). The
-    block now goes into the run's trace, and one line on stderr says so; its own path is not written."""
+    block now goes into the run's trace, and one line on stderr says so; its own path gets a copy of it when it ends."""
     script = tmp_path / "records_itself.py"
     script.write_text(_RECORDS_ITSELF)
     own, out = tmp_path / "own" / "trace-rank0.jsonl", tmp_path / "out"
@@ -574,8 +574,13 @@ def test_a_script_that_records_itself_under_ac_diff_run_is_recorded_once(tmp_pat
     assert r.returncode == 1, r.stdout + r.stderr
     doc = json.loads((tmp_path / "run.json").read_text())
     assert doc["verdict"] == "diverged" and [r["status"] for r in doc["regions"]] == ["diverged"] * 4, doc["regions"]
-    assert f"recorded into that run's trace ({out / 'trace-rank0.jsonl'}), and nothing is written to {own}" in r.stderr
-    assert not own.exists()
+    assert (f"recorded into that run's trace ({out / 'trace-rank0.jsonl'}), and a copy of it as it is when the block "
+            f"ends is written to {own}") in r.stderr
+    # (27d: the script that read its own trace next failed under `ac-diff run`: a finished copy is there to read)
+    assert run_cli("report", "--json", str(tmp_path / "own.json"), str(own)).returncode == 1
+    copied = json.loads((tmp_path / "own.json").read_text())
+    assert copied["verdict"] == "diverged" and len(copied["regions"]) == 4, copied["headline"]
+    assert copied["exit_status"] in (None, "ok") and "CUT SHORT" not in copied["title"], copied["title"]
 
 
 _TRAINS_IN_SPAWNED = """

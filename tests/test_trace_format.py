@@ -13,7 +13,7 @@ import torch
 import ac_diff
 from ac_diff.trace import VERSION, TraceFormatError, read_run
 from conftest import run_cli
-from models import VARIANTS, Net, record_step
+from models import VARIANTS, Net, record_step, train_step
 
 DATA = Path(__file__).parent / "data"
 
@@ -216,3 +216,23 @@ def test_the_regions_table_says_which_regions_diverged(tmp_path):
     rows = table[["region", "status", "silent"]].values.tolist()
     assert rows == [[0, "clean", False], [1, "diverged", True]], rows
     assert table.cause.isna().tolist() == [True, False] and table.cause[1] == "rng", table.cause
+
+
+@pytest.mark.parametrize("outer, copy", [("t.jsonl", "c.jsonl.gz"), ("t.jsonl.gz", "c.jsonl")])
+def test_a_copy_of_a_trace_still_being_written_is_a_finished_trace(tmp_path, outer, copy):
+    """`record()` nested in `ac-diff run` gets a copy of the run's trace when its block ends (27d): what was queued is
+    written first, a gzip stream still open (no trailer yet) is read to its last line, the copy ends with its end
+    record, in the compression its own name asks for."""
+    from ac_diff.capture.recorder import Recorder
+
+    recorder = Recorder(tmp_path / outer).start()
+    try:
+        train_step(Net(VARIANTS["non_reentrant"]))
+        recorder.copy_trace(tmp_path / copy)
+        with open(tmp_path / copy, "rb") as f:
+            assert (f.read(2) == b"\x1f\x8b") == copy.endswith(".gz")
+        run = read_run(tmp_path / copy)
+        assert run.regions and not run.truncated and run.exit_status == "ok", (run.notes, run.exit_status)
+    finally:
+        recorder.stop()
+    assert len(read_run(tmp_path / outer).regions) == len(run.regions)

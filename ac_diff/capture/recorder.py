@@ -343,14 +343,27 @@ class Recorder:
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"
         self._writer.close({
-            "type": "end", "status": status, "exit_code": exit_code, "regions": self._regions,
-            "ops_recorded": self.ops_recorded,
+            **self._end_record(status, exit_code),
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
-            "end_time": time.time(), "optimizer_steps": self.optimizer_steps,
             **({"spawned": self._spawned.count} if self._spawned.count else {}),
             **({"compiled": compiled} if compiled else {}),
             **({"lost": {**self.lost, "errors": self.errors[:20]}} if self.errors else {}),
         })
+
+    def _end_record(self, status: str, exit_code: int | None) -> dict:
+        return {"type": "end", "status": status, "exit_code": exit_code, "regions": self._regions,
+                "ops_recorded": self.ops_recorded, "end_time": time.time(), "optimizer_steps": self.optimizer_steps}
+
+    def copy_trace(self, path: str | os.PathLike) -> None:
+        """A finished copy of the trace recorded so far at `path` (a `record()` block nested in this run ends: the
+        script may read its own trace). Never raises: what went wrong is one line on stderr."""
+        try:
+            self._write_landed(wait=True)
+            self._writer.sync()
+            self._writer.copy(path, self._end_record("ok", None))
+        except Exception as exc:  # noqa: BLE001 - the training goes on; the run's own trace is whole
+            print(f"ac-diff: could not write the copy of the trace to {os.fspath(path)} ({type(exc).__name__}: "
+                  f"{exc}); the run's trace {self.path} holds the block", file=sys.stderr)
 
     def _inputs_written(self) -> dict:
         """The run stopped: the inputs of regions still awaiting their recompute that were written in place since
@@ -1576,10 +1589,14 @@ def record(path: str | os.PathLike = "ac-diff-out/trace-rank0.jsonl", options: R
     if _ACTIVE:  # inside `ac-diff run`: a second recorder would see the first's hooks and modes, and both go wrong
         outer = _ACTIVE[-1]
         message = (f"ac_diff.record({os.fspath(path)!r}) runs inside a run ac-diff records already: the block is "
-                   f"recorded into that run's trace ({outer.path}), and nothing is written to {os.fspath(path)}")
+                   f"recorded into that run's trace ({outer.path}), and a copy of it as it is when the block ends is "
+                   f"written to {os.fspath(path)}")
         print(f"ac-diff: {message}", file=sys.stderr)
         outer._writer.write({"type": "warning", "message": message})
-        yield outer
+        try:
+            yield outer
+        finally:
+            outer.copy_trace(path)
         return
     if option_overrides:
         base = options or RecordOptions()

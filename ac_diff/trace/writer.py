@@ -3,6 +3,7 @@
     writer = TraceWriter("ac-diff-out/trace-rank0.jsonl", default_header(options), background=True)
     writer.write(encode_ops(...))        # or a function that builds the record, run on the writer thread
     writer.flush()                       # at the end of each pass: a crash loses nothing written
+    writer.sync(); writer.copy("mine.jsonl", {"type": "end", ...})   # a finished copy of what is written so far
     writer.close({"type": "end", "status": "ok", "exit_code": 0})
     writer.failure                       # None, or what a failed write (a full disk) lost, in words
 """
@@ -15,6 +16,7 @@ import json
 import os
 import queue
 import threading
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,6 +71,28 @@ class TraceWriter:
             self._queue.put((self._flush_now, None))
         else:
             self._flush_now()
+
+    def sync(self, timeout: float = 60.0) -> None:
+        """Write what was queued so far and push it to disk, waiting (up to `timeout` s) until it is there."""
+        if self._queue is None:
+            self._flush_now()
+            return
+        done = threading.Event()
+        self._queue.put((self._flush_now, None))
+        self._queue.put((lambda _: done.set(), None))
+        done.wait(timeout)
+
+    def copy(self, path: str | os.PathLike, end_record: dict[str, Any]) -> None:
+        """A finished copy of the trace written so far at `path` (compressed as its name says), `end_record` last.
+        Call `sync()` first. An OSError propagates."""
+        written = self.path.read_bytes()
+        if written[:2] == b"\x1f\x8b":  # (a gzip stream still open has no trailer: gzip's reader would refuse it)
+            written = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(written)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (gzip.open(target, "wb") if target.suffix == ".gz" else open(target, "wb")) as dst:
+            dst.write(written[:written.rfind(b"\n") + 1])  # (whole lines only)
+            dst.write(with_crc(self._encode(end_record).encode("utf-8", "replace")) + b"\n")
 
     def close(self, end_record: dict[str, Any]) -> None:
         self.write(end_record)
