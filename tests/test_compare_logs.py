@@ -354,6 +354,33 @@ def test_a_log_names_the_private_generator_a_random_op_was_handed(tmp_path):
     assert not any("preserve_rng_state=True" in s.title for s in region.suggestions), region.suggestions
 
 
+def test_a_log_whose_forward_detaches_a_tensor_itself_still_maps_positions_to_their_packs(tmp_path):
+    """Token dropping on a threshold buffer moved before the backward, whose forward keeps `score.detach()` (27d): the
+    forward's own detach turned the pack mapping off, and positions 4 and 6 were guessed by shape ("clone (by
+    shape?)": clone saves nothing). A detach a later op reads, or one the forward lists of the same tensor, is the
+    code's own; the others are the recompute's packs."""
+    import torch
+
+    torch.manual_seed(0)
+    fc, state = torch.nn.Linear(16, 16), {"threshold": 3.8, "mean": None}
+
+    def fn(x):
+        score = x.norm(dim=-1)
+        state["mean"] = score.detach().mean()  # (the code's own detach)
+        keep = score > state["threshold"]
+        state["threshold"] = 4.0  # (its moving threshold, moved by the forward: the recompute keeps fewer tokens)
+        out = x.clone()
+        out[keep] = x[keep] + torch.relu(fc(x[keep]))
+        return out
+
+    log = _debug_log(tmp_path, "drop.log", fn, torch.randn(64, 16, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    reported = {p.position: p for p in region.positions if p.in_torch_error}
+    assert reported and all(p.origin == "recompute pack" for p in reported.values()), region.positions
+    assert {p.op for p in reported.values()} >= {"aten.index.Tensor", "aten.relu.default"}, region.positions
+    assert "aten.clone.default" not in {p.op for p in reported.values()}
+
+
 @pytest.mark.parametrize("log", sorted((REPO / "tests" / "data" / "logs").glob("torch-*/moe_bias_update_debug.log.gz")),
                          ids=lambda p: p.parent.name)
 def test_a_log_names_the_in_place_update_the_routing_depends_on(log):

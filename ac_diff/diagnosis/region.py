@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Iterator
 from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet, updates_as_it_computes
 from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
-from ..passes import OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
+from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
                       RECOMPUTE_RAISED,
                       RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
@@ -781,17 +782,17 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     """A debug=True log lists the recompute's pack hooks: saved tensors are detached in position order
     (`$15 = detach($14)`; integer tensors are not always listed, so the k-th detach is not position k).
     Each position torch reported is matched, in order, to the next detached tensor whose recompute shape
-    is the recomputed one AND whose aligned forward op made the saved shape. Used only where the forward
-    has no detach of its own. How many detaches one pack logs depends on the release (found from the log)."""
+    is the recomputed one AND whose aligned forward op made the saved shape. A detach of the code's own (`.detach()`
+    in forward()) is one a later op reads, or one of those the forward lists of the same tensor: not a pack's. How
+    many detaches one pack logs depends on the release (found from the log)."""
     detach = DETACH
-    if any(o.op == detach for o in fwd.ops):
-        return {}
     f_ops = {o.index: o for o in cmp.forward_ops}
     r_ops = {o.index: o for o in rec.ops}
+    own_left = Counter(ref.op_index for o, ref in _unread_detaches(fwd.ops))  # (the forward lists no pack's)
     packs = []  # (what was detached, its producer in the recompute or None) per pack detach, in order
-    for pack in rec.ops:
-        ref = pack.input_refs[0] if pack.op == detach and pack.input_refs else None
-        if ref is None:
+    for pack, ref in _unread_detaches(rec.ops):
+        if ref.kind == "op" and own_left[cmp.rec_to_fwd.get(ref.op_index)] > 0:
+            own_left[cmp.rec_to_fwd.get(ref.op_index)] -= 1
             continue
         producer = r_ops.get(ref.op_index) if ref.kind == "op" else None
         if producer is None or producer.op != detach:  # a detach of a detach is the same pack's (2.4, 2.7)
@@ -821,6 +822,15 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
             origin="recompute pack", name=None, forward_index=forward.index, saved=str(err.saved),
             recomputed=str(err.recomputed), matches=_same_meta(err.saved, err.recomputed), in_torch_error=True)
     return rows
+
+
+def _unread_detaches(ops: list[OpRecord]) -> Iterator[tuple[OpRecord, InputRef]]:
+    """(detach, what it detached) of a logged pass, for each detach whose output no op of the pass reads but a
+    detach (torch 2.4 and 2.7 detach a saved tensor's detached copy again)."""
+    read = {ref for o in ops if o.log_ids is not None and o.op != DETACH for ref in o.log_ids[1]}  # (their $N)
+    for op in ops:
+        if op.op == DETACH and op.input_refs and not (op.log_ids is not None and read.intersection(op.log_ids[0])):
+            yield op, op.input_refs[0]
 
 
 def _in_order(a: list, b: list, fits) -> list[tuple]:
