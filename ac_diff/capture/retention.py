@@ -220,6 +220,8 @@ class Retention:
             while self._held_size > self._hold_bytes and self._held:
                 self.release(next(iter(self._held.values())))  # the oldest forward goes to disk in full
             return
+        if not region.hold:  # a recompute inside the region's own forward (autograd.grad in it): keep the forward
+            region.hold = "written"
         forward = region.held.signature if region.hold == "held" else region.signature
         verdict = DIFFERENT if failed or forward is None else compare_signatures(
             forward, sig, bool(record.get("stopped_early")), region.kind == "reentrant")

@@ -762,17 +762,22 @@ def position_rows(fwd: Pass | None, rec: Pass | None, cmp: PassComparison | None
 def _paired_by_op(fwd: Pass, rec: Pass, cmp: PassComparison) -> dict[int, Position]:
     """Where the passes saved different numbers of tensors, positions paired by number pair unrelated tensors past
     the first one missing: each forward position -> the recompute's that its aligned op saved (an input, a parameter:
-    by its name; a watched pass's: by the module it was saved in), in order."""
+    by its name; a watched pass's: by the module it was saved in), in order. One the alignment leaves out (a detach
+    the autograd engine made, autograd.grad inside the region): by its op and tensor, in order."""
     queue: dict[tuple, list[Position]] = {}
+    aligned = set(cmp.rec_to_fwd.values())
+    f_ops, r_ops = {o.index: o.op for o in fwd.ops}, {o.index: o.op for o in rec.ops}
 
-    def key(p: Position, op_index: int | None) -> tuple:
-        return ("op", op_index, p.output) if p.origin == "op" else (p.origin, p.name)
+    def key(p: Position, op_index: int | None, ops: dict) -> tuple:
+        if p.origin != "op":
+            return p.origin, p.name
+        return ("op", op_index, p.output) if op_index is not None else (ops.get(p.op_index), p.output, p.meta)
 
     for p in rec.positions:
-        queue.setdefault(key(p, cmp.rec_to_fwd.get(p.op_index) if p.origin == "op" else None), []).append(p)
+        queue.setdefault(key(p, cmp.rec_to_fwd.get(p.op_index), r_ops), []).append(p)
     out = {}
     for p in fwd.positions:
-        hit = queue.get(key(p, p.op_index))
+        hit = queue.get(key(p, p.op_index if p.op_index in aligned else None, f_ops))
         if hit:
             out[p.position] = hit.pop(0)
     return out
