@@ -434,6 +434,7 @@ def test_report_of_node_directories_a_relaunch_did_not_clear_reports_the_latest_
     (its new ranks overwrite nothing), and `report node0 node1` reported that earlier launch's divergence for a clean
     relaunch. The latest launch is reported; the earlier traces are named as left out."""
     from ac_diff.commands.report_cmd import latest_run
+    from ac_diff.errors import InputError
     from ac_diff.passes import Run
 
     def trace(rank: int, rid: str, start: float, node: int) -> Run:
@@ -454,3 +455,8 @@ def test_report_of_node_directories_a_relaunch_did_not_clear_reports_the_latest_
               [("killed", "ok", 100.0, 11), ("finished", "ok", 200.0, 12)]]
     kept, notes = latest_run(single)
     assert kept == single[1:] and len(notes) == 1 and "left out killed/trace-rank0.jsonl" in notes[0], notes
+    # two scripts' traces are no relaunch (28f: `report --check diverged/ clean/` passed, the diverged one left out)
+    single[0].argv, single[1].argv = ["train_a.py"], ["train_b.py", "--lr", "1"]
+    with pytest.raises(InputError, match="the paths hold traces of 2 different runs .*killed/trace-rank0.jsonl: "
+                                         "train_a.py; finished/trace-rank0.jsonl: train_b.py --lr 1"):
+        latest_run(single)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..api import read_runs
 from ..diagnosis import diagnose
+from ..errors import InputError
 from ..fix.statuses import mark_from_runs
 from ..passes import Run
 from .common import emit
@@ -37,9 +38,10 @@ def report_command(paths: list[str], fmt: str, json_path: str | None, output: st
 
 
 def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
-    """The traces of the latest launch where the paths hold the same ranks from several launches (a directory a
-    relaunch did not clear: with torchrun's c10d rendezvous a node's ranks change from launch to launch, so this
-    node's new ranks do not overwrite its old ones), and a line for each trace left out."""
+    """The traces of the latest launch where the paths hold the same ranks from several launches of one command (a
+    directory a relaunch did not clear: with torchrun's c10d rendezvous a node's ranks change from launch to launch,
+    so this node's new ranks do not overwrite its old ones), and a line for each trace left out. Launches of other
+    commands (two scripts' traces, a stale one beside) are no relaunch: InputError, never one picked silently."""
     launches: dict[str, list[Run]] = {}
     for run in runs:
         if run.source == "trace" and launch_of(run):
@@ -49,6 +51,13 @@ def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
     ranks = [{r.rank or 0 for r in group} for group in launches.values()]
     if not any(a & b for i, a in enumerate(ranks) for b in ranks[i + 1:]):
         return runs, []  # (no rank twice: what they are, the mixed-runs finding says)
+    commands = {tuple(r.argv or ()) for group in launches.values() for r in group}
+    if len(commands) > 1:  # (not a relaunch of one job: runs of other scripts or arguments, a stale trace beside)
+        shown = "; ".join(f"{r.path}: {' '.join(r.argv or ['?'])}" for r in
+                          (next(r for group in launches.values() for r in group if tuple(r.argv or ()) == c)
+                           for c in sorted(commands)))
+        raise InputError(f"the paths hold traces of {len(commands)} different runs ({shown}), the same rank in several:"
+                         " report each on its own (`ac-diff report DIR`), or compare two with `ac-diff compare A B`")
     latest = max(launches, key=lambda rid: max(r.start_time or 0.0 for r in launches[rid]))
     left = [r for rid, group in launches.items() if rid != latest for r in group]
     out = {id(r) for r in left}
