@@ -213,6 +213,35 @@ def test_report_of_the_directory_gives_back_the_remedies_and_the_reference_compa
     assert "gradients vs the run without AC" in later.stdout and "remedies applied" in later.stdout
 
 
+@pytest.mark.parametrize("damage", ["gone", "cut", "replaced", "reference cut", "remedies garbled"])
+def test_report_of_a_directory_whose_gradients_files_were_damaged_since_is_bad_input(runs, tmp_path, damage):
+    """28f: a clean run's directory whose grads-rank0.pt was removed, cut or replaced since read DIVERGED ("backward 1
+    failed only with AC") and failed --check; a garbled remedies file, "could not turn AC off". One line naming the
+    file and how to write it again, exit 2."""
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["clean"].trace_dir, copy)
+    grads, ref = copy / "grads-rank0.pt", copy / "reference" / "grads-rank0.pt"
+    if damage == "gone":
+        grads.unlink()
+    elif damage == "cut":
+        grads.write_bytes(grads.read_bytes()[: grads.stat().st_size // 2])
+    elif damage == "replaced":
+        torch.save(torch.nn.Linear(2, 2).state_dict(), grads)
+    elif damage == "reference cut":
+        ref.write_bytes(ref.read_bytes()[:100])
+    else:
+        (copy / "reference" / "remedies-rank0.json").write_text("{not json")
+    later = run_cli("report", "--check", str(copy))
+    assert later.returncode == 2 and later.stderr.count("\n") == 1, later.stdout + later.stderr
+    named = "remedies-rank0.json" if damage == "remedies garbled" else "grads-rank0.pt"
+    assert named in later.stderr and "re-run `ac-diff run --reference no-ac" in later.stderr, later.stderr
+    assert run_cli("report", "--check", str(runs["clean"].trace_dir)).returncode == 0
+
+
 def test_a_backward_that_fails_only_with_ac_is_said_beside_identical_gradients(runs):
     """The run with AC raises in its second backward (a chunk size changed before it), the run without AC finishes
     both: the first backward's gradients are identical, and the reference says the second failed only with AC (it
