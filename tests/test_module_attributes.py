@@ -640,9 +640,25 @@ def test_a_counter_is_read_again_where_the_code_loads_it_beyond_its_update():
                 return x * 0.5
             return x
 
+    class InTraining(nn.Module):  # (28e: SpecAugment after a warmup; the guard holds whenever it trains)
+        def forward(self, x):
+            self.num_updates += 1
+            if self.training and self.num_updates > 2:
+                return x * 0.5
+            return x
+
+    class Ramped(nn.Module):  # (28c: counted and read behind one condition: read whenever it counts; `s`, not self)
+        def forward(s, x):
+            alpha = 1.0
+            if s.warm:
+                s.calls += 1
+                alpha = min(1.0, s.calls / 10)
+            return x * alpha
+
     assert read_again(FadeIn, "imgs_seen") and read_again(Branches, "calls")
     assert not read_again(CountedCalls, "calls") and not read_again(Lazy, "calls")
     assert not read_again(Guarded, "calls")
+    assert read_again(InTraining, "num_updates") and read_again(Ramped, "calls")
 
 
 @pytest.mark.parametrize("before, after, read_again", [(3, 4, True), (0.5, 0.4147, False)])

@@ -486,23 +486,43 @@ def _loaded_beyond_stores(codes: list[types.CodeType], name: str, loads_by: froz
 
 def _loads_and_stores(codes: list[types.CodeType], name: str, loads_by: frozenset, store_by: str,
                       unconditional: bool = False) -> tuple[int, int]:
-    """How many times `codes` load and store `name`; `unconditional`: outside code a forward jump can skip only."""
+    """How many times `codes` load and store `name`; `unconditional`: only loads that run whenever a store of it
+    runs (every jump that can skip the load can skip that store too: `if self.warm: self.calls += 1; a = self.calls`
+    reads it whenever it counts), and stores outside code a forward jump can skip."""
     loads = stores = 0
     for code in codes:
         instructions = list(dis.get_instructions(code))
-        skipped = _skipped(instructions) if unconditional else None
-        for ins in instructions:
-            if ins.argval == name and not (skipped and skipped(ins.offset)):
+        guards = _guards(instructions) if unconditional else None
+        found = [ins for ins in instructions if ins.argval == name and (ins.opname in loads_by or
+                                                                          ins.opname == store_by)]
+        stored = [guards(ins.offset) for ins in found if ins.opname == store_by] if guards else []
+        for ins in found:
+            if guards is None:
                 loads += ins.opname in loads_by
                 stores += ins.opname == store_by
+            elif ins.opname == store_by:
+                stores += not stored or not guards(ins.offset)
+            else:
+                loads += any(guards(ins.offset) <= g for g in stored) or not guards(ins.offset)
     return loads, stores
 
 
+def _guards(instructions: list[dis.Instruction]):
+    """For an offset, the forward jumps of `instructions` that can skip it (a branch's body), as a frozenset; not a
+    jump on the module's training flag alone (`if self.training and ...`: taken only in evaluation)."""
+    spans = []
+    for i, ins in enumerate(instructions):
+        if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
+            if not ("IF_FALSE" in ins.opname and i and instructions[i - 1].argval == "training"
+                    and instructions[i - 1].opname in ("LOAD_ATTR", "LOAD_METHOD")):
+                spans.append((ins.offset, ins.argval))
+    return lambda offset: frozenset(k for k, (start, end) in enumerate(spans) if start < offset < end)
+
+
 def _skipped(instructions: list[dis.Instruction]):
-    """A test of whether an offset lies in code a forward jump of `instructions` can skip (a branch's body)."""
-    spans = [(ins.offset, ins.argval) for ins in instructions if ins.opcode in _JUMPS
-             and isinstance(ins.argval, int) and ins.argval > ins.offset]
-    return lambda offset: any(start < offset < end for start, end in spans)
+    """A test of whether an offset lies in code a forward jump of `instructions` can skip (see _guards)."""
+    guards = _guards(instructions)
+    return lambda offset: bool(guards(offset))
 
 
 def _line_of(ins: dis.Instruction, line: int | None) -> int | None:
