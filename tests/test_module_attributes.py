@@ -877,3 +877,36 @@ def test_every_region_of_a_counter_read_beyond_its_recompute_is_at_risk_not_only
     report = ac_diff.diagnose_paths(tmp_path / "t.jsonl")
     assert [r.unchecked_reason for r in report.regions] == [STATE_READ_AGAIN] * 5, report.regions
     assert all(r.cause.tensor == "CountNormalized.seen" for r in report.regions), report.regions[-1].cause
+
+
+class _Cache:
+    """A KV cache object the attention layers share: this segment's keys wait in `pending` until after the step."""
+
+    def __init__(self) -> None:
+        self.pending, self.segments = [], 0
+
+
+class Remembering(nn.Module):
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.lin, self.cache = nn.Linear(8, 8), cache
+
+    def forward(self, x):
+        k = self.lin(x)
+        self.cache.pending.append(k.detach())  # (the recompute appends it again)
+        return torch.tanh(k)
+
+
+def test_a_list_of_a_cache_object_the_forward_appends_to_is_a_repeated_update(tmp_path):
+    """28e: a cache object's `pending` list (one level below the module), appended in the forward, got a duplicate
+    from each recompute, and the memory built from it after the step differed: CLEAN with no note. The object's
+    containers are recorded as the module's own: the repeated update is named, with its fix."""
+    torch.manual_seed(0)
+    cache = _Cache()
+    block = Remembering(cache)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    assert len(cache.pending) == 2
+    report = ac_diff.diagnose_paths(tmp_path / "t.jsonl")
+    assert report.verdict == "clean" and "the recompute repeats the updates of Remembering.cache.pending" in \
+        report.headline, report.headline

@@ -116,6 +116,9 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
         elif run_config(value):
             for name, field in scalar_fields(value):
                 out[f"{key}.{name}"] = field
+            for name, field in vars(value).items():  # (a cache object's lists: `self.cache.pending.append(...)`)
+                if type(field) in CONTAINER_TYPES:
+                    out[f"{key}.{name}"] = container_summary(field)
     if module._forward_pre_hooks or module._forward_hooks or getattr(type(module).forward, "__closure__", None):
         out.update(hook_state(module))
     return out
