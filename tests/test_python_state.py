@@ -678,3 +678,32 @@ def test_a_config_dict_changed_between_forward_and_backward_is_named_and_changed
     fix = region.suggestions[0]
     assert fix.title == f"Change `{name}` after the backward, not between forward and backward", fix.title
     assert "past keys" not in fix.text, fix.text
+
+
+_SEEN: list = []  # (a module-level list the forward appends a statistic to, read by gradient hooks)
+
+
+class _Logged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        _SEEN.append(float(x.detach().var()))  # (before the last saved tensor: the recompute runs it again)
+        return torch.tanh(self.fc(x))
+
+
+def test_a_module_level_list_the_forward_appends_to_is_a_repeated_update(tmp_path):
+    """28b: a global list the forward appends to (gradient hooks scale by its length) got a second entry from each
+    recompute: CLEAN with no note. A global list is recorded by its length and items: the repeated update is named."""
+    torch.manual_seed(0)
+    _SEEN.clear()
+    block = _Logged()
+
+    def step():
+        cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+
+    report = _record(tmp_path, step)
+    assert len(_SEEN) == 2
+    assert report.verdict == "clean" and "the recompute repeats the updates of" in report.headline, report.headline
+    assert "_SEEN" in report.headline, report.headline

@@ -282,8 +282,9 @@ class GlobalReads:
             elif isinstance(value, dict):  # a config dict (`GRL["lambda"]`): its scalar items
                 for item, v in _dict_scalars(value):
                     out[f"{key}[{item!r}]"] = (v, readers)
-            elif type(value) is list:  # a helper's mutable default (`calls=[0]`): its scalar items
+            elif type(value) is list:  # a helper's mutable default (`calls=[0]`): its scalar items; a global list
                 out.update((label, (v, readers)) for label, _, v in _container_items(key, value))
+                out[key] = (container_summary(value), readers)  # (`STATS.append(...)` in the forward: counted twice)
             else:  # a class of the user's or a run config: its scalar fields (`PhiloxState.offset`)
                 for field, v in scalar_fields(value):
                     out[f"{key}.{field}"] = (v, readers)
@@ -391,7 +392,7 @@ def _reads_of(root: types.FunctionType, owner: Owner) -> tuple:
             for name in code.co_names:
                 value = space.get(name)
                 if name in loaded and (value is None or recorded_scalar(value) is not NOT_SCALAR
-                                       or _holds_fields(value, space)) and name in space \
+                                       or type(value) is list or _holds_fields(value, space)) and name in space \
                         and not name.startswith("__"):
                     key = f"{module}.{name}"
                     readers = found.setdefault(key, (space, name, []))[2]

@@ -113,7 +113,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     out = []
     ran = {op.module for op in fwd.ops}
     for name, value in fwd.attributes.items():
-        if name in rec.attributes and rec.attributes[name] != value and not _items_tell(name, value, region):
+        if name in rec.attributes and rec.attributes[name] != value and not _items_tell(name, value, fwd.attributes,
+                                                                                        rec.attributes):
             f_up, r_up = fwd.attribute_updates.get(name), rec.attribute_updates.get(name)
             hooks = list((f_up or r_up or [None, None, []])[2] or [])
             module = split_name(name)[0]
@@ -123,7 +124,8 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
                                        read_again=bool(f_up and len(f_up) > 3 and f_up[3]),
                                        rebound=bool(f_up and len(f_up) > 4 and f_up[4])))
     for name, value in fwd.globals.items():
-        if name in rec.globals and rec.globals[name] != value:
+        if name in rec.globals and rec.globals[name] != value and not _items_tell(name, value, fwd.globals,
+                                                                                   rec.globals):
             readers = list(dict.fromkeys([*fwd.global_readers.get(name, ()), *rec.global_readers.get(name, ())]))
             f_up, r_up = fwd.global_updates.get(name), rec.global_updates.get(name)
             # (read by a function of its own, `temperature()` beside the forward's `STEP += 1`: beyond its update)
@@ -132,13 +134,13 @@ def changed_attributes(region: Region) -> list[AttributeChange]:
     return out
 
 
-def _items_tell(name: str, value: Any, region: Region) -> bool:
-    """A dict whose scalar items are recorded by key, one of which changed, its length the same: the item says it."""
-    rec = region.recompute.attributes
-    other = rec[name]
+def _items_tell(name: str, value: Any, forward: dict, recompute: dict) -> bool:
+    """A container whose scalar items are recorded by key, one of which changed, its length the same: the item says
+    it (`cfg['stage']`, a helper's `calls[0]`)."""
+    other = recompute[name]
     if not (is_container(value) and is_container(other) and value["len"] == other["len"]):
         return False
-    return any(key.startswith(name + "[") and rec.get(key, v) != v for key, v in region.forward.attributes.items())
+    return any(key.startswith(name + "[") and recompute.get(key, v) != v for key, v in forward.items())
 
 
 def counted_twice(region: Region) -> list[tuple[AttributeChange, str]]:
