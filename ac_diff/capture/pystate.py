@@ -99,7 +99,8 @@ def _identity(x: Any) -> Any:
 
 def module_attributes(module: nn.Module) -> dict[str, Any]:
     """The module's own scalar attributes, and its containers summarized (`container_summary`; a dict's scalar items
-    by key as well, `cfg['stage']`), by name in sorted order. Runs at every module call in a region: torch's ~20 keys of every module are left out at C speed."""
+    by key as well, `cfg['stage']`), by name in sorted order. Runs at every module call in a region: torch's ~20 keys
+    of every module are left out at C speed."""
     out: dict[str, Any] = {}
     if isinstance(module, _GraphModule):  # (a graph a compiler made: its attributes are the compiler's, `_lineno_map`)
         return out
