@@ -312,23 +312,3 @@ def test_the_step_hook_fix_warns_about_gradient_accumulation():
     code = _step_hook_code("norm.mean")
     assert "optimizer.register_step_post_hook(update_after_step)" in code
     assert "with gradient accumulation" in code and "each\n# micro-batch's loss.backward()" in code
-
-
-def test_groups_come_in_the_order_the_headline_picks_its_lead():
-    """27i: a watched run whose earliest divergence (layers.1, step 89, watched) led the headline showed a later
-    group first (layers.0, step 443, recorded in full), a harmless reordering among them. Groups come as the headline
-    picks its lead (the one torch raised about, else the earliest); a group's lead is still one recorded in full."""
-    from ac_diff.diagnosis.groups import group_regions
-    from ac_diff.report import Cause, RegionReport
-
-    def r(number, module, culprit, watched):
-        fields = {f"first_{k}_divergence": None for k in ("value", "discrete", "shape", "control")}
-        return RegionReport(rank=0, region=number, module=module, kind="checkpoint", status="diverged", silent=True,
-                            cause=Cause("state_mutation", culprit, "x"), positions=[], suggestions=[], chain=[],
-                            watched=watched, **fields)
-
-    regions = [r(177, "layers.1", "layers.1.bias", True), r(884, "layers.0", "layers.0.order", False),
-               r(1429, "layers.1", "layers.1.bias", False)]
-    groups = group_regions(regions)
-    assert [g.lead for g in groups] == [(0, 1429), (0, 884)], groups
-    assert [g.lead for g in group_regions(regions, raised={(0, 884)})] == [(0, 884), (0, 1429)]

@@ -129,7 +129,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                                                              or watched_clean(watch))
                else CLEAN)
     raised = {(e.rank, e.region) for e in errors_summary}
-    groups = group_regions(region_reports, raised)
+    # a region recorded in full leads over a watched one (which shows no ops)
+    groups = group_regions(region_reports, lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
     headline = _headline(region_reports, errors_summary, runs, groups, watched_clean(watch),
                          watch["never_compared"] + watch["nested"] if watch else 0, watch["unwritten"] if watch else 0,
                          watch["outputs_only"] if watch else 0, backwards_recorded(region_reports, watch))

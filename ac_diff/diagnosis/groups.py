@@ -49,19 +49,17 @@ def module_range(modules: list[str | None]) -> str:
     return ", ".join(unique[:4]) + (f", ... ({len(unique)} modules)" if len(unique) > 4 else "")
 
 
-def group_regions(regions: list[RegionReport], raised: set = frozenset()) -> list[RegionGroup]:
-    """Diverged regions grouped by shared cause and culprit. `raised`: the (rank, region) torch raised about. Each
-    group's lead is the one torch raised about, else the first recorded in full (a watched one shows no ops); the
-    groups come in the order a report's headline picks its lead: the one torch raised about, else the earliest."""
-    diverged = sorted((r for r in regions if r.status == DIVERGED),
-                      key=lambda r: ((r.rank, r.region) not in raised, r.watched, r.rank, r.region))
+def group_regions(regions: list[RegionReport], lead_first=None) -> list[RegionGroup]:
+    """Diverged regions grouped by shared cause and culprit; groups in the order of their lead region
+    (`lead_first(region)` sorts the regions first: the one torch raised about leads)."""
+    diverged = [r for r in regions if r.status == DIVERGED]
+    if lead_first is not None:
+        diverged.sort(key=lead_first)
     groups: dict[tuple, list[RegionReport]] = {}
     for r in diverged:
         groups.setdefault(_key(r), []).append(r)
-    ordered = sorted(groups.values(), key=lambda members: (
-        not any((r.rank, r.region) in raised for r in members), min((r.rank, r.region) for r in members)))
     out = []
-    for members in ordered:
+    for members in groups.values():
         lead = members[0]
         out.append(RegionGroup(
             label=module_range([r.module for r in members]), cause=lead.cause.kind if lead.cause else None,
