@@ -59,15 +59,15 @@ def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=N
         p = readable_file(path)
         first = len(runs)
         try:
-            runs.extend(_read_path(p, source_name(p), progress, lazy))
+            runs.extend(_read_path(p, source_name(p), progress, lazy, seen))
         except NothingToExplain as exc:
             if len(paths) == 1:
                 raise
             nothing.append(exc)
         for run in runs[first:]:  # standard input is called <stdin>, not by the temporary copy read
             _rename(run, str(p), source_name(p))
-        logs_in_dir = p.is_dir() and any(run.source == "log" for run in runs[first:])
-        seen.extend(map(str, _below(p)) if logs_in_dir else [str(p)])
+        if not p.is_dir():
+            seen.append(str(p))
     if nothing and not runs:
         raise nothing[0]
     if nothing:
@@ -90,27 +90,24 @@ _LOG_SUFFIXES = (".log", ".txt", ".err", ".out", ".gz", ".zst", ".bz2", ".xz")
 _LOGS_SEARCHED = 512  # files below a directory looked at for logs, at most
 
 
-def _below(directory: Path) -> list[Path]:
-    """The files below `directory` that may be logs, in path order (at most _LOGS_SEARCHED)."""
-    return list(itertools.islice((f for f in sorted(directory.rglob("*")) if f.suffix in _LOG_SUFFIXES),
-                                 _LOGS_SEARCHED))
-
-
-def _logs_below(directory: Path) -> list[Path]:
+def _logs_below(directory: Path, seen: list[str]) -> list[Path]:
     """The logs with checkpoint error text or a debug dump in the files below `directory` (a torchrun --log-dir
-    tree: <run>/attempt_0/<local rank>/stderr.log), in path order; empty files and other text are not logs."""
+    tree: <run>/attempt_0/<local rank>/stderr.log), in path order; empty files and other text are not logs. Every
+    file looked at goes to `seen` (a node's files without an error count its ranks)."""
     from .logs import looks_like_log
 
     found = []
-    for f in _below(directory):
+    for f in itertools.islice((f for f in sorted(directory.rglob("*")) if f.suffix in _LOG_SUFFIXES), _LOGS_SEARCHED):
+        seen.append(str(f))
         with contextlib.suppress(OSError):
             if f.is_file() and f.stat().st_size and looks_like_log(f):
                 found.append(f)
     return found
 
 
-def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
-    """The runs in one path: the traces of a directory, a trace, or a log (bad input: InputError naming `name`)."""
+def _read_path(p: Path, name: str, progress, lazy: bool, seen: list[str]) -> list[Run]:
+    """The runs in one path: the traces of a directory, a trace, or a log (bad input: InputError naming `name`);
+    the files looked at below a directory of logs go to `seen`."""
     if not p.exists():
         raise InputError(f"{name}: no such file or directory; pass a trace written by `ac-diff run` "
                          "(default ac-diff-out/) or a log torch printed")
@@ -122,7 +119,7 @@ def _read_path(p: Path, name: str, progress, lazy: bool) -> list[Run]:
                 raise InputError(f"{name}: no trace files in this directory itself, but in its subdirectories "
                                  f"{', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}: pass one of them "
                                  f"(`ac-diff report {os.path.join(name, inside[0])}`)")
-            logs = _logs_below(p)
+            logs = _logs_below(p, seen)
             if logs:  # (torchrun --log-dir: <dir>/<run>/attempt_0/<rank>/stderr.log)
                 from .logs import parse_log
 

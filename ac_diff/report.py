@@ -364,6 +364,11 @@ VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --n
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 
+def reproduced(region: RegionReport) -> bool:
+    """The region's recompute reproduced its saved tensors: clean, or at risk (AT_RISK: reproduced, yet never clean)."""
+    return region.status == CLEAN or region.unchecked_reason in AT_RISK
+
+
 def count_by_status(regions: list[RegionReport], counted: dict[str, int] | None = None,
                     words: dict[str, str] | None = None) -> str:
     """"1 diverged, 3 clean": how many of `regions` have each status (empty for none); `counted`: more by status,

@@ -506,7 +506,7 @@ def _loads_and_stores(codes: list[types.CodeType], name: str, loads_by: frozense
                 loads += ins.opname in loads_by
                 stores += ins.opname == store_by
             elif ins.opname == store_by:
-                stores += not stored or not guards(ins.offset)
+                stores += not guards(ins.offset)
             else:
                 loads += any(guards(ins.offset) <= g for g in stored) or not guards(ins.offset)
     return loads, stores

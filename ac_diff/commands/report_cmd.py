@@ -51,11 +51,12 @@ def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:
     ranks = [{r.rank or 0 for r in group} for group in launches.values()]
     if not any(a & b for i, a in enumerate(ranks) for b in ranks[i + 1:]):
         return runs, []  # (no rank twice: what they are, the mixed-runs finding says)
-    commands = {tuple(r.argv or ()) for group in launches.values() for r in group}
+    commands: dict[tuple, Run] = {}  # the command each launch ran -> a trace of it
+    for group in launches.values():
+        for r in group:
+            commands.setdefault(tuple(r.argv or ()), r)
     if len(commands) > 1:  # (not a relaunch of one job: runs of other scripts or arguments, a stale trace beside)
-        shown = "; ".join(f"{r.path}: {' '.join(r.argv or ['?'])}" for r in
-                          (next(r for group in launches.values() for r in group if tuple(r.argv or ()) == c)
-                           for c in sorted(commands)))
+        shown = "; ".join(f"{commands[c].path}: {' '.join(c) or '?'}" for c in sorted(commands))
         raise InputError(f"the paths hold traces of {len(commands)} different runs ({shown}), the same rank in several:"
                          " report each on its own (`ac-diff report DIR`), or compare two with `ac-diff compare A B`")
     latest = max(launches, key=lambda rid: max(r.start_time or 0.0 for r in launches[rid]))

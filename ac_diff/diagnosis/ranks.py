@@ -43,7 +43,7 @@ from typing import Iterable
 
 from ..oprules import COLLECTIVE_RESULT_OPS, COMPILED_GRAPH_OP, UNINITIALISED_OPS, is_collective, packet, state_read
 from ..passes import Pass, Region, Run, TensorMeta, error_words
-from ..report import AT_RISK, CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport
+from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport, reproduced
 from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
 from .watched import never_recomputed
@@ -270,7 +270,7 @@ def _rank_local(report: Report) -> list[CrossRankFinding]:
         group = by_region[number]
         modules = {r.module for r in group}
         bad = sorted(r.rank for r in group if r.status == DIVERGED)
-        good = sorted(r.rank for r in group if r.status == CLEAN or r.unchecked_reason in AT_RISK)  # (reproduced)
+        good = sorted(r.rank for r in group if reproduced(r))
         if not bad or not good or len(modules) != 1:
             continue
         lead = next(r for r in group if r.status == DIVERGED)

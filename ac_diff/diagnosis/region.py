@@ -796,8 +796,9 @@ def _positions_by_pack(fwd: Pass, rec: Pass, cmp: PassComparison, reported: dict
     own_left = Counter(ref.op_index for o, ref in _unread_detaches(fwd.ops))  # (the forward lists no pack's)
     packs = []  # (what was detached, its producer in the recompute or None) per pack detach, in order
     for pack, ref in _unread_detaches(rec.ops):
-        if ref.kind == "op" and own_left[cmp.rec_to_fwd.get(ref.op_index)] > 0:
-            own_left[cmp.rec_to_fwd.get(ref.op_index)] -= 1
+        twin = cmp.rec_to_fwd.get(ref.op_index)
+        if ref.kind == "op" and own_left[twin] > 0:  # (one the forward lists too)
+            own_left[twin] -= 1
             continue
         producer = r_ops.get(ref.op_index) if ref.kind == "op" else None
         if producer is None or producer.op != detach:  # a detach of a detach is the same pack's (2.4, 2.7)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..passes import Region, Run
-from ..report import AT_RISK, CLEAN, DIVERGED, STATE_READ_AGAIN, Cause, RegionReport
+from ..report import CLEAN, DIVERGED, STATE_READ_AGAIN, Cause, RegionReport, reproduced
 from .cause import dtype_only
 from .labels import module_label, number_ranges
 
@@ -259,7 +259,7 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
         elif bad:
             where = (f"{e['module']} was recorded in full in {span}: region {bad[0].region} shows the first divergent "
                      "op and the cause")
-        elif window and not any(w.status == CLEAN or w.unchecked_reason in AT_RISK for w in window):  # (reproduced)
+        elif window and not any(reproduced(w) for w in window):
             where = (f"{e['module']} was recorded in full in {span}, but none of its {len(window)} region(s) was "
                      f"compared (never recomputed, or the recompute stopped early){recurs}: {again}")
         elif window and later:  # it recurs, less often than the full recording lasts: a schedule's period

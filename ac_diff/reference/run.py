@@ -15,7 +15,6 @@ Its output goes to stderr, so a JSON report on stdout stays clean.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -33,7 +32,8 @@ from .explain import explain
 from .forwards import compare_first_forwards, trace_path
 from .grads import load_grads
 from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
-from .session import COMPILED_ENV, DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank, side_path
+from .session import (COMPILED_ENV, DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank, read_side,
+                      side_path)
 
 PORT_WAIT_S = 120.0
 
@@ -96,19 +96,14 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
 
 
 def _check_outputs(report: Any, r: int, run_path: Path, run: dict | None, ref_path: Path, ref: dict | None,
-                   side: Path) -> None:
+                   reference_dir: Path) -> None:
     """What the comparison reads back, as `ac-diff run --reference` wrote it: InputError naming a file cut, replaced
     or removed since (a clean run read "backward 1 failed only with AC" for a missing gradients file). This run's
     file is missing only where its process did not finish (killed before a backward)."""
     finished = any(s.rank == r and s.exit_status == "ok" for s in getattr(report, "ranks", ()))
     damaged = [p for p, data in ((run_path, run), (ref_path, ref)) if data is None and p.exists()]
-    try:
-        if not isinstance(json.loads(side.read_text()), dict):
-            damaged.append(side)
-    except ValueError:
-        damaged.append(side)
-    except OSError:  # (none: the reference applied no remedy file)
-        pass
+    if read_side(reference_dir, r) is None:
+        damaged.append(side_path(reference_dir, r))
     why = (f"{damaged[0]}: not a file ac-diff wrote, or cut (damaged since the run)" if damaged else
            f"{run_path}: missing, though rank {r}'s run finished" if run is None and finished else None)
     if why:
@@ -135,7 +130,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
             time.sleep(0.2)
         ref = load_grads(ref_path)
         if exit_code is None:  # (read back later, `ac-diff report`: the files may have been damaged since)
-            _check_outputs(report, r, grads_path(output_dir, r), run, ref_path, ref, side_path(reference_dir, r))
+            _check_outputs(report, r, grads_path(output_dir, r), run, ref_path, ref, reference_dir)
         modules = sorted({x.module for x in getattr(report, "regions", []) if x.rank == r and x.module})
         compared = compare_captures(run, ref, modules) if run and ref else []
         for s in compared:

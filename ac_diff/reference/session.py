@@ -83,8 +83,15 @@ def write_side(directory: str | os.PathLike, patch: Any, findings: list[dict[str
 
 
 def load_side(directory: str | os.PathLike, r: int) -> dict[str, Any]:
+    return read_side(directory, r) or {}
+
+
+def read_side(directory: str | os.PathLike, r: int) -> dict[str, Any] | None:
+    """The sidecar of rank `r` in `directory`: {} where there is none, None where it cannot be read (cut, garbled)."""
     try:
         data = json.loads(side_path(directory, r).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except OSError:
         return {}
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

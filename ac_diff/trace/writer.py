@@ -92,7 +92,14 @@ class TraceWriter:
         target.parent.mkdir(parents=True, exist_ok=True)
         with (gzip.open(target, "wb") if target.suffix == ".gz" else open(target, "wb")) as dst:
             dst.write(written[:written.rfind(b"\n") + 1])  # (whole lines only)
-            dst.write(with_crc(self._encode(end_record).encode("utf-8", "replace")) + b"\n")
+            dst.write(self._line(end_record))
+
+    def _line(self, record: dict[str, Any]) -> bytes:
+        """A record as the file holds it: its JSON, the checksum, a newline."""
+        line = None if record.get("nonfinite") else fast_encode(record)
+        if line is None:
+            line = self._encode(record).encode("utf-8", "replace")
+        return with_crc(line) + b"\n"
 
     def close(self, end_record: dict[str, Any]) -> None:
         self.write(end_record)
@@ -115,11 +122,8 @@ class TraceWriter:
             return
         if callable(record):
             record = record()
-        line = None if record.get("nonfinite") else fast_encode(record)
-        if line is None:
-            line = self._encode(record).encode("utf-8", "replace")
         try:
-            self._file.write(with_crc(line) + b"\n")
+            self._file.write(self._line(record))
             self._written += 1
         except OSError as exc:
             self._failed(exc)
