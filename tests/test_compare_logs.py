@@ -377,8 +377,8 @@ def test_a_log_whose_forward_detaches_a_tensor_itself_still_maps_positions_to_th
     region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
     reported = {p.position: p for p in region.positions if p.in_torch_error}
     assert reported and all(p.origin == "recompute pack" for p in reported.values()), region.positions
-    assert {p.op for p in reported.values()} >= {"aten.index.Tensor", "aten.relu.default"}, region.positions
-    assert "aten.clone.default" not in {p.op for p in reported.values()}
+    ops = {p.op for p in reported.values()}  # (torch 2.4 reports the index's position alone, later ones relu's too)
+    assert "aten.index.Tensor" in ops and ops <= {"aten.index.Tensor", "aten.relu.default"}, region.positions
 
 
 @pytest.mark.parametrize("log", sorted((REPO / "tests" / "data" / "logs").glob("torch-*/moe_bias_update_debug.log.gz")),
