@@ -18,6 +18,7 @@ Values that came from a log rather than a recording are simply absent (`fingerpr
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -188,6 +189,13 @@ class Pass:
     # yet decoded into `ops`, `positions`, `externals` (Run.ops_loader decodes them for the time a region is
     # diagnosed); None: those are complete
     deferred: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
+
+
+def exact_print(fp: Any) -> bool:
+    """A float tensor's fingerprint as a recording writes it: its finite pair of weighted sums, then its exact bit
+    sum ([s1, s2, bits], fingerprint.py), which tells any change at all where the pair may round one away."""
+    return (type(fp) is list and len(fp) == 3 and type(fp[2]) is int and type(fp[0]) is float
+            and type(fp[1]) is float and math.isfinite(fp[0]) and math.isfinite(fp[1]))
 
 
 def is_log_id(name: object) -> bool:

@@ -35,8 +35,8 @@ def cpu_path(request, monkeypatch):
     return request.param
 
 
-def fp(*tensors: torch.Tensor) -> list:
-    batch = FingerprintBatch()
+def fp(*tensors: torch.Tensor, bits: bool = False) -> list:
+    batch = FingerprintBatch(bits=bits)
     slots = [batch.add(t) for t in tensors]
     values, _ = batch.collect()
     return [values[s] if s is not None else None for s in slots]
@@ -309,7 +309,7 @@ def test_an_output_written_in_place_later_is_fingerprinted_as_its_op_made_it(tmp
     _, run = record_step(_Wrapped(model), tmp_path / "t.jsonl")
     ops = run.regions[0].forward.ops
     linear = next(o for o in ops if o.op.startswith("aten.addmm"))
-    assert linear.fingerprint[0] == fp(made)[0] != fp(made + 1)[0]
+    assert linear.fingerprint[0] == fp(made, bits=True)[0] != fp(made + 1, bits=True)[0]  # (a recording's: exact)
 
 
 class _Wrapped(nn.Module):
@@ -338,6 +338,20 @@ def test_the_exact_bit_sum_is_one_number_whichever_path_reduced_the_tensor(monke
 
     assert bit_sums(True) == bit_sums(False)
     assert len(set(bit_sums(True))) == len(tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [64, 262144])
+def test_a_one_ulp_change_of_one_element_changes_an_exact_fingerprint(dtype, n):
+    """A recording's fingerprints end with the exact bit sum (`bits=True`): one element of a large softmax moved by one
+    ulp, which the float pair can round away, still reads as another tensor; the same values read alike."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.softmax(torch.randn(n, generator=g, dtype=torch.float64), 0).to(dtype)
+    moved = t.clone()
+    moved[n // 3] = torch.nextafter(t[n // 3], torch.tensor(1.0, dtype=dtype))
+    same, other = fp(t.clone(), moved, bits=True)
+    assert fp(t, bits=True)[0] == same != other
+    assert same[2] != other[2]
 
 
 def test_a_tensor_whose_storage_is_freed_before_the_flush_is_never_read_there(cpu_path):

@@ -457,8 +457,9 @@ def test_small_cpu_saved_tensors_add_no_kernel(tmp_path):
 
 def test_a_full_recording_adds_about_a_kernel_per_fingerprinted_tensor(tmp_path, monkeypatch):
     """Fingerprints of small CPU tensors share their reductions (fingerprint.FingerprintBatch.flush): each costs the
-    copy that stages it, plus a constant number of kernels per flush of up to 64; reduced one by one (the GPU path),
-    the same region costs several times that."""
+    copy that stages it, plus a constant number of kernels per flush of up to 64 (20: 12 for the pairs, 8 for the
+    exact bit sums, one per staged buffer and five for all of them); reduced one by one (the GPU path), the same region
+    costs several times that."""
     from torch.profiler import ProfilerActivity, profile
 
     from ac_diff.capture import fingerprint
@@ -497,7 +498,7 @@ def test_a_full_recording_adds_about_a_kernel_per_fingerprinted_tensor(tmp_path,
     monkeypatch.setattr(fingerprint, "BATCH_CPU", False)
     alone = kernels(True) - plain
     assert added > 2 * 24 and flushes >= 2
-    assert 0 < batched <= added + 12 * flushes, (batched, added, flushes)
+    assert 0 < batched <= added + 20 * flushes, (batched, added, flushes)
     if segmented < flushes or alone < added:  # (each tensor reduced on its own takes one kernel or more)
         pytest.skip("this torch's profiler does not see every op the recorder runs (torch 2.4)")
     assert 2 * batched < alone, (batched, alone)

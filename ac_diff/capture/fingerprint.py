@@ -42,9 +42,11 @@ Non-finite floats: a sum over a tensor that holds -inf (an additive attention ma
 huge values overflow (a `finfo.min` mask), is -inf or NaN whatever else changed. So every float tensor
 also gets a third number, computed on the device with the pair: the sums of each row's bit patterns
 (the floats reinterpreted as integers, in wrap-around int32 arithmetic, exact in any order) weighted
-by odd row weights. A change of any one element's bits changes it, as does a changed row. Where the
-pair is finite it is the fingerprint, as before; where it is not, the fingerprint is the pair plus
-that number (`[-inf, -inf, 12345]`). On a device, one more pass over the data, about half the cost of the pair's.
+by odd row weights. A change of any one element's bits changes it, as does a changed row. A recording's batches
+(`FingerprintBatch(bits=True)`) end every float fingerprint with it, `[s1, s2, 12345]`: one element one ulp off in a
+large tensor can vanish in the pair's float sums. Elsewhere (audit) it follows the pair only where the pair is not
+finite (`[-inf, -inf, 12345]`). On a device the fused kernels take it in the same pass; on a CPU, one kernel per
+staged buffer or large tensor and five per flush (`segments.segment_odd_sums`).
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op), or, where the values are read
@@ -68,7 +70,7 @@ import torch
 
 from .fused_prints import MAX_ELEMENTS, FusedPrints, combine
 from .opinfo import short_dtype
-from .segments import _weights, segment_float_pairs, segment_pairs
+from .segments import _weights, segment_float_pairs, segment_odd_sums, segment_pairs, wrapped
 from .torch_compat import EXACT_MATMULS, flatten_dense
 from ..values import decode_values  # noqa: F401 - the codec's other half, importable from here
 
@@ -320,6 +322,7 @@ def _flush_weights(lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 _CPU = torch.device("cpu")
+_NO_ROWS = torch.zeros(0, dtype=torch.int32)
 
 
 def _fused(t: torch.Tensor) -> FusedPrints | None:
@@ -559,11 +562,16 @@ class FingerprintBatch:
         row_sums: list[torch.Tensor] = []  # per large tensor and per staged dtype and row length: weighted row sums
         counts: list[int] = []  # rows per tensor, in order
         order: list[tuple[int, torch.Tensor | None]] = []  # (slot, its rows for the bit sum, None: freed since)
+        # `bits`: every tensor's bit rows (`_bit_rows`), a staged buffer's in one kernel, totalled at once below
+        bit_rows: list[torch.Tensor] | None = [] if self.bits else None
         for slot, rs, m, address, size in large:
             row_sums.append(rs)
             counts.append(m.shape[0])
             # (a storage freed or resized outside dispatch since, as FSDP's reshard does: no bit sum to take)
-            order.append((slot, m if _storage_of(m) == (address, size) else None))
+            live = _storage_of(m) == (address, size)
+            order.append((slot, m if live else None))
+            if bit_rows is not None:
+                bit_rows.append(_bit_rows(m) if live else _NO_ROWS)
         ints: list[torch.Tensor] = []
         int_members: list[tuple[int, int]] = []
         for (dtype, cols), flat, members in staged:
@@ -575,21 +583,32 @@ class FingerprintBatch:
             wc = _weights(_CPU, torch.float64 if dtype is torch.float64 else torch.float32, cols)
             row_sums.append((matrix * wc).sum(-1))  # (each row's sum on its own: the same whatever its neighbours)
             at = 0
+            rows_bits = _bit_rows(matrix) if bit_rows is not None else None
             for slot, rows_ in members:
                 counts.append(rows_)
                 order.append((slot, matrix[at:at + rows_]))
+                if rows_bits is not None:
+                    bit_rows.append(rows_bits[at:at + rows_])
                 at += rows_
+        # the integers' pairs and the floats' bit sums (`_bit_rows_sum` of each, wrapped as its int32 dot) read together
+        exact = [segment_pairs(ints, tuple(n for _, n in int_members)).reshape(-1)] if ints else []
+        if row_sums and bit_rows is not None:
+            exact.append(segment_odd_sums(bit_rows, tuple(r.numel() for r in bit_rows)))
+        exact_values = (torch.cat(exact) if len(exact) > 1 else exact[0]).tolist() if exact else []
         if row_sums:
             flat = torch.cat(row_sums) if len(row_sums) > 1 else row_sums[0]
             lengths = tuple(counts)
-            for (slot, m), fp in zip(order, segment_float_pairs(flat, _flush_weights(lengths), lengths).tolist()):
-                if (self.bits or not (isfinite(fp[0]) and isfinite(fp[1]))) and m is not None:  # (CPU: no wait)
+            bit_sums = exact_values[2 * len(int_members):] if bit_rows is not None else None
+            for k, ((slot, m), fp) in enumerate(
+                    zip(order, segment_float_pairs(flat, _flush_weights(lengths), lengths).tolist())):
+                if bit_sums is not None:
+                    if m is not None:
+                        fp.append(wrapped(bit_sums[k], 32))
+                elif not (isfinite(fp[0]) and isfinite(fp[1])) and m is not None:  # (CPU: no wait)
                     fp.append(int(_bit_rows_sum(m, _weights(_CPU, torch.int32, m.shape[0], "odd"))))
                 self._slots[slot] = ("done", fp, True)
-        if ints:
-            pairs = segment_pairs(ints, tuple(n for _, n in int_members)).tolist()
-            for (slot, _), fp in zip(int_members, pairs):
-                self._slots[slot] = ("done", fp, False)
+        for k, (slot, _) in enumerate(int_members):
+            self._slots[slot] = ("done", exact_values[2 * k:2 * k + 2], False)
 
     def keep(self, t: torch.Tensor) -> int:
         """Keep a small tensor's values (a contiguous copy on its device) to read back at collect time."""

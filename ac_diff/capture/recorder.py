@@ -181,7 +181,7 @@ class _Pass:
     # one row per saved position: [position, meta, origin, op index, output, name(, fingerprint slot -> its
     # fingerprint when the pass ends(, view: [offset, *strides] of a view fingerprinted as its base))]
     positions: list[list] = field(default_factory=list)
-    batch: FingerprintBatch = field(default_factory=FingerprintBatch)
+    batch: FingerprintBatch = field(default_factory=lambda: FingerprintBatch(bits=True))  # (exact: a 1-ulp change)
     fp_slots: list[tuple[int, int, int]] = field(default_factory=list)  # (op index, output index, slot)
     kept: list[tuple[int, str, int]] = field(default_factory=list)  # (op index, key, kept index)
     cached: set[int] = field(default_factory=set)  # ops selective AC saved (forward), marked after recording
@@ -1363,7 +1363,7 @@ class Recorder:
         # free what the pass held (the producer map holds weak references only)
         p.producers.clear()
         p.external_ids.clear()
-        p.batch = FingerprintBatch()
+        p.batch = FingerprintBatch(bits=True)
         p.ops = []
 
     def _write_region(self, region: _Region) -> None:

@@ -3,6 +3,7 @@ weights they use: what lets watch mode and full recordings reduce dozens of tens
 
     w = _weights(device, torch.float32, n)            # n fingerprint weights, cached ("float", "int", "odd", ...)
     segment_pairs([bits_a, bits_b], (na, nb))         # (2, 2) int64: [sum v, sum (2k + 1) v] per tensor, exact
+    segment_odd_sums([bits_a, bits_b], (na, nb))      # (2,) int64: its second column alone, in fewer kernels
     segment_float_pairs(flat, weights, lengths)       # (k, 2) float64: [sum w1 x, sum w2 x] per segment
 
 `segment_pairs` runs one cumulative sum over all of them: integers, so exact in any order (wrapping), and a tensor's
@@ -114,6 +115,29 @@ def segment_pairs(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.T
     seg = cum.index_select(1, ends).diff(dim=1)
     # a tensor's first row (index start + 1 after the zero row) has the global weight 2 * start + 3: shift it to 1
     return torch.stack((seg[0], torch.addcmul(seg[1], shift, seg[0])), dim=1)
+
+
+_odd_cache: dict[tuple, torch.Tensor] = {}  # (device, row counts) -> `segment_odd_sums`' weights
+
+
+def segment_odd_sums(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.Tensor:
+    """(k,) int64: per tensor sum of (2i + 1) x its i-th row sum, the second column of `segment_pairs` alone, in five
+    kernels: its weights restart at each tensor's first row (made once per layout), so no shift is needed. Exact
+    modulo 2**64 (wrapping): modulo 2**32 it is the wrap-around int32 dot of those rows and odd weights."""
+    device = rows[0].device
+    key = (device, lengths)
+    weights = _odd_cache.get(key)
+    if weights is None:
+        if len(_odd_cache) > 256:
+            _odd_cache.clear()
+        pieces = [torch.zeros(1, dtype=torch.int64, device=device)]
+        pieces += [_weights(device, torch.int64, n, "odd") for n in lengths if n]
+        weights = _odd_cache[key] = torch.cat(pieces)
+    zero = _ZERO_ROW.get((device, rows[0].dtype))
+    if zero is None:
+        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
+    cum = torch.cumsum(torch.cat([zero, *rows]) * weights, dim=0)
+    return cum.index_select(0, _bounds(device, lengths)[0]).diff()
 
 
 _lengths_cache: dict[tuple, torch.Tensor] = {}

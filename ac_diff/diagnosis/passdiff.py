@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Iterator
 
 from ..align import Pair, align
-from ..passes import External, InputRef, OpRecord, Pass
+from ..passes import External, InputRef, OpRecord, Pass, exact_print
 from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_collective, is_decision, is_host_read,
                        is_in_place_method, is_view_op, packet, updates_as_it_computes, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
@@ -40,7 +40,11 @@ class Tolerance:
             return True  # nothing to compare
         if isinstance(a, list) and isinstance(b, list):
             # list == (in C) implies equal here (a NaN only equals itself there); kept values are long lists
-            return a == b or (len(a) == len(b) and all(self.equal(x, y) for x, y in zip(a, b)))
+            if a == b:
+                return True
+            if (self.rtol or self.atol) and exact_print(a) and exact_print(b):
+                a, b = a[:2], b[:2]  # (within a tolerance the pair decides; the bit sum tells any change at all)
+            return len(a) == len(b) and all(self.equal(x, y) for x, y in zip(a, b))
         if isinstance(a, float) or isinstance(b, float):
             try:
                 fa, fb = float(a), float(b)
@@ -93,6 +97,27 @@ def usable_ops(p: Pass, skip: frozenset[str] = HOOK_ONLY_OPS) -> list[OpRecord]:
     hook's scope (see FRAMEWORK_SCOPES)."""
     hooks = framework_hook_ops(p)
     return [o for o in p.ops if o.op not in skip and o.index not in hooks]
+
+
+def _saved_measured(p: Pass, ops: list[OpRecord]) -> list[OpRecord]:
+    """`ops`, where an output the recorder did not fingerprint (a derived op's: its values follow from its inputs') was
+    saved whole, with the saved tensor's fingerprint as its own: measured, not inferred from its inputs (an input 2
+    ulps off that tanh rounds away leaves tanh's output, and the gradients, as they were)."""
+    saved = {(q.op_index, q.output): q.fingerprint for q in p.positions
+             if q.origin == "op" and q.view is None and q.fingerprint is not None}
+    if not saved:
+        return ops
+    out = []
+    for o in ops:
+        prints = list(o.fingerprint or ())
+        missing = [j for j in range(len(o.out)) if (o.index, j) in saved and (j >= len(prints) or prints[j] is None)]
+        if missing:
+            prints.extend([None] * (len(o.out) - len(prints)))
+            for j in missing:
+                prints[j] = saved[(o.index, j)]
+            o = replace(o, fingerprint=prints)
+        out.append(o)
+    return out
 
 
 def framework_hook_ops(p: Pass) -> dict[int, OpRecord]:
@@ -193,11 +218,11 @@ class PassComparison:
 
 def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolerance(),
                    whole: bool = True, reentrant: bool = False) -> PassComparison:
-    f_ops = usable_ops(forward)
+    f_ops = _saved_measured(forward, usable_ops(forward))
     read_back = _read_back(f_ops, recompute)
     if read_back:  # the recompute read what they made (a cache kept it: autocast's casts, a memoized table)
         f_ops = [o for o in f_ops if o.index not in read_back]
-    r_ops = usable_ops(recompute)
+    r_ops = _saved_measured(recompute, usable_ops(recompute))
     stopped = recompute.stopped_early or not recompute.complete or not whole
     raw = align([o.key for o in f_ops], [o.key for o in r_ops], early_stop=stopped)
     # back to the ops' own indices
