@@ -492,6 +492,62 @@ def test_fsdp2_hooks_inside_a_checkpointed_region_are_not_control_flow(tmp_path,
         assert {r.cause.kind for r in report.regions if r.status == "diverged"} == {"rng"}
 
 
+@pytest.mark.parametrize("moved_from_step", [None, 3])
+def test_watch_over_fsdp2_blocks_escalates_on_a_divergence_only(tmp_path, monkeypatch, moved_from_step):
+    """`--watch` over fully_shard blocks: the first step, recorded in full, saves in its forward a view of the input
+    that FSDP2's pre-forward hook makes inside the region, where the recompute saves the input itself. Same values:
+    nothing escalates (every block was kept in full, and a later divergence was only counted: CLEAN). A scale
+    buffer moved between the forward and the backward from step 3 on is found, escalated and reported."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    import ac_diff
+    from ac_diff.trace import read_run
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.register_buffer("scale", torch.ones(16))
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)) * self.scale)
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(free.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        blocks = [Scaled() for _ in range(2)]
+        for b in blocks:
+            fully_shard(b)
+        with ac_diff.record(tmp_path / "t.jsonl", watch=True, watch_resample=0):
+            for step in range(1, 5):
+                x = torch.randn(4, 8)
+                for b in blocks:
+                    x = x + checkpoint(b, x, use_reentrant=False)
+                if moved_from_step is not None and step >= moved_from_step:
+                    with torch.no_grad():
+                        blocks[1].scale.mul_(1.01)
+                x.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    report = ac_diff.diagnose([read_run(tmp_path / "t.jsonl")])
+    escalated = report.watch["escalated"]
+    if moved_from_step is None:
+        assert report.verdict == "clean" and escalated == [], (report.headline, escalated)
+        return
+    assert report.verdict == "diverged", report.headline
+    assert [(e["module"], e["diverged_step"], e["from_step"]) for e in escalated] == [("blocks[1]", 3, 4)], escalated
+
+
 def test_a_lone_process_trace_beside_a_launched_runs_traces_is_another_run():
     """`ac-diff run` without a launcher writes no run id: next to an earlier two-rank run's rank-1 trace it is
     still another run (a report would otherwise read that rank's divergence as this run's)."""

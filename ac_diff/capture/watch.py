@@ -725,6 +725,15 @@ def _landed(cmp: _Comparison) -> bool:
     return all(wp.landing is None or wp.landing.ready() for wp in (cmp.forward, cmp.recompute))
 
 
+def _other_tensor(forward: WatchedPass, recompute: WatchedPass, column: str, mask: frozenset) -> bool:
+    """A position whose origin (or module) differs where its values were not measured in both passes (outside `mask`).
+    Where they were, the values decide: a forward recorded in full may save a view of an input that a framework's hook
+    made inside the region (FSDP2's pre-forward hook), where its recompute, run without that hook, saves the input."""
+    f, r = getattr(forward, column), getattr(recompute, column)
+    return any(a != b and (x is None or y is None or x == NO_DIGEST or y == NO_DIGEST or p in mask)
+               for a, b, x, y, p in zip(f, r, forward.digests, recompute.digests, forward.positions))
+
+
 def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -> str | None:
     """How the recompute saved other tensors: "saved" (another count, not an early stop's prefix; other metadata or
     origin; or it raised), "values" (only values differ, outside `mask`), or None."""
@@ -739,11 +748,13 @@ def _difference(forward: WatchedPass, recompute: WatchedPass, mask: frozenset) -
     if n != m and not (cut and n < m):
         return "saved"
     # column by column (list comparisons in C): an early stop's recompute is a prefix of the forward
-    for column in ("metas", "origins", "names"):
-        f = getattr(forward, column)
-        if getattr(recompute, column) != (f if n == m else f[:n]):
-            return "saved"
+    if recompute.metas != (forward.metas if n == m else forward.metas[:n]):
+        return "saved"
     fd, rd = forward.digests, recompute.digests
+    for column in ("origins", "names"):
+        f = getattr(forward, column)
+        if getattr(recompute, column) != (f if n == m else f[:n]) and _other_tensor(forward, recompute, column, mask):
+            return "saved"
     if fd == rd:
         return None
     for p, a, b in zip(forward.positions, fd, rd):
