@@ -73,43 +73,52 @@ def test_a_detach_the_alignment_skips_passes_the_difference_on(tmp_path):
 
 
 class _Noisy(nn.Module):
-    """Private-generator noise: added to the region's output (`to_output`), or drawn and dropped."""
+    """Private-generator noise: added to what the region returns ("returned"), to a tensor its module keeps
+    ("kept": the recompute's replaces the forward's), or drawn and dropped ("dropped")."""
 
-    def __init__(self, to_output: bool) -> None:
+    def __init__(self, noise: str) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.gen = torch.Generator().manual_seed(0)
-        self.to_output = to_output
+        self.noise = noise
+        self.last = None
 
     def forward(self, x):
         h = torch.tanh(self.fc(x))
         noise = torch.randn(h.shape, generator=self.gen)
-        return h + 0.01 * noise if self.to_output else h
+        if self.noise == "kept":
+            self.last = h + 0.01 * noise  # (read by the loop after the backward: the recompute's by then)
+        return h + 0.01 * noise if self.noise == "returned" else h
 
 
-def _noisy_step(to_output: bool):
+def _noisy_step(noise: str):
     def step():
         torch.manual_seed(0)
-        model, x = _Noisy(to_output), torch.randn(4, 8, requires_grad=True)
+        model, x = _Noisy(noise), torch.randn(4, 8, requires_grad=True)
         with cp.set_checkpoint_early_stop(False):  # the recompute runs the whole region
             y = cp.checkpoint(model, x, use_reentrant=False)
         y.sum().backward()
     return step
 
 
-def test_other_values_that_outlive_the_region_are_a_divergence(tmp_path):
-    """Every saved tensor matches, but the recomputed output differs: not "harmless"."""
-    run, report = _record(tmp_path, _noisy_step(to_output=True))
+def test_other_values_kept_beyond_the_region_are_a_divergence(tmp_path):
+    """Every saved tensor matches, but the tensor the module keeps differs in the recompute, which replaces the
+    forward's: not "harmless"."""
+    run, report = _record(tmp_path, _noisy_step("kept"))
     region = report.regions[0]
     assert region.status == "diverged" and region.cause.mechanism == "private_generator"
     assert not any(p.values_differ for p in region.positions)
     assert any("outlived the region" in n for n in region.notes), region.notes
     fwd = run.regions[0].forward
-    assert [fwd.ops[i].op for i, _ in fwd.outputs] == ["aten.add.Tensor"]  # the region's output, nothing else
+    assert [fwd.ops[i].op for i, _ in fwd.outputs] == ["aten.tanh.default", "aten.add.Tensor"]  # returned, kept
+    assert [h[2] for h in fwd.state["held_outputs"]] == ["last"]
 
 
-def test_other_values_that_reach_nothing_stay_harmless(tmp_path):
-    _, report = _record(tmp_path, _noisy_step(to_output=False))
+@pytest.mark.parametrize("noise", ["returned", "dropped"])
+def test_other_values_that_reach_no_saved_or_kept_tensor_stay_harmless(tmp_path, noise):
+    """What a non-reentrant region returns outlives its forward only: torch drops the recompute's (the gradients of
+    the step are the same); noise drawn and dropped reaches nothing."""
+    _, report = _record(tmp_path, _noisy_step(noise))
     region = report.regions[0]
     assert region.status == "clean", region.notes
     assert any("harmless for the gradients" in n for n in region.notes)

@@ -1270,6 +1270,8 @@ class Recorder:
                 side = _side_outputs(p, region.kept, called)
                 if side:
                     p.state["side_outputs"] = side
+            else:
+                p.state["held_outputs"] = _held_outputs(region.kept, called)
         collection = None
         if region.recorded:
             with self.quiet():
@@ -1461,6 +1463,19 @@ def _side_outputs(p: _Pass, kept: dict[int, tuple], called: list[tuple]) -> list
                 and ops[op][_OP] not in DETACHED_ALIAS_OPS:
             side.append([op, out, held_by(t, called)])
     return sorted(side, key=lambda s: s[:2])
+
+
+def _held_outputs(kept: dict[int, tuple], called: list[tuple]) -> list[list]:
+    """[[op, output, holder]] of the tensors a non-reentrant forward made that outlived it because the script keeps
+    them (`held_by`: an attribute, a global, an item of one), which its recompute's replace. What the region only
+    returned outlives the forward alone: torch drops what the recompute returns."""
+    held = []
+    for ref, op, out, _ in kept.values():
+        t = ref()
+        holder = held_by(t, called) if t is not None else None
+        if holder is not None:
+            held.append([op, out, holder])
+    return sorted(held)
 
 
 def _cached(p: _Pass, index: int) -> bool:

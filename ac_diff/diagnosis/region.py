@@ -202,7 +202,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     if fwd.positions and (region.kind != "reentrant" or region.watched):  # (watched: a reentrant one's outputs)
         # Backward uses the recomputed saved tensors, compared by value; other values elsewhere are harmless only
         # where they reach neither those nor a tensor that outlives the region (its output, state its code keeps)
-        escaped = outliving_differ(fwd, cmp)
+        escaped = outliving_differ(fwd, cmp, held_only=region.kind != "reentrant")
         diverged = bool(position_mismatch or position_values or count_mismatch or torch_error or escaped)
         if first is not None and not diverged and first.recompute is None:
             report.notes.append(f"{first.forward.op} and later ops ran in the forward only (the recompute took "
@@ -482,13 +482,19 @@ def _refused_instead(cmp: PassComparison, rec: Pass, recorded: Pass) -> PairDiff
     return PairDiff(Pair(instead.index, refused.index, "substituted"), instead, refused, kinds={"control"})
 
 
-def outliving_differ(fwd: Pass, cmp: PassComparison) -> str | None:
+def outliving_differ(fwd: Pass, cmp: PassComparison, held_only: bool = False) -> str | None:
     """The forward's ops whose tensors outlived its pass (`Pass.outputs`) and differ in the recompute ("aten.add.Tensor
     #7"), or None. Not one the recompute did not run at all: what it made then stands (a table the forward builds and
-    caches, which the recompute finds cached)."""
+    caches, which the recompute finds cached). `held_only` (non-reentrant): only those the script keeps (the forward's
+    "held_outputs"; traces before it: all), as the recompute's replace them; torch drops what the recompute returns."""
     ops = {o.index: o for o in cmp.forward_ops}
     rerun = set(cmp.rec_to_fwd.values())
-    hit = sorted({i for i, j in fwd.outputs or () if i in ops and i in rerun
+    outputs = fwd.outputs or ()
+    held = fwd.state.get("held_outputs") if held_only else None
+    if held is not None:
+        kept = {(op, out) for op, out, *_ in held}
+        outputs = [(i, j) for i, j in outputs if (i, j) in kept]
+    hit = sorted({i for i, j in outputs if i in ops and i in rerun
                   and cmp.tainted_outputs.get((i, j), cmp.tainted.get(i, False))})
     return ", ".join(f"{ops[i].op} #{i}" for i in hit) or None
 
