@@ -61,9 +61,14 @@ def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=N
         try:
             runs.extend(_read_path(p, source_name(p), progress, lazy, seen))
         except NothingToExplain as exc:
-            if len(paths) == 1:
+            if len(paths) == 1 and exc.text:  # a training log without an error: NOTHING CHECKED (the parser's note)
+                from .logs import parse_log
+
+                runs.append(parse_log(p, progress=progress, lazy=lazy))
+            elif len(paths) == 1:
                 raise
-            nothing.append(exc)
+            else:
+                nothing.append(exc)
         for run in runs[first:]:  # standard input is called <stdin>, not by the temporary copy read
             _rename(run, str(p), source_name(p))
         if not p.is_dir():
@@ -81,9 +86,9 @@ def read_runs(paths: Iterable[str | os.PathLike] | str | os.PathLike, progress=N
 class NothingToExplain(InputError):
     """A file that is neither a trace nor a log with checkpoint error text or a debug dump (or an empty one)."""
 
-    def __init__(self, name: str, message: str, why: str = _NO_ERROR) -> None:
+    def __init__(self, name: str, message: str, why: str = _NO_ERROR, text: bool = False) -> None:
         super().__init__(message)
-        self.name, self.why = name, why
+        self.name, self.why, self.text = name, why, text  # text: a log a program printed, not binary data
 
 
 _LOG_SUFFIXES = (".log", ".txt", ".err", ".out", ".gz", ".zst", ".bz2", ".xz")
@@ -132,7 +137,7 @@ def _read_path(p: Path, name: str, progress, lazy: bool, seen: list[str]) -> lis
                                "trace written by `ac-diff run` or a log torch printed", why="it is empty")
     if is_trace(p):
         return [read_run(p, lazy)]
-    from .logs import looks_like_log, parse_log
+    from .logs import is_text, looks_like_log, parse_log
 
     if not looks_like_log(p):
         from .streams import stream_damage
@@ -145,7 +150,8 @@ def _read_path(p: Path, name: str, progress, lazy: bool, seen: list[str]) -> lis
                                "error or debug dump in it, so there is nothing in it to explain; a log without one "
                                "does not show the recomputes matched (use_reentrant=True and determinism_check=\"none\" "
                                "raise nothing when they differ): pass the log that holds the CheckpointError, or check "
-                               "the script with `ac-diff run --check` (`--reference no-ac` compares its gradients)")
+                               "the script with `ac-diff run --check` (`--reference no-ac` compares its gradients)",
+                               text=is_text(p))
     return [parse_log(p, progress=progress, lazy=lazy)]
 
 

@@ -126,19 +126,30 @@ def test_stored_logs_debug_dump(release):
 
 
 def test_a_silent_divergences_log_is_nothing_to_explain_whatever_release_wrote_it(tmp_path):
-    """torch 2.4.1 prints a FutureWarning from torch/utils/checkpoint.py at each recompute: that line made a log that
-    holds no error read as a checkpoint log (NOTHING CHECKED, exit 4), where a later release's log of the same run
-    was refused with the documented exit 2 and its warning (a log without an error does not show the recomputes
-    matched). Both are refused alike; among several logs such a one is left out, with a note, and the others
-    explained."""
+    """torch 2.4.1 prints a FutureWarning from torch/utils/checkpoint.py at each recompute, which a later release does
+    not: a log that holds no error reads alike either way, NOTHING CHECKED (exit 4, as the README says), with the note
+    that it does not show the recomputes matched; binary data is refused (exit 2). Among several logs such a one is
+    left out, with a note, and the others explained."""
     from ac_diff.api import NothingToExplain, read_runs
 
     assert read_runs([]) == []  # (nothing given: nothing read, no note to hang anywhere)
 
     silent = LOGS / "torch-2.4.1" / "dropout_no_rng_silent.log"
     assert "torch/utils/checkpoint.py" in silent.read_text()  # (the warning line)
+    later = tmp_path / "later.log"  # (the same log as a later release prints it: no warning line)
+    later.write_text("".join(line for line in silent.read_text().splitlines(keepends=True)
+                             if "checkpoint" not in line and "warn" not in line.lower()))
+    for log in (silent, later):
+        alone = ac_diff.diagnose_paths([log])
+        assert alone.verdict == "unchecked", alone.headline
+        assert any("does not show that the recomputes matched" in n for n in alone.notes), alone.notes
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
     with pytest.raises(NothingToExplain, match="does not show the recomputes matched"):
-        ac_diff.diagnose_paths([silent])
+        ac_diff.diagnose_paths([binary])
+    from conftest import run_cli
+
+    assert [run_cli("compare", str(p)).returncode for p in (later, binary)] == [4, 2]
     report = ac_diff.diagnose_paths([LOGS / "torch-2.4.1" / "moe_bias_update_error.log", silent])
     assert report.verdict == "diverged", report.headline
     assert any(n.startswith(f"{silent}: left out, no torch.utils.checkpoint error") for n in report.notes), \

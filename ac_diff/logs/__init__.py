@@ -199,6 +199,23 @@ def _readable_blocks(f, size: int) -> Iterator[bytes]:
         yield from iter(lambda: f.read(size), b"")
 
 
+def is_text(path: Union[str, os.PathLike]) -> bool:
+    """Is this file text a program printed (a training log without checkpoint error text), not binary data: its first
+    64 KiB hold no NUL byte and read as UTF-8 (a character cut at their end aside). False where it cannot be read."""
+    try:
+        with _open_log(os.fspath(path)) as (f, _):
+            head = f.read(1 << 16)
+    except (*STREAM_DAMAGE, UnicodeError, OSError):
+        return False
+    if not head.strip() or b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start >= len(head) - 3  # (a character cut where the read stopped)
+    return True
+
+
 def looks_like_log(path: Union[str, os.PathLike]) -> bool:
     """Does this file hold checkpoint error text or a debug dump (in its first or last MiB)?
 

@@ -448,9 +448,11 @@ class LogParser:
             notes.append("the log ends mid-structure: " + "; ".join(stopped))
         if not self._errors_started and not self._dumps:
             raised = self._raised
-            notes.append("found no CheckpointError text and no debug=True dump" + ("" if raised is None else (
-                f"; it ends with {'rank ' + str(raised[0]) + ' raising ' if raised[0] is not None else ''}"
-                f"{raised[1][:160]}" + ("..." if len(raised[1]) > 160 else ""))))
+            notes.append("found no CheckpointError text and no debug=True dump" + (
+                ", which does not show that the recomputes matched (use_reentrant=True and determinism_check='none' "
+                "raise nothing when they differ): `ac-diff run --check SCRIPT` compares them" if raised is None else (
+                    f"; it ends with {'rank ' + str(raised[0]) + ' raising ' if raised[0] is not None else ''}"
+                    f"{raised[1][:160]}" + ("..." if len(raised[1]) > 160 else ""))))
             mismatch = reentrant_output_shapes(raised[1] if raised is not None else None)
             if mismatch is not None and self._reentrant_backward:
                 notes.append(f"the backward of a use_reentrant=True checkpoint got a gradient of shape {mismatch[0]} "
