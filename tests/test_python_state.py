@@ -570,6 +570,38 @@ def test_a_host_draw_the_recompute_repeats_is_never_clean(tmp_path, inside):
         assert region.suggestions[0].title.startswith("Draw the host random values outside the checkpointed region")
 
 
+class _CutMix(nn.Module):
+    """CutMix inside the block: the box drawn with Python's `random`, its area ratio kept for the loss (`self.lam`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        rh, rw = random.randint(1, 7), random.randint(1, 7)
+        cy, cx = random.randint(0, 8 - rh), random.randint(0, 8 - rw)
+        mask = torch.zeros(1, 1, 8, 8)
+        mask[..., cy:cy + rh, cx:cx + rw] = 1
+        self.lam = 1 - rh * rw / 64
+        return h * (1 - mask) + h.flip(0) * mask
+
+
+def test_what_the_forward_sets_from_host_draws_is_not_the_cause(tmp_path):
+    """29e: the box of a CutMix drawn with `random` inside the region, whose ratio the block keeps for the loss: the
+    recompute draws another box. The cause read "the Python attribute `lam` was unset in the forward and 0.5625 in
+    the recompute: the region's forward changed it after reading it" (the block never reads it), its fix "pass the
+    value in, not self.lam"; it is the host draw, named at its line."""
+    torch.manual_seed(0)
+    random.seed(0)
+    block = _CutMix()
+    report = _record(tmp_path, lambda: cp.checkpoint(block, torch.randn(2, 4, 8, 8), use_reentrant=False)
+                     .square().sum().backward())
+    region = _diverged(report)[0]
+    assert (region.cause.kind, region.cause.mechanism) == ("rng", "host_rng"), region.cause
+    assert "lam" not in (region.cause.tensor or "") and "random" in region.cause.detail, region.cause
+
+
 HOOK_STATE = {"batches": 0}  # a global dict of the script's own, which a forward pre-hook counts in
 
 

@@ -217,11 +217,15 @@ def other_compiled_graph(region: Region) -> bool:
     return any(o.op == COMPILED_GRAPH_OP and o.args and o.args[0] not in called for o in region.recompute.ops)
 
 
-def attribute_cause(region: Region, first: PairDiff | None) -> Cause | None:
+def attribute_cause(region: Region, first: PairDiff | None, drew: bool = False) -> Cause | None:
     """The changed attribute behind a divergence that no tensor explains: the first divergent op read
     identical tensors (a Python number argument changed, or another branch was taken). A random op's other
-    values are its own (RNG) unless its arguments changed too, and a change read where it ran explains them."""
+    values are its own (RNG) unless its arguments changed too, and a change read where it ran explains them. `drew`:
+    the forward drew from the host's generators (`random`, numpy), which then explain what it set from them too (a
+    CutMix ratio it keeps for the loss): only attributes it did not set itself are causes."""
     changes = changed_attributes(region)
+    if drew:
+        changes = [c for c in changes if not _set_by_forward(c)]
     saved_other = saved_by_other_ops(region) if changes and first is None else None
     if not changes or (first is None and saved_other is None) or first is not None and first.inputs_same is False:
         return None

@@ -217,7 +217,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     if kernel and value is not None and value.detail.get("inputs_identical") and not (
             control or report.first_argument_divergence or set(value.detail.get("differs") or ()) - {"value"}):
         return _global_state_cause(flags, first_flag(kernel))
-    attribute = attribute_cause(region, first)  # a module's Python attribute (a step counter) changed
+    drew = region.forward.state.get("host_draws") if region.forward is not None else None
+    attribute = attribute_cause(region, first, drew=bool(drew))  # a module's Python attribute (a step counter) changed
     if attribute is not None:
         return attribute
 
@@ -226,7 +227,6 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
     if random_op is not None:
         return _drawn_in_one_pass(region, cmp, random_op) or _rng_cause(random_op, region, rng)
 
-    drew = region.forward.state.get("host_draws") if region.forward is not None else None
     # the first op to differ read other tensors than its twin though none it read had diverged: Python handed it
     # others (a shuffled list of chunks, a random pick)
     rewired = report.first_value_divergence if first is not None and first.inputs_same is False and not first.sources \
