@@ -156,3 +156,63 @@ def test_a_jagged_nested_tensor_is_measured_through_its_packed_values(tmp_path, 
         assert report.verdict == "clean", report.headline
         return
     assert report.verdict == "diverged" and all(r.cause.kind == "rng" for r in report.regions), report.headline
+
+
+class _Float8(torch.Tensor):
+    """A float8 weight as delayed-scaling libraries hold it: fp8 data and the scale it was cast with."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
+
+    def __init__(self, data, scale):
+        self._data, self._scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.t.default, torch.ops.aten.detach.default):
+            return _Float8(func(args[0]._data), args[0]._scale)
+        unwrap = lambda t: t._data.to(torch.float32) / t._scale if isinstance(t, _Float8) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+class _CastToFloat8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, scale):
+        return _Float8((w * scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Float8Linear(nn.Linear):
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x):
+        return nn.functional.linear(x, _CastToFloat8.apply(self.weight, self.scale.clone()), self.bias)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8 dtype")
+def test_a_wrapper_the_region_builds_from_a_cast_is_that_casts_output_and_the_scale_buffer_is_named(tmp_path):
+    """TransformerEngine-style delayed scaling (29a): the weight cast to float8 with a scale kept in a buffer, the
+    scales updated from the amax when the fp8 context exits, after the forward and before its backward. The float8
+    wrapper an autograd.Function builds inside the region reached the recorder as `external[0]`, blamed as "modified
+    between the forward and the backward" and named in the fix; it is the cast's output, and the buffer is the cause."""
+    torch.manual_seed(0)
+    layer = _Float8Linear(16)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(2):
+            y = cp.checkpoint(layer, torch.randn(4, 16, requires_grad=True), use_reentrant=False)
+            with torch.no_grad():  # (the fp8 context's exit: the scale from the weight's amax)
+                layer.scale.fill_(448 / layer.weight.abs().max() / 2)
+            y.square().sum().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    lead = next(r for r in report.regions if r.status == "diverged")
+    assert (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "scale"), lead.cause
+    assert not any(c["name"].startswith("external") for r in report.regions for c in r.changed_inputs)

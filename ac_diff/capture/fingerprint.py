@@ -125,10 +125,12 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
         return waited if type(waited) is torch.Tensor else None
     if _storage_of(t)[0] is not None and not hasattr(t, "__tensor_flatten__"):
         return t  # (its own data: reductions run on it as on a plain tensor)
-    return _wrapped(t)
+    return wrapped_tensor(t)
 
 
-def _wrapped(t: torch.Tensor) -> torch.Tensor | None:
+def wrapped_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor a wrapper subclass holds (its `__tensor_flatten__` attributes, else its own): the one of its
+    shape, else the only one of its dtype; None where there is none. No tensor work (nothing waits)."""
     try:
         flatten = getattr(t, "__tensor_flatten__", None)
         names = flatten()[0] if callable(flatten) else list(vars(t))

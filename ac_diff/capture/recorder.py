@@ -43,7 +43,7 @@ from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
 from .pystate import (UNSET, GlobalReads, Owner, forward_hooks, hook_reads_again, host_draw_sites, is_container,
                       method_owners, module_attributes, only_rebinds, read_again, subclass_attributes)
-from .fingerprint import FingerprintBatch, _storage_of
+from .fingerprint import FingerprintBatch, _storage_of, wrapped_tensor
 from .watch import Watch, WatchedPass
 from .spawned import SpawnWatch
 from ..errors import INTERRUPTIONS
@@ -1161,6 +1161,13 @@ class Recorder:
         if known is not None:
             return known
         key = id(t)
+        if type(t) not in _PLAIN_TENSORS and key not in p.input_ids and not isinstance(t, torch.nn.Parameter):
+            # a wrapper subclass the pass made around an op's output outside dispatch (a float8 tensor an
+            # autograd.Function builds from its cast): that op's output, so what changed upstream is followed through
+            inner = wrapped_tensor(t)
+            made = self._known_ref(p, inner) if inner is not None else None
+            if made is not None and made[0] == "op":
+                return made
         if key in p.input_ids:
             kind, name = "input", f"input[{p.input_ids[key]}]"
         else:
