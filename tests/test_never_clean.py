@@ -126,3 +126,22 @@ def test_an_evaluation_pass_through_reentrant_regions_is_no_gap(watch, tmp_path)
     with ac_diff.record(only, watch=watch), torch.no_grad():
         cp.checkpoint(block, torch.randn(4, 8), use_reentrant=True)
     assert ac_diff.diagnose_paths([only]).verdict == "unchecked"
+
+
+def test_a_recompute_whose_forward_ran_before_recording_says_so(tmp_path):
+    """A forward run before `ac_diff.record()` was entered and its backward inside it (29f): nothing to compare, never
+    clean, and said so; it read "ops not recorded (beyond --max-regions)", a setting the script never used."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    import ac_diff
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    loss = cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).square().sum()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        loss.backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "unchecked", report.headline
+    assert [r.unchecked_reason for r in report.regions] == ["forward not recorded"]
+    assert "max-regions" not in report.headline and "before recording began" in report.headline, report.headline

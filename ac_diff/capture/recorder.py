@@ -480,6 +480,7 @@ class Recorder:
             region = getattr(frame, "_ac_diff_region", None)
             if region is None:  # a frame created before recording started: nothing to compare with
                 region = self._new_region(frame, passes, recorded=False)
+                region.options["forward_unrecorded"] = True  # (said so, not blamed on --max-regions)
             attempt = region.recomputes
             region.recomputes += 1
             kept_forward = self._kept.recomputed(region)

@@ -113,6 +113,10 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         _unchecked(report, "not recorded: the run stopped in its forward",
                    f"the run stopped as this region's forward began, before any of it was written ({run_stopped})")
         return report
+    if not region.recorded and not region.watched and region.options.get("forward_unrecorded"):
+        _unchecked(report, "forward not recorded", "its forward ran before recording began (before `ac_diff.record()` "
+                   "was entered), so there is nothing to compare its recompute with: record the forward too")
+        return report
     if not region.recorded and not region.watched:
         _unchecked(report, "past --max-regions", "ops not recorded (beyond --max-regions); only counted")
         return report
