@@ -72,7 +72,8 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                               "unwritten": (w["modules"].get(module) or [0] * 6)[3],
                               "counted_steps": [list(x) for x in e.get("counted_steps") or ()],
                               "full_regions": len(mine), "full_diverged": len(bad),
-                              "full_clean": sum(r.status == CLEAN for r in mine),
+                              "full_clean": sum(reproduced(r) for r in mine),  # (clean, or reproduced at risk)
+                              "full_at_risk": sum(reproduced(r) and r.status != CLEAN for r in mine),
                               "lead": bad[0].region if bad else None})
     # the step from which nothing was watched any more: every watched module recorded in full from then on
     from_steps = {(run.rank, m): None if e.get("until_step") is not None else e.get("from_step")
@@ -181,8 +182,10 @@ def _reproduced(e: dict[str, Any]) -> str:
     why = "never recomputed, or the recompute stopped early"
     if not n:
         return "no region of it recorded in full is in the report (the run ended first, or its lines are damaged)"
+    risk = e.get("full_at_risk") or 0
     if clean == n:
-        return f"all {n} reproduced their saved tensors"
+        return f"all {n} reproduced their saved tensors" + (
+            f" ({risk} at risk: they read state their recompute updates again)" if risk else "")
     if not clean:
         return f"none of its {n} region(s) was compared ({why})"
     return f"{clean} of {n} reproduced their saved tensors, {n - clean} never compared ({why})"
