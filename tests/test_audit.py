@@ -989,3 +989,35 @@ def test_a_tie_between_duplicated_candidates_is_no_near_flip():
     a = _audited(block, [torch.randn(64, 16, requires_grad=True) for _ in range(2)], seeds=3, max_regions=2)
     (site,) = [s for s in a["sites"] if s["op"] == "aten.topk.default"]
     assert site["margins"]["min_ulps"] == 0 and site["flips_per_seed"] == [0, 0, 0] and site["rate"] == 0, site
+
+
+class _NormalizingRouter(torch.nn.Module):
+    """Mixtral's router: top-2 of 8 experts, the chosen weights normalised in place (`top /= top.sum(...)`)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.gate, self.experts, self.in_place = torch.nn.Linear(16, 8), torch.nn.Linear(16, 128), in_place
+
+    def forward(self, x):
+        top, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        if self.in_place:
+            top /= top.sum(-1, keepdim=True)
+        else:
+            top = top / top.sum(-1, keepdim=True)
+        out = self.experts(x).view(-1, 8, 16).gather(1, chosen[..., None].expand(-1, -1, 16))
+        return (out * top[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_save_list_whose_op_the_forward_writes_in_place_is_not_verified(in_place):
+    """29c: the audit of stock HF Mixtral called saving topk with selective AC verified and printed its policy, but
+    Mixtral divides topk's weights in place, and selective AC then raises "Tensor cached during selective activation
+    checkpoint has been mutated" in the first backward. The remedy says so, unverified; out of place it stands."""
+    torch.manual_seed(0)
+    block, x = _NormalizingRouter(in_place), torch.randn(64, 16, requires_grad=True)
+    remedy = _audited(block, [x, x], seeds=2, max_regions=2)["remedy"]
+    assert remedy["save_list"] == ["aten.topk.default"], remedy
+    if in_place:
+        assert not remedy["verified"] and remedy["refused"] == {"aten.topk.default": "aten.div_.Tensor in the region"}
+    else:
+        assert remedy["refused"] == {}

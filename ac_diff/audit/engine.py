@@ -28,7 +28,7 @@ import torch
 
 from ..oprules import DECISION_OUTPUT
 from ..capture.modules import ModuleStack, unread_statistics
-from ..oprules import is_collective
+from ..oprules import is_collective, is_in_place_method
 from ..capture.torch_compat import (FORWARD, CheckpointHooks, ReentrantFrame, _closure_value, checkpointed_module,
                                    function_name)
 from .margins import packet_of, summarize
@@ -133,6 +133,7 @@ class RegionAudit:
     save_bytes: int = 0
     remedy_flips: list = field(default_factory=list)  # per noisy replay (seeds, then stress), with the list served
     stress_flips: int | None = None  # decisions flipped by the first stress noise without the list
+    refused: dict = field(default_factory=dict)  # op of the list -> the op of the forward that writes it in place
     collectives: bool = False  # the region calls collectives: only replays every rank makes alike
 
 
@@ -405,6 +406,7 @@ class Auditor:
         region.save_list = save
         if not save:
             return
+        region.refused = written_in_place(clean, set(save))
         stress = self._stress(clean, targets)
         for _ in range(3):
             residual, missing = [], set()
@@ -440,6 +442,28 @@ class Auditor:
             if at is not None and margins.numel():
                 plans.append(({clean.rows[at[0]].key: at[1]}, NoiseSpec("abs", 2.0 * float(margins.median()))))
         return plans
+
+
+def written_in_place(clean: PassResult, save: set[str]) -> dict[str, str]:
+    """Each op of `save` whose output the forward writes in place later, directly or through a view (a router that
+    normalises its top-k weights with `/=`): selective AC refuses to serve that cached tensor in the recompute ("Tensor
+    cached during selective activation checkpoint has been mutated"). {op: "aten.div_.Tensor in its module"}"""
+    origin: dict[int, int] = {}  # row -> the row of the op of `save` whose output it is, or views
+    refused: dict[str, str] = {}
+    for i, row in enumerate(clean.rows):
+        if row.key[0] in save:
+            origin[i] = i
+            continue
+        first = row.producers[0] if row.producers else None
+        source = origin.get(first[0]) if first is not None else None
+        if source is None:
+            continue
+        if is_in_place_method(row.key[0]):
+            refused.setdefault(clean.rows[source].key[0], f"{row.key[0]} in {row.module or 'the region'}")
+            origin[i] = source
+        elif row.views:
+            origin[i] = source
+    return refused
 
 
 def _same_decisions(clean: PassResult, targets: dict) -> dict:

@@ -49,6 +49,9 @@ def audit_html(doc: dict) -> str:
         out.append(f'<p class="{"ok" if remedy["verified"] else "bad"}">fix: save {escape(", ".join(remedy["save_list"]))} '
                    f'({remedy["bytes_per_region"]} bytes per region); flips with it: {remedy["flips_with_save_list"]} in '
                    f'{remedy["replays_with_save_list"]} noisy replays</p><pre>{escape(remedy["policy"] or "")}</pre>')
+        for op, how in (remedy.get("refused") or {}).items():
+            out.append(f'<p class="bad">selective AC would refuse it: the forward writes {escape(op)}\'s output in '
+                       f'place ({escape(how)}); make that update out of place or save the op after it</p>')
     for s in a["sites"]:
         if not s["kind"]:
             continue

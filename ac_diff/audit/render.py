@@ -104,7 +104,11 @@ def render_audit(doc: dict, console: Console) -> None:
                           + ", ".join(f"{s['module']} {packet(s['op'])}" for s in follow)))
     r = a["remedy"]
     if r["save_list"]:
-        state = (f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "
+        refused = "; ".join(f"the forward writes {op}'s output in place ({how})" for op, how in
+                            (r.get("refused") or {}).items())
+        state = (f"selective AC would refuse it: {refused}, and a cached tensor must not change (\"has been mutated\"):"
+                 " make that update out of place (`x = x / s`, not `x /= s`) or save the op after it" if refused else
+                 f"0 flips in {r['replays_with_save_list']} noisy replays with it (the stress noise alone flips "
                  f"{r['stress_flips_without_save_list']} rows)" if r["verified"]
                  else f"still {r['flips_with_save_list']} flips with it")
         # (the run diverges already: a save list guards the decisions against rounding, not against what the

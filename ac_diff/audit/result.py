@@ -63,7 +63,9 @@ def remedy_json(regions) -> dict:
             "regions_checked": len(checked), "replays_with_save_list": sum(len(r.remedy_flips) for r in checked),
             "flips_with_save_list": residual,
             "stress_flips_without_save_list": sum(r.stress_flips or 0 for r in checked),
-            "verified": bool(checked) and residual == 0,
+            # an op of the list whose output the forward writes in place: selective AC refuses to serve it
+            "refused": {op: how for r in checked for op, how in r.refused.items()},
+            "verified": bool(checked) and residual == 0 and not any(r.refused for r in checked),
             "policy": sac_policy(save, torch.__version__) if save else None}
 
 
