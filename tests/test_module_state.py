@@ -652,6 +652,27 @@ def test_an_attribute_each_micro_batchs_forward_sets_is_a_later_forwards_state(t
     assert "after the backward" not in diverged[0].suggestions[0].title
 
 
+def test_an_attribute_the_loop_sets_after_a_shared_blocks_calls_is_no_later_forwards_state(tmp_path):
+    """A weight-shared block called three times in one forward (29b), `res_scale` set by the loop's schedule after the
+    forward, before the backward: its second and third calls read the value the first did and set nothing. The cause
+    named them "later forwards of shared (micro-batches or chunks ...)", and the fix passed the value as an argument;
+    it was changed between the forward and the backward, and the fix moves the update after the backward."""
+    torch.manual_seed(0)
+    layer = ScaledResidual()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            x = cp.checkpoint(layer, x, use_reentrant=False)
+        layer.res_scale = 0.5  # (the schedule's hook)
+        x.square().mean().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    diverged = [r for r in report.regions if r.status == "diverged"]
+    assert diverged and all(r.cause.tensor.endswith("res_scale") for r in diverged), report.headline
+    assert not any(r.cause.mechanism == "later_forward" for r in diverged), [r.cause for r in diverged]
+    assert "later forward" not in diverged[0].cause.detail and "after the backward" in \
+        diverged[0].suggestions[0].title, diverged[0].suggestions[0].title
+
+
 class BufferWarmup(nn.Module):
     """Halves its input while a call count it keeps in a buffer (and reads as a tensor) is at most `warmup`."""
 

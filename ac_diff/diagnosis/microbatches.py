@@ -41,7 +41,8 @@ def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], ver
         later = [x.region for x in by_module[(r.path, r.rank, r.module)] if x.region > r.region and x.step == r.step
                  and x.unchecked_reason != NESTED_RERUN]  # (not a nested one its parent's recompute ran again)
         region = regions.get((r.path, r.rank, r.region))
-        if not later or region is None:
+        if not later or region is None or _before_each_later(c, region, [regions.get((r.path, r.rank, x))
+                                                                         for x in later]):
             continue
         many = len(later) > 1
         r.cause = replace(c, mechanism=LATER_FORWARD, detail=(
@@ -52,3 +53,16 @@ def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], ver
                 f"region{'s' if many else ''} {number_ranges(later)} ({r.module}) ran {'their' if many else 'its'} "
                 f"forward after this region's and before its recompute (step {r.step})")])
         r.suggestions = suggestions_for(r, region, versions.get(r.path))
+
+
+def _before_each_later(cause: Any, region: Region, later: list[Region | None]) -> bool:
+    """The attribute of `cause` read the same in every later forward of the module as in this region's, and none of
+    them changed it: what changed it came after them all (the loop, between the step's forward and its backward: the
+    second and third calls of a weight-shared block are no micro-batches). False where a pass was not recorded."""
+    name = cause.tensor
+    if cause.mechanism != "attribute" or region.forward is None or name not in region.forward.attributes:
+        return False
+    value = region.forward.attributes[name]
+    return all(x is not None and x.forward is not None and x.forward.attributes.get(name, value) == value
+               and name in x.forward.attributes and name not in (x.forward.attribute_updates or {}) for x in later)
+
