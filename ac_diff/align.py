@@ -854,9 +854,9 @@ def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000,
     R: list = []
     H: list = []
 
-    def gap(a0: int, a1: int, b0: int, b1: int) -> None:
+    def gap(a0: int, a1: int, b0: int, b1: int, recompute_first: bool = False) -> None:
         na, nb = a1 - a0, b1 - b0
-        if na and nb and _near_equal(na, nb):
+        if na and nb and _near_equal(na, nb) and not recompute_first:
             q = na if na < nb else nb
             F.extend(range(a0, a0 + q))
             R.extend(range(b0, b0 + q))
@@ -866,6 +866,11 @@ def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000,
             b0 += q
             na -= q
             nb -= q
+        if nb and recompute_first:
+            F.extend(repeat(None, nb))
+            R.extend(range(b0, b1))
+            H.extend(repeat(RECOMPUTE_ONLY, nb))
+            nb = 0
         if na:
             F.extend(range(a0, a1))
             R.extend(repeat(None, na))
@@ -883,8 +888,8 @@ def align(a: Sequence[Hashable], b: Sequence[Hashable], *, max_edit: int = 2000,
         R.extend(range(j, j + L))
         H.extend(repeat(MATCH, L))
         pa, pb = i + L, j + L
-    if pa < N or pb < M:
-        gap(pa, N, pb, M)
+    if pa < N or pb < M:  # (after an early stop the recompute's own ops come first: the forward's tail is where
+        gap(pa, N, pb, M, recompute_first=early_stop)  # it never got to)
     return _build_pairs(F, R, H)
 
 

@@ -109,13 +109,15 @@ def test_garbage_is_bad_input(tmp_path):
 
 def test_a_training_log_without_a_checkpoint_error_proves_nothing(tmp_path):
     """A log whose run raised nothing is nothing to explain, but not a sign that the recomputes matched: a reentrant
-    region that diverges raises nothing. The message said "torch prints those only when a recompute differs"."""
+    region that diverges raises nothing. The message said "torch prints those only when a recompute differs"; it is
+    NOTHING CHECKED (exit 4), never clean, with how to check the recomputes."""
     quiet = tmp_path / "train.log"
     quiet.write_text("".join(f"step {i} loss {1 / (i + 1):.4f}\n" for i in range(50)))
     proc = run_cli("compare", str(quiet))
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "only when a recompute differs" not in proc.stderr
-    assert "does not show the recomputes matched" in proc.stderr and "--reference no-ac" in proc.stderr
+    assert proc.returncode == 4 and "NOTHING CHECKED" in proc.stdout, proc.stdout + proc.stderr
+    assert "only when a recompute differs" not in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert "does not show that the recomputes matched" in text and "ac-diff run --check SCRIPT" in text, text
 
 
 def _debug_log(tmp_path, name: str, fn, x) -> Path:
@@ -159,6 +161,37 @@ def test_a_branch_in_a_log_is_control_flow(tmp_path):
     log = _debug_log(tmp_path, "branch.log", _branching([]), torch.randn(4, 4, requires_grad=True))
     region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
     assert region.cause.kind == "control_flow" and region.cause.tensor == "aten.relu.default"
+
+
+def _extra_in_recompute(calls: list):
+    """Python state: only the recompute (second call) runs an extra branch in the middle, which makes torch's check
+    fail at the next saved tensor (the recompute ends there)."""
+    import torch
+
+    def fn(x):
+        calls.append(1)
+        h = torch.mm(x, x)
+        if len(calls) == 2:
+            h = h * torch.sigmoid(h.logsumexp(-1, keepdim=True))  # the recompute's branch
+        return torch.mm(torch.nn.functional.gelu(h), x)
+    return fn
+
+
+def test_a_branch_only_the_recompute_ran_is_named_at_its_line_not_the_forwards_tail(tmp_path):
+    """29d: the recompute ran logsumexp and sigmoid, then torch's check raised; the forward's gelu and what follows
+    were never reached by the recompute. The first divergence read "gelu ran in the forward but not in the recompute"
+    at the gelu's line (the fix pointed there too); it is the recompute's logsumexp, at the branch's line."""
+    import torch
+
+    torch.manual_seed(0)
+    log = _debug_log(tmp_path, "extra.log", _extra_in_recompute([]), torch.randn(8, 8, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    first = region.first_control_divergence
+    assert first is not None and first.op == "aten.logsumexp.default", first
+    assert first.forward_index is None and first.recompute_index is not None
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# the recompute's branch" in
+                text)
+    assert f"{Path(__file__).name}:{line}" in region.cause.detail, region.cause.detail
 
 
 def test_two_logs_keep_their_own_errors(tmp_path):

@@ -421,7 +421,7 @@ def test_progress_callback_errors_do_not_break_parsing(tmp_path):
 
     run = parse_log(path, progress=progress)
     assert len(calls) >= 2 and calls[-1] == 2 << 20
-    assert run.notes == ["found no CheckpointError text and no debug=True dump"]
+    assert len(run.notes) == 1 and run.notes[0].startswith("found no CheckpointError text and no debug=True dump")
 
 
 def test_looks_like_log(tmp_path):
