@@ -194,6 +194,33 @@ def test_a_branch_only_the_recompute_ran_is_named_at_its_line_not_the_forwards_t
     assert f"{Path(__file__).name}:{line}" in region.cause.detail, region.cause.detail
 
 
+def test_a_recompute_that_saves_past_the_forwards_end_is_named_at_its_line(tmp_path):
+    """29d: early stop off, the recompute (a counter's second call) runs a z-loss-like term after everything the forward
+    ran, and torch raises "trying to save more tensors during recomputation" with its dump; the dump's recompute ends
+    with the pack of that extra save, whose stack names the line. It read "unknown: no recorded evidence"."""
+    import torch
+    import torch.utils.checkpoint as cp
+
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        out = torch.sin(torch.mm(x, x))
+        if len(calls) == 2:
+            out = out * torch.sigmoid(out.pow(2).mean(-1, keepdim=True))  # only the recompute
+        return out
+
+    torch.manual_seed(0)
+    with cp.set_checkpoint_early_stop(False):
+        log = _debug_log(tmp_path, "more.log", fn, torch.randn(8, 8, requires_grad=True))
+    assert "trying to save more tensors" in log.read_text()
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    assert region.cause.kind == "control_flow", region.cause
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "# only the recompute" in text)
+    assert f"{Path(__file__).name}:{line}" in region.cause.detail, region.cause.detail
+
+
 def test_two_logs_keep_their_own_errors(tmp_path):
     import torch
 

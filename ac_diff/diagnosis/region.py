@@ -13,7 +13,7 @@ from typing import Iterator
 from itertools import groupby
 
 from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet, updates_as_it_computes
-from ..logs.errors import SAC_MUTATED, SAC_NOT_FOUND, refused_op
+from ..logs.errors import MORE_SAVED, SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
                       RECOMPUTE_RAISED,
@@ -22,7 +22,7 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CAL
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
 from .cause import drawn_at, explain, explain_flags, host_draw_cause, reentrant_graph_cause, sac_mutated_cause
-from ..align import Pair
+from ..align import RECOMPUTE_ONLY, Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete, read_into_arguments, reads_beyond_update)
 from .gradpath import gradient_path, path_ops
@@ -184,7 +184,14 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
             report.first_shape_divergence = divergence_of(
                 "shape", PairDiff(Pair(f.index, r.index, "match"), f, r, kinds={"args"}), cmp)
     refused = _refused_instead(cmp, rec, region.recompute)
-    report.first_control_divergence = divergence_of("control", refused or cmp.first("control"), cmp)
+    extra = _saved_past_the_forward(cmp, rec, torch_error) if refused is None else None
+    report.first_control_divergence = divergence_of("control", refused or extra or cmp.first("control"), cmp)
+    if extra is not None and cmp.first("control") is None:
+        last, pack = (cmp.forward_ops[-1] if cmp.forward_ops else None), extra.recompute
+        report.first_control_divergence.summary = (
+            f"the recompute saved one more tensor than the forward at {where(pack.module, pack.source)}"
+            + (f", after the forward's last op ({last.op})" if last is not None else "")
+            + ": it ran on where the forward had stopped (another branch); torch raised there")
     if refused is not None:
         r = refused.recompute
         report.first_control_divergence.summary = (
@@ -471,6 +478,19 @@ def with_refused_op(rec: Pass, torch_error: TorchError | None) -> Pass:
     where = rec.state.get("raised_in") or {}
     index = rec.ops[-1].index + 1 if rec.ops else op_count(rec)
     return replace(rec, ops=[*rec.ops, OpRecord(index, op, where.get("module"), where.get("source"))])
+
+
+def _saved_past_the_forward(cmp: PassComparison, rec: Pass, torch_error: TorchError | None) -> PairDiff | None:
+    """Where torch raised "trying to save more tensors during recomputation": the recompute's last op, the pack of the
+    tensor it saved past the forward's last (a log's `detach`; the op that saved it never finished), when it comes
+    after every op both passes ran. None otherwise."""
+    if torch_error is None or torch_error.kind != MORE_SAVED or not rec.ops:
+        return None
+    last = rec.ops[-1]
+    if last.index <= max((p.recompute for p in cmp.pairs if p.forward is not None and p.recompute is not None),
+                         default=-1):
+        return None
+    return PairDiff(Pair(None, last.index, RECOMPUTE_ONLY), None, last, kinds={"control"})
 
 
 def _refused_instead(cmp: PassComparison, rec: Pass, recorded: Pass) -> PairDiff | None:
