@@ -200,14 +200,15 @@ def _readable_blocks(f, size: int) -> Iterator[bytes]:
 
 
 def is_text(path: Union[str, os.PathLike]) -> bool:
-    """Is this file text a program printed (a training log without checkpoint error text), not binary data: its first
-    64 KiB hold no NUL byte and read as UTF-8 (a character cut at their end aside). False where it cannot be read."""
+    """Is this file text a program printed (a training log without checkpoint error text), not binary data or records
+    (JSON: a trace of an unknown format, another tool's output): its first 64 KiB hold no NUL byte, read as UTF-8 (a
+    character cut at their end aside) and do not begin with `{` or `[`. False where it cannot be read."""
     try:
         with _open_log(os.fspath(path)) as (f, _):
             head = f.read(1 << 16)
     except (*STREAM_DAMAGE, UnicodeError, OSError):
         return False
-    if not head.strip() or b"\x00" in head:
+    if not head.strip() or b"\x00" in head or head.lstrip()[:1] in (b"{", b"["):
         return False
     try:
         head.decode("utf-8")
