@@ -53,6 +53,21 @@ def test_same_script_twice_is_the_same(traces, tmp_path):
     assert report["compared"]["regions_compared"] == 4
 
 
+def test_a_trace_cut_short_compared_with_the_whole_run_is_not_all_compared(traces, tmp_path):
+    """28f: a copy of run A's trace cut to its first half (the process killed) against run B's whole trace: the regions
+    B ran after A's trace ends were "ran in run B only" (control flow), RUNS DIFFER, exit 1. They were never compared:
+    NOT ALL COMPARED, exit 4, and the regions both traces hold still match."""
+    data = traces["a"].read_bytes()
+    cut = tmp_path / "cut" / "trace-rank0.jsonl"
+    cut.parent.mkdir()
+    cut.write_bytes(data[:len(data) // 2])
+    code, report = _compare_cli(cut, traces["b"], tmp_path)
+    assert code == 4 and report["verdict"] == "unchecked", report["headline"]
+    statuses = [r["status"] for r in report["regions"]]
+    assert "diverged" not in statuses and "clean" in statuses and statuses[-1] == "unchecked", statuses
+    assert report["compared"]["only_b"] == []
+
+
 def test_other_learning_rate_first_divergent_op(traces, tmp_path):
     code, report = _compare_cli(traces["a"], traces["lr"], tmp_path)
     assert code == 1

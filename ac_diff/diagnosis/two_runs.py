@@ -42,19 +42,23 @@ def compare_runs(run_a: Run, run_b: Run, settings: Settings = Settings()) -> Rep
     regions: list[RegionReport] = []
     only_a: list[Region] = []
     only_b: list[Region] = []
-    for index_a, index_b, how in _aligned(keys_a, keys_b):
+    aligned = list(_aligned(keys_a, keys_b))
+    last_match = max((k for k, (_, _, how) in enumerate(aligned) if how == "match"), default=-1)
+    for k, (index_a, index_b, how) in enumerate(aligned):
         a = run_a.regions[index_a] if index_a is not None else None
         b = run_b.regions[index_b] if index_b is not None else None
         with collector_paused(), run_a.loaded(a), run_b.loaded(b):  # one region pair at a time (as diagnose)
             if a is not None and b is not None and how == "match":
                 regions.append(_compare_region(a, b, settings))
                 continue
-            if a is not None:
-                only_a.append(a)
-                regions.append(_unmatched(a, "A", "B", run_b))
-            if b is not None:
-                only_b.append(b)
-                regions.append(_unmatched(b, "B", "A", run_a))
+            # (after the last region both ran, a killed run's trace simply ends: what the other ran there is missing
+            # from it, not another region)
+            for r, present, absent, other, only in ((a, "A", "B", run_b, only_a), (b, "B", "A", run_a, only_b)):
+                if r is not None:
+                    cut = k > last_match and other.truncated
+                    regions.append(_unmatched(r, present, absent, other, cut=cut))
+                    if not cut:
+                        only.append(r)
     differ = [r for r in regions if r.status == DIVERGED]
     compared = sum(1 for r in regions if r.status in (CLEAN, DIVERGED) and r.kind == KIND and not _is_unmatched(r))
     notes = [f"run A: {label_a}", f"run B: {label_b}"]
@@ -235,14 +239,19 @@ def _counts(cmp: PassComparison) -> dict[str, int]:
     return counts
 
 
-def _unmatched(r: Region, present: str, absent: str, other: Run) -> RegionReport:
-    if other.watch is not None:  # (a region watch saw reproduce is counted, not written)
+def _unmatched(r: Region, present: str, absent: str, other: Run, cut: bool = False) -> RegionReport:
+    """A region only run `present` has: another region (control flow), unless run `absent` was watched (it writes only
+    what diverged) or its trace was `cut` before it (killed): then not compared."""
+    if other.watch is not None or cut:  # (a region watch saw reproduce is counted, not written)
         report = RegionReport(
             rank=r.rank, region=r.region, module=r.module, kind=KIND, status=UNCHECKED, silent=False, cause=None,
             first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
             first_control_divergence=None, positions=[], suggestions=[], chain=[])
-        report.notes.append(f"run {absent} was watched (--watch), which writes only the regions that diverged or were "
-                            f"recorded in full: this one is not in its trace; record both runs in full to compare them")
+        report.notes.append(
+            f"run {absent}'s trace ends before this region (the process was killed): not compared" if cut else
+            f"run {absent} was watched (--watch), which writes only the regions that diverged or were recorded in "
+            "full: this one is not in its trace; record both runs in full to compare them")
+        report.unchecked_reason = "cut short" if cut else report.unchecked_reason
         return report
     report = RegionReport(
         rank=r.rank, region=r.region, module=r.module, kind=KIND, status=DIVERGED, silent=False,
