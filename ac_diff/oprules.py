@@ -132,6 +132,16 @@ DETACH = "aten.detach.default"  # also what the recompute's pack hook logs for e
 CAST = "aten._to_copy.default"  # a dtype or device cast (`x.to(torch.bfloat16)`, autocast's casts of the weights)
 
 
+# The fused attention kernels scaled_dot_product_attention dispatches to (its math backend runs plain ops instead)
+_ATTENTION_KERNELS = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+
+
+def is_attention_kernel(name: str) -> bool:
+    """A fused attention kernel (flash, memory-efficient, cuDNN, flash for CPU): which one runs, or the math
+    decomposition, is the SDPA backend setting's choice."""
+    return packet(name).startswith(_ATTENTION_KERNELS)
+
+
 def is_autocast_weight_cast(name: str, autocast: bool, of_leaves: bool) -> bool:
     """Autocast's cast of a leaf (a weight that requires grad): autocast caches it until its context ends, so it
     outlives the region by that cache, not by anything the script keeps (never a side output)."""

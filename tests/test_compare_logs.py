@@ -221,6 +221,31 @@ def test_a_recompute_that_saves_past_the_forwards_end_is_named_at_its_line(tmp_p
     assert f"{Path(__file__).name}:{line}" in region.cause.detail, region.cause.detail
 
 
+@pytest.mark.skipif(not hasattr(torch.nn, "attention"), reason="this torch has no torch.nn.attention.sdpa_kernel")
+def test_a_log_whose_passes_ran_other_attention_kernels_names_the_sdpa_backends(tmp_path):
+    """29a: `sdpa_kernel(MATH)` around the forward only: the forward ran the math decomposition, the recompute the
+    fused kernel, and torch's debug dump shows both op lists. It read "control_flow: Python code took another branch";
+    it is the SDPA backend setting, with its fix."""
+    import torch.utils.checkpoint as cp
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    with torch_debug_logging(), pytest.raises(cp.CheckpointError) as caught:
+        with sdpa_kernel(SDPBackend.MATH):
+            out = cp.checkpoint(attend, q, use_reentrant=False, debug=True)
+        out.sum().backward()
+    log = tmp_path / "sdpa.log"
+    log.write_text("".join(traceback.format_exception(caught.value)))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    assert (region.cause.kind, region.cause.tensor) == ("global_state", "sdp_backends"), region.cause
+    assert "the math decomposition in the forward" in region.cause.detail, region.cause.detail
+    assert region.suggestions[0].title.startswith("Set the SDPA backend choice"), region.suggestions[0].title
+
+
 def test_two_logs_keep_their_own_errors(tmp_path):
     import torch
 

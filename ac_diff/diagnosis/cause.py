@@ -23,8 +23,9 @@ import re
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
 from ..capture.opinfo import draws, op_info
-from ..oprules import (CAST, COMPILED_GRAPH_OP, aliases_its_input, is_collective, is_decision, is_host_read,
-                       is_in_place_method, is_random_name, is_view_op, op_by_name, written_inputs)
+from ..oprules import (CAST, COMPILED_GRAPH_OP, aliases_its_input, is_attention_kernel, is_collective, is_decision,
+                       is_host_read, is_in_place_method, is_random_name, is_view_op, op_by_name, packet,
+                       written_inputs)
 from ..passes import External, OpRecord, Pass, Region, TensorMeta, op_at
 from ..report import (ARGUMENT_ITEMS, CACHE_HIT, ENCLOSING_RECOMPUTE, GRAD_MODE, HOOKS, KEPT_OUTPUT_WRITTEN, LAZY_INIT,
                       ONE_PASS_DRAW, PRECISION, REBOUND, REQUIRES_GRAD, SAVED_HOOKS, UPDATED_IN_FORWARD, Cause,
@@ -248,6 +249,13 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                                 and control.recompute_index <= value.recompute_index):
         ran = f"the recompute ran a different sequence of ops from {branch_sites(region, control)} before any " \
             "value differed: "
+        kernels = _other_attention_kernel(cmp) if not report.has_values else None
+        if kernels is not None:  # (a trace records the setting itself: its flags say it)
+            return Cause("global_state", "sdp_backends",
+                         f"scaled_dot_product_attention ran {kernels} ({branch_sites(region, control)}): the SDPA "
+                         "backends differed between the passes (`torch.nn.attention.sdpa_kernel` entered around the "
+                         "forward only, or `torch.backends.cuda.enable_*_sdp` changed before the backward)",
+                         [control.summary])
         if _grad_mode_flipped(region):
             return Cause("control_flow", control.op,
                          ran + "under use_reentrant=True the forward runs with autograd off (torch.no_grad) and the "
@@ -339,6 +347,18 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
                      ": the run was recorded without values (--no-fingerprints), so which inputs changed between the "
                      "passes is not measured; record it again without that option" if unmeasured else ""),
                  [d.summary for d in (value, shape, control) if d is not None])
+
+
+def _other_attention_kernel(cmp: PassComparison) -> str | None:
+    """Where one pass ran a fused attention kernel the other did not (the math decomposition, or another kernel): "the
+    math decomposition in the forward and _scaled_dot_product_flash_attention_for_cpu in the recompute"; else None."""
+    ran = [{o.op for o in ops if o.index in unpaired and is_attention_kernel(o.op)} for ops, unpaired in (
+        (cmp.forward_ops, {p.forward for p in cmp.pairs if p.how != "match"}),
+        (cmp.recompute_ops, {p.recompute for p in cmp.pairs if p.how != "match"}))]
+    if ran[0] == ran[1]:
+        return None
+    forward, recompute = (", ".join(sorted(packet(op) for op in names)) or "the math decomposition" for names in ran)
+    return f"{forward} in the forward and {recompute} in the recompute"
 
 
 def _received_through(region: Region, lead: Divergence) -> OpRecord | None:

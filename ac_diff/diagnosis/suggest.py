@@ -493,14 +493,15 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "loss = model(batch).loss\nloss.backward()\noptimizer.step()\nmodel.eval()  # after the backward"))
     elif kind == "global_state" and cause is not None and cause.tensor in KERNEL_FLAGS:
         label = flag_label(cause.tensor)
-        change = report.state_changes.get(cause.tensor) or {}
+        change = report.state_changes.get(cause.tensor)  # (none from a log: its ops show the kernels, not the setting)
         out.append(Suggestion(
             f"Set {label} once for the whole step, not between the forward and the backward",
-            f"{label} was {change.get('forward')!r} in the forward and {change.get('recompute')!r} in the recompute: "
-            "the recompute runs inside loss.backward() under the setting of that moment, so it can pick other kernels "
-            "than the forward did (TF32 or reduced-precision matmuls, another cuDNN or attention algorithm). Set it "
-            "once, before the training loop, and leave it for the whole step; or set it back before loss.backward().",
-            _set_once(cause.tensor, change.get("forward"))))
+            (f"{label} was {change.get('forward')!r} in the forward and {change.get('recompute')!r} in the recompute: "
+             if change else f"{label} differed between the forward and the recompute (they ran other kernels): ")
+            + "the recompute runs inside loss.backward() under the setting of that moment, so it can pick other "
+            "kernels than the forward did (TF32 or reduced-precision matmuls, another cuDNN or attention algorithm). "
+            "Set it once, before the training loop, and leave it for the whole step; or set it back before "
+            "loss.backward().", _set_once(cause.tensor, change.get("forward")) if change else None))
     elif kind == "global_state" and cause is not None and cause.tensor == PRECISION:
         out.append(Suggestion(
             "Make the precision the same in the forward and in the backward",
