@@ -158,18 +158,12 @@ def test_a_jagged_nested_tensor_is_measured_through_its_packed_values(tmp_path, 
     assert report.verdict == "diverged" and all(r.cause.kind == "rng" for r in report.regions), report.headline
 
 
-class _Float8(torch.Tensor):
-    """A float8 weight as delayed-scaling libraries hold it: fp8 data and the scale it was cast with."""
+class _Float8(Scaled):
+    """A float8 weight as delayed-scaling libraries hold it: fp8 data and the scale it was cast with, read as float32."""
 
     @staticmethod
     def __new__(cls, data, scale):
         return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
-
-    def __init__(self, data, scale):
-        self._data, self._scale = data, scale
-
-    def __tensor_flatten__(self):
-        return ["_data", "_scale"], None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

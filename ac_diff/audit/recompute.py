@@ -30,7 +30,7 @@ from ..capture.torch_compat import FORWARD, RECOMPUTE, version_of
 
 @dataclass
 class _Pass:
-    batch: FingerprintBatch = field(default_factory=FingerprintBatch)
+    batch: FingerprintBatch = field(default_factory=lambda: FingerprintBatch(bits=True))  # (exact, as a recording's)
     meta: list = field(default_factory=list)  # per position: (shape, dtype)
     slots: list = field(default_factory=list)  # per position: its fingerprint's slot, or None
     fingerprints: list | None = None  # read back at the pass's end
@@ -176,7 +176,7 @@ def _changed(before: dict | None, after: dict | None) -> dict:
 def _read(p: _Pass) -> None:
     if p.fingerprints is None:
         p.fingerprints, _ = p.batch.collect()
-        p.batch = FingerprintBatch()  # the reductions' results are read: let them go
+        p.batch = FingerprintBatch(bits=True)  # the reductions' results are read: let them go
 
 
 def _compare(fwd: _Pass, rec: _Pass, stopped: bool) -> tuple | None:
