@@ -89,6 +89,8 @@ def test_host_randomness_is_rng_at_the_line_it_entered(tmp_path, source):
     fixes = " ".join(s.title + s.text + (s.code or "") for s in region.suggestions)
     assert "outside the checkpointed region" in fixes and f":{line}" in region.suggestions[0].title
     assert "optimizer" not in fixes and "step hook" not in fixes
+    # the example draws from the generator the region drew from (29e: Python's `random` got a numpy example)
+    assert ("np.random" in region.suggestions[0].code) is (source == "numpy"), region.suggestions[0].code
 
 
 @pytest.mark.parametrize("source", ["random", "numpy"])

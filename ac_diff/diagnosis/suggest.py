@@ -454,10 +454,12 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "the recompute draws other numbers. Draw them before calling checkpoint and pass the tensor in "
             "(checkpoint keeps its arguments for the recompute), use a torch random op instead (its state is "
             "preserved), or save that generator's state when the forward starts and restore it in the recompute.",
-            # (a draw that steers Python, a LayerDrop's branch; else a tensor made from host numbers)
+            # (a draw that steers Python, a LayerDrop's branch, or any draw from Python's `random`; else a tensor made
+            # from numpy's numbers)
             "r = random.random()  # the draw, moved out of the region: the forward and the recompute agree\n"
             "out = checkpoint(block, x, r, use_reentrant=False)  # block(x, r) uses r (a skip, a mask offset)"
-            if (cause.tensor or "").startswith("host random numbers") else
+            if (cause.tensor or "").startswith("host random numbers")
+            or "numpy.random" not in (getattr(report, "host_draws", None) or ()) else
             "noise = torch.from_numpy(np.random.randn(*shape).astype(np.float32))  # outside the region\n"
             "out = checkpoint(block, x, noise, use_reentrant=False)                # block(x, noise) uses it"))
     elif kind == "rng" and mechanism == "private_generator":
