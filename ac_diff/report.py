@@ -182,7 +182,7 @@ class Suggestion:
     title: str
     text: str
     code: str | None = None
-    status: str = "untested"  # verified / did not help (by an `ac-diff fix` try) / untested
+    status: str = "untested"  # verified / unverified / did not help / crashed (by an `ac-diff fix` try) / untested
     verify: str | None = None  # the one command that would verify it
 
     def to_json(self) -> dict[str, Any]:
@@ -360,6 +360,7 @@ STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
 # function, not a module; a log's warning): those that require grad get no gradient from it
 NO_GRAD_INPUTS = "no backward: its inputs require no grad"
 AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN, NO_GRAD_INPUTS)  # never clean: what the gradients of the run may lose
+FORWARD_UNRECORDED = "forward not recorded"  # ... of a region recomputed in the recording whose forward ran before it
 VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --no-fingerprints whose metadata matched
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 

@@ -141,7 +141,9 @@ def test_a_recompute_whose_forward_ran_before_recording_says_so(tmp_path):
     loss = cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).square().sum()
     with ac_diff.record(tmp_path / "t.jsonl"):
         loss.backward()
+        # (a later step recorded whole, and clean: the run read CLEAN over the first one's uncompared gradients, 30c)
+        cp.checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).square().sum().backward()
     report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
     assert report.verdict == "unchecked", report.headline
-    assert [r.unchecked_reason for r in report.regions] == ["forward not recorded"]
+    assert [r.unchecked_reason for r in report.regions] == ["forward not recorded", None]
     assert "max-regions" not in report.headline and "before recording began" in report.headline, report.headline

@@ -19,10 +19,10 @@ from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
-from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, NO_GRAD_INPUTS,
-                      RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, VALUES_NOT_RECORDED, Cause,
-                      MetadataChange, Report, RegionReport, TorchErrorSummary, backwards_recorded, missing_ranks,
-                      repeated_updates)
+from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, FORWARD_UNRECORDED,
+                      NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED,
+                      VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
+                      backwards_recorded, missing_ranks, repeated_updates)
 from .microbatches import later_forward
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
@@ -123,7 +123,8 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     lost = _recorder_losses(runs, region_reports)
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
     # reproduced, yet never clean; or compared without values (--no-fingerprints)
-    at_risk = any(r.unchecked_reason in (*AT_RISK, VALUES_NOT_RECORDED) for r in region_reports)
+    # (or recomputed where its forward was not recorded: its gradients were computed, not compared)
+    at_risk = any(r.unchecked_reason in (*AT_RISK, VALUES_NOT_RECORDED, FORWARD_UNRECORDED) for r in region_reports)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
                UNCHECKED if crash or lost or at_risk or not (any(r.status == CLEAN for r in region_reports)
                                                              or watched_clean(watch))
@@ -676,6 +677,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "
                     "ops, but they were recorded with --no-fingerprints, which records no values (a recompute with "
                     "other values keeps its shapes): record without it to compare them"
+                    + (f"; {checked} other region(s) reproduced their saved tensors exactly" if checked else ""))
+        unrecorded = sum(1 for r in regions if r.unchecked_reason == FORWARD_UNRECORDED)
+        if unrecorded:
+            return (f"not all compared: {unrecorded} region(s) were recomputed whose forward ran before recording began "
+                    "(before `ac_diff.record()` was entered), so their recompute, and the gradients it gave, were not "
+                    "compared: record the forward too"
                     + (f"; {checked} other region(s) reproduced their saved tensors exactly" if checked else ""))
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),

@@ -15,7 +15,7 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet, updates_as_it_computes
 from ..logs.errors import MORE_SAVED, SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
+from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
                       RECOMPUTE_RAISED,
                       RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
                       PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
@@ -114,7 +114,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
                    f"the run stopped as this region's forward began, before any of it was written ({run_stopped})")
         return report
     if not region.recorded and not region.watched and region.options.get("forward_unrecorded"):
-        _unchecked(report, "forward not recorded", "its forward ran before recording began (before `ac_diff.record()` "
+        _unchecked(report, FORWARD_UNRECORDED, "its forward ran before recording began (before `ac_diff.record()` "
                    "was entered), so there is nothing to compare its recompute with: record the forward too")
         return report
     if not region.recorded and not region.watched:
