@@ -517,3 +517,22 @@ def test_a_rank_whose_sharded_gradients_receive_another_ranks_error_keeps_its_re
     attach(report, ReferenceResult("no-ac", DIFFERS, "gradients differ", 1, steps=steps))
     assert [r.status for r in regions] == ["diverged", "unchecked", "clean"], [r.status for r in regions]
     assert any("reduced across ranks" in n for n in regions[1].notes), regions[1].notes
+
+
+def test_fix_calls_a_try_unverified_where_the_run_without_ac_finished_no_backward(tmp_path):
+    """28e: truncated BPTT whose hidden state is updated in place: without AC autograd raises (an in-place error AC
+    hides), so the run without AC finishes no backward. The restore that makes every recompute match was "did not
+    help"; it is unverified, and says why (the gradients have nothing to be compared with)."""
+    from ac_diff.fix.result import UNVERIFIED, Try
+    from ac_diff.fix.tries import Measured, judge
+    from ac_diff.report import Report, RegionReport
+
+    region = RegionReport(rank=0, region=0, module="block", kind="checkpoint", status="clean", silent=False,
+                          cause=None, first_value_divergence=None, first_discrete_divergence=None,
+                          first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[],
+                          chain=[])
+    ok = Measured(1.0, 0, tmp_path / "log")
+    tried = Try("restore the forward's block.h in the recompute", [], "state_mutation")
+    judge(tried, Report(verdict="clean", headline="", regions=[region]), SimpleNamespace(steps=[], defect=True), ok,
+          ok, None)
+    assert tried.status == UNVERIFIED and "finished no backward" in tried.reason, (tried.status, tried.reason)

@@ -40,7 +40,7 @@ from ..fix.ac_only import fails_only_with_ac
 from ..fix.candidates import candidates, combined
 from ..fix.forms import code_for
 from ..fix.memory import extra_bytes_per_region
-from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, VERIFIED, FixResult, Try
+from ..fix.result import CRASHED, DID_NOT_HELP, UNTESTED, UNVERIFIED, VERIFIED, FixResult, Try
 from ..fix.statuses import mark, run_command
 from ..fix.tries import REACH_MAX, Measured, diverged, first_recomputed_in, judge, reach, run_measured, without_ac_too
 from ..reference.explain import attach
@@ -52,7 +52,7 @@ from ..trace import read_run
 from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail
 from .run_extras import CAPTURE_ENV, applied_remedies
 
-ORDER = {VERIFIED: 0, DID_NOT_HELP: 1, CRASHED: 2, UNTESTED: 3}
+ORDER = {VERIFIED: 0, UNVERIFIED: 1, DID_NOT_HELP: 2, CRASHED: 3, UNTESTED: 4}
 
 
 def _report_of(directory: Path, settings: Settings) -> tuple[Any, Any] | tuple[None, None]:
@@ -242,8 +242,12 @@ def _result(report: Any, found: list, tries: list[Try], base: Measured, total: f
                               ", and ac-diff knows no code change that keeps AC for what it diagnosed"))
     else:
         result.code_change = change
-        result.headline = ("no remedy tried made every region clean with gradients bit-identical to the run without "
-                           "AC" + ("; make the code change below" if change else ""))
+        open_ = next((c for c, t in pairs if t.status == UNVERIFIED), None)
+        result.headline = (
+            f"not verified: {open_.name} made every region clean, but the run without AC finished no backward to "
+            "compare the gradients with (it fails where AC hid the error)" if open_ is not None else
+            "no remedy tried made every region clean with gradients bit-identical to the run without AC"
+        ) + ("; make the code change below" if change else "")
     if ref is not None and ref.verdict == DIFFERS and not verified:
         result.headline += f" (before: {ref.headline})"
     return result

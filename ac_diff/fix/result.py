@@ -7,8 +7,9 @@
     result.to_json()  ->  {"headline": ..., "tries": [...], "verified": "...", "verified_code": ..., ...}
 
 A try's status: `verified` (it ran, every region clean, gradients bit-identical to the run without AC),
-`did not help` (with the reason when known), `crashed` (the script failed under it), `untested` (over the
---max-tries budget).
+`unverified` (it ran, every region clean, but the run without AC finished no backward to compare the gradients
+with: it fails where AC hid the error), `did not help` (with the reason when known), `crashed` (the script failed under
+it), `untested` (over the --max-tries budget).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 
 VERIFIED = "verified"
+UNVERIFIED = "unverified"
 DID_NOT_HELP = "did not help"
 CRASHED = "crashed"
 UNTESTED = "untested"

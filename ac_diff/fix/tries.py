@@ -22,7 +22,9 @@ from ..report import recomputed_in
 from ..report import DIVERGED, STATE_READ_AGAIN
 from ..logs.errors import COUNT_MISMATCH, METADATA_MISMATCH, MORE_SAVED
 from ..remedies.patch import MATCHED_NOTHING
-from .result import CRASHED, DID_NOT_HELP, VERIFIED, Try
+from .result import CRASHED, DID_NOT_HELP, UNVERIFIED, VERIFIED, Try
+
+NO_BACKWARD = "not compared (no backward finished)"  # (the run without AC: none to compare with)
 
 _ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 _WRAPPER = """
@@ -112,7 +114,7 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
                        f"{len(step.differing)} of {step.parameters} differ"
                        + (f", max rel. diff {max(rels):.3g}" if rels else ""))
     elif reference is not None:
-        t.gradients = "not compared (no backward finished)"
+        t.gradients = NO_BACKWARD
     else:
         t.gradients = "not compared"
     if m.code != 0 and t.regions_after and report.torch_error is not None \
@@ -126,6 +128,12 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
     if m.code != 0 and not own_exit and (base.code == 0 or (report.torch_error is None and not t.regions_after)):
         t.status, t.reason = CRASHED, f"the script failed under this remedy (exit {m.code}): {m.last_line()}"
         t.regions_after, t.gradients = None, "not compared (it crashed)"  # (what ran before the crash proves nothing)
+        return
+    if t.regions_after == 0 and t.gradients == NO_BACKWARD and (m.code == 0 or own_exit):
+        t.status = UNVERIFIED
+        t.reason = ("every recompute now matches its forward, but the run without AC finished no backward (it fails "
+                    "where AC hid the error), so the gradients have nothing to be compared with: compare them with a "
+                    "correct version of the script")
         return
     t.status = DID_NOT_HELP
     if t.regions_after == 0 and t.gradients == "bit-identical" and (m.code == 0 or own_exit):

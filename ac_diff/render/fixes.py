@@ -21,7 +21,7 @@ from .units import byte_size
 
 COLUMNS = ("remedy", "status", "regions diverged before -> after", "gradients vs no-AC run", "extra memory",
            "wall time")
-_STYLE = {"verified": "green", "did not help": "red", "crashed": "red"}
+_STYLE = {"verified": "green", "unverified": "yellow", "did not help": "red", "crashed": "red"}
 
 
 def _extra_memory(n: float | None) -> str:
