@@ -99,7 +99,9 @@ class OpRecord:
 
     @property
     def key(self) -> tuple[str, str | None]:
-        return (self.op, self.module)
+        """What alignment pairs: the op and its module; from a log, which names no module, the op and its line where
+        the dump's stacks give one (fc2's `t` is not an adapter's `t` that only the recompute ran)."""
+        return (self.op, self.module if self.module is not None or self.log_ids is None else self.source)
 
     def tensor_outputs(self) -> list[tuple[int, TensorMeta]]:
         """(output index, meta) of each output that is a tensor."""

@@ -246,6 +246,35 @@ def test_a_log_whose_passes_ran_other_attention_kernels_names_the_sdpa_backends(
     assert region.suggestions[0].title.startswith("Set the SDPA backend choice"), region.suggestions[0].title
 
 
+class _Adapter(torch.nn.Module):
+    """An adapter only the recompute (the second call) runs, in the middle of the block: its `t` is no twin of fc2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.adapter, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.fc1(x)
+        if self.calls == 2:
+            h = self.adapter(h)  # the adapter branch
+        return self.fc2(torch.relu(h))
+
+
+def test_a_dumps_ops_align_by_their_lines_so_a_branch_in_the_middle_is_named_there(tmp_path):
+    """30b: the recompute ran an adapter in the middle of the block; by op names alone its `t` paired with fc2's `t`
+    ("shape aten.t.default at fc2's line ... f32[32, 32] -> ...", cause unknown). The dump's stacks give each op's line:
+    the adapter's ops ran in the recompute only, at the branch's line."""
+    torch.manual_seed(0)
+    log = _debug_log(tmp_path, "adapter.log", _Adapter(), torch.randn(4, 16, requires_grad=True))
+    region = next(r for r in ac_diff.diagnose_paths([log]).regions if r.status == "diverged")
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "# the adapter branch" in text)
+    assert region.cause.kind == "control_flow", region.cause
+    assert f"{Path(__file__).name}:{line}" in region.cause.detail, region.cause.detail
+
+
 def test_two_logs_keep_their_own_errors(tmp_path):
     import torch
 
@@ -945,7 +974,9 @@ def test_a_branch_in_a_dump_is_named_by_the_line_of_each_pass():
     lines, first = inspect.getsourcelines(_OddCallBranch.forward)
     branch = first + next(i for i, line in enumerate(lines) if "# the branch" in line)
     assert region.cause.kind == "control_flow", region.cause
-    assert f"test_compare_logs.py:{branch} in forward (the recompute's)" in region.cause.detail, region.cause.detail
+    # (a log's ops align by their lines too: the recompute's tanh is its own, at the branch, not the layer norm's twin)
+    assert f"test_compare_logs.py:{branch} in forward" in region.cause.detail, region.cause.detail
+    assert region.cause.tensor == "aten.tanh.default", region.cause
     assert f"test_compare_logs.py:{branch}" in region.suggestions[0].text
 
 
