@@ -35,9 +35,11 @@ KERNEL_FLAGS = frozenset({"deterministic", "matmul_precision", "sdp_backends", "
 # What one pass notes about itself, not state to compare: the user's saved-tensor hooks checkpoint kept the inputs
 # through (the forward's), whether the recompute got the forward's input tensors back or copies (the recompute's), the
 # tensors a reentrant forward handed out other than through its outputs (the forward's), those a non-reentrant one's
-# script keeps (the forward's), the backward pass that ran the recompute (the recompute's), how many of a reentrant
-# region's parameters require grad (`trainable` says which).
-PASS_NOTES = frozenset({"saved_hooks", "inputs_kept_as", "side_outputs", "held_outputs", "backward", "trainable_n"})
+# script keeps (the forward's), the outputs a reentrant recompute returned that require grad (the recompute's), the
+# backward pass that ran the recompute (the recompute's), how many of a reentrant region's parameters require grad
+# (`trainable` says which).
+PASS_NOTES = frozenset({"saved_hooks", "inputs_kept_as", "side_outputs", "held_outputs", "grad_outputs", "backward",
+                        "trainable_n"})
 
 _LABELS = {
     "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",

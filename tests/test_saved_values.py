@@ -226,3 +226,50 @@ def test_a_cache_a_later_micro_batch_rebuilt_longer_is_sliced_alike(tmp_path, ma
     run, report = _record(tmp_path, train)
     assert report.verdict == "clean", report.headline
     assert not any(p.values_differ for r in report.regions for p in r.positions)
+
+
+class _Predicts(nn.Module):
+    """Returns its hidden state and a class prediction made under no_grad from a prior the loop updates between the
+    forward and the backward (`into_output`: the prior also scales the hidden state it returns)."""
+
+    def __init__(self, into_output: bool) -> None:
+        super().__init__()
+        self.f, self.cls = nn.Linear(16, 16), nn.Linear(16, 6)
+        self.register_buffer("prior", torch.zeros(6))
+        self.into_output = into_output
+
+    def forward(self, x):
+        h = torch.tanh(self.f(x))
+        with torch.no_grad():
+            pred = (self.cls(h) + self.prior).argmax(-1)
+        return (x + h) * (1 + self.prior.sum() if self.into_output else 1), pred
+
+
+def _reentrant_steps(path, into_output: bool, ac: bool) -> list:
+    torch.manual_seed(0)
+    block, grads = _Predicts(into_output), []
+    for _ in range(2):
+        x = torch.randn(32, 16, requires_grad=True)
+        h, pred = cp.checkpoint(block, x, use_reentrant=True) if ac else block(x)
+        with torch.no_grad():
+            block.prior += torch.bincount(pred, minlength=6).float() / 32 - 1 / 6  # (flips argmaxes)
+        h.square().sum().backward()
+        grads.append([x.grad.clone(), *(q.grad.clone() for q in block.f.parameters())])
+        block.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("into_output", [False, True])
+def test_a_reentrant_regions_output_that_gets_no_gradient_is_no_divergence(tmp_path, into_output):
+    """30a: a reentrant region's backward runs on the graph its recompute builds, from the outputs that require grad.
+    A prediction it returns under no_grad (an argmax of a prior the loop moved) differs in the recompute and reaches
+    nothing the backward reads: the gradients are bit-identical, and it read SILENTLY DIVERGED. Where the prior also
+    reaches the returned hidden state, it is a divergence."""
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path, write="all"):
+        recorded = _reentrant_steps(path, into_output, True)
+    same = all(torch.equal(a, b) for s, t in zip(recorded, _reentrant_steps(None, into_output, False))
+               for a, b in zip(s, t))
+    assert same is not into_output  # (the truth)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("diverged" if into_output else "clean"), report.headline

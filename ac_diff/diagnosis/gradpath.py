@@ -59,10 +59,13 @@ def _reads_other_index(d: PairDiff, op: OpRecord) -> bool:
     return d.inputs_same is False and any(not carries_gradient(m.dtype) for m in op.inputs)
 
 
-def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) -> Callable[[PairDiff], bool] | None:
+def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = (),
+                  tainted: dict[int, bool] | None = None) -> Callable[[PairDiff], bool] | None:
     """A test of whether a pair's difference reaches the gradient's path (in either pass), or None where the path
     cannot be followed (a trace without parameters' requires_grad, a path value written into outside state).
-    `diffs`: every pair compared (what tells that an op one pass ran alone left its input as it was)."""
+    `diffs`: every pair compared (what tells that an op one pass ran alone left its input as it was); `tainted`:
+    forward op -> its outputs differ, measured or inferred (an op not fingerprinted that reads one that differs: the
+    region's output scaled by a buffer the loop moved)."""
     if any(e.kind == "param" and e.requires_grad is None for e in recompute.externals):
         return None
     fwd_on, rec_on = path_ops(forward), path_ops(recompute)
@@ -70,6 +73,11 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
         return None
     by_forward = {d.forward.index: d for d in diffs if d.forward is not None}
     by_recompute = {d.recompute.index: d for d in diffs if d.recompute is not None}
+    upstream = _feeding(recompute, recompute.state.get("grad_outputs"))
+    if upstream is not None:  # (only what feeds an output that requires grad: the backward starts there)
+        rec_on &= upstream
+        fwd_on = {i for i in fwd_on if (d := by_forward.get(i)) is None or d.recompute is None
+                  or d.recompute.index in rec_on}
 
     def reaches(d: PairDiff) -> bool:
         on_f = d.forward is not None and d.forward.index in fwd_on
@@ -81,9 +89,27 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
                                (d.forward, forward, by_forward))
             if _left_as_it_was(p, alone, pairs):
                 return False
-        return d.differs or _reads_other_index(d, d.recompute or d.forward)
+        return d.differs or _reads_other_index(d, d.recompute or d.forward) or bool(
+            tainted and d.forward is not None and tainted.get(d.forward.index))
 
     return reaches
+
+
+def _feeding(p: Pass, roots: list | None) -> set[int] | None:
+    """The indices of `p`'s ops whose outputs reach `roots` ([[op, output]] the pass returned that require grad),
+    these included; None where the recorder did not note them (a trace before it, an output no op made)."""
+    if roots is None:
+        return None
+    ops = {o.index: o for o in p.ops}
+    seen: set[int] = set()
+    todo = [op for op, _ in roots]
+    while todo:
+        i = todo.pop()
+        if i in seen or i not in ops:
+            continue
+        seen.add(i)
+        todo.extend(r.op_index for r in ops[i].input_refs if r.kind == "op")
+    return seen
 
 
 def _left_as_it_was(p: Pass, op: OpRecord, pairs: dict[int, PairDiff]) -> bool:
