@@ -59,13 +59,10 @@ def _reads_other_index(d: PairDiff, op: OpRecord) -> bool:
     return d.inputs_same is False and any(not carries_gradient(m.dtype) for m in op.inputs)
 
 
-def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = (),
-                  tainted: dict[int, bool] | None = None) -> Callable[[PairDiff], bool] | None:
+def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) -> Callable[[PairDiff], bool] | None:
     """A test of whether a pair's difference reaches the gradient's path (in either pass), or None where the path
     cannot be followed (a trace without parameters' requires_grad, a path value written into outside state).
-    `diffs`: every pair compared (what tells that an op one pass ran alone left its input as it was); `tainted`:
-    forward op -> its outputs differ, measured or inferred (an op not fingerprinted that reads one that differs: the
-    region's output scaled by a buffer the loop moved)."""
+    `diffs`: every pair compared (what tells that an op one pass ran alone left its input as it was)."""
     if any(e.kind == "param" and e.requires_grad is None for e in recompute.externals):
         return None
     fwd_on, rec_on = path_ops(forward), path_ops(recompute)
@@ -89,8 +86,7 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = (),
                                (d.forward, forward, by_forward))
             if _left_as_it_was(p, alone, pairs):
                 return False
-        return d.differs or _reads_other_index(d, d.recompute or d.forward) or bool(
-            tainted and d.forward is not None and tainted.get(d.forward.index))
+        return d.differs or _reads_other_index(d, d.recompute or d.forward)
 
     return reaches
 

@@ -243,7 +243,7 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         elif escaped and not (position_mismatch or position_values or count_mismatch or torch_error):
             report.notes.append(f"every saved tensor matched, but what {escaped} made in the recompute differs from "
                                 "the forward's and outlived the region (its output, or a tensor its code kept)")
-    elif region.kind == "reentrant" and (reaches := gradient_path(fwd, rec, cmp.diffs, cmp.tainted)) is not None:
+    elif region.kind == "reentrant" and (reaches := gradient_path(fwd, rec, cmp.diffs)) is not None:
         # its backward runs on the graph the recompute builds: what differs off that graph (a scale read from a
         # buffer its own forward updated, then detached) leaves the gradients as they were
         diverged = bool(any(reaches(d) for d in cmp.diffs) or torch_error or position_mismatch or count_mismatch)
