@@ -600,6 +600,16 @@ REENTRANT_BACKWARD = ("reentrant regions (use_reentrant=True) reproduced their f
                       "last bits of some gradients may differ; `ac-diff run --reference no-ac` compares them")
 
 
+# regions recomputed but not compared, each reason's headline ({n}: how many)
+_NOT_COMPARED = (
+    (VALUES_NOT_RECORDED, "values not compared: {n} recomputed region(s) match their forward in shapes, dtypes and "
+     "ops, but they were recorded with --no-fingerprints, which records no values (a recompute with other values "
+     "keeps its shapes): record without it to compare them"),
+    (FORWARD_UNRECORDED, "not all compared: {n} region(s) were recomputed whose forward ran before recording began "
+     "(before `ac_diff.record()` was entered), so their recompute, and the gradients it gave, were not compared: "
+     "record the forward too"))
+
+
 def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, unwritten: int = 0,
               outputs_only: int = 0, backwards: int = 0) -> str:
     """`watched`: regions watch mode compared and found clean, `never`: those it watched that were never recomputed
@@ -672,18 +682,11 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                     "they use that requires grad gets no gradient from them; `ac-diff run` on the script names the "
                     "region and counts those parameters" + (f" ({NO_GRAD_PASS})" if all(
                         r.source == "log" for r in unreached) else "") + _others_clean(unreached, checked, runs))
-        unvalued = sum(1 for r in regions if r.unchecked_reason == VALUES_NOT_RECORDED)
-        if unvalued:
-            return (f"values not compared: {unvalued} recomputed region(s) match their forward in shapes, dtypes and "
-                    "ops, but they were recorded with --no-fingerprints, which records no values (a recompute with "
-                    "other values keeps its shapes): record without it to compare them"
-                    + (f"; {checked} other region(s) reproduced their saved tensors exactly" if checked else ""))
-        unrecorded = sum(1 for r in regions if r.unchecked_reason == FORWARD_UNRECORDED)
-        if unrecorded:
-            return (f"not all compared: {unrecorded} region(s) were recomputed whose forward ran before recording began "
-                    "(before `ac_diff.record()` was entered), so their recompute, and the gradients it gave, were not "
-                    "compared: record the forward too"
-                    + (f"; {checked} other region(s) reproduced their saved tensors exactly" if checked else ""))
+        for reason, what in _NOT_COMPARED:
+            n = sum(1 for r in regions if r.unchecked_reason == reason)
+            if n:
+                return what.format(n=n) + (f"; {checked} other region(s) reproduced their saved tensors exactly"
+                                           if checked else "")
         if not checked:
             why = next((r.notes[0] for r in regions if r.unchecked_reason and r.notes),
                        next((r.notes[-1] for r in regions if r.notes), ""))
