@@ -45,8 +45,9 @@ also gets a third number, computed on the device with the pair: the sums of each
 by odd row weights. A change of any one element's bits changes it, as does a changed row. A recording's batches
 (`FingerprintBatch(bits=True)`: the recorder's, the audit's recompute check's, the gradients') end every float
 fingerprint with it, `[s1, s2, 12345]`: one element one ulp off in a large tensor can vanish in the pair's float sums.
-Without `bits` it follows the pair only where the pair is not finite (`[-inf, -inf, 12345]`). On a device the fused kernels take it in the same pass; on a CPU, one kernel per
-staged buffer or large tensor and five per flush (`segments.segment_odd_sums`).
+Without `bits` it follows the pair only where the pair is not finite (`[-inf, -inf, 12345]`). On a device the fused
+kernels take it in the same pass; on a CPU, one kernel per staged buffer or large tensor and five per flush
+(`segments.segment_odd_sums`).
 
 Every device->host transfer goes through `to_host` (tests count its calls: on a GPU each one is a
 synchronisation, so there must be a constant number per pass, never one per op), or, where the values are read

@@ -700,7 +700,7 @@ class Recorder:
                 p.returned = {_storage_of(t)[0] for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
                               if isinstance(t, torch.Tensor)}
             elif p.region.recorded and p.watch is None:  # (where the backward starts: gradpath.gradient_path)
-                p.state["grad_outputs"] = _grad_outputs(self, p, outputs)
+                p.state["grad_outputs"] = _grad_outputs(p, outputs)
             if p.watch is None and (self._watch is None or not p.region.recorded):
                 return
             wp = p.watch
@@ -1475,13 +1475,13 @@ def _side_outputs(p: _Pass, kept: dict[int, tuple], called: list[tuple]) -> list
     return sorted(side, key=lambda s: s[:2])
 
 
-def _grad_outputs(recorder: Recorder, p: _Pass, outputs: Any) -> list[list] | None:
+def _grad_outputs(p: _Pass, outputs: Any) -> list[list] | None:
     """[[op, output]] of the tensors a reentrant recompute returned that require grad: its backward starts there
     (an argmax, or what it computed under no_grad, gets no gradient). None where one of them is no op's output."""
     found = []
     for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            ref = recorder._known_ref(p, t)
+            ref = Recorder._known_ref(p, t)
             if ref is None or ref[0] != "op":
                 return None
             found.append([ref[1], ref[2]])

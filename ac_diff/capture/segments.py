@@ -100,16 +100,23 @@ def _bounds(device: torch.device, lengths: tuple[int, ...]) -> tuple[torch.Tenso
 _ZERO_ROW: dict[tuple, torch.Tensor] = {}
 
 
+def _zero_row(like: torch.Tensor) -> torch.Tensor:
+    """One zero of `like`'s dtype on its device, made once: the row a segmented cumulative sum starts from."""
+    key = (like.device, like.dtype)
+    zero = _ZERO_ROW.get(key)
+    if zero is None:
+        zero = _ZERO_ROW[key] = torch.zeros(1, dtype=like.dtype, device=like.device)
+    return zero
+
+
 def segment_pairs(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torch.Tensor:
     """(k, 2) int64: per tensor [sum of its row sums, sum of (2i + 1) x its i-th row sum], for the row sums of k
     tensors (`lengths` rows each, any of them empty) given as pieces in order. One cumulative sum for all of them:
     a tensor's pair is its difference between its bounds, its weights restarted at its first row. Exact (int64,
     wrapping), on the rows' device, seven kernels, no sync."""
     device = rows[0].device
-    zero = _ZERO_ROW.get((device, rows[0].dtype))
-    if zero is None:
-        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
-    flat = torch.cat([zero, *rows])  # a zero row first: a tensor starting at row 0 has a bound to subtract
+    # a zero row first: a tensor starting at row 0 has a bound to subtract
+    flat = torch.cat([_zero_row(rows[0]), *rows])
     cum = torch.cumsum(flat.unsqueeze(0) * _weights(device, torch.int64, flat.numel(), "ones_odd"), dim=1)
     ends, shift = _bounds(device, lengths)
     seg = cum.index_select(1, ends).diff(dim=1)
@@ -133,10 +140,7 @@ def segment_odd_sums(rows: list[torch.Tensor], lengths: tuple[int, ...]) -> torc
         pieces = [torch.zeros(1, dtype=torch.int64, device=device)]
         pieces += [_weights(device, torch.int64, n, "odd") for n in lengths if n]
         weights = _odd_cache[key] = torch.cat(pieces)
-    zero = _ZERO_ROW.get((device, rows[0].dtype))
-    if zero is None:
-        zero = _ZERO_ROW[(device, rows[0].dtype)] = torch.zeros(1, dtype=rows[0].dtype, device=device)
-    cum = torch.cumsum(torch.cat([zero, *rows]) * weights, dim=0)
+    cum = torch.cumsum(torch.cat([_zero_row(rows[0]), *rows]) * weights, dim=0)
     return cum.index_select(0, _bounds(device, lengths)[0]).diff()
 
 

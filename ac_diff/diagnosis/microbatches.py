@@ -63,6 +63,6 @@ def _before_each_later(cause: Any, region: Region, later: list[Region | None]) -
     if cause.mechanism != "attribute" or region.forward is None or name not in region.forward.attributes:
         return False
     value = region.forward.attributes[name]
-    return all(x is not None and x.forward is not None and x.forward.attributes.get(name, value) == value
-               and name in x.forward.attributes and name not in (x.forward.attribute_updates or {}) for x in later)
-
+    return all(x is not None and x.forward is not None and name in x.forward.attributes
+               and x.forward.attributes[name] == value and name not in (x.forward.attribute_updates or {})
+               for x in later)

@@ -15,10 +15,10 @@ from itertools import groupby
 from ..oprules import DETACH, HOOK_ONLY_OPS, is_autocast_weight_cast, packet, updates_as_it_computes
 from ..logs.errors import MORE_SAVED, SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
-from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS, NOT_REACHED,
-                      RECOMPUTE_RAISED,
-                      RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, UPDATED_IN_PLACE,
-                      PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence, PositionRow, RegionReport, shared)
+from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS,
+                      NOT_REACHED, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED,
+                      UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence,
+                      PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
 from .cause import drawn_at, explain, explain_flags, host_draw_cause, reentrant_graph_cause, sac_mutated_cause

@@ -251,7 +251,8 @@ def _unmatched(r: Region, present: str, absent: str, other: Run, cut: bool = Fal
             f"run {absent}'s trace ends before this region (the process was killed): not compared" if cut else
             f"run {absent} was watched (--watch), which writes only the regions that diverged or were recorded in "
             "full: this one is not in its trace; record both runs in full to compare them")
-        report.unchecked_reason = "cut short" if cut else report.unchecked_reason
+        if cut:
+            report.unchecked_reason = "cut short"
         return report
     report = RegionReport(
         rank=r.rank, region=r.region, module=r.module, kind=KIND, status=DIVERGED, silent=False,
