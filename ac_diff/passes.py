@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 FORWARD = "forward"
 RECOMPUTE = "recompute"
@@ -209,6 +209,20 @@ def is_log_id(name: object) -> bool:
 def op_at(p: Pass | None, index: int | None) -> OpRecord | None:
     """The op of pass `p` at `index` (None if it is not there)."""
     return None if p is None or index is None else next((o for o in p.ops if o.index == index), None)
+
+
+def ops_feeding(p: Pass, roots: Iterable[int]) -> set[int]:
+    """The indices of `p`'s ops whose outputs reach the ops `roots` (indices), these included."""
+    ops = {o.index: o for o in p.ops}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        i = todo.pop()
+        if i in seen or i not in ops:
+            continue
+        seen.add(i)
+        todo.extend(r.op_index for r in ops[i].input_refs if r.kind == "op")
+    return seen
 
 
 def op_count(p: Pass | None) -> int:

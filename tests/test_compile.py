@@ -414,3 +414,23 @@ def test_fix_leaves_a_compiled_model_whose_gradients_match_the_run_without_ac(tm
     assert report["reference"]["verdict"] == "identical", report["reference"]["headline"]
     assert report["fixes"]["headline"].startswith("nothing to fix: the compiled run's gradients match the run without "
                                                   "AC"), report["fixes"]["headline"]
+
+
+def test_dynamo_compiles_no_frame_of_the_pack_hooks(tmp_path):
+    """31b, torch 2.6: checkpoint's pack hook, in a region around a compiled module, called watch's `hold` with Dynamo's
+    callback on; Dynamo compiled `hold` as a frame of its own, on fake tensors with symbolic sizes, which raised (the
+    saved position was lost, and the watched region read DIVERGED). The hooks' code is marked for Dynamo to skip."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ac_diff.capture.compiled import keep_dynamo_out
+    from ac_diff.capture.recorder import Recorder
+    from ac_diff.capture.watch import WatchedPass
+
+    keep_dynamo_out(Recorder)
+    torch._dynamo.reset()
+    counters.clear()
+    held = WatchedPass()
+    torch.compile(lambda t: held.hold(0, t, "block"), backend="eager")(torch.randn(4, 4))
+    assert held.entries and held.entries[0][3] == "block"  # (it ran, eagerly)
+    assert counters["frames"]["total"] <= 2, dict(counters["frames"])  # (the lambda's frame, not hold's and below)

@@ -25,6 +25,7 @@ import ac_diff
 from ac_diff.capture import recorder as recorder_module
 from ac_diff.diagnosis.passdiff import compare_passes
 from ac_diff.diagnosis.region import diagnose_region
+from ac_diff.report import STATE_READ_AGAIN
 from ac_diff.trace import read_run
 from conftest import run_cli
 from stacks.runs import STACKS
@@ -117,10 +118,13 @@ def test_other_values_kept_beyond_the_region_are_a_divergence(tmp_path):
 @pytest.mark.parametrize("noise", ["returned", "dropped"])
 def test_other_values_that_reach_no_saved_or_kept_tensor_stay_harmless(tmp_path, noise):
     """What a non-reentrant region returns outlives its forward only: torch drops the recompute's (the gradients of
-    the step are the same); noise drawn and dropped reaches nothing."""
+    the step are the same); noise drawn and dropped reaches nothing. Yet the recompute drew from the private
+    generator again, which checkpoint does not restore: later draws differ from a run without AC (31f), so the
+    region is at risk, not clean."""
     _, report = _record(tmp_path, _noisy_step(noise))
     region = report.regions[0]
-    assert region.status == "clean", region.notes
+    assert (region.status, region.unchecked_reason) == ("unchecked", STATE_READ_AGAIN), region.notes
+    assert region.cause.mechanism == "private_generator", region.cause
     assert any("harmless for the gradients" in n for n in region.notes)
 
 
@@ -230,9 +234,10 @@ def test_a_cache_a_later_micro_batch_rebuilt_longer_is_sliced_alike(tmp_path, ma
 
 class _Predicts(nn.Module):
     """Returns its hidden state and a class prediction made under no_grad from a prior the loop updates between the
-    forward and the backward (`into_output`: the prior also scales the hidden state it returns)."""
+    forward and the backward (`into_output`: the prior also scales the hidden state it returns, through a matmul or
+    through an elementwise op, which the recorder does not fingerprint as it runs)."""
 
-    def __init__(self, into_output: bool) -> None:
+    def __init__(self, into_output: str) -> None:
         super().__init__()
         self.f, self.cls = nn.Linear(16, 16), nn.Linear(16, 6)
         self.register_buffer("prior", torch.zeros(6))
@@ -242,10 +247,12 @@ class _Predicts(nn.Module):
         h = torch.tanh(self.f(x))
         with torch.no_grad():
             pred = (self.cls(h) + self.prior).argmax(-1)
-        return (x + h) @ (torch.eye(16) * (1 + self.prior.sum()) if self.into_output else torch.eye(16)), pred
+        if self.into_output == "matmul":
+            return (x + h) @ (torch.eye(16) * (1 + self.prior.sum())), pred
+        return (x + h) * (1 + self.prior.sum() if self.into_output == "elementwise" else 1), pred
 
 
-def _reentrant_steps(path, into_output: bool, ac: bool) -> list:
+def _reentrant_steps(path, into_output: str, ac: bool) -> list:
     torch.manual_seed(0)
     block, grads = _Predicts(into_output), []
     for _ in range(2):
@@ -259,17 +266,18 @@ def _reentrant_steps(path, into_output: bool, ac: bool) -> list:
     return grads
 
 
-@pytest.mark.parametrize("into_output", [False, True])
+@pytest.mark.parametrize("into_output", ["", "matmul", "elementwise"])
 def test_a_reentrant_regions_output_that_gets_no_gradient_is_no_divergence(tmp_path, into_output):
     """30a: a reentrant region's backward runs on the graph its recompute builds, from the outputs that require grad.
     A prediction it returns under no_grad (an argmax of a prior the loop moved) differs in the recompute and reaches
     nothing the backward reads: the gradients are bit-identical, and it read SILENTLY DIVERGED. Where the prior also
-    reaches the returned hidden state, it is a divergence."""
+    reaches the returned hidden state, it is a divergence; through an elementwise op too, which read CLEAN: the
+    outputs a reentrant pass returns are measured, not inferred."""
     path = tmp_path / "trace-rank0.jsonl"
     with ac_diff.record(path, write="all"):
         recorded = _reentrant_steps(path, into_output, True)
     same = all(torch.equal(a, b) for s, t in zip(recorded, _reentrant_steps(None, into_output, False))
                for a, b in zip(s, t))
-    assert same is not into_output  # (the truth)
+    assert same is not bool(into_output)  # (the truth)
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == ("diverged" if into_output else "clean"), report.headline

@@ -2043,3 +2043,98 @@ def test_a_function_in_a_branch_the_region_never_takes_is_not_its_cause(tmp_path
     assert status == {("blocks.0", "clean"), ("blocks.1", "diverged")}, status
     cause = next(r["cause"] for r in regions if r["status"] == "diverged")
     assert "dann.py:6-9 in GradReverse.forward)" in cause["detail"], cause["detail"]
+
+
+class _DelayedScaling(nn.Module):
+    """fp8-style delayed scaling: the forward rolls its amax history and writes it back (its own update, read by no
+    saved tensor), then scales its input by `scale`, a buffer the loop updates from that history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("amax_hist", torch.zeros(4))
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.amax_hist.copy_(torch.roll(self.amax_hist, 1))
+            self.amax_hist[0] = x.detach().abs().max()
+        return self.fc(torch.tanh(x * self.scale))
+
+
+def test_the_first_divergence_is_the_one_the_backward_reads_not_a_state_the_region_writes_back(tmp_path):
+    """30c P2-c: the scale updated between the forward and the backward made the recompute differ at `x * scale`; the
+    history the forward rolled and wrote back differs too, earlier, and reaches no saved tensor. The first divergence
+    and the chain named `roll`, sending the user to the amax code."""
+    torch.manual_seed(0)
+    block, path = _DelayedScaling(), tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        x = torch.randn(4, 8, requires_grad=True)
+        y = cp.checkpoint(block, x, use_reentrant=False)
+        with torch.no_grad():
+            block.scale.fill_(448 / block.amax_hist.max())
+        y.sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    (region,) = report.regions
+    assert region.status == "diverged" and region.cause.tensor == "scale", region.cause
+    first = region.first_value_divergence
+    assert first.op == "aten.mul.Tensor" and "x * self.scale" not in (first.source or "x"), first
+    assert first.source and first.source.endswith("in forward"), first
+    line = int(first.source.split(":")[1].split()[0])
+    assert "x * self.scale" in Path(__file__).read_text().splitlines()[line - 1]
+
+
+class _NoisyPolicy(nn.Module):
+    """Exploration noise added to the logits inside the region, from a generator the module keeps: a private
+    torch.Generator, or numpy's RandomState. The noise reaches no saved tensor (an add saves nothing)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.trunk, self.pi = nn.Linear(6, 16), nn.Linear(16, 4)
+        self.kind = kind
+        self.gen = torch.Generator().manual_seed(1)
+        self.rs = np.random.RandomState(1)
+
+    def heads(self, x):
+        shape = (x.shape[0], 4)  # (drawn before the last saved tensor: the recompute, which stops there, draws too)
+        if self.kind == "torch":
+            noise = torch.randn(shape, generator=self.gen)
+        else:
+            noise = torch.from_numpy(self.rs.randn(*shape).astype(np.float32))
+        return self.pi(torch.tanh(self.trunk(x))) + 0.5 * noise
+
+
+def _noisy_steps(kind: str, ac: bool) -> list:
+    torch.manual_seed(0)
+    policy, grads = _NoisyPolicy(kind), []
+    x = torch.randn(8, 6)
+    for _ in range(2):
+        logits = cp.checkpoint(policy.heads, x, use_reentrant=False) if ac else policy.heads(x)
+        torch.log_softmax(logits, -1)[:, 0].sum().backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+        policy.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_a_region_drawing_again_from_a_generator_checkpoint_does_not_restore_is_never_clean(tmp_path, kind):
+    """31f: the recompute draws again from a private torch.Generator (or a RandomState the module keeps): its noise
+    reached no saved tensor, so the first step's gradients match, but the generator advanced twice and the next
+    step's noise, and gradients, differ from a run without AC. It read CLEAN."""
+    with_ac, without = _noisy_steps(kind, True), _noisy_steps(kind, False)
+    assert all(torch.equal(a, b) for a, b in zip(with_ac[0], without[0]))  # (the truth: step 1 alike, step 2 not)
+    assert not all(torch.equal(a, b) for a, b in zip(with_ac[1], without[1]))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _noisy_steps(kind, True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "unchecked" and report.title == "GRADIENTS AT RISK", report.headline
+    first = report.regions[0]
+    assert first.unchecked_reason == "state read again" or first.status == "unchecked", first.unchecked_reason
+    assert first.cause.kind == "rng", first.cause
+    if kind == "torch":
+        assert first.cause.mechanism == "private_generator" and "torch.Generator" in first.cause.detail
+    else:
+        assert first.cause.mechanism == "host_rng" and "_NoisyPolicy.rs" in first.cause.detail
+    line = int(first.cause.source.split(":")[1].split()[0])
+    assert ("randn" in Path(__file__).read_text().splitlines()[line - 1]), first.cause.source

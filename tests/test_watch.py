@@ -1315,6 +1315,11 @@ def test_a_watched_divergence_at_a_counters_threshold_is_explained_by_the_state_
     assert "rare event" not in lead.cause.detail and "region 0, recorded in full in step 1" in lead.cause.detail
     assert any("updates `_Warmup.calls` in place" in s.text for s in lead.suggestions), [s.text for s in lead.suggestions]
     assert any("threshold on `_Warmup.calls` is crossed once" in n for n in lead.notes), lead.notes
+    # its own gradients are wrong: the fix it shares with region 0 does not say "this step's are right" (30c P2-b),
+    # and the values the evidence quotes are region 0's
+    assert not any("this step's are right" in s.text for s in lead.suggestions), [s.text for s in lead.suggestions]
+    assert any("its step's gradients differ too" in s.text for s in lead.suggestions)
+    assert lead.cause.evidence and all(e.startswith("in region 0: ") for e in lead.cause.evidence), lead.cause.evidence
 
 
 def test_a_watched_divergence_shares_the_global_a_region_recorded_in_full_in_its_step_diverged_on():
@@ -1534,3 +1539,27 @@ def test_an_escalated_modules_regions_at_risk_count_as_reproduced_in_the_summary
     (e,) = report.watch["escalated"]
     assert e["diverged_step"] == 3 and e["full_regions"] == e["full_clean"] == e["full_at_risk"] > 0, e
     assert "was compared" not in report.watch["text"] and "reproduced their saved tensors (" in report.watch["text"]
+
+
+def test_a_saved_tensor_the_recorder_failed_to_hold_is_no_divergence(tmp_path, monkeypatch):
+    """31b: a recorder error in the pack hook of a watched recompute (torch 2.6: Dynamo compiling watch's `hold`) lost
+    one saved position; the recompute then held one tensor fewer than its forward, and the region read DIVERGED
+    ("saved other tensors"). What the recorder lost is not compared: the run is never clean, never diverged."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    real, calls = watch.WatchedPass.hold, []
+
+    def fails_once_in_step_2(self, position, tensor, name, origin=None):
+        calls.append(position)
+        if len(calls) == 2:  # (the forward of step 2, the first watched one)
+            raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
+        return real(self, position, tensor, name, origin)
+
+    monkeypatch.setattr(watch.WatchedPass, "hold", fails_once_in_step_2)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, watch=True):
+        for _ in range(3):
+            checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+    report = ac_diff.diagnose_paths([path])
+    assert len(calls) > 10 and report.verdict == "unchecked", (calls, report.verdict, report.headline)
+    assert not any(r.status == "diverged" for r in report.regions)

@@ -32,6 +32,7 @@ hooks would be baked into compiled graphs (and Dynamo trips over their weak-keye
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -67,6 +68,17 @@ def tracing() -> bool:
         keys = torch._C._TorchDispatchModeKey
         get = torch._C._get_dispatch_mode
         return get(keys.FAKE) is not None or get(keys.PROXY) is not None
+    except Exception:  # pragma: no cover - torch without these internals
+        return False
+
+
+def is_fake(t: Any) -> bool:
+    """A tensor without values that a compiler traces with (torch 2.6 packs AOTAutograd's fake tensors, symbolic
+    sizes and all, while no fake mode is on the dispatch stack)."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake as fake  # (through functional and wrapper tensors)
+
+        return bool(fake(t))
     except Exception:  # pragma: no cover - torch without these internals
         return False
 
@@ -175,6 +187,39 @@ def route_compiled_code(*mode_classes: type) -> bool:
             except Exception:
                 return False
     return wrap_compiled_graphs()
+
+
+# what runs inside checkpoint's pack hooks on real tensors: Dynamo must not compile it as a frame of its own
+_HOOK_MODULES = ("ac_diff.capture.watch", "ac_diff.capture.host_hash", "ac_diff.capture.byte_sums",
+                 "ac_diff.capture.fingerprint", "ac_diff.capture.segments", "ac_diff.capture.fused_prints")
+_HOOK_METHODS = ("pack", "pass_outputs", "_unseen", "_saved_values", "_values_slot", "_ref", "_known_ref",
+                 "_measure_returned")
+_kept_out: list[bool] = []
+
+
+def keep_dynamo_out(recorder_class: type) -> None:
+    """Mark the code of ac-diff's pack hooks (`_HOOK_MODULES`, `_HOOK_METHODS` of `recorder_class`) for Dynamo to
+    skip, once it is loaded: torch 2.6 compiled watch's `hold`, called from the pack hook of a region around a
+    compiled module, on fake tensors with symbolic sizes (the position was lost). Never inlined in a user's graph."""
+    if _kept_out or "torch._dynamo" not in sys.modules:
+        return
+    _kept_out.append(True)
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except Exception:  # pragma: no cover - torch without it: nothing to keep out
+        return
+    functions = [getattr(recorder_class, name) for name in _HOOK_METHODS if hasattr(recorder_class, name)]
+    for name in _HOOK_MODULES:
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            if getattr(value, "__module__", None) == name:
+                functions.extend(vars(value).values() if isinstance(value, type) else [value])
+    codes = [f.__code__ for f in (getattr(f, "__func__", f) for f in functions) if hasattr(f, "__code__")]
+    while codes:
+        code = codes.pop()
+        with contextlib.suppress(Exception):
+            skip_code(code)
+        codes.extend(c for c in code.co_consts if isinstance(c, type(code)))
 
 
 def wrap_compiled_graphs() -> bool:

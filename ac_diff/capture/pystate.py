@@ -22,6 +22,7 @@ from __future__ import annotations
 import dis
 import itertools
 import os
+import random
 import types
 import weakref
 from collections import OrderedDict, defaultdict, deque
@@ -123,6 +124,14 @@ def module_attributes(module: nn.Module) -> dict[str, Any]:
     if module._forward_pre_hooks or module._forward_hooks or getattr(type(module).forward, "__closure__", None):
         out.update(hook_state(module))
     return out
+
+
+def held_generators(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(name, object) of the host generators the module keeps as attributes (`self.rng = np.random.RandomState(0)`,
+    a `random.Random`): checkpoint's preserve_rng_state restores none of them."""
+    for key, value in vars(module).items():
+        if isinstance(value, random.Random) or type(value).__module__.startswith("numpy.random"):
+            yield key, value
 
 
 def subclass_attributes(kind: type) -> dict[str, Any]:
@@ -575,17 +584,20 @@ def global_state_read(fn: Any, owner: Owner) -> list[tuple[dict, str]]:
 
 
 def host_draw_sites(fn: Any, owner: Owner, generators: list[str]) -> list[str]:
-    """Where `fn` (or what it calls) reads one of the host `generators` that moved ("random", "numpy.random"):
+    """Where `fn` (or what it calls) reads one of the host `generators` that moved ("random", "numpy.random", a module's
+    own, "policy.rng": where an attribute of that name is loaded):
     ["model.py:20 in forward"], the lines that load the `random` or `numpy` module, or a function bound to their
     generator (`from random import random`)."""
     fn = _function(fn)
     sites: list[str] = []
+    held = {g.rsplit(".", 1)[1] for g in generators if "." in g and g != "numpy.random"}  # (`held_generators`)
     for space, code, loaded in _user_codes(fn, owner) if fn is not None else ():
         line = code.co_firstlineno
         instructions = list(dis.get_instructions(code))
         for i, ins in enumerate(instructions):
             line = _line_of(ins, line)
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code) \
+            if (ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _draws(space.get(ins.argval), generators, code)
+                    or ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in held) \
                     and not _SEEDING & set(_attributes_after(instructions, i)):
                 site = code_site(code, line)
                 if site not in sites:

@@ -37,12 +37,13 @@ from typing import Any, NamedTuple
 import torch
 
 from .compiled import (COMPILED_GRAPH_OP, CompileWatch, EagerStance, compiled_graph_draws, compiled_graph_label,
-                       eager_requested, force_eager, route_compiled_code, tracing, wrap_compiled_graphs)
+                       eager_requested, force_eager, is_fake, keep_dynamo_out, route_compiled_code, tracing,
+                       wrap_compiled_graphs)
 from .kept_inputs import KeptInputs, kept_as
 from .modules import ModuleStack, held_by
 from .fqn import clean_fqn, segment_name
-from .pystate import (UNSET, GlobalReads, Owner, forward_hooks, hook_reads_again, host_draw_sites, is_container,
-                      method_owners, module_attributes, only_rebinds, read_again, subclass_attributes)
+from .pystate import (UNSET, GlobalReads, Owner, forward_hooks, held_generators, hook_reads_again, host_draw_sites,
+                      is_container, method_owners, module_attributes, only_rebinds, read_again, subclass_attributes)
 from .fingerprint import FingerprintBatch, _storage_of, wrapped_tensor
 from .watch import Watch, WatchedPass
 from .spawned import SpawnWatch
@@ -51,8 +52,8 @@ from ..gc_hold import YoungGenerationHold
 from ..passes import NESTED_OUTPUT
 from .retention import HeldForward, Retention, updated_externals
 from .dispatch import InternalBlock, no_dispatch_modes, RecordingMode, UnguardedRecordingMode
-from .state import (argument_items, callable_name, global_state, host_draws, host_rng_states, module_hooks, rng_digest,
-                    requiring_grad, trainable, training_mode)
+from .state import (argument_items, callable_name, generator_state, global_state, host_draws, host_rng_states,
+                    module_hooks, requiring_grad, rng_digest, trainable, training_mode)
 from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP, _OUT, _P_MEASURED, _P_OP, _P_OUTPUT, _P_REF, _P_SLOT, _P_VERSION, _P_WEAKREF
 from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
@@ -208,6 +209,8 @@ class _Pass:
     codes_seen: set = field(default_factory=set)  # (forward function, its module's classes) whose globals were read
     called: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, fqn): the modules it called
     host_rng: tuple = ()  # state.host_rng_states() when the pass began
+    # the host generators its modules keep (pystate.held_generators), at their first call: name -> (object, state)
+    held_rng: dict[str, tuple] = field(default_factory=dict)
     # what the recorder failed to record in this pass (its own errors): {"ops": n, "positions": m, "why": text};
     # such a pass is never compared as whole (see `_lose`)
     lost: dict[str, Any] = field(default_factory=dict)
@@ -485,6 +488,7 @@ class Recorder:
             region.recomputes += 1
             kept_forward = self._kept.recomputed(region)
         pushed, module = self._enter_function_module(frame, region, phase)
+        keep_dynamo_out(Recorder)  # (once Dynamo is loaded: the code of the pack hooks this pass runs)
         self.modules.freeze()  # (after naming the region's module: a root called from nowhere names what it holds)
         if watch is not None and phase == FORWARD:
             self._watch_or_record(region)
@@ -502,6 +506,8 @@ class Recorder:
                 p.state["trainable_n"] = requiring_grad(module)
             p.state["hooks"] = module_hooks(module)
         p.kept_forward = kept_forward
+        if module is not None and region.recorded:  # (a bound method checkpointed: no module call in the region)
+            self._note_generators(p, module, f"{self.modules.name_of(module) or type(module).__name__}.")
         if module is not None and region.recorded and getattr(module, "_compiled_call_impl", None) is not None:
             # (`module.compile()`: its hooks run inside the compiled call, where they do not record: its attributes,
             # which Dynamo guards on, as the pass begins)
@@ -586,6 +592,8 @@ class Recorder:
         if not passes:
             return
         p = passes[-1]
+        if p.watch is not None:
+            p.watch.lost += 1
         p.lost[what] = p.lost.get(what, 0) + 1
         p.lost.setdefault("why", f"{type(exc).__name__}: {_exception_text(exc)[:300]}")
         n = len(p.ops)
@@ -647,7 +655,7 @@ class Recorder:
             region = getattr(frame, "_ac_diff_region", None)
             passes = getattr(self._local, "passes", None)
             if region is None or not (region.recorded or region.watched) or not passes or (
-                    type(tensor) is not _Tensor and tracing()):
+                    type(tensor) is not _Tensor and (tracing() or is_fake(tensor))):
                 return  # (torch.compile tracing a compiled function inside the region packs fake tensors)
             p = passes[-1]
             if p.region is not region:  # a pack of an outer region while an inner one runs
@@ -679,6 +687,21 @@ class Recorder:
             self._internal_error("pack", exc)
             self._lose("positions", exc)
 
+    def _measure_returned(self, p: _Pass, outputs: Any) -> None:
+        """Fingerprint the floating-point tensors a reentrant pass returned that no op's fingerprint covers (an
+        elementwise op's, derived): its backward starts at them, so their values are measured, not inferred (a state
+        scaled by a buffer the loop moved differs; another branch to the same scale does not)."""
+        printed = {(i, j) for i, j, _ in p.fp_slots}
+        with self.quiet():
+            for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    ref = self._known_ref(p, t)
+                    if ref is not None and ref[0] == "op" and (ref[1], ref[2]) not in printed:
+                        slot = self._values_slot(p, t)
+                        if slot is not None:
+                            p.fp_slots.append((ref[1], ref[2], slot))
+                            printed.add((ref[1], ref[2]))
+
     def _unseen(self, work: Any, *args: Any) -> Any:
         """`work(*args)`, tensor work of watch's, where no mode on the dispatch stack (selective AC's, the recorder's
         around an outer region) sees it; with no mode there, no context at all (this runs per saved tensor)."""
@@ -701,6 +724,8 @@ class Recorder:
                               if isinstance(t, torch.Tensor)}
             elif p.region.recorded and p.watch is None:  # (where the backward starts: gradpath.gradient_path)
                 p.state["grad_outputs"] = _grad_outputs(p, outputs)
+            if p.region.recorded and p.watch is None and self.options.fingerprints:
+                self._measure_returned(p, outputs)
             if p.watch is None and (self._watch is None or not p.region.recorded):
                 return
             wp = p.watch
@@ -842,6 +867,7 @@ class Recorder:
         if self.compile_watch.saw(module, fqn, passes[-1].region if passes else None):
             # Dynamo may have been loaded after the recording began
             self._stance.ensure() if self._stance.active or self.options.scope == "all" else wrap_compiled_graphs()
+            keep_dynamo_out(Recorder)
         if passes:
             p = passes[-1]
             if p.region.recorded:
@@ -876,12 +902,21 @@ class Recorder:
         for key, value in attrs.items():
             p.attributes.setdefault(prefix + key, value)
         p.attribute_calls.append((module, prefix, attrs))
+        if id(module) not in p.called:
+            self._note_generators(p, module, prefix)
         p.called.setdefault(id(module), (module, fqn))
+
+    @staticmethod
+    def _note_generators(p: _Pass, module, prefix: str) -> None:
+        """Where the host generators the module keeps stand, at its first call in the pass (`_finish_pass` compares:
+        a region that draws from `self.rng` draws again in its recompute)."""
+        for key, generator in held_generators(module):
+            p.held_rng.setdefault(prefix + key, (generator, generator_state(generator)))
 
     def _draw_sites(self, p: _Pass, drew: list[str]) -> list[str]:
         """The lines of the pass's module code that read a host generator that moved (a few; per code, once)."""
         sites: list[str] = []
-        for function, owner in p.codes_seen:
+        for function, owner in dict.fromkeys([*p.codes_seen, *p.global_functions]):  # (a checkpointed function's)
             key = (function, owner, tuple(drew))
             found = self._sites.get(key)
             if found is None:
@@ -1271,6 +1306,8 @@ class Recorder:
         if p.global_functions:
             self._note_global_updates(p)
         drew = host_draws(p.host_rng, host_rng_states()) if p.host_rng else []
+        drew += [name for name, (generator, state) in p.held_rng.items() if generator_state(generator) != state]
+        p.held_rng = {}
         outputs = None
         if p.phase == FORWARD and region.recorded:
             region.kept = _outliving(p)

@@ -206,6 +206,22 @@ def host_rng_states() -> tuple:
     return tuple(states)
 
 
+def generator_state(value: Any) -> Any:
+    """Where a host generator object stands (a `random.Random`, numpy's `RandomState` or `Generator`, as a module
+    keeps one for its own draws), as a comparable digest; None for anything else."""
+    if isinstance(value, random.Random):
+        return hash(value.getstate())
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is None:
+        return None
+    if isinstance(value, numpy_random.RandomState):
+        _, key, position, has_gauss, gauss = value.get_state()
+        return hashlib.blake2b(key.tobytes(), digest_size=8).hexdigest(), position, has_gauss, gauss
+    if isinstance(value, numpy_random.Generator):
+        return repr(value.bit_generator.state)
+    return None
+
+
 def host_draws(before: tuple, after: tuple) -> list[str]:
     """The host generators that moved between two `host_rng_states()`: ["random"], ["numpy.random"], ..."""
     start = {name: tuple(state) for name, *state in before}

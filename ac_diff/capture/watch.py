@@ -221,6 +221,7 @@ class WatchedPass:
         self.complete = True
         self.stopped_early = False
         self.interrupted = False  # the run was stopped in it (Ctrl-C, SIGTERM): its saved tensors are a prefix
+        self.lost = 0  # saved tensors a recorder error lost (Recorder._lose): the pass is never compared
 
     @classmethod
     def of_rows(cls, rows: list[list]) -> "WatchedPass":
@@ -636,6 +637,8 @@ class Watch:
             p for p, meta in zip(forward.positions, forward.metas) if (p, written_meta(meta)) in learned
         ) if learned else frozenset()
         raised = id(region) in self.raised
+        if (cmp.forward.lost or cmp.recompute.lost) and not raised:
+            return  # (what the recorder failed to hold is no difference: not compared, so never clean either)
         how = _difference(cmp.forward, cmp.recompute, mask or frozenset())
         if cmp.recompute.interrupted and not how and not raised:
             return  # (stopped in it, what it saved until then the same: never compared, as full recording says)

@@ -20,6 +20,7 @@ a Python argument changed (state_mutation/python_value), an op gave other output
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from ..stateflags import KERNEL_FLAGS, first_flag, flag_label
 from ..capture.opinfo import draws, op_info
@@ -530,6 +531,13 @@ def _generator_arg(op: OpRecord) -> str | None:
     return None
 
 
+def private_draw(diffs: list) -> OpRecord | None:
+    """The forward's first random op handed a private torch.Generator whose draws differ in the recompute (passdiff
+    PairDiffs): checkpoint does not restore that generator, so the recompute advanced it a second time."""
+    return next((d.forward for d in diffs if d.forward is not None and d.recompute is not None and d.forward.random
+                 and "value" in d.kinds and _generator_arg(d.forward)), None)
+
+
 def _rng_cause(random_op: OpRecord, region: Region, rng: dict | None) -> Cause:
     at = where(random_op.module, random_op.source)
     preserve = region.options.get("preserve_rng_state")
@@ -550,6 +558,13 @@ def _rng_cause(random_op: OpRecord, region: Region, rng: dict | None) -> Cause:
               + (" because checkpoint ran with preserve_rng_state=False" if preserve is False else
                  " (the RNG state at the start of the recompute differs from the forward's)" if rng else ""))
     return Cause("rng", random_op.op, detail, evidence, mechanism="default_generator", source=random_op.source)
+
+
+def drew_again_cause(random_op: OpRecord, region: Region) -> Cause:
+    """A private generator's draw that reached no saved tensor (`private_draw`): its recompute drew again."""
+    cause = _rng_cause(random_op, region, None)
+    return replace(cause, detail=cause.detail + " (this time reaching no saved tensor); the generator advances twice "
+                   "per step under AC, so its later draws differ from a run without AC")
 
 
 def _drawing_modules(region: Region) -> list[str]:

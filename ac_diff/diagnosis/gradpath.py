@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..dtypes import carries_gradient
 from ..oprules import DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, is_in_place_method, packet
-from ..passes import InputRef, OpRecord, Pass
+from ..passes import InputRef, OpRecord, Pass, ops_feeding
 from .passdiff import PairDiff
 
 _NO_GRADIENT_KINDS = frozenset({"buffer"})
@@ -94,18 +94,7 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
 def _feeding(p: Pass, roots: list | None) -> set[int] | None:
     """The indices of `p`'s ops whose outputs reach `roots` ([[op, output]] the pass returned that require grad),
     these included; None where the recorder did not note them (a trace before it, an output no op made)."""
-    if roots is None:
-        return None
-    ops = {o.index: o for o in p.ops}
-    seen: set[int] = set()
-    todo = [op for op, _ in roots]
-    while todo:
-        i = todo.pop()
-        if i in seen or i not in ops:
-            continue
-        seen.add(i)
-        todo.extend(r.op_index for r in ops[i].input_refs if r.kind == "op")
-    return seen
+    return None if roots is None else ops_feeding(p, (op for op, _ in roots))
 
 
 def _left_as_it_was(p: Pass, op: OpRecord, pairs: dict[int, PairDiff]) -> bool:

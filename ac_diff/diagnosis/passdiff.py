@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Iterator
 
 from ..align import Pair, align
-from ..passes import External, InputRef, OpRecord, Pass, exact_print
+from ..passes import External, InputRef, OpRecord, Pass, exact_print, ops_feeding
 from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_collective, is_decision, is_host_read,
                        is_in_place_method, is_view_op, packet, updates_as_it_computes, written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
@@ -174,12 +174,17 @@ class PassComparison:
     kept: dict[str, tuple[tuple[int, int], bool]] = field(default_factory=dict)
     # the forward's ops the recompute did not run, as it read back what they made (`_read_back`)
     read_back: set[int] = field(default_factory=set)
+    # forward ops whose outputs reach a saved tensor or the pass's outputs (`_read_by_backward`), None: unknown.
+    # What differs elsewhere goes into state only (an amax history rolled and written back)
+    read_by_backward: set[int] | None = None
 
     def first(self, kind: str) -> PairDiff | None:
-        for d in self.diffs:
-            if kind in d.kinds and not d.side_effect:
-                return d
-        return None
+        """The earliest pair that differs in `kind`, side effects excluded, preferring one whose outputs reach more
+        than state updates (the region's outputs, a saved tensor): the divergence the backward reads."""
+        found = [d for d in self.diffs if kind in d.kinds and not d.side_effect]
+        reach = self.read_by_backward
+        return next((d for d in found if reach is None or d.forward is None or d.forward.index in reach),
+                    found[0] if found else None)
 
     def discrete_diffs(self) -> Iterator[PairDiff]:
         """The pairs of discrete ops (topk, argmax, comparisons) whose outputs or arguments differ, in order."""
@@ -304,7 +309,16 @@ def compare_passes(forward: Pass, recompute: Pass, tolerance: Tolerance = Tolera
                   if o.input_refs and o.input_refs[0].kind != "op" and is_view_op(o.op)}
     return PassComparison(f_ops, r_ops, pairs, diffs, tainted, changed_ext, not_recomputed, rec_to_fwd,
                           tainted_outputs=tainted_outputs, hook_views=hook_views, self_updated=self_updated,
-                          tolerance=tolerance, forward_through=f_source, kept=kept, read_back=read_back)
+                          tolerance=tolerance, forward_through=f_source, kept=kept, read_back=read_back,
+                          read_by_backward=_read_by_backward(forward))
+
+
+def _read_by_backward(p: Pass) -> set[int] | None:
+    """The indices of `p`'s ops whose outputs reach a saved tensor or a tensor that outlived the pass (its outputs):
+    what the backward reads. None where the trace says neither (a log)."""
+    roots = {q.op_index for q in p.positions if q.origin == "op" and q.op_index is not None}
+    roots |= {i for i, _ in p.outputs or ()}
+    return ops_feeding(p, roots) if roots else None
 
 
 def _taint_outputs(tainted_outputs: dict, f: OpRecord, r: OpRecord, tol: Tolerance) -> None:

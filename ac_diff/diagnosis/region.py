@@ -21,7 +21,8 @@ from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTE
                       PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
-from .cause import drawn_at, explain, explain_flags, host_draw_cause, reentrant_graph_cause, sac_mutated_cause
+from .cause import (drawn_at, drew_again_cause, explain, explain_flags, host_draw_cause, private_draw,
+                    reentrant_graph_cause, sac_mutated_cause)
 from ..align import RECOMPUTE_ONLY, Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete, read_into_arguments, reads_beyond_update)
@@ -308,6 +309,15 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     if not diverged and report.status == CLEAN and report.host_draws:
         _drew_again(report, region, fwd.state.get("host_draw_sites") or rec.state.get("host_draw_sites") or [],
                     torch_version)
+    elif not diverged and report.status == CLEAN and (drawn := private_draw(cmp.diffs)) is not None:
+        report.cause = drew_again_cause(drawn, region)
+        _unchecked(report, STATE_READ_AGAIN,
+                   f"its recompute reproduced its saved tensors, but {drawn.op} at {where(drawn.module, drawn.source)} "
+                   "drew again from the private generator it was handed, which preserve_rng_state does not restore: "
+                   "the generator advances twice per step under AC, so later draws differ from a run without AC; "
+                   "`ac-diff run --reference no-ac --reference-steps N` compares the gradients (N: every backward "
+                   "the run makes)")
+        report.suggestions = suggestions_for(report, region, torch_version)
     if not diverged and rec.state.get("error") and not rec.stopped_early:  # it raised: the rest never ran
         _unchecked(report, RECOMPUTE_RAISED, f"the recompute raised ({rec.state['error'][:200]}) after "
                    f"{op_count(rec)} of the forward's {op_count(fwd)} op(s): those match, the rest never ran, so "

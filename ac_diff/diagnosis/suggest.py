@@ -115,17 +115,20 @@ def _set_once(key: str, value: object) -> str:
 
 
 def repeated_update_suggestion(report: RegionReport, torch_version: str | None = None, *,
-                               read_again: bool = False, code: str | None = None) -> Suggestion:
+                               read_again: bool = False, code: str | None = None, diverged: bool = False) -> Suggestion:
     """A region that reproduced its forward but whose recompute updates state a second time (`report.repeated`: a
     batch norm's running statistics, a counter): the gradients are right, the state the next steps start from is
     not. An op that updates while it computes (a batch norm) is saved with selective AC, so the recompute does not
-    run it again; an in-place update (`counter.add_(1)`) is moved out of the checkpointed forward."""
+    run it again; an in-place update (`counter.add_(1)`) is moved out of the checkpointed forward. `diverged`: the
+    fix of a region of the same code whose recompute did not reproduce its forward, reading the second value (a
+    threshold crossed between its passes): its own gradients are wrong too."""
     saved = list(dict.fromkeys(op for _, op, _ in report.repeated if updates_as_it_computes(op)))
     shown = _names([name for name, op, _ in report.repeated if op in saved or not saved])
     in_place = [f"`{n}` ({op})" for n, op, _ in report.repeated if not updates_as_it_computes(op)]
     after = (" Each step then leaves them other than a run without AC does, and the region's code reads them: the "
              "forwards of later steps compute with other values, so their gradients differ from a run without AC "
-             "(this step's are right)." if read_again else
+             + (", and a recompute that read the second value across a threshold computed otherwise: its step's "
+                "gradients differ too." if diverged else "(this step's are right).") if read_again else
              " Each step then leaves them other than a run without AC does (a batch norm's running statistics: "
              "evaluation reads them), though this step's gradients are right.")
     if saved:
@@ -456,6 +459,10 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "preserved), or save that generator's state when the forward starts and restore it in the recompute.",
             # (a draw that steers Python, a LayerDrop's branch, or any draw from Python's `random`; else a tensor made
             # from numpy's numbers)
+            f"values = self.{held.rsplit('.', 1)[1]}.draw(...)  # `{held}`'s draw (randn, random, ...), moved out of "
+            "the region\nout = checkpoint(block, x, torch.as_tensor(values), use_reentrant=False)  # block(x, values)"
+            if (held := next((d for d in getattr(report, "host_draws", None) or () if "." in d
+                              and d != "numpy.random"), None)) else
             "r = random.random()  # the draw, moved out of the region: the forward and the recompute agree\n"
             "out = checkpoint(block, x, r, use_reentrant=False)  # block(x, r) uses r (a skip, a mask offset)"
             if (cause.tensor or "").startswith("host random numbers")

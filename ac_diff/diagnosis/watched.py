@@ -12,12 +12,14 @@ recording of its module that followed (escalation).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..passes import Region, Run
 from ..report import CLEAN, DIVERGED, STATE_READ_AGAIN, Cause, RegionReport, reproduced
 from .cause import dtype_only
 from .labels import module_label, number_ranges
+from .suggest import repeated_update_suggestion
 
 WATCHED_ORIGINS = ("saved", "output")  # a watched pass's positions whose `name` is the module they were saved in
 
@@ -305,8 +307,11 @@ def _link_escalations(reports: list[RegionReport], escalated: list[dict[str, Any
                             f"{read.step}, shows, its code reads `{read.cause.tensor}`, which its recompute updates a "
                             "second time: a recompute that reads the second value computes otherwise where a schedule "
                             f"or branch on it changes (at a threshold, then not again) ({seen})",
-                            [*read.cause.evidence], read.cause.mechanism, read.cause.source, list(read.cause.names))
-            r.suggestions = list(read.suggestions)
+                            [f"in region {read.region}: {e}" for e in read.cause.evidence], read.cause.mechanism,
+                            read.cause.source, list(read.cause.names))
+            # (read's fix says its own gradients are right: this region's recompute diverged)
+            again = repeated_update_suggestion(read, read_again=True, diverged=True)
+            r.suggestions = [replace(s, text=again.text) if s.title == again.title else s for s in read.suggestions]
         elif (shared := _same_step_setting(r, reports)) is not None and r.cause is not None \
                 and r.cause.kind == "unknown":
             seen = r.cause.detail
