@@ -31,7 +31,7 @@ TWO_RUNS = "two_runs"  # a region's kind in `ac-diff compare A B`: run A's pass 
 TWO_RUNS_WORDS = {CLEAN: "match", DIVERGED: "differ"}  # what its statuses mean there
 # Every `Report.title`, by verdict (the README lists them: a CI gate can match them all)
 TITLES = {
-    "diverged": ("DIVERGED", "SILENTLY DIVERGED"),
+    "diverged": ("DIVERGED", "SILENTLY DIVERGED", "DIVERGED, GRADIENTS MATCH"),
     "clean": ("CLEAN", "CLEAN, SCRIPT FAILED", "CLEAN, SCRIPT INTERRUPTED"),
     "unchecked": ("CRASHED", "INTERRUPTED", "CUT SHORT", "RANKS MISSING", "AC COMPILED, NOT RECORDED",
                   "GRADIENTS AT RISK", "VALUES NOT COMPARED", "NOTHING CHECKED"),
@@ -568,11 +568,10 @@ class Report:
     def silent_warning(self) -> str:
         """What a silent divergence means for the gradients, as every renderer says it: wrong, unless the run without
         AC was compared and they matched (a decision that only swapped the order of the same experts)."""
-        from .reference.result import IDENTICAL  # (the reference section is attached after diagnosis)
-
-        ref = self.reference
-        if ref is not None and getattr(ref, "verdict", None) == IDENTICAL and not diverged_after(
-                self.regions, ref.backwards):
+        if self.compared:  # (`ac-diff compare A B`: two runs, neither of them a recompute)
+            return ("the two runs part there: that says where they differ, not whether either run's gradients are "
+                    "wrong (`ac-diff run` on each checks its recomputes).")
+        if self.gradients_match:
             return ("torch raised no error; the diverged region(s) saved other tensors, yet the gradients match the run "
                     "without AC over the compared backward passes.")
         if all(r.first_discrete_divergence is not None and r.first_discrete_divergence.reordered_only
@@ -582,11 +581,23 @@ class Report:
         return "torch raised no error: the gradients of the diverged region(s) are silently wrong."
 
     @property
+    def gradients_match(self) -> bool:
+        """The run without AC was compared (`--reference no-ac`) and the gradients matched it bitwise over every
+        backward pass that recomputed a diverged region: what they saved differed, to no effect that was seen."""
+        from .reference.result import IDENTICAL  # (the reference section is attached after diagnosis)
+
+        ref = self.reference
+        return ref is not None and getattr(ref, "verdict", None) == IDENTICAL and not diverged_after(
+            self.regions, ref.backwards)
+
+    @property
     def title(self) -> str:
         """The verdict in a few words, as every renderer shows it ("SILENTLY DIVERGED", "CRASHED", ...)."""
         if self.compared:  # `ac-diff compare A B` of two traces
             return {DIVERGED: "RUNS DIFFER", CLEAN: "RUNS MATCH"}.get(self.verdict, "NOT ALL COMPARED")
         if self.verdict == DIVERGED:
+            if self.silent and self.gradients_match:
+                return "DIVERGED, GRADIENTS MATCH"
             return "SILENTLY DIVERGED" if self.silent else "DIVERGED"
         if self.verdict == DAMAGED:
             return "TRACE DAMAGED"

@@ -249,3 +249,16 @@ def test_each_try_compares_the_backward_passes_that_reach_the_first_divergence()
     assert reach(report(0, 10, 12), 2) == 10
     assert reach(report(1, 10), 2) == 2 and reach(report(0), 2) == 2 and reach(report(), 3) == 3
     assert reach(report(500), 2) == REACH_MAX
+
+
+def test_fix_of_a_run_that_compared_nothing_does_not_pass(tmp_path):
+    """31c: `fix` of a run that checked nothing (there: a multi-node script started without torchrun) exited 0, the
+    code of "a remedy verified, or nothing to fix": a CI gate read it as fixed. Here the script only evaluates
+    through its checkpoints: no backward, nothing compared, exit 4 as `run` says."""
+    script = tmp_path / "evaluate_only.py"
+    script.write_text("import torch\nimport torch.nn as nn\nimport torch.utils.checkpoint as cp\n\n"
+                      "block = nn.Linear(4, 4)\nwith torch.no_grad():\n"
+                      "    for _ in range(2):\n        cp.checkpoint(block, torch.randn(2, 4), use_reentrant=False)\n")
+    proc, report = _fix(tmp_path / "out", str(script))
+    assert report["verdict"] == "unchecked", report["headline"]
+    assert proc.returncode == 4, proc.stderr[-2000:]

@@ -327,6 +327,13 @@ def test_identical_gradients_do_not_vouch_for_a_region_that_diverged_in_a_later_
     two_ranks = _steps(True) + [replace(s, rank=1) for s in _steps(True)]
     report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 2, steps=two_ranks)
     assert report.reference.backwards == 2 and "silently wrong" in report.silent_warning
+    assert report.title == "SILENTLY DIVERGED"
+    # compared over backward 3 too, the gradients matched: the title says so (30a: it stayed SILENTLY DIVERGED, a
+    # clamp's saved input a few ulps off that its backward's mask does not see)
+    three = [replace(s, step=i) for i, s in enumerate(_steps(True) * 2)][:3]
+    report.reference = ReferenceResult("no-ac", IDENTICAL, "gradients identical", 3, steps=three)
+    assert report.reference.backwards == 3 and "yet the gradients match" in report.silent_warning
+    assert (report.verdict, report.title) == ("diverged", "DIVERGED, GRADIENTS MATCH")
 
 
 def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_too():
@@ -340,6 +347,10 @@ def test_a_reference_that_failed_in_its_first_backward_says_it_fails_without_ac_
     hidden = explain([], [], _report(), steps_requested=1, exit_code=1, captured=3)
     assert hidden.verdict == FAILED and "where the run with AC finished 3: checkpointing hides an error the run " \
         "without it raises" in hidden.headline, hidden.headline
+    # killed (31c: a reference whose ranks never met, stopped by a timeout's SIGTERM) is no error of the script's
+    killed = explain([], [], _report(), steps_requested=1, exit_code=-15, captured=3)
+    assert killed.verdict == FAILED and "stopped by signal 15" in killed.headline, killed.headline
+    assert "hides an error" not in killed.headline
 
 
 def test_a_comparison_of_no_parameter_is_no_identical_gradients():

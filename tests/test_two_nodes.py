@@ -322,7 +322,8 @@ def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 60.0)
             time.sleep(0.1)
 
 
-def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int = 90) -> dict[str, dict]:
+def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int = 90,
+              run_args: tuple[str, ...] = ()) -> dict[str, dict]:
     """Both launches, each in its own directory (a "node") writing its own out/; returns per node its exit code,
     output and directory, keyed "zero" (the node that got rank 0) and "one"."""
     port, rdzv_id = _free_port(), f"t{uuid.uuid4().hex[:8]}"
@@ -336,7 +337,7 @@ def two_nodes(tmp_path: Path, *script_args: str, wait_s: int = 60, timeout: int 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
                "--rdzv-id", rdzv_id, "-m", "ac_diff", "run", "--check", "-o", "out", "--json", "report.json",
-               str(SCRIPT), *script_args]
+               *run_args, str(SCRIPT), *script_args]
         procs.append((cwd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, start_new_session=True)))
         if node == 0:  # hosts the store and, started first (torch ranks nodes of one host by pid), gets rank 0
@@ -393,6 +394,27 @@ def test_divergence_on_a_rank_of_the_other_node_reaches_rank_0(tmp_path):
     assert "mixed_runs" not in kinds and "missing_ranks" not in kinds
     verify = {s["verify"] for r in report_json(tmp_path / "merged.json")["regions"] for s in r["suggestions"]}
     assert verify and all("--nproc-per-node 2 " in v for v in verify), verify
+
+
+@pytest.mark.e2e
+def test_reference_no_ac_on_two_nodes_without_a_shared_filesystem(tmp_path):
+    """31c: `--reference no-ac` on two nodes hung (the reference ranks never met: see
+    test_the_reference_ranks_of_two_nodes_meet_through_the_store_not_a_shared_directory), then said "the run without
+    AC exited with -15 ... checkpointing hides an error"."""
+    nodes = two_nodes(tmp_path, "--center-rank", "3", run_args=("--reference", "no-ac"), timeout=240)
+    zero, one = nodes["zero"], nodes["one"]
+    said = zero["stderr"][-4000:] + one["stderr"][-4000:]
+    report = report_json(zero["dir"] / "report.json")
+    assert report["verdict"] == DIVERGED and report["reference"], said
+    # rank 0 compares the ranks whose gradients its node holds, and says where the others' are
+    headline = report["reference"]["headline"]
+    assert "rank 2's gradients are not in" in headline and "another node" in headline, headline
+    assert (one["dir"] / "out" / "reference" / "grads-rank3.pt").exists(), said  # (node 1's reference ran)
+    # with node 1's directory beside it, every rank is compared: rank 3's gradients differ
+    merged = run_cli("report", "--json", str(tmp_path / "merged.json"), str(zero["dir"] / "out"),
+                     str(one["dir"] / "out"))
+    reference = report_json(tmp_path / "merged.json")["reference"]
+    assert reference["verdict"] == "differs" and "rank 3" in reference["headline"], (merged.stderr, reference)
 
 
 @pytest.mark.e2e
@@ -460,3 +482,24 @@ def test_report_of_node_directories_a_relaunch_did_not_clear_reports_the_latest_
     with pytest.raises(InputError, match="the paths hold traces of 2 different runs .*killed/trace-rank0.jsonl: "
                                          "train_a.py; finished/trace-rank0.jsonl: train_b.py --lr 1"):
         latest_run(single)
+
+
+def test_the_reference_ranks_of_two_nodes_meet_through_the_store_not_a_shared_directory(tmp_path, monkeypatch):
+    """31c: each node's ranks looked for rank 0's port in their own output directory; the other node's never saw it,
+    guessed MASTER_PORT + 1, and both waited in init_process_group until a timeout killed them."""
+    from ac_diff.reference import run as reference_run
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", RID)
+    monkeypatch.setattr(reference_run, "_STARTED", iter([0, 0]))  # (each process counts its own references)
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    monkeypatch.setenv("RANK", "0")
+    published = reference_run._fresh_group(node0, since=0.0)
+    monkeypatch.setenv("RANK", "1")
+    met = reference_run._fresh_group(node1, since=0.0)
+    assert met == published and met["MASTER_PORT"] != str(master.port + 1), (met, published)
+    assert not list(node1.iterdir())  # (nothing was read from, or written to, node 1's directory)

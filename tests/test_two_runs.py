@@ -119,6 +119,9 @@ def test_terminal_labels_run_a_and_b(traces, tmp_path):
     text = console.export_text()
     assert "RUNS DIFFER" in text and "run A | run B, aligned" in text and "A #0 / B #0" in text
     assert "forward | recompute" not in text
+    # two runs that part say nothing of either one's gradients (31e: "the gradients ... are silently wrong")
+    assert "silently wrong" not in " ".join(text.split())
+    assert "not whether either run's gradients are wrong" in report.silent_warning, report.silent_warning
 
 
 # -- factory-built runs --------------------------------------------------------------------------------

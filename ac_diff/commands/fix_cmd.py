@@ -34,7 +34,7 @@ from ..capture.compiled import COMPILED_ENV, eager_requested
 from ..children import child_command, share_stdin
 from ..diagnosis import Settings, diagnose
 from ..diagnosis.suggest import LOUDER
-from ..report import DIVERGED
+from ..report import DIVERGED, UNCHECKED
 from ..diagnosis.compiled import unrecorded
 from ..fix.ac_only import fails_only_with_ac
 from ..fix.candidates import candidates, combined
@@ -49,7 +49,7 @@ from ..reference.run import reference_command, reference_result
 from ..remedies import RemedySpec
 from ..capture.runner import check_target
 from ..trace import read_run
-from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail
+from .common import EXIT_CLEAN, EXIT_DIVERGED, emit, fail, verdict_code
 from .run_extras import CAPTURE_ENV, applied_remedies
 
 ORDER = {VERIFIED: 0, UNVERIFIED: 1, DID_NOT_HELP: 2, CRASHED: 3, UNTESTED: 4}
@@ -189,6 +189,9 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     report.fixes = result
     mark(report, target, args, module, list(zip(found, tries)), nproc)
     emit(report, fmt, json_path, output)
+    if not result.keeps_ac and not found and report.verdict == UNCHECKED and (
+            report.reference is None or report.reference.verdict != IDENTICAL):
+        return verdict_code(report)  # (nothing was compared, not even the gradients: not "nothing to fix")
     return EXIT_CLEAN if result.keeps_ac or (not found and not report.diverged and not ac_only) else EXIT_DIVERGED
 
 

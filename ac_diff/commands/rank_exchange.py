@@ -65,9 +65,15 @@ class StoreUnavailable(Exception):
 
 def connect(namespace: str, rank: int, world: int, timeout: float = CONNECT_S) -> "Exchange":
     """A client of the torchrun agent's store, under `ac-diff/<namespace>/`. Never waits longer than `timeout`."""
+    return Exchange(job_store(namespace, timeout), rank, world)
+
+
+def job_store(namespace: str, timeout: float = CONNECT_S) -> Any:
+    """The torchrun agent's store, under `ac-diff/<namespace>/`: every node's ranks reach it (no shared filesystem
+    needed). StoreUnavailable where there is none."""
     import torch.distributed as dist
 
-    return Exchange(dist.PrefixStore(f"ac-diff/{namespace}", _agent_store(timeout)), rank, world)
+    return dist.PrefixStore(f"ac-diff/{namespace}", _agent_store(timeout))
 
 
 def launch_token(elastic_id: str, timeout: float = CONNECT_S) -> str:

@@ -21,20 +21,34 @@ from ..diagnosis import diagnose
 from ..errors import InputError
 from ..fix.statuses import mark_from_runs
 from ..passes import Run
+from ..reference.session import grads_path
 from .common import emit
 from .run_extras import decorate_from_outputs
 
 
 def report_command(paths: list[str], fmt: str, json_path: str | None, output: str | None, settings) -> int:
     runs, stale = latest_run(read_runs(paths, lazy=True))
+    dirs = output_dirs(runs)
     runs, notes = one_trace_per_rank(runs)
     notes = stale + notes
     report = diagnose(runs, settings)
     report.notes += notes
     mark_from_runs(report, runs)  # every suggestion: untested, and the command that would verify it
-    decorate_from_outputs(report, {run.rank or 0: Path(run.path).parent for run in runs
-                                   if run.source == "trace" and run.path})  # remedies applied, the reference
+    decorate_from_outputs(report, dirs)  # remedies applied, the reference
     return emit(report, fmt, json_path, output)
+
+
+def output_dirs(runs: list[Run]) -> dict[int, Path]:
+    """Each rank's directory: where a copy of its trace is that holds its own outputs (its gradients, for the
+    reference) too. A node's copy of another node's trace, received without a shared filesystem, holds only that."""
+    dirs: dict[int, Path] = {}
+    for run in runs:
+        if run.source != "trace" or not run.path:
+            continue
+        r, d = run.rank or 0, Path(run.path).parent
+        if r not in dirs or not grads_path(dirs[r], r).exists() and grads_path(d, r).exists():
+            dirs[r] = d
+    return dirs
 
 
 def latest_run(runs: list[Run]) -> tuple[list[Run], list[str]]:

@@ -579,7 +579,15 @@ def _others_clean(at_risk: list[RegionReport], checked: int, runs: list[Run]) ->
 
 # a clean run whose recomputes repeated in-place updates of state: whether anything the training computes reads the
 # twice-updated values (a balancing update from counts, a loss) is for a comparison over more than one step to tell
-REPEATED_ASK = " (`ac-diff run --reference no-ac --reference-steps 2` tells whether the training reads them)"
+REPEATED_ASK = " (`ac-diff run --reference no-ac --reference-steps {n}` tells whether the training reads them)"
+
+
+def repeated_ask(regions: list[RegionReport]) -> str:
+    """REPEATED_ASK with the backward passes to compare: the first optimizer step's and one more, where the run
+    accumulates gradients (the state the recompute left updated twice is read by the next step's first forward)."""
+    first = min((r.optimizer_step for r in regions if r.optimizer_step), default=None)
+    per_step = max((r.backward or 0 for r in regions if first is not None and r.optimizer_step == first), default=1)
+    return REPEATED_ASK.format(n=max(2, per_step + 1))
 
 
 def held_choice_note(regions: list[RegionReport]) -> str:
@@ -695,7 +703,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         repeated = repeated_updates(regions)
         extra = (f"; note: the recompute repeats the updates of {', '.join(sorted(repeated)[:3])}"
                  + (" ..." if len(repeated) > 3 else "")
-                 + ", so they end each step other than a run without AC leaves them" + REPEATED_ASK if repeated else "")
+                 + ", so they end each step other than a run without AC leaves them" + repeated_ask(regions)
+                 if repeated else "")
         extra += held_choice_note(regions)
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:

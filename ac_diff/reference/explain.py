@@ -41,6 +41,7 @@ Why the two runs can differ, in the order they are checked:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK, held_choice_note
@@ -64,6 +65,8 @@ def explain(steps: list[StepComparison], findings: list[dict[str, Any]], report:
                              command=command, exit_code=exit_code)
     if not steps:
         result.headline = ("no gradients to compare with the run without AC: " + (
+            f"the run without AC was stopped by signal {-exit_code} before its first backward finished (killed, or "
+            "timed out: nothing about the script)" if exit_code and exit_code < 0 else
             (f"the run without AC exited with {exit_code} before its first backward finished, where the run with AC "
              f"finished {captured}: checkpointing hides an error the run without it raises (its output is above)")
             if exit_code and captured else
@@ -561,9 +564,10 @@ def _reordered_flip(r: RegionReport, regions: list[RegionReport]) -> Divergence 
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
-    if result.verdict == IDENTICAL and result.backwards > 1 and REPEATED_ASK in report.headline:
-        report.headline = report.headline.replace(REPEATED_ASK, f" (the gradients match the run without AC over "
-                                                                f"{result.backwards} backward passes)")
+    asked = re.escape(REPEATED_ASK).replace(re.escape("{n}"), r"(\d+)")
+    if result.verdict == IDENTICAL and (hit := re.search(asked, report.headline)) and result.backwards >= int(hit[1]):
+        report.headline = report.headline.replace(hit[0], f" (the gradients match the run without AC over "
+                                                          f"{result.backwards} backward passes)")
     if result.verdict in (IDENTICAL, DIFFERS) and REENTRANT_BACKWARD in report.notes:  # (the comparison it asks for ran)
         report.notes[report.notes.index(REENTRANT_BACKWARD)] = REENTRANT_BACKWARD.split("; `ac-diff run")[0] + (
             "; the comparison with the run without AC below says whether they do")

@@ -15,6 +15,8 @@ Its output goes to stderr, so a JSON report on stdout stays clean.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 import sys
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..children import Child, child_command
+from ..commands.rank_exchange import OP_S, StoreUnavailable, bounded, job_store
 from ..errors import InputError
 from ..diagnosis.compiled import reference_note
 from ..report import DIVERGED, diverged_after, recomputed_in
@@ -77,9 +80,16 @@ def run_reference(target: str, args: list[str], *, module: bool, output_dir: str
 
 
 def _fresh_group(directory: Path, since: float) -> dict[str, str]:
-    """The reference ranks' own rendezvous: rank 0 picks a free port and writes it; the others read it (a file
-    older than this run's start is an earlier run's)."""
-    port_file = directory / f"port-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+    """The reference ranks' own rendezvous: rank 0 picks a free port and hands it over through torchrun's agent
+    store, which every node reaches, and a file in `directory` (a launch without that store; a file older than this
+    run's start is an earlier run's); the others read it."""
+    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+    port_file = directory / f"port-{tag}"
+    key = f"port/{next(_STARTED)}"  # (every rank starts its references in the same order)
+    try:
+        store = job_store(f"reference/{tag}")
+    except StoreUnavailable:
+        store = None
     if rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
@@ -87,12 +97,26 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(port))
         tmp.replace(port_file)
-    else:
-        deadline = time.monotonic() + PORT_WAIT_S
-        while not (port_file.exists() and port_file.stat().st_mtime >= since) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        port = int(port_file.read_text()) if port_file.exists() else int(os.environ.get("MASTER_PORT", "29500")) + 1
-    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        if store is not None:
+            with contextlib.suppress(Exception):
+                bounded(lambda: store.set(key, str(port)), OP_S)
+        return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    deadline = time.monotonic() + PORT_WAIT_S
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.stat().st_mtime >= since:
+            return {"MASTER_PORT": port_file.read_text(), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        if store is not None:
+            with contextlib.suppress(Exception):
+                if bounded(lambda: store.check([key]), OP_S):
+                    got = bounded(lambda: store.get(key), OP_S).decode()
+                    return {"MASTER_PORT": got, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        time.sleep(0.2)
+    raise InputError(f"the reference run's ranks could not meet: rank 0 published no port within {PORT_WAIT_S:.0f} s "
+                     "(neither through torchrun's agent store nor in the output directory); run --reference on one "
+                     "node, or check that every node runs `ac-diff run --reference` too")
+
+
+_STARTED = itertools.count()  # the references this process started
 
 
 def _check_outputs(report: Any, r: int, run_path: Path, run: dict | None, ref_path: Path, ref: dict | None,
@@ -125,7 +149,8 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         reference_dir = Path(given) if given is not None else Path(output_dir) / REFERENCE_DIR
         run = load_grads(grads_path(output_dir, r))
         ref_path = grads_path(reference_dir, r)
-        deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 else 0.0)
+        # (another rank's reference may still be writing; a rank whose own gradients are not here is another node's)
+        deadline = time.monotonic() + (PORT_WAIT_S if r != rank() and exit_code == 0 and run else 0.0)
         while not ref_path.exists() and time.monotonic() < deadline:  # another rank's reference still writing
             time.sleep(0.2)
         ref = load_grads(ref_path)
@@ -176,7 +201,11 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
                     "checkpointing's")
             result.headline = f"{result.headline}; {only}" if done else only
             result.verdict = DIFFERS  # (checkpointing changes the training, whatever the gradients before it say)
-        if run is None:
+        if run is None and ref is None and r != rank() and exit_code is not None:
+            result.headline = (f"rank {r}'s gradients are not in {output_dir} (written on another node, with no "
+                               "shared filesystem): `ac-diff report` of a directory holding that node's output "
+                               "compares them")
+        elif run is None:
             result.notes.append(f"rank {r}: this run captured no gradients (no backward pass ran)")
         compiled = reference_note(rank_report.compiled)
         if compiled and compared:
