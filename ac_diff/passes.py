@@ -260,6 +260,9 @@ class Region:
     # check stops a backward for), [(input index, meta, version at the forward's end, version when the run stopped)]
     inputs_written: list[tuple[int, TensorMeta, int, int]] = field(default_factory=list)
     values_recorded: bool = True  # False: recorded with --no-fingerprints (shapes, dtypes and op order; no values)
+    # the forward's saved positions the backward passes read (checkpoint's unpack hook), over every backward that
+    # finished; None where the trace does not say (a log, an older trace, a run stopped in its backward)
+    unpacked: set[int] | None = None
 
     # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
     # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists

@@ -356,6 +356,7 @@ RECORDER_ERROR = "recorder error"  # RegionReport.unchecked_reason of a region w
 SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentrant region that handed tensors out
 # ... of a region that reproduced its forward, whose code reads Python state its recompute updates a second time
 STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
+UNREAD = "but no backward read them"  # a region's note: saved values that differ where no gradient formula ran
 # ... of a reentrant region called with no input that requires grad, where which parameters it uses is not known (a
 # function, not a module; a log's warning): those that require grad get no gradient from it
 NO_GRAD_INPUTS = "no backward: its inputs require no grad"

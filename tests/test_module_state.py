@@ -800,6 +800,18 @@ def test_the_reference_does_not_take_what_a_region_computes_from_a_detached_copy
     ops = _side_output_ops(AmaxBlock())
     assert "aten.mean.default" in ops and not ops & {"aten.abs.default", "aten.amax.default"}, ops
 
+    class RmsBlock(nn.Module):  # (31a: the RMS of a LayerScale's branch, kept for an EMA the loop updates)
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.last_rms = nn.Linear(8, 8), None
+
+        def forward(self, x):
+            y = torch.tanh(self.fc(x))
+            self.last_rms = y.detach().pow(2).mean(0).sqrt()
+            return x + y
+
+    assert not _side_output_ops(RmsBlock())
+
 
 class _DelayedScaling(nn.Linear):
     """fp8-style delayed scaling: the scale comes from an amax history the forward rolls in place (the recompute
@@ -867,3 +879,31 @@ def test_with_gradient_accumulation_the_comparison_asked_for_reaches_the_next_op
     report = ac_diff.diagnose([read_run(path)])
     assert [r.optimizer_step for r in report.regions][1:] == [1, 2, 2], [r.optimizer_step for r in report.regions]
     assert "--reference-steps 3` tells whether the training reads them" in report.headline, report.headline
+
+
+def test_a_kept_rms_of_a_detached_copy_is_no_side_output_in_the_reference(tmp_path):
+    """31a: a reentrant LayerScale block keeps `y.detach().pow(2).mean(0).sqrt()` for an EMA; its `gain` is rebound
+    between the forward and the backward (the real divergence). `--reference no-ac` explained the differing gradients
+    by `last_rms` "leaving the region ... adds no gradient" and suggested use_reentrant=False: under the run's
+    recording, detach's result reached the watch as another tensor than the one the mode returned."""
+    import json
+
+    from conftest import run_cli
+
+    script = tmp_path / "layerscale.py"
+    script.write_text(
+        "import torch\nimport torch.nn as nn\nfrom torch.utils.checkpoint import checkpoint\n\n"
+        "torch.manual_seed(0)\n\n\nclass Block(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 8)\n        self.register_buffer('gain', torch.full((8,), 0.5))\n"
+        "        self.last_rms = None\n\n    def forward(self, x):\n        y = torch.tanh(self.fc(x))\n"
+        "        self.last_rms = y.detach().pow(2).mean(0).sqrt()\n        return x + y * self.gain\n\n\n"
+        "block, head = Block(), nn.Linear(8, 1)\nfor _ in range(2):\n"
+        "    x = torch.randn(16, 8, requires_grad=True)\n"
+        "    loss = head(checkpoint(block, x, use_reentrant=True)).pow(2).mean()\n"
+        "    block.gain = 0.5 / (0.5 + block.last_rms)  # (rebound before the backward)\n    loss.backward()\n")
+    proc = run_cli("run", "--reference", "no-ac", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+                   str(script), cwd=tmp_path)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "diverged" and report["reference"]["verdict"] == "differs", proc.stderr[-2000:]
+    kinds = [e["kind"] for e in report["reference"]["explanations"]]
+    assert "side_output" not in kinds, report["reference"]["explanations"]

@@ -2138,3 +2138,55 @@ def test_a_region_drawing_again_from_a_generator_checkpoint_does_not_restore_is_
         assert first.cause.mechanism == "host_rng" and "_NoisyPolicy.rs" in first.cause.detail
     line = int(first.cause.source.split(":")[1].split()[0])
     assert ("randn" in Path(__file__).read_text().splitlines()[line - 1]), first.cause.source
+
+
+class _Halting(nn.Module):
+    """Adaptive computation time: a halting score decides when the loop stops (`.item()` of a count); `ponder`
+    adds the scores to the output (a ponder cost the loss reads), else nothing differentiable reads them."""
+
+    def __init__(self, ponder: bool) -> None:
+        super().__init__()
+        self.cell, self.halt = nn.Linear(16, 16), nn.Linear(16, 1)
+        self.register_buffer("halt_bias", torch.tensor(0.0))
+        self.ponder = ponder
+
+    def forward(self, x):
+        cum, h = torch.zeros(x.shape[0]), x
+        for _ in range(6):
+            h = torch.tanh(self.cell(h)) + x
+            cum = cum + torch.sigmoid(self.halt(h).squeeze(-1) + self.halt_bias)
+            if bool((cum > 1.5).float().mean() > 0.5):
+                break
+        return h + cum[:, None] if self.ponder else h
+
+
+def _halting_steps(ponder: bool, ac: bool) -> list:
+    torch.manual_seed(0)
+    block, grads = _Halting(ponder), []
+    for _ in range(2):
+        x = torch.randn(8, 16, requires_grad=True)
+        out = cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)
+        with torch.no_grad():
+            block.halt_bias += 0.01  # (a ponder schedule stepped before the backward: the loop count holds)
+        out.pow(2).mean().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in block.cell.parameters())])
+        block.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("ponder", [False, True])
+def test_saved_values_no_backward_reads_leave_the_gradients_as_they_were(tmp_path, ponder):
+    """31d: the halting branch's sigmoid saves its output, which the moved bias changes in the recompute; the branch
+    only decides when the loop stops (`.item()`), so its gradient formula never runs and no backward reads that saved
+    tensor: the gradients are bit-identical, and it read SILENTLY DIVERGED. Where a ponder cost adds the scores to
+    the output, the backward reads them: diverged."""
+    same = all(torch.equal(a, b) for s, t in zip(_halting_steps(ponder, True), _halting_steps(ponder, False))
+               for a, b in zip(s, t))
+    assert same is not ponder  # (the truth)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _halting_steps(ponder, True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("diverged" if ponder else "clean"), report.headline
+    if not ponder:
+        assert "no backward read" in report.headline and "aten.sigmoid.default" in report.headline, report.headline

@@ -59,7 +59,7 @@ from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                            checkpointed_module, frame_options, function_name, graph_task_id, innermost_function,
-                           left_a_backward, sequential_segment, version_of)
+                           left_a_backward, outside_backward, sequential_segment, version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -247,6 +247,8 @@ class Recorder:
         self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
         self._backwards: dict[int, int] = {}  # autograd graph task -> the backward pass it is, from 1
+        # region number -> the forward's saved positions a backward read (unpacked) since they were last written
+        self._unpacked: dict[int, set[int]] = {}
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
         # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
@@ -345,6 +347,8 @@ class Recorder:
                                 **self._inputs_written()})
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"
+        if status == "ok":  # (a run stopped in a backward read only some of what that backward would have)
+            self._write_unpacked()
         self._writer.close({
             **self._end_record(status, exit_code),
             "ops_outside": self.ops_outside if self.options.scope == "all" else None,
@@ -464,6 +468,7 @@ class Recorder:
             with self.internal():
                 watch.poll()
         if phase == FORWARD:
+            self._write_unpacked()
             region = self._new_region(frame, passes)
             attempt = 0
             # steps count from 1: the first region's forward begins step 1, a top-level one that begins after a
@@ -786,6 +791,22 @@ class Recorder:
             return hit[_E_SLOT]
         with self.quiet():
             return p.batch.add(t)
+
+    def unpacked(self, frame: Any, position: int) -> None:
+        """A backward read the saved tensor at `position` of a non-reentrant region (checkpoint's unpack hook): one
+        it never reads, its gradient formula never run (a branch only `.item()` reads), cannot change the gradients.
+        Written as "unpacked" records once no backward runs (`_write_unpacked`). Per saved tensor: lean."""
+        region = getattr(frame, "_ac_diff_region", None)
+        if region is not None and region.recorded and not region.watched:
+            self._unpacked.setdefault(region.number, set()).add(position)
+
+    def _write_unpacked(self) -> None:
+        """The positions backward passes read since the last call, per region: only outside a backward (one that is
+        running would read more), so that a region's positions are whole for every backward that finished."""
+        if self._unpacked and outside_backward():
+            unpacked, self._unpacked = self._unpacked, {}
+            for number, positions in sorted(unpacked.items()):
+                self._writer.write({"type": "unpacked", "region": number, "positions": sorted(positions)})
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:

@@ -29,6 +29,7 @@ unchanged. What the installed torch lacks runs in a reduced mode with one warnin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -285,16 +286,29 @@ class CheckpointHooks:
             def __init__(hook, frame, *args, **kwargs):
                 original(hook, frame, *args, **kwargs)
                 hook._ac_diff_frame = frame
-                pack = hook.pack_hook
+                pack, unpack = hook.pack_hook, hook.unpack_hook
 
                 def pack_hook(x):
                     if is_compiling():  # Dynamo traces a compiled function in the region: torch's hook only
                         return pack(x)
                     position = len(frame.weak_holders)
                     listener.pack(frame, FORWARD, position, x)
-                    return pack(x)
+                    holder = pack(x)
+                    with contextlib.suppress(AttributeError):  # (which saved tensor a backward reads: `unpack_hook`)
+                        holder._ac_diff_position = position
+                    return holder
+
+                def unpack_hook(holder):
+                    position = getattr(holder, "_ac_diff_position", None)
+                    if position is not None:
+                        with contextlib.suppress(Exception):  # (nothing here raises into torch)
+                            read(frame, position)
+                    return unpack(holder)
 
                 hook.pack_hook = _as_torch_hook(pack_hook, pack)
+                read = getattr(listener, "unpacked", None)  # (a listener that asks which saved tensors are read)
+                if read is not None:
+                    hook.unpack_hook = _as_torch_hook(unpack_hook, unpack)
             return __init__
 
         def recompute_hook_init(original):
@@ -450,6 +464,14 @@ def graph_task_id() -> int | None:
     except Exception:  # noqa: BLE001 - a build whose getter fails: the backward is not told
         return None
     return task if task >= 0 else None
+
+
+def outside_backward() -> bool:
+    """True only where torch says no backward runs now (False also where it cannot say)."""
+    try:
+        return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() < 0
+    except Exception:  # noqa: BLE001 - a build whose getter fails: it cannot say
+        return False
 
 
 def left_a_backward(exc: BaseException) -> bool:

@@ -20,7 +20,7 @@ from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
 from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, FORWARD_UNRECORDED,
-                      NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED,
+                      NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UNREAD,
                       VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
                       backwards_recorded, missing_ranks, repeated_updates)
 from .microbatches import later_forward
@@ -706,6 +706,11 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                  + ", so they end each step other than a run without AC leaves them" + repeated_ask(regions)
                  if repeated else "")
         extra += held_choice_note(regions)
+        unread = [r for r in regions if r.status == CLEAN and any(UNREAD in n for n in r.notes)]
+        if unread:
+            extra += (f"; {len(unread)} of them saved other values too, which no backward read (region "
+                      f"{unread[0].region}: {next(n for n in unread[0].notes if UNREAD in n).split(' hold ')[0]}): "
+                      "harmless for the gradients")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor
@@ -717,7 +722,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         which = "the" if outputs_only >= watched else f"{outputs_only} of the"
         only = (f" ({which} watched reentrant ones: their outputs; their forward saves nothing)" if outputs_only
                 else "")
-        return f"clean: all {checked} recomputed region(s){how} reproduced their saved tensors exactly{only}{extra}"
+        what = "the saved tensors a backward read" if unread else "their saved tensors"
+        return f"clean: all {checked} recomputed region(s){how} reproduced {what} exactly{only}{extra}"
     # lead with the region torch complained about, else the first in forward order (a watched one too: its cause
     # names its module's full recording); the lowest rank first, as the report's details and cross-rank lines (a
     # log may print rank 1's dump before rank 0's)

@@ -17,8 +17,8 @@ from ..logs.errors import MORE_SAVED, SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS,
                       NOT_REACHED, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED,
-                      UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow, Divergence,
-                      PositionRow, RegionReport, shared)
+                      UNREAD, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow,
+                      Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
 from .cause import (drawn_at, drew_again_cause, explain, explain_flags, host_draw_cause, private_draw,
@@ -208,7 +208,16 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
     report.positions = position_rows(fwd, rec, cmp, torch_error)
 
     position_mismatch = any(p.matches is False for p in report.positions)
-    position_values = any(p.values_differ for p in report.positions)
+    # (positions no backward read: their gradient formula never ran, nothing the loss depends on goes through them)
+    unread = [p for p in report.positions if p.values_differ and region.unpacked is not None
+              and p.position not in region.unpacked and region.kind != "reentrant" and not region.watched]
+    position_values = any(p.values_differ for p in report.positions if p not in unread)
+    if unread:
+        made = ", ".join(dict.fromkeys(f"{p.op or p.origin} at {where(p.module, p.source)}" for p in unread[:3]))
+        report.notes.append(
+            f"saved position(s) {number_ranges([p.position for p in unread])} ({made}) hold other values in the "
+            f"recompute, {UNREAD} (their gradient formula never ran: the loss depends on nothing "
+            "that goes through them, a branch only `.item()` or a decision reads): harmless for the gradients")
     count_mismatch = _count_mismatch(fwd, rec)
     first = cmp.first_divergence()
     if fwd.positions and (region.kind != "reentrant" or region.watched):  # (watched: a reentrant one's outputs)

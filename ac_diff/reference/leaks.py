@@ -78,19 +78,20 @@ class _Made(TorchDispatchMode):
         self.grad_storages = grad_storages  # storages that carry a gradient without no_grad
         self.new_storages: set[int] = set()
         self.made: list[tuple[weakref.ref, int, str, str | None, str | None, list[int]]] = []
-        # what the region detached on purpose (`h.detach()`, for logging or fp8's amax), and what it computed from
-        # that alone: meant to carry no gradient, though the detached copy shares its source's storage
-        self.detached: dict[int, weakref.ref] = {}
+        # the tensors its ops returned: a tensor of a storage that carries a gradient, yet none of these, is an alias
+        # made where this mode does not see it, the region's `h.detach()` (for logging or fp8's amax; autograd
+        # wraps detach's result in a new tensor): meant to carry no gradient, nor what is computed from it alone
+        self.returned: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if str(func) in DETACHED_ALIAS_OPS:
-            self.detached.update((id(t), weakref.ref(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             return out
+        self.returned.update((id(t), weakref.ref(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if len(self.made) >= MAX_TENSORS or _from_ac_diff():
             return out
         inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-        if not any(a.requires_grad or _storage(a) in self.grad_storages and not self._detached(a) for a in inputs):
+        if not any(a.requires_grad or _storage(a) in self.grad_storages and self._returned(a) for a in inputs):
             return out
         if is_autocast_weight_cast(str(func), self.autocast, not {_storage(a) for a in inputs} & self.new_storages):
             return out
@@ -105,8 +106,8 @@ class _Made(TorchDispatchMode):
                 self.made.append((weakref.ref(t), key, str(func), self.current_module(), user_source(), list(t.shape)))
         return out
 
-    def _detached(self, t: torch.Tensor) -> bool:
-        held = self.detached.get(id(t))
+    def _returned(self, t: torch.Tensor) -> bool:
+        held = self.returned.get(id(t))
         return held is not None and held() is t
 
 

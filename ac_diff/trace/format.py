@@ -84,7 +84,7 @@ from ..env import process_rank
 from ..errors import AcDiffError
 
 FORMAT = "ac-diff-trace"
-VERSION = "1.5"
+VERSION = "1.6"
 MAJOR, MINOR = (int(x) for x in VERSION.split("."))
 
 
@@ -97,7 +97,7 @@ FLAG_CACHED, FLAG_RANDOM, FLAG_DISCRETE, FLAG_DERIVED = 1, 2, 4, 8
 OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", "flags", "vals")
 # every record type a trace of this version may hold
 RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end",
-                          "watch", "escalate"})
+                          "watch", "escalate", "unpacked"})
 # an "exception" record's exc_type where the script exited (sys.exit, os._exit) inside a backward: stopped, as a crash
 EXIT_DURING_BACKWARD = "ExitDuringBackward"
 

@@ -201,6 +201,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     ended = False
     started = None  # regions the recorder began (the end record's count)
     inputs_written: list[tuple] = []  # the exception record's (Region.inputs_written)
+    unpacked: dict[int, set[int]] = {}  # "unpacked" records: region -> the saved positions a backward read
     line = 1
     for line, rec in enumerate(records, start=2):
         kind = rec.get("type")
@@ -261,6 +262,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                                                   "escalated": {}}
                 watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step",
                                                                                   "why")}
+            elif kind == "unpacked":
+                unpacked.setdefault(int(rec["region"]), set()).update(int(p) for p in rec["positions"])
             elif kind == "check_error":
                 check_errors.append(rec)
             elif kind == "exception":
@@ -301,6 +304,9 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
         damage.pop()
     if damage:
         _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
+    for number, positions in unpacked.items():
+        if number in regions:
+            regions[number].unpacked = positions
     for number, *entry in inputs_written:
         if number in regions:
             regions[number].inputs_written.append(tuple(entry))
