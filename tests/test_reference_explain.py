@@ -114,6 +114,13 @@ def test_host_draws_are_not_answered_with_preserve_rng_state():
     assert "--preserve-rng" not in why.fix and "outside the checkpointed region" in why.fix
     torch_rng = explain(_steps(False), [], _report(cause="rng", mechanism="preserve_rng_state"), steps_requested=2)
     assert "--preserve-rng" in torch_rng.explanations[0].fix
+    # a private torch.Generator the region draws from again (32a: "rng draws ... not a gradient defect; later
+    # backwards are not compared", with the preserve_rng_state fix the script already had): a defect, compared on
+    private = _report(cause="rng", mechanism="private_generator", source="m.py:9 in heads")
+    private.regions[0].cause.tensor = "the torch.Generator passed to aten.randn.generator at m.py:9"
+    drew = explain(_steps(False), [], private, steps_requested=2)
+    assert drew.verdict == DIFFERS and [e.kind for e in drew.explanations] == ["private_generator"], drew.explanations
+    assert "--preserve-rng" not in drew.explanations[0].fix and "generator's state" in drew.explanations[0].fix
 
 
 def test_a_backward_that_left_every_grad_none_compares_nothing():

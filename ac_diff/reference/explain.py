@@ -27,7 +27,8 @@ Why the two runs can differ, in the order they are checked:
   AC. Where a recompute drew random numbers again instead (a region whose cause is rng, or whose RNG state
   differed between its passes), the comparison stops there, not a gradient defect (`rng_draws`); a recompute that
   drew from a host generator again (Python's `random`, numpy's), which preserve_rng_state never restores, is one
-  (`host_draws`): under AC the run goes on from other draws. With
+  (`host_draws`), as is one that drew again from a private torch.Generator the code passes (`private_generator`):
+  under AC the run goes on from other draws. With
   neither, the loss difference is a defect left unexplained (`state_drift`);
 - a diverged region (the recompute differs from the forward): points to it;
 - a reentrant region's side output, or a reentrant region without inputs that require grad (leaks.py);
@@ -278,6 +279,14 @@ def _drift(step: StepComparison, prev: StepComparison, report: Any) -> Explanati
             "goes on from other random numbers than without AC (preserve_rng_state restores torch's generators "
             "only): checkpointing changes the training from here",
             fix="draw the host random values outside the checkpointed region and pass them in")
+    private = next((c for c in rng if c.mechanism == "private_generator"), None)
+    if private is not None:  # (a torch.Generator the code passes: preserve_rng_state restores only the default ones)
+        return Explanation(
+            "private_generator", f"{start}: the recompute drew again from {private.tensor}, which preserve_rng_state "
+            "does not restore, so under AC that generator advances twice per step and the run goes on from other "
+            "random numbers than without AC: checkpointing changes the training from here",
+            fix="pass the generator's state into the checkpointed function and set it there (ac-diff run "
+                "--restore-in-recompute MODULE simulates it), or draw outside the region and pass the tensor in")
     if rng or any("rng" in r.state_changes for r in regions):
         return Explanation(
             "rng_draws", f"{start}: the two runs drew other random numbers in between (a recompute without "
