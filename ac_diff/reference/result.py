@@ -47,8 +47,8 @@ class StepComparison:
 @dataclass(slots=True)
 class Explanation:
     # side_output, no_grad_inputs, recompute_divergence, other_rank_divergence, reference_randomness,
-    # nondeterministic_kernel, grad_mode_forward, rng_draws, host_draws, private_generator, repeated_update, state_drift, compiled_ac,
-    # other_parameters, backward_kernels, unexplained
+    # nondeterministic_kernel, grad_mode_forward, rng_draws, host_draws, private_generator, repeated_update,
+    # state_drift, compiled_ac, other_parameters, backward_kernels, unexplained
     kind: str
     text: str
     region: str | None = None
