@@ -384,6 +384,8 @@ def test_divergence_on_a_rank_of_the_other_node_reaches_rank_0(tmp_path):
                "are there" in n for n in report["notes"]), report["notes"]
     assert "DIVERGED" in zero["stdout"] and "rank 3" in zero["stdout"]
     assert rank0_exit_code(zero["stderr"]) == 1, said  # --check: the diverged verdict's code
+    # every rank exits with it (32c: node 1's ranks exited 0, and its torchrun waited 300 s in the exit barrier)
+    assert one["code"] == 1 and zero["code"] == 1, (one["code"], zero["code"], said)
     verify = {s["verify"] for r in report["regions"] for s in r["suggestions"]}  # `fix` runs one node's processes
     assert verify and all("--nproc-per-node 2 " in v for v in verify), verify
 

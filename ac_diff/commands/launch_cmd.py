@@ -562,6 +562,8 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
             print(f"[rank{r}] ac-diff: the script failed on rank {r}; trace: {trace_path}. torchrun stops the other "
                   f"ranks now; for the report across ranks run: {command_line('ac-diff', 'report', output_dir)}",
                   file=sys.stderr)
+        elif check and exchange is not None:
+            return _checked_code(exchange, r, outcome_code)
         return outcome_code
     header = read_header(trace_path) or {}
     rid = header.get("run_id")
@@ -572,6 +574,41 @@ def finish_rank(outcome_code: int, trace_path: Path, output_dir: str, *, check: 
         found = wait_for_ranks(Path(output_dir), rid, world_size(), timeout, since=since, exchange=exchange)
         found.paths.setdefault(0, trace_path)
         report = report_ranks(found, settings, fmt, json_path, output, Path(output_dir), decorate, exchange)
-    if check and outcome_code == 0 and report.verdict != "clean":
-        return verdict_code(report)
-    return outcome_code
+    code = verdict_code(report) if check and outcome_code == 0 and report.verdict != "clean" else outcome_code
+    if check and exchange is not None:
+        _publish_code(exchange, code)
+    return code
+
+
+VERDICT_KEY = "check/code"  # rank 0's exit code under --check, which every rank exits with
+
+
+def _publish_code(exchange: Any, code: int) -> None:
+    """Rank 0's --check code for the other ranks (`_checked_code`). Never raises: they then keep their own."""
+    from .rank_exchange import OP_S, bounded
+
+    with contextlib.suppress(Exception):
+        bounded(lambda: exchange.store.set(VERDICT_KEY, str(code)), OP_S)
+
+
+def _checked_code(exchange: Any, r: int, own: int) -> int:
+    """Under --check every rank exits with rank 0's code: where some ranks exit 1 and the others 0, torchrun's agents
+    of the nodes whose ranks all succeeded wait in their exit barrier for the failed node's, which never comes (five
+    minutes, then an error naming the wrong node). Waits for rank 0's report (its ranks' wait, then a diagnosis);
+    its own code where rank 0 says nothing in time."""
+    from .rank_exchange import OP_S, bounded
+
+    wait = rank_wait_seconds() + REPORT_WAIT_S
+    deadline = time.monotonic() + wait
+    with sigterm_stops_waiting(), contextlib.suppress(Exception):  # (rank 0 stopped: this rank's own code)
+        while time.monotonic() < deadline and not _terminated.is_set():
+            if bounded(lambda: exchange.store.check([VERDICT_KEY]), OP_S):
+                return int(bounded(lambda: exchange.store.get(VERDICT_KEY), OP_S))
+            time.sleep(0.5)
+    if not _terminated.is_set():
+        print(f"[rank{r}] ac-diff: rank 0's --check verdict did not come within {wait:.0f} s; this rank exits with "
+              "its own code", file=sys.stderr)
+    return own
+
+
+REPORT_WAIT_S = 600.0  # how long the other ranks wait for rank 0's diagnosis under --check, after its ranks' wait
