@@ -28,6 +28,7 @@ from ..children import Child, child_command
 from ..commands.rank_exchange import OP_S, StoreUnavailable, bounded, job_store
 from ..errors import InputError
 from ..diagnosis.compiled import reference_note
+from ..diagnosis.labels import number_ranges
 from ..report import DIVERGED, diverged_after, recomputed_in
 from ..remedies import ENV, RemedySpec
 from .graddiff import compare_captures
@@ -144,6 +145,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
     given = reference_dir
     results = []
     unreached: set[int] = set()  # ranks with a region that diverged after the backward passes compared
+    elsewhere: list[int] = []  # ranks whose gradients another node holds (no shared filesystem)
     for r in ranks:
         output_dir = dirs[r]
         reference_dir = Path(given) if given is not None else Path(output_dir) / REFERENCE_DIR
@@ -202,6 +204,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
             result.headline = f"{result.headline}; {only}" if done else only
             result.verdict = DIFFERS  # (checkpointing changes the training, whatever the gradients before it say)
         if run is None and ref is None and r != rank() and exit_code is not None:
+            elsewhere.append(r)
             result.headline = (f"rank {r}'s gradients are not in {output_dir} (written on another node, with no "
                                "shared filesystem): `ac-diff report` of a directory holding that node's output "
                                "compares them")
@@ -211,7 +214,14 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
         if compiled and compared:
             result.notes.append(compiled)
         results.append((r, result))
+    remote = None
+    if elsewhere and len(elsewhere) < len(results):  # (compared here: the others; where those are, a note)
+        results = [(r, res) for r, res in results if r not in elsewhere]
+        remote = (f"rank{'s' if len(elsewhere) > 1 else ''} {number_ranges(elsewhere)}: gradients on another node "
+                  "(no shared filesystem), not compared here: `ac-diff report` of every node's directory together "
+                  "compares them")
     if len(results) == 1:
+        results[0][1].notes += [remote] if remote else []
         return results[0][1]
     order = {DIFFERS: 0, NOT_COMPARABLE: 1, FAILED: 2, IDENTICAL: 3}
     # the headline: the rank whose gradients differ for a reason of its own before one that only received them; of
@@ -232,6 +242,7 @@ def reference_result(report: Any, output_dir: str | os.PathLike | dict[int, Path
             if e.text not in seen:
                 seen.add(e.text)
                 merged.explanations.append(e)
+    merged.notes += [remote] if remote else []
     return merged
 
 
