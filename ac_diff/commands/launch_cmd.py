@@ -603,7 +603,10 @@ def _checked_code(exchange: Any, r: int, own: int) -> int:
     with sigterm_stops_waiting(), contextlib.suppress(Exception):  # (rank 0 stopped: this rank's own code)
         while time.monotonic() < deadline and not _terminated.is_set():
             if bounded(lambda: exchange.store.check([VERDICT_KEY]), OP_S):
-                return int(bounded(lambda: exchange.store.get(VERDICT_KEY), OP_S))
+                code = int(bounded(lambda: exchange.store.get(VERDICT_KEY), OP_S))
+                if code:  # (rank 0 exits first: torchrun stops the others at the first failure, rank 0 included)
+                    _terminated.wait(EXIT_AFTER_S)
+                return code
             time.sleep(0.5)
     if not _terminated.is_set():
         print(f"[rank{r}] ac-diff: rank 0's --check verdict did not come within {wait:.0f} s; this rank exits with "
@@ -611,4 +614,5 @@ def _checked_code(exchange: Any, r: int, own: int) -> int:
     return own
 
 
+EXIT_AFTER_S = 5.0  # how long the other ranks leave rank 0 to exit first with a failing --check code
 REPORT_WAIT_S = 600.0  # how long the other ranks wait for rank 0's diagnosis under --check, after its ranks' wait
