@@ -247,8 +247,8 @@ class Recorder:
         self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
         self._backwards: dict[int, int] = {}  # autograd graph task -> the backward pass it is, from 1
-        # region number -> the forward's saved positions a backward read (unpacked) since they were last written
-        self._unpacked: dict[int, set[int]] = {}
+        # region number -> (region, the forward's saved positions a backward read since they were last written)
+        self._unpacked: dict[int, tuple[_Region, set[int]]] = {}
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
         # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
@@ -798,15 +798,16 @@ class Recorder:
         Written as "unpacked" records once no backward runs (`_write_unpacked`). Per saved tensor: lean."""
         region = getattr(frame, "_ac_diff_region", None)
         if region is not None and region.recorded and not region.watched:
-            self._unpacked.setdefault(region.number, set()).add(position)
+            self._unpacked.setdefault(region.number, (region, set()))[1].add(position)
 
     def _write_unpacked(self) -> None:
         """The positions backward passes read since the last call, per region: only outside a backward (one that is
         running would read more), so that a region's positions are whole for every backward that finished."""
         if self._unpacked and outside_backward():
             unpacked, self._unpacked = self._unpacked, {}
-            for number, positions in sorted(unpacked.items()):
-                self._writer.write({"type": "unpacked", "region": number, "positions": sorted(positions)})
+            for number, (region, positions) in sorted(unpacked.items(), key=lambda kv: kv[0]):
+                if region.hold != "clean":  # (a region summarized as reproduced: its passes are not in the trace)
+                    self._writer.write({"type": "unpacked", "region": number, "positions": sorted(positions)})
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:

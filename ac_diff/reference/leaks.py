@@ -76,22 +76,25 @@ class _Made(TorchDispatchMode):
         self.current_module = current_module
         self.autocast = autocast  # on as the region began (within an op's dispatch autocast reads as off)
         self.grad_storages = grad_storages  # storages that carry a gradient without no_grad
+        self.outside = set(grad_storages)  # theirs from outside the region (its inputs, parameters: alive throughout)
         self.new_storages: set[int] = set()
         self.made: list[tuple[weakref.ref, int, str, str | None, str | None, list[int]]] = []
-        # the tensors its ops returned: a tensor of a storage that carries a gradient, yet none of these, is an alias
-        # made where this mode does not see it, the region's `h.detach()` (for logging or fp8's amax; autograd
-        # wraps detach's result in a new tensor): meant to carry no gradient, nor what is computed from it alone
-        self.returned: dict[int, weakref.ref] = {}
+        # the tensors made in the region that would carry a gradient, by identity: not the region's `h.detach()` (for
+        # logging or fp8's amax; autograd wraps detach's result in a new tensor), meant to carry none, nor what is
+        # computed from it alone; nor a tensor whose memory a freed one's had (storage addresses are reused)
+        self.carrying: dict[int, weakref.ref] = {}
+        self.detached: dict[int, weakref.ref] = {}  # detach's own results (of the region's inputs, parameters)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if str(func) in DETACHED_ALIAS_OPS:
+            self.detached.update((id(t), weakref.ref(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             return out
-        self.returned.update((id(t), weakref.ref(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if len(self.made) >= MAX_TENSORS or _from_ac_diff():
             return out
         inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-        if not any(a.requires_grad or _storage(a) in self.grad_storages and self._returned(a) for a in inputs):
+        if not any(a.requires_grad or _held(self.carrying, a) or _storage(a) in self.outside
+                   and not _held(self.detached, a) for a in inputs):
             return out
         if is_autocast_weight_cast(str(func), self.autocast, not {_storage(a) for a in inputs} & self.new_storages):
             return out
@@ -103,12 +106,15 @@ class _Made(TorchDispatchMode):
                     continue  # in place on, or a view of, something that existed before the region
                 self.grad_storages.add(key)
                 self.new_storages.add(key)
+                self.carrying[id(t)] = weakref.ref(t)
                 self.made.append((weakref.ref(t), key, str(func), self.current_module(), user_source(), list(t.shape)))
         return out
 
-    def _returned(self, t: torch.Tensor) -> bool:
-        held = self.returned.get(id(t))
-        return held is not None and held() is t
+
+def _held(refs: dict[int, weakref.ref], t: torch.Tensor) -> bool:
+    """`t` is the tensor `refs` holds under its id (alive: an id is reused once its tensor is freed)."""
+    held = refs.get(id(t))
+    return held is not None and held() is t
 
 
 class ReentrantWatch:
