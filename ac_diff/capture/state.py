@@ -199,11 +199,15 @@ def host_rng_states() -> tuple:
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         with contextlib.suppress(Exception):
-            # (the key, and the position in it: a draw moves the position, the key only every 624 words)
-            _, key, position, has_gauss, gauss = numpy_random.get_state()
-            states.append(("numpy.random", hashlib.blake2b(key.tobytes(), digest_size=8).hexdigest(), position,
-                           has_gauss, gauss))
+            states.append(("numpy.random", *_numpy_state(numpy_random.get_state())))
     return tuple(states)
+
+
+def _numpy_state(state: tuple) -> tuple:
+    """A numpy RandomState's `get_state()`, comparable and small: the key's digest, and the position in it (a draw
+    moves the position, the key only every 624 words)."""
+    _, key, position, has_gauss, gauss = state
+    return hashlib.blake2b(key.tobytes(), digest_size=8).hexdigest(), position, has_gauss, gauss
 
 
 def generator_state(value: Any) -> Any:
@@ -215,8 +219,7 @@ def generator_state(value: Any) -> Any:
     if numpy_random is None:
         return None
     if isinstance(value, numpy_random.RandomState):
-        _, key, position, has_gauss, gauss = value.get_state()
-        return hashlib.blake2b(key.tobytes(), digest_size=8).hexdigest(), position, has_gauss, gauss
+        return _numpy_state(value.get_state())
     if isinstance(value, numpy_random.Generator):
         return repr(value.bit_generator.state)
     return None

@@ -29,7 +29,7 @@ from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_hea
 from .passdiff import Tolerance
 from ..logs.errors import version_check
 from .groups import group_regions
-from .labels import module_label
+from .labels import module_label, positions_label
 from .ranks import cross_rank_findings, failed_at, killed_first, rank_summaries
 from .region import NO_GRAD_PASS, Settings, diagnose_region
 from .watched import never_recomputed, watch_summary, watched_clean
@@ -708,9 +708,10 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         extra += held_choice_note(regions)
         unread = [r for r in regions if r.status == CLEAN and any(UNREAD in n for n in r.notes)]
         if unread:
+            # (a clean region's positions that hold other values are those: one a backward read would diverge it)
+            shown = positions_label([p for p in unread[0].positions if p.values_differ])
             extra += (f"; {len(unread)} of them saved other values too, which no backward read (region "
-                      f"{unread[0].region}: {next(n for n in unread[0].notes if UNREAD in n).split(' hold ')[0]}): "
-                      "harmless for the gradients")
+                      f"{unread[0].region}: {shown}): harmless for the gradients")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor

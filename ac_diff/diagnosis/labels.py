@@ -187,3 +187,9 @@ def branch_sites(region: Region, control: Divergence) -> str:
     if fwd is None or rec is None or (fwd.module, fwd.source) == (rec.module, rec.source):
         return where(control.module, control.source)
     return f"{where(fwd.module, fwd.source)} (the forward's op) and {where(rec.module, rec.source)} (the recompute's)"
+
+
+def positions_label(positions: list) -> str:
+    """"saved position(s) 4, 10 (aten.sigmoid.default at act (model.py:14 in forward))": report PositionRows."""
+    made = ", ".join(dict.fromkeys(f"{p.op or p.origin} at {where(p.module, p.source)}" for p in positions[:3]))
+    return f"saved position(s) {number_ranges([p.position for p in positions])} ({made})"

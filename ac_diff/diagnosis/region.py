@@ -32,7 +32,7 @@ from .inplace_input import (input_written, input_written_after, name_input_write
                            saved_by_its_ops)
 from .suggest import repeated_update_suggestion, suggestions_for
 from .watched import WATCHED_ORIGINS, explain_watched
-from .labels import args_diff, number_ranges, op_label, outputs_diff, where
+from .labels import args_diff, number_ranges, op_label, outputs_diff, positions_label, where
 
 
 @dataclass(frozen=True)
@@ -213,11 +213,10 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
               and p.position not in region.unpacked and region.kind != "reentrant" and not region.watched]
     position_values = any(p.values_differ for p in report.positions if p not in unread)
     if unread:
-        made = ", ".join(dict.fromkeys(f"{p.op or p.origin} at {where(p.module, p.source)}" for p in unread[:3]))
         report.notes.append(
-            f"saved position(s) {number_ranges([p.position for p in unread])} ({made}) hold other values in the "
-            f"recompute, {UNREAD} (their gradient formula never ran: the loss depends on nothing "
-            "that goes through them, a branch only `.item()` or a decision reads): harmless for the gradients")
+            f"{positions_label(unread)} hold other values in the recompute, {UNREAD} (their gradient formula never "
+            "ran: the loss depends on nothing that goes through them, a branch only `.item()` or a decision reads): "
+            "harmless for the gradients")
     count_mismatch = _count_mismatch(fwd, rec)
     first = cmp.first_divergence()
     if fwd.positions and (region.kind != "reentrant" or region.watched):  # (watched: a reentrant one's outputs)

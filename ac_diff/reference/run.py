@@ -101,16 +101,15 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
         if store is not None:
             with contextlib.suppress(Exception):
                 bounded(lambda: store.set(key, str(port)), OP_S)
-        return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        return _group(port)
     deadline = time.monotonic() + PORT_WAIT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.stat().st_mtime >= since:
-            return {"MASTER_PORT": port_file.read_text(), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+            return _group(port_file.read_text())
         if store is not None:
             with contextlib.suppress(Exception):
                 if bounded(lambda: store.check([key]), OP_S):
-                    got = bounded(lambda: store.get(key), OP_S).decode()
-                    return {"MASTER_PORT": got, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+                    return _group(bounded(lambda: store.get(key), OP_S).decode())
         time.sleep(0.2)
     raise InputError(f"the reference run's ranks could not meet: rank 0 published no port within {PORT_WAIT_S:.0f} s "
                      "(neither through torchrun's agent store nor in the output directory); run --reference on one "
@@ -118,6 +117,11 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
 
 
 _STARTED = itertools.count()  # the references this process started
+
+
+def _group(port: int | str) -> dict[str, str]:
+    """The reference ranks' environment: their own group on `port`, not torchrun's agent store."""
+    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
 def _check_outputs(report: Any, r: int, run_path: Path, run: dict | None, ref_path: Path, ref: dict | None,
