@@ -298,7 +298,7 @@ def fix(
     steps: int = typer.Option(2, "--steps", metavar="N", help="Backward passes whose gradients are compared with the run without AC (a state the recompute updates twice shows in the second)."),
     jobs: int = typer.Option(1, "--jobs", metavar="N", help="Tries run at the same time."),
     compiled: Optional[str] = CompiledOption,
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", help="Run the script and every try with torchrun, N processes."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N", help="Run the script and every try with torchrun, N processes (1 too: a script that needs torchrun's environment)."),
     reference_budget: Optional[float] = BudgetOption,
     fmt: FormatOption = None,
     json_path: JsonOption = None,
@@ -322,13 +322,15 @@ def fix(
     _compiled_stance(compiled)
     _reference_budget(reference_budget)
     check_target(target, module)
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise typer.BadParameter(f"--nproc-per-node must be an integer >= 1 (got {nproc_per_node})")
     output_dir = checked_dir(output_dir or os.path.join(cfg.output_dir, "fix"))
     with _held(output_dir):
         raise typer.Exit(fix_command(target, list(args or []), module=module, output_dir=output_dir,
                                      max_tries=max_tries, max_regions=max_modules if max_modules is not None
                                      else old_max_regions, steps=steps, jobs=jobs, fmt=fmt, json_path=json_path,
                                      output=output_file(_report_file(fmt, report_file, output_dir), "--report"),
-                                     settings=cfg.settings(None, None), nproc=nproc_per_node))
+                                     settings=cfg.settings(None, None), nproc=nproc_per_node or 0))
 
 
 @app.command(**SCRIPT_COMMAND)

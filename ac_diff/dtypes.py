@@ -48,3 +48,20 @@ def carries_gradient(name: str) -> bool:
     except ValueError:
         return True
     return dtype.is_floating_point or dtype.is_complex
+
+
+def computes_in_float32(names: list[str]) -> bool:
+    """Whether an op on tensors of these short dtypes computes in float32 at most: a floating tensor among them, none
+    wider than 32 bits (f32, bf16, f16, fp8; not f64, not complex). Such a kernel casts a Python float argument to
+    float32 (a scalar's compute type: `x / 0.1` computes with float32(0.1))."""
+    floating = []
+    for name in names:
+        try:
+            dtype = dtype_from_short(name)
+        except ValueError:
+            return False
+        if dtype.is_complex or dtype.is_floating_point and dtype.itemsize > 4:
+            return False
+        if dtype.is_floating_point:
+            floating.append(dtype)
+    return bool(floating)

@@ -188,6 +188,28 @@ HOST_READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
 IDENTITY_WHERE_UNCHANGED = frozenset({"clamp", "clamp_min", "clamp_max", "clip"})
 
 
+# Ops whose gradient reads no floating-point value of their inputs or output, only shapes, scalars and indices (a
+# residual's add, a centering's sub, views, casts, sums, gathers): a value that differs in a reentrant recompute and
+# reaches only such ops changes the outputs, not the gradients. In-place variants included; mul and div only by a
+# Python scalar.
+_VALUE_BLIND = frozenset({
+    "add", "sub", "rsub", "neg", "sum", "mean", "cumsum", "clone", "contiguous", "_to_copy", "alias", "lift_fresh",
+    "view", "_unsafe_view", "reshape", "view_as", "permute", "transpose", "t", "expand", "expand_as", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "narrow", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
+    "cat", "stack", "repeat", "constant_pad_nd", "index_select", "gather", "embedding", "where", "roll", "flip"})
+_VALUE_BLIND_BY_SCALAR = frozenset({"mul", "div"})
+
+
+def reads_values_in_backward(name: str) -> bool:
+    """Whether an op's gradient may read the values it computed with (a mul.Tensor, a relu, a matmul; any op not
+    known to be blind to them: see _VALUE_BLIND)."""
+    _, base, overload = split_op(name)
+    base = base[:-1] if is_in_place_method(name) else base
+    if base in _VALUE_BLIND:
+        return False
+    return not (base in _VALUE_BLIND_BY_SCALAR and overload == "Scalar")
+
+
 def is_host_read(name: str) -> bool:
     return packet(name) in HOST_READ_OPS
 

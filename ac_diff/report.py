@@ -269,6 +269,9 @@ class RegionReport:
     # a clean region's chooser whose scores moved between the passes without flipping a choice: what a larger batch,
     # with rows nearer a tie, flips ("topk at moe.py:49: the scores moved by up to 0.001, closest margin 0.03")
     held_choice: str | None = None
+    # a clean reentrant region's first op whose values differed in its recompute where no gradient formula reads them
+    # (`x + y - shift`: "aten.sub.Tensor at blocks.0 (train.py:13 in forward)")
+    unread_values: str | None = None
     # tensors its recompute updates again that its code reads only as a number an op that updates state takes (a
     # batch norm's momentum=None factor): no gradient changes, that op's state does (what `fix` must leave once)
     read_into: list[str] = field(default_factory=list)
@@ -337,6 +340,7 @@ class RegionReport:
             "watched": self.watched, "step": self.step, "optimizer_step": self.optimizer_step,
             "backward": self.backward, "function": self.function, "recompute_n": self.recompute_n,
             "backward_raised": self.backward_raised, "held_choice": self.held_choice,
+            "unread_values": self.unread_values,
         })
         return data
 
@@ -363,6 +367,7 @@ NO_GRAD_INPUTS = "no backward: its inputs require no grad"
 AT_RISK = (SIDE_OUTPUT, STATE_READ_AGAIN, NO_GRAD_INPUTS)  # never clean: what the gradients of the run may lose
 FORWARD_UNRECORDED = "forward not recorded"  # ... of a region recomputed in the recording whose forward ran before it
 VALUES_NOT_RECORDED = "values not recorded"  # ... of a region recorded with --no-fingerprints whose metadata matched
+NEVER_CLEAN = (*AT_RISK, VALUES_NOT_RECORDED, FORWARD_UNRECORDED)  # a run (a rank) with such a region is not clean
 RECOMPUTE_RAISED = "the recompute raised"  # ... of a region whose recompute stopped on an exception (compared in part)
 
 

@@ -262,3 +262,17 @@ def test_fix_of_a_run_that_compared_nothing_does_not_pass(tmp_path):
     proc, report = _fix(tmp_path / "out", str(script))
     assert report["verdict"] == "unchecked", report["headline"]
     assert proc.returncode == 4, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("ranks, per_node, flag", [(1, None, ""), (1, 1, "--nproc-per-node 1 "),
+                                                    (4, 2, "--nproc-per-node 2 "),
+                                                    (2, 1, "--nproc-per-node 1 "), (3, None, "--nproc-per-node 3 ")])
+def test_a_run_under_torchrun_is_verified_under_torchrun(ranks, per_node, flag):
+    """32c: two nodes of one process each: the verify line read `ac-diff fix train.py` (no torchrun: the script's
+    init_process_group found no RANK), and `fix --nproc-per-node 1` ran it without torchrun too. Under torchrun
+    (LOCAL_WORLD_SIZE set), `fix` runs one node's processes under torchrun, one of them too."""
+    from ac_diff.fix.statuses import fix_command, run_command, verify_nproc
+
+    n = verify_nproc(ranks, per_node)
+    assert fix_command("train.py", ["--lr", "1"], False, n) == f"ac-diff fix {flag}train.py --lr 1"
+    assert run_command([], "train.py", [], False, n).startswith(f"ac-diff run {flag}--reference no-ac")

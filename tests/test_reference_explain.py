@@ -537,6 +537,40 @@ def test_a_rank_whose_sharded_gradients_receive_another_ranks_error_keeps_its_re
     assert any("reduced across ranks" in n for n in regions[1].notes), regions[1].notes
 
 
+def test_the_ranks_table_follows_the_regions_the_comparison_settles():
+    """32c: two nodes, a call counter on ranks 2-3 only; the comparison with the run without AC turned their regions
+    whose code reads it (held unchecked) into diverged ones: the report read SILENTLY DIVERGED over a ranks table of
+    `clean 0 of 6` on every rank and "cross-rank: clean: ranks 0-3"."""
+    from ac_diff.diagnosis.ranks import cross_rank_findings, rank_summaries
+    from ac_diff.reference.explain import attach
+    from ac_diff.reference.result import ReferenceResult
+    from ac_diff.report import STATE_READ_AGAIN, Cause, Report, RegionReport
+
+    def region(rank, n, status, reason=None):
+        return RegionReport(rank=rank, region=n, module="blocks.0", kind="checkpoint", status=status, silent=False,
+                            cause=Cause("state_mutation", "blocks.0.calls", "read again") if reason else None,
+                            first_value_divergence=None, first_discrete_divergence=None, first_shape_divergence=None,
+                            first_control_divergence=None, positions=[], suggestions=[], chain=[],
+                            unchecked_reason=reason, step=n + 1, backward=n + 1)
+
+    regions = [region(rank, n, "clean") for rank in (0, 1) for n in range(2)] + [
+        region(1, 2, "unchecked", STATE_READ_AGAIN)]
+    report = Report(verdict="unchecked", headline="gradients at risk", regions=regions)
+    report.ranks = rank_summaries(report)
+    report.cross_rank_findings = cross_rank_findings([], report).findings
+    assert [s.verdict for s in report.ranks] == ["clean", "unchecked"]  # (at risk: never clean)
+    steps = [StepComparison(step=s, loss_identical=s < 2, loss_rel_diff=None, parameters=2, identical=2, rank=rank,
+                            differing=[ParamDiff("blocks.0.w", "differs", 0.1, region="blocks.0")]
+                            if rank == 1 and s == 2 else [])
+             for rank in (0, 1) for s in range(3)]
+    attach(report, ReferenceResult("no-ac", DIFFERS, "gradients differ", 3, steps=steps))
+    assert regions[-1].status == "diverged"  # (the comparison's own doing)
+    assert [(s.verdict, s.diverged, s.clean, s.unchecked) for s in report.ranks] == [
+        ("clean", 0, 2, 0), ("diverged", 1, 2, 0)], report.ranks
+    assert report.ranks[1].first_region == 2 and report.ranks[1].cause == "state_mutation"
+    assert report.cross_rank[0].startswith("diverged: rank 1 (1 of 2 ranks); clean: rank 0"), report.cross_rank
+
+
 def test_fix_calls_a_try_unverified_where_the_run_without_ac_finished_no_backward(tmp_path):
     """28e: truncated BPTT whose hidden state is updated in place: without AC autograd raises (an in-place error AC
     hides), so the run without AC finishes no backward. The restore that makes every recompute match was "did not

@@ -128,7 +128,7 @@ def test_a_reference_that_ran_more_backward_passes_than_this_run_was_asked_for_i
 
     from ac_diff.reference.grads import GradCapture
     from ac_diff.reference.run import reference_result
-    from ac_diff.reference.session import grads_path
+    from ac_diff.reference.paths import grads_path
 
     def captured(directory, steps: int, backwards: int) -> None:
         torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_models_trained_on_two_threads_at_once_are_not_compared(tmp_path):
 
     from ac_diff.reference.grads import GradCapture
     from ac_diff.reference.run import reference_result
-    from ac_diff.reference.session import grads_path
+    from ac_diff.reference.paths import grads_path
 
     def captured(directory, threads: int) -> None:
         models = [torch.nn.Linear(4, 2) for _ in range(threads)]

@@ -249,6 +249,8 @@ class _Predicts(nn.Module):
             pred = (self.cls(h) + self.prior).argmax(-1)
         if self.into_output == "matmul":
             return (x + h) @ (torch.eye(16) * (1 + self.prior.sum())), pred
+        if self.into_output == "shift":  # (a sub's gradient reads no value: the output moves, no gradient does)
+            return x + h - self.prior.sum(), pred
         return (x + h) * (1 + self.prior.sum() if self.into_output == "elementwise" else 1), pred
 
 
@@ -266,18 +268,25 @@ def _reentrant_steps(path, into_output: str, ac: bool) -> list:
     return grads
 
 
-@pytest.mark.parametrize("into_output", ["", "matmul", "elementwise"])
+@pytest.mark.parametrize("into_output", ["", "matmul", "elementwise", "shift"])
 def test_a_reentrant_regions_output_that_gets_no_gradient_is_no_divergence(tmp_path, into_output):
     """30a: a reentrant region's backward runs on the graph its recompute builds, from the outputs that require grad.
     A prediction it returns under no_grad (an argmax of a prior the loop moved) differs in the recompute and reaches
     nothing the backward reads: the gradients are bit-identical, and it read SILENTLY DIVERGED. Where the prior also
     reaches the returned hidden state, it is a divergence; through an elementwise op too, which read CLEAN: the
-    outputs a reentrant pass returns are measured, not inferred."""
+    outputs a reentrant pass returns are measured, not inferred. 31a: where it reaches the hidden state only through a
+    sub (`x + h - shift`), no gradient formula reads the value that moved: bit-identical gradients, and it read
+    SILENTLY DIVERGED."""
     path = tmp_path / "trace-rank0.jsonl"
     with ac_diff.record(path, write="all"):
         recorded = _reentrant_steps(path, into_output, True)
     same = all(torch.equal(a, b) for s, t in zip(recorded, _reentrant_steps(None, into_output, False))
                for a, b in zip(s, t))
-    assert same is not bool(into_output)  # (the truth)
+    moves_gradients = into_output in ("matmul", "elementwise")
+    assert same is not moves_gradients  # (the truth)
     report = ac_diff.diagnose_paths([path])
-    assert report.verdict == ("diverged" if into_output else "clean"), report.headline
+    assert report.verdict == ("diverged" if moves_gradients else "clean"), report.headline
+    if into_output == "shift":
+        assert "in 2 of them the recompute computed other values, which no gradient reads" in report.headline, \
+            report.headline
+        assert "buffer `prior` changed" in report.regions[0].notes[0], report.regions[0].notes

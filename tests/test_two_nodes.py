@@ -131,6 +131,41 @@ def test_a_shared_directory_is_not_sent_twice(tmp_path, monkeypatch):
     assert trace.stat().st_mtime_ns == before
 
 
+def test_a_ranks_gradients_and_its_references_travel_with_its_trace(tmp_path, monkeypatch):
+    """32c: with `--reference no-ac` on two nodes, rank 0 compared only its own node's ranks (the others' gradients
+    stayed on their node). The files a comparison of a rank reads go with its trace, in their place under rank 0's
+    directory; one over the rank's share of the store stays behind, named."""
+    from ac_diff.reference.paths import REFERENCE_DIR, grads_path, rank_outputs, side_path
+
+    store = dist.HashStore()
+    node1, node0 = tmp_path / "node1" / "out", tmp_path / "node0" / "out"
+    trace = record_rank(node1 / "trace-rank1.jsonl", 1, monkeypatch, world=2)
+    (node1 / REFERENCE_DIR).mkdir()
+    files = {grads_path(node1, 1): b"run gradients", side_path(node1, 1): b"{}",
+             grads_path(node1 / REFERENCE_DIR, 1): b"reference gradients" * 1000}
+    for path, data in files.items():
+        path.write_bytes(data)
+    grads_path(node1, 0).write_bytes(b"another rank's: not sent")
+    assert sorted(rank_outputs(node1, 1)) == sorted(files)
+    monkeypatch.setattr(rank_exchange, "CHUNK", 4096)  # several chunks
+    meta = rank_exchange.Exchange(store, 1, 2).send(trace, node1, rank_outputs(node1, 1))
+    assert not meta["left"] and len(meta["files"]) == 3
+    zero = rank_exchange.Exchange(store, 0, 2)
+    assert zero.receive(node0, RID) == {0, 1}
+    for path, data in files.items():
+        assert (node0 / path.relative_to(node1)).read_bytes() == data
+    assert not (node0 / "grads-rank0.pt").exists()
+    assert not store.check(["file/1/2/0"])  # taken out of the store
+
+    small = trace.stat().st_size + 100  # (room for the trace and the small files only)
+    meta = rank_exchange.Exchange(store, 1, 2, cap=small).send(trace, node1, rank_outputs(node1, 1))
+    assert meta["left"] == [f"{REFERENCE_DIR}/grads-rank1.pt"] and len(meta["files"]) == 2
+    zero = rank_exchange.Exchange(store, 0, 2, cap=small)
+    zero.receive(tmp_path / "elsewhere", RID, scan=True)
+    notes = launch_cmd._received_notes(zero)
+    assert any(n.startswith(f"rank 1: {REFERENCE_DIR}/grads-rank1.pt stayed on its node") for n in notes), notes
+
+
 def test_a_trace_over_the_cap_travels_without_its_op_lists(tmp_path, monkeypatch):
     store = dist.HashStore()
     # (no clean sample written in full: each block is its own module, `blocks.0`-`2`)
@@ -408,10 +443,11 @@ def test_reference_no_ac_on_two_nodes_without_a_shared_filesystem(tmp_path):
     said = zero["stderr"][-4000:] + one["stderr"][-4000:]
     report = report_json(zero["dir"] / "report.json")
     assert report["verdict"] == DIVERGED and report["reference"], said
-    # rank 0 compares the ranks whose gradients its node holds, and says where the others' are
-    notes = report["reference"]["notes"]
-    assert any(n.startswith("ranks 2-3: gradients on another node") for n in notes), notes
-    assert "another node" not in report["reference"]["headline"]  # (the headline: the ranks compared here)
+    # (32c: rank 0 compared only its own node's ranks) node 1's gradients and its reference's came with its traces
+    reference = report["reference"]
+    assert reference["verdict"] == "differs" and "rank 3" in reference["headline"], reference
+    assert not any("another node" in n for n in reference["notes"]), reference["notes"]
+    assert {s["rank"] for s in reference["steps"]} == {0, 1, 2, 3}, reference["steps"]
     assert (one["dir"] / "out" / "reference" / "grads-rank3.pt").exists(), said  # (node 1's reference ran)
     # with node 1's directory beside it, every rank is compared: rank 3's gradients differ
     merged = run_cli("report", "--json", str(tmp_path / "merged.json"), str(zero["dir"] / "out"),

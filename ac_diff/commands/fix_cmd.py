@@ -68,10 +68,10 @@ def _report_of(directory: Path, settings: Settings) -> tuple[Any, Any] | tuple[N
 
 def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, max_tries: int,
                 max_regions: int | None, steps: int, jobs: int, fmt: str, json_path: str | None,
-                output: str | None, settings: Settings, nproc: int = 1) -> int:
+                output: str | None, settings: Settings, nproc: int = 0) -> int:
     check_target(target, module)
     share_stdin()  # (every try runs the script again)
-    if max_tries < 0 or steps < 1 or jobs < 1 or nproc < 1:
+    if max_tries < 0 or steps < 1 or jobs < 1 or nproc < 0:
         return fail("--max-tries must be >= 0, --steps, --jobs and --nproc-per-node >= 1")
     out = Path(output_dir)
     for stale in [out / "base", out / "reference", out / "reference-deterministic", *out.glob("try-*")]:
@@ -83,7 +83,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
     # every region's ops and saved positions: a try's extra memory is read from them (fix/memory.py), and a summarized
     # clean region (the default --write diverged) has none; fix runs a few steps, so the traces stay small
     run = ["-m", "ac_diff", "run", "--force", "--write", "all",
-           *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
+           *(["--nproc-per-node", str(nproc)] if nproc else [])]
     print(f"ac-diff fix: recording one run and one run without AC of {' '.join(tail)}", file=sys.stderr)
     references: dict[bool, tuple[Path, Measured, str]] = {}
     lock = threading.Lock()
@@ -97,7 +97,7 @@ def fix_command(target: str, args: list[str], *, module: bool, output_dir: str, 
                 # the reference's ranks: a torchrun of their own, started like the launcher's (children.py)
                 child, text = reference_command(target, args, module=module, directory=directory, steps=try_steps,
                                                 spec=RemedySpec(deterministic=deterministic),
-                                                nproc=nproc if nproc > 1 else 0)
+                                                nproc=nproc)
                 references[deterministic] = directory, run_measured(child, out / f"{directory.name}.log"), text
             return references[deterministic]
 

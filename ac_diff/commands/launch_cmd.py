@@ -421,6 +421,13 @@ def _received_notes(exchange: Any) -> list[str]:
     for r, why in sorted(exchange.damaged.items()):
         notes.append(f"rank {r}'s trace arrived incomplete through the rendezvous store ({why}); its full trace is "
                      "where that rank wrote it")
+    for r, meta in sorted(exchange.arrived.items()):
+        behind = [*(meta.get("left") or ()), *(meta.get("lost") or ())]
+        if behind:
+            notes.append(f"rank {r}: {', '.join(behind[:3])}{' ...' if len(behind) > 3 else ''} stayed on its node "
+                         f"({_place(meta.get('node'), meta.get('host'), meta.get('dir'))}): over the "
+                         f"{exchange.cap / (1 << 20):.0f} MiB a rank may send, or cut on the way; `ac-diff report` of "
+                         "that directory beside this one reads them")
     return notes
 
 
@@ -509,11 +516,12 @@ def _connected(r: int, output_dir: str, trace_path: Path):
 
 def _hand_over(exchange: Any, r: int, trace_path: Path, output_dir: str) -> None:
     """A non-zero rank's finished trace to rank 0 (rank_exchange.Exchange.send), within SEND_S; a failure is one line."""
+    from ..reference.paths import rank_outputs
     from .rank_exchange import SEND_S, bounded
 
     try:
         with sigterm_stops_waiting():  # torchrun's SIGTERM waits for the trace to be handed over
-            bounded(lambda: exchange.send(trace_path, output_dir), SEND_S)
+            bounded(lambda: exchange.send(trace_path, output_dir, rank_outputs(output_dir, r)), SEND_S)
     except Exception as exc:  # noqa: BLE001 - one line; the trace stays where it is
         print(f"[rank{r}] ac-diff: could not send the trace to rank 0 through the rendezvous store "
               f"({type(exc).__name__}: {str(exc).strip()[:200]}); it stays in {trace_path}", file=sys.stderr)

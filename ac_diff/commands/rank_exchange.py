@@ -15,7 +15,9 @@ launches (or two restarts) never mix:
 
     hello/R    {"rank", "host", "pid", "dir", "node", "local_rank"}   set when rank R starts
     trace/R/i  chunk i of rank R's trace file                          taken (and deleted) by rank 0
-    done/R     what was sent: {"chunks", "bytes", "crc", "cut", "original_bytes", "shared", "path", ...}
+    file/R/i/j chunk j of the i-th file sent with it (its gradients, its reference's: `--reference` on that node)
+    done/R     what was sent: {"chunks", "bytes", "crc", "cut", "original_bytes", "shared", "path", "files",
+               "left" (files over the rank's share, not sent), ...}
     done       how many ranks are done (rank 0 polls this one key)
 
 A trace above the rank's share of the store (`rank_cap`: RANK_CAP, less in a big job) travels cut: its header,
@@ -29,6 +31,7 @@ filesystem).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -165,9 +168,11 @@ class Exchange:
         return found
 
     # -- a non-zero rank -------------------------------------------------------------------------------
-    def send(self, trace_path: Path, output_dir: str | os.PathLike) -> dict[str, Any]:
-        """Hand the finished trace to rank 0 (nothing but "done" when rank 0 writes into the same directory);
-        returns what "done" says."""
+    def send(self, trace_path: Path, output_dir: str | os.PathLike, companions: Iterable[Path] = ()
+             ) -> dict[str, Any]:
+        """Hand the finished trace to rank 0 (nothing but "done" when rank 0 writes into the same directory), and
+        `companions`: files under `output_dir` a report of this rank reads too (its gradients and its reference's),
+        while the rank's share of the store lasts; returns what "done" says."""
         me = where_am_i(self.rank, output_dir)
         zero = self._get_json("hello/0")
         meta: dict[str, Any] = {**me, "path": os.path.realpath(trace_path), "chunks": 0, "bytes": 0, "crc": 0,
@@ -176,12 +181,35 @@ class Exchange:
         if not meta["shared"]:
             data, original = trace_bytes(trace_path, self.cap, me["host"])
             meta.update(bytes=len(data), crc=zlib.crc32(data), cut=original is not None, original_bytes=original)
-            for i, start in enumerate(range(0, len(data), CHUNK)):
-                self.store.set(f"trace/{self.rank}/{i}", data[start:start + CHUNK])
-                meta["chunks"] = i + 1
+            meta["chunks"] = self._put(f"trace/{self.rank}", data)
+            meta["files"], meta["left"] = self._send_files(companions, Path(output_dir), self.cap - len(data))
         self.store.set(f"done/{self.rank}", json.dumps(meta))
         self.store.add(DONE_COUNT, 1)
         return meta
+
+    def _put(self, key: str, data: bytes) -> int:
+        """`data` in chunks under key/0, key/1, ...; how many (an empty file: one empty chunk)."""
+        starts = range(0, max(len(data), 1), CHUNK)
+        for i, start in enumerate(starts):
+            self.store.set(f"{key}/{i}", data[start:start + CHUNK])
+        return len(starts)
+
+    def _send_files(self, files: Iterable[Path], base: Path, room: int) -> tuple[list[dict], list[str]]:
+        """Each file under `base` that fits in `room` bytes (in order), as file/R/i; the paths of those left behind."""
+        sent: list[dict] = []
+        left: list[str] = []
+        for path in files:
+            try:
+                rel, data = path.relative_to(base).as_posix(), path.read_bytes()
+            except (OSError, ValueError):
+                continue
+            if len(data) > room:
+                left.append(rel)
+                continue
+            room -= len(data)
+            chunks = self._put(f"file/{self.rank}/{len(sent)}", data)
+            sent.append({"path": rel, "chunks": chunks, "bytes": len(data), "crc": zlib.crc32(data)})
+        return sent, left
 
     # -- rank 0 ------------------------------------------------------------------------------------------
     def receive(self, directory: Path, rid: str | None, scan: bool = False) -> set[int]:
@@ -219,10 +247,29 @@ class Exchange:
         if _finished_trace_of(target, rid):  # a shared filesystem: the rank wrote it there itself
             return
         directory.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(f".{target.name}.{os.getpid()}.part")
-        part.write_bytes(data)
-        os.replace(part, target)
+        _write(target, data)
         self.arrived[r] = meta
+        for i, f in enumerate(meta.get("files") or ()):
+            self._take_file(r, i, f, directory)
+
+    def _take_file(self, r: int, i: int, f: dict[str, Any], directory: Path) -> None:
+        """A companion of rank r's trace (Exchange.send) written at its place under `directory`; one that did not
+        arrive whole is named in the rank's `meta["lost"]`."""
+        rel = Path(str(f.get("path", "")))
+        keys = [f"file/{r}/{i}/{j}" for j in range(int(f.get("chunks", 0)))]
+        try:
+            data = b"".join(self.store.get(k) for k in keys)
+        except Exception:  # noqa: BLE001 - a chunk gone missing
+            data = None
+        for k in keys:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(k)
+        if rel.is_absolute() or ".." in rel.parts or data is None or len(data) != f.get("bytes") \
+                or zlib.crc32(data) != f.get("crc"):
+            self.arrived[r].setdefault("lost", []).append(rel.as_posix())
+            return
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        _write(directory / rel, data)
 
     def _get_json(self, key: str) -> dict[str, Any] | None:
         if not self.store.check([key]):
@@ -232,6 +279,13 @@ class Exchange:
         except ValueError:
             return None
         return value if isinstance(value, dict) else None
+
+
+def _write(target: Path, data: bytes) -> None:
+    """`data` as `target`, whole or not at all (a reader never sees a part)."""
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    part.write_bytes(data)
+    os.replace(part, target)
 
 
 def _finished_trace_of(path: Path, rid: str | None) -> bool:

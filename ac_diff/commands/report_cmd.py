@@ -21,7 +21,7 @@ from ..diagnosis import diagnose
 from ..errors import InputError
 from ..fix.statuses import mark_from_runs
 from ..passes import Run
-from ..reference.session import grads_path
+from ..reference.paths import grads_path
 from .common import emit
 from .run_extras import decorate_from_outputs
 

@@ -21,7 +21,8 @@ from typing import Any
 from ..fix.statuses import mark, verify_nproc
 from ..reference.explain import attach
 from ..reference.run import reference_result, run_reference
-from ..reference.session import REFERENCE_DIR, CaptureSession, grads_path, load_side
+from ..reference.paths import REFERENCE_DIR, grads_path
+from ..reference.session import CaptureSession, load_side
 from ..remedies import CheckpointPatch, RemedySpec, split_ops
 
 CAPTURE_ENV = "AC_DIFF_CAPTURE_STEPS"

@@ -19,7 +19,7 @@ from ..stateflags import flag_label
 from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
-from ..report import (AT_RISK, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, FORWARD_UNRECORDED,
+from ..report import (NEVER_CLEAN, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, FORWARD_UNRECORDED,
                       NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UNREAD,
                       VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
                       backwards_recorded, missing_ranks, repeated_updates)
@@ -124,7 +124,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     damaged = any(r.status == DAMAGED for r in region_reports) or any(run.damaged for run in runs)
     # reproduced, yet never clean; or compared without values (--no-fingerprints)
     # (or recomputed where its forward was not recorded: its gradients were computed, not compared)
-    at_risk = any(r.unchecked_reason in (*AT_RISK, VALUES_NOT_RECORDED, FORWARD_UNRECORDED) for r in region_reports)
+    at_risk = any(r.unchecked_reason in NEVER_CLEAN for r in region_reports)
     verdict = (DIVERGED if diverged or errors else DAMAGED if damaged else
                UNCHECKED if crash or lost or at_risk or not (any(r.status == CLEAN for r in region_reports)
                                                              or watched_clean(watch))
@@ -712,6 +712,10 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
             shown = positions_label([p for p in unread[0].positions if p.values_differ])
             extra += (f"; {len(unread)} of them saved other values too, which no backward read (region "
                       f"{unread[0].region}: {shown}): harmless for the gradients")
+        blind = [r for r in regions if r.status == CLEAN and r.unread_values]
+        if blind:
+            extra += (f"; in {len(blind)} of them the recompute computed other values, which no gradient reads "
+                      f"(region {blind[0].region}: {blind[0].unread_values}): harmless for the gradients")
         flagged = [r for r in regions if r.status == CLEAN and r.cause is not None]  # cause.explain_flags
         if flagged:
             key = flagged[0].cause.tensor
@@ -723,7 +727,8 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
         which = "the" if outputs_only >= watched else f"{outputs_only} of the"
         only = (f" ({which} watched reentrant ones: their outputs; their forward saves nothing)" if outputs_only
                 else "")
-        what = "the saved tensors a backward read" if unread else "their saved tensors"
+        what = ("the saved tensors a backward read" if unread else "every value their gradients read" if blind
+                else "their saved tensors")
         return f"clean: all {checked} recomputed region(s){how} reproduced {what} exactly{only}{extra}"
     # lead with the region torch complained about, else the first in forward order (a watched one too: its cause
     # names its module's full recording); the lowest rank first, as the report's details and cross-rank lines (a

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..dtypes import carries_gradient
-from ..oprules import DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, is_in_place_method, packet
+from ..oprules import (DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, is_in_place_method, packet,
+                       reads_values_in_backward)
 from ..passes import InputRef, OpRecord, Pass, ops_feeding
 from .passdiff import PairDiff
 
@@ -76,6 +77,8 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
         fwd_on = {i for i in fwd_on if (d := by_forward.get(i)) is None or d.recompute is None
                   or d.recompute.index in rec_on}
 
+    read = _values_read(recompute, rec_on)
+
     def reaches(d: PairDiff) -> bool:
         on_f = d.forward is not None and d.forward.index in fwd_on
         on_r = d.recompute is not None and d.recompute.index in rec_on
@@ -86,9 +89,31 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
                                (d.forward, forward, by_forward))
             if _left_as_it_was(p, alone, pairs):
                 return False
-        return d.differs or _reads_other_index(d, d.recompute or d.forward)
+        if _reads_other_index(d, d.recompute or d.forward):
+            return True
+        if (d.kinds == {"value"} and on_r and not reads_values_in_backward(d.recompute.op)
+                and d.recompute.index not in read):
+            return False  # (`x + y - shift`: the sub's output differs, no gradient reads it)
+        return d.differs
 
     return reaches
+
+
+def _values_read(p: Pass, on_path: set[int]) -> set[int]:
+    """The indices of `p`'s ops whose output values a gradient may read: an op on the path whose gradient reads values
+    (reads_values_in_backward) reads them, directly or through ops whose gradients do not (a residual's add, a
+    view)."""
+    readers: dict[int, list[OpRecord]] = {}
+    for op in p.ops:
+        for r in op.input_refs:
+            if r.kind == "op" and r.op_index != op.index:
+                readers.setdefault(r.op_index, []).append(op)
+    read: set[int] = set()
+    for op in reversed(p.ops):  # (readers come after what they read: each is settled when its input is)
+        if any(r.index in read if not reads_values_in_backward(r.op) else r.index in on_path
+               for r in readers.get(op.index, ())):
+            read.add(op.index)
+    return read
 
 
 def _feeding(p: Pass, roots: list | None) -> set[int] | None:

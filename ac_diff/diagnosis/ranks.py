@@ -43,7 +43,8 @@ from typing import Iterable
 
 from ..oprules import COLLECTIVE_RESULT_OPS, COMPILED_GRAPH_OP, UNINITIALISED_OPS, is_collective, packet, state_read
 from ..passes import Pass, Region, Run, TensorMeta, error_words
-from ..report import CLEAN, DIVERGED, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport, reproduced
+from ..report import (CLEAN, DIVERGED, NEVER_CLEAN, UNCHECKED, CrossRankFinding, RankSummary, Report, RegionReport,
+                      reproduced)
 from .passdiff import ARGUMENT_KINDS, Tolerance, compare_externals, compare_passes, is_discrete
 from .labels import where
 from .watched import never_recomputed
@@ -94,6 +95,42 @@ def rank_summaries(report: Report, runs: Iterable[Run] = ()) -> list[RankSummary
     return [by_rank[r] for r in sorted(by_rank)]
 
 
+_COUNTED = {CLEAN: "clean", DIVERGED: "diverged", UNCHECKED: "unchecked"}
+_FROM_STATUSES = frozenset({"ranks", "first", "same_cause", "torch_errors", "rank_local"})  # (_overview, _rank_local)
+
+
+def restate_ranks(report: Report, before: dict[int, str]) -> None:
+    """The ranks' summaries and what the ranks say together, after regions changed status (`before`: id of each
+    region -> its status then; the comparison with the run without AC settles some): counts moved, verdicts and first
+    divergences found again. The findings of the traces themselves (which ranks, exits, replicas) stay."""
+    by_rank = {s.rank: s for s in getattr(report, "ranks", None) or ()}
+    moved = {r.rank for r in report.regions if before.get(id(r), r.status) != r.status and r.rank in by_rank}
+    if not moved:
+        return
+    for r in report.regions:
+        old = before.get(id(r), r.status)
+        if r.rank in moved and old != r.status:
+            s = by_rank[r.rank]
+            for status, step in ((old, -1), (r.status, 1)):
+                if status in _COUNTED:
+                    setattr(s, _COUNTED[status], getattr(s, _COUNTED[status]) + step)
+    for rank in moved:
+        s, fresh = by_rank[rank], _summary(report, rank)
+        for name in ("cause", "first_module", "first_region", "silent", "cause_tensor", "first_op", "first_op_module",
+                     "first_source"):
+            setattr(s, name, getattr(fresh, name))
+        if s.diverged or s.torch_error:
+            s.verdict = DIVERGED
+        elif s.verdict in (DIVERGED, UNCHECKED) and s.clean and fresh.verdict == CLEAN and not s.truncated:
+            s.verdict = CLEAN
+        elif s.verdict == DIVERGED:
+            s.verdict = UNCHECKED
+    if len(report.ranks) >= 2:
+        kept = [f for f in report.cross_rank_findings if f.kind not in _FROM_STATUSES]
+        report.cross_rank_findings = _overview(report) + _rank_local(report) + kept
+        report.cross_rank = [f.text for f in report.cross_rank_findings]
+
+
 def _summary(report: Report, rank: int) -> RankSummary:
     regions = [r for r in report.regions if r.rank == rank]
     diverged = sorted((r for r in regions if r.status == DIVERGED), key=lambda r: r.region)
@@ -103,7 +140,7 @@ def _summary(report: Report, rank: int) -> RankSummary:
     n_unchecked = sum(1 for r in regions if r.status == UNCHECKED)
     if diverged or errors:
         verdict = DIVERGED
-    elif n_clean:
+    elif n_clean and not any(r.unchecked_reason in NEVER_CLEAN for r in regions):
         verdict = CLEAN
     elif regions:
         verdict = UNCHECKED

@@ -258,9 +258,12 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
         diverged = bool(any(reaches(d) for d in cmp.diffs) or torch_error or position_mismatch or count_mismatch)
         if first is not None and not diverged:
             op = first.forward or first.recompute
-            report.notes.append(f"{op.op} and later ops differ in the recompute, but none on the gradient's path "
-                                "(they read no input or trainable parameter, or a detached copy): harmless for the "
-                                "gradients")
+            report.unread_values = f"{op.op} at {where(op.module, op.source)}"
+            what = next((f" ({c['kind']} `{c['name']}` changed)" for c in report.changed_inputs if c.get("name")), "")
+            report.notes.append(f"{report.unread_values} and later ops computed other values in the recompute"
+                                f"{what}, but no gradient reads them: they are off the gradient's path (they read no "
+                                "input or trainable parameter, or a detached copy) or reach only ops whose gradients "
+                                "ignore values (an add, a sub, a view, a sum): harmless for the gradients")
     else:
         diverged = bool(first is not None or torch_error or position_mismatch or count_mismatch)
     for name, op in cmp.region_updates():

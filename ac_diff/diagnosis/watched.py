@@ -146,7 +146,8 @@ def _text(s: dict[str, Any]) -> str:
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
                 later = until is None or until - 1 > e["diverged_step"] or e["from_step"] != e["diverged_step"]
                 text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
-                         "tensors than its forward" + (f", so it was {span}: {found}" if later else f": {found}"))
+                         "tensors than its forward (a reentrant region: returned other outputs)"
+                         + (f", so it was {span}: {found}" if later else f": {found}"))
             else:
                 text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
             if until is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..reference.grads import load_grads
-from ..reference.session import grads_path
+from ..reference.paths import grads_path
 from .tries import Measured
 
 

@@ -22,20 +22,21 @@ from .result import UNTESTED, VERIFIED
 
 
 def _launch(nproc: int) -> list[str]:
-    return ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return ["--nproc-per-node", str(nproc)] if nproc >= 1 else []
 
 
 def verify_nproc(ranks: int, per_node: int | None) -> int:
-    """The processes `ac-diff fix` starts to verify a run of `ranks` ranks, `per_node` of them on each node
-    (LOCAL_WORLD_SIZE): one node's, since `fix` runs on the node it is started on."""
-    return min(ranks, per_node or ranks)
+    """The processes `ac-diff fix` starts under torchrun to verify a run of `ranks` ranks, `per_node` of them on each
+    node (LOCAL_WORLD_SIZE, set under torchrun): one node's, since `fix` runs on the node it is started on; 0 for a
+    run of one process without torchrun (a script run under torchrun needs it, one process per node too)."""
+    return min(ranks, per_node) if per_node else ranks if ranks > 1 else 0
 
 
-def fix_command(target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+def fix_command(target: str, args: list[str], module: bool, nproc: int = 0) -> str:
     return shlex.join(["ac-diff", "fix", *_launch(nproc), *(["-m"] if module else []), target, *args])
 
 
-def run_command(spec_args: list[str], target: str, args: list[str], module: bool, nproc: int = 1) -> str:
+def run_command(spec_args: list[str], target: str, args: list[str], module: bool, nproc: int = 0) -> str:
     eager = ["--compiled", "eager"] if eager_requested() else []  # (compiled code run eagerly: so is the check)
     return shlex.join(["ac-diff", "run", *_launch(nproc), *eager, "--reference", "no-ac", *spec_args,
                        *(["-m"] if module else []), target, *args])
@@ -61,7 +62,7 @@ def _answers(title: str, candidate: Any, region_module: str | None) -> bool:
 
 
 def mark(report: Any, target: str, args: list[str], module: bool, tries: list[tuple[Any, Any]] | None = None,
-         nproc: int = 1) -> None:
+         nproc: int = 0) -> None:
     default = fix_command(target, args, module, nproc)
     for region in report.regions:
         for s in region.suggestions:
@@ -84,6 +85,6 @@ def mark_from_runs(report: Any, runs: list[Any]) -> None:
             folder = Path(run.path or ".").parent
             ranks = len({r.path for r in runs if r.source == "trace" and Path(r.path or ".").parent == folder})
             mark(report, header["target"], list(header.get("target_args") or []), bool(header.get("module")),
-                 nproc=verify_nproc(ranks, header.get("local_world_size")))
+                 nproc=verify_nproc(ranks, header.get("local_world_size") if header.get("launcher") else None))
             return
     mark(report, "SCRIPT", [], False)

@@ -48,6 +48,7 @@ from typing import Any
 from ..diagnosis import REENTRANT_BACKWARD, REPEATED_ASK, held_choice_note
 from ..diagnosis.compiled import EAGER_RUN, mutations_text, unrecorded
 from ..diagnosis.labels import where
+from ..diagnosis.ranks import restate_ranks
 from ..report import (CLEAN, DIVERGED, GRAD_MODE, NESTED_RERUN, NO_GRAD_CALL, NOT_REACHED, SIDE_OUTPUT,
                       STATE_READ_AGAIN, UNCHECKED, UPDATED_IN_FORWARD, Divergence, RegionReport, backwards_recorded,
                       diverged_after, recomputed_in)
@@ -573,6 +574,13 @@ def _reordered_flip(r: RegionReport, regions: list[RegionReport]) -> Divergence 
 def attach(report: Any, result: ReferenceResult) -> None:
     """The report carries the reference section; gradients that differ make it not clean."""
     report.reference = result
+    before = {id(r): r.status for r in report.regions}
+    _settle(report, result)
+    restate_ranks(report, before)
+
+
+def _settle(report: Any, result: ReferenceResult) -> None:
+    """attach's work on the report: regions and verdict settled by the comparison."""
     asked = re.escape(REPEATED_ASK).replace(re.escape("{n}"), r"(\d+)")
     if result.verdict == IDENTICAL and (hit := re.search(asked, report.headline)) and result.backwards >= int(hit[1]):
         report.headline = report.headline.replace(hit[0], f" (the gradients match the run without AC over "

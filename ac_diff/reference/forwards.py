@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,11 +30,7 @@ from ..diagnosis.two_runs import compare_runs
 from ..passes import Run
 from ..report import DIVERGED, RegionReport
 from ..trace import read_run
-from ..env import process_rank as rank
-
-
-def trace_path(directory: str | os.PathLike, r: int | None = None) -> Path:
-    return Path(directory) / f"trace-rank{rank() if r is None else r}.jsonl"
+from .paths import trace_path
 
 
 class _Bypassed:

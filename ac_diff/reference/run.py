@@ -33,11 +33,12 @@ from ..report import DIVERGED, diverged_after, recomputed_in
 from ..remedies import ENV, RemedySpec
 from .graddiff import compare_captures
 from .explain import explain
-from .forwards import compare_first_forwards, trace_path
+from .forwards import compare_first_forwards
 from .grads import load_grads
 from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
-from .session import (COMPILED_ENV, DIR_ENV, REFERENCE_DIR, STEPS_ENV, grads_path, load_side, rank, read_side,
-                      side_path)
+from ..env import process_rank as rank
+from .paths import REFERENCE_DIR, grads_path, side_path, trace_path
+from .session import COMPILED_ENV, DIR_ENV, STEPS_ENV, load_side, read_side
 
 PORT_WAIT_S = 120.0
 

@@ -17,22 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..env import process_rank as rank
 from .grads import GradCapture
+from .paths import grads_path, side_path
 from .leaks import ReentrantWatch
 
-REFERENCE_DIR = "reference"
 DIR_ENV = "AC_DIFF_GRADS_DIR"  # set for a child: capture gradients into this directory
 STEPS_ENV = "AC_DIFF_GRADS_STEPS"
 COMPILED_ENV = "AC_DIFF_REFERENCE_COMPILED"  # set for the reference of a run that used torch.compile (child.py)
-
-
-def grads_path(directory: str | os.PathLike, r: int | None = None) -> Path:
-    return Path(directory) / f"grads-rank{rank() if r is None else r}.pt"
-
-
-def side_path(directory: str | os.PathLike, r: int | None = None) -> Path:
-    return Path(directory) / f"remedies-rank{rank() if r is None else r}.json"
 
 
 class CaptureSession:
