@@ -355,6 +355,7 @@ class Run:
     exc_type: str | None = None  # the uncaught exception ("CheckpointError"), None when none was raised
     exc_message: str | None = None
     exc_in_backward: bool = False  # it unwound out of a backward (a hook's, a recompute's): the rest never recomputed
+    exc_in_checkpoint: bool = False  # it came out of torch.utils.checkpoint's code (a checkpoint() call torch refused)
     exit_code: int | None = None  # from the end record
     end_time: float | None = None
     regions: list[Region] = field(default_factory=list)

@@ -99,6 +99,97 @@ def test_moe_training_bit_identical_with_and_without_audit(dropout):
     assert any(sum(s.flips) for s in auditor.sites.values())
 
 
+class _WrappedVar:
+    """A context variable behind a wrapper object (transformers' CompileableContextVar)."""
+
+    def __init__(self, name: str) -> None:
+        import contextvars
+
+        self.context_var = contextvars.ContextVar(name, default=None)
+
+    def get(self):
+        return self.context_var.get()
+
+    def set(self, value):
+        return self.context_var.set(value)
+
+    def reset(self, token):
+        self.context_var.reset(token)
+
+
+_COLLECTOR = _WrappedVar("router_logits_collector")
+
+
+def _collect_logits(module, args, output):
+    collected = _COLLECTOR.get()
+    if collected is not None:
+        collected["router_logits"].append(output)
+
+
+class _ContextCollectedMoE(torch.nn.Module):
+    """Two checkpointed top-1 MoE layers whose gates' forward hooks append their logits to a collector the model's
+    forward sets in a context variable (transformers' output capturing), for a load-balancing loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ContextGatedLayer() for _ in range(2))
+        for layer in self.layers:
+            layer.gate.register_forward_hook(_collect_logits)
+
+    def forward(self, x):
+        token = _COLLECTOR.set({"router_logits": []})
+        try:
+            for layer in self.layers:
+                x = cp.checkpoint(layer, x, use_reentrant=False)
+            logits = torch.cat(_COLLECTOR.get()["router_logits"])
+        finally:
+            _COLLECTOR.reset(token)
+        return x, logits.softmax(-1).mean(0).square().sum() * len(logits)
+
+
+class _ContextGatedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.experts = torch.nn.Linear(16, 4), torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        choice = self.gate(x).topk(1, dim=-1).indices[:, 0]
+        return x + torch.stack([self.experts[int(c)](row) for c, row in zip(choice, x)])
+
+
+def _context_collected_train(audit: bool):
+    torch.manual_seed(0)
+    model = _ContextCollectedMoE()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auditor = Auditor(AuditSettings(parse_noise("abs:1e-3"), seeds=2, max_regions=2)) if audit else None
+    if auditor:
+        auditor.start()
+    losses = []
+    try:
+        for _ in range(2):
+            out, aux = model(torch.randn(12, 16))
+            loss = out.square().mean() + 0.1 * aux
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        if auditor:
+            auditor.stop()
+    return losses, _state(model), auditor
+
+
+def test_the_replays_leave_nothing_in_an_output_collector_the_hooks_fill():
+    """33d: HF Mixtral with output_router_logits: each gate's forward hook appends its logits to the collector the
+    model's forward holds in a context variable, for the aux loss. The audit's replays of a layer ran those hooks
+    too: the aux loss counted their logits, and 17 of 21 gradients differed from the run without the audit."""
+    plain_losses, plain_state, _ = _context_collected_train(False)
+    losses, state, auditor = _context_collected_train(True)
+    assert len(auditor.regions) == 2  # (it replayed: a test that cannot fail is no test)
+    assert losses == plain_losses
+    for name in state:
+        assert torch.equal(state[name], plain_state[name]), name
+
+
 @pytest.mark.parametrize("preserve_rng_state", [False, True])
 def test_audit_leads_with_a_divergence_the_run_already_has(preserve_rng_state):
     """Dropout in checkpointed blocks without their RNG state (examples/dropout_no_rng.py's mechanism): every

@@ -336,6 +336,28 @@ def test_compile_watch_messages():
     assert "Linear ran outside any recorded region" in outside
 
 
+def test_compiled_eager_on_a_torch_without_set_stance_says_the_code_ran_compiled(tmp_path, monkeypatch):
+    """33b (torch 2.4): `--compiled eager` without torch.compiler.set_stance ran compiled code compiled, yet the report
+    said "Net ran eagerly (--compiled eager ...)" over "no checkpointed region ran: is activation checkpointing on?";
+    and AC COMPILED, NOT RECORDED told the user to run that flag. Neither, where this torch cannot."""
+    from ac_diff.capture import compiled
+    from ac_diff.capture.recorder import Recorder
+    from ac_diff.diagnosis.compiled import unrecorded_headline
+
+    monkeypatch.setattr(compiled, "can_force_eager", lambda: False)
+    monkeypatch.setenv(compiled.COMPILED_ENV, "eager")
+    recorder = Recorder(tmp_path / "t.jsonl").start()
+    try:
+        assert recorder.compile_watch.eager is False
+    finally:
+        recorder.stop()
+    assert any("has no torch.compiler.set_stance" in n for n in read_run(tmp_path / "t.jsonl").notes)
+    summary = {"eager": False, "modules": ["Net"], "regions": 2, "graphs": 1, "mutations": [], "can_run_eager": False}
+    headline = unrecorded_headline(summary)
+    assert "--compiled eager" not in headline and "record them without torch.compile" in headline, headline
+    assert "--compiled eager" in unrecorded_headline({**summary, "can_run_eager": True})
+
+
 class _CountingBlock(nn.Module):
     """Counts its calls in a buffer and divides by the count: the compiled recompute (functional) reads the count the
     forward read, eager AC does not; either way compiled AC and compiled no-AC give other gradients."""

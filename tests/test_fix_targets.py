@@ -251,3 +251,65 @@ def test_the_code_change_is_the_diverged_regions_not_a_clean_ones_side_effect_fi
                              reference=None, diverged=True)
     result = _result(report, [], [], Measured(1.0, 0, tmp_path / "base.log"), 2.0)
     assert result.code_change.startswith("Keep the model's train/eval mode"), result.code_change
+
+
+@pytest.mark.parametrize("kind", ["reentrant", "checkpoint"])
+def test_rounding_through_reentrant_regions_is_fixed_by_use_reentrant_false(kind):
+    """33d: T5 with reentrant AC, every region reproduced, gradients 3e-7 off the run without AC: the fix said
+    deterministic algorithms (which did not help) and `fix` never tried use_reentrant=False, which makes them
+    bit-identical (a reentrant region's backward sums in an order of its own). Both are named, and tried."""
+    from ac_diff.fix.candidates import candidates
+    from ac_diff.reference.explain import explain
+    from ac_diff.reference.result import ParamDiff, StepComparison
+
+    region = SimpleNamespace(status="clean", module="encoder.block.0", kind=kind, cause=None, repeated=[],
+                             changed_inputs=[], checkpoint_options={}, first_discrete_divergence=None, suggestions=[],
+                             side_effects=[], state_changes={}, rank=0, host_draws=[], unchecked_reason=None)
+    report = SimpleNamespace(regions=[region], reference=None)
+    rounding = [StepComparison(step=0, loss_identical=True, loss_rel_diff=None, parameters=4, identical=3,
+                               differing=[ParamDiff("encoder.block.0.w", "differs", 3e-7)])]
+    report.reference = explain(rounding, [], report, steps_requested=1)
+    (why,) = report.reference.explanations
+    assert why.kind == "backward_kernels" and ("use_reentrant=False" in why.fix) is (kind == "reentrant"), why.fix
+    tried = [c.kind for c in candidates(report)]
+    assert tried == (["deterministic", "non_reentrant"] if kind == "reentrant" else ["deterministic"]), tried
+
+
+def test_a_verified_restore_of_quantization_observers_reads_as_turning_them_off():
+    """33c: QAT (prepare_qat's moving-average observers): `fix` verified restoring the 16 observers' ranges in the
+    recompute, then told the user to "change it after backward or pass the value as an argument", which cannot be
+    done to an observer's internals. The change is the diagnosis's own: the observers off while the backward runs."""
+    from ac_diff.fix.candidates import Candidate
+    from ac_diff.fix.forms import code_for
+    from ac_diff.remedies import RemedySpec
+
+    names = ["blocks.*.fc1.activation_post_process.min_val", "blocks.*.fc1.weight_fake_quant.activation_post_process"
+             ".max_val"]
+    code = code_for(Candidate("restore", RemedySpec(restore=names), "state_mutation", "restore",
+                              state=", ".join(names)))
+    assert "model.apply(tq.disable_observer)" in code and "pass the value" not in code, code
+    other = code_for(Candidate("restore", RemedySpec(restore=["blocks.*.center"]), "state_mutation", "restore",
+                               state="blocks.*.center"))
+    assert "disable_observer" not in other and "pass the value" in other, other
+
+
+def test_a_verified_try_says_what_its_recompute_still_counts_twice():
+    """33b: MoE whose router bias moves before the backward and whose token counts (which feed the next bias update)
+    are counted twice under AC: `fix` verified restoring the bias over 2 backward passes, bit-identical, and said no
+    more; the counts, still updated twice, move the bias two steps later (backward 3 differs). Verified, and said."""
+    from ac_diff.fix.result import VERIFIED, Try
+    from ac_diff.fix.tries import Measured, judge
+    from ac_diff.report import Report, RegionReport
+
+    region = RegionReport(rank=0, region=0, module="layers.0.moe", kind="checkpoint", status="clean", silent=False,
+                          cause=None, first_value_divergence=None, first_discrete_divergence=None,
+                          first_shape_divergence=None, first_control_divergence=None, positions=[], suggestions=[],
+                          chain=[])
+    region.repeated = [("layers.0.moe.tokens_per_expert", "aten.add_.Tensor", "layers.0.moe")]
+    identical = SimpleNamespace(steps=[SimpleNamespace(differing=[], parameters=4)], backwards=2, defect=False)
+    ok = Measured(1.0, 0, None)
+    tried = Try("restore the forward's layers.*.moe.expert_bias in the recompute", [], "state_mutation")
+    judge(tried, Report(verdict="clean", headline="", regions=[region]), identical, ok, ok, None,
+          culprits=frozenset({"layers.0.moe.expert_bias"}))
+    assert tried.status == VERIFIED, tried.reason
+    assert "layers.0.moe.tokens_per_expert a second time" in tried.reason and "--steps 4" in tried.reason, tried.reason

@@ -612,3 +612,34 @@ def test_a_script_that_trains_in_spawned_processes_is_told_how_to_record_them(tm
     assert doc["headline"].startswith("no checkpointed region ran in the process ac-diff recorded: the script started "
                                       "2 process(es) with multiprocessing's spawn"), doc["headline"]
     assert "--nproc-per-node N" in doc["headline"] and "is activation checkpointing on" not in doc["headline"]
+
+
+_FUNC_GRAD_OVER_CHECKPOINT = """
+import torch
+from torch.utils.checkpoint import checkpoint
+
+torch.manual_seed(0)
+block = torch.nn.Linear(8, 8)
+params = dict(block.named_parameters())
+
+def loss(p, x):
+    y = checkpoint(lambda t: torch.func.functional_call(block, p, (t,)).tanh(), x, use_reentrant=False)
+    return y.square().mean()
+
+for _ in range(2):
+    grads = torch.func.grad(loss)(params, torch.randn(4, 8))
+"""
+
+
+def test_a_checkpoint_call_torch_refuses_is_named_as_such(tmp_path):
+    """33a: torch.func.grad over checkpointed code: torch raises in the first checkpoint() call ("torch.func
+    transforms don't yet support saved tensor hooks"), which ac-diff read as "the script stopped before any [region]
+    ran": the call that raised is AC's own."""
+    script = tmp_path / "func_grad.py"
+    script.write_text(_FUNC_GRAD_OVER_CHECKPOINT)
+    r = run_cli("run", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"), str(script), timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr.split("ac-diff:")[-1], r.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["headline"].startswith("no checkpointed region ran: the first checkpoint() call raised ("), \
+        report["headline"]
+    assert "saved tensor hooks" in report["headline"]

@@ -739,3 +739,14 @@ def test_a_module_level_list_the_forward_appends_to_is_a_repeated_update(tmp_pat
     assert len(_SEEN) == 2
     assert report.verdict == "clean" and "the recompute repeats the updates of" in report.headline, report.headline
     assert "_SEEN" in report.headline, report.headline
+
+
+def test_the_fix_names_a_field_of_the_modules_run_config_as_its_code_reads_it():
+    """33f: `blocks.0.cfg.amp_dtype` changed before the backward: the fix's code read "computes with `value`, not
+    self.amp_dtype"; the module's code reads self.cfg.amp_dtype."""
+    from ac_diff.diagnosis.suggest import _under
+
+    assert _under("blocks.0.cfg.amp_dtype", "blocks.0") == "cfg.amp_dtype"
+    assert _under("blocks.0.temperature", "blocks.0") == "temperature"
+    assert _under("blocks.10.scale", "blocks.1") == "scale"  # (another module's: its last part)
+    assert _under("scale", None) == "scale"

@@ -230,3 +230,30 @@ def test_a_step_that_takes_its_gradients_with_autograd_grad_is_captured_and_a_pe
     (step,) = load_grads(tmp_path / "f.pt")["steps"]
     assert list(step["grads"]) == [f"autograd.grad input[{i}]" for i in range(4)], list(step["grads"])
     assert torch.equal(torch.as_tensor(step["grads"]["autograd.grad input[0]"]["values"]).reshape(g0.shape), g0)
+
+
+def test_the_gradient_of_an_input_alone_is_compared_with_the_next_steps(tmp_path):
+    """33a: FGSM takes `autograd.grad(loss, x)` (an input, no parameter), then trains on the adversarial example:
+    the regions that gradient recomputed diverged and changed it alone, and `--reference no-ac` said "gradients
+    identical". It is no step of its own (the steps stay those of the parameters' gradients): it goes with the
+    next step's gradients, under its call's number."""
+    from ac_diff.reference.grads import GradCapture, load_grads
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    capture = GradCapture(tmp_path / "g.pt", steps=2).install()
+    taken = []
+    try:
+        for _ in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            (gx,) = torch.autograd.grad(net(x).sum(), x)
+            taken.append(gx)
+            net(x + 0.1 * gx.sign()).sum().backward()
+    finally:
+        capture.finish()
+    steps = load_grads(tmp_path / "g.pt")["steps"]
+    assert len(steps) == 2
+    for step, gx in zip(steps, taken):
+        assert list(step["grads"]) == ["0.weight", "0.bias", "2.weight", "2.bias", "autograd.grad 1, input 0"]
+        kept = step["grads"]["autograd.grad 1, input 0"]
+        assert torch.equal(torch.as_tensor(kept["values"]).reshape(gx.shape), gx)

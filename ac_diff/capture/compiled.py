@@ -147,14 +147,20 @@ def eager_requested() -> bool:
     return os.environ.get(COMPILED_ENV, "") == "eager"
 
 
-def force_eager(stance: EagerStance) -> str | None:
-    """Run torch.compile'd code eagerly from now on (`torch.compiler.set_stance("force_eager")`), so that checkpoint()
-    inside a compiled model runs as a torch.utils.checkpoint region. Returns a warning where this torch cannot."""
+def can_force_eager() -> bool:
+    """Whether this torch can run compiled code eagerly (torch.compiler.set_stance, torch >= 2.6)."""
     try:
         import torch._dynamo.eval_frame as eval_frame
 
-        eval_frame.DynamoStance  # noqa: B018 - set_stance is torch >= 2.6
-    except (ImportError, AttributeError):
+        return hasattr(eval_frame, "DynamoStance")
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def force_eager(stance: EagerStance) -> str | None:
+    """Run torch.compile'd code eagerly from now on (`torch.compiler.set_stance("force_eager")`), so that checkpoint()
+    inside a compiled model runs as a torch.utils.checkpoint region. Returns a warning where this torch cannot."""
+    if not can_force_eager():
         return (f"--compiled eager: torch {torch.__version__} has no torch.compiler.set_stance (torch >= 2.6), so "
                 "compiled code ran compiled and checkpointed regions inside compiled graphs were not recorded")
     stance.push()
@@ -336,13 +342,15 @@ class CompileWatch:
         return kind
 
     def summary(self) -> dict[str, Any] | None:
-        """The end record's `compiled`: {"eager", "modules", "regions", "graphs", "mutations"} (None: no compile)."""
+        """The end record's `compiled`: {"eager", "modules", "regions", "graphs", "mutations", "can_run_eager"} (None:
+        no compile)."""
         modules = sorted(set(self.outside) | {n for ns in self.inside.values() for n in ns})
         graphs = self.graphs.summary() or {}
         if not (modules or graphs or self.eager):
             return None
         return {"eager": self.eager, "modules": modules, "regions": graphs.get("regions", 0),
-                "graphs": graphs.get("graphs", 0), "mutations": graphs.get("mutations", [])}
+                "graphs": graphs.get("graphs", 0), "mutations": graphs.get("mutations", []),
+                "can_run_eager": can_force_eager()}
 
     def compiled_frames(self) -> tuple[int, int]:
         frames, graphs = _dynamo_counts()
@@ -386,8 +394,7 @@ class CompileWatch:
                     f"({_list(sorted(set(self.outside.values())))})")
             if regions_seen == 0:
                 text += ("; no checkpointed region ran: checkpoint() inside a compiled graph is recomputed by the "
-                         "compiler (AOTAutograd) and ac-diff cannot see it. Run with `ac-diff run --compiled eager` "
-                         "(compiled code then runs eagerly, with its checkpointed regions) or without compile "
+                         f"compiler (AOTAutograd) and ac-diff cannot see it. Run {_eager_or_not()} "
                          "(torchtitan: --compile.enable false; HF Trainer: torch_compile=False)")
             else:
                 text += ("; checkpointed regions inside them are recomputed by the compiler, not by "
@@ -396,8 +403,17 @@ class CompileWatch:
         elif frames and regions_seen == 0:
             out.append(f"torch.compile: Dynamo compiled {frames} frame(s) ({graphs} graph(s)) during the recording "
                        "and no checkpointed region ran: checkpoint() inside a compiled function is recomputed by the "
-                       "compiler and ac-diff cannot see it; run with `ac-diff run --compiled eager` or without compile")
+                       f"compiler and ac-diff cannot see it; run {_eager_or_not()}")
         return out
+
+
+def _eager_or_not() -> str:
+    """How to record checkpointed regions that ran inside compiled graphs, on this torch."""
+    if can_force_eager():
+        return ("with `ac-diff run --compiled eager` (compiled code then runs eagerly, with its checkpointed regions) "
+                "or without compile")
+    return (f"without compile (torch {torch.__version__} cannot run compiled code eagerly: --compiled eager is "
+            "torch >= 2.6)")
 
 
 def _list(items: Any, limit: int = 6) -> str:

@@ -19,6 +19,7 @@ per function and pass).
 
 from __future__ import annotations
 
+import contextvars
 import dis
 import itertools
 import os
@@ -218,6 +219,21 @@ def forward_hooks(module: nn.Module) -> Iterator[tuple[str, Any]]:
     """(kind, hook) of each forward pre-hook and forward hook registered on `module`, as it holds them."""
     for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
         yield from ((kind, hook) for hook in hooks.values())
+
+
+def hook_context_vars(module: nn.Module) -> Iterator[contextvars.ContextVar]:
+    """The context variables `module`'s forward hooks read as globals, or through a global that wraps one (an output
+    collector a model's forward sets for the hooks of its layers: transformers' router logits for the aux loss)."""
+    for _, hook in forward_hooks(module):
+        fn = _function(hook)
+        if fn is None:
+            continue
+        for name in fn.__code__.co_names:
+            value = fn.__globals__.get(name)
+            if isinstance(value, contextvars.ContextVar):
+                yield value
+            elif not isinstance(value, (type, types.ModuleType, types.FunctionType)) and hasattr(value, "__dict__"):
+                yield from (v for v in vars(value).values() if isinstance(v, contextvars.ContextVar))
 
 
 def stateful_functions(module: nn.Module) -> Iterator[tuple[str, types.FunctionType]]:

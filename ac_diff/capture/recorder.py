@@ -59,7 +59,7 @@ from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
                            checkpointed_module, frame_options, function_name, graph_task_id, innermost_function,
-                           left_a_backward, outside_backward, sequential_segment, version_of)
+                           left_a_backward, outside_backward, raised_in_checkpoint, sequential_segment, version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -294,8 +294,8 @@ class Recorder:
         self.compile_watch.start()
         route_compiled_code(RecordingMode, UnguardedRecordingMode)
         if eager_requested():
-            self.compile_watch.eager = True
             refused = force_eager(self._stance)
+            self.compile_watch.eager = refused is None  # (torch < 2.6 has no stance: its compiled code ran compiled)
             if refused:
                 self._writer.write({"type": "warning", "message": refused})
         if self.options.scope == "all":
@@ -343,7 +343,7 @@ class Recorder:
                       else "exit" if isinstance(exc, SystemExit) else "exception")
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc),
-                                "in_backward": left_a_backward(exc),
+                                "in_backward": left_a_backward(exc), "in_checkpoint": raised_in_checkpoint(exc),
                                 **self._inputs_written()})
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"

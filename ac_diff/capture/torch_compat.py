@@ -487,6 +487,18 @@ def left_a_backward(exc: BaseException) -> bool:
     return False
 
 
+def raised_in_checkpoint(exc: BaseException) -> bool:
+    """Whether `exc` came out of torch.utils.checkpoint's own code (a checkpoint() call torch refused: under
+    torch.func.grad, "don't yet support saved tensor hooks"), whatever called it."""
+    path = os.path.normcase(os.path.abspath(torch.utils.checkpoint.__file__))
+    tb = exc.__traceback__
+    while tb is not None:
+        if os.path.normcase(os.path.abspath(tb.tb_frame.f_code.co_filename)) == path:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _as_torch_hook(wrapper: Callable, original: Callable) -> Callable:
     """`wrapper` carries `original`'s name and attributes: torch >= 2.14 tells its own checkpoint hooks from a
     user's saved_tensors_hooks by `pack_hook._checkpoint_internal`, and warns about a user's hook around a

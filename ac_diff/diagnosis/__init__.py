@@ -644,6 +644,10 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                         "(its trace ends without an end record: SIGKILL, the out-of-memory killer?), and the other "
                         "ranks were stopped after it")
             stopped = next((r for r in runs if r.exit_status in ("exception", "exit", "interrupted")), None)
+            if stopped is not None and stopped.exc_in_checkpoint:
+                return (f"no checkpointed region ran: the first checkpoint() call raised ({_how_it_stopped(stopped)}): "
+                        "torch refused it before its region began; without AC the script may run (`ac-diff run "
+                        "--reference no-ac` tells)")
             if stopped is not None:
                 return f"no checkpointed region ran: the script stopped before any did ({_how_it_stopped(stopped)})"
             cut = next((r for r in runs if r.truncated), None)

@@ -57,8 +57,11 @@ def unrecorded_headline(summary: dict[str, Any]) -> str:
             f"{_plural(summary.get('graphs') or 1, 'graph')}), recomputed by the compiler in its own backward where "
             "ac-diff records nothing"
             + (f"; from the graphs: {found}" if found else "; the graphs show no state updated inside the regions")
-            + f"; record them eagerly ({STANCE}): {EAGER_RUN} ... (it finds what the eager program does; the "
-            "compiler's own recompute may not, which `--reference no-ac` on this compiled run tells)")
+            + (f"; record them eagerly ({STANCE}): {EAGER_RUN} ... (it finds what the eager program does; the "
+               "compiler's own recompute may not, which `--reference no-ac` on this compiled run tells)"
+               if summary.get("can_run_eager", True) else "; this torch cannot run compiled code eagerly "
+               "(torch.compiler.set_stance: torch >= 2.6): record them without torch.compile, and "
+               "`ac-diff run --reference no-ac` compares this compiled run's gradients with a run without AC"))
 
 
 def eager_prefix(summary: dict[str, Any] | None) -> str:

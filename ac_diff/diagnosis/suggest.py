@@ -66,6 +66,10 @@ def sac_policy(ops: list[str], torch_version: str | None = None) -> str:
 
 # The code that gives a recompute its torch.Generator's forward state, and then puts the generator back where it
 # stood (a generator shared by several regions, or drawn from after the backward, must not be rewound).
+# Quantization observers off while the backward runs: the recompute quantizes with the ranges the forward left
+OBSERVERS_OFF = ("import torch.ao.quantization as tq\n\n"
+                 "model.apply(tq.disable_observer)  # the recompute inside the backward leaves the ranges alone\n"
+                 "loss.backward()\nmodel.apply(tq.enable_observer)")
 # A parametrization's weight (spectral_norm's, which updates its state each time it is computed) computed once per
 # step, outside the checkpointed regions: the forward and the recompute read the same cached tensor
 PARAMETRIZED_ONCE = (
@@ -164,6 +168,12 @@ def _step_hook_code(name: str) -> str:
             "optimizer.register_step_post_hook(update_after_step)\n"
             "# with gradient accumulation the hook runs once per optimizer step: make the update right after each\n"
             "# micro-batch's loss.backward() instead, where the run without AC made it once per forward")
+
+
+def _under(name: str, module: str | None) -> str:
+    """`name` as the checkpointed module's code reads it, after `self.`: "cfg.amp_dtype" for `blocks.0.cfg.amp_dtype`
+    in blocks.0; its last part where the module does not hold it."""
+    return name[len(module) + 1:] if module and name.startswith(f"{module}.") else name.rsplit(".", 1)[-1]
 
 
 def _updated_in_forward(region: Region, name: str) -> Suggestion:
@@ -353,9 +363,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "and the recompute runs it again, from the forward's update, so it quantizes with another scale. "
                 "With the observers off during loss.backward(), the recompute quantizes with the scale the forward "
                 "left, as the forward did.",
-                "import torch.ao.quantization as tq\n\n"
-                "model.apply(tq.disable_observer)  # the recompute inside the backward leaves the ranges alone\n"
-                "loss.backward()\nmodel.apply(tq.enable_observer)"))
+                OBSERVERS_OFF))
         elif mechanism == UPDATED_IN_FORWARD and ".parametrizations." in name:
             owner = name.split(".parametrizations.")[0]
             out.append(Suggestion(
@@ -431,7 +439,7 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
                 "checkpointed function as an argument instead (checkpoint keeps its arguments for the recompute), or "
                 "run this forward's backward before changing it.",
                 _step_hook_code(name) + "\n# or: out = checkpoint(block, x, value, use_reentrant=False)  # forward(x, "
-                f"value) computes with `value`, not self.{name.rsplit('.', 1)[-1]}"))
+                f"value) computes with `value`, not self.{_under(name, report.module)}"))
     elif kind == "lost_gradient" and mechanism == "side_output":
         out.append(Suggestion(
             "Use use_reentrant=False: a reentrant region's tensors reach a loss only through its outputs",

@@ -202,7 +202,10 @@ def candidates(report: Any, max_regions: int | None = None, failed_with_ac: bool
                       (f"nondeterministic kernel in {kernel.module or kernel.region or '?'}"
                        + (f" ({kernel.source})" if kernel.source else "")) if kernel.kind == "nondeterministic_kernel"
                       else "every region reproduced its forward, the backward's own kernels differ", "deterministic"))
-    if ref is not None and ref.defect and any(e.kind in ("side_output", "no_grad_inputs") for e in ref.explanations):
+    summed = kernel is not None and kernel.kind == "backward_kernels" and any(
+        getattr(r, "kind", None) == "reentrant" for r in report.regions)  # (their own backward sums in another order)
+    if ref is not None and ref.defect and (summed or any(e.kind in ("side_output", "no_grad_inputs")
+                                                         for e in ref.explanations)):
         add(Candidate("use_reentrant=False", RemedySpec(non_reentrant=True),
                       "gradients differ through reentrant regions (" + ", ".join(
                           sorted({e.kind.replace("_", " ") for e in ref.explanations})) + ")", "non_reentrant"))

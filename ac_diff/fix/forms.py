@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..diagnosis.suggest import GENERATOR_SWAP, PARAMETRIZED_ONCE, sac_policy
+from ..diagnosis.suggest import GENERATOR_SWAP, OBSERVERS_OFF, PARAMETRIZED_ONCE, sac_policy
+from ..oprules import OBSERVER_MODULE
 from .candidates import Candidate
 
 
@@ -52,6 +53,9 @@ def code_for(c: Candidate) -> str:
         return ("# ac-diff restored the forward's parametrization state in every recompute (a simulation): make it so "
                 "in the code -\n# compute the parametrized weights once per step, outside the checkpointed regions\n"
                 + PARAMETRIZED_ONCE)
+    if c.kind == "restore" and all(f".{OBSERVER_MODULE}." in f".{name}" for name in c.spec.restore):
+        return ("# ac-diff restored the quantization observers' ranges in every recompute (a simulation): make it so "
+                "in the code -\n# turn the observers off while the backward runs\n" + OBSERVERS_OFF)
     if c.kind == "restore":
         names = ", ".join(f"`{name}`" for name in c.spec.restore)
         head = (f"# ac-diff restored the forward's {names} in every recompute (a simulation of the change): "

@@ -37,7 +37,7 @@ class Try:
     extra_bytes: float | None = None  # activation bytes kept per region beyond the base run (fix/memory.py)
     wall_s: float | None = None
     exit_code: int | None = None
-    reason: str | None = None  # why it did not help / crashed, when known
+    reason: str | None = None  # why it did not help / crashed, when known; for a verified one, what it leaves
     command: str = ""  # the one command that verifies it by hand
 
     def regions_text(self) -> str:

@@ -376,6 +376,7 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                 fix="change requires_grad between steps (after optimizer.step(), before the next forward)"))
         elif compared and all(r.status == CLEAN for r in regions if r.unchecked_reason not in _NO_GRADIENT_THROUGH):
             flag = next((r.state_changes["deterministic"] for r in regions if "deterministic" in r.state_changes), None)
+            reentrant = sum(1 for r in compared if getattr(r, "kind", None) == "reentrant")
             out.append(Explanation(
                 "backward_kernels",
                 "every checkpointed region's recompute reproduced its saved tensors exactly, so the backward got the "
@@ -384,10 +385,15 @@ def _explanations(step: StepComparison, findings: list[dict[str, Any]], report: 
                 "accumulate: from one run to the next, with or without AC) or another order of summing a parameter's "
                 "gradient contributions in the graph AC builds (rounding only)"
                 + (f"; deterministic algorithms were {flag['forward']!r} in the forward and {flag['recompute']!r} in "
-                   "the backward" if flag else "") + f"; {where}",
+                   "the backward" if flag else "")
+                + (f"; {reentrant} of the regions are reentrant (use_reentrant=True): each runs its backward as a "
+                   "backward of its own, whose sums land in another order than in the step's graph" if reentrant
+                   else "") + f"; {where}",
                 parameters=[d.name for d in step.differing[:20]],
-                fix="torch.use_deterministic_algorithms(True) for the whole step (`ac-diff run --deterministic` runs "
-                    "both with it): differences that remain are rounding in the order of the sums"))
+                fix=("use_reentrant=False (`ac-diff run --non-reentrant` tries it): the backward of a non-reentrant "
+                     "region runs in the step's own graph, in the order a run without AC sums; " if reentrant else "")
+                + "torch.use_deterministic_algorithms(True) for the whole step (`ac-diff run --deterministic` runs "
+                  "both with it): differences that remain are rounding in the order of the sums"))
         else:
             out.append(Explanation(
                 "unexplained",

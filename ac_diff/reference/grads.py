@@ -138,6 +138,9 @@ class GradCapture:
         self._depth = 0
         self.written = False
         self.threads: set[int] = set()  # the threads that ran forwards or backwards (two models trained side by side)
+        # gradients of inputs that are no parameters (an adversarial example's, a saliency map's) taken since the last
+        # step's: compared with that step's gradients ({"autograd.grad 1, input 0": summary})
+        self._inputs: dict[str, dict[str, Any] | None] = {}
 
     def install(self) -> "GradCapture":
         # (compiled modules: Dynamo must not trace it; the compiled module itself is seen, called eagerly)
@@ -217,10 +220,11 @@ class GradCapture:
                                                                       if isinstance(t, torch.Tensor)]
         self.snapshots.append({
             "loss": summarize_all({"loss": roots[0]}, budget_bytes())["loss"] if len(roots) == 1 else None,
-            "grads": summarize_all(grads if grads is not None else {name: p.grad for name, p in
-                                                                    self.named_parameters()}, budget_bytes()),
+            "grads": {**summarize_all(grads if grads is not None else {name: p.grad for name, p in
+                                                                       self.named_parameters()}, budget_bytes()),
+                      **self._inputs},
         })
-        self._ran = set()
+        self._ran, self._inputs = set(), {}
         if len(self.snapshots) >= self.steps:
             self.finish()
             if self.on_done is not None:
@@ -229,8 +233,9 @@ class GradCapture:
     def _snapshot_of_grad(self, outputs: Any, inputs: Any, result: Any) -> None:
         """A step that takes its gradients with torch.autograd.grad (then sets `.grad` itself, or hands them to a
         functional optimizer): those of the parameters among `inputs`, by the report's names; where none is a module's
-        parameter, several leaves (a functional loop's, torch.func.functional_call's dict) by their place; the gradient
-        of one input alone (a saliency map) is no training step."""
+        parameter, several leaves (a functional loop's, torch.func.functional_call's dict) by their place. The gradient
+        of one input alone (an adversarial example's, a saliency map) is no training step: it is compared with the
+        next step's gradients (a checkpointed region that backward recomputed may have changed it alone)."""
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         named = {id(p): name for name, p in self.named_parameters()}
         grads = {named[id(t)]: g for t, g in zip(inputs, result) if id(t) in named}
@@ -239,6 +244,10 @@ class GradCapture:
                      if isinstance(t, torch.Tensor) and t.is_leaf and t.is_floating_point()}
         if grads:
             self._snapshot(outputs, grads)
+            return
+        call = 1 + len({name.split(",")[0] for name in self._inputs})
+        self._inputs.update(summarize_all({f"autograd.grad {call}, input {i}": g for i, g in enumerate(result)
+                                           if isinstance(g, torch.Tensor) and g.is_floating_point()}, budget_bytes()))
 
     def finish(self) -> None:
         if self.written:

@@ -37,7 +37,7 @@ import torch
 from ..capture.dispatch import no_dispatch_modes
 from ..capture.modules import clean_fqn
 from ..capture.pystate import (CONTAINER_TYPES, NAMED_TYPES, SCALAR_TYPES, forward_hooks, global_state_read, hook_cells,
-                               method_owners, run_config, scalar_fields)
+                               hook_context_vars, method_owners, run_config, scalar_fields)
 from ..capture.torch_compat import checkpointed_module
 from .call import CheckpointCall
 
@@ -215,13 +215,52 @@ class KeptState:
             *(_kept_slot(value)(sub, attr) for sub in modules for attr, value in _state_of(sub)),
             *(_ClosureSlot(sub, label, cell) for sub in modules for label, cell, _ in hook_cells(sub)),
             *{(id(g.namespace), g.attr): g for sub in modules for g in _global_generators(sub)}.values(),
-            *_global_state(modules)]
+            *_global_state(modules),
+            *{id(var): _ContextHeld(var) for sub in modules for var in hook_context_vars(sub)}.values()]
         self.saved = [slot.snapshot() for slot in self.slots]
 
     def restore(self) -> None:
         for slot, value in zip(self.slots, self.saved):
             if not slot.holds(value):
                 slot.put_back(value)
+
+
+class _ContextHeld(_Slot):
+    """The list or dict a context variable holds for the hooks of a module (transformers' output collector: the
+    router logits each layer's gate hook appends for the aux loss, while the model's forward runs): put back in place,
+    a dict's lists too, so that a replay's calls of those hooks leave nothing in it."""
+
+    def __init__(self, var: Any) -> None:
+        super().__init__(None, var.name)
+        self.var = var
+        self.label = f"<context {var.name}>"
+
+    def get(self) -> Any:
+        return self.var.get(None)
+
+    def snapshot(self) -> Any:
+        value = self.get()
+        if isinstance(value, dict):
+            return value, [(k, v, list(v) if isinstance(v, list) else None) for k, v in value.items()]
+        return value, list(value) if isinstance(value, list) else None
+
+    def holds(self, snapshot: Any) -> bool:
+        held, items = snapshot
+        if items is None:
+            return True
+        now = self.snapshot()[1]
+        return self.get() is held and len(now) == len(items) and all(_same_item(a, b) for a, b in zip(now, items))
+
+    def put_back(self, snapshot: Any) -> None:
+        held, items = snapshot
+        if isinstance(held, dict):
+            held.clear()
+            for key, value, inner in items:
+                if inner is not None:
+                    value[:] = inner
+                held[key] = value
+        else:
+            held[:] = items
 
 
 def _global_state(modules: list) -> list[_Slot]:
