@@ -196,8 +196,38 @@ _VALUE_BLIND = frozenset({
     "add", "sub", "rsub", "neg", "sum", "mean", "cumsum", "clone", "contiguous", "_to_copy", "alias", "lift_fresh",
     "view", "_unsafe_view", "reshape", "view_as", "permute", "transpose", "t", "expand", "expand_as", "squeeze",
     "unsqueeze", "flatten", "unflatten", "narrow", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
-    "cat", "stack", "repeat", "constant_pad_nd", "index_select", "gather", "embedding", "where", "roll", "flip"})
+    "cat", "stack", "repeat", "constant_pad_nd", "index_select", "gather", "embedding", "where", "roll", "flip",
+    "masked_fill", "masked_select", "masked_scatter", "scatter", "scatter_add", "index_add", "index_put", "index_fill",
+    "topk", "sort", "kthvalue"})  # (a chooser's gradient goes to the entries its indices name: gradpath checks them)
+# Ops whose output follows from their input's shape alone: no value passes through them
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                         "new_full"})
 _VALUE_BLIND_BY_SCALAR = frozenset({"mul", "div"})
+_VALUE_BLIND_OVERLOADS = {"max": "dim", "min": "dim"}  # (max.dim like topk; a full max's gradient reads ties)
+# Ops whose kernels branch on a Python float argument's exact value, before casting it to the tensors' type (pow's
+# fast paths for exponents 2, 3, 0.5, ...; float_power computes in double): a float equal in float32 may still compute
+# other values
+_EXACT_SCALAR_OPS = frozenset({"pow", "pow_", "float_power", "float_power_"})
+
+
+def reads_scalars_exactly(name: str) -> bool:
+    return packet(name) in _EXACT_SCALAR_OPS
+
+
+# Positions of non-tensor arguments no gradient reads: the scalar an add or sub applies (`x + self.shift`), not its
+# alpha, which scales the other operand's gradient
+_BLIND_ARGUMENTS = {"add": frozenset({1}), "sub": frozenset({1}), "rsub": frozenset({1})}
+
+
+def blind_arguments(name: str) -> frozenset[int]:
+    """The positions of an op's arguments whose value no gradient formula reads (see _BLIND_ARGUMENTS)."""
+    base = packet(name)
+    return _BLIND_ARGUMENTS.get(base[:-1] if is_in_place_method(name) else base, frozenset())
+
+
+def reads_shape_only(name: str) -> bool:
+    """An op whose output depends on its input's shape only (`zeros_like`): it passes no value on."""
+    return packet(name) in _SHAPE_ONLY
 
 
 def reads_values_in_backward(name: str) -> bool:
@@ -205,7 +235,7 @@ def reads_values_in_backward(name: str) -> bool:
     known to be blind to them: see _VALUE_BLIND)."""
     _, base, overload = split_op(name)
     base = base[:-1] if is_in_place_method(name) else base
-    if base in _VALUE_BLIND:
+    if base in _VALUE_BLIND or _VALUE_BLIND_OVERLOADS.get(base) == overload:
         return False
     return not (base in _VALUE_BLIND_BY_SCALAR and overload == "Scalar")
 

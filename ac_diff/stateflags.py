@@ -43,8 +43,9 @@ PASS_NOTES = frozenset({"saved_hooks", "inputs_kept_as", "side_outputs", "held_o
 
 _LABELS = {
     "deterministic": "the deterministic-algorithms flag (`torch.use_deterministic_algorithms`)",
-    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`; on a GPU, "
-                        "`torch.backends.cuda.matmul.allow_tf32` sets it too)",
+    "matmul_precision": "the float32 matmul precision (`torch.set_float32_matmul_precision`: TF32 matmuls on a GPU, "
+                        "where `torch.backends.cuda.matmul.allow_tf32` sets it too; oneDNN's bf16 matmuls on a CPU "
+                        "that has them)",
     "sdp_backends": "the SDPA backend choice (`torch.nn.attention.sdpa_kernel`, `torch.backends.cuda.enable_*_sdp`)",
     "default_dtype": "the default dtype (`torch.set_default_dtype`)",
     "num_threads": "the number of CPU threads (`torch.set_num_threads`)",

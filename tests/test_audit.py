@@ -157,18 +157,14 @@ class _ContextGatedLayer(torch.nn.Module):
         return x + torch.stack([self.experts[int(c)](row) for c, row in zip(choice, x)])
 
 
-def _context_collected_train(audit: bool):
-    torch.manual_seed(0)
-    model = _ContextCollectedMoE()
+def _two_steps(model: torch.nn.Module, loss_of, audit: bool) -> tuple:
+    """Two SGD steps of `model` (`loss_of(model)`: a step's loss), audited or not: (losses, state, auditor)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auditor = Auditor(AuditSettings(parse_noise("abs:1e-3"), seeds=2, max_regions=2)) if audit else None
-    if auditor:
-        auditor.start()
+    auditor = Auditor(AuditSettings(parse_noise("abs:1e-3"), seeds=2, max_regions=2)).start() if audit else None
     losses = []
     try:
         for _ in range(2):
-            out, aux = model(torch.randn(12, 16))
-            loss = out.square().mean() + 0.1 * aux
+            loss = loss_of(model)
             loss.backward()
             opt.step(), opt.zero_grad()
             losses.append(loss.item())
@@ -176,6 +172,16 @@ def _context_collected_train(audit: bool):
         if auditor:
             auditor.stop()
     return losses, _state(model), auditor
+
+
+def _context_collected_train(audit: bool):
+    torch.manual_seed(0)
+
+    def loss_of(model):
+        out, aux = model(torch.randn(12, 16))
+        return out.square().mean() + 0.1 * aux
+
+    return _two_steps(_ContextCollectedMoE(), loss_of, audit)
 
 
 def test_the_replays_leave_nothing_in_an_output_collector_the_hooks_fill():
@@ -1112,3 +1118,54 @@ def test_a_save_list_whose_op_the_forward_writes_in_place_is_not_verified(in_pla
         assert not remedy["verified"] and remedy["refused"] == {"aten.topk.default": "aten.div_.Tensor in the region"}
     else:
         assert remedy["refused"] == {}
+
+
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_the_audit_compares_a_reentrant_recompute_by_its_outputs(preserve_rng_state):
+    """34d: under use_reentrant=True (HF's older default) the audit compared nothing ("checked": 0: a reentrant
+    forward saves no tensor), said "CheckpointError unlikely" and `--check` passed a run whose dropout, without its
+    RNG state, made every gradient wrong. It compares what each pass returned."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.2))
+                                 for _ in range(2))
+    auditor = Auditor(AuditSettings(parse_noise("1ulp"), seeds=1, max_regions=1)).start()
+    try:
+        for _ in range(2):
+            h = torch.randn(8, 16, requires_grad=True)
+            for block in blocks:
+                h = cp.checkpoint(block, h, use_reentrant=True, preserve_rng_state=preserve_rng_state)
+            h.square().sum().backward()
+    finally:
+        auditor.stop()
+    check = audit_document(auditor, parse_scale(None), target="t.py", wall_seconds=1.0)["audit"]["recompute"]
+    assert check["checked"] == 4, check
+    if preserve_rng_state:
+        assert check["diverged_count"] == 0, check
+        return
+    assert check["diverged_count"] == 4, check
+    assert all(r["detail"].startswith("other values at 1 of 1 outputs") for r in check["diverged"]), check
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_the_replays_leave_spectral_norms_power_iteration_as_it_was(parametrized):
+    """34d: spectral norm's power iteration writes `u` and `v` through `normalize(..., out=u)` (a keyword argument):
+    the replays undid in-place writes of positional arguments only, so each replay advanced the iteration and the
+    audited run trained other weights (the first loss already differed)."""
+    norm = torch.nn.utils.parametrizations.spectral_norm if parametrized else torch.nn.utils.spectral_norm
+
+    def loss_of(blocks):
+        h = torch.randn(8, 16)
+        for block in blocks:
+            h = cp.checkpoint(block, h, use_reentrant=False).relu()
+        return h.square().mean()
+
+    def train(audit: bool):
+        torch.manual_seed(0)
+        return _two_steps(torch.nn.ModuleList(norm(torch.nn.Linear(16, 16)) for _ in range(2)), loss_of, audit)
+
+    plain_losses, plain_state, _ = train(False)
+    losses, state, auditor = train(True)
+    assert len(auditor.regions) == 2  # (it replayed)
+    assert losses == plain_losses
+    for name in state:
+        assert torch.equal(state[name], plain_state[name]), name

@@ -242,6 +242,7 @@ class _Predicts(nn.Module):
         self.f, self.cls = nn.Linear(16, 16), nn.Linear(16, 6)
         self.register_buffer("prior", torch.zeros(6))
         self.into_output = into_output
+        self.offset = 0.0  # (a Python float a schedule moves, as the prior)
 
     def forward(self, x):
         h = torch.tanh(self.f(x))
@@ -251,6 +252,8 @@ class _Predicts(nn.Module):
             return (x + h) @ (torch.eye(16) * (1 + self.prior.sum())), pred
         if self.into_output == "shift":  # (a sub's gradient reads no value: the output moves, no gradient does)
             return x + h - self.prior.sum(), pred
+        if self.into_output == "scalar_shift":  # (nor an add's of the scalar it adds)
+            return x + h + self.offset, pred
         return (x + h) * (1 + self.prior.sum() if self.into_output == "elementwise" else 1), pred
 
 
@@ -262,13 +265,14 @@ def _reentrant_steps(path, into_output: str, ac: bool) -> list:
         h, pred = cp.checkpoint(block, x, use_reentrant=True) if ac else block(x)
         with torch.no_grad():
             block.prior += torch.bincount(pred, minlength=6).float() / 32 - 1 / 6  # (flips argmaxes)
+            block.offset += 0.01
         h.square().sum().backward()
         grads.append([x.grad.clone(), *(q.grad.clone() for q in block.f.parameters())])
         block.zero_grad()
     return grads
 
 
-@pytest.mark.parametrize("into_output", ["", "matmul", "elementwise", "shift"])
+@pytest.mark.parametrize("into_output", ["", "matmul", "elementwise", "shift", "scalar_shift"])
 def test_a_reentrant_regions_output_that_gets_no_gradient_is_no_divergence(tmp_path, into_output):
     """30a: a reentrant region's backward runs on the graph its recompute builds, from the outputs that require grad.
     A prediction it returns under no_grad (an argmax of a prior the loop moved) differs in the recompute and reaches
@@ -286,7 +290,67 @@ def test_a_reentrant_regions_output_that_gets_no_gradient_is_no_divergence(tmp_p
     assert same is not moves_gradients  # (the truth)
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == ("diverged" if moves_gradients else "clean"), report.headline
-    if into_output == "shift":
+    if into_output in ("shift", "scalar_shift"):  # (34c: `+ self.shift`, a Python float, read SILENTLY DIVERGED)
         assert "in 2 of them the recompute computed other values, which no gradient reads" in report.headline, \
             report.headline
         assert "buffer `prior` changed" in report.regions[0].notes[0], report.regions[0].notes
+
+
+def test_watch_says_a_reentrant_region_returned_other_outputs(tmp_path):
+    """A watched reentrant region is compared by what it returns (its forward saves nothing): where its full
+    recording in the first step differed so, the watch summary said it "saved other tensors"."""
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path, watch=True):
+        _reentrant_steps(path, "shift", True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "clean", report.headline
+    assert "(recorded in full) returned other outputs than its forward" in report.watch["text"], report.watch["text"]
+    assert "saved other tensors" not in report.watch["text"]
+
+
+class _Indexed(nn.Module):
+    """A reentrant block whose output moves with a shift buffer the loop updates between the forward and the backward,
+    then is picked by an index (or a condition) that does not move, or by a top-k of the shifted scores."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.f = nn.Linear(16, 16)
+        self.register_buffer("shift", torch.zeros(16))
+        self.mode = mode
+
+    def forward(self, x):
+        h = self.f(x) + self.shift
+        if self.mode == "gather_fixed":  # (the index comes from the input, which did not move)
+            return h.gather(1, x.abs().argsort(1)[:, :4])
+        if self.mode == "where_fixed":
+            return torch.where(x > 0, h, -h)
+        k = h.topk(4, dim=1)  # held: a uniform shift keeps every choice; flips: a shift per feature does not
+        return self.f(x).gather(1, k.indices)
+
+
+def _indexed_steps(mode: str, ac: bool) -> list:
+    torch.manual_seed(0)
+    block, grads = _Indexed(mode), []
+    for _ in range(2):
+        x = torch.randn(32, 16, requires_grad=True)
+        out = cp.checkpoint(block, x, use_reentrant=True) if ac else block(x)
+        with torch.no_grad():
+            block.shift += 0.5 if mode == "topk_held" else torch.linspace(-2, 2, 16)
+        out.square().sum().backward()
+        grads.append([x.grad.clone(), *(q.grad.clone() for q in block.parameters())])
+        block.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["gather_fixed", "where_fixed", "topk_held", "topk_flips"])
+def test_values_picked_by_an_index_that_did_not_move_reach_no_gradient(tmp_path, mode):
+    """34a: reentrant regions whose shifted values only a gather, a where or a top-k read read SILENTLY DIVERGED over
+    bit-identical gradients: an index (a condition, a top-k's choices) was taken as moved whenever any input of its
+    op differed. It counts where the index itself differs (the top-k that flips)."""
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path, write="all"):
+        recorded = _indexed_steps(mode, True)
+    same = all(torch.equal(a, b) for s, t in zip(recorded, _indexed_steps(mode, False)) for a, b in zip(s, t))
+    assert same is (mode != "topk_flips")  # (the truth)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("diverged" if mode == "topk_flips" else "clean"), report.headline

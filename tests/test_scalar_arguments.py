@@ -59,3 +59,32 @@ def test_a_float_a_few_ulps_off_in_double_but_equal_in_float32_is_no_divergence(
     assert statuses[0] != (1, "diverged") and (2, "diverged") in statuses, statuses
     first = min((r for r in report.regions if r.status == "diverged"), key=lambda r: r.region)
     assert first.step == 2 and first.cause.tensor.endswith("running"), (first.step, first.cause)
+
+
+class GeM(nn.Module):
+    """Generalised-mean pooling whose exponent a schedule anneals to 2 (set before the backward, by mistake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.p = 2.000000000000005
+
+    def forward(self, x):  # (proj saves what pow computed)
+        return self.proj(self.fc(x).clamp_min(1e-6).pow(self.p)).mean(0)
+
+
+def test_an_exponent_equal_in_float32_still_moves_pow_and_is_named(tmp_path):
+    """34c: pow branches on its exponent's exact double value (x * x for 2.0), so 2.000000000000005 and 2.0, the same
+    float32, compute other values: the rule that let such a float pass hid the argument, and the first divergence
+    read "values differ although every input is identical" (a nondeterministic kernel's words)."""
+    torch.manual_seed(0)
+    pool, x = GeM(), torch.randn(64, 16)
+    assert not torch.equal(x.pow(2.000000000000005), x.pow(2.0))  # (the kernel's own branch)
+    path = tmp_path / "trace-rank0.jsonl"
+    with ac_diff.record(path, write="all"):
+        out = cp.checkpoint(pool, x, use_reentrant=False)
+        pool.p = 2.0
+        out.sum().backward()
+    (region,) = ac_diff.diagnose_paths([path]).regions
+    arg = region.first_argument_divergence
+    assert arg is not None and arg.op == "aten.pow.Tensor_Scalar", region.divergences()

@@ -542,3 +542,27 @@ def test_the_reference_ranks_of_two_nodes_meet_through_the_store_not_a_shared_di
     met = reference_run._fresh_group(node1, since=0.0)
     assert met == published and met["MASTER_PORT"] != str(master.port + 1), (met, published)
     assert not list(node1.iterdir())  # (nothing was read from, or written to, node 1's directory)
+
+
+def test_no_rank_runs_its_reference_when_one_will_not(monkeypatch):
+    """34b: `--reference no-ac` on two nodes, a CheckpointError on rank 1: rank 1 waited 120 s for a reference group
+    while rank 0's script sat in an all-reduce rank 1 no longer joined; then rank 0's reference waited for peers that
+    had left (node 0 hung). Each rank says through the store whether it runs its reference: one that does not (its
+    script failed, or finished no backward) makes every rank skip it, with its reason."""
+    from ac_diff.reference import run as reference_run
+
+    store = dist.HashStore()
+    monkeypatch.setattr(reference_run, "job_store", lambda namespace, timeout=None: dist.PrefixStore(namespace, store))
+    monkeypatch.setattr(reference_run, "PORT_WAIT_S", 5.0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(reference_run, "_AGREED", iter([0, 0, 1, 2]))  # (each rank's n-th reference: one key)
+    monkeypatch.setenv("RANK", "1")
+    failed = "the script failed on rank 1 (exit 1), and the reference's ranks run together"
+    assert reference_run.peers_agree(failed) == failed  # (it says so, and does not wait)
+    monkeypatch.setenv("RANK", "0")
+    assert reference_run.peers_agree(None) == failed
+    agreed = dist.PrefixStore(f"reference/{reference_run._tag()}", store)
+    agreed.set("agree/1/1", "")  # (rank 1 finished its second one and runs its reference)
+    assert reference_run.peers_agree(None) is None
+    # rank 1 never says (it hangs elsewhere): bounded
+    assert reference_run.peers_agree(None) == "rank 1 did not finish the script within 5 s of this one"

@@ -205,7 +205,13 @@ class Auditor:
             self._pending[id(frame)] = (hit[0], RngState.capture(tuple(inputs)), tuple(inputs))
 
     def pass_outputs(self, frame: Any, phase: str, outputs: Any) -> None:
-        """(A reentrant pass's outputs: the audit replays regions, it needs none.)"""
+        """A reentrant pass's outputs: what its real recompute is compared with its forward by (the replays need
+        none)."""
+        if self._busy:
+            return
+        outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        for i, t in enumerate(t for t in outs if isinstance(t, torch.Tensor)):
+            self.recompute.output(frame, phase, i, t)
 
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         if self._busy:

@@ -45,6 +45,7 @@ class _Region:
     root: Any = None  # the checkpointed nn.Module (its Python state is compared), None for a function
     state: dict | None = None  # its Python state as the pass now running began
     updated: dict | None = None  # what the forward changed: name -> (before, after)
+    outputs: bool = False  # compared by what each pass returned (a reentrant region: its forward saves nothing)
 
 
 class RecomputeCheck:
@@ -89,6 +90,14 @@ class RecomputeCheck:
         p.meta[position] = (tuple(x.shape), x.dtype)
         p.slots[position] = p.batch.add(x.detach()) if values else None
 
+    def output(self, frame: Any, phase: str, position: int, x: Any) -> None:
+        """What a reentrant pass returned, output by output: its forward runs without grad and saves nothing, so its
+        recompute is compared with it by these."""
+        region = self._open.get(id(frame))
+        if region is not None:
+            region.outputs = True
+            self.pack(frame, phase, position, x)
+
     def exit(self, frame: Any, phase: str, exc: BaseException | None) -> None:
         region = self._open.get(id(frame))
         if region is None:
@@ -108,10 +117,11 @@ class RecomputeCheck:
             self.state_twice_count += 1
             if len(self.state_twice) < self.MAX_LISTED:
                 self.state_twice.append({"region": region.index, "module": region.module, "names": sorted(twice)})
-        if region.recompute is None:  # nothing saved again (a reentrant region: its packs are not seen)
+        if region.recompute is None:  # nothing saved again, nothing returned
             return
         _read(region.recompute)
-        self._judge(region, _compare(region.forward, region.recompute, stopped=exc is not None))
+        self._judge(region, _compare(region.forward, region.recompute, stopped=exc is not None,
+                                     what="outputs" if region.outputs else "saved tensors"))
 
     def failed(self, frame: Any, exc: BaseException) -> None:
         """torch's own check raised: shapes, dtypes or the count of saved tensors differ."""
@@ -179,19 +189,21 @@ def _read(p: _Pass) -> None:
         p.batch = FingerprintBatch(bits=True)  # the reductions' results are read: let them go
 
 
-def _compare(fwd: _Pass, rec: _Pass, stopped: bool) -> tuple | None:
-    """(how, positions, detail) of the first kind of difference, None when the recompute saved what the forward did.
-    `stopped`: the recompute ended on an exception (torch's early stop after the last saved tensor, or an error)."""
+def _compare(fwd: _Pass, rec: _Pass, stopped: bool, what: str = "saved tensors") -> tuple | None:
+    """(how, positions, detail) of the first kind of difference, None when the recompute saved (`what`: or returned)
+    what the forward did. `stopped`: the recompute ended on an exception (torch's early stop after the last saved
+    tensor, or an error)."""
     n_fwd, n_rec = len(fwd.meta), len(rec.meta)
     if n_rec > n_fwd or (n_rec < n_fwd and not stopped):
-        return ("count", [], f"{n_rec} saved tensors in the recompute, {n_fwd} in the forward")
+        return ("count", [], f"{n_rec} {what} in the recompute, {n_fwd} in the forward")
+    at = "saved positions" if what == "saved tensors" else what
     shapes = [i for i in range(n_rec) if rec.meta[i] is not None and rec.meta[i] != fwd.meta[i]]
     if shapes:
-        return ("shapes", shapes, f"other shapes or dtypes at {len(shapes)} of {n_fwd} saved positions")
+        return ("shapes", shapes, f"other shapes or dtypes at {len(shapes)} of {n_fwd} {at}")
     values = [i for i in range(n_rec) if _fingerprint(rec, i) is not None and _fingerprint(fwd, i) is not None
               and not _same(_fingerprint(rec, i), _fingerprint(fwd, i))]
     if values:
-        return ("values", values, f"other values at {len(values)} of {n_fwd} saved positions")
+        return ("values", values, f"other values at {len(values)} of {n_fwd} {at}")
     return None
 
 

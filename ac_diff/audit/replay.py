@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.opinfo import op_info
 from ..capture.torch_compat import checkpointed_module
 from ..remedies.restore import KeptState
-from ..oprules import keeps_order, written_arguments
+from ..oprules import keeps_order, written_arguments, written_keywords
 from ..capture.sourceline import user_source
 from .margins import Margins, comparison_gap, decision_margins
 from .noise import NoiseSpec, perturb, reduction_sigma
@@ -140,6 +140,9 @@ class _Mode(TorchDispatchMode):
         for i in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 self.owner.guard.before_write(args[i], self.created)
+        for keyword in written_keywords(name):  # (`normalize(..., out=self._u)`: spectral norm's power iteration)
+            if isinstance(kwargs.get(keyword), torch.Tensor):
+                self.owner.guard.before_write(kwargs[keyword], self.created)
         saved = None
         if self.clean is not None and (name in self.served or name in self.owner.sac_ops):
             hit = self.clean.decisions.get(key)

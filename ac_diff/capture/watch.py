@@ -562,10 +562,11 @@ class Watch:
             return
         hit = self.escalated.get(key)
         if hit is None or hit.get("provisional") and not hit.get("confirmed"):
+            reentrant = region.kind == "reentrant"  # (watch compares its outputs, not what it saved)
             self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": region.step,
-                                   "confirmed": True, "why": "full"}
+                                   "confirmed": True, "why": "full", "reentrant": reentrant}
             self.write({"type": "escalate", "module": key, "diverged_step": region.step, "region": region.number,
-                        "from_step": region.step, "why": "full"})
+                        "from_step": region.step, "why": "full", "reentrant": reentrant})
 
     def started(self, key: str | None) -> None:
         """A watched forward began."""

@@ -20,7 +20,9 @@ from typing import Any
 
 from ..fix.statuses import mark, verify_nproc
 from ..reference.explain import attach
-from ..reference.run import reference_result, run_reference
+from ..children import EXIT_TERMINATED
+from ..env import process_rank as rank
+from ..reference.run import peers_agree, reference_result, run_reference
 from ..reference.paths import REFERENCE_DIR, grads_path
 from ..reference.session import CaptureSession, load_side
 from ..remedies import CheckpointPatch, RemedySpec, split_ops
@@ -81,14 +83,24 @@ class RunExtras:
 
     def after(self, target: str, args: list[str], module: bool, exit_code: int | None = 0) -> None:
         """`exit_code`: the script's; one that failed before finishing a backward still gets its reference, which
-        tells whether it fails without AC too."""
-        capture = self.session.capture if self.session is not None else None
-        if self.reference and capture is not None and not capture.snapshots and not exit_code:
-            self.skipped = "this run finished no backward pass, so there is nothing to compare: no reference was run"
+        tells whether it fails without AC too, unless it runs with other ranks (their references run as one group:
+        reference.run.peers_agree)."""
+        if not self.reference:
             return
-        if self.reference:
-            self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
-                                                         steps=self.steps, spec=self.spec, since=self.started - 1.0)
+        capture = self.session.capture if self.session is not None else None
+        several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+        own = ("this run finished no backward pass, so there is nothing to compare"
+               if capture is not None and not capture.snapshots and not exit_code else
+               f"rank {rank()} was stopped (exit {exit_code}: torchrun stops every rank once one fails)"
+               if exit_code == EXIT_TERMINATED and several else
+               f"the script failed on rank {rank()} (exit {exit_code}), and the reference's ranks run together"
+               if exit_code and several else None)
+        why = peers_agree(own)
+        if why:
+            self.skipped = f"{why}: no reference was run"
+            return
+        self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
+                                                     steps=self.steps, spec=self.spec, since=self.started - 1.0)
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it

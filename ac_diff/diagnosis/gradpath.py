@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..dtypes import carries_gradient
-from ..oprules import (DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, is_in_place_method, packet,
-                       reads_values_in_backward)
-from ..passes import InputRef, OpRecord, Pass, ops_feeding
+from ..oprules import (DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, blind_arguments,
+                       is_in_place_method, packet, reads_shape_only, reads_values_in_backward)
+from ..passes import InputRef, OpRecord, Pass, TensorMeta, ops_feeding
 from .passdiff import PairDiff
 
 _NO_GRADIENT_KINDS = frozenset({"buffer"})
@@ -54,10 +54,43 @@ def path_ops(p: Pass, sources: set[tuple[str, str | None]] | None = None) -> set
     return on
 
 
-def _reads_other_index(d: PairDiff, op: OpRecord) -> bool:
+def _reads_other_index(d: PairDiff, op: OpRecord, pairs: dict[int, PairDiff]) -> bool:
     """An op on the path whose integer or boolean inputs differ (a gather with other indices, equal values picked):
-    the gradient lands elsewhere even where its outputs match."""
-    return d.inputs_same is False and any(not carries_gradient(m.dtype) for m in op.inputs)
+    the gradient lands elsewhere even where its outputs match. An index made in the pass differs where its own output
+    measured so (`pairs`: the pass's ops by index); one from outside where the op's changed inputs name any."""
+    if d.inputs_same is not False:
+        return False
+    if len(op.inputs) != len(op.input_refs):  # (a trace without one reference per tensor input: any index)
+        return any(not carries_gradient(m.dtype) for m in op.inputs)
+    for meta, ref in zip(op.inputs, op.input_refs):
+        if carries_gradient(meta.dtype):
+            continue
+        if ref.kind != "op":
+            if d.changed_inputs:
+                return True
+            continue
+        made = pairs.get(ref.op_index)
+        if made is None or _output_differs(made, ref.output):
+            return True
+    return False
+
+
+def _output_differs(d: PairDiff, output: int) -> bool:
+    """Whether output `output` of a pair's op differs: by its fingerprints where both passes measured it; where they
+    did not (an integer add the recorder derives from its inputs), whenever its inputs differ."""
+    prints = [o.fingerprint[output] if o is not None and o.fingerprint and output < len(o.fingerprint) else None
+              for o in (d.forward, d.recompute)]
+    if None in prints:  # (its inputs identical: so is what it computed from them)
+        return d.differs or d.inputs_same is not True
+    return bool(d.kinds - {"value"}) and d.differs or prints[0] != prints[1]
+
+
+def _chose_otherwise(d: PairDiff) -> bool:
+    """A chooser whose gradient reads only its indices (topk, sort, max.dim): whether an integer output of it differs
+    (other entries chosen), by their fingerprints; where not measured, whenever the pair differs."""
+    op = d.recompute
+    outputs = [j for j, m in enumerate(op.out) if isinstance(m, TensorMeta) and not carries_gradient(m.dtype)]
+    return any(_output_differs(d, j) for j in outputs)
 
 
 def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) -> Callable[[PairDiff], bool] | None:
@@ -89,14 +122,24 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
                                (d.forward, forward, by_forward))
             if _left_as_it_was(p, alone, pairs):
                 return False
-        if _reads_other_index(d, d.recompute or d.forward):
+        if _reads_other_index(d, d.recompute or d.forward, by_recompute if d.recompute is not None else by_forward):
             return True
-        if (d.kinds == {"value"} and on_r and not reads_values_in_backward(d.recompute.op)
-                and d.recompute.index not in read):
-            return False  # (`x + y - shift`: the sub's output differs, no gradient reads it)
+        if (d.kinds <= {"value", "argument"} and on_r and not reads_values_in_backward(d.recompute.op)
+                and d.recompute.index not in read and _only_blind_arguments_differ(d) and not _chose_otherwise(d)):
+            return False  # (`x + y - shift`, `x + self.shift`: the sub's output differs, no gradient reads it)
         return d.differs
 
     return reaches
+
+
+def _only_blind_arguments_differ(d: PairDiff) -> bool:
+    """The pair's non-tensor arguments differ, if at all, only where no gradient reads them (oprules.blind_arguments:
+    the scalar of `x + self.shift`, not an alpha)."""
+    if "argument" not in d.kinds:
+        return True
+    f, r = d.forward.args, d.recompute.args
+    blind = blind_arguments(d.recompute.op)
+    return len(f) == len(r) and all(a == b or i in blind for i, (a, b) in enumerate(zip(f, r)))
 
 
 def _values_read(p: Pass, on_path: set[int]) -> set[int]:
@@ -105,15 +148,21 @@ def _values_read(p: Pass, on_path: set[int]) -> set[int]:
     view)."""
     readers: dict[int, list[OpRecord]] = {}
     for op in p.ops:
-        for r in op.input_refs:
-            if r.kind == "op" and r.op_index != op.index:
+        for k, r in enumerate(op.input_refs):  # (through a floating-point input: a gather's index is no value read)
+            floating = k >= len(op.inputs) or carries_gradient(op.inputs[k].dtype)
+            if r.kind == "op" and r.op_index != op.index and floating and not reads_shape_only(op.op):
                 readers.setdefault(r.op_index, []).append(op)
     read: set[int] = set()
     for op in reversed(p.ops):  # (readers come after what they read: each is settled when its input is)
-        if any(r.index in read if not reads_values_in_backward(r.op) else r.index in on_path
+        if any(r.index in read if not reads_values_in_backward(r.op) else r.index in on_path and _carries(r)
                for r in readers.get(op.index, ())):
             read.add(op.index)
     return read
+
+
+def _carries(op: OpRecord) -> bool:
+    """An op with an output a gradient can flow back through (not a comparison's mask, an argmax)."""
+    return any(isinstance(m, TensorMeta) and carries_gradient(m.dtype) for m in op.out) or not op.out
 
 
 def _feeding(p: Pass, roots: list | None) -> set[int] | None:

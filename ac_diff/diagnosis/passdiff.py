@@ -24,7 +24,8 @@ from ..align import Pair, align
 from ..dtypes import computes_in_float32
 from ..passes import External, InputRef, OpRecord, Pass, TensorMeta, exact_print, ops_feeding
 from ..oprules import (CAST, HOOK_ONLY_OPS, REENTRANT_ONLY_OPS, is_collective, is_decision, is_host_read,
-                       is_in_place_method, is_view_op, packet, updates_as_it_computes, written_inputs)
+                       is_in_place_method, is_view_op, packet, reads_scalars_exactly, updates_as_it_computes,
+                       written_inputs)
 from ..oprules import is_outside_update as _is_outside_update
 from .labels import readable_arg, where
 
@@ -634,6 +635,8 @@ def _alike_in_float32(op: OpRecord, a: list, b: list) -> bool:
     """Arguments that differ only in Python floats equal once rounded to float32, of an op that computes in float32 at
     most (dtypes.computes_in_float32): its kernel ran alike (a loss normaliser a running mean left 1 ulp off in double,
     `l / running`)."""
+    if reads_scalars_exactly(op.op):  # (pow(x, 2.000000000000005) is no pow(x, 2.0): a fast path for 2.0)
+        return False
     metas = [m for m in (*op.inputs, *op.out) if isinstance(m, TensorMeta)]
     return computes_in_float32([m.dtype for m in metas]) and _same_in_float32(a, b)
 

@@ -67,7 +67,7 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                     and e.get("from_step") is not None and (r.step or 0) >= e["from_step"]]
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
-                              ("diverged_step", "region", "from_step", "why", "until_step")},
+                              ("diverged_step", "region", "from_step", "why", "until_step", "reentrant")},
                               "diverged_steps": sorted({r.step for r in reports if r.watched and r.status == DIVERGED
                                                         and r.path == run.path and r.module == module
                                                         and r.step is not None}),
@@ -145,9 +145,9 @@ def _text(s: dict[str, Any]) -> str:
                     f"recorded in full in steps {e['from_step']}-{until - 1}")
             if e.get("why") == "full":  # a region recorded in full saved other tensors (watch.keep_full)
                 later = until is None or until - 1 > e["diverged_step"] or e["from_step"] != e["diverged_step"]
-                text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) saved other "
-                         "tensors than its forward (a reentrant region: returned other outputs)"
-                         + (f", so it was {span}: {found}" if later else f": {found}"))
+                other = "returned other outputs" if e.get("reentrant") else "saved other tensors"
+                text += (f"; {module}: its recompute in step {e['diverged_step']} (recorded in full) {other} than its "
+                         "forward" + (f", so it was {span}: {found}" if later else f": {found}"))
             else:
                 text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
             if until is not None:

@@ -85,7 +85,7 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
     """The reference ranks' own rendezvous: rank 0 picks a free port and hands it over through torchrun's agent
     store, which every node reaches, and a file in `directory` (a launch without that store; a file older than this
     run's start is an earlier run's); the others read it."""
-    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+    tag = _tag()
     port_file = directory / f"port-{tag}"
     key = f"port/{next(_STARTED)}"  # (every rank starts its references in the same order)
     try:
@@ -117,7 +117,48 @@ def _fresh_group(directory: Path, since: float) -> dict[str, str]:
                      "node, or check that every node runs `ac-diff run --reference` too")
 
 
+def _tag() -> str:
+    """This launch's name for its reference group: its torchrun run id and port."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+
+
 _STARTED = itertools.count()  # the references this process started
+_AGREED = itertools.count()  # the references this process asked its peers about
+
+
+def peers_agree(own: str | None) -> str | None:
+    """Under torchrun, whether every rank runs its reference: their reference ranks meet as one group, so a rank that
+    does not (its script failed, or finished no backward) would leave the others waiting for it, and a rank whose
+    script failed leaves the others' scripts in a collective it no longer joins until torchrun stops them. Each rank
+    says through the agent store why it would not (`own`; None: it would). Returns None where every rank will (or
+    there is no store: each decides alone), else why none does."""
+    world, r = int(os.environ.get("WORLD_SIZE", "1") or 1), rank()
+    if world <= 1:
+        return own
+    key = f"agree/{next(_AGREED)}"
+    try:
+        store = job_store(f"reference/{_tag()}")
+        bounded(lambda: store.set(f"{key}/{r}", own or ""), OP_S)
+    except Exception:  # noqa: BLE001 - no store (another launcher): each rank decides alone, as before
+        return own
+    if own:
+        return own
+    deadline = time.monotonic() + PORT_WAIT_S
+    said: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            for q in range(world):
+                if q not in said and bounded(lambda: store.check([f"{key}/{q}"]), OP_S):
+                    said[q] = bounded(lambda: store.get(f"{key}/{q}"), OP_S).decode()
+        refused = next((why for q, why in sorted(said.items()) if why), None)
+        if refused:
+            return refused
+        if len(said) == world:
+            return None
+        time.sleep(0.2)
+    missing = [q for q in range(world) if q not in said]
+    return (f"rank{'s' if len(missing) > 1 else ''} {number_ranges(missing)} did not finish the script within "
+            f"{PORT_WAIT_S:.0f} s of this one")
 
 
 def _group(port: int | str) -> dict[str, str]:

@@ -261,7 +261,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 watch = run.watch = run.watch or {"step": 0, "full_from_step": None, "full_steps": 0, "modules": {},
                                                   "escalated": {}}
                 watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step",
-                                                                                  "why")}
+                                                                                  "why", "reentrant")}
             elif kind == "unpacked":
                 unpacked.setdefault(int(rec["region"]), set()).update(int(p) for p in rec["positions"])
             elif kind == "check_error":
