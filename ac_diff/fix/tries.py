@@ -143,10 +143,11 @@ def judge(t: Try, report: Any | None, reference: Any | None, m: Measured, base: 
             t.status = VERIFIED
             others = sorted(report.repeated_updates())
             if others:  # (a batch norm's statistics: harmless; a count a later update reads: a drift steps later)
-                t.reason = (f"verified over {reference.backwards} backward pass(es); the recompute still updates "
+                n = getattr(reference, "backwards", None) or len(reference.steps)
+                t.reason = (f"verified over {n} backward pass(es); the recompute still updates "
                             f"{', '.join(others[:3])} a second time (counted twice): where a later step reads it (a "
                             "load-balancing update from token counts), compare more with `ac-diff fix --steps "
-                            f"{reference.backwards + 2}`")
+                            f"{n + 2}`")
             return
         t.reason = ("every recompute matches and the compared gradients too, but the recompute still updates "
                     + (f"{', '.join(twice[:3])} in place a second time (counted twice): the steps after start from "

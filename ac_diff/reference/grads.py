@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture.compiled import skip_when_compiling
+from ..capture.compiled import is_fake, skip_when_compiling, tracing
 from ..capture.fingerprint import FingerprintBatch, _local, host_copies
 from ..capture.modules import ModuleStack, clean_fqn
 
@@ -245,6 +245,8 @@ class GradCapture:
         if grads:
             self._snapshot(outputs, grads)
             return
+        if tracing() or any(is_fake(g) for g in result if isinstance(g, torch.Tensor)):
+            return  # (AOTAutograd tracing a compiled backward calls it on fake tensors: no gradient of the script)
         call = 1 + len({name.split(",")[0] for name in self._inputs})
         self._inputs.update(summarize_all({f"autograd.grad {call}, input {i}": g for i, g in enumerate(result)
                                            if isinstance(g, torch.Tensor) and g.is_floating_point()}, budget_bytes()))
