@@ -219,10 +219,15 @@ def reads_scalars_exactly(name: str) -> bool:
 _BLIND_ARGUMENTS = {"add": frozenset({1}), "sub": frozenset({1}), "rsub": frozenset({1})}
 
 
+def _out_of_place(name: str) -> str:
+    """The packet of an op's out-of-place form: "add" for aten.add_.Tensor."""
+    base = packet(name)
+    return base[:-1] if is_in_place_method(name) else base
+
+
 def blind_arguments(name: str) -> frozenset[int]:
     """The positions of an op's arguments whose value no gradient formula reads (see _BLIND_ARGUMENTS)."""
-    base = packet(name)
-    return _BLIND_ARGUMENTS.get(base[:-1] if is_in_place_method(name) else base, frozenset())
+    return _BLIND_ARGUMENTS.get(_out_of_place(name), frozenset())
 
 
 def reads_shape_only(name: str) -> bool:
@@ -233,8 +238,7 @@ def reads_shape_only(name: str) -> bool:
 def reads_values_in_backward(name: str) -> bool:
     """Whether an op's gradient may read the values it computed with (a mul.Tensor, a relu, a matmul; any op not
     known to be blind to them: see _VALUE_BLIND)."""
-    _, base, overload = split_op(name)
-    base = base[:-1] if is_in_place_method(name) else base
+    base, overload = _out_of_place(name), split_op(name)[2]
     if base in _VALUE_BLIND or _VALUE_BLIND_OVERLOADS.get(base) == overload:
         return False
     return not (base in _VALUE_BLIND_BY_SCALAR and overload == "Scalar")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .common import EXIT_BAD_INPUT, command_line, emit, fail, print_next, verdict_code
+from ..env import process_world_size
 from ..errors import Terminated
 
 from .trace_peek import read_end, read_header  # noqa: F401 - also read by rank_exchange
@@ -55,7 +56,7 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return process_world_size()
 
 
 def is_multi_rank() -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 from ..fix.statuses import mark, verify_nproc
 from ..reference.explain import attach
 from ..children import EXIT_TERMINATED
-from ..env import process_rank as rank
+from ..env import process_rank as rank, process_world_size
 from ..reference.run import peers_agree, reference_result, run_reference
 from ..reference.paths import REFERENCE_DIR, grads_path
 from ..reference.session import CaptureSession, load_side
@@ -87,20 +87,23 @@ class RunExtras:
         reference.run.peers_agree)."""
         if not self.reference:
             return
-        capture = self.session.capture if self.session is not None else None
-        several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        own = ("this run finished no backward pass, so there is nothing to compare"
-               if capture is not None and not capture.snapshots and not exit_code else
-               f"rank {rank()} was stopped (exit {exit_code}: torchrun stops every rank once one fails)"
-               if exit_code == EXIT_TERMINATED and several else
-               f"the script failed on rank {rank()} (exit {exit_code}), and the reference's ranks run together"
-               if exit_code and several else None)
-        why = peers_agree(own)
+        why = peers_agree(self._why_not(exit_code))
         if why:
             self.skipped = f"{why}: no reference was run"
             return
         self.exit_code, self.command = run_reference(target, args, module=module, output_dir=self.output_dir,
                                                      steps=self.steps, spec=self.spec, since=self.started - 1.0)
+
+    def _why_not(self, exit_code: int | None) -> str | None:
+        """Why this process runs no reference (None: it does)."""
+        capture = self.session.capture if self.session is not None else None
+        if capture is not None and not capture.snapshots and not exit_code:
+            return "this run finished no backward pass, so there is nothing to compare"
+        if not exit_code or process_world_size() <= 1:  # (alone: its reference tells whether it fails without AC)
+            return None
+        if exit_code == EXIT_TERMINATED:
+            return f"rank {rank()} was stopped (exit {exit_code}: torchrun stops every rank once one fails)"
+        return f"the script failed on rank {rank()} (exit {exit_code}), and the reference's ranks run together"
 
     def decorate(self, report: Any, ranks: list[int]) -> None:
         if self.target:  # every suggestion: untested, and the command that would verify it

@@ -87,7 +87,7 @@ def _output_differs(d: PairDiff, output: int) -> bool:
 
 def _chose_otherwise(d: PairDiff) -> bool:
     """A chooser whose gradient reads only its indices (topk, sort, max.dim): whether an integer output of it differs
-    (other entries chosen), by their fingerprints; where not measured, whenever the pair differs."""
+    (other entries chosen), as _output_differs tells."""
     op = d.recompute
     outputs = [j for j, m in enumerate(op.out) if isinstance(m, TensorMeta) and not carries_gradient(m.dtype)]
     return any(_output_differs(d, j) for j in outputs)

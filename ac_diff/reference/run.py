@@ -26,6 +26,7 @@ from typing import Any
 
 from ..children import Child, child_command
 from ..commands.rank_exchange import OP_S, StoreUnavailable, bounded, job_store
+from ..env import process_rank as rank, process_world_size
 from ..errors import InputError
 from ..diagnosis.compiled import reference_note
 from ..diagnosis.labels import number_ranges
@@ -36,7 +37,6 @@ from .explain import explain
 from .forwards import compare_first_forwards
 from .grads import load_grads
 from .result import DIFFERS, FAILED, IDENTICAL, NOT_COMPARABLE, ReferenceResult
-from ..env import process_rank as rank
 from .paths import REFERENCE_DIR, grads_path, side_path, trace_path
 from .session import COMPILED_ENV, DIR_ENV, STEPS_ENV, load_side, read_side
 
@@ -60,7 +60,7 @@ def reference_command(target: str, args: list[str], *, module: bool, directory: 
     extra = {ENV: reference_spec(spec).to_env(), DIR_ENV: str(directory), STEPS_ENV: str(steps)}
     if "torch._dynamo" in sys.modules:  # (the run compiled something: its reference must turn off AC Dynamo traces)
         extra[COMPILED_ENV] = "1"
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if process_world_size() > 1:
         extra.update(_fresh_group(directory, since))
     child = child_command(["-m", "ac_diff.reference.child", *(["-m"] if module else []), target, *args], nproc=nproc,
                           extra=extra)
@@ -132,7 +132,7 @@ def peers_agree(own: str | None) -> str | None:
     script failed leaves the others' scripts in a collective it no longer joins until torchrun stops them. Each rank
     says through the agent store why it would not (`own`; None: it would). Returns None where every rank will (or
     there is no store: each decides alone), else why none does."""
-    world, r = int(os.environ.get("WORLD_SIZE", "1") or 1), rank()
+    world, r = process_world_size(), rank()
     if world <= 1:
         return own
     key = f"agree/{next(_AGREED)}"
