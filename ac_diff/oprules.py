@@ -244,6 +244,27 @@ def reads_values_in_backward(name: str) -> bool:
     return not (base in _VALUE_BLIND_BY_SCALAR and overload == "Scalar")
 
 
+# Ops whose autograd node saves an input for other inputs' gradients alone: (node, saved input -> the inputs whose
+# gradients read it). `autograd.grad(loss, x)` runs a linear's MmBackward0 for x's gradient, which reads the weight;
+# it unpacks the saved input too, which only the weight's gradient reads.
+_SAVED_FOR_OTHERS = {
+    "aten.mm.default": ("MmBackward0", {0: {1}, 1: {0}}),
+    "aten.bmm.default": ("BmmBackward0", {0: {1}, 1: {0}}),
+    "aten.addmm.default": ("AddmmBackward0", {1: {2}, 2: {1}}),
+    "aten.baddbmm.default": ("BaddbmmBackward0", {1: {2}, 2: {1}}),
+    "aten.mul.Tensor": ("MulBackward0", {0: {1}, 1: {0}}),
+    "aten.div.Tensor": ("DivBackward0", {0: {1}, 1: {0, 1}}),
+    "aten.convolution.default": ("ConvolutionBackward0", {0: {1}, 1: {0}}),
+}
+
+
+def gradients_reading_input(name: str, node: str, index: int) -> set[int] | None:
+    """The inputs (by index) whose gradients read op `name`'s tensor input `index` that its autograd node `node`
+    saved; None where not known (any gradient of the node may read it)."""
+    rule = _SAVED_FOR_OTHERS.get(name)
+    return rule[1].get(index) if rule is not None and rule[0] == node else None
+
+
 def is_host_read(name: str) -> bool:
     return packet(name) in HOST_READ_OPS
 

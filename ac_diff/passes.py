@@ -263,6 +263,9 @@ class Region:
     # the forward's saved positions the backward passes read (checkpoint's unpack hook), over every backward that
     # finished; None where the trace does not say (a log, an older trace, a run stopped in its backward)
     unpacked: set[int] | None = None
+    # of those, the ones only autograd nodes that computed some of their inputs' gradients read (`autograd.grad(loss,
+    # x)` runs a linear's node for x's alone): position -> (node, the gradients' indexes among its inputs)
+    partial_reads: dict[int, tuple[str, frozenset[int]]] = field(default_factory=dict)
 
     # NOTE [what the evidence can show]: diagnosis asks these, never where a region came from. A trace
     # records values, op order and whole passes, and knows every error torch raised; a debug=True log lists

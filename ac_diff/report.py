@@ -361,6 +361,8 @@ SIDE_OUTPUT = "reproduced; a side output carries no gradient"  # ... of a reentr
 # ... of a region that reproduced its forward, whose code reads Python state its recompute updates a second time
 STATE_READ_AGAIN = "reproduced; state it reads is updated twice"
 UNREAD = "but no backward read them"  # a region's note: saved values that differ where no gradient formula ran
+# ... where only the gradients of inputs the backward did not ask for read them (`autograd.grad(loss, x)`)
+UNASKED = "but only gradients no backward computed read them"
 # ... of a reentrant region called with no input that requires grad, where which parameters it uses is not known (a
 # function, not a module; a log's warning): those that require grad get no gradient from it
 NO_GRAD_INPUTS = "no backward: its inputs require no grad"

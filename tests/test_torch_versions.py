@@ -177,3 +177,27 @@ def test_an_exit_is_known_to_have_left_a_backward(where):
         y.sum().backward()
         raise SystemExit(0)  # (after the backward)
     assert torch_compat.left_a_backward(info.value) is (where != "after")
+
+
+def test_the_gradients_an_unpacking_node_computes_are_told():
+    """`torch.autograd.grad(loss, x)` runs a linear's AddmmBackward0 for its input's gradient alone (edge 1; not the
+    bias's, 0, or the weight's, 2); a full backward computes all of them, and outside a backward nothing is running."""
+    seen = []
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def saved(t):
+        return t
+
+    def unpacked(t):
+        seen.append(torch_compat.gradients_computed())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, unpacked):
+        loss = lin(torch.tanh(x)).sum()
+    torch.autograd.grad(loss, x, retain_graph=True)
+    assert ("AddmmBackward0", (1,)) in seen, seen
+    seen.clear()
+    loss.backward()
+    assert seen and all(s is None for s in seen), seen
+    assert torch_compat.gradients_computed() is None

@@ -236,3 +236,16 @@ def test_a_copy_of_a_trace_still_being_written_is_a_finished_trace(tmp_path, out
     finally:
         recorder.stop()
     assert len(read_run(tmp_path / outer).regions) == len(run.regions)
+
+
+def test_unpacked_records_merge_over_backwards():
+    """A position read for some gradients in one backward and for all in another counts as read for all; reads of
+    the same node for some gradients add up; a record without `partial` (a 1.6 trace before it) reads all."""
+    from ac_diff.trace.reader import _merge_reads
+
+    reads: dict = {}
+    _merge_reads(reads, {"positions": [0, 1, 2], "partial": [[0, "MmBackward0", [0]], [1, "MmBackward0", [1]]]})
+    _merge_reads(reads, {"positions": [0, 1], "partial": [[1, "MmBackward0", [0]]]})
+    assert reads == {0: None, 1: ("MmBackward0", frozenset({0, 1})), 2: None}
+    _merge_reads(reads, {"positions": [1], "partial": [[1, "AddmmBackward0", [2]]]})
+    assert reads[1] is None

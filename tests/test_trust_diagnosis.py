@@ -2189,4 +2189,55 @@ def test_saved_values_no_backward_reads_leave_the_gradients_as_they_were(tmp_pat
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == ("diverged" if ponder else "clean"), report.headline
     if not ponder:
-        assert "no backward read" in report.headline and "aten.sigmoid.default" in report.headline, report.headline
+        assert "no gradient a backward computed read" in report.headline, report.headline
+        assert "aten.sigmoid.default" in report.headline, report.headline
+
+
+class _Shifted(nn.Module):
+    """A conv and a linear after a buffer the loop moves between the forward and the backward: added (only the
+    weights' gradients read the inputs the two save) or multiplied (the input's gradient reads the saved scale)."""
+
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.conv, self.fc, self.scaled = nn.Conv2d(2, 3, 3), nn.Linear(3 * 4 * 4, 5), scaled
+        self.register_buffer("shift", torch.ones(2, 1, 1))
+
+    def forward(self, x):
+        h = self.conv(x * self.shift if self.scaled else x + self.shift)
+        return self.fc(h.flatten(1))
+
+
+def _input_gradients(asked: str, ac: bool) -> list:
+    torch.manual_seed(0)
+    block, grads = _Shifted(asked == "scaled input"), []
+    for _ in range(2):
+        x = torch.randn(4, 2, 6, 6, requires_grad=True)
+        loss = (cp.checkpoint(block, x, use_reentrant=False) if ac else block(x)).square().mean()
+        block.shift = block.shift + 0.25  # (a schedule stepped before the backward; in place, autograd would object)
+        if asked == "everything":
+            loss.backward()
+            grads.append([p.grad.clone() for p in block.parameters()])
+            block.zero_grad()
+        else:  # (a saliency map, an adversarial example: the input's gradient alone)
+            grads.append(list(torch.autograd.grad(loss, x)))
+    return grads
+
+
+@pytest.mark.parametrize("asked", ["input", "scaled input", "everything"])
+def test_saved_tensors_only_unasked_gradients_read_leave_the_gradients_as_they_were(tmp_path, asked):
+    """33a P1-1: `torch.autograd.grad(loss, x)` runs the conv's and the linear's nodes for x's gradient alone, which
+    reads their weights; torch unpacks their saved inputs too, which the moved buffer changed and only the weights'
+    gradients read: the input gradients are bit-identical, and it read SILENTLY DIVERGED. Where the buffer scales
+    the input (the scale, saved, is read by x's gradient), or every gradient is computed, it diverged."""
+    same = all(torch.equal(a, b) for s, t in zip(_input_gradients(asked, True), _input_gradients(asked, False))
+               for a, b in zip(s, t))
+    assert same is (asked == "input")  # (the truth)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _input_gradients(asked, True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("clean" if same else "diverged"), report.headline
+    if same:
+        assert "which no gradient a backward computed read" in report.headline, report.headline
+        notes = " ".join(report.regions[0].notes)
+        assert "only gradients no backward computed read them" in notes, notes

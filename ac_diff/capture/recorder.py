@@ -58,8 +58,9 @@ from .rows import _E_REF, _E_SLOT, _E_VERSION, _E_WEAKREF, _FLAGS, _MODULE, _OP,
 from .opinfo import BOXED_INPUTS, FLUSH_ALL, OpInfo, draws, op_info, short_dtype
 from .sourceline import raised_at, user_source
 from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHooks, ReentrantFrame, _dispatch_stack_len,
-                           checkpointed_module, frame_options, function_name, graph_task_id, innermost_function,
-                           left_a_backward, outside_backward, raised_in_checkpoint, sequential_segment, version_of)
+                           checkpointed_module, frame_options, function_name, gradients_computed, graph_task_id,
+                           innermost_function, left_a_backward, outside_backward, raised_in_checkpoint,
+                           sequential_segment, version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
                      encode_ops, written_meta)
@@ -247,8 +248,9 @@ class Recorder:
         self._outputs_pruned_at = 1024
         self._step = 0  # the training step the last region forward began in (see enter())
         self._backwards: dict[int, int] = {}  # autograd graph task -> the backward pass it is, from 1
-        # region number -> (region, the forward's saved positions a backward read since they were last written)
-        self._unpacked: dict[int, tuple[_Region, set[int]]] = {}
+        # region number -> (region, the forward's saved positions a backward read since they were last written: each
+        # None, or (node, the gradients it computed) where its formula computed only some: `gradients_computed`)
+        self._unpacked: dict[int, tuple[_Region, dict[int, tuple | None]]] = {}
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
         # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
@@ -798,16 +800,26 @@ class Recorder:
         Written as "unpacked" records once no backward runs (`_write_unpacked`). Per saved tensor: lean."""
         region = getattr(frame, "_ac_diff_region", None)
         if region is not None and region.recorded and not region.watched:
-            self._unpacked.setdefault(region.number, (region, set()))[1].add(position)
+            reads = self._unpacked.setdefault(region.number, (region, {}))[1]
+            computed = gradients_computed()  # (None: a formula computing every gradient of its node read it)
+            if computed is None or reads.get(position, computed) is None:
+                reads[position] = None
+            else:
+                node, before = reads.get(position, (computed[0], ()))
+                reads[position] = (node, tuple(sorted({*before, *computed[1]}))) if node == computed[0] else None
 
     def _write_unpacked(self) -> None:
         """The positions backward passes read since the last call, per region: only outside a backward (one that is
         running would read more), so that a region's positions are whole for every backward that finished."""
         if self._unpacked and outside_backward():
             unpacked, self._unpacked = self._unpacked, {}
-            for number, (region, positions) in sorted(unpacked.items(), key=lambda kv: kv[0]):
+            for number, (region, reads) in sorted(unpacked.items(), key=lambda kv: kv[0]):
                 if region.hold != "clean":  # (a region summarized as reproduced: its passes are not in the trace)
-                    self._writer.write({"type": "unpacked", "region": number, "positions": sorted(positions)})
+                    record = {"type": "unpacked", "region": number, "positions": sorted(reads)}
+                    partial = [[position, *read] for position, read in sorted(reads.items()) if read is not None]
+                    if partial:  # [position, node, [the gradients it computed]]: read where those need it only
+                        record["partial"] = partial
+                    self._writer.write(record)
 
     @_never_raise
     def check_failed(self, frame: Any, exc: BaseException) -> None:

@@ -466,6 +466,36 @@ def graph_task_id() -> int | None:
     return task if task >= 0 else None
 
 
+_CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def gradients_computed() -> tuple[str, tuple[int, ...]] | None:
+    """Which of its inputs' gradients the autograd node running now (one unpacking a saved tensor for its formula)
+    computes in this backward, where not all of them: (node name, their indexes among its `next_functions`).
+    `torch.autograd.grad(loss, x)` runs a linear's MmBackward0 for x's gradient alone, and the saved input, which
+    only the weight's gradient reads, is unpacked all the same. None where it computes all of them, or where torch
+    cannot say (outside a backward, a build without these getters)."""
+    if _CURRENT_NODE is None or _WILL_EXECUTE is None:
+        return None
+    try:
+        node = _CURRENT_NODE()
+        if node is None:
+            return None
+        edges = node.next_functions
+        computed = tuple(i for i, (fn, _) in enumerate(edges) if fn is not None and _computes(fn))
+        return None if len(computed) == len(edges) else (node.name(), computed)
+    except Exception:  # noqa: BLE001 - a build whose getters fail: every gradient counts as computed
+        return None
+
+
+def _computes(fn: Any) -> bool:
+    try:
+        return bool(_WILL_EXECUTE(fn))
+    except RuntimeError:  # (the leaf of an input `autograd.grad` asked for: torch will not say; it is computed)
+        return True
+
+
 def outside_backward() -> bool:
     """True only where torch says no backward runs now (False also where it cannot say)."""
     try:

@@ -20,8 +20,8 @@ from ..trace.format import EXIT_DURING_BACKWARD
 from ..gc_hold import collector_paused
 from ..passes import NESTED_OUTPUT, InputRef, Pass, Region, Run, TorchError, error_words
 from ..report import (NEVER_CLEAN, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSING_RECOMPUTE, FORWARD_UNRECORDED,
-                      NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED, UNREAD,
-                      VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
+                      NO_GRAD_INPUTS, RECEIVED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNASKED, UNCHECKED,
+                      UNREAD, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
                       backwards_recorded, missing_ranks, repeated_updates)
 from .microbatches import later_forward
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
@@ -710,12 +710,12 @@ def _headline(regions, errors, runs, groups, watched: int = 0, never: int = 0, u
                  + ", so they end each step other than a run without AC leaves them" + repeated_ask(regions)
                  if repeated else "")
         extra += held_choice_note(regions)
-        unread = [r for r in regions if r.status == CLEAN and any(UNREAD in n for n in r.notes)]
+        unread = [r for r in regions if r.status == CLEAN and any(UNREAD in n or UNASKED in n for n in r.notes)]
         if unread:
             # (a clean region's positions that hold other values are those: one a backward read would diverge it)
             shown = positions_label([p for p in unread[0].positions if p.values_differ])
-            extra += (f"; {len(unread)} of them saved other values too, which no backward read (region "
-                      f"{unread[0].region}: {shown}): harmless for the gradients")
+            extra += (f"; {len(unread)} of them saved other values too, which no gradient a backward computed read "
+                      f"(region {unread[0].region}: {shown}): harmless for the gradients")
         blind = [r for r in regions if r.status == CLEAN and r.unread_values]
         if blind:
             extra += (f"; in {len(blind)} of them the recompute computed other values, which no gradient reads "

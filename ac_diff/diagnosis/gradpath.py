@@ -17,8 +17,8 @@ from typing import Callable
 
 from ..dtypes import carries_gradient
 from ..oprules import (DETACHED_ALIAS_OPS, IDENTITY_WHERE_UNCHANGED, OUTSIDE_KINDS, blind_arguments,
-                       is_in_place_method, packet, reads_shape_only, reads_values_in_backward)
-from ..passes import InputRef, OpRecord, Pass, TensorMeta, ops_feeding
+                       gradients_reading_input, is_in_place_method, packet, reads_shape_only, reads_values_in_backward)
+from ..passes import InputRef, OpRecord, Pass, Position, TensorMeta, ops_feeding
 from .passdiff import PairDiff
 
 _NO_GRADIENT_KINDS = frozenset({"buffer"})
@@ -184,3 +184,20 @@ def _left_as_it_was(p: Pass, op: OpRecord, pairs: dict[int, PairDiff]) -> bool:
         if twin is None or d.kinds & {"value", "shape", "args"} or not (twin.fingerprint and reader.fingerprint):
             return False
     return bool(readers)
+
+
+def read_for_no_computed_gradient(forward: Pass, position: Position, read: tuple[str, frozenset[int]]) -> bool:
+    """Whether the saved tensor at `position`, unpacked only by autograd node `read[0]` computing the gradients of its
+    inputs `read[1]` (`autograd.grad(loss, x)`), fed none of those: it is an input of the forward's ops of that node
+    which only other inputs' gradients read (a linear's saved input, read for its weight's). False where any such op
+    may read it for one of them, or none is known."""
+    node, computed = read
+    readers = [r for op in forward.ops for k, ref in enumerate(op.input_refs)
+               if _is_saved(ref, position) and (r := gradients_reading_input(op.op, node, k)) is not None]
+    return bool(readers) and not any(r & computed for r in readers)
+
+
+def _is_saved(ref: InputRef, position: Position) -> bool:
+    if position.origin == "op":
+        return ref.kind == "op" and ref.op_index == position.op_index and ref.output == position.output
+    return ref.kind == position.origin and ref.name == position.name

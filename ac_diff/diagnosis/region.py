@@ -17,8 +17,8 @@ from ..logs.errors import MORE_SAVED, SAC_MUTATED, SAC_NOT_FOUND, refused_op
 from ..passes import InputRef, OpRecord, Pass, Position, Region, TensorMeta, TorchError, op_count
 from ..report import (CLEAN, DAMAGED, DIVERGED, FORWARD_UNRECORDED, Cause, NESTED_RERUN, NO_GRAD_CALL, NO_GRAD_INPUTS,
                       NOT_REACHED, RECOMPUTE_RAISED, RECORDER_ERROR, SIDE_OUTPUT, STATE_READ_AGAIN, UNCHECKED,
-                      UNREAD, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, VALUES_NOT_RECORDED, AlignedRow,
-                      Divergence, PositionRow, RegionReport, shared)
+                      UNASKED, UNREAD, UPDATED_IN_FORWARD, UPDATED_IN_PLACE, PYTHON_UPDATE, VALUES_NOT_RECORDED,
+                      AlignedRow, Divergence, PositionRow, RegionReport, shared)
 from ..stateflags import PASS_NOTES, flag_value
 from .attributes import attribute_cause, counted_twice, function_state_cause, split_name, update_code
 from .cause import (drawn_at, drew_again_cause, explain, explain_flags, host_draw_cause, private_draw,
@@ -26,7 +26,7 @@ from .cause import (drawn_at, drew_again_cause, explain, explain_flags, host_dra
 from ..align import RECOMPUTE_ONLY, Pair
 from .passdiff import (PairDiff, PassComparison, Tolerance, compare_passes, first_size_change_by_occurrence,
                       is_discrete, read_into_arguments, reads_beyond_update)
-from .gradpath import gradient_path, path_ops
+from .gradpath import gradient_path, path_ops, read_for_no_computed_gradient
 from .discrete import decision_kept, describe_flip, first_flip, held_choice
 from .inplace_input import (input_written, input_written_after, name_input_write, name_input_written_after,
                            saved_by_its_ops)
@@ -209,14 +209,18 @@ def _diagnose_pair(region: Region, torch_error: TorchError | None, settings: Set
 
     position_mismatch = any(p.matches is False for p in report.positions)
     # (positions no backward read: their gradient formula never ran, nothing the loss depends on goes through them)
-    unread = [p for p in report.positions if p.values_differ and region.unpacked is not None
-              and p.position not in region.unpacked and region.kind != "reentrant" and not region.watched]
-    position_values = any(p.values_differ for p in report.positions if p not in unread)
+    unread, unasked = _read_by_no_gradient(report, region, fwd)
+    position_values = any(p.values_differ for p in report.positions if p not in unread and p not in unasked)
     if unread:
         report.notes.append(
             f"{positions_label(unread)} hold other values in the recompute, {UNREAD} (their gradient formula never "
             "ran: the loss depends on nothing that goes through them, a branch only `.item()` or a decision reads): "
             "harmless for the gradients")
+    if unasked:
+        report.notes.append(
+            f"{positions_label(unasked)} hold other values in the recompute, {UNASKED} (the backward asked for "
+            "other inputs' gradients, `torch.autograd.grad(loss, inputs)`, and their formulas read the other saved "
+            "tensors of those ops): harmless for the gradients it computed")
     count_mismatch = _count_mismatch(fwd, rec)
     first = cmp.first_divergence()
     if fwd.positions and (region.kind != "reentrant" or region.watched):  # (watched: a reentrant one's outputs)
@@ -639,6 +643,20 @@ def _counts(cmp: PassComparison) -> dict[str, int]:
         counts[d.pair.how] = counts.get(d.pair.how, 0) + 1
     counts["not_recomputed"] = cmp.not_recomputed
     return counts
+
+
+def _read_by_no_gradient(report: RegionReport, region: Region, fwd: Pass) -> tuple[list, list]:
+    """The saved positions that differ yet fed no gradient a backward computed: (those no backward read, those read
+    only for gradients it did not compute: `gradpath.read_for_no_computed_gradient`). A non-reentrant region's only:
+    a reentrant one's backward reads the graph its recompute builds."""
+    if region.unpacked is None or region.kind == "reentrant" or region.watched:
+        return [], []
+    differ = [p for p in report.positions if p.values_differ]
+    unread = [p for p in differ if p.position not in region.unpacked]
+    saved = {p.position: p for p in fwd.positions}
+    unasked = [p for p in differ if p.position in region.partial_reads and p.position in saved
+               and read_for_no_computed_gradient(fwd, saved[p.position], region.partial_reads[p.position])]
+    return unread, unasked
 
 
 def _count_mismatch(fwd: Pass, rec: Pass) -> str | None:

@@ -54,6 +54,10 @@ Format history (every version stays readable; tests/data keeps a file of each):
        version check stops a backward for); readers that predate it ignore it. A pass may list the globals it
        changed (`global_updates`: name -> [first reading, at its end]), and a region record the function checkpointed
        where it called no module (`function`; its `module` is then its caller's); readers that predate it ignore them
+  1.6  "unpacked" records: the saved positions of a region that backward passes read (checkpoint's unpack hook),
+       written outside a backward; `partial` lists those read only by autograd nodes computing some of their
+       inputs' gradients ([position, node name, [their indexes]]: `torch.autograd.grad(loss, x)`); readers of
+       1.6 that predate `partial` count those as read
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").

@@ -201,7 +201,8 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
     ended = False
     started = None  # regions the recorder began (the end record's count)
     inputs_written: list[tuple] = []  # the exception record's (Region.inputs_written)
-    unpacked: dict[int, set[int]] = {}  # "unpacked" records: region -> the saved positions a backward read
+    # "unpacked" records: region -> the saved positions a backward read -> None, or (node, the gradients it computed)
+    unpacked: dict[int, dict[int, tuple[str, frozenset[int]] | None]] = {}
     line = 1
     for line, rec in enumerate(records, start=2):
         kind = rec.get("type")
@@ -263,7 +264,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 watch["escalated"][str(rec["module"])] = {k: rec.get(k) for k in ("diverged_step", "region", "from_step",
                                                                                   "why", "reentrant")}
             elif kind == "unpacked":
-                unpacked.setdefault(int(rec["region"]), set()).update(int(p) for p in rec["positions"])
+                _merge_reads(unpacked.setdefault(int(rec["region"]), {}), rec)
             elif kind == "check_error":
                 check_errors.append(rec)
             elif kind == "exception":
@@ -305,9 +306,10 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
         damage.pop()
     if damage:
         _mark_damaged(run, regions, damage, opened, last_pass, named, region_lines, rank)
-    for number, positions in unpacked.items():
+    for number, reads in unpacked.items():
         if number in regions:
-            regions[number].unpacked = positions
+            regions[number].unpacked = set(reads)
+            regions[number].partial_reads = {p: read for p, read in reads.items() if read is not None}
     for number, *entry in inputs_written:
         if number in regions:
             regions[number].inputs_written.append(tuple(entry))
@@ -535,6 +537,21 @@ def _values_from_json(vals: Any) -> Any:
         except (ValueError, TypeError, RuntimeError):  # a damaged entry costs only that entry
             out[key] = None
     return out
+
+
+def _merge_reads(reads: dict[int, tuple[str, frozenset[int]] | None], rec: dict) -> None:
+    """One "unpacked" record into a region's reads: a position some backward read for all of its node's gradients
+    stays so; one read for some of them only (`partial`: [position, node, [gradients]]) adds those."""
+    partial = {}
+    for entry in rec.get("partial") or ():
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list):
+            partial[int(entry[0])] = (str(entry[1]), frozenset(int(i) for i in entry[2]))
+    for p in map(int, rec["positions"]):
+        read, before = partial.get(p), reads.get(p, ())
+        if read is None or before is None or (before and before[0] != read[0]):
+            reads[p] = None
+        else:
+            reads[p] = (read[0], read[1] | before[1]) if before else read
 
 
 def _position_from_json(x: list, metas: dict) -> Position:
