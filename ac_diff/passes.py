@@ -359,6 +359,7 @@ class Run:
     exc_message: str | None = None
     exc_in_backward: bool = False  # it unwound out of a backward (a hook's, a recompute's): the rest never recomputed
     exc_in_checkpoint: bool = False  # it came out of torch.utils.checkpoint's code (a checkpoint() call torch refused)
+    exc_step: int | None = None  # the step whose forward began last when it struck (None: an older trace, a log)
     exit_code: int | None = None  # from the end record
     end_time: float | None = None
     regions: list[Region] = field(default_factory=list)

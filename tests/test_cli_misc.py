@@ -175,3 +175,11 @@ def test_the_demo_runs_the_example_of_the_checkout_it_was_imported_from(tmp_path
                           "print(example_path(DEMO_SCRIPT))"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(other)}, cwd=tmp_path)
     assert out.stdout.strip() == str(other / "examples" / "moe_bias_update.py"), out.stdout + out.stderr
+
+
+def test_json_to_stdout_leaves_stdout_to_the_json(demo):
+    """35c P3-6: `report --json -` printed the terminal report and the JSON on stdout, which no program can parse: the
+    terminal report goes to stderr then."""
+    proc = run_cli("report", "--json", "-", str(demo / "out"))
+    assert json.loads(proc.stdout)["verdict"] == "diverged", proc.stdout[:300]
+    assert "ac-diff: DIVERGED" in proc.stderr and proc.returncode == 1

@@ -419,6 +419,24 @@ def _region_report(rank, number, status, cause=None, tensor=None) -> RegionRepor
                         first_control_divergence=None, positions=[], suggestions=[], chain=[])
 
 
+def test_a_logs_ranks_are_never_said_to_share_a_region_or_an_order():
+    """35c P2-1: a debug=True log of four ranks, rank 1's dump and rank 2's both its region 0: it said "first divergence
+    (earliest region in forward order): rank 1, region 0 ... (region 0 diverged on rank 2 too)", where rank 1 diverged
+    in blocks.2 and rank 2 in blocks.0. A log's region is the dump's number on its rank: no order, no shared region."""
+    from dataclasses import replace
+
+    from ac_diff.diagnosis.ranks import cross_rank_findings, rank_summaries
+
+    report = Report(verdict=DIVERGED, headline="", regions=[
+        replace(_region_report(2, 0, DIVERGED, "unknown", "aten.nonzero.default"), kind="log"),
+        replace(_region_report(1, 0, DIVERGED, "unknown", "aten.nonzero.default"), kind="log")])
+    runs = [Run(source="log", path="ddp.log", rank=r, world_size=4) for r in (1, 2)]
+    report.ranks = rank_summaries(report, runs)
+    first = next(f for f in cross_rank_findings(runs, report).findings if f.kind == "first")
+    assert first.ranks == [1] and "forward order:" not in first.text and "too)" not in first.text, first.text
+    assert "no forward order across ranks" in first.text
+
+
 def test_rank_summaries_first_divergence_and_mixed_runs():
     from ac_diff.diagnosis.ranks import cross_rank_findings, rank_summaries
 

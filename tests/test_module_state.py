@@ -673,6 +673,37 @@ def test_an_attribute_the_loop_sets_after_a_shared_blocks_calls_is_no_later_forw
         diverged[0].suggestions[0].title, diverged[0].suggestions[0].title
 
 
+class Biased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("bias", torch.zeros(8))
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x) + self.bias)
+
+
+def test_a_buffer_updated_after_each_micro_batchs_backward_is_no_later_forwards_state(tmp_path):
+    """35d P2-2: micro-batches forwarded first, then their backwards, `bias` updated after each backward: every forward
+    read the same bias, and the recompute of each later micro-batch reads an updated one. The cause named "later
+    forwards of the module (micro-batches ...)" and its fix passed the value as an argument, "an update after the
+    backward cannot serve each forward"; none of those forwards changed it: the fix moves the update."""
+    torch.manual_seed(0)
+    layer = Biased()
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        losses = [cp.checkpoint(layer, torch.randn(4, 8), use_reentrant=False).square().mean() for _ in range(3)]
+        for loss in losses:
+            loss.backward()
+            with torch.no_grad():
+                layer.bias.add_(0.1)  # (a running statistic updated per micro-batch)
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    diverged = [r for r in report.regions if r.status == "diverged"]
+    assert [r.region for r in diverged] == [1, 2], report.headline
+    assert all(r.cause.tensor == "bias" and r.cause.mechanism != "later_forward" for r in diverged), \
+        [r.cause for r in diverged]
+    assert "after the backward" in diverged[0].suggestions[0].title, diverged[0].suggestions[0].title
+
+
 class BufferWarmup(nn.Module):
     """Halves its input while a call count it keeps in a buffer (and reads as a tensor) is at most `warmup`."""
 

@@ -5,6 +5,7 @@ explained, not reported as never recomputed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -140,3 +141,51 @@ def test_the_nested_output_has_one_name_in_both_passes_whatever_else_stays_alive
     lead = ac_diff.diagnose_paths([tmp_path / "t.jsonl"]).regions[0]
     assert lead.module == "Outer" and (lead.cause.kind, lead.cause.tensor) == ("state_mutation", "inner.temp"), \
         lead.cause
+
+
+class _Warmed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return x + self.scale * torch.tanh(self.fc(x))
+
+
+class _Outer(nn.Module):
+    def __init__(self, ac: bool) -> None:
+        super().__init__()
+        self.inner, self.ac = _Warmed(), ac
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=True) if self.ac else self.inner(x)
+
+
+def _nested_reentrant(ac: bool, scaled: bool) -> list:
+    torch.manual_seed(0)
+    emb, outer = nn.Linear(4, 8), _Outer(ac)
+    h = emb(torch.randn(4, 4))
+    loss = (checkpoint(outer, h, use_reentrant=True) if ac else outer(h)).pow(2).mean()
+    if scaled:
+        outer.inner.scale = 0.5  # (a warm-up schedule stepped before the backward)
+    loss.backward()
+    return [p.grad for p in (*emb.parameters(), *outer.parameters())]
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_nested_reentrant_region_is_compared_with_its_rerun_in_the_enclosing_recompute(tmp_path, scaled):
+    """35e P1-2: the outer reentrant forward runs the inner checkpoint under no_grad (region 1: saves nothing, never
+    recomputed); the outer recompute runs it again (region 2), which recomputes itself alike. The inner scale changed
+    between the passes and every gradient differs, and it read CLEAN: region 1 is compared with region 2's forward."""
+    same = all(torch.equal(a, b) for a, b in zip(_nested_reentrant(True, scaled), _nested_reentrant(False, scaled)))
+    assert same is not scaled
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _nested_reentrant(True, scaled)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("diverged" if scaled else "clean"), report.headline
+    inner = next(r for r in report.regions if r.region == 1)
+    assert any("compared with its rerun in the recompute of region 0" in n for n in inner.notes), inner.notes
+    if scaled:
+        assert inner.status == "diverged" and inner.cause.tensor.endswith("inner.scale"), inner.cause
+        assert inner.cause.mechanism != "later_forward", inner.cause

@@ -7,7 +7,7 @@ import torch
 
 from ac_diff.capture import fingerprint
 from ac_diff.reference.graddiff import compare_step
-from ac_diff.reference.grads import SAMPLE, plan_values, summarize_all
+from ac_diff.reference.grads import SAMPLE, GradCapture, plan_values, summarize_all
 
 
 def _grads() -> dict[str, torch.Tensor | None]:
@@ -52,7 +52,6 @@ def test_relative_difference_exact_sampled_or_from_the_norms_past_the_budget():
 
 
 def _names_of_a_step(step, tmp_path) -> list[str]:
-    from ac_diff.reference.grads import GradCapture
 
     capture = GradCapture(tmp_path / "grads.pt").install()
     try:
@@ -96,7 +95,6 @@ def test_a_model_re_created_mid_training_keeps_its_name_whether_the_old_one_live
     `Net[1]` in one run and `m` in the other, and 32 of 48 gradients "differed" (missing on one side)."""
     import copy
 
-    from ac_diff.reference.grads import GradCapture
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -126,7 +124,6 @@ def test_a_reference_that_ran_more_backward_passes_than_this_run_was_asked_for_i
     nothing failed. A run that stopped short of what it was asked for still says so."""
     from types import SimpleNamespace
 
-    from ac_diff.reference.grads import GradCapture
     from ac_diff.reference.run import reference_result
     from ac_diff.reference.paths import grads_path
 
@@ -156,7 +153,6 @@ def test_models_trained_on_two_threads_at_once_are_not_compared(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from ac_diff.reference.grads import GradCapture
     from ac_diff.reference.run import reference_result
     from ac_diff.reference.paths import grads_path
 
@@ -257,3 +253,28 @@ def test_the_gradient_of_an_input_alone_is_compared_with_the_next_steps(tmp_path
         assert list(step["grads"]) == ["0.weight", "0.bias", "2.weight", "2.bias", "autograd.grad 1, input 0"]
         kept = step["grads"]["autograd.grad 1, input 0"]
         assert torch.equal(torch.as_tensor(kept["values"]).reshape(gx.shape), gx)
+
+
+def test_a_second_backward_through_a_recompute_names_the_same_parameters(tmp_path):
+    """35e P1-1: two backwards through one checkpointed graph (retain_graph=True): the second's recompute calls the
+    checkpointed module, which counted as the only model that ran since the first backward, so the gradients of the
+    others were "missing" with AC and the run DIVERGED by `--reference`. A recompute is no model the step ran."""
+    from torch.utils.checkpoint import checkpoint
+
+    def two_backwards(ac: bool) -> list:
+        torch.manual_seed(0)
+        emb, blk, ha, hb = (torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1),
+                            torch.nn.Linear(8, 1))
+        capture = GradCapture(tmp_path / f"grads-{ac}.pt", steps=2).install()
+        try:
+            h = emb(torch.randn(4, 4))
+            h = checkpoint(blk, h, use_reentrant=False) if ac else blk(h)
+            la, lb = ha(h).pow(2).mean(), hb(h).pow(2).mean()
+            la.backward(retain_graph=True)
+            lb.backward()
+        finally:
+            capture.uninstall()
+        return [sorted(s["grads"]) for s in capture.snapshots]
+
+    with_ac, without = two_backwards(True), two_backwards(False)
+    assert len(with_ac) == 2 and with_ac == without and len(with_ac[1]) == 8, (with_ac, without)

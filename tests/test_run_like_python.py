@@ -79,6 +79,21 @@ def test_module_mode_matches_python_dash_m(tmp_path):
     assert _probe(ours.stdout) == _probe(plain.stdout)
 
 
+def test_a_package_without_main_is_one_line_and_exit_2(tmp_path):
+    """35c P3-8: `-m pkg` whose package has no __main__ ran, printed runpy's traceback, wrote a trace that checked
+    nothing and exited 1; as a module not found: one line naming the fix, exit 2, no trace. With a __main__ it runs."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(PROBE)
+    proc = run_cli("run", "-o", str(tmp_path / "out"), "-m", "pkg", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "a package without a __main__ module" in proc.stderr and "-m pkg.train" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    (pkg / "__main__.py").write_text(PROBE)
+    assert run_cli("run", "-o", str(tmp_path / "out"), "-m", "pkg", cwd=tmp_path).returncode == 0
+
+
 def test_existing_trace_needs_force(script, tmp_path):
     out = tmp_path / "out"
     assert run_cli("run", "-o", str(out), str(script), cwd=tmp_path).returncode == 0

@@ -2241,3 +2241,35 @@ def test_saved_tensors_only_unasked_gradients_read_leave_the_gradients_as_they_w
         assert "which no gradient a backward computed read" in report.headline, report.headline
         notes = " ".join(report.regions[0].notes)
         assert "only gradients no backward computed read them" in notes, notes
+
+
+def _masked_steps(draw: str, ac: bool) -> list:
+    """A DropPath-style mask, `x + h * (rand < 0.5) / 0.5`, in a reentrant region: drawn from the default generator
+    with preserve_rng_state=False, or from a private generator (which no checkpoint restores)."""
+    torch.manual_seed(0)
+    lin, private = nn.Linear(16, 16), torch.Generator().manual_seed(1)
+
+    def block(x):
+        h = lin(x)
+        m = torch.rand(x.shape[0], 1, generator=private if draw == "private" else None)
+        return x + h * (m < 0.5).to(h.dtype) / 0.5
+
+    x = torch.randn(8, 16, requires_grad=True)
+    y = cp.checkpoint(block, x, use_reentrant=True, preserve_rng_state=False) if ac else block(x)
+    y.square().sum().backward()
+    return [lin.weight.grad, x.grad]
+
+
+@pytest.mark.parametrize("draw", ["default", "private"])
+def test_a_mask_drawn_again_in_a_reentrant_recompute_diverges(tmp_path, draw):
+    """35a P1: the mask is a comparison of the draw (no gradient flows through it) cast back to float, and the mul's
+    gradient reads it: the recompute's other mask makes other gradients. It read CLEAN ("the recompute computed other
+    values, which no gradient reads"), with the private generator GRADIENTS AT RISK: the mul's output, derived from its
+    inputs and never measured, did not count as differing."""
+    assert not all(torch.equal(a, b) for a, b in zip(_masked_steps(draw, True), _masked_steps(draw, False)))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _masked_steps(draw, True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == "diverged", report.headline
+    assert report.regions[0].cause.kind == "rng", report.regions[0].cause

@@ -1563,3 +1563,78 @@ def test_a_saved_tensor_the_recorder_failed_to_hold_is_no_divergence(tmp_path, m
     report = ac_diff.diagnose_paths([path])
     assert len(calls) > 10 and report.verdict == "unchecked", (calls, report.verdict, report.headline)
     assert not any(r.status == "diverged" for r in report.regions)
+
+
+_INTERRUPTED_IN_A_RECOMPUTE = '''
+import os, signal, torch, torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("bias", torch.zeros(8))
+    def forward(self, x):
+        global CALLS
+        CALLS += 1
+        if STEP == 12 and CALLS == 2:  # (Ctrl-C lands in the recompute of step 12's backward)
+            os.kill(os.getpid(), signal.SIGINT)
+        return x + torch.tanh(self.fc(x) + self.bias)
+block = Block()
+for step in range(1, 30):
+    STEP, CALLS = step, 0
+    loss = checkpoint(block, torch.randn(4, 8), use_reentrant=False).square().mean()
+    with torch.no_grad():
+        block.bias += 0.01  # (between the forward and the backward: every recompute differs)
+    loss.backward()
+'''
+
+
+def test_an_interrupt_in_a_later_recompute_is_not_put_on_the_steps_recorded_in_full(tmp_path):
+    """35d P2-1: watch records step 2 in full after the divergence of step 1; a Ctrl-C in step 12's recompute was put
+    on step 2's regions ("the backward raised after its recompute: KeyboardInterrupt", no longer silent) and the
+    report never said the run was interrupted in step 12. The exception record names its step."""
+    (tmp_path / "train.py").write_text(_INTERRUPTED_IN_A_RECOMPUTE)
+    proc = run_cli("run", "--watch", "-o", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+                   str(tmp_path / "train.py"), cwd=tmp_path)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    diverged = [r for r in report["regions"] if r["status"] == "diverged"]
+    assert diverged and not any(r["backward_raised"] for r in diverged), [r["backward_raised"] for r in diverged]
+    assert all(r["silent"] for r in diverged)
+    assert "interrupted: KeyboardInterrupt (its last region ran in step 12" in " ".join(proc.stdout.split()), \
+        proc.stdout[-3000:]
+
+
+class _Annealed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.temperature = nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x) / self.temperature)
+
+
+def test_a_divergence_rarer_than_the_full_window_is_caught_where_its_period_predicts(tmp_path):
+    """35d P2-3: a schedule changes `temperature` between the forward and the backward every 25 steps; each watched
+    divergence recorded the module in full for the next 20 steps, which never reached the next one, again and again:
+    most of the run was recorded in full. After a window that missed, the next lasts through the step the gap between
+    the divergences predicts: it catches the divergence (the first divergent op and the cause), and then stops."""
+    from ac_diff.capture.watch import ESCALATION_STEPS
+
+    torch.manual_seed(0)
+    layer, period = _Annealed(), ESCALATION_STEPS + 5
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for step in range(1, 4 * period + 1):
+            loss = checkpoint(layer, torch.randn(4, 8), use_reentrant=False).square().mean()
+            if step % period == 0:
+                layer.temperature *= 0.9  # (the schedule steps before the backward)
+            loss.backward()
+    run = read_run(path)
+    full = [r for r in run.regions if r.recorded and not r.watched]
+    assert len(full) <= 2 * ESCALATION_STEPS + 7, len(full)  # (26-45, then 51-76 until it diverged in 75)
+    report = ac_diff.diagnose([run])
+    caught = [r for r in report.regions if r.status == "diverged" and not r.watched]
+    assert [r.step for r in caught] == [3 * period], [(r.region, r.step) for r in caught]
+    assert caught[0].cause.tensor.endswith("temperature"), caught[0].cause

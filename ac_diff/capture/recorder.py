@@ -346,6 +346,7 @@ class Recorder:
             self._writer.write({"type": "exception", "exc_type": type(exc).__name__,
                                 "exc_module": type(exc).__module__, "message": _exception_text(exc),
                                 "in_backward": left_a_backward(exc), "in_checkpoint": raised_in_checkpoint(exc),
+                                "step": self._step or None,
                                 **self._inputs_written()})
         if exit_code not in (None, 0) and status == "ok":
             status = "exit"

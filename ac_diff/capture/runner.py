@@ -98,6 +98,10 @@ def check_target(target: str, module: bool) -> None:
         if spec is None:
             raise TargetNotFound(f"no module named {target!r} (is the package installed, or the working "
                                  "directory the one python -m would use?)")
+        where = spec.submodule_search_locations  # (a package runs its __main__; looked for, not imported)
+        if where is not None and not any(os.path.isfile(os.path.join(d, "__main__.py")) for d in where):
+            raise TargetNotFound(f"{target!r} is a package without a __main__ module: name the module that trains "
+                                 f"(-m {target}.train)")
     elif os.path.isdir(target):
         raise TargetNotFound(f"{target} is a directory: name the training script in it (or a package's module: -m)")
     elif not os.path.isfile(target):

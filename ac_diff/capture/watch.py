@@ -62,8 +62,11 @@ SUMMARY_SECONDS = 30.0
 # An escalated module is recorded in full until one of its full recordings diverges (the diagnosis is then in the
 # trace), at most this many steps (a divergence that recurs every few steps, an accumulation cycle's, is caught);
 # then it is watched again, its divergences counted, not written: one that persists would otherwise write every
-# step of a long run in full. Watch seeing it again where full recording never did escalates again.
+# step of a long run in full. Watch seeing it again where full recording never did escalates again, through the step
+# the gap between the two divergences predicts (a schedule's period; a window around it where that is more than 3
+# windows away), at most MISSED_ESCALATIONS times: then counted.
 ESCALATION_STEPS = 20
+MISSED_ESCALATIONS = 3
 # HOLD (fingerprint.py): CUDA tensors held before their digests are taken (one launch of the batched kernel,
 # byte_sums.py)
 HOLD_BYTES = 256 << 20  # ... or fewer, once they hold this much memory
@@ -494,7 +497,7 @@ class Watch:
         if self.step <= self.full_steps or self.full_from_step is not None and self.step >= self.full_from_step:
             return True
         hit = self.escalated.get(key) if key is not None else None
-        if hit is None:
+        if hit is None or hit["from_step"] is None and self.step < hit.get("start_at", 0):
             return False
         if hit["from_step"] is None:
             hit["from_step"] = self.step
@@ -505,7 +508,8 @@ class Watch:
             return False
         caught = hit.get("caught")
         settled = not hit.get("provisional") or hit.get("confirmed")  # (a provisional one confirmed: an escalation)
-        if caught is not None and self.step > caught or settled and self.step >= hit["from_step"] + ESCALATION_STEPS:
+        steps = hit.get("steps", ESCALATION_STEPS)
+        if caught is not None and self.step > caught or settled and self.step >= hit["from_step"] + steps:
             hit["until_step"] = self.step  # watched again from this step
             return False
         return True
@@ -663,12 +667,19 @@ class Watch:
         totals.diverged += 1
         hit = self.escalated.get(key) if key is not None else None
         if hit is not None and hit.get("until_step") is not None and (region.step or 0) >= hit["until_step"]:
-            if hit.get("caught") is not None:
-                totals.unwritten += 1  # its module's full recording already shows this divergence
+            if hit.get("caught") is not None or hit.get("missed", 0) >= MISSED_ESCALATIONS:
+                totals.unwritten += 1  # its module's full recording already shows this divergence, or never will
                 _add_step(hit.setdefault("counted_steps", []), region.step)
                 return
-            # full recording never saw it (it recurs less often than the window): record the module again
-            self.escalated[key] = hit = {"diverged_step": region.step, "region": region.number, "from_step": None}
+            # full recording never saw it (it recurs less often than the window): record the module again, through
+            # the step the gap since the last divergence predicts (a schedule's period); where that is far, a window
+            # around it
+            gap = region.step - hit["diverged_step"] if region.step and hit.get("diverged_step") else 0
+            far = gap + 2 > 3 * ESCALATION_STEPS
+            self.escalated[key] = hit = {"diverged_step": region.step, "region": region.number, "from_step": None,
+                                         "missed": hit.get("missed", 0) + 1,
+                                         "start_at": region.step + gap - ESCALATION_STEPS // 2 if far else 0,
+                                         "steps": ESCALATION_STEPS if far else max(ESCALATION_STEPS, gap + 2)}
         self._write_region(region, (cmp.forward, "forward"), (cmp.recompute, "recompute"), mask=mask,
                            attempt=cmp.attempt)
         if self.escalate and key is not None:

@@ -47,11 +47,12 @@ def print_next(output_dir: str | Path, json_path: str | None, more: str = "") ->
           + ("" if json_path else " --json report.json") + more, file=sys.stderr)
 
 
-def console() -> Console:
-    """stdout's console; piped into a file or a CI log, 120 columns (rich's fallback, 80, cuts the tables) unless
-    COLUMNS says otherwise, as a report written to a file is."""
-    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    return Console(soft_wrap=False, width=120 if piped else None)
+def console(stderr: bool = False) -> Console:
+    """stdout's console (stderr's where stdout carries a report for a program: `--json -`); piped into a file or a
+    CI log, 120 columns (rich's fallback, 80, cuts the tables) unless COLUMNS says otherwise, as a report written to
+    a file is."""
+    piped = not (sys.stderr if stderr else sys.stdout).isatty() and not os.environ.get("COLUMNS")
+    return Console(soft_wrap=False, width=120 if piped else None, stderr=stderr)
 
 
 def format_of(path: str) -> str:
@@ -65,11 +66,12 @@ def emit(report: Report, fmt: str = "terminal", json_path: str | None = None, ou
     """Render the report as asked; return its verdict's exit code (`verdict_code`).
 
     A file given with `output` gets `fmt` (or the format its suffix names); the terminal report is
-    printed as well, unless the report itself goes to stdout (`--format json` without a file)."""
+    printed as well, unless the report itself goes to stdout (`--format json` without a file); where another
+    report goes to stdout (`--json -`, `--report -`), the terminal report goes to stderr."""
     if output and fmt == "terminal":
         fmt = format_of(output)
     if output or fmt == "terminal":  # (first: a file that cannot be written loses nothing the terminal shows)
-        render(report, "terminal", console=console())
+        render(report, "terminal", console=console(stderr="-" in (json_path, output)))
     else:
         render(report, fmt, path=None)
     unwritten = [f for f in (_written(report, "json", json_path, "--json"), _written(report, fmt, output, "--report"))

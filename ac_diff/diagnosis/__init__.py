@@ -12,6 +12,7 @@ diagnose each region (region.py), then summarise per rank and across ranks (rank
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import contextlib
 
@@ -24,6 +25,7 @@ from ..report import (NEVER_CLEAN, CLEAN, CUT_SHORT, DAMAGED, DIVERGED, ENCLOSIN
                       UNREAD, VALUES_NOT_RECORDED, Cause, MetadataChange, Report, RegionReport, TorchErrorSummary,
                       backwards_recorded, missing_ranks, repeated_updates)
 from .microbatches import later_forward
+from .nested import pair_nested_reruns
 from .cause import DTYPE_ONLY, RECOMPILED, dtype_only, emptied, one_optimizer_step, sharded_positions
 from .compiled import compiled_summary, eager_prefix, unrecorded, unrecorded_headline
 from .passdiff import Tolerance
@@ -66,6 +68,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
     summarized_side: list[RegionReport] = []  # reentrant regions summarized, whose forward handed out side outputs
     regions: dict[tuple, Region] = {}  # (path, rank, region) -> what it was diagnosed from
     versions: dict[str, str | None] = {}  # path -> the torch that wrote it
+    loaders: dict[tuple, Callable] = {}  # (path, rank) -> its run's `loaded`: a region's ops decoded for a block
     log_errors = [e for run in runs if run.source == "log" for e in run.errors]  # head and tail of one log
     notes.extend(_merge_log_fragments(runs))
     for run in runs:
@@ -86,6 +89,7 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
         stopped = _how_it_stopped(run) if run.exit_status in ("exception", "interrupted") else None
         check = version_check(run.exc_message) if stopped else None
         stepped = _counts_optimizer_steps(run)
+        reruns = pair_nested_reruns(run.regions)
         for region in run.regions:
             err = _error_for(region, run_errors, log_errors if run.source == "log" else [], run)
             # one region's ops are decoded and compared with the collector paused: it would rescan every live object
@@ -95,6 +99,9 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                                          version_check=check)
                 _note_graph_readers(run, region, graph_readers)
             report.path = run.path or run.source
+            if region.region in reruns:
+                report.notes.append(f"compared with its rerun in the recompute of region {region.parent}, which ran it "
+                                    f"again as region {reruns[region.region]} (this one saved nothing to recompute)")
             if region.kind == "reentrant" and region.forward is not None and not region.ops_written \
                     and region.forward.state.get("side_outputs") and report.status == CLEAN:
                 summarized_side.append(report)
@@ -102,9 +109,10 @@ def _diagnose(runs: list[Run], settings: Settings, kept: contextlib.ExitStack | 
                 report.optimizer_step = region.optimizer_steps + 1  # (several forward-backward cycles a step)
             region_reports.append(report)
             regions[report.path, report.rank, report.region] = region
+            loaders[report.path, report.rank] = run.loaded
         versions[run.path or run.source] = run.torch_version
     _like_their_first(summarized_side, region_reports)
-    later_forward(region_reports, regions, versions)
+    later_forward(region_reports, regions, versions, loaders)
     # a rank that raised makes the run crashed, whatever rank 0 did (torchrun then stops the others: interrupted)
     exit_status = next((e for e in ("exception", "interrupted", "exit") if e in endings), next(
         (e for e in endings if e), None))
@@ -501,7 +509,10 @@ def _raised_in_their_backward(runs: list[Run], reports: list[RegionReport]) -> N
             continue
         own = [r for r in reports if r.path == (run.path or run.source) and r.rank == run.rank and r.status == DIVERGED
                and r.silent and not r.watched]
-        steps = [r.step for r in run.regions if r.recompute is not None and r.step is not None]
+        # (the step it struck in; older traces: the last step a recompute was recorded in, not where watch
+        # records only what diverged)
+        steps = [run.exc_step] if run.exc_step is not None else [
+            r.step for r in run.regions if r.recompute is not None and r.step is not None]
         for report in own:
             if report.step is None or not steps or report.step == max(steps):
                 report.silent = False

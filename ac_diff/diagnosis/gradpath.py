@@ -62,17 +62,71 @@ def _reads_other_index(d: PairDiff, op: OpRecord, pairs: dict[int, PairDiff]) ->
         return False
     if len(op.inputs) != len(op.input_refs):  # (a trace without one reference per tensor input: any index)
         return any(not carries_gradient(m.dtype) for m in op.inputs)
+    return _an_input_differs(d, op, False, lambda ref: (made := pairs.get(ref.op_index)) is None
+                             or _output_differs(made, ref.output))
+
+
+def _reads_other_values(d: PairDiff, op: OpRecord, pairs: dict[int, PairDiff], readers: dict[int, list]) -> bool:
+    """An op on the path whose gradient reads the values of an input that differs (`h * mask`, the mask drawn again
+    without the RNG state: h's gradient is the grad times the other mask), whether or not the op's own output was
+    measured (an elementwise op's is derived from its inputs). An input no op measured differs as the measured ops
+    it reaches tell (fp8's scale, reached by another branch to the same value, then its cast and its matmul)."""
+    if d.inputs_same is not False or not reads_values_in_backward(op.op) or len(op.inputs) != len(op.input_refs):
+        return False
+
+    def differs(ref: InputRef) -> bool:
+        made = pairs.get(ref.op_index)
+        if made is None:
+            return False
+        measured = all(o is not None and o.fingerprint and ref.output < len(o.fingerprint)
+                       and o.fingerprint[ref.output] is not None for o in (made.forward, made.recompute))
+        return _output_differs(made, ref.output) if measured else _measured_downstream_differs(
+            ref.op_index, pairs, readers)
+
+    return _an_input_differs(d, op, True, differs)
+
+
+def _an_input_differs(d: PairDiff, op: OpRecord, floating: bool, made_differs: Callable[[InputRef], bool]) -> bool:
+    """Whether an input of `op` of the kind asked (floating point, or an index or mask) differs: one from outside the
+    pass where the pair's changed inputs name any; one an op of the pass made as `made_differs(ref)` says."""
     for meta, ref in zip(op.inputs, op.input_refs):
-        if carries_gradient(meta.dtype):
+        if carries_gradient(meta.dtype) is not floating:
             continue
         if ref.kind != "op":
             if d.changed_inputs:
                 return True
-            continue
-        made = pairs.get(ref.op_index)
-        if made is None or _output_differs(made, ref.output):
+        elif made_differs(ref):
             return True
     return False
+
+
+def _readers(p: Pass) -> dict[int, list[OpRecord]]:
+    """op index -> the ops of `p` that read one of its outputs."""
+    readers: dict[int, list[OpRecord]] = {}
+    for op in p.ops:
+        for r in op.input_refs:
+            if r.kind == "op" and r.op_index != op.index:
+                readers.setdefault(r.op_index, []).append(op)
+    return readers
+
+
+def _measured_downstream_differs(start: int, pairs: dict[int, PairDiff], readers: dict[int, list]) -> bool:
+    """Whether the output of op `start`, which no fingerprint measured, differs, as the first measured ops that read
+    it (directly or through other unmeasured ones) tell: any of them differs; True where it reaches none."""
+    seen, todo, reached = set(), [start], False
+    while todo:
+        for op in readers.get(todo.pop(), ()):
+            if op.index in seen:
+                continue
+            seen.add(op.index)
+            if op.fingerprint and any(f is not None for f in op.fingerprint):
+                d = pairs.get(op.index)
+                if d is None or d.differs:
+                    return True
+                reached = True
+            else:
+                todo.append(op.index)
+    return not reached
 
 
 def _output_differs(d: PairDiff, output: int) -> bool:
@@ -111,6 +165,7 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
                   or d.recompute.index in rec_on}
 
     read = _values_read(recompute, rec_on)
+    readers = (_readers(recompute), _readers(forward))
 
     def reaches(d: PairDiff) -> bool:
         on_f = d.forward is not None and d.forward.index in fwd_on
@@ -122,7 +177,9 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
                                (d.forward, forward, by_forward))
             if _left_as_it_was(p, alone, pairs):
                 return False
-        if _reads_other_index(d, d.recompute or d.forward, by_recompute if d.recompute is not None else by_forward):
+        op, pairs = (d.recompute, by_recompute) if d.recompute is not None else (d.forward, by_forward)
+        if _reads_other_index(d, op, pairs) or _reads_other_values(
+                d, op, pairs, readers[0] if d.recompute is not None else readers[1]):
             return True
         if (d.kinds <= {"value", "argument"} and on_r and not reads_values_in_backward(d.recompute.op)
                 and d.recompute.index not in read and _only_blind_arguments_differ(d) and not _chose_otherwise(d)):

@@ -262,10 +262,15 @@ def _overview(report: Report) -> list[CrossRankFinding]:
                                                f" at {lead.cause.tensor}" if lead.cause.tensor else "")
         d = lead.first_divergence()
         at = f"; first divergent op {d.op} in {where(d.module, d.source)}" if d else ""
-        also = sorted({r.rank for r in report.regions if r.status == DIVERGED and r.region == lead.region} - {lead.rank})
+        # (a log's region is the dump's number on its rank: neither the same region on another rank nor an order)
+        logged = lead.kind == "log"
+        also = [] if logged else sorted(
+            {r.rank for r in report.regions if r.status == DIVERGED and r.region == lead.region} - {lead.rank})
         with_others = f" (region {lead.region} diverged on rank{'s' if len(also) > 1 else ''} {_list(also)} too)" if also else ""
+        first = ("first divergence (a log has no forward order across ranks: the lowest rank's first dump): "
+                 if logged else "first divergence (earliest region in forward order): ")
         out.append(CrossRankFinding(
-            "first", f"first divergence (earliest region in forward order): rank {lead.rank}, region {lead.region} "
+            "first", f"{first}rank {lead.rank}, region {lead.region} "
             f"({lead.module or '?'}){cause}{at}{with_others}", [lead.rank, *also], region=lead.region,
             module=lead.module, op=d.op if d else None, op_module=d.module if d else None,
             source=d.source if d else None,
@@ -294,7 +299,8 @@ def _overview(report: Report) -> list[CrossRankFinding]:
 
 def _first_diverged_region(report: Report) -> RegionReport | None:
     diverged = [r for r in report.regions if r.status == DIVERGED]
-    return min(diverged, key=lambda r: (r.region, r.rank)) if diverged else None
+    return min(diverged, key=lambda r: (r.rank, r.region) if r.kind == "log" else (r.region, r.rank)) \
+        if diverged else None
 
 
 def _rank_local(report: Report) -> list[CrossRankFinding]:

@@ -151,7 +151,7 @@ def _text(s: dict[str, Any]) -> str:
             else:
                 text += f"; {module} diverged in step {e['diverged_step']}: {span}: {found}"
             if until is not None:
-                counted = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in e.get("counted_steps") or ())
+                counted = _step_ranges(e.get("counted_steps") or ())
                 text += f"; watched again from step {until}" + (
                     f": {e['unwritten']} more diverged (counted, not written"
                     + (f"; in step(s) {counted}" if counted else "") + ")" if e.get("unwritten") else "")
@@ -160,6 +160,13 @@ def _text(s: dict[str, Any]) -> str:
     elif s["full_from_step"] is not None:
         text += f"; every region recorded in full from step {s['full_from_step']} (--full-from-step)"
     return text
+
+
+def _step_ranges(ranges: Any, shown: int = 6) -> str:
+    """[[first, last], ...] as "3, 5-9, 12" (the first `shown`: a schedule's period over a long run counts a range per
+    divergence, and the recorder keeps the first few dozen)."""
+    words = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    return ", ".join(words[:shown]) + (", ... (later ones too)" if len(words) > shown else "")
 
 
 def _outputs_only(s: dict[str, Any]) -> str:

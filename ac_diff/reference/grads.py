@@ -37,6 +37,7 @@ from torch import nn
 from ..capture.compiled import is_fake, skip_when_compiling, tracing
 from ..capture.fingerprint import FingerprintBatch, _local, host_copies
 from ..capture.modules import ModuleStack, clean_fqn
+from ..capture.torch_compat import graph_task_id
 
 BUDGET_ENV = "AC_DIFF_REFERENCE_BUDGET_MB"  # host bytes for gradient values per compared step, in MB
 DEFAULT_BUDGET_MB = 64
@@ -186,6 +187,8 @@ class GradCapture:
             self._original = None
 
     def _pre(self, module: nn.Module, args) -> None:
+        if graph_task_id() is not None:  # (a recompute in a backward, only in the run with AC: no model the step ran)
+            return
         self._ran.add(id(module))
         self.threads.add(threading.get_ident())
         if id(module) not in self._seen_ids:

@@ -92,7 +92,7 @@ RENDERERS: dict[str, Renderer] = {"terminal": TerminalRenderer(), "json": JsonRe
 
 def render(report: Report, fmt: str = "terminal", *, path: str | None = None, console: Console | None = None) -> None:
     """Write the report in `fmt` to `path`, or to stdout when there is none (or it is "-"); the terminal
-    report on stdout takes `console`'s colours and width."""
+    report with no path takes `console`'s colours and width, and its stream (stderr's console: stderr)."""
     try:
         renderer = RENDERERS[fmt]
     except KeyError:
@@ -103,5 +103,6 @@ def render(report: Report, fmt: str = "terminal", *, path: str | None = None, co
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(renderer.chunks(report))
     else:
-        sys.stdout.writelines(renderer.chunks(report))
-        sys.stdout.flush()
+        stream = sys.stderr if fmt == "terminal" and console is not None and console.stderr else sys.stdout
+        stream.writelines(renderer.chunks(report))
+        stream.flush()

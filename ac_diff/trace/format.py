@@ -57,7 +57,8 @@ Format history (every version stays readable; tests/data keeps a file of each):
   1.6  "unpacked" records: the saved positions of a region that backward passes read (checkpoint's unpack hook),
        written outside a backward; `partial` lists those read only by autograd nodes computing some of their
        inputs' gradients ([position, node name, [their indexes]]: `torch.autograd.grad(loss, x)`); readers of
-       1.6 that predate `partial` count those as read
+       1.6 that predate `partial` count those as read; the exception record names the `step` whose forward began
+       last when it struck
 
 NOTE [op outputs]: an op's outputs are positional. `out[j]` is the op's j-th return: [shape, dtype, device]
 for a tensor, null for None, the number for an int/float/bool, a short text for anything else ("list[3]").

@@ -271,6 +271,7 @@ def read_run(path: str | os.PathLike, lazy: bool = False) -> Run:
                 run.exc_type, run.exc_message = rec.get("exc_type"), rec.get("message")
                 run.exc_in_backward = rec.get("in_backward") is True
                 run.exc_in_checkpoint = rec.get("in_checkpoint") is True
+                run.exc_step = rec["step"] if isinstance(rec.get("step"), int) else None
                 inputs_written = [(int(r[0]), int(r[1]), TensorMeta.from_json(r[2]), int(r[3]), int(r[4]))
                                   for r in rec.get("inputs_changed") or ()]
             elif kind == "warning":
