@@ -2273,3 +2273,31 @@ def test_a_mask_drawn_again_in_a_reentrant_recompute_diverges(tmp_path, draw):
     report = ac_diff.diagnose_paths([path])
     assert report.verdict == "diverged", report.headline
     assert report.regions[0].cause.kind == "rng", report.regions[0].cause
+
+
+def _lstm_gradients(ac: bool) -> list:
+    torch.manual_seed(0)
+    lstm = nn.LSTM(24, 24, batch_first=True)
+    x = torch.randn(4, 16, 24, requires_grad=True)
+    y = cp.checkpoint(lambda t: lstm(t)[0], x, use_reentrant=True) if ac else lstm(x)[0]
+    y.square().sum().backward()
+    return [p.grad for p in lstm.parameters()]
+
+
+def test_a_kernel_that_takes_its_training_path_in_the_reentrant_recompute_is_named(tmp_path):
+    """35a P2-3: a CPU LSTM runs oneDNN's inference kernel without autograd (the reentrant forward) and its training
+    kernel, which keeps a workspace, with it (the recompute): other values, from identical inputs. The cause read
+    "unknown: no recorded evidence explains the divergence", with no fix; it is grad mode, fixed by use_reentrant=False.
+    (A build whose LSTM computes alike in both modes: clean.)"""
+    same = all(torch.equal(a, b) for a, b in zip(_lstm_gradients(True), _lstm_gradients(False)))
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _lstm_gradients(True)
+    report = ac_diff.diagnose_paths([path])
+    if same:
+        assert report.verdict == "clean", report.headline
+        return
+    lead = report.lead_groups()[0][0]
+    assert lead.cause.mechanism == "grad_mode" and "returned other outputs from identical inputs" in \
+        lead.cause.detail, lead.cause
+    assert lead.suggestions[0].title.startswith("Checkpoint with use_reentrant=False"), lead.suggestions[0].title

@@ -493,7 +493,8 @@ def suggestions_for(report: RegionReport, region: Region, torch_version: str | N
             "`preserve_rng_state=True` is checkpoint()'s default; something set it to False. Hugging Face: drop "
             "`\"preserve_rng_state\": False` from `gradient_checkpointing_kwargs`; torchtitan: "
             "`activation_checkpoint.preserve_rng_state = true`; `checkpoint_wrapper(block, preserve_rng_state=True)`.",
-            "checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)") if preserve is not True else Suggestion(
+            f"checkpoint(block, x, use_reentrant={region.kind == 'reentrant'}, preserve_rng_state=True)"
+        ) if preserve is not True else Suggestion(
             "Make the recompute start from the forward's RNG state",
             "checkpoint ran with preserve_rng_state=True, yet the random op drew other numbers: the generator it "
             "draws from is not one checkpoint restores. checkpoint saves the CPU generator and those of the devices "
