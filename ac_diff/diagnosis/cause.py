@@ -311,8 +311,8 @@ def _cause(report: RegionReport, region: Region, cmp: PassComparison) -> Cause:
         return Cause("control_flow", shape.op,
                      f"{shape.op} at {where(shape.module, shape.source)} returned other outputs from identical inputs "
                      f"({shape.summary}): under use_reentrant=True the forward runs with autograd off and the "
-                     "recompute with it on, and its kernel takes another path with autograd on (a training kernel that keeps a "
-                     "workspace for the backward, as a CPU LSTM's), which computes other values",
+                     "recompute with it on, and its kernel takes another path with autograd on (a training kernel "
+                     "that keeps a workspace for the backward, as a CPU LSTM's), which computes other values",
                      [shape.summary, "grad mode: off in the forward, on in the recompute (use_reentrant=True)"],
                      mechanism=GRAD_MODE, source=shape.source)
 
