@@ -189,3 +189,16 @@ def test_a_nested_reentrant_region_is_compared_with_its_rerun_in_the_enclosing_r
     if scaled:
         assert inner.status == "diverged" and inner.cause.tensor.endswith("inner.scale"), inner.cause
         assert inner.cause.mechanism != "later_forward", inner.cause
+
+
+def test_nested_reentrant_regions_over_several_steps_stay_clean(tmp_path):
+    """36a P1-C: from the second step on, the reruns of the nested regions reproduced themselves and were summarized
+    (their ops not kept), and the nested regions of the enclosing forward were compared with those empty passes: a
+    control-flow divergence on every clean step. A summarized rerun is not compared."""
+    torch.manual_seed(0)
+    outer = _Outer(True)
+    with ac_diff.record(tmp_path / "t.jsonl"):
+        for _ in range(3):
+            checkpoint(outer, torch.randn(4, 8, requires_grad=True), use_reentrant=True).pow(2).mean().backward()
+    report = ac_diff.diagnose_paths([tmp_path / "t.jsonl"])
+    assert report.verdict == "clean", report.headline

@@ -2301,3 +2301,38 @@ def test_a_kernel_that_takes_its_training_path_in_the_reentrant_recompute_is_nam
     assert lead.cause.mechanism == "grad_mode" and "returned other outputs from identical inputs" in \
         lead.cause.detail, lead.cause
     assert lead.suggestions[0].title.startswith("Checkpoint with use_reentrant=False"), lead.suggestions[0].title
+
+
+def _thresholded(thr: float, masked: str, ac: bool) -> list:
+    """A reentrant block `h * (h > thr)` or `where(h > thr, h, 0.1 * h)` whose threshold the loop moves before the
+    backward: by 1e-7 no element crosses it (the same mask), by 0.3 some do."""
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+    state = {"thr": 0.0}
+
+    def block(x):
+        h = fc1(x)
+        h = torch.where(h > state["thr"], h, 0.1 * h) if masked == "where" else h * (h > state["thr"]).float()
+        return fc2(h)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    y = cp.checkpoint(block, x, use_reentrant=True) if ac else block(x)
+    state["thr"] = thr
+    y.square().mean().backward()
+    return [p.grad for p in (*fc1.parameters(), *fc2.parameters())]
+
+
+@pytest.mark.parametrize("masked", ["where", "mul"])
+@pytest.mark.parametrize("thr", [1e-7, 0.3])
+def test_a_threshold_that_moved_without_changing_the_mask_is_no_divergence(tmp_path, thr, masked):
+    """36a P1-B: in a reentrant region the comparison's threshold moved 0 -> 1e-7 and no element crossed it: the same
+    mask, identical gradients, and it read SILENTLY DIVERGED (`argument aten.gt.Scalar 0.0→1e-07`): a comparison
+    passes no gradient, and its mask, measured equal, was counted as differing for its argument. By 0.3 the mask
+    changes: diverged."""
+    same = all(torch.equal(a, b) for a, b in zip(_thresholded(thr, masked, True), _thresholded(thr, masked, False)))
+    assert same is (thr < 1e-3)
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        _thresholded(thr, masked, True)
+    report = ac_diff.diagnose_paths([path])
+    assert report.verdict == ("clean" if same else "diverged"), report.headline

@@ -1638,3 +1638,22 @@ def test_a_divergence_rarer_than_the_full_window_is_caught_where_its_period_pred
     caught = [r for r in report.regions if r.status == "diverged" and not r.watched]
     assert [r.step for r in caught] == [3 * period], [(r.region, r.step) for r in caught]
     assert caught[0].cause.tensor.endswith("temperature"), caught[0].cause
+
+
+def test_a_divergence_before_the_step_its_gap_predicted_is_recorded_in_full_next(tmp_path):
+    """36b P2-1: after a miss, a divergence 65 steps after the first waits for the step the gap predicts (around 125);
+    it diverged again in steps 100 and 101, and the report said the run "ended before it ran again". A divergence
+    while waiting records the module in full from the next step: step 101 shows the cause."""
+    torch.manual_seed(0)
+    layer = _Annealed()
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path, **WATCH):
+        for step in range(1, 111):
+            loss = checkpoint(layer, torch.randn(4, 8), use_reentrant=False).square().mean()
+            if step in (5, 70, 100, 101):
+                layer.temperature *= 0.9  # (a schedule stepped before the backward, irregularly)
+            loss.backward()
+    report = ac_diff.diagnose([read_run(path)])
+    caught = [r for r in report.regions if r.status == "diverged" and not r.watched]
+    assert [r.step for r in caught] == [101], [(r.region, r.step) for r in caught]
+    assert caught[0].cause.tensor.endswith("temperature"), caught[0].cause

@@ -686,6 +686,8 @@ class Watch:
             hit = self.escalated.get(key)
             if hit is None:
                 self.escalated[key] = {"diverged_step": region.step, "region": region.number, "from_step": None}
+            elif hit["from_step"] is None and hit.get("start_at"):  # (before the step its gap predicted: record now)
+                hit.update(start_at=0, diverged_step=region.step, region=region.number)
             elif hit.get("provisional") and not hit.get("confirmed"):
                 hit.update(confirmed=True, diverged_step=region.step, region=region.number)
                 if hit["from_step"] is not None:  # (recorded in full already, to learn its mask: say so now)

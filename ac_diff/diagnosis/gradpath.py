@@ -136,7 +136,8 @@ def _output_differs(d: PairDiff, output: int) -> bool:
               for o in (d.forward, d.recompute)]
     if None in prints:  # (its inputs identical: so is what it computed from them)
         return d.differs or d.inputs_same is not True
-    return bool(d.kinds - {"value"}) and d.differs or prints[0] != prints[1]
+    return bool(d.kinds - {"value", "argument"}) and d.differs or prints[0] != prints[1]  # (`h > thr`, another thr:
+    # the same mask where its fingerprint says so)
 
 
 def _chose_otherwise(d: PairDiff) -> bool:
@@ -181,6 +182,8 @@ def gradient_path(forward: Pass, recompute: Pass, diffs: list[PairDiff] = ()) ->
         if _reads_other_index(d, op, pairs) or _reads_other_values(
                 d, op, pairs, readers[0] if d.recompute is not None else readers[1]):
             return True
+        if not _carries(op):  # (a comparison: what it chose reaches a gradient through its readers' indices, above)
+            return False
         if (d.kinds <= {"value", "argument"} and on_r and not reads_values_in_backward(d.recompute.op)
                 and d.recompute.index not in read and _only_blind_arguments_differ(d) and not _chose_otherwise(d)):
             return False  # (`x + y - shift`, `x + self.shift`: the sub's output differs, no gradient reads it)

@@ -29,7 +29,17 @@ def pair_nested_reruns(regions: list[Region]) -> dict[int, int]:
         for r, rerun in zip(ran, children.get((parent, "recompute"), ())):
             if r.module != rerun.module or r.kind != rerun.kind:
                 break
-            if r.recompute is None and r.forward is not None and rerun.forward is not None and not r.watched:
+            if r.recompute is None and _comparable(r, rerun):
                 r.recompute = rerun.forward
                 pairs[r.region] = rerun.region
     return pairs
+
+
+def _comparable(ran: Region, rerun: Region) -> bool:
+    """Both forwards written in full (a rerun that reproduced itself is summarized, its ops not kept) and run in the
+    same grad mode: a non-reentrant checkpoint in a reentrant forward runs under no_grad, its rerun with autograd on,
+    and saves otherwise."""
+    a, b = ran.forward, rerun.forward
+    return (a is not None and b is not None and not ran.watched and not rerun.watched
+            and a.values_digest is None and b.values_digest is None and rerun.ops_written
+            and a.state.get("grad_enabled") == b.state.get("grad_enabled"))

@@ -67,7 +67,8 @@ def watch_summary(runs: list[Run], reports: list[RegionReport]) -> dict[str, Any
                     and e.get("from_step") is not None and (r.step or 0) >= e["from_step"]]
             bad = [r for r in mine if r.status == DIVERGED]
             escalated.append({"module": module, "rank": run.rank, **{k: e.get(k) for k in
-                              ("diverged_step", "region", "from_step", "why", "until_step", "reentrant")},
+                              ("diverged_step", "region", "from_step", "why", "until_step", "reentrant",
+                               "start_at")},
                               "diverged_steps": sorted({r.step for r in reports if r.watched and r.status == DIVERGED
                                                         and r.path == run.path and r.module == module
                                                         and r.step is not None}),
@@ -133,7 +134,11 @@ def _text(s: dict[str, Any]) -> str:
             text += (f"; {module} also diverged (watched) in step{'s' if len(earlier) > 1 else ''} "
                      f"{number_ranges(earlier)}: the steps recorded in full after each saw no divergence (it recurs "
                      "less often than they last)")
-        if e["from_step"] is None:
+        if e["from_step"] is None and (e.get("start_at") or 0) > s["steps"]:  # (watch.py: the step its gap predicts)
+            text += (f"; {module} diverged in step {e['diverged_step']}, and its next full recording was to begin in "
+                     f"step {e['start_at']}, which the run did not reach (the step its earlier divergences' gap "
+                     f"predicts): run again with --full-from-step {e['diverged_step']} to record that step in full")
+        elif e["from_step"] is None:
             text += (f"; {module} diverged in step {e['diverged_step']} and the run ended before it ran again: "
                      f"run again with --full-from-step {e['diverged_step']} to record that step in full")
         else:
