@@ -2160,6 +2160,25 @@ class _Halting(nn.Module):
         return h + cum[:, None] if self.ponder else h
 
 
+def _flat(grads: list) -> list:
+    """A step function's gradients, one list (those of several steps listed step by step)."""
+    return [t for g in grads for t in (g if isinstance(g, list) else [g])]
+
+
+def _same_without_ac(steps, *args) -> bool:
+    """Whether `steps(*args, ac)` gives bit-identical gradients with AC and without (the truth a verdict meets)."""
+    with_ac, without = _flat(steps(*args, True)), _flat(steps(*args, False))
+    return len(with_ac) == len(without) and all(torch.equal(a, b) for a, b in zip(with_ac, without))
+
+
+def _diagnosed_with_ac(tmp_path: Path, steps, *args):
+    """`steps(*args, True)` recorded, and its report."""
+    path = tmp_path / "t.jsonl"
+    with ac_diff.record(path):
+        steps(*args, True)
+    return ac_diff.diagnose_paths([path])
+
+
 def _halting_steps(ponder: bool, ac: bool) -> list:
     torch.manual_seed(0)
     block, grads = _Halting(ponder), []
@@ -2180,13 +2199,9 @@ def test_saved_values_no_backward_reads_leave_the_gradients_as_they_were(tmp_pat
     only decides when the loop stops (`.item()`), so its gradient formula never runs and no backward reads that saved
     tensor: the gradients are bit-identical, and it read SILENTLY DIVERGED. Where a ponder cost adds the scores to
     the output, the backward reads them: diverged."""
-    same = all(torch.equal(a, b) for s, t in zip(_halting_steps(ponder, True), _halting_steps(ponder, False))
-               for a, b in zip(s, t))
+    same = _same_without_ac(_halting_steps, ponder)
     assert same is not ponder  # (the truth)
-    path = tmp_path / "t.jsonl"
-    with ac_diff.record(path):
-        _halting_steps(ponder, True)
-    report = ac_diff.diagnose_paths([path])
+    report = _diagnosed_with_ac(tmp_path, _halting_steps, ponder)
     assert report.verdict == ("diverged" if ponder else "clean"), report.headline
     if not ponder:
         assert "no gradient a backward computed read" in report.headline, report.headline
@@ -2229,13 +2244,9 @@ def test_saved_tensors_only_unasked_gradients_read_leave_the_gradients_as_they_w
     reads their weights; torch unpacks their saved inputs too, which the moved buffer changed and only the weights'
     gradients read: the input gradients are bit-identical, and it read SILENTLY DIVERGED. Where the buffer scales
     the input (the scale, saved, is read by x's gradient), or every gradient is computed, it diverged."""
-    same = all(torch.equal(a, b) for s, t in zip(_input_gradients(asked, True), _input_gradients(asked, False))
-               for a, b in zip(s, t))
+    same = _same_without_ac(_input_gradients, asked)
     assert same is (asked == "input")  # (the truth)
-    path = tmp_path / "t.jsonl"
-    with ac_diff.record(path):
-        _input_gradients(asked, True)
-    report = ac_diff.diagnose_paths([path])
+    report = _diagnosed_with_ac(tmp_path, _input_gradients, asked)
     assert report.verdict == ("clean" if same else "diverged"), report.headline
     if same:
         assert "which no gradient a backward computed read" in report.headline, report.headline
@@ -2266,11 +2277,8 @@ def test_a_mask_drawn_again_in_a_reentrant_recompute_diverges(tmp_path, draw):
     gradient reads it: the recompute's other mask makes other gradients. It read CLEAN ("the recompute computed other
     values, which no gradient reads"), with the private generator GRADIENTS AT RISK: the mul's output, derived from its
     inputs and never measured, did not count as differing."""
-    assert not all(torch.equal(a, b) for a, b in zip(_masked_steps(draw, True), _masked_steps(draw, False)))
-    path = tmp_path / "t.jsonl"
-    with ac_diff.record(path):
-        _masked_steps(draw, True)
-    report = ac_diff.diagnose_paths([path])
+    assert not _same_without_ac(_masked_steps, draw)
+    report = _diagnosed_with_ac(tmp_path, _masked_steps, draw)
     assert report.verdict == "diverged", report.headline
     assert report.regions[0].cause.kind == "rng", report.regions[0].cause
 
@@ -2289,11 +2297,8 @@ def test_a_kernel_that_takes_its_training_path_in_the_reentrant_recompute_is_nam
     kernel, which keeps a workspace, with it (the recompute): other values, from identical inputs. The cause read
     "unknown: no recorded evidence explains the divergence", with no fix; it is grad mode, fixed by use_reentrant=False.
     (A build whose LSTM computes alike in both modes: clean.)"""
-    same = all(torch.equal(a, b) for a, b in zip(_lstm_gradients(True), _lstm_gradients(False)))
-    path = tmp_path / "t.jsonl"
-    with ac_diff.record(path):
-        _lstm_gradients(True)
-    report = ac_diff.diagnose_paths([path])
+    same = _same_without_ac(_lstm_gradients)
+    report = _diagnosed_with_ac(tmp_path, _lstm_gradients)
     if same:
         assert report.verdict == "clean", report.headline
         return
@@ -2329,10 +2334,7 @@ def test_a_threshold_that_moved_without_changing_the_mask_is_no_divergence(tmp_p
     mask, identical gradients, and it read SILENTLY DIVERGED (`argument aten.gt.Scalar 0.0→1e-07`): a comparison
     passes no gradient, and its mask, measured equal, was counted as differing for its argument. By 0.3 the mask
     changes: diverged."""
-    same = all(torch.equal(a, b) for a, b in zip(_thresholded(thr, masked, True), _thresholded(thr, masked, False)))
+    same = _same_without_ac(_thresholded, thr, masked)
     assert same is (thr < 1e-3)
-    path = tmp_path / "t.jsonl"
-    with ac_diff.record(path):
-        _thresholded(thr, masked, True)
-    report = ac_diff.diagnose_paths([path])
+    report = _diagnosed_with_ac(tmp_path, _thresholded, thr, masked)
     assert report.verdict == ("clean" if same else "diverged"), report.headline

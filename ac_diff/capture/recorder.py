@@ -63,7 +63,7 @@ from .torch_compat import (FORWARD, RECOMPUTE, STOP_RECOMPUTATION, CheckpointHoo
                            sequential_segment, version_of)
 from ..oprules import DETACHED_ALIAS_OPS, holds_values, output_role
 from ..trace import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, TraceWriter, default_header,
-                     encode_ops, written_meta)
+                     encode_ops, merge_read, written_meta)
 
 
 class _OpenPass:
@@ -250,7 +250,7 @@ class Recorder:
         self._backwards: dict[int, int] = {}  # autograd graph task -> the backward pass it is, from 1
         # region number -> (region, the forward's saved positions a backward read since they were last written: each
         # None, or (node, the gradients it computed) where its formula computed only some: `gradients_computed`)
-        self._unpacked: dict[int, tuple[_Region, dict[int, tuple | None]]] = {}
+        self._unpacked: dict[int, tuple[_Region, dict[int, tuple[str, frozenset[int]] | None]]] = {}
         self._recomputed = False  # a recompute ran since that step began
         # the checkpointed functions of this step's regions no backward reaches (no input requires grad, or under
         # no_grad): one of them begins again, and no recompute ever says a step ended, the next step began
@@ -801,13 +801,7 @@ class Recorder:
         Written as "unpacked" records once no backward runs (`_write_unpacked`). Per saved tensor: lean."""
         region = getattr(frame, "_ac_diff_region", None)
         if region is not None and region.recorded and not region.watched:
-            reads = self._unpacked.setdefault(region.number, (region, {}))[1]
-            computed = gradients_computed()  # (None: a formula computing every gradient of its node read it)
-            if computed is None or reads.get(position, computed) is None:
-                reads[position] = None
-            else:
-                node, before = reads.get(position, (computed[0], ()))
-                reads[position] = (node, tuple(sorted({*before, *computed[1]}))) if node == computed[0] else None
+            merge_read(self._unpacked.setdefault(region.number, (region, {}))[1], position, gradients_computed())
 
     def _write_unpacked(self) -> None:
         """The positions backward passes read since the last call, per region: only outside a backward (one that is
@@ -817,7 +811,8 @@ class Recorder:
             for number, (region, reads) in sorted(unpacked.items(), key=lambda kv: kv[0]):
                 if region.hold != "clean":  # (a region summarized as reproduced: its passes are not in the trace)
                     record = {"type": "unpacked", "region": number, "positions": sorted(reads)}
-                    partial = [[position, *read] for position, read in sorted(reads.items()) if read is not None]
+                    partial = [[position, read[0], sorted(read[1])] for position, read in sorted(reads.items())
+                               if read is not None]
                     if partial:  # [position, node, [the gradients it computed]]: read where those need it only
                         record["partial"] = partial
                     self._writer.write(record)

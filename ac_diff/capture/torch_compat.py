@@ -470,7 +470,7 @@ _CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def gradients_computed() -> tuple[str, tuple[int, ...]] | None:
+def gradients_computed() -> tuple[str, frozenset[int]] | None:
     """Which of its inputs' gradients the autograd node running now (one unpacking a saved tensor for its formula)
     computes in this backward, where not all of them: (node name, their indexes among its `next_functions`).
     `torch.autograd.grad(loss, x)` runs a linear's MmBackward0 for x's gradient alone, and the saved input, which
@@ -483,7 +483,7 @@ def gradients_computed() -> tuple[str, tuple[int, ...]] | None:
         if node is None:
             return None
         edges = node.next_functions
-        computed = tuple(i for i, (fn, _) in enumerate(edges) if fn is not None and _computes(fn))
+        computed = frozenset(i for i, (fn, _) in enumerate(edges) if fn is not None and _computes(fn))
         return None if len(computed) == len(edges) else (node.name(), computed)
     except Exception:  # noqa: BLE001 - a build whose getters fail: every gradient counts as computed
         return None

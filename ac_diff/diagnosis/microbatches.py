@@ -48,8 +48,9 @@ def later_forward(reports: list[RegionReport], regions: dict[tuple, Region], ver
             continue
         with ExitStack() as loaded:
             passes = [regions.get((r.path, r.rank, x)) for x in later]
-            for x in [region, *passes]:
-                loaded.enter_context(loaders[r.path, r.rank](x))
+            if c.mechanism != "attribute":  # (a tensor's reads are in the passes' externals, decoded for this block)
+                for x in [region, *passes]:
+                    loaded.enter_context(loaders[r.path, r.rank](x))
             if _before_each_later(c, region, passes):
                 continue
         many = len(later) > 1

@@ -19,7 +19,7 @@ It uses nothing of ac_diff.capture (the dtype spellings are ac_diff.dtypes, kept
 
 from .encode import encode_ops, written_meta
 from .format import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, FORMAT, MAJOR, MINOR, OPS_FIELDS,
-                     RECORD_TYPES, VERSION, TraceFormatError, default_header)
+                     RECORD_TYPES, VERSION, TraceFormatError, default_header, merge_read)
 from .lines import check_crc, decode_line, with_crc
 from .reader import _ops_from_json, is_trace, iter_records, open_text, read_header, read_run, trace_files
 from .writer import TraceWriter
@@ -29,6 +29,6 @@ from .writer import TraceWriter
 __all__ = [
     "FLAG_CACHED", "FLAG_DERIVED", "FLAG_DISCRETE", "FLAG_RANDOM", "FORMAT", "MAJOR", "MINOR", "OPS_FIELDS",
     "RECORD_TYPES", "VERSION", "TraceFormatError", "TraceWriter", "check_crc", "decode_line", "default_header",
-    "encode_ops", "is_trace", "iter_records", "open_text", "read_header", "read_run", "trace_files", "with_crc",
-    "written_meta",
+    "encode_ops", "is_trace", "iter_records", "merge_read", "open_text", "read_header", "read_run", "trace_files",
+    "with_crc", "written_meta",
 ]

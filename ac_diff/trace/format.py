@@ -103,6 +103,21 @@ OPS_FIELDS = ("op", "module", "src", "in", "args", "refs", "out", "fp", "host", 
 # every record type a trace of this version may hold
 RECORD_TYPES = frozenset({"header", "region", "op", "ops", "pass", "check_error", "exception", "warning", "end",
                           "watch", "escalate", "unpacked"})
+def merge_read(reads: dict[int, tuple[str, frozenset[int]] | None], position: int,
+               read: tuple[str, frozenset[int]] | None) -> None:
+    """Count one more backward's read of a saved position into `reads` ("unpacked" records): None, read for all of
+    its node's inputs' gradients, stays so; reads of the same node for some of them add those up; reads of two nodes
+    (not one position's) count as read for all."""
+    before = reads.get(position, _UNSEEN)
+    if before is _UNSEEN:
+        reads[position] = read
+    elif read is None or before is None or before[0] != read[0]:
+        reads[position] = None
+    else:
+        reads[position] = (read[0], before[1] | read[1])
+
+
+_UNSEEN = object()
 # an "exception" record's exc_type where the script exited (sys.exit, os._exit) inside a backward: stopped, as a crash
 EXIT_DURING_BACKWARD = "ExitDuringBackward"
 

@@ -28,7 +28,7 @@ from ..passes import (External, InputRef, OpRecord, Pass, Position, Region, Run,
 from ..streams import STREAM_DAMAGE, open_binary
 from ..values import decode_values
 from .format import (FLAG_CACHED, FLAG_DERIVED, FLAG_DISCRETE, FLAG_RANDOM, FORMAT, MAJOR, MINOR, RECORD_TYPES,
-                     VERSION, TraceFormatError)
+                     VERSION, TraceFormatError, merge_read)
 from .lines import check_crc, decode_line
 
 
@@ -548,11 +548,7 @@ def _merge_reads(reads: dict[int, tuple[str, frozenset[int]] | None], rec: dict)
         if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list):
             partial[int(entry[0])] = (str(entry[1]), frozenset(int(i) for i in entry[2]))
     for p in map(int, rec["positions"]):
-        read, before = partial.get(p), reads.get(p, ())
-        if read is None or before is None or (before and before[0] != read[0]):
-            reads[p] = None
-        else:
-            reads[p] = (read[0], read[1] | before[1]) if before else read
+        merge_read(reads, p, partial.get(p))
 
 
 def _position_from_json(x: list, metas: dict) -> Position:
